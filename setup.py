@@ -19,7 +19,7 @@ PYX_DIR = HERE / "pyx"
 def source_hash() -> str:
     """sha256 over pyx/*.pyx and pyx/*.pxd, in name order (kernels.py recomputes it)."""
     digest = hashlib.sha256()
-    for path in sorted(PYX_DIR.glob("*.px[dy]")):
+    for path in sorted([*PYX_DIR.glob("*.pyx"), *PYX_DIR.glob("*.pxd")]):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
