@@ -1,0 +1,417 @@
+"""Run configuration: a TOML file read into validated, frozen dataclasses, one per section.
+
+Everything is checked before training starts, so a run never dies half-way on a typo:
+unknown sections and keys (with the closest valid name suggested), types and ranges, the
+settings that are not implemented yet, and, in `load_config`, that the data file opens and
+fits the model. Errors are `ConfigError`/`DataError` with one message naming `section.key`,
+the value given and what is allowed.
+
+    config = load_config("configs/fashion_mnist_mlp.toml", ["run.max_steps=100"])
+    config.optimizer.learning_rate, config.run.out_dir, config.to_dict(), config_hash(config)
+
+Sections and keys, with their defaults:
+
+    [model]      layers (list of tables, required; checked by distbelief.model.Network)
+    [data]       path (required; relative to the config file's folder), batch_size = 64
+    [optimizer]  algorithm = "sgd" | "downpour", learning_rate = 0.02, adagrad = true,
+                 n_fetch = 1, n_push = 1, warm_start_steps = 0
+    [cluster]    ps_shards = 1, partitions = 1
+    [run]        max_steps = 0, max_seconds = 0 (0 = no limit), target_accuracy (unset),
+                 eval_every_seconds = 2.0, eval_samples = 0 (0 = whole test set), seed = 0,
+                 out_dir = "runs/<config file stem>" (relative to the current directory),
+                 threads = 0 (0 = BLAS default), progress_every_seconds = 2.0
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import math
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from distbelief.errors import ConfigError, DataError
+
+ALGORITHMS = ("sgd", "downpour")
+NOT_IMPLEMENTED_ALGORITHMS = ("sandblaster",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    layers: tuple[dict, ...]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: Path
+    batch_size: int = 64
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    algorithm: str = "sgd"
+    learning_rate: float = 0.02
+    adagrad: bool = True
+    n_fetch: int = 1
+    n_push: int = 1
+    warm_start_steps: int = 0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    ps_shards: int = 1
+    partitions: int = 1
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    out_dir: Path
+    max_steps: int = 0
+    max_seconds: float = 0.0
+    target_accuracy: float | None = None
+    eval_every_seconds: float = 2.0
+    eval_samples: int = 0
+    seed: int = 0
+    threads: int = 0
+    progress_every_seconds: float = 2.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """A complete, validated run configuration. `source` is the TOML file it came from."""
+
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    cluster: ClusterConfig
+    run: RunConfig
+    source: Path | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-friendly nested dict of the resolved configuration (paths as strings)."""
+        out = {}
+        for section in SECTIONS:
+            values = asdict(getattr(self, section))
+            out[section] = {k: _jsonable(v) for k, v in values.items()}
+        return out
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# The schema: for each key, how to check a raw TOML value and what to say when it is wrong.
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Checks one key. `convert` returns the clean value or None when the value is wrong."""
+
+    convert: Callable[[Any], Any]
+    allowed: str
+
+
+def _int(minimum: int) -> Rule:
+    def convert(v: Any) -> Any:
+        # bool is an int in Python; `true` is never a count.
+        if isinstance(v, int) and not isinstance(v, bool) and v >= minimum:
+            return v
+        return None
+    return Rule(convert, f"an integer >= {minimum}")
+
+
+def _float(minimum: float, strict: bool = False, maximum: float | None = None) -> Rule:
+    def convert(v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return None
+        v = float(v)
+        if v < minimum or (strict and v == minimum) or (maximum is not None and v > maximum):
+            return None
+        return v
+    low = f"> {minimum:g}" if strict else f">= {minimum:g}"
+    high = f" and <= {maximum:g}" if maximum is not None else ""
+    return Rule(convert, f"a number {low}{high}")
+
+
+def _bool() -> Rule:
+    return Rule(lambda v: v if isinstance(v, bool) else None, "true or false")
+
+
+def _string() -> Rule:
+    return Rule(lambda v: v if isinstance(v, str) and v else None, "a non-empty string")
+
+
+def _layers() -> Rule:
+    def convert(v: Any) -> Any:
+        if isinstance(v, list) and v and all(isinstance(layer, dict) for layer in v):
+            return tuple(dict(layer) for layer in v)
+        return None
+    return Rule(convert, "a non-empty list of tables, e.g. [[model.layers]] blocks")
+
+
+def _choice(options: Iterable[str]) -> Rule:
+    options = tuple(options)
+    return Rule(lambda v: v if v in options else None,
+                "one of " + ", ".join(repr(o) for o in options))
+
+
+REQUIRED = object()
+"""Default marker: the key must be given."""
+
+SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
+    "model": {
+        "layers": (_layers(), REQUIRED),
+    },
+    "data": {
+        "path": (_string(), REQUIRED),
+        "batch_size": (_int(1), 64),
+    },
+    "optimizer": {
+        "algorithm": (_choice(ALGORITHMS + NOT_IMPLEMENTED_ALGORITHMS), "sgd"),
+        "learning_rate": (_float(0.0, strict=True), 0.02),
+        "adagrad": (_bool(), True),
+        "n_fetch": (_int(1), 1),
+        "n_push": (_int(1), 1),
+        "warm_start_steps": (_int(0), 0),
+    },
+    "cluster": {
+        "ps_shards": (_int(1), 1),
+        "partitions": (_int(1), 1),
+    },
+    "run": {
+        "max_steps": (_int(0), 0),
+        "max_seconds": (_float(0.0), 0.0),
+        "target_accuracy": (_float(0.0, strict=True, maximum=1.0), None),
+        "eval_every_seconds": (_float(0.0, strict=True), 2.0),
+        "eval_samples": (_int(0), 0),
+        "seed": (_int(0), 0),
+        "out_dir": (_string(), None),
+        "threads": (_int(0), 0),
+        "progress_every_seconds": (_float(0.0, strict=True), 2.0),
+    },
+}
+SECTIONS = tuple(SCHEMA)
+
+
+def _did_you_mean(name: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _check_names(raw: dict, where: str) -> None:
+    """Unknown sections or keys are errors: a typo must not silently fall back to a default."""
+    for section, table in raw.items():
+        if section not in SCHEMA:
+            raise ConfigError(f"{where}: unknown section [{section}]"
+                              f"{_did_you_mean(section, SECTIONS)} "
+                              f"(valid sections: {', '.join(SECTIONS)})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: [{section}] must be a table of keys, "
+                              f"got {table!r}")
+        for key in table:
+            if key not in SCHEMA[section]:
+                valid = SCHEMA[section]
+                raise ConfigError(f"{where}: unknown key '{section}.{key}'"
+                                  f"{_did_you_mean(key, valid)} "
+                                  f"(valid keys in [{section}]: {', '.join(valid)})")
+
+
+def _section_values(raw: dict, section: str, where: str) -> dict[str, Any]:
+    """The checked values of one section, defaults filled in (REQUIRED keys must be there)."""
+    table = raw.get(section, {})
+    values = {}
+    for key, (rule, default) in SCHEMA[section].items():
+        if key not in table:
+            if default is REQUIRED:
+                raise ConfigError(f"{where}: missing required key '{section}.{key}' "
+                                  f"({rule.allowed})")
+            values[key] = default
+            continue
+        value = rule.convert(table[key])
+        if value is None:
+            raise ConfigError(f"{where}: {section}.{key} = {_show(table[key])} is invalid; "
+                              f"expected {rule.allowed}")
+        values[key] = value
+    return values
+
+
+def _show(value: Any) -> str:
+    """A value as the user would have written it in TOML (strings quoted)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+# ---------------------------------------------------------------------------------------
+# --set section.key=value overrides
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, value); value parsed as TOML, else a bare string.
+
+    So `run.max_steps=100` gives 100, `optimizer.adagrad=false` gives False,
+    `data.path=x.h5` gives "x.h5" (not valid TOML, kept as the string).
+    """
+    name, sep, value_text = text.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key or "." in key:
+        raise ConfigError(f"bad --set {text!r}: expected section.key=value, "
+                          "e.g. --set run.max_steps=100")
+    try:
+        value = tomllib.loads(f"v = {value_text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = value_text.strip()
+    return section, key, value
+
+
+def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
+    """A copy of the raw TOML dict with each `section.key=value` override applied."""
+    merged = {section: dict(table) if isinstance(table, dict) else table
+              for section, table in raw.items()}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        table = merged.setdefault(section, {})
+        if isinstance(table, dict):
+            table[key] = value
+    return merged
+
+
+# ---------------------------------------------------------------------------------------
+# Building the Config
+
+
+def read_toml(path: str | Path) -> dict:
+    """The raw TOML tables of a config file; ConfigError if it is missing or not TOML."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
+
+
+def config_from_dict(raw: dict, source: Path | None = None,
+                     cwd: Path | None = None) -> Config:
+    """Validate raw TOML tables into a Config (schema only; no files are opened).
+
+    Relative `data.path` is resolved against the config file's folder (the current directory
+    when there is no file); relative `run.out_dir` against `cwd` (default: the current one).
+    """
+    where = str(source) if source is not None else "config"
+    _check_names(raw, where)
+    values = {section: _section_values(raw, section, where) for section in SECTIONS}
+    _check_not_implemented(values, where)
+    _check_consistency(values, where)
+
+    base = source.resolve().parent if source is not None else Path.cwd()
+    cwd = (cwd or Path.cwd()).resolve()
+    data = values["data"]
+    data["path"] = (base / data["path"]).resolve()
+    run = values["run"]
+    stem = source.stem if source is not None else "run"
+    run["out_dir"] = (cwd / (run["out_dir"] or f"runs/{stem}")).resolve()
+    return Config(
+        model=ModelConfig(**values["model"]),
+        data=DataConfig(**data),
+        optimizer=OptimizerConfig(**values["optimizer"]),
+        cluster=ClusterConfig(**values["cluster"]),
+        run=RunConfig(**run),
+        source=source.resolve() if source is not None else None,
+    )
+
+
+def _check_not_implemented(values: dict, where: str) -> None:
+    algorithm = values["optimizer"]["algorithm"]
+    if algorithm in NOT_IMPLEMENTED_ALGORITHMS:
+        raise ConfigError(f"{where}: optimizer.algorithm = {algorithm!r} is not implemented "
+                          f"yet; use one of {', '.join(repr(a) for a in ALGORITHMS)}")
+    partitions = values["cluster"]["partitions"]
+    if partitions > 1:
+        raise ConfigError(f"{where}: cluster.partitions = {partitions}: model parallelism "
+                          "is not implemented yet; use 1")
+
+
+def _check_consistency(values: dict, where: str) -> None:
+    run = values["run"]
+    if not run["max_steps"] and not run["max_seconds"] and run["target_accuracy"] is None:
+        raise ConfigError(f"{where}: the run would never end: set at least one of "
+                          "run.max_steps, run.max_seconds or run.target_accuracy")
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = (), check_data: bool = True,
+                cwd: Path | None = None) -> Config:
+    """Read, override and validate a config file; with `check_data`, also that the data
+    file opens and fits the model (see `check_data_fits`)."""
+    source = Path(path)
+    raw = apply_overrides(read_toml(source), overrides)
+    config = config_from_dict(raw, source, cwd)
+    if check_data:
+        check_data_fits(config)
+    return config
+
+
+def check_data_fits(config: Config) -> None:
+    """Open the data file and build the model on it; DataError/ConfigError if they do not fit.
+
+    Cheap: reads the file's metadata only and does not allocate parameters.
+    """
+    from distbelief.data import open_dataset
+
+    info = open_dataset(config.data.path)
+    build_network(config, info)
+    if config.data.batch_size > info.n_train:
+        raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
+                        f"{info.n_train} training samples in {info.path}")
+    if config.run.eval_samples > info.n_test:
+        raise DataError(f"run.eval_samples = {config.run.eval_samples} is larger than the "
+                        f"{info.n_test} test samples in {info.path}")
+
+
+def build_network(config: Config, info: Any) -> Any:
+    """The model of `config.model.layers` on the data described by `info` (a DatasetInfo).
+
+    A layer spec that is wrong, or that does not fit the data's input shape or number of
+    classes, is a ConfigError naming the data it was checked against.
+    """
+    from distbelief.model import Network
+
+    try:
+        return Network(tuple(info.input_shape), [dict(layer) for layer in config.model.layers],
+                       int(info.num_classes))
+    except ConfigError as e:
+        shape = "x".join(str(d) for d in info.input_shape)
+        raise ConfigError(f"model.layers: {e} (data {info.path}: input {shape}, "
+                          f"{info.num_classes} classes)") from e
+
+
+HASHED_RUN_KEYS = ("seed",)
+"""Of [run], only the seed changes what is trained; the rest are budgets and cadences."""
+
+
+def config_hash(config: Config) -> str:
+    """sha256 (hex) of what decides the training trajectory: model, data, optimizer, cluster
+    and run.seed. Stop rules, output folder, threads and reporting cadences are left out so a
+    checkpointed run can be resumed with a longer budget or elsewhere. Stable across
+    processes and Python versions (canonical JSON)."""
+    d = config.to_dict()
+    d["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
+    text = json.dumps(d, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
