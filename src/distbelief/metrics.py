@@ -1,0 +1,199 @@
+"""What a training run records: metrics.jsonl, summary.json and progress lines.
+
+Shared by every trainer (single-process SGD, Downpour's reporting rank). One recorder per
+run, in the process that owns the run's output folder:
+
+    recorder = RunRecorder(out_dir, progress_every_seconds=2.0, target_accuracy=0.88)
+    recorder.log(step, samples, loss, **extra)       # a training line; call every ~0.5 s,
+                                                     # not every step (loss: recent mean)
+    recorder.log_eval(step, samples, loss, test_accuracy, test_loss, **extra)
+    recorder.progress(step, samples, loss)           # cheap to call every step: prints a
+                                                     # line only every progress_every_seconds
+    recorder.finish({"stop_reason": "max_steps"})    # writes summary.json, closes the file
+
+metrics.jsonl has one JSON object per line, flushed as it is written, so a run killed
+half-way leaves a readable file. Every line has `kind` ("train" or "eval"), `time`
+(seconds since the recorder's start), `step`, `samples` and `loss` (training loss); eval
+lines add `test_accuracy` and `test_loss`; `extra` keywords are added as they are (they
+must be JSON-serialisable; Downpour adds e.g. staleness).
+
+summary.json (written atomically: temp file, fsync, rename) has at least `reached_target`,
+`time_to_target` (seconds, or null), `target_accuracy`, `final_test_accuracy`,
+`best_test_accuracy`, `final_test_loss`, `steps`, `samples`, `wall_seconds` and
+`samples_per_second`, filled from what was logged; the dict given to `finish` adds keys
+or overrides them.
+
+Times come from time.monotonic(); pass `start` (a monotonic time) to count from an earlier
+moment than the recorder's creation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any, Self
+
+from distbelief.errors import DataError
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+REQUIRED_SUMMARY_KEYS = ("reached_target", "time_to_target", "final_test_accuracy",
+                         "steps", "samples", "wall_seconds")
+
+
+class RunRecorder:
+    """Appends metrics lines, prints progress and writes the summary of one run."""
+
+    def __init__(self, out_dir: str | Path, progress_every_seconds: float = 2.0,
+                 stream: IO[str] | None = sys.stdout, target_accuracy: float | None = None,
+                 start: float | None = None):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.progress_every_seconds = progress_every_seconds
+        self.stream = stream
+        self.target_accuracy = target_accuracy
+        self.start = time.monotonic() if start is None else start
+        # A new run starts a new file: lines from an earlier run in the same folder would
+        # mix two runs in one curve.
+        self._file = (self.out_dir / METRICS_FILE).open("w", encoding="utf-8")
+        self._step = 0
+        self._samples = 0
+        self._loss = math.nan
+        self._last_eval: dict[str, Any] | None = None
+        self._best_accuracy: float | None = None
+        self.time_to_target: float | None = None
+        self._next_progress = self.start + progress_every_seconds
+        self._progress_mark = (self.start, 0)  # (time, samples) of the last progress line
+
+    def elapsed(self) -> float:
+        """Seconds since the start of the run."""
+        return time.monotonic() - self.start
+
+    @property
+    def reached_target(self) -> bool:
+        return self.time_to_target is not None
+
+    def log(self, step: int, samples: int, loss: float, **extra: Any) -> None:
+        """Append a training line (time, step, samples, loss, extra)."""
+        self._remember(step, samples, loss)
+        self._write({"kind": "train", "time": self.elapsed(), "step": step, "samples": samples,
+                     "loss": float(loss), **extra})
+
+    def log_eval(self, step: int, samples: int, loss: float, test_accuracy: float,
+                 test_loss: float, **extra: Any) -> None:
+        """Append an evaluation line; notes the first time the target accuracy is reached."""
+        self._remember(step, samples, loss)
+        now = self.elapsed()
+        line = {"kind": "eval", "time": now, "step": step, "samples": samples,
+                "loss": float(loss), "test_accuracy": float(test_accuracy),
+                "test_loss": float(test_loss), **extra}
+        self._write(line)
+        self._last_eval = line
+        if self._best_accuracy is None or test_accuracy > self._best_accuracy:
+            self._best_accuracy = float(test_accuracy)
+        if (self.target_accuracy is not None and self.time_to_target is None
+                and test_accuracy >= self.target_accuracy):
+            self.time_to_target = now
+
+    @property
+    def last_test_accuracy(self) -> float | None:
+        return None if self._last_eval is None else self._last_eval["test_accuracy"]
+
+    def progress(self, step: int, samples: int, loss: float,
+                 test_accuracy: float | None = None) -> None:
+        """Print a progress line if `progress_every_seconds` have passed since the last one.
+
+        samples/s is measured since the previous progress line; test accuracy defaults to
+        the last evaluation's.
+        """
+        now = time.monotonic()
+        if now < self._next_progress or self.stream is None:
+            return
+        self._next_progress = now + self.progress_every_seconds
+        mark_time, mark_samples = self._progress_mark
+        self._progress_mark = (now, samples)
+        rate = (samples - mark_samples) / max(now - mark_time, 1e-9)
+        if test_accuracy is None:
+            test_accuracy = self.last_test_accuracy
+        accuracy = "-" if test_accuracy is None else f"{test_accuracy:.4f}"
+        print(f"step {step:>8d}  {rate:>9.0f} samples/s  loss {loss:.4f}  "
+              f"test acc {accuracy}  elapsed {now - self.start:.1f}s",
+              file=self.stream, flush=True)
+
+    def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The summary of what was logged so far, updated with `extra`."""
+        wall = self.elapsed()
+        last = self._last_eval or {}
+        out: dict[str, Any] = {
+            "reached_target": self.reached_target,
+            "time_to_target": self.time_to_target,
+            "target_accuracy": self.target_accuracy,
+            "final_test_accuracy": last.get("test_accuracy"),
+            "best_test_accuracy": self._best_accuracy,
+            "final_test_loss": last.get("test_loss"),
+            "steps": self._step,
+            "samples": self._samples,
+            "wall_seconds": wall,
+            "samples_per_second": self._samples / wall if wall > 0 else None,
+        }
+        out.update(extra or {})
+        return out
+
+    def finish(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Write summary.json atomically, close metrics.jsonl; returns the summary written."""
+        out = self.summary(summary)
+        missing = [k for k in REQUIRED_SUMMARY_KEYS if k not in out]
+        if missing:
+            raise ValueError(f"summary lacks {missing}")
+        write_json_atomic(self.out_dir / SUMMARY_FILE, out)
+        self.close()
+        return out
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def _remember(self, step: int, samples: int, loss: float) -> None:
+        self._step, self._samples, self._loss = step, samples, float(loss)
+
+    def _write(self, line: dict[str, Any]) -> None:
+        self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write JSON to `path` so readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The lines of a metrics.jsonl; a truncated last line (a killed run) is dropped."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            records.append(json.loads(text))
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break  # the run was killed while writing this line
+            raise DataError(f"{path}, line {number}: not a JSON object: {text[:60]!r}") from None
+    return records
