@@ -115,10 +115,12 @@ cdef inline void _act_backward_row(const float* out, const float* dout, float* d
     cdef Py_ssize_t u
     cdef float zero = 0.0
     cdef float one = 1.0
-    cdef float o
+    cdef float o, d
     if activation == RELU:
         for u in range(units):
-            dz[u] = dout[u] if out[u] > zero else zero
+            # Load unconditionally: a load under the condition stops gcc vectorising.
+            d = dout[u]
+            dz[u] = d if out[u] > zero else zero
     elif activation == SIGMOID:
         for u in range(units):
             o = out[u]
