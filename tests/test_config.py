@@ -1,0 +1,365 @@
+"""Configuration: schema errors with clear messages, --set overrides, defaults, resolved
+paths, the data-fits-model check and the config hash."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distbelief.config import (
+    Config,
+    apply_overrides,
+    config_from_dict,
+    config_hash,
+    load_config,
+    parse_override,
+)
+from distbelief.datasets import make_synthetic
+from distbelief.errors import ConfigError, DataError, UserError
+
+LAYERS = """
+[model]
+layers = [
+    { type = "dense", units = 16, activation = "relu" },
+    { type = "dense", units = 3, activation = "softmax" },
+]
+"""
+VALID = LAYERS + """
+[data]
+path = "synth.h5"
+
+[run]
+max_steps = 10
+"""
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small synthetic set: 8 flat features, 3 classes."""
+    path = tmp_path_factory.mktemp("data") / "synth.h5"
+    return make_synthetic(path, n_train=200, n_test=50, input_shape=(8,), num_classes=3)
+
+
+def write_config(folder: Path, text: str, name: str = "exp.toml") -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def raw_config(text: str = VALID) -> dict:
+    import tomllib
+
+    return tomllib.loads(text)
+
+
+def schema_error(text: str, overrides: tuple[str, ...] = ()) -> str:
+    """The message of the ConfigError the schema check raises for `text`."""
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(apply_overrides(raw_config(text), overrides), Path("exp.toml"))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# -- a valid file --------------------------------------------------------------------------
+
+
+def test_valid_config_has_documented_defaults(tmp_path: Path, data_file: Path) -> None:
+    path = write_config(data_file.parent, VALID)
+    config = load_config(path, cwd=tmp_path)
+    assert isinstance(config, Config)
+    assert config.data.batch_size == 64
+    opt = config.optimizer
+    assert (opt.algorithm, opt.learning_rate, opt.adagrad) == ("sgd", 0.02, True)
+    assert (opt.n_fetch, opt.n_push, opt.warm_start_steps) == (1, 1, 0)
+    assert (config.cluster.ps_shards, config.cluster.partitions) == (1, 1)
+    run = config.run
+    assert (run.max_steps, run.max_seconds, run.target_accuracy) == (10, 0.0, None)
+    assert (run.eval_every_seconds, run.eval_samples, run.seed) == (2.0, 0, 0)
+    assert (run.threads, run.progress_every_seconds) == (0, 2.0)
+    assert run.out_dir == tmp_path.resolve() / "runs" / "exp"
+    assert config.model.layers[1] == {"type": "dense", "units": 3, "activation": "softmax"}
+
+
+def test_config_is_frozen(tmp_path: Path, data_file: Path) -> None:
+    config = load_config(write_config(data_file.parent, VALID), cwd=tmp_path)
+    with pytest.raises(AttributeError):
+        config.run.max_steps = 5  # type: ignore[misc]
+
+
+def test_relative_data_path_is_resolved_against_the_config_folder(
+        tmp_path: Path, data_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sub = tmp_path / "configs"
+    sub.mkdir()
+    text = VALID.replace('path = "synth.h5"', f'path = "../{data_file.parent.name}/synth.h5"')
+    (tmp_path / data_file.parent.name).mkdir()
+    (tmp_path / data_file.parent.name / "synth.h5").write_bytes(data_file.read_bytes())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(Path("..") / "configs" / write_config(sub, text).name)
+    assert config.data.path == (tmp_path / data_file.parent.name / "synth.h5").resolve()
+    # out_dir, instead, is relative to where the command runs.
+    assert config.run.out_dir == elsewhere.resolve() / "runs" / "exp"
+
+
+def test_explicit_out_dir_is_relative_to_cwd(tmp_path: Path, data_file: Path) -> None:
+    path = write_config(data_file.parent, VALID + 'out_dir = "results/a"\n')
+    assert load_config(path, cwd=tmp_path).run.out_dir == tmp_path.resolve() / "results/a"
+
+
+def test_to_dict_is_json_and_complete(tmp_path: Path, data_file: Path) -> None:
+    config = load_config(write_config(data_file.parent, VALID), cwd=tmp_path)
+    d = json.loads(json.dumps(config.to_dict()))
+    assert set(d) == {"model", "data", "optimizer", "cluster", "run"}
+    assert d["data"]["path"] == str(data_file.resolve())
+    assert d["run"]["target_accuracy"] is None
+    assert d["model"]["layers"][0]["units"] == 16
+
+
+# -- schema errors ---------------------------------------------------------------------------
+
+
+def test_unknown_section_suggests_the_closest() -> None:
+    message = schema_error(VALID + "[optimiser]\nadagrad = false\n")
+    assert "unknown section [optimiser]" in message
+    assert "did you mean 'optimizer'" in message
+
+
+def test_unknown_key_names_it_and_suggests_the_closest() -> None:
+    message = schema_error(VALID.replace("max_steps = 10", "max_step = 10"))
+    assert "unknown key 'run.max_step'" in message
+    assert "did you mean 'max_steps'" in message
+
+
+def test_unknown_key_far_from_any_has_no_suggestion_but_lists_valid_keys() -> None:
+    message = schema_error(VALID + "zzzz = 1\n")
+    assert "unknown key 'run.zzzz'" in message
+    assert "did you mean" not in message
+    assert "max_seconds" in message
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("run.max_steps", '"ten"', "an integer >= 0"),
+    ("run.max_steps", "-1", "an integer >= 0"),
+    ("run.max_steps", "2.5", "an integer >= 0"),
+    ("data.batch_size", "0", "an integer >= 1"),
+    ("data.batch_size", "true", "an integer >= 1"),
+    ("optimizer.learning_rate", "0", "a number > 0"),
+    ("optimizer.learning_rate", "nan", "a number > 0"),
+    ("optimizer.learning_rate", '"fast"', "a number > 0"),
+    ("optimizer.adagrad", "1", "true or false"),
+    ("optimizer.algorithm", '"adam"', "one of 'sgd', 'downpour'"),
+    ("optimizer.n_fetch", "0", "an integer >= 1"),
+    ("optimizer.n_push", "0", "an integer >= 1"),
+    ("optimizer.warm_start_steps", "-5", "an integer >= 0"),
+    ("cluster.ps_shards", "0", "an integer >= 1"),
+    ("run.target_accuracy", "1.5", "a number > 0 and <= 1"),
+    ("run.target_accuracy", "0", "a number > 0 and <= 1"),
+    ("run.max_seconds", "-1", "a number >= 0"),
+    ("run.eval_every_seconds", "0", "a number > 0"),
+    ("run.eval_samples", "-1", "an integer >= 0"),
+    ("run.threads", "-2", "an integer >= 0"),
+    ("run.seed", "-1", "an integer >= 0"),
+    ("run.out_dir", "3", "a non-empty string"),
+    ("data.path", "[1]", "a non-empty string"),
+    ("model.layers", "[]", "a non-empty list of tables"),
+    ("model.layers", "[1, 2]", "a non-empty list of tables"),
+])
+def test_bad_value_names_key_value_and_what_is_allowed(key: str, value: str,
+                                                       expected: str) -> None:
+    message = schema_error(VALID, (f"{key}={value}",))
+    assert f"{key} = " in message
+    assert "is invalid" in message
+    assert expected in message
+
+
+def test_bad_value_message_shows_the_value_as_written() -> None:
+    message = schema_error(VALID, ('run.max_steps="ten"',))
+    assert 'run.max_steps = "ten" is invalid' in message
+
+
+def test_sandblaster_is_not_implemented_yet() -> None:
+    message = schema_error(VALID, ('optimizer.algorithm="sandblaster"',))
+    assert "not implemented yet" in message and "sandblaster" in message
+
+
+def test_downpour_is_accepted_by_the_schema() -> None:
+    config = config_from_dict(apply_overrides(raw_config(), ['optimizer.algorithm="downpour"',
+                                                             "cluster.ps_shards=2"]))
+    assert config.optimizer.algorithm == "downpour"
+    assert config.cluster.ps_shards == 2
+
+
+def test_model_partitions_are_not_implemented_yet() -> None:
+    message = schema_error(VALID, ("cluster.partitions=2",))
+    assert "cluster.partitions = 2" in message and "not implemented yet" in message
+
+
+def test_a_run_without_any_stop_rule_is_refused() -> None:
+    message = schema_error(VALID.replace("max_steps = 10", ""))
+    for key in ("run.max_steps", "run.max_seconds", "run.target_accuracy"):
+        assert key in message
+
+
+@pytest.mark.parametrize("stop", ["max_seconds = 1.5", "target_accuracy = 0.5"])
+def test_any_one_stop_rule_is_enough(stop: str) -> None:
+    config_from_dict(raw_config(VALID.replace("max_steps = 10", stop)))
+
+
+def test_missing_required_keys() -> None:
+    assert "missing required key 'model.layers'" in schema_error(
+        VALID.replace(LAYERS, ""))
+    assert "missing required key 'data.path'" in schema_error(
+        VALID.replace('path = "synth.h5"', ""))
+
+
+def test_section_that_is_not_a_table() -> None:
+    assert "[run] must be a table" in schema_error('run = 5\n' + VALID.split("[run]")[0])
+
+
+def test_missing_and_malformed_config_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = write_config(tmp_path, "[run\nmax_steps = 1\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+
+
+# -- --set ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("run.max_steps=100", ("run", "max_steps", 100)),
+    ("optimizer.learning_rate=1e-3", ("optimizer", "learning_rate", 1e-3)),
+    ("optimizer.adagrad=false", ("optimizer", "adagrad", False)),
+    ('run.out_dir="runs/x y"', ("run", "out_dir", "runs/x y")),
+    ("run.out_dir=runs/bare", ("run", "out_dir", "runs/bare")),
+    ("data.path = a.h5", ("data", "path", "a.h5")),
+    ("model.layers=[1, 2]", ("model", "layers", [1, 2])),
+    ("model.layers=[{type=\"dense\", units=3, activation=\"softmax\"}]",
+     ("model", "layers", [{"type": "dense", "units": 3, "activation": "softmax"}])),
+])
+def test_parse_override(text: str, expected: tuple) -> None:
+    assert parse_override(text) == expected
+
+
+@pytest.mark.parametrize("text", ["max_steps=3", "run.max_steps", "run.=3", ".x=3",
+                                  "run.a.b=3", "=3"])
+def test_bad_override_is_a_config_error(text: str) -> None:
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        parse_override(text)
+
+
+def test_overrides_replace_file_values_and_are_validated(tmp_path: Path,
+                                                         data_file: Path) -> None:
+    path = write_config(data_file.parent, VALID)
+    config = load_config(path, ["run.max_steps=7", "optimizer.learning_rate=1e-3",
+                                "optimizer.adagrad=false", "data.batch_size=8"], cwd=tmp_path)
+    assert config.run.max_steps == 7
+    assert config.optimizer.learning_rate == pytest.approx(1e-3)
+    assert config.optimizer.adagrad is False
+    assert config.data.batch_size == 8
+    with pytest.raises(ConfigError, match="did you mean 'learning_rate'"):
+        load_config(path, ["optimizer.learnig_rate=0.1"], cwd=tmp_path)
+    with pytest.raises(ConfigError, match=r"run.max_steps = \"lots\" is invalid"):
+        load_config(path, ["run.max_steps=lots"], cwd=tmp_path)
+
+
+def test_override_does_not_change_the_raw_dict() -> None:
+    raw = raw_config()
+    apply_overrides(raw, ["run.max_steps=99"])
+    assert raw["run"]["max_steps"] == 10
+
+
+# -- data against model ------------------------------------------------------------------------
+
+
+def test_missing_data_file(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="no such file"):
+        load_config(write_config(tmp_path, VALID), cwd=tmp_path)
+
+
+def test_corrupt_data_file(tmp_path: Path) -> None:
+    (tmp_path / "synth.h5").write_bytes(os.urandom(4096))
+    with pytest.raises(DataError, match="synth.h5"):
+        load_config(write_config(tmp_path, VALID), cwd=tmp_path)
+
+
+def test_check_data_can_be_skipped(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, VALID), check_data=False, cwd=tmp_path)
+    assert config.data.path == (tmp_path / "synth.h5").resolve()
+
+
+def test_output_layer_that_does_not_match_the_classes(tmp_path: Path, data_file: Path) -> None:
+    path = write_config(data_file.parent, VALID.replace("units = 3", "units = 10"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path, cwd=tmp_path)
+    message = str(info.value)
+    assert message.startswith("model.layers:")
+    assert "3 classes" in message and "input 8" in message
+
+
+def test_local_layer_on_flat_data_does_not_fit(tmp_path: Path, data_file: Path) -> None:
+    text = VALID.replace('{ type = "dense", units = 16, activation = "relu" }',
+                         '{ type = "local", kernel = 3, channels = 4, activation = "relu" }')
+    with pytest.raises(ConfigError, match="model.layers:.*3-D"):
+        load_config(write_config(data_file.parent, text), cwd=tmp_path)
+
+
+def test_bad_layer_spec_is_reported_with_its_key(tmp_path: Path, data_file: Path) -> None:
+    text = VALID.replace('activation = "relu"', 'activation = "relux"')
+    with pytest.raises(ConfigError, match="model.layers:.*activation"):
+        load_config(write_config(data_file.parent, text), cwd=tmp_path)
+
+
+def test_batch_and_eval_sizes_must_fit_the_data(tmp_path: Path, data_file: Path) -> None:
+    path = write_config(data_file.parent, VALID)
+    with pytest.raises(DataError, match="data.batch_size = 500 .* 200 training samples"):
+        load_config(path, ["data.batch_size=500"], cwd=tmp_path)
+    with pytest.raises(DataError, match="run.eval_samples = 51 .* 50 test samples"):
+        load_config(path, ["run.eval_samples=51"], cwd=tmp_path)
+
+
+def test_every_error_is_a_user_error() -> None:
+    assert issubclass(ConfigError, UserError) and issubclass(DataError, UserError)
+
+
+# -- hash ----------------------------------------------------------------------------------------
+
+
+def _hash(overrides: list[str]) -> str:
+    return config_hash(config_from_dict(apply_overrides(raw_config(), overrides),
+                                        Path("/cfg/exp.toml")))
+
+
+def test_hash_follows_what_is_trained_not_budgets() -> None:
+    base = _hash([])
+    assert len(base) == 64 and base == _hash([])
+    assert _hash(["optimizer.learning_rate=0.03"]) != base
+    assert _hash(["run.seed=1"]) != base
+    assert _hash(["data.batch_size=32"]) != base
+    assert _hash(['model.layers=[{type="dense", units=3, activation="softmax"}]']) != base
+    # Budgets, cadences and where results go may change on a resumed run.
+    assert _hash(["run.max_steps=1000", "run.max_seconds=5", "run.target_accuracy=0.9",
+                  "run.eval_every_seconds=1", 'run.out_dir="elsewhere"', "run.threads=2",
+                  "run.progress_every_seconds=9"]) == base
+
+
+def test_hash_is_stable_across_processes() -> None:
+    code = ("import tomllib, sys; from pathlib import Path; "
+            "from distbelief.config import config_from_dict, config_hash; "
+            f"raw = tomllib.loads({VALID!r}); "
+            "print(config_hash(config_from_dict(raw, Path('/cfg/exp.toml'))))")
+    hashes = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, timeout=60, check=True)
+        hashes.add(out.stdout.strip())
+    assert hashes == {_hash([])}
