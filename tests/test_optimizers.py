@@ -1,0 +1,177 @@
+"""Adagrad and SGD: same updates as torch.optim with default arguments, on any 1-D float32
+slice, and state that round-trips through state()/load_state()."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from distbelief.optimizers import SGD, Adagrad, make_optimizer
+
+torch.set_num_threads(1)
+
+
+def _torch_steps(opt_class, params0: np.ndarray, grads: list[np.ndarray], **kwargs):
+    """Run torch's optimizer over the gradient sequence; return final params and state."""
+    p = torch.nn.Parameter(torch.from_numpy(params0.copy()))
+    opt = opt_class([p], **kwargs)
+    for g in grads:
+        p.grad = torch.from_numpy(g.copy())
+        opt.step()
+    return p.detach().numpy(), opt.state[p]
+
+
+def _gradients(rng: np.random.Generator, size: int, steps: int) -> list[np.ndarray]:
+    # Mixed scales and some exact zeros: zeros exercise eps (0 / (0 + eps) must stay 0).
+    grads = []
+    for _ in range(steps):
+        g = (rng.standard_normal(size) * rng.choice([1e-3, 1.0, 30.0], size)).astype(np.float32)
+        g[rng.random(size) < 0.1] = 0.0
+        grads.append(g)
+    return grads
+
+
+@pytest.mark.parametrize("size", [1, 7, 1000, 4099])
+def test_adagrad_matches_torch(size: int) -> None:
+    rng = np.random.default_rng(size)
+    params0 = rng.standard_normal(size).astype(np.float32)
+    grads = _gradients(rng, size, steps=5)
+    lr = 0.05
+    expected, torch_state = _torch_steps(torch.optim.Adagrad, params0, grads, lr=lr)
+
+    opt = Adagrad(size, lr)
+    params = params0.copy()
+    for g in grads:
+        opt.step(params, g)
+    np.testing.assert_allclose(opt.accum, torch_state["sum"].numpy(), rtol=1e-6)
+    np.testing.assert_allclose(params, expected, rtol=1e-6, atol=1e-7)
+    assert not np.array_equal(params, params0)  # it did move
+
+
+def test_adagrad_default_eps_is_torchs() -> None:
+    assert Adagrad(3, 0.1).eps == torch.optim.Adagrad([torch.zeros(1)]).defaults["eps"]
+
+
+def test_sgd_matches_torch() -> None:
+    rng = np.random.default_rng(1)
+    params0 = rng.standard_normal(513).astype(np.float32)
+    grads = _gradients(rng, 513, steps=4)
+    expected, _ = _torch_steps(torch.optim.SGD, params0, grads, lr=0.1)
+    opt = SGD(0.1)
+    params = params0.copy()
+    for g in grads:
+        opt.step(params, g)
+    np.testing.assert_allclose(params, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_adagrad_on_a_shard_slice_leaves_the_rest() -> None:
+    # A parameter-server shard owns [start, stop) of the flat vector and updates only that.
+    rng = np.random.default_rng(2)
+    flat = rng.standard_normal(100).astype(np.float32)
+    before = flat.copy()
+    grad = rng.standard_normal(100).astype(np.float32)
+    start, stop = 30, 71
+    opt = Adagrad(stop - start, 0.1)
+    opt.step(flat[start:stop], grad[start:stop])
+
+    ref = Adagrad(stop - start, 0.1)
+    expected = before[start:stop].copy()
+    ref.step(expected, grad[start:stop].copy())
+    np.testing.assert_array_equal(flat[start:stop], expected)
+    np.testing.assert_array_equal(flat[:start], before[:start])
+    np.testing.assert_array_equal(flat[stop:], before[stop:])
+
+
+def test_adagrad_state_round_trip_continues_identically() -> None:
+    rng = np.random.default_rng(3)
+    grads = _gradients(rng, 50, steps=4)
+    params_a = rng.standard_normal(50).astype(np.float32)
+    params_b = params_a.copy()
+    a = Adagrad(50, 0.1)
+    for g in grads[:2]:
+        a.step(params_a, g)
+    params_b[:] = params_a
+    saved = {k: v.copy() for k, v in a.state().items()}  # as a checkpoint would store it
+
+    b = Adagrad(50, 0.1)
+    b.load_state(saved)
+    for g in grads[2:]:
+        a.step(params_a, g)
+        b.step(params_b, g)
+    np.testing.assert_array_equal(params_a, params_b)
+    np.testing.assert_array_equal(a.accum, b.accum)
+
+
+def test_state_is_live_and_load_copies() -> None:
+    opt = Adagrad(4, 0.1)
+    assert opt.state()["accum"] is opt.accum
+    source = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    opt.load_state({"accum": source})
+    source[:] = 0.0
+    np.testing.assert_array_equal(opt.accum, [1.0, 2.0, 3.0, 4.0])
+    assert opt.accum.dtype == np.float32
+
+
+def test_sgd_state_is_empty() -> None:
+    opt = SGD(0.1)
+    assert opt.state() == {}
+    opt.load_state({})
+    with pytest.raises(ValueError, match="keys"):
+        opt.load_state({"accum": np.zeros(3, np.float32)})
+
+
+@pytest.mark.parametrize("state, error, match", [
+    ({}, ValueError, "keys"),
+    ({"accum": np.zeros(4, np.float32), "extra": np.zeros(1)}, ValueError, "keys"),
+    ({"accum": np.zeros(5, np.float32)}, ValueError, "shape"),
+    ({"accum": np.array([1.0, -1.0, 0.0, 0.0], np.float32)}, ValueError, "non-negative"),
+    ({"accum": np.array([1.0, np.nan, 0.0, 0.0], np.float32)}, ValueError, "finite"),
+    ({"accum": np.zeros(4, np.int64)}, TypeError, "floating"),
+    ([np.zeros(4, np.float32)], TypeError, "dict"),
+])
+def test_adagrad_load_state_rejects_bad_state(state, error, match) -> None:
+    opt = Adagrad(4, 0.1)
+    opt.accum[:] = 7.0
+    with pytest.raises(error, match=match):
+        opt.load_state(state)
+    np.testing.assert_array_equal(opt.accum, 7.0)  # untouched on failure
+
+
+def test_make_optimizer() -> None:
+    opt = make_optimizer(True, 0.02, 10)
+    assert isinstance(opt, Adagrad) and opt.size == 10 and opt.learning_rate == 0.02
+    opt = make_optimizer(False, 0.5, 10)
+    assert isinstance(opt, SGD) and opt.learning_rate == 0.5
+    with pytest.raises(TypeError, match="adagrad"):
+        make_optimizer("yes", 0.1, 10)
+
+
+@pytest.mark.parametrize("learning_rate, error", [
+    (0.0, ValueError), (-0.1, ValueError), (float("nan"), ValueError),
+    (float("inf"), ValueError), ("0.1", TypeError), (True, TypeError),
+])
+def test_bad_learning_rate(learning_rate, error) -> None:
+    with pytest.raises(error, match="learning_rate"):
+        Adagrad(3, learning_rate)
+    with pytest.raises(error, match="learning_rate"):
+        SGD(learning_rate)
+
+
+def test_bad_size_and_eps() -> None:
+    with pytest.raises(ValueError, match="size"):
+        Adagrad(-1, 0.1)
+    with pytest.raises(TypeError, match="size"):
+        Adagrad(3.0, 0.1)
+    with pytest.raises(ValueError, match="eps"):
+        Adagrad(3, 0.1, eps=-1e-3)
+
+
+def test_step_rejects_wrong_length_and_dtype() -> None:
+    opt = Adagrad(5, 0.1)
+    with pytest.raises(ValueError, match="shape"):
+        opt.step(np.zeros(6, np.float32), np.zeros(6, np.float32))
+    with pytest.raises(TypeError, match="float32"):
+        opt.step(np.zeros(5, np.float64), np.zeros(5, np.float32))
+    with pytest.raises(TypeError, match="float32"):
+        SGD(0.1).step(np.zeros(5, np.float32), np.zeros(5, np.float64))
