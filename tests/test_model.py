@@ -299,6 +299,9 @@ def test_buffers_reused_across_batch_sizes():
     first = net.logits(params, x[:3])
     net.logits(params, x[3:6])
     np.testing.assert_array_equal(first, Network(*MIXED).logits(params, x[:3]))
+    other = params * np.float32(0.5)  # a different vector: views must not be stale
+    np.testing.assert_array_equal(net.logits(other, x[:3]), Network(*MIXED).logits(other, x[:3]))
+    assert not np.array_equal(net.logits(other, x[:3]), first)
 
 
 def test_init_deterministic_and_scaled():
@@ -356,6 +359,8 @@ def test_bad_inputs_raise():
         net.loss_and_grad(params, x, y, np.empty(net.layout.size, np.float64))
     with pytest.raises(ValueError, match="params"):
         net.loss(params[:-1], x, y)
+    with pytest.raises(ValueError, match="overlap"):
+        net.loss_and_grad(params, x, y, params)
 
 
 # -- configuration errors ---------------------------------------------------------------
