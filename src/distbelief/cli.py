@@ -1,0 +1,261 @@
+"""The `distbelief` command line: train, report, prepare.
+
+`main()` is the entry point of both `distbelief` and `python -m distbelief`. A UserError
+(bad configuration or data) becomes one line, `distbelief: error: <message>`, on stderr and
+exit status 2; anything else is a bug and keeps its traceback. Under MPI with several ranks
+an unhandled exception aborts the whole job (a rank that just exits would leave the others
+waiting forever), and a UserError, which every rank hits because they all validate the same
+inputs, is printed by rank 0 only.
+
+mpi4py is imported only when the run needs MPI (starting MPI costs time): for
+`algorithm = "downpour"`, or when an MPI launcher started several ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from distbelief import __version__
+from distbelief.errors import EXIT_USER_ERROR, ConfigError, UserError
+
+PROG = "distbelief"
+
+TRAIN_HELP = """\
+Train the model of a TOML configuration until one of its stop rules fires (run.max_steps,
+run.max_seconds, run.target_accuracy). The whole configuration, the data file included, is
+checked before training starts. Results go to run.out_dir (default runs/<config name>):
+config.json, metrics.jsonl (training and test curves) and summary.json.
+
+optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour SGD over
+MPI ranks (parameter-server shards and model replicas), launched with mpiexec.
+
+examples:
+  distbelief train configs/fashion_mnist_mlp.toml
+  distbelief train configs/fashion_mnist_mlp.toml --set run.max_steps=500 \\
+      --set optimizer.learning_rate=0.01 --set run.out_dir=\\"runs/lr0.01\\"
+  mpiexec -n 4 python -m distbelief train configs/fashion_mnist_downpour.toml
+"""
+
+REPORT_HELP = """\
+Plot one or more finished (or running) training runs: test accuracy against wall time,
+test accuracy against training samples, and training loss against samples. Several runs
+share each figure, labelled by their folder names. Needs matplotlib
+(pip install 'distbelief[plot]').
+
+examples:
+  distbelief report runs/fashion_mnist_mlp
+  distbelief report runs/sgd runs/downpour --out plots/
+"""
+
+PREPARE_HELP = """\
+Write a dataset in distbelief's HDF5 format (/train/x, /train/y, /test/x, /test/y).
+
+examples:
+  distbelief prepare fashion-mnist
+  distbelief prepare fashion-mnist --src ~/Downloads/fashion --out data/fashion_mnist.h5
+  distbelief prepare synthetic --out data/synth.h5 --train 50000 --test 5000 \\
+      --shape 28,28,1 --classes 10
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI: Downpour SGD "
+        "over a sharded parameter server, with a single-process SGD baseline.",
+        epilog="Run 'distbelief COMMAND --help' for each command's options and examples.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    raw = argparse.RawDescriptionHelpFormatter
+
+    train = commands.add_parser("train", help="train a model from a TOML configuration",
+                                description=TRAIN_HELP, formatter_class=raw)
+    train.add_argument("config", metavar="CONFIG", help="the TOML configuration file")
+    train.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                       dest="overrides",
+                       help="override one configuration key; VALUE is read as TOML "
+                            "(100, 1e-3, true, \"text\", [1, 2]) or else as a bare string; "
+                            "may be repeated")
+    train.set_defaults(func=cmd_train)
+
+    report = commands.add_parser("report", help="plot the curves of one or more runs",
+                                 description=REPORT_HELP, formatter_class=raw)
+    report.add_argument("run_dirs", metavar="RUN_DIR", nargs="+",
+                        help="a run's output folder (holding metrics.jsonl)")
+    report.add_argument("--out", metavar="DIR", default="report",
+                        help="folder for the PNG files (default: %(default)s)")
+    report.set_defaults(func=cmd_report)
+
+    prepare = commands.add_parser("prepare", help="write a dataset as HDF5",
+                                  description=PREPARE_HELP, formatter_class=raw)
+    kinds = prepare.add_subparsers(dest="dataset", required=True, metavar="DATASET")
+    fashion = kinds.add_parser(
+        "fashion-mnist", help="convert the Fashion-MNIST IDX files",
+        description="Convert the four Fashion-MNIST IDX files (gzipped or not) of a folder "
+        "to HDF5. Debian's dataset-fashion-mnist package installs them under "
+        "/usr/share/datasets/fashion-mnist.")
+    fashion.add_argument("--src", metavar="DIR", default="/usr/share/datasets/fashion-mnist",
+                         help="folder with the IDX files (default: %(default)s)")
+    fashion.add_argument("--out", metavar="FILE", default="data/fashion_mnist.h5",
+                         help="HDF5 file to write (default: %(default)s)")
+    fashion.set_defaults(func=cmd_prepare_fashion_mnist)
+
+    synthetic = kinds.add_parser(
+        "synthetic", help="generate a synthetic classification set",
+        description="Generate inputs and label them with a random teacher network: a "
+        "learnable task of any size, for runs larger than any real set at hand.")
+    synthetic.add_argument("--out", metavar="FILE", required=True, help="HDF5 file to write")
+    synthetic.add_argument("--train", metavar="N", type=_positive_int, required=True,
+                           help="number of training samples")
+    synthetic.add_argument("--test", metavar="N", type=_positive_int, required=True,
+                           help="number of test samples")
+    synthetic.add_argument("--shape", metavar="H,W,C", type=_shape, default=(28, 28, 1),
+                           help="input shape, H,W,C or a flat F (default: 28,28,1)")
+    synthetic.add_argument("--classes", metavar="K", type=_positive_int, default=10,
+                           help="number of classes (default: %(default)s)")
+    synthetic.add_argument("--seed", metavar="S", type=int, default=0,
+                           help="random seed (default: %(default)s)")
+    synthetic.set_defaults(func=cmd_prepare_synthetic)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 28,28,1, "
+                                         f"got {text!r}") from None
+    if len(shape) not in (1, 3) or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected H,W,C or F of positive integers, "
+                                         f"got {text!r}")
+    return shape
+
+
+# ---------------------------------------------------------------------------------------
+# Commands
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from distbelief.config import load_config
+
+    # Several ranks: start MPI before anything can fail, so errors are reported once and
+    # an unhandled exception aborts the job.
+    comm = start_mpi() if launched_with_several_ranks() else None
+    config = load_config(args.config, args.overrides)
+    algorithm = config.optimizer.algorithm
+    if algorithm == "sgd":
+        if comm is not None and comm.Get_size() > 1:
+            raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "
+                              f"{comm.Get_size()} MPI ranks were started; run it without "
+                              f"mpiexec, or use algorithm = \"downpour\"")
+        from distbelief import trainer
+
+        trainer.train(config)
+        return 0
+    # The dispatch point for the MPI algorithms.
+    comm = comm if comm is not None else start_mpi()
+    if algorithm == "downpour":
+        from distbelief import downpour
+
+        downpour.train(config, comm)
+        return 0
+    raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from distbelief.report import import_pyplot, load_run, plot_runs, summary_table
+
+    import_pyplot()  # fail on a missing matplotlib before reading anything
+    runs = [load_run(path) for path in args.run_dirs]
+    print(summary_table(runs))
+    for path in plot_runs(runs, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_prepare_fashion_mnist(args: argparse.Namespace) -> int:
+    from distbelief.datasets import convert_idx
+
+    print(f"wrote {convert_idx(args.src, args.out)}")
+    return 0
+
+
+def cmd_prepare_synthetic(args: argparse.Namespace) -> int:
+    from distbelief.datasets import make_synthetic
+
+    path = make_synthetic(args.out, args.train, args.test, args.shape, args.classes,
+                          seed=args.seed)
+    print(f"wrote {path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# MPI
+
+
+def launched_with_several_ranks() -> bool:
+    """True when an MPI launcher (MPICH/Slurm PMI, Open MPI) started more than one rank.
+
+    Read from the launcher's environment so that a plain run never starts MPI.
+    """
+    if "mpi4py.MPI" in sys.modules:
+        return True  # e.g. `python -m mpi4py -m distbelief`: MPI is up already
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(var, "1").strip() not in ("", "0", "1"):
+            return True
+    return False
+
+
+def start_mpi() -> Any:
+    """Initialise MPI; returns COMM_WORLD. With several ranks, make any unhandled exception
+    (main thread or not) print its traceback and abort the whole job."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() > 1:
+        def abort_job(exc_type: type, exc: BaseException, tb: Any) -> None:
+            traceback.print_exception(exc_type, exc, tb)
+            sys.stderr.flush()
+            world.Abort(1)
+
+        sys.excepthook = abort_job
+        threading.excepthook = lambda a: abort_job(a.exc_type, a.exc_value, a.exc_traceback)
+    return world
+
+
+def _rank() -> int:
+    """This process's rank in COMM_WORLD, 0 when MPI was never started."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return 0
+    return mpi.COMM_WORLD.Get_rank()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        if _rank() == 0:
+            message = " ".join(str(e).split("\n"))
+            print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
