@@ -1,0 +1,132 @@
+"""`distbelief report`: plot the curves of one or more runs from their metrics.jsonl.
+
+Three PNG figures, every run on each (legend: the run folder's name):
+    accuracy_vs_time.png     test accuracy against wall time (seconds)
+    accuracy_vs_samples.png  test accuracy against training samples processed
+    loss_vs_samples.png      training loss against training samples
+and a table with one line per run (`summary_table`), which the command prints.
+
+matplotlib is an optional dependency (`pip install 'distbelief[plot]'`); it is imported
+only here, with the Agg backend, so reports work on headless cluster nodes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distbelief.errors import DataError, UserError
+from distbelief.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics
+
+FIGURES = (
+    # file name, x key, y key, which lines, x label, y label
+    ("accuracy_vs_time.png", "time", "test_accuracy", "eval", "wall time (s)",
+     "test accuracy"),
+    ("accuracy_vs_samples.png", "samples", "test_accuracy", "eval", "training samples",
+     "test accuracy"),
+    ("loss_vs_samples.png", "samples", "loss", "train", "training samples", "training loss"),
+)
+
+
+@dataclass
+class Run:
+    """One run's curves, read from its folder."""
+
+    name: str
+    path: Path
+    train: list[dict[str, Any]]
+    evals: list[dict[str, Any]]
+    summary: dict[str, Any] | None
+
+
+def load_run(path: str | Path) -> Run:
+    """Read a run folder's metrics.jsonl (and summary.json when the run has finished)."""
+    path = Path(path)
+    metrics = path / METRICS_FILE
+    if not metrics.is_file():
+        what = "does not exist" if not path.exists() else f"has no {METRICS_FILE}"
+        raise DataError(f"{path} {what}; give the run.out_dir of a training run")
+    records = read_metrics(metrics)
+    summary_path = path / SUMMARY_FILE
+    summary = None
+    if summary_path.is_file():
+        try:
+            summary = json.loads(summary_path.read_text())
+        except json.JSONDecodeError as e:
+            raise DataError(f"{summary_path}: not valid JSON: {e}") from e
+    return Run(path.resolve().name, path,
+               [r for r in records if r.get("kind") == "train"],
+               [r for r in records if r.get("kind") == "eval"], summary)
+
+
+def import_pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend, or a UserError saying how to install it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("the report command needs matplotlib, which is not installed; "
+                        "install it with: pip install 'distbelief[plot]'") from None
+    return plt
+
+
+def make_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
+    """Write the three figures for `run_dirs` into `out_dir`; returns the PNG paths."""
+    return plot_runs([load_run(p) for p in run_dirs], out_dir)
+
+
+def plot_runs(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
+    """Write the three figures, all `runs` on each, into `out_dir`; returns the PNG paths."""
+    plt = import_pyplot()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for filename, x_key, y_key, kind, x_label, y_label in FIGURES:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for run in runs:
+            lines = run.evals if kind == "eval" else run.train
+            points = [(r[x_key], r[y_key]) for r in lines if r.get(y_key) is not None]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=run.name)
+        target = _common_target(runs)
+        if y_key == "test_accuracy" and target is not None:
+            ax.axhline(target, color="gray", linestyle=":", linewidth=1, label="target")
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(y_label)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / filename, dpi=100)
+        plt.close(fig)
+        written.append(out / filename)
+    return written
+
+
+def _common_target(runs: Sequence[Run]) -> float | None:
+    targets = {(r.summary or {}).get("target_accuracy") for r in runs}
+    return targets.pop() if len(targets) == 1 else None
+
+
+def summary_table(runs: Sequence[Run]) -> str:
+    """One line per run: final accuracy, time to target, steps, samples/s."""
+    lines = [f"{'run':<24} {'final acc':>9} {'to target':>10} {'steps':>8} {'samples/s':>10}"]
+    for run in runs:
+        s = run.summary or {}
+        final = s.get("final_test_accuracy")
+        final = final if final is not None else (run.evals[-1]["test_accuracy"]
+                                                 if run.evals else None)
+        to_target = s.get("time_to_target")
+        rate = s.get("samples_per_second")
+        lines.append(f"{run.name:<24} {_fmt(final, '.4f'):>9} "
+                     f"{_fmt(to_target, '.1f', 's'):>10} {_fmt(s.get('steps'), 'd'):>8} "
+                     f"{_fmt(rate, '.0f'):>10}")
+    return "\n".join(lines)
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
