@@ -233,7 +233,7 @@ TORCH_CASES = {
     "reference MLP": ((784,), [dense(512, "relu"), dense(512, "relu"), dense(10, "softmax")],
                       10),
     "local layers then dense": (
-        (12, 11, 3), [local(5, 4, "relu", stride=2), local(3, 6, "tanh"),
+        (12, 11, 3), [local(5, 4, "relu"), local(3, 6, "tanh", stride=2),
                       dense(7, "sigmoid"), dense(5, "softmax")], 5),
 }
 
