@@ -201,18 +201,18 @@ def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray, grad: np.ndarr
     _check_float32("grad", grad, 2, writeable=True)
     _check_shape("grad", grad, logits.shape)
     rows, classes = logits.shape
-    if rows > 0 and classes == 0:
-        raise ValueError("logits must have at least one class column")
+    if rows == 0 or classes == 0:
+        # The mean over an empty batch is undefined; returning 0 would hide a bug upstream.
+        raise ValueError(f"logits must have at least one row and one class, got {logits.shape}")
     if not isinstance(labels, np.ndarray):
         raise TypeError(f"labels must be a numpy array, got {type(labels).__name__}")
     if not np.issubdtype(labels.dtype, np.integer):
         raise TypeError(f"labels must have an integer dtype, got {labels.dtype}")
     _check_shape("labels", labels, (rows,))
-    if rows > 0:
-        low, high = int(labels.min()), int(labels.max())
-        if low < 0 or high >= classes:
-            bad = low if low < 0 else high
-            raise ValueError(f"labels must be in [0, {classes}), got {bad}")
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= classes:
+        bad = low if low < 0 else high
+        raise ValueError(f"labels must be in [0, {classes}), got {bad}")
     _check_no_overlap("grad", grad, {"logits": logits}, may_be=("logits",))
     labels32 = np.ascontiguousarray(labels, dtype=np.int32)
     return float(_kernels.softmax_cross_entropy(logits, labels32, grad))
