@@ -125,7 +125,9 @@ def train(config: Config, stream: IO[str] | None = sys.stdout) -> dict[str, Any]
 
     recorder = RunRecorder(out_dir, config.run.progress_every_seconds, stream,
                            target_accuracy=config.run.target_accuracy)
-    with recorder:
+    # Overflow in a diverging run is reported once, as TrainingDiverged, not as a stream of
+    # numpy warnings.
+    with recorder, np.errstate(over="ignore", invalid="ignore"):
         reason = _train_loop(config, network, shard, optimizer, params, grad,
                                             eval_set, recorder)
         summary = recorder.finish({
