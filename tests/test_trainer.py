@@ -1,0 +1,259 @@
+"""Single-process training end to end on a small synthetic set, the stop rules, the run
+recorder's files, and the BLAS thread setting."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from distbelief.config import Config, apply_overrides, config_from_dict
+from distbelief.datasets import make_synthetic
+from distbelief.metrics import REQUIRED_SUMMARY_KEYS, RunRecorder, read_metrics
+from distbelief.threads import get_blas_threads, set_blas_threads
+from distbelief.trainer import StopRules, TrainingDiverged, train
+
+CLASSES = 4
+TOML = """
+[model]
+layers = [
+    { type = "dense", units = 32, activation = "relu" },
+    { type = "dense", units = 4, activation = "softmax" },
+]
+[data]
+path = "synth.h5"
+batch_size = 32
+[optimizer]
+learning_rate = 0.05
+[run]
+max_steps = 400
+eval_every_seconds = 0.2
+progress_every_seconds = 0.1
+threads = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("trainer")
+    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(16,),
+                   num_classes=CLASSES, seed=3)
+    return folder
+
+
+def make_config(data_dir: Path, out_dir: Path, *overrides: str) -> Config:
+    import tomllib
+
+    raw = apply_overrides(tomllib.loads(TOML), [f'run.out_dir="{out_dir}"', *overrides])
+    return config_from_dict(raw, data_dir / "exp.toml")
+
+
+def run(data_dir: Path, out_dir: Path, *overrides: str) -> tuple[dict, list[dict], str]:
+    """Train; returns (summary.json, metrics.jsonl lines, printed output)."""
+    stream = io.StringIO()
+    returned = train(make_config(data_dir, out_dir, *overrides), stream=stream)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary == json.loads(json.dumps(returned))
+    return summary, read_metrics(out_dir / "metrics.jsonl"), stream.getvalue()
+
+
+# -- end to end ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def max_steps_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("run") / "out"
+    return (out, *run(data_dir, out, "run.max_steps=1500"))
+
+
+def test_max_steps_is_honoured_exactly(max_steps_run) -> None:
+    _, summary, lines, _ = max_steps_run
+    assert summary["steps"] == 1500
+    assert summary["samples"] == 1500 * 32
+    assert summary["stop_reason"] == "max_steps"
+    assert max(line["step"] for line in lines) == 1500
+
+
+def test_metrics_lines_have_the_required_keys(max_steps_run) -> None:
+    _, _, lines, _ = max_steps_run
+    train_lines = [x for x in lines if x["kind"] == "train"]
+    eval_lines = [x for x in lines if x["kind"] == "eval"]
+    assert train_lines and eval_lines
+    for line in train_lines:
+        assert {"time", "step", "samples", "loss"} <= set(line)
+    for line in eval_lines:
+        assert {"time", "step", "samples", "loss", "test_accuracy", "test_loss"} <= set(line)
+    times = [x["time"] for x in lines]
+    assert times == sorted(times) and times[0] >= 0
+    # The run always ends with an evaluation of the final parameters.
+    assert lines[-1]["kind"] == "eval" and lines[-1]["step"] == 1500
+
+
+def test_summary_is_complete(max_steps_run) -> None:
+    out, summary, lines, _ = max_steps_run
+    for key in (*REQUIRED_SUMMARY_KEYS, "stop_reason", "config_hash", "samples_per_second"):
+        assert key in summary
+    assert summary["final_test_accuracy"] == lines[-1]["test_accuracy"]
+    assert summary["reached_target"] is False and summary["time_to_target"] is None
+    assert summary["wall_seconds"] >= lines[-1]["time"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["config_hash"] == summary["config_hash"]
+    assert config["run"]["max_steps"] == 1500
+
+
+def test_training_learns(max_steps_run) -> None:
+    _, summary, lines, output = max_steps_run
+    losses = [x["loss"] for x in lines if x["kind"] == "train"]
+    first_eval = next(x for x in lines if x["kind"] == "eval")
+    # Chance level is 1/4 accuracy and a loss of log(4) = 1.39.
+    assert summary["final_test_accuracy"] > 0.5
+    assert summary["final_test_loss"] < math.log(CLASSES) - 0.2
+    assert losses[-1] < math.log(CLASSES) - 0.2
+    assert summary["final_test_loss"] <= first_eval["test_loss"]
+    assert "samples/s" in output and "stopped (max_steps) after 1500 steps" in output
+
+
+def test_same_seed_same_result(data_dir: Path, tmp_path: Path, max_steps_run) -> None:
+    _, first, _, _ = max_steps_run
+    again, _, _ = run(data_dir, tmp_path / "again", "run.max_steps=1500")
+    assert again["final_test_loss"] == first["final_test_loss"]
+
+
+def test_target_accuracy_stops_the_run(data_dir: Path, tmp_path: Path) -> None:
+    summary, lines, output = run(data_dir, tmp_path / "t", "run.max_steps=0",
+                                 "run.max_seconds=30", "run.target_accuracy=0.45",
+                                 "run.eval_every_seconds=0.05")
+    assert summary["reached_target"] is True
+    assert summary["stop_reason"] == "target_accuracy"
+    assert summary["final_test_accuracy"] >= 0.45
+    hits = [x for x in lines if x["kind"] == "eval" and x["test_accuracy"] >= 0.45]
+    assert summary["time_to_target"] == hits[0]["time"]
+    # It stopped at the first evaluation that reached the target.
+    assert lines[-1] is hits[-1] and len(hits) == 1
+    assert summary["wall_seconds"] < 30
+    assert "reached 0.45" in output
+
+
+def test_max_seconds_stops_the_run(data_dir: Path, tmp_path: Path) -> None:
+    summary, lines, _ = run(data_dir, tmp_path / "s", "run.max_steps=0", "run.max_seconds=0.6")
+    assert summary["stop_reason"] == "max_seconds"
+    assert 0.6 <= lines[-1]["time"] < 3.0
+    assert summary["steps"] > 10
+
+
+def test_eval_samples_limits_the_test_set(data_dir: Path, tmp_path: Path) -> None:
+    summary, _, _ = run(data_dir, tmp_path / "e", "run.max_steps=5", "run.eval_samples=7")
+    assert summary["eval_samples"] == 7
+
+
+def test_divergence_is_a_user_error(data_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(TrainingDiverged, match="learning_rate"):
+        train(make_config(data_dir, tmp_path / "d", "optimizer.adagrad=false",
+                          "optimizer.learning_rate=1e30"), stream=None)
+    summary = json.loads((tmp_path / "d" / "summary.json").read_text())
+    assert summary["stop_reason"] == "diverged"
+
+
+def test_training_sets_the_configured_blas_threads(data_dir: Path, tmp_path: Path) -> None:
+    before = get_blas_threads()
+    try:
+        set_blas_threads(2)
+        run(data_dir, tmp_path / "th", "run.max_steps=3", "run.threads=1")
+        assert get_blas_threads() == 1
+    finally:
+        set_blas_threads(before)
+
+
+# -- stop rules -----------------------------------------------------------------------------------
+
+
+def test_stop_rules() -> None:
+    rules = StopRules(max_steps=10, max_seconds=2.0, target_accuracy=0.8)
+    assert rules.budget_spent(9, 1.9) is None
+    assert rules.budget_spent(10, 0.0) == "max_steps"
+    assert rules.budget_spent(3, 2.0) == "max_seconds"
+    assert rules.target_reached(0.8) and not rules.target_reached(0.79)
+    unlimited = StopRules(target_accuracy=None)
+    assert unlimited.budget_spent(10**9, 1e9) is None
+    assert not unlimited.target_reached(1.0)
+
+
+# -- the run recorder ------------------------------------------------------------------------------
+
+
+def test_recorder_lines_are_readable_before_finish(tmp_path: Path) -> None:
+    recorder = RunRecorder(tmp_path, stream=None)
+    recorder.log(1, 32, 1.5, staleness=2)
+    recorder.log_eval(2, 64, 1.2, 0.5, 1.1)
+    # Not closed, not finished: a run killed now still leaves both lines on disk.
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    assert [x["kind"] for x in lines] == ["train", "eval"]
+    assert lines[0]["staleness"] == 2
+    assert not (tmp_path / "summary.json").exists()
+    recorder.close()
+
+
+def test_truncated_last_line_is_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\n{"kind": "tra')
+    assert read_metrics(path) == [{"kind": "train", "step": 1}]
+
+
+def test_recorder_summary_and_time_to_target(tmp_path: Path) -> None:
+    recorder = RunRecorder(tmp_path, stream=None, target_accuracy=0.7)
+    recorder.log_eval(10, 320, 1.0, 0.6, 1.0)
+    recorder.log_eval(20, 640, 0.8, 0.75, 0.7)
+    recorder.log_eval(30, 960, 0.7, 0.72, 0.72)
+    summary = recorder.finish({"stop_reason": "test"})
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == summary
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["reached_target"] is True
+    assert summary["time_to_target"] == lines[1]["time"]
+    assert summary["final_test_accuracy"] == 0.72
+    assert summary["best_test_accuracy"] == 0.75
+    assert (summary["steps"], summary["samples"]) == (30, 960)
+    assert summary["stop_reason"] == "test"
+    assert not list(tmp_path.glob(".*tmp*"))  # the atomic write's temp file is gone
+
+
+def test_recorder_progress_is_rate_limited(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    recorder = RunRecorder(tmp_path, progress_every_seconds=0.05, stream=stream, start=0.0)
+    recorder.progress(1, 100, 0.5)  # start=0.0 is long ago: due at once
+    for step in range(2, 1000):
+        recorder.progress(step, step * 100, 0.5)  # within 0.05 s of the first: silent
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1
+    assert "samples/s" in lines[0] and "loss 0.5000" in lines[0]
+    recorder.close()
+
+
+def test_a_new_run_replaces_old_metrics(tmp_path: Path) -> None:
+    with RunRecorder(tmp_path, stream=None) as recorder:
+        recorder.log(1, 1, 1.0)
+    with RunRecorder(tmp_path, stream=None) as recorder:
+        recorder.log(7, 7, 1.0)
+    assert [x["step"] for x in read_metrics(tmp_path / "metrics.jsonl")] == [7]
+
+
+# -- BLAS threads ---------------------------------------------------------------------------------
+
+
+def test_set_blas_threads_changes_the_thread_count() -> None:
+    before = get_blas_threads()
+    assert before is not None, "numpy's OpenBLAS was not found"
+    try:
+        for n in (1, 2, 1):
+            assert set_blas_threads(n) is True
+            assert get_blas_threads() == n
+    finally:
+        set_blas_threads(before)
+
+
+def test_bad_thread_count() -> None:
+    with pytest.raises(ValueError):
+        set_blas_threads(0)
