@@ -1,0 +1,553 @@
+"""Sharded parameter server for Downpour SGD over MPI one-sided communication (RMA).
+
+The flat float32 parameter vector of `size` elements is split into S contiguous balanced
+ranges (`distbelief.layout.balanced_ranges`); shard s (world rank s, see topology.py) owns
+range s. Replicas push gradients and pull parameters with passive-target RMA; the shard
+folds the pushed gradients into its parameters with its optimizer (Adagrad or SGD).
+
+Windows (per shard; size 0 on every other rank), allocated with Win.Allocate over a
+private duplicate of the world communicator, displacement unit 1 byte:
+
+    ACCUM  [0:8) taken | [8:16) pushes | [16:24) done | [64:64+4n) gradient accumulator f32
+    PARAMS [0:8) version | [8:16) applied | [64:64+4n) parameters f32      (counters int64)
+
+    taken   = gradient batches the shard has taken out of the accumulator (folds started)
+    pushes  = pushes received (every push adds 1)
+    done    = clients (replicas and coordinator) that called finish()
+    version = updates applied to the parameters (folds finished); version <= taken <= +1
+    applied = pushes contained in the parameters (the value of `pushes` at the last take)
+
+RMA SCHEME. "Owner" is the shard itself, "replica" any other rank (replica, coordinator).
+Every lock is taken and released through `_epoch` (a context manager).
+
+| location        | access                                    | epoch (lock)          |
+|-----------------|-------------------------------------------|-----------------------|
+| ACCUM gradient  | replica: Accumulate(SUM), float32         | SHARED on the shard   |
+|                 | owner: copy out + store zeros (load/store)| EXCLUSIVE on itself   |
+| ACCUM pushes    | replica: Fetch_and_op(SUM, +1), int64     | SHARED on the shard   |
+|                 | owner: Fetch_and_op(NO_OP) (poll for work)| SHARED on itself      |
+|                 | owner: load                               | EXCLUSIVE on itself   |
+| ACCUM taken     | replica: Fetch_and_op(NO_OP), int64       | SHARED on the shard   |
+|                 | owner: store (taken + 1)                  | EXCLUSIVE on itself   |
+| ACCUM done      | replica: Fetch_and_op(SUM, +1), int64     | SHARED on the shard   |
+|                 | owner: Fetch_and_op(NO_OP)                | SHARED on itself      |
+| PARAMS all      | replica: Get (version, applied, params)   | SHARED on the shard   |
+|                 | owner: store (copy of its master params)  | EXCLUSIVE on itself   |
+
+Why each access is legal (MPI-4.1, one-sided chapter: conflicting accesses, passive-target
+synchronization and the semantics section, plus the `accumulate_ops` window info):
+- Two accesses to one location conflict unless both are reads or both are accumulate
+  operations (Accumulate, Get_accumulate, Fetch_and_op) with the same basic datatype; and
+  `accumulate_ops=same_op_no_op` (the default; set explicitly here) further requires that
+  concurrent accumulates use the same op or NO_OP. Replicas' concurrent pushes are all
+  SUM on float32 (gradient) or SUM on int64 (pushes, done), and every concurrent reader
+  of a counter uses NO_OP on int64: element-wise atomic and legal. REPLACE is never used, so
+  SUM never meets a different op.
+- Everything else (the owner's local loads and stores, plain Get) would conflict with a
+  concurrent update, so it is kept apart by the locks: "accesses that are protected by an
+  exclusive lock will not be concurrent at the window site with other accesses to the
+  same window that are lock protected" (MPI_Win_lock/unlock). The owner stores to its
+  windows only inside an EXCLUSIVE epoch on itself; replicas touch a shard only inside a
+  SHARED epoch on it. So a Get never overlaps a store, and Accumulate(SUM) never overlaps
+  the owner zeroing the accumulator: no push is lost or counted twice, no pull is torn.
+  (Get_accumulate(NO_OP) for pulls would be legal even against concurrent REPLACE
+  stores, but it is atomic per element only, so a pull could still mix two versions of
+  the vector; the exclusive lock gives whole-slice snapshots, and a plain Get is at
+  least as fast here: benchmarks/RMA_NOTES.md.)
+- Visibility: the windows use the unified memory model (checked at creation). Remote
+  updates become visible to the owner's loads when it locks its own window, and its
+  stores become visible to later remote accesses at its unlock, so no Win.Sync is needed
+  (MPI_Win_sync is only required for loads/stores outside a lock epoch).
+- Exclusive sections are short: the optimizer works on a private master copy outside any
+  lock; the PARAMS epoch only copies the result in (one memcpy of the slice), the ACCUM
+  epoch only copies the accumulator out and zeroes it.
+- Staleness is exact because `taken` only changes inside the owner's EXCLUSIVE epoch on
+  ACCUM: a push that reads taken = t in its SHARED epoch lands in the accumulator before
+  take t+1, so it is applied as update t+1. If its parameters were pulled at version p,
+  the shard applied t - p other updates in between: that is the staleness.
+
+PROGRESS. With MPICH on shared memory a lock, accumulate or get completes only while the
+target is inside MPI (DESIGN.md). The shard therefore polls: `serve_once()` reads its
+counters (a SHARED epoch on itself, which also drives MPI progress) and folds pending
+gradients; `serve()` loops over it with `Backoff`: spin while pushes keep arriving,
+then sleep, doubling up to 1 ms, while idle (measured choice, see Backoff).
+
+SHUTDOWN. A client's `finish()` adds 1 to `done` on every shard, one-sided, after its
+last push has completed; a shard's `serve()` returns once done counts every client and it
+has folded every push counted before that. `free()` is the same on every rank: one
+Ibarrier polled with back-off sleeps (a finished replica does not spin a core while the
+others train), then the windows are freed in one fixed order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.errors import ConfigError
+from distbelief.layout import DTYPE, balanced_ranges
+from distbelief.topology import Topology
+
+HEADER_BYTES = 64  # counters at the head of each window; data starts cache-line aligned
+COUNTER_BYTES = 8
+# int64 slots in the ACCUM header
+TAKEN, PUSHES, DONE = 0, 1, 2
+# int64 slots in the PARAMS header
+VERSION, APPLIED = 0, 1
+
+
+class Optimizer(Protocol):
+    """What a shard needs from distbelief.optimizers: an in-place update of its slice."""
+
+    def step(self, params: np.ndarray, grad: np.ndarray) -> None: ...
+
+
+OptimizerFactory = Callable[[int], Optimizer]  # slice length -> optimizer for that slice
+
+
+@dataclass
+class Backoff:
+    """How a waiting loop spaces its polls: spin for `spin_s` after the last work, then
+    sleep `min_sleep_s`, doubling up to `max_sleep_s` while nothing happens.
+
+    Defaults: see the measurements in benchmarks/RMA_NOTES.md.
+    """
+
+    spin_s: float = 1e-3
+    min_sleep_s: float = 50e-6
+    max_sleep_s: float = 1e-3
+    _last_work: float = field(default_factory=time.perf_counter, repr=False)
+    _sleep: float = field(default=0.0, repr=False)
+
+    def reset(self) -> None:
+        """Work was done: go back to spinning."""
+        self._last_work = time.perf_counter()
+        self._sleep = 0.0
+
+    def wait(self) -> None:
+        """Nothing was done: return at once while spinning, else sleep and back off."""
+        if time.perf_counter() - self._last_work < self.spin_s:
+            return
+        self._sleep = min(max(self._sleep * 2, self.min_sleep_s), self.max_sleep_s)
+        time.sleep(self._sleep)
+
+
+@contextmanager
+def _epoch(win: MPI.Win, rank: int, lock_type: int) -> Iterator[None]:
+    """A passive-target access epoch: Lock on entry; Unlock on exit, which completes every
+    operation issued inside, at the origin and at the target."""
+    win.Lock(rank, lock_type)
+    try:
+        yield
+    finally:
+        win.Unlock(rank)
+
+
+def _int64(buf: np.ndarray) -> list:
+    """An mpi4py buffer spec that names the MPI datatype, so every accumulate on a counter
+    uses the same basic datatype (atomicity holds per datatype)."""
+    return [buf, MPI.INT64_T]
+
+
+def _window_info() -> MPI.Info:
+    info = MPI.Info.Create()
+    # The default, stated so that the scheme above does not depend on it silently.
+    info.Set("accumulate_ops", "same_op_no_op")
+    info.Set("same_disp_unit", "true")
+    return info
+
+
+class _ShardWindows:
+    """The two windows of every shard, allocated and freed collectively in one order."""
+
+    def __init__(self, comm: MPI.Comm, local_count: int):
+        nbytes = HEADER_BYTES + local_count * DTYPE().itemsize if local_count else 0
+        info = _window_info()
+        try:
+            self.accum = MPI.Win.Allocate(nbytes, 1, info, comm)
+            self.params = MPI.Win.Allocate(nbytes, 1, info, comm)
+        finally:
+            info.Free()
+        for win in (self.accum, self.params):
+            if win.model != MPI.WIN_UNIFIED:
+                # The visibility argument in the module docstring assumes the unified model
+                # (MPICH and Open MPI on cache-coherent machines always give it).
+                raise RuntimeError("RMA window is not in the unified memory model")
+
+    def free(self) -> None:
+        """Collective over the window communicator, same order on every rank."""
+        self.params.Free()
+        self.accum.Free()
+
+
+def _views(win: MPI.Win, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 header, float32 data) views of this rank's part of `win`; no copy."""
+    raw = np.frombuffer(win.tomemory(), dtype=np.uint8)
+    header = raw[: 3 * COUNTER_BYTES].view(np.int64)
+    data = raw[HEADER_BYTES : HEADER_BYTES + count * DTYPE().itemsize].view(DTYPE)
+    return header, data
+
+
+class _Endpoint:
+    """What shards and clients share: topology, ranges, windows and the collective free."""
+
+    def __init__(self, comm: MPI.Comm, windows: _ShardWindows, topology: Topology,
+                 size: int):
+        self.topology = topology
+        self.size = size
+        self.ranges = balanced_ranges(size, topology.ps_shards)
+        self._comm: MPI.Comm | None = comm
+        self._windows: _ShardWindows | None = windows
+
+    def _live(self) -> _ShardWindows:
+        if self._windows is None:
+            raise RuntimeError("parameter server already freed")
+        return self._windows
+
+    def _free_all(self, backoff: Backoff) -> None:
+        """Collective over the world communicator, the same on every rank: wait for every
+        rank (Ibarrier polled with back-off sleeps), free the windows, then the private
+        communicator."""
+        windows = self._live()
+        request = self._comm.Ibarrier()
+        while not request.Test():
+            backoff.wait()
+        windows.free()
+        self._windows = None
+        self._comm.Free()
+        self._comm = None
+
+
+def _waiting_backoff() -> Backoff:
+    """For ranks with nothing to serve: sleep from the start, up to 10 ms."""
+    return Backoff(spin_s=0.0, max_sleep_s=10e-3)
+
+
+class ParameterServerShard(_Endpoint):
+    """One shard: owns parameters [start, stop) and folds pushed gradients into them.
+
+    Created by `open_parameter_server` on shard ranks. Its methods communicate only with
+    its own windows (one-sided, target itself), except `free()`, which is collective.
+    """
+
+    def __init__(self, comm: MPI.Comm, windows: _ShardWindows, topology: Topology,
+                 size: int, optimizer: Optimizer, initial: np.ndarray | None):
+        super().__init__(comm, windows, topology, size)
+        self.rank = topology.world_rank
+        self.start, self.stop = self.ranges[self.rank]
+        self.num_clients = topology.world_size - topology.ps_shards
+        count = self.stop - self.start
+        windows = self._live()
+        self._accum_header, self._accum = _views(windows.accum, count)
+        self._params_header, self._params = _views(windows.params, count)
+        self._optimizer = optimizer
+        self._master = np.zeros(count, dtype=DTYPE)  # the parameters; private to this rank
+        self._grad = np.zeros(count, dtype=DTYPE)  # the gradient batch being applied
+        self._counters = np.zeros(2, dtype=np.int64)  # pushes, done as last read
+        self._taken = 0
+        self._pushes_taken = 0
+        self._finished = False
+        self.stats = ShardStats()
+        if initial is not None:
+            self._master[:] = initial[self.start : self.stop]
+        with _epoch(windows.accum, self.rank, MPI.LOCK_EXCLUSIVE):
+            self._accum_header[:] = 0
+            self._accum.fill(0)
+        self._publish()
+
+    @property
+    def version(self) -> int:
+        """Updates applied to this shard's parameters so far."""
+        return self._taken
+
+    @property
+    def finished(self) -> bool:
+        """True once every client has called finish() and every push is folded."""
+        return self._finished
+
+    def parameters(self) -> np.ndarray:
+        """A copy of this shard's current parameters (for checkpoints). Local."""
+        return self._master.copy()
+
+    def set_parameters(self, values: np.ndarray) -> None:
+        """Overwrite this shard's parameters (initial values, restores, tests).
+
+        One-sided on its own PARAMS window: the store happens under the exclusive lock, so
+        a concurrent pull sees either the old or the new slice, never a mix. Counters are
+        unchanged.
+        """
+        self._live()
+        if values.shape != self._master.shape:
+            raise ValueError(f"shard {self.rank} holds {self._master.size} parameters, "
+                             f"got shape {values.shape}")
+        self._master[:] = values
+        self._publish()
+
+    def read_counters(self) -> tuple[int, int]:
+        """(pushes received, clients finished), read atomically.
+
+        One-sided on its own ACCUM window: a SHARED epoch with two Fetch_and_op(NO_OP),
+        legal against the clients' concurrent SUMs. The epoch also drives MPI progress.
+        """
+        win = self._live().accum
+        pushes, done = self._counters[0:1], self._counters[1:2]
+        with _epoch(win, self.rank, MPI.LOCK_SHARED):
+            win.Fetch_and_op(_int64(pushes), _int64(pushes), self.rank,
+                             PUSHES * COUNTER_BYTES, MPI.NO_OP)
+            win.Fetch_and_op(_int64(done), _int64(done), self.rank,
+                             DONE * COUNTER_BYTES, MPI.NO_OP)
+        return int(pushes[0]), int(done[0])
+
+    def fold(self) -> int:
+        """Take the accumulated gradient and apply it with the optimizer; returns the
+        number of pushes it contained (0: nothing to do, the version is unchanged).
+
+        One-sided on its own windows: an EXCLUSIVE epoch on ACCUM copies out and zeroes
+        the accumulator, the optimizer runs outside any lock on the private master copy,
+        an EXCLUSIVE epoch on PARAMS publishes the result.
+        """
+        t0 = time.perf_counter()
+        with _epoch(self._live().accum, self.rank, MPI.LOCK_EXCLUSIVE):
+            pushes = int(self._accum_header[PUSHES])
+            if pushes == self._pushes_taken:
+                return 0
+            np.copyto(self._grad, self._accum)
+            self._accum.fill(0)
+            self._taken += 1
+            self._accum_header[TAKEN] = self._taken
+        self.stats.exclusive(time.perf_counter() - t0)
+        new = pushes - self._pushes_taken
+        self._pushes_taken = pushes
+        self._optimizer.step(self._master, self._grad)
+        self._publish()
+        self.stats.folds += 1
+        self.stats.pushes += new
+        return new
+
+    def _publish(self) -> None:
+        """Copy the master parameters and the counters into PARAMS (EXCLUSIVE on self)."""
+        t0 = time.perf_counter()
+        with _epoch(self._live().params, self.rank, MPI.LOCK_EXCLUSIVE):
+            np.copyto(self._params, self._master)
+            self._params_header[VERSION] = self._taken
+            self._params_header[APPLIED] = self._pushes_taken
+        self.stats.exclusive(time.perf_counter() - t0)
+
+    def serve_once(self) -> bool:
+        """One poll: read the counters (which drives MPI progress, letting the clients'
+        pending locks, accumulates and gets complete) and fold if pushes are pending.
+        Returns True if it folded. One-sided on its own windows.
+        """
+        self.stats.polls += 1
+        pushes, done = self.read_counters()
+        # Clients finish only after their last push completed, so once every client is
+        # done, `pushes` is final and folding it leaves nothing behind.
+        folded = pushes > self._pushes_taken and self.fold() > 0
+        if done == self.num_clients and self._pushes_taken >= pushes:
+            self._finished = True
+        return folded
+
+    def serve(self, backoff: Backoff | None = None) -> ShardStats:
+        """Serve pushes and pulls until every client has called finish(); returns stats.
+
+        Polls with `serve_once` under `backoff` (spinning only while pushes arrive).
+        One-sided on its own windows.
+        """
+        backoff = backoff or Backoff()
+        c0, t0 = time.process_time(), time.perf_counter()
+        while not self._finished:
+            if self.serve_once():
+                backoff.reset()
+            else:
+                backoff.wait()
+        self.stats.cpu_s += time.process_time() - c0
+        self.stats.wall_s += time.perf_counter() - t0
+        return self.stats
+
+    def free(self) -> None:
+        """Serve until every client has finished, then free the windows.
+
+        Collective over the world communicator (with every client's free()).
+        """
+        self.serve()
+        self._free_all(_waiting_backoff())
+
+
+@dataclass
+class ShardStats:
+    """What a shard did: folds, pushes folded, polls, time in exclusive sections."""
+
+    folds: int = 0
+    pushes: int = 0
+    polls: int = 0
+    exclusive_max_s: float = 0.0
+    exclusive_total_s: float = 0.0
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+
+    def exclusive(self, seconds: float) -> None:
+        self.exclusive_max_s = max(self.exclusive_max_s, seconds)
+        self.exclusive_total_s += seconds
+
+
+@dataclass
+class StalenessStats:
+    """Staleness of pushed gradients, one sample per (push, shard): the number of updates
+    the shard applied after the version the gradient was computed from, before it."""
+
+    samples: int = 0
+    total: int = 0
+    max: int = 0
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.samples if self.samples else 0.0
+
+    def add(self, staleness: np.ndarray) -> None:
+        self.samples += int(staleness.size)
+        self.total += int(staleness.sum())
+        self.max = max(self.max, int(staleness.max(initial=0)))
+
+
+class ParameterClient(_Endpoint):
+    """A replica's (or the coordinator's) handle on all shards: pull, push, finish.
+
+    Created by `open_parameter_server` on every non-shard rank. pull, push and finish are
+    one-sided, targeting every shard (SHARED locks on all shards at once, so transfers to
+    several shards overlap); free is collective over the world communicator.
+    """
+
+    def __init__(self, comm: MPI.Comm, windows: _ShardWindows, topology: Topology,
+                 size: int):
+        super().__init__(comm, windows, topology, size)
+        shards = topology.ps_shards
+        self.pulled_versions = np.zeros(shards, dtype=np.int64)
+        self.applied_pushes = np.zeros(shards, dtype=np.int64)
+        self.staleness = StalenessStats()
+        self._finished = False
+        self._headers = np.zeros((shards, 2), dtype=np.int64)
+        self._one = np.ones(1, dtype=np.int64)
+        self._taken = np.zeros((shards, 1), dtype=np.int64)
+        self._pushes = np.zeros((shards, 1), dtype=np.int64)
+
+    def _check_vector(self, vector: np.ndarray, what: str) -> None:
+        if vector.dtype != DTYPE or vector.shape != (self.size,) or not vector.flags.c_contiguous:
+            raise ValueError(f"{what} must be a contiguous float32 vector of {self.size} "
+                             f"elements, got {vector.dtype} {vector.shape}")
+
+    def _check_open(self) -> MPI.Win:
+        windows = self._live()
+        if self._finished:
+            raise RuntimeError("this client already called finish()")
+        return windows
+
+    @contextmanager
+    def _all_shards(self, win: MPI.Win) -> Iterator[None]:
+        with ExitStack() as stack:
+            for shard in self.topology.shard_ranks:
+                stack.enter_context(_epoch(win, shard, MPI.LOCK_SHARED))
+            yield
+
+    def pull(self, out: np.ndarray) -> np.ndarray:
+        """Fetch all parameters into `out`; returns each shard's version (int64, one per
+        shard). One-sided: Get from every shard's PARAMS window under a SHARED lock, so
+        each shard's slice is one consistent snapshot matching its version."""
+        self._check_vector(out, "pull buffer")
+        win = self._check_open().params
+        with self._all_shards(win):
+            for shard, (start, stop) in enumerate(self.ranges):
+                win.Get(_int64(self._headers[shard]), shard, (0, 2, MPI.INT64_T))
+                win.Get([out[start:stop], MPI.FLOAT], shard,
+                        (HEADER_BYTES, stop - start, MPI.FLOAT))
+        self.pulled_versions[:] = self._headers[:, VERSION]
+        self.applied_pushes[:] = self._headers[:, APPLIED]
+        return self.pulled_versions.copy()
+
+    def push(self, grad: np.ndarray) -> np.ndarray:
+        """Add `grad` to every shard's accumulator; returns the staleness per shard
+        (updates the shard applied after the version of the last pull, before this one).
+
+        One-sided: per shard, in one SHARED epoch, Accumulate(SUM) of its slice,
+        Fetch_and_op(SUM, +1) on its push counter and Fetch_and_op(NO_OP) on taken.
+        """
+        self._check_vector(grad, "gradient")
+        win = self._check_open().accum
+        with self._all_shards(win):
+            for shard, (start, stop) in enumerate(self.ranges):
+                win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
+                               (HEADER_BYTES, stop - start, MPI.FLOAT), MPI.SUM)
+                win.Fetch_and_op(_int64(self._one), _int64(self._pushes[shard]), shard,
+                                 PUSHES * COUNTER_BYTES, MPI.SUM)
+                win.Fetch_and_op(_int64(self._one), _int64(self._taken[shard]), shard,
+                                 TAKEN * COUNTER_BYTES, MPI.NO_OP)
+        staleness = self._taken[:, 0] - self.pulled_versions
+        self.staleness.add(staleness)
+        return staleness
+
+    def finish(self) -> None:
+        """Tell every shard that this rank will push no more. One-sided: Fetch_and_op(SUM,
+        +1) on each shard's done counter. Call it after the last push; idempotent."""
+        if self._finished:
+            return
+        win = self._check_open().accum
+        with self._all_shards(win):
+            for shard in self.topology.shard_ranks:
+                win.Fetch_and_op(_int64(self._one), _int64(self._pushes[shard]), shard,
+                                 DONE * COUNTER_BYTES, MPI.SUM)
+        self._finished = True
+
+    def free(self) -> None:
+        """finish() if not yet done, wait for every rank (polling with back-off sleeps,
+        not spinning) and free the windows. Collective over the world communicator (with
+        every shard's free())."""
+        self.finish()
+        self._free_all(_waiting_backoff())
+
+
+def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
+                          optimizer: OptimizerFactory,
+                          initial: np.ndarray | None = None,
+                          ) -> ParameterServerShard | ParameterClient:
+    """Create the parameter server: a ParameterServerShard on shard ranks, a
+    ParameterClient on every other rank (replicas and the coordinator).
+
+    Collective over `comm_world`: every rank calls it, with the same topology, size and
+    configuration; it creates the windows in one fixed order. It validates first, so a bad
+    configuration raises ConfigError on every rank before any communication.
+    `optimizer(n)` builds the optimizer for a slice of n parameters (called on shards
+    only); `initial` is the full initial parameter vector (each shard copies its slice;
+    None means zeros). Returns once every shard has published its initial parameters.
+    """
+    if size < topology.ps_shards:
+        raise ConfigError(f"cannot shard {size} parameters over {topology.ps_shards} "
+                          f"parameter-server shards; use at most {size} shards")
+    if comm_world.Get_size() != topology.world_size:
+        raise ConfigError(f"topology is for {topology.world_size} ranks, the communicator "
+                          f"has {comm_world.Get_size()}")
+    if initial is not None and (initial.shape != (size,) or initial.dtype != DTYPE):
+        raise ValueError(f"initial parameters must be float32 of shape ({size},), got "
+                         f"{initial.dtype} {initial.shape}")
+    # The collective part, identical on every rank whatever its role: a private
+    # communicator (our windows and barrier never mix with the caller's traffic), then the
+    # windows in one fixed order (size 0 off the shards).
+    comm = comm_world.Dup()
+    ranges = balanced_ranges(size, topology.ps_shards)
+    index = topology.shard_index
+    local_count = 0 if index is None else ranges[index][1] - ranges[index][0]
+    windows = _ShardWindows(comm, local_count)
+    # Local set-up: a shard publishes its initial parameters under its own lock.
+    endpoint: ParameterServerShard | ParameterClient
+    if topology.is_shard:
+        endpoint = ParameterServerShard(comm, windows, topology, size,
+                                        optimizer(local_count), initial)
+    else:
+        endpoint = ParameterClient(comm, windows, topology, size)
+    # Collective again: every shard has published before any client can pull.
+    comm.Barrier()
+    return endpoint
