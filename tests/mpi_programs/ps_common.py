@@ -1,0 +1,63 @@
+"""Shared pieces of the parameter-server MPI programs: a stand-in optimizer, checks, set-up.
+
+The programs run under `python -m mpi4py PROGRAM`, so any exception aborts the whole job
+with a non-zero status instead of leaving the other ranks hanging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.parameter_server import ParameterClient, ParameterServerShard, open_parameter_server
+from distbelief.topology import Topology
+
+
+class StandInSGD:
+    """params -= lr * grad, the rule of distbelief.optimizers' SGD (stand-in until it lands).
+
+    With lr and gradients exactly representable, every step is exact in float32.
+    """
+
+    def __init__(self, learning_rate: float, size: int):
+        self.learning_rate = np.float32(learning_rate)
+        self.size = size
+
+    def step(self, params: np.ndarray, grad: np.ndarray) -> None:
+        if params.shape != (self.size,) or grad.shape != (self.size,):
+            raise ValueError("optimizer built for another slice size")
+        params -= self.learning_rate * grad
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise (and so abort the job under mpi4py) when a checked property does not hold."""
+    if not condition:
+        raise RuntimeError(f"rank {MPI.COMM_WORLD.Get_rank()}: CHECK FAILED: {message}")
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--shards", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--coordinator", action="store_true")
+    p.add_argument("--lr", type=float, default=1.0)
+    return p
+
+
+def open_server(args: argparse.Namespace, initial: np.ndarray | None = None
+                ) -> tuple[Topology, ParameterServerShard | ParameterClient]:
+    """Topology from COMM_WORLD and the parameter server with stand-in SGD (collective)."""
+    world = MPI.COMM_WORLD
+    topology = Topology(world.Get_size(), world.Get_rank(), args.shards,
+                        coordinator=args.coordinator)
+    endpoint = open_parameter_server(world, topology, args.size,
+                                     lambda n: StandInSGD(args.lr, n), initial)
+    return topology, endpoint
+
+
+def say(*parts: object) -> None:
+    print(*parts, flush=True)
+    sys.stdout.flush()

@@ -1,0 +1,79 @@
+"""No torn reads, in the style of MPICH's test/mpi/rma/atomic_get.c.
+
+mode "set": each shard keeps overwriting its whole slice with a constant vector (all
+elements k, k = 1, 2, ...) by its publishing scheme while the clients pull; every pulled
+slice must be constant and k must never decrease.
+
+mode "fold": the clients push gradients of -1 (SGD, lr 1: each push adds 1 to every
+parameter) and pull; every pulled slice must be constant and equal to the number of pushes
+its shard reports as applied in the same pull, and versions must never decrease.
+"""
+
+import time
+
+import numpy as np
+from ps_common import check, open_server, parser, say
+
+from distbelief.parameter_server import ParameterServerShard
+
+
+def serve_set(shard: ParameterServerShard) -> None:
+    k = 0
+    while not shard.finished:
+        k += 1
+        shard.set_parameters(np.full(shard.stop - shard.start, k, dtype=np.float32))
+        shard.serve_once()
+    say(f"shard {shard.rank} published {k} constant vectors")
+
+
+def check_pull(args, endpoint, params, last, mode) -> np.ndarray:
+    versions = endpoint.pull(params)
+    seen = np.empty(len(endpoint.ranges))
+    for s, (start, stop) in enumerate(endpoint.ranges):
+        part = params[start:stop]
+        check(bool((part == part[0]).all()),
+              f"torn read of shard {s}: values {np.unique(part)[:5]}")
+        if mode == "fold":
+            check(part[0] == endpoint.applied_pushes[s],
+                  f"shard {s}: parameters {part[0]} but {endpoint.applied_pushes[s]} pushes "
+                  f"applied at version {versions[s]}")
+            seen[s] = versions[s]
+        else:
+            seen[s] = part[0]
+    check(bool((seen >= last).all()), f"went back: {last} -> {seen}")
+    return seen
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--mode", choices=["set", "fold"], required=True)
+    p.add_argument("--seconds", type=float, default=1.0)
+    args = p.parse_args()
+    topology, endpoint = open_server(args)
+    if isinstance(endpoint, ParameterServerShard):
+        if args.mode == "set":
+            serve_set(endpoint)
+        else:
+            endpoint.serve()
+    else:
+        params = np.empty(args.size, dtype=np.float32)
+        minus_one = np.full(args.size, -1, dtype=np.float32)
+        last = np.zeros(topology.ps_shards)
+        first = None
+        pulls = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < args.seconds:
+            if args.mode == "fold":
+                endpoint.push(minus_one)
+            last = check_pull(args, endpoint, params, last, args.mode)
+            first = last.copy() if first is None else first
+            pulls += 1
+        # Without a change during the run the check above would prove nothing.
+        check(bool((last > first).all()), f"values never changed: {first} -> {last}")
+        say(f"rank {topology.world_rank}: {pulls} pulls consistent, {first} -> {last}")
+        endpoint.finish()
+    endpoint.free()
+
+
+if __name__ == "__main__":
+    main()

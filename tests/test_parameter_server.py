@@ -1,0 +1,173 @@
+"""Roles, communicators and the sharded parameter server (Downpour SGD over MPI RMA).
+
+The pure parts (rank-count validation, role arithmetic, back-off) are tested in-process;
+everything that communicates runs as an MPI job from tests/mpi_programs/ under a timeout,
+at several rank counts including odd splits. The programs check their own invariants on
+every rank and raise (aborting the job) when one fails; the tests check the exit status
+and that every rank reported what it verified.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from conftest import REPO, run_mpi
+
+from distbelief import parameter_server as ps
+from distbelief.errors import ConfigError
+from distbelief.topology import Topology, validate_rank_count
+
+PROGRAMS = REPO / "tests" / "mpi_programs"
+TIMEOUT = 90
+
+
+def mpi4py_job(n: int, program: str, *args: object, timeout: float = TIMEOUT):
+    """`mpiexec -n N python -m mpi4py PROGRAM ARGS`: an exception on any rank aborts."""
+    return run_mpi(n, ["-m", "mpi4py", PROGRAMS / program, *args], timeout=timeout)
+
+
+def assert_ok(proc) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+
+
+# --- pure: rank counts and roles ----------------------------------------------------------
+
+def test_rank_count_leaving_no_replica_names_numbers_and_fix():
+    with pytest.raises(ConfigError) as err:
+        validate_rank_count(world_size=2, ps_shards=2)
+    message = str(err.value)
+    assert "2 MPI rank(s) leave 0 for model replicas" in message
+    assert "mpiexec -n 3" in message
+
+
+def test_rank_count_counts_coordinator_and_partitions():
+    assert validate_rank_count(3, 2) == 1
+    assert validate_rank_count(5, 2) == 3
+    assert validate_rank_count(8, 1, partitions=2, coordinator=True) == 3
+    with pytest.raises(ConfigError, match="mpiexec -n 3"):
+        validate_rank_count(2, 1, coordinator=True)
+    with pytest.raises(ConfigError, match="not a multiple of partitions=2. Run with 6 or 8"):
+        validate_rank_count(7, 1, partitions=2, coordinator=True)
+    for bad in ({"ps_shards": 0}, {"ps_shards": 1, "partitions": 0}):
+        with pytest.raises(ConfigError):
+            validate_rank_count(4, **bad)
+
+
+def test_topology_rejects_bad_rank_count_on_construction():
+    with pytest.raises(ConfigError):
+        Topology(world_size=2, world_rank=0, ps_shards=2)
+    with pytest.raises(ConfigError):
+        Topology(world_size=3, world_rank=3, ps_shards=1)
+
+
+def test_roles_shards_first_then_coordinator_then_replica_blocks():
+    roles = [Topology(8, r, 1, partitions=2, coordinator=True) for r in range(8)]
+    assert [t.role for t in roles] == ["shard", "coordinator"] + ["replica"] * 6
+    assert roles[0].coordinator_rank == 1 and roles[0].num_replicas == 3
+    assert [(t.replica_index, t.partition_index) for t in roles[2:]] == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert roles[0].replica_ranks(2) == range(6, 8)
+    assert roles[0].shard_index == 0 and roles[1].shard_index is None
+    plain = [Topology(5, r, 2) for r in range(5)]
+    assert [t.role for t in plain] == ["shard"] * 2 + ["replica"] * 3
+    assert plain[4].replica_index == 2 and plain[2].first_replica_rank == 2
+
+
+def test_backoff_spins_then_doubles_up_to_the_cap(monkeypatch):
+    sleeps: list[float] = []
+    monkeypatch.setattr(ps.time, "sleep", sleeps.append)
+    backoff = ps.Backoff(spin_s=0.05, min_sleep_s=1e-4, max_sleep_s=1e-3)
+    backoff.reset()
+    backoff.wait()
+    assert sleeps == []  # inside the spin window: no sleep
+    backoff = ps.Backoff(spin_s=0.0, min_sleep_s=1e-4, max_sleep_s=1e-3)
+    for _ in range(6):
+        backoff.wait()
+    assert sleeps == pytest.approx([1e-4, 2e-4, 4e-4, 8e-4, 1e-3, 1e-3])
+    backoff.reset()
+    sleeps.clear()
+    backoff.wait()
+    assert sleeps == pytest.approx([1e-4])  # back to the shortest sleep after work
+
+
+# --- MPI jobs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, shards, partitions, coordinator", [
+    (3, 1, 1, False), (5, 2, 1, False), (6, 1, 2, True)])
+def test_split_communicators(n, shards, partitions, coordinator):
+    args = ["--shards", shards, "--partitions", partitions]
+    proc = mpi4py_job(n, "topology_split.py", *args, *(["--coordinator"] if coordinator else []))
+    assert_ok(proc)
+    assert proc.stdout.count(" ok") == n
+
+
+@pytest.mark.parametrize("n, shards, size, pushes, extra", [
+    (2, 1, 1000, 20, []),
+    (3, 2, 1001, 20, []),             # one replica, size not divisible by the shards
+    (5, 2, 1001, 20, []),             # 2 shards + 3 replicas
+    (4, 2, 1001, 20, ["--coordinator"]),
+    # One big shard and 4 replicas: a take without the exclusive lock loses pushes here
+    # (checked by breaking the lock on purpose: caught in 4 runs out of 4).
+    (5, 1, 669_706, 40, []),
+])
+def test_pushes_are_applied_exactly_once(n, shards, size, pushes, extra):
+    proc = mpi4py_job(n, "ps_exact.py", "--shards", shards, "--size", size,
+                      "--pushes", pushes, "--lr", 0.5, *extra)
+    assert_ok(proc)
+    for s in range(shards):
+        assert f"shard {s} exact:" in proc.stdout
+
+
+@pytest.mark.parametrize("n, shards, mode", [
+    (2, 1, "set"), (3, 2, "set"), (4, 1, "fold"), (5, 2, "fold")])
+def test_pulls_are_never_torn(n, shards, mode):
+    proc = mpi4py_job(n, "ps_torn.py", "--shards", shards, "--size", 669_706,
+                      "--mode", mode, "--seconds", 1.0)
+    assert_ok(proc)
+    assert proc.stdout.count("pulls consistent") == n - shards
+
+
+@pytest.mark.parametrize("n, shards, extra", [
+    (3, 1, []), (4, 2, []), (5, 2, []), (6, 1, ["--coordinator"])])
+def test_staleness_counts_updates_since_pull(n, shards, extra):
+    proc = mpi4py_job(n, "ps_staleness.py", "--shards", shards, "--size", 1001,
+                      "--updates", 5, *extra)
+    assert_ok(proc)
+    assert "replica A: staleness 5 then 0" in proc.stdout
+    assert "replica B: 5 pushes applied" in proc.stdout
+
+
+@pytest.mark.parametrize("n, args, needle", [
+    (2, ["--shards", 2], "2 MPI rank(s) leave 0 for model replicas"),
+    (4, ["--shards", 1, "--partitions", 2], "not a multiple of partitions=2"),
+    (3, ["--shards", 2, "--size", 1], "cannot shard 1 parameters over 2"),
+])
+def test_config_error_on_every_rank_before_communication(n, args, needle):
+    # Plain python, no mpi4py abort: every rank must fail by itself, without waiting for
+    # the others (a rank blocked in a collective would time the test out).
+    proc = run_mpi(n, [PROGRAMS / "ps_config.py", *args], timeout=TIMEOUT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    # mpiexec may interleave the ranks' lines, so count rather than split lines.
+    ranks = re.findall(r"rank (\d+): ConfigError: ", proc.stdout)
+    assert sorted(map(int, ranks)) == list(range(n))
+    assert proc.stdout.count(needle) == n
+
+
+def test_fitting_configuration_runs():
+    proc = run_mpi(3, [PROGRAMS / "ps_config.py", "--shards", 2, "--size", 3], timeout=TIMEOUT)
+    assert_ok(proc)
+    assert proc.stdout.count("configuration fits") == 3
+
+
+@pytest.mark.parametrize("n, fail", [(4, "shard"), (3, "replica"), (5, "replica")])
+def test_exception_on_one_rank_aborts_the_job(n, fail):
+    t0 = time.perf_counter()
+    proc = mpi4py_job(n, "ps_abort.py", "--shards", 1, "--size", 1000, "--fail", fail,
+                      timeout=60)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode != 0
+    assert "fails on purpose" in proc.stderr
+    assert "unreachable" not in proc.stdout
+    assert elapsed < 30, f"abort took {elapsed:.1f} s"
