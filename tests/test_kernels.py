@@ -262,14 +262,16 @@ def ref_local_backward(x, weights, dout, kernel, stride) -> tuple[np.ndarray, np
 
 
 # (N, H, W, Cin, kernel, stride, Cout): odd sizes, stride 2 and 3 with uncovered edge
-# pixels, one output position, and a Fashion-MNIST-sized first layer.
+# pixels, one output position, a Fashion-MNIST-sized first layer, and stride = kernel.
 LOCAL_CASES = [
     (1, 3, 3, 1, 3, 1, 1),
     (2, 7, 9, 3, 3, 2, 5),
     (3, 8, 8, 2, 3, 2, 7),
     (2, 10, 11, 4, 4, 3, 16),
     (1, 6, 5, 5, 2, 1, 33),
+    (5, 9, 9, 3, 3, 1, 9),     # full and partial register tiles in every direction
     (4, 28, 28, 1, 5, 2, 8),
+    (6, 8, 8, 16, 4, 4, 12),   # R = 256 floats: a power-of-two row in the packed blocks
 ]
 
 
