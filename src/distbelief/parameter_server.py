@@ -9,13 +9,15 @@ Windows (per shard; size 0 on every other rank), allocated with Win.Allocate ove
 private duplicate of the world communicator, displacement unit 1 byte:
 
     ACCUM  [0:8) taken | [8:16) pushes | [16:24) done | [64:64+4n) gradient accumulator f32
-    PARAMS [0:8) version | [8:16) applied | [64:64+4n) parameters f32      (counters int64)
+    PARAMS [0:8) version | [8:16) applied | [16:24) pulls | [64:64+4n) parameters f32
+                                                                      (counters: int64)
 
     taken   = gradient batches the shard has taken out of the accumulator (folds started)
     pushes  = pushes received (every push adds 1)
     done    = clients (replicas and coordinator) that called finish()
     version = updates applied to the parameters (folds finished); version <= taken <= +1
     applied = pushes contained in the parameters (the value of `pushes` at the last take)
+    pulls   = pulls served (so that the shard sees pull traffic and keeps polling fast)
 
 RMA SCHEME. "Owner" is the shard itself, "replica" any other rank (replica, coordinator).
 Every lock is taken and released through `_epoch` (a context manager).
@@ -31,8 +33,10 @@ Every lock is taken and released through `_epoch` (a context manager).
 |                 | owner: store (taken + 1)                  | EXCLUSIVE on itself   |
 | ACCUM done      | replica: Fetch_and_op(SUM, +1), int64     | SHARED on the shard   |
 |                 | owner: Fetch_and_op(NO_OP)                | SHARED on itself      |
-| PARAMS all      | replica: Get (version, applied, params)   | SHARED on the shard   |
-|                 | owner: store (copy of its master params)  | EXCLUSIVE on itself   |
+| PARAMS version, | replica: Get                              | SHARED on the shard   |
+| applied, params | owner: store (copy of its master params)  | EXCLUSIVE on itself   |
+| PARAMS pulls    | replica: Fetch_and_op(SUM, +1), int64     | SHARED on the shard   |
+|                 | owner: Fetch_and_op(NO_OP)                | SHARED on itself      |
 
 Why each access is legal (MPI-4.1, one-sided chapter: conflicting accesses, passive-target
 synchronization and the semantics section, plus the `accumulate_ops` window info):
@@ -40,8 +44,8 @@ synchronization and the semantics section, plus the `accumulate_ops` window info
   operations (Accumulate, Get_accumulate, Fetch_and_op) with the same basic datatype; and
   `accumulate_ops=same_op_no_op` (the default; set explicitly here) further requires that
   concurrent accumulates use the same op or NO_OP. Replicas' concurrent pushes are all
-  SUM on float32 (gradient) or SUM on int64 (pushes, done), and every concurrent reader
-  of a counter uses NO_OP on int64: element-wise atomic and legal. REPLACE is never used, so
+  SUM on float32 (gradient) or SUM on int64 (pushes, done, pulls), and every concurrent
+  reader of a counter uses NO_OP on int64: element-wise atomic and legal. REPLACE is never used, so
   SUM never meets a different op.
 - Everything else (the owner's local loads and stores, plain Get) would conflict with a
   concurrent update, so it is kept apart by the locks: "accesses that are protected by an
@@ -99,7 +103,7 @@ COUNTER_BYTES = 8
 # int64 slots in the ACCUM header
 TAKEN, PUSHES, DONE = 0, 1, 2
 # int64 slots in the PARAMS header
-VERSION, APPLIED = 0, 1
+VERSION, APPLIED, PULLS = 0, 1, 2
 
 
 class Optimizer(Protocol):
@@ -249,7 +253,8 @@ class ParameterServerShard(_Endpoint):
         self._optimizer = optimizer
         self._master = np.zeros(count, dtype=DTYPE)  # the parameters; private to this rank
         self._grad = np.zeros(count, dtype=DTYPE)  # the gradient batch being applied
-        self._counters = np.zeros(2, dtype=np.int64)  # pushes, done as last read
+        self._counters = np.zeros(3, dtype=np.int64)  # pushes, done, pulls as last read
+        self._pulls_seen = 0
         self._taken = 0
         self._pushes_taken = 0
         self._finished = False
@@ -289,20 +294,31 @@ class ParameterServerShard(_Endpoint):
         self._master[:] = values
         self._publish()
 
-    def read_counters(self) -> tuple[int, int]:
-        """(pushes received, clients finished), read atomically.
+    def read_counters(self) -> tuple[int, int, int]:
+        """(pushes received, clients finished, pulls served), each read atomically.
 
-        One-sided on its own ACCUM window: a SHARED epoch with two Fetch_and_op(NO_OP),
-        legal against the clients' concurrent SUMs. The epoch also drives MPI progress.
+        One-sided on its own windows: SHARED epochs with Fetch_and_op(NO_OP), legal
+        against the clients' concurrent SUMs. The epochs also drive MPI progress.
         """
-        win = self._live().accum
-        pushes, done = self._counters[0:1], self._counters[1:2]
-        with _epoch(win, self.rank, MPI.LOCK_SHARED):
-            win.Fetch_and_op(_int64(pushes), _int64(pushes), self.rank,
-                             PUSHES * COUNTER_BYTES, MPI.NO_OP)
-            win.Fetch_and_op(_int64(done), _int64(done), self.rank,
-                             DONE * COUNTER_BYTES, MPI.NO_OP)
-        return int(pushes[0]), int(done[0])
+        windows = self._live()
+        pushes, done, pulls = (self._counters[i : i + 1] for i in range(3))
+        for win, slot, value in ((windows.accum, PUSHES, pushes), (windows.accum, DONE, done),
+                                 (windows.params, PULLS, pulls)):
+            with _epoch(win, self.rank, MPI.LOCK_SHARED):
+                win.Fetch_and_op(_int64(value), _int64(value), self.rank,
+                                 slot * COUNTER_BYTES, MPI.NO_OP)
+        return int(pushes[0]), int(done[0]), int(pulls[0])
+
+    @contextmanager
+    def _exclusive(self, win: MPI.Win) -> Iterator[None]:
+        """An EXCLUSIVE epoch on this rank's own part of `win`, timed: the wait for the
+        lock (clients' SHARED epochs in flight) and how long it is held."""
+        t0 = time.perf_counter()
+        with _epoch(win, self.rank, MPI.LOCK_EXCLUSIVE):
+            t1 = time.perf_counter()
+            yield
+            t2 = time.perf_counter()
+        self.stats.exclusive(wait=t1 - t0, hold=t2 - t1)
 
     def fold(self) -> int:
         """Take the accumulated gradient and apply it with the optimizer; returns the
@@ -312,8 +328,7 @@ class ParameterServerShard(_Endpoint):
         the accumulator, the optimizer runs outside any lock on the private master copy,
         an EXCLUSIVE epoch on PARAMS publishes the result.
         """
-        t0 = time.perf_counter()
-        with _epoch(self._live().accum, self.rank, MPI.LOCK_EXCLUSIVE):
+        with self._exclusive(self._live().accum):
             pushes = int(self._accum_header[PUSHES])
             if pushes == self._pushes_taken:
                 return 0
@@ -321,7 +336,6 @@ class ParameterServerShard(_Endpoint):
             self._accum.fill(0)
             self._taken += 1
             self._accum_header[TAKEN] = self._taken
-        self.stats.exclusive(time.perf_counter() - t0)
         new = pushes - self._pushes_taken
         self._pushes_taken = pushes
         self._optimizer.step(self._master, self._grad)
@@ -332,26 +346,26 @@ class ParameterServerShard(_Endpoint):
 
     def _publish(self) -> None:
         """Copy the master parameters and the counters into PARAMS (EXCLUSIVE on self)."""
-        t0 = time.perf_counter()
-        with _epoch(self._live().params, self.rank, MPI.LOCK_EXCLUSIVE):
+        with self._exclusive(self._live().params):
             np.copyto(self._params, self._master)
             self._params_header[VERSION] = self._taken
             self._params_header[APPLIED] = self._pushes_taken
-        self.stats.exclusive(time.perf_counter() - t0)
 
     def serve_once(self) -> bool:
         """One poll: read the counters (which drives MPI progress, letting the clients'
         pending locks, accumulates and gets complete) and fold if pushes are pending.
-        Returns True if it folded. One-sided on its own windows.
+        Returns True if there was traffic (a fold, or pulls since the last poll), telling
+        the caller to keep polling fast. One-sided on its own windows.
         """
         self.stats.polls += 1
-        pushes, done = self.read_counters()
+        pushes, done, pulls = self.read_counters()
         # Clients finish only after their last push completed, so once every client is
         # done, `pushes` is final and folding it leaves nothing behind.
         folded = pushes > self._pushes_taken and self.fold() > 0
         if done == self.num_clients and self._pushes_taken >= pushes:
             self._finished = True
-        return folded
+        pulled, self._pulls_seen = pulls > self._pulls_seen, pulls
+        return folded or pulled
 
     def serve(self, backoff: Backoff | None = None) -> ShardStats:
         """Serve pushes and pulls until every client has called finish(); returns stats.
@@ -381,19 +395,26 @@ class ParameterServerShard(_Endpoint):
 
 @dataclass
 class ShardStats:
-    """What a shard did: folds, pushes folded, polls, time in exclusive sections."""
+    """What a shard did: folds, pushes folded, polls, its exclusive sections (time held,
+    and time waiting for the clients' shared epochs to drain), CPU and wall time served."""
 
     folds: int = 0
     pushes: int = 0
     polls: int = 0
-    exclusive_max_s: float = 0.0
-    exclusive_total_s: float = 0.0
+    exclusive_sections: int = 0
+    hold_max_s: float = 0.0
+    hold_total_s: float = 0.0
+    wait_max_s: float = 0.0
+    wait_total_s: float = 0.0
     cpu_s: float = 0.0
     wall_s: float = 0.0
 
-    def exclusive(self, seconds: float) -> None:
-        self.exclusive_max_s = max(self.exclusive_max_s, seconds)
-        self.exclusive_total_s += seconds
+    def exclusive(self, wait: float, hold: float) -> None:
+        self.exclusive_sections += 1
+        self.hold_max_s = max(self.hold_max_s, hold)
+        self.hold_total_s += hold
+        self.wait_max_s = max(self.wait_max_s, wait)
+        self.wait_total_s += wait
 
 
 @dataclass
@@ -432,6 +453,7 @@ class ParameterClient(_Endpoint):
         self.staleness = StalenessStats()
         self._finished = False
         self._headers = np.zeros((shards, 2), dtype=np.int64)
+        self._pulls = np.zeros((shards, 1), dtype=np.int64)
         self._one = np.ones(1, dtype=np.int64)
         self._taken = np.zeros((shards, 1), dtype=np.int64)
         self._pushes = np.zeros((shards, 1), dtype=np.int64)
@@ -441,33 +463,60 @@ class ParameterClient(_Endpoint):
             raise ValueError(f"{what} must be a contiguous float32 vector of {self.size} "
                              f"elements, got {vector.dtype} {vector.shape}")
 
-    def _check_open(self) -> MPI.Win:
+    def _check_open(self) -> _ShardWindows:
         windows = self._live()
         if self._finished:
             raise RuntimeError("this client already called finish()")
         return windows
 
     @contextmanager
-    def _all_shards(self, win: MPI.Win) -> Iterator[None]:
+    def _all_shards(self, *wins: MPI.Win) -> Iterator[None]:
+        """SHARED epochs on every shard of every window in `wins`, open at the same time,
+        so that their lock round trips and transfers overlap."""
         with ExitStack() as stack:
-            for shard in self.topology.shard_ranks:
-                stack.enter_context(_epoch(win, shard, MPI.LOCK_SHARED))
+            for win in wins:
+                for shard in self.topology.shard_ranks:
+                    stack.enter_context(_epoch(win, shard, MPI.LOCK_SHARED))
             yield
+
+    def _issue_pull(self, win: MPI.Win, out: np.ndarray) -> None:
+        for shard, (start, stop) in enumerate(self.ranges):
+            # version and applied only: `pulls` is updated concurrently by other clients.
+            win.Get(_int64(self._headers[shard]), shard, (0, 2, MPI.INT64_T))
+            win.Get([out[start:stop], MPI.FLOAT], shard,
+                    (HEADER_BYTES, stop - start, MPI.FLOAT))
+            win.Fetch_and_op(_int64(self._one), _int64(self._pulls[shard]), shard,
+                             PULLS * COUNTER_BYTES, MPI.SUM)
+
+    def _issue_push(self, win: MPI.Win, grad: np.ndarray) -> None:
+        for shard, (start, stop) in enumerate(self.ranges):
+            win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
+                           (HEADER_BYTES, stop - start, MPI.FLOAT), MPI.SUM)
+            win.Fetch_and_op(_int64(self._one), _int64(self._pushes[shard]), shard,
+                             PUSHES * COUNTER_BYTES, MPI.SUM)
+            win.Fetch_and_op(_int64(self._one), _int64(self._taken[shard]), shard,
+                             TAKEN * COUNTER_BYTES, MPI.NO_OP)
+
+    def _pulled(self) -> np.ndarray:
+        self.pulled_versions[:] = self._headers[:, VERSION]
+        self.applied_pushes[:] = self._headers[:, APPLIED]
+        return self.pulled_versions.copy()
+
+    def _pushed(self) -> np.ndarray:
+        staleness = self._taken[:, 0] - self.pulled_versions
+        self.staleness.add(staleness)
+        return staleness
 
     def pull(self, out: np.ndarray) -> np.ndarray:
         """Fetch all parameters into `out`; returns each shard's version (int64, one per
         shard). One-sided: Get from every shard's PARAMS window under a SHARED lock, so
-        each shard's slice is one consistent snapshot matching its version."""
+        each shard's slice is one consistent snapshot matching its version (and
+        Fetch_and_op(SUM, +1) on its pull counter)."""
         self._check_vector(out, "pull buffer")
         win = self._check_open().params
         with self._all_shards(win):
-            for shard, (start, stop) in enumerate(self.ranges):
-                win.Get(_int64(self._headers[shard]), shard, (0, 2, MPI.INT64_T))
-                win.Get([out[start:stop], MPI.FLOAT], shard,
-                        (HEADER_BYTES, stop - start, MPI.FLOAT))
-        self.pulled_versions[:] = self._headers[:, VERSION]
-        self.applied_pushes[:] = self._headers[:, APPLIED]
-        return self.pulled_versions.copy()
+            self._issue_pull(win, out)
+        return self._pulled()
 
     def push(self, grad: np.ndarray) -> np.ndarray:
         """Add `grad` to every shard's accumulator; returns the staleness per shard
@@ -479,16 +528,24 @@ class ParameterClient(_Endpoint):
         self._check_vector(grad, "gradient")
         win = self._check_open().accum
         with self._all_shards(win):
-            for shard, (start, stop) in enumerate(self.ranges):
-                win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
-                               (HEADER_BYTES, stop - start, MPI.FLOAT), MPI.SUM)
-                win.Fetch_and_op(_int64(self._one), _int64(self._pushes[shard]), shard,
-                                 PUSHES * COUNTER_BYTES, MPI.SUM)
-                win.Fetch_and_op(_int64(self._one), _int64(self._taken[shard]), shard,
-                                 TAKEN * COUNTER_BYTES, MPI.NO_OP)
-        staleness = self._taken[:, 0] - self.pulled_versions
-        self.staleness.add(staleness)
-        return staleness
+            self._issue_push(win, grad)
+        return self._pushed()
+
+    def push_pull(self, grad: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """push(grad) and pull(out) with all their epochs open at once; returns
+        (staleness, versions) as push and pull do.
+
+        One-sided, to every shard: the same operations as push and pull, overlapped, so a
+        training step costs the shard one round of lock traffic instead of two. The
+        parameters fetched may or may not contain this gradient yet (usually not).
+        """
+        self._check_vector(grad, "gradient")
+        self._check_vector(out, "pull buffer")
+        windows = self._check_open()
+        with self._all_shards(windows.accum, windows.params):
+            self._issue_push(windows.accum, grad)
+            self._issue_pull(windows.params, out)
+        return self._pushed(), self._pulled()
 
     def finish(self) -> None:
         """Tell every shard that this rank will push no more. One-sided: Fetch_and_op(SUM,

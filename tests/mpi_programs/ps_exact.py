@@ -44,12 +44,19 @@ def main() -> None:
               "first pull of a lone replica must see the initial parameters")
         if topology.is_replica:
             for m in range(args.pushes):
-                staleness = endpoint.push(gradient(topology.replica_index, m, args.size))
-                check(bool((staleness >= 0).all()), f"negative staleness {staleness}")
-                if m % 2:
+                grad = gradient(topology.replica_index, m, args.size)
+                # Three ways to push: alone, followed by a pull, overlapped with a pull.
+                new = versions
+                if m % 3 == 0:
+                    staleness = endpoint.push(grad)
+                elif m % 3 == 1:
+                    staleness = endpoint.push(grad)
                     new = endpoint.pull(params)
-                    check(bool((new >= versions).all()), f"versions went back: {versions} {new}")
-                    versions = new
+                else:
+                    staleness, new = endpoint.push_pull(grad, params)
+                check(bool((staleness >= 0).all()), f"negative staleness {staleness}")
+                check(bool((new >= versions).all()), f"versions went back: {versions} {new}")
+                versions = new
             say(f"replica {topology.replica_index} pushed {args.pushes}; staleness mean "
                 f"{endpoint.staleness.mean:.2f} max {endpoint.staleness.max}")
         endpoint.finish()

@@ -5,7 +5,7 @@ elements k, k = 1, 2, ...) by its publishing scheme while the clients pull; ever
 slice must be constant and k must never decrease.
 
 mode "fold": the clients push gradients of -1 (SGD, lr 1: each push adds 1 to every
-parameter) and pull; every pulled slice must be constant and equal to the number of pushes
+parameter) and pull, in turn separately and overlapped (push_pull); every pulled slice must be constant and equal to the number of pushes
 its shard reports as applied in the same pull, and versions must never decrease.
 """
 
@@ -26,8 +26,7 @@ def serve_set(shard: ParameterServerShard) -> None:
     say(f"shard {shard.rank} published {k} constant vectors")
 
 
-def check_pull(args, endpoint, params, last, mode) -> np.ndarray:
-    versions = endpoint.pull(params)
+def check_pull(endpoint, params, last, mode, versions) -> np.ndarray:
     seen = np.empty(len(endpoint.ranges))
     for s, (start, stop) in enumerate(endpoint.ranges):
         part = params[start:stop]
@@ -63,9 +62,13 @@ def main() -> None:
         pulls = 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < args.seconds:
-            if args.mode == "fold":
-                endpoint.push(minus_one)
-            last = check_pull(args, endpoint, params, last, args.mode)
+            if args.mode == "fold" and pulls % 2:
+                _, versions = endpoint.push_pull(minus_one, params)
+            else:
+                if args.mode == "fold":
+                    endpoint.push(minus_one)
+                versions = endpoint.pull(params)
+            last = check_pull(endpoint, params, last, args.mode, versions)
             first = last.copy() if first is None else first
             pulls += 1
         # Without a change during the run the check above would prove nothing.
