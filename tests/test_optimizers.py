@@ -32,7 +32,7 @@ def _gradients(rng: np.random.Generator, size: int, steps: int) -> list[np.ndarr
     return grads
 
 
-@pytest.mark.parametrize("size", [1, 7, 1000, 4099])
+@pytest.mark.parametrize("size", [1, 7, 1000, 4099, 100_003])
 def test_adagrad_matches_torch(size: int) -> None:
     rng = np.random.default_rng(size)
     params0 = rng.standard_normal(size).astype(np.float32)
@@ -44,8 +44,11 @@ def test_adagrad_matches_torch(size: int) -> None:
     params = params0.copy()
     for g in grads:
         opt.step(params, g)
+    # torch fuses multiply-adds (FMA), we do not: a few ulps apart. Each step moves a
+    # parameter by at most lr (|g| / sqrt(sum g^2) <= 1), so rounding is measured against
+    # that for parameters near zero.
     np.testing.assert_allclose(opt.accum, torch_state["sum"].numpy(), rtol=1e-6)
-    np.testing.assert_allclose(params, expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(params, expected, rtol=1e-6, atol=1e-5 * lr * len(grads))
     assert not np.array_equal(params, params0)  # it did move
 
 
