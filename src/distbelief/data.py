@@ -46,6 +46,10 @@ IMAGE_SCALE = 1.0 / 255.0
 # Aim for chunks of about this many bytes: big enough that HDF5's per-chunk overhead is
 # negligible, small enough that a shard boundary drags in little foreign data.
 CHUNK_BYTES = 256 * 1024
+# What h5py raises for a damaged file (found by flipping random bytes of valid files):
+# OSError for unreadable metadata or a failed chunk checksum, RuntimeError or KeyError for
+# damaged object headers, ValueError or TypeError for a damaged datatype.
+H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
 # Labels are checked in blocks so that validating a file larger than memory stays cheap.
 LABEL_CHECK_ROWS = 1 << 20
 
@@ -76,7 +80,7 @@ def _open_h5(path: Path) -> h5py.File:
         raise DataError(f"{path}: not a regular file")
     try:
         return h5py.File(path, "r", locking=False)
-    except OSError as exc:
+    except H5_ERRORS as exc:
         raise DataError(f"{path}: not a readable HDF5 file (truncated or corrupt?): "
                         f"{_first_line(exc)}") from exc
 
@@ -171,8 +175,9 @@ def open_dataset(path: str | os.PathLike) -> DatasetInfo:
     with _open_h5(path) as f:
         try:
             return _describe(path, f)
-        except OSError as exc:
-            # HDF5 reports damaged metadata or a failed chunk checksum as OSError.
+        except DataError:
+            raise
+        except H5_ERRORS as exc:
             raise DataError(f"{path}: corrupt HDF5 file: {_first_line(exc)}") from exc
 
 
@@ -216,7 +221,9 @@ def _read_rows(info: DatasetInfo, split: str, start: int,
                     or x.dtype.name != info.stored_dtype):
                 raise DataError(f"{info.path}: /{split} changed since the file was opened")
             return x[start:stop], y[start:stop].astype(np.int32)
-        except OSError as exc:
+        except DataError:
+            raise
+        except H5_ERRORS as exc:
             raise DataError(f"{info.path}: cannot read rows {start}..{stop} of /{split}/x "
                             f"(corrupt file?): {_first_line(exc)}") from exc
 
