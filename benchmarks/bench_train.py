@@ -19,7 +19,9 @@ Task: MLP 784-512-512-10 ReLU, softmax cross-entropy, He/Glorot uniform init, Ad
 lr 0.02 (eps 1e-10), batch 64, Fashion-MNIST (data/fashion_mnist.h5, made by
 `distbelief prepare fashion-mnist`), same batching scheme (a fresh permutation per epoch).
 Ratios are distbelief / torch: above 1 for throughput, below 1 for time, means distbelief is
-faster. Time to target depends on the seed (different RNG streams in the two), so it is
+faster. Other processes on the machine distort the figures, 2-thread ones most (BLAS and
+OpenMP threads spin-wait for a core that is busy): each row shows the load average just
+before it was measured. Time to target depends on the seed (different RNG streams in the two), so it is
 noisier than throughput; `--seeds` repeats it and reports the median.
 
     python benchmarks/bench_train.py                 # everything, ~2-3 minutes
@@ -160,24 +162,27 @@ def main() -> None:
           f"best of {args.repeats}")
     print(f"{'threads':>7} {'distbelief':>12} {'torch':>12} {'ratio':>6}   samples/s")
     for threads in thread_counts:
+        load = os.getloadavg()[0]
         ours = peer = 0.0
         for _ in range(args.repeats):
             ours = max(ours, run_worker("ours", "throughput", threads, args)
                        ["samples_per_second"])
             peer = max(peer, run_worker("torch", "throughput", threads, args)
                        ["samples_per_second"])
-        print(f"{threads:>7} {ours:>12,.0f} {peer:>12,.0f} {ratio(ours, peer):>6}", flush=True)
+        print(f"{threads:>7} {ours:>12,.0f} {peer:>12,.0f} {ratio(ours, peer):>6}   "
+              f"(load before {load:.1f})", flush=True)
     if args.no_target:
         return
     print(f"(b) wall time to {args.target} test accuracy, eval every {args.eval_every}s on "
           f"the whole test set, median of {args.seeds} seed(s)")
     print(f"{'threads':>7} {'distbelief':>12} {'torch':>12} {'ratio':>6}   seconds")
     for threads in thread_counts:
+        load = os.getloadavg()[0]
         ours = median_time_to_target("ours", threads, args)
         peer = median_time_to_target("torch", threads, args)
         print(f"{threads:>7} {fmt(ours['median'], '.1f'):>12} {fmt(peer['median'], '.1f'):>12} "
               f"{ratio(ours['median'], peer['median']):>6}   "
-              f"(steps {ours['steps']} vs {peer['steps']})", flush=True)
+              f"(steps {ours['steps']} vs {peer['steps']}; load before {load:.1f})", flush=True)
 
 
 if __name__ == "__main__":
