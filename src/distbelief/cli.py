@@ -30,7 +30,9 @@ TRAIN_HELP = """\
 Train the model of a TOML configuration until one of its stop rules fires (run.max_steps,
 run.max_seconds, run.target_accuracy). The whole configuration, the data file included, is
 checked before training starts. Results go to run.out_dir (default runs/<config name>):
-config.json, metrics.jsonl (training and test curves) and summary.json.
+config.json, metrics.jsonl (training and test curves) and summary.json. A relative
+data.path (in the file or from --set) is read from the config file's folder; a relative
+run.out_dir from the current one.
 
 optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour SGD over
 MPI ranks (parameter-server shards and model replicas), launched with mpiexec.
