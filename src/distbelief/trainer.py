@@ -128,8 +128,8 @@ def train(config: Config, stream: IO[str] | None = sys.stdout) -> dict[str, Any]
     # Overflow in a diverging run is reported once, as TrainingDiverged, not as a stream of
     # numpy warnings.
     with recorder, np.errstate(over="ignore", invalid="ignore"):
-        reason = _train_loop(config, network, shard, optimizer, params, grad,
-                                            eval_set, recorder)
+        reason = _train_loop(config, network, shard, optimizer, params, grad, eval_set,
+                             recorder)
         summary = recorder.finish({
             "algorithm": "sgd", "stop_reason": reason, "config_hash": config_hash(config),
             "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
