@@ -1,22 +1,25 @@
 """RMA benchmarks for the parameter server: bandwidth against a memory copy, and the cost of
 keeping MPI progressing on the shard.
 
-    mpiexec -n 2 python benchmarks/bench_rma.py             # the report (1 shard, 1 replica)
-    mpiexec -n 3 python benchmarks/bench_rma.py --progress --poll counters --sleep adaptive
-    python benchmarks/bench_rma.py --sweep                   # launches the progress sweep
+    mpiexec -n 2 python benchmarks/bench_rma.py          # the report (1 shard, 1 replica)
+    mpiexec -n 3 python benchmarks/bench_rma.py --progress --sleep adaptive --compute 3 \
+        --pull overlapped --seconds 1.5                  # one progress configuration
+    python benchmarks/bench_rma.py --sweep --seconds 1.5 --repeat 2 --pull overlapped
+                                                         # all of them (launches mpiexec)
 
-Default report, for the reference MLP's 669,706 float32 parameters (2.7 MB):
-- push and pull bandwidth through ParameterClient (the shard serving with its default
-  back-off), raw Accumulate / Get / Get_accumulate(NO_OP) epochs against a spinning target,
-  and np.copyto of the same bytes in the same run, with the ratio;
-- pushes/s and the shard's CPU share (time.process_time over wall time) for the chosen
-  progress scheme, pushing back to back and with a compute step between pushes.
+The report, for the reference MLP's 669,706 float32 parameters (2.7 MB): np.copyto of the
+same bytes in the same run; raw Lock + Accumulate / Get / Get_accumulate(NO_OP) + Unlock
+epochs against a spinning target; push, pull and push_pull through ParameterClient with
+the shard on its default Backoff, each with its ratio to the copy; then steps/s, RMA time
+per step and the shard's CPU share (time.process_time over wall time) for the chosen
+progress scheme, pushing back to back, with a compute step between pushes, and idle.
 
-`--progress` runs one progress configuration: how the shard polls (`--poll`: counters =
-serve_once alone, test = Request.Test on a pending receive first, iprobe = Comm.Iprobe
-first) and how it waits between polls (`--sleep`: seconds, or `adaptive` = Backoff).
-Replicas push for `--seconds`; with `--compute N` each replica does N float32 matmuls
-(256x784 @ 784x512) before each push + pull, like a training step.
+`--progress` runs one configuration: how the shard polls (`--poll`: counters = serve_once
+alone, test = Request.Test on a pending receive first, iprobe = Comm.Iprobe first), how it
+waits between polls (`--sleep`: seconds, `adaptive` = the default Backoff, `adaptive:MAX`
+= Backoff(max_sleep_s=MAX)), and what a replica step is: `--compute N` float32 matmuls
+(256x784 @ 784x512), `--pace S` seconds of sleep (compute without CPU use), then a push
+and `--pull` none / sequential (push, then pull) / overlapped (push_pull).
 """
 
 from __future__ import annotations
@@ -104,8 +107,11 @@ class Poller:
         self.MPI = _mpi()
         self.comm = comm
         self.poll = poll
-        self.sleep = None if sleep == "adaptive" else float(sleep)
+        adaptive = sleep.startswith("adaptive")
+        self.sleep = None if adaptive else float(sleep)
         self.backoff = Backoff()
+        if ":" in sleep:  # adaptive:MAX to try other caps
+            self.backoff = Backoff(max_sleep_s=float(sleep.split(":")[1]))
         self._buf = np.zeros(1, dtype=np.int8)
         # Never matched: Test on it only drives MPI progress.
         self._req = comm.Irecv(self._buf, source=self.MPI.ANY_SOURCE, tag=31337)
@@ -130,7 +136,7 @@ class Poller:
 
 
 def progress_run(poll: str, sleep: str, seconds: float, compute: int, pull: str,
-                 size: int = N_PARAMS) -> dict | None:
+                 pace: float = 0.0, size: int = N_PARAMS) -> dict | None:
     """One shard (rank 0) and world_size - 1 replicas pushing for `seconds`.
 
     Collective over COMM_WORLD. Returns the summary on rank 0, None elsewhere.
@@ -159,6 +165,8 @@ def progress_run(poll: str, sleep: str, seconds: float, compute: int, pull: str,
         while time.perf_counter() - t0 < seconds:
             for _ in range(compute):
                 a @ b
+            if pace:
+                time.sleep(pace)  # a step's compute without using the CPU
             t1 = time.perf_counter()
             if pull == "overlapped":
                 endpoint.push_pull(grad, params)
@@ -189,34 +197,47 @@ def progress_run(poll: str, sleep: str, seconds: float, compute: int, pull: str,
             "wait_max_ms": shard["wait_max_ms"]}
 
 
-def client_rates(seconds: float) -> tuple[float, float]:
-    """(push, pull) payload bytes/s through ParameterClient with the shard on its default
-    Backoff. Collective over COMM_WORLD; meaningful on rank 1."""
+def client_rates(seconds: float) -> dict[str, float]:
+    """Payload bytes/s of push, pull and push_pull through ParameterClient, the shard on
+    its default Backoff. Collective over COMM_WORLD; meaningful on rank 1."""
     MPI = _mpi()
     from distbelief.parameter_server import ParameterServerShard, open_parameter_server
     from distbelief.topology import Topology
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
     endpoint = open_parameter_server(world, topology, N_PARAMS, _SGD)
-    rates = (0.0, 0.0)
+    rates: dict[str, float] = {}
     if isinstance(endpoint, ParameterServerShard):
         endpoint.serve()
     else:
         vec = np.ones(N_PARAMS, dtype=np.float32)
-        measured = []
-        for action in (endpoint.push, endpoint.pull):
+        out = np.empty_like(vec)
+        actions = {"push": lambda: endpoint.push(vec), "pull": lambda: endpoint.pull(out),
+                   "push_pull": lambda: endpoint.push_pull(vec, out)}
+        for name, action in actions.items():
             n, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < seconds:
-                action(vec)
+                action()
                 n += 1
-            measured.append(n * PAYLOAD / (time.perf_counter() - t0))
-        rates = (measured[0], measured[1])
+            # push_pull moves the payload both ways
+            rates[name] = n * PAYLOAD * (2 if name == "push_pull" else 1) / (
+                time.perf_counter() - t0)
     endpoint.free()
     return rates
 
 
-def report(seconds: float) -> None:
-    """The default report; run with mpiexec -n 2."""
+REPORT_STEPS = [  # (label, matmuls per step, pull mode, pace seconds)
+    ("back-to-back push", 0, "none", 0.0),
+    ("3 matmuls + push_pull", 3, "overlapped", 0.0),
+    ("3 matmuls + push + pull", 3, "sequential", 0.0),
+    ("idle: a push_pull every 0.2 s", 0, "overlapped", 0.2),
+]
+
+
+def report(seconds: float, repeat: int) -> None:
+    """The default report; run with mpiexec -n 2. Each quantity is measured `repeat`
+    times in interleaved rounds (the machine is shared): bandwidths show the best round,
+    the progress scheme the median."""
     MPI = _mpi()
     world = MPI.COMM_WORLD
     if world.Get_size() != 2:
@@ -224,93 +245,121 @@ def report(seconds: float) -> None:
             print("run the report with mpiexec -n 2 (1 shard + 1 replica)", file=sys.stderr)
         sys.exit(2)
     rank = world.Get_rank()
-    copy = memcopy_rate() if rank == 1 else 0.0
-    raw = {op: raw_epochs(op, seconds) for op in ("accumulate", "get", "get_accumulate")}
-    push, pull = client_rates(seconds)
-    chosen = [progress_run("counters", "adaptive", seconds, compute, pull)
-              for compute, pull in ((0, "none"), (3, "sequential"), (3, "overlapped"))]
-    if rank != 1:
-        world.send(chosen, dest=1)
+    bandwidth: dict[str, list[float]] = {}
+    steps: dict[str, list[dict]] = {label: [] for label, *_ in REPORT_STEPS}
+    for _ in range(repeat):
+        measured = {"np.copyto (same bytes, same process)": memcopy_rate(seconds)}
+        for op in ("accumulate", "get", "get_accumulate"):
+            measured[f"raw Lock+{op}+Unlock, target spinning"] = raw_epochs(op, seconds)
+        for name, rate in client_rates(seconds).items():
+            measured[f"ParameterClient.{name}, default Backoff"] = rate
+        for key, value in measured.items():
+            bandwidth.setdefault(key, []).append(value)
+        for label, compute, pull, pace in REPORT_STEPS:
+            r = progress_run("counters", "adaptive", max(seconds, 5 * pace), compute, pull,
+                             pace)
+            if r is not None:
+                steps[label].append(r)
+    if rank == 0:
+        world.send(steps, dest=1)
         return
-    chosen = world.recv(source=0)
-    print(f"payload {PAYLOAD / 1e6:.2f} MB (reference MLP, {N_PARAMS} float32), "
-          f"1 shard + 1 replica, {seconds:.1f} s per measurement")
-    print(f"{'operation':44s} {'GB/s':>7s} {'vs copy':>8s}")
-    rows = [("np.copyto (same bytes, this process)", copy),
-            ("raw Lock+Accumulate(SUM)+Unlock, target spins", raw["accumulate"]),
-            ("raw Lock+Get+Unlock, target spins", raw["get"]),
-            ("raw Lock+Get_accumulate(NO_OP)+Unlock, spins", raw["get_accumulate"]),
-            ("ParameterClient.push (shard: default Backoff)", push),
-            ("ParameterClient.pull (shard: default Backoff)", pull)]
-    for name, rate in rows:
-        print(f"{name:44s} {rate / 1e9:7.2f} {rate / copy:8.2f}")
-    print("chosen progress scheme (serve_once + adaptive Backoff):")
-    for r in chosen:
-        what = ("back-to-back pushes" if not r["compute"] else
-                f"step: {r['compute']} matmuls, push, pull ({r['pull']})")
-        print(f"  {what}: {r['pushes_per_s']:.0f} pushes/s, shard CPU "
-              f"{r['shard_cpu_pct']:.1f}%, push {r['push_ms']:.2f} ms + pull "
-              f"{r['pull_ms']:.2f} ms per step, {r['folds']} folds; exclusive sections held "
-              f"{r['hold_mean_ms']:.2f} ms mean ({r['hold_max_ms']:.2f} max), lock wait max "
-              f"{r['wait_max_ms']:.2f} ms")
+    steps = world.recv(source=0)
+    best = {k: max(v) for k, v in bandwidth.items()}
+    copy = best["np.copyto (same bytes, same process)"]
+    print(f"payload {PAYLOAD / 1e6:.2f} MB (reference MLP, {N_PARAMS} float32), 1 shard + "
+          f"1 replica, best of {repeat} rounds of {seconds} s")
+    print(f"{'operation':48s} {'GB/s':>7s} {'vs copy':>8s}")
+    for name, rate in best.items():
+        print(f"{name:48s} {rate / 1e9:7.2f} {rate / copy:8.2f}")
+    print(f"progress scheme: serve_once + Backoff (50 us doubling to 0.5 ms), median of "
+          f"{repeat}")
+    for label, runs in steps.items():
+        med = {k: float(np.median([r[k] for r in runs]))
+               for k in ("steps_per_s_per_replica", "push_ms", "pull_ms", "shard_cpu_pct",
+                         "hold_mean_ms", "hold_max_ms", "wait_max_ms")}
+        print(f"  {label:30s} {med['steps_per_s_per_replica']:6.0f} steps/s, "
+              f"RMA {med['push_ms'] + med['pull_ms']:.2f} ms/step, shard CPU "
+              f"{med['shard_cpu_pct']:4.1f}%, exclusive held {med['hold_mean_ms']:.2f} ms "
+              f"(max {med['hold_max_ms']:.2f}), lock wait max {med['wait_max_ms']:.2f} ms")
 
 
-def sweep(seconds: float, replicas: list[int], computes: list[int], pull: str) -> None:
-    """Launch one mpiexec per progress configuration and print a table (no MPI here)."""
-    polls = ["counters", "test", "iprobe"]
-    sleeps = ["0", "5e-05", "0.0001", "0.001", "adaptive"]
+SWEEP_SCHEMES = [("counters", "0"), ("counters", "5e-05"), ("counters", "0.0001"),
+                 ("counters", "0.001"), ("counters", "adaptive:0.00025"),
+                 ("counters", "adaptive"), ("counters", "adaptive:0.001"), ("test", "0"),
+                 ("test", "0.001"), ("iprobe", "0"), ("iprobe", "0.001")]
+SWEEP_COLUMNS = ["pushes_per_s", "GB_per_s", "steps_per_s_per_replica", "push_ms", "pull_ms",
+                 "shard_cpu_pct", "hold_mean_ms"]
+
+
+def _one_progress_run(n_ranks: int, poll: str, sleep: str, seconds: float, compute: int,
+                      pull: str) -> dict | None:
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    print(f"{'poll':9s} {'sleep':9s} {'repl':>4s} {'comp':>4s} {'pushes/s':>9s} "
-          f"{'GB/s':>6s} {'steps/s':>8s} {'push_ms':>7s} {'pull_ms':>7s} {'shardCPU%':>9s} "
-          f"{'folds':>6s} {'hold_ms':>7s}",
-          flush=True)
-    for compute in computes:
-        for n_rep in replicas:
-            for poll in polls:
-                for sleep in sleeps:
-                    if poll != "counters" and sleep not in ("0", "0.001"):
-                        continue  # the poll call only matters at the extremes
-                    cmd = ["mpiexec", "-n", str(n_rep + 1), sys.executable, __file__,
-                           "--progress", "--poll", poll, "--sleep", sleep,
-                           "--seconds", str(seconds), "--compute", str(compute),
-                           "--pull", pull if compute else "none", "--json"]
-                    out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env,
-                                         timeout=120)
-                    if out.returncode:
-                        print(out.stderr[-2000:], file=sys.stderr)
-                        continue
-                    r = json.loads(out.stdout.strip().splitlines()[-1])
-                    print(f"{poll:9s} {sleep:9s} {n_rep:4d} {compute:4d} "
-                          f"{r['pushes_per_s']:9.0f} {r['GB_per_s']:6.2f} "
-                          f"{r['steps_per_s_per_replica']:8.0f} {r['push_ms']:7.2f} "
-                          f"{r['pull_ms']:7.2f} {r['shard_cpu_pct']:9.1f} "
-                          f"{r['folds']:6d} {r['hold_mean_ms']:7.2f}", flush=True)
+    cmd = ["mpiexec", "-n", str(n_ranks), sys.executable, __file__, "--progress",
+           "--poll", poll, "--sleep", sleep, "--seconds", str(seconds),
+           "--compute", str(compute), "--pull", pull, "--json"]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env,
+                         timeout=120)
+    if out.returncode:
+        print(out.stderr[-2000:], file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def sweep(seconds: float, replicas: list[int], computes: list[int], pull: str,
+          repeat: int) -> None:
+    """Launch one mpiexec per progress configuration, `repeat` rounds interleaved (the
+    machine is shared), and print the median of each column (no MPI in this process)."""
+    configs = [(compute, n_rep, poll, sleep) for compute in computes for n_rep in replicas
+               for poll, sleep in SWEEP_SCHEMES]
+    results: dict[tuple, list[dict]] = {c: [] for c in configs}
+    for _ in range(repeat):
+        for compute, n_rep, poll, sleep in configs:
+            r = _one_progress_run(n_rep + 1, poll, sleep, seconds, compute,
+                                  pull if compute else "none")
+            if r is not None:
+                results[(compute, n_rep, poll, sleep)].append(r)
+    print(f"median of {repeat} runs of {seconds} s; compute = matmuls per step "
+          f"(0: back-to-back pushes), pull = {pull}")
+    print(f"{'poll':9s} {'sleep':16s} {'repl':>4s} {'comp':>4s} {'pushes/s':>9s} {'GB/s':>6s} "
+          f"{'steps/s':>8s} {'push_ms':>7s} {'pull_ms':>7s} {'shardCPU%':>9s} {'hold_ms':>7s}")
+    for (compute, n_rep, poll, sleep), runs in results.items():
+        if not runs:
+            continue
+        med = {k: float(np.median([r[k] for r in runs])) for k in SWEEP_COLUMNS}
+        print(f"{poll:9s} {sleep:16s} {n_rep:4d} {compute:4d} {med['pushes_per_s']:9.0f} "
+              f"{med['GB_per_s']:6.2f} {med['steps_per_s_per_replica']:8.0f} "
+              f"{med['push_ms']:7.2f} {med['pull_ms']:7.2f} {med['shard_cpu_pct']:9.1f} "
+              f"{med['hold_mean_ms']:7.2f}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--seconds", type=float, default=0.5, help="per measurement")
     p.add_argument("--progress", action="store_true", help="one progress configuration")
     p.add_argument("--sweep", action="store_true", help="all progress configurations")
     p.add_argument("--poll", choices=["counters", "test", "iprobe"], default="counters")
     p.add_argument("--sleep", default="adaptive", help="seconds between polls, or adaptive")
     p.add_argument("--compute", type=int, default=0, help="matmuls per step (0: none)")
+    p.add_argument("--pace", type=float, default=0.0,
+                   help="seconds each replica sleeps per step (compute without CPU use)")
     p.add_argument("--pull", choices=["none", "sequential", "overlapped"], default="none",
                    help="per step: push only, push then pull, or push_pull")
     p.add_argument("--replicas", default="1,2", help="sweep: replica counts")
     p.add_argument("--computes", default="0,3", help="sweep: matmuls per step")
+    p.add_argument("--repeat", type=int, default=3, help="rounds (best or median)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.sweep:
         sweep(args.seconds, [int(x) for x in args.replicas.split(",")],
-              [int(x) for x in args.computes.split(",")], args.pull)
+              [int(x) for x in args.computes.split(",")], args.pull, args.repeat)
     elif args.progress:
-        r = progress_run(args.poll, args.sleep, args.seconds, args.compute, args.pull)
+        r = progress_run(args.poll, args.sleep, args.seconds, args.compute, args.pull,
+                         args.pace)
         if r is not None:
             print(json.dumps(r) if args.json else r, flush=True)
     else:
-        report(args.seconds)
+        report(args.seconds, args.repeat)
 
 
 if __name__ == "__main__":

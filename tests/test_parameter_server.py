@@ -75,21 +75,17 @@ def test_roles_shards_first_then_coordinator_then_replica_blocks():
     assert plain[4].replica_index == 2 and plain[2].first_replica_rank == 2
 
 
-def test_backoff_spins_then_doubles_up_to_the_cap(monkeypatch):
+def test_backoff_doubles_up_to_the_cap_and_resets_after_work(monkeypatch):
     sleeps: list[float] = []
     monkeypatch.setattr(ps.time, "sleep", sleeps.append)
-    backoff = ps.Backoff(spin_s=0.05, min_sleep_s=1e-4, max_sleep_s=1e-3)
-    backoff.reset()
-    backoff.wait()
-    assert sleeps == []  # inside the spin window: no sleep
-    backoff = ps.Backoff(spin_s=0.0, min_sleep_s=1e-4, max_sleep_s=1e-3)
+    backoff = ps.Backoff(min_sleep_s=1e-4, max_sleep_s=1e-3)
     for _ in range(6):
         backoff.wait()
     assert sleeps == pytest.approx([1e-4, 2e-4, 4e-4, 8e-4, 1e-3, 1e-3])
     backoff.reset()
     sleeps.clear()
     backoff.wait()
-    assert sleeps == pytest.approx([1e-4])  # back to the shortest sleep after work
+    assert sleeps == pytest.approx([1e-4])
 
 
 # --- MPI jobs ------------------------------------------------------------------------------

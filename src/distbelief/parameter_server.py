@@ -17,64 +17,75 @@ private duplicate of the world communicator, displacement unit 1 byte:
     done    = clients (replicas and coordinator) that called finish()
     version = updates applied to the parameters (folds finished); version <= taken <= +1
     applied = pushes contained in the parameters (the value of `pushes` at the last take)
-    pulls   = pulls served (so that the shard sees pull traffic and keeps polling fast)
+    pulls   = pulls served (so that the shard sees pull traffic and polls fast)
 
-RMA SCHEME. "Owner" is the shard itself, "replica" any other rank (replica, coordinator).
+Two windows rather than one, so that pushes keep landing in ACCUM while the shard
+publishes new parameters into PARAMS, and pulls keep reading PARAMS while it takes the
+accumulator; `push_pull` still costs a step only one round of lock traffic, because it
+opens its epochs on both windows at once.
+
+RMA SCHEME. "Owner" is the shard itself, "client" any other rank (replica, coordinator).
 Every lock is taken and released through `_epoch` (a context manager).
 
-| location        | access                                    | epoch (lock)          |
-|-----------------|-------------------------------------------|-----------------------|
-| ACCUM gradient  | replica: Accumulate(SUM), float32         | SHARED on the shard   |
-|                 | owner: copy out + store zeros (load/store)| EXCLUSIVE on itself   |
-| ACCUM pushes    | replica: Fetch_and_op(SUM, +1), int64     | SHARED on the shard   |
-|                 | owner: Fetch_and_op(NO_OP) (poll for work)| SHARED on itself      |
-|                 | owner: load                               | EXCLUSIVE on itself   |
-| ACCUM taken     | replica: Fetch_and_op(NO_OP), int64       | SHARED on the shard   |
-|                 | owner: store (taken + 1)                  | EXCLUSIVE on itself   |
-| ACCUM done      | replica: Fetch_and_op(SUM, +1), int64     | SHARED on the shard   |
-|                 | owner: Fetch_and_op(NO_OP)                | SHARED on itself      |
-| PARAMS version, | replica: Get                              | SHARED on the shard   |
-| applied, params | owner: store (copy of its master params)  | EXCLUSIVE on itself   |
-| PARAMS pulls    | replica: Fetch_and_op(SUM, +1), int64     | SHARED on the shard   |
-|                 | owner: Fetch_and_op(NO_OP)                | SHARED on itself      |
+| location         | access                                     | epoch (lock)          |
+|------------------|--------------------------------------------|-----------------------|
+| ACCUM gradient   | client: Accumulate(SUM), float32           | SHARED on the shard   |
+|                  | owner: copy out + store zeros (load/store) | EXCLUSIVE on itself   |
+| ACCUM pushes     | client: Fetch_and_op(SUM, +1), int64       | SHARED on the shard   |
+|                  | owner: Fetch_and_op(NO_OP) (poll for work) | SHARED on itself      |
+|                  | owner: load                                | EXCLUSIVE on itself   |
+| ACCUM taken      | client: Fetch_and_op(NO_OP), int64         | SHARED on the shard   |
+|                  | owner: store (taken + 1)                   | EXCLUSIVE on itself   |
+| ACCUM done       | client: Fetch_and_op(SUM, +1), int64       | SHARED on the shard   |
+|                  | owner: Fetch_and_op(NO_OP)                 | SHARED on itself      |
+| PARAMS version,  | client: Get                                | SHARED on the shard   |
+| applied, params  | owner: store (copy of its master params)   | EXCLUSIVE on itself   |
+| PARAMS pulls     | client: Fetch_and_op(SUM, +1), int64       | SHARED on the shard   |
+|                  | owner: Fetch_and_op(NO_OP)                 | SHARED on itself      |
 
 Why each access is legal (MPI-4.1, one-sided chapter: conflicting accesses, passive-target
-synchronization and the semantics section, plus the `accumulate_ops` window info):
+synchronization, and the semantics section; window info `accumulate_ops`):
 - Two accesses to one location conflict unless both are reads or both are accumulate
   operations (Accumulate, Get_accumulate, Fetch_and_op) with the same basic datatype; and
   `accumulate_ops=same_op_no_op` (the default; set explicitly here) further requires that
-  concurrent accumulates use the same op or NO_OP. Replicas' concurrent pushes are all
-  SUM on float32 (gradient) or SUM on int64 (pushes, done, pulls), and every concurrent
-  reader of a counter uses NO_OP on int64: element-wise atomic and legal. REPLACE is never used, so
-  SUM never meets a different op.
-- Everything else (the owner's local loads and stores, plain Get) would conflict with a
-  concurrent update, so it is kept apart by the locks: "accesses that are protected by an
-  exclusive lock will not be concurrent at the window site with other accesses to the
-  same window that are lock protected" (MPI_Win_lock/unlock). The owner stores to its
-  windows only inside an EXCLUSIVE epoch on itself; replicas touch a shard only inside a
+  concurrent accumulates use the same op or NO_OP. Concurrent pushes are all SUM on
+  float32 (gradient) or SUM on int64 (pushes, done, pulls), and every concurrent reader
+  of a counter uses NO_OP on int64: element-wise atomic and legal. REPLACE is never used,
+  so SUM never meets a different op. A client's Get of the PARAMS header covers version
+  and applied only, never the pulls counter that other clients update concurrently.
+- Everything else (the owner's loads and stores, a client's plain Get) would conflict
+  with a concurrent update, so the locks keep it apart: "accesses that are protected by
+  an exclusive lock will not be concurrent at the window site with other accesses to the
+  same window that are lock protected" (MPI_Win_lock/unlock). The owner stores into its
+  windows only inside an EXCLUSIVE epoch on itself; clients touch a shard only inside a
   SHARED epoch on it. So a Get never overlaps a store, and Accumulate(SUM) never overlaps
   the owner zeroing the accumulator: no push is lost or counted twice, no pull is torn.
-  (Get_accumulate(NO_OP) for pulls would be legal even against concurrent REPLACE
+- Get_accumulate(NO_OP) for pulls would be legal even against concurrent accumulate
   stores, but it is atomic per element only, so a pull could still mix two versions of
-  the vector; the exclusive lock gives whole-slice snapshots, and a plain Get is at
-  least as fast here: benchmarks/RMA_NOTES.md.)
+  the vector: whole-slice snapshots need the exclusive lock anyway, and under it a plain
+  Get is legal and as fast (53 GB/s both, benchmarks/RMA_NOTES.md).
 - Visibility: the windows use the unified memory model (checked at creation). Remote
   updates become visible to the owner's loads when it locks its own window, and its
   stores become visible to later remote accesses at its unlock, so no Win.Sync is needed
-  (MPI_Win_sync is only required for loads/stores outside a lock epoch).
+  (it is for loads and stores outside a lock epoch, or polling inside one).
 - Exclusive sections are short: the optimizer works on a private master copy outside any
   lock; the PARAMS epoch only copies the result in (one memcpy of the slice), the ACCUM
-  epoch only copies the accumulator out and zeroes it.
+  epoch only copies the accumulator out and zeroes it (0.1-0.25 ms held for 2.7 MB).
 - Staleness is exact because `taken` only changes inside the owner's EXCLUSIVE epoch on
   ACCUM: a push that reads taken = t in its SHARED epoch lands in the accumulator before
   take t+1, so it is applied as update t+1. If its parameters were pulled at version p,
   the shard applied t - p other updates in between: that is the staleness.
 
 PROGRESS. With MPICH on shared memory a lock, accumulate or get completes only while the
-target is inside MPI (DESIGN.md). The shard therefore polls: `serve_once()` reads its
-counters (a SHARED epoch on itself, which also drives MPI progress) and folds pending
-gradients; `serve()` loops over it with `Backoff`: spin while pushes keep arriving,
-then sleep, doubling up to 1 ms, while idle (measured choice, see Backoff).
+target is inside MPI (DESIGN.md), and one epoch takes several round trips through the
+target's progress engine (~4-6 polls measured). The shard therefore polls: `serve_once()`
+reads its counters (SHARED epochs on itself, which also drive MPI progress: more epochs
+per poll than Request.Test or Iprobe, measured) and folds pending gradients; `serve()`
+loops over it, sleeping between polls with `Backoff`: 50 us after traffic, doubling to
+0.5 ms while idle. That costs ~6% of a core when idle and ~1 ms per 2.7 MB push_pull; a
+shard that never sleeps answers in 0.4 ms but burns a core even when idle (table in
+benchmarks/RMA_NOTES.md). MPICH's async progress thread is not used: it spins in every
+rank.
 
 SHUTDOWN. A client's `finish()` adds 1 to `done` on every shard, one-sided, after its
 last push has completed; a shard's `serve()` returns once done counts every client and it
@@ -117,27 +128,28 @@ OptimizerFactory = Callable[[int], Optimizer]  # slice length -> optimizer for t
 
 @dataclass
 class Backoff:
-    """How a waiting loop spaces its polls: spin for `spin_s` after the last work, then
-    sleep `min_sleep_s`, doubling up to `max_sleep_s` while nothing happens.
+    """Spacing of a polling loop: after work, sleep `min_sleep_s`; each idle poll doubles
+    the sleep, up to `max_sleep_s`.
 
-    Defaults: see the measurements in benchmarks/RMA_NOTES.md.
+    Defaults measured in benchmarks/RMA_NOTES.md (2.7 MB push_pull per step, 2 cores): a
+    shard that never sleeps answers a step in 0.4 ms but burns a whole core even when
+    idle; capping the back-off at 0.5 ms answers in ~1 ms at ~6% of a core when idle
+    (1 ms: ~1.8 ms at 3.5%; 0.25 ms: 0.6 ms at 11%). A step's RMA epoch needs several
+    round trips through the shard's progress engine, and the first ones wait for its next
+    poll, so the cap sets the latency. Spinning for a while after each fold was measured
+    too: it only added CPU (15-20% of a core) without making steps faster.
     """
 
-    spin_s: float = 1e-3
     min_sleep_s: float = 50e-6
-    max_sleep_s: float = 1e-3
-    _last_work: float = field(default_factory=time.perf_counter, repr=False)
+    max_sleep_s: float = 0.5e-3
     _sleep: float = field(default=0.0, repr=False)
 
     def reset(self) -> None:
-        """Work was done: go back to spinning."""
-        self._last_work = time.perf_counter()
+        """Work was done: the next wait is the shortest."""
         self._sleep = 0.0
 
     def wait(self) -> None:
-        """Nothing was done: return at once while spinning, else sleep and back off."""
-        if time.perf_counter() - self._last_work < self.spin_s:
-            return
+        """Nothing was done: sleep, twice as long as last time (within the bounds)."""
         self._sleep = min(max(self._sleep * 2, self.min_sleep_s), self.max_sleep_s)
         time.sleep(self._sleep)
 
@@ -229,8 +241,8 @@ class _Endpoint:
 
 
 def _waiting_backoff() -> Backoff:
-    """For ranks with nothing to serve: sleep from the start, up to 10 ms."""
-    return Backoff(spin_s=0.0, max_sleep_s=10e-3)
+    """For ranks with nothing to serve: back off up to 10 ms."""
+    return Backoff(max_sleep_s=10e-3)
 
 
 class ParameterServerShard(_Endpoint):
@@ -370,7 +382,8 @@ class ParameterServerShard(_Endpoint):
     def serve(self, backoff: Backoff | None = None) -> ShardStats:
         """Serve pushes and pulls until every client has called finish(); returns stats.
 
-        Polls with `serve_once` under `backoff` (spinning only while pushes arrive).
+        Polls with `serve_once`, sleeping between polls under `backoff` (shortest sleep
+        after traffic, longer while idle).
         One-sided on its own windows.
         """
         backoff = backoff or Backoff()
@@ -479,23 +492,29 @@ class ParameterClient(_Endpoint):
                     stack.enter_context(_epoch(win, shard, MPI.LOCK_SHARED))
             yield
 
+    # In both epochs the small counter update goes first: the shard sees it at its next
+    # poll and starts polling fast (or waits for the epoch inside its exclusive lock, which
+    # progresses at full speed) while the bulk transfer is still under way. The order does
+    # not matter for correctness: the shard acts on counters and data only under its
+    # EXCLUSIVE lock, which it gets after this SHARED epoch has completed.
+
     def _issue_pull(self, win: MPI.Win, out: np.ndarray) -> None:
         for shard, (start, stop) in enumerate(self.ranges):
+            win.Fetch_and_op(_int64(self._one), _int64(self._pulls[shard]), shard,
+                             PULLS * COUNTER_BYTES, MPI.SUM)
             # version and applied only: `pulls` is updated concurrently by other clients.
             win.Get(_int64(self._headers[shard]), shard, (0, 2, MPI.INT64_T))
             win.Get([out[start:stop], MPI.FLOAT], shard,
                     (HEADER_BYTES, stop - start, MPI.FLOAT))
-            win.Fetch_and_op(_int64(self._one), _int64(self._pulls[shard]), shard,
-                             PULLS * COUNTER_BYTES, MPI.SUM)
 
     def _issue_push(self, win: MPI.Win, grad: np.ndarray) -> None:
         for shard, (start, stop) in enumerate(self.ranges):
-            win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
-                           (HEADER_BYTES, stop - start, MPI.FLOAT), MPI.SUM)
             win.Fetch_and_op(_int64(self._one), _int64(self._pushes[shard]), shard,
                              PUSHES * COUNTER_BYTES, MPI.SUM)
             win.Fetch_and_op(_int64(self._one), _int64(self._taken[shard]), shard,
                              TAKEN * COUNTER_BYTES, MPI.NO_OP)
+            win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
+                           (HEADER_BYTES, stop - start, MPI.FLOAT), MPI.SUM)
 
     def _pulled(self) -> np.ndarray:
         self.pulled_versions[:] = self._headers[:, VERSION]

@@ -2,7 +2,8 @@
 each time waiting until the shards have applied it, then A pushes: every shard must report
 a staleness of exactly `--updates` for A's push, and 0 for each of B's.
 
-Then A pulls again (after its push is applied) and pushes once more: staleness 0. Extra
+Then A pulls again (after its push is applied) and pushes once more, with push_pull:
+staleness 0. Extra
 replicas (world size > shards + 2) only pull, which must not change any count.
 """
 
@@ -34,8 +35,9 @@ def replica_a(client: ParameterClient, replicas: MPI.Comm, updates: int, size: i
     check(bool((staleness == updates).all()), f"A's push: staleness {staleness}, "
           f"expected {updates} on every shard")
     wait_for_version(client, params, updates + 1)
-    staleness = client.push(grad)
+    staleness, versions = client.push_pull(grad, params)
     check(bool((staleness == 0).all()), f"A's second push: staleness {staleness}, expected 0")
+    check(bool((versions >= updates + 1).all()), f"push_pull pulled versions {versions}")
     shards = len(client.ranges)
     check(client.staleness.samples == 2 * shards and client.staleness.max == updates
           and client.staleness.mean == updates / 2, f"A's stats {client.staleness}")
