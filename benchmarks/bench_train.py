@@ -24,8 +24,9 @@ OpenMP threads spin-wait for a core that is busy): each row shows the load avera
 before it was measured. Time to target depends on the seed (different RNG streams in the two), so it is
 noisier than throughput; `--seeds` repeats it and reports the median.
 
-    python benchmarks/bench_train.py                 # everything, ~2-3 minutes
-    python benchmarks/bench_train.py --no-target     # throughput only, ~40 s
+    python benchmarks/bench_train.py                 # everything, ~3 minutes
+    python benchmarks/bench_train.py --no-target     # throughput only, ~1 minute
+    python benchmarks/bench_train.py --no-throughput --seeds 3
 """
 
 from __future__ import annotations
@@ -130,6 +131,35 @@ def ratio(ours: float | None, peer: float | None) -> str:
     return "-" if ours is None or peer is None else f"{ours / peer:.2f}"
 
 
+def throughput_table(thread_counts: list[int], args: argparse.Namespace) -> None:
+    print(f"(a) training throughput, {args.steps} steps after {args.warmup} warm-up, "
+          f"best of {args.repeats}")
+    print(f"{'threads':>7} {'distbelief':>12} {'torch':>12} {'ratio':>6}   samples/s")
+    for threads in thread_counts:
+        load = os.getloadavg()[0]
+        ours = peer = 0.0
+        for _ in range(args.repeats):
+            ours = max(ours, run_worker("ours", "throughput", threads, args)
+                       ["samples_per_second"])
+            peer = max(peer, run_worker("torch", "throughput", threads, args)
+                       ["samples_per_second"])
+        print(f"{threads:>7} {ours:>12,.0f} {peer:>12,.0f} {ratio(ours, peer):>6}   "
+              f"(load before {load:.1f})", flush=True)
+
+
+def target_table(thread_counts: list[int], args: argparse.Namespace) -> None:
+    print(f"(b) wall time to {args.target} test accuracy, eval every {args.eval_every}s on "
+          f"the whole test set, median of {args.seeds} seed(s)")
+    print(f"{'threads':>7} {'distbelief':>12} {'torch':>12} {'ratio':>6}   seconds")
+    for threads in thread_counts:
+        load = os.getloadavg()[0]
+        ours = median_time_to_target("ours", threads, args)
+        peer = median_time_to_target("torch", threads, args)
+        print(f"{threads:>7} {fmt(ours['median'], '.1f'):>12} {fmt(peer['median'], '.1f'):>12} "
+              f"{ratio(ours['median'], peer['median']):>6}   "
+              f"(steps {ours['steps']} vs {peer['steps']}; load before {load:.1f})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,6 +174,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="repeats of (b), median")
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--no-target", action="store_true", help="skip (b)")
+    parser.add_argument("--no-throughput", action="store_true", help="skip (a)")
     parser.add_argument("--worker", choices=("throughput", "target"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -158,31 +189,10 @@ def main() -> None:
     thread_counts = [int(t) for t in args.threads.split(",")]
     print(f"MLP 784-512-512-10, Adagrad lr 0.02, batch 64, {args.data.name}; "
           f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    print(f"(a) training throughput, {args.steps} steps after {args.warmup} warm-up, "
-          f"best of {args.repeats}")
-    print(f"{'threads':>7} {'distbelief':>12} {'torch':>12} {'ratio':>6}   samples/s")
-    for threads in thread_counts:
-        load = os.getloadavg()[0]
-        ours = peer = 0.0
-        for _ in range(args.repeats):
-            ours = max(ours, run_worker("ours", "throughput", threads, args)
-                       ["samples_per_second"])
-            peer = max(peer, run_worker("torch", "throughput", threads, args)
-                       ["samples_per_second"])
-        print(f"{threads:>7} {ours:>12,.0f} {peer:>12,.0f} {ratio(ours, peer):>6}   "
-              f"(load before {load:.1f})", flush=True)
-    if args.no_target:
-        return
-    print(f"(b) wall time to {args.target} test accuracy, eval every {args.eval_every}s on "
-          f"the whole test set, median of {args.seeds} seed(s)")
-    print(f"{'threads':>7} {'distbelief':>12} {'torch':>12} {'ratio':>6}   seconds")
-    for threads in thread_counts:
-        load = os.getloadavg()[0]
-        ours = median_time_to_target("ours", threads, args)
-        peer = median_time_to_target("torch", threads, args)
-        print(f"{threads:>7} {fmt(ours['median'], '.1f'):>12} {fmt(peer['median'], '.1f'):>12} "
-              f"{ratio(ours['median'], peer['median']):>6}   "
-              f"(steps {ours['steps']} vs {peer['steps']}; load before {load:.1f})", flush=True)
+    if not args.no_throughput:
+        throughput_table(thread_counts, args)
+    if not args.no_target:
+        target_table(thread_counts, args)
 
 
 if __name__ == "__main__":
