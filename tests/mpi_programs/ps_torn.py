@@ -12,6 +12,7 @@ its shard reports as applied in the same pull, and versions must never decrease.
 import time
 
 import numpy as np
+from mpi4py import MPI
 from ps_common import check, open_server, parser, say
 
 from distbelief.parameter_server import ParameterServerShard
@@ -49,6 +50,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=1.0)
     args = p.parse_args()
     topology, endpoint = open_server(args)
+    pulls = 0
     if isinstance(endpoint, ParameterServerShard):
         if args.mode == "set":
             serve_set(endpoint)
@@ -59,7 +61,6 @@ def main() -> None:
         minus_one = np.full(args.size, -1, dtype=np.float32)
         last = np.zeros(topology.ps_shards)
         first = None
-        pulls = 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < args.seconds:
             if args.mode == "fold" and pulls % 2:
@@ -76,6 +77,11 @@ def main() -> None:
         say(f"rank {topology.world_rank}: {pulls} pulls consistent, {first} -> {last}")
         endpoint.finish()
     endpoint.free()
+    # Every pull (push_pull included) counts once on every shard.
+    total = MPI.COMM_WORLD.allreduce(pulls)
+    if isinstance(endpoint, ParameterServerShard):
+        check(endpoint.stats.pulls == total,
+              f"shard {endpoint.rank} counted {endpoint.stats.pulls} pulls, clients made {total}")
 
 
 if __name__ == "__main__":
