@@ -42,14 +42,10 @@ def _mpi():
     return MPI
 
 
-class _SGD:
-    """Stand-in optimizer (distbelief.optimizers may not exist yet): params -= lr * grad."""
-
-    def __init__(self, size: int):
-        self.lr = np.float32(1e-6)
-
-    def step(self, params: np.ndarray, grad: np.ndarray) -> None:
-        params -= self.lr * grad
+def _adagrad(size: int):
+    """The shards' optimizer: Adagrad, the DistBelief default (its fold is part of the cost)."""
+    from distbelief.optimizers import make_optimizer
+    return make_optimizer(True, 0.01, size)
 
 
 def memcopy_rate(seconds: float = 0.5) -> float:
@@ -146,7 +142,7 @@ def progress_run(poll: str, sleep: str, seconds: float, compute: int, pull: str,
     from distbelief.topology import Topology
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
-    endpoint = open_parameter_server(world, topology, size, _SGD)
+    endpoint = open_parameter_server(world, topology, size, _adagrad)
     mine = {"pushes": 0, "steps_s": 0.0}
     if isinstance(endpoint, ParameterServerShard):
         poller = Poller(world, poll, sleep)
@@ -205,7 +201,7 @@ def client_rates(seconds: float) -> dict[str, float]:
     from distbelief.topology import Topology
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
-    endpoint = open_parameter_server(world, topology, N_PARAMS, _SGD)
+    endpoint = open_parameter_server(world, topology, N_PARAMS, _adagrad)
     rates: dict[str, float] = {}
     if isinstance(endpoint, ParameterServerShard):
         endpoint.serve()

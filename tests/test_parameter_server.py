@@ -116,6 +116,16 @@ def test_pushes_are_applied_exactly_once(n, shards, size, pushes, extra):
         assert f"shard {s} exact:" in proc.stdout
 
 
+@pytest.mark.parametrize("n, shards, adagrad", [
+    (2, 1, True), (3, 2, True), (4, 2, True), (3, 1, False)])
+def test_shard_optimizer_matches_local_optimizer(n, shards, adagrad):
+    # An odd size, so that the two shards' slices differ in length.
+    proc = mpi4py_job(n, "ps_adagrad.py", "--shards", shards, "--size", 100_003,
+                      "--lr", 0.05, "--pushes", 10, *(["--adagrad"] if adagrad else []))
+    assert_ok(proc)
+    assert proc.stdout.count("matches the local optimizer after 10 pushes") == shards
+
+
 @pytest.mark.parametrize("n, shards, mode", [
     (2, 1, "set"), (3, 2, "set"), (4, 1, "fold"), (5, 2, "fold")])
 def test_pulls_are_never_torn(n, shards, mode):

@@ -118,9 +118,12 @@ VERSION, APPLIED, PULLS = 0, 1, 2
 
 
 class Optimizer(Protocol):
-    """What a shard needs from distbelief.optimizers: an in-place update of its slice."""
+    """What a shard needs from distbelief.optimizers (make_optimizer's Adagrad or SGD): an
+    in-place update of its slice, and its state for checkpoints."""
 
     def step(self, params: np.ndarray, grad: np.ndarray) -> None: ...
+
+    def state(self) -> dict[str, np.ndarray]: ...
 
 
 OptimizerFactory = Callable[[int], Optimizer]  # slice length -> optimizer for that slice
@@ -290,6 +293,11 @@ class ParameterServerShard(_Endpoint):
     def finished(self) -> bool:
         """True once every client has called finish() and every push is folded."""
         return self._finished
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The optimizer of this shard's slice (its state goes into checkpoints)."""
+        return self._optimizer
 
     def parameters(self) -> np.ndarray:
         """A copy of this shard's current parameters (for checkpoints). Local."""

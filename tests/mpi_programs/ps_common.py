@@ -1,4 +1,4 @@
-"""Shared pieces of the parameter-server MPI programs: a stand-in optimizer, checks, set-up.
+"""Shared pieces of the parameter-server MPI programs: checks, options, set-up.
 
 The programs run under `python -m mpi4py PROGRAM`, so any exception aborts the whole job
 with a non-zero status instead of leaving the other ranks hanging.
@@ -12,24 +12,9 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
+from distbelief.optimizers import make_optimizer
 from distbelief.parameter_server import ParameterClient, ParameterServerShard, open_parameter_server
 from distbelief.topology import Topology
-
-
-class StandInSGD:
-    """params -= lr * grad, the rule of distbelief.optimizers' SGD (stand-in until it lands).
-
-    With lr and gradients exactly representable, every step is exact in float32.
-    """
-
-    def __init__(self, learning_rate: float, size: int):
-        self.learning_rate = np.float32(learning_rate)
-        self.size = size
-
-    def step(self, params: np.ndarray, grad: np.ndarray) -> None:
-        if params.shape != (self.size,) or grad.shape != (self.size,):
-            raise ValueError("optimizer built for another slice size")
-        params -= self.learning_rate * grad
 
 
 def check(condition: bool, message: str) -> None:
@@ -44,17 +29,20 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--coordinator", action="store_true")
     p.add_argument("--lr", type=float, default=1.0)
+    p.add_argument("--adagrad", action="store_true", help="Adagrad instead of SGD")
     return p
 
 
 def open_server(args: argparse.Namespace, initial: np.ndarray | None = None
                 ) -> tuple[Topology, ParameterServerShard | ParameterClient]:
-    """Topology from COMM_WORLD and the parameter server with stand-in SGD (collective)."""
+    """Topology from COMM_WORLD and the parameter server (collective); SGD, or Adagrad
+    with --adagrad, at --lr."""
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), args.shards,
                         coordinator=args.coordinator)
     endpoint = open_parameter_server(world, topology, args.size,
-                                     lambda n: StandInSGD(args.lr, n), initial)
+                                     lambda n: make_optimizer(args.adagrad, args.lr, n),
+                                     initial)
     return topology, endpoint
 
 
