@@ -31,16 +31,16 @@ Every lock is taken and released through `_epoch` (a context manager).
 |------------------|--------------------------------------------|-----------------------|
 | ACCUM gradient   | client: Accumulate(SUM), float32           | SHARED on the shard   |
 |                  | owner: copy out + store zeros (load/store) | EXCLUSIVE on itself   |
-| ACCUM pushes     | client: Fetch_and_op(SUM, +1), int64       | SHARED on the shard   |
+| ACCUM pushes     | client: Accumulate(SUM, +1), int64         | SHARED on the shard   |
 |                  | owner: Fetch_and_op(NO_OP) (poll for work) | SHARED on itself      |
 |                  | owner: load                                | EXCLUSIVE on itself   |
 | ACCUM taken      | client: Fetch_and_op(NO_OP), int64         | SHARED on the shard   |
 |                  | owner: store (taken + 1)                   | EXCLUSIVE on itself   |
-| ACCUM done       | client: Fetch_and_op(SUM, +1), int64       | SHARED on the shard   |
+| ACCUM done       | client: Accumulate(SUM, +1), int64         | SHARED on the shard   |
 |                  | owner: Fetch_and_op(NO_OP)                 | SHARED on itself      |
 | PARAMS version,  | client: Get                                | SHARED on the shard   |
 | applied, params  | owner: store (copy of its master params)   | EXCLUSIVE on itself   |
-| PARAMS pulls     | client: Fetch_and_op(SUM, +1), int64       | SHARED on the shard   |
+| PARAMS pulls     | client: Accumulate(SUM, +1), int64         | SHARED on the shard   |
 |                  | owner: Fetch_and_op(NO_OP)                 | SHARED on itself      |
 
 Why each access is legal (MPI-4.1, one-sided chapter: conflicting accesses, passive-target
@@ -479,10 +479,8 @@ class ParameterClient(_Endpoint):
         self.staleness = StalenessStats()
         self._finished = False
         self._headers = np.zeros((shards, 2), dtype=np.int64)
-        self._pulls = np.zeros((shards, 1), dtype=np.int64)
         self._one = np.ones(1, dtype=np.int64)
         self._taken = np.zeros((shards, 1), dtype=np.int64)
-        self._pushes = np.zeros((shards, 1), dtype=np.int64)
 
     def _check_vector(self, vector: np.ndarray, what: str) -> None:
         if vector.dtype != DTYPE or vector.shape != (self.size,) or not vector.flags.c_contiguous:
@@ -511,8 +509,8 @@ class ParameterClient(_Endpoint):
             win.Get(_int64(self._headers[shard]), shard, (0, 2, MPI.INT64_T))
             win.Get([out[start:stop], MPI.FLOAT], shard,
                     (HEADER_BYTES, stop - start, MPI.FLOAT))
-            win.Fetch_and_op(_int64(self._one), _int64(self._pulls[shard]), shard,
-                             PULLS * COUNTER_BYTES, MPI.SUM)
+            win.Accumulate(_int64(self._one), shard, (PULLS * COUNTER_BYTES, 1, MPI.INT64_T),
+                           MPI.SUM)
 
     def _issue_push(self, win: MPI.Win, grad: np.ndarray) -> None:
         # The order inside the epoch does not matter: the shard takes the accumulator and
@@ -521,8 +519,8 @@ class ParameterClient(_Endpoint):
         for shard, (start, stop) in enumerate(self.ranges):
             win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
                            (HEADER_BYTES, stop - start, MPI.FLOAT), MPI.SUM)
-            win.Fetch_and_op(_int64(self._one), _int64(self._pushes[shard]), shard,
-                             PUSHES * COUNTER_BYTES, MPI.SUM)
+            win.Accumulate(_int64(self._one), shard, (PUSHES * COUNTER_BYTES, 1, MPI.INT64_T),
+                           MPI.SUM)
             win.Fetch_and_op(_int64(self._one), _int64(self._taken[shard]), shard,
                              TAKEN * COUNTER_BYTES, MPI.NO_OP)
 
@@ -539,8 +537,8 @@ class ParameterClient(_Endpoint):
     def pull(self, out: np.ndarray) -> np.ndarray:
         """Fetch all parameters into `out`; returns each shard's version (int64, one per
         shard). One-sided: Get from every shard's PARAMS window under a SHARED lock, so
-        each shard's slice is one consistent snapshot matching its version (and
-        Fetch_and_op(SUM, +1) on its pull counter)."""
+        each shard's slice is one consistent snapshot matching its version (plus an
+        Accumulate(SUM) of 1 into its pull counter)."""
         self._check_vector(out, "pull buffer")
         win = self._check_open().params
         with self._all_shards(win):
@@ -551,8 +549,8 @@ class ParameterClient(_Endpoint):
         """Add `grad` to every shard's accumulator; returns the staleness per shard
         (updates the shard applied after the version of the last pull, before this one).
 
-        One-sided: per shard, in one SHARED epoch, Accumulate(SUM) of its slice,
-        Fetch_and_op(SUM, +1) on its push counter and Fetch_and_op(NO_OP) on taken.
+        One-sided: per shard, in one SHARED epoch, Accumulate(SUM) of its slice and of 1
+        into its push counter, and Fetch_and_op(NO_OP) on taken.
         """
         self._check_vector(grad, "gradient")
         win = self._check_open().accum
@@ -577,15 +575,15 @@ class ParameterClient(_Endpoint):
         return self._pushed(), self._pulled()
 
     def finish(self) -> None:
-        """Tell every shard that this rank will push no more. One-sided: Fetch_and_op(SUM,
-        +1) on each shard's done counter. Call it after the last push; idempotent."""
+        """Tell every shard that this rank will push no more. One-sided: Accumulate(SUM) of
+        1 into each shard's done counter. Call it after the last push; idempotent."""
         if self._finished:
             return
         win = self._check_open().accum
         with self._all_shards(win):
             for shard in self.topology.shard_ranks:
-                win.Fetch_and_op(_int64(self._one), _int64(self._pushes[shard]), shard,
-                                 DONE * COUNTER_BYTES, MPI.SUM)
+                win.Accumulate(_int64(self._one), shard, (DONE * COUNTER_BYTES, 1, MPI.INT64_T),
+                               MPI.SUM)
         self._finished = True
 
     def free(self) -> None:
