@@ -28,7 +28,7 @@ def run_cli(args: list[str], timeout: float = 120, cwd: Path | None = None,
     """`python -m distbelief ARGS` in a subprocess; output captured as text."""
     return subprocess.run(
         [sys.executable, "-m", "distbelief", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or _env(),
+        capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or _env(), check=False,
     )
 
 
