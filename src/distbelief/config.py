@@ -19,7 +19,14 @@ Sections and keys, with their defaults:
     [run]        max_steps = 0, max_seconds = 0 (0 = no limit), target_accuracy (unset),
                  eval_every_seconds = 2.0, eval_samples = 0 (0 = whole test set), seed = 0,
                  out_dir = "runs/<config file stem>" (relative to the current directory),
-                 threads = 0 (0 = BLAS default), progress_every_seconds = 2.0
+                 threads = 0 (0 = BLAS default), progress_every_seconds = 2.0,
+                 checkpoint_every_seconds = 600 (0 = off), checkpoint_every_steps = 0
+                 (0 = off), keep_checkpoints = 3 (at least 2)
+
+Checkpoints (distbelief.checkpoint) go to out_dir/checkpoints; besides the periodic ones,
+a run always writes one when it stops (budget, target, SIGTERM/SIGUSR1), so it can be
+extended or resumed. `keep_checkpoints` >= 2 so that a damaged newest checkpoint always
+has a predecessor to fall back on.
 """
 
 from __future__ import annotations
@@ -78,6 +85,9 @@ class RunConfig:
     seed: int = 0
     threads: int = 0
     progress_every_seconds: float = 2.0
+    checkpoint_every_seconds: float = 600.0
+    checkpoint_every_steps: int = 0
+    keep_checkpoints: int = 3
 
 
 @dataclass(frozen=True)
@@ -199,6 +209,9 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "out_dir": (_string(), None),
         "threads": (_int(0), 0),
         "progress_every_seconds": (_float(0.0, strict=True), 2.0),
+        "checkpoint_every_seconds": (_float(0.0), 600.0),
+        "checkpoint_every_steps": (_int(0), 0),
+        "keep_checkpoints": (_int(2), 3),
     },
 }
 SECTIONS = tuple(SCHEMA)
@@ -403,15 +416,49 @@ def build_network(config: Config, info: Any) -> Any:
 
 HASHED_RUN_KEYS = ("seed",)
 """Of [run], only the seed changes what is trained; the rest are budgets and cadences."""
+HASHED_SECTIONS = ("model", "data", "optimizer")
+"""[cluster] is left out: the shard and partition counts spread the same model over more or
+fewer ranks, and a checkpoint must load on a different shard count (it is re-sliced)."""
+
+
+def hashed_settings(config: Config) -> dict[str, Any]:
+    """The settings that decide the training trajectory, as a JSON-friendly nested dict:
+    model, data, optimizer and run.seed. Checkpoint manifests store it so that a refused
+    resume can name the keys that changed."""
+    d = config.to_dict()
+    out = {section: d[section] for section in HASHED_SECTIONS}
+    out["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
+    return out
 
 
 def config_hash(config: Config) -> str:
-    """sha256 (hex) of what decides the training trajectory: model, data, optimizer, cluster
-    and run.seed. Stop rules, output folder, threads and reporting cadences are left out so a
-    checkpointed run can be resumed with a longer budget or elsewhere. Stable across
-    processes and Python versions (canonical JSON)."""
-    d = config.to_dict()
-    d["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
-    text = json.dumps(d, sort_keys=True, separators=(",", ":"))
+    """sha256 (hex) of `hashed_settings`. Stop rules, output folder, threads, cadences and
+    the cluster shape are left out so a checkpointed run can be resumed with a longer
+    budget, elsewhere, or on another shard count. Stable across processes and Python
+    versions (canonical JSON)."""
+    return settings_hash(hashed_settings(config))
+
+
+def settings_hash(settings: dict[str, Any]) -> str:
+    """sha256 (hex) of a settings dict in canonical JSON."""
+    text = json.dumps(settings, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`section.key: old -> new` for each setting that differs between two
+    `hashed_settings` dicts (a key missing on one side shows as None)."""
+    changes = []
+    for section in sorted(set(old) | set(new)):
+        a, b = old.get(section) or {}, new.get(section) or {}
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                changes.append(f"{section}.{key}: {_short(a.get(key))} -> "
+                               f"{_short(b.get(key))}")
+    return changes
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
