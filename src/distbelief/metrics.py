@@ -9,13 +9,16 @@ run, in the process that owns the run's output folder:
     recorder.log_eval(step, samples, loss, test_accuracy, test_loss, **extra)
     recorder.progress(step, samples, loss)           # cheap to call every step: prints a
                                                      # line only every progress_every_seconds
+    recorder.log_event("checkpoint", step, samples, **extra)   # a marker line
     recorder.finish({"stop_reason": "max_steps"})    # writes summary.json, closes the file
 
 metrics.jsonl has one JSON object per line, flushed as it is written, so a run killed
 half-way leaves a readable file. Every line has `kind` ("train" or "eval"), `time`
 (seconds since the recorder's start), `step`, `samples` and `loss` (training loss); eval
 lines add `test_accuracy` and `test_loss`; `extra` keywords are added as they are (they
-must be JSON-serialisable; Downpour adds e.g. staleness).
+must be JSON-serialisable; Downpour adds e.g. staleness). Marker lines of other kinds
+("checkpoint", "resume") have `kind`, `time`, `step` and `samples` but no loss; readers
+pick the kinds they plot.
 
 summary.json (written atomically: temp file, fsync, rename) has at least `reached_target`,
 `time_to_target` (seconds, or null), `target_accuracy`, `final_test_accuracy`,
@@ -25,6 +28,13 @@ or overrides them.
 
 Times come from time.monotonic(); pass `start` (a monotonic time) to count from an earlier
 moment than the recorder's creation.
+
+A resumed run continues its metrics: `RunRecorder(out_dir, resume=ResumePoint(step,
+samples, elapsed, checkpoint))` keeps the lines up to the checkpoint's step, moves the
+lines the interrupted run wrote after it (they describe steps that are trained again) to
+metrics.discarded.jsonl, appends a `{"kind": "resume", ...}` line and carries on from the
+checkpoint's elapsed time, so `time` stays the run's total training time. The best and
+last evaluation and the time to target are read back from the kept lines.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
 
@@ -41,8 +52,19 @@ from distbelief.errors import DataError
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+DISCARDED_FILE = "metrics.discarded.jsonl"
 REQUIRED_SUMMARY_KEYS = ("reached_target", "time_to_target", "final_test_accuracy",
                          "steps", "samples", "wall_seconds")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run picks up: the checkpoint's counters and training time so far."""
+
+    step: int
+    samples: int
+    elapsed: float
+    checkpoint: str
 
 
 class RunRecorder:
@@ -50,16 +72,15 @@ class RunRecorder:
 
     def __init__(self, out_dir: str | Path, progress_every_seconds: float = 2.0,
                  stream: IO[str] | None = sys.stdout, target_accuracy: float | None = None,
-                 start: float | None = None):
+                 start: float | None = None, resume: ResumePoint | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.progress_every_seconds = progress_every_seconds
         self.stream = stream
         self.target_accuracy = target_accuracy
-        self.start = time.monotonic() if start is None else start
-        # A new run starts a new file: lines from an earlier run in the same folder would
-        # mix two runs in one curve.
-        self._file = (self.out_dir / METRICS_FILE).open("w", encoding="utf-8")
+        if start is None:
+            start = time.monotonic() - (resume.elapsed if resume else 0.0)
+        self.start = start
         self._step = 0
         self._samples = 0
         self._loss = math.nan
@@ -67,7 +88,27 @@ class RunRecorder:
         self._best_accuracy: float | None = None
         self.time_to_target: float | None = None
         self._next_progress = self.start + progress_every_seconds
-        self._progress_mark = (self.start, 0)  # (time, samples) of the last progress line
+        if resume is None:
+            # A new run starts a new file: lines from an earlier run in the same folder
+            # would mix two runs in one curve.
+            self._file = (self.out_dir / METRICS_FILE).open("w", encoding="utf-8")
+            self._progress_mark = (self.start, 0)  # (time, samples) of the last progress line
+        else:
+            self._continue(resume)
+            # Rates and the first line count from now, not from the run's shifted start.
+            self._progress_mark = (time.monotonic(), resume.samples)
+            self._next_progress = time.monotonic() + progress_every_seconds
+
+    def _continue(self, resume: ResumePoint) -> None:
+        """Open metrics.jsonl for appending after the lines up to the resume point."""
+        path = self.out_dir / METRICS_FILE
+        kept = _keep_lines_until(path, self.out_dir / DISCARDED_FILE, resume)
+        for line in kept:
+            if line.get("kind") == "eval":
+                self._note_eval(line)
+        self._remember(resume.step, resume.samples, math.nan)
+        self._file = path.open("a", encoding="utf-8")
+        self.log_event("resume", resume.step, resume.samples, checkpoint=resume.checkpoint)
 
     def elapsed(self) -> float:
         """Seconds since the start of the run."""
@@ -83,6 +124,13 @@ class RunRecorder:
         self._write({"kind": "train", "time": self.elapsed(), "step": step, "samples": samples,
                      "loss": float(loss), **extra})
 
+    def log_event(self, kind: str, step: int, samples: int, at: float | None = None,
+                  **extra: Any) -> None:
+        """Append a marker line (a checkpoint written, a resume): no loss, not plotted.
+        `at` is its time (seconds since the start) when that is not now."""
+        self._write({"kind": kind, "time": self.elapsed() if at is None else at, "step": step,
+                     "samples": samples, **extra})
+
     def log_eval(self, step: int, samples: int, loss: float, test_accuracy: float,
                  test_loss: float, **extra: Any) -> None:
         """Append an evaluation line; notes the first time the target accuracy is reached."""
@@ -92,12 +140,16 @@ class RunRecorder:
                 "loss": float(loss), "test_accuracy": float(test_accuracy),
                 "test_loss": float(test_loss), **extra}
         self._write(line)
+        self._note_eval(line)
+
+    def _note_eval(self, line: dict[str, Any]) -> None:
+        accuracy = float(line["test_accuracy"])
         self._last_eval = line
-        if self._best_accuracy is None or test_accuracy > self._best_accuracy:
-            self._best_accuracy = float(test_accuracy)
+        if self._best_accuracy is None or accuracy > self._best_accuracy:
+            self._best_accuracy = accuracy
         if (self.target_accuracy is not None and self.time_to_target is None
-                and test_accuracy >= self.target_accuracy):
-            self.time_to_target = now
+                and accuracy >= self.target_accuracy):
+            self.time_to_target = float(line["time"])
 
     @property
     def last_test_accuracy(self) -> float | None:
@@ -173,14 +225,61 @@ class RunRecorder:
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
     """Write JSON to `path` so readers see the old file or the new one, never half of one."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` so readers see the old file or the new one, never half of one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tmp.open("w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _keep_lines_until(path: Path, discarded: Path, resume: ResumePoint) -> list[dict]:
+    """Cut metrics.jsonl back to the lines up to `resume.step`; returns them parsed.
+
+    The cut lines (after the checkpoint, or unreadable, like a half-written last line) are
+    appended to `discarded` and fsynced before metrics.jsonl is replaced, so a crash in
+    between duplicates lines at worst and never loses one.
+    """
+    if not path.is_file():
+        return []
+    kept_text, kept, cut = [], [], []
+    content = path.read_text(encoding="utf-8")
+    for text in content.splitlines():
+        line = _parse_line(text)
+        if line is None and not text.strip():
+            continue
+        if line is not None and line.get("step", math.inf) <= resume.step:
+            kept_text.append(text)
+            kept.append(line)
+        else:
+            cut.append(text)
+    if cut:
+        header = {"kind": "discarded", "reason": f"written after checkpoint "
+                  f"{resume.checkpoint} (step {resume.step}), which the run resumed from"}
+        with discarded.open("a", encoding="utf-8") as f:
+            f.write("\n".join([json.dumps(header), *cut]) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    if cut or not content.endswith("\n"):  # appending must start on a line of its own
+        write_text_atomic(path, "".join(t + "\n" for t in kept_text))
+    return kept
+
+
+def _parse_line(text: str) -> dict[str, Any] | None:
+    """A metrics line as a dict with a numeric step, or None."""
+    try:
+        line = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(line, dict) or not isinstance(line.get("step"), (int, float)):
+        return None
+    return line
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
