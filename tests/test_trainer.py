@@ -88,15 +88,16 @@ def test_metrics_lines_have_the_required_keys(max_steps_run) -> None:
         assert {"time", "step", "samples", "loss", "test_accuracy", "test_loss"} <= set(line)
     times = [x["time"] for x in lines]
     assert times == sorted(times) and times[0] >= 0
-    # The run always ends with an evaluation of the final parameters.
-    assert lines[-1]["kind"] == "eval" and lines[-1]["step"] == 1500
+    # The run always ends with an evaluation of the final parameters, then its checkpoint.
+    assert [(x["kind"], x["step"]) for x in lines[-2:]] == [("eval", 1500), ("checkpoint", 1500)]
 
 
 def test_summary_is_complete(max_steps_run) -> None:
     out, summary, lines, _ = max_steps_run
     for key in (*REQUIRED_SUMMARY_KEYS, "stop_reason", "config_hash", "samples_per_second"):
         assert key in summary
-    assert summary["final_test_accuracy"] == lines[-1]["test_accuracy"]
+    last_eval = [x for x in lines if x["kind"] == "eval"][-1]
+    assert summary["final_test_accuracy"] == last_eval["test_accuracy"]
     assert summary["reached_target"] is False and summary["time_to_target"] is None
     assert summary["wall_seconds"] >= lines[-1]["time"]
     config = json.loads((out / "config.json").read_text())
@@ -131,8 +132,9 @@ def test_target_accuracy_stops_the_run(data_dir: Path, tmp_path: Path) -> None:
     assert summary["final_test_accuracy"] >= 0.45
     hits = [x for x in lines if x["kind"] == "eval" and x["test_accuracy"] >= 0.45]
     assert summary["time_to_target"] == hits[0]["time"]
-    # It stopped at the first evaluation that reached the target.
-    assert lines[-1] is hits[-1] and len(hits) == 1
+    # It stopped at the first evaluation that reached the target (then checkpointed).
+    assert lines[-2] is hits[-1] and len(hits) == 1
+    assert lines[-1]["kind"] == "checkpoint" and lines[-1]["step"] == hits[-1]["step"]
     assert summary["wall_seconds"] < 30
     assert "reached 0.45" in output
 
