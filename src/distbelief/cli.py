@@ -1,4 +1,4 @@
-"""The `distbelief` command line: train, report, prepare.
+"""The `distbelief` command line: train, report, prepare, inspect.
 
 `main()` is the entry point of both `distbelief` and `python -m distbelief`. A UserError
 (bad configuration or data) becomes one line, `distbelief: error: <message>`, on stderr and
@@ -37,8 +37,16 @@ run.out_dir from the current one.
 optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour SGD over
 MPI ranks (parameter-server shards and model replicas), launched with mpiexec.
 
+Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
+or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1
+(SLURM's time limit, sbatch --signal=USR1@120): the current step finishes, a checkpoint is
+written and the command exits 0. If run.out_dir holds a valid checkpoint of the same
+model and settings, training resumes from it, with or without --resume, so a requeued job
+simply continues; a damaged newest checkpoint is reported and the one before it used.
+
 examples:
   distbelief train configs/fashion_mnist_mlp.toml
+  distbelief train configs/fashion_mnist_mlp.toml --set run.max_steps=20000 --resume
   distbelief train configs/fashion_mnist_mlp.toml --set run.max_steps=500 \\
       --set optimizer.learning_rate=0.01 --set run.out_dir=\\"runs/lr0.01\\"
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_downpour.toml
@@ -53,6 +61,18 @@ share each figure, labelled by their folder names. Needs matplotlib
 examples:
   distbelief report runs/fashion_mnist_mlp
   distbelief report runs/sgd runs/downpour --out plots/
+"""
+
+INSPECT_HELP = """\
+Show what a checkpoint holds: step, samples, training time, config hash, the parameter
+layout, the shards and their ranges, and every part file with its size and whether its
+sha256 checksum matches. Given a run folder (or its checkpoints/ folder), shows every
+checkpoint there, newest first, and any leftovers of an interrupted commit. Exit status 0
+when the checkpoint (or, for a folder, the newest one) is valid, 1 when it is not.
+
+examples:
+  distbelief inspect runs/fashion_mnist_mlp
+  distbelief inspect runs/fashion_mnist_mlp/checkpoints/ckpt-0000004000
 """
 
 PREPARE_HELP = """\
@@ -83,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override one configuration key; VALUE is read as TOML "
                             "(100, 1e-3, true, \"text\", [1, 2]) or else as a bare string; "
                             "may be repeated")
+    start = train.add_mutually_exclusive_group()
+    start.add_argument("--resume", action="store_true",
+                       help="resume from the newest valid checkpoint in run.out_dir; fail if "
+                            "there is none (without this flag a run resumes when it can and "
+                            "starts fresh otherwise)")
+    start.add_argument("--fresh", action="store_true",
+                       help="start over: move the previous run's checkpoints, metrics, "
+                            "summary and config in run.out_dir to a previous-<time>/ folder "
+                            "there (nothing is deleted)")
     train.set_defaults(func=cmd_train)
 
     report = commands.add_parser("report", help="plot the curves of one or more runs",
@@ -92,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", metavar="DIR", default="report",
                         help="folder for the PNG files (default: %(default)s)")
     report.set_defaults(func=cmd_report)
+
+    inspect = commands.add_parser("inspect", help="show what a checkpoint holds and whether "
+                                  "it is valid", description=INSPECT_HELP, formatter_class=raw)
+    inspect.add_argument("path", metavar="CHECKPOINT_OR_RUN_DIR",
+                         help="a checkpoint folder, a checkpoints/ folder or a run.out_dir")
+    inspect.set_defaults(func=cmd_inspect)
 
     prepare = commands.add_parser("prepare", help="write a dataset as HDF5",
                                   description=PREPARE_HELP, formatter_class=raw)
@@ -167,7 +202,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                               f"mpiexec, or use algorithm = \"downpour\"")
         from distbelief import trainer
 
-        trainer.train(config)
+        trainer.train(config, resume=_resume_mode(args))
         return 0
     # The dispatch point for the MPI algorithms.
     comm = comm if comm is not None else start_mpi()
@@ -177,6 +212,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         downpour.train(config, comm)
         return 0
     raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
+
+
+def _resume_mode(args: argparse.Namespace) -> str:
+    """train's --resume / --fresh as a distbelief.trainer.RESUME_MODES value."""
+    return "require" if args.resume else "fresh" if args.fresh else "auto"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from distbelief.checkpoint import describe, inspect_path
+
+    reports = inspect_path(args.path)
+    print("\n\n".join(describe(r) for r in reports))
+    return 0 if reports[0].valid else 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -261,3 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of our output left (`distbelief inspect run | head`): not an error.
+        # Point stdout at /dev/null so that flushing it at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
