@@ -61,8 +61,10 @@ def assert_user_error(result, *fragments: str) -> str:
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--help"], ["train", "report", "prepare"]),
-    (["train", "--help"], ["CONFIG", "--set", "examples:", "run.out_dir"]),
+    (["--help"], ["train", "report", "prepare", "inspect"]),
+    (["train", "--help"], ["CONFIG", "--set", "examples:", "run.out_dir", "--resume", "--fresh",
+                           "SIGUSR1"]),
+    (["inspect", "--help"], ["CHECKPOINT_OR_RUN_DIR", "sha256", "examples:"]),
     (["report", "--help"], ["RUN_DIR", "--out", "examples:", "matplotlib"]),
     (["prepare", "--help"], ["fashion-mnist", "synthetic", "examples:"]),
     (["prepare", "synthetic", "--help"], ["--train", "--shape", "--classes", "--seed"]),

@@ -16,8 +16,11 @@ from distbelief.config import (
     apply_overrides,
     config_from_dict,
     config_hash,
+    hashed_settings,
     load_config,
     parse_override,
+    settings_diff,
+    settings_hash,
 )
 from distbelief.datasets import make_synthetic
 from distbelief.errors import ConfigError, DataError, UserError
@@ -82,6 +85,8 @@ def test_valid_config_has_documented_defaults(tmp_path: Path, data_file: Path) -
     assert (run.max_steps, run.max_seconds, run.target_accuracy) == (10, 0.0, None)
     assert (run.eval_every_seconds, run.eval_samples, run.seed) == (2.0, 0, 0)
     assert (run.threads, run.progress_every_seconds) == (0, 2.0)
+    assert (run.checkpoint_every_seconds, run.checkpoint_every_steps,
+            run.keep_checkpoints) == (600.0, 0, 3)
     assert run.out_dir == tmp_path.resolve() / "runs" / "exp"
     assert config.model.layers[1] == {"type": "dense", "units": 3, "activation": "softmax"}
 
@@ -166,6 +171,10 @@ def test_unknown_key_far_from_any_has_no_suggestion_but_lists_valid_keys() -> No
     ("run.eval_samples", "-1", "an integer >= 0"),
     ("run.threads", "-2", "an integer >= 0"),
     ("run.seed", "-1", "an integer >= 0"),
+    ("run.checkpoint_every_seconds", "-1", "a number >= 0"),
+    ("run.checkpoint_every_steps", "-1", "an integer >= 0"),
+    ("run.checkpoint_every_steps", "1.5", "an integer >= 0"),
+    ("run.keep_checkpoints", "1", "an integer >= 2"),
     ("run.out_dir", "3", "a non-empty string"),
     ("data.path", "[1]", "a non-empty string"),
     ("model.layers", "[]", "a non-empty list of tables"),
@@ -348,7 +357,27 @@ def test_hash_follows_what_is_trained_not_budgets() -> None:
     # Budgets, cadences and where results go may change on a resumed run.
     assert _hash(["run.max_steps=1000", "run.max_seconds=5", "run.target_accuracy=0.9",
                   "run.eval_every_seconds=1", 'run.out_dir="elsewhere"', "run.threads=2",
-                  "run.progress_every_seconds=9"]) == base
+                  "run.progress_every_seconds=9", "run.checkpoint_every_seconds=5",
+                  "run.checkpoint_every_steps=7", "run.keep_checkpoints=9"]) == base
+    # So may the shard count: a checkpoint is re-sliced for the new one.
+    assert _hash(["cluster.ps_shards=4"]) == base
+
+
+def test_hashed_settings_and_their_differences() -> None:
+    def settings(overrides: list[str]) -> dict:
+        config = config_from_dict(apply_overrides(raw_config(), overrides),
+                                  Path("/cfg/exp.toml"))
+        return hashed_settings(config)
+
+    base = settings([])
+    assert set(base) == {"model", "data", "optimizer", "run"}
+    assert base["run"] == {"seed": 0}
+    assert settings_hash(base) == _hash([])
+    changed = settings(["optimizer.learning_rate=0.5", "run.seed=3", "data.batch_size=8"])
+    assert settings_diff(base, changed) == ["data.batch_size: 64 -> 8",
+                                            "optimizer.learning_rate: 0.02 -> 0.5",
+                                            "run.seed: 0 -> 3"]
+    assert settings_diff(base, base) == []
 
 
 def test_hash_is_stable_across_processes() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from distbelief.config import Config, apply_overrides, config_from_dict
 from distbelief.datasets import make_synthetic
-from distbelief.metrics import REQUIRED_SUMMARY_KEYS, RunRecorder, read_metrics
+from distbelief.metrics import REQUIRED_SUMMARY_KEYS, ResumePoint, RunRecorder, read_metrics
 from distbelief.threads import get_blas_threads, set_blas_threads
 from distbelief.trainer import StopRules, TrainingDiverged, train
 
@@ -235,6 +235,48 @@ def test_recorder_progress_is_rate_limited(tmp_path: Path) -> None:
     assert len(lines) == 1
     assert "samples/s" in lines[0] and "loss 0.5000" in lines[0]
     recorder.close()
+
+
+def test_a_resumed_recorder_continues_the_metrics(tmp_path: Path) -> None:
+    with RunRecorder(tmp_path, stream=None, target_accuracy=0.5) as recorder:
+        recorder.log_eval(10, 100, 1.0, 0.4, 1.0)
+        recorder.log_eval(20, 200, 0.9, 0.6, 0.9)   # reaches the target
+        recorder.log_event("checkpoint", 20, 200, at=recorder.elapsed())
+        recorder.log(30, 300, 0.8)                   # after the checkpoint: retrained
+    lines_before = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    elapsed = read_metrics(tmp_path / "metrics.jsonl")[2]["time"]
+    # The killed run was writing a line when it died.
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "tr')
+
+    point = ResumePoint(step=20, samples=200, elapsed=elapsed, checkpoint="ckpt-0000000020")
+    recorder = RunRecorder(tmp_path, stream=None, target_accuracy=0.5, resume=point)
+    assert recorder.elapsed() >= elapsed
+    recorder.log_eval(40, 400, 0.7, 0.55, 0.8)
+    summary = recorder.finish({"stop_reason": "test"})
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(x["kind"], x["step"]) for x in lines] == [
+        ("eval", 10), ("eval", 20), ("checkpoint", 20), ("resume", 20), ("eval", 40)]
+    times = [x["time"] for x in lines]
+    assert times == sorted(times)
+    # What came from the earlier sessions counts in the summary.
+    assert summary["best_test_accuracy"] == 0.6
+    assert summary["time_to_target"] == lines[1]["time"]
+    assert (summary["steps"], summary["samples"]) == (40, 400)
+    assert summary["wall_seconds"] >= elapsed
+    # The cut lines were moved, not lost.
+    discarded = (tmp_path / "metrics.discarded.jsonl").read_text().splitlines()
+    assert json.loads(discarded[0])["kind"] == "discarded"
+    assert discarded[1:] == [lines_before[3], '{"kind": "tr']
+
+
+def test_resuming_without_metrics_starts_a_file(tmp_path: Path) -> None:
+    point = ResumePoint(step=5, samples=50, elapsed=1.5, checkpoint="ckpt-0000000005")
+    with RunRecorder(tmp_path, stream=None, resume=point) as recorder:
+        recorder.log(6, 60, 1.0)
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    assert [x["kind"] for x in lines] == ["resume", "train"]
+    assert lines[0]["time"] >= 1.5 and not (tmp_path / "metrics.discarded.jsonl").exists()
 
 
 def test_a_new_run_replaces_old_metrics(tmp_path: Path) -> None:

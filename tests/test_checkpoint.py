@@ -1,0 +1,819 @@
+"""Checkpoints: the format (parts, manifest, h5ls-readable), the atomic multi-writer commit
+interrupted at every phase (exceptions and SIGKILL), damaged and mismatched checkpoints,
+retention and leftovers, re-slicing to another shard count, and `inspect`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from conftest import run_cli
+
+from distbelief import checkpoint as ckpt
+from distbelief.config import settings_hash
+from distbelief.layout import ParamLayout, balanced_ranges
+
+LAYOUT = ParamLayout([(0, "weights", (7, 5)), (0, "bias", (7,)), (1, "weights", (3, 7)),
+                      (1, "bias", (3,))])
+SETTINGS = {"model": {"layers": [{"type": "dense", "units": 7}]}, "data": {"batch_size": 4},
+            "optimizer": {"learning_rate": 0.05}, "run": {"seed": 0}}
+HASH = settings_hash(SETTINGS)
+
+
+def state_for(step: int, size: int = LAYOUT.size) -> tuple[np.ndarray, np.ndarray]:
+    """Parameters and Adagrad accumulator that differ for every step."""
+    rng = np.random.default_rng(step)
+    return (rng.standard_normal(size, dtype=np.float32),
+            rng.random(size, dtype=np.float32))
+
+
+def save(root: Path, step: int, shards: int = 1, replicas: int = 1, keep: int = 3,
+         rng_state: dict | None = None) -> Path:
+    """A checkpoint written the way an MPI run spreads it: prepare, each writer its part,
+    then the commit."""
+    params, accum = state_for(step)
+    meta = ckpt.CheckpointMeta(step, step * 4, step * 0.5, HASH)
+    partial = ckpt.prepare(root, step)
+    ranges = balanced_ranges(LAYOUT.size, shards)
+    records = [ckpt.write_shard_part(partial, meta, i, a, b, params[a:b], {"accum": accum[a:b]},
+                                     {"version": step + i})
+               for i, (a, b) in enumerate(ranges)]
+    records += [ckpt.write_replica_part(partial, meta, i, {"epoch": step, "position": i},
+                                        rng_state, {"step": step},
+                                        {"pending": np.full(3, i, np.float32)})
+                for i in range(replicas)]
+    return ckpt.commit(root, meta, settings=SETTINGS, algorithm="downpour", layout=LAYOUT,
+                       shard_ranges=ranges, optimizer_state=["accum"], parts=records,
+                       num_replicas=replicas, keep=keep)
+
+
+def assert_holds(found: ckpt.Checkpoint, step: int) -> None:
+    """`found` verifies and holds exactly what save() wrote for `step`."""
+    params, accum = state_for(step)
+    assert found.step == step and found.samples == step * 4
+    assert found.wall_seconds == step * 0.5
+    got_params, got_state = found.read_state()
+    assert np.array_equal(got_params, params)
+    assert np.array_equal(got_state["accum"], accum)
+    assert ckpt.verify(found.path).step == step
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "run" / ckpt.CHECKPOINTS_DIR
+
+
+# -- the format ----------------------------------------------------------------------------------
+
+
+def test_round_trip_with_several_shards_and_replicas(root: Path) -> None:
+    rng = np.random.default_rng(42)
+    rng.random(5)
+    path = save(root, 12, shards=3, replicas=2, rng_state=rng.bit_generator.state)
+    assert path == root / "ckpt-0000000012"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "manifest.json", "replica-0000.h5", "replica-0001.h5", "shard-0000.h5",
+        "shard-0001.h5", "shard-0002.h5"]
+    found, damaged = ckpt.find_latest(root)
+    assert damaged == []
+    assert_holds(found, 12)
+    assert found.shard_ranges == balanced_ranges(LAYOUT.size, 3)
+    replica = found.read_replica(1)
+    assert replica.data_state == {"epoch": 12, "position": 1}
+    assert replica.counters == {"step": 12}
+    assert np.array_equal(replica.arrays["pending"], np.full(3, 1, np.float32))
+    # The RNG continues exactly where it was saved.
+    restored = np.random.default_rng()
+    restored.bit_generator.state = replica.rng_state
+    assert np.array_equal(restored.random(4), rng.random(4))
+    with h5py.File(path / "shard-0001.h5", "r") as f:
+        assert {k: int(v) for k, v in f["counters"].attrs.items()} == {"version": 13}
+
+
+def test_manifest_records_everything_the_brief_asks_for(root: Path) -> None:
+    path = save(root, 30, shards=2)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == "distbelief-checkpoint" and manifest["version"] == 1
+    assert (manifest["step"], manifest["samples"], manifest["wall_seconds"]) == (30, 120, 15.0)
+    assert manifest["config_hash"] == HASH and manifest["config"] == SETTINGS
+    assert manifest["layout"] == LAYOUT.to_records()
+    assert manifest["num_params"] == LAYOUT.size
+    assert [(s["start"], s["stop"]) for s in manifest["shards"]] == balanced_ranges(
+        LAYOUT.size, 2)
+    # Sizes and checksums are those of the files on disk, computed independently here.
+    assert set(manifest["parts"]) == {"shard-0000.h5", "shard-0001.h5", "replica-0000.h5"}
+    for name, entry in manifest["parts"].items():
+        data = (path / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_parts_hold_only_plain_datasets_and_attributes(root: Path) -> None:
+    path = save(root, 3, shards=2)
+    seen = {}
+
+    def visit(name: str, obj: object) -> None:
+        seen[name] = type(obj).__name__
+        if isinstance(obj, h5py.Dataset):
+            assert obj.dtype == np.float32 and obj.ndim == 1 and obj.compression is None
+        for value in obj.attrs.values():
+            assert isinstance(value, (str, np.integer)), (name, value)
+
+    for part in ("shard-0001.h5", "replica-0000.h5"):
+        with h5py.File(path / part, "r") as f:
+            visit("/", f)
+            f.visititems(visit)
+    assert seen["params"] == "Dataset" and seen["optimizer/accum"] == "Dataset"
+    assert seen["arrays/pending"] == "Dataset" and seen["data"] == "Group"
+
+
+def test_h5ls_reads_the_parts(root: Path) -> None:
+    if shutil.which("h5ls") is None:
+        pytest.skip("h5ls not installed (apt-get install hdf5-tools)")
+    path = save(root, 3)
+    out = subprocess.run(["h5ls", "-r", str(path / "shard-0000.h5")], capture_output=True,
+                         text=True, timeout=30, check=False)
+    assert out.returncode == 0, out.stderr
+    assert f"/params                  Dataset {{{LAYOUT.size}}}" in out.stdout
+    assert "/optimizer/accum" in out.stdout
+
+
+def test_write_part_checks_its_arrays(root: Path) -> None:
+    partial = ckpt.prepare(root, 1)
+    meta = ckpt.CheckpointMeta(1, 1, 0.0, HASH)
+    with pytest.raises(ValueError, match="float32 of shape"):
+        ckpt.write_shard_part(partial, meta, 0, 0, 10, np.zeros(10), {})
+    with pytest.raises(ValueError, match="optimizer state 'accum'"):
+        ckpt.write_shard_part(partial, meta, 0, 0, 10, np.zeros(10, np.float32),
+                              {"accum": np.zeros(9, np.float32)})
+    with pytest.raises(ckpt.CheckpointError, match="prepare"):
+        ckpt.write_shard_part(root / "nowhere.partial", meta, 0, 0, 1, np.zeros(1, np.float32),
+                              {})
+
+
+# -- re-sharding ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("saved_shards, loaded_shards", [(1, 4), (3, 2), (4, 7), (5, 5)])
+def test_a_run_with_another_shard_count_reads_its_own_ranges(root: Path, saved_shards: int,
+                                                              loaded_shards: int) -> None:
+    save(root, 8, shards=saved_shards)
+    found, _ = ckpt.find_latest(root)
+    params, accum = state_for(8)
+    for a, b in balanced_ranges(LAYOUT.size, loaded_shards):
+        got_params, got_state = found.read_range(a, b)
+        assert np.array_equal(got_params, params[a:b])
+        assert np.array_equal(got_state["accum"], accum[a:b])
+    with pytest.raises(ValueError, match="outside"):
+        found.read_range(0, LAYOUT.size + 1)
+
+
+@pytest.mark.parametrize("total, before, after", [(1000, 3, 7), (17, 17, 1), (64, 1, 64)])
+def test_assemble_and_split(total: int, before: int, after: int) -> None:
+    vector = np.random.default_rng(total).standard_normal(total).astype(np.float32)
+    pieces = [(a, b, vector[a:b].copy()) for a, b in balanced_ranges(total, before)]
+    pieces.reverse()  # any order
+    full = ckpt.assemble(pieces, total)
+    assert np.array_equal(full, vector)
+    resliced = ckpt.split(full, balanced_ranges(total, after))
+    assert len(resliced) == after
+    assert np.array_equal(np.concatenate(resliced), vector)
+    assert ckpt.assemble([(a, b, s) for (a, b), s in
+                          zip(balanced_ranges(total, after), resliced, strict=True)],
+                         total).tobytes() == vector.tobytes()
+
+
+def test_assemble_refuses_gaps_and_overlaps() -> None:
+    ones = np.ones(5, np.float32)
+    with pytest.raises(ValueError, match="tile"):
+        ckpt.assemble([(0, 5, ones), (6, 11, ones)], 11)  # gap
+    with pytest.raises(ValueError, match="tile"):
+        ckpt.assemble([(0, 5, ones), (4, 9, ones)], 9)  # overlap
+    with pytest.raises(ValueError, match="end at 5"):
+        ckpt.assemble([(0, 5, ones)], 6)  # short
+    with pytest.raises(ValueError, match="tile"):
+        ckpt.split(np.zeros(10), [(0, 4), (5, 10)])
+
+
+# -- retention and leftovers ---------------------------------------------------------------------
+
+
+def test_keep_checkpoints_is_honoured(root: Path) -> None:
+    for step in (10, 20, 30, 40, 50):
+        save(root, step, keep=2)
+        steps = [s for s, _ in ckpt.list_checkpoints(root)]
+        assert steps == [s for s in (50, 40, 30, 20, 10) if s <= step][:2]
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-0000000040", "ckpt-0000000050"]
+    with pytest.raises(ValueError, match="at least 2"):
+        save(root, 60, keep=1)
+
+
+def test_leftovers_are_never_loaded_and_are_cleaned(root: Path) -> None:
+    save(root, 10)
+    # A newer, complete-looking .partial and a half-deleted checkpoint from a killed run.
+    shutil.copytree(save(root, 20), root / "ckpt-0000000099.partial")
+    shutil.copytree(root / "ckpt-0000000010", root / "ckpt-0000000005.deleting")
+    found, damaged = ckpt.find_latest(root)
+    assert found.step == 20 and damaged == []
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [20, 10]
+    removed = ckpt.clean_leftovers(root)
+    assert sorted(p.name for p in removed) == ["ckpt-0000000005.deleting",
+                                               "ckpt-0000000099.partial"]
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-0000000010", "ckpt-0000000020"]
+
+
+def test_prepare_replaces_a_stale_partial_of_the_same_step(root: Path) -> None:
+    stale = root / "ckpt-0000000007.partial"
+    stale.mkdir(parents=True)
+    (stale / "shard-0000.h5").write_bytes(b"half a file")
+    save(root, 7)
+    assert not stale.exists()
+    assert_holds(ckpt.find_latest(root)[0], 7)
+
+
+def test_a_step_is_committed_once(root: Path) -> None:
+    save(root, 7)
+    with pytest.raises(ckpt.CheckpointError, match="exists already"):
+        save(root, 7)
+    assert_holds(ckpt.find_latest(root)[0], 7)
+
+
+def test_commit_refuses_missing_or_short_parts(root: Path) -> None:
+    save(root, 1)
+    meta = ckpt.CheckpointMeta(2, 8, 1.0, HASH)
+    partial = ckpt.prepare(root, 2)
+    params, accum = state_for(2)
+    shard = ckpt.write_shard_part(partial, meta, 0, 0, LAYOUT.size, params, {"accum": accum})
+    replica = ckpt.write_replica_part(partial, meta, 0, {"epoch": 0})
+    kwargs = {"settings": SETTINGS, "algorithm": "sgd", "layout": LAYOUT,
+              "shard_ranges": [(0, LAYOUT.size)], "optimizer_state": ["accum"],
+              "num_replicas": 1, "keep": 3}
+    with pytest.raises(ckpt.CheckpointError, match="reported parts"):
+        ckpt.commit(root, meta, parts=[shard], **kwargs)  # the replica never reported
+    os.truncate(partial / "replica-0000.h5", 100)
+    with pytest.raises(ckpt.CheckpointError, match="replica-0000.h5 is 100 bytes"):
+        ckpt.commit(root, meta, parts=[shard, replica], **kwargs)
+    with pytest.raises(ValueError, match=f"end at {LAYOUT.size - 1}"):
+        ckpt.commit(root, meta, parts=[shard, replica],
+                    **{**kwargs, "shard_ranges": [(0, LAYOUT.size - 1)]})
+    assert_holds(ckpt.find_latest(root)[0], 1)
+
+
+# -- interrupted commits -------------------------------------------------------------------------
+
+# Each phase of a commit, as (function to break, what to do in its place). "stop" raises or
+# kills instead of running it; "after" runs it first; "rename only" is the first half of
+# deleting an old checkpoint.
+PHASES = {
+    "while writing a part": ("_sync_and_digest", "stop"),
+    "after the parts, before the manifest": ("_write_manifest", "stop"),
+    "after the manifest, before the rename": ("_publish", "stop"),
+    "after the rename, before retention": ("_prune", "stop"),
+    "half-way through deleting an old one": ("_prune", "rename only"),
+}
+COMMITTED = {"after the rename, before retention", "half-way through deleting an old one"}
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _break(monkeypatch: pytest.MonkeyPatch, phase: str, stop) -> None:
+    name, how = PHASES[phase]
+    if how == "stop":
+        monkeypatch.setattr(ckpt, name, lambda *a, **k: stop())
+    else:
+        def rename_then_stop(root: Path, keep: int) -> None:
+            oldest = ckpt.list_checkpoints(root)[-1][1]
+            os.rename(oldest, oldest.with_name(oldest.name + ckpt.DELETING_SUFFIX))
+            stop()
+        monkeypatch.setattr(ckpt, name, rename_then_stop)
+
+
+def _check_after_interruption(root: Path, phase: str) -> None:
+    found, damaged = ckpt.find_latest(root)
+    assert damaged == []
+    assert_holds(found, 30 if phase in COMMITTED else 20)
+    ckpt.clean_leftovers(root)
+    save(root, 40, keep=2)  # the next checkpoint goes through as usual
+    assert [s for s, _ in ckpt.list_checkpoints(root)] == [40, 30 if phase in COMMITTED else 20]
+    assert_holds(ckpt.find_latest(root)[0], 40)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_an_exception_at_any_phase_keeps_the_previous_checkpoint(
+        root: Path, monkeypatch: pytest.MonkeyPatch, phase: str) -> None:
+    save(root, 10, keep=2)
+    save(root, 20, keep=2)
+
+    def stop() -> None:
+        raise Interrupted(phase)
+
+    with monkeypatch.context() as patch:
+        _break(patch, phase, stop)
+        with pytest.raises(Interrupted):
+            save(root, 30, shards=2, keep=2)
+    _check_after_interruption(root, phase)
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import pytest
+import test_checkpoint as t
+from pathlib import Path
+root = Path({root!r})
+with pytest.MonkeyPatch.context() as patch:
+    t._break(patch, {phase!r}, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    t.save(root, 30, shards=2, keep=2)
+print("not killed")
+"""
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_sigkill_at_any_phase_keeps_the_previous_checkpoint(root: Path, phase: str) -> None:
+    save(root, 10, keep=2)
+    save(root, 20, keep=2)
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), root=str(root), phase=phase)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == -signal.SIGKILL, result.stdout + result.stderr
+    _check_after_interruption(root, phase)
+
+
+# -- damaged and mismatched checkpoints ---------------------------------------------------------
+
+
+def _flip_bytes(path: Path) -> None:
+    """Flip a few bytes in the middle of the parameters: same size, different content."""
+    data = bytearray(path.read_bytes())
+    with h5py.File(path, "r") as f:
+        offset = f["params"].id.get_offset()
+    for i in range(offset + 8, offset + 12):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _edit_manifest_step(path: Path) -> None:
+    text = (path / "manifest.json").read_text()
+    (path / "manifest.json").write_text(text.replace('"step": 20', '"step": 21'))
+
+
+DAMAGE = {
+    "truncated part": (lambda p: os.truncate(p / "shard-0001.h5", 1000),
+                       "shard-0001.h5 is 1000 bytes"),
+    "flipped bytes": (lambda p: _flip_bytes(p / "shard-0000.h5"),
+                      "shard-0000.h5 fails its sha256 checksum"),
+    "missing manifest": (lambda p: (p / "manifest.json").unlink(), "manifest.json is missing"),
+    "unreadable manifest": (lambda p: (p / "manifest.json").write_text('{"format": "dist'),
+                            "manifest.json is unreadable"),
+    "edited manifest": (_edit_manifest_step, "fails its own checksum"),
+    "missing part": (lambda p: (p / "replica-0000.h5").unlink(), "replica-0000.h5 is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_reported_and_the_previous_one_used(root: Path,
+                                                                    damage: str) -> None:
+    save(root, 10, shards=2)
+    newest = save(root, 20, shards=2)
+    harm, message = DAMAGE[damage]
+    harm(newest)
+    found, damaged = ckpt.find_latest(root)
+    assert_holds(found, 10)
+    assert [path for path, _ in damaged] == [newest]
+    assert str(newest) in damaged[0][1] and message in damaged[0][1]
+    with pytest.raises(ckpt.CheckpointError, match=message):
+        ckpt.verify(newest)
+
+
+def test_with_every_checkpoint_damaged_none_is_loaded(root: Path) -> None:
+    for step in (10, 20):
+        os.truncate(save(root, step) / "shard-0000.h5", 10)
+    found, damaged = ckpt.find_latest(root)
+    assert found is None and len(damaged) == 2
+
+
+def test_set_aside_keeps_a_damaged_checkpoint_out_of_the_way(root: Path) -> None:
+    first = save(root, 10)
+    aside = ckpt.set_aside(first)
+    assert aside.name == "ckpt-0000000010.damaged" and (aside / "manifest.json").exists()
+    assert ckpt.list_checkpoints(root) == []
+    assert ckpt.set_aside(save(root, 10)).name == "ckpt-0000000010.damaged-2"
+
+
+def test_a_different_model_is_refused_naming_both(root: Path) -> None:
+    found = ckpt.verify(save(root, 5))
+    found.check_compatible(SETTINGS, LAYOUT)  # the same: no error
+    other = ParamLayout([(0, "weights", (9, 5)), (0, "bias", (9,)), (1, "weights", (3, 9)),
+                         (1, "bias", (3,))])
+    with pytest.raises(ckpt.CheckpointMismatch) as info:
+        found.check_compatible(SETTINGS, other)
+    assert str(found.path) in str(info.value)
+    assert "(7, 5) in the checkpoint" in str(info.value) and "(9, 5)" in str(info.value)
+    smaller = ParamLayout([(0, "weights", (7, 5))])
+    with pytest.raises(ckpt.CheckpointMismatch, match="4 parameter arrays .* this run's model 1"):
+        found.check_compatible(SETTINGS, smaller)
+
+
+def test_a_different_configuration_is_refused_naming_what_changed(root: Path) -> None:
+    found = ckpt.verify(save(root, 5))
+    changed = {**SETTINGS, "optimizer": {"learning_rate": 0.1}}
+    with pytest.raises(ckpt.CheckpointMismatch) as info:
+        found.check_compatible(changed, LAYOUT)
+    message = str(info.value)
+    assert HASH[:12] in message and settings_hash(changed)[:12] in message
+    assert "optimizer.learning_rate: 0.05 -> 0.1" in message
+    assert isinstance(info.value, ckpt.UserError)
+
+
+def test_a_part_swapped_in_from_another_checkpoint_is_caught(root: Path) -> None:
+    older = save(root, 10)
+    newer = save(root, 20)
+    shutil.copy(older / "shard-0000.h5", newer / "shard-0000.h5")
+    manifest = json.loads((newer / "manifest.json").read_text())
+    data = (newer / "shard-0000.h5").read_bytes()
+    manifest["parts"]["shard-0000.h5"] = {"size": len(data),
+                                          "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["manifest_sha256"] = ckpt._manifest_digest(manifest)
+    (newer / "manifest.json").write_text(json.dumps(manifest))
+    found = ckpt.verify(newer)  # the checksums agree: only the part's own header can tell
+    with pytest.raises(ckpt.CheckpointError, match="header"):
+        found.read_state()
+
+
+# -- inspect -------------------------------------------------------------------------------------
+
+
+def test_inspect_a_valid_checkpoint(root: Path) -> None:
+    path = save(root, 12, shards=2)
+    result = run_cli(["inspect", path], timeout=60)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith(f"{path}: VALID")
+    assert "step 12, 48 samples, 6.0s of training" in out
+    assert f"config hash {HASH}" in out
+    assert f"4 arrays, {LAYOUT.size:,d} parameters" in out and "layer 1" in out
+    a, b = balanced_ranges(LAYOUT.size, 2)[1]
+    assert f"shard 1: [{a:,d}, {b:,d})  shard-0001.h5" in out
+    assert out.count("  ok") == 3
+
+
+def test_inspect_a_run_folder_with_a_damaged_newest_checkpoint(root: Path) -> None:
+    save(root, 10)
+    _flip_bytes(save(root, 20) / "shard-0000.h5")
+    (root / "ckpt-0000000030.partial").mkdir()
+    result = run_cli(["inspect", root.parent], timeout=60)
+    assert result.returncode == 1, result.stderr
+    blocks = result.stdout.split("\n\n")
+    assert blocks[0].startswith(f"{root / 'ckpt-0000000020'}: NOT VALID")
+    assert "fails its sha256 checksum" in blocks[0]
+    assert blocks[1].startswith(f"{root / 'ckpt-0000000010'}: VALID")
+    assert "ckpt-0000000030.partial: NOT VALID" in blocks[2] and "incomplete" in blocks[2]
+
+
+def test_inspect_a_folder_without_checkpoints(tmp_path: Path) -> None:
+    result = run_cli(["inspect", tmp_path], timeout=60)
+    assert result.returncode == 2
+    assert "holds no checkpoint" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_module_uses_no_mpi_and_no_pickle() -> None:
+    source = Path(ckpt.__file__).read_text()
+    assert "mpi4py" not in source and "pickle" not in source
+    code = textwrap.dedent("""
+        import sys, distbelief.checkpoint
+        print('mpi4py.MPI' in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# -- training runs: resume, signals, the command line --------------------------------------------
+
+TRAIN_TOML = """
+[model]
+layers = [
+    { type = "dense", units = 24, activation = "relu" },
+    { type = "dense", units = 3, activation = "softmax" },
+]
+[data]
+path = "synth.h5"
+batch_size = 16
+[optimizer]
+learning_rate = 0.05
+[run]
+max_steps = 200
+eval_every_seconds = 0.05
+progress_every_seconds = 0.05
+threads = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from distbelief.datasets import make_synthetic
+
+    folder = tmp_path_factory.mktemp("ckpt_train")
+    # 500 rows in batches of 16: a run of 200 steps crosses several epochs, so the data
+    # position restored on resume includes the epoch.
+    make_synthetic(folder / "synth.h5", n_train=500, n_test=100, input_shape=(10,),
+                   num_classes=3, seed=5)
+    (folder / "exp.toml").write_text(TRAIN_TOML)
+    return folder
+
+
+def train_config(data_dir: Path, out: Path, *overrides: str):
+    import tomllib
+
+    from distbelief.config import apply_overrides, config_from_dict
+
+    raw = apply_overrides(tomllib.loads(TRAIN_TOML), [f'run.out_dir="{out}"', *overrides])
+    return config_from_dict(raw, data_dir / "exp.toml")
+
+
+def train_in_process(data_dir: Path, out: Path, *overrides: str, resume: str = "auto"):
+    """(summary, printed output) of a single-process run."""
+    import io
+
+    from distbelief.trainer import train
+
+    stream = io.StringIO()
+    summary = train(train_config(data_dir, out, *overrides), stream=stream, resume=resume)
+    return summary, stream.getvalue()
+
+
+def final_state(out: Path) -> tuple[int, np.ndarray, np.ndarray, dict]:
+    """(step, params, Adagrad accumulator, data position) of a run's newest checkpoint."""
+    found, damaged = ckpt.find_latest(ckpt.checkpoint_root(out))
+    assert found is not None and damaged == []
+    params, state = found.read_state()
+    return found.step, params, state["accum"], found.read_replica(0).data_state
+
+
+def assert_same_training(a: Path, b: Path) -> None:
+    step_a, params_a, accum_a, data_a = final_state(a)
+    step_b, params_b, accum_b, data_b = final_state(b)
+    assert step_a == step_b
+    assert np.array_equal(params_a, params_b)
+    assert np.array_equal(accum_a, accum_b)
+    assert data_a == data_b
+
+
+def metrics_of(out: Path) -> list[dict]:
+    from distbelief.metrics import read_metrics
+
+    return read_metrics(out / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def straight_run(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """200 steps without interruption: what every resumed run must reproduce bit for bit."""
+    out = tmp_path_factory.mktemp("straight") / "out"
+    train_in_process(data_dir, out)
+    return out
+
+
+def test_half_and_resume_is_bit_identical(data_dir: Path, tmp_path: Path,
+                                          straight_run: Path) -> None:
+    out = tmp_path / "halves"
+    first, _ = train_in_process(data_dir, out, "run.max_steps=100")
+    assert first["steps"] == 100 and final_state(out)[0] == 100
+    summary, printed = train_in_process(data_dir, out)
+    assert "resuming from" in printed and "ckpt-0000000100" in printed
+    assert summary["steps"] == 200 and summary["samples"] == 200 * 16
+    assert summary["resumed_from"].endswith("ckpt-0000000100")
+    assert_same_training(out, straight_run)
+    # The metrics continue: one resume line, steps and times increasing, the wall time
+    # of both halves in the summary.
+    lines = metrics_of(out)
+    assert [x["step"] for x in lines if x["kind"] == "resume"] == [100]
+    times = [x["time"] for x in lines]
+    assert times == sorted(times)
+    train_steps = [x["step"] for x in lines if x["kind"] == "train"]
+    assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 200
+    assert summary["wall_seconds"] >= first["wall_seconds"]
+
+
+def test_resume_from_a_periodic_checkpoint_of_a_killed_run(data_dir: Path, tmp_path: Path,
+                                                           straight_run: Path) -> None:
+    out = tmp_path / "killed"
+    train_in_process(data_dir, out, "run.max_steps=130", "run.checkpoint_every_steps=50")
+    assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [130, 100, 50]
+    # As if killed between step 100's checkpoint and the end: the newest is the periodic
+    # one, the metrics run on to step 130.
+    shutil.rmtree(out / "checkpoints" / "ckpt-0000000130")
+    after = [x for x in metrics_of(out) if x["step"] > 100]
+    assert after
+    summary, _ = train_in_process(data_dir, out, "run.checkpoint_every_steps=50")
+    assert summary["steps"] == 200
+    assert_same_training(out, straight_run)
+    # keep_checkpoints = 3 (the default); 150 and 200 came from the resumed run.
+    assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [200, 150, 100]
+    # What the killed run logged after its checkpoint was moved aside, not lost.
+    discarded = [json.loads(t) for t in
+                 (out / "metrics.discarded.jsonl").read_text().splitlines()]
+    assert discarded[0]["kind"] == "discarded" and discarded[1:] == after
+    steps = [x["step"] for x in metrics_of(out) if x["kind"] == "train"]
+    assert steps == sorted(set(steps))
+
+
+def test_a_damaged_newest_checkpoint_falls_back_and_is_set_aside(data_dir: Path,
+                                                                tmp_path: Path,
+                                                                straight_run: Path) -> None:
+    out = tmp_path / "damaged"
+    train_in_process(data_dir, out, "run.max_steps=120", "run.checkpoint_every_steps=60")
+    newest = out / "checkpoints" / "ckpt-0000000120"
+    _flip_bytes(newest / "shard-0000.h5")
+    summary, printed = train_in_process(data_dir, out)
+    assert f"warning: checkpoint {newest} is damaged" in printed
+    assert "fails its sha256 checksum" in printed
+    assert "resuming from" in printed and "ckpt-0000000060 at step 60" in printed
+    assert summary["resumed_from"].endswith("ckpt-0000000060")
+    assert (out / "checkpoints" / "ckpt-0000000120.damaged").is_dir()
+    assert_same_training(out, straight_run)
+
+
+def test_all_checkpoints_damaged_is_an_error_not_a_silent_restart(data_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    out = tmp_path / "ruined"
+    train_in_process(data_dir, out, "run.max_steps=20")
+    (out / "checkpoints" / "ckpt-0000000020" / "manifest.json").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="all 1 are damaged.*--fresh"):
+        train_in_process(data_dir, out)
+
+
+def test_a_finished_run_resumed_trains_no_further_step(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "done"
+    train_in_process(data_dir, out, "run.max_steps=30")
+    before = final_state(out)
+    summary, _ = train_in_process(data_dir, out, "run.max_steps=30")
+    assert summary["steps"] == 30 and summary["stop_reason"] == "max_steps"
+    after = final_state(out)
+    assert np.array_equal(before[1], after[1])
+    assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [30]
+
+
+def test_resume_refuses_another_model_and_leaves_the_run_alone(data_dir: Path,
+                                                               tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    train_in_process(data_dir, out, "run.max_steps=20")
+    config_before = (out / "config.json").read_text()
+    other = 'model.layers=[{type="dense", units=8, activation="relu"}, ' \
+            '{type="dense", units=3, activation="softmax"}]'
+    with pytest.raises(ckpt.CheckpointMismatch, match="different model.*--fresh"):
+        train_in_process(data_dir, out, other)
+    with pytest.raises(ckpt.CheckpointMismatch,
+                       match=r"optimizer.learning_rate: 0.05 -> 0.07"):
+        train_in_process(data_dir, out, "optimizer.learning_rate=0.07")
+    assert (out / "config.json").read_text() == config_before
+    # A longer budget, other cadences and another shard count are not "another model".
+    summary, _ = train_in_process(data_dir, out, "run.max_steps=40", "cluster.ps_shards=3",
+                                  "run.checkpoint_every_seconds=5")
+    assert summary["steps"] == 40
+
+
+def test_fresh_moves_the_previous_run_aside(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "fresh"
+    train_in_process(data_dir, out, "run.max_steps=20")
+    summary, printed = train_in_process(data_dir, out, "run.max_steps=10", resume="fresh")
+    assert summary["steps"] == 10 and summary["resumed_from"] is None
+    archived = [p for p in out.iterdir() if p.name.startswith("previous-")]
+    assert len(archived) == 1 and str(archived[0]) in printed
+    assert json.loads((archived[0] / "summary.json").read_text())["steps"] == 20
+    assert ckpt.find_latest(archived[0] / "checkpoints")[0].step == 20
+    assert final_state(out)[0] == 10
+
+
+def test_require_without_a_checkpoint_is_an_error(data_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ckpt.CheckpointError, match="--resume: there is no checkpoint"):
+        train_in_process(data_dir, tmp_path / "none", resume="require")
+
+
+def test_leftovers_of_a_killed_commit_are_cleaned_at_start(data_dir: Path,
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "left"
+    train_in_process(data_dir, out, "run.max_steps=20")
+    junk = out / "checkpoints" / "ckpt-0000000025.partial"
+    junk.mkdir()
+    (junk / ".shard-0000.h5.tmp").write_bytes(b"half")
+    summary, _ = train_in_process(data_dir, out, "run.max_steps=25")
+    assert summary["steps"] == 25 and not junk.exists()
+    assert final_state(out)[0] == 25
+
+
+def test_periodic_checkpoints_by_time(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "timed"
+    summary, _ = train_in_process(data_dir, out, "run.max_steps=0", "run.max_seconds=1.0",
+                                  "run.checkpoint_every_seconds=0.2", "run.keep_checkpoints=50")
+    marks = [x for x in metrics_of(out) if x["kind"] == "checkpoint"]
+    # Every 0.2 s for 1 s, plus the final one; some slack for a busy machine.
+    assert 3 <= len(marks) <= 7
+    assert marks[-1]["step"] == summary["steps"]
+    assert len(ckpt.list_checkpoints(out / "checkpoints")) == len(marks)
+
+
+def test_stop_signals_only_set_a_flag() -> None:
+    from distbelief.trainer import StopSignals
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with StopSignals() as signals:
+        assert signals.received is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert signals.received == "SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+# -- through the command line ----------------------------------------------------------------------
+
+
+def cli_train(data_dir: Path, out: Path, *args: str):
+    return run_cli(["train", data_dir / "exp.toml", "--set", f'run.out_dir="{out}"', *args],
+                   timeout=120)
+
+
+def test_cli_half_and_resume_is_bit_identical(data_dir: Path, tmp_path: Path,
+                                              straight_run: Path) -> None:
+    out = tmp_path / "cli"
+    result = cli_train(data_dir, out, "--set", "run.max_steps=100")
+    assert result.returncode == 0, result.stderr
+    result = cli_train(data_dir, out, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert "resuming from" in result.stdout and "after 200 steps" in result.stdout
+    assert_same_training(out, straight_run)
+
+
+def test_cli_resume_without_checkpoint_and_resume_with_fresh(data_dir: Path,
+                                                             tmp_path: Path) -> None:
+    result = cli_train(data_dir, tmp_path / "none", "--resume")
+    assert result.returncode == 2
+    assert result.stderr.startswith("distbelief: error: train --resume: there is no checkpoint")
+    result = cli_train(data_dir, tmp_path / "none", "--resume", "--fresh")
+    assert result.returncode == 2 and "not allowed with argument" in result.stderr
+
+
+def test_cli_refuses_another_model_with_one_message(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cli_model"
+    assert cli_train(data_dir, out, "--set", "run.max_steps=10").returncode == 0
+    result = cli_train(data_dir, out, "--set", "optimizer.adagrad=false")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert "ckpt-0000000010" in lines[0] and "optimizer.adagrad: true -> false" in lines[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["SIGUSR1", "SIGTERM"])
+def test_signal_stops_with_a_checkpoint_and_a_rerun_continues(
+        data_dir: Path, tmp_path: Path, sig: signal.Signals) -> None:
+    import time
+
+    from conftest import _env
+
+    out = tmp_path / "signalled"
+    cmd = [sys.executable, "-m", "distbelief", "train", str(data_dir / "exp.toml"), "--set",
+           f'run.out_dir="{out}"', "--set", "run.max_steps=100000000",
+           "--set", "run.eval_every_seconds=60"]
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
+        try:
+            deadline = time.monotonic() + 60
+            # A training line means the loop (and so the signal handler) is running.
+            while not (out / "metrics.jsonl").exists() or "train" not in \
+                    (out / "metrics.jsonl").read_text():
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            proc.send_signal(sig)
+            sent = time.monotonic()
+            returncode = proc.wait(timeout=30)
+            waited = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    output = (tmp_path / "log").read_text()
+    assert returncode == 0, output
+    assert waited < 10, f"took {waited:.1f}s to stop"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == sig.name
+    step = summary["steps"]
+    assert step > 0 and final_state(out)[0] == step
+    assert f"stopped ({sig.name}) after {step} steps" in output
+
+    # A rerun (the requeued job) continues from there, and computes exactly what a run
+    # that was never stopped computes.
+    result = cli_train(data_dir, out, "--set", f"run.max_steps={step + 40}")
+    assert result.returncode == 0, result.stderr
+    assert f"at step {step}," in result.stdout
+    assert json.loads((out / "summary.json").read_text())["steps"] == step + 40
+    train_in_process(data_dir, tmp_path / "unstopped", f"run.max_steps={step + 40}")
+    assert_same_training(out, tmp_path / "unstopped")
