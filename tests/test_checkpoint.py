@@ -396,6 +396,16 @@ def test_a_damaged_checkpoint_is_reported_and_the_previous_one_used(root: Path,
         ckpt.verify(newest)
 
 
+def test_verifying_only_some_parts(root: Path) -> None:
+    path = save(root, 10, shards=3)
+    os.truncate(path / "shard-0002.h5", 10)
+    assert ckpt.verify(path, parts=["shard-0000.h5", "shard-0001.h5"]).step == 10
+    with pytest.raises(ckpt.CheckpointError, match="shard-0002.h5 is 10 bytes"):
+        ckpt.verify(path, parts=["shard-0002.h5"])
+    with pytest.raises(ckpt.CheckpointError, match="has no part shard-0009.h5"):
+        ckpt.verify(path, parts=["shard-0009.h5"])
+
+
 def test_with_every_checkpoint_damaged_none_is_loaded(root: Path) -> None:
     for step in (10, 20):
         os.truncate(save(root, step) / "shard-0000.h5", 10)

@@ -38,14 +38,20 @@ JSON), so a flipped digit in the step cannot pass as valid.
 WRITING (the order every rank follows; no MPI in this module)
 
     committer (rank 0):  clean_leftovers(root)                    once, at start-up
-    committer:           partial = prepare(root, step)            before any writer
-      -- writers learn that `partial` exists and the agreed CheckpointMeta (bcast) --
+      -- all ranks agree to checkpoint now and on one CheckpointMeta (step, samples,
+         wall_seconds, config_hash): e.g. rank 0 decides and broadcasts --
+    committer:           partial = prepare(root, meta.step)       before any writer
+      -- writers learn that `partial` exists (the same bcast, or a barrier after it) --
     each shard rank:     record = write_shard_part(partial, meta, index, start, stop,
                                                    params, optimizer_state, counters)
     each replica leader: record = write_replica_part(partial, meta, index, data_state,
                                                      rng_state, counters)
-      -- the committer gathers every PartRecord (gather) --
-    committer:           commit(root, meta, config, layout, shard_ranges, records, keep)
+      -- the committer gathers every PartRecord (gather; a writer that failed sends
+         None, and then the committer does not commit: the .partial is cleaned later) --
+    committer:           commit(root, meta, settings=..., layout=..., shard_ranges=...,
+                                parts=records, num_replicas=R, keep=N)
+
+`save_local` is this sequence in one process.
 
 A part is written under a temporary name, fsynced and renamed; commit checks that every
 expected part is there with the size its writer reported, writes the manifest the same
@@ -58,6 +64,7 @@ LOADING
 
     found, damaged = find_latest(root)      newest checkpoint that verifies, and the newer
                                             ones that did not (each with its reason)
+    verify(path, parts=[...])               only some parts: each rank its own, then agree
     found.check_compatible(config, layout)  CheckpointMismatch naming both sides
     params, opt_state = found.read_range(start, stop)   any range, assembled from the
                                             overlapping shard parts: re-sharding for free
@@ -74,7 +81,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -487,9 +494,9 @@ class Inspection:
         return not self.problems and self.manifest is not None
 
 
-def inspect_checkpoint(path: str | Path) -> Inspection:
-    """Read and check a checkpoint folder without raising: manifest, shard ranges, every
-    part's size and sha256."""
+def inspect_checkpoint(path: str | Path, parts: Collection[str] | None = None) -> Inspection:
+    """Read and check a checkpoint folder without raising: manifest, shard ranges, and the
+    size and sha256 of every part (or only of `parts`, names like "shard-0003.h5")."""
     path = Path(path)
     report = Inspection(path, None)
     if path.name.endswith(PARTIAL_SUFFIX):
@@ -505,7 +512,12 @@ def inspect_checkpoint(path: str | Path) -> Inspection:
                       manifest["num_params"])
     except ValueError as exc:
         report.problems.append(f"shard {exc}")
+    unknown = set(parts or ()) - set(manifest["parts"])
+    if unknown:
+        report.problems.append(f"has no part {', '.join(sorted(unknown))}")
     for name, entry in manifest["parts"].items():
+        if parts is not None and name not in parts:
+            continue
         status = PartStatus(name, entry["size"], entry["sha256"])
         part = path / name
         if part.is_file():
@@ -702,10 +714,15 @@ def _layout_difference(records: list[dict[str, Any]], layout: ParamLayout) -> st
             f"this run's model {len(ours)} ({layout.size:,d})")
 
 
-def verify(path: str | Path) -> Checkpoint:
+def verify(path: str | Path, parts: Collection[str] | None = None) -> Checkpoint:
     """The checkpoint at `path` if its manifest and every part's size and sha256 check
-    out; CheckpointError saying which checkpoint and what is wrong otherwise."""
-    report = inspect_checkpoint(path)
+    out; CheckpointError saying which checkpoint and what is wrong otherwise.
+
+    With `parts`, only those parts are checked: in an MPI run each rank verifies the parts
+    it reads, and the ranks agree on the verdict (allreduce) before anyone loads, instead
+    of one rank reading every byte.
+    """
+    report = inspect_checkpoint(path, parts)
     if not report.valid:
         raise CheckpointError(f"checkpoint {report.path} is damaged: "
                               f"{'; '.join(report.problems)}")
