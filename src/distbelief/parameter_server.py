@@ -9,8 +9,10 @@ Windows (per shard; size 0 on every other rank), allocated with Win.Allocate ove
 private duplicate of the world communicator, displacement unit 1 byte:
 
     ACCUM  [0:8) taken | [8:16) pushes | [16:24) done | [64:64+4n) gradient accumulator f32
+           shard 0 only (Downpour's run control): [24:32) claimed | [32:40) steps |
+           [40:48) stop | [48:56) loss (float64)
     PARAMS [0:8) version | [8:16) applied | [16:24) pulls | [64:64+4n) parameters f32
-                                                                      (counters: int64)
+                                                         (counters: int64 unless noted)
 
     taken   = gradient batches the shard has taken out of the accumulator (folds started)
     pushes  = pushes received (every push adds 1)
@@ -18,6 +20,13 @@ private duplicate of the world communicator, displacement unit 1 byte:
     version = updates applied to the parameters (folds finished); version <= taken <= +1
     applied = pushes contained in the parameters (the value of `pushes` at the last take)
     pulls   = pulls served (so that the shard sees pull traffic and polls fast)
+    claimed = training steps claimed by replicas (Downpour's global step counter: a replica
+              claims its next steps before computing them, so max_steps is exact)
+    steps   = training steps finished and pushed; loss = the sum of their minibatch losses
+    stop    = 1 once shard 0 has decided that the run ends (time, target, divergence)
+
+The control slots ride on the pushes a replica makes anyway (`ControlExchange`, issued
+inside the push's SHARED epoch on shard 0), so they cost no extra lock round trip.
 
 Two windows rather than one, so that pushes keep landing in ACCUM while the shard
 publishes new parameters into PARAMS, and pulls keep reading PARAMS while it takes the
@@ -42,6 +51,16 @@ Every lock is taken and released through `_epoch` (a context manager).
 | applied, params  | owner: store (copy of its master params)   | EXCLUSIVE on itself   |
 | PARAMS pulls     | client: Accumulate(SUM, +1), int64         | SHARED on the shard   |
 |                  | owner: Fetch_and_op(NO_OP)                 | SHARED on itself      |
+| PARAMS version,  | shard 0 (snapshot for evaluation): Get     | SHARED on the other   |
+| applied, params  | of another shard's window, like a client   | shard                 |
+| ACCUM claimed,   | client: Fetch_and_op(SUM), int64           | SHARED on shard 0     |
+| steps (shard 0)  | owner: Fetch_and_op(NO_OP)                 | SHARED on itself      |
+|                  | owner: store zero at creation              | EXCLUSIVE on itself   |
+| ACCUM loss       | client: Accumulate(SUM), float64           | SHARED on shard 0     |
+| (shard 0)        | owner: Fetch_and_op(NO_OP), float64        | SHARED on itself      |
+|                  | owner: store zero at creation              | EXCLUSIVE on itself   |
+| ACCUM stop       | client: Fetch_and_op(NO_OP), int64         | SHARED on shard 0     |
+| (shard 0)        | owner: store 1 (raise_stop)                | EXCLUSIVE on itself   |
 
 Why each access is legal (MPI-4.1, one-sided chapter: conflicting accesses, passive-target
 synchronization, and the semantics section; window info `accumulate_ops`):
@@ -49,10 +68,18 @@ synchronization, and the semantics section; window info `accumulate_ops`):
   operations (Accumulate, Get_accumulate, Fetch_and_op) with the same basic datatype; and
   `accumulate_ops=same_op_no_op` (the default; set explicitly here) further requires that
   concurrent accumulates use the same op or NO_OP. Concurrent pushes are all SUM on
-  float32 (gradient) or SUM on int64 (pushes, done, pulls), and every concurrent reader
-  of a counter uses NO_OP on int64: element-wise atomic and legal. REPLACE is never used,
-  so SUM never meets a different op. A client's Get of the PARAMS header covers version
-  and applied only, never the pulls counter that other clients update concurrently.
+  float32 (gradient) or SUM on int64 (pushes, done, pulls, claimed, steps) or SUM on
+  float64 (loss), and every concurrent reader of a counter uses NO_OP with the counter's
+  own datatype: element-wise atomic and legal. REPLACE is never used, so SUM never meets
+  a different op. A client's Get of the PARAMS header covers version and applied only,
+  never the pulls counter that other clients update concurrently.
+- The stop flag is written by its owner only (a store inside its EXCLUSIVE epoch) and read
+  by clients with Fetch_and_op(NO_OP) inside SHARED epochs: the lock keeps the store apart
+  from every read, and concurrent reads are NO_OPs, which never conflict.
+- Shard 0's snapshot Get of another shard's PARAMS window is exactly a client's pull
+  without the pull counter: a SHARED epoch on that shard, which its owner's EXCLUSIVE
+  publish excludes. Shard 0 waits in that epoch only for the other shard's progress,
+  which polls on its own and never waits for shard 0, so the two cannot deadlock.
 - Everything else (the owner's loads and stores, a client's plain Get) would conflict
   with a concurrent update, so the locks keep it apart: "accesses that are protected by
   an exclusive lock will not be concurrent at the window site with other accesses to the
@@ -111,10 +138,15 @@ from distbelief.topology import Topology
 
 HEADER_BYTES = 64  # counters at the head of each window; data starts cache-line aligned
 COUNTER_BYTES = 8
+HEADER_SLOTS = HEADER_BYTES // COUNTER_BYTES
 # int64 slots in the ACCUM header
 TAKEN, PUSHES, DONE = 0, 1, 2
+# Downpour's run control, in the ACCUM header of shard 0 only: int64 slots, and LOSS float64
+CLAIMED, STEPS, STOP, LOSS = 3, 4, 5, 6
+CONTROL_SHARD = 0
 # int64 slots in the PARAMS header
 VERSION, APPLIED, PULLS = 0, 1, 2
+STALENESS_BINS = 64  # histogram bins 0..62, and the last for 63 or more
 
 
 class Optimizer(Protocol):
@@ -157,6 +189,51 @@ class Backoff:
         time.sleep(self._sleep)
 
 
+@dataclass
+class PacedBackoff(Backoff):
+    """Backoff for a shard whose clients push at a steady pace (Downpour replicas): it
+    learns the interval between bursts of traffic and, from `lead` x interval after the
+    last burst, polls every `fast_sleep_s` instead of backing off, until the traffic
+    comes (or 3 intervals pass: the pace has changed, and it backs off as Backoff).
+
+    Why: every RMA epoch needs two polls of the target (lock grant, unlock), and traffic
+    is seen only when an epoch completes, so a shard that has backed off to 0.5 ms answers
+    a push_pull in ~1 ms however fast it polls afterwards. Measured with the reference MLP
+    (2.7 MB push_pull every ~2 ms, 1 replica, benchmarks/RMA_NOTES.md section 6): 0.8-1.2
+    ms of RMA per step instead of 1.0-2.2, at about the same shard CPU (30-40% of a core,
+    folds included). A shard that never sleeps was no faster on this shared 2-core box:
+    whenever a third process wants a core, the spinner costs the replica its time slice.
+    Polls within `merge_s` of the last traffic belong to the same burst (one push_pull
+    shows up as pulls, then a fold).
+    """
+
+    fast_sleep_s: float = 20e-6
+    lead: float = 0.5
+    merge_s: float = 0.3e-3
+    longest_pace_s: float = 50e-3
+    _last: float = field(default=0.0, repr=False)
+    _interval: float = field(default=0.0, repr=False)
+
+    def reset(self) -> None:
+        """Traffic now: update the interval estimate (a moving average), then as Backoff."""
+        now = time.perf_counter()
+        gap = now - self._last
+        if gap > self.merge_s:
+            if gap < self.longest_pace_s:
+                self._interval = (gap if not self._interval
+                                  else 0.75 * self._interval + 0.25 * gap)
+            self._last = now
+        super().reset()
+
+    def wait(self) -> None:
+        """Sleep briefly when traffic is due, else back off."""
+        since = time.perf_counter() - self._last
+        if self._interval and self.lead * self._interval <= since <= 3 * self._interval:
+            time.sleep(self.fast_sleep_s)
+            return
+        super().wait()
+
+
 @contextmanager
 def _epoch(win: MPI.Win, rank: int, lock_type: int) -> Iterator[None]:
     """A passive-target access epoch: Lock on entry; Unlock on exit, which completes every
@@ -172,6 +249,11 @@ def _int64(buf: np.ndarray) -> list:
     """An mpi4py buffer spec that names the MPI datatype, so every accumulate on a counter
     uses the same basic datatype (atomicity holds per datatype)."""
     return [buf, MPI.INT64_T]
+
+
+def _float64(buf: np.ndarray) -> list:
+    """The same for the float64 loss slot."""
+    return [buf, MPI.DOUBLE]
 
 
 def _window_info() -> MPI.Info:
@@ -206,9 +288,10 @@ class _ShardWindows:
 
 
 def _views(win: MPI.Win, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """(int64 header, float32 data) views of this rank's part of `win`; no copy."""
+    """(int64 header, all its slots; float32 data) views of this rank's part of `win`; no
+    copy."""
     raw = np.frombuffer(win.tomemory(), dtype=np.uint8)
-    header = raw[: 3 * COUNTER_BYTES].view(np.int64)
+    header = raw[:HEADER_BYTES].view(np.int64)
     data = raw[HEADER_BYTES : HEADER_BYTES + count * DTYPE().itemsize].view(DTYPE)
     return header, data
 
@@ -332,6 +415,60 @@ class ParameterServerShard(_Endpoint):
                                  slot * COUNTER_BYTES, MPI.NO_OP)
         return int(pushes[0]), int(done[0]), int(pulls[0])
 
+    def read_control(self) -> ControlTotals:
+        """Downpour's run control as it stands on this shard (meaningful on shard 0 only):
+        steps claimed, steps finished, their loss sum, and the stop flag.
+
+        One-sided on its own ACCUM window: one SHARED epoch of Fetch_and_op(NO_OP) reads,
+        each with its slot's datatype, legal against the clients' concurrent SUMs.
+        """
+        win = self._live().accum
+        ints = np.zeros(3, dtype=np.int64)  # claimed, steps, stop
+        loss = np.zeros(1, dtype=np.float64)
+        with _epoch(win, self.rank, MPI.LOCK_SHARED):
+            for i, slot in enumerate((CLAIMED, STEPS, STOP)):
+                win.Fetch_and_op(_int64(ints[i : i + 1]), _int64(ints[i : i + 1]), self.rank,
+                                 slot * COUNTER_BYTES, MPI.NO_OP)
+            win.Fetch_and_op(_float64(loss), _float64(loss), self.rank, LOSS * COUNTER_BYTES,
+                             MPI.NO_OP)
+        return ControlTotals(int(ints[0]), int(ints[1]), float(loss[0]), bool(ints[2]))
+
+    def raise_stop(self) -> None:
+        """Set the stop flag that replicas read with every push (ControlExchange.stop).
+
+        One-sided on its own ACCUM window: a store inside an EXCLUSIVE epoch, which keeps
+        it apart from the clients' NO_OP reads. Idempotent.
+        """
+        with self._exclusive(self._live().accum):
+            self._accum_header[STOP] = 1
+
+    def snapshot(self, out: np.ndarray) -> np.ndarray:
+        """The whole current parameter vector into `out` (float32, the full size): this
+        shard's master copy, and every other shard's published slice; returns the version
+        of each slice (int64, one per shard). Used by shard 0 to evaluate while it serves.
+
+        One-sided: Get from every other shard's PARAMS window under SHARED locks, all open
+        at once (a client's pull, without the pull counter). Waits only for the other
+        shards' own polling, never for a replica.
+        """
+        windows = self._live()
+        if out.dtype != DTYPE or out.shape != (self.size,) or not out.flags.c_contiguous:
+            raise ValueError(f"snapshot buffer must be a contiguous float32 vector of "
+                             f"{self.size} elements, got {out.dtype} {out.shape}")
+        headers = np.zeros((self.topology.ps_shards, 2), dtype=np.int64)
+        others = [s for s in self.topology.shard_ranks if s != self.rank]
+        with ExitStack() as stack:
+            for shard in others:
+                stack.enter_context(_epoch(windows.params, shard, MPI.LOCK_SHARED))
+            for shard in others:
+                start, stop = self.ranges[shard]
+                windows.params.Get(_int64(headers[shard]), shard, (0, 2, MPI.INT64_T))
+                windows.params.Get([out[start:stop], MPI.FLOAT], shard,
+                                   (HEADER_BYTES, stop - start, MPI.FLOAT))
+        out[self.start : self.stop] = self._master
+        headers[self.rank, VERSION] = self._taken
+        return headers[:, VERSION].copy()
+
     @contextmanager
     def _exclusive(self, win: MPI.Win) -> Iterator[None]:
         """An EXCLUSIVE epoch on this rank's own part of `win`, timed: the wait for the
@@ -390,17 +527,23 @@ class ParameterServerShard(_Endpoint):
         pulled, self.stats.pulls = pulls > self.stats.pulls, pulls
         return folded or pulled
 
-    def serve(self, backoff: Backoff | None = None) -> ShardStats:
+    def serve(self, backoff: Backoff | None = None,
+              between: Callable[[], bool] | None = None) -> ShardStats:
         """Serve pushes and pulls until every client has called finish(); returns stats.
 
         Polls with `serve_once`, sleeping between polls under `backoff` (shortest sleep
-        after traffic, longer while idle).
-        One-sided on its own windows.
+        after traffic, longer while idle). `between()`, if given, runs after every poll
+        (Downpour's shard 0 evaluates, logs and applies the stop rules there; it must be
+        short, since the clients' epochs wait while it runs); True counts as traffic.
+        One-sided on its own windows, plus whatever `between` does.
         """
         backoff = backoff or Backoff()
         c0, t0 = time.process_time(), time.perf_counter()
         while not self._finished:
-            if self.serve_once():
+            traffic = self.serve_once()
+            if between is not None:
+                traffic = between() or traffic
+            if traffic:
                 backoff.reset()
             else:
                 backoff.wait()
@@ -446,11 +589,16 @@ class ShardStats:
 @dataclass
 class StalenessStats:
     """Staleness of pushed gradients, one sample per (push, shard): the number of updates
-    the shard applied after the version the gradient was computed from, before it."""
+    the shard applied after the version the gradient was computed from, before it.
+
+    `histogram[k]` counts samples of staleness k, the last bin those of STALENESS_BINS - 1
+    or more."""
 
     samples: int = 0
     total: int = 0
     max: int = 0
+    histogram: np.ndarray = field(
+        default_factory=lambda: np.zeros(STALENESS_BINS, dtype=np.int64), repr=False)
 
     @property
     def mean(self) -> float:
@@ -460,6 +608,73 @@ class StalenessStats:
         self.samples += int(staleness.size)
         self.total += int(staleness.sum())
         self.max = max(self.max, int(staleness.max(initial=0)))
+        self.histogram += np.bincount(np.minimum(staleness, STALENESS_BINS - 1),
+                                      minlength=STALENESS_BINS)
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready: samples, mean, max, and the histogram with its trailing zeros cut."""
+        used = int(np.flatnonzero(self.histogram)[-1]) + 1 if self.samples else 0
+        return {"samples": self.samples, "mean": self.mean, "max": self.max,
+                "histogram": [int(c) for c in self.histogram[:used]],
+                "histogram_cap": STALENESS_BINS - 1}
+
+
+@dataclass(frozen=True)
+class ControlTotals:
+    """Downpour's run control on shard 0 (ParameterServerShard.read_control)."""
+
+    claimed: int
+    steps: int
+    loss_sum: float
+    stop: bool
+
+
+class ControlExchange:
+    """What a replica sends to shard 0's control slots with a push, and what it learns.
+
+    Set `claim` (steps to claim), `steps` and `loss_sum` (steps finished since the last
+    exchange and the sum of their minibatch losses), pass it to ParameterClient.push,
+    push_pull or exchange; afterwards `claimed_before` and `steps_before` hold the global
+    counters just before this exchange's additions, and `stop` the stop flag. The claim
+    and the counters are atomic (Fetch_and_op), so concurrent replicas never claim the
+    same step twice.
+    """
+
+    def __init__(self) -> None:
+        self._send = np.zeros(2, dtype=np.int64)  # claim, steps
+        self._loss = np.zeros(1, dtype=np.float64)
+        self._before = np.zeros(2, dtype=np.int64)  # claimed, steps
+        self._stop = np.zeros(1, dtype=np.int64)
+        self._zero = np.zeros(1, dtype=np.int64)
+
+    def set(self, claim: int, steps: int = 0, loss_sum: float = 0.0) -> ControlExchange:
+        if claim < 0 or steps < 0:
+            raise ValueError(f"claim and steps must be >= 0, got {claim}, {steps}")
+        self._send[:] = claim, steps
+        self._loss[0] = loss_sum
+        return self
+
+    @property
+    def claimed_before(self) -> int:
+        return int(self._before[0])
+
+    @property
+    def steps_before(self) -> int:
+        return int(self._before[1])
+
+    @property
+    def stop(self) -> bool:
+        return bool(self._stop[0])
+
+    def issue(self, win: MPI.Win) -> None:
+        """The control operations, inside an open SHARED epoch on shard 0's ACCUM window."""
+        for i, slot in enumerate((CLAIMED, STEPS)):
+            win.Fetch_and_op(_int64(self._send[i : i + 1]), _int64(self._before[i : i + 1]),
+                             CONTROL_SHARD, slot * COUNTER_BYTES, MPI.SUM)
+        win.Accumulate(_float64(self._loss), CONTROL_SHARD, (LOSS * COUNTER_BYTES, 1, MPI.DOUBLE),
+                       MPI.SUM)
+        win.Fetch_and_op(_int64(self._zero), _int64(self._stop), CONTROL_SHARD,
+                         STOP * COUNTER_BYTES, MPI.NO_OP)
 
 
 class ParameterClient(_Endpoint):
@@ -481,6 +696,7 @@ class ParameterClient(_Endpoint):
         self._headers = np.zeros((shards, 2), dtype=np.int64)
         self._one = np.ones(1, dtype=np.int64)
         self._taken = np.zeros((shards, 1), dtype=np.int64)
+        self._push_versions = np.zeros(shards, dtype=np.int64)  # versions holding last push
 
     def _check_vector(self, vector: np.ndarray, what: str) -> None:
         if vector.dtype != DTYPE or vector.shape != (self.size,) or not vector.flags.c_contiguous:
@@ -512,7 +728,8 @@ class ParameterClient(_Endpoint):
             win.Accumulate(_int64(self._one), shard, (PULLS * COUNTER_BYTES, 1, MPI.INT64_T),
                            MPI.SUM)
 
-    def _issue_push(self, win: MPI.Win, grad: np.ndarray) -> None:
+    def _issue_push(self, win: MPI.Win, grad: np.ndarray,
+                    control: ControlExchange | None) -> None:
         # The order inside the epoch does not matter: the shard takes the accumulator and
         # the push count together under its EXCLUSIVE lock, after this SHARED epoch has
         # completed. (Counters first, to wake the shard earlier, was measured: no faster.)
@@ -523,6 +740,8 @@ class ParameterClient(_Endpoint):
                            MPI.SUM)
             win.Fetch_and_op(_int64(self._one), _int64(self._taken[shard]), shard,
                              TAKEN * COUNTER_BYTES, MPI.NO_OP)
+        if control is not None:
+            control.issue(win)
 
     def _pulled(self) -> np.ndarray:
         self.pulled_versions[:] = self._headers[:, VERSION]
@@ -530,6 +749,8 @@ class ParameterClient(_Endpoint):
         return self.pulled_versions.copy()
 
     def _pushed(self) -> np.ndarray:
+        # The push read taken = t on each shard: the fold that applies it is take t + 1.
+        self._push_versions[:] = self._taken[:, 0] + 1
         staleness = self._taken[:, 0] - self.pulled_versions
         self.staleness.add(staleness)
         return staleness
@@ -545,21 +766,23 @@ class ParameterClient(_Endpoint):
             self._issue_pull(win, out)
         return self._pulled()
 
-    def push(self, grad: np.ndarray) -> np.ndarray:
+    def push(self, grad: np.ndarray, control: ControlExchange | None = None) -> np.ndarray:
         """Add `grad` to every shard's accumulator; returns the staleness per shard
         (updates the shard applied after the version of the last pull, before this one).
 
         One-sided: per shard, in one SHARED epoch, Accumulate(SUM) of its slice and of 1
-        into its push counter, and Fetch_and_op(NO_OP) on taken.
+        into its push counter, and Fetch_and_op(NO_OP) on taken; with `control`, its
+        operations on shard 0 ride in the same epoch.
         """
         self._check_vector(grad, "gradient")
         win = self._check_open().accum
         with self._all_shards(win):
-            self._issue_push(win, grad)
+            self._issue_push(win, grad, control)
         return self._pushed()
 
-    def push_pull(self, grad: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """push(grad) and pull(out) with all their epochs open at once; returns
+    def push_pull(self, grad: np.ndarray, out: np.ndarray,
+                  control: ControlExchange | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """push(grad, control) and pull(out) with all their epochs open at once; returns
         (staleness, versions) as push and pull do.
 
         One-sided, to every shard: the same operations as push and pull, overlapped, so a
@@ -570,9 +793,35 @@ class ParameterClient(_Endpoint):
         self._check_vector(out, "pull buffer")
         windows = self._check_open()
         with self._all_shards(windows.accum, windows.params):
-            self._issue_push(windows.accum, grad)
+            self._issue_push(windows.accum, grad, control)
             self._issue_pull(windows.params, out)
         return self._pushed(), self._pulled()
+
+    def catch_up(self, out: np.ndarray, backoff: Backoff | None = None) -> int:
+        """Make the last pull contain this client's last push (read-your-writes): pull
+        again, sleeping under `backoff` between pulls, until every shard's pulled version
+        includes the take that held that push. Returns the number of extra pulls (0 when
+        the last pull had it already).
+
+        One-sided, to every shard (pulls). It waits only for the shards to fold, never
+        for another client; with one replica, push_pull + catch_up is exactly sequential
+        SGD (the DistBelief server answers a replica's fetch after applying its push).
+        """
+        backoff = backoff or Backoff(min_sleep_s=20e-6, max_sleep_s=0.2e-3)
+        extra = 0
+        while (self.pulled_versions < self._push_versions).any():
+            if extra:
+                backoff.wait()
+            self.pull(out)
+            extra += 1
+        return extra
+
+    def exchange(self, control: ControlExchange) -> None:
+        """Only the control operations, without a gradient (a replica's first claim, its
+        warm-start polls). One-sided: a SHARED epoch on shard 0's ACCUM window."""
+        win = self._check_open().accum
+        with _epoch(win, CONTROL_SHARD, MPI.LOCK_SHARED):
+            control.issue(win)
 
     def finish(self) -> None:
         """Tell every shard that this rank will push no more. One-sided: Accumulate(SUM) of
