@@ -4,7 +4,12 @@ Three PNG figures, every run on each (legend: the run folder's name):
     accuracy_vs_time.png     test accuracy against wall time (seconds)
     accuracy_vs_samples.png  test accuracy against training samples processed
     loss_vs_samples.png      training loss against training samples
-and a table with one line per run (`summary_table`), which the command prints.
+and a table with one line per run (`summary_table`), which the command prints. When at
+least one run is a Downpour run (summary.json with algorithm "downpour"), two more:
+    staleness_histogram.png  share of pushes by staleness (updates the shard applied
+                             between a replica's fetch and its push), one bar group per run
+    replica_throughput.png   samples/s of each replica of each Downpour run, with the
+                             single-process runs' samples/s as horizontal reference lines
 
 matplotlib is an optional dependency (`pip install 'distbelief[plot]'`); it is imported
 only here, with the Agg backend, so reports work on headless cluster nodes.
@@ -104,7 +109,81 @@ def plot_runs(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
         fig.savefig(out / filename, dpi=100)
         plt.close(fig)
         written.append(out / filename)
+    downpour = [r for r in runs if _is_downpour(r)]
+    if downpour:
+        written.append(_plot_staleness(plt, downpour, out / STALENESS_FIGURE))
+        baselines = [r for r in runs if not _is_downpour(r)]
+        written.append(_plot_throughput(plt, downpour, baselines, out / THROUGHPUT_FIGURE))
     return written
+
+
+STALENESS_FIGURE = "staleness_histogram.png"
+THROUGHPUT_FIGURE = "replica_throughput.png"
+
+
+def _is_downpour(run: Run) -> bool:
+    s = run.summary or {}
+    return s.get("algorithm") == "downpour" and isinstance(s.get("replicas"), list)
+
+
+def _bar_offsets(n_runs: int) -> tuple[list[float], float]:
+    """x offsets and width of each run's bars inside a group, so groups do not overlap."""
+    width = 0.8 / n_runs
+    return [(i - (n_runs - 1) / 2) * width for i in range(n_runs)], width
+
+
+def _plot_staleness(plt: Any, runs: Sequence[Run], path: Path) -> Path:
+    """Share of pushes at each staleness; shares, not counts, so runs of any length compare."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    offsets, width = _bar_offsets(len(runs))
+    for run, dx in zip(runs, offsets):
+        stale = run.summary.get("staleness") or {}
+        counts = stale.get("histogram") or []
+        total = sum(counts)
+        if total:
+            label = f"{run.name} (mean {stale.get('mean', 0):.2f}, max {stale.get('max')})"
+            cap = stale.get("histogram_cap")
+            if cap is not None and len(counts) > cap:
+                label += f"; the bar at {cap} counts {cap} or more"
+            ax.bar([k + dx for k in range(len(counts))], [c / total for c in counts], width,
+                   label=label)
+    ax.set_xlabel("staleness (updates applied between fetch and push)")
+    ax.set_ylabel("share of pushes")
+    _finish_figure(ax)
+    return _save(plt, fig, path)
+
+
+def _plot_throughput(plt: Any, runs: Sequence[Run], baselines: Sequence[Run],
+                     path: Path) -> Path:
+    """Each replica's samples/s; single-process runs as reference lines."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    offsets, width = _bar_offsets(len(runs))
+    for run, dx in zip(runs, offsets):
+        replicas = run.summary["replicas"]
+        ax.bar([r.get("replica", i) + dx for i, r in enumerate(replicas)],
+               [r.get("samples_per_second") or 0 for r in replicas], width, label=run.name)
+    for run in baselines:
+        rate = (run.summary or {}).get("samples_per_second")
+        if rate:
+            ax.axhline(rate, linestyle="--", linewidth=1, color="gray",
+                       label=f"{run.name} (single process)")
+    ax.set_xlabel("replica")
+    ax.set_ylabel("training samples/s")
+    _finish_figure(ax)
+    return _save(plt, fig, path)
+
+
+def _finish_figure(ax: Any) -> None:
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize="small")
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _common_target(runs: Sequence[Run]) -> float | None:
