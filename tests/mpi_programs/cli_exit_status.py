@@ -1,0 +1,15 @@
+"""The real command line (distbelief.cli.main), then one line with this rank's exit status,
+so a test can check that every rank exits with the same status (mpiexec reports only one).
+
+    mpiexec -n N python tests/mpi_programs/cli_exit_status.py train CONFIG [--set ...]
+"""
+
+import os
+import sys
+
+from distbelief.cli import main
+
+if __name__ == "__main__":
+    status = main(sys.argv[1:])
+    print(f"rank {os.environ.get('PMI_RANK')} exit {status}", flush=True)
+    sys.exit(status)

@@ -1,0 +1,335 @@
+"""Downpour SGD end to end through the command line, as MPI jobs under timeouts, at 2 to 5
+ranks with 1 and 2 parameter-server shards (odd splits included); plus the pure pieces
+(planning, step grants, staleness statistics) in-process.
+
+Most runs train a small MLP on a synthetic set (seconds per job); the comparison with the
+single-process trainer uses Fashion-MNIST and the reference MLP.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, _env, run_cli, run_mpi
+
+from distbelief.config import apply_overrides, config_from_dict
+from distbelief.datasets import convert_idx, make_synthetic
+from distbelief.errors import ConfigError, DataError
+from distbelief.metrics import REQUIRED_SUMMARY_KEYS, read_metrics
+
+PROGRAMS = REPO / "tests" / "mpi_programs"
+TIMEOUT = 120
+CLASSES = 4
+BATCH = 32
+TOML = """
+[model]
+layers = [
+    { type = "dense", units = 32, activation = "relu" },
+    { type = "dense", units = 4, activation = "softmax" },
+]
+[data]
+path = "synth.h5"
+batch_size = 32
+[optimizer]
+algorithm = "downpour"
+learning_rate = 0.05
+[cluster]
+ps_shards = 1
+[run]
+max_steps = 400
+eval_every_seconds = 0.3
+progress_every_seconds = 0.5
+threads = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("downpour")
+    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(16,),
+                   num_classes=CLASSES, seed=3)
+    (folder / "synth.toml").write_text(TOML)
+    return folder
+
+
+def set_args(*overrides: str) -> list[str]:
+    return [arg for override in overrides for arg in ("--set", override)]
+
+
+def downpour(n: int, data_dir: Path, out: Path, *overrides: str, env: dict | None = None,
+             timeout: float = TIMEOUT):
+    """`mpiexec -n N python -m distbelief train synth.toml --set ...`."""
+    sets = set_args(f'run.out_dir="{out}"', *overrides)
+    return run_mpi(n, ["-m", "distbelief", "train", data_dir / "synth.toml", *sets],
+                   timeout=timeout, env=env)
+
+
+def finished(proc, out: Path) -> tuple[dict, list[dict]]:
+    """summary.json and metrics.jsonl of a run that must have exited 0."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return json.loads((out / "summary.json").read_text()), read_metrics(out / "metrics.jsonl")
+
+
+def check_downpour_summary(summary: dict, n: int, shards: int) -> None:
+    """The Downpour extras are there and agree with each other."""
+    replicas = summary["replicas"]
+    assert summary["algorithm"] == "downpour"
+    assert (summary["world_size"], summary["ps_shards"], summary["num_replicas"]) == (
+        n, shards, n - shards)
+    assert [r["replica"] for r in replicas] == list(range(n - shards))
+    assert [r["rank"] for r in replicas] == list(range(shards, n))
+    assert [s["rank"] for s in summary["shards"]] == list(range(shards))
+    assert sum(s["params"] for s in summary["shards"]) == summary["num_params"]
+    assert sum(r["steps"] for r in replicas) == summary["steps"]
+    assert summary["samples"] == summary["steps"] * BATCH
+    pushes = sum(r["pushes"] for r in replicas)
+    for shard in summary["shards"]:
+        assert shard["pushes"] == pushes, "every push reaches every shard, folded once"
+        assert shard["version"] == shard["folds"] <= pushes
+    for r in replicas:
+        assert r["steps"] > 0 and r["samples_per_second"] > 0
+        assert r["fetches"] >= r["pushes"] >= 1
+        stale = r["staleness"]
+        assert sum(stale["histogram"]) == stale["samples"] == r["pushes"] * shards
+        assert stale["max"] == len(stale["histogram"]) - 1
+    combined = summary["staleness"]
+    assert combined["samples"] == pushes * shards
+    assert combined["max"] == max(r["staleness"]["max"] for r in replicas)
+    assert all(key in summary for key in REQUIRED_SUMMARY_KEYS)
+
+
+def check_metrics(lines: list[dict], summary: dict) -> None:
+    evals = [line for line in lines if line["kind"] == "eval"]
+    assert evals, "at least the final evaluation"
+    assert evals[-1]["test_accuracy"] == summary["final_test_accuracy"]
+    assert evals[-1]["step"] == summary["steps"]
+    for line in lines:
+        assert {"kind", "time", "step", "samples", "loss"} <= set(line)
+        assert line["samples"] == line["step"] * BATCH
+    times = [line["time"] for line in lines]
+    assert times == sorted(times)
+
+
+# -- end to end -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, shards, extra", [
+    (2, 1, []),
+    (3, 2, ["optimizer.adagrad=false"]),                # 1 replica, odd slices, SGD
+    (5, 2, ["optimizer.n_fetch=2", "optimizer.n_push=3",  # 3 replicas, odd cadences
+            "optimizer.warm_start_steps=50"]),
+])
+def test_max_steps_counts_total_steps_exactly(data_dir, tmp_path, n, shards, extra):
+    # 401 is not a multiple of n_push, nor of the number of replicas.
+    out = tmp_path / "out"
+    proc = downpour(n, data_dir, out, f"cluster.ps_shards={shards}", "run.max_steps=401",
+                    *extra)
+    summary, lines = finished(proc, out)
+    assert summary["stop_reason"] == "max_steps"
+    assert summary["steps"] == 401
+    check_downpour_summary(summary, n, shards)
+    check_metrics(lines, summary)
+    assert summary["final_test_accuracy"] > 0.5, "chance is 0.25"
+    assert "distbelief: stopped (max_steps) after 401 steps" in proc.stdout
+    if "optimizer.warm_start_steps=50" in extra:
+        first, *others = summary["replicas"]
+        assert first["started_at_step"] == 0 and first["steps"] >= 50
+        assert all(r["started_at_step"] >= 50 for r in others), others
+
+
+def test_one_replica_reads_its_own_pushes(data_dir, tmp_path):
+    # With read-your-writes fetches a lone replica never computes on stale parameters.
+    out = tmp_path / "out"
+    summary, _ = finished(downpour(2, data_dir, out, "run.max_steps=300"), out)
+    assert summary["staleness"]["max"] == 0 and summary["staleness"]["samples"] == 300
+
+
+@pytest.fixture(scope="module")
+def timed_run(data_dir, tmp_path_factory):
+    """3 ranks (1 shard, 2 replicas) stopped by the clock after 3 s; a learning rate low
+    enough that the loss curve is still falling when the first training line is written."""
+    out = tmp_path_factory.mktemp("timed") / "out"
+    t0 = time.perf_counter()
+    proc = downpour(3, data_dir, out, "run.max_steps=0", "run.max_seconds=3",
+                    "optimizer.learning_rate=0.003")
+    return proc, out, time.perf_counter() - t0
+
+
+def test_time_stop_ends_every_rank(timed_run):
+    proc, out, elapsed = timed_run
+    summary, lines = finished(proc, out)
+    assert summary["stop_reason"] == "max_seconds"
+    assert 3.0 <= summary["wall_seconds"] < 6.0
+    assert elapsed < 25
+    check_downpour_summary(summary, 3, 1)
+    check_metrics(lines, summary)
+    assert summary["evaluations"] == len([x for x in lines if x["kind"] == "eval"]) >= 4
+
+
+def test_loss_decreases_and_accuracy_beats_chance(timed_run):
+    proc, out, _ = timed_run
+    summary, lines = finished(proc, out)
+    losses = [x["loss"] for x in lines if x["kind"] == "train"]
+    assert len(losses) >= 4
+    assert np.mean(losses[-2:]) < 0.8 * losses[0]
+    assert summary["final_test_accuracy"] > 0.6
+
+
+def test_progress_lines_come_from_rank_0_at_a_steady_interval(timed_run):
+    proc, _, _ = timed_run
+    progress = re.findall(r"^step +(\d+) .* elapsed ([\d.]+)s$", proc.stdout, re.MULTILINE)
+    assert len(progress) >= 4, proc.stdout
+    times = [float(t) for _, t in progress]
+    assert all(0.4 <= b - a <= 1.0 for a, b in itertools.pairwise(times)), times
+    assert proc.stdout.count("distbelief: downpour,") == 1  # one header: rank 0 only
+
+
+def test_report_plots_staleness_and_replica_throughput(timed_run, tmp_path):
+    _, out, _ = timed_run
+    proc = run_cli(["report", out, "--out", tmp_path / "plots"])
+    assert proc.returncode == 0, proc.stderr
+    for name in ("staleness_histogram.png", "replica_throughput.png", "accuracy_vs_time.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 1000
+
+
+def test_target_accuracy_stops_the_run(data_dir, tmp_path):
+    out = tmp_path / "out"
+    proc = downpour(4, data_dir, out, "cluster.ps_shards=2", "run.max_steps=0",
+                    "run.target_accuracy=0.7", "run.max_seconds=60",
+                    "run.eval_every_seconds=0.2")
+    summary, lines = finished(proc, out)
+    assert summary["stop_reason"] == "target_accuracy"
+    assert summary["reached_target"] and summary["time_to_target"] < 30
+    hits = [x for x in lines if x["kind"] == "eval" and x["test_accuracy"] >= 0.7]
+    assert hits and hits[0]["time"] == pytest.approx(summary["time_to_target"])
+    check_downpour_summary(summary, 4, 2)
+
+
+# -- one replica against the single-process trainer -------------------------------------------
+
+
+@pytest.fixture
+def fashion_mnist(fashion_mnist_dir, tmp_path) -> Path:
+    return convert_idx(fashion_mnist_dir, tmp_path / "fm.h5")
+
+
+def test_one_replica_matches_the_single_process_trainer(fashion_mnist, tmp_path):
+    # Same seed, same batches, same initial parameters; a fetch returns the replica's own
+    # last push, so one replica is sequential SGD: within half a point (here usually equal).
+    common = [f'data.path="{fashion_mnist}"', "run.max_steps=500", "run.target_accuracy=0.99",
+              "run.eval_every_seconds=100", "run.seed=1"]
+    config = REPO / "configs" / "fashion_mnist_downpour.toml"
+    single = run_cli(["train", config, *set_args(*common, 'optimizer.algorithm="sgd"',
+                                                 f'run.out_dir="{tmp_path / "sgd"}"')],
+                     timeout=TIMEOUT)
+    assert single.returncode == 0, single.stderr
+    proc = run_mpi(2, ["-m", "distbelief", "train", config,
+                       *set_args(*common, f'run.out_dir="{tmp_path / "dp"}"')],
+                   timeout=TIMEOUT)
+    ours, _ = finished(proc, tmp_path / "dp")
+    theirs = json.loads((tmp_path / "sgd" / "summary.json").read_text())
+    assert ours["steps"] == theirs["steps"] == 500
+    assert abs(ours["final_test_accuracy"] - theirs["final_test_accuracy"]) <= 0.005
+    assert ours["final_test_accuracy"] > 0.75
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def exit_statuses(proc) -> list[int]:
+    """The per-rank statuses printed by cli_exit_status.py, in rank order."""
+    found = sorted((int(r), int(s)) for r, s in re.findall(r"rank (\d+) exit (\d+)", proc.stdout))
+    return [status for _, status in found]
+
+
+@pytest.mark.parametrize("n, overrides, needle", [
+    (2, ["cluster.ps_shards=2"], "2 MPI rank(s) leave 0 for model replicas"),
+    (3, ["cluster.ps_shards=3"], "mpiexec -n 4"),
+    (5, ["data.batch_size=2000"], "data.batch_size = 2000 is larger than the 1000"),
+])
+def test_configuration_that_does_not_fit_exits_2_on_every_rank(data_dir, tmp_path, n,
+                                                                overrides, needle):
+    sets = set_args(f'run.out_dir="{tmp_path / "out"}"', *overrides)
+    proc = run_mpi(n, [PROGRAMS / "cli_exit_status.py", "train", data_dir / "synth.toml",
+                       *sets], timeout=TIMEOUT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert exit_statuses(proc) == [2] * n, proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr
+    assert not (tmp_path / "out").exists(), "nothing is written before the checks pass"
+
+
+def test_single_rank_is_told_to_use_mpiexec(data_dir, tmp_path):
+    proc = run_cli(["train", data_dir / "synth.toml", "--set", f'run.out_dir="{tmp_path}"'])
+    assert proc.returncode == 2
+    assert "1 MPI rank(s) leave 0 for model replicas" in proc.stderr
+    assert "mpiexec -n 2" in proc.stderr
+
+
+@pytest.mark.parametrize("n, shards, failing_rank", [(3, 1, 2), (4, 2, 0), (5, 1, 3)])
+def test_exception_on_one_rank_ends_the_job_within_seconds(data_dir, tmp_path, n, shards,
+                                                           failing_rank):
+    env = _env()
+    env["DISTBELIEF_TEST_ONLY_FAIL_RANK"] = str(failing_rank)
+    t0 = time.perf_counter()
+    proc = downpour(n, data_dir, tmp_path / "out", f"cluster.ps_shards={shards}",
+                    "run.max_steps=0", "run.max_seconds=60", env=env, timeout=90)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode != 0
+    assert f"test-only failure on rank {failing_rank}" in proc.stderr
+    assert elapsed < 20, f"the job took {elapsed:.1f} s to end"
+
+
+# -- pure pieces ----------------------------------------------------------------------------------
+
+
+def config_for(data_dir: Path, *overrides: str):
+    import tomllib
+
+    return config_from_dict(apply_overrides(tomllib.loads(TOML), overrides),
+                            data_dir / "synth.toml")
+
+
+def test_plan_validates_rank_count_and_data_without_communicating(data_dir):
+    from distbelief.downpour import plan_run
+
+    plan = plan_run(config_for(data_dir, "cluster.ps_shards=2", "optimizer.n_push=3"),
+                    world_size=5, world_rank=4, n_train=4000)
+    assert plan.num_replicas == 3 and plan.topology.replica_index == 2 and plan.n_push == 3
+    with pytest.raises(ConfigError, match="leave 0 for model replicas"):
+        plan_run(config_for(data_dir), world_size=1, world_rank=0, n_train=4000)
+    with pytest.raises(DataError, match="larger than the 1333 training rows"):
+        plan_run(config_for(data_dir, "data.batch_size=1334"), 4, 0, n_train=4000)
+
+
+def test_grants_add_up_to_max_steps_whatever_the_claim_order():
+    from distbelief.downpour import grant
+
+    rng = np.random.default_rng(0)
+    for max_steps in (1, 7, 401):
+        claimed, granted = 0, 0
+        while claimed < max_steps + 20:
+            want = int(rng.integers(1, 9))
+            granted += grant(claimed, want, max_steps)
+            claimed += want
+        assert granted == max_steps
+    assert grant(10**9, 5, 0) == 5  # no limit
+
+
+def test_staleness_histogram_and_overflow_bin():
+    from distbelief.parameter_server import STALENESS_BINS, StalenessStats
+
+    stats = StalenessStats()
+    stats.add(np.array([0, 2, 2]))
+    stats.add(np.array([STALENESS_BINS + 5]))
+    out = stats.to_dict()
+    assert out["samples"] == 4 and out["max"] == STALENESS_BINS + 5
+    assert out["histogram"][:3] == [1, 0, 2] and out["histogram"][-1] == 1
+    assert len(out["histogram"]) == STALENESS_BINS == out["histogram_cap"] + 1
+    assert StalenessStats().to_dict()["histogram"] == []
