@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -279,8 +280,14 @@ def start_mpi() -> Any:
     world = MPI.COMM_WORLD
     if world.Get_size() > 1:
         def abort_job(exc_type: type, exc: BaseException, tb: Any) -> None:
+            # The cause first, in one line: when the launcher tears the job down it may cut
+            # the tail of the traceback (seen with hydra under load).
+            name = getattr(exc_type, "__name__", str(exc_type))
+            print(f"distbelief: rank {world.Get_rank()} failed, aborting the job: "
+                  f"{name}: {exc}", file=sys.stderr)
             traceback.print_exception(exc_type, exc, tb)
             sys.stderr.flush()
+            time.sleep(0.2)  # let the launcher forward the output before Abort kills it
             world.Abort(1)
 
         sys.excepthook = abort_job
