@@ -265,6 +265,21 @@ def test_configuration_that_does_not_fit_exits_2_on_every_rank(data_dir, tmp_pat
     assert not (tmp_path / "out").exists(), "nothing is written before the checks pass"
 
 
+def test_diverging_run_stops_and_exits_2_on_every_rank(data_dir, tmp_path):
+    out = tmp_path / "out"
+    sets = set_args(f'run.out_dir="{out}"', "optimizer.adagrad=false",
+                    "optimizer.learning_rate=1e30", "run.max_steps=0", "run.max_seconds=60")
+    t0 = time.perf_counter()
+    proc = run_mpi(3, [PROGRAMS / "cli_exit_status.py", "train", data_dir / "synth.toml",
+                       *sets], timeout=TIMEOUT)
+    assert time.perf_counter() - t0 < 30
+    assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    assert len(errors) == 1 and "training diverged" in errors[0], proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "diverged"
+
+
 def test_single_rank_is_told_to_use_mpiexec(data_dir, tmp_path):
     proc = run_cli(["train", data_dir / "synth.toml", "--set", f'run.out_dir="{tmp_path}"'])
     assert proc.returncode == 2

@@ -105,8 +105,9 @@ RuntimeError once it has done some work (a replica after 3 steps, shard 0 once i
 folded a push), so the tests can check that an exception on one rank ends the whole job.
 Nothing else reads it; never set it in a real run."""
 
-WARM_START_BACKOFF = Backoff(min_sleep_s=1e-3, max_sleep_s=20e-3)
-"""How replicas waiting for the warm start poll shard 0: rarely, each poll is an epoch."""
+WARM_START_POLL_S = (1e-3, 20e-3)
+"""Back-off bounds of replicas polling shard 0 while they wait for the warm start: slow,
+since each poll is an RMA epoch that shard 0 has to serve."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -329,7 +330,7 @@ class Replica(_Role):
     def _wait_for_warm_start(self) -> None:
         """Poll shard 0 (control only, with back-off sleeps) until replica 0 has reported
         warm_start_steps steps, or the run is over already."""
-        backoff = Backoff(WARM_START_BACKOFF.min_sleep_s, WARM_START_BACKOFF.max_sleep_s)
+        backoff = Backoff(*WARM_START_POLL_S)
         control = self.control.set(claim=0)
         while True:
             self.client.exchange(control)
@@ -560,7 +561,7 @@ def _finish(comm: MPI.Comm, plan: DownpourPlan, endpoint: Any, role: _Role) -> d
     """
     _wait_for_everyone(comm)
     all_stats = comm.gather(role.stats(), root=0)
-    final = _gather_parameters(comm, plan, endpoint)
+    final = _gather_parameters(comm, endpoint)
     reason = role.reason if isinstance(role, Supervisor) else None
     reason = comm.bcast(reason, root=0)
     if not isinstance(role, Supervisor):
@@ -571,7 +572,7 @@ def _finish(comm: MPI.Comm, plan: DownpourPlan, endpoint: Any, role: _Role) -> d
     return summary
 
 
-def _gather_parameters(comm: MPI.Comm, plan: DownpourPlan, endpoint: Any) -> np.ndarray | None:
+def _gather_parameters(comm: MPI.Comm, endpoint: Any) -> np.ndarray | None:
     """The final parameter vector on rank 0 (None elsewhere). Collective over `comm`:
     Gatherv of each shard's slice (replicas send nothing)."""
     size = endpoint.size

@@ -112,7 +112,13 @@ loops over it, sleeping between polls with `Backoff`: 50 us after traffic, doubl
 0.5 ms while idle. That costs ~6% of a core when idle and ~1 ms per 2.7 MB push_pull; a
 shard that never sleeps answers in 0.4 ms but burns a core even when idle (table in
 benchmarks/RMA_NOTES.md). MPICH's async progress thread is not used: it spins in every
-rank.
+rank. Downpour's shards use `PacedBackoff` instead, which learns the pace of the pushes
+and polls every 20 us around the time the next one is due (0.8-1.2 ms of RMA per step
+instead of 1.0-2.2 with the reference MLP, benchmarks/RMA_NOTES.md section 6).
+
+READ-YOUR-WRITES. `catch_up()` pulls again until the pulled versions include the take
+that holds the client's last push (the push read taken = t under the shared lock, so its
+fold is take t + 1): plain pulls, legal as above, and waiting only for the shard.
 
 SHUTDOWN. A client's `finish()` adds 1 to `done` on every shard, one-sided, after its
 last push has completed; a shard's `serve()` returns once done counts every client and it

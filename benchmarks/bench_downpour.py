@@ -1,0 +1,253 @@
+"""Downpour SGD on Fashion-MNIST with the reference MLP 784-512-512-10 (Adagrad lr 0.02 on
+the shard, batch 64): against PyTorch CPU and against distbelief's single-process loop.
+
+    python benchmarks/bench_downpour.py                    # everything, ~6 minutes
+    python benchmarks/bench_downpour.py --only throughput  # one section: target,
+                                                           # throughput, replicas, bandwidth
+
+Sections (each Downpour run is `mpiexec -n N python -m mpi4py bench_downpour.py --worker`,
+which calls distbelief.downpour.train on configs/fashion_mnist_downpour.toml, so an
+exception on any rank aborts the job):
+(a) target: wall time to `--target` test accuracy, 1 shard + 1 replica (2 ranks on the 2
+    cores) with run.threads = T on every rank, against benchmarks/torch_peer.py (same MLP,
+    torch.optim.Adagrad lr 0.02, batch 64) with T threads, T = 1 and 2; both evaluate on
+    the whole test set every `--eval-every` s (Downpour on shard 0, in a thread, without
+    pausing the replica; torch pauses to evaluate). Median of `--seeds` seeds.
+(b) throughput: the replica's samples/s (its steps x 64 / its training wall time, RMA
+    included) against the single-process loop of bench_train.py (next_batch,
+    loss_and_grad, Adagrad step; no warm-up excluded in either), same number of steps,
+    1 thread; overhead = 1 - replica / single. n_fetch = n_push = 1, 2, 4, 8 with the
+    read-your-writes fetch the CLI uses, and 1/1 with the asynchronous fetch
+    (fetch_own_pushes=False) for comparison. Best of `--repeats` interleaved rounds.
+(c) replicas: 2 and 3 replicas + 1 shard (3 and 4 ranks on 2 cores: OVERSUBSCRIBED):
+    total and per-replica samples/s, staleness, and time to the target.
+(d) bandwidth: benchmarks/bench_rma.py's report (push and pull of the 2.7 MB parameter
+    vector against np.copyto), and the RMA rate seen inside the training runs of (b).
+
+The machine is shared: each row shows the load average just before it was measured, and
+the figures to quote are the best rounds (throughput) taken when the load was lowest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "fashion_mnist_downpour.toml"
+BENCH = Path(__file__).resolve().parent
+BATCH = 64
+N_PARAMS = 669_706
+
+
+# -- the Downpour worker (runs under mpiexec) ------------------------------------------------
+
+
+def downpour_worker(args: argparse.Namespace) -> None:
+    from mpi4py import MPI
+
+    from distbelief import downpour
+    from distbelief.config import load_config
+
+    overrides = [f'data.path="{args.data.resolve()}"', f'run.out_dir="{args.out}"',
+                 f"run.threads={args.threads}", f"run.seed={args.seed}",
+                 f"run.max_steps={args.steps}", f"run.max_seconds={args.max_seconds}",
+                 f"run.target_accuracy={args.target}", f"run.eval_every_seconds={args.eval_every}",
+                 f"optimizer.n_fetch={args.n_fetch}", f"optimizer.n_push={args.n_push}"]
+    config = load_config(CONFIG, overrides)
+    summary = downpour.train(config, MPI.COMM_WORLD, stream=None,
+                             fetch_own_pushes=not args.async_fetch)
+    if summary is not None:
+        print(json.dumps(summary))
+
+
+# -- runs (in subprocesses) --------------------------------------------------------------------
+
+
+def run_json(cmd: list[str], timeout: float) -> dict:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
+                            cwd=REPO)
+    if result.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def downpour_run(args: argparse.Namespace, ranks: int = 2, threads: int = 1, seed: int = 0,
+                 steps: int = 0, target: float = 0.99, n_fetch: int = 1, n_push: int = 1,
+                 async_fetch: bool = False, eval_every: float = 1000.0) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__,
+               "--worker", "--data", str(args.data), "--out", out, "--threads", str(threads),
+               "--seed", str(seed), "--steps", str(steps), "--target", str(target),
+               "--n-fetch", str(n_fetch), "--n-push", str(n_push),
+               "--eval-every", str(eval_every), "--max-seconds", str(args.max_seconds)]
+        return run_json(cmd + (["--async-fetch"] if async_fetch else []),
+                        args.max_seconds + 300)
+
+
+def single_process_rate(args: argparse.Namespace, steps: int) -> float:
+    cmd = [sys.executable, str(BENCH / "bench_train.py"), "--worker", "throughput",
+           "--threads", "1", "--data", str(args.data), "--steps", str(steps), "--warmup", "0"]
+    return run_json(cmd, 600)["samples_per_second"]
+
+
+def torch_time_to_target(args: argparse.Namespace, threads: int, seed: int) -> dict:
+    cmd = [sys.executable, str(BENCH / "torch_peer.py"), "target", "--threads", str(threads),
+           "--data", str(args.data), "--seed", str(seed), "--target", str(args.target),
+           "--eval-every", str(args.eval_every), "--max-seconds", str(args.max_seconds)]
+    return run_json(cmd, args.max_seconds + 300)
+
+
+# -- sections -------------------------------------------------------------------------------
+
+
+def load() -> str:
+    return f"load {os.getloadavg()[0]:.1f}"
+
+
+def ratio(ours: float | None, peer: float | None) -> str:
+    return "-" if ours is None or peer is None else f"{ours / peer:.2f}"
+
+
+def fmt(value: float | None, spec: str = ".1f") -> str:
+    return "not reached" if value is None else format(value, spec)
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    return statistics.median(values) if values and None not in values else None
+
+
+def section_target(args: argparse.Namespace) -> None:
+    print(f"\n(a) wall time to {args.target} test accuracy, 1 shard + 1 replica (2 ranks) vs "
+          f"torch, eval every {args.eval_every} s on the whole test set, median of "
+          f"{args.seeds} seed(s)")
+    print(f"{'threads':>7} {'downpour':>10} {'torch':>10} {'ratio':>6}   seconds")
+    for threads in args.threads:
+        before = load()
+        ours = [downpour_run(args, threads=threads, seed=s, target=args.target,
+                             eval_every=args.eval_every) for s in range(args.seeds)]
+        peer = [torch_time_to_target(args, threads, s) for s in range(args.seeds)]
+        t_ours = median_or_none([r["time_to_target"] for r in ours])
+        t_peer = median_or_none([r["time_to_target"] for r in peer])
+        print(f"{threads:>7} {fmt(t_ours):>10} {fmt(t_peer):>10} {ratio(t_ours, t_peer):>6}   "
+              f"(steps {[r['steps'] for r in ours]} vs {[r['steps'] for r in peer]}; "
+              f"replica {ours[0]['replicas'][0]['samples_per_second']:,.0f} samples/s; "
+              f"{before})", flush=True)
+
+
+def section_throughput(args: argparse.Namespace) -> list[dict]:
+    cadences = [(1, 1, False), (2, 2, False), (4, 4, False), (8, 8, False), (1, 1, True)]
+    print(f"\n(b) replica samples/s vs the single-process loop, {args.steps} steps, 1 thread, "
+          f"1 shard + 1 replica, best of {args.repeats} interleaved rounds")
+    best_single = 0.0
+    best: dict[tuple, dict] = {}
+    loads = []
+    for _ in range(args.repeats):
+        loads.append(os.getloadavg()[0])
+        best_single = max(best_single, single_process_rate(args, args.steps))
+        for n_fetch, n_push, async_fetch in cadences:
+            r = downpour_run(args, steps=args.steps, n_fetch=n_fetch, n_push=n_push,
+                             async_fetch=async_fetch)
+            rep = r["replicas"][0]
+            key = (n_fetch, n_push, async_fetch)
+            if key not in best or rep["samples_per_second"] > best[key]["samples_per_second"]:
+                best[key] = {**rep, "load": os.getloadavg()[0]}
+    print(f"single-process loop: {best_single:,.0f} samples/s (loads at round starts: "
+          f"{', '.join(f'{x:.1f}' for x in loads)})")
+    print(f"{'n_fetch/n_push':>14} {'fetch':>13} {'samples/s':>10} {'overhead':>9} "
+          f"{'RMA ms/step':>11} {'staleness':>9}")
+    for (n_fetch, n_push, async_fetch), rep in best.items():
+        rate = rep["samples_per_second"]
+        kind = "asynchronous" if async_fetch else "own pushes"
+        print(f"{f'{n_fetch}/{n_push}':>14} {kind:>13} {rate:>10,.0f} "
+              f"{1 - rate / best_single:>8.1%} {rep['rma_seconds'] / rep['steps'] * 1e3:>11.3f} "
+              f"{rep['staleness']['mean']:>9.2f}   (load {rep['load']:.1f})")
+    return [rep | {"key": key} for key, rep in best.items()]
+
+
+def section_replicas(args: argparse.Namespace) -> None:
+    print(f"\n(c) more replicas, 1 shard, 1 thread each: OVERSUBSCRIBED ({os.cpu_count()} "
+          f"cores for 3 and 4 ranks); {args.steps} steps in total, then time to "
+          f"{args.target}")
+    print(f"{'replicas':>8} {'total samples/s':>15} {'per replica':>24} {'staleness':>9} "
+          f"{'to target':>9}")
+    for replicas in (1, 2, 3):
+        before = load()
+        r = downpour_run(args, ranks=replicas + 1, steps=args.steps)
+        t = downpour_run(args, ranks=replicas + 1, target=args.target,
+                         eval_every=args.eval_every)
+        per = ", ".join(f"{x['samples_per_second']:,.0f}" for x in r["replicas"])
+        total = r["steps"] * BATCH / max(x["train_seconds"] for x in r["replicas"])
+        print(f"{replicas:>8} {total:>15,.0f} {per:>24} {r['staleness']['mean']:>9.2f} "
+              f"{fmt(t['time_to_target']):>8}s   ({t['steps']} steps; {before})", flush=True)
+
+
+def section_bandwidth(args: argparse.Namespace, runs: list[dict] | None) -> None:
+    print("\n(d) push and pull bandwidth (2.7 MB) against a plain copy: "
+          "benchmarks/bench_rma.py report, best of 2 rounds")
+    result = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(BENCH / "bench_rma.py"),
+                             "--repeat", "2"], capture_output=True, text=True, timeout=600,
+                            check=False, cwd=REPO)
+    lines = result.stdout.splitlines()
+    for line in lines[: next((i for i, x in enumerate(lines) if x.startswith("progress")),
+                             len(lines))]:
+        print(f"  {line}")
+    if result.returncode != 0:
+        print(f"  bench_rma.py failed: {result.stderr[-500:]}")
+    for rep in runs or []:
+        n_fetch, n_push, async_fetch = rep["key"]
+        moved = (rep["pushes"] + rep["fetches"] + rep["refetches"]) * N_PARAMS * 4
+        print(f"  in training, n_fetch/n_push {n_fetch}/{n_push}"
+              f"{' asynchronous' if async_fetch else ''}: {moved / rep['rma_seconds'] / 1e9:.2f}"
+              f" GB/s moved while in RMA calls ({rep['refetches']} re-fetches for "
+              f"{rep['fetches']} fetches)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, default=REPO / "data" / "fashion_mnist.h5")
+    p.add_argument("--only", choices=["target", "throughput", "replicas", "bandwidth"])
+    p.add_argument("--threads", default="1,2", help="(a): thread counts")
+    p.add_argument("--seeds", type=int, default=1, help="(a): seeds, median reported")
+    p.add_argument("--steps", type=int, default=4000, help="(b), (c): steps per run")
+    p.add_argument("--repeats", type=int, default=2, help="(b): rounds, best kept")
+    p.add_argument("--target", type=float, default=0.88)
+    p.add_argument("--eval-every", type=float, default=2.0)
+    p.add_argument("--max-seconds", type=float, default=120.0)
+    # worker options
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--n-fetch", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--n-push", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--async-fetch", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        args.threads = int(args.threads)
+        downpour_worker(args)
+        return
+    if not args.data.is_file():
+        raise SystemExit(f"{args.data} missing: run `distbelief prepare fashion-mnist`")
+    args.threads = [int(t) for t in args.threads.split(",")]
+    print(f"Downpour, MLP 784-512-512-10, Adagrad lr 0.02, batch {BATCH}, {args.data.name}; "
+          f"{os.cpu_count()} cores; {load()} before")
+    runs = None
+    if args.only in (None, "target"):
+        section_target(args)
+    if args.only in (None, "throughput"):
+        runs = section_throughput(args)
+    if args.only in (None, "replicas"):
+        section_replicas(args)
+    if args.only in (None, "bandwidth"):
+        section_bandwidth(args, runs)
+
+
+if __name__ == "__main__":
+    main()
