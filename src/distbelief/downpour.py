@@ -168,8 +168,9 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     DistBelief server answers a replica's fetch after applying its earlier push), so one
     replica is exactly sequential SGD. False: a fetch takes what the shards have
     published, usually without the push made in the same epoch, so every gradient is at
-    least one update stale; ~1 point lower test accuracy at equal steps with one replica,
-    slightly faster (benchmarks/RMA_NOTES.md section 6). For experiments and benchmarks.
+    least one update stale: with one replica ~20% more steps/s, but 0.4-3 points lower
+    test accuracy at equal steps and a later 88% (benchmarks/RMA_NOTES.md section 6).
+    For experiments and benchmarks.
 
     Collective over `comm`: every rank calls it with the same configuration. It validates
     the rank count and data first, without communicating (ConfigError/DataError on every

@@ -170,6 +170,7 @@ def _plot_throughput(plt: Any, runs: Sequence[Run], baselines: Sequence[Run],
     ax.set_xlabel("replica")
     ax.set_ylabel("training samples/s")
     _finish_figure(ax)
+    ax.set_xticks(range(max(len(run.summary["replicas"]) for run in runs)))
     return _save(plt, fig, path)
 
 
