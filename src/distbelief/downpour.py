@@ -9,37 +9,37 @@ rank count and the data against the configuration before it communicates, so a b
 configuration ends the job with exit 2 on every rank.
 
 REPLICAS train on disjoint parts of the training set (`TrainShard(info, replica, R,
-seed)`, each with its own shuffling stream). A replica fetches the parameters before every
-`n_fetch`-th step and pushes the sum of its gradients after every `n_push`-th step; when
-both fall together it uses `push_pull`, one round of lock traffic. A fetch returns
-parameters that contain the replica's own earlier pushes (read-your-writes: if the shard
-has not folded the push yet, `ParameterClient.catch_up` pulls again after a short sleep),
-which is the order in which DistBelief's server answers a replica, and makes one replica
-exactly sequential SGD; the staleness of a push then counts only other replicas' updates.
-Measured: without it, every gradient is at least one update stale and one replica ends
-~1 point below the single-process trainer at equal steps (`fetch_own_pushes=False`, for
-experiments). Every push also carries
-a `ControlExchange` with shard 0 (no extra round trip): the replica claims its next
-`n_push` steps from the global step counter (Fetch_and_op, so max_steps counts TOTAL steps
-across replicas exactly: claims are atomic, a replica computes only the steps it was
-granted and pushes every one of them), reports the steps it finished and their loss sum,
-and reads the stop flag. A replica never waits for another. With `warm_start_steps = W`,
-replica 0 starts alone; the others poll shard 0's finished-step count with back-off
-sleeps and start once it reaches W (in practice the first push of replica 0 at or after
-step W, since steps are reported with pushes).
+seed)`, each with its own shuffling stream). A replica fetches the parameters before
+every `n_fetch`-th step and pushes the sum of its gradients after every `n_push`-th step;
+when both fall together it uses `push_pull`, one round of lock traffic. A fetch returns
+parameters that contain the replica's own earlier pushes (read-your-writes: while the
+shard has not folded the last push, `ParameterClient.catch_up` pulls again), which is the
+order in which DistBelief's server answers a replica and makes one replica exactly
+sequential SGD; the staleness of a push then counts only other replicas' updates.
+Measured: without it every gradient is at least one update stale, and one replica ends
+0.4-3 points below the single-process trainer at equal steps and reaches 88% later
+(`fetch_own_pushes=False`, kept for experiments). Every push also carries a
+`ControlExchange` with shard 0 (no extra round trip): the replica claims its next
+`n_push` steps from the global step counter (Fetch_and_op, so max_steps counts TOTAL
+steps across replicas exactly: claims are atomic, a replica computes only the steps it
+was granted and pushes every one of them), reports the steps it finished and their loss
+sum, and reads the stop flag. A replica never waits for another. With `warm_start_steps =
+W`, replica 0 starts alone; the others poll shard 0's finished-step count with back-off
+sleeps (1 to 20 ms) and start once it has reached W; steps are reported with pushes, so
+they start at replica 0's first push at or after step W, or a poll later.
 
 SHARD 0 serves like every shard (ParameterServerShard.serve: poll, fold with Adagrad or
-SGD, sleeps between polls paced to the replicas' pushes, `PacedBackoff`) and, between
-polls, runs the run: every LOG_EVERY_SECONDS it reads
-the control slots and writes a training line (loss = mean minibatch loss of the steps
-reported since the last line); every eval_every_seconds it takes a snapshot of the
-global parameters (its own master copy plus a SHARED-lock Get of every other shard's
-published slice) and hands it to an evaluation thread, so the test-set pass runs on the
-otherwise idle part of its core while its main thread keeps polling: pushes to shard 0
-keep their usual latency during evaluations (measured: chunked evaluation with polls
-between chunks was the alternative, and each chunk delays every RMA epoch in flight). It
-decides when the run ends: max_seconds, target_accuracy (at an evaluation), or a
-non-finite training loss; then it raises the stop flag.
+SGD, sleep between polls paced to the replicas' pushes by `PacedBackoff`) and, between
+polls, runs the run. Every LOG_EVERY_SECONDS it reads the control slots and writes a
+training line (loss = mean minibatch loss of the steps reported since the last line).
+Every eval_every_seconds it takes a snapshot of the global parameters (its own master
+copy plus a SHARED-lock Get of every other shard's published slice) and hands it to an
+evaluation thread: the test-set pass runs on the otherwise idle part of its core while
+the main thread keeps polling, so pushes to shard 0 keep their usual latency during
+evaluations. (Not measured against the alternative, evaluating in chunks with a poll
+between chunks; but an RMA epoch needs two target polls, so every epoch in flight would
+wait up to two chunks.) It decides when the run ends: max_seconds, target_accuracy (at an
+evaluation), or a non-finite training loss; then it raises the stop flag.
 
 STOP PROTOCOL. A replica stops when a claim grants it no step (max_steps used up) or it
 reads the stop flag; either way its last push has carried every gradient and step it
