@@ -37,6 +37,9 @@ run.out_dir from the current one.
 
 optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour SGD over
 MPI ranks (parameter-server shards and model replicas), launched with mpiexec.
+cluster.partitions = P splits each model replica over P ranks (model parallelism): "sgd"
+then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks. See
+`distbelief costmodel` for how many partitions pay off.
 
 Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
 or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1
@@ -51,6 +54,8 @@ examples:
   distbelief train configs/fashion_mnist_mlp.toml --set run.max_steps=500 \\
       --set optimizer.learning_rate=0.01 --set run.out_dir=\\"runs/lr0.01\\"
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_downpour.toml
+  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_local.toml \
+      --set cluster.partitions=2
 """
 
 REPORT_HELP = """\
@@ -196,6 +201,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     comm = start_mpi() if launched_with_several_ranks() else None
     config = load_config(args.config, args.overrides)
     algorithm = config.optimizer.algorithm
+    if algorithm == "sgd" and config.cluster.partitions > 1:
+        from distbelief import partitioned_training
+
+        partitioned_training.train(config, comm if comm is not None else start_mpi())
+        return 0
     if algorithm == "sgd":
         if comm is not None and comm.Get_size() > 1:
             raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "

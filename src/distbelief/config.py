@@ -15,7 +15,7 @@ Sections and keys, with their defaults:
     [data]       path (required; relative to the config file's folder), batch_size = 64
     [optimizer]  algorithm = "sgd" | "downpour", learning_rate = 0.02, adagrad = true,
                  n_fetch = 1, n_push = 1, warm_start_steps = 0
-    [cluster]    ps_shards = 1, partitions = 1
+    [cluster]    ps_shards = 1, partitions = 1 (ranks per model replica: model parallelism)
     [run]        max_steps = 0, max_seconds = 0 (0 = no limit), target_accuracy (unset),
                  eval_every_seconds = 2.0, eval_samples = 0 (0 = whole test set), seed = 0,
                  out_dir = "runs/<config file stem>" (relative to the current directory),
@@ -355,10 +355,6 @@ def _check_not_implemented(values: dict, where: str) -> None:
     if algorithm in NOT_IMPLEMENTED_ALGORITHMS:
         raise ConfigError(f"{where}: optimizer.algorithm = {algorithm!r} is not implemented "
                           f"yet; use one of {', '.join(repr(a) for a in ALGORITHMS)}")
-    partitions = values["cluster"]["partitions"]
-    if partitions > 1:
-        raise ConfigError(f"{where}: cluster.partitions = {partitions}: model parallelism "
-                          "is not implemented yet; use 1")
 
 
 def _check_consistency(values: dict, where: str) -> None:
@@ -388,7 +384,14 @@ def check_data_fits(config: Config) -> None:
     from distbelief.data import open_dataset
 
     info = open_dataset(config.data.path)
-    build_network(config, info)
+    network = build_network(config, info)
+    if config.cluster.partitions > 1:
+        from distbelief.partition import Partitioning
+
+        try:  # every partition must own units of some layer
+            Partitioning(network.layers, network.layout, config.cluster.partitions)
+        except ConfigError as e:
+            raise ConfigError(f"cluster.{e}") from e
     if config.data.batch_size > info.n_train:
         raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
                         f"{info.n_train} training samples in {info.path}")

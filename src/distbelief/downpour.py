@@ -77,6 +77,7 @@ from distbelief.config import Config, config_hash
 from distbelief.errors import DataError, UserError
 from distbelief.metrics import RunRecorder
 from distbelief.optimizers import make_optimizer
+from distbelief.partitioned_training import make_replica, open_replica_comm
 from distbelief.parameter_server import (
     STALENESS_BINS,
     Backoff,
@@ -189,9 +190,12 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     endpoint = open_parameter_server(
         comm, topology, network.layout.size,
         lambda n: make_optimizer(opt.adagrad, opt.learning_rate, n), initial)
+    # Model parallelism: a replica of P > 1 ranks is built by partitioned_training.
+    replica_comm = open_replica_comm(comm, topology)
     with np.errstate(over="ignore", invalid="ignore"):
         if isinstance(endpoint, ParameterClient):
-            role: _Role = Replica(plan, endpoint, network, local, fetch_own_pushes)
+            role: _Role = make_replica(plan, endpoint, network, local, fetch_own_pushes,
+                                       replica_comm)
         elif topology.world_rank == 0:
             role = Supervisor(config, plan, endpoint, network, local, info, stream)
         else:
@@ -199,6 +203,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         role.run()
         summary = _finish(comm, plan, endpoint, role)
     endpoint.free()
+    if replica_comm != MPI.COMM_NULL:
+        replica_comm.Free()
     if summary["stop_reason"] == "diverged":
         raise TrainingDiverged(f"training diverged: the training loss became "
                                f"non-finite; lower optimizer.learning_rate "
