@@ -3,11 +3,18 @@ against the unpartitioned one as MPI jobs at P = 1, 2, 3 and 4 ranks, under time
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
-from conftest import REPO, run_mpi
+from conftest import REPO, run_cli, run_mpi
 
+from distbelief.datasets import make_synthetic
 from distbelief.errors import ConfigError
+from distbelief.metrics import read_metrics
 from distbelief.model import Network
 from distbelief.partition import Partitioning, balanced_splits, input_window, needed_inputs
 
@@ -102,3 +109,141 @@ def test_partitioned_loss_gradients_and_bytes_match(partitions):
     if partitions > 1:  # something really crossed
         assert any(int(b) > 0 for line in lines
                    for b in line.split("bytes/step")[1].strip(" []").split(","))
+
+
+# -- training through the command line ----------------------------------------------------
+
+TOML = """
+[model]
+layers = [
+    { type = "local", kernel = 3, channels = 4, activation = "relu" },
+    { type = "local", kernel = 3, stride = 2, channels = 4, activation = "relu" },
+    { type = "dense", units = 4, activation = "softmax" },
+]
+[data]
+path = "synth.h5"
+batch_size = 32
+[optimizer]
+algorithm = "sgd"
+learning_rate = 0.05
+[run]
+max_steps = 100
+eval_every_seconds = 0.5
+progress_every_seconds = 0.5
+threads = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("model_parallel")
+    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(12, 12, 1),
+                   num_classes=4, seed=3)
+    (folder / "local.toml").write_text(TOML)
+    return folder
+
+
+def set_args(*overrides: str) -> list[str]:
+    return [arg for override in overrides for arg in ("--set", override)]
+
+
+def train_args(data_dir: Path, out: Path, *overrides: str) -> list:
+    return ["train", data_dir / "local.toml", *set_args(f'run.out_dir="{out}"', *overrides)]
+
+
+def finished(proc: subprocess.CompletedProcess, out: Path) -> dict:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def single_process(data_dir: Path) -> dict:
+    """The unpartitioned single-process run every partitioned one is compared with."""
+    out = data_dir / "single"
+    return finished(run_cli(train_args(data_dir, out), timeout=TIMEOUT), out)
+
+
+@pytest.mark.parametrize("partitions", [2, 3])
+def test_partitioned_sgd_trains_like_the_single_process_trainer(data_dir, tmp_path,
+                                                                 single_process, partitions):
+    out = tmp_path / "out"
+    proc = run_mpi(partitions, ["-m", "distbelief", *train_args(
+        data_dir, out, f"cluster.partitions={partitions}")], timeout=TIMEOUT)
+    summary = finished(proc, out)
+    assert summary["steps"] == single_process["steps"] == 100
+    assert summary["final_test_loss"] == pytest.approx(single_process["final_test_loss"],
+                                                       rel=1e-5)
+    assert summary["final_test_accuracy"] == single_process["final_test_accuracy"]
+    traffic = summary["model_parallel"]
+    assert traffic["partitions"] == partitions
+    # Layer 0 reads the data, which every partition has; the others exchange both ways.
+    assert traffic["forward_bytes_per_step"][0] == 0
+    assert traffic["forward_bytes_per_step"] == traffic["backward_bytes_per_step"]
+    assert all(b > 0 for b in traffic["forward_bytes_per_step"][1:])
+    lines = read_metrics(out / "metrics.jsonl")
+    marker = [line for line in lines if line["kind"] == "partitions"]
+    assert len(marker) == 1
+    assert marker[0]["forward_bytes_per_step"] == traffic["forward_bytes_per_step"]
+
+
+def test_downpour_one_partitioned_replica_is_sequential_sgd(data_dir, tmp_path,
+                                                            single_process):
+    # 2 shards + 1 replica x 2 partitions: each partition pulls and pushes only its own
+    # pieces, which straddle the shard boundary; with read-your-writes that is exactly
+    # the single-process run.
+    out = tmp_path / "out"
+    proc = run_mpi(4, ["-m", "distbelief", *train_args(
+        data_dir, out, 'optimizer.algorithm="downpour"', "cluster.ps_shards=2",
+        "cluster.partitions=2")], timeout=TIMEOUT)
+    summary = finished(proc, out)
+    assert summary["steps"] == 100
+    assert summary["final_test_loss"] == pytest.approx(single_process["final_test_loss"],
+                                                       rel=1e-5)
+    replicas = summary["replicas"]
+    assert [(r["replica"], r["partition"]) for r in replicas] == [(0, 0), (0, 1)]
+    assert [r["steps"] for r in replicas] == [100, 100]
+    for shard in summary["shards"]:  # every push of both partitions reached both shards
+        assert shard["pushes"] == sum(r["pushes"] for r in replicas)
+
+
+def test_downpour_two_replicas_of_two_partitions_reach_the_target(data_dir, tmp_path):
+    out = tmp_path / "out"
+    proc = run_mpi(5, ["-m", "distbelief", *train_args(
+        data_dir, out, 'optimizer.algorithm="downpour"', "cluster.partitions=2",
+        "run.max_steps=0", "run.max_seconds=60", "run.target_accuracy=0.6",
+        "run.eval_every_seconds=0.2")], timeout=TIMEOUT)
+    summary = finished(proc, out)
+    assert summary["stop_reason"] == "target_accuracy" and summary["reached_target"]
+    replicas = summary["replicas"]
+    assert sorted((r["replica"], r["partition"]) for r in replicas) == [
+        (0, 0), (0, 1), (1, 0), (1, 1)]
+    for replica in (0, 1):  # the partitions of a replica take the same steps
+        steps = {r["steps"] for r in replicas if r["replica"] == replica}
+        assert len(steps) == 1 and steps.pop() > 0
+    assert sum(r["steps"] for r in replicas if r["partition"] == 0) == summary["steps"]
+    for r in replicas:
+        assert sum(r["model_parallel"]["forward"]) > 0
+
+
+def exit_statuses(proc: subprocess.CompletedProcess) -> list[int]:
+    found = sorted((int(r), int(s)) for r, s in re.findall(r"rank (\d+) exit (\d+)", proc.stdout))
+    return [status for _, status in found]
+
+
+@pytest.mark.parametrize("n, overrides, needle", [
+    (3, ["cluster.partitions=2"], "exactly 2 MPI ranks, but 3 were started"),
+    (2, ["cluster.partitions=11"], "cluster.partitions = 11: partition(s) [10]"),
+    (4, ['optimizer.algorithm="downpour"', "cluster.partitions=2"],
+     "not a multiple of partitions=2"),
+])
+def test_partitions_that_do_not_fit_exit_2_on_every_rank(data_dir, tmp_path, n, overrides,
+                                                          needle):
+    out = tmp_path / "out"
+    proc = run_mpi(n, [PROGRAMS / "cli_exit_status.py", *train_args(data_dir, out,
+                                                                     *overrides)],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert exit_statuses(proc) == [2] * n, proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr
+    assert not out.exists(), "nothing is written before the checks pass"
