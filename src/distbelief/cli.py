@@ -1,4 +1,4 @@
-"""The `distbelief` command line: train, report, prepare, inspect.
+"""The `distbelief` command line: train, report, prepare, inspect, costmodel.
 
 `main()` is the entry point of both `distbelief` and `python -m distbelief`. A UserError
 (bad configuration or data) becomes one line, `distbelief: error: <message>`, on stderr and
@@ -81,6 +81,21 @@ examples:
   distbelief inspect runs/fashion_mnist_mlp/checkpoints/ckpt-0000004000
 """
 
+COSTMODEL_HELP = """\
+Predict the training step time of one model replica of a configuration split over P
+partitions (cluster.partitions), before submitting the job: per-partition floating-point
+work, bytes exchanged per step, and a link's bandwidth and latency give the step time and
+the speedup over one partition (see distbelief.cost_model for the model and what it
+leaves out). --gflops is what one partition sustains on these kernels, not its peak:
+benchmarks/bench_model_parallel.py measures it. The data file is only read for its input
+shape and class count; give --input-shape and --classes to model a network without one.
+
+examples:
+  distbelief costmodel configs/fashion_mnist_local.toml --partitions 1,2,4,8
+  distbelief costmodel configs/model_parallel_speech.toml --input-shape 440 --classes 8192 \\
+      --partitions 1,2,4,8 --gflops 100 --bandwidth 12.5 --latency 2
+"""
+
 PREPARE_HELP = """\
 Write a dataset in distbelief's HDF5 format (/train/x, /train/y, /test/x, /test/y).
 
@@ -134,6 +149,28 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a checkpoint folder, a checkpoints/ folder or a run.out_dir")
     inspect.set_defaults(func=cmd_inspect)
 
+    cost = commands.add_parser("costmodel", help="predict the step time of a model split "
+                               "over P partitions", description=COSTMODEL_HELP,
+                               formatter_class=raw)
+    cost.add_argument("config", metavar="CONFIG", help="the TOML configuration file")
+    cost.add_argument("--partitions", metavar="P,P,...", type=_positive_ints,
+                      default=(1, 2, 4, 8), help="partition counts (default: 1,2,4,8)")
+    cost.add_argument("--gflops", type=_positive_float, default=10.0,
+                      help="sustained GFLOP/s of one partition (default: %(default)s, about "
+                           "one core of the 2-core development machine on the local kernel)")
+    cost.add_argument("--bandwidth", metavar="GB/S", type=_positive_float, default=12.5,
+                      help="link bandwidth per partition, each way, in GB/s (default: "
+                           "%(default)s, 100 Gb/s InfiniBand EDR)")
+    cost.add_argument("--latency", metavar="US", type=float, default=2.0,
+                      help="seconds per message, in microseconds (default: %(default)s)")
+    cost.add_argument("--batch", metavar="N", type=_positive_int, default=None,
+                      help="batch size (default: the configuration's data.batch_size)")
+    cost.add_argument("--input-shape", metavar="H,W,C", type=_shape, default=None,
+                      help="input shape instead of the data file's (needs --classes)")
+    cost.add_argument("--classes", metavar="K", type=_positive_int, default=None,
+                      help="number of classes instead of the data file's")
+    cost.set_defaults(func=cmd_costmodel)
+
     prepare = commands.add_parser("prepare", help="write a dataset as HDF5",
                                   description=PREPARE_HELP, formatter_class=raw)
     kinds = prepare.add_subparsers(dest="dataset", required=True, metavar="DATASET")
@@ -174,6 +211,20 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    return tuple(_positive_int(part) for part in text.split(","))
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
 
 
@@ -228,6 +279,35 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _resume_mode(args: argparse.Namespace) -> str:
     """train's --resume / --fresh as a distbelief.trainer.RESUME_MODES value."""
     return "require" if args.resume else "fresh" if args.fresh else "auto"
+
+
+def cmd_costmodel(args: argparse.Namespace) -> int:
+    from distbelief.config import build_network, load_config
+    from distbelief.cost_model import Link, format_table, predict
+    from distbelief.model import Network
+
+    config = load_config(args.config, check_data=False)
+    if (args.input_shape is None) != (args.classes is None):
+        raise ConfigError("give --input-shape and --classes together, or neither (then "
+                          "the data file's are used)")
+    if args.input_shape is not None:
+        network = Network(args.input_shape, [dict(layer) for layer in config.model.layers],
+                          args.classes)
+    else:
+        from distbelief.data import open_dataset
+
+        network = build_network(config, open_dataset(config.data.path))
+    link = Link(args.bandwidth * 1e9, args.latency * 1e-6)
+    batch = args.batch or config.data.batch_size
+    try:
+        predictions = [predict(network, p, batch, args.gflops * 1e9, link)
+                       for p in args.partitions]
+    except ValueError as e:
+        raise ConfigError(f"--partitions: {e}") from e
+    print(f"{network.layout.size:,d} parameters, batch {batch}; per partition "
+          f"{args.gflops:g} GFLOP/s, link {args.bandwidth:g} GB/s, {args.latency:g} us")
+    print(format_table(predictions))
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -77,7 +77,6 @@ from distbelief.config import Config, config_hash
 from distbelief.errors import DataError, UserError
 from distbelief.metrics import RunRecorder
 from distbelief.optimizers import make_optimizer
-from distbelief.partitioned_training import make_replica, open_replica_comm
 from distbelief.parameter_server import (
     STALENESS_BINS,
     Backoff,
@@ -88,6 +87,7 @@ from distbelief.parameter_server import (
     StalenessStats,
     open_parameter_server,
 )
+from distbelief.partitioned_training import make_replica, open_replica_comm
 from distbelief.threads import set_blas_threads
 from distbelief.topology import Topology
 from distbelief.trainer import (
