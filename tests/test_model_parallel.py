@@ -12,11 +12,18 @@ import numpy as np
 import pytest
 from conftest import REPO, run_cli, run_mpi
 
+from distbelief.cost_model import Link, layer_flops, predict
 from distbelief.datasets import make_synthetic
 from distbelief.errors import ConfigError
 from distbelief.metrics import read_metrics
 from distbelief.model import Network
-from distbelief.partition import Partitioning, balanced_splits, input_window, needed_inputs
+from distbelief.partition import (
+    Partitioning,
+    balanced_splits,
+    input_window,
+    needed_inputs,
+    split_units,
+)
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
@@ -247,3 +254,76 @@ def test_partitions_that_do_not_fit_exit_2_on_every_rank(data_dir, tmp_path, n, 
     errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
     assert len(errors) == 1 and needle in errors[0], proc.stderr
     assert not out.exists(), "nothing is written before the checks pass"
+
+
+# -- the cost model -----------------------------------------------------------------------
+
+
+def test_cost_model_one_partition_is_pure_compute():
+    net = local_network()
+    p = predict(net, 1, 32, 1e9, Link(1e9, 1e-6))
+    assert p.speedup == 1.0 and p.communication_seconds == 0 and p.bytes_per_step == 0
+    flops = sum(layer_flops(layer, 0, split_units(layer), 32, i == 0)
+                for i, layer in enumerate(net.layers))
+    assert p.step_seconds == pytest.approx(flops / 1e9)
+
+
+def test_cost_model_hand_computed_two_partitions():
+    # One dense layer 8 -> 4: each partition 2 units, forward + weight gradient only
+    # (2 passes x 2 flops x N x 8 inputs x 2 units); no activations cross, but the loss
+    # takes 3 Allreduces of 2 rounds each at P = 2.
+    net = Network((8,), [{"type": "dense", "units": 4, "activation": "softmax"}], 4)
+    n, flops, link = 10, 1e6, Link(1e5, 1e-3)
+    p = predict(net, 2, n, flops, link)
+    compute = 2 * 2 * n * 8 * 2 / flops
+    comm = 3 * 2 * (link.latency + n * 4 / link.bandwidth)
+    assert p.step_seconds == pytest.approx(compute + comm)
+    assert p.compute_seconds == pytest.approx(compute)
+    assert p.speedup == pytest.approx(2 * compute / (compute + comm))
+
+
+def test_cost_model_bytes_match_the_partitioning():
+    net = local_network()
+    for parts in (2, 3, 4):
+        plan = Partitioning(net.layers, net.layout, parts)
+        values = sum(plan.exchanged_values(i) for i in range(len(net.layers)))
+        p = predict(net, parts, 16, 1e9, Link(1e9, 0.0))
+        assert p.bytes_per_step == 2 * values * 16 * 4 + 3 * parts * 16 * 4
+
+
+def test_cost_model_free_links_give_linear_speedup_and_slow_links_less():
+    net = Network((16,), [{"type": "dense", "units": 32, "activation": "relu"},
+                          {"type": "dense", "units": 8, "activation": "softmax"}], 8)
+    free = predict(net, 4, 64, 1e9, Link(1e30, 0.0))
+    assert free.speedup == pytest.approx(4.0)
+    speedups = [predict(net, 4, 64, 1e9, Link(bw, 1e-5)).speedup for bw in (1e10, 1e8, 1e6)]
+    assert speedups == sorted(speedups, reverse=True) and speedups[-1] < 1
+
+
+def test_costmodel_command_prints_one_row_per_partition_count(data_dir):
+    proc = run_cli(["costmodel", data_dir / "local.toml", "--partitions", "1,2,5",
+                    "--gflops", "5", "--bandwidth", "10", "--latency", "2"], timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.strip() and line.split()[0].isdigit()]
+    assert [row[0] for row in rows] == ["1", "2", "5"]
+    assert rows[0][-1] == "1.00x" and float(rows[1][-1].rstrip("x")) > 1
+    assert "5 GFLOP/s, link 10 GB/s, 2 us" in proc.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--partitions", "1,11"], "11 partitions: the widest layer splits into at most 10"),
+    (["--input-shape", "12,12,1"], "give --input-shape and --classes together"),
+])
+def test_costmodel_command_errors_are_one_line(data_dir, args, needle):
+    proc = run_cli(["costmodel", data_dir / "local.toml", *args], timeout=TIMEOUT)
+    assert proc.returncode == 2
+    assert proc.stderr.count("distbelief: error:") == 1 and needle in proc.stderr
+
+
+def test_costmodel_command_without_data_file():
+    proc = run_cli(["costmodel", REPO / "configs" / "paper_speech_42m.toml",
+                    "--input-shape", "440", "--classes", "8192", "--partitions", "1,8"],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert "41,777,152 parameters" in proc.stdout
