@@ -327,3 +327,21 @@ def test_costmodel_command_without_data_file():
                    timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     assert "41,777,152 parameters" in proc.stdout
+
+
+def test_downpour_partitioned_replicas_checkpoint_and_resume(data_dir, tmp_path):
+    # Agreement rounds and checkpoints with replicas of 2 partitions: the partitions act on
+    # a round together (else a checkpoint barrier would wait on a partition that waits for
+    # activations), partition 0 writes the replica's part; a second job resumes.
+    out = tmp_path / "out"
+    common = ['optimizer.algorithm="downpour"', "cluster.partitions=2",
+              "run.checkpoint_every_steps=40"]
+    first = finished(run_mpi(5, ["-m", "distbelief", *train_args(
+        data_dir, out, *common, "run.max_steps=120")], timeout=TIMEOUT), out)
+    assert first["steps"] == 120 and first["checkpoint"]
+    inspect = run_cli(["inspect", out], timeout=TIMEOUT)
+    assert inspect.returncode == 0, inspect.stdout + inspect.stderr
+    second = finished(run_mpi(5, ["-m", "distbelief", *train_args(
+        data_dir, out, *common, "run.max_steps=200")], timeout=TIMEOUT), out)
+    assert second["resumed_from"] and second["resumed_at_step"] == 120
+    assert second["steps"] == 200

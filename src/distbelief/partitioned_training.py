@@ -20,7 +20,10 @@ parameter client pulls and pushes only the partition's pieces of the vector
 (`ParameterClient.restrict_to`; the paper's Figure 2). Partition 0 alone claims steps and
 reports steps and loss to shard 0 (they ride on its pushes, as for any replica) and hands
 each grant to its partitions with a broadcast that they wait for with back-off sleeps (a
-warm-start wait can be long). The data, shards and supervisor are Downpour's own.
+warm-start wait can be long). Downpour's agreement rounds (checkpoints, signals, the end
+of the run) may complete on one partition a block before another, so the partitions of
+a replica act on a round only once all of them hold it (`ReplicaRounds`); partition 0
+writes the replica's checkpoint part. The data, shards and supervisor are Downpour's own.
 """
 
 from __future__ import annotations
@@ -220,39 +223,101 @@ def open_replica_comm(comm: MPI.Comm, topology: Any) -> MPI.Comm:
     return comm.Split(MPI.UNDEFINED if replica is None else replica, topology.world_rank)
 
 
-def make_replica(plan: Any, client: Any, network: Any, data: Any, fetch_own_pushes: bool,
-                 replica_comm: MPI.Comm) -> Any:
+def make_replica(plan: Any, client: Any, network: Any, data: Any, sync: Any, start: Any,
+                 fetch_own_pushes: bool, replica_comm: MPI.Comm) -> Any:
     """Downpour's replica role for this rank: the plain one when partitions = 1, else a
     PartitionedReplica over `replica_comm`. Local (no communication)."""
     from distbelief.downpour import Replica
 
     if replica_comm == MPI.COMM_NULL or replica_comm.Get_size() == 1:
-        return Replica(plan, client, network, data, fetch_own_pushes)
-    return _partitioned_replica_class()(plan, client, network, data, fetch_own_pushes,
-                                        replica_comm)
+        return Replica(plan, client, network, data, sync, start, fetch_own_pushes)
+    return _partitioned_replica_class()(plan, client, network, data, sync, start,
+                                        fetch_own_pushes, replica_comm)
+
+
+def polled_bcast(comm: MPI.Comm, value: np.ndarray) -> np.ndarray:
+    """Rank 0's `value` on every rank of `comm`, in place: an Ibcast waited for with
+    back-off sleeps (a partition may wait long for its lead). Collective over `comm`."""
+    request = comm.Ibcast(value, root=0)
+    backoff = Backoff(min_sleep_s=5e-6, max_sleep_s=2e-3)
+    while not request.Test():
+        backoff.wait()
+    return value
+
+
+class ReplicaRounds:
+    """Downpour's agreement rounds (distbelief.agreement.Rounds) as the partitions of one
+    replica see them: together. A round's result may complete on one partition a block
+    before another; acting on it alone (a checkpoint's barrier) would leave the other
+    partition waiting for activations from this one. So each partition holds a result it
+    has received until every partition of the replica holds it (an Allreduce MIN among
+    them, from points they reach in lockstep), and only then hands it on.
+
+    Collective over the replica's communicator: every partition calls poll() at the same
+    points of its sequence (after each block, in the warm-start wait, in drain)."""
+
+    def __init__(self, rounds: Any, comm: MPI.Comm):
+        self.rounds, self.comm = rounds, comm
+        self._held: np.ndarray | None = None
+        self._have = np.zeros(1, dtype=np.int32)
+
+    def poll(self, contribute: Callable[[], Any]) -> np.ndarray | None:
+        if self._held is None:
+            self._held = self.rounds.poll(contribute)
+        self._have[0] = self._held is not None
+        self.comm.Allreduce(MPI.IN_PLACE, self._have, op=MPI.MIN)
+        if not self._have[0]:
+            return None
+        result, self._held = self._held, None
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rounds, name)
 
 
 def _partitioned_replica_class() -> type:
     """Defined on first use: it subclasses downpour.Replica, and downpour imports us."""
-    from distbelief.downpour import Replica
+    from distbelief.downpour import WARM_START_POLL_S, Replica
 
     class PartitionedReplica(Replica):
         """One partition of a Downpour replica: its own pieces of the parameters, its own
-        pushes and pulls; partition 0 claims steps and shares the grants."""
+        pushes and pulls; partition 0 claims steps and shares the grants; the partitions
+        act on agreement rounds together (ReplicaRounds) and partition 0 alone writes the
+        replica's checkpoint part (the data position is the same on all of them)."""
 
-        def __init__(self, plan: Any, client: Any, network: Any, data: Any,
-                     fetch_own_pushes: bool, replica_comm: MPI.Comm):
+        def __init__(self, plan: Any, client: Any, network: Any, data: Any, sync: Any,
+                     start: Any, fetch_own_pushes: bool, replica_comm: MPI.Comm):
             model = PartitionedNetwork(network, replica_comm)
             client.restrict_to(model.pieces)
             model.layout = network.layout  # whole-model vectors: Replica sizes them so
-            super().__init__(plan, client, model, data, fetch_own_pushes)
+            sync.rounds = ReplicaRounds(sync.rounds, replica_comm)
+            super().__init__(plan, client, model, data, sync, start, fetch_own_pushes)
             self.model, self.comm = model, replica_comm
             self.lead = replica_comm.Get_rank() == 0
-            self._grant = np.zeros(1, dtype=np.int64)
+            self._shared = np.zeros(1, dtype=np.int64)
+
+        def _share(self, value: int) -> int:
+            """Partition 0's `value` on every partition of the replica (collective)."""
+            self._shared[0] = value if self.lead else 0
+            return int(polled_bcast(self.comm, self._shared)[0])
 
         def _wait_for_warm_start(self) -> None:
-            if self.lead:
-                super()._wait_for_warm_start()
+            """Replica's wait, in lockstep: partition 0 polls shard 0 and tells the others
+            whether to go on waiting; all of them poll the rounds at the same points."""
+            backoff = Backoff(*WARM_START_POLL_S)
+            control = self.control.set(claim=0)
+            plan = self.plan
+            while not self.stopping:
+                over = False
+                if self.lead:
+                    self.client.exchange(control)
+                    over = bool(control.stop or (plan.max_steps and self.base
+                                                 + control.claimed_before >= plan.max_steps)
+                                or self.base + control.steps_before >= plan.warm_start_steps)
+                if self._share(int(over)):
+                    return
+                self.poll_rounds()
+                backoff.wait()
 
         def _first_claim(self) -> int:
             if self.lead:
@@ -265,17 +330,13 @@ def _partitioned_replica_class() -> type:
             return self._granted(None)
 
         def _granted(self, control: Any) -> int:
-            """Partition 0's grant, on every partition (an Ibcast waited for with back-off
-            sleeps: partitions may wait long, for a warm start or a slow claim)."""
-            self._grant[0] = super()._granted(control) if self.lead else 0
-            request = self.comm.Ibcast(self._grant, root=0)
-            backoff = Backoff(min_sleep_s=5e-6, max_sleep_s=2e-3)
-            while not request.Test():
-                backoff.wait()
-            return int(self._grant[0])
+            return self._share(super()._granted(control) if self.lead else 0)
 
         def _push(self, control: Any) -> None:
             super()._push(control if self.lead else None)
+
+        def _write_part(self, partial: Any, meta: Any) -> dict[str, Any]:
+            return super()._write_part(partial, meta) if self.lead else {}
 
         def stats(self) -> dict[str, Any]:
             out = super().stats()
