@@ -205,9 +205,10 @@ def test_downpour_is_accepted_by_the_schema() -> None:
     assert config.cluster.ps_shards == 2
 
 
-def test_model_partitions_are_not_implemented_yet() -> None:
-    message = schema_error(VALID, ("cluster.partitions=2",))
-    assert "cluster.partitions = 2" in message and "not implemented yet" in message
+def test_model_partitions_are_accepted_by_the_schema() -> None:
+    # Whether they fit the model is checked against the data (test_model_parallel.py).
+    raw = apply_overrides(raw_config(), ["cluster.partitions=2"])
+    assert config_from_dict(raw).cluster.partitions == 2
 
 
 def test_a_run_without_any_stop_rule_is_refused() -> None:
