@@ -345,3 +345,11 @@ def test_downpour_partitioned_replicas_checkpoint_and_resume(data_dir, tmp_path)
         data_dir, out, *common, "run.max_steps=200")], timeout=TIMEOUT), out)
     assert second["resumed_from"] and second["resumed_at_step"] == 120
     assert second["steps"] == 200
+
+
+@pytest.mark.parametrize("partitions", [2, 3])
+def test_replica_rounds_hand_results_on_together(partitions):
+    proc = run_mpi(partitions, ["-m", "mpi4py", PROGRAMS / "mp_replica_rounds.py"],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert f"OK handed on together at poll {2 * partitions - 2}" in proc.stdout
