@@ -141,9 +141,9 @@ from distbelief.parameter_server import (
     StalenessStats,
     open_parameter_server,
 )
-from distbelief.partitioned_training import make_replica, open_replica_comm
+from distbelief.partitioned_training import make_replica
 from distbelief.threads import set_blas_threads
-from distbelief.topology import Topology
+from distbelief.topology import Topology, split_communicators
 from distbelief.trainer import (
     LOG_EVERY_SECONDS,
     RESUME_MODES,
@@ -290,12 +290,13 @@ def _train(config: Config, comm: MPI.Comm, stream: IO[str] | None, fetch_own_pus
         lambda n: (start.optimizer if start.optimizer is not None
                    else make_optimizer(opt.adagrad, opt.learning_rate, n)),
         initial)
-    # Model parallelism: a replica of P > 1 ranks is built by partitioned_training.
-    replica_comm = open_replica_comm(comm, topology)
+    # Model parallelism: a replica of P > 1 ranks is built by partitioned_training over
+    # its partitions' communicator.
+    communicators = split_communicators(comm, topology)
     with np.errstate(over="ignore", invalid="ignore"):
         if isinstance(endpoint, ParameterClient):
             role: _Role = make_replica(plan, endpoint, network, local, sync, start,
-                                       fetch_own_pushes, replica_comm)
+                                       fetch_own_pushes, communicators.partition)
         elif topology.world_rank == 0:
             role = Supervisor(config, plan, endpoint, network, local[0], info, stream, sync,
                               start)
@@ -306,8 +307,7 @@ def _train(config: Config, comm: MPI.Comm, stream: IO[str] | None, fetch_own_pus
         summary = _finish(comm, plan, endpoint, role)
     endpoint.free()
     sync.free()
-    if replica_comm != MPI.COMM_NULL:
-        replica_comm.Free()
+    communicators.free()
     if role.failure is not None:
         raise ckpt.CheckpointError(role.failure)
     if summary["stop_reason"] == "diverged":

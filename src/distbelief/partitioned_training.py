@@ -216,17 +216,11 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
 # Downpour
 
 
-def open_replica_comm(comm: MPI.Comm, topology: Any) -> MPI.Comm:
-    """The communicator of this rank's replica's partitions (COMM_NULL on shards).
-    Collective over `comm` (one Split; every rank calls it)."""
-    replica = topology.replica_index
-    return comm.Split(MPI.UNDEFINED if replica is None else replica, topology.world_rank)
-
-
 def make_replica(plan: Any, client: Any, network: Any, data: Any, sync: Any, start: Any,
                  fetch_own_pushes: bool, replica_comm: MPI.Comm) -> Any:
     """Downpour's replica role for this rank: the plain one when partitions = 1, else a
-    PartitionedReplica over `replica_comm`. Local (no communication)."""
+    PartitionedReplica over `replica_comm` (topology.split_communicators' partition
+    communicator). Local (no communication)."""
     from distbelief.downpour import Replica
 
     if replica_comm == MPI.COMM_NULL or replica_comm.Get_size() == 1:
