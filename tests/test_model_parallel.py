@@ -353,3 +353,18 @@ def test_replica_rounds_hand_results_on_together(partitions):
                    timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert f"OK handed on together at poll {2 * partitions - 2}" in proc.stdout
+
+
+def test_partitioned_sgd_divergence_and_resume_exit_2_on_every_rank(data_dir, tmp_path):
+    out = tmp_path / "out"
+    diverge = run_mpi(2, [PROGRAMS / "cli_exit_status.py", *train_args(
+        data_dir, out, "cluster.partitions=2", "optimizer.adagrad=false",
+        "optimizer.learning_rate=1e6")], timeout=TIMEOUT)
+    assert exit_statuses(diverge) == [2, 2], diverge.stdout + diverge.stderr
+    assert "training diverged" in diverge.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "diverged"
+    resume = run_mpi(2, [PROGRAMS / "cli_exit_status.py", *train_args(
+        data_dir, tmp_path / "other", "cluster.partitions=2"), "--resume"], timeout=TIMEOUT)
+    assert exit_statuses(resume) == [2, 2], resume.stdout + resume.stderr
+    assert "writes no checkpoints, so it cannot resume" in resume.stderr

@@ -255,7 +255,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if algorithm == "sgd" and config.cluster.partitions > 1:
         from distbelief import partitioned_training
 
-        partitioned_training.train(config, comm if comm is not None else start_mpi())
+        partitioned_training.train(config, comm if comm is not None else start_mpi(),
+                                   resume=_resume_mode(args))
         return 0
     if algorithm == "sgd":
         if comm is not None and comm.Get_size() > 1:

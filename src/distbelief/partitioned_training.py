@@ -103,17 +103,22 @@ def traffic_totals(model: PartitionedNetwork) -> dict[str, Any] | None:
             "total_bytes_per_step": int(total.sum() + loss)}
 
 
-def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout
-          ) -> dict[str, Any] | None:
+def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
+          resume: str = "auto") -> dict[str, Any] | None:
     """Train one replica split over the ranks of `comm`; returns the summary on rank 0,
     None elsewhere. Collective over `comm` (every rank calls it with the same config).
 
     Validates the rank count and the partitioning first, without communicating, so a bad
-    configuration raises ConfigError on every rank.
+    configuration raises ConfigError on every rank. Always starts fresh: `resume` =
+    "require" (train --resume) is a ConfigError, as this path writes no checkpoints.
     """
     from distbelief.data import TrainShard
     from distbelief.optimizers import make_optimizer
 
+    if resume == "require":
+        raise ConfigError("--resume: a single replica with cluster.partitions > 1 writes no "
+                          "checkpoints, so it cannot resume; use optimizer.algorithm = "
+                          "\"downpour\" (which checkpoints) or start without --resume")
     check_rank_count(config, comm.Get_size())
     info, network = open_data(config)
     model = PartitionedNetwork(network, comm)
