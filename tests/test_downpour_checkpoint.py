@@ -420,3 +420,39 @@ def test_a_diverging_run_never_checkpoints_non_finite_values(data_dir: Path,
         params, state = ckpt.verify(ckpt.checkpoint_root(out) / ckpt.checkpoint_name(
             step)).read_state()
         assert np.isfinite(params).all() and np.isfinite(state["accum"] if state else 0).all()
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_the_run_on_every_rank(
+        data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoints").write_text("a file where the checkpoints folder should be\n")
+    t0 = time.monotonic()
+    proc = downpour(3, data_dir, out, "run.max_steps=0", "run.max_seconds=60",
+                    "run.checkpoint_every_steps=50")
+    assert time.monotonic() - t0 < 30
+    assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    assert len(errors) == 1 and "cannot create checkpoint folder" in errors[0], proc.stderr
+    assert json.loads((out / "summary.json").read_text())["stop_reason"] == \
+        "checkpoint_failed"
+
+
+# -- the agreement rounds themselves ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, raiser, at", [(2, 1, 5), (3, 0, 12), (4, 3, 30)])
+def test_rounds_give_every_rank_the_same_result_at_the_same_round(n: int, raiser: int,
+                                                                  at: int) -> None:
+    # Ranks poll at random paces and say they are done after different numbers of polls;
+    # a flag raised by one rank must reach every rank in the same round, and the rounds
+    # must end in the same round everywhere, with nothing left in flight.
+    proc = run_mpi(n, [PROGRAMS / "agreement_rounds.py", str(raiser), str(at)],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in reports) == list(range(n))
+    assert {r["flag"] for r in reports} == {7}
+    assert len({r["seen_at"] for r in reports}) == 1
+    assert len({r["rounds"] for r in reports}) == 1
+    assert not any(r["in_flight"] for r in reports)
