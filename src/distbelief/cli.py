@@ -110,7 +110,8 @@ examples:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI: Downpour SGD "
-        "over a sharded parameter server, with a single-process SGD baseline.",
+        "over a sharded parameter server, model parallelism (replicas split over ranks), "
+        "and a single-process SGD baseline.",
         epilog="Run 'distbelief COMMAND --help' for each command's options and examples.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

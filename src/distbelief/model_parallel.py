@@ -34,7 +34,8 @@ or the whole model's (`layout.size`: only the partition's pieces are read and wr
 for Downpour, whose client pulls and pushes exactly those pieces).
 
 Every method that computes is collective over `comm`: all partitions call it with the
-same batch, in the same order. Messages never wait on a peer that could be waiting on us
+same batch, in the same order. Messages use tags 0 .. 2L-1 on `comm` (L layers), so
+`comm` should carry no other point-to-point traffic (Downpour gives each replica its own). Messages never wait on a peer that could be waiting on us
 (everything is non-blocking, completed within the layer), so the exchange cannot
 deadlock; a partition blocks only for its peers' messages of the same layer.
 """
