@@ -34,7 +34,9 @@ or the whole model's (`layout.size`: only the partition's pieces are read and wr
 for Downpour, whose client pulls and pushes exactly those pieces).
 
 Every method that computes is collective over `comm`: all partitions call it with the
-same batch, in the same order. Messages use tags 0 .. 2L-1 on `comm` (L layers), so
+same batch, in the same order. Waits are polled with short sleeps (`wait_all`), never
+MPICH's busy-polling blocking calls, so oversubscribed ranks leave the core to the
+partner they wait for. Messages use tags 0 .. 2L-1 on `comm` (L layers), so
 `comm` should carry no other point-to-point traffic (Downpour gives each replica its own). Messages never wait on a peer that could be waiting on us
 (everything is non-blocking, completed within the layer), so the exchange cannot
 deadlock; a partition blocks only for its peers' messages of the same layer.
@@ -53,9 +55,26 @@ from distbelief.errors import DataError
 from distbelief.layers import Dense, Layer
 from distbelief.layout import DTYPE
 from distbelief.model import Network
+from distbelief.parameter_server import Backoff
 from distbelief.partition import LayerPart, Partitioning
 
 FORWARD, BACKWARD = 0, 1
+SPIN_TESTS = 100
+"""Testall calls before the first sleep in `wait_all`: a partner's message in lockstep is
+usually microseconds away, and a sleep costs tens of microseconds."""
+
+
+def wait_all(requests: list[MPI.Request]) -> None:
+    """Complete `requests` without spinning a core for long: MPICH's Wait busy-polls
+    (DESIGN.md), and partitions may share cores with each other or with shards. Testall a
+    few times, then between tests sleep 20 us, doubling up to 1 ms (parameter_server's
+    Backoff)."""
+    for _ in range(SPIN_TESTS):
+        if MPI.Request.Testall(requests):
+            return
+    backoff = Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
+    while not MPI.Request.Testall(requests):
+        backoff.wait()
 
 
 def _tag(layer: int, direction: int) -> int:
@@ -205,8 +224,8 @@ class PartitionedNetwork:
                 self._dense_forward(part, params, lb, recvs)
             else:
                 self._local_forward(part, params, lb, recvs)
-        MPI.Request.Waitall(recvs)
-        MPI.Request.Waitall(sends)
+        wait_all(recvs)
+        wait_all(sends)
 
     def _dense_forward(self, part: LayerPart, params: tuple[np.ndarray, np.ndarray],
                        lb: _LayerBuffers, recvs: list[MPI.Request]) -> None:
@@ -223,7 +242,7 @@ class PartitionedNetwork:
         # In peer order, not arrival order: the sum's rounding is then the same every
         # step and every run (GEMMs of early messages still overlap later ones).
         for m, buf, request in zip(part.recv, lb.recv, recvs):
-            request.Wait()
+            wait_all([request])
             columns = m.columns(0)
             lb.window[:, columns] = buf
             lb.out += buf @ weights[:, columns].T
@@ -260,7 +279,7 @@ class PartitionedNetwork:
             boundary, interior = self._row_blocks(part, row)
             if interior:
                 self._local_rows_forward(part, layer, row0, window4, weights, out4, *interior)
-            MPI.Request.Waitall(recvs)
+            wait_all(recvs)
             lo = part.window[0]
             for m, buf in zip(part.recv, lb.recv):
                 lb.window[:, m.columns(lo)] = buf
@@ -297,16 +316,16 @@ class PartitionedNetwork:
         c0, c1 = self.parts[-1].outputs
         row_max = logits.max(axis=1) if c1 > c0 else np.full(n, -np.inf, dtype=DTYPE)
         peak = np.empty(n, dtype=DTYPE)
-        self.comm.Allreduce(row_max, peak, op=MPI.MAX)
+        wait_all([self.comm.Iallreduce(row_max, peak, op=MPI.MAX)])
         shifted = np.exp(logits - peak[:, None])
         total = np.empty(n, dtype=DTYPE)
-        self.comm.Allreduce(shifted.sum(axis=1, dtype=DTYPE), total, op=MPI.SUM)
+        wait_all([self.comm.Iallreduce(shifted.sum(axis=1, dtype=DTYPE), total, op=MPI.SUM)])
         rows = np.flatnonzero((labels >= c0) & (labels < c1))
         cols = labels[rows] - c0
         mine = logits[rows, cols]
         sums = np.array([np.sum(np.log(total[rows], dtype=np.float64) + peak[rows] - mine),
                          np.count_nonzero(mine >= peak[rows])], dtype=np.float64)
-        self.comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, sums, op=MPI.SUM)])
         if grad is not None:
             np.divide(shifted, total[:, None], out=grad)
             grad[rows, cols] -= 1.0
@@ -366,9 +385,9 @@ class PartitionedNetwork:
         if b > a:
             dbelow[:, a - origin:b - origin] = lb.dwindow[:, a - lo:b - lo]
         for m, buf, request in zip(part.send, lb.send, recvs):  # peer order, as forward
-            request.Wait()
+            wait_all([request])
             dbelow[:, m.columns(origin)] += buf
-        MPI.Request.Waitall(sends)
+        wait_all(sends)
 
     def _send_back(self, part: LayerPart, lb: _LayerBuffers, sends: list, tag: int) -> None:
         """Isend the input gradients of the values received from peers (already in

@@ -8,7 +8,7 @@ exactly the single-process update). What every rank must agree on comes from col
 it takes part in anyway: the loss and the test accuracy are Allreduced inside the model,
 so divergence and the accuracy target are decided identically everywhere; the two
 decisions that depend on a clock (max_seconds, when to evaluate) are rank 0's, broadcast
-each step (one 8-byte Bcast among ranks that are in lockstep already). Rank 0 owns the
+each step (one 8-byte Ibcast among ranks that are in lockstep already). Rank 0 owns the
 run folder (config.json, metrics.jsonl, summary.json) as in trainer.py, and records the
 bytes each layer sends per step, summed over the partitions, once as a "partitions"
 line in metrics.jsonl and in summary.json. Checkpoints are not written for partitioned
@@ -40,7 +40,7 @@ from mpi4py import MPI
 from distbelief.config import Config, config_hash
 from distbelief.errors import ConfigError, UserError
 from distbelief.metrics import RunRecorder
-from distbelief.model_parallel import PartitionedNetwork
+from distbelief.model_parallel import PartitionedNetwork, wait_all
 from distbelief.parameter_server import Backoff
 from distbelief.threads import set_blas_threads
 from distbelief.trainer import (
@@ -204,7 +204,7 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
                 recorder.log(step, step * batch_size, recent)
                 next_log = now + LOG_EVERY_SECONDS
             recorder.progress(step, step * batch_size, recent)
-        comm.Bcast(decision, root=0)
+        polled_bcast(comm, decision)
         reason = STOP_CODES[int(decision[0])]
         if reason:
             evaluate()
@@ -237,10 +237,7 @@ def make_replica(plan: Any, client: Any, network: Any, data: Any, sync: Any, sta
 def polled_bcast(comm: MPI.Comm, value: np.ndarray) -> np.ndarray:
     """Rank 0's `value` on every rank of `comm`, in place: an Ibcast waited for with
     back-off sleeps (a partition may wait long for its lead). Collective over `comm`."""
-    request = comm.Ibcast(value, root=0)
-    backoff = Backoff(min_sleep_s=5e-6, max_sleep_s=2e-3)
-    while not request.Test():
-        backoff.wait()
+    wait_all([comm.Ibcast(value, root=0)])
     return value
 
 
@@ -264,7 +261,7 @@ class ReplicaRounds:
         if self._held is None:
             self._held = self.rounds.poll(contribute)
         self._have[0] = self._held is not None
-        self.comm.Allreduce(MPI.IN_PLACE, self._have, op=MPI.MIN)
+        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self._have, op=MPI.MIN)])
         if not self._have[0]:
             return None
         result, self._held = self._held, None
