@@ -145,7 +145,8 @@ class PartitionedNetwork:
         return np.concatenate([full[a:b] for a, b in self.pieces]).astype(DTYPE, copy=False)
 
     def init_params(self, seed: int) -> np.ndarray:
-        """This partition's slice of `network.init_params(seed)` (the same on every P)."""
+        """This partition's slice of `network.init_params(seed)` (the same on every P; it
+        draws the whole vector once, as the random stream runs through every layer)."""
         return self.local_params(self.network.init_params(seed))
 
     def _shapes(self, i: int) -> list[tuple[int, ...]]:

@@ -37,6 +37,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
+from distbelief.agreement import wait_for_everyone
 from distbelief.config import Config, config_hash
 from distbelief.errors import ConfigError, UserError
 from distbelief.metrics import RunRecorder
@@ -76,10 +77,7 @@ def agree(comm: MPI.Comm, setup: Callable[[], Any]) -> Any:
         result, error = setup(), None
     except UserError as e:
         result, error = None, str(e)
-    request = comm.Ibarrier()
-    backoff = Backoff(max_sleep_s=10e-3)
-    while not request.Test():
-        backoff.wait()
+    wait_for_everyone(comm)
     errors = [message for message in comm.allgather(error) if message is not None]
     if errors:
         raise UserError(errors[0])
