@@ -381,7 +381,8 @@ def _read_start(config: Config, plan: DownpourPlan, network: Any, info: Any, loc
     Local; CheckpointError if the piece cannot be used."""
     if path is None:
         return Start()
-    found = chosen or ckpt.Checkpoint(Path(path), ckpt.read_manifest(path))
+    found = chosen if chosen is not None else ckpt.Checkpoint(Path(path),
+                                                              ckpt.read_manifest(path))
     start = Start(found)
     topology = plan.topology
     try:
