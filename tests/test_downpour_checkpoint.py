@@ -27,7 +27,7 @@ from test_downpour import BATCH, TOML, exit_statuses, set_args
 
 from distbelief import checkpoint as ckpt
 from distbelief.datasets import make_synthetic
-from distbelief.downpour import TEST_ONLY_KILL
+from distbelief.downpour import TEST_ONLY_KILL, TEST_ONLY_POISON
 from distbelief.metrics import read_metrics
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
@@ -457,3 +457,49 @@ def test_rounds_give_every_rank_the_same_result_at_the_same_round(n: int, raiser
     assert len({r["seen_at"] for r in reports}) == 1
     assert len({r["rounds"] for r in reports}) == 1
     assert not any(r["in_flight"] for r in reports)
+
+
+# -- non-finite gradients (issue 7) ----------------------------------------------------------------
+
+
+def test_a_poisoned_gradient_is_dropped_and_counted(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = _env()
+    env[TEST_ONLY_POISON] = "2:40"  # replica 1 (rank 2), its step 40 only
+    summary = succeeded(downpour(3, data_dir, out, "run.max_steps=300", env=env), 3, out)
+    assert summary["steps"] == 300 and summary["stop_reason"] == "max_steps"
+    assert [r["bad_gradients"] for r in summary["replicas"]] == [0, 1]
+    assert summary["bad_gradients"] == 1
+    params, state = newest(out).read_state()
+    assert np.isfinite(params).all() and np.isfinite(state["accum"]).all()
+    assert summary["final_test_accuracy"] > 0.5
+
+
+@pytest.mark.parametrize("n, shards, rank, n_push", [(4, 2, 3, 1), (3, 1, 1, 3)])
+def test_a_replica_with_only_bad_gradients_stops_the_run_on_every_rank(
+        data_dir: Path, tmp_path: Path, n: int, shards: int, rank: int, n_push: int) -> None:
+    out = tmp_path / "out"
+    env = _env()
+    env[TEST_ONLY_POISON] = f"{rank}:30+"  # every step from 30 on
+    t0 = time.monotonic()
+    proc = downpour(n, data_dir, out, *shape(n, shards), f"optimizer.n_push={n_push}",
+                    "run.max_steps=0", "run.max_seconds=60",
+                    "run.max_bad_gradients_in_a_row=5", "run.checkpoint_every_steps=20",
+                    env=env)
+    assert time.monotonic() - t0 < 30
+    assert exit_statuses(proc) == [2] * n, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    replica = rank - shards
+    assert len(errors) == 1, proc.stderr
+    assert f"replica {replica} computed 5 non-finite gradients in a row" in errors[0]
+    assert "run.max_bad_gradients_in_a_row = 5" in errors[0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "bad_gradients"
+    assert summary["replicas"][replica]["bad_gradients"] == 5
+    # Nothing non-finite reached a shard, and the run's last state was checkpointed.
+    saved = committed_steps(out)
+    assert saved and saved[0] == summary["steps"]
+    for step in saved:
+        params, state = ckpt.verify(ckpt.checkpoint_root(out) / ckpt.checkpoint_name(
+            step)).read_state()
+        assert np.isfinite(params).all() and np.isfinite(state["accum"]).all()
