@@ -172,9 +172,10 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> int:
     (3, 1, [2], signal.SIGUSR1),             # one replica only
     (4, 2, [1], signal.SIGUSR1),             # a shard other than 0 only
     (4, 2, [0, 1, 2, 3], signal.SIGTERM),    # every rank, as SLURM at the time limit
-], ids=["rank0", "one-replica", "shard1", "all-SIGTERM"])
+    (3, 1, ["mpiexec"], signal.SIGUSR1),     # the launcher (hydra passes it to every rank)
+], ids=["rank0", "one-replica", "shard1", "all-SIGTERM", "launcher"])
 def test_a_signal_on_some_ranks_checkpoints_and_every_rank_exits_0(
-        data_dir: Path, tmp_path: Path, n: int, shards: int, targets: list[int],
+        data_dir: Path, tmp_path: Path, n: int, shards: int, targets: list,
         sig: signal.Signals) -> None:
     out, log = tmp_path / "out", tmp_path / "log"
     proc = launch(n, data_dir, out, log, *shape(n, shards), "run.max_steps=0",
@@ -183,7 +184,7 @@ def test_a_signal_on_some_ranks_checkpoints_and_every_rank_exits_0(
         wait_for_training(proc, out, log)
         pids = rank_pids(proc.pid, n)
         for rank in targets:
-            os.kill(pids[rank], sig)
+            os.kill(proc.pid if rank == "mpiexec" else pids[rank], sig)
         sent = time.monotonic()
         returncode = finish(proc)
         waited = time.monotonic() - sent
