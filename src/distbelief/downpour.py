@@ -41,14 +41,17 @@ between chunks; but an RMA epoch needs two target polls, so every epoch in fligh
 wait up to two chunks.) It decides when the run ends: max_seconds, target_accuracy (at an
 evaluation), or a non-finite training loss; then it raises the stop flag.
 
-STOP PROTOCOL. A replica stops when a claim grants it no step (max_steps used up) or it
-reads the stop flag; either way its last push has carried every gradient and step it
-computed. It then calls `finish()`; the shards serve until every replica has finished
-and every push is folded, so the final parameters contain all the work. Then, on every
-rank in the same order: a back-off barrier (no rank spins while others finish), one
-`gather` of each rank's statistics and one `Gatherv` of the shards' final slices to rank
-0, and a `bcast` of the stop reason. Rank 0 evaluates the final parameters, writes
-summary.json, and every rank frees the parameter server and returns (exit 0).
+STOP PROTOCOL. A replica stops when a claim grants it no step (max_steps used up), it
+reads the stop flag, or a round says so (a signal, a failed checkpoint, a replica with
+too many bad gradients); in every case its last push has carried every gradient and step
+it computed. It then calls `finish()`; the shards serve until every replica has finished
+and every push is folded, so the final parameters contain all the work. Every rank then
+keeps polling the agreement rounds (sleeping in between) until one says that every rank
+is done; then, on every rank in the same order: a back-off barrier, one `gather` of each
+rank's statistics and one `Gatherv` of the shards' final slices to rank 0, a `bcast` of
+the stop reason, rank 0's evaluation of the final parameters (not after a signal), the
+final checkpoint, summary.json from rank 0, and every rank frees the parameter server
+and returns (exit 0, or the run's error on every rank).
 
 METRICS: rank 0 (shard 0) owns the run folder and writes config.json, metrics.jsonl and
 summary.json with distbelief.metrics.RunRecorder, the same contract as the single-process
