@@ -4,6 +4,7 @@ against the unpartitioned one as MPI jobs at P = 1, 2, 3 and 4 ranks, under time
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -14,6 +15,7 @@ from conftest import REPO, run_cli, run_mpi
 
 from distbelief.cost_model import Link, layer_flops, predict
 from distbelief.datasets import make_synthetic
+from distbelief.downpour import TEST_ONLY_POISON
 from distbelief.errors import ConfigError
 from distbelief.metrics import read_metrics
 from distbelief.model import Network
@@ -368,3 +370,22 @@ def test_partitioned_sgd_divergence_and_resume_exit_2_on_every_rank(data_dir, tm
         data_dir, tmp_path / "other", "cluster.partitions=2"), "--resume"], timeout=TIMEOUT)
     assert exit_statuses(resume) == [2, 2], resume.stdout + resume.stderr
     assert "writes no checkpoints, so it cannot resume" in resume.stderr
+
+
+def test_bad_gradients_on_one_partition_stop_the_whole_replica_together(data_dir, tmp_path):
+    # Rank 2 is partition 1 of replica 0: only its pieces turn non-finite. Its partner must
+    # drop the same steps and stop at the same one, or it would wait for activations that
+    # never come (the test's timeout would catch that).
+    out = tmp_path / "out"
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env[TEST_ONLY_POISON] = "2:30+"
+    proc = run_mpi(5, [PROGRAMS / "cli_exit_status.py", *train_args(
+        data_dir, out, 'optimizer.algorithm="downpour"', "cluster.partitions=2",
+        "run.max_steps=0", "run.max_seconds=60", "run.max_bad_gradients_in_a_row=5")],
+        timeout=TIMEOUT, env=env)
+    assert exit_statuses(proc) == [2] * 5, proc.stdout + proc.stderr
+    assert "replica 0 computed 5 non-finite gradients in a row" in proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "bad_gradients"
+    bad = {r["partition"]: r["bad_gradients"] for r in summary["replicas"] if r["replica"] == 0}
+    assert bad == {0: 5, 1: 5}

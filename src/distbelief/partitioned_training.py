@@ -22,7 +22,8 @@ reports steps and loss to shard 0 (they ride on its pushes, as for any replica) 
 each grant to its partitions with a broadcast that they wait for with back-off sleeps (a
 warm-start wait can be long). Downpour's agreement rounds (checkpoints, signals, the end
 of the run) may complete on one partition a block before another, so the partitions of
-a replica act on a round only once all of them hold it (`ReplicaRounds`); partition 0
+a replica act on a round only once all of them hold it (`ReplicaRounds`), and they agree
+on whether a step's gradient is finite (Downpour drops non-finite ones); partition 0
 writes the replica's checkpoint part. The data, shards and supervisor are Downpour's own.
 """
 
@@ -289,6 +290,7 @@ def _partitioned_replica_class() -> type:
             self.model, self.comm = model, replica_comm
             self.lead = replica_comm.Get_rank() == 0
             self._shared = np.zeros(1, dtype=np.int64)
+            self._finite = np.zeros(1, dtype=np.int32)
 
         def _share(self, value: int) -> int:
             """Partition 0's `value` on every partition of the replica (collective)."""
@@ -328,6 +330,17 @@ def _partitioned_replica_class() -> type:
 
         def _push(self, control: Any) -> None:
             super()._push(control if self.lead else None)
+
+        def _usable(self, loss: float) -> bool:
+            """Downpour's finite-gradient check, agreed by the partitions (Allreduce MIN):
+            one partition's pieces may be finite while another's are not, and a partition
+            that dropped a step, or stopped after too many, while the others went on
+            would leave them waiting for its activations."""
+            before = self.bad_in_a_row
+            self._finite[0] = super()._usable(loss)
+            wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self._finite, op=MPI.MIN)])
+            self.bad_in_a_row = 0 if self._finite[0] else before
+            return bool(self._finite[0])
 
         def _write_part(self, partial: Any, meta: Any) -> dict[str, Any]:
             return super()._write_part(partial, meta) if self.lead else {}
