@@ -281,7 +281,10 @@ def test_diverging_run_stops_and_exits_2_on_every_rank(data_dir, tmp_path):
     errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
     assert len(errors) == 1 and "training diverged" in errors[0], proc.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["stop_reason"] == "diverged"
+    # Usually the replicas' non-finite gradients stop it first (they are dropped, so the
+    # parameters stay finite), else shard 0 sees a non-finite training loss.
+    assert summary["stop_reason"] in ("bad_gradients", "diverged")
+    assert "RuntimeWarning" not in proc.stderr
 
 
 def test_single_rank_is_told_to_use_mpiexec(data_dir, tmp_path):

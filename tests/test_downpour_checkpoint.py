@@ -466,7 +466,7 @@ def test_rounds_give_every_rank_the_same_result_at_the_same_round(n: int, raiser
 def test_a_poisoned_gradient_is_dropped_and_counted(data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = _env()
-    env[TEST_ONLY_POISON] = "2:40"  # replica 1 (rank 2), its step 40 only
+    env[TEST_ONLY_POISON] = "2:20"  # replica 1 (rank 2), its step 20 only
     summary = succeeded(downpour(3, data_dir, out, "run.max_steps=300", env=env), 3, out)
     assert summary["steps"] == 300 and summary["stop_reason"] == "max_steps"
     assert [r["bad_gradients"] for r in summary["replicas"]] == [0, 1]
