@@ -195,22 +195,25 @@ def test_partitioned_sgd_trains_like_the_single_process_trainer(data_dir, tmp_pa
     assert marker[0]["forward_bytes_per_step"] == traffic["forward_bytes_per_step"]
 
 
+@pytest.mark.parametrize("shards, partitions", [(2, 2), (1, 3)])
 def test_downpour_one_partitioned_replica_is_sequential_sgd(data_dir, tmp_path,
-                                                            single_process):
-    # 2 shards + 1 replica x 2 partitions: each partition pulls and pushes only its own
-    # pieces, which straddle the shard boundary; with read-your-writes that is exactly
-    # the single-process run.
+                                                            single_process, shards,
+                                                            partitions):
+    # S shards + 1 replica x P partitions: each partition pulls and pushes only its own
+    # pieces (with 2 shards they straddle the shard boundary); with read-your-writes that
+    # is exactly the single-process run.
     out = tmp_path / "out"
-    proc = run_mpi(4, ["-m", "distbelief", *train_args(
-        data_dir, out, 'optimizer.algorithm="downpour"', "cluster.ps_shards=2",
-        "cluster.partitions=2")], timeout=TIMEOUT)
+    proc = run_mpi(shards + partitions, ["-m", "distbelief", *train_args(
+        data_dir, out, 'optimizer.algorithm="downpour"', f"cluster.ps_shards={shards}",
+        f"cluster.partitions={partitions}")], timeout=TIMEOUT)
     summary = finished(proc, out)
     assert summary["steps"] == 100
     assert summary["final_test_loss"] == pytest.approx(single_process["final_test_loss"],
                                                        rel=1e-5)
     replicas = summary["replicas"]
-    assert [(r["replica"], r["partition"]) for r in replicas] == [(0, 0), (0, 1)]
-    assert [r["steps"] for r in replicas] == [100, 100]
+    assert [(r["replica"], r["partition"]) for r in replicas] == [
+        (0, p) for p in range(partitions)]
+    assert [r["steps"] for r in replicas] == [100] * partitions
     for shard in summary["shards"]:  # every push of both partitions reached both shards
         assert shard["pushes"] == sum(r["pushes"] for r in replicas)
 
