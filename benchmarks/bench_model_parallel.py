@@ -9,7 +9,8 @@ cost model predicts for 8, 32 and 81 machines.
     per rank, a step timed on its slowest rank; the workers also time a ping-pong between
     the two ranks for the link's latency and bandwidth. Each figure is the best step of
     `--steps` x `--repeats` after `--warmup` untimed ones (the machine is shared: the best
-    step is the one least disturbed).
+    step is the one least disturbed). The CPU time per step is printed too: on a shared
+    machine it shows the work each partition does, where wall time shows mostly the load.
 (b) The cost model (distbelief.cost_model) with the flop rate measured at P = 1 (so it
     reproduces P = 1 by construction) and the measured link: its P = 2 step time next to
     the measured one, as a ratio.
@@ -71,18 +72,21 @@ def batch(n: int) -> tuple[np.ndarray, np.ndarray]:
             rng.integers(0, CLASSES, n).astype(np.int32))
 
 
-def timed_steps(step, warmup: int, steps: int, sync=None) -> list[float]:
-    """Seconds of each of `steps` calls of `step()` after `warmup` untimed ones."""
+def timed_steps(step, warmup: int, steps: int, sync=None) -> tuple[list[float], list[float]]:
+    """(wall seconds, CPU seconds of this process) of each of `steps` calls of `step()`
+    after `warmup` untimed ones. CPU time is the work a step did, whatever else runs on
+    the machine (waits sleep, so they cost almost none)."""
     for _ in range(warmup):
         step()
-    times = []
+    wall, cpu = [], []
     for _ in range(steps):
         if sync:
             sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
-        times.append(time.perf_counter() - t0)
-    return times
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
 
 
 # -- P = 1, in this process ------------------------------------------------------------------
@@ -100,14 +104,15 @@ def measure_single(args: argparse.Namespace) -> dict:
     params = net.init_params(0)
     grad = np.zeros_like(params)
     part = PartitionedNetwork(net, MPI.COMM_SELF)
-    plain, partitioned = [], []
+    plain, partitioned, cpu = [], [], []
     for _ in range(args.repeats):  # interleaved, so a neighbour's load hits both
-        plain.append(min(timed_steps(lambda: net.loss_and_grad(params, x, y, grad),
-                                     args.warmup, args.steps)))
+        wall, used = timed_steps(lambda: net.loss_and_grad(params, x, y, grad),
+                                 args.warmup, args.steps)
+        plain.append(min(wall))
+        cpu.append(min(used))
         partitioned.append(min(timed_steps(lambda: part.loss_and_grad(params, x, y, grad),
-                                           args.warmup, args.steps)))
-    plain, partitioned = min(plain), min(partitioned)
-    return {"network": plain, "partitioned": partitioned}
+                                           args.warmup, args.steps)[0]))
+    return {"network": min(plain), "partitioned": min(partitioned), "cpu": min(cpu)}
 
 
 # -- P = 2, as an MPI worker -----------------------------------------------------------------
@@ -126,16 +131,17 @@ def worker(args: argparse.Namespace) -> None:
     x, y = batch(args.batch)
     params = part.init_params(0)
     grad = np.zeros_like(params)
-    times = np.array(timed_steps(lambda: part.loss_and_grad(params, x, y, grad),
-                                 args.warmup, args.steps * args.repeats, sync=comm.Barrier))
+    wall, cpu = timed_steps(lambda: part.loss_and_grad(params, x, y, grad),
+                            args.warmup, args.steps * args.repeats, sync=comm.Barrier)
+    times = np.array([wall, cpu])
     comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)  # a step ends on its slowest rank
-    steps = float(times.min())
+    steps, cpu_step = float(times[0].min()), float(times[1].min())
     latency, bandwidth = ping_pong(comm)
     traffic = part.traffic.per_step()
     sent = comm.reduce(sum(traffic["forward"]) + sum(traffic["backward"]), op=MPI.SUM)
     if comm.Get_rank() == 0:
-        print(json.dumps({"step": steps, "latency": latency, "bandwidth": bandwidth,
-                          "bytes_per_step": sent}), flush=True)
+        print(json.dumps({"step": steps, "cpu": cpu_step, "latency": latency,
+                          "bandwidth": bandwidth, "bytes_per_step": sent}), flush=True)
 
 
 def ping_pong(comm) -> tuple[float, float]:
@@ -227,6 +233,9 @@ def main() -> None:
     print(f"speedup P=2 over P=1: measured {measured_speedup:.2f}x, model {p2.speedup:.2f}x; "
           f"bytes between partitions per step: measured {two['bytes_per_step']:,.0f}, "
           f"model {p2.bytes_per_step - 3 * 2 * args.batch * 4:,d} (+ loss Allreduces)")
+    print(f"CPU time per step (the work, less sensitive to other jobs): P=1 Network "
+          f"{single['cpu'] * 1e3:.1f} ms, P=2 slowest partition {two['cpu'] * 1e3:.1f} ms: "
+          f"{single['cpu'] / two['cpu']:.2f}x less per partition")
 
     machine = args.machine_gflops * 1e9
     print(f"\n(c) predictions, one machine sustaining {args.machine_gflops:g} GFLOP/s "
