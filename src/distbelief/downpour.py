@@ -872,9 +872,10 @@ class _ShardRole(_Role):
         return self.shard.serve_once()
 
     def _settle(self) -> None:
-        # Every push has completed (its epoch closed before the barrier), so one poll
-        # sees the final push count and folds all of it.
-        self.shard.serve_once()
+        # Every push has completed (its epoch closed before the barrier), so a poll sees
+        # the final push count and folds all of it; poll until one finds nothing to do.
+        while self.shard.serve_once():
+            pass
 
     def _write_part(self, partial: Path, meta: ckpt.CheckpointMeta) -> dict[str, Any]:
         shard = self.shard
