@@ -95,7 +95,7 @@ shape and class count; give --input-shape and --classes to model a network witho
 
 examples:
   distbelief costmodel configs/fashion_mnist_local.toml --partitions 1,2,4,8
-  distbelief costmodel configs/model_parallel_speech.toml --input-shape 440 --classes 8192 \\
+  distbelief costmodel configs/paper_speech_42m.toml --input-shape 440 --classes 8192 \\
       --partitions 1,2,4,8 --gflops 100 --bandwidth 12.5 --latency 2
 """
 
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="link bandwidth per partition, each way, in GB/s (default: "
                            "%(default)s, 100 Gb/s InfiniBand EDR)")
     cost.add_argument("--latency", metavar="US", type=float, default=2.0,
-                      help="seconds per message, in microseconds (default: %(default)s)")
+                      help="latency per message, in microseconds (default: %(default)s)")
     cost.add_argument("--batch", metavar="N", type=_positive_int, default=None,
                       help="batch size (default: the configuration's data.batch_size)")
     cost.add_argument("--input-shape", metavar="H,W,C", type=_shape, default=None,
