@@ -415,6 +415,28 @@ def test_periodic_checkpoints_by_time_keep_the_newest(data_dir: Path, tmp_path: 
     assert 0 < summary["checkpoint_seconds"] < summary["wall_seconds"]
 
 
+@pytest.mark.parametrize("n, shards, n_push", [(4, 2, 1), (4, 1, 3)])
+def test_every_checkpoint_is_a_consistent_snapshot(data_dir: Path, tmp_path: Path, n: int,
+                                                   shards: int, n_push: int) -> None:
+    # Mid-run checkpoints too: the replicas' parts account for exactly the checkpoint's
+    # global step (every step a replica computed was pushed and folded, none is missing
+    # or counted twice), and each replica's data position is that of its step count.
+    out = tmp_path / "out"
+    summary = succeeded(downpour(n, data_dir, out, *shape(n, shards), "run.max_steps=600",
+                                 "run.checkpoint_every_steps=100", "run.keep_checkpoints=10",
+                                 f"optimizer.n_push={n_push}"), n, out)
+    saved = committed_steps(out)
+    assert len(saved) >= 5 and saved[0] == summary["steps"] == 600
+    for step in saved:
+        found = ckpt.verify(ckpt.checkpoint_root(out) / ckpt.checkpoint_name(step))
+        replicas = [found.read_replica(r) for r in range(n - shards)]
+        local = [r.counters["local_steps"] for r in replicas]
+        assert sum(local) == step, (step, local)
+        for r, steps in zip(replicas, local, strict=True):
+            data = r.data_state
+            assert data["epoch"] * data["n"] + data["position"] == steps * BATCH
+
+
 def test_a_diverging_run_never_checkpoints_non_finite_values(data_dir: Path,
                                                              tmp_path: Path) -> None:
     out = tmp_path / "out"
