@@ -378,6 +378,14 @@ def test_a_checkpoint_of_another_configuration_is_refused_on_every_rank(
     assert "ckpt-0000000050" in errors[0] and "optimizer.learning_rate: 0.05 -> 0.07" in errors[0]
     assert "--fresh" in errors[0] and "Traceback" not in proc.stderr
     assert (out / "config.json").read_text() == config_before
+    # Another model: refused the same way, naming the first array that differs.
+    other = 'model.layers=[{type="dense", units=8, activation="relu"}, ' \
+            '{type="dense", units=4, activation="softmax"}]'
+    proc = downpour(3, data_dir, out, "run.max_steps=80", other)
+    assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    assert len(errors) == 1 and "holds a different model" in errors[0], proc.stderr
+    assert (out / "config.json").read_text() == config_before
     # --fresh sets the old run aside and starts over.
     proc = downpour(3, data_dir, out, "run.max_steps=80", "optimizer.learning_rate=0.07",
                     extra=("--fresh",))
