@@ -390,10 +390,16 @@ def check_data_fits(config: Config) -> None:
     info = open_dataset(config.data.path)
     network = build_network(config, info)
     if config.cluster.partitions > 1:
-        from distbelief.partition import Partitioning
+        from distbelief.partition import (
+            balanced_splits,
+            check_every_partition_owns_units,
+            split_units,
+        )
 
-        try:  # every partition must own units of some layer
-            Partitioning(network.layers, network.layout, config.cluster.partitions)
+        try:
+            check_every_partition_owns_units(network.layers, [
+                balanced_splits(split_units(layer), config.cluster.partitions)
+                for layer in network.layers])
         except ConfigError as e:
             raise ConfigError(f"cluster.{e}") from e
     if config.data.batch_size > info.n_train:

@@ -103,6 +103,21 @@ def input_window(layer: Layer, start: int, stop: int) -> tuple[int, int]:
     return start * layer.stride * row, ((stop - 1) * layer.stride + layer.kernel) * row
 
 
+def check_every_partition_owns_units(layers: Sequence[Layer],
+                                     splits: Sequence[Sequence[int]]) -> None:
+    """ConfigError unless every partition owns units of some layer. Cheap (no masks), so
+    configuration checks can call it with balanced splits of P partitions."""
+    partitions = len(splits[0]) - 1
+    idle = [p for p in range(partitions) if all(b[p] == b[p + 1] for b in splits)]
+    if idle:
+        most = max(split_units(layer) for layer in layers)
+        raise ConfigError(
+            f"partitions = {partitions}: partition(s) {idle} would own no units of any "
+            f"layer (the widest layer splits into at most {most} blocks: dense layers by "
+            f"units, locally connected layers by output rows); use at most {most} "
+            f"partitions")
+
+
 @dataclass(frozen=True)
 class Message:
     """Values one partition sends another for one layer: `indices` are sorted flat indices
@@ -188,15 +203,7 @@ class Partitioning:
         return checked
 
     def _check_every_partition_owns_units(self) -> None:
-        idle = [p for p in range(self.partitions)
-                if all(b[p] == b[p + 1] for b in self.splits)]
-        if idle:
-            most = max(split_units(layer) for layer in self.layers)
-            raise ConfigError(
-                f"partitions = {self.partitions}: partition(s) {idle} would own no units "
-                f"of any layer (the widest layer splits into at most {most} blocks: dense "
-                f"layers by units, locally connected layers by output rows); use at most "
-                f"{most} partitions")
+        check_every_partition_owns_units(self.layers, self.splits)
 
     def _part(self, i: int, p: int, layout: ParamLayout) -> LayerPart:
         layer = self.layers[i]
