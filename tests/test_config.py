@@ -193,9 +193,12 @@ def test_bad_value_message_shows_the_value_as_written() -> None:
     assert 'run.max_steps = "ten" is invalid' in message
 
 
-def test_sandblaster_is_not_implemented_yet() -> None:
-    message = schema_error(VALID, ('optimizer.algorithm="sandblaster"',))
-    assert "not implemented yet" in message and "sandblaster" in message
+def test_sandblaster_options_are_checked() -> None:
+    message = schema_error(VALID, ('optimizer.algorithm="sandblaster"', "optimizer.m=0"))
+    assert "optimizer.m = 0 is invalid" in message
+    message = schema_error(VALID, ('optimizer.algorithm="sandblaster"',
+                                   "optimizer.wolfe_c1=0.5", "optimizer.wolfe_c2=0.4"))
+    assert "wolfe_c1" in message and "smaller" in message
 
 
 def test_downpour_is_accepted_by_the_schema() -> None:

@@ -212,6 +212,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         downpour.train(config, comm)
         return 0
+    if algorithm == "sandblaster":
+        from distbelief import sandblaster
+
+        sandblaster.train(config, comm)
+        return 0
     raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
 
 
