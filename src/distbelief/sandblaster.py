@@ -580,6 +580,7 @@ class Coordinator:
         self.evaluations: list[EvaluationRecord] = []
         self.iteration_evals: list[EvaluationRecord] = []
         self.unit_totals = UnitStats()
+        self.late_discarded = 0
         self.snapshot_id = 0
         self.eval_task: int | None = None  # a snapshot waiting for a replica to evaluate it
         self.snapshot_at: dict[int, tuple[int, int]] = {}  # snapshot -> (step, samples)
@@ -616,7 +617,8 @@ class Coordinator:
         stats = UnitStats()
         for record in self.iteration_evals:
             stats.add(record.stats)
-        self.unit_totals.add(stats)
+        stats.discarded += self.late_discarded  # reported after their trial ended
+        self.late_discarded = 0
         self.recorder.log(
             it.step, self.samples, it.loss, grad_norm=it.grad_norm, step_size=it.step_size,
             line_search_evals=it.line_search_evals, pair_kept=it.pair_kept,
@@ -657,6 +659,7 @@ class Coordinator:
         self.table = None
         (gtd,) = self._command("finish_trial", len(self.units), self.plan.batch_size)
         self.samples += self.plan.batch_size
+        self.unit_totals.add(stats)
         record = EvaluationRecord(time.monotonic() - t0, stats)
         self.evaluations.append(record)
         self.iteration_evals.append(record)
@@ -729,6 +732,7 @@ class Coordinator:
         else:
             decision = DROP  # its trial is over: every unit of it was committed already
             self.unit_totals.discarded += len(units)
+            self.late_discarded += len(units)
         self._give_task(rank, decision, free=not units or decision != HOLD)
         return True
 
