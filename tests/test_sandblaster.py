@@ -358,6 +358,12 @@ def test_convex_problem_converges_to_scipys_loss(data_dir: Path, tmp_path: Path,
         assert key in summary
     assert summary["final_test_accuracy"] > 0.6
     assert len(summary["replicas"]) == n - shards - 1
+    if n == 5:  # the report draws the Sandblaster figures from these metrics
+        from distbelief.report import ITERATIONS_FIGURE, UNITS_FIGURE, make_report
+
+        written = {p.name for p in make_report([tmp_path / "out"], tmp_path / "report")}
+        assert {ITERATIONS_FIGURE, UNITS_FIGURE} <= written
+        assert all((tmp_path / "report" / name).stat().st_size > 10000 for name in written)
 
 
 def batch_seconds(metrics: list[dict]) -> float:
