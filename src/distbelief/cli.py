@@ -8,7 +8,7 @@ waiting forever), and a UserError, which every rank hits because they all valida
 inputs, is printed by rank 0 only.
 
 mpi4py is imported only when the run needs MPI (starting MPI costs time): for
-`algorithm = "downpour"`, or when an MPI launcher started several ranks.
+`algorithm = "downpour"` or `"sandblaster"`, or when an MPI launcher started several ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ data.path (in the file or from --set) is read from the config file's folder; a r
 run.out_dir from the current one.
 
 optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour SGD over
-MPI ranks (parameter-server shards and model replicas), launched with mpiexec.
+MPI ranks (parameter-server shards and model replicas), launched with mpiexec;
+"sandblaster" runs Sandblaster L-BFGS over MPI ranks (shards, one coordinator, replicas).
 
 Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
 or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1
@@ -51,6 +52,7 @@ examples:
   distbelief train configs/fashion_mnist_mlp.toml --set run.max_steps=500 \\
       --set optimizer.learning_rate=0.01 --set run.out_dir=\\"runs/lr0.01\\"
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_downpour.toml
+  mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sandblaster.toml
 """
 
 REPORT_HELP = """\
