@@ -467,3 +467,33 @@ def test_bad_sandblaster_options(override: str, message: str) -> None:
                            "run": {"max_steps": 1}}, [override])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         config_from_dict(raw, Path("exp.toml"))
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def test_checkpoint_holds_the_history_and_a_resume_on_other_shards_continues(
+        data_dir: Path, tmp_path: Path) -> None:
+    from distbelief.checkpoint import checkpoint_root, find_latest
+
+    config = write(data_dir, "resume.toml", toml(m=4))
+    half = train(5, config, tmp_path / "resumed", "run.max_steps=8", "cluster.ps_shards=2")
+    finished(half, tmp_path / "resumed")
+    found, damaged = find_latest(checkpoint_root(tmp_path / "resumed"))
+    assert found is not None and not damaged and found.step == 8
+    assert found.manifest["algorithm"] == "sandblaster"
+    names = found.manifest["optimizer_state"]
+    assert {"s000", "s000_lo", "y003", "y003_lo", "x_lo"} <= set(names)  # m = 4 pairs
+    params, state = found.read_state()
+    assert params.dtype == np.float32 and state["s003"].shape == params.shape
+    assert np.abs(state["s003"]).max() > 0 and np.abs(state["x_lo"]).max() > 0
+
+    rest = train(6, config, tmp_path / "resumed", "run.max_steps=16", "cluster.ps_shards=3")
+    summary, metrics = finished(rest, tmp_path / "resumed")
+    assert "resuming from" in rest.stdout
+    straight, _ = finished(train(4, config, tmp_path / "straight", "run.max_steps=16"),
+                           tmp_path / "straight")
+    assert summary["iterations"] == straight["iterations"] == 16
+    # float64 vectors stored as float32 hi + lo pairs: the resumed run goes on almost exactly.
+    assert summary["final_loss"] == pytest.approx(straight["final_loss"], rel=1e-6)
+    assert [m["step"] for m in metrics if m["kind"] == "resume"] == [8]

@@ -217,7 +217,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if algorithm == "sandblaster":
         from distbelief import sandblaster
 
-        sandblaster.train(config, comm)
+        sandblaster.train(config, comm, resume=_resume_mode(args))
         return 0
     raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
 

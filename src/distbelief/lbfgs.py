@@ -98,6 +98,14 @@ class Gram:
         self.gy[:] = gy
         self.gg = float(gg)
 
+    def load(self, dots: np.ndarray, pairs: int) -> None:
+        """Take the 3 m^2 dots of VectorShard.gram (after a resume); pairs 0..pairs-1 are
+        the history, oldest first."""
+        m = self.m
+        self.ss, self.sy, self.yy = (dots[i * m * m:(i + 1) * m * m].reshape(m, m).copy()
+                                     for i in range(3))
+        self.order = list(range(pairs))
+
     def reset(self) -> None:
         """Forget the history (steepest descent next)."""
         self.order = []
@@ -241,20 +249,21 @@ class Iteration:
     line_search_evals: int
     pair_kept: bool
     restarted: bool = False
-    extra: dict = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)  # history slots in use, oldest first
 
 
 def minimize(backend: Backend, options: LbfgsOptions,
-             on_iteration: Callable[[Iteration], str | None] | None = None) -> str:
+             on_iteration: Callable[[Iteration], str | None] | None = None,
+             step: int = 0, gram: Gram | None = None) -> str:
     """Run L-BFGS from the backend's current point; returns why it stopped: "max_steps",
     "converged" (gradient norm below tolerance), "line_search_failed" (no decrease even
     along steepest descent), "diverged" (non-finite loss), or whatever non-None string
-    `on_iteration` returned (it is called after every iteration; time budget, target)."""
-    gram = Gram(options.m)
-    batch = 0
+    `on_iteration` returned (it is called after every iteration; time budget, target).
+    A resumed run passes the iterations done and the Gram matrix of its history."""
+    gram = gram or Gram(options.m)
+    batch = 0 if options.full_batch else step
     f, _ = backend.evaluate(0.0, batch)
     gram.update_gradient(backend.take_gradient())
-    step = 0
     while True:
         if not math.isfinite(f):
             return "diverged"
@@ -290,7 +299,7 @@ def minimize(backend: Backend, options: LbfgsOptions,
             f, _ = backend.evaluate(0.0, batch)
             gram.update_gradient(backend.take_gradient())
         record = Iteration(step, f, math.sqrt(max(gram.gg, 0.0)), t, search.evals, kept,
-                           restarted)
+                           restarted, list(gram.order))
         if on_iteration is not None:
             reason = on_iteration(record)
             if reason:

@@ -50,6 +50,17 @@ header; the replica abandons the unit). Units are committed before they are push
 the next begin_trial comes only after every shard answered, so no push of trial `id`
 can arrive later.
 
+CHECKPOINTS (distbelief.checkpoint, format version 1): every
+run.checkpoint_every_steps iterations / run.checkpoint_every_seconds, and when the run
+stops, the coordinator prepares the folder and commands "checkpoint"; each shard writes
+its part (x, and the history pairs oldest first, each float64 vector as a float32 pair
+hi + lo) and answers with its part record; the coordinator commits (it is the committer:
+it also chose the checkpoint to resume from at start-up, and cleans leftovers). On a
+resume the shards read their ranges (any shard count: checkpoints are re-sliced), the
+coordinator asks them once for the 3 m^2 dots of the history, and L-BFGS continues from
+the checkpoint's iteration with a fresh gradient evaluation at x. The gradient, the
+direction and the line search state are not stored: they are recomputed.
+
 STOP. The coordinator ends the method (max_steps iterations, max_seconds, target
 accuracy, converged, line search failed, diverged), runs a final evaluation on a
 replica, answers every replica's next request with "stop", sends "stop" to the shards,
@@ -71,12 +82,13 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.config import Config, config_hash
+from distbelief import checkpoint as ckpt
+from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.data import _read_rows, _to_float
 from distbelief.downpour import _agree, _wait_for_everyone
 from distbelief.errors import ConfigError
-from distbelief.lbfgs import Iteration, LbfgsOptions, minimize
-from distbelief.metrics import RunRecorder
+from distbelief.lbfgs import Gram, Iteration, LbfgsOptions, minimize
+from distbelief.metrics import ResumePoint, RunRecorder
 from distbelief.parameter_server import Backoff
 from distbelief.threads import set_blas_threads
 from distbelief.topology import Topology
@@ -86,6 +98,7 @@ from distbelief.trainer import (
     load_eval_set,
     open_data,
     prepare_run_dir,
+    starting_checkpoint,
 )
 from distbelief.vector_shard import VectorShard
 from distbelief.work_units import COMMIT, DROP, HOLD, UnitStats, WorkUnitTable, unit_ranges
@@ -196,17 +209,18 @@ class BatchRows:
 # Entry point
 
 
-def train(config: Config, comm: MPI.Comm,
-          stream: IO[str] | None = sys.stdout) -> dict[str, Any] | None:
+def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
+          resume: str = "auto") -> dict[str, Any] | None:
     """Run Sandblaster L-BFGS on the ranks of `comm`; returns the summary on the
     coordinator, None elsewhere.
 
     Collective over `comm`: every rank calls it with the same configuration. Validation
     first (no communication), then a set-up whose UserError is raised on every rank, then
     point-to-point traffic (see the module docstring), then a back-off barrier and a
-    gather. Raises TrainingDiverged on every rank if the loss became non-finite.
+    gather. Raises TrainingDiverged on every rank if the loss became non-finite. `resume`:
+    distbelief.trainer.RESUME_MODES ("auto", "require", "fresh").
     """
-    role = start(config, comm, stream)
+    role = start(config, comm, stream, resume)
     with np.errstate(over="ignore", invalid="ignore"):
         role.run()
     summary = finish(comm, role)
@@ -215,32 +229,54 @@ def train(config: Config, comm: MPI.Comm,
     return summary if isinstance(role, Coordinator) else None
 
 
-def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout) -> Any:
+def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
+          resume: str = "auto") -> Any:
     """Validate, set up and build this rank's role (ShardServer, Coordinator or Replica).
-    Collective over `comm` (the set-up agreement); call `role.run()` and `finish` next."""
+    Collective over `comm` (two set-up agreements around a bcast of the checkpoint to
+    resume from); call `role.run()` and `finish` next."""
     info, network = open_data(config)
     plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train,
                     network.layout.size)
     set_blas_threads(config.run.threads or 1)
     topology = plan.topology
-    local = _agree(comm, lambda: _local_setup(config, plan, info))
+    local = _agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
+    found = local if topology.role == "coordinator" else None
+    path = comm.bcast(None if found is None else str(found.path),
+                      root=topology.coordinator_rank)
     if topology.is_shard:
-        start_, stop_ = network.layout.shard_ranges(topology.ps_shards)[topology.world_rank]
-        initial = network.init_params(config.run.seed)[start_:stop_]
-        return ShardServer(comm, plan, VectorShard(initial, start_, plan.options.m))
+        return _agree(comm, lambda: _shard(config, comm, plan, network, path))
+    _agree(comm, lambda: None)
     if topology.role == "coordinator":
-        return Coordinator(comm, config, plan, network, info, stream)
+        return Coordinator(comm, config, plan, network, info, stream, found)
     return Replica(comm, config, plan, network, *local)
 
 
-def _local_setup(config: Config, plan: SandblasterPlan, info: Any) -> Any:
-    """A replica's training rows and evaluation set; the coordinator's run folder. Local."""
+def _local_setup(config: Config, plan: SandblasterPlan, info: Any, network: Any,
+                 resume: str, stream: IO[str] | None) -> Any:
+    """A replica's training rows and evaluation set; on the coordinator the checkpoint to
+    resume from (or None) and the run folder. Local."""
     if plan.topology.is_replica:
         x, y = _read_rows(info, "train", 0, info.n_train)  # every replica may get any unit
         return x, y, load_eval_set(config, info), info.scale
     if plan.topology.role == "coordinator":
+        found = starting_checkpoint(config, network.layout, resume, stream)
         prepare_run_dir(config)
+        return found
     return None
+
+
+def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,
+           checkpoint: str | None) -> ShardServer:
+    """A shard's server, with its slice of the initial parameters or of the checkpoint.
+    Local (reads the checkpoint's overlapping parts)."""
+    index = plan.topology.world_rank
+    start_, stop_ = network.layout.shard_ranges(plan.topology.ps_shards)[index]
+    store = VectorShard(network.init_params(config.run.seed)[start_:stop_], start_,
+                        plan.options.m)
+    if checkpoint is not None:
+        params, state = ckpt.verify(checkpoint).read_range(start_, stop_)
+        store.load_checkpoint(params, state)
+    return ShardServer(comm, plan, store)
 
 
 def finish(comm: MPI.Comm, role: Any) -> dict[str, Any]:
@@ -353,6 +389,13 @@ class ShardServer:
         elif op == "snapshot":
             result = store.take_snapshot(*args)
             self.snapshot_msg = self._message(store.snapshot32, store.snapshot_id)
+        elif op == "gram":
+            result = store.gram()
+        elif op == "checkpoint":
+            partial, meta, order = args
+            params, state = store.checkpoint_arrays(order)
+            result = ckpt.write_shard_part(partial, meta, self.comm.Get_rank(), store.start,
+                                           store.stop, params, state)
         elif op == "stop":
             self.running, result = False, np.zeros(0)
         else:
@@ -559,8 +602,9 @@ class Coordinator:
     Point-to-point with every shard and replica; never holds a vector."""
 
     def __init__(self, comm: MPI.Comm, config: Config, plan: SandblasterPlan, network: Any,
-                 info: Any, stream: IO[str] | None):
+                 info: Any, stream: IO[str] | None, resumed: ckpt.Checkpoint | None = None):
         self.comm, self.config, self.plan, self.network = comm, config, plan, network
+        self.resumed = resumed
         self.stream = stream
         topology = plan.topology
         self.shards = list(topology.shard_ranks)
@@ -589,19 +633,39 @@ class Coordinator:
         self.step = 0
         self.best_eval: tuple[float, float] | None = None
         _print(stream, _header(config, plan, network, info))
+        resume = None
+        if resumed is not None:
+            self.step, self.samples = resumed.step, resumed.samples
+            resume = ResumePoint(resumed.step, resumed.samples, resumed.wall_seconds,
+                                 resumed.path.name)
         self.recorder = RunRecorder(config.run.out_dir, config.run.progress_every_seconds,
-                                    stream, target_accuracy=config.run.target_accuracy)
+                                    stream, target_accuracy=config.run.target_accuracy,
+                                    resume=resume)
+        self.order: list[int] = []  # history slots in use, oldest first (for checkpoints)
+        self.checkpointed = (self.step, self.recorder.elapsed())  # (step, time) of the last
         self.next_eval = self.recorder.start  # evaluate x0 first
-        self.method = lambda c: minimize(c, c.plan.options, c._on_iteration)
+        self.method = Coordinator._minimize
         """What `run` does with the shards and replicas; tests put other methods here."""
 
     # -- the method -------------------------------------------------------------------------
+
+    def _minimize(self) -> str:
+        gram = None
+        if self.resumed is not None:
+            pairs = sum(1 for name in self.resumed.manifest["optimizer_state"]
+                        if name.startswith("s") and not name.endswith("_lo"))
+            gram = Gram(self.plan.options.m)
+            gram.load(self._command("gram"), pairs)
+            self.order = list(gram.order)
+        return minimize(self, self.plan.options, self._on_iteration, self.step, gram)
 
     def run(self) -> None:
         self.reason = self.method(self)
         if self.reason == "converged":
             _print(self.stream, f"converged: gradient norm <= "
                    f"{self.plan.options.gradient_tolerance:g}")
+        if self.reason != "diverged":
+            self._checkpoint()
         self._evaluate_now()  # the final parameters
         self.stopping = True
         for rank in self.parked:
@@ -614,6 +678,7 @@ class Coordinator:
     def _on_iteration(self, it: Iteration) -> str | None:
         self.step = it.step
         self.last_loss = it.loss
+        self.order = it.order
         stats = UnitStats()
         for record in self.iteration_evals:
             stats.add(record.stats)
@@ -635,9 +700,43 @@ class Coordinator:
             return "diverged"
         if now >= self.next_eval and not self.eval_in_flight:
             self._schedule_evaluation()
+        if self._checkpoint_due():
+            self._checkpoint()
         if self.reason:
             return self.reason  # target accuracy, seen in an evaluation result
         return self.rules.budget_spent(0, now - self.recorder.start)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _checkpoint_due(self) -> bool:
+        run = self.config.run
+        step, at = self.checkpointed
+        return bool((run.checkpoint_every_steps and self.step - step
+                     >= run.checkpoint_every_steps)
+                    or (run.checkpoint_every_seconds and self.recorder.elapsed() - at
+                        >= run.checkpoint_every_seconds))
+
+    def _checkpoint(self) -> None:
+        """Write and commit a checkpoint of the current iterate and history (the shards
+        write their parts on command; this rank commits). Point-to-point with the shards."""
+        if self.checkpointed[0] == self.step and self.step > 0:
+            return  # this iteration is in a checkpoint already
+        root = ckpt.checkpoint_root(self.config.run.out_dir)
+        meta = ckpt.CheckpointMeta(self.step, self.samples, self.recorder.elapsed(),
+                                   config_hash(self.config))
+        partial = ckpt.prepare(root, self.step)
+        records = self._command("checkpoint", str(partial), meta, list(self.order),
+                                combine=list)
+        names = ["x_lo"] + [f"{v}{k:03d}{lo}" for k in range(len(self.order))
+                            for v in "sy" for lo in ("", "_lo")]
+        layout = self.network.layout
+        final = ckpt.commit(root, meta, settings=hashed_settings(self.config),
+                            algorithm="sandblaster", layout=layout,
+                            shard_ranges=layout.shard_ranges(len(self.shards)),
+                            optimizer_state=names, parts=records, num_replicas=0,
+                            keep=self.config.run.keep_checkpoints)
+        self.checkpointed = (self.step, self.recorder.elapsed())
+        self.recorder.log_event("checkpoint", self.step, self.samples, path=str(final))
 
     # -- Backend (distbelief.lbfgs): vector operations on the shards -------------------------
 
@@ -675,30 +774,30 @@ class Coordinator:
         gtd, dd = self._command("set_direction", np.asarray(coefficients, dtype=np.float64))
         return float(gtd), float(dd)
 
-    def _command(self, op: str, *args: Any) -> np.ndarray:
+    def _command(self, op: str, *args: Any, combine: Any = sum) -> Any:
         """Send `op` to every shard, wait (serving replicas meanwhile) for every answer;
-        returns the answers summed. Point-to-point with the shards."""
+        returns combine(answers in shard order): their sum by default. Point-to-point with
+        the shards."""
         message = (op, args)
         size = len(MPI.pickle.dumps(message))
         for shard in self.shards:
             self.comm.send(message, dest=shard, tag=TAG_COMMAND)
         self.traffic.shard_bytes += size * len(self.shards)
         self.traffic.shard_messages += len(self.shards)
-        total, answered, status = None, 0, MPI.Status()
+        answers, status = {}, MPI.Status()
         backoff = _backoff()
-        while answered < len(self.shards):
+        while len(answers) < len(self.shards):
             if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_RESULT, status):
                 self.traffic.shard_bytes += status.Get_count(MPI.BYTE)
                 self.traffic.shard_messages += 1
-                part = self.comm.recv(source=status.Get_source(), tag=TAG_RESULT)
-                total = part if total is None else total + part
-                answered += 1
+                source = status.Get_source()
+                answers[source] = self.comm.recv(source=source, tag=TAG_RESULT)
                 backoff.reset()
             elif self._serve_one():
                 backoff.reset()
             else:
                 backoff.wait()
-        return total
+        return combine(answers[shard] for shard in self.shards)
 
     # -- replicas ------------------------------------------------------------------------------
 

@@ -99,6 +99,37 @@ class VectorShard:
         self.snapshot_id = snapshot_id
         return np.zeros(0)
 
-    def history(self) -> dict[str, np.ndarray]:
-        """The slice's L-BFGS state (for checkpoints and tests)."""
-        return {"x": self.x, "g": self.g, "d": self.d, "s": self.s, "y": self.y}
+    def gram(self) -> np.ndarray:
+        """All dots among the history vectors, flattened: s_i.s_j, s_i.y_j, y_i.y_j
+        (3 m^2 numbers; once, after a resume)."""
+        return np.concatenate([(self.s @ self.s.T).ravel(), (self.s @ self.y.T).ravel(),
+                               (self.y @ self.y.T).ravel()])
+
+    def checkpoint_arrays(self, order: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(params, state) for distbelief.checkpoint.write_shard_part: x, and the history
+        pairs in `order` (oldest first) renamed 0..k-1, each float64 vector v stored as two
+        float32 arrays, v ~ hi + lo (about 48 bits: a resume continues almost exactly)."""
+        params, state = _hi(self.x), {"x_lo": _lo(self.x)}
+        for k, slot in enumerate(order):
+            for name, v in (("s", self.s[slot]), ("y", self.y[slot])):
+                state[f"{name}{k:03d}"], state[f"{name}{k:03d}_lo"] = _hi(v), _lo(v)
+        return params, state
+
+    def load_checkpoint(self, params: np.ndarray, state: dict[str, np.ndarray]) -> int:
+        """Restore what `checkpoint_arrays` wrote; the pairs go to slots 0..k-1. Returns k."""
+        self.x[:] = params.astype(np.float64) + state["x_lo"]
+        k = 0
+        while f"s{k:03d}" in state:
+            self.s[k] = state[f"s{k:03d}"].astype(np.float64) + state[f"s{k:03d}_lo"]
+            self.y[k] = state[f"y{k:03d}"].astype(np.float64) + state[f"y{k:03d}_lo"]
+            k += 1
+        self.xt[:] = self.x
+        return k
+
+
+def _hi(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float32)
+
+
+def _lo(v: np.ndarray) -> np.ndarray:
+    return (v - v.astype(np.float32).astype(np.float64)).astype(np.float32)
