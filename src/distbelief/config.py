@@ -56,6 +56,10 @@ SANDBLASTER_KEYS = ("m", "work_unit_size", "push_every_units", "backup_copies", 
                     "wolfe_c1", "wolfe_c2", "max_line_search", "gradient_tolerance")
 """[optimizer] keys only Sandblaster reads; left out of other algorithms' config hash, so
 adding them did not change the hash of existing runs (their checkpoints still resume)."""
+SANDBLASTER_UNHASHED = ("work_unit_size", "push_every_units", "backup_copies",
+                        "gradient_tolerance")
+"""Sandblaster keys that change how the batch gradient is computed or when the run stops,
+not what is trained: a resumed run may change them (like run.max_steps)."""
 
 
 @dataclass(frozen=True)
@@ -464,9 +468,9 @@ def hashed_settings(config: Config) -> dict[str, Any]:
     resume can name the keys that changed."""
     d = config.to_dict()
     out = {section: d[section] for section in HASHED_SECTIONS}
-    if config.optimizer.algorithm != "sandblaster":
-        out["optimizer"] = {k: v for k, v in out["optimizer"].items()
-                            if k not in SANDBLASTER_KEYS}
+    dropped = (SANDBLASTER_UNHASHED if config.optimizer.algorithm == "sandblaster"
+               else SANDBLASTER_KEYS)
+    out["optimizer"] = {k: v for k, v in out["optimizer"].items() if k not in dropped}
     out["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
     return out
 

@@ -62,10 +62,11 @@ the checkpoint's iteration with a fresh gradient evaluation at x. The gradient, 
 direction and the line search state are not stored: they are recomputed.
 
 STOP. The coordinator ends the method (max_steps iterations, max_seconds, target
-accuracy, converged, line search failed, diverged), runs a final evaluation on a
-replica, answers every replica's next request with "stop", sends "stop" to the shards,
-then every rank takes part in a back-off barrier and one gather of statistics to the
-coordinator, which writes summary.json.
+accuracy, converged, line search failed, diverged, or SIGTERM/SIGUSR1 at the end of the
+current iteration), writes a checkpoint, runs a final evaluation on a replica (not after
+a signal: the job should end soon), answers every replica's next request with "stop",
+sends "stop" to the shards, then every rank takes part in a back-off barrier and one
+gather of statistics to the coordinator, which writes summary.json.
 
 Threads: 1 BLAS thread per rank unless `[run] threads` says otherwise.
 """
@@ -94,6 +95,7 @@ from distbelief.threads import set_blas_threads
 from distbelief.topology import Topology
 from distbelief.trainer import (
     StopRules,
+    StopSignals,
     TrainingDiverged,
     load_eval_set,
     open_data,
@@ -221,7 +223,11 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     distbelief.trainer.RESUME_MODES ("auto", "require", "fresh").
     """
     role = start(config, comm, stream, resume)
-    with np.errstate(over="ignore", invalid="ignore"):
+    # Every rank catches SIGTERM/SIGUSR1 (the launcher forwards them to all): only the
+    # coordinator acts on it, at the end of the iteration, with a checkpoint and the usual
+    # collective stop; the other ranks must simply not die of it.
+    with np.errstate(over="ignore", invalid="ignore"), StopSignals() as signals:
+        role.signals = signals
         role.run()
     summary = finish(comm, role)
     if summary["stop_reason"] == "diverged":
@@ -645,6 +651,7 @@ class Coordinator:
         self.checkpointed = (self.step, self.recorder.elapsed())  # (step, time) of the last
         self.next_eval = self.recorder.start  # evaluate x0 first
         self.method = Coordinator._minimize
+        self.signals: StopSignals | None = None
         """What `run` does with the shards and replicas; tests put other methods here."""
 
     # -- the method -------------------------------------------------------------------------
@@ -666,7 +673,8 @@ class Coordinator:
                    f"{self.plan.options.gradient_tolerance:g}")
         if self.reason != "diverged":
             self._checkpoint()
-        self._evaluate_now()  # the final parameters
+        if self.reason not in StopSignals.NAMES:  # on a signal, end soon: no evaluation
+            self._evaluate_now()  # the final parameters
         self.stopping = True
         for rank in self.parked:
             self._reply(rank, (HOLD, ("stop",)))
@@ -704,6 +712,8 @@ class Coordinator:
             self._checkpoint()
         if self.reason:
             return self.reason  # target accuracy, seen in an evaluation result
+        if self.signals is not None and self.signals.received:
+            return self.signals.received
         return self.rules.budget_spent(0, now - self.recorder.start)
 
     # -- checkpoints ---------------------------------------------------------------------------
