@@ -366,6 +366,22 @@ def test_convex_problem_converges_to_scipys_loss(data_dir: Path, tmp_path: Path,
         assert all((tmp_path / "report" / name).stat().st_size > 10000 for name in written)
 
 
+def test_idle_ranks_sleep_instead_of_spinning(data_dir: Path, tmp_path: Path) -> None:
+    """After one gradient the coordinator waits 3 s with nothing to hand out: parked
+    replicas, idle shards and the coordinator itself must poll with sleeps (MPICH's
+    blocking calls would burn a core each)."""
+    config = write(tmp_path, "c.toml", toml().replace(
+        'path = "synth.h5"', f'path = "{data_dir / "synth.h5"}"').replace(
+        "[run]", f'[run]\nout_dir = "{tmp_path / "out"}"'))
+    out = tmp_path / "idle.npz"
+    proc = run_mpi(5, [PROGRAMS / "sandblaster_gradient.py", config, out, 3.0],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    usage = np.load(out)
+    assert min(usage["wall_seconds"]) >= 3.0
+    assert max(usage["cpu_seconds"]) < 0.15 * min(usage["wall_seconds"]), usage["cpu_seconds"]
+
+
 def batch_seconds(metrics: list[dict]) -> float:
     """Median seconds of one gradient evaluation, over the run."""
     return float(np.median([s for m in metrics if m["kind"] == "train"
