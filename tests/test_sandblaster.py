@@ -400,18 +400,22 @@ def heavy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_ten_times_slower_replica_costs_under_thirty_percent(heavy_dir: Path,
                                                                tmp_path: Path) -> None:
+    """Five replicas (7 ranks): losing one of five costs 5/4.1 = 1.22 at worst (replicas
+    with a core each, or a machine so loaded that every process gets an equal share); on
+    2 quiet cores the others also get the CPU the straggler leaves. Without load balancing
+    and backups the batch would wait for the straggler's share: about 10/5 = 2x or more."""
     layers = ('[{ type = "dense", units = 256, activation = "relu" }, '
               '{ type = "dense", units = 4, activation = "softmax" }]')
-    config = write(heavy_dir, "heavy.toml", toml(layers, work_unit_size=150))
+    config = write(heavy_dir, "heavy.toml", toml(layers, work_unit_size=100))
     common = ("run.max_steps=6", "run.eval_every_seconds=100")
-    finished(train(5, config, tmp_path / "plain", *common), tmp_path / "plain")
-    slow_proc = train(5, config, tmp_path / "slow", *common, env=slow_env(1))
+    finished(train(7, config, tmp_path / "plain", *common), tmp_path / "plain")
+    slow_proc = train(7, config, tmp_path / "slow", *common, env=slow_env(1))
     slow, _ = finished(slow_proc, tmp_path / "slow")
     plain_t = batch_seconds(read_metrics(tmp_path / "plain" / "metrics.jsonl"))
     slow_t = batch_seconds(read_metrics(tmp_path / "slow" / "metrics.jsonl"))
     assert slow_t <= 1.3 * plain_t, f"batch {slow_t:.4f}s with the straggler, {plain_t:.4f}s without"
     units = {r["replica"]: r["units_committed"] for r in slow["replicas"]}
-    assert units[1] < min(units[0], units[2]) / 2  # load balancing: it did fewer units
+    assert units[1] < min(u for r, u in units.items() if r != 1) / 2  # it did fewer units
     assert slow["backup_units_issued"] > 0
 
 
