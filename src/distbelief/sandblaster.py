@@ -327,7 +327,7 @@ class ShardServer:
         self.snapshot_msg = self._message(store.snapshot32, -1)
         self.sending: list[tuple[MPI.Request, np.ndarray]] = []
         self.finish_due: tuple[int, int] | None = None  # (n_units, batch_size)
-        self.reason = None
+        self.signals = None  # set by train(); only the coordinator acts on signals
         self.running = True
         self.counts = {"commands": 0, "fetches": 0, "pushes": 0}
 
@@ -462,7 +462,7 @@ class Replica:
         self.fetched: tuple[str, int] | None = None
         self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank)
         self.slowdown = _test_only_slowdown(topology.replica_index)
-        self.reason = None
+        self.signals = None  # set by train(); only the coordinator acts on signals
         self._clear()
 
     def _clear(self) -> None:
@@ -637,7 +637,6 @@ class Coordinator:
         self.eval_in_flight = False
         self.last_loss = math.nan
         self.step = 0
-        self.best_eval: tuple[float, float] | None = None
         _print(stream, _header(config, plan, network, info))
         resume = None
         if resumed is not None:
