@@ -340,6 +340,8 @@ class ShardServer:
         return msg
 
     def run(self) -> None:
+        """Serve until the coordinator says stop and every send has completed.
+        Point-to-point with the coordinator and the replicas; polls with back-off sleeps."""
         status, backoff = MPI.Status(), _backoff()
         while self.running or self.sending:
             busy = False
@@ -471,6 +473,8 @@ class Replica:
         self.pending_trial, self.pending_loss = -1, 0.0
 
     def run(self) -> None:
+        """Work until the coordinator answers "stop". Point-to-point with the coordinator
+        (requests) and the shards (fetches, pushes); every wait polls with sleeps."""
         result = None
         while True:
             request = (self.pending_trial, self.pending_units, self.pending_loss, result)
@@ -666,6 +670,8 @@ class Coordinator:
         return minimize(self, self.plan.options, self._on_iteration, self.step, gram)
 
     def run(self) -> None:
+        """Run the method, then the final checkpoint and evaluation, then stop every replica
+        and shard. Point-to-point with every shard and replica."""
         self.reason = self.method(self)
         if self.reason == "converged":
             _print(self.stream, f"converged: gradient norm <= "
