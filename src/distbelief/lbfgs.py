@@ -67,9 +67,9 @@ class Gram:
         return self.order[0]
 
     def update_pair(self, slot: int, dots: np.ndarray) -> bool:
-        """Take the dots of a new pair in `slot` (layout: `pair_dot_layout`); keep the pair
-        if its curvature is positive. Returns whether it was kept. The gradient's dots
-        (the tail of `dots`) are taken either way."""
+        """Take the 6m+1 dots of a new pair in slot p: s_p.s_j, s_p.y_j, s_j.y_p, y_p.y_j,
+        g.s_j, g.y_j (each for j = 0..m-1), g.g; keep the pair if its curvature is
+        positive. Returns whether it was kept. The gradient's dots are taken either way."""
         m = self.m
         ss, sy_row, ys_col, yy, gs, gy, gg = _split(dots, m)
         if slot in self.order:
@@ -89,7 +89,7 @@ class Gram:
         return kept
 
     def update_gradient(self, dots: np.ndarray) -> None:
-        """Take the dots of a new gradient (layout: `gradient_dot_layout`)."""
+        """Take the 2m+1 dots of a new gradient: g.s_j, g.y_j (j = 0..m-1), g.g."""
         m = self.m
         self._set_gradient(dots[:m], dots[m:2 * m], float(dots[2 * m]))
 
@@ -120,17 +120,6 @@ class Gram:
         g[2 * m, m:2 * m] = g[m:2 * m, 2 * m] = self.gy
         g[2 * m, 2 * m] = self.gg
         return g
-
-
-def pair_dot_layout(m: int) -> list[str]:
-    """What the 6m+1 numbers of a new pair in slot p are, in order (for the shards):
-    s_p.s_j, s_p.y_j, s_j.y_p, y_p.y_j, g.s_j, g.y_j (j = 0..m-1), g.g."""
-    return ["s_p.s_j", "s_p.y_j", "s_j.y_p", "y_p.y_j", "g.s_j", "g.y_j"] + ["g.g"]
-
-
-def gradient_dot_layout(m: int) -> list[str]:
-    """What the 2m+1 numbers of a new gradient are: g.s_j, g.y_j (j = 0..m-1), g.g."""
-    return ["g.s_j", "g.y_j", "g.g"]
 
 
 def _split(dots: np.ndarray, m: int) -> tuple:
@@ -217,10 +206,11 @@ class Backend(Protocol):
 
     def accept(self, slot: int) -> np.ndarray:
         """Move to the trial point: s = x_t - x, y = g_t - g into `slot`, x = x_t,
-        g = g_t; return the 6m+1 pair dots (pair_dot_layout)."""
+        g = g_t; return the 6m+1 pair dots (Gram.update_pair)."""
 
     def take_gradient(self) -> np.ndarray:
-        """g = the gradient of the last evaluation (at t = 0); return its 2m+1 dots."""
+        """g = the gradient of the last evaluation (at t = 0); return its 2m+1 dots
+        (Gram.update_gradient)."""
 
     def set_direction(self, coefficients: np.ndarray) -> tuple[float, float]:
         """d = sum_j c_j b_j; return (g . d, d . d)."""

@@ -67,7 +67,7 @@ class VectorShard:
 
     def accept(self, slot: int) -> np.ndarray:
         """Move to the trial point: s = xt - x, y = gt - g into `slot`; x = xt, g = gt.
-        Returns the 6m+1 dots of distbelief.lbfgs.pair_dot_layout."""
+        Returns the 6m+1 dots distbelief.lbfgs.Gram.update_pair takes."""
         s, y = self.s[slot], self.y[slot]
         np.subtract(self.xt, self.x, out=s)
         np.subtract(self.gt, self.g, out=y)
@@ -78,7 +78,7 @@ class VectorShard:
 
     def take_gradient(self) -> np.ndarray:
         """g = gt (the last trial, evaluated at t = 0 on a new batch). Returns the 2m+1 dots
-        of distbelief.lbfgs.gradient_dot_layout."""
+        distbelief.lbfgs.Gram.update_gradient takes."""
         self.g[:] = self.gt
         return np.concatenate([self.s @ self.g, self.y @ self.g, [self.g @ self.g]])
 
