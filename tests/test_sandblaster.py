@@ -582,3 +582,12 @@ def test_sigterm_stops_with_a_checkpoint_and_the_job_resumes(data_dir: Path,
                    timeout=TIMEOUT)
     summary, _ = finished(more, out)
     assert summary["iterations"] == stopped_at + 3 and summary["stop_reason"] == "max_steps"
+
+
+def test_backups_wait_until_a_unit_is_late() -> None:
+    table = WorkUnitTable(2, push_every=1, backup_copies=2, backup_after=1.0)
+    assert table.next_unit(0, now=10.0) == 0 and table.next_unit(1, now=10.0) == 1
+    assert table.settle(1, [1], now=10.5) == COMMIT and table.unit_seconds == [0.5]
+    assert table.next_unit(1, now=10.75) is None  # unit 0 is out for 0.75 s only: no copy
+    assert table.next_unit(1, now=11.2) == 0  # now it is late
+    assert table.stats.backups_issued == 1

@@ -75,8 +75,10 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -121,6 +123,9 @@ time of each work unit after computing it, i.e. F times slower. Never set in a r
 
 AUTO_UNITS_PER_REPLICA = 16
 MIN_AUTO_UNIT = 32
+BACKUP_LATE_FACTOR = 1.5
+"""A unit gets a backup copy once its newest copy has been out this many times the
+median seconds per unit of the recent units (distbelief.work_units)."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -635,6 +640,7 @@ class Coordinator:
         self.iteration_evals: list[EvaluationRecord] = []
         self.unit_totals = UnitStats()
         self.late_discarded = 0
+        self.unit_seconds: deque[float] = deque(maxlen=256)  # recent units, issue to report
         self.snapshot_id = 0
         self.eval_task: int | None = None  # a snapshot waiting for a replica to evaluate it
         self.snapshot_at: dict[int, tuple[int, int]] = {}  # snapshot -> (step, samples)
@@ -760,8 +766,10 @@ class Coordinator:
         self.trial_id += 1
         self.batch = batch
         self._command("begin_trial", self.trial_id, t)
+        late = (BACKUP_LATE_FACTOR * statistics.median(self.unit_seconds)
+                if len(self.unit_seconds) >= 4 else 0.0)
         self.table = WorkUnitTable(len(self.units), self.plan.push_every,
-                                   self.plan.backup_copies)
+                                   self.plan.backup_copies, backup_after=late)
         self.loss_sum = 0.0
         if self.step == 0 and self.trial_id == 1 and not self.eval_in_flight:
             self._schedule_evaluation()  # x0, while the first batch runs
@@ -770,6 +778,7 @@ class Coordinator:
             self._give_task(rank, HOLD)
         self._serve_until(lambda: self.table.complete)
         stats = self.table.stats
+        self.unit_seconds.extend(self.table.unit_seconds)
         self.table = None
         (gtd,) = self._command("finish_trial", len(self.units), self.plan.batch_size)
         self.samples += self.plan.batch_size
@@ -819,10 +828,20 @@ class Coordinator:
     def _serve_until(self, done: Any) -> None:
         backoff = _backoff()
         while not done():
-            if self._serve_one():
+            if self._serve_one() or self._wake_parked():
                 backoff.reset()
             else:
                 backoff.wait()
+
+    def _wake_parked(self) -> bool:
+        """In the tail of a batch, give parked replicas the backups of units that have
+        become late since they asked. Returns whether any got one."""
+        if self.table is None or not self.table.tail or not self.parked:
+            return False
+        parked, self.parked = self.parked, []
+        for rank in parked:
+            self._give_task(rank, HOLD)  # parks it again if nothing is late yet
+        return len(self.parked) < len(parked)
 
     def _serve_one(self) -> bool:
         """Answer one replica request if one is waiting; returns whether one was."""

@@ -4,8 +4,13 @@ counts. Pure bookkeeping on the coordinator (no communication, no vectors).
 A batch of B examples is cut into units of `work_unit_size` consecutive batch positions.
 Replicas ask for a unit when they are free (`next_unit`), so a fast replica does more of
 them (dynamic load balancing). When the queue is empty, a replica that asks gets a
-BACKUP copy of a unit that is still uncommitted and held by fewer than `backup_copies`
-replicas (the least-copied, longest-outstanding first), as MapReduce's backup tasks.
+BACKUP copy of a unit that is still uncommitted, held by fewer than `backup_copies`
+replicas (the least-copied, longest-outstanding first), as MapReduce's backup tasks, once
+its newest copy has been out for `backup_after` seconds (the coordinator passes 1.5 x the
+median time replicas took per unit lately; `unit_seconds` collects them): a unit that is
+merely in progress at normal speed is not worth a copy, which on an oversubscribed node
+would only take CPU from the replicas finishing the batch. A replica that gets nothing
+waits (parked by the coordinator) and asks again when a unit becomes late.
 
 EXACTLY ONCE. A replica sums the gradients of the units it computed and, with its next
 request, reports their ids (`settle`). The coordinator decides, per report:
@@ -63,10 +68,14 @@ class UnitStats:
 class WorkUnitTable:
     """The units of one evaluation: queued, held (by which replicas), committed."""
 
-    def __init__(self, n_units: int, push_every: int = 4, backup_copies: int = 2):
+    def __init__(self, n_units: int, push_every: int = 4, backup_copies: int = 2,
+                 backup_after: float = 0.0):
         if n_units < 1 or push_every < 1 or backup_copies < 1:
             raise ValueError("n_units, push_every and backup_copies must be positive")
         self.n_units, self.push_every, self.backup_copies = n_units, push_every, backup_copies
+        self.backup_after = backup_after
+        self.issued_at: dict[tuple[int, int], float] = {}  # (unit, replica) -> when
+        self.unit_seconds: list[float] = []  # issue to report, of each reported unit
         self.queue: deque[int] = deque(range(n_units))
         self.holders: list[set[int]] = [set() for _ in range(n_units)]
         self.first_issued = [0.0] * n_units
@@ -83,38 +92,47 @@ class WorkUnitTable:
         """Every unit has been handed out at least once."""
         return not self.queue
 
-    def next_unit(self, replica: int) -> int | None:
-        """A unit for `replica` (queued first, else a backup copy), or None."""
+    def next_unit(self, replica: int, now: float | None = None) -> int | None:
+        """A unit for `replica` (queued first, else a late unit's backup copy), or None."""
+        now = time.monotonic() if now is None else now
         if self.queue:
             unit = self.queue.popleft()
             if not self.first_issued[unit]:
-                self.first_issued[unit] = time.monotonic()
+                self.first_issued[unit] = now
         else:
-            unit = self._backup_for(replica)
+            unit = self._backup_for(replica, now)
             if unit is None:
                 return None
             self.stats.backups_issued += 1
         self.holders[unit].add(replica)
+        self.issued_at[(unit, replica)] = now
         self.stats.issued += 1
         return unit
 
-    def _backup_for(self, replica: int) -> int | None:
+    def _backup_for(self, replica: int, now: float) -> int | None:
         best, best_key = None, None
         for unit in range(self.n_units):
             holders = self.holders[unit]
             if (self.committed[unit] or replica in holders
                     or len(holders) >= self.backup_copies):
                 continue
+            newest = max((self.issued_at[(unit, r)] for r in holders), default=0.0)
+            if now - newest < self.backup_after:
+                continue  # its newest copy is not late yet
             key = (len(holders), self.first_issued[unit])
             if best_key is None or key < best_key:
                 best, best_key = unit, key
         return best
 
-    def settle(self, replica: int, units: list[int]) -> str:
+    def settle(self, replica: int, units: list[int], now: float | None = None) -> str:
         """COMMIT, DROP or HOLD the sum of `units` that `replica` reports (see the module
-        docstring). An empty report is HOLD (nothing to push)."""
+        docstring); its last unit is the one it just computed. An empty report is HOLD
+        (nothing to push)."""
         if not units:
             return HOLD
+        issued = self.issued_at.get((units[-1], replica))
+        if issued is not None:
+            self.unit_seconds.append((time.monotonic() if now is None else now) - issued)
         if any(self.committed[u] for u in units):
             self.stats.discarded += len(units)
             for u in units:
