@@ -8,7 +8,7 @@ waiting forever), and a UserError, which every rank hits because they all valida
 inputs, is printed by rank 0 only.
 
 mpi4py is imported only when the run needs MPI (starting MPI costs time): for
-`algorithm = "downpour"`, or when an MPI launcher started several ranks.
+`algorithm = "downpour"` or `"sandblaster"`, or when an MPI launcher started several ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ data.path (in the file or from --set) is read from the config file's folder; a r
 run.out_dir from the current one.
 
 optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour SGD over
-MPI ranks (parameter-server shards and model replicas), launched with mpiexec.
+MPI ranks (parameter-server shards and model replicas), launched with mpiexec;
+"sandblaster" runs Sandblaster L-BFGS over MPI ranks (shards, one coordinator, replicas).
 cluster.partitions = P splits each model replica over P ranks (model parallelism): "sgd"
 then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks. See
 `distbelief costmodel` for how many partitions pay off.
@@ -59,6 +60,7 @@ examples:
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_downpour.toml
   mpiexec -n 2 python -m distbelief train configs/fashion_mnist_local.toml \
       --set cluster.partitions=2
+  mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sandblaster.toml
 """
 
 REPORT_HELP = """\
@@ -277,6 +279,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         from distbelief import downpour
 
         downpour.train(config, comm, resume=_resume_mode(args))
+        return 0
+    if algorithm == "sandblaster":
+        from distbelief import sandblaster
+
+        sandblaster.train(config, comm, resume=_resume_mode(args))
         return 0
     raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
 
