@@ -183,7 +183,7 @@ def test_loss_decreases_and_accuracy_beats_chance(timed_run):
     assert len(losses) >= 4
     # Against the loss of an untrained network (log of the class count), not the first
     # logged line: under load the first line can come after most of the descent.
-    assert np.mean(losses[-2:]) < 0.8 * np.log(CLASSES)
+    assert np.mean(losses[-2:]) < 0.9 * np.log(CLASSES), losses
     assert summary["final_test_accuracy"] > 0.6
 
 
