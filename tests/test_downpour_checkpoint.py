@@ -11,6 +11,7 @@ All runs train a small MLP on a synthetic set (seconds per job).
 from __future__ import annotations
 
 import json
+import itertools
 import os
 import re
 import signal
@@ -319,7 +320,7 @@ def test_kill_9_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
     # Checkpoints land some steps after each multiple of EVERY (at the next agreement
     # round; how many depends on the load, so only their spacing is checked).
     marks = [x["step"] for x in metrics(out) if x["kind"] == "checkpoint"]
-    assert marks and all(b - a < 2 * EVERY for a, b in zip(marks, marks[1:])), marks
+    assert marks and all(b - a < 2 * EVERY for a, b in itertools.pairwise(marks)), marks
     if n - shards == 1:
         # One replica: the victim's count is the global one (a shard folds one push per
         # step), so the work lost is exactly known: at most one interval.
