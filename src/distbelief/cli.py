@@ -210,7 +210,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if algorithm == "downpour":
         from distbelief import downpour
 
-        downpour.train(config, comm)
+        downpour.train(config, comm, resume=_resume_mode(args))
         return 0
     raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
 
