@@ -56,8 +56,10 @@ eval_samples = 200
 progress_every_seconds = 0.5
 threads = 1
 """
-SGD_STEPS = 30000  # about 3 s of training on a quiet machine: USR1 comes well before the end
-DOWNPOUR_STEPS = 4000
+# About 3 s of training each on a quiet machine (sgd; Downpour at 3 to 5 ranks): USR1, sent
+# once the first steps are logged (0.5 s in), comes well before the end.
+SGD_STEPS = 30000
+DOWNPOUR_STEPS = 3000
 
 
 @pytest.fixture(scope="module")
