@@ -258,18 +258,67 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
     info, network = open_data(config)
-    plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train)
+    # Validated before the handlers go in: a bad configuration fails at once.
+    plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train)
     set_blas_threads(config.run.threads or 1)
     # Handlers first: a signal that arrives during the set-up is acted on at the first
     # round instead of killing the rank (SIGUSR1's default action).
     with StopSignals() as signals:
-        return _train(config, comm, stream, fetch_own_pushes, resume, info, network, plan,
-                      signals)
+        run = open_run(config, comm, resume, stream, signals, info, network)
+        endpoint, plan, start = run.endpoint, run.plan, run.start
+        with np.errstate(over="ignore", invalid="ignore"):
+            if isinstance(endpoint, ParameterClient):
+                role: _Role = Replica(plan, endpoint, network, run.local, run.sync, start,
+                                      fetch_own_pushes)
+            elif plan.topology.world_rank == 0:
+                role = Supervisor(config, plan, endpoint, network, run.local[0], info, stream,
+                                  run.sync, start)
+            else:
+                role = _PlainShard(endpoint, run.sync)
+            role.run()
+            summary = _finish(comm, plan, endpoint, role)
+        run.free()
+    if role.failure is not None:
+        raise ckpt.CheckpointError(role.failure)
+    if summary["stop_reason"] == "diverged":
+        raise TrainingDiverged(f"training diverged: the training loss became "
+                               f"non-finite; lower optimizer.learning_rate "
+                               f"(now {config.optimizer.learning_rate:g})")
+    return summary if plan.topology.world_rank == 0 else None
 
 
-def _train(config: Config, comm: MPI.Comm, stream: IO[str] | None, fetch_own_pushes: bool,
-           resume: str, info: Any, network: Any, plan: DownpourPlan,
-           signals: StopSignals) -> dict[str, Any] | None:
+@dataclass
+class OpenRun:
+    """A rank's run once set up: its plan, its local data (a replica's TrainShard; rank 0's
+    (eval set, chosen checkpoint)), where it starts, its share in the rounds, and its
+    parameter-server endpoint, restored from the checkpoint if there is one."""
+
+    plan: DownpourPlan
+    local: Any
+    start: Start
+    sync: _Sync
+    endpoint: ParameterServerShard | ParameterClient
+
+    def free(self) -> None:
+        """Collective over the world communicator: the parameter server, then the rounds'
+        communicator."""
+        self.endpoint.free()
+        self.sync.free()
+
+
+def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None,
+             signals: StopSignals, info: Any = None, network: Any = None) -> OpenRun:
+    """Set up a Downpour run on every rank of `comm` (train's first half; tests use it to
+    look at a resumed run's starting state).
+
+    Collective over `comm`: validates without communicating, then the local set-up and
+    rank 0's choice of checkpoint (agreed: any rank's UserError is raised on every rank),
+    a bcast of the checkpoint's path, each rank's read of its piece (agreed), Comm.Dup for
+    the rounds, and open_parameter_server with the restored slices and optimizer state.
+    """
+    if info is None or network is None:
+        info, network = open_data(config)
+    plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train)
     topology = plan.topology
     local = _agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
     chosen = local[1] if topology.world_rank == 0 else None
@@ -289,27 +338,7 @@ def _train(config: Config, comm: MPI.Comm, stream: IO[str] | None, fetch_own_pus
         lambda n: (start.optimizer if start.optimizer is not None
                    else make_optimizer(opt.adagrad, opt.learning_rate, n)),
         initial)
-    with np.errstate(over="ignore", invalid="ignore"):
-        if isinstance(endpoint, ParameterClient):
-            role: _Role = Replica(plan, endpoint, network, local, sync, start,
-                                  fetch_own_pushes)
-        elif topology.world_rank == 0:
-            role = Supervisor(config, plan, endpoint, network, local[0], info, stream, sync,
-                              start)
-        else:
-            role = _PlainShard(endpoint, sync)
-        role.run()
-        role.checkpoint()  # the final one (nothing new since the last: nothing written)
-        summary = _finish(comm, plan, endpoint, role)
-    endpoint.free()
-    sync.free()
-    if role.failure is not None:
-        raise ckpt.CheckpointError(role.failure)
-    if summary["stop_reason"] == "diverged":
-        raise TrainingDiverged(f"training diverged: the training loss became "
-                               f"non-finite; lower optimizer.learning_rate "
-                               f"(now {opt.learning_rate:g})")
-    return summary if topology.world_rank == 0 else None
+    return OpenRun(plan, local, start, sync, endpoint)
 
 
 def _local_setup(config: Config, plan: DownpourPlan, info: Any, network: Any, resume: str,
@@ -455,6 +484,7 @@ class _Role:
     all_done = False  # a round said that every rank is done
     stop_signal: str | None = None  # the signal the run stops for, once agreed
     failure: str | None = None  # why a checkpoint could not be written (every rank)
+    diverged = False  # a shard held non-finite values at a checkpoint (every rank)
     checkpoint_seconds = 0.0
 
     def run(self) -> None:
@@ -551,6 +581,7 @@ class _Role:
 
     def _after_checkpoint(self, outcome: dict[str, Any], seconds: float) -> None:
         if "diverged" in outcome:
+            self.diverged = True
             self._stop_for("diverged")
         elif "error" in outcome:
             self.failure = outcome["error"]
@@ -835,7 +866,7 @@ class Supervisor(_ShardRole):
             self.shard.serve(PacedBackoff(), between=self._between)
             if self.pending is not None:
                 self._record_eval(*self.pending)
-        self._read_control()  # every replica has finished: the totals are final
+        self._log_training()  # every replica has finished: the totals are final
         if self.reason is None:
             self.reason = "max_steps"
         self.drain()
@@ -916,12 +947,11 @@ class Supervisor(_ShardRole):
         self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
 
     def final_evaluation(self, params: np.ndarray) -> None:
-        """Evaluate the final parameters (all pushes folded) and log it. Local. After a
-        signal, stopping promptly matters more: a training line instead."""
-        samples = self.steps * self.plan.batch_size
+        """Evaluate the final parameters (all pushes folded) and log it. Local. Not after a
+        signal: stopping promptly matters more."""
         if self.stop_signal is not None:
-            self.recorder.log(self.steps, samples, self.loss)
-            return
+            return  # the last training line has the final steps (run, _plan_checkpoint)
+        samples = self.steps * self.plan.batch_size
         t0 = time.perf_counter()
         test_loss, accuracy = evaluate(self.network, params, self.eval_set)
         self.evaluations += 1
@@ -948,7 +978,9 @@ class Supervisor(_ShardRole):
                 >= self.next_checkpoint_step)
 
     def _plan_checkpoint(self) -> dict[str, Any] | None:
-        self._read_control()  # every push is folded: the step of the checkpoint
+        # Every push is folded: the totals are those of the checkpoint. Logged now, so
+        # that no line up to its step is later than the checkpoint's time.
+        self._log_training()
         if self.reason == "diverged" or self.failure is not None \
                 or self.steps == self.last_checkpoint_step:
             return None
@@ -1001,20 +1033,26 @@ class Supervisor(_ShardRole):
 
 def _finish(comm: MPI.Comm, plan: DownpourPlan, endpoint: Any, role: _Role) -> dict[str, Any]:
     """Gather statistics and final parameters to rank 0, agree on the stop reason; on rank
-    0 evaluate the final parameters and write summary.json. Returns {"stop_reason": ...}
-    on other ranks, the summary on rank 0.
+    0 evaluate the final parameters; write the final checkpoint; on rank 0 write
+    summary.json. Returns {"stop_reason": ...} on other ranks, the summary on rank 0.
 
     Collective over `comm`, the same calls in the same order on every rank: a back-off
-    barrier, gather (statistics), Gatherv (final slices from the shards), bcast (reason).
+    barrier, gather (statistics), Gatherv (final slices from the shards), bcast (reason),
+    then the checkpoint's collectives (after the evaluation, so that no metrics line up to
+    the checkpoint's step is later than the checkpoint).
     """
     wait_for_everyone(comm)
     all_stats = comm.gather(role.stats(), root=0)
     final = _gather_parameters(comm, endpoint)
     reason = role.reason if isinstance(role, Supervisor) else None
     reason = comm.bcast(reason, root=0)
+    if isinstance(role, Supervisor):
+        role.final_evaluation(final)
+    role.checkpoint()  # nothing new since the last one: nothing is written
+    if role.diverged:  # found by a shard at this checkpoint, on every rank
+        reason = "diverged"
     if not isinstance(role, Supervisor):
         return {"stop_reason": reason}
-    role.final_evaluation(final)
     summary = role.recorder.finish(_summary_extras(role, all_stats))
     _print(role.stream, _summary_line(summary, role.config))
     return summary
