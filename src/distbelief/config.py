@@ -21,7 +21,9 @@ Sections and keys, with their defaults:
                  out_dir = "runs/<config file stem>" (relative to the current directory),
                  threads = 0 (0 = BLAS default), progress_every_seconds = 2.0,
                  checkpoint_every_seconds = 600 (0 = off), checkpoint_every_steps = 0
-                 (0 = off), keep_checkpoints = 3 (at least 2)
+                 (0 = off), keep_checkpoints = 3 (at least 2),
+                 max_bad_gradients_in_a_row = 10 (Downpour: a replica drops a non-finite
+                 gradient; this many in a row from one replica stop the run)
 
 Checkpoints (distbelief.checkpoint) go to out_dir/checkpoints; besides the periodic ones,
 a run always writes one when it stops (budget, target, SIGTERM/SIGUSR1), so it can be
@@ -88,6 +90,7 @@ class RunConfig:
     checkpoint_every_seconds: float = 600.0
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 3
+    max_bad_gradients_in_a_row: int = 10
 
 
 @dataclass(frozen=True)
@@ -212,6 +215,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "checkpoint_every_seconds": (_float(0.0), 600.0),
         "checkpoint_every_steps": (_int(0), 0),
         "keep_checkpoints": (_int(2), 3),
+        "max_bad_gradients_in_a_row": (_int(1), 10),
     },
 }
 SECTIONS = tuple(SCHEMA)

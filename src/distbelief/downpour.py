@@ -41,14 +41,17 @@ between chunks; but an RMA epoch needs two target polls, so every epoch in fligh
 wait up to two chunks.) It decides when the run ends: max_seconds, target_accuracy (at an
 evaluation), or a non-finite training loss; then it raises the stop flag.
 
-STOP PROTOCOL. A replica stops when a claim grants it no step (max_steps used up) or it
-reads the stop flag; either way its last push has carried every gradient and step it
-computed. It then calls `finish()`; the shards serve until every replica has finished
-and every push is folded, so the final parameters contain all the work. Then, on every
-rank in the same order: a back-off barrier (no rank spins while others finish), one
-`gather` of each rank's statistics and one `Gatherv` of the shards' final slices to rank
-0, and a `bcast` of the stop reason. Rank 0 evaluates the final parameters, writes
-summary.json, and every rank frees the parameter server and returns (exit 0).
+STOP PROTOCOL. A replica stops when a claim grants it no step (max_steps used up), it
+reads the stop flag, or a round says so (a signal, a failed checkpoint, a replica with
+too many bad gradients); in every case its last push has carried every gradient and step
+it computed. It then calls `finish()`; the shards serve until every replica has finished
+and every push is folded, so the final parameters contain all the work. Every rank then
+keeps polling the agreement rounds (sleeping in between) until one says that every rank
+is done; then, on every rank in the same order: a back-off barrier, one `gather` of each
+rank's statistics and one `Gatherv` of the shards' final slices to rank 0, a `bcast` of
+the stop reason, rank 0's evaluation of the final parameters (not after a signal), the
+final checkpoint, summary.json from rank 0, and every rank frees the parameter server
+and returns (exit 0, or the run's error on every rank).
 
 METRICS: rank 0 (shard 0) owns the run folder and writes config.json, metrics.jsonl and
 summary.json with distbelief.metrics.RunRecorder, the same contract as the single-process
@@ -98,6 +101,14 @@ replica its data position and local step count when the replica count is unchang
 any rank is raised on every rank (exit 2). Step counts continue: shard 0's counters
 count this job's steps and every rank adds the checkpoint's step (`base`), so max_steps
 and max_seconds stay totals; metrics.jsonl continues (RunRecorder's resume).
+
+NON-FINITE GRADIENTS (issue 7). A replica checks every step's loss and gradient (one dot
+product of the gradient with itself) and drops a non-finite gradient instead of pushing
+it (counted per replica in summary.json; the step still counts, its batch was used), so
+the shards never apply a non-finite update. After `[run] max_bad_gradients_in_a_row` such
+steps in a row, the replica stops and raises a flag in the next round: every rank stops,
+the run ends as usual (its final checkpoint holds the last, finite, state) and every rank
+raises BadGradients (exit 2) naming the replica.
 
 Threads: each rank uses 1 BLAS thread unless `[run] threads` says otherwise (ranks
 oversubscribe small machines; more threads per rank only fight over the cores).
@@ -167,6 +178,11 @@ TEST_ONLY_KILL = "DISTBELIEF_TEST_ONLY_KILL"
 (no clean-up at all, as a crashed node) once it has computed K local steps (a replica)
 or folded K updates (a shard). Nothing else reads it; never set it in a real run."""
 
+TEST_ONLY_POISON = "DISTBELIEF_TEST_ONLY_POISON"
+"""TEST-ONLY fault injection: "RANK:K" puts a NaN into world rank RANK's gradient at its
+local step K, "RANK:K+" at every step from K on (a replica). Nothing else reads it; never
+set it in a real run."""
+
 WARM_START_POLL_S = (1e-3, 20e-3)
 """Back-off bounds of replicas polling shard 0 while they wait for the warm start: slow,
 since each poll is an RMA epoch that shard 0 has to serve."""
@@ -177,10 +193,14 @@ signal is this plus one block of the slowest replica; the cost is a Test per pol
 small allreduce per interval."""
 
 # The int64 flags of an agreement round, combined with MAX over all ranks.
-ROUND_SIGNAL, ROUND_CHECKPOINT, ROUND_NOT_DONE = range(3)
-ROUND_WIDTH = 3
+ROUND_SIGNAL, ROUND_CHECKPOINT, ROUND_NOT_DONE, ROUND_BAD_GRADIENTS = range(4)
+ROUND_WIDTH = 4
 SIGNAL_CODES = {name: code for code, name in enumerate(StopSignals.NAMES, start=1)}
 SIGNAL_NAMES = {code: name for name, code in SIGNAL_CODES.items()}
+
+
+class BadGradients(UserError):
+    """A replica computed run.max_bad_gradients_in_a_row non-finite gradients in a row."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -197,6 +217,7 @@ class DownpourPlan:
     n_push: int
     warm_start_steps: int
     max_steps: int
+    max_bad_gradients: int = 10
 
     @property
     def num_replicas(self) -> int:
@@ -215,7 +236,8 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int) -> 
                         f"replicas gets ({n_train} rows in {config.data.path}); use a "
                         f"smaller batch or fewer replicas")
     return DownpourPlan(topology, config.data.batch_size, opt.n_fetch, opt.n_push,
-                        opt.warm_start_steps, config.run.max_steps)
+                        opt.warm_start_steps, config.run.max_steps,
+                        config.run.max_bad_gradients_in_a_row)
 
 
 def grant(claimed_before: int, want: int, max_steps: int) -> int:
@@ -280,6 +302,13 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         run.free()
     if role.failure is not None:
         raise ckpt.CheckpointError(role.failure)
+    if role.bad_gradients_from is not None:
+        limit = plan.max_bad_gradients
+        raise BadGradients(
+            f"replica {role.bad_gradients_from} computed {limit} non-finite gradients in a "
+            f"row (run.max_bad_gradients_in_a_row = {limit}), so the run stopped; they were "
+            f"dropped, never pushed, and the parameters and checkpoints are finite. Look "
+            f"for NaN or inf in the data, or lower optimizer.learning_rate")
     if summary["stop_reason"] == "diverged":
         raise TrainingDiverged(f"training diverged: the training loss became "
                                f"non-finite; lower optimizer.learning_rate "
@@ -381,7 +410,8 @@ def _read_start(config: Config, plan: DownpourPlan, network: Any, info: Any, loc
     Local; CheckpointError if the piece cannot be used."""
     if path is None:
         return Start()
-    found = chosen or ckpt.Checkpoint(Path(path), ckpt.read_manifest(path))
+    found = chosen if chosen is not None else ckpt.Checkpoint(Path(path),
+                                                              ckpt.read_manifest(path))
     start = Start(found)
     topology = plan.topology
     try:
@@ -450,6 +480,14 @@ def _test_only_kill_at(rank: int) -> int:
     return int(at) if target == str(rank) else -1
 
 
+def _test_only_poison(rank: int) -> tuple[int, bool]:
+    """See TEST_ONLY_POISON: (local step, from then on) for this rank, or (-1, False)."""
+    target, _, at = os.environ.get(TEST_ONLY_POISON, "").partition(":")
+    if target != str(rank):
+        return -1, False
+    return int(at.rstrip("+")), at.endswith("+")
+
+
 def _kill_self(rank: int, what: str) -> None:
     print(f"distbelief: test-only kill -9 of rank {rank} {what} ({TEST_ONLY_KILL})",
           file=sys.stderr, flush=True)
@@ -485,6 +523,7 @@ class _Role:
     stop_signal: str | None = None  # the signal the run stops for, once agreed
     failure: str | None = None  # why a checkpoint could not be written (every rank)
     diverged = False  # a shard held non-finite values at a checkpoint (every rank)
+    bad_gradients_from: int | None = None  # the replica that gave up (every rank)
     checkpoint_seconds = 0.0
 
     def run(self) -> None:
@@ -510,6 +549,11 @@ class _Role:
             self.checkpoint()
             self._stop_for(signal_name)
             return True
+        if result[ROUND_BAD_GRADIENTS] and self.bad_gradients_from is None:
+            # The state is finite (bad gradients are never pushed): the run ends as usual,
+            # with its final checkpoint, then fails on every rank.
+            self.bad_gradients_from = int(result[ROUND_BAD_GRADIENTS]) - 1
+            self._stop_for("bad_gradients")
         if result[ROUND_CHECKPOINT]:
             self.checkpoint()
             return True
@@ -518,7 +562,11 @@ class _Role:
     def _contribution(self) -> list[int]:
         received = self.sync.signals.received
         code = SIGNAL_CODES.get(received, 0) if self.stop_signal is None else 0
-        return [code, int(self._checkpoint_due()), int(not self.done)]
+        return [code, int(self._checkpoint_due()), int(not self.done), self._gave_up()]
+
+    def _gave_up(self) -> int:
+        """1 + the index of this replica if it met too many bad gradients in a row, else 0."""
+        return 0
 
     def _checkpoint_due(self) -> bool:
         return False  # rank 0 decides
@@ -617,6 +665,7 @@ class ReplicaStats:
     rma_seconds: float = 0.0
     wait_seconds: float = 0.0
     refetches: int = 0
+    bad_gradients: int = 0
     started_at_step: int = 0
     staleness: StalenessStats = field(default_factory=StalenessStats)
 
@@ -652,6 +701,8 @@ class Replica(_Role):
         self.stopping = False  # stop before the next block (a signal, a failure)
         self.fail_at = self.t + 3 if _test_only_failure_armed(topology.world_rank) else -1
         self.kill_at = _test_only_kill_at(topology.world_rank)
+        self.poison_at, self.poison_on = _test_only_poison(topology.world_rank)
+        self.bad_in_a_row = 0
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -669,6 +720,11 @@ class Replica(_Role):
 
     def _stop_for(self, reason: str) -> None:
         self.stopping = True
+
+    def _gave_up(self) -> int:
+        if self.bad_in_a_row < self.plan.max_bad_gradients:
+            return 0
+        return self.plan.topology.replica_index + 1
 
     def _wait_for_warm_start(self) -> None:
         """Poll shard 0 (control only, with back-off sleeps) until replica 0 has reported
@@ -705,25 +761,53 @@ class Replica(_Role):
     def _train_block(self, steps: int) -> int:
         """Compute `steps` granted steps (fetching on schedule), then push them with the
         next claim; returns the steps that claim was granted."""
-        plan, loss_sum = self.plan, 0.0
-        for _ in range(steps):
+        plan, loss_sum, done = self.plan, 0.0, 0
+        while done < steps and not self.stopping:
             if self.t % plan.n_fetch == 0 and not self.fresh:
                 self._pull()
             self.fresh = False
             x, y = self.data.next_batch(plan.batch_size)
-            loss_sum += self.network.loss_and_grad(self.params, x, y, self.grad)
-            if self.pushed is not self.grad:
-                self.pushed += self.grad
+            loss = self.network.loss_and_grad(self.params, x, y, self.grad)
             self.t += 1
+            done += 1
+            if self.t == self.poison_at or (self.poison_on and self.t >= self.poison_at):
+                self.grad[0] = np.nan  # TEST_ONLY_POISON
+            if self._usable(loss):
+                if self.pushed is not self.grad:
+                    self.pushed += self.grad
+            else:
+                self._drop()
+            if math.isfinite(loss):
+                loss_sum += loss
             if self.t == self.fail_at:
                 raise RuntimeError(f"test-only failure on rank {self.stats_.rank} "
                                    f"({TEST_ONLY_FAIL_RANK})")
             if self.t == self.kill_at:
                 _kill_self(self.stats_.rank, f"at local step {self.t}")
-        self._push(self.control.set(plan.n_push, steps, loss_sum))
-        self.stats_.steps += steps
-        self.stats_.samples += steps * plan.batch_size
+        self._push(self.control.set(plan.n_push, done, loss_sum))
+        self.stats_.steps += done
+        self.stats_.samples += done * plan.batch_size
         return self._granted(self.control)
+
+    def _usable(self, loss: float) -> bool:
+        """Whether this step's loss and gradient are finite. One BLAS pass (a dot product
+        of the gradient with itself: a NaN or inf anywhere, or an element whose square
+        overflows float32, which would make Adagrad's accumulator infinite, gives a
+        non-finite result)."""
+        if math.isfinite(loss) and math.isfinite(float(np.dot(self.grad, self.grad))):
+            self.bad_in_a_row = 0
+            return True
+        return False
+
+    def _drop(self) -> None:
+        """Count a non-finite gradient and keep it out of the push; after
+        max_bad_gradients in a row, stop (the next round tells every rank)."""
+        self.stats_.bad_gradients += 1
+        self.bad_in_a_row += 1
+        if self.pushed is self.grad:
+            self.grad.fill(0)  # n_push = 1: the block pushes nothing
+        if self.bad_in_a_row >= self.plan.max_bad_gradients:
+            self.stopping = True
 
     def _pull(self) -> None:
         t0 = time.perf_counter()
@@ -919,7 +1003,7 @@ class Supervisor(_ShardRole):
 
     def _stop_for(self, reason: str) -> None:
         # A failure or divergence found at a checkpoint overrides a budget already spent.
-        if self.reason is None or reason in ("diverged", "checkpoint_failed"):
+        if self.reason is None or reason in ("diverged", "checkpoint_failed", "bad_gradients"):
             self._stop(reason)
 
     def _start_eval(self) -> None:
@@ -1090,6 +1174,7 @@ def _summary_extras(sup: Supervisor, all_stats: list[dict[str, Any]]) -> dict[st
         "evaluations": sup.evaluations, "eval_seconds": sup.eval_seconds,
         "resumed_from": str(resumed.path) if resumed is not None else None,
         "resumed_at_step": sup.base, "checkpoint": sup.last_checkpoint,
+        "bad_gradients": sum(r["bad_gradients"] for r in replicas),
         "checkpoints_written": sup.checkpoints, "checkpoint_seconds": sup.checkpoint_seconds,
         "staleness": _combined_staleness(replicas),
         "replicas": replicas, "shards": shards,
