@@ -316,13 +316,18 @@ def test_kill_9_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
     saved = committed_steps(out)
     assert saved, "checkpoints were written before the kill"
     last = saved[0]
-    trained = max(x["step"] for x in metrics(out))  # a lower bound of the steps trained
+    # Checkpoints land a few steps after each multiple of EVERY (at the next round).
+    marks = [x["step"] for x in metrics(out) if x["kind"] == "checkpoint"]
+    assert marks and all(m % EVERY < EVERY // 2 for m in marks), marks
     if n - shards == 1:
         # One replica: the victim's count is the global one (a shard folds one push per
         # step), so the work lost is exactly known: at most one interval.
         assert KILL_AT - EVERY <= last <= KILL_AT + 1, saved
     else:
-        assert trained - last <= 2 * EVERY, (saved, trained)
+        # The steps trained are at least the last logged one: less than an interval and
+        # the checkpoint's latency of them can be lost.
+        trained = max(x["step"] for x in metrics(out))
+        assert trained - last < EVERY + EVERY // 2, (saved, trained)
 
     proc = downpour(n, data_dir, out, *shape(n, shards), f"run.max_steps={last + 100}",
                     f"run.checkpoint_every_steps={EVERY}")
@@ -466,7 +471,7 @@ def test_rounds_give_every_rank_the_same_result_at_the_same_round(n: int, raiser
 def test_a_poisoned_gradient_is_dropped_and_counted(data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = _env()
-    env[TEST_ONLY_POISON] = "2:40"  # replica 1 (rank 2), its step 40 only
+    env[TEST_ONLY_POISON] = "2:20"  # replica 1 (rank 2), its step 20 only
     summary = succeeded(downpour(3, data_dir, out, "run.max_steps=300", env=env), 3, out)
     assert summary["steps"] == 300 and summary["stop_reason"] == "max_steps"
     assert [r["bad_gradients"] for r in summary["replicas"]] == [0, 1]

@@ -44,6 +44,9 @@ or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SI
 written and the command exits 0. If run.out_dir holds a valid checkpoint of the same
 model and settings, training resumes from it, with or without --resume, so a requeued job
 simply continues; a damaged newest checkpoint is reported and the one before it used.
+Under Downpour every rank writes its part at an agreed point (a signal reaching any one
+rank, or mpiexec, stops them all) and a resumed run may use other replica and shard
+counts.
 
 examples:
   distbelief train configs/fashion_mnist_mlp.toml

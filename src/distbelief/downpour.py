@@ -199,8 +199,9 @@ SIGNAL_CODES = {name: code for code, name in enumerate(StopSignals.NAMES, start=
 SIGNAL_NAMES = {code: name for name, code in SIGNAL_CODES.items()}
 
 
-class BadGradients(UserError):
-    """A replica computed run.max_bad_gradients_in_a_row non-finite gradients in a row."""
+class BadGradients(TrainingDiverged):
+    """A replica computed run.max_bad_gradients_in_a_row non-finite gradients in a row:
+    the run diverged (every replica), or its data holds NaN/inf (one replica)."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -305,10 +306,11 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     if role.bad_gradients_from is not None:
         limit = plan.max_bad_gradients
         raise BadGradients(
-            f"replica {role.bad_gradients_from} computed {limit} non-finite gradients in a "
-            f"row (run.max_bad_gradients_in_a_row = {limit}), so the run stopped; they were "
-            f"dropped, never pushed, and the parameters and checkpoints are finite. Look "
-            f"for NaN or inf in the data, or lower optimizer.learning_rate")
+            f"training diverged or the data holds NaN/inf: replica {role.bad_gradients_from} "
+            f"computed {limit} non-finite gradients in a row (run.max_bad_gradients_in_a_row "
+            f"= {limit}), so the run stopped; they were dropped, never pushed, so the "
+            f"parameters and checkpoints are finite. Lower optimizer.learning_rate (now "
+            f"{config.optimizer.learning_rate:g}) or check the data")
     if summary["stop_reason"] == "diverged":
         raise TrainingDiverged(f"training diverged: the training loss became "
                                f"non-finite; lower optimizer.learning_rate "
@@ -1016,7 +1018,8 @@ class Supervisor(_ShardRole):
 
     def _timed_eval(self, params: np.ndarray) -> tuple[float, float, float]:
         t0 = time.perf_counter()
-        loss, accuracy = evaluate(self.network, params, self.eval_set)
+        with np.errstate(over="ignore", invalid="ignore"):  # per thread: not train()'s
+            loss, accuracy = evaluate(self.network, params, self.eval_set)
         return loss, accuracy, time.perf_counter() - t0
 
     def _record_eval(self, future: Future, steps: int) -> None:
