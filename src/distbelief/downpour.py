@@ -133,12 +133,13 @@ from distbelief import checkpoint as ckpt
 from distbelief.agreement import (
     WAIT_SLEEP_S,
     Rounds,
+    agree,
     bcast_after_barrier,
     gather_after_barrier,
     wait_for_everyone,
 )
 from distbelief.config import Config, config_hash, hashed_settings
-from distbelief.errors import DataError, UserError
+from distbelief.errors import DataError
 from distbelief.layout import balanced_ranges
 from distbelief.metrics import ResumePoint, RunRecorder
 from distbelief.optimizers import make_optimizer
@@ -152,8 +153,9 @@ from distbelief.parameter_server import (
     StalenessStats,
     open_parameter_server,
 )
+from distbelief.partitioned_training import make_replica
 from distbelief.threads import set_blas_threads
-from distbelief.topology import Topology
+from distbelief.topology import Communicators, Topology, split_communicators
 from distbelief.trainer import (
     LOG_EVERY_SECONDS,
     RESUME_MODES,
@@ -290,9 +292,10 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         run = open_run(config, comm, resume, stream, signals, info, network)
         endpoint, plan, start = run.endpoint, run.plan, run.start
         with np.errstate(over="ignore", invalid="ignore"):
-            if isinstance(endpoint, ParameterClient):
-                role: _Role = Replica(plan, endpoint, network, run.local, run.sync, start,
-                                      fetch_own_pushes)
+            if isinstance(endpoint, ParameterClient):  # partitioned when partitions > 1
+                role: _Role = make_replica(plan, endpoint, network, run.local, run.sync,
+                                           start, fetch_own_pushes,
+                                           run.communicators.partition)
             elif plan.topology.world_rank == 0:
                 role = Supervisor(config, plan, endpoint, network, run.local[0], info, stream,
                                   run.sync, start)
@@ -329,12 +332,14 @@ class OpenRun:
     start: Start
     sync: _Sync
     endpoint: ParameterServerShard | ParameterClient
+    communicators: Communicators
 
     def free(self) -> None:
         """Collective over the world communicator: the parameter server, then the rounds'
-        communicator."""
+        communicator, then the role communicators."""
         self.endpoint.free()
         self.sync.free()
+        self.communicators.free()
 
 
 def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None,
@@ -351,10 +356,10 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
         info, network = open_data(config)
     plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train)
     topology = plan.topology
-    local = _agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
+    local = agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
     chosen = local[1] if topology.world_rank == 0 else None
     path = comm.bcast(str(chosen.path) if chosen is not None else None, root=0)
-    start = _agree(comm, lambda: _read_start(config, plan, network, info, local, path, chosen,
+    start = agree(comm, lambda: _read_start(config, plan, network, info, local, path, chosen,
                                              stream))
     opt = config.optimizer
     initial = None
@@ -369,7 +374,9 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
         lambda n: (start.optimizer if start.optimizer is not None
                    else make_optimizer(opt.adagrad, opt.learning_rate, n)),
         initial)
-    return OpenRun(plan, local, start, sync, endpoint)
+    # Model parallelism: each replica's partitions get a communicator (topology.py).
+    communicators = split_communicators(comm, topology)
+    return OpenRun(plan, local, start, sync, endpoint, communicators)
 
 
 def _local_setup(config: Config, plan: DownpourPlan, info: Any, network: Any, resume: str,
@@ -451,24 +458,6 @@ def _restore_replica(found: ckpt.Checkpoint, plan: DownpourPlan, data: Any, info
     else:
         data.load_state({**data.state(), "epoch": 1 + found.samples // info.n_train,
                          "position": 0})
-
-
-def _agree(comm: MPI.Comm, setup: Any) -> Any:
-    """Run `setup()` here; if it raised a UserError on any rank, raise it on every rank.
-
-    Collective over `comm` (a back-off barrier, then allgather of the error messages):
-    the local set-up differs by rank (a replica reads its rows, rank 0 writes the run
-    folder), so a failure there would otherwise leave the other ranks waiting forever.
-    """
-    try:
-        result, error = setup(), None
-    except UserError as e:
-        result, error = None, str(e)
-    wait_for_everyone(comm)
-    errors = [message for message in comm.allgather(error) if message is not None]
-    if errors:
-        raise UserError(errors[0])  # the lowest rank's, so that rank 0 prints one message
-    return result
 
 
 def _test_only_failure_armed(rank: int) -> bool:
@@ -866,9 +855,10 @@ class _ShardRole(_Role):
         return self.shard.serve_once()
 
     def _settle(self) -> None:
-        # Every push has completed (its epoch closed before the barrier), so one poll
-        # sees the final push count and folds all of it.
-        self.shard.serve_once()
+        # Every push has completed (its epoch closed before the barrier), so a poll sees
+        # the final push count and folds all of it; poll until one finds nothing to do.
+        while self.shard.serve_once():
+            pass
 
     def _write_part(self, partial: Path, meta: ckpt.CheckpointMeta) -> dict[str, Any]:
         shard = self.shard
