@@ -5,7 +5,8 @@ to one log (--open-mode=append), and tests/slurm_shims/ first on PATH, where `sr
 the ranks with the local mpiexec and `scontrol requeue` is only written down. A SIGUSR1
 to the script, as `--signal=B:USR1@...` sends it, must make the run checkpoint and exit 0
 and the script ask for a requeue; running the script again as the requeued job
-(SLURM_RESTART_COUNT=1) must resume from that checkpoint and stop at exactly max_steps.
+(SLURM_RESTART_COUNT=1) must resume from that checkpoint and stop at exactly max_steps,
+for the single-process trainer, Downpour and Sandblaster alike.
 Also: a failed run is never requeued and keeps its exit status, the requeue cap, SIGTERM,
 and every script passing `bash -n` and shellcheck.
 """
@@ -60,6 +61,7 @@ threads = 1
 # once the first steps are logged (0.5 s in), comes well before the end.
 SGD_STEPS = 30000
 DOWNPOUR_STEPS = 3000
+SANDBLASTER_STEPS = 150  # about 25 iterations/s at 4 ranks
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +234,16 @@ def test_downpour_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, s
               'optimizer.algorithm="downpour"', f"cluster.ps_shards={shards}",
               f"run.max_steps={DOWNPOUR_STEPS}")
     check_preempted_then_resumed(job, DOWNPOUR_STEPS)
+
+
+def test_sandblaster_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path):
+    """Sandblaster needs no script of its own: the algorithm comes from the config.
+    4 ranks: 1 shard, the coordinator, 2 replicas; a step is one L-BFGS iteration."""
+    job = Job("multi_node", tmp_path, 4, data_dir / "synth.toml",
+              'optimizer.algorithm="sandblaster"',
+              "optimizer.m=5", "optimizer.work_unit_size=100", "data.batch_size=500",
+              f"run.max_steps={SANDBLASTER_STEPS}")
+    check_preempted_then_resumed(job, SANDBLASTER_STEPS)
 
 
 # -- runs that must not come back ---------------------------------------------------------
