@@ -1,0 +1,347 @@
+"""The sbatch scripts of slurm/, run without a cluster.
+
+bash runs a script as sbatch would: the SLURM variables of a job set, its output appended
+to one log (--open-mode=append), and tests/slurm_shims/ first on PATH, where `srun` runs
+the ranks with the local mpiexec and `scontrol requeue` is only written down. A SIGUSR1
+to the script, as `--signal=B:USR1@...` sends it, must make the run checkpoint and exit 0
+and the script ask for a requeue; running the script again as the requeued job
+(SLURM_RESTART_COUNT=1) must resume from that checkpoint and stop at exactly max_steps,
+for the single-process trainer, Downpour and Sandblaster alike.
+Also: a failed run is never requeued and keeps its exit status, the requeue cap, SIGTERM,
+and every script passing `bash -n` and shellcheck.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, _env
+
+from distbelief.checkpoint import checkpoint_root, find_latest
+from distbelief.datasets import make_synthetic
+
+SCRIPTS = {path.stem: path for path in sorted((REPO / "slurm").glob("*.sbatch"))}
+SHIMS = REPO / "tests" / "slurm_shims"
+JOB_ID = "4242"
+TIMEOUT = 120
+COMMON_BEGIN = "# ---- Signals, requeue and exit status"
+COMMON_END = "# ---- End of the common part"
+
+TOML = """
+[model]
+layers = [
+    { type = "dense", units = 128, activation = "relu" },
+    { type = "dense", units = 4, activation = "softmax" },
+]
+[data]
+path = "synth.h5"
+batch_size = 32
+[optimizer]
+algorithm = "sgd"
+learning_rate = 0.05
+[cluster]
+ps_shards = 1
+[run]
+eval_every_seconds = 0.5
+eval_samples = 200
+progress_every_seconds = 0.5
+threads = 1
+"""
+# About 3 s of training each on a quiet machine (sgd; Downpour at 3 to 5 ranks): USR1, sent
+# once the first steps are logged (0.5 s in), comes well before the end.
+SGD_STEPS = 30000
+DOWNPOUR_STEPS = 3000
+SANDBLASTER_STEPS = 150  # about 25 iterations/s at 4 ranks
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("slurm")
+    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(32,),
+                   num_classes=4, seed=3)
+    (folder / "synth.toml").write_text(TOML)
+    return folder
+
+
+def test_scripts_are_there():
+    assert {"one_node", "multi_node"} <= set(SCRIPTS)
+
+
+# -- running a script as a SLURM job ------------------------------------------------------
+
+
+class Job:
+    """One sbatch script run again and again as the same SLURM job (each requeue a new
+    run of the script) in `folder`, the submit directory: log in slurm.log, calls of the
+    shims in shims.log."""
+
+    def __init__(self, script: str, folder: Path, ntasks: int, config: Path,
+                 *overrides: str):
+        self.script, self.folder, self.ntasks = SCRIPTS[script], folder, ntasks
+        self.out = folder / "out"
+        sets = [f'run.out_dir="{self.out}"', *overrides]
+        self.args = [str(config), *(arg for s in sets for arg in ("--set", s))]
+        self.log, self.shim_log = folder / "slurm.log", folder / "shims.log"
+        self.shim_log.touch()
+
+    def env(self, restarts: int, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in _env().items() if not k.startswith("SLURM_")}
+        python_dir = Path(sys.executable).parent
+        if not (python_dir / "python3").exists():
+            pytest.fail(f"the scripts run python3, but {python_dir} has none")
+        env["PATH"] = os.pathsep.join([str(SHIMS), str(python_dir), env["PATH"]])
+        host = socket.gethostname()
+        env.update(
+            SLURM_JOB_ID=JOB_ID, SLURM_JOBID=JOB_ID, SLURM_JOB_NAME="distbelief",
+            SLURM_NTASKS=str(self.ntasks), SLURM_NPROCS=str(self.ntasks),
+            SLURM_JOB_NUM_NODES="1", SLURM_NNODES="1", SLURM_JOB_NODELIST=host,
+            SLURM_NODELIST=host, SLURM_TASKS_PER_NODE=str(self.ntasks),
+            SLURM_CPUS_PER_TASK="1", SLURM_SUBMIT_DIR=str(self.folder),
+            SLURM_SHIM_LOG=str(self.shim_log), **extra)
+        if restarts:  # SLURM sets it only in a restarted job
+            env["SLURM_RESTART_COUNT"] = str(restarts)
+        return env
+
+    def start(self, restarts: int = 0, args: list[str] | None = None,
+              **extra: str) -> subprocess.Popen:
+        with open(self.log, "a") as log:
+            return subprocess.Popen(
+                ["bash", str(self.script), *(self.args if args is None else args)],
+                stdout=log, stderr=subprocess.STDOUT, cwd=self.folder,
+                env=self.env(restarts, **extra), start_new_session=True)
+
+    def wait(self, proc: subprocess.Popen, timeout: float = TIMEOUT) -> int:
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_session(proc)
+            pytest.fail(f"{self.script.name} still running after {timeout}s (hang?)\n"
+                        f"{self.text()[-4000:]}")
+
+    def run(self, restarts: int = 0, args: list[str] | None = None, **extra: str) -> int:
+        """The script from start to end; its exit status."""
+        return self.wait(self.start(restarts, args, **extra))
+
+    def run_and_signal(self, signum: int, restarts: int = 0, **extra: str) -> int:
+        """The script, sent `signum` once the run is training (as SLURM signals the batch
+        shell); its exit status."""
+        proc = self.start(restarts, **extra)
+        self.wait_for_training(proc)
+        os.kill(proc.pid, signum)
+        return self.wait(proc)
+
+    def wait_for_training(self, proc: subprocess.Popen, timeout: float = 60) -> None:
+        """Until metrics.jsonl shows a trained step: the run's signal handlers are in
+        place by then (before them, SIGUSR1 would simply kill a rank)."""
+        metrics = self.out / "metrics.jsonl"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"the job ended (status {proc.returncode}) before it was "
+                            f"signalled\n{self.text()[-4000:]}")
+            if metrics.exists() and any(json.loads(line).get("step", 0) > 0
+                                        for line in metrics.read_text().splitlines()
+                                        if line.endswith("}")):
+                return
+            time.sleep(0.05)
+        kill_session(proc)
+        pytest.fail(f"no trained step after {timeout}s\n{self.text()[-4000:]}")
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def shim_calls(self, command: str) -> list[str]:
+        return [line for line in self.shim_log.read_text().splitlines()
+                if line.split()[0] == command]
+
+    def latest_checkpoint_step(self) -> int:
+        found, damaged = find_latest(checkpoint_root(self.out))
+        assert found is not None and not damaged, self.text()[-3000:]
+        return found.step
+
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of the job: the script was started in a session of its own,
+    and the srun shim starts the ranks in a process group of their own within it."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The session id is the 6th field; the 2nd, (name), may hold spaces.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == proc.pid:
+            try:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    proc.wait()
+
+
+def check_preempted_then_resumed(job: Job, max_steps: int) -> int:
+    """USR1 mid-run: checkpoint, exit 0, requeue asked for; the requeued run resumes from
+    that checkpoint and ends at exactly max_steps, and asks for nothing more. Returns the
+    step the first run stopped at."""
+    status = job.run_and_signal(signal.SIGUSR1)
+    assert status == 0, job.text()[-4000:]
+    assert job.shim_calls("scontrol") == [f"scontrol requeue {JOB_ID}"]
+    stopped_at = job.latest_checkpoint_step()
+    assert 0 < stopped_at < max_steps, "the run was meant to be stopped mid-way"
+    first = job.text()
+    assert "SIGUSR1 received" in first and "requeuing job 4242" in first
+
+    status = job.run(restarts=1)
+    second = job.text()[len(first):]
+    assert status == 0, second[-4000:]
+    assert "resuming from" in second and f"ckpt-{stopped_at:010d}" in second
+    assert "distbelief-slurm: the run finished" in second
+    assert job.shim_calls("scontrol") == [f"scontrol requeue {JOB_ID}"]  # no second one
+    summary = job.summary()
+    assert summary["steps"] == max_steps
+    assert summary["stop_reason"] == "max_steps"
+    assert job.latest_checkpoint_step() == max_steps
+    # One log for both runs, as --open-mode=append keeps it.
+    assert "restart 0" in first and "restart 1" in second
+    return stopped_at
+
+
+@pytest.mark.parametrize("script", ["one_node", "multi_node"])
+def test_sgd_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, script):
+    job = Job(script, tmp_path, 1, data_dir / "synth.toml", f"run.max_steps={SGD_STEPS}")
+    stopped_at = check_preempted_then_resumed(job, SGD_STEPS)
+    assert job.summary()["resumed_from"].endswith(f"ckpt-{stopped_at:010d}")
+    if script == "multi_node":
+        assert all(re.search(r"--mpi=(pmix|pmi2)\b", call) for call in job.shim_calls("srun"))
+        assert len(job.shim_calls("srun")) == 2
+
+
+@pytest.mark.parametrize("script, ntasks, shards", [("one_node", 3, 1), ("multi_node", 5, 2)])
+def test_downpour_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, script,
+                                                           ntasks, shards):
+    job = Job(script, tmp_path, ntasks, data_dir / "synth.toml",
+              'optimizer.algorithm="downpour"', f"cluster.ps_shards={shards}",
+              f"run.max_steps={DOWNPOUR_STEPS}")
+    check_preempted_then_resumed(job, DOWNPOUR_STEPS)
+
+
+def test_sandblaster_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path):
+    """Sandblaster needs no script of its own: the algorithm comes from the config.
+    4 ranks: 1 shard, the coordinator, 2 replicas; a step is one L-BFGS iteration."""
+    job = Job("multi_node", tmp_path, 4, data_dir / "synth.toml",
+              'optimizer.algorithm="sandblaster"',
+              "optimizer.m=5", "optimizer.work_unit_size=100", "data.batch_size=500",
+              f"run.max_steps={SANDBLASTER_STEPS}")
+    check_preempted_then_resumed(job, SANDBLASTER_STEPS)
+
+
+# -- runs that must not come back ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("script, ntasks, overrides", [
+    ("one_node", 1, ['data.path="missing.h5"']),
+    ("multi_node", 2, ['optimizer.algorithm="downpour"', "cluster.ps_shards=2"]),
+])
+def test_failed_run_keeps_its_exit_status_and_is_not_requeued(data_dir, tmp_path, script,
+                                                              ntasks, overrides):
+    job = Job(script, tmp_path, ntasks, data_dir / "synth.toml", "run.max_steps=100",
+              *overrides)
+    status = job.run()
+    assert status == 2, job.text()  # distbelief's status for bad input
+    assert "distbelief: error:" in job.text()
+    assert "the run failed (exit status 2); not requeuing" in job.text()
+    assert job.shim_calls("scontrol") == []
+
+
+@pytest.mark.parametrize("case, script", [
+    ("requeue cap reached", "one_node"), ("scontrol fails", "one_node"),
+    ("SIGTERM", "one_node"), ("SIGTERM", "multi_node"),  # srun kills its tasks on SIGTERM
+])
+def test_stopped_run_that_is_not_requeued_says_so_in_its_status(data_dir, tmp_path, case,
+                                                                 script):
+    job = Job(script, tmp_path, 1, data_dir / "synth.toml", f"run.max_steps={SGD_STEPS}")
+    if case == "requeue cap reached":
+        status = job.run_and_signal(signal.SIGUSR1, restarts=50)
+        expected, calls, message = 1, [], "requeued 50 times already"
+    elif case == "scontrol fails":
+        status = job.run_and_signal(signal.SIGUSR1, SCONTROL_SHIM_STATUS="1")
+        expected, calls, message = 1, [f"scontrol requeue {JOB_ID}"], "scontrol requeue failed"
+    else:
+        status = job.run_and_signal(signal.SIGTERM)
+        expected, calls, message = 143, [], "stopped by SIGTERM after a checkpoint"
+    assert status == expected, job.text()[-4000:]
+    assert job.shim_calls("scontrol") == calls
+    assert message in job.text()
+    # Nothing lost: the run checkpointed where it stopped.
+    assert 0 < job.latest_checkpoint_step() < SGD_STEPS
+    assert job.summary()["steps"] == job.latest_checkpoint_step()
+
+
+def test_missing_config_argument_is_a_usage_error(tmp_path):
+    job = Job("one_node", tmp_path, 1, tmp_path / "unused.toml")
+    assert job.run(args=[]) == 2
+    assert "usage: sbatch" in job.text()
+    assert job.shim_calls("scontrol") == []
+
+
+# -- the scripts themselves ---------------------------------------------------------------
+
+SHELL_FILES = [*SCRIPTS.values(), SHIMS / "scontrol"]  # the srun shim is Python
+
+
+@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
+def test_script_passes_bash_n_and_shellcheck(path):
+    syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True,
+                            timeout=30, check=False)
+    assert syntax.returncode == 0, syntax.stderr
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.fail("shellcheck is not installed (apt-get install shellcheck; .ci/run "
+                    "installs it): the sbatch scripts must pass it")
+    lint = subprocess.run([shellcheck, "--shell=bash", str(path)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def common_part(path: Path) -> str:
+    text = path.read_text()
+    begin, end = text.find(COMMON_BEGIN), text.find(COMMON_END)
+    assert 0 <= begin < end, f"{path.name}: the common part's markers are missing"
+    return text[begin:end]
+
+
+def test_signal_handling_is_the_same_in_every_script():
+    """The scripts are self-contained (sbatch copies only the script); this keeps their
+    signal, requeue and exit-status logic from drifting apart."""
+    parts = {name: common_part(path) for name, path in SCRIPTS.items()}
+    first = next(iter(parts.values()))
+    assert "scontrol requeue" in first and "trap 'forward USR1' USR1" in first
+    for name, part in parts.items():
+        assert part == first, f"{name}.sbatch's common part differs"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_asks_slurm_for_signal_requeue_and_appending_log(name):
+    text = SCRIPTS[name].read_text()
+    directives = re.findall(r"^#SBATCH (\S+)", text, flags=re.MULTILINE)
+    assert "--requeue" in directives
+    assert "--open-mode=append" in directives
+    margins = [re.fullmatch(r"--signal=B:USR1@(\d+)", d) for d in directives]
+    margins = [int(m.group(1)) for m in margins if m]
+    assert len(margins) == 1 and margins[0] >= 60, directives
+    assert "export HDF5_USE_FILE_LOCKING=FALSE" in text
+    assert "# module load" in text
+    # #SBATCH lines after the first command are ignored by sbatch.
+    first_command = re.search(r"^[^#\n]", text, flags=re.MULTILINE).start()
+    assert text.rfind("#SBATCH") < first_command
