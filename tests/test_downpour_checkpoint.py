@@ -10,8 +10,8 @@ All runs train a small MLP on a synthetic set (seconds per job).
 
 from __future__ import annotations
 
-import json
 import itertools
+import json
 import os
 import re
 import signal
