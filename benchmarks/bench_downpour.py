@@ -9,8 +9,9 @@ Sections (each Downpour run is `mpiexec -n N python -m mpi4py bench_downpour.py 
 which calls distbelief.downpour.train on configs/fashion_mnist_downpour.toml, so an
 exception on any rank aborts the job):
 (a) target: wall time to `--target` test accuracy, 1 shard + 1 replica (2 ranks on the 2
-    cores) with run.threads = T on every rank, against benchmarks/torch_peer.py (same MLP,
-    torch.optim.Adagrad lr 0.02, batch 64) with T threads, T = 1 and 2; both evaluate on
+    cores, shared-memory transport) with run.threads = T on every rank, interleaved seed by
+    seed with benchmarks/torch_peer.py (same MLP, torch.optim.Adagrad lr 0.02, batch 64)
+    with T threads, T = 1 and 2; both evaluate on
     the whole test set every `--eval-every` s (Downpour on shard 0, in a thread, without
     pausing the replica; torch pauses to evaluate). Median of `--seeds` seeds.
 (b) throughput: the replica's samples/s (its steps x 64 / its training wall time, RMA
@@ -18,7 +19,11 @@ exception on any rank aborts the job):
     loss_and_grad, Adagrad step; no warm-up excluded in either), same number of steps,
     1 thread; overhead = 1 - replica / single. n_fetch = n_push = 1, 2, 4, 8 with the
     read-your-writes fetch the CLI uses, and 1/1 with the asynchronous fetch
-    (fetch_own_pushes=False) for comparison. Best of `--repeats` interleaved rounds.
+    (fetch_own_pushes=False) for comparison, on the transport a one-node job gets (shared
+    memory); then 1/1 and 4/4 on the RMA transport that multi-node jobs use
+    (DISTBELIEF_PS_TRANSPORT=rma). "comm ms/step" is the replica's time in pushes and
+    fetches per step: on shared memory it includes the optimizer step the replica applies
+    itself (the single-process loop pays that too). Best of `--repeats` interleaved rounds.
 (c) replicas: 2 and 3 replicas + 1 shard (3 and 4 ranks on 2 cores: OVERSUBSCRIBED):
     total and per-replica samples/s, staleness, and time to the target.
 (d) bandwidth: benchmarks/bench_rma.py's report (push and pull of the 2.7 MB parameter
@@ -70,9 +75,9 @@ def downpour_worker(args: argparse.Namespace) -> None:
 # -- runs (in subprocesses) --------------------------------------------------------------------
 
 
-def run_json(cmd: list[str], timeout: float) -> dict:
+def run_json(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> dict:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
-                            cwd=REPO)
+                            cwd=REPO, env=env)
     if result.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -80,7 +85,12 @@ def run_json(cmd: list[str], timeout: float) -> dict:
 
 def downpour_run(args: argparse.Namespace, ranks: int = 2, threads: int = 1, seed: int = 0,
                  steps: int = 0, target: float = 0.99, n_fetch: int = 1, n_push: int = 1,
-                 async_fetch: bool = False, eval_every: float = 1000.0) -> dict:
+                 async_fetch: bool = False, eval_every: float = 1000.0,
+                 transport: str = "auto") -> dict:
+    """One Downpour run; `transport` goes to the parameter server through
+    $DISTBELIEF_PS_TRANSPORT ("auto": shared memory here, one node; "rma": the multi-node
+    path)."""
+    env = {**os.environ, "DISTBELIEF_PS_TRANSPORT": transport}
     with tempfile.TemporaryDirectory() as out:
         cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__,
                "--worker", "--data", str(args.data), "--out", out, "--threads", str(threads),
@@ -88,7 +98,7 @@ def downpour_run(args: argparse.Namespace, ranks: int = 2, threads: int = 1, see
                "--n-fetch", str(n_fetch), "--n-push", str(n_push),
                "--eval-every", str(eval_every), "--max-seconds", str(args.max_seconds)]
         return run_json(cmd + (["--async-fetch"] if async_fetch else []),
-                        args.max_seconds + 300)
+                        args.max_seconds + 300, env)
 
 
 def single_process_rate(args: argparse.Namespace, steps: int) -> float:
@@ -130,19 +140,23 @@ def section_target(args: argparse.Namespace) -> None:
     print(f"{'threads':>7} {'downpour':>10} {'torch':>10} {'ratio':>6}   seconds")
     for threads in args.threads:
         before = load()
-        ours = [downpour_run(args, threads=threads, seed=s, target=args.target,
-                             eval_every=args.eval_every) for s in range(args.seeds)]
-        peer = [torch_time_to_target(args, threads, s) for s in range(args.seeds)]
+        ours, peer = [], []
+        for s in range(args.seeds):  # interleaved, so that both see the same load
+            ours.append(downpour_run(args, threads=threads, seed=s, target=args.target,
+                                     eval_every=args.eval_every))
+            peer.append(torch_time_to_target(args, threads, s))
         t_ours = median_or_none([r["time_to_target"] for r in ours])
         t_peer = median_or_none([r["time_to_target"] for r in peer])
         print(f"{threads:>7} {fmt(t_ours):>10} {fmt(t_peer):>10} {ratio(t_ours, t_peer):>6}   "
               f"(steps {[r['steps'] for r in ours]} vs {[r['steps'] for r in peer]}; "
               f"replica {ours[0]['replicas'][0]['samples_per_second']:,.0f} samples/s; "
-              f"{before})", flush=True)
+              f"{ours[0]['shards'][0]['transport']}; {before})", flush=True)
 
 
 def section_throughput(args: argparse.Namespace) -> list[dict]:
-    cadences = [(1, 1, False), (2, 2, False), (4, 4, False), (8, 8, False), (1, 1, True)]
+    cadences = [(1, 1, False, "auto"), (2, 2, False, "auto"), (4, 4, False, "auto"),
+                (8, 8, False, "auto"), (1, 1, True, "auto"), (1, 1, False, "rma"),
+                (4, 4, False, "rma")]
     print(f"\n(b) replica samples/s vs the single-process loop, {args.steps} steps, 1 thread, "
           f"1 shard + 1 replica, best of {args.repeats} interleaved rounds")
     best_single = 0.0
@@ -151,22 +165,22 @@ def section_throughput(args: argparse.Namespace) -> list[dict]:
     for _ in range(args.repeats):
         loads.append(os.getloadavg()[0])
         best_single = max(best_single, single_process_rate(args, args.steps))
-        for n_fetch, n_push, async_fetch in cadences:
+        for n_fetch, n_push, async_fetch, transport in cadences:
             r = downpour_run(args, steps=args.steps, n_fetch=n_fetch, n_push=n_push,
-                             async_fetch=async_fetch)
-            rep = r["replicas"][0]
-            key = (n_fetch, n_push, async_fetch)
+                             async_fetch=async_fetch, transport=transport)
+            rep = r["replicas"][0] | {"transport": r["shards"][0]["transport"]}
+            key = (n_fetch, n_push, async_fetch, transport)
             if key not in best or rep["samples_per_second"] > best[key]["samples_per_second"]:
                 best[key] = {**rep, "load": os.getloadavg()[0]}
     print(f"single-process loop: {best_single:,.0f} samples/s (loads at round starts: "
           f"{', '.join(f'{x:.1f}' for x in loads)})")
-    print(f"{'n_fetch/n_push':>14} {'fetch':>13} {'samples/s':>10} {'overhead':>9} "
-          f"{'RMA ms/step':>11} {'staleness':>9}")
-    for (n_fetch, n_push, async_fetch), rep in best.items():
+    print(f"{'n_fetch/n_push':>14} {'transport':>9} {'fetch':>13} {'samples/s':>10} "
+          f"{'overhead':>9} {'comm ms/step':>12} {'staleness':>9}")
+    for (n_fetch, n_push, async_fetch, _), rep in best.items():
         rate = rep["samples_per_second"]
         kind = "asynchronous" if async_fetch else "own pushes"
-        print(f"{f'{n_fetch}/{n_push}':>14} {kind:>13} {rate:>10,.0f} "
-              f"{1 - rate / best_single:>8.1%} {rep['rma_seconds'] / rep['steps'] * 1e3:>11.3f} "
+        print(f"{f'{n_fetch}/{n_push}':>14} {rep['transport']:>9} {kind:>13} {rate:>10,.0f} "
+              f"{1 - rate / best_single:>8.1%} {rep['rma_seconds'] / rep['steps'] * 1e3:>12.3f} "
               f"{rep['staleness']['mean']:>9.2f}   (load {rep['load']:.1f})")
     return [rep | {"key": key} for key, rep in best.items()]
 
@@ -201,9 +215,9 @@ def section_bandwidth(args: argparse.Namespace, runs: list[dict] | None) -> None
     if result.returncode != 0:
         print(f"  bench_rma.py failed: {result.stderr[-500:]}")
     for rep in runs or []:
-        n_fetch, n_push, async_fetch = rep["key"]
+        n_fetch, n_push, async_fetch, _ = rep["key"]
         moved = (rep["pushes"] + rep["fetches"] + rep["refetches"]) * N_PARAMS * 4
-        print(f"  in training, n_fetch/n_push {n_fetch}/{n_push}"
+        print(f"  in training, n_fetch/n_push {n_fetch}/{n_push} {rep['transport']}"
               f"{' asynchronous' if async_fetch else ''}: {moved / rep['rma_seconds'] / 1e9:.2f}"
               f" GB/s moved while in RMA calls ({rep['refetches']} re-fetches for "
               f"{rep['fetches']} fetches)")

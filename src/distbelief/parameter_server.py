@@ -1,9 +1,28 @@
-"""Sharded parameter server for Downpour SGD over MPI one-sided communication (RMA).
+"""Sharded parameter server for Downpour SGD: MPI one-sided communication (RMA) between
+nodes, MPI shared-memory windows within one.
 
 The flat float32 parameter vector of `size` elements is split into S contiguous balanced
 ranges (`distbelief.layout.balanced_ranges`); shard s (world rank s, see topology.py) owns
-range s. Replicas push gradients and pull parameters with passive-target RMA; the shard
-folds the pushed gradients into its parameters with its optimizer (Adagrad or SGD).
+range s. Two transports, chosen once by `open_parameter_server` for the whole job (every
+rank agrees; `requested_transport` for how to force one):
+
+- "shared", when every rank of the job is on one node (SHARED MEMORY below): a client
+  folds its own gradient into the shard's parameters with the shard's optimizer, and
+  copies parameters out, directly in the shard's shared segment under a kernel
+  reader-writer lock. No shard is on the critical path of a step.
+- "rma" otherwise: replicas push gradients and pull parameters with passive-target RMA;
+  the shard folds the pushed gradients into its parameters with its optimizer (Adagrad or
+  SGD). The rest of this section up to SHARED MEMORY describes it.
+
+Why both: with MPICH on one node every RMA epoch needs two passes through the target's
+progress engine, and the read-your-writes fetch puts the shard's fold on the critical
+path too; a 2 ms step paid ~1.25 ms of RMA with a shard that sleeps between polls
+(benchmarks/RMA_NOTES.md sections 6-8). In shared memory the same step pays a lock (a few
+microseconds), the optimizer step it would pay anyway, and one 2.7 MB copy (~0.1 ms).
+Mixing the two in one job (node-local clients on shared memory, the others on RMA) is
+not done: Downpour's run control needs one atomic location for the step claims that every
+client can reach, and a window that both RMA and plain loads and stores update would need
+the shard's progress engine for every lock again.
 
 Windows (per shard; size 0 on every other rank), allocated with Win.Allocate over a
 private duplicate of the world communicator, displacement unit 1 byte:
@@ -125,6 +144,60 @@ last push has completed; a shard's `serve()` returns once done counts every clie
 has folded every push counted before that. `free()` is the same on every rank: one
 Ibarrier polled with back-off sleeps (a finished replica does not spin a core while the
 others train), then the windows are freed in one fixed order.
+
+SHARED MEMORY (transport "shared"; SharedMemoryShard, SharedMemoryClient). One window from
+Win.Allocate_shared over the node communicator (= the world), a segment per shard (size 0
+on other ranks); every rank maps every segment (Win.Shared_query). Shard s's segment:
+
+    [0:64) header, int64 slots: VERSION 0 | APPLIED 1 | CLAIMED 3 | STEPS 4 | STOP 5 |
+           LOSS 6 (float64); CLAIMED..LOSS are Downpour's run control, used on shard 0
+    [64:..) per client c (non-shard world rank S + c): PULLED, FINISHED (int64)
+    then, each 64-byte aligned: the parameters f32, each optimizer state array f32 (for
+           Adagrad, its sum of squared gradients), by name
+
+The parameters and the optimizer state are the shard's own (its optimizer object works
+on the segment's arrays; every client holds a copy of the optimizer pointed at the same
+arrays). Segment s is guarded by a reader-writer lock: a POSIX record lock (fcntl) on
+byte s of one lock file that all ranks opened (and that is unlinked at once). The kernel
+grants it: no MPI progress is needed from anybody, a waiter sleeps, a dead process's
+locks are released. MPI's own Win_lock on a shared window was measured to wait for the
+target's progress (0.5 s behind a sleeping target), so it is not used.
+
+| location            | access                                          | lock      |
+|---------------------|-------------------------------------------------|-----------|
+| params, state,      | client push: optimizer step with its gradient,  | exclusive |
+| VERSION, APPLIED    |   VERSION += 1, APPLIED += 1 (load/store)       |           |
+|                     | shard: set_parameters, initialisation (store)   | exclusive |
+|                     | client pull, shard snapshot/parameters/         | shared    |
+|                     |   checkpoint_state/version (load)               |           |
+| CLAIMED, STEPS,     | client, with a push or exchange: read, add      | exclusive |
+| LOSS (shard 0)      | shard 0: read_control (load)                    | shared    |
+| STOP (shard 0)      | shard 0: raise_stop (store)                     | exclusive |
+|                     | client, with a push or exchange (load)          | exclusive |
+| PULLED[c],          | client c only: pull (+1), finish (store 1)      | shared or |
+| FINISHED[c]         |                                                 | exclusive |
+|                     | shard: serve_once, read_counters (load)         | exclusive |
+
+Why it is correct: load/store accesses to a shared window are ordinary memory accesses of
+the processes (MPI-4.1, shared memory windows), so they need what any shared-memory
+program needs: no location is written while another process accesses it. Every write
+above is under the exclusive lock, except a client's writes to its own two slots, which
+no other process reads except under the exclusive lock. So a pull never sees half a fold
+(no torn reads), a fold's read-modify-write of the parameters, the state and the counters
+is never interleaved with another (no lost or doubled update), and step claims are atomic
+(max_steps stays exact). Memory ordering: Win.Sync after taking a lock and before
+releasing it (the memory barrier the standard asks for between processes' load/store
+accesses to a shared window; legal because Lock_all(MODE_NOCHECK) keeps a passive-target
+epoch open for the window's life, without lock traffic); the lock calls are system calls,
+which order memory as well.
+
+Semantics against "rma": a push returns once the gradient is applied (it is one fold:
+version and applied pushes advance together, so staleness counts other clients' updates
+since the pull, exactly as there), a fetch after it always contains it (catch_up never
+pulls again), push_pull's fetch always contains its push. The shard only polls for
+`finish()` and statistics (serve_once reports no traffic, so it backs off to the longest
+sleep), and shard 0 runs its duties between polls as before. Checkpoints take
+`checkpoint_state()` (one shared lock for parameters and state together).
 """
 
 from __future__ import annotations

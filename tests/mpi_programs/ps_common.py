@@ -31,7 +31,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1.0)
     p.add_argument("--adagrad", action="store_true", help="Adagrad instead of SGD")
     p.add_argument("--transport", choices=["auto", "shared", "rma"], default="shared",
-                   help="parameter-server transport (shared: fail unless it is used)")
+                   help="parameter-server transport (shared: fail unless it is used; auto: "
+                   "let open_parameter_server choose, as downpour does, from "
+                   "$DISTBELIEF_PS_TRANSPORT or else by itself)")
     return p
 
 
@@ -42,9 +44,10 @@ def open_server(args: argparse.Namespace, initial: np.ndarray | None = None
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), args.shards,
                         coordinator=args.coordinator)
+    transport = None if args.transport == "auto" else args.transport
     endpoint = open_parameter_server(world, topology, args.size,
                                      lambda n: make_optimizer(args.adagrad, args.lr, n),
-                                     initial, transport=args.transport)
+                                     initial, transport=transport)
     return topology, endpoint
 
 
