@@ -28,6 +28,13 @@ exception on any rank aborts the job):
     total and per-replica samples/s, staleness, and time to the target.
 (d) bandwidth: benchmarks/bench_rma.py's report (push and pull of the 2.7 MB parameter
     vector against np.copyto), and the RMA rate seen inside the training runs of (b).
+(e) interleaved: the overhead of (b) at n_fetch = n_push = 1 measured inside one replica
+    process (2 ranks: the shard serves as in Downpour), alternating blocks of `--block`
+    single-process steps (next_batch, loss_and_grad, Adagrad on private parameters) and
+    Downpour steps (next_batch, loss_and_grad, push_pull + read-your-writes catch_up), on
+    both transports; overhead = 1 - median single-step time / median Downpour-step time.
+    Both kinds see the same load, so this figure holds still on a busy machine where the
+    separate runs of (b) do not.
 
 The machine is shared: each row shows the load average just before it was measured, and
 the figures to quote are the best rounds (throughput) taken when the load was lowest.
@@ -42,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,6 +78,59 @@ def downpour_worker(args: argparse.Namespace) -> None:
                              fetch_own_pushes=not args.async_fetch)
     if summary is not None:
         print(json.dumps(summary))
+
+
+def interleaved_worker(args: argparse.Namespace) -> None:
+    """(e): rank 0 serves, rank 1 alternates single-process and Downpour blocks."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from distbelief.config import load_config
+    from distbelief.data import TrainShard
+    from distbelief.optimizers import make_optimizer
+    from distbelief.parameter_server import (
+        PacedBackoff,
+        ParameterServerShard,
+        open_parameter_server,
+    )
+    from distbelief.threads import set_blas_threads
+    from distbelief.topology import Topology
+    from distbelief.trainer import open_data
+
+    set_blas_threads(1)
+    config = load_config(CONFIG, [f'data.path="{args.data.resolve()}"'])
+    info, network = open_data(config)
+    world = MPI.COMM_WORLD
+    topology = Topology(world.Get_size(), world.Get_rank(), 1)
+    lr = config.optimizer.learning_rate
+    initial = network.init_params(0)
+    endpoint = open_parameter_server(world, topology, initial.size,
+                                     lambda n: make_optimizer(True, lr, n), initial,
+                                     transport=args.transport)
+    if isinstance(endpoint, ParameterServerShard):
+        endpoint.serve(PacedBackoff())
+        endpoint.free()
+        return
+    data = TrainShard(info, seed=0)
+    local, remote = initial.copy(), initial.copy()
+    grad = np.zeros_like(local)
+    optimizer = make_optimizer(True, lr, local.size)
+    times: dict[str, list[float]] = {"single": [], "downpour": []}
+    for _ in range(args.blocks):
+        for kind, block_times in times.items():
+            t0 = time.perf_counter()
+            for _ in range(args.block):
+                x, y = data.next_batch(BATCH)
+                if kind == "single":
+                    network.loss_and_grad(local, x, y, grad)
+                    optimizer.step(local, grad)
+                else:
+                    network.loss_and_grad(remote, x, y, grad)
+                    endpoint.push_pull(grad, remote)
+                    endpoint.catch_up(remote)
+            block_times.append((time.perf_counter() - t0) / args.block)
+    endpoint.free()
+    print(json.dumps({kind: statistics.median(t) for kind, t in times.items()}))
 
 
 # -- runs (in subprocesses) --------------------------------------------------------------------
@@ -223,11 +284,27 @@ def section_bandwidth(args: argparse.Namespace, runs: list[dict] | None) -> None
               f"{rep['fetches']} fetches)")
 
 
+def section_interleaved(args: argparse.Namespace) -> None:
+    print(f"\n(e) overhead at n_fetch = n_push = 1, measured inside the replica process: "
+          f"{args.blocks} x {args.block} single-process steps interleaved with as many "
+          f"Downpour steps, medians")
+    print(f"{'transport':>9} {'single ms/step':>14} {'downpour ms/step':>16} {'overhead':>9}")
+    for transport in ("shared", "rma"):
+        before = load()
+        cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", __file__,
+               "--interleaved-worker", "--transport", transport, "--data", str(args.data),
+               "--blocks", str(args.blocks), "--block", str(args.block)]
+        r = run_json(cmd, 600)
+        print(f"{transport:>9} {r['single'] * 1e3:>14.3f} {r['downpour'] * 1e3:>16.3f} "
+              f"{1 - r['single'] / r['downpour']:>8.1%}   ({before})", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=REPO / "data" / "fashion_mnist.h5")
-    p.add_argument("--only", choices=["target", "throughput", "replicas", "bandwidth"])
+    p.add_argument("--only", choices=["target", "throughput", "replicas", "bandwidth",
+                                      "interleaved"])
     p.add_argument("--threads", default="1,2", help="(a): thread counts")
     p.add_argument("--seeds", type=int, default=1, help="(a): seeds, median reported")
     p.add_argument("--steps", type=int, default=4000, help="(b), (c): steps per run")
@@ -235,6 +312,8 @@ def main() -> None:
     p.add_argument("--target", type=float, default=0.88)
     p.add_argument("--eval-every", type=float, default=2.0)
     p.add_argument("--max-seconds", type=float, default=120.0)
+    p.add_argument("--blocks", type=int, default=20, help="(e): blocks of each kind")
+    p.add_argument("--block", type=int, default=100, help="(e): steps per block")
     # worker options
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -242,7 +321,12 @@ def main() -> None:
     p.add_argument("--n-fetch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--n-push", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--async-fetch", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--interleaved-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.interleaved_worker:
+        interleaved_worker(args)
+        return
     if args.worker:
         args.threads = int(args.threads)
         downpour_worker(args)
@@ -261,6 +345,8 @@ def main() -> None:
         section_replicas(args)
     if args.only in (None, "bandwidth"):
         section_bandwidth(args, runs)
+    if args.only in (None, "interleaved"):
+        section_interleaved(args)
 
 
 if __name__ == "__main__":

@@ -954,6 +954,10 @@ TRANSPORTS = ("auto", "shared", "rma")
 # int64 slots of each client in a shared segment, written by that client only
 PULLED, FINISHED = 0, 1
 CLIENT_SLOTS = 2
+SHARED_POLL_S = (0.5e-3, 2e-3)
+"""Back-off bounds of a shard on shared memory, whatever serve() is given: its polls
+serve no client (they only notice finish() and run shard 0's duties), so they can be
+sparse; a 0.5 ms cap cost ~8% of a core, measured (benchmarks/RMA_NOTES.md section 8)."""
 
 
 def requested_transport(transport: str | None = None) -> str:
@@ -1228,6 +1232,12 @@ class SharedMemoryShard(ParameterServerShard):
         # A client finishes after its last push returned, and pushes fold synchronously.
         self._finished = done == self.num_clients
         return False
+
+    def serve(self, backoff: Backoff | None = None,
+              between: Callable[[], bool] | None = None) -> ShardStats:
+        """As ParameterServerShard.serve, but always with the sparse SHARED_POLL_S back-off
+        (`backoff`, tuned for RMA clients, is not needed: no client waits for a poll)."""
+        return super().serve(Backoff(*SHARED_POLL_S), between)
 
 
 class SharedMemoryClient(ParameterClient):
