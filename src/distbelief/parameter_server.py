@@ -202,6 +202,7 @@ sleep), and shard 0 runs its duties between polls as before. Checkpoints take
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import os
 import tempfile
@@ -1250,10 +1251,11 @@ class SharedMemoryClient(ParameterClient):
                  size: int, optimizer: OptimizerFactory):
         super().__init__(comm, segments, topology, size)
         self._slot = topology.world_rank - topology.ps_shards
-        # The optimizer of every shard's slice, working on that shard's state arrays.
+        # The optimizer of every shard's slice, working on that shard's state arrays (a
+        # copy of what the factory gives, in case it hands out one object every time).
         self._optimizers = []
         for shard, (start, stop) in enumerate(self.ranges):
-            local = optimizer(stop - start)
+            local = copy.copy(optimizer(stop - start))
             _bind_state(local, segments.segments[shard].state)
             self._optimizers.append(local)
 
