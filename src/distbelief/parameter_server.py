@@ -192,12 +192,13 @@ epoch open for the window's life, without lock traffic); the lock calls are syst
 which order memory as well.
 
 Semantics against "rma": a push returns once the gradient is applied (it is one fold:
-version and applied pushes advance together, so staleness counts other clients' updates
-since the pull, exactly as there), a fetch after it always contains it (catch_up never
-pulls again), push_pull's fetch always contains its push. The shard only polls for
-`finish()` and statistics (serve_once reports no traffic, so it backs off to the longest
-sleep), and shard 0 runs its duties between polls as before. Checkpoints take
-`checkpoint_state()` (one shared lock for parameters and state together).
+version and applied pushes advance together, and staleness counts the updates applied
+after the pull, exactly as there), a fetch after it always contains it (catch_up never
+pulls again), push_pull's fetch always contains its push. The shard only polls, sparsely
+(SHARED_POLL_S), for `finish()` and statistics, and shard 0 runs its duties between polls
+as before. A checkpoint taken while clients may push uses `checkpoint_state()` (one
+shared lock for parameters and state together); where no client pushes (Downpour's
+checkpoint rounds) `parameters()` and `optimizer.state()` agree as on "rma".
 """
 
 from __future__ import annotations
