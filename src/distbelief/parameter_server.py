@@ -151,7 +151,8 @@ on other ranks); every rank maps every segment (Win.Shared_query). Shard s's seg
 
     [0:64) header, int64 slots: VERSION 0 | APPLIED 1 | CLAIMED 3 | STEPS 4 | STOP 5 |
            LOSS 6 (float64); CLAIMED..LOSS are Downpour's run control, used on shard 0
-    [64:..) per client c (non-shard world rank S + c): PULLED, FINISHED (int64)
+    [64:..) per client c (non-shard world rank S + c): PULLED, FINISHED (int64; pulls
+           made so far, published with each push and at finish)
     then, each 64-byte aligned: the parameters f32, each optimizer state array f32 (for
            Adagrad, its sum of squared gradients), by name
 
@@ -174,15 +175,15 @@ target's progress (0.5 s behind a sleeping target), so it is not used.
 | LOSS (shard 0)      | shard 0: read_control (load)                    | shared    |
 | STOP (shard 0)      | shard 0: raise_stop (store)                     | exclusive |
 |                     | client, with a push or exchange (load)          | exclusive |
-| PULLED[c],          | client c only: pull (+1), finish (store 1)      | shared or |
-| FINISHED[c]         |                                                 | exclusive |
-|                     | shard: serve_once, read_counters (load)         | exclusive |
+| PULLED[c],          | client c only, with a push and at finish: store | exclusive |
+| FINISHED[c]         | shard: serve_once, read_counters (load)         | shared    |
 
 Why it is correct: load/store accesses to a shared window are ordinary memory accesses of
 the processes (MPI-4.1, shared memory windows), so they need what any shared-memory
 program needs: no location is written while another process accesses it. Every write
-above is under the exclusive lock, except a client's writes to its own two slots, which
-no other process reads except under the exclusive lock. So a pull never sees half a fold
+above is under the exclusive lock, every other access under the shared or the exclusive
+one. (A pull therefore does not count itself in the segment; the client publishes its
+count later, under the exclusive lock it takes anyway.) So a pull never sees half a fold
 (no torn reads), a fold's read-modify-write of the parameters, the state and the counters
 is never interleaved with another (no lost or doubled update), and step claims are atomic
 (max_steps stays exact). Memory ordering: Win.Sync after taking a lock and before
@@ -1188,9 +1189,9 @@ class SharedMemoryShard(ParameterServerShard):
             seg.params[:] = values
 
     def read_counters(self) -> tuple[int, int, int]:
-        """(pushes applied, clients finished, pulls made), under the exclusive lock (the
-        clients' slots are written under the shared one)."""
-        with self._lock(exclusive=True) as seg:
+        """(pushes applied, clients finished, pulls published by the clients so far: each
+        publishes its count with its pushes and at finish), under the shared lock."""
+        with self._lock(exclusive=False) as seg:
             done, pulls = (int(x) for x in seg.clients[:, [FINISHED, PULLED]].sum(axis=0))
             return int(seg.header[APPLIED]), done, pulls
 
@@ -1226,7 +1227,7 @@ class SharedMemoryShard(ParameterServerShard):
         """One poll: statistics and finish, read from the segment. Returns False: nothing
         a client waits for happens here, so the shard may back off to its longest sleep."""
         self.stats.polls += 1
-        with self._lock(exclusive=True) as seg:
+        with self._lock(exclusive=False) as seg:  # a poll never delays a pull
             self.stats.folds = int(seg.header[VERSION])
             self.stats.pushes = int(seg.header[APPLIED])
             done, self.stats.pulls = (int(x) for x in
@@ -1252,6 +1253,7 @@ class SharedMemoryClient(ParameterClient):
                  size: int, optimizer: OptimizerFactory):
         super().__init__(comm, segments, topology, size)
         self._slot = topology.world_rank - topology.ps_shards
+        self._pulls = 0  # pulls made (each reads every shard), published under EXCLUSIVE
         # The optimizer of every shard's slice, working on that shard's state arrays (a
         # copy of what the factory gives, in case it hands out one object every time).
         self._optimizers = []
@@ -1261,10 +1263,9 @@ class SharedMemoryClient(ParameterClient):
             self._optimizers.append(local)
 
     def _read(self, seg: _Segment, shard: int, out: np.ndarray) -> None:
-        """Copy a segment's parameters and version; count the pull (own slot)."""
+        """Copy a segment's parameters and version."""
         np.copyto(out, seg.params)
         self._headers[shard] = seg.header[VERSION], seg.header[APPLIED]
-        seg.clients[self._slot, PULLED] += 1
 
     def _fold(self, seg: _Segment, shard: int, grad: np.ndarray,
               control: ControlExchange | None) -> None:
@@ -1274,6 +1275,7 @@ class SharedMemoryClient(ParameterClient):
         self._optimizers[shard].step(seg.params, grad)
         seg.header[VERSION] = version + 1
         seg.header[APPLIED] += 1
+        seg.clients[self._slot, PULLED] = self._pulls
         if control is not None and shard == CONTROL_SHARD:
             control.apply(seg.header, seg.loss)
 
@@ -1284,6 +1286,7 @@ class SharedMemoryClient(ParameterClient):
         for shard, (start, stop) in enumerate(self.ranges):
             with segments.lock(shard, exclusive=False) as seg:
                 self._read(seg, shard, out[start:stop])
+        self._pulls += 1
         return self._pulled()
 
     def push(self, grad: np.ndarray, control: ControlExchange | None = None) -> np.ndarray:
@@ -1302,6 +1305,7 @@ class SharedMemoryClient(ParameterClient):
         self._check_vector(grad, "gradient")
         self._check_vector(out, "pull buffer")
         segments = self._check_open()
+        self._pulls += 1  # published by the folds below, with this pull
         for shard, (start, stop) in enumerate(self.ranges):
             with segments.lock(shard, exclusive=True) as seg:
                 self._fold(seg, shard, grad[start:stop], control)
@@ -1315,12 +1319,14 @@ class SharedMemoryClient(ParameterClient):
             control.apply(seg.header, seg.loss)
 
     def finish(self) -> None:
-        """Mark this client finished on every shard (own slot). Idempotent."""
+        """Publish this client's pull count and mark it finished on every shard (its own
+        slots, under the exclusive lock). Idempotent."""
         if self._finished:
             return
         segments = self._check_open()
         for shard in self.topology.shard_ranks:
-            with segments.lock(shard, exclusive=False) as seg:
+            with segments.lock(shard, exclusive=True) as seg:
+                seg.clients[self._slot, PULLED] = self._pulls
                 seg.clients[self._slot, FINISHED] = 1
         self._finished = True
 
