@@ -257,7 +257,8 @@ def report(seconds: float, repeat: int) -> None:
         for name, rate in client_rates(seconds, "rma").items():
             measured[f"ParameterClient.{name}, rma"] = rate
         for name, rate in client_rates(seconds, "shared").items():
-            measured[f"ParameterClient.{name}, shared (+Adagrad)"] = rate
+            adagrad = " (+Adagrad)" if "push" in name else ""
+            measured[f"ParameterClient.{name}, shared{adagrad}"] = rate
         for key, value in measured.items():
             bandwidth.setdefault(key, []).append(value)
         for label, compute, pull, pace, transport in REPORT_STEPS:
