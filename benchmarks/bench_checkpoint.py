@@ -19,16 +19,31 @@ measurement allocates first.
 The overhead is estimated, not measured: a checkpoint blocks the training loop for its
 write time once per interval, so overhead = write / (interval + write).
 
-    python benchmarks/bench_checkpoint.py                  # 100M parameters, 3 rounds
+Downpour (section 2): the same Downpour job (configs/fashion_mnist_downpour.toml, the
+reference MLP, 669,706 parameters; --ranks ranks, 1 shard) trains for --seconds seconds
+with periodic checkpoints every --every seconds and, as the peer in the same run, with
+none (the final checkpoint, written after training, is not counted); training steps
+completed in the time, median of --rounds interleaved pairs. Measured overhead at that
+short interval = 1 - steps with / steps without. Every Downpour checkpoint pauses every
+rank (a global consistency point), so the overhead at the default interval is estimated
+from the measured pause per checkpoint (summary.json's checkpoint_seconds / checkpoints
+written, rank 0's wall time from the agreed round to the committed checkpoint): pause /
+(interval + pause). Needs data/fashion_mnist.h5 (`distbelief prepare fashion-mnist`).
+
+    python benchmarks/bench_checkpoint.py                  # 100M parameters, then Downpour
     python benchmarks/bench_checkpoint.py --params 10000000 --dir /scratch/me
+    python benchmarks/bench_checkpoint.py --only downpour --ranks 3 --every 1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +55,8 @@ from distbelief.config import RunConfig, settings_hash
 from distbelief.layout import ParamLayout
 
 SETTINGS = {"model": {"benchmark": True}, "run": {"seed": 0}}
+REPO = Path(__file__).resolve().parents[1]
+DOWNPOUR_CONFIG = REPO / "configs" / "fashion_mnist_downpour.toml"
 
 
 def raw_write(path: Path, arrays: list[np.ndarray]) -> float:
@@ -94,12 +111,28 @@ def describe(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("write", "downpour"), default=None,
+                        help="run one section: the 100M write/load, or Downpour's overhead")
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None,
                         help="folder on the disk to measure (default: the system temp dir)")
+    parser.add_argument("--ranks", type=int, default=3, help="Downpour: ranks (1 shard)")
+    parser.add_argument("--seconds", type=float, default=8.0,
+                        help="Downpour: training seconds per run")
+    parser.add_argument("--every", type=float, default=1.0,
+                        help="Downpour: checkpoint interval of the measured runs (s)")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="Downpour: interleaved runs with and without checkpoints")
+    parser.add_argument("--data", type=Path, default=REPO / "data" / "fashion_mnist.h5")
     args = parser.parse_args()
+    if args.only != "downpour":
+        bench_write_load(args)
+    if args.only != "write":
+        bench_downpour(args)
 
+
+def bench_write_load(args: argparse.Namespace) -> None:
     n = args.params
     rng = np.random.default_rng(0)
     params = rng.standard_normal(n, dtype=np.float32)
@@ -137,6 +170,67 @@ def main() -> None:
     print(f"overhead at run.checkpoint_every_seconds = {interval:g} (the default), estimated "
           f"as write / (interval + write) with the median write: "
           f"{100 * write / (interval + write):.2f}% of training time")
+
+
+def downpour_run(args: argparse.Namespace, out: Path, every: float) -> dict:
+    """One Downpour job for --seconds; its summary.json."""
+    sets = {"data.path": f'"{args.data.resolve()}"', "run.out_dir": f'"{out}"',
+            "run.max_steps": 0, "run.max_seconds": args.seconds,
+            "run.target_accuracy": 1.0,  # never reached: every run trains the full time
+            "run.checkpoint_every_seconds": every, "run.keep_checkpoints": 2,
+            "run.progress_every_seconds": 1000}
+    cmd = ["mpiexec", "-n", str(args.ranks), sys.executable, "-m", "distbelief", "train",
+           str(DOWNPOUR_CONFIG), "--fresh"]
+    for key, value in sets.items():
+        cmd += ["--set", f"{key}={value}"]
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds + 120,
+                          env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def bench_downpour(args: argparse.Namespace) -> None:
+    if not args.data.is_file():
+        raise SystemExit(f"{args.data} missing: distbelief prepare fashion-mnist")
+    work = Path(tempfile.mkdtemp(prefix="bench_checkpoint_downpour-", dir=args.dir))
+    print(f"\nDownpour, {args.ranks} ranks (1 shard, {args.ranks - 1} replicas), "
+          f"{args.seconds:g} s per run, checkpoints every {args.every:g} s against none; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    steps_with, steps_without, pauses = [], [], []
+    try:
+        for pair in range(args.pairs):
+            without = downpour_run(args, work / "without", 0.0)
+            with_ = downpour_run(args, work / "with", args.every)
+            steps_without.append(without["steps"] / without["wall_seconds"])
+            steps_with.append(with_["steps"] / with_["wall_seconds"])
+            # The final checkpoint, after training, is in checkpoint_seconds too: leave
+            # it out of the periodic pause.
+            periodic = with_["checkpoints_written"] - 1
+            final_marks = [m for m in _marks(work / "with") if m["step"] == with_["steps"]]
+            final = final_marks[-1]["seconds"] if final_marks else 0.0
+            if periodic > 0:
+                pauses.append((with_["checkpoint_seconds"] - final) / periodic)
+            print(f"  pair {pair}: {steps_without[-1]:7.1f} steps/s without, "
+                  f"{steps_with[-1]:7.1f} with {periodic} checkpoints; "
+                  f"load {os.getloadavg()[0]:.2f}")
+    finally:
+        shutil.rmtree(work)
+    a, b = statistics.median(steps_without), statistics.median(steps_with)
+    pause = statistics.median(pauses)
+    interval = RunConfig.checkpoint_every_seconds
+    print(f"steps/s, median: {a:.1f} without checkpoints, {b:.1f} with one every "
+          f"{args.every:g} s: measured overhead {100 * (1 - b / a):.2f}% at that interval")
+    print(f"pause per checkpoint (every rank waits), median: {pause * 1000:.1f} ms; at "
+          f"run.checkpoint_every_seconds = {interval:g} (the default), estimated as pause / "
+          f"(interval + pause): {100 * pause / (interval + pause):.4f}% of training time "
+          f"(target < 5%)")
+
+
+def _marks(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [m for m in map(json.loads, lines) if m.get("kind") == "checkpoint"]
 
 
 if __name__ == "__main__":

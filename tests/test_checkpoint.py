@@ -827,3 +827,25 @@ def test_signal_stops_with_a_checkpoint_and_a_rerun_continues(
     assert json.loads((out / "summary.json").read_text())["steps"] == step + 40
     train_in_process(data_dir, tmp_path / "unstopped", f"run.max_steps={step + 40}")
     assert_same_training(out, tmp_path / "unstopped")
+
+
+def test_a_resume_drops_lines_written_after_the_checkpoint_even_of_earlier_steps(
+        tmp_path: Path) -> None:
+    # Downpour evaluates a snapshot in a thread: the line of an evaluation of step 20 can
+    # be written after the checkpoint of step 20. A run resumed from that checkpoint must
+    # not keep it, or times in metrics.jsonl would go backwards.
+    from distbelief.metrics import ResumePoint, RunRecorder, read_metrics
+
+    with RunRecorder(tmp_path, stream=None) as recorder:
+        recorder.log(20, 200, 0.9)
+        at = recorder.elapsed()
+        recorder.log_event("checkpoint", 20, 200, at=at)
+        recorder.log_eval(20, 200, 0.9, 0.6, 0.9)  # finished after the checkpoint
+    recorder = RunRecorder(tmp_path, stream=None,
+                           resume=ResumePoint(20, 200, at, "ckpt-0000000020"))
+    recorder.close()
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    assert [x["kind"] for x in lines] == ["train", "checkpoint", "resume"]
+    assert [x["time"] for x in lines] == sorted(x["time"] for x in lines)
+    discarded = read_metrics(tmp_path / "metrics.discarded.jsonl")
+    assert [x["kind"] for x in discarded] == ["discarded", "eval"]

@@ -193,9 +193,12 @@ def test_bad_value_message_shows_the_value_as_written() -> None:
     assert 'run.max_steps = "ten" is invalid' in message
 
 
-def test_sandblaster_is_not_implemented_yet() -> None:
-    message = schema_error(VALID, ('optimizer.algorithm="sandblaster"',))
-    assert "not implemented yet" in message and "sandblaster" in message
+def test_sandblaster_options_are_checked() -> None:
+    message = schema_error(VALID, ('optimizer.algorithm="sandblaster"', "optimizer.m=0"))
+    assert "optimizer.m = 0 is invalid" in message
+    message = schema_error(VALID, ('optimizer.algorithm="sandblaster"',
+                                   "optimizer.wolfe_c1=0.5", "optimizer.wolfe_c2=0.4"))
+    assert "wolfe_c1" in message and "smaller" in message
 
 
 def test_downpour_is_accepted_by_the_schema() -> None:
@@ -205,9 +208,10 @@ def test_downpour_is_accepted_by_the_schema() -> None:
     assert config.cluster.ps_shards == 2
 
 
-def test_model_partitions_are_not_implemented_yet() -> None:
-    message = schema_error(VALID, ("cluster.partitions=2",))
-    assert "cluster.partitions = 2" in message and "not implemented yet" in message
+def test_model_partitions_are_accepted_by_the_schema() -> None:
+    # Whether they fit the model is checked against the data (test_model_parallel.py).
+    raw = apply_overrides(raw_config(), ["cluster.partitions=2"])
+    assert config_from_dict(raw).cluster.partitions == 2
 
 
 def test_a_run_without_any_stop_rule_is_refused() -> None:
@@ -392,3 +396,16 @@ def test_hash_is_stable_across_processes() -> None:
                              env=env, timeout=60, check=True)
         hashes.add(out.stdout.strip())
     assert hashes == {_hash([])}
+
+
+def test_sandblaster_with_partitions_is_refused_clearly(tmp_path):
+    """Model parallelism is not wired into Sandblaster: say so instead of misbehaving."""
+    from distbelief.config import load_config
+    from distbelief.errors import ConfigError
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\nlayers = [{type = "dense", units = 10}]\n'
+                   '[data]\npath = "x.h5"\n[optimizer]\nalgorithm = "sandblaster"\n'
+                   '[cluster]\npartitions = 2\n[run]\nmax_steps = 3\n')
+    with pytest.raises(ConfigError, match="partitions = 2 is not supported"):
+        load_config(cfg, check_data=False)

@@ -51,7 +51,8 @@ WRITING (the order every rank follows; no MPI in this module)
     committer:           commit(root, meta, settings=..., layout=..., shard_ranges=...,
                                 parts=records, num_replicas=R, keep=N)
 
-`save_local` is this sequence in one process.
+`save_local` is this sequence in one process; distbelief.downpour spreads it over the
+ranks of an MPI job (its CHECKPOINTS section: the agreement, then these steps).
 
 A part is written under a temporary name, fsynced and renamed; commit checks that every
 expected part is there with the size its writer reported, writes the manifest the same

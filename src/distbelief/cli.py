@@ -1,4 +1,4 @@
-"""The `distbelief` command line: train, report, prepare, inspect.
+"""The `distbelief` command line: train, report, prepare, inspect, costmodel.
 
 `main()` is the entry point of both `distbelief` and `python -m distbelief`. A UserError
 (bad configuration or data) becomes one line, `distbelief: error: <message>`, on stderr and
@@ -8,7 +8,7 @@ waiting forever), and a UserError, which every rank hits because they all valida
 inputs, is printed by rank 0 only.
 
 mpi4py is imported only when the run needs MPI (starting MPI costs time): for
-`algorithm = "downpour"`, or when an MPI launcher started several ranks.
+`algorithm = "downpour"` or `"sandblaster"`, or when an MPI launcher started several ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ data.path (in the file or from --set) is read from the config file's folder; a r
 run.out_dir from the current one.
 
 optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour SGD over
-MPI ranks (parameter-server shards and model replicas), launched with mpiexec.
+MPI ranks (parameter-server shards and model replicas), launched with mpiexec;
+"sandblaster" runs Sandblaster L-BFGS over MPI ranks (shards, one coordinator, replicas).
+cluster.partitions = P splits each model replica over P ranks (model parallelism): "sgd"
+then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks. See
+`distbelief costmodel` for how many partitions pay off.
 
 Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
 or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1
@@ -44,6 +48,9 @@ or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SI
 written and the command exits 0. If run.out_dir holds a valid checkpoint of the same
 model and settings, training resumes from it, with or without --resume, so a requeued job
 simply continues; a damaged newest checkpoint is reported and the one before it used.
+Under Downpour every rank writes its part at an agreed point (a signal reaching any one
+rank, or mpiexec, stops them all) and a resumed run may use other replica and shard
+counts.
 
 examples:
   distbelief train configs/fashion_mnist_mlp.toml
@@ -51,6 +58,9 @@ examples:
   distbelief train configs/fashion_mnist_mlp.toml --set run.max_steps=500 \\
       --set optimizer.learning_rate=0.01 --set run.out_dir=\\"runs/lr0.01\\"
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_downpour.toml
+  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_local.toml \
+      --set cluster.partitions=2
+  mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sandblaster.toml
 """
 
 REPORT_HELP = """\
@@ -76,6 +86,21 @@ examples:
   distbelief inspect runs/fashion_mnist_mlp/checkpoints/ckpt-0000004000
 """
 
+COSTMODEL_HELP = """\
+Predict the training step time of one model replica of a configuration split over P
+partitions (cluster.partitions), before submitting the job: per-partition floating-point
+work, bytes exchanged per step, and a link's bandwidth and latency give the step time and
+the speedup over one partition (see distbelief.cost_model for the model and what it
+leaves out). --gflops is what one partition sustains on these kernels, not its peak:
+benchmarks/bench_model_parallel.py measures it. The data file is only read for its input
+shape and class count; give --input-shape and --classes to model a network without one.
+
+examples:
+  distbelief costmodel configs/fashion_mnist_local.toml --partitions 1,2,4,8
+  distbelief costmodel configs/paper_speech_42m.toml --input-shape 440 --classes 8192 \\
+      --partitions 1,2,4,8 --gflops 100 --bandwidth 12.5 --latency 2
+"""
+
 PREPARE_HELP = """\
 Write a dataset in distbelief's HDF5 format (/train/x, /train/y, /test/x, /test/y).
 
@@ -90,7 +115,8 @@ examples:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI: Downpour SGD "
-        "over a sharded parameter server, with a single-process SGD baseline.",
+        "over a sharded parameter server, model parallelism (replicas split over ranks), "
+        "and a single-process SGD baseline.",
         epilog="Run 'distbelief COMMAND --help' for each command's options and examples.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -128,6 +154,28 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", metavar="CHECKPOINT_OR_RUN_DIR",
                          help="a checkpoint folder, a checkpoints/ folder or a run.out_dir")
     inspect.set_defaults(func=cmd_inspect)
+
+    cost = commands.add_parser("costmodel", help="predict the step time of a model split "
+                               "over P partitions", description=COSTMODEL_HELP,
+                               formatter_class=raw)
+    cost.add_argument("config", metavar="CONFIG", help="the TOML configuration file")
+    cost.add_argument("--partitions", metavar="P,P,...", type=_positive_ints,
+                      default=(1, 2, 4, 8), help="partition counts (default: 1,2,4,8)")
+    cost.add_argument("--gflops", type=_positive_float, default=10.0,
+                      help="sustained GFLOP/s of one partition (default: %(default)s, about "
+                           "one core of the 2-core development machine on the local kernel)")
+    cost.add_argument("--bandwidth", metavar="GB/S", type=_positive_float, default=12.5,
+                      help="link bandwidth per partition, each way, in GB/s (default: "
+                           "%(default)s, 100 Gb/s InfiniBand EDR)")
+    cost.add_argument("--latency", metavar="US", type=float, default=2.0,
+                      help="latency per message, in microseconds (default: %(default)s)")
+    cost.add_argument("--batch", metavar="N", type=_positive_int, default=None,
+                      help="batch size (default: the configuration's data.batch_size)")
+    cost.add_argument("--input-shape", metavar="H,W,C", type=_shape, default=None,
+                      help="input shape instead of the data file's (needs --classes)")
+    cost.add_argument("--classes", metavar="K", type=_positive_int, default=None,
+                      help="number of classes instead of the data file's")
+    cost.set_defaults(func=cmd_costmodel)
 
     prepare = commands.add_parser("prepare", help="write a dataset as HDF5",
                                   description=PREPARE_HELP, formatter_class=raw)
@@ -172,6 +220,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_ints(text: str) -> tuple[int, ...]:
+    return tuple(_positive_int(part) for part in text.split(","))
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def _shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(part) for part in text.split(","))
@@ -196,6 +258,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     comm = start_mpi() if launched_with_several_ranks() else None
     config = load_config(args.config, args.overrides)
     algorithm = config.optimizer.algorithm
+    if algorithm == "sgd" and config.cluster.partitions > 1:
+        from distbelief import partitioned_training
+
+        partitioned_training.train(config, comm if comm is not None else start_mpi(),
+                                   resume=_resume_mode(args))
+        return 0
     if algorithm == "sgd":
         if comm is not None and comm.Get_size() > 1:
             raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "
@@ -210,7 +278,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if algorithm == "downpour":
         from distbelief import downpour
 
-        downpour.train(config, comm)
+        downpour.train(config, comm, resume=_resume_mode(args))
+        return 0
+    if algorithm == "sandblaster":
+        from distbelief import sandblaster
+
+        sandblaster.train(config, comm, resume=_resume_mode(args))
         return 0
     raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
 
@@ -218,6 +291,35 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _resume_mode(args: argparse.Namespace) -> str:
     """train's --resume / --fresh as a distbelief.trainer.RESUME_MODES value."""
     return "require" if args.resume else "fresh" if args.fresh else "auto"
+
+
+def cmd_costmodel(args: argparse.Namespace) -> int:
+    from distbelief.config import build_network, load_config
+    from distbelief.cost_model import Link, format_table, predict
+    from distbelief.model import Network
+
+    config = load_config(args.config, check_data=False)
+    if (args.input_shape is None) != (args.classes is None):
+        raise ConfigError("give --input-shape and --classes together, or neither (then "
+                          "the data file's are used)")
+    if args.input_shape is not None:
+        network = Network(args.input_shape, [dict(layer) for layer in config.model.layers],
+                          args.classes)
+    else:
+        from distbelief.data import open_dataset
+
+        network = build_network(config, open_dataset(config.data.path))
+    link = Link(args.bandwidth * 1e9, args.latency * 1e-6)
+    batch = args.batch or config.data.batch_size
+    try:
+        predictions = [predict(network, p, batch, args.gflops * 1e9, link)
+                       for p in args.partitions]
+    except ValueError as e:
+        raise ConfigError(f"--partitions: {e}") from e
+    print(f"{network.layout.size:,d} parameters, batch {batch}; per partition "
+          f"{args.gflops:g} GFLOP/s, link {args.bandwidth:g} GB/s, {args.latency:g} us")
+    print(format_table(predictions))
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

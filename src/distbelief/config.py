@@ -13,15 +13,23 @@ Sections and keys, with their defaults:
 
     [model]      layers (list of tables, required; checked by distbelief.model.Network)
     [data]       path (required; relative to the config file's folder), batch_size = 64
-    [optimizer]  algorithm = "sgd" | "downpour", learning_rate = 0.02, adagrad = true,
-                 n_fetch = 1, n_push = 1, warm_start_steps = 0
-    [cluster]    ps_shards = 1, partitions = 1
+    [optimizer]  algorithm = "sgd" | "downpour" | "sandblaster", learning_rate = 0.02,
+                 adagrad = true, n_fetch = 1, n_push = 1, warm_start_steps = 0
+                 Sandblaster L-BFGS only (distbelief.sandblaster; no learning rate):
+                 m = 10 (history pairs), work_unit_size = 0 (examples per work unit;
+                 0 = automatic), push_every_units = 4, backup_copies = 2 (copies of a
+                 unit in flight at most, the original included), line_search = "wolfe" |
+                 "armijo", wolfe_c1 = 1e-4, wolfe_c2 = 0.9, max_line_search = 20,
+                 gradient_tolerance = 1e-6 (stop when the gradient norm is below)
+    [cluster]    ps_shards = 1, partitions = 1 (ranks per model replica: model parallelism)
     [run]        max_steps = 0, max_seconds = 0 (0 = no limit), target_accuracy (unset),
                  eval_every_seconds = 2.0, eval_samples = 0 (0 = whole test set), seed = 0,
                  out_dir = "runs/<config file stem>" (relative to the current directory),
                  threads = 0 (0 = BLAS default), progress_every_seconds = 2.0,
                  checkpoint_every_seconds = 600 (0 = off), checkpoint_every_steps = 0
-                 (0 = off), keep_checkpoints = 3 (at least 2)
+                 (0 = off), keep_checkpoints = 3 (at least 2),
+                 max_bad_gradients_in_a_row = 10 (Downpour: a replica drops a non-finite
+                 gradient; this many in a row from one replica stop the run)
 
 Checkpoints (distbelief.checkpoint) go to out_dir/checkpoints; besides the periodic ones,
 a run always writes one when it stops (budget, target, SIGTERM/SIGUSR1), so it can be
@@ -43,8 +51,17 @@ from typing import Any
 
 from distbelief.errors import ConfigError, DataError
 
-ALGORITHMS = ("sgd", "downpour")
-NOT_IMPLEMENTED_ALGORITHMS = ("sandblaster",)
+ALGORITHMS = ("sgd", "downpour", "sandblaster")
+NOT_IMPLEMENTED_ALGORITHMS: tuple[str, ...] = ()
+LINE_SEARCHES = ("wolfe", "armijo")
+SANDBLASTER_KEYS = ("m", "work_unit_size", "push_every_units", "backup_copies", "line_search",
+                    "wolfe_c1", "wolfe_c2", "max_line_search", "gradient_tolerance")
+"""[optimizer] keys only Sandblaster reads; left out of other algorithms' config hash, so
+adding them did not change the hash of existing runs (their checkpoints still resume)."""
+SANDBLASTER_UNHASHED = ("work_unit_size", "push_every_units", "backup_copies",
+                        "gradient_tolerance")
+"""Sandblaster keys that change how the batch gradient is computed or when the run stops,
+not what is trained: a resumed run may change them (like run.max_steps)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,15 @@ class OptimizerConfig:
     n_fetch: int = 1
     n_push: int = 1
     warm_start_steps: int = 0
+    m: int = 10
+    work_unit_size: int = 0
+    push_every_units: int = 4
+    backup_copies: int = 2
+    line_search: str = "wolfe"
+    wolfe_c1: float = 1e-4
+    wolfe_c2: float = 0.9
+    max_line_search: int = 20
+    gradient_tolerance: float = 1e-6
 
 
 @dataclass(frozen=True)
@@ -88,6 +114,7 @@ class RunConfig:
     checkpoint_every_seconds: float = 600.0
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 3
+    max_bad_gradients_in_a_row: int = 10
 
 
 @dataclass(frozen=True)
@@ -194,6 +221,15 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "n_fetch": (_int(1), 1),
         "n_push": (_int(1), 1),
         "warm_start_steps": (_int(0), 0),
+        "m": (_int(1), 10),
+        "work_unit_size": (_int(0), 0),
+        "push_every_units": (_int(1), 4),
+        "backup_copies": (_int(1), 2),
+        "line_search": (_choice(LINE_SEARCHES), "wolfe"),
+        "wolfe_c1": (_float(0.0, strict=True, maximum=0.5), 1e-4),
+        "wolfe_c2": (_float(0.0, strict=True, maximum=1.0), 0.9),
+        "max_line_search": (_int(1), 20),
+        "gradient_tolerance": (_float(0.0), 1e-6),
     },
     "cluster": {
         "ps_shards": (_int(1), 1),
@@ -212,6 +248,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "checkpoint_every_seconds": (_float(0.0), 600.0),
         "checkpoint_every_steps": (_int(0), 0),
         "keep_checkpoints": (_int(2), 3),
+        "max_bad_gradients_in_a_row": (_int(1), 10),
     },
 }
 SECTIONS = tuple(SCHEMA)
@@ -355,14 +392,21 @@ def _check_not_implemented(values: dict, where: str) -> None:
     if algorithm in NOT_IMPLEMENTED_ALGORITHMS:
         raise ConfigError(f"{where}: optimizer.algorithm = {algorithm!r} is not implemented "
                           f"yet; use one of {', '.join(repr(a) for a in ALGORITHMS)}")
-    partitions = values["cluster"]["partitions"]
-    if partitions > 1:
-        raise ConfigError(f"{where}: cluster.partitions = {partitions}: model parallelism "
-                          "is not implemented yet; use 1")
 
 
 def _check_consistency(values: dict, where: str) -> None:
     run = values["run"]
+    opt = values["optimizer"]
+    if opt["algorithm"] == "sandblaster" and not opt["wolfe_c1"] < opt["wolfe_c2"]:
+        raise ConfigError(f"{where}: optimizer.wolfe_c1 = {opt['wolfe_c1']:g} must be smaller "
+                          f"than optimizer.wolfe_c2 = {opt['wolfe_c2']:g} (Wolfe conditions "
+                          "need 0 < c1 < c2 < 1)")
+    if opt["algorithm"] == "sandblaster" and opt["wolfe_c2"] >= 1.0:
+        raise ConfigError(f"{where}: optimizer.wolfe_c2 = {opt['wolfe_c2']:g} must be below 1")
+    if opt["algorithm"] == "sandblaster" and values["cluster"]["partitions"] > 1:
+        raise ConfigError(f"{where}: cluster.partitions = {values['cluster']['partitions']} "
+                          "is not supported with optimizer.algorithm = 'sandblaster' yet; "
+                          "model parallelism works with 'sgd' and 'downpour'")
     if not run["max_steps"] and not run["max_seconds"] and run["target_accuracy"] is None:
         raise ConfigError(f"{where}: the run would never end: set at least one of "
                           "run.max_steps, run.max_seconds or run.target_accuracy")
@@ -388,8 +432,22 @@ def check_data_fits(config: Config) -> None:
     from distbelief.data import open_dataset
 
     info = open_dataset(config.data.path)
-    build_network(config, info)
-    if config.data.batch_size > info.n_train:
+    network = build_network(config, info)
+    if config.cluster.partitions > 1:
+        from distbelief.partition import (
+            balanced_splits,
+            check_every_partition_owns_units,
+            split_units,
+        )
+
+        try:
+            check_every_partition_owns_units(network.layers, [
+                balanced_splits(split_units(layer), config.cluster.partitions)
+                for layer in network.layers])
+        except ConfigError as e:
+            raise ConfigError(f"cluster.{e}") from e
+    # Sandblaster's batch is the whole training set when batch_size is that large.
+    if config.data.batch_size > info.n_train and config.optimizer.algorithm != "sandblaster":
         raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
                         f"{info.n_train} training samples in {info.path}")
     if config.run.eval_samples > info.n_test:
@@ -427,6 +485,9 @@ def hashed_settings(config: Config) -> dict[str, Any]:
     resume can name the keys that changed."""
     d = config.to_dict()
     out = {section: d[section] for section in HASHED_SECTIONS}
+    dropped = (SANDBLASTER_UNHASHED if config.optimizer.algorithm == "sandblaster"
+               else SANDBLASTER_KEYS)
+    out["optimizer"] = {k: v for k, v in out["optimizer"].items() if k not in dropped}
     out["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
     return out
 

@@ -240,7 +240,9 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 def _keep_lines_until(path: Path, discarded: Path, resume: ResumePoint) -> list[dict]:
-    """Cut metrics.jsonl back to the lines up to `resume.step`; returns them parsed.
+    """Cut metrics.jsonl back to the lines up to `resume.step` written by then (their time
+    is at most `resume.elapsed`: under Downpour an evaluation of a step before the
+    checkpoint can finish after it); returns them parsed.
 
     The cut lines (after the checkpoint, or unreadable, like a half-written last line) are
     appended to `discarded` and fsynced before metrics.jsonl is replaced, so a crash in
@@ -254,7 +256,8 @@ def _keep_lines_until(path: Path, discarded: Path, resume: ResumePoint) -> list[
         line = _parse_line(text)
         if line is None and not text.strip():
             continue
-        if line is not None and line.get("step", math.inf) <= resume.step:
+        if line is not None and line.get("step", math.inf) <= resume.step \
+                and line.get("time", 0.0) <= resume.elapsed:
             kept_text.append(text)
             kept.append(line)
         else:

@@ -209,7 +209,7 @@ import fcntl
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -222,6 +222,7 @@ from distbelief.layout import DTYPE, balanced_ranges
 from distbelief.topology import Topology
 
 HEADER_BYTES = 64  # counters at the head of each window; data starts cache-line aligned
+FLOAT_BYTES = DTYPE().itemsize
 COUNTER_BYTES = 8
 HEADER_SLOTS = HEADER_BYTES // COUNTER_BYTES
 # int64 slots in the ACCUM header
@@ -800,6 +801,24 @@ class ParameterClient(_Endpoint):
         self._one = np.ones(1, dtype=np.int64)
         self._taken = np.zeros((shards, 1), dtype=np.int64)
         self._push_versions = np.zeros(shards, dtype=np.int64)  # versions holding last push
+        # What this client transfers, per shard: all of its range unless restrict_to.
+        self._segments = [[r] for r in self.ranges]
+        self._touched = np.ones(shards, dtype=bool)
+
+    def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
+        """From now on pull and push only `pieces`, [start, stop) ranges of the vector (a
+        model partition's own parameters, the paper's Figure 2). Shards holding none of
+        them are not touched: no transfer, no pull or push counted there, no staleness
+        sample (epochs are still opened on every shard, so a control exchange with shard
+        0 stays legal). Local; call it before the first pull."""
+        segments: list[list[tuple[int, int]]] = [[] for _ in self.ranges]
+        for shard, (low, high) in enumerate(self.ranges):
+            for start, stop in sorted(pieces):
+                start, stop = max(start, low), min(stop, high)
+                if start < stop:
+                    segments[shard].append((start, stop))
+        self._segments = segments
+        self._touched = np.array([bool(s) for s in segments])
 
     def _check_vector(self, vector: np.ndarray, what: str) -> None:
         if vector.dtype != DTYPE or vector.shape != (self.size,) or not vector.flags.c_contiguous:
@@ -823,11 +842,14 @@ class ParameterClient(_Endpoint):
             yield
 
     def _issue_pull(self, win: MPI.Win, out: np.ndarray) -> None:
-        for shard, (start, stop) in enumerate(self.ranges):
+        for shard, (low, _) in enumerate(self.ranges):
+            if not self._touched[shard]:
+                continue
             # version and applied only: `pulls` is updated concurrently by other clients.
             win.Get(_int64(self._headers[shard]), shard, (0, 2, MPI.INT64_T))
-            win.Get([out[start:stop], MPI.FLOAT], shard,
-                    (HEADER_BYTES, stop - start, MPI.FLOAT))
+            for start, stop in self._segments[shard]:
+                win.Get([out[start:stop], MPI.FLOAT], shard,
+                        (HEADER_BYTES + (start - low) * FLOAT_BYTES, stop - start, MPI.FLOAT))
             win.Accumulate(_int64(self._one), shard, (PULLS * COUNTER_BYTES, 1, MPI.INT64_T),
                            MPI.SUM)
 
@@ -836,9 +858,13 @@ class ParameterClient(_Endpoint):
         # The order inside the epoch does not matter: the shard takes the accumulator and
         # the push count together under its EXCLUSIVE lock, after this SHARED epoch has
         # completed. (Counters first, to wake the shard earlier, was measured: no faster.)
-        for shard, (start, stop) in enumerate(self.ranges):
-            win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
-                           (HEADER_BYTES, stop - start, MPI.FLOAT), MPI.SUM)
+        for shard, (low, _) in enumerate(self.ranges):
+            if not self._touched[shard]:
+                continue
+            for start, stop in self._segments[shard]:
+                win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
+                               (HEADER_BYTES + (start - low) * FLOAT_BYTES, stop - start,
+                                MPI.FLOAT), MPI.SUM)
             win.Accumulate(_int64(self._one), shard, (PUSHES * COUNTER_BYTES, 1, MPI.INT64_T),
                            MPI.SUM)
             win.Fetch_and_op(_int64(self._one), _int64(self._taken[shard]), shard,
@@ -853,9 +879,10 @@ class ParameterClient(_Endpoint):
 
     def _pushed(self) -> np.ndarray:
         # The push read taken = t on each shard: the fold that applies it is take t + 1.
-        self._push_versions[:] = self._taken[:, 0] + 1
+        touched = self._touched
+        self._push_versions[touched] = self._taken[touched, 0] + 1
         staleness = self._taken[:, 0] - self.pulled_versions
-        self.staleness.add(staleness)
+        self.staleness.add(staleness[touched])
         return staleness
 
     def pull(self, out: np.ndarray) -> np.ndarray:

@@ -10,6 +10,12 @@ least one run is a Downpour run (summary.json with algorithm "downpour"), two mo
                              between a replica's fetch and its push), one bar group per run
     replica_throughput.png   samples/s of each replica of each Downpour run, with the
                              single-process runs' samples/s as horizontal reference lines
+When at least one run is a Sandblaster L-BFGS run (training lines with `grad_norm`), two
+more, read from metrics.jsonl alone (so they work on a running job):
+    sandblaster_iterations.png  per iteration: training loss, gradient norm, step size and
+                                line-search evaluations
+    sandblaster_units.png       work units committed by each replica (load balancing),
+                                with the backup units issued and discarded in the legend
 
 matplotlib is an optional dependency (`pip install 'distbelief[plot]'`); it is imported
 only here, with the Agg backend, so reports work on headless cluster nodes.
@@ -114,7 +120,62 @@ def plot_runs(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
         written.append(_plot_staleness(plt, downpour, out / STALENESS_FIGURE))
         baselines = [r for r in runs if not _is_downpour(r)]
         written.append(_plot_throughput(plt, downpour, baselines, out / THROUGHPUT_FIGURE))
+    sandblaster = [r for r in runs if _is_sandblaster(r)]
+    if sandblaster:
+        written.append(_plot_iterations(plt, sandblaster, out / ITERATIONS_FIGURE))
+        written.append(_plot_units(plt, sandblaster, out / UNITS_FIGURE))
     return written
+
+
+ITERATIONS_FIGURE = "sandblaster_iterations.png"
+UNITS_FIGURE = "sandblaster_units.png"
+ITERATION_PANELS = (("loss", "training loss", False), ("grad_norm", "gradient norm", True),
+                    ("step_size", "step size", True),
+                    ("line_search_evals", "line-search evaluations", False))
+
+
+def _is_sandblaster(run: Run) -> bool:
+    return any("grad_norm" in line for line in run.train)
+
+
+def _plot_iterations(plt: Any, runs: Sequence[Run], path: Path) -> Path:
+    """Four panels against the L-BFGS iteration."""
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, label, log) in zip(axes.flat, ITERATION_PANELS):
+        for run in runs:
+            points = [(r["step"], r[key]) for r in run.train if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=run.name)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("L-BFGS iteration")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes.flat[0].legend(fontsize="small")
+    return _save(plt, fig, path)
+
+
+def _plot_units(plt: Any, runs: Sequence[Run], path: Path) -> Path:
+    """Units each replica committed over the run, one bar group per replica."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    offsets, width = _bar_offsets(len(runs))
+    most = 1
+    for run, dx in zip(runs, offsets):
+        lines = [r for r in run.train if "units_per_replica" in r]
+        if not lines:
+            continue
+        totals = [sum(col) for col in zip(*(r["units_per_replica"] for r in lines))]
+        most = max(most, len(totals))
+        issued = sum(r.get("backup_units_issued", 0) for r in lines)
+        discarded = sum(r.get("backup_units_discarded", 0) for r in lines)
+        ax.bar([i + dx for i in range(len(totals))], totals, width,
+               label=f"{run.name} (backups: {issued} issued, {discarded} discarded)")
+    ax.set_xlabel("replica")
+    ax.set_ylabel("work units committed")
+    _finish_figure(ax)
+    ax.set_xticks(range(most))
+    return _save(plt, fig, path)
 
 
 STALENESS_FIGURE = "staleness_histogram.png"

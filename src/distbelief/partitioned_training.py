@@ -1,0 +1,359 @@
+"""Training with model replicas that span several ranks (`[cluster] partitions = P > 1`).
+
+SINGLE REPLICA (`algorithm = "sgd"`, `mpiexec -n P`): the single-process loop of
+trainer.py, run by P ranks in lockstep on one `PartitionedNetwork`. Every rank reads the
+same batches (same seed) and keeps only its pieces of the parameters and its optimizer
+state (Adagrad or SGD are element-wise, so each partition updating its own pieces is
+exactly the single-process update). What every rank must agree on comes from collectives
+it takes part in anyway: the loss and the test accuracy are Allreduced inside the model,
+so divergence and the accuracy target are decided identically everywhere; the two
+decisions that depend on a clock (max_seconds, when to evaluate) are rank 0's, broadcast
+each step (one 8-byte Ibcast among ranks that are in lockstep already). Rank 0 owns the
+run folder (config.json, metrics.jsonl, summary.json) as in trainer.py, and records the
+bytes each layer sends per step, summed over the partitions, once as a "partitions"
+line in metrics.jsonl and in summary.json. Checkpoints are not written for partitioned
+runs yet (said at start).
+
+DOWNPOUR (`algorithm = "downpour"`, S + R x P ranks): `PartitionedReplica` is a Downpour
+replica whose network is a `PartitionedNetwork` over its replica's P ranks and whose
+parameter client pulls and pushes only the partition's pieces of the vector
+(`ParameterClient.restrict_to`; the paper's Figure 2). Partition 0 alone claims steps and
+reports steps and loss to shard 0 (they ride on its pushes, as for any replica) and hands
+each grant to its partitions with a broadcast that they wait for with back-off sleeps (a
+warm-start wait can be long). Downpour's agreement rounds (checkpoints, signals, the end
+of the run) may complete on one partition a block before another, so the partitions of
+a replica act on a round only once all of them hold it (`ReplicaRounds`), and they agree
+on whether a step's gradient is finite (Downpour drops non-finite ones); partition 0
+writes the replica's checkpoint part. The data, shards and supervisor are Downpour's own.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.agreement import wait_for_everyone
+from distbelief.config import Config, config_hash
+from distbelief.errors import ConfigError, UserError
+from distbelief.metrics import RunRecorder
+from distbelief.model_parallel import PartitionedNetwork, wait_all
+from distbelief.parameter_server import Backoff
+from distbelief.threads import set_blas_threads
+from distbelief.trainer import (
+    EVAL_BATCH_SIZE,
+    LOG_EVERY_SECONDS,
+    StopRules,
+    TrainingDiverged,
+    load_eval_set,
+    open_data,
+    prepare_run_dir,
+)
+
+STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds"}
+_CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
+
+
+def check_rank_count(config: Config, world_size: int) -> None:
+    """A single partitioned replica needs exactly `partitions` ranks. Pure."""
+    partitions = config.cluster.partitions
+    if world_size != partitions:
+        raise ConfigError(
+            f"optimizer.algorithm = \"sgd\" with cluster.partitions = {partitions} trains one "
+            f"model replica on exactly {partitions} MPI ranks, but {world_size} were "
+            f"started; run mpiexec -n {partitions}, or use algorithm = \"downpour\" for "
+            f"several replicas")
+
+
+def agree(comm: MPI.Comm, setup: Callable[[], Any]) -> Any:
+    """Run `setup()` here; if it raised a UserError on any rank, raise it on every rank
+    (the lowest rank's message). Collective over `comm`: an Ibarrier polled with back-off
+    sleeps, then an allgather of the error messages."""
+    try:
+        result, error = setup(), None
+    except UserError as e:
+        result, error = None, str(e)
+    wait_for_everyone(comm)
+    errors = [message for message in comm.allgather(error) if message is not None]
+    if errors:
+        raise UserError(errors[0])
+    return result
+
+
+def traffic_totals(model: PartitionedNetwork) -> dict[str, Any] | None:
+    """Bytes per step per layer summed over the partitions, on rank 0 (None elsewhere).
+    Collective over model.comm (one reduce)."""
+    mine = model.traffic.per_step()
+    rows = np.array([mine["forward"], mine["backward"]], dtype=np.float64)
+    total = np.zeros_like(rows) if model.comm.Get_rank() == 0 else None
+    model.comm.Reduce(rows, total, op=MPI.SUM, root=0)
+    loss = model.comm.reduce(mine["loss"], op=MPI.SUM, root=0)
+    if total is None:
+        return None
+    return {"partitions": model.comm.Get_size(),
+            "forward_bytes_per_step": [int(b) for b in total[0]],
+            "backward_bytes_per_step": [int(b) for b in total[1]],
+            "loss_allreduce_bytes_per_step": int(loss),
+            "total_bytes_per_step": int(total.sum() + loss)}
+
+
+def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
+          resume: str = "auto") -> dict[str, Any] | None:
+    """Train one replica split over the ranks of `comm`; returns the summary on rank 0,
+    None elsewhere. Collective over `comm` (every rank calls it with the same config).
+
+    Validates the rank count and the partitioning first, without communicating, so a bad
+    configuration raises ConfigError on every rank. Always starts fresh: `resume` =
+    "require" (train --resume) is a ConfigError, as this path writes no checkpoints.
+    """
+    from distbelief.data import TrainShard
+    from distbelief.optimizers import make_optimizer
+
+    if resume == "require":
+        raise ConfigError("--resume: a single replica with cluster.partitions > 1 writes no "
+                          "checkpoints, so it cannot resume; use optimizer.algorithm = "
+                          "\"downpour\" (which checkpoints) or start without --resume")
+    check_rank_count(config, comm.Get_size())
+    info, network = open_data(config)
+    model = PartitionedNetwork(network, comm)
+    set_blas_threads(config.run.threads or 1)
+    rank0 = comm.Get_rank() == 0
+
+    def setup() -> tuple:
+        if rank0:
+            prepare_run_dir(config)
+        return (load_eval_set(config, info),
+                TrainShard(info, rank=0, num_ranks=1, seed=config.run.seed))
+
+    eval_set, shard = agree(comm, setup)
+    params = model.init_params(config.run.seed)
+    opt = config.optimizer
+    optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)
+    recorder = None
+    if rank0:
+        _print(stream, f"distbelief: sgd, {network.layout.size:,d} parameters over "
+                       f"{comm.Get_size()} partitions (this one {model.local_size:,d}); data "
+                       f"{info.path} ({info.n_train} train / {len(eval_set[1])} eval "
+                       f"samples), out {config.run.out_dir}; checkpoints are not written "
+                       f"for partitioned runs\n{network.describe()}\n{model.describe()}")
+        recorder = RunRecorder(config.run.out_dir, config.run.progress_every_seconds, stream,
+                               target_accuracy=config.run.target_accuracy)
+    with np.errstate(over="ignore", invalid="ignore"):
+        reason, step = _loop(config, model, shard, optimizer, params, eval_set, recorder)
+    traffic = traffic_totals(model)
+    if not rank0:
+        return None
+    summary = recorder.finish({
+        "algorithm": "sgd", "stop_reason": reason, "config_hash": config_hash(config),
+        "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
+        "resumed_from": None, "checkpoint": None, "model_parallel": traffic})
+    _print(stream, f"distbelief: stopped ({reason}) after {step} steps, "
+                   f"{summary['wall_seconds']:.1f}s; test accuracy "
+                   f"{summary['final_test_accuracy']:.4f}; "
+                   f"{traffic['total_bytes_per_step']:,d} bytes/step between partitions\n"
+                   f"results in {config.run.out_dir}")
+    return summary
+
+
+def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
+          params: np.ndarray, eval_set: tuple, recorder: RunRecorder | None
+          ) -> tuple[str, int]:
+    """The lockstep loop; returns (why it stopped, steps). Collective over model.comm."""
+    comm, rules = model.comm, StopRules.from_config(config)
+    batch_size, eval_every = config.data.batch_size, config.run.eval_every_seconds
+    grad = np.zeros_like(params)
+    decision = np.zeros(2, dtype=np.int32)  # stop code, evaluate now
+    start = recorder.start if recorder else time.monotonic()
+    next_log, next_eval = start + LOG_EVERY_SECONDS, start + eval_every
+    step, loss_sum, loss_count, recent = 0, 0.0, 0, math.nan
+
+    def evaluate() -> float:
+        test_loss, accuracy = model.evaluate(params, *eval_set, batch_size=EVAL_BATCH_SIZE)
+        if recorder:
+            recorder.log_eval(step, step * batch_size, recent, accuracy, test_loss)
+        return accuracy
+
+    while True:
+        x, y = shard.next_batch(batch_size)
+        loss = model.loss_and_grad(params, x, y, grad)
+        if not math.isfinite(loss):  # the same loss on every partition: all stop here
+            if recorder:
+                recorder.finish({"algorithm": "sgd", "stop_reason": "diverged"})
+            raise TrainingDiverged(f"training diverged: the loss is {loss} at step "
+                                   f"{step + 1}; lower optimizer.learning_rate (now "
+                                   f"{config.optimizer.learning_rate:g})")
+        optimizer.step(params, grad)
+        step += 1
+        loss_sum, loss_count = loss_sum + loss, loss_count + 1
+        if step == 1:
+            traffic = traffic_totals(model)
+            if recorder:
+                recorder.log_event("partitions", step, batch_size, **traffic)
+        if recorder:
+            now = time.monotonic()
+            reason = rules.budget_spent(step, now - start)
+            decision[:] = _CODE_OF[reason], now >= next_eval
+            if now >= next_log or reason:
+                recent, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
+                recorder.log(step, step * batch_size, recent)
+                next_log = now + LOG_EVERY_SECONDS
+            recorder.progress(step, step * batch_size, recent)
+        polled_bcast(comm, decision)
+        reason = STOP_CODES[int(decision[0])]
+        if reason:
+            evaluate()
+            return reason, step
+        if decision[1]:
+            if recorder and loss_count:
+                recent = loss_sum / loss_count
+            if rules.target_reached(evaluate()):
+                return "target_accuracy", step
+            next_eval = time.monotonic() + eval_every
+
+
+# ------------------------------------------------------------------------------------------
+# Downpour
+
+
+def make_replica(plan: Any, client: Any, network: Any, data: Any, sync: Any, start: Any,
+                 fetch_own_pushes: bool, replica_comm: MPI.Comm) -> Any:
+    """Downpour's replica role for this rank: the plain one when partitions = 1, else a
+    PartitionedReplica over `replica_comm` (topology.split_communicators' partition
+    communicator). Local (no communication)."""
+    from distbelief.downpour import Replica
+
+    if replica_comm == MPI.COMM_NULL or replica_comm.Get_size() == 1:
+        return Replica(plan, client, network, data, sync, start, fetch_own_pushes)
+    return _partitioned_replica_class()(plan, client, network, data, sync, start,
+                                        fetch_own_pushes, replica_comm)
+
+
+def polled_bcast(comm: MPI.Comm, value: np.ndarray) -> np.ndarray:
+    """Rank 0's `value` on every rank of `comm`, in place: an Ibcast waited for with
+    back-off sleeps (a partition may wait long for its lead). Collective over `comm`."""
+    wait_all([comm.Ibcast(value, root=0)])
+    return value
+
+
+class ReplicaRounds:
+    """Downpour's agreement rounds (distbelief.agreement.Rounds) as the partitions of one
+    replica see them: together. A round's result may complete on one partition a block
+    before another; acting on it alone (a checkpoint's barrier) would leave the other
+    partition waiting for activations from this one. So each partition holds a result it
+    has received until every partition of the replica holds it (an Allreduce MIN among
+    them, from points they reach in lockstep), and only then hands it on.
+
+    Collective over the replica's communicator: every partition calls poll() at the same
+    points of its sequence (after each block, in the warm-start wait, in drain)."""
+
+    def __init__(self, rounds: Any, comm: MPI.Comm):
+        self.rounds, self.comm = rounds, comm
+        self._held: np.ndarray | None = None
+        self._have = np.zeros(1, dtype=np.int32)
+
+    def poll(self, contribute: Callable[[], Any]) -> np.ndarray | None:
+        if self._held is None:
+            self._held = self.rounds.poll(contribute)
+        self._have[0] = self._held is not None
+        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self._have, op=MPI.MIN)])
+        if not self._have[0]:
+            return None
+        result, self._held = self._held, None
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.rounds, name)
+
+
+def _partitioned_replica_class() -> type:
+    """Defined on first use: it subclasses downpour.Replica, and downpour imports us."""
+    from distbelief.downpour import WARM_START_POLL_S, Replica
+
+    class PartitionedReplica(Replica):
+        """One partition of a Downpour replica: its own pieces of the parameters, its own
+        pushes and pulls; partition 0 claims steps and shares the grants; the partitions
+        act on agreement rounds together (ReplicaRounds) and partition 0 alone writes the
+        replica's checkpoint part (the data position is the same on all of them)."""
+
+        def __init__(self, plan: Any, client: Any, network: Any, data: Any, sync: Any,
+                     start: Any, fetch_own_pushes: bool, replica_comm: MPI.Comm):
+            model = PartitionedNetwork(network, replica_comm)
+            client.restrict_to(model.pieces)
+            model.layout = network.layout  # whole-model vectors: Replica sizes them so
+            sync.rounds = ReplicaRounds(sync.rounds, replica_comm)
+            super().__init__(plan, client, model, data, sync, start, fetch_own_pushes)
+            self.model, self.comm = model, replica_comm
+            self.lead = replica_comm.Get_rank() == 0
+            self._shared = np.zeros(1, dtype=np.int64)
+            self._finite = np.zeros(1, dtype=np.int32)
+
+        def _share(self, value: int) -> int:
+            """Partition 0's `value` on every partition of the replica (collective)."""
+            self._shared[0] = value if self.lead else 0
+            return int(polled_bcast(self.comm, self._shared)[0])
+
+        def _wait_for_warm_start(self) -> None:
+            """Replica's wait, in lockstep: partition 0 polls shard 0 and tells the others
+            whether to go on waiting; all of them poll the rounds at the same points."""
+            backoff = Backoff(*WARM_START_POLL_S)
+            control = self.control.set(claim=0)
+            plan = self.plan
+            while not self.stopping:
+                over = False
+                if self.lead:
+                    self.client.exchange(control)
+                    over = bool(control.stop or (plan.max_steps and self.base
+                                                 + control.claimed_before >= plan.max_steps)
+                                or self.base + control.steps_before >= plan.warm_start_steps)
+                if self._share(int(over)):
+                    return
+                self.poll_rounds()
+                backoff.wait()
+
+        def _first_claim(self) -> int:
+            if self.lead:
+                return super()._first_claim()
+            t0 = time.perf_counter()
+            self.client.pull(self.params)
+            self.stats_.rma_seconds += time.perf_counter() - t0
+            self.stats_.fetches += 1
+            self.fresh = True
+            return self._granted(None)
+
+        def _granted(self, control: Any) -> int:
+            return self._share(super()._granted(control) if self.lead else 0)
+
+        def _push(self, control: Any) -> None:
+            super()._push(control if self.lead else None)
+
+        def _usable(self, loss: float) -> bool:
+            """Downpour's finite-gradient check, agreed by the partitions (Allreduce MIN):
+            one partition's pieces may be finite while another's are not, and a partition
+            that dropped a step, or stopped after too many, while the others went on
+            would leave them waiting for its activations."""
+            before = self.bad_in_a_row
+            self._finite[0] = super()._usable(loss)
+            wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self._finite, op=MPI.MIN)])
+            self.bad_in_a_row = 0 if self._finite[0] else before
+            return bool(self._finite[0])
+
+        def _write_part(self, partial: Any, meta: Any) -> dict[str, Any]:
+            return super()._write_part(partial, meta) if self.lead else {}
+
+        def stats(self) -> dict[str, Any]:
+            out = super().stats()
+            out["partition"] = self.comm.Get_rank()
+            out["model_parallel"] = self.model.traffic.per_step()
+            return out
+
+    return PartitionedReplica
+
+
+def _print(stream: IO[str] | None, text: str) -> None:
+    if stream is not None:
+        print(text, file=stream, flush=True)

@@ -1,0 +1,541 @@
+"""Downpour checkpoints end to end, as MPI jobs under timeouts at 2, 3 and 4 ranks with 1
+and 2 parameter-server shards: SIGUSR1/SIGTERM reaching one rank or all of them, exact
+resume (one replica: bit for bit, also on another shard count), another replica or shard
+count starting from exactly the checkpoint's state, kill -9 of a shard or a replica, a
+damaged newest checkpoint, a refused resume, periodic checkpoints and retention, and a
+diverging run that never checkpoints non-finite values.
+
+All runs train a small MLP on a synthetic set (seconds per job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, _env, run_mpi
+from test_checkpoint import _flip_bytes
+from test_downpour import BATCH, TOML, exit_statuses, set_args
+
+from distbelief import checkpoint as ckpt
+from distbelief.datasets import make_synthetic
+from distbelief.downpour import TEST_ONLY_KILL, TEST_ONLY_POISON
+from distbelief.metrics import read_metrics
+
+PROGRAMS = REPO / "tests" / "mpi_programs"
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("downpour_ckpt")
+    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(16,),
+                   num_classes=4, seed=3)
+    (folder / "synth.toml").write_text(TOML)
+    return folder
+
+
+def train_args(data_dir: Path, out: Path, *overrides: str) -> list:
+    """`train synth.toml --set ...` as arguments of cli_exit_status.py (or -m distbelief)."""
+    return ["train", data_dir / "synth.toml", *set_args(f'run.out_dir="{out}"', *overrides)]
+
+
+def downpour(n: int, data_dir: Path, out: Path, *overrides: str, env: dict | None = None,
+             timeout: float = TIMEOUT, extra: tuple = ()):
+    """The real command line on every rank, each printing its exit status."""
+    return run_mpi(n, [PROGRAMS / "cli_exit_status.py", *train_args(data_dir, out, *overrides),
+                       *extra], timeout=timeout, env=env)
+
+
+def succeeded(proc, n: int, out: Path) -> dict:
+    """summary.json of a run in which every one of the n ranks exited 0."""
+    assert exit_statuses(proc) == [0] * n, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def shape(n: int, shards: int) -> list[str]:
+    """The override for a job of n ranks with `shards` shards (n is for the reader)."""
+    return [f"cluster.ps_shards={shards}"]
+
+
+def newest(out: Path) -> ckpt.Checkpoint:
+    found, damaged = ckpt.find_latest(ckpt.checkpoint_root(out))
+    assert found is not None and damaged == []
+    return found
+
+
+def committed_steps(out: Path) -> list[int]:
+    return [step for step, _ in ckpt.list_checkpoints(ckpt.checkpoint_root(out))]
+
+
+def metrics(out: Path) -> list[dict]:
+    return read_metrics(out / "metrics.jsonl")
+
+
+def check_resumed(summary: dict, out: Path, at: int, total: int) -> None:
+    """A run resumed at step `at` that trained to `total` steps: counts continue, the
+    metrics have one resume line and times that keep increasing."""
+    assert summary["resumed_at_step"] == at
+    assert summary["resumed_from"].endswith(ckpt.checkpoint_name(at))
+    assert summary["steps"] == total == newest(out).step
+    assert summary["samples"] == total * BATCH
+    lines = metrics(out)
+    assert [x["step"] for x in lines if x["kind"] == "resume"] == [at]
+    times = [x["time"] for x in lines]
+    assert times == sorted(times)
+
+
+# -- processes of a running job -------------------------------------------------------------------
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(
+                int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def rank_pids(root: int, n: int, timeout: float = 30) -> dict[int, int]:
+    """{world rank: pid} of the ranks of the job launched as process `root`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ranks = {}
+        for pid in _descendants(root):
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            rank = [item[9:] for item in env if item.startswith(b"PMI_RANK=")]
+            if rank and b"cli_exit_status.py" in cmdline:
+                ranks[int(rank[0])] = pid
+        if len(ranks) == n:
+            return ranks
+        assert time.monotonic() < deadline, f"found ranks {ranks} of {n}"
+        time.sleep(0.05)
+
+
+def launch(n: int, data_dir: Path, out: Path, log: Path, *overrides: str,
+           env: dict | None = None) -> subprocess.Popen:
+    cmd = ["mpiexec", "-n", str(n), sys.executable, str(PROGRAMS / "cli_exit_status.py"),
+           *map(str, train_args(data_dir, out, *overrides))]
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or _env(),
+                                start_new_session=True)
+
+
+def wait_for_training(proc: subprocess.Popen, out: Path, log: Path, timeout: float = 60) -> None:
+    """Until rank 0 has written a training line: every rank has its handlers by then
+    (installed before the first collective) and trains."""
+    deadline = time.monotonic() + timeout
+    path = out / "metrics.jsonl"
+    while not (path.exists() and '"train"' in path.read_text()):
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "no training line"
+        time.sleep(0.05)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"the job did not end within {timeout}s")
+
+
+# -- signals ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, shards, targets, sig", [
+    (2, 1, [0], signal.SIGUSR1),             # rank 0 only
+    (3, 1, [2], signal.SIGUSR1),             # one replica only
+    (4, 2, [1], signal.SIGUSR1),             # a shard other than 0 only
+    (4, 2, [0, 1, 2, 3], signal.SIGTERM),    # every rank, as SLURM at the time limit
+    (3, 1, ["mpiexec"], signal.SIGUSR1),     # the launcher (hydra passes it to every rank)
+], ids=["rank0", "one-replica", "shard1", "all-SIGTERM", "launcher"])
+def test_a_signal_on_some_ranks_checkpoints_and_every_rank_exits_0(
+        data_dir: Path, tmp_path: Path, n: int, shards: int, targets: list,
+        sig: signal.Signals) -> None:
+    out, log = tmp_path / "out", tmp_path / "log"
+    proc = launch(n, data_dir, out, log, *shape(n, shards), "run.max_steps=0",
+                  "run.max_seconds=60", "run.eval_every_seconds=0.3")
+    try:
+        wait_for_training(proc, out, log)
+        pids = rank_pids(proc.pid, n)
+        for rank in targets:
+            os.kill(proc.pid if rank == "mpiexec" else pids[rank], sig)
+        sent = time.monotonic()
+        returncode = finish(proc)
+        waited = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = log.read_text()
+    assert returncode == 0, output
+    statuses = sorted((int(r), int(s)) for r, s in re.findall(r"rank (\d+) exit (\d+)", output))
+    assert statuses == [(rank, 0) for rank in range(n)], output
+    assert waited < 10, f"took {waited:.1f}s to stop"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == sig.name
+    step = summary["steps"]
+    assert step > 0 and newest(out).step == step
+    assert summary["checkpoint"].endswith(ckpt.checkpoint_name(step))
+    assert f"stopped ({sig.name}) after {step} steps" in output
+
+    # The rerun (a requeued job) continues from that step; max_steps counts the total.
+    proc = run_mpi(n, ["-m", "distbelief", *train_args(data_dir, out, *shape(n, shards),
+                                                      f"run.max_steps={step + 200}")],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert f"resuming from {out / 'checkpoints' / ckpt.checkpoint_name(step)} at step " \
+           f"{step}," in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "max_steps"
+    check_resumed(summary, out, step, step + 200)
+
+
+# -- exact resume -----------------------------------------------------------------------------------
+
+
+def final_state(out: Path) -> tuple[int, np.ndarray, np.ndarray]:
+    found = newest(out)
+    params, state = found.read_state()
+    return found.step, params, state["accum"]
+
+
+@pytest.mark.parametrize("first, second, extra", [
+    ((2, 1), (2, 1), []),
+    ((2, 1), (3, 2), []),                          # re-sharded 1 -> 2
+    ((3, 2), (2, 1), ["optimizer.n_push=3"]),      # re-sharded 2 -> 1
+], ids=["same", "1-to-2-shards", "2-to-1-shards-npush3"])
+def test_one_replica_resumed_is_bit_identical_to_an_uninterrupted_run(
+        data_dir: Path, tmp_path: Path, first: tuple, second: tuple, extra: list) -> None:
+    # One replica that reads its own pushes is sequential SGD, whatever the shard count
+    # (Adagrad works per element), so a resumed run must compute exactly what an
+    # uninterrupted one computes, including after re-sharding.
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    proc = downpour(first[0], data_dir, straight, *shape(*first), "run.max_steps=300", *extra)
+    assert succeeded(proc, first[0], straight)["steps"] == 300
+    proc = downpour(first[0], data_dir, halves, *shape(*first), "run.max_steps=150", *extra)
+    assert succeeded(proc, first[0], halves)["steps"] == 150
+    proc = downpour(second[0], data_dir, halves, *shape(*second), "run.max_steps=300", *extra)
+    check_resumed(succeeded(proc, second[0], halves), halves, 150, 300)
+    step_a, params_a, accum_a = final_state(straight)
+    step_b, params_b, accum_b = final_state(halves)
+    assert step_a == step_b == 300
+    assert np.array_equal(params_a, params_b)
+    assert np.array_equal(accum_a, accum_b)
+    assert newest(halves).read_replica(0).data_state == newest(straight).read_replica(
+        0).data_state
+
+
+@pytest.mark.parametrize("first, second", [
+    ((4, 1), (3, 2)),    # 3 replicas, 1 shard -> 1 replica, 2 shards
+    ((4, 2), (4, 1)),    # 2 replicas, 2 shards -> 3 replicas, 1 shard
+    ((3, 1), (2, 1)),    # 2 replicas -> 1
+])
+def test_another_replica_or_shard_count_starts_from_the_checkpoint_exactly(
+        data_dir: Path, tmp_path: Path, first: tuple, second: tuple) -> None:
+    out, dump = tmp_path / "out", tmp_path / "dump"
+    dump.mkdir()
+    succeeded(downpour(first[0], data_dir, out, *shape(*first), "run.max_steps=200"),
+              first[0], out)
+    params, accum = final_state(out)[1:]
+    # What the resumed run's ranks hold once it is set up: every replica's first pull,
+    # every shard's Adagrad state.
+    proc = run_mpi(second[0], [PROGRAMS / "downpour_start.py", data_dir / "synth.toml", dump,
+                               *set_args(f'run.out_dir="{out}"', *shape(*second))],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    n_shards, n_replicas = second[1], second[0] - second[1]
+    assert (dump / "steps.txt").read_text() == "200"
+    for r in range(n_replicas):
+        pulled = np.load(dump / f"replica-{r}.npy")
+        assert pulled.tobytes() == params.tobytes()
+    ranges = [tuple(np.load(dump / f"shard-{s}-range.npy")) for s in range(n_shards)]
+    assert ckpt.assemble([(a, b, np.load(dump / f"shard-{s}-accum.npy"))
+                          for s, (a, b) in enumerate(ranges)], params.size).tobytes() \
+        == accum.tobytes()
+    # And the run itself continues from there to the total.
+    proc = downpour(second[0], data_dir, out, *shape(*second), "run.max_steps=300")
+    summary = succeeded(proc, second[0], out)
+    check_resumed(summary, out, 200, 300)
+    assert summary["num_replicas"] == n_replicas and summary["ps_shards"] == n_shards
+    if n_replicas != first[0] - first[1]:
+        assert "each replica starts a fresh pass" in proc.stdout
+
+
+# -- kill -9 ------------------------------------------------------------------------------------------
+
+
+KILL_AT = 230
+EVERY = 50
+
+
+@pytest.mark.parametrize("n, shards, victim", [
+    (2, 1, 1),    # the only replica
+    (3, 2, 1),    # shard 1 (one replica)
+    (4, 1, 2),    # one of 3 replicas
+    (4, 2, 0),    # shard 0 (2 replicas)
+], ids=["replica-of-1", "shard1-of-2", "replica-of-3", "shard0-of-2"])
+def test_kill_9_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
+        data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int) -> None:
+    out = tmp_path / "out"
+    env = _env()
+    env[TEST_ONLY_KILL] = f"{victim}:{KILL_AT}"
+    t0 = time.monotonic()
+    proc = downpour(n, data_dir, out, *shape(n, shards), "run.max_steps=0",
+                    "run.max_seconds=60", f"run.checkpoint_every_steps={EVERY}", env=env,
+                    timeout=90)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert f"test-only kill -9 of rank {victim}" in proc.stderr
+    assert elapsed < 60, f"the job took {elapsed:.1f}s to end"
+    saved = committed_steps(out)
+    assert saved, "checkpoints were written before the kill"
+    last = saved[0]
+    # Checkpoints land a few steps after each multiple of EVERY (at the next round).
+    marks = [x["step"] for x in metrics(out) if x["kind"] == "checkpoint"]
+    assert marks and all(m % EVERY < EVERY // 2 for m in marks), marks
+    if n - shards == 1:
+        # One replica: the victim's count is the global one (a shard folds one push per
+        # step), so the work lost is exactly known: at most one interval.
+        assert KILL_AT - EVERY <= last <= KILL_AT + 1, saved
+    else:
+        # The steps trained are at least the last logged one: less than an interval and
+        # the checkpoint's latency of them can be lost.
+        trained = max(x["step"] for x in metrics(out))
+        assert trained - last < EVERY + EVERY // 2, (saved, trained)
+
+    proc = downpour(n, data_dir, out, *shape(n, shards), f"run.max_steps={last + 100}",
+                    f"run.checkpoint_every_steps={EVERY}")
+    summary = succeeded(proc, n, out)
+    assert f"at step {last}," in proc.stdout
+    check_resumed(summary, out, last, last + 100)
+    assert ckpt.list_leftovers(ckpt.checkpoint_root(out)) == []
+
+
+# -- damaged and refused checkpoints ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, shards, damage", [
+    (4, 2, "flipped shard part"),
+    (3, 1, "truncated replica part"),
+])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+        data_dir: Path, tmp_path: Path, n: int, shards: int, damage: str) -> None:
+    out = tmp_path / "out"
+    succeeded(downpour(n, data_dir, out, *shape(n, shards), "run.max_steps=300",
+                       "run.checkpoint_every_steps=100"), n, out)
+    newest_step, previous_step = committed_steps(out)[:2]
+    assert newest_step == 300
+    broken = ckpt.checkpoint_root(out) / ckpt.checkpoint_name(300)
+    if damage == "flipped shard part":
+        _flip_bytes(broken / f"shard-{shards - 1:04d}.h5")
+        reason = "fails its sha256 checksum"
+    else:
+        os.truncate(broken / "replica-0001.h5", 100)
+        reason = "replica-0001.h5 is 100 bytes"
+    proc = downpour(n, data_dir, out, *shape(n, shards), "run.max_steps=400")
+    summary = succeeded(proc, n, out)
+    assert f"warning: checkpoint {broken} is damaged" in proc.stdout and reason in proc.stdout
+    assert f"at step {previous_step}," in proc.stdout
+    assert (broken.parent / (broken.name + ".damaged")).is_dir()
+    check_resumed(summary, out, previous_step, 400)
+
+
+def test_a_checkpoint_of_another_configuration_is_refused_on_every_rank(
+        data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    succeeded(downpour(3, data_dir, out, "run.max_steps=50"), 3, out)
+    config_before = (out / "config.json").read_text()
+    proc = downpour(3, data_dir, out, "run.max_steps=80", "optimizer.learning_rate=0.07")
+    assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    assert len(errors) == 1, proc.stderr
+    assert "ckpt-0000000050" in errors[0] and "optimizer.learning_rate: 0.05 -> 0.07" in errors[0]
+    assert "--fresh" in errors[0] and "Traceback" not in proc.stderr
+    assert (out / "config.json").read_text() == config_before
+    # Another model: refused the same way, naming the first array that differs.
+    other = 'model.layers=[{type="dense", units=8, activation="relu"}, ' \
+            '{type="dense", units=4, activation="softmax"}]'
+    proc = downpour(3, data_dir, out, "run.max_steps=80", other)
+    assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    assert len(errors) == 1 and "holds a different model" in errors[0], proc.stderr
+    assert (out / "config.json").read_text() == config_before
+    # --fresh sets the old run aside and starts over.
+    proc = downpour(3, data_dir, out, "run.max_steps=80", "optimizer.learning_rate=0.07",
+                    extra=("--fresh",))
+    summary = succeeded(proc, 3, out)
+    assert summary["steps"] == 80 and summary["resumed_from"] is None
+    archived = [p for p in out.iterdir() if p.name.startswith("previous-")]
+    assert len(archived) == 1 and newest(archived[0]).step == 50
+
+
+def test_resume_without_a_checkpoint_is_an_error_on_every_rank(data_dir: Path,
+                                                               tmp_path: Path) -> None:
+    proc = downpour(4, data_dir, tmp_path / "none", "cluster.ps_shards=2", extra=("--resume",))
+    assert exit_statuses(proc) == [2] * 4, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    assert len(errors) == 1 and "--resume: there is no checkpoint" in errors[0], proc.stderr
+
+
+# -- periodic checkpoints, retention, non-finite values ------------------------------------------------
+
+
+def test_periodic_checkpoints_by_time_keep_the_newest(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = downpour(4, data_dir, out, "cluster.ps_shards=2", "run.max_steps=0",
+                    "run.max_seconds=2.5", "run.checkpoint_every_seconds=0.4",
+                    "run.keep_checkpoints=2")
+    summary = succeeded(proc, 4, out)
+    marks = [x for x in metrics(out) if x["kind"] == "checkpoint"]
+    # Every 0.4 s for 2.5 s, plus the final one; slack for a busy machine.
+    assert 3 <= len(marks) <= 8, marks
+    steps = [x["step"] for x in marks]
+    assert steps == sorted(set(steps)) and steps[-1] == summary["steps"]
+    assert committed_steps(out) == steps[::-1][:2]
+    assert ckpt.list_leftovers(ckpt.checkpoint_root(out)) == []
+    assert summary["checkpoints_written"] == len(marks)
+    assert 0 < summary["checkpoint_seconds"] < summary["wall_seconds"]
+
+
+@pytest.mark.parametrize("n, shards, n_push", [(4, 2, 1), (4, 1, 3)])
+def test_every_checkpoint_is_a_consistent_snapshot(data_dir: Path, tmp_path: Path, n: int,
+                                                   shards: int, n_push: int) -> None:
+    # Mid-run checkpoints too: the replicas' parts account for exactly the checkpoint's
+    # global step (every step a replica computed was pushed and folded, none is missing
+    # or counted twice), and each replica's data position is that of its step count.
+    out = tmp_path / "out"
+    summary = succeeded(downpour(n, data_dir, out, *shape(n, shards), "run.max_steps=600",
+                                 "run.checkpoint_every_steps=100", "run.keep_checkpoints=10",
+                                 f"optimizer.n_push={n_push}"), n, out)
+    saved = committed_steps(out)
+    assert len(saved) >= 5 and saved[0] == summary["steps"] == 600
+    for step in saved:
+        found = ckpt.verify(ckpt.checkpoint_root(out) / ckpt.checkpoint_name(step))
+        replicas = [found.read_replica(r) for r in range(n - shards)]
+        local = [r.counters["local_steps"] for r in replicas]
+        assert sum(local) == step, (step, local)
+        for r, steps in zip(replicas, local, strict=True):
+            data = r.data_state
+            assert data["epoch"] * data["n"] + data["position"] == steps * BATCH
+
+
+def test_a_diverging_run_never_checkpoints_non_finite_values(data_dir: Path,
+                                                             tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = downpour(3, data_dir, out, "optimizer.adagrad=false", "optimizer.learning_rate=1e30",
+                    "run.max_steps=0", "run.max_seconds=60", "run.checkpoint_every_steps=1")
+    assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr
+    assert "training diverged" in proc.stderr
+    for step in committed_steps(out):
+        params, state = ckpt.verify(ckpt.checkpoint_root(out) / ckpt.checkpoint_name(
+            step)).read_state()
+        assert np.isfinite(params).all() and np.isfinite(state["accum"] if state else 0).all()
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_the_run_on_every_rank(
+        data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoints").write_text("a file where the checkpoints folder should be\n")
+    t0 = time.monotonic()
+    proc = downpour(3, data_dir, out, "run.max_steps=0", "run.max_seconds=60",
+                    "run.checkpoint_every_steps=50")
+    assert time.monotonic() - t0 < 30
+    assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    assert len(errors) == 1 and "cannot create checkpoint folder" in errors[0], proc.stderr
+    assert json.loads((out / "summary.json").read_text())["stop_reason"] == \
+        "checkpoint_failed"
+
+
+# -- the agreement rounds themselves ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, raiser, at", [(2, 1, 5), (3, 0, 12), (4, 3, 30)])
+def test_rounds_give_every_rank_the_same_result_at_the_same_round(n: int, raiser: int,
+                                                                  at: int) -> None:
+    # Ranks poll at random paces and say they are done after different numbers of polls;
+    # a flag raised by one rank must reach every rank in the same round, and the rounds
+    # must end in the same round everywhere, with nothing left in flight.
+    proc = run_mpi(n, [PROGRAMS / "agreement_rounds.py", str(raiser), str(at)],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    # Ranks' lines can run into each other in the launcher's output: find the objects.
+    reports = [json.loads(text) for text in re.findall(r"\{[^{}]*\}", proc.stdout)]
+    assert sorted(r["rank"] for r in reports) == list(range(n))
+    assert {r["flag"] for r in reports} == {7}
+    assert len({r["seen_at"] for r in reports}) == 1
+    assert len({r["rounds"] for r in reports}) == 1
+    assert not any(r["in_flight"] for r in reports)
+
+
+# -- non-finite gradients (issue 7) ----------------------------------------------------------------
+
+
+def test_a_poisoned_gradient_is_dropped_and_counted(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = _env()
+    env[TEST_ONLY_POISON] = "2:20"  # replica 1 (rank 2), its step 20 only
+    summary = succeeded(downpour(3, data_dir, out, "run.max_steps=300", env=env), 3, out)
+    assert summary["steps"] == 300 and summary["stop_reason"] == "max_steps"
+    assert [r["bad_gradients"] for r in summary["replicas"]] == [0, 1]
+    assert summary["bad_gradients"] == 1
+    params, state = newest(out).read_state()
+    assert np.isfinite(params).all() and np.isfinite(state["accum"]).all()
+    assert summary["final_test_accuracy"] > 0.5
+
+
+@pytest.mark.parametrize("n, shards, rank, n_push", [(4, 2, 3, 1), (3, 1, 1, 3)])
+def test_a_replica_with_only_bad_gradients_stops_the_run_on_every_rank(
+        data_dir: Path, tmp_path: Path, n: int, shards: int, rank: int, n_push: int) -> None:
+    out = tmp_path / "out"
+    env = _env()
+    env[TEST_ONLY_POISON] = f"{rank}:30+"  # every step from 30 on
+    t0 = time.monotonic()
+    proc = downpour(n, data_dir, out, *shape(n, shards), f"optimizer.n_push={n_push}",
+                    "run.max_steps=0", "run.max_seconds=60",
+                    "run.max_bad_gradients_in_a_row=5", "run.checkpoint_every_steps=20",
+                    env=env)
+    assert time.monotonic() - t0 < 30
+    assert exit_statuses(proc) == [2] * n, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    replica = rank - shards
+    assert len(errors) == 1, proc.stderr
+    assert f"replica {replica} computed 5 non-finite gradients in a row" in errors[0]
+    assert "run.max_bad_gradients_in_a_row = 5" in errors[0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "bad_gradients"
+    assert summary["replicas"][replica]["bad_gradients"] == 5
+    # Nothing non-finite reached a shard, and the run's last state was checkpointed.
+    saved = committed_steps(out)
+    assert saved and saved[0] == summary["steps"]
+    for step in saved:
+        params, state = ckpt.verify(ckpt.checkpoint_root(out) / ckpt.checkpoint_name(
+            step)).read_state()
+        assert np.isfinite(params).all() and np.isfinite(state["accum"]).all()

@@ -1,0 +1,593 @@
+"""Sandblaster L-BFGS: the pure pieces in-process (two-loop recursion on dot products,
+line search, work-unit settlement, L-BFGS over sliced vector stores against scipy), and
+end to end as MPI jobs under timeouts at 4 to 6 ranks with 1 to 3 shards (odd splits):
+the assembled batch gradient, convergence on a convex problem, a straggler, the
+coordinator's traffic, metrics, and bad configurations.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, _env, run_mpi
+from scipy.optimize import minimize as scipy_minimize
+
+from distbelief import lbfgs
+from distbelief.config import apply_overrides, config_from_dict
+from distbelief.data import _read_rows, _to_float, open_dataset
+from distbelief.datasets import make_synthetic
+from distbelief.errors import ConfigError
+from distbelief.metrics import REQUIRED_SUMMARY_KEYS, read_metrics
+from distbelief.model import Network
+from distbelief.sandblaster import TEST_ONLY_SLOW_REPLICA, BatchRows
+from distbelief.vector_shard import VectorShard
+from distbelief.work_units import COMMIT, DROP, HOLD, WorkUnitTable
+
+PROGRAMS = REPO / "tests" / "mpi_programs"
+TIMEOUT = 120
+SOFTMAX = '[{ type = "dense", units = 4, activation = "softmax" }]'
+MLP_LAYERS = [{"type": "dense", "units": 64, "activation": "relu"},
+              {"type": "dense", "units": 4, "activation": "softmax"}]
+MLP = json.dumps(MLP_LAYERS)  # a JSON list of objects without nesting is not TOML ...
+MLP = MLP.replace('": ', '" = ').replace('"type"', "type").replace('"units"', "units").replace(
+    '"activation"', "activation")  # ... but becomes TOML inline tables this way
+
+
+def toml(layers: str = SOFTMAX, batch: int = 100000, **optimizer: object) -> str:
+    opts = {"algorithm": '"sandblaster"', "m": 5, "work_unit_size": 100, **optimizer}
+    lines = "\n".join(f"{k} = {v}" for k, v in opts.items())
+    return f"""
+[model]
+layers = {layers}
+[data]
+path = "synth.h5"
+batch_size = {batch}
+[optimizer]
+{lines}
+[cluster]
+ps_shards = 1
+[run]
+max_steps = 100
+eval_every_seconds = 0.5
+progress_every_seconds = 0.5
+threads = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("sandblaster")
+    make_synthetic(folder / "synth.h5", n_train=3000, n_test=500, input_shape=(16,),
+                   num_classes=4, seed=3)
+    return folder
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def sets(*overrides: str) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+def train(n: int, config: Path, out: Path, *overrides: str, env: dict | None = None,
+          timeout: float = TIMEOUT):
+    return run_mpi(n, ["-m", "distbelief", "train", config,
+                       *sets(f'run.out_dir="{out}"', *overrides)], timeout=timeout, env=env)
+
+
+def finished(proc, out: Path) -> tuple[dict, list[dict]]:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return json.loads((out / "summary.json").read_text()), read_metrics(out / "metrics.jsonl")
+
+
+def training_set(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    info = open_dataset(path)
+    x, y = _read_rows(info, "train", 0, info.n_train)
+    return _to_float(x, info.scale), y
+
+
+def network_for(path: Path, layers: list[dict]) -> Network:
+    info = open_dataset(path)
+    return Network(info.input_shape, layers, info.num_classes)
+
+
+def scipy_optimum(net: Network, x: np.ndarray, y: np.ndarray) -> float:
+    """The reference: scipy's L-BFGS-B on the same full-batch loss, run to a tight
+    tolerance from the same start."""
+    grad = np.zeros(net.layout.size, dtype=np.float32)
+
+    def f(w: np.ndarray) -> tuple[float, np.ndarray]:
+        loss = net.loss_and_grad(w.astype(np.float32), x, y, grad)
+        return loss, grad.astype(np.float64)
+
+    result = scipy_minimize(f, net.init_params(0).astype(np.float64), jac=True,
+                            method="L-BFGS-B",
+                            options={"maxiter": 2000, "gtol": 1e-10, "ftol": 1e-15})
+    return float(result.fun)
+
+
+# -- the two-loop recursion on dot products ----------------------------------------------------
+
+
+def explicit_direction(g: np.ndarray, pairs: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """Nocedal & Wright's Algorithm 7.4 on the vectors themselves."""
+    q, alphas = g.copy(), []
+    for s, y in reversed(pairs):
+        alpha = (s @ q) / (s @ y)
+        q -= alpha * y
+        alphas.append(alpha)
+    s, y = pairs[-1]
+    r = (s @ y) / (y @ y) * q
+    for (s, y), alpha in zip(pairs, reversed(alphas)):
+        r += (alpha - (y @ r) / (s @ y)) * s
+    return -r
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_direction_from_dot_products_equals_the_explicit_two_loop(shards: int) -> None:
+    rng = np.random.default_rng(0)
+    n, m = 50, 4
+    ranges = [(int(c[0]), int(c[-1]) + 1) for c in np.array_split(np.arange(n), shards)]
+    x = rng.normal(size=n)
+    stores = [VectorShard(x[a:b], a, m) for a, b in ranges]
+    gram = lbfgs.Gram(m)
+    pairs = []
+    # Six accepted steps with m = 4 slots: the ring wraps, the oldest pairs are dropped.
+    for _ in range(6):
+        step = rng.normal(size=n)
+        y_true = step + 0.1 * rng.normal(size=n)  # positive curvature
+        for store, (a, b) in zip(stores, ranges):
+            store.d[:] = step[a:b]
+            store.begin_trial(0, 1.0)
+            store.add_gradient(store.g + y_true[a:b], 1)
+            store.finish_trial(1)
+        slot = gram.next_slot()
+        kept = gram.update_pair(slot, sum(s.accept(slot) for s in stores))
+        assert kept
+        pairs.append((step, y_true))
+    g = np.concatenate([s.g for s in stores])
+    gtd, _ = sum(s.set_direction(lbfgs.direction_coefficients(gram)) for s in stores)
+    d = np.concatenate([s.d for s in stores])
+    expected = explicit_direction(g, pairs[-m:])
+    np.testing.assert_allclose(d, expected, rtol=1e-9, atol=1e-9)
+    assert gtd == pytest.approx(g @ expected)
+
+
+def test_a_pair_without_positive_curvature_is_not_kept() -> None:
+    gram = lbfgs.Gram(2)
+    store = VectorShard(np.zeros(3), 0, 2)
+    store.d[:] = [1.0, 0.0, 0.0]
+    store.begin_trial(0, 1.0)
+    store.add_gradient(np.array([-1.0, 0.0, 0.0]), 1)  # y = -s: negative curvature
+    store.finish_trial(1)
+    assert not gram.update_pair(0, store.accept(0))
+    assert gram.order == []
+    np.testing.assert_allclose(lbfgs.direction_coefficients(gram)[-1], -1.0)  # d = -g
+
+
+def test_line_search_accepts_wolfe_points_and_brackets_otherwise() -> None:
+    # f(t) = (t - 3)^2 along the direction: f0 = 9, slope -6.
+    search = lbfgs.LineSearch(f0=9.0, gtd0=-6.0, t=1.0)
+    while not search.done:
+        t = search.t
+        search.tell(t, (t - 3) ** 2, 2 * (t - 3))
+    assert search.accepted and 1.0 <= t <= 5.9  # curvature needs slope >= 0.9 * -6
+    armijo = lbfgs.LineSearch(f0=9.0, gtd0=-6.0, t=64.0, wolfe=False)
+    while not armijo.done:
+        t = armijo.t
+        armijo.tell(t, (t - 3) ** 2, 2 * (t - 3))
+    assert armijo.accepted and t == 4.0  # 64 -> 32 -> 16 -> 8 -> 4
+    hopeless = lbfgs.LineSearch(f0=1.0, gtd0=-1.0, t=1.0, max_evals=3)
+    while not hopeless.done:
+        hopeless.tell(hopeless.t, 2.0, 0.0)
+    assert hopeless.evals == 3 and not hopeless.accepted
+
+
+# -- L-BFGS over sliced vector stores, in one process ------------------------------------------
+
+
+class LocalBackend:
+    """distbelief.lbfgs.Backend over VectorShards in this process: what the MPI coordinator
+    does, without MPI (the gradient comes from the network on the whole set)."""
+
+    def __init__(self, net: Network, x: np.ndarray, y: np.ndarray, shards: int, m: int):
+        self.net, self.x, self.y = net, x, y
+        bounds = net.layout.shard_ranges(shards)
+        init = net.init_params(0)
+        self.stores = [VectorShard(init[a:b], a, m) for a, b in bounds]
+        self.grad = np.zeros(net.layout.size, dtype=np.float32)
+        self.evaluations = 0
+
+    def evaluate(self, t: float, batch: int) -> tuple[float, float]:
+        for store in self.stores:
+            store.begin_trial(self.evaluations, t)
+        point = np.concatenate([s.trial32 for s in self.stores])
+        loss = self.net.loss_and_grad(point, self.x, self.y, self.grad)
+        self.evaluations += 1
+        for store in self.stores:
+            store.add_gradient(self.grad[store.start:store.stop] * len(self.y), 1)
+        return loss, float(sum(s.finish_trial(len(self.y)) for s in self.stores)[0])
+
+    def accept(self, slot: int) -> np.ndarray:
+        return sum(s.accept(slot) for s in self.stores)
+
+    def take_gradient(self) -> np.ndarray:
+        return sum(s.take_gradient() for s in self.stores)
+
+    def set_direction(self, coefficients: np.ndarray) -> tuple[float, float]:
+        gtd, dd = sum(s.set_direction(coefficients) for s in self.stores)
+        return float(gtd), float(dd)
+
+
+@pytest.mark.parametrize("shards,wolfe", [(1, True), (3, True), (2, False)])
+def test_lbfgs_on_sliced_vectors_reaches_scipys_optimum(data_dir: Path, shards: int,
+                                                         wolfe: bool) -> None:
+    net = network_for(data_dir / "synth.h5", [{"type": "dense", "units": 4,
+                                               "activation": "softmax"}])
+    x, y = training_set(data_dir / "synth.h5")
+    backend = LocalBackend(net, x, y, shards, m=5)
+    losses = []
+    options = lbfgs.LbfgsOptions(m=5, wolfe=wolfe, max_iterations=150,
+                                 gradient_tolerance=1e-5)
+    reason = lbfgs.minimize(backend, options, lambda it: losses.append(it.loss))
+    assert reason in ("max_steps", "converged", "line_search_failed")  # float32 floor
+    assert all(b <= a + 1e-7 for a, b in itertools.pairwise(losses))  # monotone decrease
+    assert losses[-1] == pytest.approx(scipy_optimum(net, x, y), abs=2e-5)
+
+
+# -- work units: exactly once, whatever the order ----------------------------------------------
+
+
+def test_work_units_commit_every_unit_exactly_once_under_random_schedules() -> None:
+    rng = random.Random(1)
+    for trial in range(200):
+        n_units, replicas = rng.randint(1, 30), rng.randint(1, 5)
+        table = WorkUnitTable(n_units, push_every=rng.randint(1, 4),
+                              backup_copies=rng.randint(1, 3))
+        pending = {r: [] for r in range(replicas)}
+        working = {r: table.next_unit(r) for r in range(replicas)}
+        committed = []
+        for _ in range(10000):
+            if table.complete:
+                break
+            busy = [r for r in range(replicas) if working[r] is not None or pending[r]]
+            if not busy:
+                working = {r: table.next_unit(r) for r in range(replicas)}
+                continue
+            r = rng.choice(busy)
+            if working[r] is not None:
+                pending[r].append(working[r])
+            decision = table.settle(r, pending[r])
+            if decision == COMMIT:
+                committed += pending[r]
+            if decision in (COMMIT, DROP):
+                pending[r] = []
+            working[r] = table.next_unit(r)
+            assert decision != HOLD or not pending[r] or working[r] is not None
+        assert table.complete, f"schedule {trial} did not finish"
+        assert sorted(committed) == list(range(n_units))
+
+
+def test_backups_go_to_idle_replicas_only_in_the_tail() -> None:
+    table = WorkUnitTable(3, push_every=1, backup_copies=2)
+    assert [table.next_unit(0), table.next_unit(1), table.next_unit(1)] == [0, 1, 2]
+    assert table.stats.backups_issued == 0
+    assert table.next_unit(2) == 0  # the longest outstanding unit held by one replica
+    assert table.stats.backups_issued == 1
+    assert table.settle(2, [0]) == COMMIT
+    assert table.settle(0, [0]) == DROP and table.stats.discarded == 1
+    assert table.next_unit(0) in (1, 2)
+
+
+def test_batch_rows_cover_each_epoch_once() -> None:
+    rows = BatchRows(n_train=10, batch_size=4, seed=0)
+    seen = np.concatenate([rows.rows(k) for k in range(5)])
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:20]) == list(range(10))
+    np.testing.assert_array_equal(BatchRows(10, 10, 0).rows(3), np.arange(10))
+
+
+# -- end to end under MPI -------------------------------------------------------------------
+
+
+def slow_env(replica: int, factor: float = 10.0) -> dict:
+    return {**_env(), TEST_ONLY_SLOW_REPLICA: f"{replica}:{factor}"}
+
+
+@pytest.mark.parametrize("n,shards,batch,slow", [(4, 1, 100000, False), (5, 2, 100000, True),
+                                                 (6, 3, 1000, True)])
+def test_assembled_gradient_equals_the_single_process_gradient(
+        data_dir: Path, tmp_path: Path, n: int, shards: int, batch: int, slow: bool) -> None:
+    """Units of 70 examples (the last one shorter), so sums of unequal units must add up;
+    with a 10x slower replica, backup copies fire and duplicates must be dropped."""
+    config = write(tmp_path, "c.toml",
+                   toml(MLP, batch, work_unit_size=70, push_every_units=2).replace(
+                       'path = "synth.h5"', f'path = "{data_dir / "synth.h5"}"').replace(
+                       "ps_shards = 1", f"ps_shards = {shards}").replace(
+                       "[run]", f'[run]\nout_dir = "{tmp_path / "out"}"'))
+    out = tmp_path / "g.npz"
+    proc = run_mpi(n, [PROGRAMS / "sandblaster_gradient.py", config, out], timeout=TIMEOUT,
+                   env=slow_env(0, 30.0) if slow else None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assembled = np.load(out)["gradient"]
+
+    net = network_for(data_dir / "synth.h5", MLP_LAYERS)
+    x, y = training_set(data_dir / "synth.h5")
+    rows = BatchRows(len(y), min(batch, len(y)), 0).rows(0)
+    grad = np.zeros(net.layout.size, dtype=np.float32)
+    loss = net.loss_and_grad(net.init_params(0), x[rows], y[rows], grad)
+    np.testing.assert_allclose(assembled, grad, rtol=2e-4, atol=2e-6 * np.abs(grad).max())
+    assert summary["final_loss"] == pytest.approx(loss, rel=1e-5)
+    assert summary["units_issued"] - summary["backup_units_issued"] == -(-len(rows) // 70)
+    if slow:
+        assert summary["backup_units_issued"] > 0
+
+
+@pytest.mark.parametrize("n,shards", [(4, 1), (5, 2), (6, 3), (6, 1)])
+def test_convex_problem_converges_to_scipys_loss(data_dir: Path, tmp_path: Path, n: int,
+                                                 shards: int) -> None:
+    config = write(data_dir, f"convex{n}{shards}.toml", toml(gradient_tolerance=1e-5))
+    proc = train(n, config, tmp_path / "out", f"cluster.ps_shards={shards}",
+                 "run.max_steps=150")
+    summary, metrics = finished(proc, tmp_path / "out")
+    net = network_for(data_dir / "synth.h5", [{"type": "dense", "units": 4,
+                                               "activation": "softmax"}])
+    x, y = training_set(data_dir / "synth.h5")
+    assert summary["final_loss"] == pytest.approx(scipy_optimum(net, x, y), abs=5e-5)
+    assert summary["stop_reason"] in ("max_steps", "converged", "line_search_failed")
+    # Metrics: one training line per iteration with the Sandblaster figures.
+    lines = [m for m in metrics if m["kind"] == "train"]
+    assert [m["step"] for m in lines] == list(range(1, summary["iterations"] + 1))
+    for m in lines:
+        assert m["grad_norm"] >= 0 and m["step_size"] > 0 and m["line_search_evals"] >= 1
+        assert len(m["units_per_replica"]) == n - shards - 1
+        assert sum(m["units_per_replica"]) == 30 * len(m["evaluation_seconds"])
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    evals = [m for m in metrics if m["kind"] == "eval"]
+    assert evals and evals[-1]["step"] == summary["iterations"]
+    for key in (*REQUIRED_SUMMARY_KEYS, "backup_units_issued", "backup_units_discarded",
+                "coordinator_traffic", "replicas"):
+        assert key in summary
+    assert summary["final_test_accuracy"] > 0.6
+    assert len(summary["replicas"]) == n - shards - 1
+    if n == 5:  # the report draws the Sandblaster figures from these metrics
+        from distbelief.report import ITERATIONS_FIGURE, UNITS_FIGURE, make_report
+
+        written = {p.name for p in make_report([tmp_path / "out"], tmp_path / "report")}
+        assert {ITERATIONS_FIGURE, UNITS_FIGURE} <= written
+        assert all((tmp_path / "report" / name).stat().st_size > 10000 for name in written)
+
+
+def test_idle_ranks_sleep_instead_of_spinning(data_dir: Path, tmp_path: Path) -> None:
+    """After one gradient the coordinator waits 3 s with nothing to hand out: parked
+    replicas, idle shards and the coordinator itself must poll with sleeps (MPICH's
+    blocking calls would burn a core each)."""
+    config = write(tmp_path, "c.toml", toml().replace(
+        'path = "synth.h5"', f'path = "{data_dir / "synth.h5"}"').replace(
+        "[run]", f'[run]\nout_dir = "{tmp_path / "out"}"'))
+    out = tmp_path / "idle.npz"
+    proc = run_mpi(5, [PROGRAMS / "sandblaster_gradient.py", config, out, 3.0],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    usage = np.load(out)
+    assert min(usage["wall_seconds"]) >= 3.0
+    assert max(usage["cpu_seconds"]) < 0.15 * min(usage["wall_seconds"]), usage["cpu_seconds"]
+
+
+def batch_seconds(metrics: list[dict]) -> float:
+    """Median seconds of one gradient evaluation, over the run."""
+    return float(np.median([s for m in metrics if m["kind"] == "train"
+                            for s in m["evaluation_seconds"]]))
+
+
+@pytest.fixture(scope="module")
+def heavy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Units that take about a millisecond to compute, so that the per-unit delay, not the
+    messages, is what slows a replica down."""
+    folder = tmp_path_factory.mktemp("straggler")
+    make_synthetic(folder / "synth.h5", n_train=6000, n_test=200, input_shape=(256,),
+                   num_classes=4, seed=5)
+    return folder
+
+
+def test_a_ten_times_slower_replica_costs_under_thirty_percent(heavy_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """Five replicas (7 ranks): losing one of five costs 5/4.1 = 1.22 at worst (replicas
+    with a core each, or a machine so loaded that every process gets an equal share); on
+    2 quiet cores the others also get the CPU the straggler leaves. Without load balancing
+    and backups the batch would wait for the straggler's share: about 10/5 = 2x or more."""
+    layers = ('[{ type = "dense", units = 256, activation = "relu" }, '
+              '{ type = "dense", units = 4, activation = "softmax" }]')
+    config = write(heavy_dir, "heavy.toml", toml(layers, work_unit_size=100))
+    common = ("run.max_steps=6", "run.eval_every_seconds=100")
+    finished(train(7, config, tmp_path / "plain", *common), tmp_path / "plain")
+    slow_proc = train(7, config, tmp_path / "slow", *common, env=slow_env(1))
+    slow, _ = finished(slow_proc, tmp_path / "slow")
+    plain_t = batch_seconds(read_metrics(tmp_path / "plain" / "metrics.jsonl"))
+    slow_t = batch_seconds(read_metrics(tmp_path / "slow" / "metrics.jsonl"))
+    assert slow_t <= 1.3 * plain_t, f"batch {slow_t:.4f}s with the straggler, {plain_t:.4f}s without"
+    units = {r["replica"]: r["units_committed"] for r in slow["replicas"]}
+    assert units[1] < min(u for r, u in units.items() if r != 1) / 2  # it did fewer units
+    assert slow["backup_units_issued"] > 0
+
+
+def shard_bytes_per_iteration(metrics: list[dict]) -> list[int]:
+    """Coordinator<->shard bytes of each iteration that needed one line-search trial (the
+    first iteration left out: it also holds the initial evaluation and snapshot)."""
+    lines = [m for m in metrics if m["kind"] == "train"]
+    return [b["coordinator_shard_bytes"] - a["coordinator_shard_bytes"]
+            for a, b in itertools.pairwise(lines)
+            if b["line_search_evals"] == 1 and not b["restarted"]]
+
+
+def test_coordinator_traffic_is_o_of_m_not_of_the_parameters(data_dir: Path,
+                                                             tmp_path: Path) -> None:
+    big = ('[{ type = "dense", units = 256, activation = "relu" }, '
+           '{ type = "dense", units = 4, activation = "softmax" }]')
+    runs = {}
+    for name, layers, m in [("small3", SOFTMAX, 3), ("big3", big, 3), ("big12", big, 12)]:
+        config = write(data_dir, f"bytes_{name}.toml", toml(layers, m=m))
+        proc = train(4, config, tmp_path / name, "run.max_steps=12",
+                     "cluster.ps_shards=2", "run.eval_every_seconds=100")
+        summary, metrics = finished(proc, tmp_path / name)
+        runs[name] = (summary, shard_bytes_per_iteration(metrics))
+    params_small, params_big = runs["small3"][0]["num_params"], runs["big3"][0]["num_params"]
+    assert params_big > 60 * params_small
+    small, big3, big12 = (max(runs[k][1]) for k in ("small3", "big3", "big12"))
+    # The same bytes per iteration for 68 and 5,000 parameters ...
+    assert abs(big3 - small) <= 0.05 * small
+    # ... growing with m (6m+1 + 2m+1 numbers per shard), far below one vector.
+    assert big3 < big12 < 4 * big3
+    assert big12 < params_big * 4 / 2
+    per_scalar = (big12 - big3) / (2 * 8 * (12 - 3))  # 2 shards, 8 numbers per slot
+    assert 8 <= per_scalar <= 12  # a float64 plus pickling
+    replica_small = runs["small3"][0]["coordinator_traffic"]["replica_bytes"]
+    replica_big = runs["big3"][0]["coordinator_traffic"]["replica_bytes"]
+    assert replica_big < 2 * replica_small  # units and decisions, never gradients
+
+
+# -- configuration errors --------------------------------------------------------------------
+
+
+def test_rank_counts_that_do_not_fit_fail_on_every_rank(data_dir: Path, tmp_path: Path) -> None:
+    config = write(data_dir, "ranks.toml", toml())
+    proc = train(3, config, tmp_path / "out", "cluster.ps_shards=2")  # no replica left
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("distbelief: error:") == 1
+    assert "coordinator" in proc.stderr and "mpiexec -n 4" in proc.stderr
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_work_unit_larger_than_the_batch_fails_on_every_rank(data_dir: Path,
+                                                             tmp_path: Path) -> None:
+    config = write(data_dir, "unit.toml", toml(work_unit_size=5000, batch=1000))
+    proc = train(4, config, tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr
+    assert "work_unit_size = 5000" in proc.stderr
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optimizer.m=0", "optimizer.m = 0 is invalid"),
+    ('optimizer.line_search="newton"', "optimizer.line_search"),
+    ("optimizer.wolfe_c2=1.0", "wolfe_c2"),
+    ("optimizer.backup_copies=0", "optimizer.backup_copies = 0 is invalid"),
+])
+def test_bad_sandblaster_options(override: str, message: str) -> None:
+    raw = apply_overrides({"model": {"layers": [{"type": "dense", "units": 2}]},
+                           "data": {"path": "x.h5"},
+                           "optimizer": {"algorithm": "sandblaster"},
+                           "run": {"max_steps": 1}}, [override])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        config_from_dict(raw, Path("exp.toml"))
+
+
+def test_hash_follows_what_sandblaster_trains_not_how_units_are_dealt() -> None:
+    from distbelief.config import config_hash
+
+    def hashed(*overrides: str) -> str:
+        raw = apply_overrides({"model": {"layers": [{"type": "dense", "units": 2}]},
+                               "data": {"path": "x.h5"},
+                               "optimizer": {"algorithm": "sandblaster"},
+                               "run": {"max_steps": 1}}, overrides)
+        return config_hash(config_from_dict(raw, Path("exp.toml")))
+
+    base = hashed()
+    assert hashed("optimizer.m=3") != base and hashed("optimizer.wolfe_c2=0.5") != base
+    assert hashed("optimizer.work_unit_size=7", "optimizer.push_every_units=1",
+                  "optimizer.backup_copies=3", "optimizer.gradient_tolerance=0") == base
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def test_checkpoint_holds_the_history_and_a_resume_on_other_shards_continues(
+        data_dir: Path, tmp_path: Path) -> None:
+    from distbelief.checkpoint import checkpoint_root, find_latest
+
+    config = write(data_dir, "resume.toml", toml(m=4))
+    half = train(5, config, tmp_path / "resumed", "run.max_steps=8", "cluster.ps_shards=2")
+    finished(half, tmp_path / "resumed")
+    found, damaged = find_latest(checkpoint_root(tmp_path / "resumed"))
+    assert found is not None and not damaged and found.step == 8
+    assert found.manifest["algorithm"] == "sandblaster"
+    names = found.manifest["optimizer_state"]
+    assert {"s000", "s000_lo", "y003", "y003_lo", "x_lo"} <= set(names)  # m = 4 pairs
+    params, state = found.read_state()
+    assert params.dtype == np.float32 and state["s003"].shape == params.shape
+    assert np.abs(state["s003"]).max() > 0 and np.abs(state["x_lo"]).max() > 0
+
+    rest = train(6, config, tmp_path / "resumed", "run.max_steps=16", "cluster.ps_shards=3")
+    summary, metrics = finished(rest, tmp_path / "resumed")
+    assert "resuming from" in rest.stdout
+    straight, straight_metrics = finished(
+        train(4, config, tmp_path / "straight", "run.max_steps=16"), tmp_path / "straight")
+    assert summary["iterations"] == straight["iterations"] == 16
+    # The resumed iterations follow the straight run's: same steps (the history was
+    # restored: without it the first step would be a short steepest-descent one) and the
+    # same losses, up to the run-to-run noise of summing unit gradients in arrival order
+    # (about 1e-7 relative per iteration; float64 vectors are stored as float32 hi + lo).
+    resumed = {m["step"]: m for m in metrics if m["kind"] == "train"}
+    reference = {m["step"]: m for m in straight_metrics if m["kind"] == "train"}
+    assert resumed[9]["loss"] == pytest.approx(reference[9]["loss"], rel=2e-6)
+    for step in range(9, 17):
+        assert resumed[step]["step_size"] == reference[step]["step_size"]
+        assert resumed[step]["loss"] == pytest.approx(reference[step]["loss"], rel=1e-4)
+    assert [m["step"] for m in metrics if m["kind"] == "resume"] == [8]
+
+
+def test_sigterm_stops_with_a_checkpoint_and_the_job_resumes(data_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """SLURM's time limit: mpiexec forwards SIGTERM to every rank; the run ends at the end
+    of the iteration with a checkpoint and exit 0, and `train --resume` continues it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    config = write(data_dir, "sigterm.toml", toml(batch=500))
+    out = tmp_path / "out"
+    cmd = ["mpiexec", "-n", "5", sys.executable, "-m", "distbelief", "train", str(config),
+           *sets(f'run.out_dir="{out}"', "run.max_steps=0", "run.max_seconds=90",
+                 "optimizer.gradient_tolerance=0")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+                (out / "metrics.jsonl").is_file()
+                and '"step": 3' in (out / "metrics.jsonl").read_text()):
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "SIGTERM" and summary["wall_seconds"] < 60
+    stopped_at = summary["iterations"]
+    assert (out / "checkpoints" / f"ckpt-{stopped_at:010d}").is_dir()
+    more = run_mpi(4, ["-m", "distbelief", "train", config, "--resume",
+                       *sets(f'run.out_dir="{out}"', f"run.max_steps={stopped_at + 3}")],
+                   timeout=TIMEOUT)
+    summary, _ = finished(more, out)
+    assert summary["iterations"] == stopped_at + 3 and summary["stop_reason"] == "max_steps"
+
+
+def test_backups_wait_until_a_unit_is_late() -> None:
+    table = WorkUnitTable(2, push_every=1, backup_copies=2, backup_after=1.0)
+    assert table.next_unit(0, now=10.0) == 0 and table.next_unit(1, now=10.0) == 1
+    assert table.settle(1, [1], now=10.5) == COMMIT and table.unit_seconds == [0.5]
+    assert table.next_unit(1, now=10.75) is None  # unit 0 is out for 0.75 s only: no copy
+    assert table.next_unit(1, now=11.2) == 0  # now it is late
+    assert table.stats.backups_issued == 1
