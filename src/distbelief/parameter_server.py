@@ -1274,45 +1274,82 @@ class SharedMemoryClient(ParameterClient):
     """A client on the shared-memory transport: a push folds the gradient into every
     shard's segment with the shard's optimizer, under the segment's exclusive lock, and
     returns when it is applied; a pull copies every segment's parameters under its shared
-    lock. No shard takes part. Same interface as ParameterClient."""
+    lock. No shard takes part. Same interface as ParameterClient, restrict_to included
+    (only the pieces are folded and copied; shards without any are not touched, except
+    shard 0 for a control exchange)."""
 
     def __init__(self, comm: MPI.Comm, segments: _SharedSegments, topology: Topology,
                  size: int, optimizer: OptimizerFactory):
         super().__init__(comm, segments, topology, size)
         self._slot = topology.world_rank - topology.ps_shards
         self._pulls = 0  # pulls made (each reads every shard), published under EXCLUSIVE
-        # The optimizer of every shard's slice, working on that shard's state arrays (a
-        # copy of what the factory gives, in case it hands out one object every time).
+        # One optimizer per shard, working on that shard's state arrays (a copy of what
+        # the factory gives, in case it hands out one object every time).
         self._optimizers = []
         for shard, (start, stop) in enumerate(self.ranges):
             local = copy.copy(optimizer(stop - start))
             _bind_state(local, segments.segments[shard].state)
             self._optimizers.append(local)
+        self._pieces = self._piece_folders()
+
+    def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
+        """As ParameterClient.restrict_to."""
+        super().restrict_to(pieces)
+        self._pieces = self._piece_folders()
+
+    def _piece_folders(self) -> list[list[tuple[int, int, Optimizer]]]:
+        """Per shard: (start, stop) of each piece in the vector and an optimizer working
+        on the piece's part of the shard's state (the whole range: the shard's own)."""
+        pieces = []
+        segments = self._live()
+        for shard, (low, high) in enumerate(self.ranges):
+            folders = []
+            for start, stop in self._segments[shard]:
+                if (start, stop) == (low, high):
+                    folders.append((start, stop, self._optimizers[shard]))
+                    continue
+                part = copy.copy(self._optimizers[shard])
+                _bind_state(part, {name: view[start - low : stop - low] for name, view
+                                   in segments.segments[shard].state.items()})
+                folders.append((start, stop, part))
+            pieces.append(folders)
+        return pieces
 
     def _read(self, seg: _Segment, shard: int, out: np.ndarray) -> None:
-        """Copy a segment's parameters and version."""
-        np.copyto(out, seg.params)
+        """Copy this client's pieces of a segment's parameters, and its version."""
+        low = self.ranges[shard][0]
+        for start, stop, _ in self._pieces[shard]:
+            np.copyto(out[start:stop], seg.params[start - low : stop - low])
         self._headers[shard] = seg.header[VERSION], seg.header[APPLIED]
 
     def _fold(self, seg: _Segment, shard: int, grad: np.ndarray,
               control: ControlExchange | None) -> None:
-        """Apply `grad` (this shard's slice) as the next update (exclusive lock held)."""
-        version = int(seg.header[VERSION])
-        self._taken[shard, 0] = version
-        self._optimizers[shard].step(seg.params, grad)
-        seg.header[VERSION] = version + 1
-        seg.header[APPLIED] += 1
-        seg.clients[self._slot, PULLED] = self._pulls
+        """Apply this client's pieces of `grad` as the shard's next update, and the control
+        operations on shard 0 (exclusive lock held)."""
+        if self._touched[shard]:
+            low = self.ranges[shard][0]
+            version = int(seg.header[VERSION])
+            self._taken[shard, 0] = version
+            for start, stop, optimizer in self._pieces[shard]:
+                optimizer.step(seg.params[start - low : stop - low], grad[start:stop])
+            seg.header[VERSION] = version + 1
+            seg.header[APPLIED] += 1
+            seg.clients[self._slot, PULLED] = self._pulls
         if control is not None and shard == CONTROL_SHARD:
             control.apply(seg.header, seg.loss)
+
+    def _pushed_to(self, control: ControlExchange | None) -> list[int]:
+        """The shards a push locks: those it touches, and shard 0 for a control exchange."""
+        return [shard for shard in self.topology.shard_ranks
+                if self._touched[shard] or (control is not None and shard == CONTROL_SHARD)]
 
     def pull(self, out: np.ndarray) -> np.ndarray:
         """As ParameterClient.pull: every shard's slice is one consistent snapshot."""
         self._check_vector(out, "pull buffer")
         segments = self._check_open()
-        for shard, (start, stop) in enumerate(self.ranges):
-            with segments.lock(shard, exclusive=False) as seg:
-                self._read(seg, shard, out[start:stop])
+        for shard in np.flatnonzero(self._touched):
+            with segments.lock(int(shard), exclusive=False) as seg:
+                self._read(seg, int(shard), out)
         self._pulls += 1
         return self._pulled()
 
@@ -1320,9 +1357,9 @@ class SharedMemoryClient(ParameterClient):
         """As ParameterClient.push, but the gradient is applied when it returns."""
         self._check_vector(grad, "gradient")
         segments = self._check_open()
-        for shard, (start, stop) in enumerate(self.ranges):
+        for shard in self._pushed_to(control):
             with segments.lock(shard, exclusive=True) as seg:
-                self._fold(seg, shard, grad[start:stop], control)
+                self._fold(seg, shard, grad, control)
         return self._pushed()
 
     def push_pull(self, grad: np.ndarray, out: np.ndarray,
@@ -1333,10 +1370,11 @@ class SharedMemoryClient(ParameterClient):
         self._check_vector(out, "pull buffer")
         segments = self._check_open()
         self._pulls += 1  # published by the folds below, with this pull
-        for shard, (start, stop) in enumerate(self.ranges):
+        for shard in self._pushed_to(control):
             with segments.lock(shard, exclusive=True) as seg:
-                self._fold(seg, shard, grad[start:stop], control)
-                self._read(seg, shard, out[start:stop])
+                self._fold(seg, shard, grad, control)
+                if self._touched[shard]:
+                    self._read(seg, shard, out)
         return self._pushed(), self._pulled()
 
     def exchange(self, control: ControlExchange) -> None:
