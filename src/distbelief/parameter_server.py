@@ -149,8 +149,9 @@ SHARED MEMORY (transport "shared"; SharedMemoryShard, SharedMemoryClient). One w
 Win.Allocate_shared over the node communicator (= the world), a segment per shard (size 0
 on other ranks); every rank maps every segment (Win.Shared_query). Shard s's segment:
 
-    [0:64) header, int64 slots: VERSION 0 | APPLIED 1 | CLAIMED 3 | STEPS 4 | STOP 5 |
-           LOSS 6 (float64); CLAIMED..LOSS are Downpour's run control, used on shard 0
+    [0:64) header, int64 slots: VERSION 0 | APPLIED 1 | SERVING 2 | CLAIMED 3 | STEPS 4 |
+           STOP 5 | LOSS 6 (float64); CLAIMED..LOSS are Downpour's run control, used on
+           shard 0; SERVING = 1 once the shard polls
     [64:..) per client c (non-shard world rank S + c): PULLED, FINISHED (int64; pulls
            made so far, published with each push and at finish)
     then, each 64-byte aligned: the parameters f32, each optimizer state array f32 (for
@@ -173,6 +174,8 @@ target's progress (0.5 s behind a sleeping target), so it is not used.
 |                     |   checkpoint_state/version (load)               |           |
 | CLAIMED, STEPS,     | client, with a push or exchange: read, add      | exclusive |
 | LOSS (shard 0)      | shard 0: read_control (load)                    | shared    |
+| SERVING             | shard: first serve_once (store 1)               | exclusive |
+|                     | client, before its first access (load)          | shared    |
 | STOP (shard 0)      | shard 0: raise_stop (store)                     | exclusive |
 |                     | client, with a push or exchange (load)          | exclusive |
 | PULLED[c],          | client c only, with a push and at finish: store | exclusive |
@@ -192,7 +195,10 @@ accesses to a shared window; legal because Lock_all(MODE_NOCHECK) keeps a passiv
 epoch open for the window's life, without lock traffic); the lock calls are system calls,
 which order memory as well.
 
-Semantics against "rma": a push returns once the gradient is applied (it is one fold:
+Semantics against "rma": a client's first access waits (sleeping) until every shard it
+touches has polled once (SERVING), as its first RMA epoch would: a caller that sets up
+after open_parameter_server (Downpour's shard 0 starts its clock, its rounds) finds no
+work done before it serves. A push returns once the gradient is applied (it is one fold:
 version and applied pushes advance together, and staleness counts the updates applied
 after the pull, exactly as there), a fetch after it always contains it (catch_up never
 pulls again), push_pull's fetch always contains its push. The shard only polls, sparsely
@@ -981,6 +987,7 @@ TRANSPORT_ENV = "DISTBELIEF_PS_TRANSPORT"
 "auto" (the default: shared memory when every rank is on one node, else RMA), "shared"
 (shared memory or a ConfigError), "rma" (always RMA, e.g. to test the multi-node path)."""
 TRANSPORTS = ("auto", "shared", "rma")
+SERVING = 2  # int64 slot in a shared segment's header: 1 once the shard has polled
 # int64 slots of each client in a shared segment, written by that client only
 PULLED, FINISHED = 0, 1
 CLIENT_SLOTS = 2
@@ -1254,6 +1261,9 @@ class SharedMemoryShard(ParameterServerShard):
         """One poll: statistics and finish, read from the segment. Returns False: nothing
         a client waits for happens here, so the shard may back off to its longest sleep."""
         self.stats.polls += 1
+        if self.stats.polls == 1:
+            with self._lock(exclusive=True) as seg:
+                seg.header[SERVING] = 1
         with self._lock(exclusive=False) as seg:  # a poll never delays a pull
             self.stats.folds = int(seg.header[VERSION])
             self.stats.pushes = int(seg.header[APPLIED])
@@ -1291,6 +1301,17 @@ class SharedMemoryClient(ParameterClient):
             _bind_state(local, segments.segments[shard].state)
             self._optimizers.append(local)
         self._pieces = self._piece_folders()
+        self._served = np.zeros(len(self.ranges), dtype=bool)
+
+    def _wait_served(self, shards: Sequence[int]) -> None:
+        """Before the first access to a shard: wait, sleeping, until it has polled once."""
+        backoff = Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
+        for shard in shards:
+            while not self._served[shard]:
+                with self._live().lock(shard, exclusive=False) as seg:
+                    self._served[shard] = bool(seg.header[SERVING])
+                if not self._served[shard]:
+                    backoff.wait()
 
     def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
         """As ParameterClient.restrict_to."""
@@ -1338,6 +1359,13 @@ class SharedMemoryClient(ParameterClient):
         if control is not None and shard == CONTROL_SHARD:
             control.apply(seg.header, seg.loss)
 
+    def _progress(self) -> None:
+        """Let MPI progress, as every RMA call of the other transport does by itself: the
+        caller's nonblocking collectives (Downpour's agreement rounds) advance only while
+        their ranks are inside MPI. One Iprobe on the private communicator (where nothing
+        is ever sent), ~1 us."""
+        self._comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+
     def _pushed_to(self, control: ControlExchange | None) -> list[int]:
         """The shards a push locks: those it touches, and shard 0 for a control exchange."""
         return [shard for shard in self.topology.shard_ranks
@@ -1347,19 +1375,23 @@ class SharedMemoryClient(ParameterClient):
         """As ParameterClient.pull: every shard's slice is one consistent snapshot."""
         self._check_vector(out, "pull buffer")
         segments = self._check_open()
+        self._wait_served([int(s) for s in np.flatnonzero(self._touched)])
         for shard in np.flatnonzero(self._touched):
             with segments.lock(int(shard), exclusive=False) as seg:
                 self._read(seg, int(shard), out)
         self._pulls += 1
+        self._progress()
         return self._pulled()
 
     def push(self, grad: np.ndarray, control: ControlExchange | None = None) -> np.ndarray:
         """As ParameterClient.push, but the gradient is applied when it returns."""
         self._check_vector(grad, "gradient")
         segments = self._check_open()
+        self._wait_served(self._pushed_to(control))
         for shard in self._pushed_to(control):
             with segments.lock(shard, exclusive=True) as seg:
                 self._fold(seg, shard, grad, control)
+        self._progress()
         return self._pushed()
 
     def push_pull(self, grad: np.ndarray, out: np.ndarray,
@@ -1369,17 +1401,20 @@ class SharedMemoryClient(ParameterClient):
         self._check_vector(grad, "gradient")
         self._check_vector(out, "pull buffer")
         segments = self._check_open()
+        self._wait_served(self._pushed_to(control))
         self._pulls += 1  # published by the folds below, with this pull
         for shard in self._pushed_to(control):
             with segments.lock(shard, exclusive=True) as seg:
                 self._fold(seg, shard, grad, control)
                 if self._touched[shard]:
                     self._read(seg, shard, out)
+        self._progress()
         return self._pushed(), self._pulled()
 
     def exchange(self, control: ControlExchange) -> None:
         """Only the control operations, under shard 0's exclusive lock."""
         segments = self._check_open()
+        self._wait_served([CONTROL_SHARD])
         with segments.lock(CONTROL_SHARD, exclusive=True) as seg:
             control.apply(seg.header, seg.loss)
 
