@@ -182,8 +182,9 @@ def test_loss_decreases_and_accuracy_beats_chance(timed_run):
     summary, lines = finished(proc, out)
     losses = [x["loss"] for x in lines if x["kind"] == "train"]
     assert len(losses) >= 4
-    # 10%: under load (other jobs on the 2 cores) a 3 s run trains few steps.
-    assert np.mean(losses[-2:]) < 0.9 * losses[0]
+    # Against the loss of an untrained network (log of the class count), not the first
+    # logged line: under load the first line can come after most of the descent.
+    assert np.mean(losses[-2:]) < 0.9 * np.log(CLASSES), losses
     assert summary["final_test_accuracy"] > 0.6
 
 

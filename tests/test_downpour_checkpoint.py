@@ -316,9 +316,10 @@ def test_kill_9_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
     saved = committed_steps(out)
     assert saved, "checkpoints were written before the kill"
     last = saved[0]
-    # Checkpoints land a few steps after each multiple of EVERY (at the next round).
+    # Checkpoints land some steps after each multiple of EVERY (at the next agreement
+    # round; how many depends on the load, so only their spacing is checked).
     marks = [x["step"] for x in metrics(out) if x["kind"] == "checkpoint"]
-    assert marks and all(m % EVERY < EVERY // 2 for m in marks), marks
+    assert marks and all(b - a < 2 * EVERY for a, b in zip(marks, marks[1:])), marks
     if n - shards == 1:
         # One replica: the victim's count is the global one (a shard folds one push per
         # step), so the work lost is exactly known: at most one interval.

@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from distbelief.errors import UserError
 from distbelief.parameter_server import Backoff
 
 WAIT_SLEEP_S = (50e-6, 5e-3)
@@ -110,3 +112,21 @@ def gather_after_barrier(comm: MPI.Comm, value: object, root: int = 0) -> list |
     elsewhere (a polled barrier, then a gather that completes at once)."""
     wait_for_everyone(comm)
     return comm.gather(value, root=root)
+
+
+def agree(comm: MPI.Comm, setup: Callable[[], Any]) -> Any:
+    """Run `setup()` here; if it raised a UserError on any rank, raise it on every rank.
+
+    Collective over `comm` (a back-off barrier, then allgather of the error messages):
+    the local set-up differs by rank (a replica reads its rows, rank 0 writes the run
+    folder), so a failure there would otherwise leave the other ranks waiting forever.
+    """
+    try:
+        result, error = setup(), None
+    except UserError as e:
+        result, error = None, str(e)
+    wait_for_everyone(comm)
+    errors = [message for message in comm.allgather(error) if message is not None]
+    if errors:
+        raise UserError(errors[0])  # the lowest rank's, so that rank 0 prints one message
+    return result

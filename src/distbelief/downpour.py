@@ -133,12 +133,13 @@ from distbelief import checkpoint as ckpt
 from distbelief.agreement import (
     WAIT_SLEEP_S,
     Rounds,
+    agree,
     bcast_after_barrier,
     gather_after_barrier,
     wait_for_everyone,
 )
 from distbelief.config import Config, config_hash, hashed_settings
-from distbelief.errors import DataError, UserError
+from distbelief.errors import DataError
 from distbelief.layout import balanced_ranges
 from distbelief.metrics import ResumePoint, RunRecorder
 from distbelief.optimizers import make_optimizer
@@ -355,10 +356,10 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
         info, network = open_data(config)
     plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train)
     topology = plan.topology
-    local = _agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
+    local = agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
     chosen = local[1] if topology.world_rank == 0 else None
     path = comm.bcast(str(chosen.path) if chosen is not None else None, root=0)
-    start = _agree(comm, lambda: _read_start(config, plan, network, info, local, path, chosen,
+    start = agree(comm, lambda: _read_start(config, plan, network, info, local, path, chosen,
                                              stream))
     opt = config.optimizer
     initial = None
@@ -457,24 +458,6 @@ def _restore_replica(found: ckpt.Checkpoint, plan: DownpourPlan, data: Any, info
     else:
         data.load_state({**data.state(), "epoch": 1 + found.samples // info.n_train,
                          "position": 0})
-
-
-def _agree(comm: MPI.Comm, setup: Any) -> Any:
-    """Run `setup()` here; if it raised a UserError on any rank, raise it on every rank.
-
-    Collective over `comm` (a back-off barrier, then allgather of the error messages):
-    the local set-up differs by rank (a replica reads its rows, rank 0 writes the run
-    folder), so a failure there would otherwise leave the other ranks waiting forever.
-    """
-    try:
-        result, error = setup(), None
-    except UserError as e:
-        result, error = None, str(e)
-    wait_for_everyone(comm)
-    errors = [message for message in comm.allgather(error) if message is not None]
-    if errors:
-        raise UserError(errors[0])  # the lowest rank's, so that rank 0 prints one message
-    return result
 
 
 def _test_only_failure_armed(rank: int) -> bool:

@@ -86,9 +86,9 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief import checkpoint as ckpt
+from distbelief.agreement import agree, wait_for_everyone
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.data import _read_rows, _to_float
-from distbelief.downpour import _agree, _wait_for_everyone
 from distbelief.errors import ConfigError
 from distbelief.lbfgs import Gram, Iteration, LbfgsOptions, minimize
 from distbelief.metrics import ResumePoint, RunRecorder
@@ -250,13 +250,13 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                     network.layout.size)
     set_blas_threads(config.run.threads or 1)
     topology = plan.topology
-    local = _agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
+    local = agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
     found = local if topology.role == "coordinator" else None
     path = comm.bcast(None if found is None else str(found.path),
                       root=topology.coordinator_rank)
     if topology.is_shard:
-        return _agree(comm, lambda: _shard(config, comm, plan, network, path))
-    _agree(comm, lambda: None)
+        return agree(comm, lambda: _shard(config, comm, plan, network, path))
+    agree(comm, lambda: None)
     if topology.role == "coordinator":
         return Coordinator(comm, config, plan, network, info, stream, found)
     return Replica(comm, config, plan, network, *local)
@@ -295,7 +295,7 @@ def finish(comm: MPI.Comm, role: Any) -> dict[str, Any]:
     reason; the coordinator writes summary.json. Collective over `comm`, the same calls
     in the same order on every rank. Returns the summary on the coordinator,
     {"stop_reason": ...} elsewhere."""
-    _wait_for_everyone(comm)
+    wait_for_everyone(comm)
     root = role.plan.topology.ps_shards
     all_stats = comm.gather(role.stats(), root=root)
     reason = comm.bcast(role.reason if isinstance(role, Coordinator) else None, root=root)
