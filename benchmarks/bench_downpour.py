@@ -9,8 +9,9 @@ Sections (each Downpour run is `mpiexec -n N python -m mpi4py bench_downpour.py 
 which calls distbelief.downpour.train on configs/fashion_mnist_downpour.toml, so an
 exception on any rank aborts the job):
 (a) target: wall time to `--target` test accuracy, 1 shard + 1 replica (2 ranks on the 2
-    cores) with run.threads = T on every rank, against benchmarks/torch_peer.py (same MLP,
-    torch.optim.Adagrad lr 0.02, batch 64) with T threads, T = 1 and 2; both evaluate on
+    cores, shared-memory transport) with run.threads = T on every rank, interleaved seed by
+    seed with benchmarks/torch_peer.py (same MLP, torch.optim.Adagrad lr 0.02, batch 64)
+    with T threads, T = 1 and 2; both evaluate on
     the whole test set every `--eval-every` s (Downpour on shard 0, in a thread, without
     pausing the replica; torch pauses to evaluate). Median of `--seeds` seeds.
 (b) throughput: the replica's samples/s (its steps x 64 / its training wall time, RMA
@@ -18,11 +19,23 @@ exception on any rank aborts the job):
     loss_and_grad, Adagrad step; no warm-up excluded in either), same number of steps,
     1 thread; overhead = 1 - replica / single. n_fetch = n_push = 1, 2, 4, 8 with the
     read-your-writes fetch the CLI uses, and 1/1 with the asynchronous fetch
-    (fetch_own_pushes=False) for comparison. Best of `--repeats` interleaved rounds.
+    (fetch_own_pushes=False) for comparison, on the transport a one-node job gets (shared
+    memory); then 1/1 and 4/4 on the RMA transport that multi-node jobs use
+    (DISTBELIEF_PS_TRANSPORT=rma). "comm ms/step" is the replica's time in pushes and
+    fetches per step: on shared memory it includes the optimizer step the replica applies
+    itself (the single-process loop pays that too). Best of `--repeats` interleaved rounds.
 (c) replicas: 2 and 3 replicas + 1 shard (3 and 4 ranks on 2 cores: OVERSUBSCRIBED):
     total and per-replica samples/s, staleness, and time to the target.
 (d) bandwidth: benchmarks/bench_rma.py's report (push and pull of the 2.7 MB parameter
     vector against np.copyto), and the RMA rate seen inside the training runs of (b).
+(e) interleaved: the overhead of (b) at n_fetch = n_push = 1 measured inside one replica
+    process (2 ranks: the shard serves as in Downpour), alternating blocks of `--block`
+    single-process steps (next_batch, loss_and_grad, Adagrad on private parameters) and
+    Downpour steps (next_batch, loss_and_grad, push_pull + read-your-writes catch_up), on
+    both transports; overhead = 1 - 1 / (median over pairs of adjacent blocks of the
+    Downpour block's time over the single-process block's).
+    Both kinds see the same load, so this figure holds still on a busy machine where the
+    separate runs of (b) do not.
 
 The machine is shared: each row shows the load average just before it was measured, and
 the figures to quote are the best rounds (throughput) taken when the load was lowest.
@@ -37,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,12 +81,69 @@ def downpour_worker(args: argparse.Namespace) -> None:
         print(json.dumps(summary))
 
 
+def interleaved_worker(args: argparse.Namespace) -> None:
+    """(e): rank 0 serves, rank 1 alternates single-process and Downpour blocks."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from distbelief.config import load_config
+    from distbelief.data import TrainShard
+    from distbelief.optimizers import make_optimizer
+    from distbelief.parameter_server import (
+        PacedBackoff,
+        ParameterServerShard,
+        open_parameter_server,
+    )
+    from distbelief.threads import set_blas_threads
+    from distbelief.topology import Topology
+    from distbelief.trainer import open_data
+
+    set_blas_threads(1)
+    config = load_config(CONFIG, [f'data.path="{args.data.resolve()}"'])
+    info, network = open_data(config)
+    world = MPI.COMM_WORLD
+    topology = Topology(world.Get_size(), world.Get_rank(), 1)
+    lr = config.optimizer.learning_rate
+    initial = network.init_params(0)
+    endpoint = open_parameter_server(world, topology, initial.size,
+                                     lambda n: make_optimizer(True, lr, n), initial,
+                                     transport=args.transport)
+    if isinstance(endpoint, ParameterServerShard):
+        endpoint.serve(PacedBackoff())
+        endpoint.free()
+        return
+    data = TrainShard(info, seed=0)
+    local, remote = initial.copy(), initial.copy()
+    grad = np.zeros_like(local)
+    optimizer = make_optimizer(True, lr, local.size)
+    times: dict[str, list[float]] = {"single": [], "downpour": []}
+    for _ in range(args.blocks):
+        for kind, block_times in times.items():
+            t0 = time.perf_counter()
+            for _ in range(args.block):
+                x, y = data.next_batch(BATCH)
+                if kind == "single":
+                    network.loss_and_grad(local, x, y, grad)
+                    optimizer.step(local, grad)
+                else:
+                    network.loss_and_grad(remote, x, y, grad)
+                    endpoint.push_pull(grad, remote)
+                    endpoint.catch_up(remote)
+            block_times.append((time.perf_counter() - t0) / args.block)
+    endpoint.free()
+    # Each Downpour block against the single-process block just before it: the pairs see
+    # nearly the same load, so their ratio holds still while the load moves.
+    ratios = [d / s for s, d in zip(times["single"], times["downpour"], strict=True)]
+    print(json.dumps({kind: statistics.median(t) for kind, t in times.items()}
+                     | {"ratio": statistics.median(ratios)}))
+
+
 # -- runs (in subprocesses) --------------------------------------------------------------------
 
 
-def run_json(cmd: list[str], timeout: float) -> dict:
+def run_json(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> dict:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
-                            cwd=REPO)
+                            cwd=REPO, env=env)
     if result.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -80,7 +151,12 @@ def run_json(cmd: list[str], timeout: float) -> dict:
 
 def downpour_run(args: argparse.Namespace, ranks: int = 2, threads: int = 1, seed: int = 0,
                  steps: int = 0, target: float = 0.99, n_fetch: int = 1, n_push: int = 1,
-                 async_fetch: bool = False, eval_every: float = 1000.0) -> dict:
+                 async_fetch: bool = False, eval_every: float = 1000.0,
+                 transport: str = "auto") -> dict:
+    """One Downpour run; `transport` goes to the parameter server through
+    $DISTBELIEF_PS_TRANSPORT ("auto": shared memory here, one node; "rma": the multi-node
+    path)."""
+    env = {**os.environ, "DISTBELIEF_PS_TRANSPORT": transport}
     with tempfile.TemporaryDirectory() as out:
         cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__,
                "--worker", "--data", str(args.data), "--out", out, "--threads", str(threads),
@@ -88,7 +164,7 @@ def downpour_run(args: argparse.Namespace, ranks: int = 2, threads: int = 1, see
                "--n-fetch", str(n_fetch), "--n-push", str(n_push),
                "--eval-every", str(eval_every), "--max-seconds", str(args.max_seconds)]
         return run_json(cmd + (["--async-fetch"] if async_fetch else []),
-                        args.max_seconds + 300)
+                        args.max_seconds + 300, env)
 
 
 def single_process_rate(args: argparse.Namespace, steps: int) -> float:
@@ -130,19 +206,23 @@ def section_target(args: argparse.Namespace) -> None:
     print(f"{'threads':>7} {'downpour':>10} {'torch':>10} {'ratio':>6}   seconds")
     for threads in args.threads:
         before = load()
-        ours = [downpour_run(args, threads=threads, seed=s, target=args.target,
-                             eval_every=args.eval_every) for s in range(args.seeds)]
-        peer = [torch_time_to_target(args, threads, s) for s in range(args.seeds)]
+        ours, peer = [], []
+        for s in range(args.seeds):  # interleaved, so that both see the same load
+            ours.append(downpour_run(args, threads=threads, seed=s, target=args.target,
+                                     eval_every=args.eval_every))
+            peer.append(torch_time_to_target(args, threads, s))
         t_ours = median_or_none([r["time_to_target"] for r in ours])
         t_peer = median_or_none([r["time_to_target"] for r in peer])
         print(f"{threads:>7} {fmt(t_ours):>10} {fmt(t_peer):>10} {ratio(t_ours, t_peer):>6}   "
               f"(steps {[r['steps'] for r in ours]} vs {[r['steps'] for r in peer]}; "
               f"replica {ours[0]['replicas'][0]['samples_per_second']:,.0f} samples/s; "
-              f"{before})", flush=True)
+              f"{ours[0]['shards'][0]['transport']}; {before})", flush=True)
 
 
 def section_throughput(args: argparse.Namespace) -> list[dict]:
-    cadences = [(1, 1, False), (2, 2, False), (4, 4, False), (8, 8, False), (1, 1, True)]
+    cadences = [(1, 1, False, "auto"), (2, 2, False, "auto"), (4, 4, False, "auto"),
+                (8, 8, False, "auto"), (1, 1, True, "auto"), (1, 1, False, "rma"),
+                (4, 4, False, "rma")]
     print(f"\n(b) replica samples/s vs the single-process loop, {args.steps} steps, 1 thread, "
           f"1 shard + 1 replica, best of {args.repeats} interleaved rounds")
     best_single = 0.0
@@ -151,22 +231,22 @@ def section_throughput(args: argparse.Namespace) -> list[dict]:
     for _ in range(args.repeats):
         loads.append(os.getloadavg()[0])
         best_single = max(best_single, single_process_rate(args, args.steps))
-        for n_fetch, n_push, async_fetch in cadences:
+        for n_fetch, n_push, async_fetch, transport in cadences:
             r = downpour_run(args, steps=args.steps, n_fetch=n_fetch, n_push=n_push,
-                             async_fetch=async_fetch)
-            rep = r["replicas"][0]
-            key = (n_fetch, n_push, async_fetch)
+                             async_fetch=async_fetch, transport=transport)
+            rep = r["replicas"][0] | {"transport": r["shards"][0]["transport"]}
+            key = (n_fetch, n_push, async_fetch, transport)
             if key not in best or rep["samples_per_second"] > best[key]["samples_per_second"]:
                 best[key] = {**rep, "load": os.getloadavg()[0]}
     print(f"single-process loop: {best_single:,.0f} samples/s (loads at round starts: "
           f"{', '.join(f'{x:.1f}' for x in loads)})")
-    print(f"{'n_fetch/n_push':>14} {'fetch':>13} {'samples/s':>10} {'overhead':>9} "
-          f"{'RMA ms/step':>11} {'staleness':>9}")
-    for (n_fetch, n_push, async_fetch), rep in best.items():
+    print(f"{'n_fetch/n_push':>14} {'transport':>9} {'fetch':>13} {'samples/s':>10} "
+          f"{'overhead':>9} {'comm ms/step':>12} {'staleness':>9}")
+    for (n_fetch, n_push, async_fetch, _), rep in best.items():
         rate = rep["samples_per_second"]
         kind = "asynchronous" if async_fetch else "own pushes"
-        print(f"{f'{n_fetch}/{n_push}':>14} {kind:>13} {rate:>10,.0f} "
-              f"{1 - rate / best_single:>8.1%} {rep['rma_seconds'] / rep['steps'] * 1e3:>11.3f} "
+        print(f"{f'{n_fetch}/{n_push}':>14} {rep['transport']:>9} {kind:>13} {rate:>10,.0f} "
+              f"{1 - rate / best_single:>8.1%} {rep['rma_seconds'] / rep['steps'] * 1e3:>12.3f} "
               f"{rep['staleness']['mean']:>9.2f}   (load {rep['load']:.1f})")
     return [rep | {"key": key} for key, rep in best.items()]
 
@@ -201,19 +281,36 @@ def section_bandwidth(args: argparse.Namespace, runs: list[dict] | None) -> None
     if result.returncode != 0:
         print(f"  bench_rma.py failed: {result.stderr[-500:]}")
     for rep in runs or []:
-        n_fetch, n_push, async_fetch = rep["key"]
+        n_fetch, n_push, async_fetch, _ = rep["key"]
         moved = (rep["pushes"] + rep["fetches"] + rep["refetches"]) * N_PARAMS * 4
-        print(f"  in training, n_fetch/n_push {n_fetch}/{n_push}"
+        print(f"  in training, n_fetch/n_push {n_fetch}/{n_push} {rep['transport']}"
               f"{' asynchronous' if async_fetch else ''}: {moved / rep['rma_seconds'] / 1e9:.2f}"
               f" GB/s moved while in RMA calls ({rep['refetches']} re-fetches for "
               f"{rep['fetches']} fetches)")
+
+
+def section_interleaved(args: argparse.Namespace) -> None:
+    print(f"\n(e) overhead at n_fetch = n_push = 1, measured inside the replica process: "
+          f"{args.blocks} x {args.block} single-process steps interleaved with as many "
+          f"Downpour steps, medians")
+    print(f"{'transport':>9} {'single ms/step':>14} {'downpour ms/step':>16} {'overhead':>9}"
+          f"   (median block times; overhead from the median pair ratio)")
+    for transport in ("shared", "rma"):
+        before = load()
+        cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", __file__,
+               "--interleaved-worker", "--transport", transport, "--data", str(args.data),
+               "--blocks", str(args.blocks), "--block", str(args.block)]
+        r = run_json(cmd, 600)
+        print(f"{transport:>9} {r['single'] * 1e3:>14.3f} {r['downpour'] * 1e3:>16.3f} "
+              f"{1 - 1 / r['ratio']:>8.1%}   ({before})", flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=REPO / "data" / "fashion_mnist.h5")
-    p.add_argument("--only", choices=["target", "throughput", "replicas", "bandwidth"])
+    p.add_argument("--only", choices=["target", "throughput", "replicas", "bandwidth",
+                                      "interleaved"])
     p.add_argument("--threads", default="1,2", help="(a): thread counts")
     p.add_argument("--seeds", type=int, default=1, help="(a): seeds, median reported")
     p.add_argument("--steps", type=int, default=4000, help="(b), (c): steps per run")
@@ -221,6 +318,8 @@ def main() -> None:
     p.add_argument("--target", type=float, default=0.88)
     p.add_argument("--eval-every", type=float, default=2.0)
     p.add_argument("--max-seconds", type=float, default=120.0)
+    p.add_argument("--blocks", type=int, default=60, help="(e): blocks of each kind")
+    p.add_argument("--block", type=int, default=30, help="(e): steps per block")
     # worker options
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -228,7 +327,12 @@ def main() -> None:
     p.add_argument("--n-fetch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--n-push", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--async-fetch", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--interleaved-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.interleaved_worker:
+        interleaved_worker(args)
+        return
     if args.worker:
         args.threads = int(args.threads)
         downpour_worker(args)
@@ -247,6 +351,8 @@ def main() -> None:
         section_replicas(args)
     if args.only in (None, "bandwidth"):
         section_bandwidth(args, runs)
+    if args.only in (None, "interleaved"):
+        section_interleaved(args)
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ keeping MPI progressing on the shard.
 
 The report, for the reference MLP's 669,706 float32 parameters (2.7 MB): np.copyto of the
 same bytes in the same run; raw Lock + Accumulate / Get / Get_accumulate(NO_OP) + Unlock
-epochs against a spinning target; push, pull and push_pull through ParameterClient with
-the shard on its default Backoff, each with its ratio to the copy; then steps/s, RMA time
-per step and the shard's CPU share (time.process_time over wall time) for the chosen
-progress scheme, pushing back to back, with a compute step between pushes, and idle.
+epochs against a spinning target; push, pull and push_pull through ParameterClient on
+the RMA transport (the shard on its default Backoff) and on the shared-memory transport
+(where a push includes the Adagrad step), each with its ratio to the copy; then steps/s,
+time in pushes and pulls per step and the shard's CPU share (time.process_time over wall
+time), pushing back to back, with a compute step between pushes, and idle.
 
 `--progress` runs one configuration: how the shard polls (`--poll`: counters = serve_once
 alone, test = Request.Test on a pending receive first, iprobe = Comm.Iprobe first), how it
@@ -132,8 +133,10 @@ class Poller:
 
 
 def progress_run(poll: str, sleep: str, seconds: float, compute: int, pull: str,
-                 pace: float = 0.0, size: int = N_PARAMS) -> dict | None:
-    """One shard (rank 0) and world_size - 1 replicas pushing for `seconds`.
+                 pace: float = 0.0, size: int = N_PARAMS, transport: str = "rma"
+                 ) -> dict | None:
+    """One shard (rank 0) and world_size - 1 replicas pushing for `seconds`, on the
+    parameter server's `transport` ("rma": what the shard's polling is about).
 
     Collective over COMM_WORLD. Returns the summary on rank 0, None elsewhere.
     """
@@ -142,7 +145,7 @@ def progress_run(poll: str, sleep: str, seconds: float, compute: int, pull: str,
     from distbelief.topology import Topology
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
-    endpoint = open_parameter_server(world, topology, size, _adagrad)
+    endpoint = open_parameter_server(world, topology, size, _adagrad, transport=transport)
     mine = {"pushes": 0, "steps_s": 0.0}
     if isinstance(endpoint, ParameterServerShard):
         poller = Poller(world, poll, sleep)
@@ -193,15 +196,16 @@ def progress_run(poll: str, sleep: str, seconds: float, compute: int, pull: str,
             "wait_max_ms": shard["wait_max_ms"]}
 
 
-def client_rates(seconds: float) -> dict[str, float]:
-    """Payload bytes/s of push, pull and push_pull through ParameterClient, the shard on
-    its default Backoff. Collective over COMM_WORLD; meaningful on rank 1."""
+def client_rates(seconds: float, transport: str) -> dict[str, float]:
+    """Payload bytes/s of push, pull and push_pull through ParameterClient on `transport`,
+    the shard on its default Backoff (on "shared" a push includes the Adagrad step, which
+    the replica does itself). Collective over COMM_WORLD; meaningful on rank 1."""
     MPI = _mpi()
     from distbelief.parameter_server import ParameterServerShard, open_parameter_server
     from distbelief.topology import Topology
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
-    endpoint = open_parameter_server(world, topology, N_PARAMS, _adagrad)
+    endpoint = open_parameter_server(world, topology, N_PARAMS, _adagrad, transport=transport)
     rates: dict[str, float] = {}
     if isinstance(endpoint, ParameterServerShard):
         endpoint.serve()
@@ -222,11 +226,14 @@ def client_rates(seconds: float) -> dict[str, float]:
     return rates
 
 
-REPORT_STEPS = [  # (label, matmuls per step, pull mode, pace seconds)
-    ("back-to-back push", 0, "none", 0.0),
-    ("3 matmuls + push_pull", 3, "overlapped", 0.0),
-    ("3 matmuls + push + pull", 3, "sequential", 0.0),
-    ("idle: a push_pull every 0.2 s", 0, "overlapped", 0.2),
+REPORT_STEPS = [  # (label, matmuls per step, pull mode, pace seconds, transport)
+    ("back-to-back push", 0, "none", 0.0, "rma"),
+    ("3 matmuls + push_pull", 3, "overlapped", 0.0, "rma"),
+    ("3 matmuls + push + pull", 3, "sequential", 0.0, "rma"),
+    ("idle: a push_pull every 0.2 s", 0, "overlapped", 0.2, "rma"),
+    ("shared: back-to-back push", 0, "none", 0.0, "shared"),
+    ("shared: 3 matmuls + push_pull", 3, "overlapped", 0.0, "shared"),
+    ("shared: idle, push_pull every 0.2 s", 0, "overlapped", 0.2, "shared"),
 ]
 
 
@@ -247,13 +254,16 @@ def report(seconds: float, repeat: int) -> None:
         measured = {"np.copyto (same bytes, same process)": memcopy_rate(seconds)}
         for op in ("accumulate", "get", "get_accumulate"):
             measured[f"raw Lock+{op}+Unlock, target spinning"] = raw_epochs(op, seconds)
-        for name, rate in client_rates(seconds).items():
-            measured[f"ParameterClient.{name}, default Backoff"] = rate
+        for name, rate in client_rates(seconds, "rma").items():
+            measured[f"ParameterClient.{name}, rma"] = rate
+        for name, rate in client_rates(seconds, "shared").items():
+            adagrad = " (+Adagrad)" if "push" in name else ""
+            measured[f"ParameterClient.{name}, shared{adagrad}"] = rate
         for key, value in measured.items():
             bandwidth.setdefault(key, []).append(value)
-        for label, compute, pull, pace in REPORT_STEPS:
+        for label, compute, pull, pace, transport in REPORT_STEPS:
             r = progress_run("counters", "adaptive", max(seconds, 5 * pace), compute, pull,
-                             pace)
+                             pace, transport=transport)
             if r is not None:
                 steps[label].append(r)
     if rank == 0:
@@ -268,12 +278,12 @@ def report(seconds: float, repeat: int) -> None:
     for name, rate in best.items():
         print(f"{name:48s} {rate / 1e9:7.2f} {rate / copy:8.2f}")
     print(f"progress scheme: serve_once + Backoff (50 us doubling to 0.5 ms), median of "
-          f"{repeat}")
+          f"{repeat} (shared: the replica folds; the shard only watches)")
     for label, runs in steps.items():
         med = {k: float(np.median([r[k] for r in runs]))
                for k in ("steps_per_s_per_replica", "push_ms", "pull_ms", "shard_cpu_pct",
                          "hold_mean_ms", "hold_max_ms", "wait_max_ms")}
-        print(f"  {label:30s} {med['steps_per_s_per_replica']:6.0f} steps/s, "
+        print(f"  {label:36s} {med['steps_per_s_per_replica']:6.0f} steps/s, "
               f"RMA {med['push_ms'] + med['pull_ms']:.2f} ms/step, shard CPU "
               f"{med['shard_cpu_pct']:4.1f}%, exclusive held {med['hold_mean_ms']:.2f} ms "
               f"(max {med['hold_max_ms']:.2f}), lock wait max {med['wait_max_ms']:.2f} ms")
@@ -344,6 +354,8 @@ def main() -> None:
     p.add_argument("--replicas", default="1,2", help="sweep: replica counts")
     p.add_argument("--computes", default="0,3", help="sweep: matmuls per step")
     p.add_argument("--repeat", type=int, default=3, help="rounds (best or median)")
+    p.add_argument("--transport", choices=["rma", "shared"], default="rma",
+                   help="--progress: the parameter server's transport")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.sweep:
@@ -351,7 +363,7 @@ def main() -> None:
               [int(x) for x in args.computes.split(",")], args.pull, args.repeat)
     elif args.progress:
         r = progress_run(args.poll, args.sleep, args.seconds, args.compute, args.pull,
-                         args.pace)
+                         args.pace, transport=args.transport)
         if r is not None:
             print(json.dumps(r) if args.json else r, flush=True)
     else:

@@ -13,7 +13,7 @@ import re
 import time
 
 import pytest
-from conftest import REPO, run_mpi
+from conftest import REPO, _env, run_mpi
 
 from distbelief import parameter_server as ps
 from distbelief.errors import ConfigError
@@ -21,11 +21,15 @@ from distbelief.topology import Topology, validate_rank_count
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 90
+# Both transports run on this one node: "shared" is what a one-node job uses, "rma" what a
+# multi-node job uses (forced here with the programs' --transport).
+TRANSPORTS = ["shared", "rma"]
 
 
-def mpi4py_job(n: int, program: str, *args: object, timeout: float = TIMEOUT):
+def mpi4py_job(n: int, program: str, *args: object, timeout: float = TIMEOUT,
+               env: dict[str, str] | None = None):
     """`mpiexec -n N python -m mpi4py PROGRAM ARGS`: an exception on any rank aborts."""
-    return run_mpi(n, ["-m", "mpi4py", PROGRAMS / program, *args], timeout=timeout)
+    return run_mpi(n, ["-m", "mpi4py", PROGRAMS / program, *args], timeout=timeout, env=env)
 
 
 def assert_ok(proc) -> None:
@@ -88,6 +92,17 @@ def test_backoff_doubles_up_to_the_cap_and_resets_after_work(monkeypatch):
     assert sleeps == pytest.approx([1e-4])
 
 
+def test_transport_request_is_validated_before_communication(monkeypatch):
+    monkeypatch.delenv(ps.TRANSPORT_ENV, raising=False)
+    assert ps.requested_transport() == "auto"
+    monkeypatch.setenv(ps.TRANSPORT_ENV, "rma")
+    assert ps.requested_transport() == "rma"
+    assert ps.requested_transport("shared") == "shared"  # the caller's choice wins
+    monkeypatch.setenv(ps.TRANSPORT_ENV, "infiniband")
+    with pytest.raises(ConfigError, match="DISTBELIEF_PS_TRANSPORT.*auto, shared, rma"):
+        ps.requested_transport()
+
+
 # --- MPI jobs ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n, shards, partitions, coordinator", [
@@ -99,61 +114,91 @@ def test_split_communicators(n, shards, partitions, coordinator):
     assert proc.stdout.count(" ok") == n
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n, shards, size, pushes, extra", [
     (2, 1, 1000, 20, []),
     (3, 2, 1001, 20, []),             # one replica, size not divisible by the shards
     (5, 2, 1001, 20, []),             # 2 shards + 3 replicas
     (4, 2, 1001, 20, ["--coordinator"]),
-    # One big shard and 4 replicas: a take without the exclusive lock loses pushes here
-    # (checked by breaking the lock on purpose: caught in 4 runs out of 4).
+    (6, 2, 1001, 20, []),             # 2 shards + 4 replicas
+    # One big shard and 4 replicas: a take (rma) or a fold (shared) without the exclusive
+    # lock loses pushes here (checked by breaking the lock on purpose: rma caught in 4
+    # runs out of 4, shared in 2 out of 2).
     (5, 1, 669_706, 40, []),
 ])
-def test_pushes_are_applied_exactly_once(n, shards, size, pushes, extra):
+def test_pushes_are_applied_exactly_once(n, shards, size, pushes, extra, transport):
     proc = mpi4py_job(n, "ps_exact.py", "--shards", shards, "--size", size,
-                      "--pushes", pushes, "--lr", 0.5, *extra)
+                      "--pushes", pushes, "--lr", 0.5, "--transport", transport, *extra)
     assert_ok(proc)
     for s in range(shards):
-        assert f"shard {s} exact:" in proc.stdout
+        assert f"shard {s} exact: transport={transport}" in proc.stdout
 
 
+@pytest.mark.parametrize("env_value, expected", [(None, "shared"), ("rma", "rma")])
+def test_auto_transport_is_shared_on_one_node_unless_the_environment_says_rma(
+        env_value, expected):
+    env = _env()
+    env.pop(ps.TRANSPORT_ENV, None)
+    if env_value:
+        env[ps.TRANSPORT_ENV] = env_value
+    proc = mpi4py_job(3, "ps_exact.py", "--shards", 1, "--size", 1000, "--pushes", 5,
+                      "--lr", 0.5, "--transport", "auto", env=env)
+    assert_ok(proc)
+    assert f"shard 0 exact: transport={expected}" in proc.stdout
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n, shards, adagrad", [
     (2, 1, True), (3, 2, True), (4, 2, True), (3, 1, False)])
-def test_shard_optimizer_matches_local_optimizer(n, shards, adagrad):
+def test_shard_optimizer_matches_local_optimizer(n, shards, adagrad, transport):
     # An odd size, so that the two shards' slices differ in length.
     proc = mpi4py_job(n, "ps_adagrad.py", "--shards", shards, "--size", 100_003,
-                      "--lr", 0.05, "--pushes", 10, *(["--adagrad"] if adagrad else []))
+                      "--lr", 0.05, "--pushes", 10, "--transport", transport,
+                      *(["--adagrad"] if adagrad else []))
     assert_ok(proc)
     assert proc.stdout.count("matches the local optimizer after 10 pushes") == shards
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n, shards, mode", [
-    (2, 1, "set"), (3, 2, "set"), (4, 1, "fold"), (5, 2, "fold")])
-def test_pulls_are_never_torn(n, shards, mode):
+    (2, 1, "set"), (3, 2, "set"), (4, 1, "fold"), (5, 2, "fold"), (6, 2, "fold")])
+def test_pulls_are_never_torn(n, shards, mode, transport):
+    # Checked by breaking the scheme on purpose: a publish (rma) or a pull (shared)
+    # without its lock was caught by "set" and by "fold".
     proc = mpi4py_job(n, "ps_torn.py", "--shards", shards, "--size", 669_706,
-                      "--mode", mode, "--seconds", 1.0)
+                      "--mode", mode, "--seconds", 1.0, "--transport", transport)
     assert_ok(proc)
     assert proc.stdout.count("pulls consistent") == n - shards
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n, shards, extra", [
     (3, 1, []), (4, 2, []), (5, 2, []), (6, 1, ["--coordinator"])])
-def test_staleness_counts_updates_since_pull(n, shards, extra):
+def test_staleness_counts_updates_since_pull(n, shards, extra, transport):
     proc = mpi4py_job(n, "ps_staleness.py", "--shards", shards, "--size", 1001,
-                      "--updates", 5, *extra)
+                      "--updates", 5, "--transport", transport, *extra)
     assert_ok(proc)
     assert "replica A: staleness 5 then 0" in proc.stdout
     assert "replica B: 5 pushes applied" in proc.stdout
 
 
-@pytest.mark.parametrize("n, args, needle", [
-    (2, ["--shards", 2], "2 MPI rank(s) leave 0 for model replicas"),
-    (4, ["--shards", 1, "--partitions", 2], "not a multiple of partitions=2"),
-    (3, ["--shards", 2, "--size", 1], "cannot shard 1 parameters over 2"),
+@pytest.mark.parametrize("n, args, needle, transport", [
+    (2, ["--shards", 2], "2 MPI rank(s) leave 0 for model replicas", None),
+    (4, ["--shards", 1, "--partitions", 2], "not a multiple of partitions=2", None),
+    (3, ["--shards", 2, "--size", 1], "cannot shard 1 parameters over 2", None),
+    (3, ["--shards", 1], "must be one of auto, shared, rma", "infiniband"),
+    # Agreed on every rank, after the communicator split: this program's optimizer
+    # factory returns None, whose state cannot be shared.
+    (3, ["--shards", 1], "requested (DISTBELIEF_PS_TRANSPORT=shared) but the optimizer",
+     "shared"),
 ])
-def test_config_error_on_every_rank_before_communication(n, args, needle):
+def test_config_error_on_every_rank_before_communication(n, args, needle, transport):
     # Plain python, no mpi4py abort: every rank must fail by itself, without waiting for
     # the others (a rank blocked in a collective would time the test out).
-    proc = run_mpi(n, [PROGRAMS / "ps_config.py", *args], timeout=TIMEOUT)
+    env = _env()
+    if transport:
+        env[ps.TRANSPORT_ENV] = transport
+    proc = run_mpi(n, [PROGRAMS / "ps_config.py", *args], timeout=TIMEOUT, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     # mpiexec may interleave the ranks' lines, so count rather than split lines.
     ranks = re.findall(r"rank (\d+): ConfigError: ", proc.stdout)
@@ -167,11 +212,13 @@ def test_fitting_configuration_runs():
     assert proc.stdout.count("configuration fits") == 3
 
 
-@pytest.mark.parametrize("n, fail", [(4, "shard"), (3, "replica"), (5, "replica")])
-def test_exception_on_one_rank_aborts_the_job(n, fail):
+@pytest.mark.parametrize("n, fail, transport", [
+    (4, "shard", "shared"), (3, "replica", "shared"), (5, "replica", "shared"),
+    (4, "shard", "rma"), (5, "replica", "rma")])
+def test_exception_on_one_rank_aborts_the_job(n, fail, transport):
     t0 = time.perf_counter()
     proc = mpi4py_job(n, "ps_abort.py", "--shards", 1, "--size", 1000, "--fail", fail,
-                      timeout=60)
+                      "--transport", transport, timeout=60)
     elapsed = time.perf_counter() - t0
     assert proc.returncode != 0
     assert "fails on purpose" in proc.stderr

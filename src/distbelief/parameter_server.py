@@ -1,9 +1,28 @@
-"""Sharded parameter server for Downpour SGD over MPI one-sided communication (RMA).
+"""Sharded parameter server for Downpour SGD: MPI one-sided communication (RMA) between
+nodes, MPI shared-memory windows within one.
 
 The flat float32 parameter vector of `size` elements is split into S contiguous balanced
 ranges (`distbelief.layout.balanced_ranges`); shard s (world rank s, see topology.py) owns
-range s. Replicas push gradients and pull parameters with passive-target RMA; the shard
-folds the pushed gradients into its parameters with its optimizer (Adagrad or SGD).
+range s. Two transports, chosen once by `open_parameter_server` for the whole job (every
+rank agrees; `requested_transport` for how to force one):
+
+- "shared", when every rank of the job is on one node (SHARED MEMORY below): a client
+  folds its own gradient into the shard's parameters with the shard's optimizer, and
+  copies parameters out, directly in the shard's shared segment under a kernel
+  reader-writer lock. No shard is on the critical path of a step.
+- "rma" otherwise: replicas push gradients and pull parameters with passive-target RMA;
+  the shard folds the pushed gradients into its parameters with its optimizer (Adagrad or
+  SGD). The rest of this section up to SHARED MEMORY describes it.
+
+Why both: with MPICH on one node every RMA epoch needs two passes through the target's
+progress engine, and the read-your-writes fetch puts the shard's fold on the critical
+path too; a 2 ms step paid ~1.25 ms of RMA with a shard that sleeps between polls
+(benchmarks/RMA_NOTES.md sections 6-8). In shared memory the same step pays a lock (a few
+microseconds), the optimizer step it would pay anyway, and one 2.7 MB copy (~0.1 ms).
+Mixing the two in one job (node-local clients on shared memory, the others on RMA) is
+not done: Downpour's run control needs one atomic location for the step claims that every
+client can reach, and a window that both RMA and plain loads and stores update would need
+the shard's progress engine for every lock again.
 
 Windows (per shard; size 0 on every other rank), allocated with Win.Allocate over a
 private duplicate of the world communicator, displacement unit 1 byte:
@@ -125,10 +144,76 @@ last push has completed; a shard's `serve()` returns once done counts every clie
 has folded every push counted before that. `free()` is the same on every rank: one
 Ibarrier polled with back-off sleeps (a finished replica does not spin a core while the
 others train), then the windows are freed in one fixed order.
+
+SHARED MEMORY (transport "shared"; SharedMemoryShard, SharedMemoryClient). One window from
+Win.Allocate_shared over the node communicator (= the world), a segment per shard (size 0
+on other ranks); every rank maps every segment (Win.Shared_query). Shard s's segment:
+
+    [0:64) header, int64 slots: VERSION 0 | APPLIED 1 | SERVING 2 | CLAIMED 3 | STEPS 4 |
+           STOP 5 | LOSS 6 (float64); CLAIMED..LOSS are Downpour's run control, used on
+           shard 0; SERVING = 1 once the shard polls
+    [64:..) per client c (non-shard world rank S + c): PULLED, FINISHED (int64; pulls
+           made so far, published with each push and at finish)
+    then, each 64-byte aligned: the parameters f32, each optimizer state array f32 (for
+           Adagrad, its sum of squared gradients), by name
+
+The parameters and the optimizer state are the shard's own (its optimizer object works
+on the segment's arrays; every client holds a copy of the optimizer pointed at the same
+arrays). Segment s is guarded by a reader-writer lock: a POSIX record lock (fcntl) on
+byte s of one lock file that all ranks opened (and that is unlinked at once). The kernel
+grants it: no MPI progress is needed from anybody, a waiter sleeps, a dead process's
+locks are released. MPI's own Win_lock on a shared window was measured to wait for the
+target's progress (0.5 s behind a sleeping target), so it is not used.
+
+| location            | access                                          | lock      |
+|---------------------|-------------------------------------------------|-----------|
+| params, state,      | client push: optimizer step with its gradient,  | exclusive |
+| VERSION, APPLIED    |   VERSION += 1, APPLIED += 1 (load/store)       |           |
+|                     | shard: set_parameters, initialisation (store)   | exclusive |
+|                     | client pull, shard snapshot/parameters/         | shared    |
+|                     |   checkpoint_state/version (load)               |           |
+| CLAIMED, STEPS,     | client, with a push or exchange: read, add      | exclusive |
+| LOSS (shard 0)      | shard 0: read_control (load)                    | shared    |
+| SERVING             | shard: first serve_once (store 1)               | exclusive |
+|                     | client, before its first access (load)          | shared    |
+| STOP (shard 0)      | shard 0: raise_stop (store)                     | exclusive |
+|                     | client, with a push or exchange (load)          | exclusive |
+| PULLED[c],          | client c only, with a push and at finish: store | exclusive |
+| FINISHED[c]         | shard: serve_once, read_counters (load)         | shared    |
+
+Why it is correct: load/store accesses to a shared window are ordinary memory accesses of
+the processes (MPI-4.1, shared memory windows), so they need what any shared-memory
+program needs: no location is written while another process accesses it. Every write
+above is under the exclusive lock, every other access under the shared or the exclusive
+one. (A pull therefore does not count itself in the segment; the client publishes its
+count later, under the exclusive lock it takes anyway.) So a pull never sees half a fold
+(no torn reads), a fold's read-modify-write of the parameters, the state and the counters
+is never interleaved with another (no lost or doubled update), and step claims are atomic
+(max_steps stays exact). Memory ordering: Win.Sync after taking a lock and before
+releasing it (the memory barrier the standard asks for between processes' load/store
+accesses to a shared window; legal because Lock_all(MODE_NOCHECK) keeps a passive-target
+epoch open for the window's life, without lock traffic); the lock calls are system calls,
+which order memory as well.
+
+Semantics against "rma": a client's first access waits (sleeping) until every shard it
+touches has polled once (SERVING), as its first RMA epoch would: a caller that sets up
+after open_parameter_server (Downpour's shard 0 starts its clock, its rounds) finds no
+work done before it serves. A push returns once the gradient is applied (it is one fold:
+version and applied pushes advance together, and staleness counts the updates applied
+after the pull, exactly as there), a fetch after it always contains it (catch_up never
+pulls again), push_pull's fetch always contains its push. The shard only polls, sparsely
+(SHARED_POLL_S), for `finish()` and statistics, and shard 0 runs its duties between polls
+as before. A checkpoint taken while clients may push uses `checkpoint_state()` (one
+shared lock for parameters and state together); where no client pushes (Downpour's
+checkpoint rounds) `parameters()` and `optimizer.state()` agree as on "rma".
 """
 
 from __future__ import annotations
 
+import copy
+import fcntl
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -393,6 +478,13 @@ class ParameterServerShard(_Endpoint):
         """A copy of this shard's current parameters (for checkpoints). Local."""
         return self._master.copy()
 
+    def checkpoint_state(self) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+        """Copies of the parameters and of the optimizer state, and the version, taken
+        together: what a checkpoint writes. Local. (Here only the shard itself changes
+        them; on the shared transport clients do, and this takes the segment's lock.)"""
+        state = {name: value.copy() for name, value in self._optimizer.state().items()}
+        return self._master.copy(), state, self._taken
+
     def set_parameters(self, values: np.ndarray) -> None:
         """Overwrite this shard's parameters (initial values, restores, tests).
 
@@ -571,7 +663,8 @@ class ParameterServerShard(_Endpoint):
 class ShardStats:
     """What a shard did: folds, pushes folded, pulls served (as of the last poll), polls,
     its exclusive sections (time held, and time waiting for the clients' shared epochs to
-    drain), CPU and wall time served."""
+    drain), CPU and wall time served, and the transport ("rma" or "shared"). On the shared
+    transport the clients fold, and folds/pushes/pulls are read from the segment."""
 
     folds: int = 0
     pushes: int = 0
@@ -584,6 +677,7 @@ class ShardStats:
     wait_total_s: float = 0.0
     cpu_s: float = 0.0
     wall_s: float = 0.0
+    transport: str = "rma"
 
     def exclusive(self, wait: float, hold: float) -> None:
         self.exclusive_sections += 1
@@ -682,6 +776,15 @@ class ControlExchange:
                        MPI.SUM)
         win.Fetch_and_op(_int64(self._zero), _int64(self._stop), CONTROL_SHARD,
                          STOP * COUNTER_BYTES, MPI.NO_OP)
+
+    def apply(self, header: np.ndarray, loss: np.ndarray) -> None:
+        """The same operations on shard 0's shared-memory segment (its int64 header and
+        its float64 loss slot), under that segment's exclusive lock."""
+        self._before[:] = header[CLAIMED], header[STEPS]
+        header[CLAIMED] += self._send[0]
+        header[STEPS] += self._send[1]
+        loss[0] += self._loss[0]
+        self._stop[0] = header[STOP]
 
 
 class ParameterClient(_Endpoint):
@@ -876,9 +979,462 @@ class ParameterClient(_Endpoint):
         self._free_all(_waiting_backoff())
 
 
+# ------------------------------------------------------------------------------------------
+# The shared-memory transport (every rank of the job on one node; SHARED MEMORY above)
+
+TRANSPORT_ENV = "DISTBELIEF_PS_TRANSPORT"
+"""Environment variable naming the transport when open_parameter_server is not told:
+"auto" (the default: shared memory when every rank is on one node, else RMA), "shared"
+(shared memory or a ConfigError), "rma" (always RMA, e.g. to test the multi-node path)."""
+TRANSPORTS = ("auto", "shared", "rma")
+SERVING = 2  # int64 slot in a shared segment's header: 1 once the shard has polled
+# int64 slots of each client in a shared segment, written by that client only
+PULLED, FINISHED = 0, 1
+CLIENT_SLOTS = 2
+SHARED_POLL_S = (0.5e-3, 2e-3)
+"""Back-off bounds of a shard on shared memory, whatever serve() is given: its polls
+serve no client (they only notice finish() and run shard 0's duties), so they can be
+sparse; a 0.5 ms cap cost ~8% of a core, measured (benchmarks/RMA_NOTES.md section 8)."""
+
+
+def requested_transport(transport: str | None = None) -> str:
+    """`transport`, or else $DISTBELIEF_PS_TRANSPORT, or else "auto"; validated. Pure, so a
+    bad value raises ConfigError on every rank before any communication."""
+    value = transport or os.environ.get(TRANSPORT_ENV) or "auto"
+    if value not in TRANSPORTS:
+        raise ConfigError(f"parameter-server transport {value!r} (from "
+                          f"{'the caller' if transport else TRANSPORT_ENV}) must be one of "
+                          f"{', '.join(TRANSPORTS)}")
+    return value
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // HEADER_BYTES) * HEADER_BYTES
+
+
+def _segment_bytes(count: int, clients: int, state_arrays: int) -> int:
+    slots = _aligned(clients * CLIENT_SLOTS * COUNTER_BYTES)
+    return HEADER_BYTES + slots + (1 + state_arrays) * _aligned(count * DTYPE().itemsize)
+
+
+@dataclass
+class _Segment:
+    """Views of one shard's shared segment (no copies)."""
+
+    header: np.ndarray  # int64 slots VERSION, APPLIED, CLAIMED, STEPS, STOP (LOSS: below)
+    loss: np.ndarray  # float64, the LOSS slot
+    clients: np.ndarray  # int64 (clients, CLIENT_SLOTS): PULLED, FINISHED
+    params: np.ndarray  # float32, the shard's parameters (the master copy)
+    state: dict[str, np.ndarray]  # float32, the optimizer's state arrays by name
+
+
+def _segment_views(buffer: MPI.buffer, count: int, clients: int,
+                   names: list[str]) -> _Segment:
+    raw = np.frombuffer(buffer, dtype=np.uint8)
+    offset = HEADER_BYTES + _aligned(clients * CLIENT_SLOTS * COUNTER_BYTES)
+    data = _aligned(count * DTYPE().itemsize)
+    arrays = [raw[offset + i * data : offset + i * data + count * DTYPE().itemsize].view(DTYPE)
+              for i in range(1 + len(names))]
+    return _Segment(
+        header=raw[:HEADER_BYTES].view(np.int64),
+        loss=raw[LOSS * COUNTER_BYTES : (LOSS + 1) * COUNTER_BYTES].view(np.float64),
+        clients=raw[HEADER_BYTES : HEADER_BYTES + clients * CLIENT_SLOTS * COUNTER_BYTES]
+        .view(np.int64).reshape(clients, CLIENT_SLOTS),
+        params=arrays[0], state=dict(zip(names, arrays[1:], strict=True)))
+
+
+def _shareable_state(optimizer: OptimizerFactory) -> list[str] | None:
+    """The names of the optimizer's state arrays if they can live in shared memory (each
+    float32 and held in the attribute of its name, so a client's copy of the optimizer can
+    be pointed at the shard's arrays); None otherwise."""
+    probe = optimizer(1)
+    state = probe.state() if hasattr(probe, "state") and hasattr(probe, "step") else None
+    if not isinstance(state, dict):
+        return None
+    for name, value in state.items():
+        if getattr(probe, name, None) is not value or value.dtype != DTYPE:
+            return None
+    return sorted(state)
+
+
+def _bind_state(optimizer: Optimizer, state: dict[str, np.ndarray]) -> None:
+    """Make `optimizer` work on the shared arrays `state` (see _shareable_state)."""
+    for name, view in state.items():
+        setattr(optimizer, name, view)
+        if optimizer.state()[name] is not view:
+            raise RuntimeError(f"optimizer state {name!r} could not be moved to shared memory")
+
+
+def _lock_file(node: MPI.Comm) -> int | None:
+    """An open file descriptor on a fresh lock file shared by every rank of `node`, already
+    unlinked (nothing is left behind, even after a crash); None if one could not be made.
+    Collective over `node`."""
+    path = None
+    if node.Get_rank() == 0:
+        folder = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        try:
+            fd, path = tempfile.mkstemp(prefix="distbelief-ps-", suffix=".lock", dir=folder)
+            os.close(fd)
+        except OSError:
+            path = None
+    path = node.bcast(path, root=0)
+    fd = None
+    if path is not None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            fd = None
+    everyone = node.allreduce(fd is not None, op=MPI.LAND)  # also: all have opened it
+    if node.Get_rank() == 0 and path is not None:
+        os.unlink(path)
+    if not everyone and fd is not None:
+        os.close(fd)
+        fd = None
+    return fd
+
+
+class _SharedSegments:
+    """Every shard's segment in one Win.Allocate_shared window over the node communicator,
+    and the lock file whose byte s is segment s's reader-writer lock.
+
+    Locks are POSIX record locks (fcntl): the kernel grants them, so no rank's progress
+    engine is involved, a waiter sleeps instead of spinning, and a rank that dies releases
+    what it held. Win.Sync after taking a lock and before releasing it is the memory
+    barrier MPI asks for between load/store accesses of different processes to a shared
+    window; it is legal inside the passive-target epoch that Lock_all(MODE_NOCHECK) opens
+    for the window's lifetime (no lock traffic: measured local, 0.1 us per Sync).
+    """
+
+    def __init__(self, node: MPI.Comm, lock_fd: int, topology: Topology,
+                 ranges: list[tuple[int, int]], names: list[str]):
+        self.node, self.lock_fd, self.names = node, lock_fd, names
+        clients = topology.world_size - topology.ps_shards
+        index = topology.shard_index
+        mine = (0 if index is None
+                else _segment_bytes(ranges[index][1] - ranges[index][0], clients, len(names)))
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each segment on its owner's pages
+        try:
+            self.win = MPI.Win.Allocate_shared(mine, 1, info, node)
+        finally:
+            info.Free()
+        if self.win.model != MPI.WIN_UNIFIED:
+            raise RuntimeError("shared-memory window is not in the unified memory model")
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        # node ranks are world ranks (one node, Split_type keyed by rank): shard s is rank s
+        self.segments = [_segment_views(self.win.Shared_query(s)[0], stop - start, clients,
+                                        names)
+                         for s, (start, stop) in enumerate(ranges)]
+
+    @contextmanager
+    def lock(self, shard: int, exclusive: bool) -> Iterator[_Segment]:
+        """Shard `shard`'s segment, locked: exclusive (writers) or shared (readers)."""
+        fcntl.lockf(self.lock_fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, 1, shard)
+        try:
+            self.win.Sync()
+            yield self.segments[shard]
+        finally:
+            self.win.Sync()
+            fcntl.lockf(self.lock_fd, fcntl.LOCK_UN, 1, shard)
+
+    def free(self) -> None:
+        """Collective over the node communicator (= the world), same order on every rank."""
+        self.win.Unlock_all()
+        self.win.Free()
+        os.close(self.lock_fd)
+        self.node.Free()
+
+
+def _open_shared(comm: MPI.Comm, topology: Topology, ranges: list[tuple[int, int]],
+                 optimizer: OptimizerFactory, requested: str) -> _SharedSegments | None:
+    """The shared segments if the shared transport can be used, else None (use RMA).
+    Collective over `comm`; every rank reaches the same answer (all ranks on one node or
+    not, the same optimizer factory, one lock file for all)."""
+    if requested == "rma":
+        return None
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    names = _shareable_state(optimizer)
+    why = None
+    if node.Get_size() != comm.Get_size():
+        why = "the ranks are on more than one node"
+    elif names is None:
+        why = "the optimizer's state cannot live in shared memory"
+    lock_fd = _lock_file(node) if why is None else None
+    if why is None and lock_fd is None:
+        why = "no lock file could be created in /dev/shm or the temporary folder"
+    if why is None:
+        return _SharedSegments(node, lock_fd, topology, ranges, names)
+    node.Free()
+    if requested == "shared":
+        raise ConfigError(f"the shared-memory parameter server was requested "
+                          f"({TRANSPORT_ENV}=shared) but {why}")
+    return None
+
+
+class SharedMemoryShard(ParameterServerShard):
+    """A shard on the shared-memory transport: its parameters and optimizer state live in
+    its segment, its clients fold their gradients into them and read them directly, and
+    the shard watches (finish, statistics), runs shard 0's duties and serves snapshots and
+    checkpoints. Same interface as ParameterServerShard."""
+
+    def __init__(self, comm: MPI.Comm, segments: _SharedSegments, topology: Topology,
+                 size: int, optimizer: Optimizer, initial: np.ndarray | None):
+        _Endpoint.__init__(self, comm, segments, topology, size)  # none of the RMA set-up
+        self.rank = topology.world_rank
+        self.start, self.stop = self.ranges[self.rank]
+        self.num_clients = topology.world_size - topology.ps_shards
+        self._optimizer = optimizer
+        self._finished = False
+        self.stats = ShardStats(transport="shared")
+        with segments.lock(self.rank, exclusive=True) as seg:
+            seg.header[:] = 0
+            seg.clients[:] = 0
+            seg.params[:] = 0 if initial is None else initial[self.start : self.stop]
+            for name, value in optimizer.state().items():
+                np.copyto(seg.state[name], value)
+            _bind_state(optimizer, seg.state)
+
+    def _lock(self, exclusive: bool, shard: int | None = None):
+        return self._live().lock(self.rank if shard is None else shard, exclusive)
+
+    @property
+    def version(self) -> int:
+        """Updates applied to this shard's parameters so far (read under the lock)."""
+        with self._lock(exclusive=False) as seg:
+            return int(seg.header[VERSION])
+
+    def parameters(self) -> np.ndarray:
+        """A copy of this shard's current parameters, under the shared lock."""
+        with self._lock(exclusive=False) as seg:
+            return seg.params.copy()
+
+    def checkpoint_state(self) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+        """As ParameterServerShard.checkpoint_state, all copied under one shared lock."""
+        with self._lock(exclusive=False) as seg:
+            return (seg.params.copy(), {name: value.copy() for name, value in seg.state.items()},
+                    int(seg.header[VERSION]))
+
+    def set_parameters(self, values: np.ndarray) -> None:
+        """Overwrite this shard's parameters under the exclusive lock; counters unchanged."""
+        with self._lock(exclusive=True) as seg:
+            if values.shape != seg.params.shape:
+                raise ValueError(f"shard {self.rank} holds {seg.params.size} parameters, "
+                                 f"got shape {values.shape}")
+            seg.params[:] = values
+
+    def read_counters(self) -> tuple[int, int, int]:
+        """(pushes applied, clients finished, pulls published by the clients so far: each
+        publishes its count with its pushes and at finish), under the shared lock."""
+        with self._lock(exclusive=False) as seg:
+            done, pulls = (int(x) for x in seg.clients[:, [FINISHED, PULLED]].sum(axis=0))
+            return int(seg.header[APPLIED]), done, pulls
+
+    def read_control(self) -> ControlTotals:
+        """Downpour's run control (shard 0), read under the shared lock."""
+        with self._lock(exclusive=False) as seg:
+            return ControlTotals(int(seg.header[CLAIMED]), int(seg.header[STEPS]),
+                                 float(seg.loss[0]), bool(seg.header[STOP]))
+
+    def raise_stop(self) -> None:
+        """Set the stop flag (a store under the exclusive lock). Idempotent."""
+        with self._lock(exclusive=True) as seg:
+            seg.header[STOP] = 1
+
+    def snapshot(self, out: np.ndarray) -> np.ndarray:
+        """The whole parameter vector into `out`, each shard's slice copied under that
+        shard's shared lock (one at a time); returns each slice's version."""
+        if out.dtype != DTYPE or out.shape != (self.size,) or not out.flags.c_contiguous:
+            raise ValueError(f"snapshot buffer must be a contiguous float32 vector of "
+                             f"{self.size} elements, got {out.dtype} {out.shape}")
+        versions = np.zeros(self.topology.ps_shards, dtype=np.int64)
+        for shard, (start, stop) in enumerate(self.ranges):
+            with self._lock(False, shard) as seg:
+                np.copyto(out[start:stop], seg.params)
+                versions[shard] = seg.header[VERSION]
+        return versions
+
+    def fold(self) -> int:
+        """Nothing to fold: on this transport the clients fold their own pushes."""
+        return 0
+
+    def serve_once(self) -> bool:
+        """One poll: statistics and finish, read from the segment. Returns False: nothing
+        a client waits for happens here, so the shard may back off to its longest sleep."""
+        self.stats.polls += 1
+        if self.stats.polls == 1:
+            with self._lock(exclusive=True) as seg:
+                seg.header[SERVING] = 1
+        with self._lock(exclusive=False) as seg:  # a poll never delays a pull
+            self.stats.folds = int(seg.header[VERSION])
+            self.stats.pushes = int(seg.header[APPLIED])
+            done, self.stats.pulls = (int(x) for x in
+                                      seg.clients[:, [FINISHED, PULLED]].sum(axis=0))
+        # A client finishes after its last push returned, and pushes fold synchronously.
+        self._finished = done == self.num_clients
+        return False
+
+    def serve(self, backoff: Backoff | None = None,
+              between: Callable[[], bool] | None = None) -> ShardStats:
+        """As ParameterServerShard.serve, but always with the sparse SHARED_POLL_S back-off
+        (`backoff`, tuned for RMA clients, is not needed: no client waits for a poll)."""
+        return super().serve(Backoff(*SHARED_POLL_S), between)
+
+
+class SharedMemoryClient(ParameterClient):
+    """A client on the shared-memory transport: a push folds the gradient into every
+    shard's segment with the shard's optimizer, under the segment's exclusive lock, and
+    returns when it is applied; a pull copies every segment's parameters under its shared
+    lock. No shard takes part. Same interface as ParameterClient, restrict_to included
+    (only the pieces are folded and copied; shards without any are not touched, except
+    shard 0 for a control exchange)."""
+
+    def __init__(self, comm: MPI.Comm, segments: _SharedSegments, topology: Topology,
+                 size: int, optimizer: OptimizerFactory):
+        super().__init__(comm, segments, topology, size)
+        self._slot = topology.world_rank - topology.ps_shards
+        self._pulls = 0  # pulls made (each reads every shard), published under EXCLUSIVE
+        # One optimizer per shard, working on that shard's state arrays (a copy of what
+        # the factory gives, in case it hands out one object every time).
+        self._optimizers = []
+        for shard, (start, stop) in enumerate(self.ranges):
+            local = copy.copy(optimizer(stop - start))
+            _bind_state(local, segments.segments[shard].state)
+            self._optimizers.append(local)
+        self._pieces = self._piece_folders()
+        self._served = np.zeros(len(self.ranges), dtype=bool)
+
+    def _wait_served(self, shards: Sequence[int]) -> None:
+        """Before the first access to a shard: wait, sleeping, until it has polled once."""
+        backoff = Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
+        for shard in shards:
+            while not self._served[shard]:
+                with self._live().lock(shard, exclusive=False) as seg:
+                    self._served[shard] = bool(seg.header[SERVING])
+                if not self._served[shard]:
+                    backoff.wait()
+
+    def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
+        """As ParameterClient.restrict_to."""
+        super().restrict_to(pieces)
+        self._pieces = self._piece_folders()
+
+    def _piece_folders(self) -> list[list[tuple[int, int, Optimizer]]]:
+        """Per shard: (start, stop) of each piece in the vector and an optimizer working
+        on the piece's part of the shard's state (the whole range: the shard's own)."""
+        pieces = []
+        segments = self._live()
+        for shard, (low, high) in enumerate(self.ranges):
+            folders = []
+            for start, stop in self._segments[shard]:
+                if (start, stop) == (low, high):
+                    folders.append((start, stop, self._optimizers[shard]))
+                    continue
+                part = copy.copy(self._optimizers[shard])
+                _bind_state(part, {name: view[start - low : stop - low] for name, view
+                                   in segments.segments[shard].state.items()})
+                folders.append((start, stop, part))
+            pieces.append(folders)
+        return pieces
+
+    def _read(self, seg: _Segment, shard: int, out: np.ndarray) -> None:
+        """Copy this client's pieces of a segment's parameters, and its version."""
+        low = self.ranges[shard][0]
+        for start, stop, _ in self._pieces[shard]:
+            np.copyto(out[start:stop], seg.params[start - low : stop - low])
+        self._headers[shard] = seg.header[VERSION], seg.header[APPLIED]
+
+    def _fold(self, seg: _Segment, shard: int, grad: np.ndarray,
+              control: ControlExchange | None) -> None:
+        """Apply this client's pieces of `grad` as the shard's next update, and the control
+        operations on shard 0 (exclusive lock held)."""
+        if self._touched[shard]:
+            low = self.ranges[shard][0]
+            version = int(seg.header[VERSION])
+            self._taken[shard, 0] = version
+            for start, stop, optimizer in self._pieces[shard]:
+                optimizer.step(seg.params[start - low : stop - low], grad[start:stop])
+            seg.header[VERSION] = version + 1
+            seg.header[APPLIED] += 1
+            seg.clients[self._slot, PULLED] = self._pulls
+        if control is not None and shard == CONTROL_SHARD:
+            control.apply(seg.header, seg.loss)
+
+    def _progress(self) -> None:
+        """Let MPI progress, as every RMA call of the other transport does by itself: the
+        caller's nonblocking collectives (Downpour's agreement rounds) advance only while
+        their ranks are inside MPI. One Iprobe on the private communicator (where nothing
+        is ever sent), ~1 us."""
+        self._comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+
+    def _pushed_to(self, control: ControlExchange | None) -> list[int]:
+        """The shards a push locks: those it touches, and shard 0 for a control exchange."""
+        return [shard for shard in self.topology.shard_ranks
+                if self._touched[shard] or (control is not None and shard == CONTROL_SHARD)]
+
+    def pull(self, out: np.ndarray) -> np.ndarray:
+        """As ParameterClient.pull: every shard's slice is one consistent snapshot."""
+        self._check_vector(out, "pull buffer")
+        segments = self._check_open()
+        self._wait_served([int(s) for s in np.flatnonzero(self._touched)])
+        for shard in np.flatnonzero(self._touched):
+            with segments.lock(int(shard), exclusive=False) as seg:
+                self._read(seg, int(shard), out)
+        self._pulls += 1
+        self._progress()
+        return self._pulled()
+
+    def push(self, grad: np.ndarray, control: ControlExchange | None = None) -> np.ndarray:
+        """As ParameterClient.push, but the gradient is applied when it returns."""
+        self._check_vector(grad, "gradient")
+        segments = self._check_open()
+        self._wait_served(self._pushed_to(control))
+        for shard in self._pushed_to(control):
+            with segments.lock(shard, exclusive=True) as seg:
+                self._fold(seg, shard, grad, control)
+        self._progress()
+        return self._pushed()
+
+    def push_pull(self, grad: np.ndarray, out: np.ndarray,
+                  control: ControlExchange | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """As ParameterClient.push_pull; the parameters fetched always contain `grad` (the
+        copy is made under the same exclusive lock, right after the fold)."""
+        self._check_vector(grad, "gradient")
+        self._check_vector(out, "pull buffer")
+        segments = self._check_open()
+        self._wait_served(self._pushed_to(control))
+        self._pulls += 1  # published by the folds below, with this pull
+        for shard in self._pushed_to(control):
+            with segments.lock(shard, exclusive=True) as seg:
+                self._fold(seg, shard, grad, control)
+                if self._touched[shard]:
+                    self._read(seg, shard, out)
+        self._progress()
+        return self._pushed(), self._pulled()
+
+    def exchange(self, control: ControlExchange) -> None:
+        """Only the control operations, under shard 0's exclusive lock."""
+        segments = self._check_open()
+        self._wait_served([CONTROL_SHARD])
+        with segments.lock(CONTROL_SHARD, exclusive=True) as seg:
+            control.apply(seg.header, seg.loss)
+
+    def finish(self) -> None:
+        """Publish this client's pull count and mark it finished on every shard (its own
+        slots, under the exclusive lock). Idempotent."""
+        if self._finished:
+            return
+        segments = self._check_open()
+        for shard in self.topology.shard_ranks:
+            with segments.lock(shard, exclusive=True) as seg:
+                seg.clients[self._slot, PULLED] = self._pulls
+                seg.clients[self._slot, FINISHED] = 1
+        self._finished = True
+
+
 def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
                           optimizer: OptimizerFactory,
                           initial: np.ndarray | None = None,
+                          transport: str | None = None,
                           ) -> ParameterServerShard | ParameterClient:
     """Create the parameter server: a ParameterServerShard on shard ranks, a
     ParameterClient on every other rank (replicas and the coordinator).
@@ -886,10 +1442,14 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
     Collective over `comm_world`: every rank calls it, with the same topology, size and
     configuration; it creates the windows in one fixed order. It validates first, so a bad
     configuration raises ConfigError on every rank before any communication.
-    `optimizer(n)` builds the optimizer for a slice of n parameters (called on shards
-    only); `initial` is the full initial parameter vector (each shard copies its slice;
-    None means zeros). Returns once every shard has published its initial parameters.
+    `optimizer(n)` builds the optimizer for a slice of n parameters (on shards; on the
+    shared transport also on clients, once per shard, and once with n = 1 on every rank
+    to see whether its state can be shared); `initial` is the full initial parameter
+    vector (each shard copies its slice; None means zeros). `transport`: "auto", "shared"
+    or "rma" (None: $DISTBELIEF_PS_TRANSPORT, else "auto"; see requested_transport).
+    Returns once every shard has published its initial parameters.
     """
+    requested = requested_transport(transport)
     if size < topology.ps_shards:
         raise ConfigError(f"cannot shard {size} parameters over {topology.ps_shards} "
                           f"parameter-server shards; use at most {size} shards")
@@ -904,11 +1464,25 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
     # windows in one fixed order (size 0 off the shards).
     comm = comm_world.Dup()
     ranges = balanced_ranges(size, topology.ps_shards)
+    try:
+        segments = _open_shared(comm, topology, ranges, optimizer, requested)
+    except ConfigError:
+        comm.Free()
+        raise
+    endpoint: ParameterServerShard | ParameterClient
+    if segments is not None:
+        if topology.is_shard:
+            endpoint = SharedMemoryShard(comm, segments, topology, size,
+                                         optimizer(ranges[topology.world_rank][1]
+                                                   - ranges[topology.world_rank][0]), initial)
+        comm.Barrier()  # every shard has initialised its segment
+        if not topology.is_shard:
+            endpoint = SharedMemoryClient(comm, segments, topology, size, optimizer)
+        return endpoint
     index = topology.shard_index
     local_count = 0 if index is None else ranges[index][1] - ranges[index][0]
     windows = _ShardWindows(comm, local_count)
     # Local set-up: a shard publishes its initial parameters under its own lock.
-    endpoint: ParameterServerShard | ParameterClient
     if topology.is_shard:
         endpoint = ParameterServerShard(comm, windows, topology, size,
                                         optimizer(local_count), initial)

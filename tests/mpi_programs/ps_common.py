@@ -30,19 +30,24 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--coordinator", action="store_true")
     p.add_argument("--lr", type=float, default=1.0)
     p.add_argument("--adagrad", action="store_true", help="Adagrad instead of SGD")
+    p.add_argument("--transport", choices=["auto", "shared", "rma"], default="shared",
+                   help="parameter-server transport (shared: fail unless it is used; auto: "
+                   "let open_parameter_server choose, as downpour does, from "
+                   "$DISTBELIEF_PS_TRANSPORT or else by itself)")
     return p
 
 
 def open_server(args: argparse.Namespace, initial: np.ndarray | None = None
                 ) -> tuple[Topology, ParameterServerShard | ParameterClient]:
     """Topology from COMM_WORLD and the parameter server (collective); SGD, or Adagrad
-    with --adagrad, at --lr."""
+    with --adagrad, at --lr, on the --transport asked for."""
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), args.shards,
                         coordinator=args.coordinator)
+    transport = None if args.transport == "auto" else args.transport
     endpoint = open_parameter_server(world, topology, args.size,
                                      lambda n: make_optimizer(args.adagrad, args.lr, n),
-                                     initial)
+                                     initial, transport=transport)
     return topology, endpoint
 
 

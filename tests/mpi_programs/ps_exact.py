@@ -35,7 +35,8 @@ def main() -> None:
         want_pushes = topology.num_replicas * args.pushes
         check(stats.pushes == want_pushes, f"folded {stats.pushes} pushes, sent {want_pushes}")
         check(endpoint.version == stats.folds, f"version {endpoint.version} != folds")
-        say(f"shard {endpoint.rank} exact: [{endpoint.start}, {endpoint.stop}) "
+        say(f"shard {endpoint.rank} exact: transport={stats.transport} "
+            f"[{endpoint.start}, {endpoint.stop}) "
             f"pushes={stats.pushes} folds={stats.folds}")
     else:
         params = np.empty(args.size, dtype=np.float32)
