@@ -14,8 +14,8 @@ temporary folder, figures read from its metrics.jsonl and summary.json):
     reached, and each one's time to the lower of the two bests (a common bar), as a ratio
     Sandblaster / Downpour.
 (b) straggler: Sandblaster on the same model, `--straggler-steps` iterations, with and
-    without one replica made 10x slower per work unit (the test-only hook
-    DISTBELIEF_TEST_ONLY_SLOW_REPLICA); reported: median seconds per gradient evaluation
+    without replica 1 (world rank 3) made 10x slower per work unit (the test-only
+    fault DISTBELIEF_FAULTS="delay:3:0:10x", distbelief.faults); reported: median seconds per gradient evaluation
     (one batch) in both runs and their ratio (the acceptance bound is 1.3), the units each
     replica committed, and the backup units issued and discarded.
 
@@ -103,7 +103,7 @@ def section_straggler(args: argparse.Namespace, tmp: Path) -> None:
                  "cluster.ps_shards=1"]
     times = {}
     for name, env in [("plain", None),
-                      ("straggler", {"DISTBELIEF_TEST_ONLY_SLOW_REPLICA": "1:10"})]:
+                      ("straggler", {"DISTBELIEF_FAULTS": "delay:3:0:10x"})]:
         before = load()
         summary, metrics = train(SANDBLASTER, args.straggler_replicas + 2, tmp / name, overrides,
                                  timeout=600, env=env)

@@ -21,6 +21,7 @@ from conftest import REPO, _env, run_cli, run_mpi
 from distbelief.config import apply_overrides, config_from_dict
 from distbelief.datasets import convert_idx, make_synthetic
 from distbelief.errors import ConfigError, DataError
+from distbelief.faults import ENV as FAULTS
 from distbelief.metrics import REQUIRED_SUMMARY_KEYS, read_metrics
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
@@ -301,7 +302,8 @@ def test_single_rank_is_told_to_use_mpiexec(data_dir, tmp_path):
 def test_exception_on_one_rank_ends_the_job_within_seconds(data_dir, tmp_path, n, shards,
                                                            failing_rank):
     env = _env()
-    env["DISTBELIEF_TEST_ONLY_FAIL_RANK"] = str(failing_rank)
+    # A replica after 3 steps, shard 0 once it has applied an update.
+    env[FAULTS] = f"raise:{failing_rank}:{3 if failing_rank >= shards else 1}"
     t0 = time.perf_counter()
     proc = downpour(n, data_dir, tmp_path / "out", f"cluster.ps_shards={shards}",
                     "run.max_steps=0", "run.max_seconds=60", env=env, timeout=90)

@@ -27,7 +27,7 @@ from test_downpour import BATCH, TOML, exit_statuses, set_args
 
 from distbelief import checkpoint as ckpt
 from distbelief.datasets import make_synthetic
-from distbelief.downpour import TEST_ONLY_KILL, TEST_ONLY_POISON
+from distbelief.faults import ENV as FAULTS
 from distbelief.metrics import read_metrics
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
@@ -290,10 +290,13 @@ def test_another_replica_or_shard_count_starts_from_the_checkpoint_exactly(
 # -- kill -9 ------------------------------------------------------------------------------------------
 
 
-# Wide enough that a checkpoint landing one agreement round (a few ms, tens of this toy
-# model's steps on shared memory) after its multiple still lands before the kill.
+# Wide enough that a checkpoint landing one agreement round after its multiple still lands
+# before the kill. The replicas' steps are slowed to at least 0.5 ms (a test-only delay):
+# this toy model's steps take ~0.1 ms on shared memory, so a round (5 ms) would otherwise
+# be 50 or more steps, and a loaded machine can stretch it past the kill.
 KILL_AT = 700
 EVERY = 200
+STEP_DELAY = "delay:*:0:0.0005s"
 
 
 @pytest.mark.parametrize("n, shards, victim", [
@@ -306,7 +309,7 @@ def test_kill_9_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
         data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int) -> None:
     out = tmp_path / "out"
     env = _env()
-    env[TEST_ONLY_KILL] = f"{victim}:{KILL_AT}"
+    env[FAULTS] = f"kill:{victim}:{KILL_AT} {STEP_DELAY}"
     t0 = time.monotonic()
     proc = downpour(n, data_dir, out, *shape(n, shards), "run.max_steps=0",
                     "run.max_seconds=60", f"run.checkpoint_every_steps={EVERY}", env=env,
@@ -502,7 +505,7 @@ def test_rounds_give_every_rank_the_same_result_at_the_same_round(n: int, raiser
 def test_a_poisoned_gradient_is_dropped_and_counted(data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = _env()
-    env[TEST_ONLY_POISON] = "2:20"  # replica 1 (rank 2), its step 20 only
+    env[FAULTS] = "poison:2:20"  # replica 1 (rank 2), its step 20 only
     summary = succeeded(downpour(3, data_dir, out, "run.max_steps=300", env=env), 3, out)
     assert summary["steps"] == 300 and summary["stop_reason"] == "max_steps"
     assert [r["bad_gradients"] for r in summary["replicas"]] == [0, 1]
@@ -517,7 +520,7 @@ def test_a_replica_with_only_bad_gradients_stops_the_run_on_every_rank(
         data_dir: Path, tmp_path: Path, n: int, shards: int, rank: int, n_push: int) -> None:
     out = tmp_path / "out"
     env = _env()
-    env[TEST_ONLY_POISON] = f"{rank}:30+"  # every step from 30 on
+    env[FAULTS] = f"poison:{rank}:30+"  # every step from 30 on
     t0 = time.monotonic()
     proc = downpour(n, data_dir, out, *shape(n, shards), f"optimizer.n_push={n_push}",
                     "run.max_steps=0", "run.max_seconds=60",

@@ -15,8 +15,8 @@ from conftest import REPO, run_cli, run_mpi
 
 from distbelief.cost_model import Link, layer_flops, predict
 from distbelief.datasets import make_synthetic
-from distbelief.downpour import TEST_ONLY_POISON
 from distbelief.errors import ConfigError
+from distbelief.faults import ENV as FAULTS
 from distbelief.metrics import read_metrics
 from distbelief.model import Network
 from distbelief.partition import (
@@ -381,7 +381,7 @@ def test_bad_gradients_on_one_partition_stop_the_whole_replica_together(data_dir
     # never come (the test's timeout would catch that).
     out = tmp_path / "out"
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env[TEST_ONLY_POISON] = "2:30+"
+    env[FAULTS] = "poison:2:30+"
     proc = run_mpi(5, [PROGRAMS / "cli_exit_status.py", *train_args(
         data_dir, out, 'optimizer.algorithm="downpour"', "cluster.partitions=2",
         "run.max_steps=0", "run.max_seconds=60", "run.max_bad_gradients_in_a_row=5")],

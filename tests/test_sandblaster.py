@@ -22,9 +22,10 @@ from distbelief.config import apply_overrides, config_from_dict
 from distbelief.data import _read_rows, _to_float, open_dataset
 from distbelief.datasets import make_synthetic
 from distbelief.errors import ConfigError
+from distbelief.faults import ENV as FAULTS
 from distbelief.metrics import REQUIRED_SUMMARY_KEYS, read_metrics
 from distbelief.model import Network
-from distbelief.sandblaster import TEST_ONLY_SLOW_REPLICA, BatchRows
+from distbelief.sandblaster import BatchRows
 from distbelief.vector_shard import VectorShard
 from distbelief.work_units import COMMIT, DROP, HOLD, WorkUnitTable
 
@@ -297,8 +298,10 @@ def test_batch_rows_cover_each_epoch_once() -> None:
 # -- end to end under MPI -------------------------------------------------------------------
 
 
-def slow_env(replica: int, factor: float = 10.0) -> dict:
-    return {**_env(), TEST_ONLY_SLOW_REPLICA: f"{replica}:{factor}"}
+def slow_env(shards: int, replica: int, factor: float = 10.0) -> dict:
+    """Replica `replica` `factor` times slower per unit (world rank: shards, coordinator,
+    then the replicas)."""
+    return {**_env(), FAULTS: f"delay:{shards + 1 + replica}:0:{factor}x"}
 
 
 @pytest.mark.parametrize("n,shards,batch,slow", [(4, 1, 100000, False), (5, 2, 100000, True),
@@ -314,7 +317,7 @@ def test_assembled_gradient_equals_the_single_process_gradient(
                        "[run]", f'[run]\nout_dir = "{tmp_path / "out"}"'))
     out = tmp_path / "g.npz"
     proc = run_mpi(n, [PROGRAMS / "sandblaster_gradient.py", config, out], timeout=TIMEOUT,
-                   env=slow_env(0, 30.0) if slow else None)
+                   env=slow_env(shards, 0, 30.0) if slow else None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assembled = np.load(out)["gradient"]
@@ -409,7 +412,7 @@ def test_a_ten_times_slower_replica_costs_under_thirty_percent(heavy_dir: Path,
     config = write(heavy_dir, "heavy.toml", toml(layers, work_unit_size=100))
     common = ("run.max_steps=6", "run.eval_every_seconds=100")
     finished(train(7, config, tmp_path / "plain", *common), tmp_path / "plain")
-    slow_proc = train(7, config, tmp_path / "slow", *common, env=slow_env(1))
+    slow_proc = train(7, config, tmp_path / "slow", *common, env=slow_env(1, 1))
     slow, _ = finished(slow_proc, tmp_path / "slow")
     plain_t = batch_seconds(read_metrics(tmp_path / "plain" / "metrics.jsonl"))
     slow_t = batch_seconds(read_metrics(tmp_path / "slow" / "metrics.jsonl"))

@@ -29,6 +29,7 @@ from conftest import REPO, _env
 
 from distbelief.checkpoint import checkpoint_root, find_latest
 from distbelief.datasets import make_synthetic
+from distbelief.faults import ENV as FAULTS
 
 SCRIPTS = {path.stem: path for path in sorted((REPO / "slurm").glob("*.sbatch"))}
 SHIMS = REPO / "tests" / "slurm_shims"
@@ -58,9 +59,12 @@ progress_every_seconds = 0.5
 threads = 1
 """
 # About 3 s of training each on a quiet machine (sgd; Downpour at 3 to 5 ranks): USR1, sent
-# once the first steps are logged (0.5 s in), comes well before the end.
+# once the first steps are logged (0.5 s in), comes well before the end. Downpour's toy
+# steps take ~0.1 ms on shared memory, so its replicas are slowed to 2 ms per step (a
+# test-only fault, distbelief.faults): 3000 steps then take 2-3 s however fast the machine.
 SGD_STEPS = 30000
 DOWNPOUR_STEPS = 3000
+DOWNPOUR_STEP_DELAY = {FAULTS: "delay:*:0:0.002s"}
 SANDBLASTER_STEPS = 150  # about 25 iterations/s at 4 ranks
 
 
@@ -86,8 +90,9 @@ class Job:
     shims in shims.log."""
 
     def __init__(self, script: str, folder: Path, ntasks: int, config: Path,
-                 *overrides: str):
+                 *overrides: str, env: dict[str, str] | None = None):
         self.script, self.folder, self.ntasks = SCRIPTS[script], folder, ntasks
+        self.extra_env = env or {}
         self.out = folder / "out"
         sets = [f'run.out_dir="{self.out}"', *overrides]
         self.args = [str(config), *(arg for s in sets for arg in ("--set", s))]
@@ -107,7 +112,7 @@ class Job:
             SLURM_JOB_NUM_NODES="1", SLURM_NNODES="1", SLURM_JOB_NODELIST=host,
             SLURM_NODELIST=host, SLURM_TASKS_PER_NODE=str(self.ntasks),
             SLURM_CPUS_PER_TASK="1", SLURM_SUBMIT_DIR=str(self.folder),
-            SLURM_SHIM_LOG=str(self.shim_log), **extra)
+            SLURM_SHIM_LOG=str(self.shim_log), **self.extra_env, **extra)
         if restarts:  # SLURM sets it only in a restarted job
             env["SLURM_RESTART_COUNT"] = str(restarts)
         return env
@@ -232,7 +237,7 @@ def test_downpour_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, s
                                                            ntasks, shards):
     job = Job(script, tmp_path, ntasks, data_dir / "synth.toml",
               'optimizer.algorithm="downpour"', f"cluster.ps_shards={shards}",
-              f"run.max_steps={DOWNPOUR_STEPS}")
+              f"run.max_steps={DOWNPOUR_STEPS}", env=DOWNPOUR_STEP_DELAY)
     check_preempted_then_resumed(job, DOWNPOUR_STEPS)
 
 

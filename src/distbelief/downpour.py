@@ -117,8 +117,6 @@ oversubscribe small machines; more threads per rank only fight over the cores).
 from __future__ import annotations
 
 import math
-import os
-import signal
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -140,6 +138,7 @@ from distbelief.agreement import (
 )
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.errors import DataError
+from distbelief.faults import Faults
 from distbelief.layout import balanced_ranges
 from distbelief.metrics import ResumePoint, RunRecorder
 from distbelief.optimizers import make_optimizer
@@ -168,22 +167,6 @@ from distbelief.trainer import (
     prepare_run_dir,
     starting_checkpoint,
 )
-
-TEST_ONLY_FAIL_RANK = "DISTBELIEF_TEST_ONLY_FAIL_RANK"
-"""TEST-ONLY fault injection: the world rank named in this environment variable raises
-RuntimeError once it has done some work (a replica after 3 steps, shard 0 once it has
-folded a push), so the tests can check that an exception on one rank ends the whole job.
-Nothing else reads it; never set it in a real run."""
-
-TEST_ONLY_KILL = "DISTBELIEF_TEST_ONLY_KILL"
-"""TEST-ONLY fault injection: "RANK:K" makes world rank RANK kill itself with SIGKILL
-(no clean-up at all, as a crashed node) once it has computed K local steps (a replica)
-or folded K updates (a shard). Nothing else reads it; never set it in a real run."""
-
-TEST_ONLY_POISON = "DISTBELIEF_TEST_ONLY_POISON"
-"""TEST-ONLY fault injection: "RANK:K" puts a NaN into world rank RANK's gradient at its
-local step K, "RANK:K+" at every step from K on (a replica). Nothing else reads it; never
-set it in a real run."""
 
 WARM_START_POLL_S = (1e-3, 20e-3)
 """Back-off bounds of replicas polling shard 0 while they wait for the warm start: slow,
@@ -460,31 +443,6 @@ def _restore_replica(found: ckpt.Checkpoint, plan: DownpourPlan, data: Any, info
                          "position": 0})
 
 
-def _test_only_failure_armed(rank: int) -> bool:
-    """See TEST_ONLY_FAIL_RANK."""
-    return os.environ.get(TEST_ONLY_FAIL_RANK) == str(rank)
-
-
-def _test_only_kill_at(rank: int) -> int:
-    """See TEST_ONLY_KILL: the step at which this rank kills itself, or -1."""
-    target, _, at = os.environ.get(TEST_ONLY_KILL, "").partition(":")
-    return int(at) if target == str(rank) else -1
-
-
-def _test_only_poison(rank: int) -> tuple[int, bool]:
-    """See TEST_ONLY_POISON: (local step, from then on) for this rank, or (-1, False)."""
-    target, _, at = os.environ.get(TEST_ONLY_POISON, "").partition(":")
-    if target != str(rank):
-        return -1, False
-    return int(at.rstrip("+")), at.endswith("+")
-
-
-def _kill_self(rank: int, what: str) -> None:
-    print(f"distbelief: test-only kill -9 of rank {rank} {what} ({TEST_ONLY_KILL})",
-          file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 # ------------------------------------------------------------------------------------------
 # Agreement and checkpoints: the part every role shares
 
@@ -690,9 +648,7 @@ class Replica(_Role):
         self.t = start.local_steps  # local steps done (a resumed replica goes on counting)
         self.fresh = False  # params were fetched at the last push (push_pull)
         self.stopping = False  # stop before the next block (a signal, a failure)
-        self.fail_at = self.t + 3 if _test_only_failure_armed(topology.world_rank) else -1
-        self.kill_at = _test_only_kill_at(topology.world_rank)
-        self.poison_at, self.poison_on = _test_only_poison(topology.world_rank)
+        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.faults)
         self.bad_in_a_row = 0
 
     def run(self) -> None:
@@ -757,12 +713,13 @@ class Replica(_Role):
             if self.t % plan.n_fetch == 0 and not self.fresh:
                 self._pull()
             self.fresh = False
+            t0 = time.perf_counter()
             x, y = self.data.next_batch(plan.batch_size)
             loss = self.network.loss_and_grad(self.params, x, y, self.grad)
             self.t += 1
             done += 1
-            if self.t == self.poison_at or (self.poison_on and self.t >= self.poison_at):
-                self.grad[0] = np.nan  # TEST_ONLY_POISON
+            if self.faults:
+                self.faults.poison(self.t, self.grad)
             if self._usable(loss):
                 if self.pushed is not self.grad:
                     self.pushed += self.grad
@@ -770,11 +727,10 @@ class Replica(_Role):
                 self._drop()
             if math.isfinite(loss):
                 loss_sum += loss
-            if self.t == self.fail_at:
-                raise RuntimeError(f"test-only failure on rank {self.stats_.rank} "
-                                   f"({TEST_ONLY_FAIL_RANK})")
-            if self.t == self.kill_at:
-                _kill_self(self.stats_.rank, f"at local step {self.t}")
+            if self.faults:
+                self.faults.after_step(self.t, time.perf_counter() - t0)
+                if self.faults.hang_due(self.t):
+                    self.client.hang_in_next_push(self.faults)
         self._push(self.control.set(plan.n_push, done, loss_sum))
         self.stats_.steps += done
         self.stats_.samples += done * plan.batch_size
@@ -847,8 +803,8 @@ class _ShardRole(_Role):
 
     def _shard_duties(self) -> bool:
         """Between two polls: the test-only kill, then the rounds."""
-        if self.kill_at >= 0 and self.shard.version >= self.kill_at:
-            _kill_self(self.shard.rank, f"after {self.shard.version} folds")
+        if self.faults:
+            self.faults.after_updates(self.shard.version)
         return self.poll_rounds()
 
     def _serve_pending(self) -> bool:
@@ -885,7 +841,7 @@ class _PlainShard(_ShardRole):
 
     def __init__(self, shard: ParameterServerShard, sync: _Sync):
         self.shard, self.sync = shard, sync
-        self.kill_at = _test_only_kill_at(shard.rank)
+        self.faults = Faults.for_rank(shard.rank)  # test-only (distbelief.faults)
 
     def run(self) -> None:
         self.shard.serve(PacedBackoff(), between=self._shard_duties)
@@ -914,8 +870,7 @@ class Supervisor(_ShardRole):
         self.snapshot = np.zeros(network.layout.size, dtype=np.float32)
         self.pending: tuple[Future, int] | None = None  # evaluation in flight, its step
         self.evaluations, self.eval_seconds = 0, 0.0
-        self.fail = _test_only_failure_armed(0)
-        self.kill_at = _test_only_kill_at(0)
+        self.faults = Faults.for_rank(0)  # test-only (distbelief.faults)
         run = config.run
         self.root = ckpt.checkpoint_root(run.out_dir)
         self.every_seconds, self.every_steps = (run.checkpoint_every_seconds,
@@ -949,8 +904,6 @@ class Supervisor(_ShardRole):
 
     def _between(self) -> bool:
         """Shard 0's duties between two polls; cheap unless one of them is due."""
-        if self.fail and self.shard.stats.folds:
-            raise RuntimeError(f"test-only failure on rank 0 ({TEST_ONLY_FAIL_RANK})")
         now = time.monotonic()
         busy = False
         if self.pending is not None and self.pending[0].done():

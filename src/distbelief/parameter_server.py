@@ -218,7 +218,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -810,6 +810,16 @@ class ParameterClient(_Endpoint):
         # What this client transfers, per shard: all of its range unless restrict_to.
         self._segments = [[r] for r in self.ranges]
         self._touched = np.ones(shards, dtype=bool)
+        self._hang: Any = None  # test-only: distbelief.faults.Faults to hang in a push
+
+    def hang_in_next_push(self, faults: Any) -> None:
+        """TEST-ONLY (distbelief.faults "hang"): the next push stops responding for ever
+        while it holds its locks on the shards, as a replica that froze mid-push."""
+        self._hang = faults
+
+    def _maybe_hang(self, shard: int) -> None:
+        if self._hang is not None:
+            self._hang.hang(f"in a push, holding the lock on shard {shard}")
 
     def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
         """From now on pull and push only `pieces`, [start, stop) ranges of the vector (a
@@ -877,6 +887,7 @@ class ParameterClient(_Endpoint):
                              TAKEN * COUNTER_BYTES, MPI.NO_OP)
         if control is not None:
             control.issue(win)
+        self._maybe_hang(CONTROL_SHARD)
 
     def _pulled(self) -> np.ndarray:
         self.pulled_versions[:] = self._headers[:, VERSION]
@@ -1356,6 +1367,7 @@ class SharedMemoryClient(ParameterClient):
             seg.header[VERSION] = version + 1
             seg.header[APPLIED] += 1
             seg.clients[self._slot, PULLED] = self._pulls
+            self._maybe_hang(shard)
         if control is not None and shard == CONTROL_SHARD:
             control.apply(seg.header, seg.loss)
 

@@ -74,7 +74,6 @@ Threads: 1 BLAS thread per rank unless `[run] threads` says otherwise.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import sys
 import time
@@ -90,6 +89,7 @@ from distbelief.agreement import agree, wait_for_everyone
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.data import _read_rows, _to_float
 from distbelief.errors import ConfigError
+from distbelief.faults import Faults
 from distbelief.lbfgs import Gram, Iteration, LbfgsOptions, minimize
 from distbelief.metrics import ResumePoint, RunRecorder
 from distbelief.parameter_server import Backoff
@@ -116,10 +116,6 @@ units, 0, 0]."""
 POLL_S = (20e-6, 1e-3)
 """Back-off bounds of every polling wait (min, max sleep). A replica waiting between
 trials or a shard between commands wakes every millisecond at most (a few % of a core)."""
-
-TEST_ONLY_SLOW_REPLICA = "DISTBELIEF_TEST_ONLY_SLOW_REPLICA"
-"""TEST-ONLY straggler injection: "R:F" makes replica R sleep (F-1) times the compute
-time of each work unit after computing it, i.e. F times slower. Never set in a real run."""
 
 AUTO_UNITS_PER_REPLICA = 16
 MIN_AUTO_UNIT = 32
@@ -468,7 +464,7 @@ class Replica:
         self.send = [np.empty(HEADER + b - a, dtype=np.float32) for a, b in self.ranges]
         self.fetched: tuple[str, int] | None = None
         self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank)
-        self.slowdown = _test_only_slowdown(topology.replica_index)
+        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.faults)
         self.signals = None  # set by train(); only the coordinator acts on signals
         self._clear()
 
@@ -547,9 +543,8 @@ class Replica:
         self.pending_loss += loss * n
         self.pending_units.append(unit)
         self.pending_trial = trial
-        elapsed = time.perf_counter() - t0
-        if self.slowdown > 1:
-            time.sleep((self.slowdown - 1) * elapsed)
+        if self.faults:
+            self.faults.after_step(self.stats_.units + 1, time.perf_counter() - t0, "unit")
         self.stats_.compute_seconds += time.perf_counter() - t0
         self.stats_.units += 1
         self.stats_.examples += n
@@ -578,15 +573,6 @@ class Replica:
 
     def stats(self) -> dict[str, Any]:
         return {"role": "replica", **asdict(self.stats_)}
-
-
-def _test_only_slowdown(replica: int) -> float:
-    """See TEST_ONLY_SLOW_REPLICA."""
-    text = os.environ.get(TEST_ONLY_SLOW_REPLICA, "")
-    which, _, factor = text.partition(":")
-    if which.strip() == str(replica):
-        return float(factor)
-    return 1.0
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,164 @@
+"""Test-only fault injection: kill, crash, slow down, hang or poison a given rank at a given
+step, so that the tests can check what every other rank does about it.
+
+Set the environment variable DISTBELIEF_FAULTS to one or more faults, separated by commas
+or spaces, each ACTION:RANK:AT[:ARG]. RANK is a world rank, or `*` for every rank the
+fault applies to. AT counts what the rank does: a Downpour replica its local steps, a
+Sandblaster replica its work units, a Downpour shard the updates it has folded.
+
+    kill:RANK:AT          SIGKILL itself after step AT (a crashed node: no clean-up at all)
+    raise:RANK:AT         raise RuntimeError after step AT (an unhandled exception)
+    poison:RANK:AT        put a NaN into the gradient of step AT; AT+ from AT on
+    delay:RANK:AT:10x     from step AT on, every step takes 10 times its compute time
+    delay:RANK:AT:0.002s  from step AT on, every step takes 2 ms longer
+    hang:RANK:AT          stop responding after step AT, for ever (a Downpour replica: in the
+                          middle of its next push, holding the lock on the shard it pushes to)
+
+Nothing but the tests and the benchmarks sets it; a real run never should, and the rank
+prints what it does when a fault fires.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from distbelief.errors import ConfigError
+
+ENV = "DISTBELIEF_FAULTS"
+ACTIONS = ("kill", "raise", "poison", "delay", "hang")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: `action` on world rank `rank` (None: every rank) at step `at`."""
+
+    action: str
+    rank: int | None
+    at: int
+    from_then_on: bool = False  # poison: every step from `at` on
+    factor: float = 1.0  # delay: a step takes this many times its compute time
+    extra_seconds: float = 0.0  # delay: and this much longer
+
+    def applies_to(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
+
+
+def parse(text: str) -> list[Fault]:
+    """The faults in `text` (DISTBELIEF_FAULTS's syntax); ConfigError naming the bad one."""
+    faults = []
+    for item in text.replace(",", " ").split():
+        try:
+            faults.append(_parse_one(item))
+        except ValueError as exc:
+            raise ConfigError(f"{ENV}: cannot read {item!r}: {exc} (expected ACTION:RANK:AT"
+                              f"[:ARG], ACTION one of {', '.join(ACTIONS)})") from None
+    return faults
+
+
+def _parse_one(item: str) -> Fault:
+    action, *fields = item.split(":")
+    if action not in ACTIONS:
+        raise ValueError(f"unknown action {action!r}")
+    if len(fields) != (3 if action == "delay" else 2):
+        raise ValueError("wrong number of fields")
+    rank = None if fields[0] == "*" else _non_negative(fields[0], "RANK")
+    at_text = fields[1]
+    from_then_on = action == "poison" and at_text.endswith("+")
+    at = _non_negative(at_text.removesuffix("+") if from_then_on else at_text, "AT")
+    if action != "delay":
+        return Fault(action, rank, at, from_then_on)
+    arg = fields[2]
+    if arg.endswith("x") and _positive_float(arg[:-1]) >= 1:
+        return Fault(action, rank, at, factor=float(arg[:-1]))
+    if arg.endswith("s"):
+        return Fault(action, rank, at, extra_seconds=_positive_float(arg[:-1]))
+    raise ValueError("a delay is Fx (F >= 1) or SECONDSs")
+
+
+def _non_negative(text: str, what: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"{what} must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{text!r} is not a positive number")
+    return value
+
+
+@dataclass
+class Faults:
+    """The faults armed for one rank, and the hooks its loops call."""
+
+    rank: int
+    faults: list[Fault] = field(default_factory=list)
+
+    @classmethod
+    def for_rank(cls, rank: int, environ: Mapping[str, str] | None = None) -> Faults:
+        text = (os.environ if environ is None else environ).get(ENV, "")
+        return cls(rank, [f for f in parse(text) if f.applies_to(rank)])
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def _firing(self, action: str, step: int) -> list[Fault]:
+        return [f for f in self.faults if f.action == action and f.at == step]
+
+    def poisons(self, step: int) -> bool:
+        """Whether the gradient of `step` is to be poisoned."""
+        return any(f.action == "poison" and (f.at == step or f.from_then_on and step >= f.at)
+                   for f in self.faults)
+
+    def poison(self, step: int, grad: np.ndarray) -> None:
+        """Put a NaN into `grad` if `step` is poisoned."""
+        if grad.size and self.poisons(step):
+            grad[0] = np.nan
+
+    def after_step(self, step: int, compute_seconds: float, what: str = "step") -> None:
+        """Called once `step` is computed (its gradient already poisoned if it is to be):
+        slow it down, then raise, kill or hang as armed."""
+        delay = sum((f.factor - 1) * compute_seconds + f.extra_seconds
+                    for f in self.faults if f.action == "delay" and step >= f.at)
+        if delay > 0:
+            time.sleep(delay)
+        if self._firing("raise", step):
+            raise RuntimeError(f"test-only failure on rank {self.rank} at {what} {step} ({ENV})")
+        if self._firing("kill", step):
+            self.kill(f"at {what} {step}")
+
+    def after_updates(self, count: int) -> None:
+        """Called by a shard between polls with the updates it has folded so far (a count
+        that may jump): raise or kill once it reaches a fault's AT."""
+        if any(f.action == "raise" and count >= f.at for f in self.faults):
+            raise RuntimeError(f"test-only failure on rank {self.rank} after {count} "
+                               f"updates ({ENV})")
+        if any(f.action == "kill" and count >= f.at for f in self.faults):
+            self.kill(f"after {count} updates")
+
+    def hang_due(self, step: int) -> bool:
+        """Whether the rank is to stop responding after `step` (the caller decides where)."""
+        return bool(self._firing("hang", step))
+
+    def kill(self, where: str) -> None:
+        _say(f"test-only kill -9 of rank {self.rank} {where} ({ENV})")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def hang(self, where: str) -> None:
+        """Stop responding for ever (sleeping, so the rank holds whatever it holds)."""
+        _say(f"test-only hang of rank {self.rank} {where} ({ENV})")
+        while True:
+            time.sleep(3600)
+
+
+def _say(text: str) -> None:
+    print(f"distbelief: {text}", file=sys.stderr, flush=True)
