@@ -125,17 +125,21 @@ def check_metrics(lines: list[dict], summary: dict) -> None:
 # -- end to end -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("transport", ["shared", "rma"])
 @pytest.mark.parametrize("n, shards, extra", [
     (2, 1, []),
     (3, 2, ["optimizer.adagrad=false"]),                # 1 replica, odd slices, SGD
     (5, 2, ["optimizer.n_fetch=2", "optimizer.n_push=3",  # 3 replicas, odd cadences
-            "optimizer.warm_start_steps=50"]),
+            "optimizer.warm_start_steps=50", "run.checkpoint_every_steps=100"]),
 ])
-def test_max_steps_counts_total_steps_exactly(data_dir, tmp_path, n, shards, extra):
-    # 401 is not a multiple of n_push, nor of the number of replicas.
+def test_max_steps_counts_total_steps_exactly(data_dir, tmp_path, n, shards, extra,
+                                              transport):
+    # 401 is not a multiple of n_push, nor of the number of replicas. Both parameter-server
+    # transports: shared memory (one node) and RMA (as multi-node jobs run).
     out = tmp_path / "out"
+    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
     proc = downpour(n, data_dir, out, f"cluster.ps_shards={shards}", "run.max_steps=401",
-                    *extra)
+                    *extra, env=env)
     summary, lines = finished(proc, out)
     assert summary["stop_reason"] == "max_steps"
     assert summary["steps"] == 401

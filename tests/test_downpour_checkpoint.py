@@ -427,16 +427,19 @@ def test_periodic_checkpoints_by_time_keep_the_newest(data_dir: Path, tmp_path: 
     assert 0 < summary["checkpoint_seconds"] < summary["wall_seconds"]
 
 
-@pytest.mark.parametrize("n, shards, n_push", [(4, 2, 1), (4, 1, 3)])
+@pytest.mark.parametrize("n, shards, n_push, transport", [
+    (4, 2, 1, "shared"), (4, 1, 3, "shared"), (4, 2, 3, "rma")])
 def test_every_checkpoint_is_a_consistent_snapshot(data_dir: Path, tmp_path: Path, n: int,
-                                                   shards: int, n_push: int) -> None:
+                                                   shards: int, n_push: int,
+                                                   transport: str) -> None:
     # Mid-run checkpoints too: the replicas' parts account for exactly the checkpoint's
     # global step (every step a replica computed was pushed and folded, none is missing
     # or counted twice), and each replica's data position is that of its step count.
     out = tmp_path / "out"
+    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
     summary = succeeded(downpour(n, data_dir, out, *shape(n, shards), "run.max_steps=3000",
                                  "run.checkpoint_every_steps=500", "run.keep_checkpoints=10",
-                                 f"optimizer.n_push={n_push}"), n, out)
+                                 f"optimizer.n_push={n_push}", env=env), n, out)
     saved = committed_steps(out)
     assert len(saved) >= 5 and saved[0] == summary["steps"] == 3000
     for step in saved:

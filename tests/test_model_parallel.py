@@ -352,14 +352,6 @@ def test_downpour_partitioned_replicas_checkpoint_and_resume(data_dir, tmp_path)
     assert second["steps"] == 200
 
 
-@pytest.mark.parametrize("partitions", [2, 3])
-def test_replica_rounds_hand_results_on_together(partitions):
-    proc = run_mpi(partitions, ["-m", "mpi4py", PROGRAMS / "mp_replica_rounds.py"],
-                   timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert f"OK handed on together at poll {2 * partitions - 2}" in proc.stdout
-
-
 def test_partitioned_sgd_divergence_and_resume_exit_2_on_every_rank(data_dir, tmp_path):
     out = tmp_path / "out"
     diverge = run_mpi(2, [PROGRAMS / "cli_exit_status.py", *train_args(

@@ -40,8 +40,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from distbelief import watchdog
 from distbelief.errors import UserError
 from distbelief.parameter_server import Backoff
+from distbelief.topology import world_ranks
 
 WAIT_SLEEP_S = (50e-6, 5e-3)
 """Back-off bounds of a polled wait: quick at first (the others are usually close), never
@@ -88,16 +90,23 @@ class Rounds:
 
 
 def wait_for_everyone(comm: MPI.Comm, serve: Callable[[], bool] | None = None,
-                      backoff: Backoff | None = None) -> None:
+                      backoff: Backoff | None = None, what: str = "a barrier") -> None:
     """Collective over `comm`: an Ibarrier polled with back-off sleeps; `serve()` (if given)
-    runs between polls, and True from it (work was done) keeps the polls fast."""
+    runs between polls, and True from it (work was done) keeps the polls fast. Declared to
+    the stall watchdog as waiting for `what` from the other ranks of `comm`."""
     request = comm.Ibarrier()
+    if request.Test():
+        return
     backoff = backoff or Backoff(*WAIT_SLEEP_S)
-    while not request.Test():
-        if serve is not None and serve():
-            backoff.reset()
-        else:
-            backoff.wait()
+    guard = watchdog.current()
+    others = [r for r in range(comm.Get_size()) if r != comm.Get_rank()]
+    with guard.waiting(what, world_ranks(comm, others) if guard.enabled else ()):
+        while not request.Test():
+            guard.check()
+            if serve is not None and serve():
+                backoff.reset()
+            else:
+                backoff.wait()
 
 
 def bcast_after_barrier(comm: MPI.Comm, value: object, root: int = 0) -> object:

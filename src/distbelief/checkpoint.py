@@ -350,14 +350,15 @@ def _fsync_dir(path: Path) -> None:
 def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any],
            algorithm: str, layout: ParamLayout, shard_ranges: Sequence[tuple[int, int]],
            optimizer_state: Sequence[str], parts: Sequence[PartRecord], num_replicas: int,
-           keep: int) -> Path:
+           keep: int, lost_replicas: Sequence[int] = ()) -> Path:
     """Publish ckpt-<step> (committer only, after every writer has returned its record).
 
     `settings` is distbelief.config.hashed_settings(config); its hash must be
     meta.config_hash. `shard_ranges` must tile the layout's vector; `parts` holds one
-    record per shard and per replica. Checks the parts, writes the manifest, renames the
-    folder, fsyncs the parent, then keeps only the newest `keep` checkpoints.
-    Returns the committed folder.
+    record per shard and per replica, except the `lost_replicas` (Downpour replicas that
+    died: they have no part, and a resume starts them on a fresh pass). Checks the parts,
+    writes the manifest, renames the folder, fsyncs the parent, then keeps only the newest
+    `keep` checkpoints. Returns the committed folder.
     """
     from distbelief.config import settings_hash
 
@@ -369,7 +370,9 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
     partial = root / (checkpoint_name(meta.step) + PARTIAL_SUFFIX)
     ranges = [(int(a), int(b)) for a, b in shard_ranges]
     _check_tiling(ranges, 0, layout.size)
-    records = _check_parts(partial, len(ranges), num_replicas, parts)
+    lost = sorted({int(r) for r in lost_replicas})
+    kept = [i for i in range(num_replicas) if i not in lost]
+    records = _check_parts(partial, len(ranges), kept, parts)
     manifest = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "step": int(meta.step),
         "samples": int(meta.samples), "wall_seconds": float(meta.wall_seconds),
@@ -379,7 +382,8 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
         "optimizer_state": sorted(optimizer_state),
         "shards": [{"index": i, "start": a, "stop": b, "part": shard_part_name(i)}
                    for i, (a, b) in enumerate(ranges)],
-        "replicas": [{"index": i, "part": replica_part_name(i)} for i in range(num_replicas)],
+        "replicas": [{"index": i, "part": replica_part_name(i)} for i in kept],
+        "lost_replicas": lost,
         "parts": {r.name: {"size": r.size, "sha256": r.sha256} for r in records},
     }
     manifest["manifest_sha256"] = _manifest_digest(manifest)
@@ -397,12 +401,12 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
     return final
 
 
-def _check_parts(partial: Path, num_shards: int, num_replicas: int,
+def _check_parts(partial: Path, num_shards: int, replicas: Sequence[int],
                  parts: Sequence[PartRecord]) -> list[PartRecord]:
     """Every expected part reported once and on disk at its reported size."""
     by_name = {r.name: r for r in parts}
     expected = ([shard_part_name(i) for i in range(num_shards)]
-                + [replica_part_name(i) for i in range(num_replicas)])
+                + [replica_part_name(i) for i in replicas])
     if len(by_name) != len(parts) or set(by_name) != set(expected):
         raise CheckpointError(f"checkpoint {partial}: writers reported parts "
                               f"{sorted(by_name)}, expected {expected}")
@@ -599,6 +603,15 @@ class Checkpoint:
     @property
     def wall_seconds(self) -> float:
         return float(self.manifest["wall_seconds"])
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas of the run that wrote it, lost ones included."""
+        return len(self.manifest["replicas"]) + len(self.manifest.get("lost_replicas", []))
+
+    def has_replica(self, index: int) -> bool:
+        """Whether replica `index` wrote a part (a lost replica did not)."""
+        return any(r["index"] == index for r in self.manifest["replicas"])
 
     @property
     def shard_ranges(self) -> list[tuple[int, int]]:
@@ -863,6 +876,9 @@ def describe(report: Inspection, max_arrays: int = 12) -> str:
               for s in m["shards"]]
     lines.append(f"  replicas: {len(m['replicas'])}")
     lines += [f"    replica {r['index']}: {r['part']}" for r in m["replicas"]]
+    if m.get("lost_replicas"):
+        lines.append(f"  lost replicas (no part; a resume starts them afresh): "
+                     f"{', '.join(str(r) for r in m['lost_replicas'])}")
     lines.append("  parts:")
     for part in report.parts:
         status = "ok" if part.ok else (part.problem() or "?").removeprefix(f"part {part.name} ")

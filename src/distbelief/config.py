@@ -29,7 +29,11 @@ Sections and keys, with their defaults:
                  checkpoint_every_seconds = 600 (0 = off), checkpoint_every_steps = 0
                  (0 = off), keep_checkpoints = 3 (at least 2),
                  max_bad_gradients_in_a_row = 10 (Downpour: a replica drops a non-finite
-                 gradient; this many in a row from one replica stop the run)
+                 gradient; this many in a row from one replica stop the run),
+                 replica_timeout_seconds = 300 (Downpour: a replica not heard from for this
+                 long is lost, the run goes on without it; 0 = never),
+                 stall_warn_seconds = 60, stall_abort_seconds = 900 (a rank waiting on
+                 another this long says which and what for / aborts the job; 0 = never)
 
 Checkpoints (distbelief.checkpoint) go to out_dir/checkpoints; besides the periodic ones,
 a run always writes one when it stops (budget, target, SIGTERM/SIGUSR1), so it can be
@@ -115,6 +119,9 @@ class RunConfig:
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 3
     max_bad_gradients_in_a_row: int = 10
+    replica_timeout_seconds: float = 300.0
+    stall_warn_seconds: float = 60.0
+    stall_abort_seconds: float = 900.0
 
 
 @dataclass(frozen=True)
@@ -249,6 +256,9 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "checkpoint_every_steps": (_int(0), 0),
         "keep_checkpoints": (_int(2), 3),
         "max_bad_gradients_in_a_row": (_int(1), 10),
+        "replica_timeout_seconds": (_float(0.0), 300.0),
+        "stall_warn_seconds": (_float(0.0), 60.0),
+        "stall_abort_seconds": (_float(0.0), 900.0),
     },
 }
 SECTIONS = tuple(SCHEMA)

@@ -1,114 +1,104 @@
 """Downpour SGD (Dean et al., NIPS 2012): asynchronous model replicas around a sharded
-parameter server, over MPI one-sided communication.
+parameter server, over MPI one-sided communication. A replica that dies does not stop
+the others.
 
     mpiexec -n N python -m distbelief train CONFIG      # [optimizer] algorithm = "downpour"
 
 ROLES (distbelief.topology): world ranks 0..S-1 are parameter-server shards
-(`[cluster] ps_shards = S`), ranks S..N-1 are replicas 0..R-1. Every rank validates the
-rank count and the data against the configuration before it communicates, so a bad
-configuration ends the job with exit 2 on every rank.
+(`[cluster] ps_shards = S`), the others are replicas 0..R-1 (each of P ranks with model
+parallelism). Every rank validates the rank count and the data against the configuration
+before it communicates, so a bad configuration ends the job with exit 2 on every rank.
 
 REPLICAS train on disjoint parts of the training set (`TrainShard(info, replica, R,
 seed)`, each with its own shuffling stream). A replica fetches the parameters before
 every `n_fetch`-th step and pushes the sum of its gradients after every `n_push`-th step;
 when both fall together it uses `push_pull`, one round of lock traffic. A fetch returns
-parameters that contain the replica's own earlier pushes (read-your-writes: while the
-shard has not folded the last push, `ParameterClient.catch_up` pulls again), which is the
-order in which DistBelief's server answers a replica and makes one replica exactly
-sequential SGD; the staleness of a push then counts only other replicas' updates.
-Measured: without it every gradient is at least one update stale, and one replica ends
-0.4-3 points below the single-process trainer at equal steps and reaches 88% later
-(`fetch_own_pushes=False`, kept for experiments). Every push also carries a
-`ControlExchange` with shard 0 (no extra round trip): the replica claims its next
-`n_push` steps from the global step counter (Fetch_and_op, so max_steps counts TOTAL
-steps across replicas exactly: claims are atomic, a replica computes only the steps it
-was granted and pushes every one of them), reports the steps it finished and their loss
-sum, and reads the stop flag. A replica never waits for another. With `warm_start_steps =
-W`, replica 0 starts alone; the others poll shard 0's finished-step count with back-off
-sleeps (1 to 20 ms) and start once it has reached W; steps are reported with pushes, so
-they start at replica 0's first push at or after step W, or a poll later.
+parameters that contain the replica's own earlier pushes (read-your-writes:
+`ParameterClient.catch_up`), which is the order in which DistBelief's server answers a
+replica and makes one replica exactly sequential SGD; the staleness of a push then counts
+only other replicas' updates (without it one replica ends 0.4-3 points lower at equal
+steps: `fetch_own_pushes=False`, kept for experiments). A replica never waits for
+another.
 
-SHARD 0 serves like every shard (ParameterServerShard.serve: poll, fold with Adagrad or
-SGD, sleep between polls paced to the replicas' pushes by `PacedBackoff`) and, between
-polls, runs the run. Every LOG_EVERY_SECONDS it reads the control slots and writes a
-training line (loss = mean minibatch loss of the steps reported since the last line).
-Every eval_every_seconds it takes a snapshot of the global parameters (its own master
-copy plus a SHARED-lock Get of every other shard's published slice) and hands it to an
-evaluation thread: the test-set pass runs on the otherwise idle part of its core while
-the main thread keeps polling, so pushes to shard 0 keep their usual latency during
-evaluations. (Not measured against the alternative, evaluating in chunks with a poll
-between chunks; but an RMA epoch needs two target polls, so every epoch in flight would
-wait up to two chunks.) It decides when the run ends: max_seconds, target_accuracy (at an
-evaluation), or a non-finite training loss; then it raises the stop flag.
+RUN CONTROL (distbelief.run_control). After the set-up a replica takes part in no
+collective: a collective that includes a dead rank never completes. Everything it must
+agree on rides on the pushes it makes anyway, through the run control block on shard 0:
+each push claims its next `n_push` steps from the global step counter (atomic, so
+max_steps counts TOTAL steps across replicas exactly), reports the steps it finished and
+their loss sum, publishes its heartbeat and the signals it received, and reads shard 0's
+commands: stop, pause for a checkpoint, lost, and at the end the teardown. With
+`warm_start_steps = W`, replicas other than 0 poll the block (1 to 20 ms sleeps) and
+start once replica 0 has reported W steps.
 
-STOP PROTOCOL. A replica stops when a claim grants it no step (max_steps used up), it
-reads the stop flag, or a round says so (a signal, a failed checkpoint, a replica with
-too many bad gradients); in every case its last push has carried every gradient and step
-it computed. It then calls `finish()`; the shards serve until every replica has finished
-and every push is folded, so the final parameters contain all the work. Every rank then
-keeps polling the agreement rounds (sleeping in between) until one says that every rank
-is done; then, on every rank in the same order: a back-off barrier, one `gather` of each
-rank's statistics and one `Gatherv` of the shards' final slices to rank 0, a `bcast` of
-the stop reason, rank 0's evaluation of the final parameters (not after a signal), the
-final checkpoint, summary.json from rank 0, and every rank frees the parameter server
-and returns (exit 0, or the run's error on every rank).
+SHARDS serve (ParameterServerShard.serve: poll, fold, sleep between polls) and, between
+polls, take part in rounds among themselves (distbelief.agreement.Rounds over the
+shards' communicator: the shards' signals, rank 0's checkpoint and end flags). Shards
+cannot be lost without losing parameters, so their collectives are safe.
 
-METRICS: rank 0 (shard 0) owns the run folder and writes config.json, metrics.jsonl and
-summary.json with distbelief.metrics.RunRecorder, the same contract as the single-process
-trainer; `step` and `samples` are totals over all replicas. summary.json adds the
-Downpour figures: per-replica steps, samples/s, pushes, fetches, RMA time and staleness
-(mean, max, histogram), per-shard server statistics, and the combined staleness.
+SHARD 0 (Supervisor) also runs the run, between polls: it reads the control block (every
+CONTROL_POLL_S at most), writes training lines and progress, evaluates snapshots of the
+global parameters in a thread (replicas never stall for it), applies the stop rules
+(max_seconds, target_accuracy, a non-finite training loss, a replica giving up on
+non-finite gradients, a signal), asks for checkpoints, and watches the replicas.
 
-CHECKPOINTS (distbelief.checkpoint's format; `[run] checkpoint_every_seconds`,
-`checkpoint_every_steps`, `keep_checkpoints`). A checkpoint is a global consistency point,
-agreed through distbelief.agreement's `Rounds`: every rank polls a round of a non-blocking
-allreduce from its own loop (replicas after each push, shards between polls; a new round
-every ROUND_INTERVAL_S at most), and rank 0 raises the checkpoint flag in its contribution
-once one is due. Every rank sees the same result, then takes the same steps, with the
-same collectives in the same order (`_Role.checkpoint`):
+LOST REPLICAS. Shard 0 sweeps every SWEEP_S (and at once when a SIGUSR1 is reported):
+a replica whose process on this node is gone (distbelief.liveness; any of its P ranks),
+or whose heartbeat has not moved for `run.replica_timeout_seconds` (ranks on other
+nodes), is declared lost: LOST is set in its slots (a replica that was only stalled
+stops when it reads it), the summary records it, checkpoints give it no part (a resume
+starts it on a fresh pass), and the run goes on without it: the steps it was granted and
+had not pushed (at most n_push) are not trained. Whether the other ranks live on is the
+launcher's choice: MPICH's hydra keeps them with `-disable-auto-cleanup` (the README
+says what each launcher does). A lost SHARD ends the job: every rank checks the shards'
+processes (shards each other, replicas when they sweep) and the first to find one gone
+aborts the job with a message; rerunning resumes from the last checkpoint.
 
-  1. polled barrier: a replica arrives right after a push, so every gradient it computed
-     has landed and its gradient sum is empty; then it waits, sleeping. Shards keep
-     serving while they wait, so pushes in flight complete.
-  2. each shard folds what its accumulator holds. Nothing is in flight any more, so no
-     push is half-applied; shard 0 reads the global step (steps pushed and now folded)
-     and creates ckpt-<step>.partial, or decides there is nothing new to save.
-  3. bcast of that decision; each shard writes its slice (parameters, optimizer state,
-     version and counters), each replica its data position and local step count.
-  4. gather of the part records to rank 0, which commits (manifest, rename; only then
-     prunes beyond keep_checkpoints), and bcast of the outcome; training goes on.
+SIGNALS. SIGTERM and SIGUSR1 (SLURM's time limit, `sbatch --signal=B:USR1@N`) are counted
+on the ranks they reach (trainer.StopSignals): replicas publish their counts in the
+block, shards in their rounds. Shard 0 stops the run (STOP_SIGNAL): replicas stop after
+their current block, the run ends with its final checkpoint and no final evaluation,
+every rank exits 0. Hydra with `-disable-auto-cleanup` also sends SIGUSR1 to every rank
+when a rank dies; shard 0 tells the two apart by sweeping first: SIGUSR1s up to the
+number of ranks found dead are the launcher's notices, any more is a stop request (a
+rank on another node dying is not seen by the sweep: its notice stops the run, cleanly).
 
-No rank spins (every wait sleeps between polls) and none waits on RMA after step 1. The
-pause lasts about one block of the slowest replica plus the writes. A step-based
-checkpoint lands at the first round after the global step passed the multiple, a few
-steps later (its name carries its real step). A shard whose slice is not finite writes
-nothing and the run stops as diverged, so a non-finite state is never checkpointed; a
-write or commit that fails ends the run with that error on every rank (exit 2). The run
-always checkpoints when it ends (the same steps, after the last round).
+CHECKPOINTS (distbelief.checkpoint's format; `run.checkpoint_every_seconds`,
+`checkpoint_every_steps`, `keep_checkpoints`) are global consistency points:
+  1. shard 0 adds 1 to CHECKPOINT (request k);
+  2. each replica reads it with its next push (all its computed steps are pushed then),
+     publishes its data position and local step count with ACKED = k, and pauses,
+     polling the block with sleeps;
+  3. once every replica has acked k, finished, or been lost, shard 0 raises the flag in
+     the next shards' round and the shards, together: fold what is pending, shard 0 names
+     ckpt-<step> (bcast), each shard writes its slice and shard 0 every replica's part
+     from the published positions (gather), shard 0 commits (bcast of the outcome);
+  4. shard 0 adds 1 to RELEASE: the replicas go on.
+The pause is about one block of the slowest replica plus the writes. A step-based
+checkpoint lands at the first round after its multiple. A shard holding non-finite values
+writes nothing and the run stops as diverged; a write that fails stops the run with that
+error on every rank (exit 2).
 
-SIGNALS. SIGTERM and SIGUSR1 (SLURM's time limit, `sbatch --signal=B:USR1@N`) only set a
-flag on the ranks they reach (trainer.StopSignals, installed before any communication);
-the next round carries it to every rank, which write a checkpoint as above and stop:
-replicas push nothing more, the run ends without a final evaluation, every rank exits 0.
-Bounded: one round (one block) plus the checkpoint plus the end of the run.
+NON-FINITE GRADIENTS. A replica checks every step's loss and gradient (one dot product)
+and drops a non-finite gradient instead of pushing it (counted); after
+`run.max_bad_gradients_in_a_row` of them it publishes GAVE_UP and stops; shard 0 stops the
+run, whose final checkpoint holds the last, finite, state, and every rank raises
+BadGradients (exit 2).
 
-RESUME (`--resume`, `--fresh` and the automatic resume, as for the single-process
-trainer). Rank 0 picks the checkpoint (trainer.starting_checkpoint: damaged newer ones
-reported and set aside, another model refused) and a bcast names it to every rank, which
-reads its piece: a shard its own range, re-sliced from however many shards wrote it; a
-replica its data position and local step count when the replica count is unchanged
-(otherwise every replica starts a fresh pass over its new part of the data). An error on
-any rank is raised on every rank (exit 2). Step counts continue: shard 0's counters
-count this job's steps and every rank adds the checkpoint's step (`base`), so max_steps
-and max_seconds stay totals; metrics.jsonl continues (RunRecorder's resume).
+END OF THE RUN. A replica stops when a claim grants it nothing (max_steps used up), or
+when it reads STOP or LOST. It publishes FINISHED with its final data position (its last
+push is in), sends its statistics to rank 0 (point-to-point), and polls the block until
+TEARDOWN. Shard 0, once every replica has finished or been lost, ends the shards' serving
+with a round; then the shards, together: fold the rest, gather statistics and the final
+slices, shard 0 evaluates the final parameters, the final checkpoint, summary.json;
+TEARDOWN is FREE when no rank was lost (every rank then frees the windows together) and
+LEAVE otherwise (no rank frees: a collective would wait for the dead; shard 0 waits until
+the live replicas have read it, so none is left waiting on its windows).
 
-NON-FINITE GRADIENTS (issue 7). A replica checks every step's loss and gradient (one dot
-product of the gradient with itself) and drops a non-finite gradient instead of pushing
-it (counted per replica in summary.json; the step still counts, its batch was used), so
-the shards never apply a non-finite update. After `[run] max_bad_gradients_in_a_row` such
-steps in a row, the replica stops and raises a flag in the next round: every rank stops,
-the run ends as usual (its final checkpoint holds the last, finite, state) and every rank
-raises BadGradients (exit 2) naming the replica.
+METRICS: rank 0 owns the run folder (config.json, metrics.jsonl, summary.json;
+distbelief.metrics.RunRecorder, the contract of the single-process trainer; `step` and
+`samples` are totals over all replicas). summary.json adds per-replica steps, samples/s,
+pushes, fetches, RMA time and staleness (mean, max, histogram), per-shard statistics,
+the combined staleness and `lost_replicas`.
 
 Threads: each rank uses 1 BLAS thread unless `[run] threads` says otherwise (ranks
 oversubscribe small machines; more threads per rank only fight over the cores).
@@ -128,6 +118,8 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief import checkpoint as ckpt
+from distbelief import run_control as rc
+from distbelief import watchdog
 from distbelief.agreement import (
     WAIT_SLEEP_S,
     Rounds,
@@ -137,15 +129,15 @@ from distbelief.agreement import (
     wait_for_everyone,
 )
 from distbelief.config import Config, config_hash, hashed_settings
-from distbelief.errors import DataError
+from distbelief.errors import DataError, UserError
 from distbelief.faults import Faults
 from distbelief.layout import balanced_ranges
+from distbelief.liveness import Peers
 from distbelief.metrics import ResumePoint, RunRecorder
 from distbelief.optimizers import make_optimizer
 from distbelief.parameter_server import (
     STALENESS_BINS,
     Backoff,
-    ControlExchange,
     PacedBackoff,
     ParameterClient,
     ParameterServerShard,
@@ -153,6 +145,7 @@ from distbelief.parameter_server import (
     open_parameter_server,
 )
 from distbelief.partitioned_training import make_replica
+from distbelief.run_control import ControlExchange, ControlView
 from distbelief.threads import set_blas_threads
 from distbelief.topology import Communicators, Topology, split_communicators
 from distbelief.trainer import (
@@ -167,26 +160,43 @@ from distbelief.trainer import (
     prepare_run_dir,
     starting_checkpoint,
 )
+from distbelief.watchdog import RankLost
 
 WARM_START_POLL_S = (1e-3, 20e-3)
 """Back-off bounds of replicas polling shard 0 while they wait for the warm start: slow,
 since each poll is an RMA epoch that shard 0 has to serve."""
 
-ROUND_INTERVAL_S = 5e-3
-"""Shortest time between two agreement rounds: the latency of a checkpoint request or a
-signal is this plus one block of the slowest replica; the cost is a Test per poll and one
-small allreduce per interval."""
+PAUSE_POLL_S = (0.2e-3, 5e-3)
+"""Back-off bounds of a replica paused for a checkpoint or waiting for the teardown."""
 
-# The int64 flags of an agreement round, combined with MAX over all ranks.
-ROUND_SIGNAL, ROUND_CHECKPOINT, ROUND_NOT_DONE, ROUND_BAD_GRADIENTS = range(4)
+ROUND_INTERVAL_S = 5e-3
+"""Shortest time between two shards' rounds: the latency of a checkpoint once every
+replica has paused, and of the end of the run."""
+
+CONTROL_POLL_S = 2e-3
+"""Shard 0 reads the run control block at most this often (more often while replicas are
+paused for a checkpoint)."""
+
+SWEEP_S = 0.25
+"""How often shard 0 looks for lost replicas and shards, and the other ranks for lost
+shards (distbelief.liveness: a /proc read per rank)."""
+
+STATS_TAG = 7
+"""Tag of a replica's statistics message to rank 0 at its end."""
+
+# The int64 flags of a shards' round, combined with MAX over the shards.
+ROUND_TERM, ROUND_USR1, ROUND_CHECKPOINT, ROUND_FINISHED = range(4)
 ROUND_WIDTH = 4
-SIGNAL_CODES = {name: code for code, name in enumerate(StopSignals.NAMES, start=1)}
-SIGNAL_NAMES = {code: name for name, code in SIGNAL_CODES.items()}
 
 
 class BadGradients(TrainingDiverged):
     """A replica computed run.max_bad_gradients_in_a_row non-finite gradients in a row:
     the run diverged (every replica), or its data holds NaN/inf (one replica)."""
+
+
+class RunFailed(UserError):
+    """The run stopped because of an error reported on another rank (its message is
+    printed by rank 0)."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -204,6 +214,7 @@ class DownpourPlan:
     warm_start_steps: int
     max_steps: int
     max_bad_gradients: int = 10
+    replica_timeout_s: float = 0.0
 
     @property
     def num_replicas(self) -> int:
@@ -223,7 +234,8 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int) -> 
                         f"smaller batch or fewer replicas")
     return DownpourPlan(topology, config.data.batch_size, opt.n_fetch, opt.n_push,
                         opt.warm_start_steps, config.run.max_steps,
-                        config.run.max_bad_gradients_in_a_row)
+                        config.run.max_bad_gradients_in_a_row,
+                        config.run.replica_timeout_seconds)
 
 
 def grant(claimed_before: int, want: int, max_steps: int) -> int:
@@ -245,23 +257,20 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     on the other ranks.
 
     `fetch_own_pushes` (True, what the command line uses): a replica's fetch returns
-    parameters that contain every gradient it pushed before (read-your-writes; the
-    DistBelief server answers a replica's fetch after applying its earlier push), so one
-    replica is exactly sequential SGD. False: a fetch takes what the shards have
-    published, usually without the push made in the same epoch, so every gradient is at
-    least one update stale: with one replica ~20% more steps/s, but 0.4-3 points lower
-    test accuracy at equal steps and a later 88% (benchmarks/RMA_NOTES.md section 6).
-    For experiments and benchmarks. `resume` is one of trainer.RESUME_MODES ("auto":
-    continue from a checkpoint in out_dir if there is one; "require"; "fresh").
+    parameters that contain every gradient it pushed before (read-your-writes), so one
+    replica is exactly sequential SGD; False is for experiments (every gradient at least
+    one update stale). `resume` is one of trainer.RESUME_MODES ("auto": continue from a
+    checkpoint in out_dir if there is one; "require"; "fresh").
 
-    Collective over `comm`: every rank calls it with the same configuration. It validates
-    the rank count and data first, without communicating (ConfigError/DataError on every
-    rank), then sets up and picks the checkpoint to resume from (any rank's UserError
-    there is raised on every rank), opens the parameter server (collective), trains
-    (one-sided, plus the agreement rounds), and ends with collectives in one fixed order
-    (see the module docstring). Rank 0 writes the run folder and prints to `stream`;
-    raises TrainingDiverged on every rank if the loss became non-finite, CheckpointError
-    on every rank if a checkpoint could not be written.
+    Collective over `comm` for the set-up: every rank calls it with the same
+    configuration. It validates the rank count and data first, without communicating
+    (ConfigError/DataError on every rank), then sets up and picks the checkpoint to resume
+    from (any rank's UserError there is raised on every rank), opens the parameter
+    server. Then replicas communicate one-sidedly only, shards among themselves (module
+    docstring), and at the end every rank frees the windows together unless a rank was
+    lost. Rank 0 writes the run folder and prints to `stream`; raises TrainingDiverged,
+    BadGradients or CheckpointError (RunFailed off the shards) on every live rank when
+    the run failed.
     """
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
@@ -269,59 +278,114 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     # Validated before the handlers go in: a bad configuration fails at once.
     plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train)
     set_blas_threads(config.run.threads or 1)
-    # Handlers first: a signal that arrives during the set-up is acted on at the first
-    # round instead of killing the rank (SIGUSR1's default action).
+    # Handlers first: a signal that arrives during the set-up is counted and acted on
+    # once training runs, instead of killing the rank (SIGUSR1's default action).
     with StopSignals() as signals:
         run = open_run(config, comm, resume, stream, signals, info, network)
-        endpoint, plan, start = run.endpoint, run.plan, run.start
-        with np.errstate(over="ignore", invalid="ignore"):
-            if isinstance(endpoint, ParameterClient):  # partitioned when partitions > 1
-                role: _Role = make_replica(plan, endpoint, network, run.local, run.sync,
-                                           start, fetch_own_pushes,
-                                           run.communicators.partition)
-            elif plan.topology.world_rank == 0:
-                role = Supervisor(config, plan, endpoint, network, run.local[0], info, stream,
-                                  run.sync, start)
-            else:
-                role = _PlainShard(endpoint, run.sync)
-            role.run()
-            summary = _finish(comm, plan, endpoint, role)
-        run.free()
-    if role.failure is not None:
-        raise ckpt.CheckpointError(role.failure)
-    if role.bad_gradients_from is not None:
-        limit = plan.max_bad_gradients
-        raise BadGradients(
-            f"training diverged or the data holds NaN/inf: replica {role.bad_gradients_from} "
-            f"computed {limit} non-finite gradients in a row (run.max_bad_gradients_in_a_row "
-            f"= {limit}), so the run stopped; they were dropped, never pushed, so the "
-            f"parameters and checkpoints are finite. Lower optimizer.learning_rate (now "
-            f"{config.optimizer.learning_rate:g}) or check the data")
-    if summary["stop_reason"] == "diverged":
-        raise TrainingDiverged(f"training diverged: the training loss became "
-                               f"non-finite; lower optimizer.learning_rate "
-                               f"(now {config.optimizer.learning_rate:g})")
-    return summary if plan.topology.world_rank == 0 else None
+        with watchdog.watching(make_watchdog(run, config)):
+            try:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    role = _make_role(run, config, network, info, stream, fetch_own_pushes)
+                    role.run()
+                    ending = role.finish()
+                run.close(ending.teardown)
+            except RankLost as lost:
+                _abort_for(run, lost)
+    ending.raise_error(config)
+    return ending.summary
+
+
+def make_watchdog(run: OpenRun, config: Config) -> watchdog.Watchdog:
+    """This rank's stall watchdog (run.stall_warn_seconds, run.stall_abort_seconds), which
+    also lets polled waits notice a gone rank on this node at once."""
+    topology = run.plan.topology
+    return watchdog.Watchdog(
+        topology.world_rank, lambda rank: describe_rank(topology, rank),
+        config.run.stall_warn_seconds, config.run.stall_abort_seconds,
+        lambda message: abort_job(run.world, message), run.peers.gone)
+
+
+def describe_rank(topology: Topology, rank: int) -> str:
+    """'rank 3 (replica 1)' and the like, for messages."""
+    if rank < topology.ps_shards:
+        return f"rank {rank} (shard {rank})"
+    other = Topology(topology.world_size, rank, topology.ps_shards, topology.partitions,
+                     topology.coordinator)
+    if other.is_replica:
+        part = f", partition {other.partition_index}" if topology.partitions > 1 else ""
+        return f"rank {rank} (replica {other.replica_index}{part})"
+    return f"rank {rank} ({other.role})"
+
+
+def _abort_for(run: OpenRun, lost: RankLost) -> None:
+    """A rank this one waited for is gone where nothing can go on without it: a shard, or
+    any rank once the run is ending. Abort the job with a message."""
+    topology = run.plan.topology
+    if lost.rank < topology.ps_shards:
+        abort_job(run.world, shard_lost_message(lost.rank, "is gone"))
+    abort_job(run.world, f"{describe_rank(topology, lost.rank)} is gone while this rank "
+                         f"waited for {lost.what}; the job stops. Run the same command "
+                         f"again to resume from the last checkpoint")
+
+
+@dataclass
+class Ending:
+    """How the run ended, as one rank knows it."""
+
+    stop: int  # a run_control STOP_* code (0: ended on max_steps)
+    stop_arg: int = 0
+    teardown: int = rc.TEARDOWN_FREE
+    failure: str | None = None  # a checkpoint error (the shards know its text)
+    summary: dict[str, Any] | None = None  # rank 0
+
+    def raise_error(self, config: Config) -> None:
+        """The run's error, the same kind on every rank (rank 0 prints it)."""
+        lr = config.optimizer.learning_rate
+        if self.stop == rc.STOP_BAD_GRADIENTS:
+            limit = config.run.max_bad_gradients_in_a_row
+            raise BadGradients(
+                f"training diverged or the data holds NaN/inf: replica {self.stop_arg - 1} "
+                f"computed {limit} non-finite gradients in a row "
+                f"(run.max_bad_gradients_in_a_row = {limit}), so the run stopped; they were "
+                f"dropped, never pushed, so the parameters and checkpoints are finite. "
+                f"Lower optimizer.learning_rate (now {lr:g}) or check the data")
+        if self.stop == rc.STOP_DIVERGED:
+            raise TrainingDiverged(f"training diverged: the training loss became non-finite; "
+                                   f"lower optimizer.learning_rate (now {lr:g})")
+        if self.stop == rc.STOP_CHECKPOINT_FAILED:
+            if self.failure is not None:
+                raise ckpt.CheckpointError(self.failure)
+            raise RunFailed("the run stopped: a checkpoint could not be written")
+        if self.stop == rc.STOP_ALL_LOST:
+            raise RunFailed("every replica was lost, so the run stopped (its last state is "
+                            "checkpointed); run the same command again to resume")
 
 
 @dataclass
 class OpenRun:
     """A rank's run once set up: its plan, its local data (a replica's TrainShard; rank 0's
-    (eval set, chosen checkpoint)), where it starts, its share in the rounds, and its
-    parameter-server endpoint, restored from the checkpoint if there is one."""
+    (eval set, chosen checkpoint)), where it starts, its parameter-server endpoint
+    (restored from the checkpoint if there is one), its communicators, every rank's
+    identity (liveness) and the channel for the replicas' final statistics."""
 
     plan: DownpourPlan
     local: Any
     start: Start
-    sync: _Sync
     endpoint: ParameterServerShard | ParameterClient
     communicators: Communicators
+    peers: Peers
+    messages: MPI.Comm
+    signals: StopSignals
+    world: MPI.Comm
 
-    def free(self) -> None:
-        """Collective over the world communicator: the parameter server, then the rounds'
-        communicator, then the role communicators."""
+    def close(self, teardown: int) -> None:
+        """TEARDOWN_FREE: collective over the world communicator (the parameter server,
+        then the other communicators). TEARDOWN_LEAVE: nothing is freed (a rank is dead:
+        any collective would wait for it); MPI_Finalize at exit ends the process."""
+        if teardown != rc.TEARDOWN_FREE:
+            return
         self.endpoint.free()
-        self.sync.free()
+        self.messages.Free()
         self.communicators.free()
 
 
@@ -332,8 +396,10 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
 
     Collective over `comm`: validates without communicating, then the local set-up and
     rank 0's choice of checkpoint (agreed: any rank's UserError is raised on every rank),
-    a bcast of the checkpoint's path, each rank's read of its piece (agreed), Comm.Dup for
-    the rounds, and open_parameter_server with the restored slices and optimizer state.
+    a bcast of the checkpoint's path, each rank's read of its piece (agreed), an
+    allgather of every rank's identity, open_parameter_server with the restored slices
+    and optimizer state and the run control block, the role communicators, and a
+    Comm.Dup for the final statistics.
     """
     if info is None or network is None:
         info, network = open_data(config)
@@ -344,6 +410,7 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     path = comm.bcast(str(chosen.path) if chosen is not None else None, root=0)
     start = agree(comm, lambda: _read_start(config, plan, network, info, local, path, chosen,
                                              stream))
+    peers = Peers.gather(comm)
     opt = config.optimizer
     initial = None
     if topology.is_shard:
@@ -351,15 +418,16 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
         if start.params is not None:
             a, b = start.shard_range
             initial[a:b] = start.params
-    sync = _Sync(comm, signals)  # collective (Comm.Dup)
     endpoint = open_parameter_server(
         comm, topology, network.layout.size,
         lambda n: (start.optimizer if start.optimizer is not None
                    else make_optimizer(opt.adagrad, opt.learning_rate, n)),
-        initial)
-    # Model parallelism: each replica's partitions get a communicator (topology.py).
+        initial, control_replicas=plan.num_replicas)
+    # The shards' communicator (rounds, checkpoints) and each replica's partitions'.
     communicators = split_communicators(comm, topology)
-    return OpenRun(plan, local, start, sync, endpoint, communicators)
+    messages = comm.Dup()
+    return OpenRun(plan, local, start, endpoint, communicators, peers, messages, signals,
+                   comm)
 
 
 def _local_setup(config: Config, plan: DownpourPlan, info: Any, network: Any, resume: str,
@@ -420,22 +488,28 @@ def _read_start(config: Config, plan: DownpourPlan, network: Any, info: Any, loc
     except (ValueError, TypeError) as exc:
         raise ckpt.CheckpointError(f"checkpoint {found.path} cannot be resumed here: "
                                    f"{exc}") from exc
-    saved = len(found.manifest["replicas"])
+    saved = found.num_replicas
     if topology.world_rank == 0 and saved != plan.num_replicas:
         _print(stream, f"distbelief: the checkpoint was written by {saved} replica(s), this "
                        f"run has {plan.num_replicas}: each replica starts a fresh pass over "
                        f"its part of the training set")
+    if topology.world_rank == 0 and saved == plan.num_replicas \
+            and found.manifest.get("lost_replicas"):
+        lost = ", ".join(str(r) for r in found.manifest["lost_replicas"])
+        _print(stream, f"distbelief: replica(s) {lost} had been lost when the checkpoint was "
+                       f"written: they start a fresh pass over their part of the training set")
     return start
 
 
 def _restore_replica(found: ckpt.Checkpoint, plan: DownpourPlan, data: Any, info: Any,
                      start: Start) -> None:
     """The data position and local step count of this replica: exact when the checkpoint
-    has as many replicas; otherwise the parts of the data are new, and each replica
-    starts a pass that no earlier epoch used (the number of passes over the whole set
-    so far)."""
-    if len(found.manifest["replicas"]) == plan.num_replicas:
-        saved = found.read_replica(plan.topology.replica_index)
+    has as many replicas and holds this one's part; otherwise the parts of the data are
+    new (or this replica had been lost), and it starts a pass that no earlier epoch used
+    (the number of passes over the whole set so far)."""
+    index = plan.topology.replica_index
+    if found.num_replicas == plan.num_replicas and found.has_replica(index):
+        saved = found.read_replica(index)
         data.load_state(saved.data_state)
         start.local_steps = saved.counters.get("local_steps", 0)
     else:
@@ -443,159 +517,32 @@ def _restore_replica(found: ckpt.Checkpoint, plan: DownpourPlan, data: Any, info
                          "position": 0})
 
 
-# ------------------------------------------------------------------------------------------
-# Agreement and checkpoints: the part every role shares
+def _make_role(run: OpenRun, config: Config, network: Any, info: Any,
+               stream: IO[str] | None, fetch_own_pushes: bool) -> Any:
+    topology = run.plan.topology
+    if topology.is_replica:  # partitioned when partitions > 1
+        return make_replica(run, network, fetch_own_pushes)
+    if topology.world_rank == 0:
+        return Supervisor(run, config, network, info, stream)
+    return _ShardRole(run)
 
 
-class _Sync:
-    """A rank's share in the agreement rounds (distbelief.agreement): a private duplicate
-    of the world communicator for the rounds and the checkpoint collectives, and the
-    signal flags this rank reports."""
-
-    def __init__(self, comm: MPI.Comm, signals: StopSignals):
-        self.comm = comm.Dup()  # collective over comm
-        self.rounds = Rounds(self.comm, ROUND_WIDTH, ROUND_INTERVAL_S)
-        self.signals = signals
-
-    def free(self) -> None:
-        """Collective over the communicator; after the last round (none in flight)."""
-        self.comm.Free()
+def abort_job(world: MPI.Comm, message: str) -> None:
+    """Print `message` (one line, stderr) and abort every rank of the job: for failures
+    no rank can recover from, such as a lost shard."""
+    print(f"distbelief: rank {world.Get_rank()}: {message}", file=sys.stderr, flush=True)
+    time.sleep(0.2)  # let the launcher forward the line before the job is torn down
+    world.Abort(1)
 
 
-class _Role:
-    """What one rank does between opening the parameter server and the final collectives,
-    and its part in the rounds and the checkpoints (the same steps on every rank)."""
-
-    sync: _Sync
-    done = False  # this rank's training work is over (replica finished, shard served)
-    all_done = False  # a round said that every rank is done
-    stop_signal: str | None = None  # the signal the run stops for, once agreed
-    failure: str | None = None  # why a checkpoint could not be written (every rank)
-    diverged = False  # a shard held non-finite values at a checkpoint (every rank)
-    bad_gradients_from: int | None = None  # the replica that gave up (every rank)
-    checkpoint_seconds = 0.0
-
-    def run(self) -> None:
-        raise NotImplementedError
-
-    def stats(self) -> dict[str, Any]:
-        """This rank's statistics for summary.json (plain JSON values)."""
-        raise NotImplementedError
-
-    # -- rounds
-
-    def poll_rounds(self) -> bool:
-        """Test the round in flight (post the next one when due) and act on a completed
-        round's result; returns True when it ran a checkpoint. Collective in the sense of
-        agreement.Rounds: every rank calls it from its loops."""
-        result = self.sync.rounds.poll(self._contribution)
-        if result is None:
-            return False
-        self.all_done = result[ROUND_NOT_DONE] == 0
-        signal_name = SIGNAL_NAMES.get(int(result[ROUND_SIGNAL]))
-        if signal_name is not None and self.stop_signal is None:
-            self.stop_signal = signal_name
-            self.checkpoint()
-            self._stop_for(signal_name)
-            return True
-        if result[ROUND_BAD_GRADIENTS] and self.bad_gradients_from is None:
-            # The state is finite (bad gradients are never pushed): the run ends as usual,
-            # with its final checkpoint, then fails on every rank.
-            self.bad_gradients_from = int(result[ROUND_BAD_GRADIENTS]) - 1
-            self._stop_for("bad_gradients")
-        if result[ROUND_CHECKPOINT]:
-            self.checkpoint()
-            return True
-        return False
-
-    def _contribution(self) -> list[int]:
-        received = self.sync.signals.received
-        code = SIGNAL_CODES.get(received, 0) if self.stop_signal is None else 0
-        return [code, int(self._checkpoint_due()), int(not self.done), self._gave_up()]
-
-    def _gave_up(self) -> int:
-        """1 + the index of this replica if it met too many bad gradients in a row, else 0."""
-        return 0
-
-    def _checkpoint_due(self) -> bool:
-        return False  # rank 0 decides
-
-    def drain(self) -> None:
-        """This rank's work is over: keep taking part in the rounds (sleeping between
-        polls) until one says every rank is done. Collective, as poll_rounds."""
-        self.done = True
-        backoff = Backoff(*WAIT_SLEEP_S)
-        while not self.all_done:
-            if self.poll_rounds():
-                backoff.reset()
-            else:
-                backoff.wait()
-
-    def _stop_for(self, reason: str) -> None:
-        """The run stops (a signal, a failed or non-finite checkpoint)."""
-
-    # -- checkpoints (see CHECKPOINTS in the module docstring)
-
-    def checkpoint(self) -> None:
-        """Write a checkpoint of the whole run together with every other rank, or nothing
-        when rank 0 decides there is nothing new. Collective over the sync communicator:
-        a polled barrier (shards serve meanwhile), bcast, gather, bcast."""
-        began = time.monotonic()
-        comm = self.sync.comm
-        wait_for_everyone(comm, serve=self._serve_pending)
-        self._settle()
-        plan = bcast_after_barrier(comm, self._plan_checkpoint())
-        if plan is None:
-            return
-        outcome = plan
-        if "meta" in plan:
-            meta = ckpt.CheckpointMeta(**plan["meta"])
-            reports = gather_after_barrier(comm, self._write_part(Path(plan["partial"]), meta))
-            outcome = bcast_after_barrier(comm, self._commit(meta, reports))
-        self.checkpoint_seconds += time.monotonic() - began
-        self._after_checkpoint(outcome, time.monotonic() - began)
-
-    def _serve_pending(self) -> bool:
-        """While waiting for the others to pause: serve (shards). True if work was done."""
-        return False
-
-    def _settle(self) -> None:
-        """Everyone has paused: fold what is still pending (shards)."""
-
-    def _plan_checkpoint(self) -> dict[str, Any] | None:
-        """Rank 0: {"partial", "meta"} to write, {"error"}, or None for nothing new."""
-        return None
-
-    def _write_part(self, partial: Path, meta: ckpt.CheckpointMeta) -> dict[str, Any]:
-        """Write this rank's part: {"record": [name, size, sha256]}, {"error": ...},
-        {"diverged": ...}, or {} when this rank writes none."""
-        return {}
-
-    def _commit(self, meta: ckpt.CheckpointMeta,
-                reports: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-        """Rank 0: commit from every rank's report; the outcome every rank learns."""
-        return None
-
-    def _after_checkpoint(self, outcome: dict[str, Any], seconds: float) -> None:
-        if "diverged" in outcome:
-            self.diverged = True
-            self._stop_for("diverged")
-        elif "error" in outcome:
-            self.failure = outcome["error"]
-            self._stop_for("checkpoint_failed")
-
-
-def _part_report(write: Any) -> dict[str, Any]:
-    """Run a part writer; its record, or the CheckpointError's message."""
-    try:
-        record = write()
-    except ckpt.CheckpointError as exc:
-        return {"error": str(exc)}
-    return {"record": [record.name, record.size, record.sha256]}
+def shard_lost_message(shard: int, how: str) -> str:
+    return (f"parameter-server shard {shard} (world rank {shard}) {how}: its slice of the "
+            f"parameters cannot be recovered without it, so the job stops. Run the same "
+            f"command again to resume from the last checkpoint")
 
 
 # ------------------------------------------------------------------------------------------
-# Roles
+# Replicas
 
 
 @dataclass
@@ -616,6 +563,7 @@ class ReplicaStats:
     refetches: int = 0
     bad_gradients: int = 0
     started_at_step: int = 0
+    checkpoint_seconds: float = 0.0
     staleness: StalenessStats = field(default_factory=StalenessStats)
 
     def to_dict(self) -> dict[str, Any]:
@@ -626,84 +574,93 @@ class ReplicaStats:
         return out
 
 
-class Replica(_Role):
-    """One model replica: train on its part of the data, fetch every n_fetch steps, push
-    the accumulated gradient every n_push steps. All communication is one-sided, with the
-    shards (pull, push, push_pull, exchange); it never waits for another replica, except
-    at an agreed checkpoint."""
+# What the lead tells its partitions after each exchange (model parallelism; a replica of
+# one rank tells only itself).
+GO, PAUSE, STOP, LOST = range(4)
 
-    def __init__(self, plan: DownpourPlan, client: ParameterClient, network: Any,
-                 data: Any, sync: _Sync, start: Start, fetch_own_pushes: bool = True):
-        self.plan, self.client, self.network, self.data = plan, client, network, data
-        self.sync, self.base = sync, start.base
+
+class Replica:
+    """One model replica: train on its part of the data, fetch every n_fetch steps, push
+    the accumulated gradient every n_push steps, and follow shard 0's commands. All its
+    communication is one-sided, with the shards (pull, push, push_pull, exchange), plus
+    one message with its statistics to rank 0 at the end; it never waits for another
+    replica. With model parallelism its lead partition exchanges with shard 0 and tells
+    the others (`_share`; PartitionedReplica)."""
+
+    lead = True  # this rank talks to shard 0 for its replica
+
+    def __init__(self, run: OpenRun, network: Any, fetch_own_pushes: bool = True):
+        plan, client = run.plan, run.endpoint
+        self.run_, self.plan, self.client, self.network = run, plan, client, network
+        self.data, self.base = run.local, run.start.base
         self.fetch_own_pushes = fetch_own_pushes
         topology = plan.topology
-        self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank,
-                                   staleness=client.staleness)
+        self.index = topology.replica_index
+        self.stats_ = ReplicaStats(self.index, topology.world_rank, staleness=client.staleness)
         self.params = np.zeros(network.layout.size, dtype=np.float32)
         self.grad = np.zeros_like(self.params)
         # With n_push = 1 the step's gradient is pushed as it is; otherwise summed here.
         self.pushed = self.grad if plan.n_push == 1 else np.zeros_like(self.params)
-        self.control = ControlExchange()
-        self.t = start.local_steps  # local steps done (a resumed replica goes on counting)
+        self.control = ControlExchange(self.index if self.lead else None)
+        self.t = run.start.local_steps  # local steps done (a resumed replica goes on)
         self.fresh = False  # params were fetched at the last push (push_pull)
-        self.stopping = False  # stop before the next block (a signal, a failure)
-        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.faults)
+        self.stopping = False
+        self.lost = False
+        self.acked = 0  # the last checkpoint request this replica paused for
         self.bad_in_a_row = 0
+        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.faults)
+        self._usr1_seen = 0
+        self._next_sweep = time.monotonic() + SWEEP_S
+
+    # -- the loop
 
     def run(self) -> None:
         t0 = time.perf_counter()
-        if self.plan.topology.replica_index > 0 and self.plan.warm_start_steps > 0:
-            self._wait_for_warm_start()
-        start = time.perf_counter()
-        self.stats_.wait_seconds = start - t0
-        granted = 0 if self.stopping else self._first_claim()
-        while granted and not self.stopping:
-            granted = self._train_block(granted)
-            self.poll_rounds()
-        self.client.finish()
+        start = t0
+        try:
+            if self.index > 0 and self.plan.warm_start_steps > 0:
+                self._wait_for_warm_start()
+            start = time.perf_counter()
+            self.stats_.wait_seconds = start - t0
+            granted = 0 if self.stopping else self._first_claim()
+            while granted and not self.stopping:
+                granted = self._train_block(granted)
+        except RankLost as lost:
+            if lost.rank < self.plan.topology.ps_shards:
+                raise
+            # Another partition of this replica is gone: the replica is lost (shard 0
+            # finds the same and goes on without it).
+            self.lost = self.stopping = True
         self.stats_.train_seconds = time.perf_counter() - start
-        self.drain()
-
-    def _stop_for(self, reason: str) -> None:
-        self.stopping = True
-
-    def _gave_up(self) -> int:
-        if self.bad_in_a_row < self.plan.max_bad_gradients:
-            return 0
-        return self.plan.topology.replica_index + 1
 
     def _wait_for_warm_start(self) -> None:
         """Poll shard 0 (control only, with back-off sleeps) until replica 0 has reported
         warm_start_steps steps, or the run is over already."""
         backoff = Backoff(*WARM_START_POLL_S)
-        control = self.control.set(claim=0)
+        plan = self.plan
         while not self.stopping:
-            self.client.exchange(control)
-            over = control.stop or (self.plan.max_steps and self.base
-                                    + control.claimed_before >= self.plan.max_steps)
-            if over or self.base + control.steps_before >= self.plan.warm_start_steps:
+            over = False
+            if self.lead:
+                control = self._exchange(self.control.set(claim=0))
+                over = bool(plan.max_steps and self.base + control.claimed_before
+                            >= plan.max_steps)
+                over = over or self.base + control.steps_before >= plan.warm_start_steps
+            over, _ = self._decide(int(over))
+            if over:
                 return
-            self.poll_rounds()
             backoff.wait()
 
     def _first_claim(self) -> int:
         """Claim the first n_push steps and fetch the parameters."""
-        control = self.control.set(claim=self.plan.n_push)
         t0 = time.perf_counter()
-        self.client.exchange(control)
+        if self.lead:
+            self._exchange(self.control.set(claim=self.plan.n_push))
+            self.stats_.started_at_step = self.base + self.control.steps_before
         self.client.pull(self.params)
         self.stats_.rma_seconds += time.perf_counter() - t0
         self.stats_.fetches += 1
-        self.stats_.started_at_step = self.base + control.steps_before
         self.fresh = True
-        return self._granted(control)
-
-    def _granted(self, control: ControlExchange) -> int:
-        if control.stop:
-            return 0
-        return grant(self.base + control.claimed_before, self.plan.n_push,
-                     self.plan.max_steps)
+        return self._granted_after_exchange()
 
     def _train_block(self, steps: int) -> int:
         """Compute `steps` granted steps (fetching on schedule), then push them with the
@@ -734,7 +691,76 @@ class Replica(_Role):
         self._push(self.control.set(plan.n_push, done, loss_sum))
         self.stats_.steps += done
         self.stats_.samples += done * plan.batch_size
-        return self._granted(self.control)
+        return self._granted_after_exchange()
+
+    def _granted_after_exchange(self) -> int:
+        """After an exchange: the steps granted, once shard 0's commands are obeyed (0 when
+        the replica stops)."""
+        granted = 0
+        if self.lead:
+            granted = grant(self.base + self.control.claimed_before, self.plan.n_push,
+                            self.plan.max_steps)
+        granted, action = self._decide(granted)
+        return granted if action == GO else 0
+
+    def _decide(self, value: int) -> tuple[int, int]:
+        """The lead's `value` and its reading of its last exchange, on every partition of
+        the replica; pauses for checkpoints (as often as asked) are taken here, together.
+        Returns (value, GO, STOP or LOST); STOP and LOST also stop the replica."""
+        while True:
+            action, arg = self._command() if self.lead else (GO, 0)
+            value, action, arg = (int(v) for v in
+                                  self._share_values(np.array([value, action, arg])))
+            if action != PAUSE:
+                break
+            self._pause(arg)
+        if action in (STOP, LOST):
+            self.stopping = True
+            self.lost = self.lost or action == LOST
+        return value, action
+
+    def _command(self) -> tuple[int, int]:
+        """What the lead's last exchange asks of the replica."""
+        control = self.control
+        if control.lost:
+            return LOST, 0
+        if control.checkpoint > self.acked:
+            return PAUSE, control.checkpoint
+        if control.stop or self.stopping:
+            return STOP, 0
+        return GO, 0
+
+    def _pause(self, request: int) -> None:
+        """Checkpoint `request`: publish this replica's position (every step it computed is
+        pushed) and wait, polling the block, until shard 0 has written the checkpoint or
+        the run stops. Partitions other than the lead wait at their next `_share`."""
+        self.acked = request
+        t0 = time.perf_counter()
+        if self.lead:
+            control = self._publish_position(acked=request)
+            backoff = Backoff(*PAUSE_POLL_S)
+            guard = watchdog.current()
+            with guard.waiting("shard 0 to write a checkpoint", (0,)):
+                while control.release < request and not control.stop and not control.lost:
+                    guard.check()
+                    backoff.wait()
+                    self._exchange(control.set(claim=0))
+        self.stats_.checkpoint_seconds += time.perf_counter() - t0
+
+    def _publish_position(self, **more: int) -> ControlExchange:
+        """Publish the data position and local steps (with `more`), in one exchange."""
+        state = self.data.state()
+        self.control.publish(epoch=state["epoch"], position=state["position"],
+                             local_steps=self.t, **more)
+        return self._exchange(self.control.set(claim=0))
+
+    # -- sharing with the other partitions (PartitionedReplica overrides)
+
+    def _share_values(self, values: np.ndarray) -> np.ndarray:
+        """The lead's int64 `values` on every partition of the replica."""
+        return values
+
+    # -- steps
 
     def _usable(self, loss: float) -> bool:
         """Whether this step's loss and gradient are finite. One BLAS pass (a dot product
@@ -748,13 +774,14 @@ class Replica(_Role):
 
     def _drop(self) -> None:
         """Count a non-finite gradient and keep it out of the push; after
-        max_bad_gradients in a row, stop (the next round tells every rank)."""
+        max_bad_gradients in a row, give up: the next exchange tells shard 0."""
         self.stats_.bad_gradients += 1
         self.bad_in_a_row += 1
         if self.pushed is self.grad:
             self.grad.fill(0)  # n_push = 1: the block pushes nothing
         if self.bad_in_a_row >= self.plan.max_bad_gradients:
             self.stopping = True
+            self.control.publish(gave_up=1)
 
     def _pull(self) -> None:
         t0 = time.perf_counter()
@@ -770,9 +797,10 @@ class Replica(_Role):
             self.stats_.refetches += self.client.catch_up(self.params)
 
     def _push(self, control: ControlExchange) -> None:
-        """Push the gradient with the control exchange; fetch in the same epochs when the
-        next step is due to fetch."""
+        """Push the gradient with the control exchange (the lead's); fetch in the same
+        epochs when the next step is due to fetch."""
         t0 = time.perf_counter()
+        control = self._before_exchange(control) if self.lead else None
         if self.t % self.plan.n_fetch == 0:
             self.client.push_pull(self.pushed, self.params, control)
             self._catch_up()
@@ -785,38 +813,176 @@ class Replica(_Role):
         if self.pushed is not self.grad:
             self.pushed.fill(0)
 
-    def _write_part(self, partial: Path, meta: ckpt.CheckpointMeta) -> dict[str, Any]:
-        # Called right after a push (or before the first claim): nothing is pending.
-        return _part_report(lambda: ckpt.write_replica_part(
-            partial, meta, self.plan.topology.replica_index, self.data.state(),
-            counters={"local_steps": self.t}))
+    def _exchange(self, control: ControlExchange) -> ControlExchange:
+        """A control-only exchange with shard 0 (the lead's)."""
+        self.client.exchange(self._before_exchange(control))
+        return control
+
+    def _before_exchange(self, control: ControlExchange) -> ControlExchange:
+        """Every exchange publishes the signals this rank received; a new SIGUSR1 may be
+        a launcher's notice that a rank died, so the shards are looked at first."""
+        counts = self.run_.signals.counts
+        control.publish(usr1=counts["SIGUSR1"], term=counts["SIGTERM"])
+        self._watch_shards(counts["SIGUSR1"])
+        return control
+
+    def _watch_shards(self, usr1: int) -> None:
+        """Abort the job if a shard on this node is gone: checked every SWEEP_S, and at
+        once after a SIGUSR1."""
+        now = time.monotonic()
+        if now < self._next_sweep and usr1 == self._usr1_seen:
+            return
+        self._next_sweep, self._usr1_seen = now + SWEEP_S, usr1
+        topology = self.plan.topology
+        gone = self.run_.peers.gone_among(topology.shard_ranks)
+        if gone:
+            abort_job(self.run_.world, shard_lost_message(gone[0], "is gone"))
+
+    # -- the end
+
+    def finish(self) -> Ending:
+        """Publish the end of this replica's work (FINISHED with its final position: its
+        last push is in), send its statistics to rank 0, and wait for the teardown.
+        A lost replica publishes nothing and sends nothing. One-sided, plus one message."""
+        if not self.lost:
+            if self.lead:
+                self._publish_position(finished=rc.FINISHED_TRAINING)
+            request = self.run_.messages.isend(self.stats(), dest=0, tag=STATS_TAG)
+            backoff = Backoff(*PAUSE_POLL_S)
+            guard = watchdog.current()
+            with guard.waiting("rank 0 to take this replica's statistics", (0,)):
+                while not request.Test():
+                    guard.check()
+                    backoff.wait()
+        teardown, stop, stop_arg = self._wait_for_teardown()
+        return Ending(stop, stop_arg, teardown)
+
+    def _wait_for_teardown(self) -> tuple[int, int, int]:
+        """Poll the block until shard 0 says how the run ends; acknowledge it (LEFT).
+        Partitions of a live replica learn it from their lead; a lost replica's
+        partitions each read it themselves."""
+        values = np.zeros(3, dtype=np.int64)
+        if self.lead or self.lost:
+            control = self.control if self.lead else ControlExchange(None)
+            backoff = Backoff(*PAUSE_POLL_S)
+            guard = watchdog.current()
+            self.client.exchange(control.set(claim=0))
+            with guard.waiting("shard 0 to end the run", (0,)):
+                while not control.teardown:
+                    guard.check()
+                    backoff.wait()
+                    self.client.exchange(control.set(claim=0))
+            values[:] = control.teardown, control.stop, control.stop_arg
+            if self.lead and not self.lost:
+                self.client.exchange(control.publish(finished=rc.FINISHED_LEFT).set(claim=0))
+        if not self.lost:
+            values = self._share_values(values)
+        return int(values[0]), int(values[1]), int(values[2])
 
     def stats(self) -> dict[str, Any]:
-        return {"role": "replica", "checkpoint_seconds": self.checkpoint_seconds,
-                **self.stats_.to_dict()}
+        return {"role": "replica", **self.stats_.to_dict()}
 
 
-class _ShardRole(_Role):
-    """What every shard does in the rounds and the checkpoints."""
+# ------------------------------------------------------------------------------------------
+# Shards
 
-    shard: ParameterServerShard
 
-    def _shard_duties(self) -> bool:
-        """Between two polls: the test-only kill, then the rounds."""
+class _ShardRole:
+    """What every shard does: serve, take part in the shards' rounds, write checkpoints
+    and end the run together (collectives over the shards' communicator only)."""
+
+    def __init__(self, run: OpenRun):
+        self.run_, self.plan, self.shard = run, run.plan, run.endpoint
+        self.comm = run.communicators.shards
+        self.rounds = Rounds(self.comm, ROUND_WIDTH, ROUND_INTERVAL_S)
+        self.signals = run.signals
+        self.faults = Faults.for_rank(self.shard.rank)  # test-only (distbelief.faults)
+        self.all_finished = False  # a round said every replica has finished or is lost
+        self.checkpoint_seconds = 0.0
+        self.failure: str | None = None  # why a checkpoint could not be written
+        self.diverged = False  # a shard held non-finite values at a checkpoint
+        self._next_sweep = time.monotonic() + SWEEP_S
+        self._usr1_seen = 0
+
+    def run(self) -> None:
+        self.shard.serve(PacedBackoff(), between=self._duties,
+                         until=lambda: self.all_finished)
+
+    def _duties(self) -> bool:
+        """Between two polls: the test-only faults, the shards' liveness, the rounds."""
         if self.faults:
             self.faults.after_updates(self.shard.version)
-        return self.poll_rounds()
+        self._watch_shards()
+        return self._poll_rounds()
 
-    def _serve_pending(self) -> bool:
-        return self.shard.serve_once()
+    def _watch_shards(self) -> None:
+        """Abort the job if another shard on this node is gone (every SWEEP_S, and at once
+        after a SIGUSR1)."""
+        now, usr1 = time.monotonic(), self.signals.counts["SIGUSR1"]
+        if now < self._next_sweep and usr1 == self._usr1_seen:
+            return
+        self._next_sweep, self._usr1_seen = now + SWEEP_S, usr1
+        gone = self.run_.peers.gone_among(self.plan.topology.shard_ranks)
+        if gone:
+            abort_job(self.run_.world, shard_lost_message(gone[0], "is gone"))
+
+    # -- rounds
+
+    def _poll_rounds(self) -> bool:
+        """Test the shards' round in flight (post the next one when due) and act on a
+        completed one. True when it ran a checkpoint. Collective over the shards in the
+        sense of agreement.Rounds."""
+        result = self.rounds.poll(self._contribution)
+        if result is None:
+            return False
+        self._on_round(result)
+        if result[ROUND_CHECKPOINT]:
+            self.checkpoint()
+        if result[ROUND_FINISHED]:
+            self.all_finished = True
+        return bool(result[ROUND_CHECKPOINT])
+
+    def _contribution(self) -> list[int]:
+        counts = self.signals.counts
+        return [counts["SIGTERM"], counts["SIGUSR1"], 0, 0]
+
+    def _on_round(self, result: np.ndarray) -> None:
+        """Shard 0 reads the shards' signals here."""
+
+    # -- checkpoints (CHECKPOINTS in the module docstring)
+
+    def checkpoint(self) -> None:
+        """Write a checkpoint of the whole run with the other shards, or nothing when shard
+        0 decides there is nothing new. Collective over the shards: a polled barrier
+        (serving meanwhile), bcast, gather, bcast."""
+        began = time.monotonic()
+        comm = self.comm
+        wait_for_everyone(comm, serve=self.shard.serve_once)
+        self._settle()
+        plan = bcast_after_barrier(comm, self._plan_checkpoint())
+        outcome: dict[str, Any] = {}
+        if plan is not None:
+            outcome = plan
+            if "meta" in plan:
+                meta = ckpt.CheckpointMeta(**plan["meta"])
+                reports = gather_after_barrier(comm, self._write_parts(Path(plan["partial"]),
+                                                                       meta))
+                outcome = bcast_after_barrier(comm, self._commit(meta, reports))
+        self.checkpoint_seconds += time.monotonic() - began
+        self._after_checkpoint(outcome, time.monotonic() - began)
 
     def _settle(self) -> None:
-        # Every push has completed (its epoch closed before the barrier), so a poll sees
-        # the final push count and folds all of it; poll until one finds nothing to do.
+        """Every push counted has completed: fold all of it (poll until nothing is left)."""
         while self.shard.serve_once():
             pass
 
-    def _write_part(self, partial: Path, meta: ckpt.CheckpointMeta) -> dict[str, Any]:
+    def _plan_checkpoint(self) -> dict[str, Any] | None:
+        """Shard 0: {"partial", "meta"} to write, {"error"}, or None for nothing new."""
+        return None
+
+    def _write_parts(self, partial: Path, meta: ckpt.CheckpointMeta) -> dict[str, Any]:
+        """Write this shard's part: {"records": [[name, size, sha256], ...]}, {"error": ...}
+        or {"diverged": ...}."""
         shard = self.shard
         params, state = shard.parameters(), shard.optimizer.state()
         if not (np.isfinite(params).all() and all(np.isfinite(v).all()
@@ -825,8 +991,60 @@ class _ShardRole(_Role):
                                 f"{meta.step}; not checkpointed"}
         counters = {"version": shard.version, "pushes": shard.stats.pushes,
                     "folds": shard.stats.folds}
-        return _part_report(lambda: ckpt.write_shard_part(
-            partial, meta, shard.rank, shard.start, shard.stop, params, state, counters))
+        return _part_report(lambda: [ckpt.write_shard_part(
+            partial, meta, shard.rank, shard.start, shard.stop, params, state, counters)])
+
+    def _commit(self, meta: ckpt.CheckpointMeta,
+                reports: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """Shard 0: commit from every shard's report; the outcome every shard learns."""
+        return {}
+
+    def _after_checkpoint(self, outcome: dict[str, Any], seconds: float) -> None:
+        if "diverged" in outcome:
+            self.diverged = True
+        elif "error" in outcome:
+            self.failure = outcome["error"]
+
+    # -- the end
+
+    def finish(self) -> Ending:
+        """End the run with the other shards: fold the rest, gather statistics and the
+        final slices to shard 0 (which evaluates them), the final checkpoint, shard 0's
+        summary, and the teardown decision. Collective over the shards."""
+        self._settle()
+        all_stats = gather_after_barrier(self.comm, self.stats())
+        final = self._gather_parameters()
+        self._before_final_checkpoint(all_stats, final)
+        self.checkpoint()  # nothing new since the last one: nothing is written
+        ending = bcast_after_barrier(self.comm, self._ending())
+        ending.failure = ending.failure or self.failure
+        self._announce(ending)
+        if self.comm.Get_rank() != 0:
+            ending.summary = None
+        return ending
+
+    def _gather_parameters(self) -> np.ndarray | None:
+        """The final parameter vector on shard 0 (None elsewhere). Collective over the
+        shards: Gatherv of each shard's slice."""
+        shard = self.shard
+        counts = [stop - start for start, stop in shard.ranges]
+        displs = [start for start, _ in shard.ranges]
+        out = np.zeros(shard.size, dtype=np.float32) if self.comm.Get_rank() == 0 else None
+        wait_for_everyone(self.comm)
+        self.comm.Gatherv([shard.parameters(), MPI.FLOAT],
+                          [out, counts, displs, MPI.FLOAT] if out is not None else None,
+                          root=0)
+        return out
+
+    def _before_final_checkpoint(self, all_stats: list | None, final: np.ndarray | None) -> None:
+        """Shard 0: the replicas' statistics and the final evaluation."""
+
+    def _ending(self) -> Ending | None:
+        """Shard 0: how the run ended (bcast to the shards)."""
+        return None
+
+    def _announce(self, ending: Ending) -> None:
+        """Shard 0: TEARDOWN for the replicas."""
 
     def stats(self) -> dict[str, Any]:
         shard = self.shard
@@ -835,46 +1053,72 @@ class _ShardRole(_Role):
                 "checkpoint_seconds": self.checkpoint_seconds, **asdict(shard.stats)}
 
 
-class _PlainShard(_ShardRole):
-    """Shards other than 0: serve until every replica has finished (one-sided, own
-    windows), taking part in the rounds between polls."""
+def _part_report(write: Any) -> dict[str, Any]:
+    """Run a part writer; its records, or the CheckpointError's message."""
+    try:
+        records = write()
+    except ckpt.CheckpointError as exc:
+        return {"error": str(exc)}
+    return {"records": [[r.name, r.size, r.sha256] for r in records]}
 
-    def __init__(self, shard: ParameterServerShard, sync: _Sync):
-        self.shard, self.sync = shard, sync
-        self.faults = Faults.for_rank(shard.rank)  # test-only (distbelief.faults)
 
-    def run(self) -> None:
-        self.shard.serve(PacedBackoff(), between=self._shard_duties)
-        self.drain()
+@dataclass
+class LostReplica:
+    """A replica shard 0 declared lost."""
+
+    replica: int
+    ranks: list[int]
+    why: str
+    at_step: int
+    at_seconds: float
 
 
 class Supervisor(_ShardRole):
-    """Shard 0: serves its slice like every shard and, between polls, runs the run: training
-    lines, evaluations (in a thread, on snapshots), stop rules, progress lines, and the
-    checkpoints (it decides when, and commits them).
+    """Shard 0: serves its slice like every shard and, between polls, runs the run: the
+    control block, training lines, evaluations (in a thread, on snapshots), stop rules,
+    progress lines, lost replicas, and the checkpoints (it asks for them, commits them,
+    and writes the replicas' parts).
 
-    Communicates one-sided only (its own windows; Gets of the other shards' PARAMS for
-    snapshots), plus the rounds. Owns the RunRecorder.
+    Communicates one-sided (its own windows; Gets of the other shards' PARAMS for
+    snapshots), in the shards' rounds and collectives, and receives the replicas' final
+    statistics. Owns the RunRecorder.
     """
 
-    def __init__(self, config: Config, plan: DownpourPlan, shard: ParameterServerShard,
-                 network: Any, eval_set: tuple[np.ndarray, np.ndarray], info: Any,
-                 stream: IO[str] | None, sync: _Sync, start: Start):
-        self.config, self.plan, self.shard, self.network = config, plan, shard, network
-        self.eval_set, self.stream, self.sync = eval_set, stream, sync
+    def __init__(self, run: OpenRun, config: Config, network: Any, info: Any,
+                 stream: IO[str] | None):
+        super().__init__(run)
+        self.config, self.network, self.info, self.stream = config, network, info, stream
+        eval_set, start = run.local[0], run.start
+        self.eval_set = eval_set
+        plan = self.plan
         self.rules = StopRules.from_config(config)
         self.reason: str | None = None
+        self.stop_code, self.stop_arg = 0, 0
         self.base = start.base
         self.resumed_from = start.checkpoint
         self.steps, self.loss_total, self.loss = self.base, 0.0, math.nan
         self.snapshot = np.zeros(network.layout.size, dtype=np.float32)
         self.pending: tuple[Future, int] | None = None  # evaluation in flight, its step
         self.evaluations, self.eval_seconds = 0, 0.0
-        self.faults = Faults.for_rank(0)  # test-only (distbelief.faults)
-        run = config.run
-        self.root = ckpt.checkpoint_root(run.out_dir)
-        self.every_seconds, self.every_steps = (run.checkpoint_every_seconds,
-                                                run.checkpoint_every_steps)
+        # The run control block, as last read, and what shard 0 knows of each replica.
+        self.view: ControlView | None = None
+        replicas = plan.num_replicas
+        self.beats = np.zeros(replicas, dtype=np.int64)
+        self.beat_times = np.full(replicas, time.monotonic())
+        self.lost: dict[int, LostReplica] = {}
+        self.dead_ranks: set[int] = set()
+        self.replica_stats: dict[int, dict[str, Any]] = {}
+        self.requests = 0  # checkpoint requests made (the CHECKPOINT slot)
+        self.awaiting = False  # a request is out: its checkpoint has not been written
+        self.ready = False  # every replica has paused for it (or finished, or is lost)
+        self.logged_steps = -1
+        self._next_control = 0.0
+        self._shard_signals = (0, 0)  # max SIGTERM, SIGUSR1 counts of the shards
+        self._signals_seen = (0, 0)
+        run_config = config.run
+        self.root = ckpt.checkpoint_root(run_config.out_dir)
+        self.every_seconds, self.every_steps = (run_config.checkpoint_every_seconds,
+                                                run_config.checkpoint_every_steps)
         self.last_checkpoint_step = self.base if start.checkpoint is not None else None
         self.last_checkpoint: str | None = None
         self.checkpoints = 0
@@ -885,30 +1129,37 @@ class Supervisor(_ShardRole):
             resume = ResumePoint(found.step, found.samples, found.wall_seconds,
                                  found.path.name)
         # The clock starts once every rank is ready (open_parameter_server's barrier).
-        self.recorder = RunRecorder(run.out_dir, run.progress_every_seconds, stream,
-                                    target_accuracy=run.target_accuracy, resume=resume)
+        self.recorder = RunRecorder(run_config.out_dir, run_config.progress_every_seconds,
+                                    stream, target_accuracy=run_config.target_accuracy,
+                                    resume=resume)
         now = time.monotonic()
         self.next_log = now + LOG_EVERY_SECONDS
-        self.next_eval = now + run.eval_every_seconds
+        self.next_eval = now + run_config.eval_every_seconds
         self._schedule_checkpoint(now)
 
     def run(self) -> None:
         with ThreadPoolExecutor(1, thread_name_prefix="distbelief-eval") as self.executor:
-            self.shard.serve(PacedBackoff(), between=self._between)
+            super().run()
             if self.pending is not None:
                 self._record_eval(*self.pending)
+        self._read_control(time.monotonic())
         self._log_training()  # every replica has finished: the totals are final
         if self.reason is None:
             self.reason = "max_steps"
-        self.drain()
 
-    def _between(self) -> bool:
+    def _duties(self) -> bool:
         """Shard 0's duties between two polls; cheap unless one of them is due."""
+        if self.faults:
+            self.faults.after_updates(self.shard.version)
         now = time.monotonic()
-        busy = False
+        busy = self._collect_stats()
         if self.pending is not None and self.pending[0].done():
             self._record_eval(*self.pending)
             busy = True
+        if now >= self._next_control or (self.awaiting and not self.ready):
+            self._read_control(now)
+        if now >= self._next_sweep:
+            self._sweep(now)
         if now >= self.next_log:
             self._log_training()
             self.next_log = now + LOG_EVERY_SECONDS
@@ -917,44 +1168,147 @@ class Supervisor(_ShardRole):
         if self.reason is None and self.pending is None and now >= self.next_eval:
             self._start_eval()
             busy = True
+        if not self.awaiting and self._checkpoint_due(now):
+            self.requests += 1
+            self.shard.add_run_control(rc.CHECKPOINT, 1)
+            self.awaiting, self.ready = True, False
         self.recorder.progress(self.steps, self.steps * self.plan.batch_size, self.loss)
-        return self._shard_duties() or busy
+        return self._poll_rounds() or busy
 
-    def _read_control(self) -> None:
-        """Steps and recent loss from the control slots."""
-        totals = self.shard.read_control()
-        steps = self.base + totals.steps
+    # -- the run control block
+
+    def _read_control(self, now: float) -> None:
+        """Read the block: steps and loss, heartbeats, signals, replicas giving up, the
+        pause for a checkpoint, the end."""
+        self._next_control = now + CONTROL_POLL_S
+        view = self.view = self.shard.read_run_control()
+        steps = self.base + view.steps
         if steps > self.steps:
-            self.loss = (totals.loss_sum - self.loss_total) / (steps - self.steps)
-            self.steps, self.loss_total = steps, totals.loss_sum
+            self.loss = (view.loss_sum - self.loss_total) / (steps - self.steps)
+            self.steps, self.loss_total = steps, view.loss_sum
+        rows = view.replicas
+        moved = rows[:, rc.BEAT] != self.beats
+        self.beats[moved] = rows[moved, rc.BEAT]
+        self.beat_times[moved] = now
+        term = max(int(rows[:, rc.TERM].max(initial=0)), self._shard_signals[0])
+        usr1 = max(int(rows[:, rc.USR1].max(initial=0)), self._shard_signals[1])
+        self._on_signals(term, usr1, now)
+        for replica in np.flatnonzero(rows[:, rc.GAVE_UP]):
+            if int(replica) not in self.lost:
+                self._stop(rc.STOP_BAD_GRADIENTS, "bad_gradients", int(replica) + 1)
+        if self.awaiting and not self.ready:
+            self.ready = all(r in self.lost or row[rc.ACKED] >= self.requests
+                             or row[rc.FINISHED] for r, row in enumerate(rows))
+
+    def _replicas_done(self) -> bool:
+        rows = self.view.replicas if self.view is not None else None
+        return rows is not None and all(r in self.lost or row[rc.FINISHED]
+                                        for r, row in enumerate(rows))
+
+    def _contribution(self) -> list[int]:
+        counts = self.signals.counts
+        finished = not self.awaiting and self._replicas_done()
+        return [counts["SIGTERM"], counts["SIGUSR1"], int(self.awaiting and self.ready),
+                int(finished)]
+
+    def _on_round(self, result: np.ndarray) -> None:
+        self._shard_signals = (int(result[ROUND_TERM]), int(result[ROUND_USR1]))
+
+    def _on_signals(self, term: int, usr1: int, now: float) -> None:
+        """Stop on a SIGTERM; on a SIGUSR1 unless it is the launcher's notice of a death
+        (the sweep first counts the dead: see SIGNALS in the module docstring)."""
+        seen_term, seen_usr1 = self._signals_seen
+        if term > seen_term:
+            self._stop(rc.STOP_SIGNAL, "SIGTERM")
+        if usr1 > seen_usr1:
+            self._sweep(now)
+            if usr1 > len(self.dead_ranks):
+                self._stop(rc.STOP_SIGNAL, "SIGUSR1")
+            else:
+                _print(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice of "
+                                    "the rank(s) found gone; training goes on")
+        self._signals_seen = (term, usr1)
+
+    # -- liveness
+
+    def _sweep(self, now: float) -> None:
+        """Look for gone shards (fatal) and lost replicas (process gone on this node, or
+        heartbeat stopped for run.replica_timeout_seconds)."""
+        self._next_sweep = now + SWEEP_S
+        topology, peers = self.plan.topology, self.run_.peers
+        gone_shards = peers.gone_among(topology.shard_ranks)
+        if gone_shards:
+            abort_job(self.run_.world, shard_lost_message(gone_shards[0], "is gone"))
+        timeout = self.plan.replica_timeout_s
+        rows = self.view.replicas if self.view is not None else None
+        for replica in range(self.plan.num_replicas):
+            ranks = list(topology.replica_ranks(replica))
+            gone = peers.gone_among(ranks)
+            self.dead_ranks.update(gone)
+            if replica in self.lost:
+                continue
+            finished = rows is not None and rows[replica, rc.FINISHED] >= rc.FINISHED_LEFT
+            if gone and not finished:
+                self._lose(replica, ranks, f"the process of rank {gone[0]} is gone")
+            elif (timeout and rows is not None and not rows[replica, rc.FINISHED]
+                  and now - self.beat_times[replica] > timeout):
+                self._lose(replica, ranks, f"no news from it for {timeout:g} s "
+                                           f"(run.replica_timeout_seconds)")
+
+    def _lose(self, replica: int, ranks: list[int], why: str) -> None:
+        self.lost[replica] = LostReplica(replica, ranks, why, self.steps,
+                                         self.recorder.elapsed())
+        self.shard.add_run_control(rc.replica_slot(replica, rc.LOST), 1)
+        left = self.plan.num_replicas - len(self.lost)
+        _print(self.stream, f"distbelief: replica {replica} (rank{'s' * (len(ranks) > 1)} "
+                            f"{', '.join(map(str, ranks))}) lost at step {self.steps}: {why}; "
+                            f"training goes on with {left} replica(s)")
+        self.recorder.log_event("replica_lost", self.steps, self.steps * self.plan.batch_size,
+                                replica=replica, ranks=ranks, why=why)
+        if left == 0:
+            self._stop(rc.STOP_ALL_LOST, "replicas_lost")
+
+    def _collect_stats(self) -> bool:
+        """Receive the replicas' final statistics as they come (point-to-point)."""
+        got = False
+        messages = self.run_.messages
+        status = MPI.Status()
+        while messages.Iprobe(MPI.ANY_SOURCE, STATS_TAG, status):
+            source = status.Get_source()
+            self.replica_stats[source] = messages.recv(source=source, tag=STATS_TAG)
+            got = True
+        return got
+
+    # -- training lines, stops, evaluations
 
     def _log_training(self) -> None:
-        before = self.steps
-        self._read_control()
-        if self.steps > before:
-            self.recorder.log(self.steps, self.steps * self.plan.batch_size, self.loss,
-                              version=self.shard.version)
-            if not math.isfinite(self.loss) and self.reason is None:
-                self._stop("diverged")
+        """A training line, if steps were reported since the last one."""
+        if self.steps == self.logged_steps or self.steps == self.base:
+            return
+        self.logged_steps = self.steps
+        self.recorder.log(self.steps, self.steps * self.plan.batch_size, self.loss,
+                          version=self.shard.version)
+        if not math.isfinite(self.loss) and self.reason is None:
+            self._stop(rc.STOP_DIVERGED, "diverged")
 
     def _apply_budget(self, now: float) -> None:
         reason = self.rules.budget_spent(self.steps, now - self.recorder.start)
         if reason:
-            self._stop(reason)
+            self._stop(rc.STOP_RULE, reason)
 
-    def _stop(self, reason: str) -> None:
-        self.reason = reason
-        self.shard.raise_stop()
-
-    def _stop_for(self, reason: str) -> None:
-        # A failure or divergence found at a checkpoint overrides a budget already spent.
-        if self.reason is None or reason in ("diverged", "checkpoint_failed", "bad_gradients"):
-            self._stop(reason)
+    def _stop(self, code: int, reason: str, arg: int = 0) -> None:
+        """Stop the run: the first reason counts, except that an error (divergence, bad
+        gradients, a failed checkpoint) overrides a budget or a signal."""
+        errors = (rc.STOP_BAD_GRADIENTS, rc.STOP_DIVERGED, rc.STOP_CHECKPOINT_FAILED)
+        if self.stop_code and (self.stop_code in errors or code not in errors):
+            return
+        self.shard.add_run_control(rc.STOP, code - self.stop_code)
+        self.shard.add_run_control(rc.STOP_ARG, arg - self.stop_arg)
+        self.stop_code, self.stop_arg, self.reason = code, arg, reason
 
     def _start_eval(self) -> None:
         """Snapshot the global parameters (one-sided Gets from the other shards) and
         evaluate them in the thread, while this thread goes on polling."""
-        self._read_control()
         self.shard.snapshot(self.snapshot)
         future = self.executor.submit(self._timed_eval, self.snapshot)
         self.pending = (future, self.steps)
@@ -973,22 +1327,10 @@ class Supervisor(_ShardRole):
         self.recorder.log_eval(steps, steps * self.plan.batch_size, self.loss, accuracy,
                                test_loss)
         if self.reason is None and self.rules.target_reached(accuracy):
-            self._stop("target_accuracy")
+            self._stop(rc.STOP_RULE, "target_accuracy")
         self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
 
-    def final_evaluation(self, params: np.ndarray) -> None:
-        """Evaluate the final parameters (all pushes folded) and log it. Local. Not after a
-        signal: stopping promptly matters more."""
-        if self.stop_signal is not None:
-            return  # the last training line has the final steps (run, _plan_checkpoint)
-        samples = self.steps * self.plan.batch_size
-        t0 = time.perf_counter()
-        test_loss, accuracy = evaluate(self.network, params, self.eval_set)
-        self.evaluations += 1
-        self.eval_seconds += time.perf_counter() - t0
-        self.recorder.log_eval(self.steps, samples, self.loss, accuracy, test_loss)
-
-    # -- checkpoints: when, and the commit
+    # -- checkpoints: when, the parts of the replicas, the commit
 
     def _schedule_checkpoint(self, now: float) -> None:
         """The next periodic checkpoint: `every_seconds` from now, and the next multiple
@@ -998,20 +1340,17 @@ class Supervisor(_ShardRole):
         self.next_checkpoint_step = ((self.steps // self.every_steps + 1) * self.every_steps
                                      if self.every_steps else math.inf)
 
-    def _checkpoint_due(self) -> bool:
-        if self.reason is not None or self.done:
+    def _checkpoint_due(self, now: float) -> bool:
+        if self.stop_code or self._replicas_done():
             return False  # the checkpoint at the end follows
-        if time.monotonic() >= self.next_checkpoint_time:
-            return True
-        # The control slots directly: _read_control's totals feed the training lines.
-        return (self.every_steps > 0 and self.base + self.shard.read_control().steps
-                >= self.next_checkpoint_step)
+        return now >= self.next_checkpoint_time or self.steps >= self.next_checkpoint_step
 
     def _plan_checkpoint(self) -> dict[str, Any] | None:
         # Every push is folded: the totals are those of the checkpoint. Logged now, so
         # that no line up to its step is later than the checkpoint's time.
+        self._read_control(time.monotonic())
         self._log_training()
-        if self.reason == "diverged" or self.failure is not None \
+        if self.stop_code == rc.STOP_DIVERGED or self.failure is not None \
                 or self.steps == self.last_checkpoint_step:
             return None
         meta = ckpt.CheckpointMeta(self.steps, self.steps * self.plan.batch_size,
@@ -1022,19 +1361,50 @@ class Supervisor(_ShardRole):
             return {"error": str(exc)}
         return {"partial": str(partial), "meta": asdict(meta)}
 
+    def _write_parts(self, partial: Path, meta: ckpt.CheckpointMeta) -> dict[str, Any]:
+        """Shard 0's slice and every replica's part (from the positions they published
+        when they paused or finished; lost replicas have none)."""
+        mine = super()._write_parts(partial, meta)
+        if "records" not in mine:
+            return mine
+        replicas = _part_report(lambda: [
+            ckpt.write_replica_part(partial, meta, r, state, counters={"local_steps": steps})
+            for r, (state, steps) in self._replica_positions().items()])
+        if "records" not in replicas:
+            return replicas
+        return {"records": mine["records"] + replicas["records"]}
+
+    def _replica_positions(self) -> dict[int, tuple[dict[str, int], int]]:
+        """Replica index -> (TrainShard.state(), local steps) as published, for every
+        replica that is not lost."""
+        rows = self.view.replicas
+        replicas = self.plan.num_replicas
+        ranges = balanced_ranges(self.info.n_train, replicas)
+        positions = {}
+        for r in range(replicas):
+            if r in self.lost:
+                continue
+            row = rows[r]
+            state = {"seed": self.config.run.seed, "rank": r, "num_ranks": replicas,
+                     "n": ranges[r][1] - ranges[r][0], "epoch": int(row[rc.EPOCH]),
+                     "position": int(row[rc.POSITION])}
+            positions[r] = (state, int(row[rc.LOCAL_STEPS]))
+        return positions
+
     def _commit(self, meta: ckpt.CheckpointMeta,
-                reports: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+                reports: list[dict[str, Any]] | None) -> dict[str, Any]:
         for kind in ("diverged", "error"):
             problems = [r[kind] for r in reports if kind in r]
             if problems:
                 return {kind: problems[0]}  # the .partial is cleaned at the next start
-        records = [ckpt.PartRecord(*r["record"]) for r in reports if "record" in r]
+        records = [ckpt.PartRecord(*rec) for r in reports for rec in r["records"]]
         try:
             path = ckpt.commit(
                 self.root, meta, settings=hashed_settings(self.config), algorithm="downpour",
                 layout=self.network.layout, shard_ranges=self.shard.ranges,
                 optimizer_state=list(self.shard.optimizer.state()), parts=records,
-                num_replicas=self.plan.num_replicas, keep=self.config.run.keep_checkpoints)
+                num_replicas=self.plan.num_replicas, keep=self.config.run.keep_checkpoints,
+                lost_replicas=sorted(self.lost))
         except ckpt.CheckpointError as exc:
             return {"error": str(exc)}
         return {"path": str(path), "step": meta.step, "samples": meta.samples,
@@ -1054,61 +1424,79 @@ class Supervisor(_ShardRole):
         elif "diverged" in outcome or "error" in outcome:
             _print(self.stream, f"distbelief: checkpoint not written: "
                                 f"{outcome.get('diverged') or outcome.get('error')}")
+        if "diverged" in outcome:
+            self._stop(rc.STOP_DIVERGED, "diverged")
+        elif "error" in outcome:
+            self._stop(rc.STOP_CHECKPOINT_FAILED, "checkpoint_failed")
+        if self.awaiting:  # the replicas paused for it go on
+            self.shard.add_run_control(rc.RELEASE, 1)
+            self.awaiting = self.ready = False
         self._schedule_checkpoint(time.monotonic())
+
+    # -- the end
+
+    def _before_final_checkpoint(self, all_stats: list | None, final: np.ndarray | None) -> None:
+        self.shard_stats = [s for s in all_stats if s["role"] == "shard"]
+        self._wait_for_replica_stats()
+        if self.stop_code != rc.STOP_SIGNAL:  # after a signal, stopping promptly matters
+            samples = self.steps * self.plan.batch_size
+            t0 = time.perf_counter()
+            test_loss, accuracy = evaluate(self.network, final, self.eval_set)
+            self.evaluations += 1
+            self.eval_seconds += time.perf_counter() - t0
+            self.recorder.log_eval(self.steps, samples, self.loss, accuracy, test_loss)
+
+    def _wait_for_replica_stats(self) -> None:
+        """Every replica that finished sends its statistics; wait for them (sleeping),
+        giving up on a replica whose process turns out to be gone."""
+        backoff = Backoff(*WAIT_SLEEP_S)
+        topology = self.plan.topology
+        with watchdog.current().waiting("the replicas' final statistics"):
+            while True:
+                self._collect_stats()
+                missing = [rank for r in range(self.plan.num_replicas) if r not in self.lost
+                           for rank in topology.replica_ranks(r)
+                           if rank not in self.replica_stats]
+                if not missing:
+                    return
+                self._sweep(time.monotonic())
+                backoff.wait()
+
+    def _ending(self) -> Ending:
+        teardown = rc.TEARDOWN_LEAVE if self.lost or self.dead_ranks else rc.TEARDOWN_FREE
+        summary = self.recorder.finish(_summary_extras(self))
+        _print(self.stream, _summary_line(summary, self.config))
+        return Ending(self.stop_code, self.stop_arg, teardown, self.failure, summary)
+
+    def _announce(self, ending: Ending) -> None:
+        """Tell the replicas how the run ends; with LEAVE, wait until every live replica
+        has read it (RMA: its reads need this rank's progress)."""
+        self.shard.add_run_control(rc.TEARDOWN, ending.teardown)
+        if ending.teardown == rc.TEARDOWN_FREE:
+            return
+        backoff = Backoff(*WAIT_SLEEP_S)
+        with watchdog.current().waiting("the live replicas to read the teardown"):
+            while True:
+                self._read_control(time.monotonic())
+                rows = self.view.replicas
+                waiting = [r for r in range(self.plan.num_replicas)
+                           if r not in self.lost and rows[r, rc.FINISHED] < rc.FINISHED_LEFT]
+                if not waiting:
+                    return
+                self._sweep(time.monotonic())
+                backoff.wait()
+
+    def stats(self) -> dict[str, Any]:
+        return super().stats()
 
 
 # ------------------------------------------------------------------------------------------
-# The end: collectives in one order on every rank, then rank 0's summary
+# The summary
 
 
-def _finish(comm: MPI.Comm, plan: DownpourPlan, endpoint: Any, role: _Role) -> dict[str, Any]:
-    """Gather statistics and final parameters to rank 0, agree on the stop reason; on rank
-    0 evaluate the final parameters; write the final checkpoint; on rank 0 write
-    summary.json. Returns {"stop_reason": ...} on other ranks, the summary on rank 0.
-
-    Collective over `comm`, the same calls in the same order on every rank: a back-off
-    barrier, gather (statistics), Gatherv (final slices from the shards), bcast (reason),
-    then the checkpoint's collectives (after the evaluation, so that no metrics line up to
-    the checkpoint's step is later than the checkpoint).
-    """
-    wait_for_everyone(comm)
-    all_stats = comm.gather(role.stats(), root=0)
-    final = _gather_parameters(comm, endpoint)
-    reason = role.reason if isinstance(role, Supervisor) else None
-    reason = comm.bcast(reason, root=0)
-    if isinstance(role, Supervisor):
-        role.final_evaluation(final)
-    role.checkpoint()  # nothing new since the last one: nothing is written
-    if role.diverged:  # found by a shard at this checkpoint, on every rank
-        reason = "diverged"
-    if not isinstance(role, Supervisor):
-        return {"stop_reason": reason}
-    summary = role.recorder.finish(_summary_extras(role, all_stats))
-    _print(role.stream, _summary_line(summary, role.config))
-    return summary
-
-
-def _gather_parameters(comm: MPI.Comm, endpoint: Any) -> np.ndarray | None:
-    """The final parameter vector on rank 0 (None elsewhere). Collective over `comm`:
-    Gatherv of each shard's slice (replicas send nothing)."""
-    size = endpoint.size
-    counts = [stop - start for start, stop in endpoint.ranges]
-    counts += [0] * (comm.Get_size() - len(counts))
-    displs = [endpoint.ranges[r][0] if r < len(endpoint.ranges) else size
-              for r in range(comm.Get_size())]
-    mine = (endpoint.parameters() if isinstance(endpoint, ParameterServerShard)
-            else np.zeros(0, dtype=np.float32))
-    out = np.zeros(size, dtype=np.float32) if comm.Get_rank() == 0 else None
-    comm.Gatherv([mine, MPI.FLOAT], [out, counts, displs, MPI.FLOAT] if out is not None
-                 else None, root=0)
-    return out
-
-
-def _summary_extras(sup: Supervisor, all_stats: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary_extras(sup: Supervisor) -> dict[str, Any]:
     config, plan = sup.config, sup.plan
-    replicas = sorted((s for s in all_stats if s["role"] == "replica"),
-                      key=lambda s: s["replica"])
-    shards = [s for s in all_stats if s["role"] == "shard"]
+    replicas = sorted(sup.replica_stats.values(), key=lambda s: (s["replica"], s["rank"]))
     resumed = sup.resumed_from
     return {
         "algorithm": "downpour", "stop_reason": sup.reason,
@@ -1122,8 +1510,9 @@ def _summary_extras(sup: Supervisor, all_stats: list[dict[str, Any]]) -> dict[st
         "resumed_at_step": sup.base, "checkpoint": sup.last_checkpoint,
         "bad_gradients": sum(r["bad_gradients"] for r in replicas),
         "checkpoints_written": sup.checkpoints, "checkpoint_seconds": sup.checkpoint_seconds,
+        "lost_replicas": [asdict(lost) for _, lost in sorted(sup.lost.items())],
         "staleness": _combined_staleness(replicas),
-        "replicas": replicas, "shards": shards,
+        "replicas": replicas, "shards": sup.shard_stats,
     }
 
 
@@ -1133,7 +1522,7 @@ def _combined_staleness(replicas: list[dict[str, Any]]) -> dict[str, Any]:
     histogram = np.zeros(width, dtype=np.int64)
     for r in replicas:
         h = r["staleness"]["histogram"]
-        histogram[: len(h)] += h
+        histogram[: len(h)] += np.asarray(h, dtype=np.int64)
     samples = int(histogram.sum())
     mean = float((histogram * np.arange(width)).sum() / samples) if samples else 0.0
     return {"samples": samples, "mean": mean,
@@ -1160,6 +1549,8 @@ def _summary_line(summary: dict[str, Any], config: Config) -> str:
             f"in total, {summary['wall_seconds']:.1f}s; test accuracy {shown}; samples/s "
             f"per replica: {rates}; staleness mean {summary['staleness']['mean']:.2f} max "
             f"{summary['staleness']['max']}")
+    if summary["lost_replicas"]:
+        text += f"; replicas lost: {', '.join(str(r['replica']) for r in summary['lost_replicas'])}"
     if summary["target_accuracy"] is not None:
         text += (f"; reached {summary['target_accuracy']:g} in "
                  f"{summary['time_to_target']:.1f}s" if summary["reached_target"]

@@ -44,19 +44,21 @@ deadlock; a partition blocks only for its peers' messages of the same layer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from distbelief import kernels
+from distbelief import kernels, watchdog
 from distbelief.errors import DataError
 from distbelief.layers import Dense, Layer
 from distbelief.layout import DTYPE
 from distbelief.model import Network
 from distbelief.parameter_server import Backoff
 from distbelief.partition import LayerPart, Partitioning
+from distbelief.topology import world_ranks
 
 FORWARD, BACKWARD = 0, 1
 SPIN_TESTS = 100
@@ -64,17 +66,22 @@ SPIN_TESTS = 100
 usually microseconds away, and a sleep costs tens of microseconds."""
 
 
-def wait_all(requests: list[MPI.Request]) -> None:
+def wait_all(requests: list[MPI.Request], what: str = "messages",
+             ranks: Sequence[int] = ()) -> None:
     """Complete `requests` without spinning a core for long: MPICH's Wait busy-polls
     (DESIGN.md), and partitions may share cores with each other or with shards. Testall a
     few times, then between tests sleep 20 us, doubling up to 1 ms (parameter_server's
-    Backoff)."""
+    Backoff). The wait is declared to the stall watchdog as waiting for `what` from the
+    world ranks `ranks`; watchdog.RankLost if one of them is gone."""
     for _ in range(SPIN_TESTS):
         if MPI.Request.Testall(requests):
             return
     backoff = Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
-    while not MPI.Request.Testall(requests):
-        backoff.wait()
+    guard = watchdog.current()
+    with guard.waiting(what, ranks):
+        while not MPI.Request.Testall(requests):
+            guard.check()
+            backoff.wait()
 
 
 def _tag(layer: int, direction: int) -> int:
@@ -137,6 +144,12 @@ class PartitionedNetwork:
                                      np.zeros(len(self.layers), dtype=np.int64))
         self._buffers: dict[int, list[_LayerBuffers]] = {}
         self._view_cache: dict[str, tuple[np.ndarray, list]] = {}
+        # The partners' world ranks, for the stall watchdog.
+        self.partner_ranks = world_ranks(comm, [p for p in range(comm.Get_size())
+                                                if p != self.partition])
+
+    def _wait(self, requests: list[MPI.Request]) -> None:
+        wait_all(requests, "the other partitions of this replica", self.partner_ranks)
 
     # -- parameters ----------------------------------------------------------------------
 
@@ -225,8 +238,8 @@ class PartitionedNetwork:
                 self._dense_forward(part, params, lb, recvs)
             else:
                 self._local_forward(part, params, lb, recvs)
-        wait_all(recvs)
-        wait_all(sends)
+        self._wait(recvs)
+        self._wait(sends)
 
     def _dense_forward(self, part: LayerPart, params: tuple[np.ndarray, np.ndarray],
                        lb: _LayerBuffers, recvs: list[MPI.Request]) -> None:
@@ -243,7 +256,7 @@ class PartitionedNetwork:
         # In peer order, not arrival order: the sum's rounding is then the same every
         # step and every run (GEMMs of early messages still overlap later ones).
         for m, buf, request in zip(part.recv, lb.recv, recvs):
-            wait_all([request])
+            self._wait([request])
             columns = m.columns(0)
             lb.window[:, columns] = buf
             lb.out += buf @ weights[:, columns].T
@@ -280,7 +293,7 @@ class PartitionedNetwork:
             boundary, interior = self._row_blocks(part, row)
             if interior:
                 self._local_rows_forward(part, layer, row0, window4, weights, out4, *interior)
-            wait_all(recvs)
+            self._wait(recvs)
             lo = part.window[0]
             for m, buf in zip(part.recv, lb.recv):
                 lb.window[:, m.columns(lo)] = buf
@@ -317,16 +330,16 @@ class PartitionedNetwork:
         c0, c1 = self.parts[-1].outputs
         row_max = logits.max(axis=1) if c1 > c0 else np.full(n, -np.inf, dtype=DTYPE)
         peak = np.empty(n, dtype=DTYPE)
-        wait_all([self.comm.Iallreduce(row_max, peak, op=MPI.MAX)])
+        self._wait([self.comm.Iallreduce(row_max, peak, op=MPI.MAX)])
         shifted = np.exp(logits - peak[:, None])
         total = np.empty(n, dtype=DTYPE)
-        wait_all([self.comm.Iallreduce(shifted.sum(axis=1, dtype=DTYPE), total, op=MPI.SUM)])
+        self._wait([self.comm.Iallreduce(shifted.sum(axis=1, dtype=DTYPE), total, op=MPI.SUM)])
         rows = np.flatnonzero((labels >= c0) & (labels < c1))
         cols = labels[rows] - c0
         mine = logits[rows, cols]
         sums = np.array([np.sum(np.log(total[rows], dtype=np.float64) + peak[rows] - mine),
                          np.count_nonzero(mine >= peak[rows])], dtype=np.float64)
-        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, sums, op=MPI.SUM)])
+        self._wait([self.comm.Iallreduce(MPI.IN_PLACE, sums, op=MPI.SUM)])
         if grad is not None:
             np.divide(shifted, total[:, None], out=grad)
             grad[rows, cols] -= 1.0
@@ -386,9 +399,9 @@ class PartitionedNetwork:
         if b > a:
             dbelow[:, a - origin:b - origin] = lb.dwindow[:, a - lo:b - lo]
         for m, buf, request in zip(part.send, lb.send, recvs):  # peer order, as forward
-            wait_all([request])
+            self._wait([request])
             dbelow[:, m.columns(origin)] += buf
-        wait_all(sends)
+        self._wait(sends)
 
     def _send_back(self, part: LayerPart, lb: _LayerBuffers, sends: list, tag: int) -> None:
         """Isend the input gradients of the values received from peers (already in

@@ -213,6 +213,7 @@ from __future__ import annotations
 import copy
 import fcntl
 import os
+import struct
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -223,8 +224,11 @@ from typing import Any, Protocol
 import numpy as np
 from mpi4py import MPI
 
+from distbelief import run_control as rc
+from distbelief import watchdog
 from distbelief.errors import ConfigError
 from distbelief.layout import DTYPE, balanced_ranges
+from distbelief.run_control import ControlExchange, ControlView
 from distbelief.topology import Topology
 
 HEADER_BYTES = 64  # counters at the head of each window; data starts cache-line aligned
@@ -233,9 +237,7 @@ COUNTER_BYTES = 8
 HEADER_SLOTS = HEADER_BYTES // COUNTER_BYTES
 # int64 slots in the ACCUM header
 TAKEN, PUSHES, DONE = 0, 1, 2
-# Downpour's run control, in the ACCUM header of shard 0 only: int64 slots, and LOSS float64
-CLAIMED, STEPS, STOP, LOSS = 3, 4, 5, 6
-CONTROL_SHARD = 0
+CONTROL_SHARD = 0  # holds Downpour's run control block (distbelief.run_control)
 # int64 slots in the PARAMS header
 VERSION, APPLIED, PULLS = 0, 1, 2
 STALENESS_BINS = 64  # histogram bins 0..62, and the last for 63 or more
@@ -329,12 +331,17 @@ class PacedBackoff(Backoff):
 @contextmanager
 def _epoch(win: MPI.Win, rank: int, lock_type: int) -> Iterator[None]:
     """A passive-target access epoch: Lock on entry; Unlock on exit, which completes every
-    operation issued inside, at the origin and at the target."""
-    win.Lock(rank, lock_type)
-    try:
-        yield
-    finally:
-        win.Unlock(rank)
+    operation issued inside, at the origin and at the target. Declared to the stall
+    watchdog: an epoch that never completes means `rank` is not polling (gone, stalled)
+    or a client holds a lock on it that it never releases (it died or froze in a push)."""
+    kind = "exclusive" if lock_type == MPI.LOCK_EXCLUSIVE else "shared"
+    with watchdog.current().waiting(f"an RMA epoch ({kind} lock) on rank {rank}'s window",
+                                    (rank,)):
+        win.Lock(rank, lock_type)
+        try:
+            yield
+        finally:
+            win.Unlock(rank)
 
 
 def _int64(buf: np.ndarray) -> list:
@@ -357,14 +364,20 @@ def _window_info() -> MPI.Info:
 
 
 class _ShardWindows:
-    """The two windows of every shard, allocated and freed collectively in one order."""
+    """The two windows of every shard, allocated and freed collectively in one order.
+    ACCUM holds the run control block (`control_bytes`, Downpour's, used on shard 0) between
+    its header and the gradient accumulator, which starts at `accum_data`."""
 
-    def __init__(self, comm: MPI.Comm, local_count: int):
-        nbytes = HEADER_BYTES + local_count * DTYPE().itemsize if local_count else 0
+    def __init__(self, comm: MPI.Comm, local_count: int, control_bytes: int = 0):
+        self.control_bytes = control_bytes
+        self.accum_data = HEADER_BYTES + _aligned(control_bytes)
+        data = local_count * DTYPE().itemsize
         info = _window_info()
         try:
-            self.accum = MPI.Win.Allocate(nbytes, 1, info, comm)
-            self.params = MPI.Win.Allocate(nbytes, 1, info, comm)
+            self.accum = MPI.Win.Allocate(self.accum_data + data if local_count else 0, 1,
+                                          info, comm)
+            self.params = MPI.Win.Allocate(HEADER_BYTES + data if local_count else 0, 1,
+                                           info, comm)
         finally:
             info.Free()
         for win in (self.accum, self.params):
@@ -379,12 +392,12 @@ class _ShardWindows:
         self.accum.Free()
 
 
-def _views(win: MPI.Win, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """(int64 header, all its slots; float32 data) views of this rank's part of `win`; no
-    copy."""
+def _views(win: MPI.Win, count: int, data_offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 header, all its slots; float32 data from `data_offset`) views of this rank's
+    part of `win`; no copy."""
     raw = np.frombuffer(win.tomemory(), dtype=np.uint8)
     header = raw[:HEADER_BYTES].view(np.int64)
-    data = raw[HEADER_BYTES : HEADER_BYTES + count * DTYPE().itemsize].view(DTYPE)
+    data = raw[data_offset : data_offset + count * DTYPE().itemsize].view(DTYPE)
     return header, data
 
 
@@ -410,8 +423,12 @@ class _Endpoint:
         communicator."""
         windows = self._live()
         request = self._comm.Ibarrier()
-        while not request.Test():
-            backoff.wait()
+        guard = watchdog.current()
+        others = [r for r in range(self._comm.Get_size()) if r != self._comm.Get_rank()]
+        with guard.waiting("every rank, to free the parameter server's windows", others):
+            while not request.Test():
+                guard.check()
+                backoff.wait()
         windows.free()
         self._windows = None
         self._comm.Free()
@@ -438,8 +455,10 @@ class ParameterServerShard(_Endpoint):
         self.num_clients = topology.world_size - topology.ps_shards
         count = self.stop - self.start
         windows = self._live()
-        self._accum_header, self._accum = _views(windows.accum, count)
-        self._params_header, self._params = _views(windows.params, count)
+        self._accum_header, self._accum = _views(windows.accum, count, windows.accum_data)
+        self._params_header, self._params = _views(windows.params, count, HEADER_BYTES)
+        raw = np.frombuffer(windows.accum.tomemory(), dtype=np.uint8)
+        self._control = raw[HEADER_BYTES : HEADER_BYTES + windows.control_bytes].view(np.int64)
         self._optimizer = optimizer
         self._master = np.zeros(count, dtype=DTYPE)  # the parameters; private to this rank
         self._grad = np.zeros(count, dtype=DTYPE)  # the gradient batch being applied
@@ -454,6 +473,7 @@ class ParameterServerShard(_Endpoint):
         # the first client can see them (open_parameter_server's barrier follows).
         with _epoch(windows.accum, self.rank, MPI.LOCK_EXCLUSIVE):
             self._accum_header[:] = 0
+            self._control.fill(0)
             self._accum.fill(0)
         with _epoch(windows.params, self.rank, MPI.LOCK_EXCLUSIVE):
             self._params_header[:] = 0
@@ -514,32 +534,41 @@ class ParameterServerShard(_Endpoint):
                                  slot * COUNTER_BYTES, MPI.NO_OP)
         return int(pushes[0]), int(done[0]), int(pulls[0])
 
-    def read_control(self) -> ControlTotals:
-        """Downpour's run control as it stands on this shard (meaningful on shard 0 only):
-        steps claimed, steps finished, their loss sum, and the stop flag.
+    def read_run_control(self) -> ControlView:
+        """Downpour's run control block (distbelief.run_control) as it stands on this shard
+        (shard 0 holds the one in use).
 
-        One-sided on its own ACCUM window: one SHARED epoch of Fetch_and_op(NO_OP) reads,
-        each with its slot's datatype, legal against the clients' concurrent SUMs.
+        One-sided on its own ACCUM window: one SHARED epoch of Get_accumulate(NO_OP) reads
+        with each slot's datatype, legal against the clients' concurrent SUMs.
         """
         win = self._live().accum
-        ints = np.zeros(3, dtype=np.int64)  # claimed, steps, stop
+        n = self._control.size
+        ints = np.zeros(n, dtype=np.int64)
+        zeros = np.zeros(n, dtype=np.int64)
         loss = np.zeros(1, dtype=np.float64)
+        parts = [(0, rc.LOSS), (rc.LOSS + 1, n)]  # int64 slots around the float64 LOSS
         with _epoch(win, self.rank, MPI.LOCK_SHARED):
-            for i, slot in enumerate((CLAIMED, STEPS, STOP)):
-                win.Fetch_and_op(_int64(ints[i : i + 1]), _int64(ints[i : i + 1]), self.rank,
-                                 slot * COUNTER_BYTES, MPI.NO_OP)
-            win.Fetch_and_op(_float64(loss), _float64(loss), self.rank, LOSS * COUNTER_BYTES,
-                             MPI.NO_OP)
-        return ControlTotals(int(ints[0]), int(ints[1]), float(loss[0]), bool(ints[2]))
+            for a, b in parts:
+                win.Get_accumulate(_int64(zeros[a:b]), _int64(ints[a:b]), self.rank,
+                                   (HEADER_BYTES + a * COUNTER_BYTES, b - a, MPI.INT64_T),
+                                   MPI.NO_OP)
+            win.Get_accumulate(_float64(np.zeros(1)), _float64(loss), self.rank,
+                               (HEADER_BYTES + rc.LOSS * COUNTER_BYTES, 1, MPI.DOUBLE),
+                               MPI.NO_OP)
+        return rc.ControlView.from_block(ints, float(loss[0]))
 
-    def raise_stop(self) -> None:
-        """Set the stop flag that replicas read with every push (ControlExchange.stop).
+    def add_run_control(self, slot: int, value: int) -> None:
+        """Add `value` to slot `slot` of this shard's run control block (shard 0's commands:
+        STOP, CHECKPOINT, RELEASE, TEARDOWN, a replica's LOST).
 
-        One-sided on its own ACCUM window: a store inside an EXCLUSIVE epoch, which keeps
-        it apart from the clients' NO_OP reads. Idempotent.
+        One-sided on its own ACCUM window: Accumulate(SUM) inside a SHARED epoch, the same
+        op the clients use, so shard 0 needs no exclusive lock to command (a client that
+        died inside its epoch cannot block it).
         """
-        with self._exclusive(self._live().accum):
-            self._accum_header[STOP] = 1
+        win = self._live().accum
+        with _epoch(win, self.rank, MPI.LOCK_SHARED):
+            win.Accumulate(_int64(np.array([value], dtype=np.int64)), self.rank,
+                           (HEADER_BYTES + slot * COUNTER_BYTES, 1, MPI.INT64_T), MPI.SUM)
 
     def snapshot(self, out: np.ndarray) -> np.ndarray:
         """The whole current parameter vector into `out` (float32, the full size): this
@@ -627,8 +656,10 @@ class ParameterServerShard(_Endpoint):
         return folded or pulled
 
     def serve(self, backoff: Backoff | None = None,
-              between: Callable[[], bool] | None = None) -> ShardStats:
-        """Serve pushes and pulls until every client has called finish(); returns stats.
+              between: Callable[[], bool] | None = None,
+              until: Callable[[], bool] | None = None) -> ShardStats:
+        """Serve pushes and pulls until every client has called finish() (or, if given,
+        until `until()` is true); returns stats.
 
         Polls with `serve_once`, sleeping between polls under `backoff` (shortest sleep
         after traffic, longer while idle). `between()`, if given, runs after every poll
@@ -638,7 +669,7 @@ class ParameterServerShard(_Endpoint):
         """
         backoff = backoff or Backoff()
         c0, t0 = time.process_time(), time.perf_counter()
-        while not self._finished:
+        while not (until() if until is not None else self._finished):
             traffic = self.serve_once()
             if between is not None:
                 traffic = between() or traffic
@@ -718,73 +749,6 @@ class StalenessStats:
         return {"samples": self.samples, "mean": self.mean, "max": self.max,
                 "histogram": [int(c) for c in self.histogram[:used]],
                 "histogram_cap": STALENESS_BINS - 1}
-
-
-@dataclass(frozen=True)
-class ControlTotals:
-    """Downpour's run control on shard 0 (ParameterServerShard.read_control)."""
-
-    claimed: int
-    steps: int
-    loss_sum: float
-    stop: bool
-
-
-class ControlExchange:
-    """What a replica sends to shard 0's control slots with a push, and what it learns.
-
-    Set `claim` (steps to claim), `steps` and `loss_sum` (steps finished since the last
-    exchange and the sum of their minibatch losses), pass it to ParameterClient.push,
-    push_pull or exchange; afterwards `claimed_before` and `steps_before` hold the global
-    counters just before this exchange's additions, and `stop` the stop flag. The claim
-    and the counters are atomic (Fetch_and_op), so concurrent replicas never claim the
-    same step twice.
-    """
-
-    def __init__(self) -> None:
-        self._send = np.zeros(2, dtype=np.int64)  # claim, steps
-        self._loss = np.zeros(1, dtype=np.float64)
-        self._before = np.zeros(2, dtype=np.int64)  # claimed, steps
-        self._stop = np.zeros(1, dtype=np.int64)
-        self._zero = np.zeros(1, dtype=np.int64)
-
-    def set(self, claim: int, steps: int = 0, loss_sum: float = 0.0) -> ControlExchange:
-        if claim < 0 or steps < 0:
-            raise ValueError(f"claim and steps must be >= 0, got {claim}, {steps}")
-        self._send[:] = claim, steps
-        self._loss[0] = loss_sum
-        return self
-
-    @property
-    def claimed_before(self) -> int:
-        return int(self._before[0])
-
-    @property
-    def steps_before(self) -> int:
-        return int(self._before[1])
-
-    @property
-    def stop(self) -> bool:
-        return bool(self._stop[0])
-
-    def issue(self, win: MPI.Win) -> None:
-        """The control operations, inside an open SHARED epoch on shard 0's ACCUM window."""
-        for i, slot in enumerate((CLAIMED, STEPS)):
-            win.Fetch_and_op(_int64(self._send[i : i + 1]), _int64(self._before[i : i + 1]),
-                             CONTROL_SHARD, slot * COUNTER_BYTES, MPI.SUM)
-        win.Accumulate(_float64(self._loss), CONTROL_SHARD, (LOSS * COUNTER_BYTES, 1, MPI.DOUBLE),
-                       MPI.SUM)
-        win.Fetch_and_op(_int64(self._zero), _int64(self._stop), CONTROL_SHARD,
-                         STOP * COUNTER_BYTES, MPI.NO_OP)
-
-    def apply(self, header: np.ndarray, loss: np.ndarray) -> None:
-        """The same operations on shard 0's shared-memory segment (its int64 header and
-        its float64 loss slot), under that segment's exclusive lock."""
-        self._before[:] = header[CLAIMED], header[STEPS]
-        header[CLAIMED] += self._send[0]
-        header[STEPS] += self._send[1]
-        loss[0] += self._loss[0]
-        self._stop[0] = header[STOP]
 
 
 class ParameterClient(_Endpoint):
@@ -874,19 +838,20 @@ class ParameterClient(_Endpoint):
         # The order inside the epoch does not matter: the shard takes the accumulator and
         # the push count together under its EXCLUSIVE lock, after this SHARED epoch has
         # completed. (Counters first, to wake the shard earlier, was measured: no faster.)
+        data = self._live().accum_data
         for shard, (low, _) in enumerate(self.ranges):
             if not self._touched[shard]:
                 continue
             for start, stop in self._segments[shard]:
                 win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
-                               (HEADER_BYTES + (start - low) * FLOAT_BYTES, stop - start,
+                               (data + (start - low) * FLOAT_BYTES, stop - start,
                                 MPI.FLOAT), MPI.SUM)
             win.Accumulate(_int64(self._one), shard, (PUSHES * COUNTER_BYTES, 1, MPI.INT64_T),
                            MPI.SUM)
             win.Fetch_and_op(_int64(self._one), _int64(self._taken[shard]), shard,
                              TAKEN * COUNTER_BYTES, MPI.NO_OP)
         if control is not None:
-            control.issue(win)
+            control.issue(win, CONTROL_SHARD, HEADER_BYTES)
         self._maybe_hang(CONTROL_SHARD)
 
     def _pulled(self) -> np.ndarray:
@@ -956,11 +921,15 @@ class ParameterClient(_Endpoint):
         """
         backoff = backoff or Backoff(min_sleep_s=20e-6, max_sleep_s=0.2e-3)
         extra = 0
-        while (self.pulled_versions < self._push_versions).any():
-            if extra:
-                backoff.wait()
-            self.pull(out)
-            extra += 1
+        guard = watchdog.current()
+        with guard.waiting("the shards to apply this client's push",
+                           self.topology.shard_ranks):
+            while (self.pulled_versions < self._push_versions).any():
+                if extra:
+                    guard.check()
+                    backoff.wait()
+                self.pull(out)
+                extra += 1
         return extra
 
     def exchange(self, control: ControlExchange) -> None:
@@ -968,7 +937,7 @@ class ParameterClient(_Endpoint):
         warm-start polls). One-sided: a SHARED epoch on shard 0's ACCUM window."""
         win = self._check_open().accum
         with _epoch(win, CONTROL_SHARD, MPI.LOCK_SHARED):
-            control.issue(win)
+            control.issue(win, CONTROL_SHARD, HEADER_BYTES)
 
     def finish(self) -> None:
         """Tell every shard that this rank will push no more. One-sided: Accumulate(SUM) of
@@ -1023,34 +992,36 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // HEADER_BYTES) * HEADER_BYTES
 
 
-def _segment_bytes(count: int, clients: int, state_arrays: int) -> int:
+def _segment_bytes(count: int, clients: int, state_arrays: int, control_bytes: int) -> int:
     slots = _aligned(clients * CLIENT_SLOTS * COUNTER_BYTES)
-    return HEADER_BYTES + slots + (1 + state_arrays) * _aligned(count * DTYPE().itemsize)
+    return (HEADER_BYTES + slots + _aligned(control_bytes)
+            + (1 + state_arrays) * _aligned(count * DTYPE().itemsize))
 
 
 @dataclass
 class _Segment:
     """Views of one shard's shared segment (no copies)."""
 
-    header: np.ndarray  # int64 slots VERSION, APPLIED, CLAIMED, STEPS, STOP (LOSS: below)
-    loss: np.ndarray  # float64, the LOSS slot
+    header: np.ndarray  # int64 slots VERSION, APPLIED, SERVING
     clients: np.ndarray  # int64 (clients, CLIENT_SLOTS): PULLED, FINISHED
+    control: np.ndarray  # int64, the run control block (distbelief.run_control; LOSS f64)
     params: np.ndarray  # float32, the shard's parameters (the master copy)
     state: dict[str, np.ndarray]  # float32, the optimizer's state arrays by name
 
 
-def _segment_views(buffer: MPI.buffer, count: int, clients: int,
-                   names: list[str]) -> _Segment:
+def _segment_views(buffer: MPI.buffer, count: int, clients: int, names: list[str],
+                   control_bytes: int) -> _Segment:
     raw = np.frombuffer(buffer, dtype=np.uint8)
-    offset = HEADER_BYTES + _aligned(clients * CLIENT_SLOTS * COUNTER_BYTES)
+    control = HEADER_BYTES + _aligned(clients * CLIENT_SLOTS * COUNTER_BYTES)
+    offset = control + _aligned(control_bytes)
     data = _aligned(count * DTYPE().itemsize)
     arrays = [raw[offset + i * data : offset + i * data + count * DTYPE().itemsize].view(DTYPE)
               for i in range(1 + len(names))]
     return _Segment(
         header=raw[:HEADER_BYTES].view(np.int64),
-        loss=raw[LOSS * COUNTER_BYTES : (LOSS + 1) * COUNTER_BYTES].view(np.float64),
         clients=raw[HEADER_BYTES : HEADER_BYTES + clients * CLIENT_SLOTS * COUNTER_BYTES]
         .view(np.int64).reshape(clients, CLIENT_SLOTS),
+        control=raw[control : control + control_bytes].view(np.int64),
         params=arrays[0], state=dict(zip(names, arrays[1:], strict=True)))
 
 
@@ -1117,12 +1088,15 @@ class _SharedSegments:
     """
 
     def __init__(self, node: MPI.Comm, lock_fd: int, topology: Topology,
-                 ranges: list[tuple[int, int]], names: list[str]):
+                 ranges: list[tuple[int, int]], names: list[str], control_bytes: int):
         self.node, self.lock_fd, self.names = node, lock_fd, names
+        # Process ids by rank (node ranks are world ranks), to name a lock's holder.
+        self.pids = node.allgather(os.getpid())
         clients = topology.world_size - topology.ps_shards
         index = topology.shard_index
         mine = (0 if index is None
-                else _segment_bytes(ranges[index][1] - ranges[index][0], clients, len(names)))
+                else _segment_bytes(ranges[index][1] - ranges[index][0], clients, len(names),
+                                    control_bytes))
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")  # each segment on its owner's pages
         try:
@@ -1134,19 +1108,38 @@ class _SharedSegments:
         self.win.Lock_all(MPI.MODE_NOCHECK)
         # node ranks are world ranks (one node, Split_type keyed by rank): shard s is rank s
         self.segments = [_segment_views(self.win.Shared_query(s)[0], stop - start, clients,
-                                        names)
+                                        names, control_bytes)
                          for s, (start, stop) in enumerate(ranges)]
 
     @contextmanager
     def lock(self, shard: int, exclusive: bool) -> Iterator[_Segment]:
-        """Shard `shard`'s segment, locked: exclusive (writers) or shared (readers)."""
-        fcntl.lockf(self.lock_fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, 1, shard)
+        """Shard `shard`'s segment, locked: exclusive (writers) or shared (readers). When
+        the lock is taken, the wait is declared to the stall watchdog with its holder."""
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            fcntl.lockf(self.lock_fd, mode | fcntl.LOCK_NB, 1, shard)
+        except OSError:  # held by another rank: wait for it, sleeping in the kernel
+            with watchdog.current().waiting(
+                    f"the {'exclusive' if exclusive else 'shared'} lock on shard {shard}'s "
+                    f"segment", (), lambda: self.holder(shard, exclusive)):
+                fcntl.lockf(self.lock_fd, mode, 1, shard)
         try:
             self.win.Sync()
             yield self.segments[shard]
         finally:
             self.win.Sync()
             fcntl.lockf(self.lock_fd, fcntl.LOCK_UN, 1, shard)
+
+    def holder(self, shard: int, exclusive: bool) -> int | None:
+        """The rank holding a lock on shard `shard`'s segment that conflicts with taking it
+        `exclusive`ly or not (fcntl F_GETLK), or None."""
+        request = struct.pack("hhqqi", fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK,
+                              os.SEEK_SET, shard, 1, 0) + bytes(8)
+        answer = fcntl.fcntl(self.lock_fd, fcntl.F_GETLK, request)
+        kind, _, _, _, pid = struct.unpack("hhqqi", answer[: struct.calcsize("hhqqi")])
+        if kind == fcntl.F_UNLCK or pid not in self.pids:
+            return None
+        return self.pids.index(pid)
 
     def free(self) -> None:
         """Collective over the node communicator (= the world), same order on every rank."""
@@ -1157,7 +1150,8 @@ class _SharedSegments:
 
 
 def _open_shared(comm: MPI.Comm, topology: Topology, ranges: list[tuple[int, int]],
-                 optimizer: OptimizerFactory, requested: str) -> _SharedSegments | None:
+                 optimizer: OptimizerFactory, requested: str,
+                 control_bytes: int) -> _SharedSegments | None:
     """The shared segments if the shared transport can be used, else None (use RMA).
     Collective over `comm`; every rank reaches the same answer (all ranks on one node or
     not, the same optimizer factory, one lock file for all)."""
@@ -1174,7 +1168,7 @@ def _open_shared(comm: MPI.Comm, topology: Topology, ranges: list[tuple[int, int
     if why is None and lock_fd is None:
         why = "no lock file could be created in /dev/shm or the temporary folder"
     if why is None:
-        return _SharedSegments(node, lock_fd, topology, ranges, names)
+        return _SharedSegments(node, lock_fd, topology, ranges, names, control_bytes)
     node.Free()
     if requested == "shared":
         raise ConfigError(f"the shared-memory parameter server was requested "
@@ -1200,6 +1194,7 @@ class SharedMemoryShard(ParameterServerShard):
         with segments.lock(self.rank, exclusive=True) as seg:
             seg.header[:] = 0
             seg.clients[:] = 0
+            seg.control[:] = 0
             seg.params[:] = 0 if initial is None else initial[self.start : self.stop]
             for name, value in optimizer.state().items():
                 np.copyto(seg.state[name], value)
@@ -1240,16 +1235,17 @@ class SharedMemoryShard(ParameterServerShard):
             done, pulls = (int(x) for x in seg.clients[:, [FINISHED, PULLED]].sum(axis=0))
             return int(seg.header[APPLIED]), done, pulls
 
-    def read_control(self) -> ControlTotals:
-        """Downpour's run control (shard 0), read under the shared lock."""
+    def read_run_control(self) -> ControlView:
+        """The run control block (shard 0's is in use), read under the shared lock."""
         with self._lock(exclusive=False) as seg:
-            return ControlTotals(int(seg.header[CLAIMED]), int(seg.header[STEPS]),
-                                 float(seg.loss[0]), bool(seg.header[STOP]))
+            block = seg.control.copy()
+        return rc.ControlView.from_block(block, float(block[rc.LOSS : rc.LOSS + 1]
+                                                      .view(np.float64)[0]))
 
-    def raise_stop(self) -> None:
-        """Set the stop flag (a store under the exclusive lock). Idempotent."""
+    def add_run_control(self, slot: int, value: int) -> None:
+        """Add `value` to a slot of the run control block, under the exclusive lock."""
         with self._lock(exclusive=True) as seg:
-            seg.header[STOP] = 1
+            seg.control[slot] += value
 
     def snapshot(self, out: np.ndarray) -> np.ndarray:
         """The whole parameter vector into `out`, each shard's slice copied under that
@@ -1285,10 +1281,11 @@ class SharedMemoryShard(ParameterServerShard):
         return False
 
     def serve(self, backoff: Backoff | None = None,
-              between: Callable[[], bool] | None = None) -> ShardStats:
+              between: Callable[[], bool] | None = None,
+              until: Callable[[], bool] | None = None) -> ShardStats:
         """As ParameterServerShard.serve, but always with the sparse SHARED_POLL_S back-off
         (`backoff`, tuned for RMA clients, is not needed: no client waits for a poll)."""
-        return super().serve(Backoff(*SHARED_POLL_S), between)
+        return super().serve(Backoff(*SHARED_POLL_S), between, until)
 
 
 class SharedMemoryClient(ParameterClient):
@@ -1317,12 +1314,17 @@ class SharedMemoryClient(ParameterClient):
     def _wait_served(self, shards: Sequence[int]) -> None:
         """Before the first access to a shard: wait, sleeping, until it has polled once."""
         backoff = Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
+        guard = watchdog.current()
         for shard in shards:
-            while not self._served[shard]:
-                with self._live().lock(shard, exclusive=False) as seg:
-                    self._served[shard] = bool(seg.header[SERVING])
-                if not self._served[shard]:
-                    backoff.wait()
+            if self._served[shard]:
+                continue
+            with guard.waiting(f"shard {shard} to start serving", (shard,)):
+                while not self._served[shard]:
+                    with self._live().lock(shard, exclusive=False) as seg:
+                        self._served[shard] = bool(seg.header[SERVING])
+                    if not self._served[shard]:
+                        guard.check()
+                        backoff.wait()
 
     def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
         """As ParameterClient.restrict_to."""
@@ -1369,7 +1371,7 @@ class SharedMemoryClient(ParameterClient):
             seg.clients[self._slot, PULLED] = self._pulls
             self._maybe_hang(shard)
         if control is not None and shard == CONTROL_SHARD:
-            control.apply(seg.header, seg.loss)
+            control.apply(seg.control)
 
     def _progress(self) -> None:
         """Let MPI progress, as every RMA call of the other transport does by itself: the
@@ -1428,7 +1430,7 @@ class SharedMemoryClient(ParameterClient):
         segments = self._check_open()
         self._wait_served([CONTROL_SHARD])
         with segments.lock(CONTROL_SHARD, exclusive=True) as seg:
-            control.apply(seg.header, seg.loss)
+            control.apply(seg.control)
 
     def finish(self) -> None:
         """Publish this client's pull count and mark it finished on every shard (its own
@@ -1447,6 +1449,7 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
                           optimizer: OptimizerFactory,
                           initial: np.ndarray | None = None,
                           transport: str | None = None,
+                          control_replicas: int = 0,
                           ) -> ParameterServerShard | ParameterClient:
     """Create the parameter server: a ParameterServerShard on shard ranks, a
     ParameterClient on every other rank (replicas and the coordinator).
@@ -1459,6 +1462,8 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
     to see whether its state can be shared); `initial` is the full initial parameter
     vector (each shard copies its slice; None means zeros). `transport`: "auto", "shared"
     or "rma" (None: $DISTBELIEF_PS_TRANSPORT, else "auto"; see requested_transport).
+    `control_replicas` > 0 reserves Downpour's run control block (distbelief.run_control)
+    for that many replicas on shard 0 (every shard's windows have the same layout).
     Returns once every shard has published its initial parameters.
     """
     requested = requested_transport(transport)
@@ -1477,7 +1482,8 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
     comm = comm_world.Dup()
     ranges = balanced_ranges(size, topology.ps_shards)
     try:
-        segments = _open_shared(comm, topology, ranges, optimizer, requested)
+        segments = _open_shared(comm, topology, ranges, optimizer, requested,
+                                rc.block_bytes(control_replicas))
     except ConfigError:
         comm.Free()
         raise
@@ -1493,7 +1499,7 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
         return endpoint
     index = topology.shard_index
     local_count = 0 if index is None else ranges[index][1] - ranges[index][0]
-    windows = _ShardWindows(comm, local_count)
+    windows = _ShardWindows(comm, local_count, rc.block_bytes(control_replicas))
     # Local set-up: a shard publishes its initial parameters under its own lock.
     if topology.is_shard:
         endpoint = ParameterServerShard(comm, windows, topology, size,

@@ -17,14 +17,15 @@ runs yet (said at start).
 DOWNPOUR (`algorithm = "downpour"`, S + R x P ranks): `PartitionedReplica` is a Downpour
 replica whose network is a `PartitionedNetwork` over its replica's P ranks and whose
 parameter client pulls and pushes only the partition's pieces of the vector
-(`ParameterClient.restrict_to`; the paper's Figure 2). Partition 0 alone claims steps and
-reports steps and loss to shard 0 (they ride on its pushes, as for any replica) and hands
-each grant to its partitions with a broadcast that they wait for with back-off sleeps (a
-warm-start wait can be long). Downpour's agreement rounds (checkpoints, signals, the end
-of the run) may complete on one partition a block before another, so the partitions of
-a replica act on a round only once all of them hold it (`ReplicaRounds`), and they agree
-on whether a step's gradient is finite (Downpour drops non-finite ones); partition 0
-writes the replica's checkpoint part. The data, shards and supervisor are Downpour's own.
+(`ParameterClient.restrict_to`; the paper's Figure 2). Partition 0 (the lead) alone talks
+to shard 0's run control block for the replica: it claims steps, reports steps and loss,
+reads the commands (pause for a checkpoint, stop, lost, teardown) and publishes the data
+position (the same on every partition); after each exchange it hands the grant and the
+command to its partitions with one broadcast, which they wait for with back-off sleeps,
+so all of them pause, stop and end together. They also agree on whether a step's gradient
+is finite (Downpour drops non-finite ones). A partition that finds another gone (the
+stall watchdog's liveness check in every wait on it) gives its replica up as lost. The
+data, shards and supervisor are Downpour's own.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from distbelief.config import Config, config_hash
 from distbelief.errors import ConfigError, UserError
 from distbelief.metrics import RunRecorder
 from distbelief.model_parallel import PartitionedNetwork, wait_all
-from distbelief.parameter_server import Backoff
 from distbelief.threads import set_blas_threads
 from distbelief.trainer import (
     EVAL_BATCH_SIZE,
@@ -220,116 +220,50 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
 # Downpour
 
 
-def make_replica(plan: Any, client: Any, network: Any, data: Any, sync: Any, start: Any,
-                 fetch_own_pushes: bool, replica_comm: MPI.Comm) -> Any:
-    """Downpour's replica role for this rank: the plain one when partitions = 1, else a
-    PartitionedReplica over `replica_comm` (topology.split_communicators' partition
-    communicator). Local (no communication)."""
+def make_replica(run: Any, network: Any, fetch_own_pushes: bool) -> Any:
+    """Downpour's replica role for this rank (`run`: downpour.OpenRun): the plain one when
+    partitions = 1, else a PartitionedReplica over the replica's partition communicator
+    (topology.split_communicators). Local (no communication)."""
     from distbelief.downpour import Replica
 
-    if replica_comm == MPI.COMM_NULL or replica_comm.Get_size() == 1:
-        return Replica(plan, client, network, data, sync, start, fetch_own_pushes)
-    return _partitioned_replica_class()(plan, client, network, data, sync, start,
-                                        fetch_own_pushes, replica_comm)
+    comm = run.communicators.partition
+    if comm == MPI.COMM_NULL or comm.Get_size() == 1:
+        return Replica(run, network, fetch_own_pushes)
+    return _partitioned_replica_class()(run, network, fetch_own_pushes)
 
 
-def polled_bcast(comm: MPI.Comm, value: np.ndarray) -> np.ndarray:
+def polled_bcast(comm: MPI.Comm, value: np.ndarray, what: str = "its lead partition",
+                 ranks: Any = ()) -> np.ndarray:
     """Rank 0's `value` on every rank of `comm`, in place: an Ibcast waited for with
     back-off sleeps (a partition may wait long for its lead). Collective over `comm`."""
-    wait_all([comm.Ibcast(value, root=0)])
+    wait_all([comm.Ibcast(value, root=0)], what, ranks)
     return value
-
-
-class ReplicaRounds:
-    """Downpour's agreement rounds (distbelief.agreement.Rounds) as the partitions of one
-    replica see them: together. A round's result may complete on one partition a block
-    before another; acting on it alone (a checkpoint's barrier) would leave the other
-    partition waiting for activations from this one. So each partition holds a result it
-    has received until every partition of the replica holds it (an Allreduce MIN among
-    them, from points they reach in lockstep), and only then hands it on.
-
-    Collective over the replica's communicator: every partition calls poll() at the same
-    points of its sequence (after each block, in the warm-start wait, in drain)."""
-
-    def __init__(self, rounds: Any, comm: MPI.Comm):
-        self.rounds, self.comm = rounds, comm
-        self._held: np.ndarray | None = None
-        self._have = np.zeros(1, dtype=np.int32)
-
-    def poll(self, contribute: Callable[[], Any]) -> np.ndarray | None:
-        if self._held is None:
-            self._held = self.rounds.poll(contribute)
-        self._have[0] = self._held is not None
-        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self._have, op=MPI.MIN)])
-        if not self._have[0]:
-            return None
-        result, self._held = self._held, None
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.rounds, name)
 
 
 def _partitioned_replica_class() -> type:
     """Defined on first use: it subclasses downpour.Replica, and downpour imports us."""
-    from distbelief.downpour import WARM_START_POLL_S, Replica
+    from distbelief.downpour import Replica
 
     class PartitionedReplica(Replica):
         """One partition of a Downpour replica: its own pieces of the parameters, its own
-        pushes and pulls; partition 0 claims steps and shares the grants; the partitions
-        act on agreement rounds together (ReplicaRounds) and partition 0 alone writes the
-        replica's checkpoint part (the data position is the same on all of them)."""
+        pushes and pulls; partition 0 (the lead) exchanges with shard 0 for the replica
+        (claims, reports, commands, its data position) and shares every decision with the
+        others (one Ibcast per block), so all of them pause, stop and end together."""
 
-        def __init__(self, plan: Any, client: Any, network: Any, data: Any, sync: Any,
-                     start: Any, fetch_own_pushes: bool, replica_comm: MPI.Comm):
-            model = PartitionedNetwork(network, replica_comm)
-            client.restrict_to(model.pieces)
+        def __init__(self, run: Any, network: Any, fetch_own_pushes: bool):
+            comm = run.communicators.partition
+            self.lead = comm.Get_rank() == 0
+            model = PartitionedNetwork(network, comm)
+            run.endpoint.restrict_to(model.pieces)
             model.layout = network.layout  # whole-model vectors: Replica sizes them so
-            sync.rounds = ReplicaRounds(sync.rounds, replica_comm)
-            super().__init__(plan, client, model, data, sync, start, fetch_own_pushes)
-            self.model, self.comm = model, replica_comm
-            self.lead = replica_comm.Get_rank() == 0
-            self._shared = np.zeros(1, dtype=np.int64)
+            super().__init__(run, model, fetch_own_pushes)
+            self.model, self.comm = model, comm
             self._finite = np.zeros(1, dtype=np.int32)
 
-        def _share(self, value: int) -> int:
-            """Partition 0's `value` on every partition of the replica (collective)."""
-            self._shared[0] = value if self.lead else 0
-            return int(polled_bcast(self.comm, self._shared)[0])
-
-        def _wait_for_warm_start(self) -> None:
-            """Replica's wait, in lockstep: partition 0 polls shard 0 and tells the others
-            whether to go on waiting; all of them poll the rounds at the same points."""
-            backoff = Backoff(*WARM_START_POLL_S)
-            control = self.control.set(claim=0)
-            plan = self.plan
-            while not self.stopping:
-                over = False
-                if self.lead:
-                    self.client.exchange(control)
-                    over = bool(control.stop or (plan.max_steps and self.base
-                                                 + control.claimed_before >= plan.max_steps)
-                                or self.base + control.steps_before >= plan.warm_start_steps)
-                if self._share(int(over)):
-                    return
-                self.poll_rounds()
-                backoff.wait()
-
-        def _first_claim(self) -> int:
-            if self.lead:
-                return super()._first_claim()
-            t0 = time.perf_counter()
-            self.client.pull(self.params)
-            self.stats_.rma_seconds += time.perf_counter() - t0
-            self.stats_.fetches += 1
-            self.fresh = True
-            return self._granted(None)
-
-        def _granted(self, control: Any) -> int:
-            return self._share(super()._granted(control) if self.lead else 0)
-
-        def _push(self, control: Any) -> None:
-            super()._push(control if self.lead else None)
+        def _share_values(self, values: np.ndarray) -> np.ndarray:
+            values = np.ascontiguousarray(values, dtype=np.int64)
+            lead = self.model.partner_ranks[:1] if not self.lead else ()
+            return polled_bcast(self.comm, values, "its lead partition's decision", lead)
 
         def _usable(self, loss: float) -> bool:
             """Downpour's finite-gradient check, agreed by the partitions (Allreduce MIN):
@@ -338,12 +272,10 @@ def _partitioned_replica_class() -> type:
             would leave them waiting for its activations."""
             before = self.bad_in_a_row
             self._finite[0] = super()._usable(loss)
-            wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self._finite, op=MPI.MIN)])
+            wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self._finite, op=MPI.MIN)],
+                     "the other partitions of this replica", self.model.partner_ranks)
             self.bad_in_a_row = 0 if self._finite[0] else before
             return bool(self._finite[0])
-
-        def _write_part(self, partial: Any, meta: Any) -> dict[str, Any]:
-            return super()._write_part(partial, meta) if self.lead else {}
 
         def stats(self) -> dict[str, Any]:
             out = super().stats()

@@ -19,6 +19,7 @@ sub-communicators.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -180,3 +181,13 @@ def split_communicators(comm_world: MPI.Comm, topology: Topology) -> Communicato
     return Communicators(shards=by_role if topology.is_shard else MPI.COMM_NULL,
                          replicas=by_role if topology.is_replica else MPI.COMM_NULL,
                          partition=partition)
+
+
+def world_ranks(comm: MPI.Comm, ranks: Sequence[int]) -> list[int]:
+    """The COMM_WORLD ranks of `comm`'s ranks `ranks`. Local."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return [int(r) for r in group.Translate_ranks(list(ranks), world)]
+    finally:
+        group.Free()
+        world.Free()

@@ -138,10 +138,12 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: str | None = None
+        self.counts = dict.fromkeys(self.NAMES, 0)  # how many of each arrived
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received = signal.Signals(signum).name
+        self.counts[self.received] += 1
 
     def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():

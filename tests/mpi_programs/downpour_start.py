@@ -19,6 +19,7 @@ from mpi4py import MPI
 from distbelief.config import load_config
 from distbelief.downpour import open_run
 from distbelief.parameter_server import ParameterClient
+from distbelief.run_control import TEARDOWN_FREE
 from distbelief.trainer import StopSignals
 
 
@@ -38,7 +39,7 @@ def main() -> None:
                                                                      endpoint.stop]))
         if endpoint.rank == 0:
             (dump / "steps.txt").write_text(str(run.start.base))
-    run.free()
+    run.close(TEARDOWN_FREE)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,238 @@
+"""Downpour's run control: the slots on shard 0 through which replicas and the run agree,
+one-sided, without any collective that a replica takes part in.
+
+Why one-sided: a replica may die (kill -9, a crashed node) and training must go on without
+it (issue 7). A collective that includes a dead rank never completes, so replicas take
+part in none after the set-up: they claim steps, report their work, learn of checkpoints,
+stops and the end of the run, and publish what a checkpoint needs of them, all through
+this block, read and written with every push they make anyway (no extra round trip).
+Shard 0 owns the block and decides; the shards agree among themselves with collectives
+over their own communicator (shards cannot be lost without losing parameters).
+
+The block is an array of int64 slots (one float64) in shard 0's memory: in its ACCUM
+window on the RMA transport, in its segment on the shared-memory one (parameter_server).
+
+    global slots          written by            meaning
+    CLAIMED               replicas (+claim)     steps claimed (the global step counter)
+    STEPS                 replicas (+steps)     steps finished and pushed
+    LOSS (float64)        replicas (+sum)       sum of their minibatch losses
+    STOP                  shard 0 (once)        why the run stops (a STOP_* code), 0: it goes on
+    STOP_ARG              shard 0 (once)        with STOP_BAD_GRADIENTS: the replica index
+    CHECKPOINT            shard 0 (+1)          checkpoints asked for so far
+    RELEASE               shard 0 (+1)          checkpoints written (replicas may go on)
+    TEARDOWN              shard 0 (once)        TEARDOWN_FREE or TEARDOWN_LEAVE, at the end
+
+    per replica r         written by            meaning
+    BEAT                  replica r (+1)        exchanges made (its heartbeat)
+    ACKED                 replica r             last checkpoint it paused for, its data
+    EPOCH, POSITION,      replica r             position (TrainShard epoch and position) and
+      LOCAL_STEPS                                 local steps then, or at its finish
+    USR1, TERM            replica r             SIGUSR1s, SIGTERMs it received
+    GAVE_UP               replica r (0 -> 1)    too many non-finite gradients in a row
+    FINISHED              replica r             FINISHED_TRAINING: its last push is in and
+                                                  its data position final; FINISHED_LEFT: it
+                                                  read TEARDOWN and leaves
+    LOST                  shard 0 (0 -> 1)      shard 0 declared it lost: it must stop
+
+Every update is an addition (a replica sends the difference from what it sent before),
+so on the RMA transport every access is Accumulate(SUM) or Fetch_and_op(SUM) by the
+writer and NO_OP reads (Fetch_and_op, Get_accumulate) by everyone else, with the slot's
+own datatype: element-wise atomic and legal under `accumulate_ops = same_op_no_op` with
+no lock stronger than SHARED, even for shard 0's own writes. So shard 0 never needs an
+exclusive lock on this block, and a replica that dies inside a push epoch cannot keep
+shard 0 from reading or writing it. On the shared-memory transport the block is read and
+written under the segment's reader-writer lock like everything there (a dead process's
+kernel locks are released).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+# Global slots (int64 unless noted)
+CLAIMED, STEPS, LOSS, STOP, STOP_ARG, CHECKPOINT, RELEASE, TEARDOWN = range(8)
+GLOBAL_SLOTS = 8
+COMMANDS = slice(STOP, TEARDOWN + 1)  # what a replica reads with each exchange
+# Per-replica slots
+BEAT, ACKED, EPOCH, POSITION, LOCAL_STEPS, USR1, TERM, GAVE_UP, FINISHED, LOST = range(10)
+REPLICA_SLOTS = 10
+SLOT_BYTES = 8
+
+# STOP codes: why the run stops (replicas stop after their current block in every case)
+(STOP_RULE, STOP_SIGNAL, STOP_BAD_GRADIENTS, STOP_DIVERGED, STOP_CHECKPOINT_FAILED,
+ STOP_ALL_LOST) = range(1, 7)
+# TEARDOWN codes
+TEARDOWN_FREE = 1  # nobody was lost: every rank frees the windows collectively
+TEARDOWN_LEAVE = 2  # a rank was lost: nobody frees (a collective would wait for the dead)
+# FINISHED values
+FINISHED_TRAINING, FINISHED_LEFT = 1, 2
+
+
+def block_slots(replicas: int) -> int:
+    return GLOBAL_SLOTS + replicas * REPLICA_SLOTS
+
+
+def block_bytes(replicas: int) -> int:
+    """Bytes of the block for `replicas` replicas (0 replicas: no block at all)."""
+    return block_slots(replicas) * SLOT_BYTES if replicas else 0
+
+
+def replica_slot(replica: int, slot: int) -> int:
+    """Index in the block of replica `replica`'s slot `slot`."""
+    return GLOBAL_SLOTS + replica * REPLICA_SLOTS + slot
+
+
+def replica_offset(replica: int) -> int:
+    """Byte offset of replica `replica`'s slots within the block."""
+    return replica_slot(replica, 0) * SLOT_BYTES
+
+
+@dataclass(frozen=True)
+class ControlView:
+    """The whole block as shard 0 read it at one moment."""
+
+    claimed: int
+    steps: int
+    loss_sum: float
+    stop: int
+    stop_arg: int
+    checkpoint: int
+    release: int
+    teardown: int
+    replicas: np.ndarray  # int64 (replicas, REPLICA_SLOTS)
+
+    @classmethod
+    def from_block(cls, block: np.ndarray, loss: float) -> ControlView:
+        g = [int(v) for v in block[:GLOBAL_SLOTS]]
+        return cls(g[CLAIMED], g[STEPS], loss, g[STOP], g[STOP_ARG], g[CHECKPOINT],
+                   g[RELEASE], g[TEARDOWN],
+                   block[GLOBAL_SLOTS:].reshape(-1, REPLICA_SLOTS).copy())
+
+
+class ControlExchange:
+    """A replica's side of the block: what it sends with an exchange and what it learns.
+
+    Before an exchange: `set(claim, steps, loss_sum)` (steps to claim, steps finished since
+    the last exchange and their loss sum) and, when they change, `publish(...)` of this
+    replica's own slots (absolute values; the exchange sends the differences). After it:
+    `claimed_before` and `steps_before` (the global counters just before this exchange's
+    additions: claims are atomic, so no step is granted twice), and the commands.
+    `replica` None is a client without slots (a partition that is not its replica's lead).
+    """
+
+    def __init__(self, replica: int | None) -> None:
+        self.replica = replica
+        self._send = np.zeros(2, dtype=np.int64)  # claim, steps
+        self._loss = np.zeros(1, dtype=np.float64)
+        self._before = np.zeros(2, dtype=np.int64)  # claimed, steps
+        self._commands = np.zeros(COMMANDS.stop - COMMANDS.start, dtype=np.int64)
+        self._zero = np.zeros(len(self._commands), dtype=np.int64)
+        # This replica's slots: the values to publish (LOST stays 0: shard 0 writes it),
+        # what the block holds from us, the difference to send, and the slots as they were.
+        self._published = np.zeros(REPLICA_SLOTS, dtype=np.int64)
+        self._sent = np.zeros(REPLICA_SLOTS, dtype=np.int64)
+        self._delta = np.zeros(REPLICA_SLOTS, dtype=np.int64)
+        self._row = np.zeros(REPLICA_SLOTS, dtype=np.int64)
+
+    def set(self, claim: int, steps: int = 0, loss_sum: float = 0.0) -> ControlExchange:
+        if claim < 0 or steps < 0:
+            raise ValueError(f"claim and steps must be >= 0, got {claim}, {steps}")
+        self._send[:] = claim, steps
+        self._loss[0] = loss_sum
+        return self
+
+    def publish(self, **values: int) -> ControlExchange:
+        """Set this replica's slots by name (acked, epoch, position, local_steps, usr1,
+        term, gave_up, finished) for the next exchange."""
+        names = {"acked": ACKED, "epoch": EPOCH, "position": POSITION,
+                 "local_steps": LOCAL_STEPS, "usr1": USR1, "term": TERM, "gave_up": GAVE_UP,
+                 "finished": FINISHED}
+        for name, value in values.items():
+            self._published[names[name]] = int(value)
+        return self
+
+    # -- what the last exchange returned
+
+    @property
+    def claimed_before(self) -> int:
+        return int(self._before[0])
+
+    @property
+    def steps_before(self) -> int:
+        return int(self._before[1])
+
+    def _command(self, slot: int) -> int:
+        return int(self._commands[slot - COMMANDS.start])
+
+    @property
+    def stop(self) -> int:
+        """The STOP code (0: the run goes on)."""
+        return self._command(STOP)
+
+    @property
+    def stop_arg(self) -> int:
+        return self._command(STOP_ARG)
+
+    @property
+    def checkpoint(self) -> int:
+        return self._command(CHECKPOINT)
+
+    @property
+    def release(self) -> int:
+        return self._command(RELEASE)
+
+    @property
+    def teardown(self) -> int:
+        return self._command(TEARDOWN)
+
+    @property
+    def lost(self) -> bool:
+        """Shard 0 declared this replica lost (it must stop and push no more)."""
+        return bool(self._row[LOST])
+
+    def _next_delta(self) -> np.ndarray:
+        self._published[BEAT] += 1
+        np.subtract(self._published, self._sent, out=self._delta)
+        self._sent[:] = self._published
+        return self._delta
+
+    # -- the two transports
+
+    def issue(self, win: MPI.Win, target: int, base: int) -> None:
+        """The exchange's operations, inside an open SHARED epoch on `target`'s window
+        whose block starts at byte `base`; four, as few as a push carried before the run
+        control grew: Get_accumulate(SUM) adds the claim and the steps and returns the
+        counters before (CLAIMED and STEPS are adjacent), Accumulate(SUM) the loss,
+        Get_accumulate(NO_OP) reads the commands, and Get_accumulate(SUM) adds this
+        replica's differences to its slots and returns them as they were (LOST with
+        them). Element-wise atomic, and every writer of a slot uses SUM."""
+        int64, double = MPI.INT64_T, MPI.DOUBLE
+        win.Get_accumulate([self._send, int64], [self._before, int64], target,
+                           (base + CLAIMED * SLOT_BYTES, 2, int64), MPI.SUM)
+        win.Accumulate([self._loss, double], target, (base + LOSS * SLOT_BYTES, 1, double),
+                       MPI.SUM)
+        win.Get_accumulate([self._zero, int64], [self._commands, int64], target,
+                           (base + COMMANDS.start * SLOT_BYTES, len(self._commands), int64),
+                           MPI.NO_OP)
+        if self.replica is None:
+            return
+        delta = self._next_delta()
+        win.Get_accumulate([delta, int64], [self._row, int64], target,
+                           (base + replica_offset(self.replica), REPLICA_SLOTS, int64), MPI.SUM)
+
+    def apply(self, block: np.ndarray) -> None:
+        """The same on a shared-memory block (int64 view; LOSS as float64 bits), under the
+        segment's exclusive lock."""
+        self._before[:] = block[CLAIMED], block[STEPS]
+        block[CLAIMED] += self._send[0]
+        block[STEPS] += self._send[1]
+        block[LOSS : LOSS + 1].view(np.float64)[0] += self._loss[0]
+        self._commands[:] = block[COMMANDS]
+        if self.replica is None:
+            return
+        mine = block[GLOBAL_SLOTS + self.replica * REPLICA_SLOTS:][:REPLICA_SLOTS]
+        self._row[:] = mine
+        mine += self._next_delta()
