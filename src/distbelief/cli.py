@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from distbelief import __version__
+from distbelief import __version__, guardian
 from distbelief.errors import EXIT_USER_ERROR, ConfigError, UserError
 
 PROG = "distbelief"
@@ -253,9 +253,16 @@ def _shape(text: str) -> tuple[int, ...]:
 def cmd_train(args: argparse.Namespace) -> int:
     from distbelief.config import load_config
 
+    several = launched_with_several_ranks()
+    if several and "mpi4py.MPI" not in sys.modules and not guardian.is_worker():
+        # This process is what the launcher started: it becomes the rank's guardian and
+        # the same command runs as its worker (distbelief.guardian says why).
+        return guardian.run_guarded(args.argv)
+    if guardian.is_worker():
+        guardian.bind_to_guardian()
     # Several ranks: start MPI before anything can fail, so errors are reported once and
     # an unhandled exception aborts the job.
-    comm = start_mpi() if launched_with_several_ranks() else None
+    comm = start_mpi() if several else None
     config = load_config(args.config, args.overrides)
     algorithm = config.optimizer.algorithm
     if algorithm == "sgd" and config.cluster.partitions > 1:
@@ -407,7 +414,16 @@ def _rank() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
+    status = _run(args)
+    guardian.end_process(status)  # returns unless MPI_Finalize must be skipped
+    return status
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command's exit status, with user errors reported in one line (exit 2)."""
     try:
         return args.func(args)
     except UserError as e:

@@ -57,10 +57,11 @@ SIGNALS. SIGTERM and SIGUSR1 (SLURM's time limit, `sbatch --signal=B:USR1@N`) ar
 on the ranks they reach (trainer.StopSignals): replicas publish their counts in the
 block, shards in their rounds. Shard 0 stops the run (STOP_SIGNAL): replicas stop after
 their current block, the run ends with its final checkpoint and no final evaluation,
-every rank exits 0. Hydra with `-disable-auto-cleanup` also sends SIGUSR1 to every rank
-when a rank dies; shard 0 tells the two apart by sweeping first: SIGUSR1s up to the
-number of ranks found dead are the launcher's notices, any more is a stop request (a
-rank on another node dying is not seen by the sweep: its notice stops the run, cleanly).
+every rank exits 0. Hydra with `-disable-auto-cleanup` also sends SIGUSR1 (several) to
+every rank when a rank dies; shard 0 tells the two apart by sweeping first: a SIGUSR1
+reported within NOTICE_WINDOW_S of finding a rank gone is the launcher's notice, any other
+is a stop request (so a real one that lands in that window is missed, and a rank on
+another node dying is not seen by the sweep: its notice stops the run, cleanly).
 
 CHECKPOINTS (distbelief.checkpoint's format; `run.checkpoint_every_seconds`,
 `checkpoint_every_steps`, `keep_checkpoints`) are global consistency points:
@@ -118,8 +119,8 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief import checkpoint as ckpt
+from distbelief import guardian, watchdog
 from distbelief import run_control as rc
-from distbelief import watchdog
 from distbelief.agreement import (
     WAIT_SLEEP_S,
     Rounds,
@@ -180,6 +181,15 @@ paused for a checkpoint)."""
 SWEEP_S = 0.25
 """How often shard 0 looks for lost replicas and shards, and the other ranks for lost
 shards (distbelief.liveness: a /proc read per rank)."""
+
+NOTICE_WINDOW_S = 3.0
+"""A SIGUSR1 reported within this long of a rank found gone is taken as the launcher's
+notice of that death (hydra sends several per death, within milliseconds), not as a stop
+request."""
+
+NOTICE_DELAY_S = 0.5
+"""How long a SIGUSR1 waits for a rank to be found gone before it counts as a stop
+request."""
 
 STATS_TAG = 7
 """Tag of a replica's statistics message to rank 0 at its end."""
@@ -383,6 +393,7 @@ class OpenRun:
         then the other communicators). TEARDOWN_LEAVE: nothing is freed (a rank is dead:
         any collective would wait for it); MPI_Finalize at exit ends the process."""
         if teardown != rc.TEARDOWN_FREE:
+            guardian.skip_mpi_finalize()  # MPI_Finalize would wait for the dead
             return
         self.endpoint.free()
         self.messages.Free()
@@ -1107,6 +1118,8 @@ class Supervisor(_ShardRole):
         self.beat_times = np.full(replicas, time.monotonic())
         self.lost: dict[int, LostReplica] = {}
         self.dead_ranks: set[int] = set()
+        self.last_death = -math.inf  # when a sweep last found a rank newly gone
+        self.usr1_since: float | None = None  # a SIGUSR1 waits for its meaning
         self.replica_stats: dict[int, dict[str, Any]] = {}
         self.requests = 0  # checkpoint requests made (the CHECKPOINT slot)
         self.awaiting = False  # a request is out: its checkpoint has not been written
@@ -1156,7 +1169,8 @@ class Supervisor(_ShardRole):
         if self.pending is not None and self.pending[0].done():
             self._record_eval(*self.pending)
             busy = True
-        if now >= self._next_control or (self.awaiting and not self.ready):
+        if (now >= self._next_control or (self.awaiting and not self.ready)
+                or self.usr1_since is not None):
             self._read_control(now)
         if now >= self._next_sweep:
             self._sweep(now)
@@ -1216,17 +1230,24 @@ class Supervisor(_ShardRole):
 
     def _on_signals(self, term: int, usr1: int, now: float) -> None:
         """Stop on a SIGTERM; on a SIGUSR1 unless it is the launcher's notice of a death
-        (the sweep first counts the dead: see SIGNALS in the module docstring)."""
+        (the sweep looks for the dead first: see SIGNALS in the module docstring)."""
         seen_term, seen_usr1 = self._signals_seen
         if term > seen_term:
             self._stop(rc.STOP_SIGNAL, "SIGTERM")
-        if usr1 > seen_usr1:
+        if usr1 > seen_usr1 and self.usr1_since is None:
+            self.usr1_since = now
+        if self.usr1_since is not None:
+            # Decided once a rank is found gone, or NOTICE_DELAY_S later: the launcher
+            # can signal while the dead process is still being torn down.
             self._sweep(now)
-            if usr1 > len(self.dead_ranks):
+            if now - self.last_death <= NOTICE_WINDOW_S:
+                if not self.stop_code:
+                    _print(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice "
+                                        "of the rank(s) found gone; training goes on")
+                self.usr1_since = None
+            elif now - self.usr1_since >= NOTICE_DELAY_S:
                 self._stop(rc.STOP_SIGNAL, "SIGUSR1")
-            else:
-                _print(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice of "
-                                    "the rank(s) found gone; training goes on")
+                self.usr1_since = None
         self._signals_seen = (term, usr1)
 
     # -- liveness
@@ -1244,6 +1265,8 @@ class Supervisor(_ShardRole):
         for replica in range(self.plan.num_replicas):
             ranks = list(topology.replica_ranks(replica))
             gone = peers.gone_among(ranks)
+            if set(gone) - self.dead_ranks:
+                self.last_death = now
             self.dead_ranks.update(gone)
             if replica in self.lost:
                 continue
