@@ -559,6 +559,7 @@ class ReplicaStats:
     fetches: int = 0
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time in run(): the work, whatever the load
 
 
 DECISIONS = (HOLD, COMMIT, DROP)
@@ -640,6 +641,13 @@ class Replica:
         """Work until the coordinator answers "stop". Point-to-point with the coordinator
         (requests, partition 0 only) and the shards (fetches, pushes); with partitions
         collective over the team in lockstep. Every wait polls with sleeps."""
+        cpu = time.process_time()
+        try:
+            self._work()
+        finally:
+            self.stats_.cpu_seconds += time.process_time() - cpu
+
+    def _work(self) -> None:
         result = None
         while True:
             decision, task = self._next_task(result)
