@@ -28,9 +28,19 @@ cost model predicts for 8, 32 and 81 machines.
     (configs/fashion_mnist_local.toml) in the same run. On 2 cores the 5 ranks are
     oversubscribed: this shows that it trains to the target, not a speedup.
 
+(e) With --sandblaster: Sandblaster L-BFGS on Fashion-MNIST with the locally connected
+    network of configs/fashion_mnist_local.toml, 1 shard + coordinator + 2 replicas x 2
+    partitions (6 ranks) against 2 replicas x 1 partition (4 ranks), `--sb-steps`
+    iterations on batches of `--sb-batch` examples in units of 250, the two layouts
+    interleaved `--sb-repeats` times: the median seconds per gradient evaluation (one
+    batch: the units of every replica, pushes and the shards' finish) of each and their
+    ratio, with the load average before each run. On 2 cores the 4 partitions
+    oversubscribe: what the ratio can show here is the cost of partitioning, not a speedup.
+
     python benchmarks/bench_model_parallel.py            # ~30 s on 2 cores
     python benchmarks/bench_model_parallel.py --steps 20 --batch 128
     python benchmarks/bench_model_parallel.py --fashion  # adds (d), a few minutes
+    python benchmarks/bench_model_parallel.py --sandblaster --skip-measured  # (e) alone
 
 On a 2-core machine shared with other work the P = 2 figure suffers most (two ranks need
 both cores); the load average is printed with the figures.
@@ -197,7 +207,20 @@ def main() -> None:
                         help="also (d): time to 88%% on Fashion-MNIST, Downpour 2x2 + 1 "
                              "shard against the single-process trainer")
     parser.add_argument("--data", type=Path, default=REPO / "data" / "fashion_mnist.h5",
-                        help="Fashion-MNIST HDF5 for --fashion (default: %(default)s)")
+                        help="Fashion-MNIST HDF5 for --fashion and --sandblaster (default: "
+                             "%(default)s)")
+    parser.add_argument("--sandblaster", action="store_true",
+                        help="also (e): Sandblaster seconds per gradient evaluation, 2 "
+                             "replicas x 2 partitions against 2 x 1, Fashion-MNIST local "
+                             "network")
+    parser.add_argument("--sb-batch", type=int, default=6000,
+                        help="(e): examples per gradient evaluation (default: %(default)s)")
+    parser.add_argument("--sb-steps", type=int, default=4,
+                        help="(e): L-BFGS iterations per run (default: %(default)s)")
+    parser.add_argument("--sb-repeats", type=int, default=2,
+                        help="(e): runs of each layout, interleaved (default: %(default)s)")
+    parser.add_argument("--skip-measured", action="store_true",
+                        help="skip (a)-(c), run only the optional sections asked for")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -208,6 +231,9 @@ def main() -> None:
     from distbelief.cost_model import Link, predict, step_time
     from distbelief.model import Network
 
+    if args.skip_measured:
+        optional_sections(args)
+        return
     net = network()
     print(f"load average before: {os.getloadavg()[0]:.2f}; network {net.layout.size:,d} "
           f"parameters, batch {args.batch}\n{net.describe()}")
@@ -258,9 +284,19 @@ def main() -> None:
             print(f"{name} ({model.layout.size / 1e6:,.0f}M params, batch "
                   f"{config.data.batch_size}), {label}: 1 machine {one.step_seconds * 1e3:.0f} "
                   f"ms; " + "; ".join(cells) + f"   [{paper}]")
+    optional_sections(args)
+
+
+def optional_sections(args: argparse.Namespace) -> None:
     if args.fashion:
         print("\n(d) Fashion-MNIST, locally connected network, to 88% test accuracy")
         time_to_target(args.data.resolve())
+    if args.sandblaster:
+        print(f"\n(e) Sandblaster L-BFGS, Fashion-MNIST locally connected network "
+              f"(configs/fashion_mnist_local.toml), 1 shard + coordinator, batch "
+              f"{args.sb_batch} in units of 250, {args.sb_steps} iterations per run")
+        sandblaster_partitions(args.data.resolve(), args.sb_batch, args.sb_steps,
+                               args.sb_repeats)
 
 
 def time_to_target(fashion: Path) -> None:
@@ -290,6 +326,61 @@ def time_to_target(fashion: Path) -> None:
                   f"{summary['final_test_accuracy']:.4f}; load average {load:.2f})")
     if None not in results:
         print(f"ratio Downpour/partitioned to single-process: {results[0] / results[1]:.2f}")
+
+
+def sandblaster_partitions(fashion: Path, batch: int, steps: int, repeats: int) -> None:
+    """(e): the command line's Sandblaster with 2 replicas x P partitions, P = 1 and 2
+    interleaved; median seconds per gradient evaluation (metrics.jsonl's
+    evaluation_seconds, every evaluation of the run) and the ratio."""
+    import tempfile
+
+    per_layout: dict[int, list[float]] = {1: [], 2: []}
+    cpu_per_layout: dict[int, list[float]] = {1: [], 2: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats):
+            for partitions in (1, 2):
+                out = Path(tmp) / f"p{partitions}_{repeat}"
+                sets = ['optimizer.algorithm="sandblaster"', f'data.path="{fashion}"',
+                        f"data.batch_size={batch}", "optimizer.work_unit_size=250",
+                        "cluster.ps_shards=1", f"cluster.partitions={partitions}",
+                        f"run.max_steps={steps}", "run.max_seconds=900",
+                        "run.target_accuracy=0.999", "run.eval_every_seconds=1000",
+                        "run.checkpoint_every_seconds=0", f'run.out_dir="{out}"']
+                ranks = 2 + 2 * partitions
+                cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "distbelief",
+                       "train", REPO / "configs" / "fashion_mnist_local.toml",
+                       *[a for o in sets for a in ("--set", o)]]
+                env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+                load = os.getloadavg()[0]
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
+                                      env=env, check=False)
+                if proc.returncode != 0:
+                    sys.exit(f"Sandblaster P={partitions} failed:\n{proc.stdout[-2000:]}\n"
+                             f"{proc.stderr[-2000:]}")
+                metrics = [json.loads(line) for line in
+                           (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+                seconds = [s for m in metrics if m["kind"] == "train"
+                           for s in m["evaluation_seconds"]]
+                summary = json.loads((out / "summary.json").read_text())
+                median = statistics.median(seconds)
+                per_layout[partitions].append(median)
+                # CPU seconds of every replica rank per evaluation: the work, which other
+                # jobs on the machine do not change (a share of the cores does).
+                cpu = sum(r["cpu_seconds"] for r in summary["replicas"]) / len(seconds)
+                cpu_per_layout[partitions].append(cpu)
+                units = [r["units_committed"] for r in summary["replicas"]
+                         if r.get("partition", 0) == 0]
+                print(f"  2 replicas x {partitions} partition(s), {ranks} ranks: median "
+                      f"{median:.3f} s per gradient evaluation ({len(seconds)} evaluations, "
+                      f"{batch / median:,.0f} examples/s), replicas' CPU {cpu:.3f} s per "
+                      f"evaluation, units per replica {units}, loss "
+                      f"{summary['final_loss']:.4f} (load average {load:.2f})")
+    one, two = (statistics.median(per_layout[p]) for p in (1, 2))
+    cpu_one, cpu_two = (statistics.median(cpu_per_layout[p]) for p in (1, 2))
+    print(f"  seconds per gradient evaluation, 2x2 / 2x1: {two:.3f} / {one:.3f} = "
+          f"{two / one:.2f}; replicas' CPU seconds per evaluation {cpu_two:.3f} / "
+          f"{cpu_one:.3f} = {cpu_two / cpu_one:.2f} (load average now "
+          f"{os.getloadavg()[0]:.2f})")
 
 
 if __name__ == "__main__":

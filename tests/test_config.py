@@ -398,14 +398,13 @@ def test_hash_is_stable_across_processes() -> None:
     assert hashes == {_hash([])}
 
 
-def test_sandblaster_with_partitions_is_refused_clearly(tmp_path):
-    """Model parallelism is not wired into Sandblaster: say so instead of misbehaving."""
+def test_sandblaster_with_partitions_is_accepted(tmp_path):
+    """Sandblaster's replicas may span several ranks (model parallelism), as Downpour's."""
     from distbelief.config import load_config
-    from distbelief.errors import ConfigError
 
     cfg = tmp_path / "c.toml"
     cfg.write_text('[model]\nlayers = [{type = "dense", units = 10}]\n'
                    '[data]\npath = "x.h5"\n[optimizer]\nalgorithm = "sandblaster"\n'
                    '[cluster]\npartitions = 2\n[run]\nmax_steps = 3\n')
-    with pytest.raises(ConfigError, match="partitions = 2 is not supported"):
-        load_config(cfg, check_data=False)
+    config = load_config(cfg, check_data=False)
+    assert (config.optimizer.algorithm, config.cluster.partitions) == ("sandblaster", 2)

@@ -24,6 +24,7 @@ from distbelief.partition import (
     balanced_splits,
     input_window,
     needed_inputs,
+    partition_pieces,
     split_units,
 )
 
@@ -78,6 +79,18 @@ def test_messages_send_what_the_peer_receives_and_pieces_tile_the_vector():
         for a, b in plan.pieces(p):
             covered[a:b] += 1
     assert (covered == 1).all()
+
+
+@pytest.mark.parametrize("parts, splits", [
+    (2, None), (3, None), (4, None), (3, [[0, 1, 3, 10], [0, 0, 1, 4], [0, 2, 5, 5]])])
+def test_partition_pieces_are_partitionings_without_messages(parts, splits):
+    # What a Sandblaster shard computes to know who pushes what into its range.
+    net = local_network()
+    plan = Partitioning(net.layers, net.layout, parts, splits)
+    pieces = partition_pieces(net.layers, net.layout, parts, splits)
+    assert pieces == [plan.pieces(p) for p in range(parts)]
+    for own in pieces:  # ascending and disjoint: a partition's own-size vector in order
+        assert all(a < b <= c for (a, b), (c, _) in zip(own, [*own[1:], (net.layout.size, 0)]))
 
 
 def test_partition_owning_nothing_is_a_config_error():

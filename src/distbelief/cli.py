@@ -39,8 +39,9 @@ optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour
 MPI ranks (parameter-server shards and model replicas), launched with mpiexec;
 "sandblaster" runs Sandblaster L-BFGS over MPI ranks (shards, one coordinator, replicas).
 cluster.partitions = P splits each model replica over P ranks (model parallelism): "sgd"
-then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks. See
-`distbelief costmodel` for how many partitions pay off.
+then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks, "sandblaster"
+on ps_shards + 1 + replicas x P ranks. See `distbelief costmodel` for how many partitions
+pay off.
 
 Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
 or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1
@@ -58,9 +59,11 @@ examples:
   distbelief train configs/fashion_mnist_mlp.toml --set run.max_steps=500 \\
       --set optimizer.learning_rate=0.01 --set run.out_dir=\\"runs/lr0.01\\"
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_downpour.toml
-  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_local.toml \
+  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_local.toml \\
       --set cluster.partitions=2
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sandblaster.toml
+  mpiexec -n 6 python -m distbelief train configs/fashion_mnist_sandblaster.toml \\
+      --set cluster.partitions=2
 """
 
 REPORT_HELP = """\

@@ -413,10 +413,6 @@ def _check_consistency(values: dict, where: str) -> None:
                           "need 0 < c1 < c2 < 1)")
     if opt["algorithm"] == "sandblaster" and opt["wolfe_c2"] >= 1.0:
         raise ConfigError(f"{where}: optimizer.wolfe_c2 = {opt['wolfe_c2']:g} must be below 1")
-    if opt["algorithm"] == "sandblaster" and values["cluster"]["partitions"] > 1:
-        raise ConfigError(f"{where}: cluster.partitions = {values['cluster']['partitions']} "
-                          "is not supported with optimizer.algorithm = 'sandblaster' yet; "
-                          "model parallelism works with 'sgd' and 'downpour'")
     if not run["max_steps"] and not run["max_seconds"] and run["target_accuracy"] is None:
         raise ConfigError(f"{where}: the run would never end: set at least one of "
                           "run.max_steps, run.max_seconds or run.target_accuracy")

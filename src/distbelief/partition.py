@@ -118,6 +118,53 @@ def check_every_partition_owns_units(layers: Sequence[Layer],
             f"partitions")
 
 
+def checked_splits(layers: Sequence[Layer], partitions: int,
+                   splits: Sequence[Sequence[int]] | None) -> list[list[int]]:
+    """`splits` (per layer, the P+1 block boundaries in split units) as lists of ints,
+    balanced ones when None; ConfigError when they do not fit the layers."""
+    if splits is None:
+        return [balanced_splits(split_units(layer), partitions) for layer in layers]
+    if len(splits) != len(layers):
+        raise ConfigError(f"splits: need one list of boundaries per layer "
+                          f"({len(layers)}), got {len(splits)}")
+    checked = []
+    for i, (layer, bounds) in enumerate(zip(layers, splits)):
+        bounds = [int(b) for b in bounds]
+        units = split_units(layer)
+        if (len(bounds) != partitions + 1 or bounds[0] != 0 or bounds[-1] != units
+                or any(a > b for a, b in pairwise(bounds))):
+            raise ConfigError(f"splits: layer {i} needs {partitions + 1} "
+                              f"non-decreasing boundaries from 0 to {units}, got {bounds}")
+        checked.append(bounds)
+    return checked
+
+
+def layer_pieces(layer: Layer, layout: ParamLayout, index: int, start: int,
+                 stop: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of the flat parameter vector (weights, bias) that split units
+    [start, stop) of layer `index` own (empty ranges for an empty block)."""
+    pieces = []
+    for name in ("weights", "bias"):
+        entry = layout.entry(index, name)
+        per_unit = entry.size // split_units(layer)
+        pieces.append((entry.offset + start * per_unit, entry.offset + stop * per_unit))
+    return pieces
+
+
+def partition_pieces(layers: Sequence[Layer], layout: ParamLayout, partitions: int,
+                     splits: Sequence[Sequence[int]] | None = None
+                     ) -> list[list[tuple[int, int]]]:
+    """Per partition, the non-empty ranges of the flat parameter vector it owns, in layout
+    order: what `Partitioning(...).pieces(p)` gives, without building any message (cheap
+    for huge models, so a parameter-server shard can call it). `splits` as Partitioning's
+    (None: balanced); ConfigError when they do not fit."""
+    checked = checked_splits(layers, partitions, splits)
+    check_every_partition_owns_units(layers, checked)
+    return [[piece for i, layer in enumerate(layers)
+             for piece in layer_pieces(layer, layout, i, checked[i][p], checked[i][p + 1])
+             if piece[0] < piece[1]] for p in range(partitions)]
+
+
 @dataclass(frozen=True)
 class Message:
     """Values one partition sends another for one layer: `indices` are sorted flat indices
@@ -185,22 +232,7 @@ class Partitioning:
             self._messages(i)
 
     def _check_splits(self, splits: Sequence[Sequence[int]] | None) -> list[list[int]]:
-        if splits is None:
-            return [balanced_splits(split_units(layer), self.partitions)
-                    for layer in self.layers]
-        if len(splits) != len(self.layers):
-            raise ConfigError(f"splits: need one list of boundaries per layer "
-                              f"({len(self.layers)}), got {len(splits)}")
-        checked = []
-        for i, (layer, bounds) in enumerate(zip(self.layers, splits)):
-            bounds = [int(b) for b in bounds]
-            units = split_units(layer)
-            if (len(bounds) != self.partitions + 1 or bounds[0] != 0 or bounds[-1] != units
-                    or any(a > b for a, b in pairwise(bounds))):
-                raise ConfigError(f"splits: layer {i} needs {self.partitions + 1} "
-                                  f"non-decreasing boundaries from 0 to {units}, got {bounds}")
-            checked.append(bounds)
-        return checked
+        return checked_splits(self.layers, self.partitions, splits)
 
     def _check_every_partition_owns_units(self) -> None:
         check_every_partition_owns_units(self.layers, self.splits)
@@ -209,11 +241,7 @@ class Partitioning:
         layer = self.layers[i]
         start, stop = self.splits[i][p], self.splits[i][p + 1]
         width = unit_width(layer)
-        pieces = []
-        for name in ("weights", "bias"):
-            entry = layout.entry(i, name)
-            per_unit = entry.size // split_units(layer)
-            pieces.append((entry.offset + start * per_unit, entry.offset + stop * per_unit))
+        pieces = layer_pieces(layer, layout, i, start, stop)
         window = input_window(layer, start, stop)
         if i == 0:
             own = window  # the data batch: every partition has all of it

@@ -6,8 +6,10 @@ gradient in small work units.
 
 ROLES (distbelief.topology, with a coordinator): world ranks 0..S-1 are shards
 (`[cluster] ps_shards = S`), rank S is the coordinator, ranks S+1..N-1 are replicas
-0..R-1. Every rank checks the rank count and the data against the configuration before
-it communicates (`plan_run`), so a job that does not fit ends with exit 2 on every rank.
+0..R-1, each of P ranks (`[cluster] partitions = P`: model parallelism, see PARTITIONED
+REPLICAS). Every rank checks the rank count, the partitioning and the data against the
+configuration before it communicates (`plan_run`, `partition_pieces`), so a job that
+does not fit ends with exit 2 on every rank.
 
 SHARDS hold their slice of x, g, d, the trial point and its gradient, and the m history
 pairs, in float64 (distbelief.vector_shard). Each runs a command loop (`ShardServer`):
@@ -31,6 +33,23 @@ REPLICAS loop: ask the coordinator for a task (reporting the units they finished
 the last commit), push the sum to the shards if told to commit, then do the task: a unit
 (fetching the trial point first if it is new to them), an evaluation, or stop.
 
+PARTITIONED REPLICAS (P > 1). A replica is a distbelief.model_parallel.PartitionedNetwork
+over its P ranks (topology.split_communicators' partition communicator, the "team").
+Partition 0 alone talks to the coordinator, which sees one replica (its rank) and the
+same O(m) scalars as without partitions; it hands every answer (commit / drop / hold and
+the task) to its partners with a broadcast of 8 integers (an Ibcast polled with back-off
+sleeps), so all partitions push, drop, fetch and compute the same units in lockstep.
+Each partition holds only its pieces of the parameters (partition.partition_pieces: two
+ranges per layer) as one vector of its own size; it fetches only those pieces, from the
+shards that hold them, and pushes only its pieces' gradient sum, with its partition
+index in the header. A shard knows from the same pure partitioning which partitions own
+part of its range ("owners") and which segments of its slice each one sends; it finishes
+a trial only when every owner has pushed every unit (per-partition unit counts), so
+every committed example still counts exactly once in every element. A fetch that finds a
+shard already on a later trial makes the whole replica abandon the unit (an Iallreduce
+MIN among the partitions: partners fetching from other shards may have got the older
+trial). Test-set evaluations use the PartitionedNetwork's distributed loss and accuracy.
+
 COMMUNICATION is point-to-point over the world communicator, with one tag per message
 kind (TAG_*). Why not RMA as Downpour: every shard operation here is a command that
 needs an answer computed by the shard (a dot product, a finished sum), so the shard is
@@ -50,7 +69,8 @@ header; the replica abandons the unit). Units are committed before they are push
 the next begin_trial comes only after every shard answered, so no push of trial `id`
 can arrive later.
 
-CHECKPOINTS (distbelief.checkpoint, format version 1): every
+CHECKPOINTS (distbelief.checkpoint, format version 1; replicas write no part: the batch
+order follows from (seed, iteration), so partitions change nothing here): every
 run.checkpoint_every_steps iterations / run.checkpoint_every_seconds, and when the run
 stops, the coordinator prepares the folder and commands "checkpoint"; each shard writes
 its part (x, and the history pairs oldest first, each float64 vector as a float32 pair
@@ -73,6 +93,7 @@ Threads: 1 BLAS thread per rank unless `[run] threads` says otherwise.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import sys
@@ -92,9 +113,11 @@ from distbelief.errors import ConfigError
 from distbelief.faults import Faults
 from distbelief.lbfgs import Gram, Iteration, LbfgsOptions, minimize
 from distbelief.metrics import ResumePoint, RunRecorder
+from distbelief.model_parallel import PartitionedNetwork, wait_all
 from distbelief.parameter_server import Backoff
+from distbelief.partition import partition_pieces
 from distbelief.threads import set_blas_threads
-from distbelief.topology import Topology
+from distbelief.topology import Communicators, Topology, split_communicators
 from distbelief.trainer import (
     StopRules,
     StopSignals,
@@ -111,7 +134,7 @@ TAG_REQUEST, TAG_TASK, TAG_COMMAND, TAG_RESULT, TAG_FETCH, TAG_PARAMS, TAG_PUSH 
     201, 208)
 HEADER = 4
 """float32 slots in front of every vector message, read as int32: [trial or snapshot id,
-units, 0, 0]."""
+units, partition, 0]."""
 
 POLL_S = (20e-6, 1e-3)
 """Back-off bounds of every polling wait (min, max sleep). A replica waiting between
@@ -151,6 +174,31 @@ class SandblasterPlan:
     @property
     def units(self) -> list[tuple[int, int]]:
         return unit_ranges(self.batch_size, self.unit_size)
+
+    @property
+    def partitions(self) -> int:
+        return self.topology.partitions
+
+
+Piece = tuple[int, int]
+
+
+def shard_segments(pieces: list[Piece], ranges: list[Piece]) -> list[list[Piece]]:
+    """Per shard, the parts of `pieces` (sorted [start, stop) ranges of the flat vector: one
+    partition's parameters) that lie in the shard's range, in order. Pure. Shards own
+    ascending contiguous ranges, so these parts, shard after shard, are the pieces back to
+    back: each shard's share of a partition's own-size vector is one contiguous slice."""
+    return [[(max(a, low), min(b, high)) for a, b in pieces if max(a, low) < min(b, high)]
+            for low, high in ranges]
+
+
+def all_pieces(network: Any, partitions: int,
+               splits: list[list[int]] | None = None) -> list[list[Piece]]:
+    """Per partition, the ranges of the flat parameter vector it owns (the whole vector
+    when P = 1). Pure and cheap; ConfigError when `splits` do not fit the network."""
+    if partitions == 1:
+        return [[(0, network.layout.size)]]
+    return partition_pieces(network.layers, network.layout, partitions, splits)
 
 
 def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
@@ -237,25 +285,38 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
 
 
 def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> Any:
+          resume: str = "auto", splits: list[list[int]] | None = None) -> Any:
     """Validate, set up and build this rank's role (ShardServer, Coordinator or Replica).
     Collective over `comm` (two set-up agreements around a bcast of the checkpoint to
-    resume from); call `role.run()` and `finish` next."""
+    resume from, and topology.split_communicators); call `role.run()` and `finish` next.
+    `splits`: with partitions, per layer the P+1 block boundaries (None: balanced, what
+    the command line uses; tests pass unequal ones)."""
     info, network = open_data(config)
     plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train,
                     network.layout.size)
+    pieces = all_pieces(network, plan.partitions, splits)  # pure: the same error everywhere
     set_blas_threads(config.run.threads or 1)
     topology = plan.topology
     local = agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
     found = local if topology.role == "coordinator" else None
     path = comm.bcast(None if found is None else str(found.path),
                       root=topology.coordinator_rank)
+    communicators = split_communicators(comm, topology)
+    role: Any
     if topology.is_shard:
-        return agree(comm, lambda: _shard(config, comm, plan, network, path))
-    agree(comm, lambda: None)
-    if topology.role == "coordinator":
-        return Coordinator(comm, config, plan, network, info, stream, found)
-    return Replica(comm, config, plan, network, *local)
+        role = agree(comm, lambda: _shard(config, comm, plan, network, path, pieces))
+    else:
+        agree(comm, lambda: None)
+        if topology.role == "coordinator":
+            role = Coordinator(comm, config, plan, network, info, stream, found)
+        elif plan.partitions == 1:
+            role = Replica(comm, config, plan, network, *local, pieces=pieces[0])
+        else:
+            team = communicators.partition
+            model = PartitionedNetwork(network, team, splits)
+            role = Replica(comm, config, plan, model, *local, pieces=model.pieces, team=team)
+    role.communicators = communicators
+    return role
 
 
 def _local_setup(config: Config, plan: SandblasterPlan, info: Any, network: Any,
@@ -273,7 +334,7 @@ def _local_setup(config: Config, plan: SandblasterPlan, info: Any, network: Any,
 
 
 def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,
-           checkpoint: str | None) -> ShardServer:
+           checkpoint: str | None, pieces: list[list[Piece]]) -> ShardServer:
     """A shard's server, with its slice of the initial parameters or of the checkpoint.
     Local (reads the checkpoint's overlapping parts)."""
     index = plan.topology.world_rank
@@ -283,18 +344,21 @@ def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,
     if checkpoint is not None:
         params, state = ckpt.verify(checkpoint).read_range(start_, stop_)
         store.load_checkpoint(params, state)
-    return ShardServer(comm, plan, store)
+    return ShardServer(comm, plan, store, pieces)
 
 
 def finish(comm: MPI.Comm, role: Any) -> dict[str, Any]:
     """Back-off barrier, gather of statistics to the coordinator, bcast of the stop
-    reason; the coordinator writes summary.json. Collective over `comm`, the same calls
-    in the same order on every rank. Returns the summary on the coordinator,
-    {"stop_reason": ...} elsewhere."""
+    reason, the role communicators freed; the coordinator writes summary.json. Collective
+    over `comm`, the same calls in the same order on every rank. Returns the summary on
+    the coordinator, {"stop_reason": ...} elsewhere."""
     wait_for_everyone(comm)
     root = role.plan.topology.ps_shards
     all_stats = comm.gather(role.stats(), root=root)
     reason = comm.bcast(role.reason if isinstance(role, Coordinator) else None, root=root)
+    communicators: Communicators | None = getattr(role, "communicators", None)
+    if communicators is not None:
+        communicators.free()
     if not isinstance(role, Coordinator):
         return {"stop_reason": reason}
     return role.write_summary(all_stats)
@@ -317,28 +381,64 @@ def _wait_all(requests: list[MPI.Request]) -> None:
 
 class ShardServer:
     """A shard's command loop: the coordinator's vector operations, replicas' fetches and
-    pushes. Point-to-point with the coordinator and every replica."""
+    pushes. Point-to-point with the coordinator and every replica.
 
-    def __init__(self, comm: MPI.Comm, plan: SandblasterPlan, store: VectorShard):
+    `pieces`: per partition, the ranges of the flat vector it owns (`all_pieces`). Partition
+    p of any replica fetches and pushes `segments[p]`, the parts of its pieces in this
+    shard's range, back to back; a trial is finished once every partition owning some of
+    the range ("owners") has pushed every unit."""
+
+    def __init__(self, comm: MPI.Comm, plan: SandblasterPlan, store: VectorShard,
+                 pieces: list[list[Piece]]):
         self.comm, self.plan, self.store = comm, plan, store
-        self.coordinator = plan.topology.coordinator_rank
-        n = store.stop - store.start
-        self.push_buffer = np.empty(HEADER + n, dtype=np.float32)
-        self.trial_msg = self._message(store.trial32, -1)
-        self.snapshot_msg = self._message(store.snapshot32, -1)
+        topology = plan.topology
+        self.coordinator = topology.coordinator_rank
+        self.first_replica, self.partitions = topology.first_replica_rank, topology.partitions
+        lo, hi = store.start, store.stop
+        if len(pieces) != self.partitions:
+            raise ValueError(f"pieces for {len(pieces)} partitions, the topology has "
+                             f"{self.partitions}")
+        self.segments = [[(a - lo, b - lo) for a, b in shard_segments(own, [(lo, hi)])[0]]
+                         for own in pieces]
+        self.sizes = [sum(b - a for a, b in segs) for segs in self.segments]
+        self.owners = [p for p, size in enumerate(self.sizes) if size]
+        self.unit_counts = [0] * self.partitions  # units pushed by each partition, this trial
+        self.push_buffer = np.empty(HEADER + hi - lo, dtype=np.float32)
+        self.trial_msgs = self._messages(store.trial32, -1)
+        self.snapshot_msgs = self._messages(store.snapshot32, -1)
         self.sending: list[tuple[MPI.Request, np.ndarray]] = []
         self.finish_due: tuple[int, int] | None = None  # (n_units, batch_size)
         self.signals = None  # set by train(); only the coordinator acts on signals
         self.running = True
         self.counts = {"commands": 0, "fetches": 0, "pushes": 0}
 
-    @staticmethod
-    def _message(values: np.ndarray, ident: int) -> np.ndarray:
-        """A new [header | values] float32 buffer (a send of the old one may be in flight)."""
-        msg = np.empty(HEADER + len(values), dtype=np.float32)
-        msg[:HEADER].view(np.int32)[:] = (ident, 0, 0, 0)
-        msg[HEADER:] = values
-        return msg
+    def _messages(self, values: np.ndarray, ident: int) -> list[np.ndarray | None]:
+        """Per partition, a new [header | its segments of values] float32 buffer (a send of
+        the old one may be in flight); None for partitions that own nothing here."""
+        out: list[np.ndarray | None] = []
+        for segs, size in zip(self.segments, self.sizes):
+            if not size:
+                out.append(None)
+                continue
+            msg = np.empty(HEADER + size, dtype=np.float32)
+            msg[:HEADER].view(np.int32)[:] = (ident, 0, 0, 0)
+            at = HEADER
+            for a, b in segs:
+                msg[at:at + b - a] = values[a:b]
+                at += b - a
+            out.append(msg)
+        return out
+
+    def _partition_of(self, source: int) -> int:
+        """The partition index of replica rank `source` (protocol error for another rank)."""
+        if source < self.first_replica:
+            raise RuntimeError(f"shard {self.comm.Get_rank()}: replica message from rank "
+                               f"{source}, which is no replica (protocol error)")
+        return (source - self.first_replica) % self.partitions
+
+    def _trial_complete(self) -> bool:
+        n_units = self.finish_due[0]
+        return all(self.unit_counts[p] >= n_units for p in self.owners)
 
     def run(self) -> None:
         """Serve until the coordinator says stop and every send has completed.
@@ -349,7 +449,7 @@ class ShardServer:
             while self.running and self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 self._handle(status)
                 busy = True
-            if self.finish_due and self.store.units >= self.finish_due[0]:
+            if self.finish_due and self._trial_complete():
                 self._finish_trial()
                 busy = True
             self.sending = [(r, b) for r, b in self.sending if not r.Test()]
@@ -361,16 +461,30 @@ class ShardServer:
     def _handle(self, status: MPI.Status) -> None:
         source, tag = status.Get_source(), status.Get_tag()
         if tag == TAG_PUSH:
+            partition = self._partition_of(source)
+            count = status.Get_count(MPI.FLOAT)
             self.comm.Recv([self.push_buffer, MPI.FLOAT], source, TAG_PUSH)
-            trial, units = (int(v) for v in self.push_buffer[:2].view(np.int32))
+            trial, units, sender = (int(v) for v in self.push_buffer[:3].view(np.int32))
             if trial != self.store.trial_id:
                 raise RuntimeError(f"shard {self.comm.Get_rank()}: push for trial {trial} "
                                    f"during trial {self.store.trial_id} (protocol error)")
-            self.store.add_gradient(self.push_buffer[HEADER:], units)
+            if sender != partition or count != HEADER + self.sizes[partition]:
+                raise RuntimeError(f"shard {self.comm.Get_rank()}: push of {count} floats "
+                                   f"from rank {source} (partition {partition}, header "
+                                   f"{sender}); expected {HEADER + self.sizes[partition]} "
+                                   f"(protocol error)")
+            self.store.add_gradient(self.push_buffer[HEADER:count], units,
+                                    self.segments[partition])
+            self.unit_counts[partition] += units
             self.counts["pushes"] += 1
         elif tag == TAG_FETCH:
+            partition = self._partition_of(source)
             kind = self.comm.recv(source=source, tag=TAG_FETCH)
-            msg = self.trial_msg if kind == "trial" else self.snapshot_msg
+            msg = (self.trial_msgs if kind == "trial" else self.snapshot_msgs)[partition]
+            if msg is None:
+                raise RuntimeError(f"shard {self.comm.Get_rank()}: fetch from rank {source}, "
+                                   f"whose partition {partition} owns nothing here "
+                                   f"(protocol error)")
             self.sending.append((self.comm.Isend([msg, MPI.FLOAT], source, TAG_PARAMS), msg))
             self.counts["fetches"] += 1
         elif tag == TAG_COMMAND and source == self.coordinator:
@@ -385,7 +499,8 @@ class ShardServer:
         store = self.store
         if op == "begin_trial":
             result = store.begin_trial(*args)
-            self.trial_msg = self._message(store.trial32, store.trial_id)
+            self.unit_counts = [0] * self.partitions
+            self.trial_msgs = self._messages(store.trial32, store.trial_id)
         elif op == "finish_trial":
             self.finish_due = args  # answered once every unit has been pushed
             return
@@ -397,7 +512,7 @@ class ShardServer:
             result = store.set_direction(*args)
         elif op == "snapshot":
             result = store.take_snapshot(*args)
-            self.snapshot_msg = self._message(store.snapshot32, store.snapshot_id)
+            self.snapshot_msgs = self._messages(store.snapshot32, store.snapshot_id)
         elif op == "gram":
             result = store.gram()
         elif op == "checkpoint":
@@ -413,16 +528,18 @@ class ShardServer:
 
     def _finish_trial(self) -> None:
         n_units, batch_size = self.finish_due
-        if self.store.units != n_units:
-            raise RuntimeError(f"shard {self.comm.Get_rank()}: {self.store.units} units "
-                               f"pushed for trial {self.store.trial_id}, expected {n_units}")
+        wrong = {p: self.unit_counts[p] for p in self.owners if self.unit_counts[p] != n_units}
+        if wrong:
+            raise RuntimeError(f"shard {self.comm.Get_rank()}: units pushed for trial "
+                               f"{self.store.trial_id} by partition {wrong}, expected "
+                               f"{n_units} from each of {self.owners}")
         self.finish_due = None
         self.comm.send(self.store.finish_trial(batch_size), dest=self.coordinator,
                        tag=TAG_RESULT)
 
     def stats(self) -> dict[str, Any]:
         return {"role": "shard", "rank": self.comm.Get_rank(), "start": self.store.start,
-                "stop": self.store.stop, **self.counts}
+                "stop": self.store.stop, "owners": self.owners, **self.counts}
 
 
 # ------------------------------------------------------------------------------------------
@@ -433,6 +550,7 @@ class ShardServer:
 class ReplicaStats:
     replica: int
     rank: int
+    partition: int = 0
     units: int = 0          # units computed (committed or not)
     examples: int = 0
     abandoned: int = 0      # units not computed: their trial was over when fetched
@@ -441,29 +559,75 @@ class ReplicaStats:
     fetches: int = 0
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time in run(): the work, whatever the load
+
+
+DECISIONS = (HOLD, COMMIT, DROP)
+TASK_KINDS = (None, "stop", "evaluate", "unit")
+ANSWER_SLOTS = 8
+
+
+def encode_answer(decision: str, task: tuple | None, out: np.ndarray) -> np.ndarray:
+    """The coordinator's answer (decision, task) as int64s, for partition 0 to broadcast:
+    [decision, task kind, task arguments...] (a unit's: trial, batch, unit, start, stop)."""
+    out.fill(0)
+    out[0] = DECISIONS.index(decision)
+    out[1] = TASK_KINDS.index(None if task is None else task[0])
+    if task is not None:
+        out[2:2 + len(task) - 1] = task[1:]
+    return out
+
+
+def decode_answer(values: np.ndarray) -> tuple[str, tuple | None]:
+    """What `encode_answer` encoded."""
+    kind = TASK_KINDS[int(values[1])]
+    arguments = {None: 0, "stop": 0, "evaluate": 1, "unit": 5}[kind]
+    task = None if kind is None else (kind, *(int(v) for v in values[2:2 + arguments]))
+    return DECISIONS[int(values[0])], task
 
 
 class Replica:
     """Ask for a task, commit or drop the pending sum, do the task; until told to stop.
-    Point-to-point with the coordinator (requests, tasks) and the shards (fetch, push)."""
+    Point-to-point with the coordinator (requests, tasks) and the shards (fetch, push).
 
-    def __init__(self, comm: MPI.Comm, config: Config, plan: SandblasterPlan, network: Any,
+    `model`: a Network (one rank per replica), or this partition's PartitionedNetwork over
+    `team`, the replica's partition communicator: partition 0 then asks the coordinator
+    and shares each answer with its partners (collective over `team`, polled), and every
+    vector here is this partition's own pieces (`pieces`) back to back."""
+
+    def __init__(self, comm: MPI.Comm, config: Config, plan: SandblasterPlan, model: Any,
                  x: np.ndarray, y: np.ndarray, eval_set: tuple[np.ndarray, np.ndarray],
-                 scale: float):
-        self.comm, self.plan, self.network = comm, plan, network
+                 scale: float, pieces: list[Piece], team: MPI.Comm | None = None):
+        self.comm, self.plan, self.model = comm, plan, model
         self.x, self.y, self.eval_set, self.scale = x, y, eval_set, scale
         topology = plan.topology
         self.coordinator = topology.coordinator_rank
-        self.ranges = network.layout.shard_ranges(topology.ps_shards)
+        self.team = team if team is not None and team.Get_size() > 1 else None
+        self.partition = topology.partition_index
+        self.lead = self.partition == 0
         self.batches = BatchRows(plan.n_train, plan.batch_size, config.run.seed)
-        n = network.layout.size
-        self.params = np.zeros(n, dtype=np.float32)
-        self.grad = np.zeros(n, dtype=np.float32)
-        self.pending = np.zeros(n, dtype=np.float32)
-        self.recv = [np.empty(HEADER + b - a, dtype=np.float32) for a, b in self.ranges]
-        self.send = [np.empty(HEADER + b - a, dtype=np.float32) for a, b in self.ranges]
+        if (any(a >= b for a, b in pieces)
+                or any(b > c for (_, b), (c, _) in itertools.pairwise(pieces))):
+            raise ValueError(f"pieces must be non-empty, ascending and disjoint: {pieces}")
+        ranges = model_layout(model).shard_ranges(topology.ps_shards)
+        # (shard, offset, size): each shard's share of this partition's vector.
+        self.links: list[tuple[int, int, int]] = []
+        offset = 0
+        for shard, segments in enumerate(shard_segments(pieces, ranges)):
+            size = sum(b - a for a, b in segments)
+            if size:
+                self.links.append((shard, offset, size))
+            offset += size
+        self.params = np.zeros(offset, dtype=np.float32)
+        self.grad = np.zeros(offset, dtype=np.float32)
+        self.pending = np.zeros(offset, dtype=np.float32)
+        self.recv = [np.empty(HEADER + size, dtype=np.float32) for _, _, size in self.links]
+        self.send = [np.empty(HEADER + size, dtype=np.float32) for _, _, size in self.links]
         self.fetched: tuple[str, int] | None = None
-        self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank)
+        self.answer = np.zeros(ANSWER_SLOTS, dtype=np.int64)
+        self.agreed = np.zeros(1, dtype=np.int32)
+        self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank,
+                                   self.partition)
         self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.faults)
         self.signals = None  # set by train(); only the coordinator acts on signals
         self._clear()
@@ -475,12 +639,19 @@ class Replica:
 
     def run(self) -> None:
         """Work until the coordinator answers "stop". Point-to-point with the coordinator
-        (requests) and the shards (fetches, pushes); every wait polls with sleeps."""
+        (requests, partition 0 only) and the shards (fetches, pushes); with partitions
+        collective over the team in lockstep. Every wait polls with sleeps."""
+        cpu = time.process_time()
+        try:
+            self._work()
+        finally:
+            self.stats_.cpu_seconds += time.process_time() - cpu
+
+    def _work(self) -> None:
         result = None
         while True:
-            request = (self.pending_trial, self.pending_units, self.pending_loss, result)
+            decision, task = self._next_task(result)
             result = None
-            decision, task = self._ask(request)
             if decision == COMMIT:
                 self._push()
             if decision in (COMMIT, DROP):
@@ -494,6 +665,31 @@ class Replica:
             else:
                 self._compute(*task[1:])
 
+    def _next_task(self, result: tuple | None) -> tuple[str, tuple | None]:
+        """The coordinator's answer to this replica's next request (partition 0 asks,
+        reporting its pending units and `result`), on every partition."""
+        answer = None
+        if self.lead:
+            answer = self._ask((self.pending_trial, self.pending_units, self.pending_loss,
+                                result))
+        if self.team is None:
+            return answer
+        t0 = time.perf_counter()
+        if self.lead:
+            encode_answer(*answer, self.answer)
+        wait_all([self.team.Ibcast(self.answer, root=0)])
+        self.stats_.comm_seconds += time.perf_counter() - t0
+        return decode_answer(self.answer)
+
+    def _all_agree(self, ok: bool) -> bool:
+        """Whether `ok` holds on every partition (an Iallreduce MIN over the team, polled);
+        `ok` itself with one partition."""
+        if self.team is None:
+            return ok
+        self.agreed[0] = ok
+        wait_all([self.team.Iallreduce(MPI.IN_PLACE, self.agreed, op=MPI.MIN)])
+        return bool(self.agreed[0])
+
     def _ask(self, request: tuple) -> tuple[str, tuple | None]:
         """Send a request to the coordinator; wait (polling) for its answer."""
         t0 = time.perf_counter()
@@ -506,23 +702,26 @@ class Replica:
         return answer
 
     def _fetch(self, kind: str, ident: int) -> bool:
-        """Fetch the trial point or snapshot `ident` from every shard; False if a shard has
-        moved on to another one already (the task is stale)."""
+        """Fetch this partition's pieces of the trial point or snapshot `ident` from the
+        shards that hold them; False if a shard (any partition's) has moved on to another
+        one already (the task is stale). Agreed over the team when it fetched."""
         if self.fetched == (kind, ident):
             return True
         t0 = time.perf_counter()
         requests = [self.comm.Irecv([buf, MPI.FLOAT], shard, TAG_PARAMS)
-                    for shard, buf in enumerate(self.recv)]
-        for shard in range(len(self.recv)):
+                    for (shard, _, _), buf in zip(self.links, self.recv)]
+        for shard, _, _ in self.links:
             requests.append(self.comm.isend(kind, dest=shard, tag=TAG_FETCH))
         _wait_all(requests)
         self.stats_.fetches += 1
+        current = all(int(buf[:1].view(np.int32)[0]) == ident for buf in self.recv)
+        current = self._all_agree(current)
         self.stats_.comm_seconds += time.perf_counter() - t0
-        if any(int(buf[:1].view(np.int32)[0]) != ident for buf in self.recv):
+        if not current:
             self.fetched = None
             return False
-        for (a, b), buf in zip(self.ranges, self.recv):
-            self.params[a:b] = buf[HEADER:]
+        for (_, offset, size), buf in zip(self.links, self.recv):
+            self.params[offset:offset + size] = buf[HEADER:]
         self.fetched = (kind, ident)
         return True
 
@@ -537,7 +736,7 @@ class Replica:
         rows = self.batches.rows(batch)[start:stop]
         x = _to_float(self.x[rows], self.scale)
         n = stop - start
-        loss = self.network.loss_and_grad(self.params, x, self.y[rows], self.grad)
+        loss = self.model.loss_and_grad(self.params, x, self.y[rows], self.grad)
         self.grad *= np.float32(n)  # mean -> sum, so units of any size add up
         self.pending += self.grad
         self.pending_loss += loss * n
@@ -550,29 +749,40 @@ class Replica:
         self.stats_.examples += n
 
     def _push(self) -> None:
-        """Send the committed sum to the shards, each its slice. Point-to-point."""
+        """Send the committed sum to the shards, each its share of this partition's
+        pieces. Point-to-point."""
         t0 = time.perf_counter()
         requests = []
-        for shard, ((a, b), buf) in enumerate(zip(self.ranges, self.send)):
-            buf[:HEADER].view(np.int32)[:] = (self.pending_trial, len(self.pending_units), 0, 0)
-            buf[HEADER:] = self.pending[a:b]
+        for (shard, offset, size), buf in zip(self.links, self.send):
+            buf[:HEADER].view(np.int32)[:] = (self.pending_trial, len(self.pending_units),
+                                              self.partition, 0)
+            buf[HEADER:] = self.pending[offset:offset + size]
             requests.append(self.comm.Isend([buf, MPI.FLOAT], shard, TAG_PUSH))
         _wait_all(requests)
         self.stats_.pushes += 1
         self.stats_.comm_seconds += time.perf_counter() - t0
 
     def _evaluate(self, snapshot: int) -> tuple:
-        """(snapshot, test loss, test accuracy) of snapshot `snapshot`."""
+        """(snapshot, test loss, test accuracy) of snapshot `snapshot` (with partitions,
+        the PartitionedNetwork's distributed loss and accuracy: the same on every one)."""
         if not self._fetch("snapshot", snapshot):
             # The coordinator takes a new snapshot only after this result: cannot happen.
             raise RuntimeError(f"replica {self.stats_.replica}: snapshot {snapshot} was "
                                "replaced before it was evaluated (protocol error)")
-        loss, accuracy = self.network.evaluate(self.params, *self.eval_set, batch_size=1000)
+        loss, accuracy = self.model.evaluate(self.params, *self.eval_set, batch_size=1000)
         self.stats_.evaluations += 1
         return (snapshot, float(loss), float(accuracy))
 
     def stats(self) -> dict[str, Any]:
-        return {"role": "replica", **asdict(self.stats_)}
+        out = {"role": "replica", **asdict(self.stats_)}
+        if self.team is not None:
+            out["model_parallel"] = self.model.traffic.per_step()
+        return out
+
+
+def model_layout(model: Any) -> Any:
+    """The whole model's parameter layout of a Network or a PartitionedNetwork."""
+    return model.network.layout if isinstance(model, PartitionedNetwork) else model.layout
 
 
 # ------------------------------------------------------------------------------------------
@@ -915,7 +1125,7 @@ class Coordinator:
 
     def write_summary(self, all_stats: list[dict[str, Any]]) -> dict[str, Any]:
         replicas = sorted((s for s in all_stats if s["role"] == "replica"),
-                          key=lambda s: s["replica"])
+                          key=lambda s: (s["replica"], s["partition"]))
         for r in replicas:
             r["units_committed"] = self.unit_totals.committed_by.get(r["replica"], 0)
         plan, totals = self.plan, self.unit_totals
@@ -925,7 +1135,8 @@ class Coordinator:
             "config_hash": config_hash(self.config),
             "num_params": int(self.network.layout.size),
             "world_size": plan.topology.world_size, "ps_shards": plan.topology.ps_shards,
-            "num_replicas": plan.num_replicas, "batch_size": plan.batch_size,
+            "num_replicas": plan.num_replicas, "partitions": plan.partitions,
+            "batch_size": plan.batch_size,
             "work_unit_size": plan.unit_size, "units_per_evaluation": len(self.units),
             "m": plan.options.m, "iterations": self.step,
             "gradient_evaluations": len(self.evaluations),

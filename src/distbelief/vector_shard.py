@@ -55,9 +55,20 @@ class VectorShard:
         self.trial32 = self.xt.astype(np.float32)
         return np.zeros(0)
 
-    def add_gradient(self, partial: np.ndarray, units: int) -> None:
-        """Add a replica's gradient sum over `units` work units of the current trial."""
-        self.gt += partial
+    def add_gradient(self, partial: np.ndarray, units: int,
+                     segments: list[tuple[int, int]] | None = None) -> None:
+        """Add a replica's gradient sum over `units` work units of the current trial: the
+        whole slice, or with `segments` ([start, stop) offsets in this slice: a model
+        partition's parameters here) those segments, given back to back in `partial`."""
+        if segments is None:
+            self.gt += partial
+        else:
+            at = 0
+            for a, b in segments:
+                self.gt[a:b] += partial[at:at + b - a]
+                at += b - a
+            if at != len(partial):
+                raise ValueError(f"segments cover {at} values, the push holds {len(partial)}")
         self.units += units
 
     def finish_trial(self, batch_size: int) -> np.ndarray:

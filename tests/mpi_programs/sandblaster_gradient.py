@@ -2,11 +2,14 @@
 slices gathered to rank 0 (test-only: in a run, vectors never leave the shards) and saved,
 for tests/test_sandblaster.py to compare with the single-process gradient. With IDLE > 0,
 the coordinator then waits IDLE seconds with nothing for anyone to do, and every rank's
-CPU seconds during its role are saved too (idle ranks must sleep, not spin).
+CPU seconds during its role are saved too (idle ranks must sleep, not spin). SPLITS, a
+JSON list (per layer, the P+1 block boundaries), gives partitioned replicas unequal blocks
+("null": balanced, as the command line has them).
 
-    mpiexec -n N python sandblaster_gradient.py CONFIG OUT.npz [IDLE]
+    mpiexec -n N python sandblaster_gradient.py CONFIG OUT.npz [IDLE [SPLITS]]
 """
 
+import json
 import sys
 import time
 
@@ -31,8 +34,9 @@ def one_gradient(idle: float):
 def main() -> None:
     config = load_config(sys.argv[1])
     idle = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    splits = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
     comm = MPI.COMM_WORLD
-    role = sandblaster.start(config, comm, stream=None)
+    role = sandblaster.start(config, comm, stream=None, splits=splits)
     if isinstance(role, sandblaster.Coordinator):
         role.method = one_gradient(idle)
     cpu, wall = time.process_time(), time.monotonic()
