@@ -33,13 +33,14 @@ def run_cli(args: list[str], timeout: float = 120, cwd: Path | None = None,
 
 
 def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`mpiexec -n N python ARGS` in a subprocess, under a timeout.
+            env: dict[str, str] | None = None,
+            launcher_options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`mpiexec [LAUNCHER_OPTIONS] -n N python ARGS` in a subprocess, under a timeout.
 
     ARGS starts with what python runs: `["-m", "distbelief", "train", cfg]` or a script
     path. On timeout the whole process group is killed and the test fails.
     """
-    cmd = ["mpiexec", "-n", str(n), sys.executable, *map(str, args)]
+    cmd = ["mpiexec", *launcher_options, "-n", str(n), sys.executable, *map(str, args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=cwd, env=env or _env(), start_new_session=True)
     try:

@@ -1231,6 +1231,8 @@ class Supervisor(_ShardRole):
     def _on_signals(self, term: int, usr1: int, now: float) -> None:
         """Stop on a SIGTERM; on a SIGUSR1 unless it is the launcher's notice of a death
         (the sweep looks for the dead first: see SIGNALS in the module docstring)."""
+        if self.all_finished:
+            return  # the run is ending: ranks leaving make hydra send SIGUSR1s
         seen_term, seen_usr1 = self._signals_seen
         if term > seen_term:
             self._stop(rc.STOP_SIGNAL, "SIGTERM")
@@ -1252,12 +1254,13 @@ class Supervisor(_ShardRole):
 
     # -- liveness
 
-    def _sweep(self, now: float) -> None:
-        """Look for gone shards (fatal) and lost replicas (process gone on this node, or
-        heartbeat stopped for run.replica_timeout_seconds)."""
+    def _sweep(self, now: float, shards: bool = True) -> None:
+        """Look for gone shards (fatal; not once the shards have ended the run together and
+        may leave) and lost replicas (process gone on this node, or heartbeat stopped for
+        run.replica_timeout_seconds)."""
         self._next_sweep = now + SWEEP_S
         topology, peers = self.plan.topology, self.run_.peers
-        gone_shards = peers.gone_among(topology.shard_ranks)
+        gone_shards = peers.gone_among(topology.shard_ranks) if shards else []
         if gone_shards:
             abort_job(self.run_.world, shard_lost_message(gone_shards[0], "is gone"))
         timeout = self.plan.replica_timeout_s
@@ -1506,7 +1509,7 @@ class Supervisor(_ShardRole):
                            if r not in self.lost and rows[r, rc.FINISHED] < rc.FINISHED_LEFT]
                 if not waiting:
                     return
-                self._sweep(time.monotonic())
+                self._sweep(time.monotonic(), shards=False)
                 backoff.wait()
 
     def stats(self) -> dict[str, Any]:

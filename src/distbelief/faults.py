@@ -13,6 +13,7 @@ Sandblaster replica its work units, a Downpour shard the updates it has folded.
     delay:RANK:AT:0.002s  from step AT on, every step takes 2 ms longer
     hang:RANK:AT          stop responding after step AT, for ever (a Downpour replica: in the
                           middle of its next push, holding the lock on the shard it pushes to)
+    pause:RANK:AT:5s      stop responding after step AT for 5 s, holding nothing, then go on
 
 Nothing but the tests and the benchmarks sets it; a real run never should, and the rank
 prints what it does when a fault fires.
@@ -33,7 +34,7 @@ import numpy as np
 from distbelief.errors import ConfigError
 
 ENV = "DISTBELIEF_FAULTS"
-ACTIONS = ("kill", "raise", "poison", "delay", "hang")
+ACTIONS = ("kill", "raise", "poison", "delay", "hang", "pause")
 
 
 @dataclass(frozen=True)
@@ -67,20 +68,20 @@ def _parse_one(item: str) -> Fault:
     action, *fields = item.split(":")
     if action not in ACTIONS:
         raise ValueError(f"unknown action {action!r}")
-    if len(fields) != (3 if action == "delay" else 2):
+    if len(fields) != (3 if action in ("delay", "pause") else 2):
         raise ValueError("wrong number of fields")
     rank = None if fields[0] == "*" else _non_negative(fields[0], "RANK")
     at_text = fields[1]
     from_then_on = action == "poison" and at_text.endswith("+")
     at = _non_negative(at_text.removesuffix("+") if from_then_on else at_text, "AT")
-    if action != "delay":
+    if action not in ("delay", "pause"):
         return Fault(action, rank, at, from_then_on)
     arg = fields[2]
-    if arg.endswith("x") and _positive_float(arg[:-1]) >= 1:
+    if action == "delay" and arg.endswith("x") and _positive_float(arg[:-1]) >= 1:
         return Fault(action, rank, at, factor=float(arg[:-1]))
     if arg.endswith("s"):
         return Fault(action, rank, at, extra_seconds=_positive_float(arg[:-1]))
-    raise ValueError("a delay is Fx (F >= 1) or SECONDSs")
+    raise ValueError("a delay is Fx (F >= 1) or SECONDSs; a pause is SECONDSs")
 
 
 def _non_negative(text: str, what: str) -> int:
@@ -131,6 +132,10 @@ class Faults:
                     for f in self.faults if f.action == "delay" and step >= f.at)
         if delay > 0:
             time.sleep(delay)
+        for pause in self._firing("pause", step):
+            _say(f"test-only pause of rank {self.rank} for {pause.extra_seconds:g} s at "
+                 f"{what} {step} ({ENV})")
+            time.sleep(pause.extra_seconds)
         if self._firing("raise", step):
             raise RuntimeError(f"test-only failure on rank {self.rank} at {what} {step} ({ENV})")
         if self._firing("kill", step):
