@@ -56,6 +56,22 @@ cdef inline void _adagrad(float* params, float* accum, const float* grad, Py_ssi
         params[i] = params[i] - lr * g / (sqrtf(a) + eps)
 
 
+cdef inline void _adagrad_copy(float* params, float* accum, const float* grad,
+                               float* copy, Py_ssize_t size, float lr,
+                               float eps) noexcept nogil:
+    # _adagrad that also stores each new parameter into `copy`: a reader of the result
+    # (a Downpour replica's push_pull) saves a second pass over the parameters.
+    cdef Py_ssize_t i
+    cdef float g, a, p
+    for i in range(size):
+        g = grad[i]
+        a = accum[i] + g * g
+        accum[i] = a
+        p = params[i] - lr * g / (sqrtf(a) + eps)
+        params[i] = p
+        copy[i] = p
+
+
 cdef inline void _sgd(float* params, const float* grad, Py_ssize_t size,
                       float lr) noexcept nogil:
     cdef Py_ssize_t i
@@ -63,26 +79,44 @@ cdef inline void _sgd(float* params, const float* grad, Py_ssize_t size,
         params[i] = params[i] - lr * grad[i]
 
 
+cdef inline void _sgd_copy(float* params, const float* grad, float* copy, Py_ssize_t size,
+                           float lr) noexcept nogil:
+    cdef Py_ssize_t i
+    cdef float p
+    for i in range(size):
+        p = params[i] - lr * grad[i]
+        params[i] = p
+        copy[i] = p
+
+
 def adagrad_update(float[::1] params,        # IN/OUT (P,)
                    float[::1] accum,         # IN/OUT (P,) sum of squared gradients
                    const float[::1] grad,    # IN (P,)
                    float lr,
-                   float eps):
+                   float eps,
+                   float[::1] copy=None):    # OUT (P,) or None: the new params again
     cdef Py_ssize_t size = params.shape[0]
     if size == 0:
         return
     with nogil:
-        _adagrad(&params[0], &accum[0], &grad[0], size, lr, eps)
+        if copy is None:
+            _adagrad(&params[0], &accum[0], &grad[0], size, lr, eps)
+        else:
+            _adagrad_copy(&params[0], &accum[0], &grad[0], &copy[0], size, lr, eps)
 
 
 def sgd_update(float[::1] params,            # IN/OUT (P,)
                const float[::1] grad,        # IN (P,)
-               float lr):
+               float lr,
+               float[::1] copy=None):        # OUT (P,) or None: the new params again
     cdef Py_ssize_t size = params.shape[0]
     if size == 0:
         return
     with nogil:
-        _sgd(&params[0], &grad[0], size, lr)
+        if copy is None:
+            _sgd(&params[0], &grad[0], size, lr)
+        else:
+            _sgd_copy(&params[0], &grad[0], &copy[0], size, lr)
 
 
 # ---------------------------------------------------------------------------------------

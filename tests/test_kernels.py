@@ -80,6 +80,34 @@ def test_sgd_update_matches_reference(size: int) -> None:
     np.testing.assert_allclose(params, expected, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("size", SIZES)
+def test_updates_with_a_copy_write_the_new_params_twice_bit_for_bit(size: int) -> None:
+    # The copy (a Downpour replica's fetch in the same pass) must be exactly what the
+    # update without a copy leaves in params.
+    rng = np.random.default_rng(size + 200)
+    params, accum, grad = randn(rng, size), np.abs(randn(rng, size)), randn(rng, size)
+    plain_p, plain_a = params.copy(), accum.copy()
+    kernels.adagrad_update(plain_p, plain_a, grad, 0.03)
+    copy = nan_like(params)
+    kernels.adagrad_update(params, accum, grad, 0.03, copy=copy)
+    assert np.array_equal(params, plain_p) and np.array_equal(accum, plain_a)
+    assert np.array_equal(copy, params)
+    plain = params.copy()
+    kernels.sgd_update(plain, grad, 0.5)
+    copy = nan_like(params)
+    kernels.sgd_update(params, grad, 0.5, copy=copy)
+    assert np.array_equal(params, plain) and np.array_equal(copy, params)
+
+
+def test_a_copy_that_overlaps_or_does_not_fit_is_refused() -> None:
+    rng = np.random.default_rng(9)
+    params, accum, grad = randn(rng, 10), np.zeros(10, np.float32), randn(rng, 10)
+    with pytest.raises(ValueError, match="copy"):
+        kernels.adagrad_update(params, accum, grad, 0.1, copy=accum)
+    with pytest.raises(ValueError, match="copy"):
+        kernels.sgd_update(params, grad, 0.1, copy=np.zeros(9, np.float32))
+
+
 # ---------------------------------------------------------------------------------------
 # Bias + activation and its derivative
 

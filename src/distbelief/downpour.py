@@ -161,7 +161,7 @@ from distbelief.trainer import (
     prepare_run_dir,
     starting_checkpoint,
 )
-from distbelief.watchdog import RankLost
+from distbelief.watchdog import RankLost, abort_job
 
 WARM_START_POLL_S = (1e-3, 20e-3)
 """Back-off bounds of replicas polling shard 0 while they wait for the warm start: slow,
@@ -310,32 +310,17 @@ def make_watchdog(run: OpenRun, config: Config) -> watchdog.Watchdog:
     also lets polled waits notice a gone rank on this node at once."""
     topology = run.plan.topology
     return watchdog.Watchdog(
-        topology.world_rank, lambda rank: describe_rank(topology, rank),
-        config.run.stall_warn_seconds, config.run.stall_abort_seconds,
-        lambda message: abort_job(run.world, message), run.peers.gone)
-
-
-def describe_rank(topology: Topology, rank: int) -> str:
-    """'rank 3 (replica 1)' and the like, for messages."""
-    if rank < topology.ps_shards:
-        return f"rank {rank} (shard {rank})"
-    other = Topology(topology.world_size, rank, topology.ps_shards, topology.partitions,
-                     topology.coordinator)
-    if other.is_replica:
-        part = f", partition {other.partition_index}" if topology.partitions > 1 else ""
-        return f"rank {rank} (replica {other.replica_index}{part})"
-    return f"rank {rank} ({other.role})"
+        topology.world_rank, topology.describe_rank, config.run.stall_warn_seconds,
+        config.run.stall_abort_seconds, lambda message: abort_job(run.world, message),
+        run.peers.gone)
 
 
 def _abort_for(run: OpenRun, lost: RankLost) -> None:
     """A rank this one waited for is gone where nothing can go on without it: a shard, or
     any rank once the run is ending. Abort the job with a message."""
-    topology = run.plan.topology
-    if lost.rank < topology.ps_shards:
+    if lost.rank < run.plan.topology.ps_shards:
         abort_job(run.world, shard_lost_message(lost.rank, "is gone"))
-    abort_job(run.world, f"{describe_rank(topology, lost.rank)} is gone while this rank "
-                         f"waited for {lost.what}; the job stops. Run the same command "
-                         f"again to resume from the last checkpoint")
+    watchdog.abort_for(run.world, run.plan.topology, lost)
 
 
 @dataclass
@@ -536,14 +521,6 @@ def _make_role(run: OpenRun, config: Config, network: Any, info: Any,
     if topology.world_rank == 0:
         return Supervisor(run, config, network, info, stream)
     return _ShardRole(run)
-
-
-def abort_job(world: MPI.Comm, message: str) -> None:
-    """Print `message` (one line, stderr) and abort every rank of the job: for failures
-    no rank can recover from, such as a lost shard."""
-    print(f"distbelief: rank {world.Get_rank()}: {message}", file=sys.stderr, flush=True)
-    time.sleep(0.2)  # let the launcher forward the line before the job is torn down
-    world.Abort(1)
 
 
 def shard_lost_message(shard: int, how: str) -> str:

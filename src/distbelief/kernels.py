@@ -127,8 +127,9 @@ def _activation_code(activation: object) -> int:
 # Optimizer updates.
 
 def adagrad_update(params: np.ndarray, accum: np.ndarray, grad: np.ndarray,
-                   lr: float, eps: float = 1e-10) -> None:
-    """One fused pass: accum += grad**2; params -= lr * grad / (sqrt(accum) + eps).
+                   lr: float, eps: float = 1e-10, copy: np.ndarray | None = None) -> None:
+    """One fused pass: accum += grad**2; params -= lr * grad / (sqrt(accum) + eps); and,
+    if `copy` is given, copy[:] = the new params in the same pass.
 
     1-D arrays of equal length. Same rule and eps as torch.optim.Adagrad (no initial
     accumulator value, no decay).
@@ -142,17 +143,30 @@ def adagrad_update(params: np.ndarray, accum: np.ndarray, grad: np.ndarray,
     eps = _check_real("eps", eps)
     _check_no_overlap("params", params, {"accum": accum, "grad": grad})
     _check_no_overlap("accum", accum, {"grad": grad})
-    _kernels.adagrad_update(params, accum, grad, lr, eps)
+    _check_copy(copy, params, {"params": params, "accum": accum, "grad": grad})
+    _kernels.adagrad_update(params, accum, grad, lr, eps, copy)
 
 
-def sgd_update(params: np.ndarray, grad: np.ndarray, lr: float) -> None:
-    """params -= lr * grad (1-D, equal length), one pass."""
+def sgd_update(params: np.ndarray, grad: np.ndarray, lr: float,
+               copy: np.ndarray | None = None) -> None:
+    """params -= lr * grad (1-D, equal length), one pass; with `copy`, copy[:] = the new
+    params in the same pass."""
     _check_float32("params", params, 1, writeable=True)
     _check_float32("grad", grad, 1)
     _check_shape("grad", grad, params.shape)
     lr = _check_real("lr", lr)
     _check_no_overlap("params", params, {"grad": grad})
-    _kernels.sgd_update(params, grad, lr)
+    _check_copy(copy, params, {"params": params, "grad": grad})
+    _kernels.sgd_update(params, grad, lr, copy)
+
+
+def _check_copy(copy: np.ndarray | None, params: np.ndarray,
+                others: dict[str, np.ndarray]) -> None:
+    if copy is None:
+        return
+    _check_float32("copy", copy, 1, writeable=True)
+    _check_shape("copy", copy, params.shape)
+    _check_no_overlap("copy", copy, others)
 
 
 # ---------------------------------------------------------------------------------------

@@ -57,9 +57,11 @@ class Adagrad:
         self.eps = float(eps)
         self.accum = np.zeros(self.size, np.float32)
 
-    def step(self, params: np.ndarray, grad: np.ndarray) -> None:
-        """Update params (1-D float32, length size) in place with grad, one fused pass."""
-        kernels.adagrad_update(params, self.accum, grad, self.learning_rate, self.eps)
+    def step(self, params: np.ndarray, grad: np.ndarray,
+             copy: np.ndarray | None = None) -> None:
+        """Update params (1-D float32, length size) in place with grad, one fused pass;
+        with `copy`, also store the new params there in the same pass."""
+        kernels.adagrad_update(params, self.accum, grad, self.learning_rate, self.eps, copy)
 
     def state(self) -> dict[str, np.ndarray]:
         """The live state arrays (not copies): {"accum": sum of squared gradients}."""
@@ -86,9 +88,11 @@ class SGD:
     def __init__(self, learning_rate: float) -> None:
         self.learning_rate = _check_learning_rate(learning_rate)
 
-    def step(self, params: np.ndarray, grad: np.ndarray) -> None:
-        """Update params (1-D float32) in place with grad of the same length."""
-        kernels.sgd_update(params, grad, self.learning_rate)
+    def step(self, params: np.ndarray, grad: np.ndarray,
+             copy: np.ndarray | None = None) -> None:
+        """Update params (1-D float32) in place with grad of the same length; with `copy`,
+        also store the new params there in the same pass."""
+        kernels.sgd_update(params, grad, self.learning_rate, copy)
 
     def state(self) -> dict[str, np.ndarray]:
         """SGD keeps no state: an empty dict."""

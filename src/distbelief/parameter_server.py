@@ -247,7 +247,8 @@ class Optimizer(Protocol):
     """What a shard needs from distbelief.optimizers (make_optimizer's Adagrad or SGD): an
     in-place update of its slice, and its state for checkpoints."""
 
-    def step(self, params: np.ndarray, grad: np.ndarray) -> None: ...
+    def step(self, params: np.ndarray, grad: np.ndarray,
+             copy: np.ndarray | None = None) -> None: ...
 
     def state(self) -> dict[str, np.ndarray]: ...
 
@@ -1357,15 +1358,17 @@ class SharedMemoryClient(ParameterClient):
         self._headers[shard] = seg.header[VERSION], seg.header[APPLIED]
 
     def _fold(self, seg: _Segment, shard: int, grad: np.ndarray,
-              control: ControlExchange | None) -> None:
-        """Apply this client's pieces of `grad` as the shard's next update, and the control
+              control: ControlExchange | None, out: np.ndarray | None = None) -> None:
+        """Apply this client's pieces of `grad` as the shard's next update (with `out`, also
+        copy the new values of its pieces there, in the same pass), and the control
         operations on shard 0 (exclusive lock held)."""
         if self._touched[shard]:
             low = self.ranges[shard][0]
             version = int(seg.header[VERSION])
             self._taken[shard, 0] = version
             for start, stop, optimizer in self._pieces[shard]:
-                optimizer.step(seg.params[start - low : stop - low], grad[start:stop])
+                optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
+                               None if out is None else out[start:stop])
             seg.header[VERSION] = version + 1
             seg.header[APPLIED] += 1
             seg.clients[self._slot, PULLED] = self._pulls
@@ -1419,9 +1422,9 @@ class SharedMemoryClient(ParameterClient):
         self._pulls += 1  # published by the folds below, with this pull
         for shard in self._pushed_to(control):
             with segments.lock(shard, exclusive=True) as seg:
-                self._fold(seg, shard, grad, control)
+                self._fold(seg, shard, grad, control, out)
                 if self._touched[shard]:
-                    self._read(seg, shard, out)
+                    self._headers[shard] = seg.header[VERSION], seg.header[APPLIED]
         self._progress()
         return self._pushed(), self._pulled()
 

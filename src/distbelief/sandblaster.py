@@ -106,6 +106,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief import checkpoint as ckpt
+from distbelief import watchdog
 from distbelief.agreement import agree, wait_for_everyone
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.data import _read_rows, _to_float
@@ -272,13 +273,20 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     distbelief.trainer.RESUME_MODES ("auto", "require", "fresh").
     """
     role = start(config, comm, stream, resume)
+    guard = watchdog.for_job(comm, role.plan.topology, config.run)  # collective (allgather)
     # Every rank catches SIGTERM/SIGUSR1 (the launcher forwards them to all): only the
     # coordinator acts on it, at the end of the iteration, with a checkpoint and the usual
     # collective stop; the other ranks must simply not die of it.
-    with np.errstate(over="ignore", invalid="ignore"), StopSignals() as signals:
-        role.signals = signals
-        role.run()
-    summary = finish(comm, role)
+    with (np.errstate(over="ignore", invalid="ignore"), StopSignals() as signals,
+          watchdog.watching(guard)):
+        try:
+            role.signals = signals
+            role.run()
+            summary = finish(comm, role)
+        except watchdog.RankLost as lost:
+            # Sandblaster does not go on without a rank (its backup tasks cover a slow
+            # replica, not a dead one at the end of the run): end the job with a message.
+            watchdog.abort_for(comm, role.plan.topology, lost)
     if summary["stop_reason"] == "diverged":
         raise TrainingDiverged("training diverged: the loss became non-finite")
     return summary if isinstance(role, Coordinator) else None
@@ -368,11 +376,16 @@ def _backoff() -> Backoff:
     return Backoff(*POLL_S)
 
 
-def _wait_all(requests: list[MPI.Request]) -> None:
-    """Wait for nonblocking requests, polling with back-off sleeps (no spinning)."""
+def _wait_all(requests: list[MPI.Request], what: str = "messages",
+              ranks: Any = ()) -> None:
+    """Wait for nonblocking requests, polling with back-off sleeps (no spinning); declared
+    to the stall watchdog as waiting for `what` from `ranks`."""
     backoff = _backoff()
-    while not MPI.Request.Testall(requests):
-        backoff.wait()
+    guard = watchdog.current()
+    with guard.waiting(what, ranks):
+        while not MPI.Request.Testall(requests):
+            guard.check()
+            backoff.wait()
 
 
 # ------------------------------------------------------------------------------------------
@@ -695,8 +708,11 @@ class Replica:
         t0 = time.perf_counter()
         self.comm.send(request, dest=self.coordinator, tag=TAG_REQUEST)
         backoff = _backoff()
-        while not self.comm.Iprobe(self.coordinator, TAG_TASK):
-            backoff.wait()
+        guard = watchdog.current()
+        with guard.waiting("the coordinator's answer", (self.coordinator,)):
+            while not self.comm.Iprobe(self.coordinator, TAG_TASK):
+                guard.check()
+                backoff.wait()
         answer = self.comm.recv(source=self.coordinator, tag=TAG_TASK)
         self.stats_.comm_seconds += time.perf_counter() - t0
         return answer
@@ -712,7 +728,7 @@ class Replica:
                     for (shard, _, _), buf in zip(self.links, self.recv)]
         for shard, _, _ in self.links:
             requests.append(self.comm.isend(kind, dest=shard, tag=TAG_FETCH))
-        _wait_all(requests)
+        _wait_all(requests, f"the {kind} from the shards", [s for s, _, _ in self.links])
         self.stats_.fetches += 1
         current = all(int(buf[:1].view(np.int32)[0]) == ident for buf in self.recv)
         current = self._all_agree(current)
@@ -820,6 +836,7 @@ class Coordinator:
         topology = plan.topology
         self.shards = list(topology.shard_ranks)
         self.replicas = [topology.replica_ranks(r)[0] for r in range(plan.num_replicas)]
+        self.all_replica_ranks = range(topology.first_replica_rank, topology.world_size)
         self.units = plan.units
         self.rules = StopRules.from_config(config)
         self.traffic = Traffic()
@@ -1006,28 +1023,33 @@ class Coordinator:
         self.traffic.shard_messages += len(self.shards)
         answers, status = {}, MPI.Status()
         backoff = _backoff()
-        while len(answers) < len(self.shards):
-            if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_RESULT, status):
-                self.traffic.shard_bytes += status.Get_count(MPI.BYTE)
-                self.traffic.shard_messages += 1
-                source = status.Get_source()
-                answers[source] = self.comm.recv(source=source, tag=TAG_RESULT)
-                backoff.reset()
-            elif self._serve_one():
-                backoff.reset()
-            else:
-                backoff.wait()
+        guard = watchdog.current()
+        with guard.waiting(f"the shards' answers to {op}", self.shards):
+            while len(answers) < len(self.shards):
+                guard.check()
+                if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_RESULT, status):
+                    self.traffic.shard_bytes += status.Get_count(MPI.BYTE)
+                    self.traffic.shard_messages += 1
+                    source = status.Get_source()
+                    answers[source] = self.comm.recv(source=source, tag=TAG_RESULT)
+                    backoff.reset()
+                elif self._serve_one():
+                    backoff.reset()
+                else:
+                    backoff.wait()
         return combine(answers[shard] for shard in self.shards)
 
     # -- replicas ------------------------------------------------------------------------------
 
     def _serve_until(self, done: Any) -> None:
         backoff = _backoff()
-        while not done():
-            if self._serve_one() or self._wake_parked():
-                backoff.reset()
-            else:
-                backoff.wait()
+        guard = watchdog.current()
+        with guard.waiting("the replicas' work units", self.all_replica_ranks):
+            while not done():
+                if self._serve_one() or self._wake_parked():
+                    backoff.reset()
+                else:
+                    backoff.wait()
 
     def _wake_parked(self) -> bool:
         """In the tail of a batch, give parked replicas the backups of units that have

@@ -130,6 +130,16 @@ class Topology:
         start = self.first_replica_rank + replica * self.partitions
         return range(start, start + self.partitions)
 
+    def describe_rank(self, rank: int) -> str:
+        """'rank 3 (replica 1)', 'rank 0 (shard 0)' and the like, for messages."""
+        if rank < self.ps_shards:
+            return f"rank {rank} (shard {rank})"
+        if rank == self.coordinator_rank:
+            return f"rank {rank} (coordinator)"
+        replica, partition = divmod(rank - self.first_replica_rank, self.partitions)
+        part = f", partition {partition}" if self.partitions > 1 else ""
+        return f"rank {rank} (replica {replica}{part})"
+
     def describe(self) -> str:
         """One line for logs: the whole layout, the same on every rank."""
         coord = f", coordinator rank {self.coordinator_rank}" if self.coordinator else ""

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 TICK_S = 0.1
 """How often the watchdog thread looks at the current wait."""
@@ -155,6 +156,37 @@ class Watchdog:
     def _say(self, text: str) -> None:
         self.reports.append(text)
         print(f"distbelief: {text}", file=sys.stderr, flush=True)
+
+
+def abort_job(world: Any, message: str) -> None:
+    """Print `message` (one line, stderr) and abort every rank of the job (`world`:
+    COMM_WORLD): for failures no rank can recover from, such as a lost shard or a stall."""
+    print(f"distbelief: rank {world.Get_rank()}: {message}", file=sys.stderr, flush=True)
+    time.sleep(0.2)  # let the launcher forward the line before the job is torn down
+    world.Abort(1)
+
+
+def for_job(comm: Any, topology: Any, run: Any) -> Watchdog:
+    """This rank's watchdog for an MPI run: `run` is the [run] configuration
+    (stall_warn_seconds, stall_abort_seconds), `topology` names the ranks, and every rank's
+    process is watched on this node (distbelief.liveness). Collective over `comm` (an
+    allgather of every rank's identity)."""
+    from distbelief.liveness import Peers
+
+    peers = Peers.gather(comm)
+    return Watchdog(comm.Get_rank(), topology.describe_rank, run.stall_warn_seconds,
+                    run.stall_abort_seconds, lambda message: abort_job(comm, message),
+                    peers.gone)
+
+
+def abort_for(world: Any, topology: Any, lost: RankLost) -> None:
+    """A rank this one waited for is gone, and nothing can go on without it: abort the job
+    with a message naming it."""
+    what = ("a parameter-server shard, whose slice cannot be recovered without it"
+            if lost.rank < topology.ps_shards else "a rank this one needs")
+    abort_job(world, f"{topology.describe_rank(lost.rank)} is gone ({what}) while this rank "
+                     f"waited for {lost.what}; the job stops. Run the same command again "
+                     f"to resume from the last checkpoint")
 
 
 _DISABLED = Watchdog(0, str, 0.0, 0.0, lambda message: None)
