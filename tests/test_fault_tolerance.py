@@ -30,6 +30,7 @@ from distbelief.datasets import make_synthetic
 from distbelief.errors import ConfigError
 from distbelief.faults import ENV as FAULTS
 from distbelief.faults import Fault, Faults, parse
+from distbelief.watchdog import RankLost, Watchdog, current, watching
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
@@ -104,6 +105,37 @@ def test_faults_parse_and_apply_to_their_rank_only() -> None:
 def test_a_bad_fault_is_one_clear_error(text: str) -> None:
     with pytest.raises(ConfigError, match=f"DISTBELIEF_FAULTS: cannot read '{text}'"):
         parse(text)
+
+
+# -- the watchdog in one process -----------------------------------------------------------------
+
+
+def test_the_watchdog_warns_once_names_the_holder_and_aborts() -> None:
+    aborted: list[str] = []
+    dog = Watchdog(1, lambda rank: f"rank {rank}", warn_s=0.2, abort_s=0.6,
+                   abort=aborted.append)
+    with watching(dog) as installed:
+        assert current() is installed
+        with installed.waiting("the lock on shard 0's segment", (0,), holder=lambda: 3):
+            time.sleep(1.0)
+    assert current() is not dog
+    assert len(dog.reports) == 1, dog.reports  # warned once
+    assert dog.reports[0].startswith("stall: rank 1 has waited 0.")
+    assert dog.reports[0].endswith("for the lock on shard 0's segment, held by rank 3")
+    assert len(aborted) == 1 and "held by rank 3; aborting the job" in aborted[0]
+
+
+def test_a_short_wait_is_not_a_stall_and_a_gone_rank_ends_a_polled_wait() -> None:
+    dog = Watchdog(0, str, warn_s=0.5, abort_s=0, abort=pytest.fail,
+                   gone=lambda rank: rank == 2)
+    with watching(dog):
+        with dog.waiting("a quick message", (1,)):
+            dog.check()  # rank 1 is alive
+            time.sleep(0.1)
+        with (pytest.raises(RankLost, match="rank 2 is gone while waiting for a barrier"),
+              dog.waiting("a barrier", (1, 2))):
+            dog.check()
+    assert dog.reports == []
 
 
 # -- a lost replica -----------------------------------------------------------------------------

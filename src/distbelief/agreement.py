@@ -1,9 +1,10 @@
 """Agreement among MPI ranks that must never wait on each other while they train.
 
-Downpour's ranks run free (replicas train, shards serve), yet some decisions need every
-rank: write a checkpoint now (a global consistency point), stop because a signal reached
-some rank (SLURM's SIGTERM or `--signal=B:USR1@N` may reach only one rank), and the end of
-the run. Two pieces, used by distbelief.downpour:
+Downpour's shards serve free, yet some decisions need every shard: write a checkpoint now
+(a global consistency point), stop because a signal reached one of them, and the end of
+the run (replicas agree through Downpour's one-sided run control instead: a collective that
+includes a rank that may die never completes). Sandblaster and the partitioned trainer
+use the polled barriers. Two pieces:
 
 `Rounds`: a sequence of non-blocking allreduces (MPI_Iallreduce, MAX over a few int64
 flags) that each rank polls from its own loop. Round k+1 is posted only after round k
@@ -27,8 +28,10 @@ not arrived yet still complete. A blocking collective issued right after such a 
 (everyone has arrived) finishes at once: that is how a lowercase bcast/gather of Python
 objects is done without a spinning wait.
 
-Nothing here can deadlock as long as every rank keeps polling; a rank that dies makes the
-launcher end the job (MPICH's hydra does, within a second, measured with kill -9).
+Nothing here can deadlock as long as every rank keeps polling. A rank that dies never
+arrives: the polled waits declare themselves to the stall watchdog (distbelief.watchdog),
+which raises RankLost at once when the rank's process on this node is gone and reports
+(and aborts) after run.stall_*_seconds otherwise.
 """
 
 from __future__ import annotations

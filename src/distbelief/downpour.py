@@ -320,7 +320,7 @@ def _abort_for(run: OpenRun, lost: RankLost) -> None:
     any rank once the run is ending. Abort the job with a message."""
     if lost.rank < run.plan.topology.ps_shards:
         abort_job(run.world, shard_lost_message(lost.rank, "is gone"))
-    watchdog.abort_for(run.world, run.plan.topology, lost)
+    watchdog.abort_for(run.world, run.plan.topology.describe_rank, lost)
 
 
 @dataclass

@@ -27,11 +27,11 @@ the shard's progress engine for every lock again.
 Windows (per shard; size 0 on every other rank), allocated with Win.Allocate over a
 private duplicate of the world communicator, displacement unit 1 byte:
 
-    ACCUM  [0:8) taken | [8:16) pushes | [16:24) done | [64:64+4n) gradient accumulator f32
-           shard 0 only (Downpour's run control): [24:32) claimed | [32:40) steps |
-           [40:48) stop | [48:56) loss (float64)
+    ACCUM  [0:8) taken | [8:16) pushes | [16:24) done | [64:64+c) run control block |
+           [64+c': +4n) gradient accumulator f32   (c = run_control.block_bytes(R), used on
+           shard 0 only, 0 outside Downpour; c' = c rounded up to 64 bytes)
     PARAMS [0:8) version | [8:16) applied | [16:24) pulls | [64:64+4n) parameters f32
-                                                         (counters: int64 unless noted)
+                                                                   (counters: int64)
 
     taken   = gradient batches the shard has taken out of the accumulator (folds started)
     pushes  = pushes received (every push adds 1)
@@ -39,13 +39,12 @@ private duplicate of the world communicator, displacement unit 1 byte:
     version = updates applied to the parameters (folds finished); version <= taken <= +1
     applied = pushes contained in the parameters (the value of `pushes` at the last take)
     pulls   = pulls served (so that the shard sees pull traffic and polls fast)
-    claimed = training steps claimed by replicas (Downpour's global step counter: a replica
-              claims its next steps before computing them, so max_steps is exact)
-    steps   = training steps finished and pushed; loss = the sum of their minibatch losses
-    stop    = 1 once shard 0 has decided that the run ends (time, target, divergence)
 
-The control slots ride on the pushes a replica makes anyway (`ControlExchange`, issued
-inside the push's SHARED epoch on shard 0), so they cost no extra lock round trip.
+The run control block (distbelief.run_control: step claims, reports, commands, each
+replica's slots) rides on the pushes a replica makes anyway (`ControlExchange`, issued
+inside the push's SHARED epoch on shard 0), so it costs no extra lock round trip. Its
+access rules are in run_control's docstring: every access is an accumulate (SUM by the
+writer of a slot, NO_OP by its readers), under SHARED locks only, shard 0's own too.
 
 Two windows rather than one, so that pushes keep landing in ACCUM while the shard
 publishes new parameters into PARAMS, and pulls keep reading PARAMS while it takes the
@@ -72,14 +71,11 @@ Every lock is taken and released through `_epoch` (a context manager).
 |                  | owner: Fetch_and_op(NO_OP)                 | SHARED on itself      |
 | PARAMS version,  | shard 0 (snapshot for evaluation): Get     | SHARED on the other   |
 | applied, params  | of another shard's window, like a client   | shard                 |
-| ACCUM claimed,   | client: Fetch_and_op(SUM), int64           | SHARED on shard 0     |
-| steps (shard 0)  | owner: Fetch_and_op(NO_OP)                 | SHARED on itself      |
-|                  | owner: store zero at creation              | EXCLUSIVE on itself   |
-| ACCUM loss       | client: Accumulate(SUM), float64           | SHARED on shard 0     |
-| (shard 0)        | owner: Fetch_and_op(NO_OP), float64        | SHARED on itself      |
-|                  | owner: store zero at creation              | EXCLUSIVE on itself   |
-| ACCUM stop       | client: Fetch_and_op(NO_OP), int64         | SHARED on shard 0     |
-| (shard 0)        | owner: store 1 (raise_stop)                | EXCLUSIVE on itself   |
+| ACCUM run        | client: Get_accumulate(SUM) / Accumulate   | SHARED on shard 0     |
+| control block    |   (SUM) on its slots, Get_accumulate(NO_OP)|                       |
+| (shard 0)        | owner: Get_accumulate(NO_OP) reads,        | SHARED on itself      |
+|                  |   Accumulate(SUM) commands                 |                       |
+|                  | owner: store zeros at creation             | EXCLUSIVE on itself   |
 
 Why each access is legal (MPI-4.1, one-sided chapter: conflicting accesses, passive-target
 synchronization, and the semantics section; window info `accumulate_ops`):
@@ -87,14 +83,11 @@ synchronization, and the semantics section; window info `accumulate_ops`):
   operations (Accumulate, Get_accumulate, Fetch_and_op) with the same basic datatype; and
   `accumulate_ops=same_op_no_op` (the default; set explicitly here) further requires that
   concurrent accumulates use the same op or NO_OP. Concurrent pushes are all SUM on
-  float32 (gradient) or SUM on int64 (pushes, done, pulls, claimed, steps) or SUM on
-  float64 (loss), and every concurrent reader of a counter uses NO_OP with the counter's
-  own datatype: element-wise atomic and legal. REPLACE is never used, so SUM never meets
-  a different op. A client's Get of the PARAMS header covers version and applied only,
-  never the pulls counter that other clients update concurrently.
-- The stop flag is written by its owner only (a store inside its EXCLUSIVE epoch) and read
-  by clients with Fetch_and_op(NO_OP) inside SHARED epochs: the lock keeps the store apart
-  from every read, and concurrent reads are NO_OPs, which never conflict.
+  float32 (gradient) or SUM on int64 (pushes, done, pulls, the run control's int64 slots)
+  or SUM on float64 (its loss slot), and every concurrent reader of a counter uses NO_OP
+  with the counter's own datatype: element-wise atomic and legal. REPLACE is never used,
+  so SUM never meets a different op. A client's Get of the PARAMS header covers version
+  and applied only, never the pulls counter that other clients update concurrently.
 - Shard 0's snapshot Get of another shard's PARAMS window is exactly a client's pull
   without the pull counter: a SHARED epoch on that shard, which its owner's EXCLUSIVE
   publish excludes. Shard 0 waits in that epoch only for the other shard's progress,
@@ -149,13 +142,12 @@ SHARED MEMORY (transport "shared"; SharedMemoryShard, SharedMemoryClient). One w
 Win.Allocate_shared over the node communicator (= the world), a segment per shard (size 0
 on other ranks); every rank maps every segment (Win.Shared_query). Shard s's segment:
 
-    [0:64) header, int64 slots: VERSION 0 | APPLIED 1 | SERVING 2 | CLAIMED 3 | STEPS 4 |
-           STOP 5 | LOSS 6 (float64); CLAIMED..LOSS are Downpour's run control, used on
-           shard 0; SERVING = 1 once the shard polls
+    [0:64) header, int64 slots: VERSION 0 | APPLIED 1 | SERVING 2 (1 once the shard polls)
     [64:..) per client c (non-shard world rank S + c): PULLED, FINISHED (int64; pulls
            made so far, published with each push and at finish)
-    then, each 64-byte aligned: the parameters f32, each optimizer state array f32 (for
-           Adagrad, its sum of squared gradients), by name
+    then, each 64-byte aligned: the run control block (distbelief.run_control; used on
+           shard 0), the parameters f32, each optimizer state array f32 (for Adagrad, its
+           sum of squared gradients), by name
 
 The parameters and the optimizer state are the shard's own (its optimizer object works
 on the segment's arrays; every client holds a copy of the optimizer pointed at the same
@@ -172,12 +164,11 @@ target's progress (0.5 s behind a sleeping target), so it is not used.
 |                     | shard: set_parameters, initialisation (store)   | exclusive |
 |                     | client pull, shard snapshot/parameters/         | shared    |
 |                     |   checkpoint_state/version (load)               |           |
-| CLAIMED, STEPS,     | client, with a push or exchange: read, add      | exclusive |
-| LOSS (shard 0)      | shard 0: read_control (load)                    | shared    |
+| run control block   | client, with a push or exchange: read, add      | exclusive |
+| (shard 0)           | shard 0: read_run_control (load)                | shared    |
+|                     | shard 0: add_run_control (load, store)          | exclusive |
 | SERVING             | shard: first serve_once (store 1)               | exclusive |
 |                     | client, before its first access (load)          | shared    |
-| STOP (shard 0)      | shard 0: raise_stop (store)                     | exclusive |
-|                     | client, with a push or exchange (load)          | exclusive |
 | PULLED[c],          | client c only, with a push and at finish: store | exclusive |
 | FINISHED[c]         | shard: serve_once, read_counters (load)         | shared    |
 

@@ -39,6 +39,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
+from distbelief import watchdog
 from distbelief.agreement import wait_for_everyone
 from distbelief.config import Config, config_hash
 from distbelief.errors import ConfigError, UserError
@@ -143,8 +144,15 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                        f"for partitioned runs\n{network.describe()}\n{model.describe()}")
         recorder = RunRecorder(config.run.out_dir, config.run.progress_every_seconds, stream,
                                target_accuracy=config.run.target_accuracy)
-    with np.errstate(over="ignore", invalid="ignore"):
-        reason, step = _loop(config, model, shard, optimizer, params, eval_set, recorder)
+    def describe(rank: int) -> str:
+        return f"rank {rank} (partition {rank})"
+
+    guard = watchdog.for_job(comm, describe, config.run)  # collective (an allgather)
+    with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard):
+        try:
+            reason, step = _loop(config, model, shard, optimizer, params, eval_set, recorder)
+        except watchdog.RankLost as lost:
+            watchdog.abort_for(comm, describe, lost)
     traffic = traffic_totals(model)
     if not rank0:
         return None

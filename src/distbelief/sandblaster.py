@@ -273,7 +273,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     distbelief.trainer.RESUME_MODES ("auto", "require", "fresh").
     """
     role = start(config, comm, stream, resume)
-    guard = watchdog.for_job(comm, role.plan.topology, config.run)  # collective (allgather)
+    # collective (an allgather)
+    guard = watchdog.for_job(comm, role.plan.topology.describe_rank, config.run)
     # Every rank catches SIGTERM/SIGUSR1 (the launcher forwards them to all): only the
     # coordinator acts on it, at the end of the iteration, with a checkpoint and the usual
     # collective stop; the other ranks must simply not die of it.
@@ -286,7 +287,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         except watchdog.RankLost as lost:
             # Sandblaster does not go on without a rank (its backup tasks cover a slow
             # replica, not a dead one at the end of the run): end the job with a message.
-            watchdog.abort_for(comm, role.plan.topology, lost)
+            watchdog.abort_for(comm, role.plan.topology.describe_rank, lost)
     if summary["stop_reason"] == "diverged":
         raise TrainingDiverged("training diverged: the loss became non-finite")
     return summary if isinstance(role, Coordinator) else None

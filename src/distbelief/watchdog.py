@@ -166,27 +166,25 @@ def abort_job(world: Any, message: str) -> None:
     world.Abort(1)
 
 
-def for_job(comm: Any, topology: Any, run: Any) -> Watchdog:
+def for_job(comm: Any, describe: Callable[[int], str], run: Any) -> Watchdog:
     """This rank's watchdog for an MPI run: `run` is the [run] configuration
-    (stall_warn_seconds, stall_abort_seconds), `topology` names the ranks, and every rank's
-    process is watched on this node (distbelief.liveness). Collective over `comm` (an
-    allgather of every rank's identity)."""
+    (stall_warn_seconds, stall_abort_seconds), `describe(rank)` names a rank, and every
+    rank's process is watched on this node (distbelief.liveness). Collective over `comm`
+    (an allgather of every rank's identity)."""
     from distbelief.liveness import Peers
 
     peers = Peers.gather(comm)
-    return Watchdog(comm.Get_rank(), topology.describe_rank, run.stall_warn_seconds,
+    return Watchdog(comm.Get_rank(), describe, run.stall_warn_seconds,
                     run.stall_abort_seconds, lambda message: abort_job(comm, message),
                     peers.gone)
 
 
-def abort_for(world: Any, topology: Any, lost: RankLost) -> None:
+def abort_for(world: Any, describe: Callable[[int], str], lost: RankLost) -> None:
     """A rank this one waited for is gone, and nothing can go on without it: abort the job
     with a message naming it."""
-    what = ("a parameter-server shard, whose slice cannot be recovered without it"
-            if lost.rank < topology.ps_shards else "a rank this one needs")
-    abort_job(world, f"{topology.describe_rank(lost.rank)} is gone ({what}) while this rank "
-                     f"waited for {lost.what}; the job stops. Run the same command again "
-                     f"to resume from the last checkpoint")
+    abort_job(world, f"{describe(lost.rank)} is gone while this rank waited for "
+                     f"{lost.what}; the job stops. Run the same command again to resume "
+                     f"from the last checkpoint (where the run writes them)")
 
 
 _DISABLED = Watchdog(0, str, 0.0, 0.0, lambda message: None)
