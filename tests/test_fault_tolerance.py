@@ -207,6 +207,19 @@ def test_a_killed_partition_loses_its_replica_and_the_run_goes_on(data_dir: Path
     assert {r["replica"] for r in summary["replicas"]} == {0}
 
 
+def test_losing_replica_0_during_the_warm_start_lets_the_others_start(data_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    # The others wait for replica 0's first 500 steps; it dies at its step 100.
+    out = tmp_path / "out"
+    proc = job(4, data_dir / "mlp.toml", out, "optimizer.warm_start_steps=500",
+               "run.max_steps=2000", faults=f"kill:1:100 {DELAY}")
+    assert exit_statuses(proc) == [0, 137, 0, 0], proc.stdout + proc.stderr[-3000:]
+    summary = summary_of(out)
+    assert [x["replica"] for x in summary["lost_replicas"]] == [0]
+    assert summary["stop_reason"] == "max_steps" and summary["steps"] >= 1999
+    assert {r["replica"] for r in summary["replicas"]} == {1, 2}
+
+
 # -- a lost shard --------------------------------------------------------------------------------
 
 
@@ -281,10 +294,13 @@ def test_a_replica_that_stops_responding_is_lost_and_fenced_off(data_dir: Path,
                                                                 tmp_path: Path) -> None:
     # Replica 2 (rank 3) sleeps 4 s at its step 100, holding nothing. After 1 s without news
     # it is lost; the others train on. When it wakes it reads that it is lost, stops, and
-    # leaves with everyone at the end (exit 0: nothing failed on any rank).
+    # waits ~2 s for the end of the run, which the stall watchdog must not take for a
+    # stall (shard 0 answers every poll), and leaves with everyone at the end (exit 0:
+    # nothing failed on any rank).
     out = tmp_path / "out"
     proc = job(4, data_dir / "mlp.toml", out, "run.max_steps=0", "run.max_seconds=7",
-               "run.replica_timeout_seconds=1", faults=f"pause:3:100:4s {DELAY}")
+               "run.replica_timeout_seconds=1", "run.stall_warn_seconds=0.5",
+               "run.stall_abort_seconds=1.5", faults=f"pause:3:100:4s {DELAY}")
     assert exit_statuses(proc) == [0] * 4, proc.stdout + proc.stderr[-3000:]
     summary = summary_of(out)
     lost = summary["lost_replicas"]

@@ -105,7 +105,7 @@ def wait_for_everyone(comm: MPI.Comm, serve: Callable[[], bool] | None = None,
     others = [r for r in range(comm.Get_size()) if r != comm.Get_rank()]
     with guard.waiting(what, world_ranks(comm, others) if guard.enabled else ()):
         while not request.Test():
-            guard.check()
+            guard.check(request.Test)
             if serve is not None and serve():
                 backoff.reset()
             else:

@@ -32,7 +32,7 @@ Sections and keys, with their defaults:
                  gradient; this many in a row from one replica stop the run),
                  replica_timeout_seconds = 300 (Downpour: a replica not heard from for this
                  long is lost, the run goes on without it; 0 = never),
-                 stall_warn_seconds = 60, stall_abort_seconds = 900 (a rank waiting on
+                 stall_warn_seconds = 60, stall_abort_seconds = 600 (a rank waiting on
                  another this long says which and what for / aborts the job; 0 = never)
 
 Checkpoints (distbelief.checkpoint) go to out_dir/checkpoints; besides the periodic ones,
@@ -121,7 +121,7 @@ class RunConfig:
     max_bad_gradients_in_a_row: int = 10
     replica_timeout_seconds: float = 300.0
     stall_warn_seconds: float = 60.0
-    stall_abort_seconds: float = 900.0
+    stall_abort_seconds: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "max_bad_gradients_in_a_row": (_int(1), 10),
         "replica_timeout_seconds": (_float(0.0), 300.0),
         "stall_warn_seconds": (_float(0.0), 60.0),
-        "stall_abort_seconds": (_float(0.0), 900.0),
+        "stall_abort_seconds": (_float(0.0), 600.0),
     },
 }
 SECTIONS = tuple(SCHEMA)

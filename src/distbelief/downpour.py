@@ -182,14 +182,18 @@ SWEEP_S = 0.25
 """How often shard 0 looks for lost replicas and shards, and the other ranks for lost
 shards (distbelief.liveness: a /proc read per rank)."""
 
-NOTICE_WINDOW_S = 3.0
-"""A SIGUSR1 reported within this long of a rank found gone is taken as the launcher's
-notice of that death (hydra sends several per death, within milliseconds), not as a stop
-request."""
+NOTICE_SLACK_S = 1.0
+"""A rank's new SIGUSR1 is the launcher's notice of a death (hydra sends several per
+death, within milliseconds) if shard 0 found a rank gone between that rank's previous
+report, less this slack, and the decision; otherwise it is a stop request."""
 
 NOTICE_DELAY_S = 0.5
-"""How long a SIGUSR1 waits for a rank to be found gone before it counts as a stop
-request."""
+"""How long a new SIGUSR1 waits for a rank to be found gone before it counts as a stop
+request (a launcher signals while the dead process is still being torn down)."""
+
+LEAVE_GRACE_S = 30.0
+"""With TEARDOWN_LEAVE, how long shard 0 waits for ranks it cannot see (on other nodes) to
+say they leave before it leaves itself (over RMA they need its progress to read it)."""
 
 STATS_TAG = 7
 """Tag of a replica's statistics message to rank 0 at its end."""
@@ -250,7 +254,7 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int) -> 
 
 def grant(claimed_before: int, want: int, max_steps: int) -> int:
     """Steps a claim of `want` receives when `claimed_before` were claimed before it (the
-    result of the atomic Fetch_and_op): all of them, or what is left of max_steps (0 =
+    result of the atomic fetch-and-add): all of them, or what is left of max_steps (0 =
     no limit). The grants of all claims add up to exactly min(claims, max_steps)."""
     if not max_steps:
         return want
@@ -286,41 +290,39 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
     info, network = open_data(config)
     # Validated before the handlers go in: a bad configuration fails at once.
-    plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train)
+    topology = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train).topology
     set_blas_threads(config.run.threads or 1)
     # Handlers first: a signal that arrives during the set-up is counted and acted on
     # once training runs, instead of killing the rank (SIGUSR1's default action).
     with StopSignals() as signals:
-        run = open_run(config, comm, resume, stream, signals, info, network)
-        with watchdog.watching(make_watchdog(run, config)):
+        peers = Peers.gather(comm)  # collective: the first, so the set-up is watched too
+        guard = watchdog.Watchdog(
+            topology.world_rank, topology.describe_rank, config.run.stall_warn_seconds,
+            config.run.stall_abort_seconds, lambda message: abort_job(comm, message),
+            peers.gone)
+        others = [r for r in range(topology.world_size) if r != topology.world_rank]
+        with watchdog.watching(guard):
             try:
+                with guard.waiting("the other ranks to set the run up", others):
+                    run = open_run(config, comm, resume, stream, signals, info, network,
+                                   peers)
                 with np.errstate(over="ignore", invalid="ignore"):
                     role = _make_role(run, config, network, info, stream, fetch_own_pushes)
                     role.run()
                     ending = role.finish()
                 run.close(ending.teardown)
             except RankLost as lost:
-                _abort_for(run, lost)
+                _abort_for(comm, topology, lost)
     ending.raise_error(config)
     return ending.summary
 
 
-def make_watchdog(run: OpenRun, config: Config) -> watchdog.Watchdog:
-    """This rank's stall watchdog (run.stall_warn_seconds, run.stall_abort_seconds), which
-    also lets polled waits notice a gone rank on this node at once."""
-    topology = run.plan.topology
-    return watchdog.Watchdog(
-        topology.world_rank, topology.describe_rank, config.run.stall_warn_seconds,
-        config.run.stall_abort_seconds, lambda message: abort_job(run.world, message),
-        run.peers.gone)
-
-
-def _abort_for(run: OpenRun, lost: RankLost) -> None:
+def _abort_for(world: MPI.Comm, topology: Topology, lost: RankLost) -> None:
     """A rank this one waited for is gone where nothing can go on without it: a shard, or
-    any rank once the run is ending. Abort the job with a message."""
-    if lost.rank < run.plan.topology.ps_shards:
-        abort_job(run.world, shard_lost_message(lost.rank, "is gone"))
-    watchdog.abort_for(run.world, run.plan.topology.describe_rank, lost)
+    any rank during the set-up or once the run is ending. Abort the job with a message."""
+    if lost.rank < topology.ps_shards:
+        abort_job(world, shard_lost_message(lost.rank, "is gone"))
+    watchdog.abort_for(world, topology.describe_rank, lost)
 
 
 @dataclass
@@ -376,7 +378,8 @@ class OpenRun:
     def close(self, teardown: int) -> None:
         """TEARDOWN_FREE: collective over the world communicator (the parameter server,
         then the other communicators). TEARDOWN_LEAVE: nothing is freed (a rank is dead:
-        any collective would wait for it); MPI_Finalize at exit ends the process."""
+        any collective would wait for it) and the process will end without MPI_Finalize,
+        which would wait for the dead rank too (guardian.skip_mpi_finalize)."""
         if teardown != rc.TEARDOWN_FREE:
             guardian.skip_mpi_finalize()  # MPI_Finalize would wait for the dead
             return
@@ -386,7 +389,8 @@ class OpenRun:
 
 
 def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None,
-             signals: StopSignals, info: Any = None, network: Any = None) -> OpenRun:
+             signals: StopSignals, info: Any = None, network: Any = None,
+             peers: Peers | None = None) -> OpenRun:
     """Set up a Downpour run on every rank of `comm` (train's first half; tests use it to
     look at a resumed run's starting state).
 
@@ -406,7 +410,8 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     path = comm.bcast(str(chosen.path) if chosen is not None else None, root=0)
     start = agree(comm, lambda: _read_start(config, plan, network, info, local, path, chosen,
                                              stream))
-    peers = Peers.gather(comm)
+    if peers is None:
+        peers = Peers.gather(comm)
     opt = config.optimizer
     initial = None
     if topology.is_shard:
@@ -573,7 +578,7 @@ class Replica:
     communication is one-sided, with the shards (pull, push, push_pull, exchange), plus
     one message with its statistics to rank 0 at the end; it never waits for another
     replica. With model parallelism its lead partition exchanges with shard 0 and tells
-    the others (`_share`; PartitionedReplica)."""
+    the others (`_share_values`; PartitionedReplica)."""
 
     lead = True  # this rank talks to shard 0 for its replica
 
@@ -616,9 +621,11 @@ class Replica:
         except RankLost as lost:
             if lost.rank < self.plan.topology.ps_shards:
                 raise
-            # Another partition of this replica is gone: the replica is lost (shard 0
-            # finds the same and goes on without it).
+            # Another partition of this replica is gone: the replica is lost. The lead
+            # says so (shard 0 may be on another node than the dead rank) and goes quiet.
             self.lost = self.stopping = True
+            if self.lead:
+                self.client.exchange(self.control.publish(abandoned=1).set(claim=0))
         self.stats_.train_seconds = time.perf_counter() - start
 
     def _wait_for_warm_start(self) -> None:
@@ -631,7 +638,7 @@ class Replica:
             if self.lead:
                 control = self._exchange(self.control.set(claim=0))
                 over = bool(plan.max_steps and self.base + control.claimed_before
-                            >= plan.max_steps)
+                            >= plan.max_steps) or control.warm
                 over = over or self.base + control.steps_before >= plan.warm_start_steps
             over, _ = self._decide(int(over))
             if over:
@@ -721,7 +728,7 @@ class Replica:
     def _pause(self, request: int) -> None:
         """Checkpoint `request`: publish this replica's position (every step it computed is
         pushed) and wait, polling the block, until shard 0 has written the checkpoint or
-        the run stops. Partitions other than the lead wait at their next `_share`."""
+        the run stops. Partitions other than the lead wait at their next `_share_values`."""
         self.acked = request
         t0 = time.perf_counter()
         if self.lead:
@@ -733,6 +740,7 @@ class Replica:
                     guard.check()
                     backoff.wait()
                     self._exchange(control.set(claim=0))
+                    guard.progress()  # shard 0 answers: only the checkpoint takes time
         self.stats_.checkpoint_seconds += time.perf_counter() - t0
 
     def _publish_position(self, **more: int) -> ControlExchange:
@@ -834,7 +842,7 @@ class Replica:
         A lost replica publishes nothing and sends nothing. One-sided, plus one message."""
         if not self.lost:
             if self.lead:
-                self._publish_position(finished=rc.FINISHED_TRAINING)
+                self._publish_position(finished=1)
             request = self.run_.messages.isend(self.stats(), dest=0, tag=STATS_TAG)
             backoff = Backoff(*PAUSE_POLL_S)
             guard = watchdog.current()
@@ -846,26 +854,22 @@ class Replica:
         return Ending(stop, stop_arg, teardown)
 
     def _wait_for_teardown(self) -> tuple[int, int, int]:
-        """Poll the block until shard 0 says how the run ends; acknowledge it (LEFT).
-        Partitions of a live replica learn it from their lead; a lost replica's
-        partitions each read it themselves."""
-        values = np.zeros(3, dtype=np.int64)
-        if self.lead or self.lost:
-            control = self.control if self.lead else ControlExchange(None)
-            backoff = Backoff(*PAUSE_POLL_S)
-            guard = watchdog.current()
-            self.client.exchange(control.set(claim=0))
-            with guard.waiting("shard 0 to end the run", (0,)):
-                while not control.teardown:
-                    guard.check()
-                    backoff.wait()
-                    self.client.exchange(control.set(claim=0))
-            values[:] = control.teardown, control.stop, control.stop_arg
-            if self.lead and not self.lost:
-                self.client.exchange(control.publish(finished=rc.FINISHED_LEFT).set(claim=0))
-        if not self.lost:
-            values = self._share_values(values)
-        return int(values[0]), int(values[1]), int(values[2])
+        """Poll the block until shard 0 says how the run ends, then count this rank as
+        leaving (LEFT). Every rank of the replica polls on its own, without the
+        replica's slots (no heartbeat: a lost replica's stays silent), so a partition
+        whose partner died needs no one. Returns (TEARDOWN, STOP, STOP_ARG)."""
+        control = ControlExchange(None)
+        backoff = Backoff(*PAUSE_POLL_S)
+        guard = watchdog.current()
+        self.client.exchange(control.set(claim=0))
+        with guard.waiting("shard 0 to end the run", (0,)):
+            while not control.teardown:
+                guard.check()
+                backoff.wait()
+                self.client.exchange(control.set(claim=0))
+                guard.progress()  # shard 0 answers: the run is simply not over yet
+        self.client.exchange(control.set(claim=0, leaving=True))
+        return control.teardown, control.stop, control.stop_arg
 
     def stats(self) -> dict[str, Any]:
         return {"role": "replica", **self.stats_.to_dict()}
@@ -1003,7 +1007,7 @@ class _ShardRole:
         all_stats = gather_after_barrier(self.comm, self.stats())
         final = self._gather_parameters()
         self._before_final_checkpoint(all_stats, final)
-        self.checkpoint()  # nothing new since the last one: nothing is written
+        self.checkpoint()  # the final one (skipped if its step is already checkpointed)
         ending = bcast_after_barrier(self.comm, self._ending())
         ending.failure = ending.failure or self.failure
         self._announce(ending)
@@ -1095,8 +1099,12 @@ class Supervisor(_ShardRole):
         self.beat_times = np.full(replicas, time.monotonic())
         self.lost: dict[int, LostReplica] = {}
         self.dead_ranks: set[int] = set()
-        self.last_death = -math.inf  # when a sweep last found a rank newly gone
-        self.usr1_since: float | None = None  # a SIGUSR1 waits for its meaning
+        self.death_times: list[float] = []  # when sweeps found ranks newly gone
+        # SIGUSR1 counts by source (replica index, or "shards": their max in the rounds):
+        # (count, when it was last seen); and new ones waiting for their meaning.
+        self.usr1_seen: dict[Any, tuple[int, float]] = {}
+        self.usr1_pending: list[tuple[float, float]] = []  # (previous report, first seen)
+        self.warm_released = False
         self.replica_stats: dict[int, dict[str, Any]] = {}
         self.requests = 0  # checkpoint requests made (the CHECKPOINT slot)
         self.awaiting = False  # a request is out: its checkpoint has not been written
@@ -1104,7 +1112,7 @@ class Supervisor(_ShardRole):
         self.logged_steps = -1
         self._next_control = 0.0
         self._shard_signals = (0, 0)  # max SIGTERM, SIGUSR1 counts of the shards
-        self._signals_seen = (0, 0)
+        self._terms_seen = 0
         run_config = config.run
         self.root = ckpt.checkpoint_root(run_config.out_dir)
         self.every_seconds, self.every_steps = (run_config.checkpoint_every_seconds,
@@ -1147,7 +1155,7 @@ class Supervisor(_ShardRole):
             self._record_eval(*self.pending)
             busy = True
         if (now >= self._next_control or (self.awaiting and not self.ready)
-                or self.usr1_since is not None):
+                or self.usr1_pending):
             self._read_control(now)
         if now >= self._next_sweep:
             self._sweep(now)
@@ -1182,11 +1190,21 @@ class Supervisor(_ShardRole):
         self.beats[moved] = rows[moved, rc.BEAT]
         self.beat_times[moved] = now
         term = max(int(rows[:, rc.TERM].max(initial=0)), self._shard_signals[0])
-        usr1 = max(int(rows[:, rc.USR1].max(initial=0)), self._shard_signals[1])
+        usr1 = {r: int(count) for r, count in enumerate(rows[:, rc.USR1])}
+        usr1["shards"] = self._shard_signals[1]
         self._on_signals(term, usr1, now)
         for replica in np.flatnonzero(rows[:, rc.GAVE_UP]):
             if int(replica) not in self.lost:
                 self._stop(rc.STOP_BAD_GRADIENTS, "bad_gradients", int(replica) + 1)
+        for replica in np.flatnonzero(rows[:, rc.ABANDONED]):
+            if int(replica) not in self.lost:
+                self._lose(int(replica), list(self.plan.topology.replica_ranks(replica)),
+                           "one of its partitions found another gone")
+        if self.plan.warm_start_steps and not self.warm_released and (
+                0 in self.lost or rows[0, rc.FINISHED]):
+            # The others wait for replica 0's warm-start steps, which will never come.
+            self.shard.add_run_control(rc.WARM, 1)
+            self.warm_released = True
         if self.awaiting and not self.ready:
             self.ready = all(r in self.lost or row[rc.ACKED] >= self.requests
                              or row[rc.FINISHED] for r, row in enumerate(rows))
@@ -1205,29 +1223,34 @@ class Supervisor(_ShardRole):
     def _on_round(self, result: np.ndarray) -> None:
         self._shard_signals = (int(result[ROUND_TERM]), int(result[ROUND_USR1]))
 
-    def _on_signals(self, term: int, usr1: int, now: float) -> None:
-        """Stop on a SIGTERM; on a SIGUSR1 unless it is the launcher's notice of a death
-        (the sweep looks for the dead first: see SIGNALS in the module docstring)."""
+    def _on_signals(self, term: int, usr1: dict[Any, int], now: float) -> None:
+        """Stop on a SIGTERM; on a SIGUSR1 unless it is the launcher's notice of a death:
+        a source's new SIGUSR1 is a notice if a rank was found gone since that source's
+        previous report (see SIGNALS in the module docstring)."""
         if self.all_finished:
             return  # the run is ending: ranks leaving make hydra send SIGUSR1s
-        seen_term, seen_usr1 = self._signals_seen
-        if term > seen_term:
+        if term > self._terms_seen:
+            self._terms_seen = term
             self._stop(rc.STOP_SIGNAL, "SIGTERM")
-        if usr1 > seen_usr1 and self.usr1_since is None:
-            self.usr1_since = now
-        if self.usr1_since is not None:
-            # Decided once a rank is found gone, or NOTICE_DELAY_S later: the launcher
-            # can signal while the dead process is still being torn down.
-            self._sweep(now)
-            if now - self.last_death <= NOTICE_WINDOW_S:
+        for source, count in usr1.items():
+            seen, when = self.usr1_seen.get(source, (0, -math.inf))
+            if count > seen:
+                self.usr1_pending.append((when, now))
+            self.usr1_seen[source] = (count, now)
+        if not self.usr1_pending:
+            return
+        self._sweep(now)
+        waiting = []
+        for previous, first in self.usr1_pending:
+            if any(previous - NOTICE_SLACK_S <= t for t in self.death_times):
                 if not self.stop_code:
                     _print(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice "
                                         "of the rank(s) found gone; training goes on")
-                self.usr1_since = None
-            elif now - self.usr1_since >= NOTICE_DELAY_S:
+            elif now - first >= NOTICE_DELAY_S:
                 self._stop(rc.STOP_SIGNAL, "SIGUSR1")
-                self.usr1_since = None
-        self._signals_seen = (term, usr1)
+            else:
+                waiting.append((previous, first))
+        self.usr1_pending = waiting
 
     # -- liveness
 
@@ -1246,12 +1269,11 @@ class Supervisor(_ShardRole):
             ranks = list(topology.replica_ranks(replica))
             gone = peers.gone_among(ranks)
             if set(gone) - self.dead_ranks:
-                self.last_death = now
+                self.death_times.append(now)
             self.dead_ranks.update(gone)
             if replica in self.lost:
                 continue
-            finished = rows is not None and rows[replica, rc.FINISHED] >= rc.FINISHED_LEFT
-            if gone and not finished:
+            if gone:
                 self._lose(replica, ranks, f"the process of rank {gone[0]} is gone")
             elif (timeout and rows is not None and not rows[replica, rc.FINISHED]
                   and now - self.beat_times[replica] > timeout):
@@ -1472,25 +1494,23 @@ class Supervisor(_ShardRole):
         return Ending(self.stop_code, self.stop_arg, teardown, self.failure, summary)
 
     def _announce(self, ending: Ending) -> None:
-        """Tell the replicas how the run ends; with LEAVE, wait until every live replica
-        has read it (RMA: its reads need this rank's progress)."""
+        """Tell the other ranks how the run ends. With LEAVE (nobody frees; some rank is
+        dead), wait until every client rank has said it leaves, or is found gone, before
+        leaving: over RMA their reads need this rank's progress. Ranks it cannot see
+        (other nodes) get LEAVE_GRACE_S. Nothing is recorded any more (summary written)."""
         self.shard.add_run_control(rc.TEARDOWN, ending.teardown)
         if ending.teardown == rc.TEARDOWN_FREE:
             return
+        topology, peers = self.plan.topology, self.run_.peers
+        clients = range(topology.first_replica_rank, topology.world_size)
+        dead = len(peers.gone_among(clients))  # before the announce: they never leave
         backoff = Backoff(*WAIT_SLEEP_S)
-        with watchdog.current().waiting("the live replicas to read the teardown"):
-            while True:
-                self._read_control(time.monotonic())
-                rows = self.view.replicas
-                waiting = [r for r in range(self.plan.num_replicas)
-                           if r not in self.lost and rows[r, rc.FINISHED] < rc.FINISHED_LEFT]
-                if not waiting:
-                    return
-                self._sweep(time.monotonic(), shards=False)
+        deadline = time.monotonic() + LEAVE_GRACE_S
+        with watchdog.current().waiting("the other ranks to read the end of the run"):
+            # A rank that dies from now on never says it leaves: LEAVE_GRACE_S covers it.
+            while (self.shard.read_run_control().left + dead < len(clients)
+                   and time.monotonic() < deadline):
                 backoff.wait()
-
-    def stats(self) -> dict[str, Any]:
-        return super().stats()
 
 
 # ------------------------------------------------------------------------------------------

@@ -12,10 +12,16 @@ PMI connection), and when the worker dies of signal N the guardian exits with st
 128 + N instead. Downpour then goes on without that replica (distbelief.downpour).
 
 The guardian relays SIGTERM, SIGUSR1, SIGUSR2, SIGINT and SIGHUP to the worker, which runs
-in a process group of its own: every signal meant for the rank reaches the worker exactly
-once, whether the launcher signals the rank's process or its process group (Downpour
-counts SIGUSR1s). The worker dies with its guardian (PR_SET_PDEATHSIG), so a launcher
-that kills the job leaves nothing behind.
+in a process group of its own: a signal meant for the rank reaches the worker whether
+the launcher signals the rank's process or its process group (hydra signals process
+groups; SLURM's slurmstepd signals every process of the step, so there the worker gets it
+twice, which is harmless: a stop request is a stop request). The worker dies with its
+guardian (PR_SET_PDEATHSIG), so a launcher that kills the job leaves nothing behind.
+
+Known gap: a worker that dies before MPI_Init (it cannot even start) ends its guardian
+with status 1, and under `-disable-auto-cleanup` hydra then lets the other ranks wait in
+MPI_Init for ever (the stall watchdog starts only after it); the default launch ends the
+job.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ def run_guarded(argv: Sequence[str]) -> int:
     env = dict(os.environ)
     env[WORKER_ENV] = str(os.getpid())
     pmi_fds = _pmi_fds()
-    worker = subprocess.Popen([sys.executable, "-m", "distbelief", *argv], env=env,
+    # The interpreter's own options (-X, -O, -W) carry over, as multiprocessing does it.
+    python = [sys.executable, *subprocess._args_from_interpreter_flags()]
+    worker = subprocess.Popen([*python, "-m", "distbelief", *argv], env=env,
                               pass_fds=pmi_fds, process_group=0)
     for fd in pmi_fds:
         # The launcher must see the PMI connection close when the worker dies.
@@ -97,6 +105,9 @@ def bind_to_guardian() -> None:
     except (OSError, AttributeError):
         return
     if guardian and os.getppid() != guardian:
+        print(f"distbelief: the guardian (process {guardian}) of this worker is gone, or "
+              f"{WORKER_ENV} was inherited from another distbelief run; not starting",
+              file=sys.stderr, flush=True)
         os._exit(1)
 
 

@@ -80,7 +80,7 @@ def wait_all(requests: list[MPI.Request], what: str = "messages",
     guard = watchdog.current()
     with guard.waiting(what, ranks):
         while not MPI.Request.Testall(requests):
-            guard.check()
+            guard.check(lambda: MPI.Request.Testall(requests))
             backoff.wait()
 
 

@@ -419,7 +419,7 @@ class _Endpoint:
         others = [r for r in range(self._comm.Get_size()) if r != self._comm.Get_rank()]
         with guard.waiting("every rank, to free the parameter server's windows", others):
             while not request.Test():
-                guard.check()
+                guard.check(request.Test)
                 backoff.wait()
         windows.free()
         self._windows = None

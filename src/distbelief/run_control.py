@@ -15,12 +15,16 @@ window on the RMA transport, in its segment on the shared-memory one (parameter_
     global slots          written by            meaning
     CLAIMED               replicas (+claim)     steps claimed (the global step counter)
     STEPS                 replicas (+steps)     steps finished and pushed
+    LEFT                  client ranks (+1)     ranks that read TEARDOWN and leave
     LOSS (float64)        replicas (+sum)       sum of their minibatch losses
-    STOP                  shard 0 (once)        why the run stops (a STOP_* code), 0: it goes on
-    STOP_ARG              shard 0 (once)        with STOP_BAD_GRADIENTS: the replica index
+    STOP                  shard 0               why the run stops (a STOP_* code), 0: it goes
+                                                  on; set once, replaced only by an error
+    STOP_ARG              shard 0               with STOP_BAD_GRADIENTS: the replica index + 1
     CHECKPOINT            shard 0 (+1)          checkpoints asked for so far
     RELEASE               shard 0 (+1)          checkpoints written (replicas may go on)
     TEARDOWN              shard 0 (once)        TEARDOWN_FREE or TEARDOWN_LEAVE, at the end
+    WARM                  shard 0 (once)        the warm start is over whatever the steps
+                                                  (replica 0 was lost or has finished)
 
     per replica r         written by            meaning
     BEAT                  replica r (+1)        exchanges made (its heartbeat)
@@ -29,12 +33,12 @@ window on the RMA transport, in its segment on the shared-memory one (parameter_
       LOCAL_STEPS                                 local steps then, or at its finish
     USR1, TERM            replica r             SIGUSR1s, SIGTERMs it received
     GAVE_UP               replica r (0 -> 1)    too many non-finite gradients in a row
-    FINISHED              replica r             FINISHED_TRAINING: its last push is in and
-                                                  its data position final; FINISHED_LEFT: it
-                                                  read TEARDOWN and leaves
+    FINISHED              replica r (0 -> 1)    its last push is in and its data position
+                                                  final
+    ABANDONED             replica r (0 -> 1)    one of its partitions is gone: it is lost
     LOST                  shard 0 (0 -> 1)      shard 0 declared it lost: it must stop
 
-Every update is an addition (a replica sends the difference from what it sent before),
+Every update is an addition (a writer sends the difference from what it wrote before),
 so on the RMA transport every access is Accumulate(SUM) or Fetch_and_op(SUM) by the
 writer and NO_OP reads (Fetch_and_op, Get_accumulate) by everyone else, with the slot's
 own datatype: element-wise atomic and legal under `accumulate_ops = same_op_no_op` with
@@ -52,13 +56,14 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-# Global slots (int64 unless noted)
-CLAIMED, STEPS, LOSS, STOP, STOP_ARG, CHECKPOINT, RELEASE, TEARDOWN = range(8)
-GLOBAL_SLOTS = 8
-COMMANDS = slice(STOP, TEARDOWN + 1)  # what a replica reads with each exchange
+# Global slots (int64 unless noted); CLAIMED, STEPS, LEFT are added to in one operation
+CLAIMED, STEPS, LEFT, LOSS, STOP, STOP_ARG, CHECKPOINT, RELEASE, TEARDOWN, WARM = range(10)
+GLOBAL_SLOTS = 10
+COMMANDS = slice(STOP, WARM + 1)  # what a replica reads with each exchange
 # Per-replica slots
-BEAT, ACKED, EPOCH, POSITION, LOCAL_STEPS, USR1, TERM, GAVE_UP, FINISHED, LOST = range(10)
-REPLICA_SLOTS = 10
+(BEAT, ACKED, EPOCH, POSITION, LOCAL_STEPS, USR1, TERM, GAVE_UP, FINISHED, ABANDONED,
+ LOST) = range(11)
+REPLICA_SLOTS = 11
 SLOT_BYTES = 8
 
 # STOP codes: why the run stops (replicas stop after their current block in every case)
@@ -67,8 +72,6 @@ SLOT_BYTES = 8
 # TEARDOWN codes
 TEARDOWN_FREE = 1  # nobody was lost: every rank frees the windows collectively
 TEARDOWN_LEAVE = 2  # a rank was lost: nobody frees (a collective would wait for the dead)
-# FINISHED values
-FINISHED_TRAINING, FINISHED_LEFT = 1, 2
 
 
 def block_slots(replicas: int) -> int:
@@ -94,21 +97,14 @@ def replica_offset(replica: int) -> int:
 class ControlView:
     """The whole block as shard 0 read it at one moment."""
 
-    claimed: int
     steps: int
+    left: int
     loss_sum: float
-    stop: int
-    stop_arg: int
-    checkpoint: int
-    release: int
-    teardown: int
     replicas: np.ndarray  # int64 (replicas, REPLICA_SLOTS)
 
     @classmethod
     def from_block(cls, block: np.ndarray, loss: float) -> ControlView:
-        g = [int(v) for v in block[:GLOBAL_SLOTS]]
-        return cls(g[CLAIMED], g[STEPS], loss, g[STOP], g[STOP_ARG], g[CHECKPOINT],
-                   g[RELEASE], g[TEARDOWN],
+        return cls(int(block[STEPS]), int(block[LEFT]), loss,
                    block[GLOBAL_SLOTS:].reshape(-1, REPLICA_SLOTS).copy())
 
 
@@ -125,9 +121,9 @@ class ControlExchange:
 
     def __init__(self, replica: int | None) -> None:
         self.replica = replica
-        self._send = np.zeros(2, dtype=np.int64)  # claim, steps
+        self._send = np.zeros(3, dtype=np.int64)  # claim, steps, left
         self._loss = np.zeros(1, dtype=np.float64)
-        self._before = np.zeros(2, dtype=np.int64)  # claimed, steps
+        self._before = np.zeros(3, dtype=np.int64)  # claimed, steps, left
         self._commands = np.zeros(COMMANDS.stop - COMMANDS.start, dtype=np.int64)
         self._zero = np.zeros(len(self._commands), dtype=np.int64)
         # This replica's slots: the values to publish (LOST stays 0: shard 0 writes it),
@@ -137,10 +133,12 @@ class ControlExchange:
         self._delta = np.zeros(REPLICA_SLOTS, dtype=np.int64)
         self._row = np.zeros(REPLICA_SLOTS, dtype=np.int64)
 
-    def set(self, claim: int, steps: int = 0, loss_sum: float = 0.0) -> ControlExchange:
+    def set(self, claim: int, steps: int = 0, loss_sum: float = 0.0,
+            leaving: bool = False) -> ControlExchange:
+        """What the next exchange adds; `leaving`: this rank read TEARDOWN and leaves."""
         if claim < 0 or steps < 0:
             raise ValueError(f"claim and steps must be >= 0, got {claim}, {steps}")
-        self._send[:] = claim, steps
+        self._send[:] = claim, steps, int(leaving)
         self._loss[0] = loss_sum
         return self
 
@@ -149,7 +147,7 @@ class ControlExchange:
         term, gave_up, finished) for the next exchange."""
         names = {"acked": ACKED, "epoch": EPOCH, "position": POSITION,
                  "local_steps": LOCAL_STEPS, "usr1": USR1, "term": TERM, "gave_up": GAVE_UP,
-                 "finished": FINISHED}
+                 "finished": FINISHED, "abandoned": ABANDONED}
         for name, value in values.items():
             self._published[names[name]] = int(value)
         return self
@@ -189,6 +187,11 @@ class ControlExchange:
         return self._command(TEARDOWN)
 
     @property
+    def warm(self) -> bool:
+        """The warm start is over, whatever the steps say."""
+        return bool(self._command(WARM))
+
+    @property
     def lost(self) -> bool:
         """Shard 0 declared this replica lost (it must stop and push no more)."""
         return bool(self._row[LOST])
@@ -204,14 +207,15 @@ class ControlExchange:
     def issue(self, win: MPI.Win, target: int, base: int) -> None:
         """The exchange's operations, inside an open SHARED epoch on `target`'s window
         whose block starts at byte `base`; four, as few as a push carried before the run
-        control grew: Get_accumulate(SUM) adds the claim and the steps and returns the
-        counters before (CLAIMED and STEPS are adjacent), Accumulate(SUM) the loss,
+        control grew: Get_accumulate(SUM) adds the claim, the steps and `leaving` and
+        returns the counters before (CLAIMED, STEPS, LEFT are adjacent), Accumulate(SUM) the
+        loss,
         Get_accumulate(NO_OP) reads the commands, and Get_accumulate(SUM) adds this
         replica's differences to its slots and returns them as they were (LOST with
         them). Element-wise atomic, and every writer of a slot uses SUM."""
         int64, double = MPI.INT64_T, MPI.DOUBLE
         win.Get_accumulate([self._send, int64], [self._before, int64], target,
-                           (base + CLAIMED * SLOT_BYTES, 2, int64), MPI.SUM)
+                           (base + CLAIMED * SLOT_BYTES, 3, int64), MPI.SUM)
         win.Accumulate([self._loss, double], target, (base + LOSS * SLOT_BYTES, 1, double),
                        MPI.SUM)
         win.Get_accumulate([self._zero, int64], [self._commands, int64], target,
@@ -226,9 +230,8 @@ class ControlExchange:
     def apply(self, block: np.ndarray) -> None:
         """The same on a shared-memory block (int64 view; LOSS as float64 bits), under the
         segment's exclusive lock."""
-        self._before[:] = block[CLAIMED], block[STEPS]
-        block[CLAIMED] += self._send[0]
-        block[STEPS] += self._send[1]
+        self._before[:] = block[CLAIMED : LEFT + 1]
+        block[CLAIMED : LEFT + 1] += self._send
         block[LOSS : LOSS + 1].view(np.float64)[0] += self._loss[0]
         self._commands[:] = block[COMMANDS]
         if self.replica is None:

@@ -385,7 +385,7 @@ def _wait_all(requests: list[MPI.Request], what: str = "messages",
     guard = watchdog.current()
     with guard.waiting(what, ranks):
         while not MPI.Request.Testall(requests):
-            guard.check()
+            guard.check(lambda: MPI.Request.Testall(requests))
             backoff.wait()
 
 
@@ -712,7 +712,7 @@ class Replica:
         guard = watchdog.current()
         with guard.waiting("the coordinator's answer", (self.coordinator,)):
             while not self.comm.Iprobe(self.coordinator, TAG_TASK):
-                guard.check()
+                guard.check(lambda: self.comm.Iprobe(self.coordinator, TAG_TASK))
                 backoff.wait()
         answer = self.comm.recv(source=self.coordinator, tag=TAG_TASK)
         self.stats_.comm_seconds += time.perf_counter() - t0

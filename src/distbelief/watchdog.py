@@ -95,9 +95,11 @@ class Watchdog:
         finally:
             self._waits.pop()
 
-    def check(self) -> None:
+    def check(self, done: Callable[[], bool] | None = None) -> None:
         """From a polled wait, between polls: raise RankLost if a rank the innermost wait
-        depends on is gone. Cheap (looks every CHECK_S at most)."""
+        depends on is gone, unless `done()` (polled once more) says the wait is over: a
+        rank may send its last message and leave before the receiver has tested for it.
+        Cheap (looks every CHECK_S at most)."""
         if self.gone is None or not self._waits:
             return
         now = time.monotonic()
@@ -107,7 +109,16 @@ class Watchdog:
         wait = self._waits[-1]
         for rank in wait.ranks:
             if self.gone(rank):
+                if done is not None and done():
+                    return
                 raise RankLost(rank, wait.what)
+
+    def progress(self) -> None:
+        """The rank waited for has answered (a poll of a long wait got a reply): the
+        innermost wait is not a stall, its clock starts again."""
+        if self._waits:
+            wait = self._waits[-1]
+            wait.started, wait.warned = time.monotonic(), False
 
     # -- the thread
 
