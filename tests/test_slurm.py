@@ -241,6 +241,44 @@ def test_downpour_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, s
     check_preempted_then_resumed(job, DOWNPOUR_STEPS)
 
 
+@pytest.mark.parametrize("script", ["one_node", "multi_node"])
+def test_a_run_that_lost_a_replica_is_still_requeued_and_resumed(data_dir, tmp_path, script):
+    """1 shard + 3 replicas; replica 2 (rank 3) is killed at its step 100, the others go on
+    (one_node: hydra's -disable-auto-cleanup; multi_node: srun --kill-on-bad-exit=0, which
+    the shim turns into the same). USR1 then stops the run with a checkpoint: the launcher
+    ends with the dead rank's status 137, yet the script requeues, from what the run wrote
+    in DISTBELIEF_OUTCOME_FILE, and the requeued job resumes to the end."""
+    steps = 2 * DOWNPOUR_STEPS  # about 6 s, 2 replicas after the loss
+    job = Job(script, tmp_path, 4, data_dir / "synth.toml", 'optimizer.algorithm="downpour"',
+              f"run.max_steps={steps}",
+              env={FAULTS: f"kill:3:100 {DOWNPOUR_STEP_DELAY[FAULTS]}"})
+    proc = job.start()
+    deadline = time.monotonic() + 60
+    while "replica 2 (rank 3) lost" not in job.text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_session(proc)
+            pytest.fail(f"no lost replica reported\n{job.text()[-4000:]}")
+        time.sleep(0.05)
+    # Later than hydra's own SIGUSR1s about the death, which the run ignores (a SIGUSR1
+    # within about a second of a death found is taken for one of them).
+    time.sleep(2)
+    os.kill(proc.pid, signal.SIGUSR1)
+    assert job.wait(proc) == 0, job.text()[-4000:]
+    first = job.text()
+    assert "a rank was lost (launcher status 137), but the run ended cleanly" in first
+    assert '"stop_reason": "SIGUSR1"' in first and '"lost_replicas": 1' in first
+    assert job.shim_calls("scontrol") == [f"scontrol requeue {JOB_ID}"]
+    stopped_at = job.latest_checkpoint_step()
+    assert 0 < stopped_at < steps
+    assert not list(tmp_path.glob(".distbelief-outcome-*")), "the outcome file is removed"
+
+    job.extra_env = dict(DOWNPOUR_STEP_DELAY)  # the requeued job: nothing fails any more
+    assert job.run(restarts=1) == 0, job.text()[len(first):][-4000:]
+    second = job.text()[len(first):]
+    assert "resuming from" in second and "distbelief-slurm: the run finished" in second
+    assert job.summary()["steps"] == steps and job.summary()["lost_replicas"] == []
+
+
 def test_sandblaster_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path):
     """Sandblaster needs no script of its own: the algorithm comes from the config.
     4 ranks: 1 shard, the coordinator, 2 replicas; a step is one L-BFGS iteration."""

@@ -267,13 +267,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     # an unhandled exception aborts the job.
     comm = start_mpi() if several else None
     config = load_config(args.config, args.overrides)
+    summary = _train(config, comm, _resume_mode(args))
+    outcome = os.environ.get(OUTCOME_ENV)
+    if summary is not None and outcome:
+        from distbelief.metrics import write_json_atomic
+
+        write_json_atomic(outcome, {"stop_reason": summary["stop_reason"],
+                                    "lost_replicas": len(summary.get("lost_replicas", []))})
+    return 0
+
+
+OUTCOME_ENV = "DISTBELIEF_OUTCOME_FILE"
+"""If set, the rank that writes summary.json also writes there, when the run ends without
+an error, {"stop_reason": ..., "lost_replicas": N}: the slurm/ scripts read it, because a
+launcher's exit status is not 0 once a rank was lost, even when the others finished the
+run (or stopped it cleanly for a requeue)."""
+
+
+def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
+    """Dispatch to the configured trainer; the summary on the rank that wrote it."""
     algorithm = config.optimizer.algorithm
     if algorithm == "sgd" and config.cluster.partitions > 1:
         from distbelief import partitioned_training
 
-        partitioned_training.train(config, comm if comm is not None else start_mpi(),
-                                   resume=_resume_mode(args))
-        return 0
+        return partitioned_training.train(config, comm if comm is not None else start_mpi(),
+                                          resume=resume)
     if algorithm == "sgd":
         if comm is not None and comm.Get_size() > 1:
             raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "
@@ -281,20 +299,17 @@ def cmd_train(args: argparse.Namespace) -> int:
                               f"mpiexec, or use algorithm = \"downpour\"")
         from distbelief import trainer
 
-        trainer.train(config, resume=_resume_mode(args))
-        return 0
+        return trainer.train(config, resume=resume)
     # The dispatch point for the MPI algorithms.
     comm = comm if comm is not None else start_mpi()
     if algorithm == "downpour":
         from distbelief import downpour
 
-        downpour.train(config, comm, resume=_resume_mode(args))
-        return 0
+        return downpour.train(config, comm, resume=resume)
     if algorithm == "sandblaster":
         from distbelief import sandblaster
 
-        sandblaster.train(config, comm, resume=_resume_mode(args))
-        return 0
+        return sandblaster.train(config, comm, resume=resume)
     raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
 
 
