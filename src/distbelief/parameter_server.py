@@ -1369,9 +1369,9 @@ class SharedMemoryClient(ParameterClient):
 
     def _progress(self) -> None:
         """Let MPI progress, as every RMA call of the other transport does by itself: the
-        caller's nonblocking collectives (Downpour's agreement rounds) advance only while
-        their ranks are inside MPI. One Iprobe on the private communicator (where nothing
-        is ever sent), ~1 us."""
+        caller's nonblocking operations (a partitioned replica's messages to its partners,
+        a replica's statistics to rank 0) advance only while their ranks are inside MPI.
+        One Iprobe on the private communicator (where nothing is ever sent), ~1 us."""
         self._comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
 
     def _pushed_to(self, control: ControlExchange | None) -> list[int]:
