@@ -374,6 +374,19 @@ class OpenRun:
     messages: MPI.Comm
     signals: StopSignals
     world: MPI.Comm
+    _next_shard_check: float = 0.0
+    _usr1_checked: int = 0
+
+    def check_shards(self, now: float, force: bool = False) -> None:
+        """Abort the job if a shard on this node is gone: looked at every SWEEP_S, at once
+        after a new SIGUSR1 (hydra's notice of a death), or when `force`d. Local."""
+        usr1 = self.signals.counts["SIGUSR1"]
+        if not force and now < self._next_shard_check and usr1 == self._usr1_checked:
+            return
+        self._next_shard_check, self._usr1_checked = now + SWEEP_S, usr1
+        gone = self.peers.gone_among(self.plan.topology.shard_ranks)
+        if gone:
+            abort_job(self.world, shard_lost_message(gone[0], "is gone"))
 
     def close(self, teardown: int) -> None:
         """TEARDOWN_FREE: collective over the world communicator (the parameter server,
@@ -602,8 +615,6 @@ class Replica:
         self.acked = 0  # the last checkpoint request this replica paused for
         self.bad_in_a_row = 0
         self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.faults)
-        self._usr1_seen = 0
-        self._next_sweep = time.monotonic() + SWEEP_S
 
     # -- the loop
 
@@ -819,20 +830,8 @@ class Replica:
         a launcher's notice that a rank died, so the shards are looked at first."""
         counts = self.run_.signals.counts
         control.publish(usr1=counts["SIGUSR1"], term=counts["SIGTERM"])
-        self._watch_shards(counts["SIGUSR1"])
+        self.run_.check_shards(time.monotonic())
         return control
-
-    def _watch_shards(self, usr1: int) -> None:
-        """Abort the job if a shard on this node is gone: checked every SWEEP_S, and at
-        once after a SIGUSR1."""
-        now = time.monotonic()
-        if now < self._next_sweep and usr1 == self._usr1_seen:
-            return
-        self._next_sweep, self._usr1_seen = now + SWEEP_S, usr1
-        topology = self.plan.topology
-        gone = self.run_.peers.gone_among(topology.shard_ranks)
-        if gone:
-            abort_job(self.run_.world, shard_lost_message(gone[0], "is gone"))
 
     # -- the end
 
@@ -893,8 +892,6 @@ class _ShardRole:
         self.checkpoint_seconds = 0.0
         self.failure: str | None = None  # why a checkpoint could not be written
         self.diverged = False  # a shard held non-finite values at a checkpoint
-        self._next_sweep = time.monotonic() + SWEEP_S
-        self._usr1_seen = 0
 
     def run(self) -> None:
         self.shard.serve(PacedBackoff(), between=self._duties,
@@ -904,19 +901,8 @@ class _ShardRole:
         """Between two polls: the test-only faults, the shards' liveness, the rounds."""
         if self.faults:
             self.faults.after_updates(self.shard.version)
-        self._watch_shards()
+        self.run_.check_shards(time.monotonic())
         return self._poll_rounds()
-
-    def _watch_shards(self) -> None:
-        """Abort the job if another shard on this node is gone (every SWEEP_S, and at once
-        after a SIGUSR1)."""
-        now, usr1 = time.monotonic(), self.signals.counts["SIGUSR1"]
-        if now < self._next_sweep and usr1 == self._usr1_seen:
-            return
-        self._next_sweep, self._usr1_seen = now + SWEEP_S, usr1
-        gone = self.run_.peers.gone_among(self.plan.topology.shard_ranks)
-        if gone:
-            abort_job(self.run_.world, shard_lost_message(gone[0], "is gone"))
 
     # -- rounds
 
@@ -1098,6 +1084,7 @@ class Supervisor(_ShardRole):
         self.beats = np.zeros(replicas, dtype=np.int64)
         self.beat_times = np.full(replicas, time.monotonic())
         self.lost: dict[int, LostReplica] = {}
+        self.lost_mask = np.zeros(replicas, dtype=bool)  # the same, for whole-array tests
         self.dead_ranks: set[int] = set()
         self.death_times: list[float] = []  # when sweeps found ranks newly gone
         # SIGUSR1 counts by source (replica index, or "shards": their max in the rounds):
@@ -1111,6 +1098,7 @@ class Supervisor(_ShardRole):
         self.ready = False  # every replica has paused for it (or finished, or is lost)
         self.logged_steps = -1
         self._next_control = 0.0
+        self._next_sweep = time.monotonic() + SWEEP_S
         self._shard_signals = (0, 0)  # max SIGTERM, SIGUSR1 counts of the shards
         self._terms_seen = 0
         run_config = config.run
@@ -1206,13 +1194,13 @@ class Supervisor(_ShardRole):
             self.shard.add_run_control(rc.WARM, 1)
             self.warm_released = True
         if self.awaiting and not self.ready:
-            self.ready = all(r in self.lost or row[rc.ACKED] >= self.requests
-                             or row[rc.FINISHED] for r, row in enumerate(rows))
+            self.ready = bool(np.all(self.lost_mask | (rows[:, rc.ACKED] >= self.requests)
+                                     | (rows[:, rc.FINISHED] > 0)))
 
     def _replicas_done(self) -> bool:
-        rows = self.view.replicas if self.view is not None else None
-        return rows is not None and all(r in self.lost or row[rc.FINISHED]
-                                        for r, row in enumerate(rows))
+        if self.view is None:
+            return False
+        return bool(np.all(self.lost_mask | (self.view.replicas[:, rc.FINISHED] > 0)))
 
     def _contribution(self) -> list[int]:
         counts = self.signals.counts
@@ -1260,9 +1248,8 @@ class Supervisor(_ShardRole):
         run.replica_timeout_seconds)."""
         self._next_sweep = now + SWEEP_S
         topology, peers = self.plan.topology, self.run_.peers
-        gone_shards = peers.gone_among(topology.shard_ranks) if shards else []
-        if gone_shards:
-            abort_job(self.run_.world, shard_lost_message(gone_shards[0], "is gone"))
+        if shards:
+            self.run_.check_shards(now, force=True)
         timeout = self.plan.replica_timeout_s
         rows = self.view.replicas if self.view is not None else None
         for replica in range(self.plan.num_replicas):
@@ -1281,6 +1268,7 @@ class Supervisor(_ShardRole):
                                            f"(run.replica_timeout_seconds)")
 
     def _lose(self, replica: int, ranks: list[int], why: str) -> None:
+        self.lost_mask[replica] = True
         self.lost[replica] = LostReplica(replica, ranks, why, self.steps,
                                          self.recorder.elapsed())
         self.shard.add_run_control(rc.replica_slot(replica, rc.LOST), 1)

@@ -377,18 +377,6 @@ def _backoff() -> Backoff:
     return Backoff(*POLL_S)
 
 
-def _wait_all(requests: list[MPI.Request], what: str = "messages",
-              ranks: Any = ()) -> None:
-    """Wait for nonblocking requests, polling with back-off sleeps (no spinning); declared
-    to the stall watchdog as waiting for `what` from `ranks`."""
-    backoff = _backoff()
-    guard = watchdog.current()
-    with guard.waiting(what, ranks):
-        while not MPI.Request.Testall(requests):
-            guard.check(lambda: MPI.Request.Testall(requests))
-            backoff.wait()
-
-
 # ------------------------------------------------------------------------------------------
 # Shards
 
@@ -729,7 +717,7 @@ class Replica:
                     for (shard, _, _), buf in zip(self.links, self.recv)]
         for shard, _, _ in self.links:
             requests.append(self.comm.isend(kind, dest=shard, tag=TAG_FETCH))
-        _wait_all(requests, f"the {kind} from the shards", [s for s, _, _ in self.links])
+        wait_all(requests, f"the {kind} from the shards", [s for s, _, _ in self.links])
         self.stats_.fetches += 1
         current = all(int(buf[:1].view(np.int32)[0]) == ident for buf in self.recv)
         current = self._all_agree(current)
@@ -775,7 +763,8 @@ class Replica:
                                               self.partition, 0)
             buf[HEADER:] = self.pending[offset:offset + size]
             requests.append(self.comm.Isend([buf, MPI.FLOAT], shard, TAG_PUSH))
-        _wait_all(requests)
+        wait_all(requests, "the shards to take this replica's push",
+                 [s for s, _, _ in self.links])
         self.stats_.pushes += 1
         self.stats_.comm_seconds += time.perf_counter() - t0
 
