@@ -285,32 +285,65 @@ run (or stopped it cleanly for a requeue)."""
 
 
 def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
-    """Dispatch to the configured trainer; the summary on the rank that wrote it."""
+    """Claim run.out_dir, dispatch to the configured trainer, give the folder back after
+    the trainer's last write; the summary on the rank that wrote it."""
+    algorithm = config.optimizer.algorithm
+    if algorithm == "sgd" and config.cluster.partitions == 1 and comm is not None \
+            and comm.Get_size() > 1:
+        raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "
+                          f"{comm.Get_size()} MPI ranks were started; run it without "
+                          f"mpiexec, or use algorithm = \"downpour\"")
+    if algorithm not in ("sgd", "downpour", "sandblaster"):
+        raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
+    if comm is None and (algorithm != "sgd" or config.cluster.partitions > 1):
+        comm = start_mpi()
+    owner = _claim_run_dir(config, comm)
+    try:
+        return _dispatch(config, comm, resume)
+    finally:
+        if owner is not None:
+            owner.release()
+
+
+def _claim_run_dir(config: Any, comm: Any) -> Any:
+    """Make this run the one live owner of run.out_dir (distbelief.ownership), before
+    anything is written there. With several ranks rank 0 claims and a refusal is raised
+    on every rank (collective over `comm`: agreement.agree). The Ownership on the rank
+    that holds it, None elsewhere."""
+    from distbelief.ownership import claim
+
+    def claim_here() -> Any:
+        owner = claim(config.run.out_dir, config.run.owner_timeout_seconds)
+        if owner.took_over:
+            print(f"distbelief: took run.out_dir over from a run taken for dead: "
+                  f"{owner.took_over}", flush=True)
+        return owner
+
+    if comm is None or comm.Get_size() == 1:
+        return claim_here()
+    from distbelief.agreement import agree
+
+    return agree(comm, lambda: claim_here() if comm.Get_rank() == 0 else None)
+
+
+def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
+    """Run the configured trainer (the dispatch point for the algorithms)."""
     algorithm = config.optimizer.algorithm
     if algorithm == "sgd" and config.cluster.partitions > 1:
         from distbelief import partitioned_training
 
-        return partitioned_training.train(config, comm if comm is not None else start_mpi(),
-                                          resume=resume)
+        return partitioned_training.train(config, comm, resume=resume)
     if algorithm == "sgd":
-        if comm is not None and comm.Get_size() > 1:
-            raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "
-                              f"{comm.Get_size()} MPI ranks were started; run it without "
-                              f"mpiexec, or use algorithm = \"downpour\"")
         from distbelief import trainer
 
         return trainer.train(config, resume=resume)
-    # The dispatch point for the MPI algorithms.
-    comm = comm if comm is not None else start_mpi()
     if algorithm == "downpour":
         from distbelief import downpour
 
         return downpour.train(config, comm, resume=resume)
-    if algorithm == "sandblaster":
-        from distbelief import sandblaster
+    from distbelief import sandblaster
 
-        return sandblaster.train(config, comm, resume=resume)
-    raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
+    return sandblaster.train(config, comm, resume=resume)
 
 
 def _resume_mode(args: argparse.Namespace) -> str:

@@ -33,7 +33,10 @@ Sections and keys, with their defaults:
                  replica_timeout_seconds = 300 (Downpour: a replica not heard from for this
                  long is lost, the run goes on without it; 0 = never),
                  stall_warn_seconds = 60, stall_abort_seconds = 600 (a rank waiting on
-                 another this long says which and what for / aborts the job; 0 = never)
+                 another this long says which and what for / aborts the job; 0 = never),
+                 owner_timeout_seconds = 120 (a run owning out_dir on another host whose
+                 heartbeat is older than this is taken for dead; 0 = never; see
+                 distbelief.ownership)
 
 Checkpoints (distbelief.checkpoint) go to out_dir/checkpoints; besides the periodic ones,
 a run always writes one when it stops (budget, target, SIGTERM/SIGUSR1), so it can be
@@ -122,6 +125,7 @@ class RunConfig:
     replica_timeout_seconds: float = 300.0
     stall_warn_seconds: float = 60.0
     stall_abort_seconds: float = 600.0
+    owner_timeout_seconds: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -259,6 +263,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "replica_timeout_seconds": (_float(0.0), 300.0),
         "stall_warn_seconds": (_float(0.0), 60.0),
         "stall_abort_seconds": (_float(0.0), 600.0),
+        "owner_timeout_seconds": (_float(0.0), 120.0),
     },
 }
 SECTIONS = tuple(SCHEMA)

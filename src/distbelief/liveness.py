@@ -21,25 +21,10 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-PF_EXITING = 0x4
-"""Kernel task flag set as a process starts to exit: its files (the launcher's PMI socket
-among them) close before it turns into a zombie, and a launcher reacting to that can
-signal the others while the process is still being torn down."""
+from distbelief.ownership import process_start_time
 
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot, /proc/PID/stat field 22), or None
-    if it is gone, exiting or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The 2nd field, (comm), may hold spaces and parentheses: split after the last ')'.
-    fields = stat.rsplit(b")", 1)[1].split()
-    if fields[0] in (b"Z", b"X") or int(fields[6]) & PF_EXITING:  # zombie, dead, exiting
-        return None
-    return int(fields[19])
+# The same /proc reading decides whether a run directory's owner is alive.
+_start_time = process_start_time
 
 
 @dataclass(frozen=True)
