@@ -388,3 +388,58 @@ def test_script_asks_slurm_for_signal_requeue_and_appending_log(name):
     # #SBATCH lines after the first command are ignored by sbatch.
     first_command = re.search(r"^[^#\n]", text, flags=re.MULTILINE).start()
     assert text.rfind("#SBATCH") < first_command
+
+
+# -- one live run per run.out_dir (distbelief.ownership) -------------------------------------------
+
+
+@pytest.mark.parametrize("script, ntasks, overrides", [
+    ("one_node", 1, []),
+    ("multi_node", 3, ['optimizer.algorithm="downpour"']),
+])
+def test_a_job_submitted_twice_is_refused_while_the_first_runs(data_dir, tmp_path, script,
+                                                               ntasks, overrides):
+    first = Job(script, tmp_path, 1, data_dir / "synth.toml", f"run.max_steps={SGD_STEPS}")
+    proc = first.start()
+    try:
+        first.wait_for_training(proc)
+        (tmp_path / "second").mkdir()
+        second = Job(script, tmp_path / "second", ntasks, data_dir / "synth.toml",
+                     *overrides, "run.max_steps=100")
+        second.out = first.out
+        second.args[2] = f'run.out_dir="{first.out}"'
+        env = {**second.env(0), "SLURM_JOB_ID": "4243", "SLURM_JOBID": "4243"}
+        refused = subprocess.run(["bash", str(SCRIPTS[script]), *second.args], env=env,
+                                 cwd=tmp_path / "second", capture_output=True, text=True,
+                                 timeout=TIMEOUT, check=False)
+        assert proc.poll() is None, "the first job was meant to be alive"
+    finally:
+        os.kill(proc.pid, signal.SIGUSR1)  # checkpoint and stop the first job
+        status = first.wait(proc)
+    text = refused.stdout + refused.stderr
+    assert refused.returncode == 2, text
+    assert re.search(rf"belongs to a live run: host \S+, process \d+, SLURM job {JOB_ID}, "
+                     r"running since", text), text
+    assert len(re.findall("distbelief: error:", text)) == 1, text
+    assert second.shim_calls("scontrol") == []  # a refusal is not requeued
+    assert status == 0, first.text()[-4000:]
+    assert first.summary()["stop_reason"] == "SIGUSR1"
+
+
+@pytest.mark.parametrize("script", ["one_node", "multi_node"])
+def test_a_requeue_takes_over_from_its_instance_on_a_lost_node(data_dir, tmp_path, script):
+    """The earlier instance's owner file names another node with a fresh heartbeat (the
+    node was lost a moment ago): only the requeue rule lets the requeued job start."""
+    from distbelief import ownership
+
+    job = Job(script, tmp_path, 1, data_dir / "synth.toml", "run.max_steps=50")
+    job.out.mkdir()
+    record = {**ownership.this_process(), "host": "node-lost", "pid": 1,
+              "slurm_job_id": JOB_ID, "restart_count": 0}
+    (job.out / ownership.OWNER_FILE).write_text(json.dumps(record))
+    assert job.run(restarts=0) == 2  # the same instance cannot take over from itself
+    assert "belongs to a live run: host node-lost" in job.text()
+    assert job.run(restarts=1) == 0, job.text()[-4000:]
+    assert f"SLURM job {JOB_ID}'s restart 0 and this is restart 1" in job.text()
+    assert job.summary()["steps"] == 50
+    assert not (job.out / ownership.OWNER_FILE).exists()
