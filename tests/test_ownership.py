@@ -291,3 +291,61 @@ def test_a_requeued_job_takes_over_from_its_earlier_instance_end_to_end(
                    timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "SLURM job 901's restart 0 and this is restart 1" in proc.stdout
+
+
+# -- distbelief status ------------------------------------------------------------------------------
+
+
+STATUS_NO_MPI = ("import json, sys\nfrom distbelief.cli import main\n"
+                 "status = main(['status', sys.argv[1], '--json'])\n"
+                 "assert 'mpi4py.MPI' not in sys.modules, 'status imported MPI'\n"
+                 "sys.exit(status)\n")
+
+
+def status_json(out: Path) -> dict:
+    proc = subprocess.run([sys.executable, "-c", STATUS_NO_MPI, str(out)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_status_of_a_live_run_then_of_the_ended_run(data_dir: Path, tmp_path: Path) -> None:
+    out, log = tmp_path / "out", tmp_path / "log"
+    first = start_sgd(data_dir, out, log, "run.max_steps=0", "run.max_seconds=4",
+                      "run.checkpoint_every_seconds=0.5", "run.eval_every_seconds=0.3")
+    try:
+        wait_for_training(first, out, log)
+        time.sleep(1.0)  # an evaluation and a checkpoint
+        live = status_json(out)
+        text = run_cli(["status", out]).stdout
+    finally:
+        status = stop(first)
+    assert live["alive"] is True and live["owner"]["pid"] == first.pid
+    assert live["last_step"] > 0 and live["last_eval"]["test_accuracy"] > 0
+    assert live["last_checkpoint"]["step"] > 0
+    assert time.time() - live["last_sign_of_life"] < 10
+    assert text.startswith(f"{out}: running: host {socket.gethostname()}, process "
+                           f"{first.pid}, running since"), text
+    for label in ("last step:", "last evaluation:   test accuracy", "last checkpoint:",
+                  "last sign of life:"):
+        assert label in text
+    assert status == 0, log.read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "ti')  # a line caught half way, as a reader may see it
+    ended = status_json(out)
+    assert ended["alive"] is False and ended["owner"] is None
+    assert ended["stop_reason"] == "max_seconds"
+    assert ended["last_step"] == ended["last_checkpoint"]["step"] == summary["steps"]
+    assert run_cli(["status", out]).stdout.startswith(f"{out}: ended (max_seconds)")
+
+
+def test_status_of_a_run_whose_owner_died(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    fake_owner(out, pid=dead_pid())
+    state = status_json(out)
+    assert state["alive"] is False and "is gone" in state["dead_because"]
+    text = run_cli(["status", out]).stdout
+    assert "is taken for dead" in text and "the next run takes over" in text
+    proc = run_cli(["status", tmp_path / "missing"])
+    assert proc.returncode == 2 and "no such folder" in proc.stderr

@@ -1,4 +1,4 @@
-"""The `distbelief` command line: train, report, prepare, inspect, costmodel.
+"""The `distbelief` command line: train, report, status, prepare, inspect, costmodel.
 
 `main()` is the entry point of both `distbelief` and `python -m distbelief`. A UserError
 (bad configuration or data) becomes one line, `distbelief: error: <message>`, on stderr and
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -89,6 +90,18 @@ examples:
   distbelief inspect runs/fashion_mnist_mlp/checkpoints/ckpt-0000004000
 """
 
+STATUS_HELP = """\
+Say what the run in RUN_DIR is doing, from its files alone (no MPI: run it on a login
+node): whether a run owns the folder and where (host, process, SLURM job, since when), its
+last step, last evaluation and last checkpoint, and when it last showed a sign of life
+(its heartbeat or its newest metrics line). A run on another host whose heartbeat is older
+than run.owner_timeout_seconds is reported as taken for dead. Nothing is written.
+
+examples:
+  distbelief status runs/fashion_mnist_mlp
+  distbelief status runs/fashion_mnist_mlp --json
+"""
+
 COSTMODEL_HELP = """\
 Predict the training step time of one model replica of a configuration split over P
 partitions (cluster.partitions), before submitting the job: per-partition floating-point
@@ -151,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", metavar="DIR", default="report",
                         help="folder for the PNG files (default: %(default)s)")
     report.set_defaults(func=cmd_report)
+
+    status = commands.add_parser("status", help="say whether a run is alive, where, and "
+                                 "how far it got", description=STATUS_HELP,
+                                 formatter_class=raw)
+    status.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
+    status.add_argument("--json", action="store_true",
+                        help="print the same as one JSON object, for scripts")
+    status.set_defaults(func=cmd_status)
 
     inspect = commands.add_parser("inspect", help="show what a checkpoint holds and whether "
                                   "it is valid", description=INSPECT_HELP, formatter_class=raw)
@@ -263,6 +284,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return guardian.run_guarded(args.argv)
     if guardian.is_worker():
         guardian.bind_to_guardian()
+    from distbelief.trainer import note_interrupt
+
+    # Ctrl-C (or mpiexec forwarding it) stops a run like SIGTERM: distbelief.trainer.
+    signal.signal(signal.SIGINT, note_interrupt)
     # Several ranks: start MPI before anything can fail, so errors are reported once and
     # an unhandled exception aborts the job.
     comm = start_mpi() if several else None
@@ -274,7 +299,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         write_json_atomic(outcome, {"stop_reason": summary["stop_reason"],
                                     "lost_replicas": len(summary.get("lost_replicas", []))})
-    return 0
+    from distbelief.trainer import INTERRUPTED_STATUS, interrupted_by_user
+
+    # Ctrl-C stopped the run cleanly (checkpoint and summary written): say so in the status.
+    return INTERRUPTED_STATUS if interrupted_by_user() else 0
 
 
 OUTCOME_ENV = "DISTBELIEF_OUTCOME_FILE"
@@ -386,6 +414,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     reports = inspect_path(args.path)
     print("\n\n".join(describe(r) for r in reports))
     return 0 if reports[0].valid else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from distbelief.status import describe, run_status
+
+    state = run_status(args.run_dir)
+    print(json.dumps(state, indent=2) if args.json else describe(state))
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -50,13 +50,16 @@ from distbelief.trainer import (
     EVAL_BATCH_SIZE,
     LOG_EVERY_SECONDS,
     StopRules,
+    StopSignals,
     TrainingDiverged,
     load_eval_set,
     open_data,
     prepare_run_dir,
+    start_over,
 )
 
-STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds"}
+STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
+              5: "SIGINT"}
 _CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
 
 
@@ -127,6 +130,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
 
     def setup() -> tuple:
         if rank0:
+            start_over(config.run.out_dir, resume, stream)  # nothing here can be resumed
             prepare_run_dir(config)
         return (load_eval_set(config, info),
                 TrainShard(info, rank=0, num_ranks=1, seed=config.run.seed))
@@ -148,9 +152,13 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         return f"rank {rank} (partition {rank})"
 
     guard = watchdog.for_job(comm, describe, config.run)  # collective (an allgather)
-    with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard):
+    # Every rank catches the stop signals (launchers forward them to all): rank 0 decides,
+    # at the end of a step, and the others must simply not die of them.
+    with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard), \
+            StopSignals() as signals:
         try:
-            reason, step = _loop(config, model, shard, optimizer, params, eval_set, recorder)
+            reason, step = _loop(config, model, shard, optimizer, params, eval_set, recorder,
+                                 signals)
         except watchdog.RankLost as lost:
             watchdog.abort_for(comm, describe, lost)
     traffic = traffic_totals(model)
@@ -160,17 +168,18 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         "algorithm": "sgd", "stop_reason": reason, "config_hash": config_hash(config),
         "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
         "resumed_from": None, "checkpoint": None, "model_parallel": traffic})
+    accuracy = summary["final_test_accuracy"]  # None after a signal before any evaluation
     _print(stream, f"distbelief: stopped ({reason}) after {step} steps, "
                    f"{summary['wall_seconds']:.1f}s; test accuracy "
-                   f"{summary['final_test_accuracy']:.4f}; "
+                   f"{'-' if accuracy is None else f'{accuracy:.4f}'}; "
                    f"{traffic['total_bytes_per_step']:,d} bytes/step between partitions\n"
                    f"results in {config.run.out_dir}")
     return summary
 
 
 def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
-          params: np.ndarray, eval_set: tuple, recorder: RunRecorder | None
-          ) -> tuple[str, int]:
+          params: np.ndarray, eval_set: tuple, recorder: RunRecorder | None,
+          signals: StopSignals) -> tuple[str, int]:
     """The lockstep loop; returns (why it stopped, steps). Collective over model.comm."""
     comm, rules = model.comm, StopRules.from_config(config)
     batch_size, eval_every = config.data.batch_size, config.run.eval_every_seconds
@@ -204,7 +213,7 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
                 recorder.log_event("partitions", step, batch_size, **traffic)
         if recorder:
             now = time.monotonic()
-            reason = rules.budget_spent(step, now - start)
+            reason = rules.budget_spent(step, now - start) or signals.received
             decision[:] = _CODE_OF[reason], now >= next_eval
             if now >= next_log or reason:
                 recent, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
@@ -214,7 +223,8 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
         polled_bcast(comm, decision)
         reason = STOP_CODES[int(decision[0])]
         if reason:
-            evaluate()
+            if reason not in StopSignals.NAMES:  # on a signal, stop promptly
+                evaluate()
             return reason, step
         if decision[1]:
             if recorder and loss_count:

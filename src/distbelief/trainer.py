@@ -22,7 +22,7 @@ Shared with the Downpour replicas:
     StopRules.from_config(config)    max_steps / max_seconds / target_accuracy
     evaluate(network, params, eval_set) -> (test_loss, test_accuracy)
     starting_checkpoint(config, layout, resume, stream)   which checkpoint to resume from
-    StopSignals()                    SIGTERM/SIGUSR1 -> a flag the loop polls
+    StopSignals()                    SIGTERM/SIGUSR1/SIGINT -> a flag the loop polls
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ one; "fresh" (train --fresh) moves the previous run's files aside and starts ove
 
 
 class StopSignals:
-    """SIGTERM and SIGUSR1 ask the training loop to stop after the current step.
+    """SIGTERM, SIGUSR1 and a first SIGINT (Ctrl-C) ask the training loop to stop after the
+    current step.
 
     SLURM sends SIGTERM at the time limit (then SIGKILL after KillWait) and any signal
     chosen with `sbatch --signal=USR1@120` some time before it. The handler only records
@@ -132,18 +133,35 @@ class StopSignals:
     (the checkpoint, the summary) happens in the loop, outside the handler. Handlers can
     only be installed from the main thread; elsewhere this does nothing. The previous
     handlers come back on exit.
+
+    A first SIGINT is a SIGTERM that the command reports with exit status 130 (see
+    note_interrupt and interrupted_by_user): it is also counted as a SIGTERM,
+    so the trainers that agree on a stop over MPI (Downpour's run control) need no code of
+    their own for it. mpiexec forwards a Ctrl-C to every rank as SIGINT. A second SIGINT
+    ends the process at once (status 130), as an impatient user means it to; a checkpoint
+    being written then is never half committed (distbelief.checkpoint commits atomically).
     """
 
-    NAMES = ("SIGTERM", "SIGUSR1")
+    NAMES = ("SIGTERM", "SIGUSR1", "SIGINT")
 
     def __init__(self) -> None:
         self.received: str | None = None
         self.counts = dict.fromkeys(self.NAMES, 0)  # how many of each arrived
         self._previous: dict[int, Any] = {}
+        if _interrupts:  # a Ctrl-C during the set-up: stop after the first step
+            self._count("SIGINT")
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.received = signal.Signals(signum).name
-        self.counts[self.received] += 1
+        name = signal.Signals(signum).name
+        if name == "SIGINT":
+            note_interrupt(signum, frame)
+        self._count(name)
+
+    def _count(self, name: str) -> None:
+        if name == "SIGINT":
+            self.counts["SIGTERM"] += 1
+        self.received = name
+        self.counts[name] += 1
 
     def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():
@@ -156,6 +174,31 @@ class StopSignals:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
+
+
+INTERRUPTED_STATUS = 130
+"""The exit status of a run stopped by Ctrl-C (128 + SIGINT, as shells report it)."""
+
+_interrupts = 0  # SIGINTs this process received (note_interrupt)
+
+
+def note_interrupt(signum: int = signal.SIGINT, frame: Any = None) -> None:
+    """The SIGINT handler of `train` (installed for the whole command, so that a Ctrl-C
+    reaching a rank just before or after its trainer's StopSignals is not a
+    KeyboardInterrupt in the middle of a collective): the first is remembered (the run
+    stops after its current step, exit status 130), the second ends the process now."""
+    global _interrupts
+    _interrupts += 1
+    if _interrupts > 1:
+        os.write(2, b"distbelief: interrupted again: stopping now, without a checkpoint\n")
+        os._exit(INTERRUPTED_STATUS)
+    os.write(2, b"distbelief: interrupted: stopping after this step with a checkpoint "
+                b"(Ctrl-C again to stop at once)\n")
+
+
+def interrupted_by_user() -> bool:
+    """True once a SIGINT reached this process: `train` then exits 130."""
+    return _interrupts > 0
 
 
 def train(config: Config, stream: IO[str] | None = sys.stdout,
@@ -359,9 +402,7 @@ def starting_checkpoint(config: Config, layout: Any, resume: str,
     out_dir = config.run.out_dir
     root = ckpt.checkpoint_root(out_dir)
     if resume == "fresh":
-        moved = archive_previous_run(out_dir)
-        if moved is not None:
-            _print(stream, f"distbelief: --fresh: moved the previous run's files to {moved}")
+        start_over(out_dir, resume, stream)
         return None
     found, damaged = ckpt.find_latest(root)
     for _, problem in damaged:
@@ -374,6 +415,7 @@ def starting_checkpoint(config: Config, layout: Any, resume: str,
         if resume == "require":
             raise ckpt.CheckpointError(f"train --resume: there is no checkpoint in {root}")
         ckpt.clean_leftovers(root)
+        start_over(out_dir, resume, stream)
         return None
     try:
         found.check_compatible(hashed_settings(config), layout)
@@ -387,7 +429,31 @@ def starting_checkpoint(config: Config, layout: Any, resume: str,
     why = "" if resume == "require" else " (found in run.out_dir; train --fresh starts over)"
     _print(stream, f"distbelief: resuming from {found.path} at step {found.step}, "
                    f"{found.samples:,d} samples, {found.wall_seconds:.1f}s trained{why}")
+    spent = StopRules.from_config(config).budget_spent(found.step, found.wall_seconds)
+    if spent:
+        _print(stream, f"distbelief: that run already used its budget (run.{spent} = "
+                       f"{getattr(config.run, spent):g}): it stops at once. Raise run.{spent} "
+                       f"to train on, or pass --fresh to start over")
     return found
+
+
+def start_over(out_dir: str | Path, resume: str, stream: IO[str] | None) -> None:
+    """Before a run starts from step 0 in out_dir: with --fresh, move the previous run's
+    files aside; without it, do the same if a previous run left metrics or a summary but
+    no checkpoint to resume from (they are never overwritten), and say so in one line.
+    Call it on rank 0 only, after ownership of out_dir was taken."""
+    out_dir = Path(out_dir)
+    if resume != "fresh" and not any((out_dir / name).exists()
+                                     for name in (METRICS_FILE, SUMMARY_FILE, DISCARDED_FILE)):
+        return
+    moved = archive_previous_run(out_dir)
+    if moved is None:
+        return
+    if resume == "fresh":
+        _print(stream, f"distbelief: --fresh: moved the previous run's files to {moved}")
+    else:
+        _print(stream, f"distbelief: starting from step 0: {out_dir} held a previous run's "
+                       f"metrics but no checkpoint to resume from; moved its files to {moved}")
 
 
 ARCHIVED_NAMES = (ckpt.CHECKPOINTS_DIR, METRICS_FILE, DISCARDED_FILE, SUMMARY_FILE,

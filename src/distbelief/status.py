@@ -1,0 +1,130 @@
+"""`distbelief status RUN_DIR`: what a run is doing, read from its folder alone.
+
+Meant for a login node: no MPI, no lock, nothing written. The owner file
+(distbelief.ownership) says whether a run holds the folder, where and since when; the
+newest lines of metrics.jsonl give the last step and evaluation (a live run may be half
+way through writing its last line: read_metrics drops it); checkpoints/ gives the newest
+committed checkpoint (by name, not verified: `distbelief inspect` verifies); summary.json
+says how a run that ended stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from distbelief import ownership
+from distbelief.errors import UserError
+
+CHECKPOINTS_DIR = "checkpoints"  # distbelief.checkpoint.CHECKPOINTS_DIR, without h5py
+
+
+def run_status(out_dir: str | Path) -> dict[str, Any]:
+    """The state of the run in out_dir as a JSON-ready dict (see describe for the text)."""
+    from distbelief.metrics import read_metrics
+
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise UserError(f"{out}: no such folder")
+    names = ("owner.json", "metrics.jsonl", "summary.json", "config.json", CHECKPOINTS_DIR)
+    if not any((out / name).exists() for name in names):
+        raise UserError(f"{out} is not a run folder: it holds none of {', '.join(names)}")
+    now = time.time()
+    timeout = _owner_timeout(out)
+    owner = ownership.read_owner(out)
+    state: dict[str, Any] = {"run_dir": str(out), "checked_at": now, "alive": False,
+                             "owner": owner or None, "dead_because": None}
+    if owner is not None:
+        why = ownership.is_dead(owner, ownership.this_process(), timeout,
+                                out / ownership.OWNER_FILE, now)
+        state["alive"] = why is None
+        state["dead_because"] = why
+    signs = [owner.get("heartbeat")] if owner else []
+    metrics_path = out / "metrics.jsonl"
+    lines: list[dict[str, Any]] = []
+    if metrics_path.exists():
+        lines = read_metrics(metrics_path)
+        signs.append(metrics_path.stat().st_mtime)
+    with_step = [x for x in lines if "step" in x]
+    evals = [x for x in lines if x.get("kind") == "eval"]
+    state["last_step"] = with_step[-1]["step"] if with_step else None
+    state["last_samples"] = with_step[-1].get("samples") if with_step else None
+    state["last_eval"] = ({k: evals[-1].get(k) for k in ("step", "time", "test_accuracy",
+                                                         "test_loss")} if evals else None)
+    state["last_checkpoint"] = _newest_checkpoint(out / CHECKPOINTS_DIR)
+    summary_path = out / "summary.json"
+    summary = None
+    if summary_path.exists():
+        try:
+            summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            summary = None  # being replaced right now (it is written atomically)
+    state["stop_reason"] = summary.get("stop_reason") if summary else None
+    state["last_sign_of_life"] = max((s for s in signs if s), default=None)
+    return state
+
+
+def _owner_timeout(out: Path) -> float:
+    """run.owner_timeout_seconds of the run's config.json, else the default."""
+    try:
+        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        return float(config["run"]["owner_timeout_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ownership.DEFAULT_TIMEOUT_S
+
+
+def _newest_checkpoint(root: Path) -> dict[str, Any] | None:
+    if not root.is_dir():
+        return None
+    found = []
+    for path in root.iterdir():
+        prefix, _, number = path.name.partition("-")
+        if prefix == "ckpt" and number.isdigit() and path.is_dir():
+            found.append((int(number), path))
+    if not found:
+        return None
+    step, path = max(found)
+    return {"step": step, "path": str(path), "written_at": path.stat().st_mtime}
+
+
+def _ago(then: float | None, now: float) -> str:
+    if then is None:
+        return "never"
+    seconds = max(0.0, now - then)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
+def describe(state: dict[str, Any]) -> str:
+    """The state as a few lines for a person."""
+    now = state["checked_at"]
+    owner = state["owner"]
+    if state["alive"]:
+        head = f"running: {ownership.describe_owner(owner, now)}"
+    elif owner is not None:
+        head = (f"not running: its owner ({ownership.describe_owner(owner, now)}) is taken "
+                f"for dead: {state['dead_because']}; the next run takes over")
+    elif state["stop_reason"]:
+        head = f"ended ({state['stop_reason']})"
+    else:
+        head = "not running (no owner, no summary: the run was killed, or has not started)"
+    lines = [f"{state['run_dir']}: {head}"]
+    step = state["last_step"]
+    lines.append(f"  last step:         {'-' if step is None else f'{step:,d}'}")
+    ev = state["last_eval"]
+    if ev:
+        accuracy = ev.get("test_accuracy")
+        shown = "-" if accuracy is None else f"{accuracy:.4f}"
+        lines.append(f"  last evaluation:   test accuracy {shown} at step {ev.get('step'):,d}")
+    else:
+        lines.append("  last evaluation:   none yet")
+    ck = state["last_checkpoint"]
+    lines.append(f"  last checkpoint:   {ck['path']} (step {ck['step']:,d}, written "
+                 f"{_ago(ck['written_at'], now)})" if ck else "  last checkpoint:   none")
+    lines.append(f"  last sign of life: {_ago(state['last_sign_of_life'], now)}")
+    return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""Ctrl-C never loses a run: a first SIGINT, to a run alone or to mpiexec (which forwards it
+to every rank), finishes the step, writes a checkpoint and the summary and exits 130; the
+rerun resumes from that step and says so in its first line. A second SIGINT stops at once.
+Also: a run that finds metrics but no checkpoint moves them aside instead of overwriting
+them, and a rerun of a finished run says it has nothing left to do and names --fresh."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, _env, run_cli, run_mpi
+from test_downpour import TOML, set_args
+
+from distbelief import checkpoint as ckpt
+from distbelief.datasets import make_synthetic
+from distbelief.metrics import read_metrics
+
+PROGRAMS = REPO / "tests" / "mpi_programs"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("interrupt")
+    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(16,),
+                   num_classes=4, seed=3)
+    (folder / "synth.toml").write_text(TOML)
+    return folder
+
+
+def train_args(data_dir: Path, out: Path, *overrides: str) -> list[str]:
+    return [str(a) for a in ["train", data_dir / "synth.toml",
+                             *set_args(f'run.out_dir="{out}"', *overrides)]]
+
+
+def launch(cmd: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(),
+                                start_new_session=True)
+
+
+def wait_for_training(proc: subprocess.Popen, out: Path, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    path = out / "metrics.jsonl"
+    while not (path.exists() and '"train"' in path.read_text()):
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "no training line"
+        time.sleep(0.05)
+    time.sleep(0.3)  # every rank past its set-up
+
+
+def finish(proc: subprocess.Popen) -> int:
+    try:
+        return proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail("the run did not end within 60 s of the SIGINT")
+
+
+SINGLE = ['optimizer.algorithm="sgd"']
+
+
+@pytest.mark.parametrize("launcher", ["alone", "mpiexec x3", "mpiexec x4 2 shards",
+                                      "mpiexec x4 sandblaster", "mpiexec x3 partitions"])
+def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes(data_dir: Path, tmp_path: Path,
+                                                             launcher: str) -> None:
+    out, log = tmp_path / "out", tmp_path / "log"
+    budget = ["run.max_steps=0", "run.max_seconds=60"]
+    if launcher == "alone":
+        extra, n = SINGLE, 1
+        cmd = [sys.executable, "-m", "distbelief", *train_args(data_dir, out, *extra, *budget)]
+    else:
+        n = int(launcher.split()[1][1:])
+        extra = {"shards": ["cluster.ps_shards=2"],
+                 "sandblaster": ['optimizer.algorithm="sandblaster"'],
+                 "partitions": [*SINGLE, "cluster.partitions=3"]}.get(launcher.split()[-1], [])
+        cmd = ["mpiexec", "-n", str(n), sys.executable, str(PROGRAMS / "cli_exit_status.py"),
+               *train_args(data_dir, out, *extra, *budget)]
+    proc = launch(cmd, log)
+    wait_for_training(proc, out, log)
+    os.kill(proc.pid, signal.SIGINT)  # what a Ctrl-C in the terminal sends
+    status = finish(proc)
+    output = log.read_text()
+    assert status == 130, output
+    if n > 1:
+        statuses = sorted(int(s) for s in re.findall(r"rank \d+ exit (\d+)", output))
+        assert statuses == [130] * n, output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] in ("SIGINT", "SIGTERM"), summary  # Downpour: SIGTERM
+    step = summary["steps"]
+    if "partitions" in launcher:  # partitioned runs write no checkpoints: the summary only
+        assert step > 0 and summary["stop_reason"] == "SIGINT"
+        return
+    found, _ = ckpt.find_latest(ckpt.checkpoint_root(out))
+    assert step > 0 and found is not None and found.step == step
+
+    rerun_args = train_args(data_dir, out, *extra, f"run.max_steps={step + 100}")
+    if n == 1:
+        rerun = run_cli(rerun_args, timeout=60)
+    else:
+        rerun = run_mpi(n, ["-m", "distbelief", *rerun_args], timeout=90)
+    assert rerun.returncode == 0, rerun.stderr
+    first_line = rerun.stdout.splitlines()[0]
+    assert first_line.startswith(f"distbelief: resuming from {found.path} at step {step},"), \
+        rerun.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == step + 100
+
+
+def test_a_second_ctrl_c_stops_at_once() -> None:
+    """Two SIGINTs a moment apart (two signals at once would merge into one): the first
+    only asks for a stop, the second ends the process with 130 at once."""
+    code = ("import os, signal, time\n"
+            "from distbelief.trainer import StopSignals\n"
+            "with StopSignals() as s:\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(0.2)\n"
+            "    print('first:', s.received, s.counts['SIGTERM'], flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(10)\n"
+            "    print('not stopped', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stdout == "first: SIGINT 1\n"
+    assert "interrupted: stopping after this step" in proc.stderr
+    assert "interrupted again: stopping now" in proc.stderr
+
+
+# -- resuming is visible; nothing a run wrote is overwritten -------------------------------------
+
+
+def previous_folders(out: Path) -> list[Path]:
+    return sorted(p for p in out.iterdir() if p.name.startswith("previous-"))
+
+
+@pytest.mark.parametrize("launcher", ["alone", "mpiexec x2 partitions"])
+def test_metrics_without_a_checkpoint_are_moved_aside_not_overwritten(
+        data_dir: Path, tmp_path: Path, launcher: str) -> None:
+    out = tmp_path / "out"
+    args = train_args(data_dir, out, *SINGLE, "run.max_steps=30",
+                      *(["cluster.partitions=2"] if "partitions" in launcher else []))
+
+    def run() -> subprocess.CompletedProcess:
+        if launcher == "alone":
+            return run_cli(args, timeout=60)
+        return run_mpi(2, ["-m", "distbelief", *args], timeout=90)
+
+    assert run().returncode == 0
+    if launcher == "alone":  # a run whose checkpoints were lost (or never written)
+        for path in (out / "checkpoints").iterdir():
+            for part in sorted(path.rglob("*"), reverse=True):
+                part.unlink() if part.is_file() else part.rmdir()
+            path.rmdir()
+    before = (out / "metrics.jsonl").read_bytes(), (out / "summary.json").read_bytes()
+    proc = run()
+    assert proc.returncode == 0, proc.stderr
+    [moved] = previous_folders(out)
+    assert f"held a previous run's metrics but no checkpoint to resume from; moved its files " \
+           f"to {moved}" in proc.stdout
+    assert ((moved / "metrics.jsonl").read_bytes(), (moved / "summary.json").read_bytes()) \
+        == before
+    assert read_metrics(out / "metrics.jsonl")[0]["step"] <= 30  # the new run's own
+
+
+def test_rerunning_a_finished_run_says_it_stops_at_once_and_names_fresh(
+        data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = train_args(data_dir, out, *SINGLE, "run.max_steps=40")
+    assert run_cli(args, timeout=60).returncode == 0
+    proc = run_cli(args, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"distbelief: resuming from {out / 'checkpoints'}")
+    assert "at step 40," in lines[0]
+    assert lines[1] == ("distbelief: that run already used its budget (run.max_steps = 40): "
+                        "it stops at once. Raise run.max_steps to train on, or pass --fresh "
+                        "to start over")
+    assert previous_folders(out) == []
