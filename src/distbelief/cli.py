@@ -47,12 +47,19 @@ pay off.
 Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
 or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1
 (SLURM's time limit, sbatch --signal=USR1@120): the current step finishes, a checkpoint is
-written and the command exits 0. If run.out_dir holds a valid checkpoint of the same
+written and the command exits 0. Ctrl-C does the same and exits 130; a second Ctrl-C stops
+at once. If run.out_dir holds a valid checkpoint of the same
 model and settings, training resumes from it, with or without --resume, so a requeued job
 simply continues; a damaged newest checkpoint is reported and the one before it used.
 Under Downpour every rank writes its part at an agreed point (a signal reaching any one
 rank, or mpiexec, stops them all) and a resumed run may use other replica and shard
-counts.
+counts. A folder with a previous run's metrics but no checkpoint is moved aside, never
+overwritten.
+
+run.out_dir belongs to one live run at a time: a second train on it (--fresh included)
+is refused with one line naming the owner; `distbelief status RUN_DIR` says who that is.
+An owner that died (kill -9, a lost node, a requeued job's earlier instance) never blocks
+the next run (see run.owner_timeout_seconds).
 
 examples:
   distbelief train configs/fashion_mnist_mlp.toml
