@@ -70,7 +70,8 @@ SINGLE = ['optimizer.algorithm="sgd"']
 
 
 @pytest.mark.parametrize("launcher", ["alone", "mpiexec x3", "mpiexec x4 2 shards",
-                                      "mpiexec x4 sandblaster", "mpiexec x3 partitions"])
+                                      "mpiexec x4 sandblaster", "mpiexec x3 partitions",
+                                      "mpiexec x3 terminal"])
 def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes(data_dir: Path, tmp_path: Path,
                                                              launcher: str) -> None:
     out, log = tmp_path / "out", tmp_path / "log"
@@ -87,7 +88,10 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes(data_dir: Path, tmp_
                *train_args(data_dir, out, *extra, *budget)]
     proc = launch(cmd, log)
     wait_for_training(proc, out, log)
-    os.kill(proc.pid, signal.SIGINT)  # what a Ctrl-C in the terminal sends
+    if "terminal" in launcher:  # a terminal signals its whole foreground process group
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGINT)
     status = finish(proc)
     output = log.read_text()
     assert status == 130, output
@@ -117,13 +121,16 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes(data_dir: Path, tmp_
 
 
 def test_a_second_ctrl_c_stops_at_once() -> None:
-    """Two SIGINTs a moment apart (two signals at once would merge into one): the first
-    only asks for a stop, the second ends the process with 130 at once."""
+    """SIGINTs in a row: the first only asks for a stop; one within a second of it is the
+    same Ctrl-C arriving twice (terminal and mpiexec); a later one ends the process with
+    130 at once."""
     code = ("import os, signal, time\n"
             "from distbelief.trainer import StopSignals\n"
             "with StopSignals() as s:\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(0.2)\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(1.2)\n"
             "    print('first:', s.received, s.counts['SIGTERM'], flush=True)\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(10)\n"

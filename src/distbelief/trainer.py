@@ -154,7 +154,10 @@ class StopSignals:
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if name == "SIGINT":
+            before = _interrupts
             note_interrupt(signum, frame)
+            if _interrupts == before:
+                return  # the same Ctrl-C once more
         self._count(name)
 
     def _count(self, name: str) -> None:
@@ -180,6 +183,11 @@ INTERRUPTED_STATUS = 130
 """The exit status of a run stopped by Ctrl-C (128 + SIGINT, as shells report it)."""
 
 _interrupts = 0  # SIGINTs this process received (note_interrupt)
+_first_interrupt = 0.0
+SAME_CTRL_C_S = 1.0
+"""SIGINTs this close to the first are the same Ctrl-C: a terminal signals the whole
+foreground process group, and mpiexec forwards it too, so a rank may get one keypress
+twice (through its guardian, distbelief.guardian)."""
 
 
 def note_interrupt(signum: int = signal.SIGINT, frame: Any = None) -> None:
@@ -187,8 +195,12 @@ def note_interrupt(signum: int = signal.SIGINT, frame: Any = None) -> None:
     reaching a rank just before or after its trainer's StopSignals is not a
     KeyboardInterrupt in the middle of a collective): the first is remembered (the run
     stops after its current step, exit status 130), the second ends the process now."""
-    global _interrupts
+    global _interrupts, _first_interrupt
+    if _interrupts and time.monotonic() - _first_interrupt < SAME_CTRL_C_S:
+        return
     _interrupts += 1
+    if _interrupts == 1:
+        _first_interrupt = time.monotonic()
     if _interrupts > 1:
         os.write(2, b"distbelief: interrupted again: stopping now, without a checkpoint\n")
         os._exit(INTERRUPTED_STATUS)
