@@ -61,9 +61,10 @@ def assert_user_error(result, *fragments: str) -> str:
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--help"], ["train", "report", "prepare", "inspect"]),
+    (["--help"], ["train", "report", "status", "prepare", "inspect"]),
     (["train", "--help"], ["CONFIG", "--set", "examples:", "run.out_dir", "--resume", "--fresh",
-                           "SIGUSR1"]),
+                           "SIGUSR1", "Ctrl-C", "distbelief status RUN_DIR"]),
+    (["status", "--help"], ["RUN_DIR", "--json", "login", "examples:"]),
     (["inspect", "--help"], ["CHECKPOINT_OR_RUN_DIR", "sha256", "examples:"]),
     (["report", "--help"], ["RUN_DIR", "--out", "examples:", "matplotlib"]),
     (["prepare", "--help"], ["fashion-mnist", "synthetic", "examples:"]),

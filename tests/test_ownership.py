@@ -215,7 +215,8 @@ REFUSED = re.compile(r"^distbelief: error: run\.out_dir .* belongs to a live run
                      r"\S+, process \d+, running since .*UTC")
 
 
-@pytest.mark.parametrize("second", ["sgd", "sgd --fresh", "downpour x3", "downpour x4 --fresh"])
+@pytest.mark.parametrize("second", ["sgd", "sgd --fresh", "downpour x3", "downpour x4 --fresh",
+                                    "sandblaster x4", "partitioned x2 --fresh"])
 def test_a_second_run_on_a_live_runs_folder_is_refused_and_the_first_is_untouched(
         data_dir: Path, tmp_path: Path, second: str) -> None:
     out, log = tmp_path / "out", tmp_path / "log"
@@ -233,7 +234,10 @@ def test_a_second_run_on_a_live_runs_folder_is_refused_and_the_first_is_untouche
             n = 1
         else:
             n = int(second.split()[1][1:])
-            proc = run_mpi(n, [PROGRAMS / "cli_exit_status.py", *train_args(data_dir, out),
+            algorithm = {"downpour": [], "sandblaster": ['optimizer.algorithm="sandblaster"'],
+                         "partitioned": ['optimizer.algorithm="sgd"', "cluster.partitions=2"]}
+            proc = run_mpi(n, [PROGRAMS / "cli_exit_status.py",
+                               *train_args(data_dir, out, *algorithm[second.split()[0]]),
                                *extra], timeout=60)
             assert exit_statuses(proc) == [2] * n, proc.stdout + proc.stderr
         refused_in = time.monotonic() - began
