@@ -15,7 +15,8 @@ The guardian relays SIGTERM, SIGUSR1, SIGUSR2, SIGINT and SIGHUP to the worker, 
 in a process group of its own: a signal meant for the rank reaches the worker whether
 the launcher signals the rank's process or its process group (hydra signals process
 groups; SLURM's slurmstepd signals every process of the step, so there the worker gets it
-twice, which is harmless: a stop request is a stop request). The worker dies with its
+twice, which is harmless: a stop request is a stop request, and a SIGINT arriving twice
+within a second counts as one Ctrl-C, see distbelief.trainer.note_interrupt). The worker dies with its
 guardian (PR_SET_PDEATHSIG), so a launcher that kills the job leaves nothing behind.
 
 Known gap: a worker that dies before MPI_Init (it cannot even start) ends its guardian

@@ -10,7 +10,7 @@ Checkpoints (distbelief.checkpoint) go to out_dir/checkpoints every
 always when the run stops, including on SIGTERM or SIGUSR1 (SLURM's time limit, or
 `sbatch --signal`): the current step finishes, a checkpoint is written, and train() returns
 normally without a final evaluation, so the job ends within a step plus a checkpoint
-write. A run resumes from the newest valid checkpoint in its out_dir (see
+write. A first Ctrl-C (SIGINT) does the same and `train` exits 130 (StopSignals). A run resumes from the newest valid checkpoint in its out_dir (see
 `starting_checkpoint`); resuming restores parameters, optimizer state, step, samples,
 training time so far and the data position, so a resumed run computes bit for bit what an
 uninterrupted one would.
