@@ -62,8 +62,8 @@ from distbelief.errors import UserError
 OWNER_FILE = "owner.json"
 DEFAULT_TIMEOUT_S = 120.0
 HEARTBEAT_S = 10.0
-"""How often the owner refreshes its heartbeat (less often than a tenth of the bound it
-is judged by only when the bound is short, as in tests)."""
+"""How often the owner refreshes its heartbeat: every 10 s, or every tenth of
+run.owner_timeout_seconds when that is shorter (as in tests)."""
 LOST_EXIT_STATUS = 3
 PF_EXITING = 0x4
 """Kernel task flag set as a process starts to exit: its files close before it turns into
@@ -228,6 +228,7 @@ def _take_over(out_dir: Path, dead: dict[str, Any]) -> None:
 
 
 def read_owner_file(path: Path) -> dict[str, Any]:
+    """The record in `path`, {} if it cannot be read as one."""
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
