@@ -175,6 +175,11 @@ def test_prepare_synthetic_then_train_then_report(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert len(list((tmp_path / "plots").glob("*.png"))) == 3
     assert "out" in result.stdout.splitlines()[1]  # the summary table's row for the run
+    # Without --out the figures go into the run's own folder, not ./report.
+    result = run_cli(["report", "out"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert len(list((tmp_path / "out").glob("*.png"))) == 3
+    assert not (tmp_path / "report").exists()
 
 
 def test_plain_sgd_run_does_not_start_mpi(data_dir: Path) -> None:
