@@ -225,3 +225,10 @@ def test_unhandled_exception_on_one_rank_aborts_the_job(tmp_path: Path) -> None:
     result = run_mpi(2, [script], timeout=60)
     assert result.returncode != 0
     assert "RuntimeError: boom on rank 0" in result.stderr
+
+
+def test_prepare_without_the_data_names_the_package_and_src(tmp_path: Path) -> None:
+    assert_user_error(run_cli(["prepare", "fashion-mnist", "--src", tmp_path / "none",
+                               "--out", tmp_path / "fm.h5"]),
+                      "no such folder", "apt-get install dataset-fashion-mnist", "--src DIR")
+    assert not (tmp_path / "fm.h5").exists()

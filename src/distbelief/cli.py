@@ -383,7 +383,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_prepare_fashion_mnist(args: argparse.Namespace) -> int:
     from distbelief.datasets import convert_idx
+    from distbelief.errors import DataError
 
+    if not os.path.isdir(args.src):
+        raise DataError(f"{args.src}: no such folder; install Debian's Fashion-MNIST package "
+                        "(sudo apt-get install dataset-fashion-mnist) or give the folder "
+                        "holding the four IDX files with --src DIR")
     print(f"wrote {convert_idx(args.src, args.out)}")
     return 0
 
