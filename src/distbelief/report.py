@@ -128,13 +128,15 @@ def plot_runs(runs: Sequence[Run], out_dir: str | Path,
             if points:
                 xs, ys = zip(*points)
                 label = run.name
-                if y_key == "loss" and _is_sandblaster(run):
+                if y_key == "loss" and _is_sandblaster(run) and len(runs) > 1:
                     label += " (Sandblaster: loss of each L-BFGS iterate on its batch)"
                 ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=label)
         target = _common_target(runs)
         if y_key == "test_accuracy" and target is not None:
             ax.axhline(target, color="gray", linestyle=":", linewidth=1,
                        label=f"target {target:g}")
+        if y_key == "loss" and all(_is_sandblaster(run) for run in runs):
+            y_label = "training loss (each L-BFGS iterate, on its batch)"
         ax.set_xlabel(x_label)
         ax.set_ylabel(y_label)
         ax.grid(True, alpha=0.3)
