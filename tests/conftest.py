@@ -13,6 +13,41 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
+# PyTorch is the reference of a few tests (marked `torch`), never a dependency: the plain
+# `pip install torch` on Linux fetches a multi-GB CUDA build, so the test extra leaves it
+# out and those tests skip, naming the CPU wheel. CI's second step installs it and sets
+# DISTBELIEF_REQUIRE_TORCH=1, which turns the skip into a failure.
+TORCH_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+REQUIRE_TORCH = "DISTBELIEF_REQUIRE_TORCH"
+
+
+def import_torch():
+    """torch, or a skip (a failure under DISTBELIEF_REQUIRE_TORCH=1) naming the install."""
+    try:
+        import torch
+    except ImportError:
+        reason = f"needs PyTorch as the reference, not installed: {TORCH_INSTALL}"
+        if os.environ.get(REQUIRE_TORCH) == "1":
+            pytest.fail(f"{REQUIRE_TORCH}=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+    return torch
+
+
+@pytest.fixture(name="torch")
+def torch_fixture():
+    """PyTorch for a test that compares with it (such tests are marked `torch`)."""
+    torch = import_torch()
+    torch.set_num_threads(1)
+    return torch
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # A test that asks for the torch fixture is a torch test: `-m torch` selects exactly
+    # these, with no marker to forget.
+    for item in items:
+        if "torch" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.torch)
+
 
 def _env(threads: int = 1) -> dict[str, str]:
     env = dict(os.environ)

@@ -176,6 +176,11 @@ def test_prepare_synthetic_then_train_then_report(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert len(list((tmp_path / "plots").glob("*.png"))) == 3
     assert "out" in result.stdout.splitlines()[1]  # the summary table's row for the run
+    # Without --out the figures go into the run's own folder, not ./report.
+    result = run_cli(["report", "out"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert len(list((tmp_path / "out").glob("*.png"))) == 3
+    assert not (tmp_path / "report").exists()
 
 
 def test_plain_sgd_run_does_not_start_mpi(data_dir: Path) -> None:
@@ -221,3 +226,10 @@ def test_unhandled_exception_on_one_rank_aborts_the_job(tmp_path: Path) -> None:
     result = run_mpi(2, [script], timeout=60)
     assert result.returncode != 0
     assert "RuntimeError: boom on rank 0" in result.stderr
+
+
+def test_prepare_without_the_data_names_the_package_and_src(tmp_path: Path) -> None:
+    assert_user_error(run_cli(["prepare", "fashion-mnist", "--src", tmp_path / "none",
+                               "--out", tmp_path / "fm.h5"]),
+                      "no such folder", "apt-get install dataset-fashion-mnist", "--src DIR")
+    assert not (tmp_path / "fm.h5").exists()

@@ -278,10 +278,15 @@ def test_overrides_replace_file_values_and_are_validated(tmp_path: Path,
     assert config.optimizer.learning_rate == pytest.approx(1e-3)
     assert config.optimizer.adagrad is False
     assert config.data.batch_size == 8
-    with pytest.raises(ConfigError, match="did you mean 'learning_rate'"):
+    # A mistake in --set is reported as one on the command line, not in the file.
+    with pytest.raises(ConfigError, match=r"^--set optimizer.learnig_rate=0.1: unknown key "
+                       r"'optimizer.learnig_rate'; did you mean 'learning_rate'"):
         load_config(path, ["optimizer.learnig_rate=0.1"], cwd=tmp_path)
-    with pytest.raises(ConfigError, match=r"run.max_steps = \"lots\" is invalid"):
+    with pytest.raises(ConfigError, match=r"^--set run.max_steps=lots: run.max_steps = "
+                       r"\"lots\" is invalid"):
         load_config(path, ["run.max_steps=lots"], cwd=tmp_path)
+    with pytest.raises(ConfigError, match=r"^--set trainer.x=1: unknown section \[trainer\]"):
+        load_config(path, ["trainer.x=1"], cwd=tmp_path)
 
 
 def test_override_does_not_change_the_raw_dict() -> None:
@@ -294,8 +299,18 @@ def test_override_does_not_change_the_raw_dict() -> None:
 
 
 def test_missing_data_file(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="no such file"):
+    with pytest.raises(DataError, match="no such file") as caught:
         load_config(write_config(tmp_path, VALID), cwd=tmp_path)
+    # A relative data.path: the message says where it was looked for, and why there.
+    assert "resolved from the config file's folder, " + str(tmp_path.resolve()) in str(
+        caught.value)
+
+
+def test_missing_absolute_data_file_names_only_the_file(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="no such file") as caught:
+        load_config(write_config(tmp_path, VALID), [f"data.path={tmp_path / 'none.h5'}"],
+                    cwd=tmp_path)
+    assert "resolved from" not in str(caught.value)
 
 
 def test_corrupt_data_file(tmp_path: Path) -> None:

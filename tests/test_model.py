@@ -195,11 +195,9 @@ def test_input_gradient_through_two_local_layers(stride):
 
 # -- against torch autograd -------------------------------------------------------------
 
-def torch_loss_and_grads(net: Network, specs, params: np.ndarray, x: np.ndarray,
+def torch_loss_and_grads(torch, net: Network, specs, params: np.ndarray, x: np.ndarray,
                          y: np.ndarray):
     """Loss and flat gradient from torch autograd in float64, from the same flat params."""
-    # Skips only these tests where torch is missing (CI reports them as skipped).
-    torch = pytest.importorskip("torch")
     flat = torch.tensor(params, dtype=torch.float64)
     tensors = []
     for entry in net.layout.entries:
@@ -239,12 +237,12 @@ TORCH_CASES = {
 
 
 @pytest.mark.parametrize("case", TORCH_CASES)
-def test_matches_torch_autograd(case):
+def test_matches_torch_autograd(torch, case):
     input_shape, specs, num_classes = TORCH_CASES[case]
     net, params, x, y = random_problem(input_shape, specs, num_classes, n=16, seed=7)
     grad = np.full(net.layout.size, np.nan, dtype=np.float32)
     loss = net.loss_and_grad(params, x, y, grad)
-    want_loss, want_grad = torch_loss_and_grads(net, specs, params, x, y)
+    want_loss, want_grad = torch_loss_and_grads(torch, net, specs, params, x, y)
     assert loss == pytest.approx(want_loss, rel=1e-5)
     assert_grad_close(grad, want_grad)
 

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from distbelief.optimizers import SGD, Adagrad, make_optimizer
 
-torch.set_num_threads(1)
 
-
-def _torch_steps(opt_class, params0: np.ndarray, grads: list[np.ndarray], **kwargs):
+def _torch_steps(torch, opt_class, params0: np.ndarray, grads: list[np.ndarray], **kwargs):
     """Run torch's optimizer over the gradient sequence; return final params and state."""
     p = torch.nn.Parameter(torch.from_numpy(params0.copy()))
     opt = opt_class([p], **kwargs)
@@ -33,12 +30,12 @@ def _gradients(rng: np.random.Generator, size: int, steps: int) -> list[np.ndarr
 
 
 @pytest.mark.parametrize("size", [1, 7, 1000, 4099, 100_003])
-def test_adagrad_matches_torch(size: int) -> None:
+def test_adagrad_matches_torch(torch, size: int) -> None:
     rng = np.random.default_rng(size)
     params0 = rng.standard_normal(size).astype(np.float32)
     grads = _gradients(rng, size, steps=5)
     lr = 0.05
-    expected, torch_state = _torch_steps(torch.optim.Adagrad, params0, grads, lr=lr)
+    expected, torch_state = _torch_steps(torch, torch.optim.Adagrad, params0, grads, lr=lr)
 
     opt = Adagrad(size, lr)
     params = params0.copy()
@@ -52,15 +49,15 @@ def test_adagrad_matches_torch(size: int) -> None:
     assert not np.array_equal(params, params0)  # it did move
 
 
-def test_adagrad_default_eps_is_torchs() -> None:
+def test_adagrad_default_eps_is_torchs(torch) -> None:
     assert Adagrad(3, 0.1).eps == torch.optim.Adagrad([torch.zeros(1)]).defaults["eps"]
 
 
-def test_sgd_matches_torch() -> None:
+def test_sgd_matches_torch(torch) -> None:
     rng = np.random.default_rng(1)
     params0 = rng.standard_normal(513).astype(np.float32)
     grads = _gradients(rng, 513, steps=4)
-    expected, _ = _torch_steps(torch.optim.SGD, params0, grads, lr=0.1)
+    expected, _ = _torch_steps(torch, torch.optim.SGD, params0, grads, lr=0.1)
     opt = SGD(0.1)
     params = params0.copy()
     for g in grads:

@@ -76,12 +76,16 @@ examples:
 
 REPORT_HELP = """\
 Plot one or more finished (or running) training runs: test accuracy against wall time,
-test accuracy against training samples, and training loss against samples. Several runs
-share each figure, labelled by their folder names. Needs matplotlib
-(pip install 'distbelief[plot]').
+test accuracy against training samples, and training loss against samples (the mean over
+each 0.5 s of steps); for Downpour runs also the staleness histogram and the replicas'
+throughput, for Sandblaster runs its iterations and work units. Several runs share each
+figure, labelled by their folder names. The PNG files go into the run's own folder, or,
+for several runs, into a compare-A+B folder beside the first; --out chooses another.
+Needs matplotlib (pip install 'distbelief[plot]').
 
 examples:
-  distbelief report runs/fashion_mnist_mlp
+  distbelief report runs/fashion_mnist_mlp          # writes runs/fashion_mnist_mlp/*.png
+  distbelief report runs/sgd runs/downpour          # writes runs/compare-sgd+downpour/*.png
   distbelief report runs/sgd runs/downpour --out plots/
 """
 
@@ -168,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  description=REPORT_HELP, formatter_class=raw)
     report.add_argument("run_dirs", metavar="RUN_DIR", nargs="+",
                         help="a run's output folder (holding metrics.jsonl)")
-    report.add_argument("--out", metavar="DIR", default="report",
-                        help="folder for the PNG files (default: %(default)s)")
+    report.add_argument("--out", metavar="DIR", default=None,
+                        help="folder for the PNG files (default: the run's folder; for "
+                             "several runs, compare-A+B beside the first)")
     report.set_defaults(func=cmd_report)
 
     status = commands.add_parser("status", help="say whether a run is alive, where, and "
@@ -434,19 +439,34 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from distbelief.report import import_pyplot, load_run, plot_runs, summary_table
+    from distbelief.report import (
+        default_out_dir,
+        import_pyplot,
+        load_run,
+        plot_runs,
+        summary_table,
+    )
 
     import_pyplot()  # fail on a missing matplotlib before reading anything
     runs = [load_run(path) for path in args.run_dirs]
     print(summary_table(runs))
-    for path in plot_runs(runs, args.out):
+    notes: list[str] = []
+    out = args.out if args.out is not None else default_out_dir(args.run_dirs)
+    for path in plot_runs(runs, out, notes):
         print(f"wrote {path}")
+    for note in notes:
+        print(note)
     return 0
 
 
 def cmd_prepare_fashion_mnist(args: argparse.Namespace) -> int:
     from distbelief.datasets import convert_idx
+    from distbelief.errors import DataError
 
+    if not os.path.isdir(args.src):
+        raise DataError(f"{args.src}: no such folder; install Debian's Fashion-MNIST package "
+                        "(sudo apt-get install dataset-fashion-mnist) or give the folder "
+                        "holding the four IDX files with --src DIR")
     print(f"wrote {convert_idx(args.src, args.out)}")
     return 0
 

@@ -342,12 +342,33 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
+def check_override(text: str) -> tuple[str, str, Any]:
+    """parse_override, then the name and the value checked against the schema: a mistake
+    in --set is a command-line error naming --set, not one in the config file."""
+    section, key, value = parse_override(text)
+    if section not in SCHEMA:
+        raise ConfigError(f"--set {text}: unknown section [{section}]"
+                          f"{_did_you_mean(section, SECTIONS)} "
+                          f"(valid sections: {', '.join(SECTIONS)})")
+    if key not in SCHEMA[section]:
+        valid = SCHEMA[section]
+        raise ConfigError(f"--set {text}: unknown key '{section}.{key}'"
+                          f"{_did_you_mean(key, valid)} "
+                          f"(valid keys in [{section}]: {', '.join(valid)})")
+    rule = SCHEMA[section][key][0]
+    if rule.convert(value) is None:
+        raise ConfigError(f"--set {text}: {section}.{key} = {_show(value)} is invalid; "
+                          f"expected {rule.allowed}")
+    return section, key, value
+
+
 def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
-    """A copy of the raw TOML dict with each `section.key=value` override applied."""
+    """A copy of the raw TOML dict with each `section.key=value` override applied (each
+    checked by check_override first)."""
     merged = {section: dict(table) if isinstance(table, dict) else table
               for section, table in raw.items()}
     for text in overrides:
-        section, key, value = parse_override(text)
+        section, key, value = check_override(text)
         table = merged.setdefault(section, {})
         if isinstance(table, dict):
             table[key] = value
@@ -431,6 +452,13 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), check_data: boo
     raw = apply_overrides(read_toml(source), overrides)
     config = config_from_dict(raw, source, cwd)
     if check_data:
+        given = str(raw.get("data", {}).get("path", ""))
+        if not Path(given).is_absolute() and not config.data.path.exists():
+            # The usual surprise: the path was read from the current folder, not this one.
+            raise DataError(f"data.path = {given!r}: {config.data.path}: no such file (a "
+                            f"relative data.path is resolved from the config file's folder, "
+                            f"{source.resolve().parent}; give an absolute path, or make the "
+                            "file with `distbelief prepare`)")
         check_data_fits(config)
     return config
 

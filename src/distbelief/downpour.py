@@ -1097,6 +1097,7 @@ class Supervisor(_ShardRole):
         self.awaiting = False  # a request is out: its checkpoint has not been written
         self.ready = False  # every replica has paused for it (or finished, or is lost)
         self.logged_steps = -1
+        self.logged_loss_total = 0.0  # loss_total at the last training line
         self._next_control = 0.0
         self._next_sweep = time.monotonic() + SWEEP_S
         self._shard_signals = (0, 0)  # max SIGTERM, SIGUSR1 counts of the shards
@@ -1171,7 +1172,6 @@ class Supervisor(_ShardRole):
         view = self.view = self.shard.read_run_control()
         steps = self.base + view.steps
         if steps > self.steps:
-            self.loss = (view.loss_sum - self.loss_total) / (steps - self.steps)
             self.steps, self.loss_total = steps, view.loss_sum
         rows = view.replicas
         moved = rows[:, rc.BEAT] != self.beats
@@ -1295,10 +1295,14 @@ class Supervisor(_ShardRole):
     # -- training lines, stops, evaluations
 
     def _log_training(self) -> None:
-        """A training line, if steps were reported since the last one."""
+        """A training line, if steps were reported since the last one. Its loss is the mean
+        over every step since the previous line (LOG_EVERY_SECONDS apart), as the other
+        trainers log it, so the curves of different algorithms compare."""
         if self.steps == self.logged_steps or self.steps == self.base:
             return
-        self.logged_steps = self.steps
+        since = max(self.logged_steps, self.base)
+        self.loss = (self.loss_total - self.logged_loss_total) / (self.steps - since)
+        self.logged_steps, self.logged_loss_total = self.steps, self.loss_total
         self.recorder.log(self.steps, self.steps * self.plan.batch_size, self.loss,
                           version=self.shard.version)
         if not math.isfinite(self.loss) and self.reason is None:

@@ -16,7 +16,8 @@ metrics.jsonl has one JSON object per line, flushed as it is written, so a run k
 half-way leaves a readable file. Every line has `kind` ("train" or "eval"), `time`
 (seconds since the recorder's start), `step`, `samples` and `loss` (training loss); eval
 lines add `test_accuracy` and `test_loss`; `extra` keywords are added as they are (they
-must be JSON-serialisable; Downpour adds e.g. staleness). Marker lines of other kinds
+must be JSON-serialisable; Downpour adds e.g. the shards' version). A non-finite number
+(a diverged loss) is written as null, here and in summary.json: strict JSON. Marker lines of other kinds
 ("checkpoint", "resume") have `kind`, `time`, `step` and `samples` but no loss; readers
 pick the kinds they plot.
 
@@ -53,6 +54,9 @@ from distbelief.errors import DataError
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 DISCARDED_FILE = "metrics.discarded.jsonl"
+LOG_EVERY_SECONDS = 0.5
+"""How often a trainer writes a training line; its loss is the mean over the steps since
+the previous line (one line per step would be thousands a second)."""
 REQUIRED_SUMMARY_KEYS = ("reached_target", "time_to_target", "final_test_accuracy",
                          "steps", "samples", "wall_seconds")
 
@@ -213,7 +217,7 @@ class RunRecorder:
         self._step, self._samples, self._loss = step, samples, float(loss)
 
     def _write(self, line: dict[str, Any]) -> None:
-        self._file.write(json.dumps(line) + "\n")
+        self._file.write(json.dumps(finite_or_null(line), allow_nan=False) + "\n")
         self._file.flush()
 
     def __enter__(self) -> Self:
@@ -223,9 +227,23 @@ class RunRecorder:
         self.close()
 
 
+def finite_or_null(value: Any) -> Any:
+    """`value` with every non-finite float (a diverged loss) as None: strict JSON readers
+    (jq, JavaScript, most languages' parsers) reject the NaN and Infinity tokens."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
 def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON to `path` so readers see the old file or the new one, never half of one."""
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    """Write JSON to `path` so readers see the old file or the new one, never half of one.
+    Non-finite floats are written as null."""
+    write_text_atomic(path, json.dumps(finite_or_null(data), indent=2, sort_keys=True,
+                                       allow_nan=False) + "\n")
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

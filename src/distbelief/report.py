@@ -3,11 +3,15 @@
 Three PNG figures, every run on each (legend: the run folder's name):
     accuracy_vs_time.png     test accuracy against wall time (seconds)
     accuracy_vs_samples.png  test accuracy against training samples processed
-    loss_vs_samples.png      training loss against training samples
+    loss_vs_samples.png      training loss against training samples: every trainer logs
+                             the mean loss over the steps of each LOG_EVERY_SECONDS (0.5 s)
+                             window, so the curves compare; Sandblaster logs the loss of
+                             each L-BFGS iterate on its batch, and its legend says so
 and a table with one line per run (`summary_table`), which the command prints. When at
 least one run is a Downpour run (summary.json with algorithm "downpour"), two more:
     staleness_histogram.png  share of pushes by staleness (updates the shard applied
-                             between a replica's fetch and its push), one bar group per run
+                             between a replica's fetch and its push), one bar group per run;
+                             not drawn when every push had staleness 0 (one replica)
     replica_throughput.png   samples/s of each replica of each Downpour run, with the
                              single-process runs' samples/s as horizontal reference lines
 When at least one run is a Sandblaster L-BFGS run (training lines with `grad_norm`), two
@@ -17,28 +21,36 @@ more, read from metrics.jsonl alone (so they work on a running job):
     sandblaster_units.png       work units committed by each replica (load balancing),
                                 with the backup units issued and discarded in the legend
 
+Every figure has a title naming its runs, its legend outside the data (below the axes)
+and plain tick labels (no offset or 1e6 notation). `default_out_dir` is where the
+command writes them without --out: a single run's own folder.
+
 matplotlib is an optional dependency (`pip install 'distbelief[plot]'`); it is imported
 only here, with the Agg backend, so reports work on headless cluster nodes.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from distbelief.errors import DataError, UserError
-from distbelief.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics
+from distbelief.metrics import LOG_EVERY_SECONDS, METRICS_FILE, SUMMARY_FILE, read_metrics
 
 FIGURES = (
-    # file name, x key, y key, which lines, x label, y label
+    # file name, x key, y key, which lines, x label, y label, title
     ("accuracy_vs_time.png", "time", "test_accuracy", "eval", "wall time (s)",
-     "test accuracy"),
+     "test accuracy", "Test accuracy against time"),
     ("accuracy_vs_samples.png", "samples", "test_accuracy", "eval", "training samples",
-     "test accuracy"),
-    ("loss_vs_samples.png", "samples", "loss", "train", "training samples", "training loss"),
+     "test accuracy", "Test accuracy against training samples"),
+    ("loss_vs_samples.png", "samples", "loss", "train", "training samples",
+     f"training loss (mean over each {LOG_EVERY_SECONDS:g} s of steps)",
+     "Training loss against training samples"),
 )
 
 
@@ -85,40 +97,58 @@ def import_pyplot() -> Any:
     return plt
 
 
+def default_out_dir(run_dirs: Sequence[str | Path]) -> Path:
+    """Where `report` writes without --out: one run's own folder; for several, a
+    `compare-A+B` folder beside the first (never a folder shared by unrelated reports)."""
+    first = Path(run_dirs[0])
+    if len(run_dirs) == 1:
+        return first
+    names = "+".join(Path(p).resolve().name for p in run_dirs)
+    return first.resolve().parent / f"compare-{names}"
+
+
 def make_report(run_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
     """Write the three figures for `run_dirs` into `out_dir`; returns the PNG paths."""
     return plot_runs([load_run(p) for p in run_dirs], out_dir)
 
 
-def plot_runs(runs: Sequence[Run], out_dir: str | Path) -> list[Path]:
-    """Write the three figures, all `runs` on each, into `out_dir`; returns the PNG paths."""
+def plot_runs(runs: Sequence[Run], out_dir: str | Path,
+              notes: list[str] | None = None) -> list[Path]:
+    """Write the figures, all `runs` on each, into `out_dir`; returns the PNG paths.
+    A figure left out (nothing to show) gets a line in `notes`, when given."""
     plt = import_pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for filename, x_key, y_key, kind, x_label, y_label in FIGURES:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+    for filename, x_key, y_key, kind, x_label, y_label, title in FIGURES:
+        fig, ax = _figure(plt)
         for run in runs:
             lines = run.evals if kind == "eval" else run.train
             points = [(r[x_key], r[y_key]) for r in lines if r.get(y_key) is not None]
             if points:
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=run.name)
+                label = run.name
+                if y_key == "loss" and _is_sandblaster(run) and len(runs) > 1:
+                    label += " (Sandblaster: loss of each L-BFGS iterate on its batch)"
+                ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=label)
         target = _common_target(runs)
         if y_key == "test_accuracy" and target is not None:
-            ax.axhline(target, color="gray", linestyle=":", linewidth=1, label="target")
+            ax.axhline(target, color="gray", linestyle=":", linewidth=1,
+                       label=f"target {target:g}")
+        if y_key == "loss" and all(_is_sandblaster(run) for run in runs):
+            y_label = "training loss (each L-BFGS iterate, on its batch)"
         ax.set_xlabel(x_label)
         ax.set_ylabel(y_label)
         ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / filename, dpi=100)
-        plt.close(fig)
-        written.append(out / filename)
+        written.append(_save(plt, fig, out / filename, title, runs))
     downpour = [r for r in runs if _is_downpour(r)]
     if downpour:
-        written.append(_plot_staleness(plt, downpour, out / STALENESS_FIGURE))
-        baselines = [r for r in runs if not _is_downpour(r)]
+        if any(_staleness_bins(r) for r in downpour):
+            written.append(_plot_staleness(plt, downpour, out / STALENESS_FIGURE))
+        elif notes is not None:
+            notes.append(f"{STALENESS_FIGURE} not drawn: every push had staleness 0 "
+                         "(one replica)")
+        baselines = [r for r in runs if (r.summary or {}).get("algorithm") == "sgd"]
         written.append(_plot_throughput(plt, downpour, baselines, out / THROUGHPUT_FIGURE))
     sandblaster = [r for r in runs if _is_sandblaster(r)]
     if sandblaster:
@@ -140,7 +170,7 @@ def _is_sandblaster(run: Run) -> bool:
 
 def _plot_iterations(plt: Any, runs: Sequence[Run], path: Path) -> Path:
     """Four panels against the L-BFGS iteration."""
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7.5), layout="constrained")
     for ax, (key, label, log) in zip(axes.flat, ITERATION_PANELS):
         for run in runs:
             points = [(r["step"], r[key]) for r in run.train if r.get(key) is not None]
@@ -152,13 +182,16 @@ def _plot_iterations(plt: Any, runs: Sequence[Run], path: Path) -> Path:
         ax.set_xlabel("L-BFGS iteration")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-    axes.flat[0].legend(fontsize="small")
-    return _save(plt, fig, path)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        if key == "line_search_evals":
+            ax.yaxis.get_major_locator().set_params(integer=True)
+    return _save(plt, fig, path, "Sandblaster L-BFGS iterations", runs,
+                 legend_from=axes.flat[0])
 
 
 def _plot_units(plt: Any, runs: Sequence[Run], path: Path) -> Path:
     """Units each replica committed over the run, one bar group per replica."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure(plt)
     offsets, width = _bar_offsets(len(runs))
     most = 1
     for run, dx in zip(runs, offsets):
@@ -175,7 +208,7 @@ def _plot_units(plt: Any, runs: Sequence[Run], path: Path) -> Path:
     ax.set_ylabel("work units committed")
     _finish_figure(ax)
     ax.set_xticks(range(most))
-    return _save(plt, fig, path)
+    return _save(plt, fig, path, "Sandblaster work units per replica", runs)
 
 
 STALENESS_FIGURE = "staleness_histogram.png"
@@ -193,15 +226,29 @@ def _bar_offsets(n_runs: int) -> tuple[list[float], float]:
     return [(i - (n_runs - 1) / 2) * width for i in range(n_runs)], width
 
 
+def _staleness_bins(run: Run) -> list[int]:
+    """The run's push counts by staleness, up to the largest staleness seen; empty when
+    every push had staleness 0 (nothing worth a histogram)."""
+    counts = list((run.summary.get("staleness") or {}).get("histogram") or [])
+    while counts and counts[-1] == 0:
+        counts.pop()
+    return counts if len(counts) > 1 else []
+
+
 def _plot_staleness(plt: Any, runs: Sequence[Run], path: Path) -> Path:
-    """Share of pushes at each staleness; shares, not counts, so runs of any length compare."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    """Share of pushes at each staleness; shares, not counts, so runs of any length compare.
+    The axis ends at the largest staleness any run saw, with integer ticks."""
+    fig, ax = _figure(plt)
     offsets, width = _bar_offsets(len(runs))
+    top = 1
     for run, dx in zip(runs, offsets):
         stale = run.summary.get("staleness") or {}
-        counts = stale.get("histogram") or []
+        counts = list(stale.get("histogram") or [])
+        while len(counts) > 1 and counts[-1] == 0:
+            counts.pop()
         total = sum(counts)
         if total:
+            top = max(top, len(counts))
             label = f"{run.name} (mean {stale.get('mean', 0):.2f}, max {stale.get('max')})"
             cap = stale.get("histogram_cap")
             if cap is not None and len(counts) > cap:
@@ -211,38 +258,81 @@ def _plot_staleness(plt: Any, runs: Sequence[Run], path: Path) -> Path:
     ax.set_xlabel("staleness (updates applied between fetch and push)")
     ax.set_ylabel("share of pushes")
     _finish_figure(ax)
-    return _save(plt, fig, path)
+    ax.set_xlim(-0.5, top - 0.5)
+    if top <= 20:
+        ax.set_xticks(range(top))
+    return _save(plt, fig, path, "Staleness of the pushes", runs)
 
 
 def _plot_throughput(plt: Any, runs: Sequence[Run], baselines: Sequence[Run],
                      path: Path) -> Path:
     """Each replica's samples/s; single-process runs as reference lines."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _figure(plt)
     offsets, width = _bar_offsets(len(runs))
     for run, dx in zip(runs, offsets):
         replicas = run.summary["replicas"]
         ax.bar([r.get("replica", i) + dx for i, r in enumerate(replicas)],
                [r.get("samples_per_second") or 0 for r in replicas], width, label=run.name)
-    for run in baselines:
+    shown = list(runs)
+    for run, style in zip(baselines, itertools.cycle(("--", ":", "-.", (0, (5, 1, 1, 1))))):
         rate = (run.summary or {}).get("samples_per_second")
         if rate:
-            ax.axhline(rate, linestyle="--", linewidth=1, color="gray",
-                       label=f"{run.name} (single process)")
+            shown.append(run)
+            ax.axhline(rate, linestyle=style, linewidth=1.2, color="black",
+                       label=f"{run.name} (single process, {rate:,.0f} samples/s)")
     ax.set_xlabel("replica")
     ax.set_ylabel("training samples/s")
     _finish_figure(ax)
     ax.set_xticks(range(max(len(run.summary["replicas"]) for run in runs)))
-    return _save(plt, fig, path)
+    return _save(plt, fig, path, "Training throughput of each replica", shown)
+
+
+def _figure(plt: Any) -> tuple[Any, Any]:
+    """One figure with one axes; constrained layout keeps the legend below it clear."""
+    return plt.subplots(figsize=(7, 5), layout="constrained")
 
 
 def _finish_figure(ax: Any) -> None:
     ax.grid(True, axis="y", alpha=0.3)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend(fontsize="small")
 
 
-def _save(plt: Any, fig: Any, path: Path) -> Path:
-    fig.tight_layout()
+def _plain_ticks(ax: Any) -> None:
+    """Tick labels as numbers a person reads: no offset, no 1e6 factor, thousands
+    separated on large axes."""
+    from matplotlib.ticker import FuncFormatter
+
+    for axis in (ax.xaxis, ax.yaxis):
+        if axis.get_scale() == "log":  # 0.5, 1, 2 rather than 5 x 10^-1
+            low, high = axis.get_view_interval()
+            few_decades = high <= 100 * low
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(FuncFormatter(
+                lambda v, _, few=few_decades: f"{v:g}" if few and _mantissa(v) in (2, 5) else ""))
+            continue
+        low, high = axis.get_view_interval()
+        if max(abs(low), abs(high)) >= 10_000:
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+        else:
+            axis.get_major_formatter().set_useOffset(False)
+            axis.get_major_formatter().set_scientific(False)
+
+
+def _mantissa(value: float) -> int:
+    """The leading digit of a positive number (2 for 0.2, 20 and 2000)."""
+    return int(round(value / 10 ** math.floor(math.log10(value)), 6)) if value > 0 else 0
+
+
+def _save(plt: Any, fig: Any, path: Path, title: str, runs: Sequence[Run],
+          legend_from: Any = None) -> Path:
+    """Title (naming the runs), the legend below the axes, plain ticks; write the PNG."""
+    fig.suptitle(f"{title}\n{', '.join(run.name for run in runs)}", fontsize="medium")
+    for ax in fig.axes:
+        _plain_ticks(ax)
+    handles, labels = (legend_from or fig.axes[0]).get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", fontsize="small",
+                   ncols=1 if max(len(label) for label in labels) > 40 else 2)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

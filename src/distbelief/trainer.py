@@ -43,11 +43,15 @@ import numpy as np
 from distbelief import checkpoint as ckpt
 from distbelief.config import Config, build_network, config_hash, hashed_settings
 from distbelief.errors import UserError
-from distbelief.metrics import DISCARDED_FILE, METRICS_FILE, SUMMARY_FILE, ResumePoint, RunRecorder
+from distbelief.metrics import (
+    DISCARDED_FILE,
+    LOG_EVERY_SECONDS,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    ResumePoint,
+    RunRecorder,
+)
 from distbelief.threads import apply_thread_setting
-
-LOG_EVERY_SECONDS = 0.5
-"""How often a training line goes to metrics.jsonl (per step would be thousands a second)."""
 
 EVAL_BATCH_SIZE = 1000
 

@@ -1,0 +1,48 @@
+"""The README's commands are the ones CI runs (issue 11: a new user's first hour)."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from conftest import REPO
+
+README = (REPO / "README.md").read_text()
+CI = (REPO / ".ci" / "run").read_text()
+
+
+def _quick_start() -> str:
+    return README.split("## Quick start\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _code_lines(text: str) -> list[str]:
+    """The indented (code block) lines of a Markdown section."""
+    return [line.strip() for line in text.splitlines() if line.startswith("    ")]
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    commands = [c for c in _code_lines(_quick_start()) if "pytest" in c]
+    assert commands == ['pip install -e ".[mpich,test,plot]" && python -m pytest']
+    assert commands[0] in CI
+    # ... first, before anything (torch) is installed into the venv.
+    assert CI.index(commands[0]) < CI.index("torch==")
+
+
+def test_quick_start_makes_the_venv_first_and_names_the_data_package():
+    lines = _code_lines(_quick_start())
+    assert lines[0].startswith("python3 -m venv")
+    assert "dataset-fashion-mnist" in _quick_start()
+    assert "--fresh" in _quick_start()
+
+
+def test_no_test_module_imports_torch_at_module_level():
+    # A module-level `import torch` stops collection of the whole suite without torch.
+    for path in sorted((REPO / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            assert not any(re.match(r"torch(\.|$)", n) for n in names), path.name
