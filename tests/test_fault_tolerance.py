@@ -302,6 +302,7 @@ def test_a_replica_that_stops_responding_is_lost_and_fenced_off(data_dir: Path,
                "run.replica_timeout_seconds=1", "run.stall_warn_seconds=0.5",
                "run.stall_abort_seconds=1.5", faults=f"pause:3:100:4s {DELAY}")
     assert exit_statuses(proc) == [0] * 4, proc.stdout + proc.stderr[-3000:]
+    assert "test-only pause of rank 3 for 4 s at step 100" in proc.stderr, proc.stderr[-3000:]
     summary = summary_of(out)
     lost = summary["lost_replicas"]
     assert [(x["replica"], x["ranks"]) for x in lost] == [(2, [3])]
@@ -309,3 +310,8 @@ def test_a_replica_that_stops_responding_is_lost_and_fenced_off(data_dir: Path,
     assert lost[0]["at_seconds"] < 4, "declared lost while it slept"
     assert summary["stop_reason"] == "max_seconds"
     assert {r["replica"] for r in summary["replicas"]} == {0, 1}
+    # Fenced off: the run's steps are the two others' plus the 100 replica 2 made before
+    # its pause (+1: the step it computed before sleeping may be pushed as it wakes), not
+    # the hundreds it would have added in the 2 s it was awake had it gone on training.
+    others = sum(r["steps"] for r in summary["replicas"])
+    assert 100 <= summary["steps"] - others <= 101, (summary["steps"], others)
