@@ -10,6 +10,7 @@ All runs train a small MLP on a synthetic set (seconds per job).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -413,12 +414,17 @@ def test_resume_without_a_checkpoint_is_an_error_on_every_rank(data_dir: Path,
 def test_periodic_checkpoints_by_time_keep_the_newest(data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = downpour(4, data_dir, out, "cluster.ps_shards=2", "run.max_steps=0",
-                    "run.max_seconds=2.5", "run.checkpoint_every_seconds=0.4",
+                    "run.max_seconds=4", "run.checkpoint_every_seconds=0.4",
                     "run.keep_checkpoints=2")
     summary = succeeded(proc, 4, out)
     marks = [x for x in metrics(out) if x["kind"] == "checkpoint"]
-    # Every 0.4 s for 2.5 s, plus the final one; slack for a busy machine.
-    assert 3 <= len(marks) <= 8, marks
+    # Periodic ones (about 8 fit in the 4 s; fewer on a busy machine) and the final
+    # one. How many fit depends on the load; that none comes sooner than 0.4 s after the
+    # start or the previous one does not: the next is scheduled once the previous one
+    # is committed.
+    assert len(marks) >= 3, marks
+    times = [0.0] + [x["time"] for x in marks[:-1]]
+    assert all(b - a >= 0.4 for a, b in itertools.pairwise(times)), times
     steps = [x["step"] for x in marks]
     assert steps == sorted(set(steps)) and steps[-1] == summary["steps"]
     assert committed_steps(out) == steps[::-1][:2]
