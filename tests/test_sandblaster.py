@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import REPO, _env, run_mpi
 from scipy.optimize import minimize as scipy_minimize
+from test_downpour import exit_statuses
 
 from distbelief import lbfgs
 from distbelief.config import apply_overrides, config_from_dict
@@ -452,20 +453,31 @@ def test_coordinator_traffic_is_o_of_m_not_of_the_parameters(data_dir: Path,
 # -- configuration errors --------------------------------------------------------------------
 
 
-def test_rank_counts_that_do_not_fit_fail_on_every_rank(data_dir: Path, tmp_path: Path) -> None:
-    config = write(data_dir, "ranks.toml", toml())
-    proc = train(3, config, tmp_path / "out", "cluster.ps_shards=2")  # no replica left
+def every_rank_exits_2(n: int, config: Path, out: Path, *overrides: str):
+    """The real command line on n ranks, each printing its exit status: every one is 2
+    (mpiexec reports only one), with one error line."""
+    proc = run_mpi(n, [PROGRAMS / "cli_exit_status.py", "train", config,
+                       *sets(f'run.out_dir="{out}"', *overrides)], timeout=TIMEOUT)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("distbelief: error:") == 1
-    assert "coordinator" in proc.stderr and "mpiexec -n 4" in proc.stderr
+    assert exit_statuses(proc) == [2] * n, proc.stdout + proc.stderr
+    assert proc.stderr.count("distbelief: error:") == 1, proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("n, shards", [(3, 2), (2, 1)])  # no replica left
+def test_rank_counts_that_do_not_fit_fail_on_every_rank(data_dir: Path, tmp_path: Path,
+                                                        n: int, shards: int) -> None:
+    config = write(data_dir, "ranks.toml", toml())
+    proc = every_rank_exits_2(n, config, tmp_path / "out", f"cluster.ps_shards={shards}")
+    assert "coordinator" in proc.stderr and f"mpiexec -n {shards + 2}" in proc.stderr
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
-def test_work_unit_larger_than_the_batch_fails_on_every_rank(data_dir: Path,
-                                                             tmp_path: Path) -> None:
+@pytest.mark.parametrize("n", [4, 5])
+def test_work_unit_larger_than_the_batch_fails_on_every_rank(data_dir: Path, tmp_path: Path,
+                                                             n: int) -> None:
     config = write(data_dir, "unit.toml", toml(work_unit_size=5000, batch=1000))
-    proc = train(4, config, tmp_path / "out")
-    assert proc.returncode == 2, proc.stderr
+    proc = every_rank_exits_2(n, config, tmp_path / "out")
     assert "work_unit_size = 5000" in proc.stderr
 
 
