@@ -421,7 +421,7 @@ def test_periodic_checkpoints_by_time_keep_the_newest(data_dir: Path, tmp_path: 
     # Periodic ones (about 8 fit in the 4 s; fewer on a busy machine) and the final
     # one. How many fit depends on the load; that none comes sooner than 0.4 s after the
     # start or the previous one does not: the next is scheduled once the previous one
-    # is committed.
+    # is committed. (benchmarks/bench_cadence.py measures the gaps.)
     assert len(marks) >= 3, marks
     times = [0.0] + [x["time"] for x in marks[:-1]]
     assert all(b - a >= 0.4 for a, b in itertools.pairwise(times)), times
