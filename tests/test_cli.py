@@ -10,9 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_mpi
+from conftest import REPO, run_cli, run_mpi
+from test_downpour import exit_statuses
 
 from distbelief.datasets import make_synthetic
+
+# The real command line, then a line with the rank's exit status (mpiexec reports one).
+EXIT_STATUS = REPO / "tests" / "mpi_programs" / "cli_exit_status.py"
 
 CONFIG = """
 [model]
@@ -197,21 +201,27 @@ def test_plain_sgd_run_does_not_start_mpi(data_dir: Path) -> None:
 # -- under MPI ---------------------------------------------------------------------------------------
 
 
-def test_user_error_under_mpi_is_printed_once_and_every_rank_exits_2(tmp_path: Path) -> None:
+@pytest.mark.parametrize("n", [2, 3])
+def test_user_error_under_mpi_is_printed_once_and_every_rank_exits_2(tmp_path: Path,
+                                                                      n: int) -> None:
     cfg = write(tmp_path, CONFIG)  # no data file next to it
-    result = run_mpi(2, ["-m", "distbelief", "train", cfg], timeout=120)
+    result = run_mpi(n, [EXIT_STATUS, "train", cfg], timeout=120)
     assert result.returncode == 2, result.stderr
+    # mpiexec reports one status; each rank prints its own.
+    assert exit_statuses(result) == [2] * n, result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if "distbelief: error:" in line]
     assert len(errors) == 1, result.stderr
     assert "no such file" in errors[0]
 
 
-def test_sgd_refuses_several_ranks(data_dir: Path) -> None:
+@pytest.mark.parametrize("n", [2, 3])
+def test_sgd_refuses_several_ranks_on_every_rank(data_dir: Path, n: int) -> None:
     cfg = write(data_dir, CONFIG)
-    result = run_mpi(2, ["-m", "distbelief", "train", cfg], timeout=120)
+    result = run_mpi(n, [EXIT_STATUS, "train", cfg], timeout=120)
     assert result.returncode == 2, result.stderr
+    assert exit_statuses(result) == [2] * n, result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if "distbelief: error:" in line]
-    assert len(errors) == 1 and "2 MPI ranks" in errors[0], result.stderr
+    assert len(errors) == 1 and f"{n} MPI ranks" in errors[0], result.stderr
 
 
 def test_unhandled_exception_on_one_rank_aborts_the_job(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ All runs train a small MLP on a synthetic set (seconds per job).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -413,12 +414,17 @@ def test_resume_without_a_checkpoint_is_an_error_on_every_rank(data_dir: Path,
 def test_periodic_checkpoints_by_time_keep_the_newest(data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = downpour(4, data_dir, out, "cluster.ps_shards=2", "run.max_steps=0",
-                    "run.max_seconds=2.5", "run.checkpoint_every_seconds=0.4",
+                    "run.max_seconds=4", "run.checkpoint_every_seconds=0.4",
                     "run.keep_checkpoints=2")
     summary = succeeded(proc, 4, out)
     marks = [x for x in metrics(out) if x["kind"] == "checkpoint"]
-    # Every 0.4 s for 2.5 s, plus the final one; slack for a busy machine.
-    assert 3 <= len(marks) <= 8, marks
+    # Periodic ones (about 8 fit in the 4 s; fewer on a busy machine) and the final
+    # one. How many fit depends on the load; that none comes sooner than 0.4 s after the
+    # start or the previous one does not: the next is scheduled once the previous one
+    # is committed. (benchmarks/bench_cadence.py measures the gaps.)
+    assert len(marks) >= 3, marks
+    times = [0.0] + [x["time"] for x in marks[:-1]]
+    assert all(b - a >= 0.4 for a, b in itertools.pairwise(times)), times
     steps = [x["step"] for x in marks]
     assert steps == sorted(set(steps)) and steps[-1] == summary["steps"]
     assert committed_steps(out) == steps[::-1][:2]
@@ -454,15 +460,26 @@ def test_every_checkpoint_is_a_consistent_snapshot(data_dir: Path, tmp_path: Pat
 
 def test_a_diverging_run_never_checkpoints_non_finite_values(data_dir: Path,
                                                              tmp_path: Path) -> None:
+    # The first push blows the weights up to ~1e30 and every later gradient is non-finite;
+    # 100 of them in a row per replica keep the run going long enough for checkpoints to be
+    # taken mid-divergence (17 here), and keep_checkpoints keeps them all to be read.
     out = tmp_path / "out"
     proc = downpour(3, data_dir, out, "optimizer.adagrad=false", "optimizer.learning_rate=1e30",
-                    "run.max_steps=0", "run.max_seconds=60", "run.checkpoint_every_steps=1")
+                    "run.max_steps=0", "run.max_seconds=60", "run.checkpoint_every_steps=1",
+                    "run.max_bad_gradients_in_a_row=100", "run.keep_checkpoints=1000")
     assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr
     assert "training diverged" in proc.stderr
-    for step in committed_steps(out):
+    summary = json.loads((out / "summary.json").read_text())
+    saved = committed_steps(out)
+    # The final checkpoint and at least two taken mid-run, every one of them written.
+    assert len(saved) >= 3 and saved[0] == summary["steps"], (saved, summary["steps"])
+    assert summary["checkpoints_written"] == len(saved)
+    for step in saved:
         params, state = ckpt.verify(ckpt.checkpoint_root(out) / ckpt.checkpoint_name(
             step)).read_state()
         assert np.isfinite(params).all() and np.isfinite(state["accum"] if state else 0).all()
+        # Taken after the run diverged, not before: the weights have blown up.
+        assert np.abs(params).max() > 1e20, (step, np.abs(params).max())
 
 
 def test_a_checkpoint_that_cannot_be_written_ends_the_run_on_every_rank(

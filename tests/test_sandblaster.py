@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import REPO, _env, run_mpi
 from scipy.optimize import minimize as scipy_minimize
+from test_downpour import exit_statuses
 
 from distbelief import lbfgs
 from distbelief.config import apply_overrides, config_from_dict
@@ -385,12 +386,6 @@ def test_idle_ranks_sleep_instead_of_spinning(data_dir: Path, tmp_path: Path) ->
     assert max(usage["cpu_seconds"]) < 0.15 * min(usage["wall_seconds"]), usage["cpu_seconds"]
 
 
-def batch_seconds(metrics: list[dict]) -> float:
-    """Median seconds of one gradient evaluation, over the run."""
-    return float(np.median([s for m in metrics if m["kind"] == "train"
-                            for s in m["evaluation_seconds"]]))
-
-
 @pytest.fixture(scope="module")
 def heavy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Units that take about a millisecond to compute, so that the per-unit delay, not the
@@ -401,24 +396,22 @@ def heavy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def test_a_ten_times_slower_replica_costs_under_thirty_percent(heavy_dir: Path,
-                                                               tmp_path: Path) -> None:
-    """Five replicas (7 ranks): losing one of five costs 5/4.1 = 1.22 at worst (replicas
-    with a core each, or a machine so loaded that every process gets an equal share); on
-    2 quiet cores the others also get the CPU the straggler leaves. Without load balancing
-    and backups the batch would wait for the straggler's share: about 10/5 = 2x or more."""
+def test_a_ten_times_slower_replica_gets_fewer_units_and_backups(heavy_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """Five replicas (7 ranks), replica 1 ten times slower per unit: units are handed out on
+    request, so it commits far fewer than each of the others (an even split would give it
+    as many), and the units it holds at the end of a batch are re-issued as backups. What
+    it costs in batch time, against a run without it, is a ratio of timings:
+    benchmarks/bench_sandblaster.py --only straggler measures it."""
     layers = ('[{ type = "dense", units = 256, activation = "relu" }, '
               '{ type = "dense", units = 4, activation = "softmax" }]')
     config = write(heavy_dir, "heavy.toml", toml(layers, work_unit_size=100))
-    common = ("run.max_steps=6", "run.eval_every_seconds=100")
-    finished(train(7, config, tmp_path / "plain", *common), tmp_path / "plain")
-    slow_proc = train(7, config, tmp_path / "slow", *common, env=slow_env(1, 1))
-    slow, _ = finished(slow_proc, tmp_path / "slow")
-    plain_t = batch_seconds(read_metrics(tmp_path / "plain" / "metrics.jsonl"))
-    slow_t = batch_seconds(read_metrics(tmp_path / "slow" / "metrics.jsonl"))
-    assert slow_t <= 1.3 * plain_t, f"batch {slow_t:.4f}s with the straggler, {plain_t:.4f}s without"
+    slow, _ = finished(train(7, config, tmp_path / "slow", "run.max_steps=6",
+                             "run.eval_every_seconds=100", env=slow_env(1, 1)),
+                       tmp_path / "slow")
     units = {r["replica"]: r["units_committed"] for r in slow["replicas"]}
-    assert units[1] < min(u for r, u in units.items() if r != 1) / 2  # it did fewer units
+    assert sorted(units) == [0, 1, 2, 3, 4], units
+    assert units[1] < min(u for r, u in units.items() if r != 1) / 2, units
     assert slow["backup_units_issued"] > 0
 
 
@@ -460,20 +453,31 @@ def test_coordinator_traffic_is_o_of_m_not_of_the_parameters(data_dir: Path,
 # -- configuration errors --------------------------------------------------------------------
 
 
-def test_rank_counts_that_do_not_fit_fail_on_every_rank(data_dir: Path, tmp_path: Path) -> None:
-    config = write(data_dir, "ranks.toml", toml())
-    proc = train(3, config, tmp_path / "out", "cluster.ps_shards=2")  # no replica left
+def every_rank_exits_2(n: int, config: Path, out: Path, *overrides: str):
+    """The real command line on n ranks, each printing its exit status: every one is 2
+    (mpiexec reports only one), with one error line."""
+    proc = run_mpi(n, [PROGRAMS / "cli_exit_status.py", "train", config,
+                       *sets(f'run.out_dir="{out}"', *overrides)], timeout=TIMEOUT)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("distbelief: error:") == 1
-    assert "coordinator" in proc.stderr and "mpiexec -n 4" in proc.stderr
+    assert exit_statuses(proc) == [2] * n, proc.stdout + proc.stderr
+    assert proc.stderr.count("distbelief: error:") == 1, proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("n, shards", [(3, 2), (2, 1)])  # no replica left
+def test_rank_counts_that_do_not_fit_fail_on_every_rank(data_dir: Path, tmp_path: Path,
+                                                        n: int, shards: int) -> None:
+    config = write(data_dir, "ranks.toml", toml())
+    proc = every_rank_exits_2(n, config, tmp_path / "out", f"cluster.ps_shards={shards}")
+    assert "coordinator" in proc.stderr and f"mpiexec -n {shards + 2}" in proc.stderr
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
-def test_work_unit_larger_than_the_batch_fails_on_every_rank(data_dir: Path,
-                                                             tmp_path: Path) -> None:
+@pytest.mark.parametrize("n", [4, 5])
+def test_work_unit_larger_than_the_batch_fails_on_every_rank(data_dir: Path, tmp_path: Path,
+                                                             n: int) -> None:
     config = write(data_dir, "unit.toml", toml(work_unit_size=5000, batch=1000))
-    proc = train(4, config, tmp_path / "out")
-    assert proc.returncode == 2, proc.stderr
+    proc = every_rank_exits_2(n, config, tmp_path / "out")
     assert "work_unit_size = 5000" in proc.stderr
 
 

@@ -143,10 +143,11 @@ def test_max_seconds_stops_the_run(data_dir: Path, tmp_path: Path) -> None:
     summary, lines, output = run(data_dir, tmp_path / "s", "run.max_steps=0",
                                  "run.max_seconds=0.6")
     assert summary["stop_reason"] == "max_seconds"
-    assert 0.6 <= lines[-1]["time"] < 3.0
-    assert summary["steps"] > 10
-    # Progress lines every 0.1 s: several in 0.6 s.
-    assert sum("samples/s" in line for line in output.splitlines()) >= 3
+    # Not before its time (how soon after it the run ends is a timing, not asserted).
+    assert lines[-1]["time"] >= 0.6
+    assert summary["steps"] > 10  # thousands, even on a busy machine
+    # Progress lines every 0.1 s: more than one in 0.6 s (about 6 on a quiet machine).
+    assert sum("samples/s" in line for line in output.splitlines()) >= 2
 
 
 def test_eval_samples_limits_the_test_set(data_dir: Path, tmp_path: Path) -> None:
