@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli, run_mpi
 
-from distbelief.datasets import make_synthetic
+from distbelief.data.converters import make_synthetic
 
 CONFIG = """
 [model]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from distbelief.optimizers import SGD, Adagrad, make_optimizer
+from distbelief.model.optimizers import SGD, Adagrad, make_optimizer
 
 torch.set_num_threads(1)
 

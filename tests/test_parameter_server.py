@@ -15,9 +15,9 @@ import time
 import pytest
 from conftest import REPO, _env, run_mpi
 
-from distbelief import parameter_server as ps
 from distbelief.errors import ConfigError
-from distbelief.topology import Topology, validate_rank_count
+from distbelief.ps import parameter_server as ps
+from distbelief.runtime.topology import Topology, validate_rank_count
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 90

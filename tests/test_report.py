@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from distbelief.errors import DataError, UserError
-from distbelief.metrics import RunRecorder
-from distbelief.report import FIGURES, load_run, make_report, summary_table
+from distbelief.records.metrics import RunRecorder
+from distbelief.records.report import FIGURES, load_run, make_report, summary_table
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

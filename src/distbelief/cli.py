@@ -22,8 +22,9 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from distbelief import __version__, guardian
+from distbelief import __version__
 from distbelief.errors import EXIT_USER_ERROR, ConfigError, UserError
+from distbelief.runtime import guardian
 
 PROG = "distbelief"
 
@@ -93,7 +94,7 @@ COSTMODEL_HELP = """\
 Predict the training step time of one model replica of a configuration split over P
 partitions (cluster.partitions), before submitting the job: per-partition floating-point
 work, bytes exchanged per step, and a link's bandwidth and latency give the step time and
-the speedup over one partition (see distbelief.cost_model for the model and what it
+the speedup over one partition (see distbelief.model.cost_model for the model and what it
 leaves out). --gflops is what one partition sustains on these kernels, not its peak:
 benchmarks/bench_model_parallel.py measures it. The data file is only read for its input
 shape and class count; give --input-shape and --classes to model a network without one.
@@ -259,7 +260,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     several = launched_with_several_ranks()
     if several and "mpi4py.MPI" not in sys.modules and not guardian.is_worker():
         # This process is what the launcher started: it becomes the rank's guardian and
-        # the same command runs as its worker (distbelief.guardian says why).
+        # the same command runs as its worker (distbelief.runtime.guardian says why).
         return guardian.run_guarded(args.argv)
     if guardian.is_worker():
         guardian.bind_to_guardian()
@@ -270,7 +271,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = _train(config, comm, _resume_mode(args))
     outcome = os.environ.get(OUTCOME_ENV)
     if summary is not None and outcome:
-        from distbelief.metrics import write_json_atomic
+        from distbelief.records.metrics import write_json_atomic
 
         write_json_atomic(outcome, {"stop_reason": summary["stop_reason"],
                                     "lost_replicas": len(summary.get("lost_replicas", []))})
@@ -288,7 +289,7 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
     """Dispatch to the configured trainer; the summary on the rank that wrote it."""
     algorithm = config.optimizer.algorithm
     if algorithm == "sgd" and config.cluster.partitions > 1:
-        from distbelief import partitioned_training
+        from distbelief.algorithms import partitioned_sgd as partitioned_training
 
         return partitioned_training.train(config, comm if comm is not None else start_mpi(),
                                           resume=resume)
@@ -297,31 +298,31 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
             raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "
                               f"{comm.Get_size()} MPI ranks were started; run it without "
                               f"mpiexec, or use algorithm = \"downpour\"")
-        from distbelief import trainer
+        from distbelief.algorithms import sgd as trainer
 
         return trainer.train(config, resume=resume)
     # The dispatch point for the MPI algorithms.
     comm = comm if comm is not None else start_mpi()
     if algorithm == "downpour":
-        from distbelief import downpour
+        from distbelief.algorithms import downpour
 
         return downpour.train(config, comm, resume=resume)
     if algorithm == "sandblaster":
-        from distbelief import sandblaster
+        from distbelief.algorithms.sandblaster import roles as sandblaster
 
         return sandblaster.train(config, comm, resume=resume)
     raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
 
 
 def _resume_mode(args: argparse.Namespace) -> str:
-    """train's --resume / --fresh as a distbelief.trainer.RESUME_MODES value."""
+    """train's --resume / --fresh as a distbelief.algorithms.sgd.RESUME_MODES value."""
     return "require" if args.resume else "fresh" if args.fresh else "auto"
 
 
 def cmd_costmodel(args: argparse.Namespace) -> int:
     from distbelief.config import build_network, load_config
-    from distbelief.cost_model import Link, format_table, predict
-    from distbelief.model import Network
+    from distbelief.model.cost_model import Link, format_table, predict
+    from distbelief.model.network import Network
 
     config = load_config(args.config, check_data=False)
     if (args.input_shape is None) != (args.classes is None):
@@ -331,7 +332,7 @@ def cmd_costmodel(args: argparse.Namespace) -> int:
         network = Network(args.input_shape, [dict(layer) for layer in config.model.layers],
                           args.classes)
     else:
-        from distbelief.data import open_dataset
+        from distbelief.data.hdf5 import open_dataset
 
         network = build_network(config, open_dataset(config.data.path))
     link = Link(args.bandwidth * 1e9, args.latency * 1e-6)
@@ -348,7 +349,7 @@ def cmd_costmodel(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from distbelief.checkpoint import describe, inspect_path
+    from distbelief.records.checkpoint import describe, inspect_path
 
     reports = inspect_path(args.path)
     print("\n\n".join(describe(r) for r in reports))
@@ -356,7 +357,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from distbelief.report import import_pyplot, load_run, plot_runs, summary_table
+    from distbelief.records.report import import_pyplot, load_run, plot_runs, summary_table
 
     import_pyplot()  # fail on a missing matplotlib before reading anything
     runs = [load_run(path) for path in args.run_dirs]
@@ -367,14 +368,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_fashion_mnist(args: argparse.Namespace) -> int:
-    from distbelief.datasets import convert_idx
+    from distbelief.data.converters import convert_idx
 
     print(f"wrote {convert_idx(args.src, args.out)}")
     return 0
 
 
 def cmd_prepare_synthetic(args: argparse.Namespace) -> int:
-    from distbelief.datasets import make_synthetic
+    from distbelief.data.converters import make_synthetic
 
     path = make_synthetic(args.out, args.train, args.test, args.shape, args.classes,
                           seed=args.seed)

@@ -4,7 +4,7 @@ the others.
 
     mpiexec -n N python -m distbelief train CONFIG      # [optimizer] algorithm = "downpour"
 
-ROLES (distbelief.topology): world ranks 0..S-1 are parameter-server shards
+ROLES (distbelief.runtime.topology): world ranks 0..S-1 are parameter-server shards
 (`[cluster] ps_shards = S`), the others are replicas 0..R-1 (each of P ranks with model
 parallelism). Every rank validates the rank count and the data against the configuration
 before it communicates, so a bad configuration ends the job with exit 2 on every rank.
@@ -20,7 +20,7 @@ only other replicas' updates (without it one replica ends 0.4-3 points lower at 
 steps: `fetch_own_pushes=False`, kept for experiments). A replica never waits for
 another.
 
-RUN CONTROL (distbelief.run_control). After the set-up a replica takes part in no
+RUN CONTROL (distbelief.ps.run_control). After the set-up a replica takes part in no
 collective: a collective that includes a dead rank never completes. Everything it must
 agree on rides on the pushes it makes anyway, through the run control block on shard 0:
 each push claims its next `n_push` steps from the global step counter (atomic, so
@@ -31,7 +31,7 @@ commands: stop, pause for a checkpoint, lost, and at the end the teardown. With
 start once replica 0 has reported W steps.
 
 SHARDS serve (ParameterServerShard.serve: poll, fold, sleep between polls) and, between
-polls, take part in rounds among themselves (distbelief.agreement.Rounds over the
+polls, take part in rounds among themselves (distbelief.runtime.agreement.Rounds over the
 shards' communicator: the shards' signals, rank 0's checkpoint and end flags). Shards
 cannot be lost without losing parameters, so their collectives are safe.
 
@@ -42,7 +42,7 @@ global parameters in a thread (replicas never stall for it), applies the stop ru
 non-finite gradients, a signal), asks for checkpoints, and watches the replicas.
 
 LOST REPLICAS. Shard 0 sweeps every SWEEP_S (and at once when a SIGUSR1 is reported):
-a replica whose process on this node is gone (distbelief.liveness; any of its P ranks),
+a replica whose process on this node is gone (distbelief.runtime.liveness; any of its P ranks),
 or whose heartbeat has not moved for `run.replica_timeout_seconds` (ranks on other
 nodes), is declared lost: LOST is set in its slots (a replica that was only stalled
 stops when it reads it), the summary records it, checkpoints give it no part (a resume
@@ -63,7 +63,7 @@ reported within NOTICE_WINDOW_S of finding a rank gone is the launcher's notice,
 is a stop request (so a real one that lands in that window is missed, and a rank on
 another node dying is not seen by the sweep: its notice stops the run, cleanly).
 
-CHECKPOINTS (distbelief.checkpoint's format; `run.checkpoint_every_seconds`,
+CHECKPOINTS (distbelief.records.checkpoint's format; `run.checkpoint_every_seconds`,
 `checkpoint_every_steps`, `keep_checkpoints`) are global consistency points:
   1. shard 0 adds 1 to CHECKPOINT (request k);
   2. each replica reads it with its next push (all its computed steps are pushed then),
@@ -96,7 +96,7 @@ LEAVE otherwise (no rank frees: a collective would wait for the dead; shard 0 wa
 the live replicas have read it, so none is left waiting on its windows).
 
 METRICS: rank 0 owns the run folder (config.json, metrics.jsonl, summary.json;
-distbelief.metrics.RunRecorder, the contract of the single-process trainer; `step` and
+distbelief.records.metrics.RunRecorder, the contract of the single-process trainer; `step` and
 `samples` are totals over all replicas). summary.json adds per-replica steps, samples/s,
 pushes, fetches, RMA time and staleness (mean, max, histogram), per-shard statistics,
 the combined staleness and `lost_replicas`.
@@ -118,38 +118,8 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief import checkpoint as ckpt
-from distbelief import guardian, watchdog
-from distbelief import run_control as rc
-from distbelief.agreement import (
-    WAIT_SLEEP_S,
-    Rounds,
-    agree,
-    bcast_after_barrier,
-    gather_after_barrier,
-    wait_for_everyone,
-)
-from distbelief.config import Config, config_hash, hashed_settings
-from distbelief.errors import DataError, UserError
-from distbelief.faults import Faults
-from distbelief.layout import balanced_ranges
-from distbelief.liveness import Peers
-from distbelief.metrics import ResumePoint, RunRecorder
-from distbelief.optimizers import make_optimizer
-from distbelief.parameter_server import (
-    STALENESS_BINS,
-    Backoff,
-    PacedBackoff,
-    ParameterClient,
-    ParameterServerShard,
-    StalenessStats,
-    open_parameter_server,
-)
-from distbelief.partitioned_training import make_replica
-from distbelief.run_control import ControlExchange, ControlView
-from distbelief.threads import set_blas_threads
-from distbelief.topology import Communicators, Topology, split_communicators
-from distbelief.trainer import (
+from distbelief.algorithms.partitioned_sgd import make_replica
+from distbelief.algorithms.sgd import (
     LOG_EVERY_SECONDS,
     RESUME_MODES,
     StopRules,
@@ -161,7 +131,37 @@ from distbelief.trainer import (
     prepare_run_dir,
     starting_checkpoint,
 )
-from distbelief.watchdog import RankLost, abort_job
+from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.errors import DataError, UserError
+from distbelief.model.layout import balanced_ranges
+from distbelief.model.optimizers import make_optimizer
+from distbelief.ps import run_control as rc
+from distbelief.ps.parameter_server import (
+    STALENESS_BINS,
+    Backoff,
+    PacedBackoff,
+    ParameterClient,
+    ParameterServerShard,
+    StalenessStats,
+    open_parameter_server,
+)
+from distbelief.ps.run_control import ControlExchange, ControlView
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.metrics import ResumePoint, RunRecorder
+from distbelief.runtime import guardian, watchdog
+from distbelief.runtime.agreement import (
+    WAIT_SLEEP_S,
+    Rounds,
+    agree,
+    bcast_after_barrier,
+    gather_after_barrier,
+    wait_for_everyone,
+)
+from distbelief.runtime.faults import Faults
+from distbelief.runtime.liveness import Peers
+from distbelief.runtime.threads import set_blas_threads
+from distbelief.runtime.topology import Communicators, Topology, split_communicators
+from distbelief.runtime.watchdog import RankLost, abort_job
 
 WARM_START_POLL_S = (1e-3, 20e-3)
 """Back-off bounds of replicas polling shard 0 while they wait for the warm start: slow,
@@ -180,7 +180,7 @@ paused for a checkpoint)."""
 
 SWEEP_S = 0.25
 """How often shard 0 looks for lost replicas and shards, and the other ranks for lost
-shards (distbelief.liveness: a /proc read per rank)."""
+shards (distbelief.runtime.liveness: a /proc read per rank)."""
 
 NOTICE_SLACK_S = 1.0
 """A rank's new SIGUSR1 is the launcher's notice of a death (hydra sends several per
@@ -449,7 +449,7 @@ def _local_setup(config: Config, plan: DownpourPlan, info: Any, network: Any, re
     """What this rank needs before training: a replica its part of the training set; rank 0
     the checkpoint to start from (before config.json is rewritten, so a refused resume
     leaves the run folder as it was), the run folder and the evaluation set. Local."""
-    from distbelief.data import TrainShard
+    from distbelief.data.hdf5 import TrainShard
 
     topology = plan.topology
     if topology.is_replica:
@@ -614,7 +614,7 @@ class Replica:
         self.lost = False
         self.acked = 0  # the last checkpoint request this replica paused for
         self.bad_in_a_row = 0
-        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.faults)
+        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.runtime.faults)
 
     # -- the loop
 
@@ -887,7 +887,7 @@ class _ShardRole:
         self.comm = run.communicators.shards
         self.rounds = Rounds(self.comm, ROUND_WIDTH, ROUND_INTERVAL_S)
         self.signals = run.signals
-        self.faults = Faults.for_rank(self.shard.rank)  # test-only (distbelief.faults)
+        self.faults = Faults.for_rank(self.shard.rank)  # test-only (distbelief.runtime.faults)
         self.all_finished = False  # a round said every replica has finished or is lost
         self.checkpoint_seconds = 0.0
         self.failure: str | None = None  # why a checkpoint could not be written

@@ -39,14 +39,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief import watchdog
-from distbelief.agreement import wait_for_everyone
-from distbelief.config import Config, config_hash
-from distbelief.errors import ConfigError, UserError
-from distbelief.metrics import RunRecorder
-from distbelief.model_parallel import PartitionedNetwork, wait_all
-from distbelief.threads import set_blas_threads
-from distbelief.trainer import (
+from distbelief.algorithms.sgd import (
     EVAL_BATCH_SIZE,
     LOG_EVERY_SECONDS,
     StopRules,
@@ -55,6 +48,13 @@ from distbelief.trainer import (
     open_data,
     prepare_run_dir,
 )
+from distbelief.config import Config, config_hash
+from distbelief.errors import ConfigError, UserError
+from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
+from distbelief.records.metrics import RunRecorder
+from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import wait_for_everyone
+from distbelief.runtime.threads import set_blas_threads
 
 STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds"}
 _CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
@@ -112,8 +112,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     configuration raises ConfigError on every rank. Always starts fresh: `resume` =
     "require" (train --resume) is a ConfigError, as this path writes no checkpoints.
     """
-    from distbelief.data import TrainShard
-    from distbelief.optimizers import make_optimizer
+    from distbelief.data.hdf5 import TrainShard
+    from distbelief.model.optimizers import make_optimizer
 
     if resume == "require":
         raise ConfigError("--resume: a single replica with cluster.partitions > 1 writes no "
@@ -232,7 +232,7 @@ def make_replica(run: Any, network: Any, fetch_own_pushes: bool) -> Any:
     """Downpour's replica role for this rank (`run`: downpour.OpenRun): the plain one when
     partitions = 1, else a PartitionedReplica over the replica's partition communicator
     (topology.split_communicators). Local (no communication)."""
-    from distbelief.downpour import Replica
+    from distbelief.algorithms.downpour import Replica
 
     comm = run.communicators.partition
     if comm == MPI.COMM_NULL or comm.Get_size() == 1:
@@ -250,7 +250,7 @@ def polled_bcast(comm: MPI.Comm, value: np.ndarray, what: str = "its lead partit
 
 def _partitioned_replica_class() -> type:
     """Defined on first use: it subclasses downpour.Replica, and downpour imports us."""
-    from distbelief.downpour import Replica
+    from distbelief.algorithms.downpour import Replica
 
     class PartitionedReplica(Replica):
         """One partition of a Downpour replica: its own pieces of the parameters, its own

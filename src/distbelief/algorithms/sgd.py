@@ -5,7 +5,7 @@ gradient -> optimizer step, with evaluations on the test set every `run.eval_eve
 of wall time (evaluation time counts) and one at the end. This is the baseline Downpour is
 measured against, so the loop does nothing per step beyond those three calls and a clock read.
 
-Checkpoints (distbelief.checkpoint) go to out_dir/checkpoints every
+Checkpoints (distbelief.records.checkpoint) go to out_dir/checkpoints every
 `run.checkpoint_every_seconds` of wall time and/or `run.checkpoint_every_steps` steps, and
 always when the run stops, including on SIGTERM or SIGUSR1 (SLURM's time limit, or
 `sbatch --signal`): the current step finishes, a checkpoint is written, and train() returns
@@ -40,11 +40,17 @@ from typing import IO, Any, Self
 
 import numpy as np
 
-from distbelief import checkpoint as ckpt
 from distbelief.config import Config, build_network, config_hash, hashed_settings
 from distbelief.errors import UserError
-from distbelief.metrics import DISCARDED_FILE, METRICS_FILE, SUMMARY_FILE, ResumePoint, RunRecorder
-from distbelief.threads import apply_thread_setting
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.metrics import (
+    DISCARDED_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    ResumePoint,
+    RunRecorder,
+)
+from distbelief.runtime.threads import apply_thread_setting
 
 LOG_EVERY_SECONDS = 0.5
 """How often a training line goes to metrics.jsonl (per step would be thousands a second)."""
@@ -67,7 +73,7 @@ def prepare_run_dir(config: Config) -> Path:
 
 def open_data(config: Config) -> tuple[Any, Any]:
     """(DatasetInfo, Network) for the config: the data file opened, the model built on it."""
-    from distbelief.data import open_dataset
+    from distbelief.data.hdf5 import open_dataset
 
     info = open_dataset(config.data.path)
     return info, build_network(config, info)
@@ -75,7 +81,7 @@ def open_data(config: Config) -> tuple[Any, Any]:
 
 def load_eval_set(config: Config, info: Any) -> tuple[np.ndarray, np.ndarray]:
     """The test samples every evaluation uses: the first run.eval_samples, or all."""
-    from distbelief.data import load_test
+    from distbelief.data.hdf5 import load_test
 
     return load_test(info, limit=config.run.eval_samples or None)
 
@@ -163,11 +169,11 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
     """Train one model in this process until a stop rule fires; returns the run summary.
 
     Writes config.json, metrics.jsonl, summary.json and checkpoints to run.out_dir (see
-    distbelief.metrics, distbelief.checkpoint) and progress lines to `stream` (None for
+    records.metrics, records.checkpoint) and progress lines to `stream` (None for
     silence). `resume` is one of RESUME_MODES.
     """
-    from distbelief.data import TrainShard
-    from distbelief.optimizers import make_optimizer
+    from distbelief.data.hdf5 import TrainShard
+    from distbelief.model.optimizers import make_optimizer
 
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")

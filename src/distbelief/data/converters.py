@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import IMAGE_SCALE, DatasetWriter
-from .errors import DataError
+from distbelief.data.hdf5 import IMAGE_SCALE, DatasetWriter
+from distbelief.errors import DataError
 
 IDX_NAMES = {
     ("train", "images"): "train-images-idx3-ubyte",

@@ -34,8 +34,8 @@ from typing import Any, Self
 import h5py
 import numpy as np
 
-from .errors import DataError
-from .layout import balanced_ranges
+from distbelief.errors import DataError
+from distbelief.model.layout import balanced_ranges
 
 FORMAT_NAME = "distbelief-dataset"
 FORMAT_VERSION = 1

@@ -1,10 +1,10 @@
 """Predicted step time of one model replica split over P partitions, before submitting a job.
 
-    from distbelief.cost_model import Link, predict
+    from distbelief.model.cost_model import Link, predict
     p = predict(network, partitions=8, batch=64, flops=50e9, link=Link(12.5e9, 2e-6))
     p.step_seconds, p.speedup, p.bytes_per_step
 
-THE MODEL. The partitioning is the one the trainer uses (distbelief.partition: row bands
+THE MODEL. The partitioning is the one the trainer uses (distbelief.model.partition: row bands
 of locally connected layers, unit blocks of dense layers, balanced). For every layer l
 and partition p it counts
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from distbelief.layers import Dense, Layer
-from distbelief.partition import balanced_splits, needed_inputs, split_units, unit_width
+from distbelief.model.layers import Dense, Layer
+from distbelief.model.partition import balanced_splits, needed_inputs, split_units, unit_width
 
 BYTES_PER_VALUE = 4
 
@@ -140,7 +140,7 @@ def step_time(layers: list[Layer], partitions: int, batch: int, flops: float,
 def predict(network: object, partitions: int, batch: int, flops: float,
             link: Link) -> Prediction:
     """The predicted step time and speedup over one partition of `network` (a
-    distbelief.model.Network; only its layer geometry is read) split over `partitions`
+    distbelief.model.network.Network; only its layer geometry is read) split over `partitions`
     ranks, each sustaining `flops` FLOP/s and talking over `link`."""
     if partitions < 1 or batch < 1 or not flops > 0:
         raise ValueError(f"need partitions >= 1, batch >= 1, flops > 0; got {partitions}, "

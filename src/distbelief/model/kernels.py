@@ -23,8 +23,8 @@ import numpy as np
 ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh")
 
 REBUILD_COMMAND = "pip install --no-build-isolation -e ."
-# In an editable install this file is <checkout>/src/distbelief/kernels.py.
-PYX_DIR = Path(__file__).resolve().parents[2] / "pyx"
+# In an editable install this file is <checkout>/src/distbelief/model/kernels.py.
+PYX_DIR = Path(__file__).resolve().parents[3] / "pyx"
 
 
 def pyx_source_hash(pyx_dir: Path) -> str:
@@ -51,10 +51,10 @@ def check_kernels_current(pyx_dir: Path, compiled_hash: str) -> None:
 
 
 try:
-    from distbelief import _kernels
+    from distbelief.model import _kernels
 except ImportError as exc:
     raise ImportError(
-        "The compiled kernels (distbelief._kernels) are missing: run "
+        "The compiled kernels (distbelief.model._kernels) are missing: run "
         f"`{REBUILD_COMMAND}` from the checkout, or reinstall distbelief."
     ) from exc
 

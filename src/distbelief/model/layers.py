@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from distbelief import kernels
+from distbelief.model import kernels
 
 ACTIVATIONS = ("relu", "sigmoid", "tanh", "linear", "softmax")
 

@@ -1,6 +1,6 @@
 """A feed-forward network over one flat float32 parameter vector: loss, gradient, logits.
 
-`Network` turns the layer list of a configuration into `distbelief.layers` objects (checking
+`Network` turns the layer list of a configuration into `distbelief.model.layers` objects (checking
 every key, so a bad model spec fails before training with a `ConfigError` naming the layer
 and key), fixes the parameter layout, and runs forward and backward passes. Parameters and
 gradients are views into caller-owned flat vectors (the parameter server's layout); work
@@ -15,10 +15,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from distbelief import kernels
 from distbelief.errors import ConfigError, DataError
-from distbelief.layers import ACTIVATIONS, Dense, Layer, Local
-from distbelief.layout import DTYPE, ParamLayout
+from distbelief.model import kernels
+from distbelief.model.layers import ACTIVATIONS, Dense, Layer, Local
+from distbelief.model.layout import DTYPE, ParamLayout
 
 # Per layer type: required keys, and optional keys with their defaults.
 LAYER_KEYS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {

@@ -2,7 +2,7 @@
 
 They work on any 1-D float32 array, so a parameter-server shard runs one on its own range
 of the parameter vector, and a single process runs one on the whole vector. The update
-itself is one fused pass in the compiled kernels (distbelief.kernels). Each optimizer's
+itself is one fused pass in the compiled kernels (distbelief.model.kernels). Each optimizer's
 state is a dict of named float32 arrays, which checkpoints save and load back.
 """
 
@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from distbelief import kernels
+from distbelief.model import kernels
 
 
 def _check_learning_rate(learning_rate: object) -> float:

@@ -47,8 +47,8 @@ from itertools import pairwise
 import numpy as np
 
 from distbelief.errors import ConfigError
-from distbelief.layers import Dense, Layer, Local
-from distbelief.layout import ParamLayout
+from distbelief.model.layers import Dense, Layer, Local
+from distbelief.model.layout import ParamLayout
 
 
 def split_units(layer: Layer) -> int:

@@ -1,7 +1,7 @@
 """One model replica spread over the P ranks of a communicator (model parallelism).
 
 `PartitionedNetwork` runs `Network`'s loss, gradient and evaluation with each layer's
-units split over the ranks of `comm` as `distbelief.partition.Partitioning` says: rank p
+units split over the ranks of `comm` as `distbelief.model.partition.Partitioning` says: rank p
 holds only the parameters of its units (its weight rows and biases), computes only its
 units' activations and gradients, and exchanges with the other partitions exactly the
 values on cut edges, point-to-point:
@@ -51,14 +51,15 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief import kernels, watchdog
 from distbelief.errors import DataError
-from distbelief.layers import Dense, Layer
-from distbelief.layout import DTYPE
-from distbelief.model import Network
-from distbelief.parameter_server import Backoff
-from distbelief.partition import LayerPart, Partitioning
-from distbelief.topology import world_ranks
+from distbelief.model import kernels
+from distbelief.model.layers import Dense, Layer
+from distbelief.model.layout import DTYPE
+from distbelief.model.network import Network
+from distbelief.model.partition import LayerPart, Partitioning
+from distbelief.ps.parameter_server import Backoff
+from distbelief.runtime import watchdog
+from distbelief.runtime.topology import world_ranks
 
 FORWARD, BACKWARD = 0, 1
 SPIN_TESTS = 100

@@ -2,7 +2,7 @@
 nodes, MPI shared-memory windows within one.
 
 The flat float32 parameter vector of `size` elements is split into S contiguous balanced
-ranges (`distbelief.layout.balanced_ranges`); shard s (world rank s, see topology.py) owns
+ranges (`distbelief.model.layout.balanced_ranges`); shard s (world rank s, see topology.py) owns
 range s. Two transports, chosen once by `open_parameter_server` for the whole job (every
 rank agrees; `requested_transport` for how to force one):
 
@@ -40,7 +40,7 @@ private duplicate of the world communicator, displacement unit 1 byte:
     applied = pushes contained in the parameters (the value of `pushes` at the last take)
     pulls   = pulls served (so that the shard sees pull traffic and polls fast)
 
-The run control block (distbelief.run_control: step claims, reports, commands, each
+The run control block (distbelief.ps.run_control: step claims, reports, commands, each
 replica's slots) rides on the pushes a replica makes anyway (`ControlExchange`, issued
 inside the push's SHARED epoch on shard 0), so it costs no extra lock round trip. Its
 access rules are in run_control's docstring: every access is an accumulate (SUM by the
@@ -145,7 +145,7 @@ on other ranks); every rank maps every segment (Win.Shared_query). Shard s's seg
     [0:64) header, int64 slots: VERSION 0 | APPLIED 1 | SERVING 2 (1 once the shard polls)
     [64:..) per client c (non-shard world rank S + c): PULLED, FINISHED (int64; pulls
            made so far, published with each push and at finish)
-    then, each 64-byte aligned: the run control block (distbelief.run_control; used on
+    then, each 64-byte aligned: the run control block (distbelief.ps.run_control; used on
            shard 0), the parameters f32, each optimizer state array f32 (for Adagrad, its
            sum of squared gradients), by name
 
@@ -215,12 +215,12 @@ from typing import Any, Protocol
 import numpy as np
 from mpi4py import MPI
 
-from distbelief import run_control as rc
-from distbelief import watchdog
 from distbelief.errors import ConfigError
-from distbelief.layout import DTYPE, balanced_ranges
-from distbelief.run_control import ControlExchange, ControlView
-from distbelief.topology import Topology
+from distbelief.model.layout import DTYPE, balanced_ranges
+from distbelief.ps import run_control as rc
+from distbelief.ps.run_control import ControlExchange, ControlView
+from distbelief.runtime import watchdog
+from distbelief.runtime.topology import Topology
 
 HEADER_BYTES = 64  # counters at the head of each window; data starts cache-line aligned
 FLOAT_BYTES = DTYPE().itemsize
@@ -228,14 +228,14 @@ COUNTER_BYTES = 8
 HEADER_SLOTS = HEADER_BYTES // COUNTER_BYTES
 # int64 slots in the ACCUM header
 TAKEN, PUSHES, DONE = 0, 1, 2
-CONTROL_SHARD = 0  # holds Downpour's run control block (distbelief.run_control)
+CONTROL_SHARD = 0  # holds Downpour's run control block (distbelief.ps.run_control)
 # int64 slots in the PARAMS header
 VERSION, APPLIED, PULLS = 0, 1, 2
 STALENESS_BINS = 64  # histogram bins 0..62, and the last for 63 or more
 
 
 class Optimizer(Protocol):
-    """What a shard needs from distbelief.optimizers (make_optimizer's Adagrad or SGD): an
+    """What a shard needs from distbelief.model.optimizers (make_optimizer's Adagrad or SGD): an
     in-place update of its slice, and its state for checkpoints."""
 
     def step(self, params: np.ndarray, grad: np.ndarray,
@@ -527,7 +527,7 @@ class ParameterServerShard(_Endpoint):
         return int(pushes[0]), int(done[0]), int(pulls[0])
 
     def read_run_control(self) -> ControlView:
-        """Downpour's run control block (distbelief.run_control) as it stands on this shard
+        """Downpour's run control block (distbelief.ps.run_control) as it stands on this shard
         (shard 0 holds the one in use).
 
         One-sided on its own ACCUM window: one SHARED epoch of Get_accumulate(NO_OP) reads
@@ -766,10 +766,10 @@ class ParameterClient(_Endpoint):
         # What this client transfers, per shard: all of its range unless restrict_to.
         self._segments = [[r] for r in self.ranges]
         self._touched = np.ones(shards, dtype=bool)
-        self._hang: Any = None  # test-only: distbelief.faults.Faults to hang in a push
+        self._hang: Any = None  # test-only: distbelief.runtime.faults.Faults to hang in a push
 
     def hang_in_next_push(self, faults: Any) -> None:
-        """TEST-ONLY (distbelief.faults "hang"): the next push stops responding for ever
+        """TEST-ONLY (distbelief.runtime.faults "hang"): the next push stops responding for ever
         while it holds its locks on the shards, as a replica that froze mid-push."""
         self._hang = faults
 
@@ -996,7 +996,7 @@ class _Segment:
 
     header: np.ndarray  # int64 slots VERSION, APPLIED, SERVING
     clients: np.ndarray  # int64 (clients, CLIENT_SLOTS): PULLED, FINISHED
-    control: np.ndarray  # int64, the run control block (distbelief.run_control; LOSS f64)
+    control: np.ndarray  # int64, the run control block (distbelief.ps.run_control; LOSS f64)
     params: np.ndarray  # float32, the shard's parameters (the master copy)
     state: dict[str, np.ndarray]  # float32, the optimizer's state arrays by name
 
@@ -1456,7 +1456,7 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
     to see whether its state can be shared); `initial` is the full initial parameter
     vector (each shard copies its slice; None means zeros). `transport`: "auto", "shared"
     or "rma" (None: $DISTBELIEF_PS_TRANSPORT, else "auto"; see requested_transport).
-    `control_replicas` > 0 reserves Downpour's run control block (distbelief.run_control)
+    `control_replicas` > 0 reserves Downpour's run control block (distbelief.ps.run_control)
     for that many replicas on shard 0 (every shard's windows have the same layout).
     Returns once every shard has published its initial parameters.
     """

@@ -1,7 +1,7 @@
 """One shard's slice of every Sandblaster L-BFGS vector, and the operations on it.
 
 A `VectorShard` holds, for the contiguous range [start, stop) of the flat parameter vector
-(distbelief.layout.balanced_ranges), in float64:
+(distbelief.model.layout.balanced_ranges), in float64:
 
     x        the parameters (the current iterate)
     g        the batch gradient at x
@@ -15,8 +15,8 @@ evaluations). float64 because L-BFGS takes differences of nearby iterates and gr
 (s, y) and dot products of long vectors; the replicas compute in float32.
 
 Each operation the coordinator commands returns this slice's partial sums (numpy float64
-arrays); the coordinator adds them over the shards (distbelief.lbfgs). Nothing here
-communicates: distbelief.sandblaster moves the commands and the pushes.
+arrays); the coordinator adds them over the shards (algorithms.sandblaster.lbfgs). Nothing here
+communicates: distbelief.algorithms.sandblaster.roles moves the commands and the pushes.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class VectorShard:
 
     def accept(self, slot: int) -> np.ndarray:
         """Move to the trial point: s = xt - x, y = gt - g into `slot`; x = xt, g = gt.
-        Returns the 6m+1 dots distbelief.lbfgs.Gram.update_pair takes."""
+        Returns the 6m+1 dots distbelief.algorithms.sandblaster.lbfgs.Gram.update_pair takes."""
         s, y = self.s[slot], self.y[slot]
         np.subtract(self.xt, self.x, out=s)
         np.subtract(self.gt, self.g, out=y)
@@ -89,7 +89,7 @@ class VectorShard:
 
     def take_gradient(self) -> np.ndarray:
         """g = gt (the last trial, evaluated at t = 0 on a new batch). Returns the 2m+1 dots
-        distbelief.lbfgs.Gram.update_gradient takes."""
+        distbelief.algorithms.sandblaster.lbfgs.Gram.update_gradient takes."""
         self.g[:] = self.gt
         return np.concatenate([self.s @ self.g, self.y @ self.g, [self.g @ self.g]])
 
@@ -117,7 +117,7 @@ class VectorShard:
                                (self.y @ self.y.T).ravel()])
 
     def checkpoint_arrays(self, order: list[int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """(params, state) for distbelief.checkpoint.write_shard_part: x, and the history
+        """(params, state) for distbelief.records.checkpoint.write_shard_part: x, and the history
         pairs in `order` (oldest first) renamed 0..k-1, each float64 vector v stored as two
         float32 arrays, v ~ hi + lo (about 48 bits: a resume continues almost exactly)."""
         params, state = _hi(self.x), {"x_lo": _lo(self.x)}

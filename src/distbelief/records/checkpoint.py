@@ -23,7 +23,7 @@ shard-NNNN.h5 (plain datasets and attributes; `h5ls -r`, `h5dump -A` read them):
 replica-NNNN.h5:
     attributes  format, version, kind = "replica", index, step, config_hash
     /counters            integer attributes (step, samples, ...)
-    /data                integer attributes: distbelief.data.TrainShard.state()
+    /data                integer attributes: distbelief.data.hdf5.TrainShard.state()
     /rng                 attribute `state_json`: a numpy bit generator's state, as JSON
                          (present only when the replica has an RNG of its own)
     /arrays/<name>       any further arrays of the replica
@@ -51,7 +51,7 @@ WRITING (the order every rank follows; no MPI in this module)
     committer:           commit(root, meta, settings=..., layout=..., shard_ranges=...,
                                 parts=records, num_replicas=R, keep=N)
 
-`save_local` is this sequence in one process; distbelief.downpour spreads it over the
+`save_local` is this sequence in one process; distbelief.algorithms.downpour spreads it over the
 ranks of an MPI job (its CHECKPOINTS section: the agreement, then these steps).
 
 A part is written under a temporary name, fsynced and renamed; commit checks that every
@@ -92,7 +92,7 @@ import h5py
 import numpy as np
 
 from distbelief.errors import UserError
-from distbelief.layout import DTYPE, ParamLayout
+from distbelief.model.layout import DTYPE, ParamLayout
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "manifest.json"
@@ -107,7 +107,7 @@ MIN_KEEP = 2
 _COMMITTED = re.compile(r"^ckpt-(\d+)$")
 _LEFTOVER = re.compile(r"^ckpt-\d+(\.partial|\.deleting)$")
 _HASH_BLOCK = 16 << 20
-# What h5py raises for a damaged file (see distbelief.data.H5_ERRORS).
+# What h5py raises for a damaged file (see distbelief.data.hdf5.H5_ERRORS).
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
 
 

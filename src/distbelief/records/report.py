@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from distbelief.errors import DataError, UserError
-from distbelief.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics
+from distbelief.records.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics
 
 FIGURES = (
     # file name, x key, y key, which lines, x label, y label

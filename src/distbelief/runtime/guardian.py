@@ -9,7 +9,7 @@ died). A process that merely exits is another matter: with `-disable-auto-cleanu
 only sends SIGUSR1 to the others. So the process hydra starts is the guardian, which uses
 no MPI; it starts the worker (the same command, which does the MPI work, inheriting the
 PMI connection), and when the worker dies of signal N the guardian exits with status
-128 + N instead. Downpour then goes on without that replica (distbelief.downpour).
+128 + N instead. Downpour then goes on without that replica (distbelief.algorithms.downpour).
 
 The guardian relays SIGTERM, SIGUSR1, SIGUSR2, SIGINT and SIGHUP to the worker, which runs
 in a process group of its own: a signal meant for the rank reaches the worker whether

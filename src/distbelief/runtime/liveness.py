@@ -3,14 +3,14 @@
 MPI gives no portable way to learn that a rank died (MPICH's ULFM extension is not
 usable with the PyPI build: MPIR_CVAR_ENABLE_FT=1 fails an assertion in MPI_Init), and a
 collective or a lock that waits for a dead rank never returns. So Downpour watches its
-ranks itself (distbelief.downpour):
+ranks itself (distbelief.algorithms.downpour):
 
 - `Peers`: every rank's host name, process id and process start time, gathered once at
   set-up. A rank on this node is gone when its process no longer exists, is a zombie,
   or is another process that got the same id (its start time differs). Exact, and cheap
   (a /proc read per rank).
 - Ranks on other nodes cannot be looked at this way; Downpour notices them by their
-  heartbeat (distbelief.run_control's BEAT) stopping for `run.replica_timeout_seconds`.
+  heartbeat (distbelief.ps.run_control's BEAT) stopping for `run.replica_timeout_seconds`.
 """
 
 from __future__ import annotations

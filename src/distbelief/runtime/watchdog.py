@@ -14,7 +14,7 @@ the rank waited for (or, with `holder`, the rank found holding what is waited fo
 `abort_s` it aborts the job. The thread works while the main thread is blocked in a
 system call or in MPI (mpi4py releases the GIL there: measured, a thread ticked on while
 the main thread sat 1 s in MPI_Win_unlock). `check()` raises RankLost in the waiting rank
-when a rank it waits for is gone (distbelief.liveness), so a polled wait on a dead peer
+when a rank it waits for is gone (distbelief.runtime.liveness), so a polled wait on a dead peer
 ends at once instead of after the timeout.
 
 One watchdog per process, installed by the trainer for the run (`watching`); `current()`
@@ -180,9 +180,9 @@ def abort_job(world: Any, message: str) -> None:
 def for_job(comm: Any, describe: Callable[[int], str], run: Any) -> Watchdog:
     """This rank's watchdog for an MPI run: `run` is the [run] configuration
     (stall_warn_seconds, stall_abort_seconds), `describe(rank)` names a rank, and every
-    rank's process is watched on this node (distbelief.liveness). Collective over `comm`
+    rank's process is watched on this node (distbelief.runtime.liveness). Collective over `comm`
     (an allgather of every rank's identity)."""
-    from distbelief.liveness import Peers
+    from distbelief.runtime.liveness import Peers
 
     peers = Peers.gather(comm)
     return Watchdog(comm.Get_rank(), describe, run.stall_warn_seconds,

@@ -4,7 +4,7 @@ gradient in small work units.
 
     mpiexec -n N python -m distbelief train CONFIG     # [optimizer] algorithm = "sandblaster"
 
-ROLES (distbelief.topology, with a coordinator): world ranks 0..S-1 are shards
+ROLES (distbelief.runtime.topology, with a coordinator): world ranks 0..S-1 are shards
 (`[cluster] ps_shards = S`), rank S is the coordinator, ranks S+1..N-1 are replicas
 0..R-1, each of P ranks (`[cluster] partitions = P`: model parallelism, see PARTITIONED
 REPLICAS). Every rank checks the rank count, the partitioning and the data against the
@@ -12,17 +12,17 @@ configuration before it communicates (`plan_run`, `partition_pieces`), so a job 
 does not fit ends with exit 2 on every rank.
 
 SHARDS hold their slice of x, g, d, the trial point and its gradient, and the m history
-pairs, in float64 (distbelief.vector_shard). Each runs a command loop (`ShardServer`):
+pairs, in float64 (distbelief.ps.vector_shard). Each runs a command loop (`ShardServer`):
 commands from the coordinator (begin a trial, finish it, accept it, set the direction,
 take a snapshot, stop) answered with this slice's partial dot products; fetches from
 replicas answered with the float32 trial point or snapshot; gradient pushes from
 replicas summed into the trial gradient.
 
-THE COORDINATOR (`Coordinator`) runs distbelief.lbfgs.minimize: the two-loop recursion
+THE COORDINATOR (`Coordinator`) runs lbfgs.minimize (this package): the two-loop recursion
 on a Gram matrix of dot products, so it sends and receives O(m) numbers per iteration
 (6m+1 per shard on accept, 2m+1 coefficients out and 2 numbers back for the direction,
 a few per line-search trial), never a vector; `bytes` counts them. For each gradient
-evaluation it hands out work units (distbelief.work_units: dynamic load balancing,
+evaluation it hands out work units (work_units in this package: dynamic load balancing,
 backup copies in the tail, commit-or-drop so each example counts once), then tells the
 shards to finish the trial once they have received all units. It also owns the run
 folder (metrics.jsonl, summary.json) and the stop rules, and hands evaluation tasks
@@ -33,7 +33,7 @@ REPLICAS loop: ask the coordinator for a task (reporting the units they finished
 the last commit), push the sum to the shards if told to commit, then do the task: a unit
 (fetching the trial point first if it is new to them), an evaluation, or stop.
 
-PARTITIONED REPLICAS (P > 1). A replica is a distbelief.model_parallel.PartitionedNetwork
+PARTITIONED REPLICAS (P > 1). A replica is a distbelief.model.partitioned_network.PartitionedNetwork
 over its P ranks (topology.split_communicators' partition communicator, the "team").
 Partition 0 alone talks to the coordinator, which sees one replica (its rank) and the
 same O(m) scalars as without partitions; it hands every answer (commit / drop / hold and
@@ -69,7 +69,7 @@ header; the replica abandons the unit). Units are committed before they are push
 the next begin_trial comes only after every shard answered, so no push of trial `id`
 can arrive later.
 
-CHECKPOINTS (distbelief.checkpoint, format version 1; replicas write no part: the batch
+CHECKPOINTS (distbelief.records.checkpoint, format version 1; replicas write no part: the batch
 order follows from (seed, iteration), so partitions change nothing here): every
 run.checkpoint_every_steps iterations / run.checkpoint_every_seconds, and when the run
 stops, the coordinator prepares the folder and commands "checkpoint"; each shard writes
@@ -105,21 +105,16 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief import checkpoint as ckpt
-from distbelief import watchdog
-from distbelief.agreement import agree, wait_for_everyone
-from distbelief.config import Config, config_hash, hashed_settings
-from distbelief.data import _read_rows, _to_float
-from distbelief.errors import ConfigError
-from distbelief.faults import Faults
-from distbelief.lbfgs import Gram, Iteration, LbfgsOptions, minimize
-from distbelief.metrics import ResumePoint, RunRecorder
-from distbelief.model_parallel import PartitionedNetwork, wait_all
-from distbelief.parameter_server import Backoff
-from distbelief.partition import partition_pieces
-from distbelief.threads import set_blas_threads
-from distbelief.topology import Communicators, Topology, split_communicators
-from distbelief.trainer import (
+from distbelief.algorithms.sandblaster.lbfgs import Gram, Iteration, LbfgsOptions, minimize
+from distbelief.algorithms.sandblaster.work_units import (
+    COMMIT,
+    DROP,
+    HOLD,
+    UnitStats,
+    WorkUnitTable,
+    unit_ranges,
+)
+from distbelief.algorithms.sgd import (
     StopRules,
     StopSignals,
     TrainingDiverged,
@@ -128,8 +123,20 @@ from distbelief.trainer import (
     prepare_run_dir,
     starting_checkpoint,
 )
-from distbelief.vector_shard import VectorShard
-from distbelief.work_units import COMMIT, DROP, HOLD, UnitStats, WorkUnitTable, unit_ranges
+from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.data.hdf5 import _read_rows, _to_float
+from distbelief.errors import ConfigError
+from distbelief.model.partition import partition_pieces
+from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
+from distbelief.ps.parameter_server import Backoff
+from distbelief.ps.vector_shard import VectorShard
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.metrics import ResumePoint, RunRecorder
+from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import agree, wait_for_everyone
+from distbelief.runtime.faults import Faults
+from distbelief.runtime.threads import set_blas_threads
+from distbelief.runtime.topology import Communicators, Topology, split_communicators
 
 TAG_REQUEST, TAG_TASK, TAG_COMMAND, TAG_RESULT, TAG_FETCH, TAG_PARAMS, TAG_PUSH = range(
     201, 208)
@@ -145,7 +152,7 @@ AUTO_UNITS_PER_REPLICA = 16
 MIN_AUTO_UNIT = 32
 BACKUP_LATE_FACTOR = 1.5
 """A unit gets a backup copy once its newest copy has been out this many times the
-median seconds per unit of the recent units (distbelief.work_units)."""
+median seconds per unit of the recent units (distbelief.algorithms.sandblaster.work_units)."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -270,7 +277,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     first (no communication), then a set-up whose UserError is raised on every rank, then
     point-to-point traffic (see the module docstring), then a back-off barrier and a
     gather. Raises TrainingDiverged on every rank if the loss became non-finite. `resume`:
-    distbelief.trainer.RESUME_MODES ("auto", "require", "fresh").
+    distbelief.algorithms.sgd.RESUME_MODES ("auto", "require", "fresh").
     """
     role = start(config, comm, stream, resume)
     # collective (an allgather)
@@ -630,7 +637,7 @@ class Replica:
         self.agreed = np.zeros(1, dtype=np.int32)
         self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank,
                                    self.partition)
-        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.faults)
+        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.runtime.faults)
         self.signals = None  # set by train(); only the coordinator acts on signals
         self._clear()
 
@@ -962,7 +969,7 @@ class Coordinator:
         self.checkpointed = (self.step, self.recorder.elapsed())
         self.recorder.log_event("checkpoint", self.step, self.samples, path=str(final))
 
-    # -- Backend (distbelief.lbfgs): vector operations on the shards -------------------------
+    # -- Backend (sandblaster.lbfgs): vector operations on the shards -------------------------
 
     def evaluate(self, t: float, batch: int) -> tuple[float, float]:
         t0 = time.monotonic()
