@@ -100,7 +100,7 @@ class Poller:
     then a fixed sleep or the adaptive Backoff."""
 
     def __init__(self, comm, poll: str, sleep: str):
-        from distbelief.ps.parameter_server import Backoff
+        from distbelief.runtime.backoff import Backoff
         self.MPI = _mpi()
         self.comm = comm
         self.poll = poll

@@ -138,8 +138,6 @@ from distbelief.model.optimizers import make_optimizer
 from distbelief.ps import run_control as rc
 from distbelief.ps.parameter_server import (
     STALENESS_BINS,
-    Backoff,
-    PacedBackoff,
     ParameterClient,
     ParameterServerShard,
     StalenessStats,
@@ -157,6 +155,7 @@ from distbelief.runtime.agreement import (
     gather_after_barrier,
     wait_for_everyone,
 )
+from distbelief.runtime.backoff import Backoff, PacedBackoff
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.liveness import Peers
 from distbelief.runtime.threads import set_blas_threads

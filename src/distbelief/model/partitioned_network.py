@@ -57,8 +57,8 @@ from distbelief.model.layers import Dense, Layer
 from distbelief.model.layout import DTYPE
 from distbelief.model.network import Network
 from distbelief.model.partition import LayerPart, Partitioning
-from distbelief.ps.parameter_server import Backoff
 from distbelief.runtime import watchdog
+from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.topology import world_ranks
 
 FORWARD, BACKWARD = 0, 1

@@ -44,8 +44,8 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.errors import UserError
-from distbelief.ps.parameter_server import Backoff
 from distbelief.runtime import watchdog
+from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.topology import world_ranks
 
 WAIT_SLEEP_S = (50e-6, 5e-3)

@@ -128,12 +128,12 @@ from distbelief.data.hdf5 import _read_rows, _to_float
 from distbelief.errors import ConfigError
 from distbelief.model.partition import partition_pieces
 from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
-from distbelief.ps.parameter_server import Backoff
 from distbelief.ps.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import ResumePoint, RunRecorder
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import agree, wait_for_everyone
+from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 from distbelief.runtime.topology import Communicators, Topology, split_communicators
