@@ -118,7 +118,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.partitioned_sgd import make_replica
+from distbelief.algorithms.partitioned_sgd import polled_bcast
 from distbelief.algorithms.sgd import (
     LOG_EVERY_SECONDS,
     RESUME_MODES,
@@ -135,6 +135,7 @@ from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.errors import DataError, UserError
 from distbelief.model.layout import balanced_ranges
 from distbelief.model.optimizers import make_optimizer
+from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
 from distbelief.ps import run_control as rc
 from distbelief.ps.parameter_server import (
     STALENESS_BINS,
@@ -540,6 +541,16 @@ def _make_role(run: OpenRun, config: Config, network: Any, info: Any,
     return _ShardRole(run)
 
 
+def make_replica(run: Any, network: Any, fetch_own_pushes: bool) -> Any:
+    """Downpour's replica role for this rank (`run`: downpour.OpenRun): the plain one when
+    partitions = 1, else a PartitionedReplica over the replica's partition communicator
+    (topology.split_communicators). Local (no communication)."""
+    comm = run.communicators.partition
+    if comm == MPI.COMM_NULL or comm.Get_size() == 1:
+        return Replica(run, network, fetch_own_pushes)
+    return PartitionedReplica(run, network, fetch_own_pushes)
+
+
 def shard_lost_message(shard: int, how: str) -> str:
     return (f"parameter-server shard {shard} (world rank {shard}) {how}: its slice of the "
             f"parameters cannot be recovered without it, so the job stops. Run the same "
@@ -871,6 +882,50 @@ class Replica:
 
     def stats(self) -> dict[str, Any]:
         return {"role": "replica", **self.stats_.to_dict()}
+
+
+# ------------------------------------------------------------------------------------------
+# Partitioned replicas (model parallelism; partitioned_sgd.py's docstring says how)
+
+
+class PartitionedReplica(Replica):
+    """One partition of a Downpour replica: its own pieces of the parameters, its own
+    pushes and pulls; partition 0 (the lead) exchanges with shard 0 for the replica
+    (claims, reports, commands, its data position) and shares every decision with the
+    others (one Ibcast per block), so all of them pause, stop and end together."""
+
+    def __init__(self, run: Any, network: Any, fetch_own_pushes: bool):
+        comm = run.communicators.partition
+        self.lead = comm.Get_rank() == 0
+        model = PartitionedNetwork(network, comm)
+        run.endpoint.restrict_to(model.pieces)
+        model.layout = network.layout  # whole-model vectors: Replica sizes them so
+        super().__init__(run, model, fetch_own_pushes)
+        self.model, self.comm = model, comm
+        self._finite = np.zeros(1, dtype=np.int32)
+
+    def _share_values(self, values: np.ndarray) -> np.ndarray:
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        lead = self.model.partner_ranks[:1] if not self.lead else ()
+        return polled_bcast(self.comm, values, "its lead partition's decision", lead)
+
+    def _usable(self, loss: float) -> bool:
+        """Downpour's finite-gradient check, agreed by the partitions (Allreduce MIN):
+        one partition's pieces may be finite while another's are not, and a partition
+        that dropped a step, or stopped after too many, while the others went on
+        would leave them waiting for its activations."""
+        before = self.bad_in_a_row
+        self._finite[0] = super()._usable(loss)
+        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self._finite, op=MPI.MIN)],
+                 "the other partitions of this replica", self.model.partner_ranks)
+        self.bad_in_a_row = 0 if self._finite[0] else before
+        return bool(self._finite[0])
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out["partition"] = self.comm.Get_rank()
+        out["model_parallel"] = self.model.traffic.per_step()
+        return out
 
 
 # ------------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ bytes each layer sends per step, summed over the partitions, once as a "partitio
 line in metrics.jsonl and in summary.json. Checkpoints are not written for partitioned
 runs yet (said at start).
 
-DOWNPOUR (`algorithm = "downpour"`, S + R x P ranks): `PartitionedReplica` is a Downpour
-replica whose network is a `PartitionedNetwork` over its replica's P ranks and whose
+DOWNPOUR (`algorithm = "downpour"`, S + R x P ranks; the class is in downpour.py, which
+uses polled_bcast from here): `PartitionedReplica` is a Downpour replica whose network is
+a `PartitionedNetwork` over its replica's P ranks and whose
 parameter client pulls and pushes only the partition's pieces of the vector
 (`ParameterClient.restrict_to`; the paper's Figure 2). Partition 0 (the lead) alone talks
 to shard 0's run control block for the replica: it claims steps, reports steps and loss,
@@ -225,19 +226,7 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
 
 
 # ------------------------------------------------------------------------------------------
-# Downpour
-
-
-def make_replica(run: Any, network: Any, fetch_own_pushes: bool) -> Any:
-    """Downpour's replica role for this rank (`run`: downpour.OpenRun): the plain one when
-    partitions = 1, else a PartitionedReplica over the replica's partition communicator
-    (topology.split_communicators). Local (no communication)."""
-    from distbelief.algorithms.downpour import Replica
-
-    comm = run.communicators.partition
-    if comm == MPI.COMM_NULL or comm.Get_size() == 1:
-        return Replica(run, network, fetch_own_pushes)
-    return _partitioned_replica_class()(run, network, fetch_own_pushes)
+# Shared with Downpour's partitioned replica
 
 
 def polled_bcast(comm: MPI.Comm, value: np.ndarray, what: str = "its lead partition",
@@ -246,52 +235,6 @@ def polled_bcast(comm: MPI.Comm, value: np.ndarray, what: str = "its lead partit
     back-off sleeps (a partition may wait long for its lead). Collective over `comm`."""
     wait_all([comm.Ibcast(value, root=0)], what, ranks)
     return value
-
-
-def _partitioned_replica_class() -> type:
-    """Defined on first use: it subclasses downpour.Replica, and downpour imports us."""
-    from distbelief.algorithms.downpour import Replica
-
-    class PartitionedReplica(Replica):
-        """One partition of a Downpour replica: its own pieces of the parameters, its own
-        pushes and pulls; partition 0 (the lead) exchanges with shard 0 for the replica
-        (claims, reports, commands, its data position) and shares every decision with the
-        others (one Ibcast per block), so all of them pause, stop and end together."""
-
-        def __init__(self, run: Any, network: Any, fetch_own_pushes: bool):
-            comm = run.communicators.partition
-            self.lead = comm.Get_rank() == 0
-            model = PartitionedNetwork(network, comm)
-            run.endpoint.restrict_to(model.pieces)
-            model.layout = network.layout  # whole-model vectors: Replica sizes them so
-            super().__init__(run, model, fetch_own_pushes)
-            self.model, self.comm = model, comm
-            self._finite = np.zeros(1, dtype=np.int32)
-
-        def _share_values(self, values: np.ndarray) -> np.ndarray:
-            values = np.ascontiguousarray(values, dtype=np.int64)
-            lead = self.model.partner_ranks[:1] if not self.lead else ()
-            return polled_bcast(self.comm, values, "its lead partition's decision", lead)
-
-        def _usable(self, loss: float) -> bool:
-            """Downpour's finite-gradient check, agreed by the partitions (Allreduce MIN):
-            one partition's pieces may be finite while another's are not, and a partition
-            that dropped a step, or stopped after too many, while the others went on
-            would leave them waiting for its activations."""
-            before = self.bad_in_a_row
-            self._finite[0] = super()._usable(loss)
-            wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self._finite, op=MPI.MIN)],
-                     "the other partitions of this replica", self.model.partner_ranks)
-            self.bad_in_a_row = 0 if self._finite[0] else before
-            return bool(self._finite[0])
-
-        def stats(self) -> dict[str, Any]:
-            out = super().stats()
-            out["partition"] = self.comm.Get_rank()
-            out["model_parallel"] = self.model.traffic.per_step()
-            return out
-
-    return PartitionedReplica
 
 
 def _print(stream: IO[str] | None, text: str) -> None:
