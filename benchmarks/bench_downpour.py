@@ -86,7 +86,7 @@ def interleaved_worker(args: argparse.Namespace) -> None:
     import numpy as np
     from mpi4py import MPI
 
-    from distbelief.algorithms.sgd import open_data
+    from distbelief.algorithms.common import open_data
     from distbelief.config import load_config
     from distbelief.data.hdf5 import TrainShard
     from distbelief.model.optimizers import make_optimizer

@@ -50,7 +50,7 @@ PEER = Path(__file__).resolve().parent / "torch_peer.py"
 
 
 def ours_throughput(args: argparse.Namespace) -> dict:
-    from distbelief.algorithms.sgd import open_data
+    from distbelief.algorithms.common import open_data
     from distbelief.config import load_config
     from distbelief.data.hdf5 import TrainShard
     from distbelief.model.optimizers import make_optimizer

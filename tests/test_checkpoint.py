@@ -734,7 +734,7 @@ def test_periodic_checkpoints_by_time(data_dir: Path, tmp_path: Path) -> None:
 
 
 def test_stop_signals_only_set_a_flag() -> None:
-    from distbelief.algorithms.sgd import StopSignals
+    from distbelief.algorithms.common import StopSignals
 
     before = signal.getsignal(signal.SIGUSR1)
     with StopSignals() as signals:

@@ -315,7 +315,7 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
 
 
 def _resume_mode(args: argparse.Namespace) -> str:
-    """train's --resume / --fresh as a distbelief.algorithms.sgd.RESUME_MODES value."""
+    """train's --resume / --fresh as a distbelief.algorithms.common.RESUME_MODES value."""
     return "require" if args.resume else "fresh" if args.fresh else "auto"
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from distbelief.algorithms.common import StopSignals
 from distbelief.algorithms.downpour import open_run
-from distbelief.algorithms.sgd import StopSignals
 from distbelief.config import load_config
 from distbelief.ps.parameter_server import ParameterClient
 from distbelief.ps.run_control import TEARDOWN_FREE

@@ -54,7 +54,7 @@ processes (shards each other, replicas when they sweep) and the first to find on
 aborts the job with a message; rerunning resumes from the last checkpoint.
 
 SIGNALS. SIGTERM and SIGUSR1 (SLURM's time limit, `sbatch --signal=B:USR1@N`) are counted
-on the ranks they reach (trainer.StopSignals): replicas publish their counts in the
+on the ranks they reach (common.StopSignals): replicas publish their counts in the
 block, shards in their rounds. Shard 0 stops the run (STOP_SIGNAL): replicas stop after
 their current block, the run ends with its final checkpoint and no final evaluation,
 every rank exits 0. Hydra with `-disable-auto-cleanup` also sends SIGUSR1 (several) to
@@ -118,8 +118,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.partitioned_sgd import polled_bcast
-from distbelief.algorithms.sgd import (
+from distbelief.algorithms.common import (
     LOG_EVERY_SECONDS,
     RESUME_MODES,
     StopRules,
@@ -131,6 +130,7 @@ from distbelief.algorithms.sgd import (
     prepare_run_dir,
     starting_checkpoint,
 )
+from distbelief.algorithms.partitioned_sgd import polled_bcast
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.errors import DataError, UserError
 from distbelief.model.layout import balanced_ranges
@@ -273,7 +273,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     `fetch_own_pushes` (True, what the command line uses): a replica's fetch returns
     parameters that contain every gradient it pushed before (read-your-writes), so one
     replica is exactly sequential SGD; False is for experiments (every gradient at least
-    one update stale). `resume` is one of trainer.RESUME_MODES ("auto": continue from a
+    one update stale). `resume` is one of common.RESUME_MODES ("auto": continue from a
     checkpoint in out_dir if there is one; "require"; "fresh").
 
     Collective over `comm` for the set-up: every rank calls it with the same

@@ -40,7 +40,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.sgd import (
+from distbelief.algorithms.common import (
     EVAL_BATCH_SIZE,
     LOG_EVERY_SECONDS,
     StopRules,

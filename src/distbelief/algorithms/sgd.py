@@ -1,4 +1,4 @@
-"""Single-process training (`optimizer.algorithm = "sgd"`), and the pieces every trainer shares.
+"""Single-process training (`optimizer.algorithm = "sgd"`).
 
 One process, one model, one shard holding the whole training set: next batch -> loss and
 gradient -> optimizer step, with evaluations on the test set every `run.eval_every_seconds`
@@ -15,153 +15,40 @@ write. A run resumes from the newest valid checkpoint in its out_dir (see
 training time so far and the data position, so a resumed run computes bit for bit what an
 uninterrupted one would.
 
-Shared with the Downpour replicas:
-    prepare_run_dir(config)          out_dir created, config.json written
-    open_data(config)                (DatasetInfo, Network) checked against each other
-    load_eval_set(config, info)      the test samples evaluations use
-    StopRules.from_config(config)    max_steps / max_seconds / target_accuracy
-    evaluate(network, params, eval_set) -> (test_loss, test_accuracy)
-    starting_checkpoint(config, layout, resume, stream)   which checkpoint to resume from
-    StopSignals()                    SIGTERM/SIGUSR1 -> a flag the loop polls
+The set-up every trainer shares (run folder, data, evaluation set, stop rules and signals,
+the checkpoint to start from) is in algorithms/common.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Self
+from typing import IO, Any
 
 import numpy as np
 
-from distbelief.config import Config, build_network, config_hash, hashed_settings
-from distbelief.errors import UserError
+from distbelief.algorithms.common import (
+    LOG_EVERY_SECONDS,
+    RESUME_MODES,
+    StopRules,
+    StopSignals,
+    TrainingDiverged,
+    evaluate,
+    load_eval_set,
+    open_data,
+    prepare_run_dir,
+    starting_checkpoint,
+)
+from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import (
-    DISCARDED_FILE,
-    METRICS_FILE,
-    SUMMARY_FILE,
     ResumePoint,
     RunRecorder,
 )
 from distbelief.runtime.threads import apply_thread_setting
-
-LOG_EVERY_SECONDS = 0.5
-"""How often a training line goes to metrics.jsonl (per step would be thousands a second)."""
-
-EVAL_BATCH_SIZE = 1000
-
-
-def prepare_run_dir(config: Config) -> Path:
-    """Create run.out_dir and write the resolved configuration there as config.json."""
-    out_dir = config.run.out_dir
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        record = {**config.to_dict(), "config_hash": config_hash(config),
-                  "source": str(config.source) if config.source else None}
-        (out_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
-    except OSError as e:
-        raise UserError(f"cannot write to run.out_dir {out_dir}: {e.strerror or e}") from e
-    return out_dir
-
-
-def open_data(config: Config) -> tuple[Any, Any]:
-    """(DatasetInfo, Network) for the config: the data file opened, the model built on it."""
-    from distbelief.data.hdf5 import open_dataset
-
-    info = open_dataset(config.data.path)
-    return info, build_network(config, info)
-
-
-def load_eval_set(config: Config, info: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The test samples every evaluation uses: the first run.eval_samples, or all."""
-    from distbelief.data.hdf5 import load_test
-
-    return load_test(info, limit=config.run.eval_samples or None)
-
-
-def evaluate(network: Any, params: np.ndarray,
-             eval_set: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
-    """(test loss, test accuracy) of `params` on the evaluation set."""
-    x, y = eval_set
-    loss, accuracy = network.evaluate(params, x, y, batch_size=EVAL_BATCH_SIZE)
-    return float(loss), float(accuracy)
-
-
-@dataclass(frozen=True)
-class StopRules:
-    """When a run ends. Zero means no limit; the target is checked at evaluations."""
-
-    max_steps: int = 0
-    max_seconds: float = 0.0
-    target_accuracy: float | None = None
-
-    @classmethod
-    def from_config(cls, config: Config) -> StopRules:
-        run = config.run
-        return cls(run.max_steps, run.max_seconds, run.target_accuracy)
-
-    def budget_spent(self, step: int, elapsed: float) -> str | None:
-        """"max_steps" or "max_seconds" once that budget is used up, else None."""
-        if self.max_steps and step >= self.max_steps:
-            return "max_steps"
-        if self.max_seconds and elapsed >= self.max_seconds:
-            return "max_seconds"
-        return None
-
-    def target_reached(self, test_accuracy: float) -> bool:
-        return self.target_accuracy is not None and test_accuracy >= self.target_accuracy
-
-
-class TrainingDiverged(UserError):
-    """The training loss became NaN or infinite (usually: the learning rate is too high)."""
-
-
-RESUME_MODES = ("auto", "require", "fresh")
-"""train(resume=...): "auto" continues from a valid checkpoint in out_dir if there is one
-(the default, so a requeued job simply resumes); "require" (train --resume) fails without
-one; "fresh" (train --fresh) moves the previous run's files aside and starts over."""
-
-
-class StopSignals:
-    """SIGTERM and SIGUSR1 ask the training loop to stop after the current step.
-
-    SLURM sends SIGTERM at the time limit (then SIGKILL after KillWait) and any signal
-    chosen with `sbatch --signal=USR1@120` some time before it. The handler only records
-    the signal's name in `received`, which the loop polls once a step; everything else
-    (the checkpoint, the summary) happens in the loop, outside the handler. Handlers can
-    only be installed from the main thread; elsewhere this does nothing. The previous
-    handlers come back on exit.
-    """
-
-    NAMES = ("SIGTERM", "SIGUSR1")
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self.counts = dict.fromkeys(self.NAMES, 0)  # how many of each arrived
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = signal.Signals(signum).name
-        self.counts[self.received] += 1
-
-    def __enter__(self) -> Self:
-        if threading.current_thread() is threading.main_thread():
-            for name in self.NAMES:
-                number = getattr(signal, name)
-                self._previous[number] = signal.signal(number, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-        self._previous.clear()
 
 
 def train(config: Config, stream: IO[str] | None = sys.stdout,
@@ -350,73 +237,6 @@ def restore(found: ckpt.Checkpoint, params: np.ndarray, optimizer: Any, shard: A
                                    f"{exc}") from exc
     state.step, state.samples = found.step, found.samples
     return ResumePoint(found.step, found.samples, found.wall_seconds, found.path.name)
-
-
-def starting_checkpoint(config: Config, layout: Any, resume: str,
-                        stream: IO[str] | None) -> ckpt.Checkpoint | None:
-    """The checkpoint a run starts from, or None for a fresh start (see RESUME_MODES).
-
-    Damaged checkpoints newer than the one chosen are reported and renamed to .damaged
-    (kept, never loaded); leftovers of a killed commit are removed. A checkpoint of another
-    model or configuration is refused (CheckpointMismatch) rather than overwritten, and so
-    is a folder whose checkpoints are all damaged. Call it on the committer only (rank 0),
-    before any writer starts.
-    """
-    out_dir = config.run.out_dir
-    root = ckpt.checkpoint_root(out_dir)
-    if resume == "fresh":
-        moved = archive_previous_run(out_dir)
-        if moved is not None:
-            _print(stream, f"distbelief: --fresh: moved the previous run's files to {moved}")
-        return None
-    found, damaged = ckpt.find_latest(root)
-    for _, problem in damaged:
-        _print(stream, f"distbelief: warning: {problem}")
-    if found is None:
-        if damaged:
-            raise ckpt.CheckpointError(
-                f"no valid checkpoint in {root}: all {len(damaged)} are damaged (see the "
-                f"warnings above); train --fresh moves them aside and starts over")
-        if resume == "require":
-            raise ckpt.CheckpointError(f"train --resume: there is no checkpoint in {root}")
-        ckpt.clean_leftovers(root)
-        return None
-    try:
-        found.check_compatible(hashed_settings(config), layout)
-    except ckpt.CheckpointMismatch as exc:
-        raise ckpt.CheckpointMismatch(f"{exc}. To train this configuration, pass --fresh "
-                                      "(moves the old run aside) or choose another "
-                                      "run.out_dir") from exc
-    for path, _ in damaged:
-        _print(stream, f"distbelief: set {path.name} aside as {ckpt.set_aside(path).name}")
-    ckpt.clean_leftovers(root)
-    why = "" if resume == "require" else " (found in run.out_dir; train --fresh starts over)"
-    _print(stream, f"distbelief: resuming from {found.path} at step {found.step}, "
-                   f"{found.samples:,d} samples, {found.wall_seconds:.1f}s trained{why}")
-    return found
-
-
-ARCHIVED_NAMES = (ckpt.CHECKPOINTS_DIR, METRICS_FILE, DISCARDED_FILE, SUMMARY_FILE,
-                  "config.json")
-
-
-def archive_previous_run(out_dir: str | Path) -> Path | None:
-    """Move a previous run's files (checkpoints, metrics, summary, config) into
-    out_dir/previous-<UTC time>/; returns that folder, or None if there was nothing."""
-    out_dir = Path(out_dir)
-    present = [out_dir / name for name in ARCHIVED_NAMES if (out_dir / name).exists()]
-    if not present:
-        return None
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    target = out_dir / f"previous-{stamp}"
-    n = 1
-    while target.exists():
-        n += 1
-        target = out_dir / f"previous-{stamp}-{n}"
-    target.mkdir()
-    for path in present:
-        os.rename(path, target / path.name)
-    return target
 
 
 def _diverged(recorder: RunRecorder, step: int, samples: int, loss: float,

@@ -105,6 +105,15 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
+from distbelief.algorithms.common import (
+    StopRules,
+    StopSignals,
+    TrainingDiverged,
+    load_eval_set,
+    open_data,
+    prepare_run_dir,
+    starting_checkpoint,
+)
 from distbelief.algorithms.sandblaster.lbfgs import Gram, Iteration, LbfgsOptions, minimize
 from distbelief.algorithms.sandblaster.work_units import (
     COMMIT,
@@ -113,15 +122,6 @@ from distbelief.algorithms.sandblaster.work_units import (
     UnitStats,
     WorkUnitTable,
     unit_ranges,
-)
-from distbelief.algorithms.sgd import (
-    StopRules,
-    StopSignals,
-    TrainingDiverged,
-    load_eval_set,
-    open_data,
-    prepare_run_dir,
-    starting_checkpoint,
 )
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.data.hdf5 import _read_rows, _to_float
@@ -277,7 +277,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     first (no communication), then a set-up whose UserError is raised on every rank, then
     point-to-point traffic (see the module docstring), then a back-off barrier and a
     gather. Raises TrainingDiverged on every rank if the loss became non-finite. `resume`:
-    distbelief.algorithms.sgd.RESUME_MODES ("auto", "require", "fresh").
+    distbelief.algorithms.common.RESUME_MODES ("auto", "require", "fresh").
     """
     role = start(config, comm, stream, resume)
     # collective (an allgather)
