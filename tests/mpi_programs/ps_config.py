@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.errors import EXIT_USER_ERROR, ConfigError
-from distbelief.ps.parameter_server import open_parameter_server
+from distbelief.ps.transport import open_parameter_server
 from distbelief.runtime.topology import Topology
 
 

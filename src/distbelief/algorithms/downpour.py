@@ -142,9 +142,9 @@ from distbelief.ps.parameter_server import (
     ParameterClient,
     ParameterServerShard,
     StalenessStats,
-    open_parameter_server,
 )
 from distbelief.ps.run_control import ControlExchange, ControlView
+from distbelief.ps.transport import open_parameter_server
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import ResumePoint, RunRecorder
 from distbelief.runtime import guardian, watchdog
