@@ -35,7 +35,7 @@ directives = {
 }
 extensions = [
     Extension(
-        "distbelief._kernels",
+        "distbelief.model._kernels",
         sources=[str(Path("pyx") / "_kernels.pyx")],
         include_dirs=[numpy.get_include()],
         define_macros=[

@@ -2,12 +2,12 @@
 
 What is measured (one thread, arrays far beyond the caches, median of --repeats runs):
 
-* kernel: distbelief.kernels.adagrad_update on P params. It reads params, accum and grad
+* kernel: distbelief.model.kernels.adagrad_update on P params. It reads params, accum and grad
   and writes params and accum: 5 float32 = 20 bytes of memory traffic per parameter.
 * copy: np.copyto between two float32 arrays of 10 bytes per parameter each, i.e. the same
   20 bytes per parameter of traffic (read + write). This is the practical memory bound.
 * numpy: the same update written as numpy expressions (temporaries, several passes).
-* sgd: distbelief.kernels.sgd_update (12 bytes per parameter), for reference.
+* sgd: distbelief.model.kernels.sgd_update (12 bytes per parameter), for reference.
 
 GB/s counts traffic as defined above (10^9 bytes per second); Gparam/s is parameters
 updated per second. The ratio kernel/copy is the fraction of the memory bound reached.
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from distbelief import kernels
+from distbelief.model import kernels
 
 ADAGRAD_BYTES_PER_PARAM = 20  # read params, accum, grad; write params, accum
 SGD_BYTES_PER_PARAM = 12  # read params, grad; write params

@@ -28,8 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from distbelief.datasets import make_synthetic
-from distbelief.metrics import read_metrics
+from distbelief.data.converters import make_synthetic
+from distbelief.records.metrics import read_metrics
 
 PROGRESS_S = 0.5
 CHECKPOINT_S = 0.4

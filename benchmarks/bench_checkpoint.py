@@ -2,7 +2,7 @@
 interval.
 
 A model of --params float32 parameters (default 100M) plus its Adagrad accumulator is
-checkpointed the way the single-process trainer does it (distbelief.checkpoint.save_local:
+checkpointed the way the single-process trainer does it (distbelief.records.checkpoint.save_local:
 one shard part, one replica part, manifest, atomic commit, retention) and loaded back
 (find_latest, which verifies every sha256, then read_state). The same bytes are written as
 one plain file with write + fsync, and read back with one read, in the same run, so the
@@ -50,9 +50,9 @@ from pathlib import Path
 
 import numpy as np
 
-from distbelief import checkpoint as ckpt
 from distbelief.config import RunConfig, settings_hash
-from distbelief.layout import ParamLayout
+from distbelief.model.layout import ParamLayout
+from distbelief.records import checkpoint as ckpt
 
 SETTINGS = {"model": {"benchmark": True}, "run": {"seed": 0}}
 REPO = Path(__file__).resolve().parents[1]

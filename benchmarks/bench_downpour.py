@@ -6,7 +6,7 @@ the shard, batch 64): against PyTorch CPU and against distbelief's single-proces
                                                            # throughput, replicas, bandwidth
 
 Sections (each Downpour run is `mpiexec -n N python -m mpi4py bench_downpour.py --worker`,
-which calls distbelief.downpour.train on configs/fashion_mnist_downpour.toml, so an
+which calls distbelief.algorithms.downpour.train on configs/fashion_mnist_downpour.toml, so an
 exception on any rank aborts the job):
 (a) target: wall time to `--target` test accuracy, 1 shard + 1 replica (2 ranks on the 2
     cores, shared-memory transport) with run.threads = T on every rank, interleaved seed by
@@ -66,7 +66,7 @@ N_PARAMS = 669_706
 def downpour_worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
-    from distbelief import downpour
+    from distbelief.algorithms import downpour
     from distbelief.config import load_config
 
     overrides = [f'data.path="{args.data.resolve()}"', f'run.out_dir="{args.out}"',
@@ -86,17 +86,15 @@ def interleaved_worker(args: argparse.Namespace) -> None:
     import numpy as np
     from mpi4py import MPI
 
+    from distbelief.algorithms.common import open_data
     from distbelief.config import load_config
-    from distbelief.data import TrainShard
-    from distbelief.optimizers import make_optimizer
-    from distbelief.parameter_server import (
-        PacedBackoff,
-        ParameterServerShard,
-        open_parameter_server,
-    )
-    from distbelief.threads import set_blas_threads
-    from distbelief.topology import Topology
-    from distbelief.trainer import open_data
+    from distbelief.data.hdf5 import TrainShard
+    from distbelief.model.optimizers import make_optimizer
+    from distbelief.ps.parameter_server import ParameterServerShard
+    from distbelief.ps.transport import open_parameter_server
+    from distbelief.runtime.backoff import PacedBackoff
+    from distbelief.runtime.threads import set_blas_threads
+    from distbelief.runtime.topology import Topology
 
     set_blas_threads(1)
     config = load_config(CONFIG, [f'data.path="{args.data.resolve()}"'])

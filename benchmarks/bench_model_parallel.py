@@ -11,7 +11,7 @@ cost model predicts for 8, 32 and 81 machines.
     `--steps` x `--repeats` after `--warmup` untimed ones (the machine is shared: the best
     step is the one least disturbed). The CPU time per step is printed too: on a shared
     machine it shows the work each partition does, where wall time shows mostly the load.
-(b) The cost model (distbelief.cost_model) with the flop rate measured at P = 1 (so it
+(b) The cost model (distbelief.model.cost_model) with the flop rate measured at P = 1 (so it
     reproduces P = 1 by construction) and the measured link: its P = 2 step time next to
     the measured one, as a ratio.
 (c) Predictions for 8, 32 and 81 machines: the paper-sized locally connected model
@@ -71,7 +71,7 @@ PER_MACHINE_CORES = 16  # the paper's machines had 16 cores
 
 
 def network():
-    from distbelief.model import Network
+    from distbelief.model.network import Network
 
     return Network(INPUT_SHAPE, LAYERS, CLASSES)
 
@@ -105,8 +105,8 @@ def timed_steps(step, warmup: int, steps: int, sync=None) -> tuple[list[float], 
 def measure_single(args: argparse.Namespace) -> dict:
     from mpi4py import MPI
 
-    from distbelief.model_parallel import PartitionedNetwork
-    from distbelief.threads import set_blas_threads
+    from distbelief.model.partitioned_network import PartitionedNetwork
+    from distbelief.runtime.threads import set_blas_threads
 
     set_blas_threads(1)
     net = network()
@@ -131,8 +131,8 @@ def measure_single(args: argparse.Namespace) -> dict:
 def worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
-    from distbelief.model_parallel import PartitionedNetwork
-    from distbelief.threads import set_blas_threads
+    from distbelief.model.partitioned_network import PartitionedNetwork
+    from distbelief.runtime.threads import set_blas_threads
 
     set_blas_threads(1)
     comm = MPI.COMM_WORLD
@@ -228,8 +228,8 @@ def main() -> None:
         return
 
     from distbelief.config import load_config
-    from distbelief.cost_model import Link, predict, step_time
-    from distbelief.model import Network
+    from distbelief.model.cost_model import Link, predict, step_time
+    from distbelief.model.network import Network
 
     if args.skip_measured:
         optional_sections(args)

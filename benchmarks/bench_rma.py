@@ -45,7 +45,7 @@ def _mpi():
 
 def _adagrad(size: int):
     """The shards' optimizer: Adagrad, the DistBelief default (its fold is part of the cost)."""
-    from distbelief.optimizers import make_optimizer
+    from distbelief.model.optimizers import make_optimizer
     return make_optimizer(True, 0.01, size)
 
 
@@ -100,7 +100,7 @@ class Poller:
     then a fixed sleep or the adaptive Backoff."""
 
     def __init__(self, comm, poll: str, sleep: str):
-        from distbelief.parameter_server import Backoff
+        from distbelief.runtime.backoff import Backoff
         self.MPI = _mpi()
         self.comm = comm
         self.poll = poll
@@ -141,8 +141,9 @@ def progress_run(poll: str, sleep: str, seconds: float, compute: int, pull: str,
     Collective over COMM_WORLD. Returns the summary on rank 0, None elsewhere.
     """
     MPI = _mpi()
-    from distbelief.parameter_server import ParameterServerShard, open_parameter_server
-    from distbelief.topology import Topology
+    from distbelief.ps.parameter_server import ParameterServerShard
+    from distbelief.ps.transport import open_parameter_server
+    from distbelief.runtime.topology import Topology
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
     endpoint = open_parameter_server(world, topology, size, _adagrad, transport=transport)
@@ -201,8 +202,9 @@ def client_rates(seconds: float, transport: str) -> dict[str, float]:
     the shard on its default Backoff (on "shared" a push includes the Adagrad step, which
     the replica does itself). Collective over COMM_WORLD; meaningful on rank 1."""
     MPI = _mpi()
-    from distbelief.parameter_server import ParameterServerShard, open_parameter_server
-    from distbelief.topology import Topology
+    from distbelief.ps.parameter_server import ParameterServerShard
+    from distbelief.ps.transport import open_parameter_server
+    from distbelief.runtime.topology import Topology
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
     endpoint = open_parameter_server(world, topology, N_PARAMS, _adagrad, transport=transport)

@@ -6,11 +6,11 @@ process, so thread pools and caches do not carry over):
 (a) training throughput, samples/s: `--steps` training steps after `--warmup` untimed ones,
     the best of `--repeats` runs (interleaved, so a neighbour's load hits both); a step is drawing a batch from the in-memory training set, forward, backward and the
     Adagrad update. distbelief: TrainShard.next_batch + Network.loss_and_grad +
-    optimizer.step (the loop of distbelief.trainer without its clock reads and logging).
+    optimizer.step (the loop of distbelief.algorithms.sgd without its clock reads and logging).
     torch: benchmarks/torch_peer.py (index_select batch, forward, cross_entropy, backward,
     torch.optim.Adagrad.step).
 (b) wall time to `--target` test accuracy (default 0.88): distbelief's real trainer
-    (distbelief.trainer.train on configs/fashion_mnist_mlp.toml) against the torch peer,
+    (distbelief.algorithms.sgd.train on configs/fashion_mnist_mlp.toml) against the torch peer,
     both evaluating on the whole test set every `--eval-every` seconds of wall time counted
     from the end of the previous evaluation, evaluation time included. Setup (loading data,
     building the model) is not timed in either.
@@ -50,11 +50,11 @@ PEER = Path(__file__).resolve().parent / "torch_peer.py"
 
 
 def ours_throughput(args: argparse.Namespace) -> dict:
+    from distbelief.algorithms.common import open_data
     from distbelief.config import load_config
-    from distbelief.data import TrainShard
-    from distbelief.optimizers import make_optimizer
-    from distbelief.threads import set_blas_threads
-    from distbelief.trainer import open_data
+    from distbelief.data.hdf5 import TrainShard
+    from distbelief.model.optimizers import make_optimizer
+    from distbelief.runtime.threads import set_blas_threads
 
     set_blas_threads(args.threads)
     config = load_config(CONFIG, [f'data.path="{args.data.resolve()}"',
@@ -82,8 +82,8 @@ def ours_throughput(args: argparse.Namespace) -> dict:
 
 
 def ours_target(args: argparse.Namespace) -> dict:
+    from distbelief.algorithms.sgd import train
     from distbelief.config import load_config
-    from distbelief.trainer import train
 
     with tempfile.TemporaryDirectory() as out:
         config = load_config(CONFIG, [

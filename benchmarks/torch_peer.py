@@ -5,7 +5,7 @@ cross-entropy), uniform He init for the ReLU layers and uniform Glorot for the o
 zero biases (distbelief's scheme), torch.optim.Adagrad(lr=0.02) with its defaults, batch 64.
 The training set lives in memory as one float32 tensor; batches are consecutive slices of
 a fresh permutation per epoch, the last batch of an epoch completed from the next one (the
-batching scheme of distbelief.data.TrainShard); no DataLoader. Evaluation: the whole test
+batching scheme of distbelief.data.hdf5.TrainShard); no DataLoader. Evaluation: the whole test
 set in batches of 1000 under torch.no_grad(), every `eval_every` seconds of wall time counted
 from the end of the previous evaluation, evaluation time included (distbelief's cadence).
 

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from distbelief import checkpoint as ckpt
 from distbelief.config import settings_hash
-from distbelief.layout import ParamLayout, balanced_ranges
+from distbelief.model.layout import ParamLayout, balanced_ranges
+from distbelief.records import checkpoint as ckpt
 
 LAYOUT = ParamLayout([(0, "weights", (7, 5)), (0, "bias", (7,)), (1, "weights", (3, 7)),
                       (1, "bias", (3,))])
@@ -504,7 +504,7 @@ def test_the_module_uses_no_mpi_and_no_pickle() -> None:
     source = Path(ckpt.__file__).read_text()
     assert "mpi4py" not in source and "pickle" not in source
     code = textwrap.dedent("""
-        import sys, distbelief.checkpoint
+        import sys, distbelief.records.checkpoint
         print('mpi4py.MPI' in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -535,7 +535,7 @@ threads = 1
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from distbelief.datasets import make_synthetic
+    from distbelief.data.converters import make_synthetic
 
     folder = tmp_path_factory.mktemp("ckpt_train")
     # 500 rows in batches of 16: a run of 200 steps crosses several epochs, so the data
@@ -559,7 +559,7 @@ def train_in_process(data_dir: Path, out: Path, *overrides: str, resume: str = "
     """(summary, printed output) of a single-process run."""
     import io
 
-    from distbelief.trainer import train
+    from distbelief.algorithms.sgd import train
 
     stream = io.StringIO()
     summary = train(train_config(data_dir, out, *overrides), stream=stream, resume=resume)
@@ -584,7 +584,7 @@ def assert_same_training(a: Path, b: Path) -> None:
 
 
 def metrics_of(out: Path) -> list[dict]:
-    from distbelief.metrics import read_metrics
+    from distbelief.records.metrics import read_metrics
 
     return read_metrics(out / "metrics.jsonl")
 
@@ -742,7 +742,7 @@ def test_periodic_checkpoints_by_time(data_dir: Path, tmp_path: Path) -> None:
 
 
 def test_stop_signals_only_set_a_flag() -> None:
-    from distbelief.trainer import StopSignals
+    from distbelief.algorithms.common import StopSignals
 
     before = signal.getsignal(signal.SIGUSR1)
     with StopSignals() as signals:
@@ -842,7 +842,7 @@ def test_a_resume_drops_lines_written_after_the_checkpoint_even_of_earlier_steps
     # Downpour evaluates a snapshot in a thread: the line of an evaluation of step 20 can
     # be written after the checkpoint of step 20. A run resumed from that checkpoint must
     # not keep it, or times in metrics.jsonl would go backwards.
-    from distbelief.metrics import ResumePoint, RunRecorder, read_metrics
+    from distbelief.records.metrics import ResumePoint, RunRecorder, read_metrics
 
     with RunRecorder(tmp_path, stream=None) as recorder:
         recorder.log(20, 200, 0.9)

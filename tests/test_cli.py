@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, run_cli, run_mpi
 from test_downpour import exit_statuses
 
-from distbelief.datasets import make_synthetic
+from distbelief.data.converters import make_synthetic
 
 # The real command line, then a line with the rank's exit status (mpiexec reports one).
 EXIT_STATUS = REPO / "tests" / "mpi_programs" / "cli_exit_status.py"

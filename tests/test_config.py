@@ -22,7 +22,7 @@ from distbelief.config import (
     settings_diff,
     settings_hash,
 )
-from distbelief.datasets import make_synthetic
+from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError, DataError, UserError
 
 LAYERS = """

@@ -14,8 +14,8 @@ import h5py
 import numpy as np
 import pytest
 
-from distbelief import datasets
-from distbelief.data import DatasetInfo, DatasetWriter, TrainShard, load_test, open_dataset
+from distbelief.data import converters as datasets
+from distbelief.data.hdf5 import DatasetInfo, DatasetWriter, TrainShard, load_test, open_dataset
 from distbelief.errors import DataError
 
 # ---------------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ import pytest
 from conftest import REPO, _env, run_cli, run_mpi
 
 from distbelief.config import apply_overrides, config_from_dict
-from distbelief.datasets import convert_idx, make_synthetic
+from distbelief.data.converters import convert_idx, make_synthetic
 from distbelief.errors import ConfigError, DataError
-from distbelief.faults import ENV as FAULTS
-from distbelief.metrics import REQUIRED_SUMMARY_KEYS, read_metrics
+from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS, read_metrics
+from distbelief.runtime.faults import ENV as FAULTS
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
@@ -335,7 +335,7 @@ def config_for(data_dir: Path, *overrides: str):
 
 
 def test_plan_validates_rank_count_and_data_without_communicating(data_dir):
-    from distbelief.downpour import plan_run
+    from distbelief.algorithms.downpour import plan_run
 
     plan = plan_run(config_for(data_dir, "cluster.ps_shards=2", "optimizer.n_push=3"),
                     world_size=5, world_rank=4, n_train=4000)
@@ -347,7 +347,7 @@ def test_plan_validates_rank_count_and_data_without_communicating(data_dir):
 
 
 def test_grants_add_up_to_max_steps_whatever_the_claim_order():
-    from distbelief.downpour import grant
+    from distbelief.algorithms.downpour import grant
 
     rng = np.random.default_rng(0)
     for max_steps in (1, 7, 401):
@@ -361,7 +361,7 @@ def test_grants_add_up_to_max_steps_whatever_the_claim_order():
 
 
 def test_staleness_histogram_and_overflow_bin():
-    from distbelief.parameter_server import STALENESS_BINS, StalenessStats
+    from distbelief.ps.parameter_server import STALENESS_BINS, StalenessStats
 
     stats = StalenessStats()
     stats.add(np.array([0, 2, 2]))

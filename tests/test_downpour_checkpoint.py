@@ -26,10 +26,10 @@ from conftest import REPO, _env, run_mpi
 from test_checkpoint import _flip_bytes
 from test_downpour import BATCH, TOML, exit_statuses, set_args
 
-from distbelief import checkpoint as ckpt
-from distbelief.datasets import make_synthetic
-from distbelief.faults import ENV as FAULTS
-from distbelief.metrics import read_metrics
+from distbelief.data.converters import make_synthetic
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.metrics import read_metrics
+from distbelief.runtime.faults import ENV as FAULTS
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120

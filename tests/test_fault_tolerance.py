@@ -1,5 +1,5 @@
 """Fault tolerance end to end (issue 7), with the test-only fault injection of
-distbelief.faults, as MPI jobs under timeouts:
+distbelief.runtime.faults, as MPI jobs under timeouts:
 
 - kill -9 of a Downpour replica (one of 3; with 2 shards; on the RMA transport; one
   partition of a model-parallel replica): with MPICH's launcher keeping the others alive
@@ -26,12 +26,12 @@ import pytest
 from conftest import REPO, _env, run_mpi
 from test_downpour import exit_statuses, set_args
 
-from distbelief import checkpoint as ckpt
-from distbelief.datasets import make_synthetic
+from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
-from distbelief.faults import ENV as FAULTS
-from distbelief.faults import Fault, Faults, parse
-from distbelief.watchdog import RankLost, Watchdog, current, watching
+from distbelief.records import checkpoint as ckpt
+from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.faults import Fault, Faults, parse
+from distbelief.runtime.watchdog import RankLost, Watchdog, current, watching
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120

@@ -19,9 +19,9 @@ import pytest
 from conftest import REPO, _env, run_cli, run_mpi
 from test_downpour import TOML, set_args
 
-from distbelief import checkpoint as ckpt
-from distbelief.datasets import make_synthetic
-from distbelief.metrics import read_metrics
+from distbelief.data.converters import make_synthetic
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.metrics import read_metrics
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 
@@ -125,7 +125,7 @@ def test_a_second_ctrl_c_stops_at_once() -> None:
     same Ctrl-C arriving twice (terminal and mpiexec); a later one ends the process with
     130 at once."""
     code = ("import os, signal, time\n"
-            "from distbelief.trainer import StopSignals\n"
+            "from distbelief.algorithms.common import StopSignals\n"
             "with StopSignals() as s:\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n"
             "    time.sleep(0.2)\n"

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distbelief import _kernels, kernels
+from distbelief.model import _kernels, kernels
 
 REPO = Path(__file__).resolve().parents[1]
 RTOL = 1e-5
@@ -517,10 +517,11 @@ def test_no_pyx_folder_means_nothing_to_compare(tmp_path: Path) -> None:
 
 
 def test_missing_extension_names_the_fix() -> None:
-    code = ("import sys; sys.modules['distbelief._kernels'] = None\n"
-            "import distbelief.kernels")
+    code = ("import sys; sys.modules['distbelief.model._kernels'] = None\n"
+            "import distbelief.model.kernels")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode != 0
-    assert "ImportError: The compiled kernels (distbelief._kernels) are missing" in proc.stderr
+    assert ("ImportError: The compiled kernels (distbelief.model._kernels) are missing"
+            in proc.stderr)
     assert "pip install --no-build-isolation -e ." in proc.stderr

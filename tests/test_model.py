@@ -1,4 +1,4 @@
-"""Tests of distbelief.model and distbelief.layers: gradients against finite differences
+"""Tests of distbelief.model.network and .layers: gradients against finite differences
 of an independent float64 numpy reference and against torch autograd, the flat parameter
 layout, initialisation, configuration errors, and evaluation."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from distbelief.errors import ConfigError, DataError
-from distbelief.layers import Local
-from distbelief.model import Network
+from distbelief.model.layers import Local
+from distbelief.model.network import Network
 
 # -- an independent float64 reference ---------------------------------------------------
 # Written from the spec alone (its own shapes and offsets), so it also checks the layout.

@@ -13,13 +13,11 @@ import numpy as np
 import pytest
 from conftest import REPO, run_cli, run_mpi
 
-from distbelief.cost_model import Link, layer_flops, predict
-from distbelief.datasets import make_synthetic
+from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
-from distbelief.faults import ENV as FAULTS
-from distbelief.metrics import read_metrics
-from distbelief.model import Network
-from distbelief.partition import (
+from distbelief.model.cost_model import Link, layer_flops, predict
+from distbelief.model.network import Network
+from distbelief.model.partition import (
     Partitioning,
     balanced_splits,
     input_window,
@@ -27,6 +25,8 @@ from distbelief.partition import (
     partition_pieces,
     split_units,
 )
+from distbelief.records.metrics import read_metrics
+from distbelief.runtime.faults import ENV as FAULTS
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120

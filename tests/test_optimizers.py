@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from distbelief.optimizers import SGD, Adagrad, make_optimizer
+from distbelief.model.optimizers import SGD, Adagrad, make_optimizer
 
 
 def _torch_steps(torch, opt_class, params0: np.ndarray, grads: list[np.ndarray], **kwargs):

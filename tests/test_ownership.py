@@ -22,8 +22,8 @@ from conftest import REPO, _env, run_cli, run_mpi
 from test_downpour import TOML, exit_statuses, set_args
 
 from distbelief import ownership
-from distbelief.datasets import make_synthetic
-from distbelief.metrics import read_metrics
+from distbelief.data.converters import make_synthetic
+from distbelief.records.metrics import read_metrics
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 

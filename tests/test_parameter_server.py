@@ -15,9 +15,10 @@ import time
 import pytest
 from conftest import REPO, _env, run_mpi
 
-from distbelief import parameter_server as ps
 from distbelief.errors import ConfigError
-from distbelief.topology import Topology, validate_rank_count
+from distbelief.ps import parameter_server as ps
+from distbelief.ps import transport
+from distbelief.runtime.topology import Topology, validate_rank_count
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 90
@@ -94,13 +95,13 @@ def test_backoff_doubles_up_to_the_cap_and_resets_after_work(monkeypatch):
 
 def test_transport_request_is_validated_before_communication(monkeypatch):
     monkeypatch.delenv(ps.TRANSPORT_ENV, raising=False)
-    assert ps.requested_transport() == "auto"
+    assert transport.requested_transport() == "auto"
     monkeypatch.setenv(ps.TRANSPORT_ENV, "rma")
-    assert ps.requested_transport() == "rma"
-    assert ps.requested_transport("shared") == "shared"  # the caller's choice wins
+    assert transport.requested_transport() == "rma"
+    assert transport.requested_transport("shared") == "shared"  # the caller's choice wins
     monkeypatch.setenv(ps.TRANSPORT_ENV, "infiniband")
     with pytest.raises(ConfigError, match="DISTBELIEF_PS_TRANSPORT.*auto, shared, rma"):
-        ps.requested_transport()
+        transport.requested_transport()
 
 
 # --- MPI jobs ------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from distbelief.errors import DataError, UserError
-from distbelief.metrics import RunRecorder
-from distbelief.report import (
+from distbelief.records.metrics import RunRecorder
+from distbelief.records.report import (
     FIGURES,
     STALENESS_FIGURE,
     THROUGHPUT_FIGURE,

@@ -18,17 +18,17 @@ from conftest import REPO, _env, run_mpi
 from scipy.optimize import minimize as scipy_minimize
 from test_downpour import exit_statuses
 
-from distbelief import lbfgs
+from distbelief.algorithms.sandblaster import lbfgs
+from distbelief.algorithms.sandblaster.roles import BatchRows
+from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD, WorkUnitTable
 from distbelief.config import apply_overrides, config_from_dict
-from distbelief.data import _read_rows, _to_float, open_dataset
-from distbelief.datasets import make_synthetic
+from distbelief.data.converters import make_synthetic
+from distbelief.data.hdf5 import _read_rows, _to_float, open_dataset
 from distbelief.errors import ConfigError
-from distbelief.faults import ENV as FAULTS
-from distbelief.metrics import REQUIRED_SUMMARY_KEYS, read_metrics
-from distbelief.model import Network
-from distbelief.sandblaster import BatchRows
-from distbelief.vector_shard import VectorShard
-from distbelief.work_units import COMMIT, DROP, HOLD, WorkUnitTable
+from distbelief.model.network import Network
+from distbelief.ps.vector_shard import VectorShard
+from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS, read_metrics
+from distbelief.runtime.faults import ENV as FAULTS
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
@@ -197,7 +197,7 @@ def test_line_search_accepts_wolfe_points_and_brackets_otherwise() -> None:
 
 
 class LocalBackend:
-    """distbelief.lbfgs.Backend over VectorShards in this process: what the MPI coordinator
+    """sandblaster.lbfgs.Backend over VectorShards in this process: what the MPI coordinator
     does, without MPI (the gradient comes from the network on the whole set)."""
 
     def __init__(self, net: Network, x: np.ndarray, y: np.ndarray, shards: int, m: int):
@@ -363,7 +363,7 @@ def test_convex_problem_converges_to_scipys_loss(data_dir: Path, tmp_path: Path,
     assert summary["final_test_accuracy"] > 0.6
     assert len(summary["replicas"]) == n - shards - 1
     if n == 5:  # the report draws the Sandblaster figures from these metrics
-        from distbelief.report import ITERATIONS_FIGURE, UNITS_FIGURE, make_report
+        from distbelief.records.report import ITERATIONS_FIGURE, UNITS_FIGURE, make_report
 
         written = {p.name for p in make_report([tmp_path / "out"], tmp_path / "report")}
         assert {ITERATIONS_FIGURE, UNITS_FIGURE} <= written
@@ -517,7 +517,7 @@ def test_hash_follows_what_sandblaster_trains_not_how_units_are_dealt() -> None:
 
 def test_checkpoint_holds_the_history_and_a_resume_on_other_shards_continues(
         data_dir: Path, tmp_path: Path) -> None:
-    from distbelief.checkpoint import checkpoint_root, find_latest
+    from distbelief.records.checkpoint import checkpoint_root, find_latest
 
     config = write(data_dir, "resume.toml", toml(m=4))
     half = train(5, config, tmp_path / "resumed", "run.max_steps=8", "cluster.ps_shards=2")

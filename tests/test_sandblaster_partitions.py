@@ -30,17 +30,17 @@ from test_sandblaster import (
     write,
 )
 
-from distbelief.datasets import make_synthetic
-from distbelief.faults import ENV as FAULTS
-from distbelief.model import Network
-from distbelief.partition import split_units
-from distbelief.sandblaster import (
+from distbelief.algorithms.sandblaster.roles import (
     ANSWER_SLOTS,
     BatchRows,
     decode_answer,
     encode_answer,
     shard_segments,
 )
+from distbelief.data.converters import make_synthetic
+from distbelief.model.network import Network
+from distbelief.model.partition import split_units
+from distbelief.runtime.faults import ENV as FAULTS
 
 IMAGE = (10, 10, 1)
 CLASSES = 4

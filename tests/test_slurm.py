@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, _env
 
-from distbelief.checkpoint import checkpoint_root, find_latest
-from distbelief.datasets import make_synthetic
-from distbelief.faults import ENV as FAULTS
+from distbelief.data.converters import make_synthetic
+from distbelief.records.checkpoint import checkpoint_root, find_latest
+from distbelief.runtime.faults import ENV as FAULTS
 
 SCRIPTS = {path.stem: path for path in sorted((REPO / "slurm").glob("*.sbatch"))}
 SHIMS = REPO / "tests" / "slurm_shims"
@@ -61,7 +61,7 @@ threads = 1
 # About 3 s of training each on a quiet machine (sgd; Downpour at 3 to 5 ranks): USR1, sent
 # once the first steps are logged (0.5 s in), comes well before the end. Downpour's toy
 # steps take ~0.1 ms on shared memory, so its replicas are slowed to 2 ms per step (a
-# test-only fault, distbelief.faults): 3000 steps then take 2-3 s however fast the machine.
+# test-only fault, distbelief.runtime.faults): 3000 steps then take 2-3 s however fast the machine.
 SGD_STEPS = 30000
 DOWNPOUR_STEPS = 3000
 DOWNPOUR_STEP_DELAY = {FAULTS: "delay:*:0:0.002s"}

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from distbelief.algorithms.sgd import StopRules, TrainingDiverged, train
 from distbelief.config import Config, apply_overrides, config_from_dict
-from distbelief.datasets import make_synthetic
-from distbelief.metrics import REQUIRED_SUMMARY_KEYS, ResumePoint, RunRecorder, read_metrics
-from distbelief.threads import get_blas_threads, set_blas_threads
-from distbelief.trainer import StopRules, TrainingDiverged, train
+from distbelief.data.converters import make_synthetic
+from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS, ResumePoint, RunRecorder, read_metrics
+from distbelief.runtime.threads import get_blas_threads, set_blas_threads
 
 CLASSES = 4
 TOML = """

@@ -23,8 +23,9 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from distbelief import __version__, guardian
+from distbelief import __version__
 from distbelief.errors import EXIT_USER_ERROR, ConfigError, UserError
+from distbelief.runtime import guardian
 
 PROG = "distbelief"
 
@@ -117,7 +118,7 @@ COSTMODEL_HELP = """\
 Predict the training step time of one model replica of a configuration split over P
 partitions (cluster.partitions), before submitting the job: per-partition floating-point
 work, bytes exchanged per step, and a link's bandwidth and latency give the step time and
-the speedup over one partition (see distbelief.cost_model for the model and what it
+the speedup over one partition (see distbelief.model.cost_model for the model and what it
 leaves out). --gflops is what one partition sustains on these kernels, not its peak:
 benchmarks/bench_model_parallel.py measures it. The data file is only read for its input
 shape and class count; give --input-shape and --classes to model a network without one.
@@ -292,13 +293,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     several = launched_with_several_ranks()
     if several and "mpi4py.MPI" not in sys.modules and not guardian.is_worker():
         # This process is what the launcher started: it becomes the rank's guardian and
-        # the same command runs as its worker (distbelief.guardian says why).
+        # the same command runs as its worker (distbelief.runtime.guardian says why).
         return guardian.run_guarded(args.argv)
     if guardian.is_worker():
         guardian.bind_to_guardian()
-    from distbelief.trainer import note_interrupt
+    from distbelief.algorithms.common import note_interrupt
 
-    # Ctrl-C (or mpiexec forwarding it) stops a run like SIGTERM: distbelief.trainer.
+    # Ctrl-C (or mpiexec forwarding it) stops a run like SIGTERM: distbelief.algorithms.common.
     signal.signal(signal.SIGINT, note_interrupt)
     # Several ranks: start MPI before anything can fail, so errors are reported once and
     # an unhandled exception aborts the job.
@@ -307,11 +308,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     summary = _train(config, comm, _resume_mode(args))
     outcome = os.environ.get(OUTCOME_ENV)
     if summary is not None and outcome:
-        from distbelief.metrics import write_json_atomic
+        from distbelief.records.metrics import write_json_atomic
 
         write_json_atomic(outcome, {"stop_reason": summary["stop_reason"],
                                     "lost_replicas": len(summary.get("lost_replicas", []))})
-    from distbelief.trainer import INTERRUPTED_STATUS, interrupted_by_user
+    from distbelief.algorithms.common import INTERRUPTED_STATUS, interrupted_by_user
 
     # Ctrl-C stopped the run cleanly (checkpoint and summary written): say so in the status.
     return INTERRUPTED_STATUS if interrupted_by_user() else 0
@@ -361,7 +362,7 @@ def _claim_run_dir(config: Any, comm: Any) -> Any:
 
     if comm is None or comm.Get_size() == 1:
         return claim_here()
-    from distbelief.agreement import agree
+    from distbelief.runtime.agreement import agree
 
     return agree(comm, lambda: claim_here() if comm.Get_rank() == 0 else None)
 
@@ -370,31 +371,31 @@ def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
     """Run the configured trainer (the dispatch point for the algorithms)."""
     algorithm = config.optimizer.algorithm
     if algorithm == "sgd" and config.cluster.partitions > 1:
-        from distbelief import partitioned_training
+        from distbelief.algorithms import partitioned_sgd as partitioned_training
 
         return partitioned_training.train(config, comm, resume=resume)
     if algorithm == "sgd":
-        from distbelief import trainer
+        from distbelief.algorithms import sgd as trainer
 
         return trainer.train(config, resume=resume)
     if algorithm == "downpour":
-        from distbelief import downpour
+        from distbelief.algorithms import downpour
 
         return downpour.train(config, comm, resume=resume)
-    from distbelief import sandblaster
+    from distbelief.algorithms.sandblaster import roles as sandblaster
 
     return sandblaster.train(config, comm, resume=resume)
 
 
 def _resume_mode(args: argparse.Namespace) -> str:
-    """train's --resume / --fresh as a distbelief.trainer.RESUME_MODES value."""
+    """train's --resume / --fresh as a distbelief.algorithms.common.RESUME_MODES value."""
     return "require" if args.resume else "fresh" if args.fresh else "auto"
 
 
 def cmd_costmodel(args: argparse.Namespace) -> int:
     from distbelief.config import build_network, load_config
-    from distbelief.cost_model import Link, format_table, predict
-    from distbelief.model import Network
+    from distbelief.model.cost_model import Link, format_table, predict
+    from distbelief.model.network import Network
 
     config = load_config(args.config, check_data=False)
     if (args.input_shape is None) != (args.classes is None):
@@ -404,7 +405,7 @@ def cmd_costmodel(args: argparse.Namespace) -> int:
         network = Network(args.input_shape, [dict(layer) for layer in config.model.layers],
                           args.classes)
     else:
-        from distbelief.data import open_dataset
+        from distbelief.data.hdf5 import open_dataset
 
         network = build_network(config, open_dataset(config.data.path))
     link = Link(args.bandwidth * 1e9, args.latency * 1e-6)
@@ -421,7 +422,7 @@ def cmd_costmodel(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from distbelief.checkpoint import describe, inspect_path
+    from distbelief.records.checkpoint import describe, inspect_path
 
     reports = inspect_path(args.path)
     print("\n\n".join(describe(r) for r in reports))
@@ -439,7 +440,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from distbelief.report import (
+    from distbelief.records.report import (
         default_out_dir,
         import_pyplot,
         load_run,
@@ -460,7 +461,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_fashion_mnist(args: argparse.Namespace) -> int:
-    from distbelief.datasets import convert_idx
+    from distbelief.data.converters import convert_idx
     from distbelief.errors import DataError
 
     if not os.path.isdir(args.src):
@@ -472,7 +473,7 @@ def cmd_prepare_fashion_mnist(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_synthetic(args: argparse.Namespace) -> int:
-    from distbelief.datasets import make_synthetic
+    from distbelief.data.converters import make_synthetic
 
     path = make_synthetic(args.out, args.train, args.test, args.shape, args.classes,
                           seed=args.seed)

@@ -11,11 +11,11 @@ the value given and what is allowed.
 
 Sections and keys, with their defaults:
 
-    [model]      layers (list of tables, required; checked by distbelief.model.Network)
+    [model]      layers (list of tables, required; checked by distbelief.model.network.Network)
     [data]       path (required; relative to the config file's folder), batch_size = 64
     [optimizer]  algorithm = "sgd" | "downpour" | "sandblaster", learning_rate = 0.02,
                  adagrad = true, n_fetch = 1, n_push = 1, warm_start_steps = 0
-                 Sandblaster L-BFGS only (distbelief.sandblaster; no learning rate):
+                 Sandblaster L-BFGS only (algorithms.sandblaster.roles; no learning rate):
                  m = 10 (history pairs), work_unit_size = 0 (examples per work unit;
                  0 = automatic), push_every_units = 4, backup_copies = 2 (copies of a
                  unit in flight at most, the original included), line_search = "wolfe" |
@@ -38,7 +38,7 @@ Sections and keys, with their defaults:
                  heartbeat is older than this is taken for dead; 0 = never; see
                  distbelief.ownership)
 
-Checkpoints (distbelief.checkpoint) go to out_dir/checkpoints; besides the periodic ones,
+Checkpoints (distbelief.records.checkpoint) go to out_dir/checkpoints; besides the periodic ones,
 a run always writes one when it stops (budget, target, SIGTERM/SIGUSR1), so it can be
 extended or resumed. `keep_checkpoints` >= 2 so that a damaged newest checkpoint always
 has a predecessor to fall back on.
@@ -468,12 +468,12 @@ def check_data_fits(config: Config) -> None:
 
     Cheap: reads the file's metadata only and does not allocate parameters.
     """
-    from distbelief.data import open_dataset
+    from distbelief.data.hdf5 import open_dataset
 
     info = open_dataset(config.data.path)
     network = build_network(config, info)
     if config.cluster.partitions > 1:
-        from distbelief.partition import (
+        from distbelief.model.partition import (
             balanced_splits,
             check_every_partition_owns_units,
             split_units,
@@ -500,7 +500,7 @@ def build_network(config: Config, info: Any) -> Any:
     A layer spec that is wrong, or that does not fit the data's input shape or number of
     classes, is a ConfigError naming the data it was checked against.
     """
-    from distbelief.model import Network
+    from distbelief.model.network import Network
 
     try:
         return Network(tuple(info.input_shape), [dict(layer) for layer in config.model.layers],

@@ -18,12 +18,12 @@ from typing import Any
 from distbelief import ownership
 from distbelief.errors import UserError
 
-CHECKPOINTS_DIR = "checkpoints"  # distbelief.checkpoint.CHECKPOINTS_DIR, without h5py
+CHECKPOINTS_DIR = "checkpoints"  # distbelief.records.checkpoint.CHECKPOINTS_DIR, without h5py
 
 
 def run_status(out_dir: str | Path) -> dict[str, Any]:
     """The state of the run in out_dir as a JSON-ready dict (see describe for the text)."""
-    from distbelief.metrics import read_metrics
+    from distbelief.records.metrics import read_metrics
 
     out = Path(out_dir)
     if not out.is_dir():

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from distbelief.algorithms.common import StopSignals
+from distbelief.algorithms.downpour import open_run
 from distbelief.config import load_config
-from distbelief.downpour import open_run
-from distbelief.parameter_server import ParameterClient
-from distbelief.run_control import TEARDOWN_FREE
-from distbelief.trainer import StopSignals
+from distbelief.ps.parameter_server import ParameterClient
+from distbelief.ps.run_control import TEARDOWN_FREE
 
 
 def main() -> None:

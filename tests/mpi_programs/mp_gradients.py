@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.layers import Dense, Local
-from distbelief.model import Network
-from distbelief.model_parallel import PartitionedNetwork
-from distbelief.partition import balanced_splits, split_units
+from distbelief.model.layers import Dense, Local
+from distbelief.model.network import Network
+from distbelief.model.partition import balanced_splits, split_units
+from distbelief.model.partitioned_network import PartitionedNetwork
 
 NETWORKS = {
     "dense": ((20,), [{"type": "dense", "units": 13, "activation": "relu"},

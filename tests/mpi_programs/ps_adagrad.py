@@ -10,8 +10,8 @@ import time
 import numpy as np
 from ps_common import check, open_server, parser, say
 
-from distbelief.optimizers import make_optimizer
-from distbelief.parameter_server import ParameterServerShard
+from distbelief.model.optimizers import make_optimizer
+from distbelief.ps.parameter_server import ParameterServerShard
 
 
 def gradients(count: int, size: int) -> list[np.ndarray]:

@@ -12,9 +12,10 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.optimizers import make_optimizer
-from distbelief.parameter_server import ParameterClient, ParameterServerShard, open_parameter_server
-from distbelief.topology import Topology
+from distbelief.model.optimizers import make_optimizer
+from distbelief.ps.parameter_server import ParameterClient, ParameterServerShard
+from distbelief.ps.transport import open_parameter_server
+from distbelief.runtime.topology import Topology
 
 
 def check(condition: bool, message: str) -> None:

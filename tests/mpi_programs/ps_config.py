@@ -12,8 +12,8 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.errors import EXIT_USER_ERROR, ConfigError
-from distbelief.parameter_server import open_parameter_server
-from distbelief.topology import Topology
+from distbelief.ps.transport import open_parameter_server
+from distbelief.runtime.topology import Topology
 
 
 def main() -> None:

@@ -13,8 +13,8 @@ import numpy as np
 from mpi4py import MPI
 from ps_common import check, open_server, parser, say
 
-from distbelief.parameter_server import ParameterClient, ParameterServerShard
-from distbelief.topology import split_communicators
+from distbelief.ps.parameter_server import ParameterClient, ParameterServerShard
+from distbelief.runtime.topology import split_communicators
 
 
 def wait_for_version(client: ParameterClient, params: np.ndarray, version: int) -> None:

@@ -16,7 +16,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from distbelief import sandblaster
+from distbelief.algorithms.sandblaster import roles as sandblaster
 from distbelief.config import load_config
 
 

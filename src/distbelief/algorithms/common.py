@@ -1,0 +1,293 @@
+"""What every trainer shares: the run folder, the data and the evaluation set, the stop
+rules and signals, and the checkpoint a run starts from.
+
+Moved unchanged from the single-process trainer (algorithms/sgd.py), where it began, so
+that Downpour, Sandblaster and the partitioned trainer import it from here rather than
+from another algorithm.
+
+    prepare_run_dir(config)          out_dir created, config.json written
+    open_data(config)                (DatasetInfo, Network) checked against each other
+    load_eval_set(config, info)      the test samples evaluations use
+    StopRules.from_config(config)    max_steps / max_seconds / target_accuracy
+    evaluate(network, params, eval_set) -> (test_loss, test_accuracy)
+    starting_checkpoint(config, layout, resume, stream)   which checkpoint to resume from
+    StopSignals()                    SIGTERM/SIGUSR1/SIGINT -> a flag the loop polls
+    archive_previous_run(out_dir)    train --fresh: the previous run's files moved aside
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Self
+
+import numpy as np
+
+from distbelief.config import Config, build_network, config_hash, hashed_settings
+from distbelief.errors import UserError
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.metrics import DISCARDED_FILE, METRICS_FILE, SUMMARY_FILE
+
+EVAL_BATCH_SIZE = 1000
+
+
+def prepare_run_dir(config: Config) -> Path:
+    """Create run.out_dir and write the resolved configuration there as config.json."""
+    out_dir = config.run.out_dir
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        record = {**config.to_dict(), "config_hash": config_hash(config),
+                  "source": str(config.source) if config.source else None}
+        (out_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write to run.out_dir {out_dir}: {e.strerror or e}") from e
+    return out_dir
+
+
+def open_data(config: Config) -> tuple[Any, Any]:
+    """(DatasetInfo, Network) for the config: the data file opened, the model built on it."""
+    from distbelief.data.hdf5 import open_dataset
+
+    info = open_dataset(config.data.path)
+    return info, build_network(config, info)
+
+
+def load_eval_set(config: Config, info: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The test samples every evaluation uses: the first run.eval_samples, or all."""
+    from distbelief.data.hdf5 import load_test
+
+    return load_test(info, limit=config.run.eval_samples or None)
+
+
+def evaluate(network: Any, params: np.ndarray,
+             eval_set: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
+    """(test loss, test accuracy) of `params` on the evaluation set."""
+    x, y = eval_set
+    loss, accuracy = network.evaluate(params, x, y, batch_size=EVAL_BATCH_SIZE)
+    return float(loss), float(accuracy)
+
+
+@dataclass(frozen=True)
+class StopRules:
+    """When a run ends. Zero means no limit; the target is checked at evaluations."""
+
+    max_steps: int = 0
+    max_seconds: float = 0.0
+    target_accuracy: float | None = None
+
+    @classmethod
+    def from_config(cls, config: Config) -> StopRules:
+        run = config.run
+        return cls(run.max_steps, run.max_seconds, run.target_accuracy)
+
+    def budget_spent(self, step: int, elapsed: float) -> str | None:
+        """"max_steps" or "max_seconds" once that budget is used up, else None."""
+        if self.max_steps and step >= self.max_steps:
+            return "max_steps"
+        if self.max_seconds and elapsed >= self.max_seconds:
+            return "max_seconds"
+        return None
+
+    def target_reached(self, test_accuracy: float) -> bool:
+        return self.target_accuracy is not None and test_accuracy >= self.target_accuracy
+
+
+class TrainingDiverged(UserError):
+    """The training loss became NaN or infinite (usually: the learning rate is too high)."""
+
+
+RESUME_MODES = ("auto", "require", "fresh")
+"""train(resume=...): "auto" continues from a valid checkpoint in out_dir if there is one
+(the default, so a requeued job simply resumes); "require" (train --resume) fails without
+one; "fresh" (train --fresh) moves the previous run's files aside and starts over."""
+
+
+class StopSignals:
+    """SIGTERM, SIGUSR1 and a first SIGINT (Ctrl-C) ask the training loop to stop after the
+    current step.
+
+    SLURM sends SIGTERM at the time limit (then SIGKILL after KillWait) and any signal
+    chosen with `sbatch --signal=USR1@120` some time before it. The handler only records
+    the signal's name in `received`, which the loop polls once a step; everything else
+    (the checkpoint, the summary) happens in the loop, outside the handler. Handlers can
+    only be installed from the main thread; elsewhere this does nothing. The previous
+    handlers come back on exit.
+
+    A first SIGINT is a SIGTERM that the command reports with exit status 130 (see
+    note_interrupt and interrupted_by_user): it is also counted as a SIGTERM,
+    so the trainers that agree on a stop over MPI (Downpour's run control) need no code of
+    their own for it. mpiexec forwards a Ctrl-C to every rank as SIGINT. A second SIGINT
+    ends the process at once (status 130), as an impatient user means it to; a checkpoint
+    being written then is never half committed (distbelief.records.checkpoint commits atomically).
+    """
+
+    NAMES = ("SIGTERM", "SIGUSR1", "SIGINT")
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.counts = dict.fromkeys(self.NAMES, 0)  # how many of each arrived
+        self._previous: dict[int, Any] = {}
+        if _interrupts:  # a Ctrl-C during the set-up: stop after the first step
+            self._count("SIGINT")
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if name == "SIGINT":
+            before = _interrupts
+            note_interrupt(signum, frame)
+            if _interrupts == before:
+                return  # the same Ctrl-C once more
+        self._count(name)
+
+    def _count(self, name: str) -> None:
+        if name == "SIGINT":
+            self.counts["SIGTERM"] += 1
+        self.received = name
+        self.counts[name] += 1
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            for name in self.NAMES:
+                number = getattr(signal, name)
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+
+INTERRUPTED_STATUS = 130
+"""The exit status of a run stopped by Ctrl-C (128 + SIGINT, as shells report it)."""
+
+_interrupts = 0  # SIGINTs this process received (note_interrupt)
+_first_interrupt = 0.0
+SAME_CTRL_C_S = 1.0
+"""SIGINTs this close to the first are the same Ctrl-C: a terminal signals the whole
+foreground process group, and mpiexec forwards it too, so a rank may get one keypress
+twice (through its guardian, distbelief.runtime.guardian)."""
+
+
+def note_interrupt(signum: int = signal.SIGINT, frame: Any = None) -> None:
+    """The SIGINT handler of `train` (installed for the whole command, so that a Ctrl-C
+    reaching a rank just before or after its trainer's StopSignals is not a
+    KeyboardInterrupt in the middle of a collective): the first is remembered (the run
+    stops after its current step, exit status 130), the second ends the process now."""
+    global _interrupts, _first_interrupt
+    if _interrupts and time.monotonic() - _first_interrupt < SAME_CTRL_C_S:
+        return
+    _interrupts += 1
+    if _interrupts == 1:
+        _first_interrupt = time.monotonic()
+    if _interrupts > 1:
+        os.write(2, b"distbelief: interrupted again: stopping now, without a checkpoint\n")
+        os._exit(INTERRUPTED_STATUS)
+    os.write(2, b"distbelief: interrupted: stopping after this step with a checkpoint "
+                b"(Ctrl-C again to stop at once)\n")
+
+
+def interrupted_by_user() -> bool:
+    """True once a SIGINT reached this process: `train` then exits 130."""
+    return _interrupts > 0
+
+
+
+def starting_checkpoint(config: Config, layout: Any, resume: str,
+                        stream: IO[str] | None) -> ckpt.Checkpoint | None:
+    """The checkpoint a run starts from, or None for a fresh start (see RESUME_MODES).
+
+    Damaged checkpoints newer than the one chosen are reported and renamed to .damaged
+    (kept, never loaded); leftovers of a killed commit are removed. A checkpoint of another
+    model or configuration is refused (CheckpointMismatch) rather than overwritten, and so
+    is a folder whose checkpoints are all damaged. Call it on the committer only (rank 0),
+    before any writer starts.
+    """
+    out_dir = config.run.out_dir
+    root = ckpt.checkpoint_root(out_dir)
+    if resume == "fresh":
+        start_over(out_dir, resume, stream)
+        return None
+    found, damaged = ckpt.find_latest(root)
+    for _, problem in damaged:
+        _print(stream, f"distbelief: warning: {problem}")
+    if found is None:
+        if damaged:
+            raise ckpt.CheckpointError(
+                f"no valid checkpoint in {root}: all {len(damaged)} are damaged (see the "
+                f"warnings above); train --fresh moves them aside and starts over")
+        if resume == "require":
+            raise ckpt.CheckpointError(f"train --resume: there is no checkpoint in {root}")
+        ckpt.clean_leftovers(root)
+        start_over(out_dir, resume, stream)
+        return None
+    try:
+        found.check_compatible(hashed_settings(config), layout)
+    except ckpt.CheckpointMismatch as exc:
+        raise ckpt.CheckpointMismatch(f"{exc}. To train this configuration, pass --fresh "
+                                      "(moves the old run aside) or choose another "
+                                      "run.out_dir") from exc
+    for path, _ in damaged:
+        _print(stream, f"distbelief: set {path.name} aside as {ckpt.set_aside(path).name}")
+    ckpt.clean_leftovers(root)
+    why = "" if resume == "require" else " (found in run.out_dir; train --fresh starts over)"
+    _print(stream, f"distbelief: resuming from {found.path} at step {found.step}, "
+                   f"{found.samples:,d} samples, {found.wall_seconds:.1f}s trained{why}")
+    spent = StopRules.from_config(config).budget_spent(found.step, found.wall_seconds)
+    if spent:
+        _print(stream, f"distbelief: that run already used its budget (run.{spent} = "
+                       f"{getattr(config.run, spent):g}): it stops at once. Raise run.{spent} "
+                       f"to train on, or pass --fresh to start over")
+    return found
+
+
+def start_over(out_dir: str | Path, resume: str, stream: IO[str] | None) -> None:
+    """Before a run starts from step 0 in out_dir: with --fresh, move the previous run's
+    files aside; without it, do the same if a previous run left metrics or a summary but
+    no checkpoint to resume from (they are never overwritten), and say so in one line.
+    Call it on rank 0 only, after ownership of out_dir was taken."""
+    out_dir = Path(out_dir)
+    if resume != "fresh" and not any((out_dir / name).exists()
+                                     for name in (METRICS_FILE, SUMMARY_FILE, DISCARDED_FILE)):
+        return
+    moved = archive_previous_run(out_dir)
+    if moved is None:
+        return
+    if resume == "fresh":
+        _print(stream, f"distbelief: --fresh: moved the previous run's files to {moved}")
+    else:
+        _print(stream, f"distbelief: starting from step 0: {out_dir} held a previous run's "
+                       f"metrics but no checkpoint to resume from; moved its files to {moved}")
+
+
+ARCHIVED_NAMES = (ckpt.CHECKPOINTS_DIR, METRICS_FILE, DISCARDED_FILE, SUMMARY_FILE,
+                  "config.json")
+
+
+def archive_previous_run(out_dir: str | Path) -> Path | None:
+    """Move a previous run's files (checkpoints, metrics, summary, config) into
+    out_dir/previous-<UTC time>/; returns that folder, or None if there was nothing."""
+    out_dir = Path(out_dir)
+    present = [out_dir / name for name in ARCHIVED_NAMES if (out_dir / name).exists()]
+    if not present:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    target = out_dir / f"previous-{stamp}"
+    n = 1
+    while target.exists():
+        n += 1
+        target = out_dir / f"previous-{stamp}-{n}"
+    target.mkdir()
+    for path in present:
+        os.rename(path, target / path.name)
+    return target
+
+
+def _print(stream: IO[str] | None, text: str) -> None:
+    if stream is not None:
+        print(text, file=stream, flush=True)

@@ -1,0 +1,251 @@
+"""Training with model replicas that span several ranks (`[cluster] partitions = P > 1`).
+
+SINGLE REPLICA (`algorithm = "sgd"`, `mpiexec -n P`): the single-process loop of
+trainer.py, run by P ranks in lockstep on one `PartitionedNetwork`. Every rank reads the
+same batches (same seed) and keeps only its pieces of the parameters and its optimizer
+state (Adagrad or SGD are element-wise, so each partition updating its own pieces is
+exactly the single-process update). What every rank must agree on comes from collectives
+it takes part in anyway: the loss and the test accuracy are Allreduced inside the model,
+so divergence and the accuracy target are decided identically everywhere; the two
+decisions that depend on a clock (max_seconds, when to evaluate) are rank 0's, broadcast
+each step (one 8-byte Ibcast among ranks that are in lockstep already). Rank 0 owns the
+run folder (config.json, metrics.jsonl, summary.json) as in trainer.py, and records the
+bytes each layer sends per step, summed over the partitions, once as a "partitions"
+line in metrics.jsonl and in summary.json. Checkpoints are not written for partitioned
+runs yet (said at start).
+
+DOWNPOUR (`algorithm = "downpour"`, S + R x P ranks; the class is in downpour.py, which
+uses polled_bcast from here): `PartitionedReplica` is a Downpour replica whose network is
+a `PartitionedNetwork` over its replica's P ranks and whose
+parameter client pulls and pushes only the partition's pieces of the vector
+(`ParameterClient.restrict_to`; the paper's Figure 2). Partition 0 (the lead) alone talks
+to shard 0's run control block for the replica: it claims steps, reports steps and loss,
+reads the commands (pause for a checkpoint, stop, lost, teardown) and publishes the data
+position (the same on every partition); after each exchange it hands the grant and the
+command to its partitions with one broadcast, which they wait for with back-off sleeps,
+so all of them pause, stop and end together. They also agree on whether a step's gradient
+is finite (Downpour drops non-finite ones). A partition that finds another gone (the
+stall watchdog's liveness check in every wait on it) gives its replica up as lost. The
+data, shards and supervisor are Downpour's own.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.algorithms.common import (
+    EVAL_BATCH_SIZE,
+    StopRules,
+    StopSignals,
+    TrainingDiverged,
+    load_eval_set,
+    open_data,
+    prepare_run_dir,
+    start_over,
+)
+from distbelief.config import Config, config_hash
+from distbelief.errors import ConfigError, UserError
+from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
+from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder
+from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import wait_for_everyone
+from distbelief.runtime.threads import set_blas_threads
+
+STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
+              5: "SIGINT"}
+_CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
+
+
+def check_rank_count(config: Config, world_size: int) -> None:
+    """A single partitioned replica needs exactly `partitions` ranks. Pure."""
+    partitions = config.cluster.partitions
+    if world_size != partitions:
+        raise ConfigError(
+            f"optimizer.algorithm = \"sgd\" with cluster.partitions = {partitions} trains one "
+            f"model replica on exactly {partitions} MPI ranks, but {world_size} were "
+            f"started; run mpiexec -n {partitions}, or use algorithm = \"downpour\" for "
+            f"several replicas")
+
+
+def agree(comm: MPI.Comm, setup: Callable[[], Any]) -> Any:
+    """Run `setup()` here; if it raised a UserError on any rank, raise it on every rank
+    (the lowest rank's message). Collective over `comm`: an Ibarrier polled with back-off
+    sleeps, then an allgather of the error messages."""
+    try:
+        result, error = setup(), None
+    except UserError as e:
+        result, error = None, str(e)
+    wait_for_everyone(comm)
+    errors = [message for message in comm.allgather(error) if message is not None]
+    if errors:
+        raise UserError(errors[0])
+    return result
+
+
+def traffic_totals(model: PartitionedNetwork) -> dict[str, Any] | None:
+    """Bytes per step per layer summed over the partitions, on rank 0 (None elsewhere).
+    Collective over model.comm (one reduce)."""
+    mine = model.traffic.per_step()
+    rows = np.array([mine["forward"], mine["backward"]], dtype=np.float64)
+    total = np.zeros_like(rows) if model.comm.Get_rank() == 0 else None
+    model.comm.Reduce(rows, total, op=MPI.SUM, root=0)
+    loss = model.comm.reduce(mine["loss"], op=MPI.SUM, root=0)
+    if total is None:
+        return None
+    return {"partitions": model.comm.Get_size(),
+            "forward_bytes_per_step": [int(b) for b in total[0]],
+            "backward_bytes_per_step": [int(b) for b in total[1]],
+            "loss_allreduce_bytes_per_step": int(loss),
+            "total_bytes_per_step": int(total.sum() + loss)}
+
+
+def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
+          resume: str = "auto") -> dict[str, Any] | None:
+    """Train one replica split over the ranks of `comm`; returns the summary on rank 0,
+    None elsewhere. Collective over `comm` (every rank calls it with the same config).
+
+    Validates the rank count and the partitioning first, without communicating, so a bad
+    configuration raises ConfigError on every rank. Always starts fresh: `resume` =
+    "require" (train --resume) is a ConfigError, as this path writes no checkpoints.
+    """
+    from distbelief.data.hdf5 import TrainShard
+    from distbelief.model.optimizers import make_optimizer
+
+    if resume == "require":
+        raise ConfigError("--resume: a single replica with cluster.partitions > 1 writes no "
+                          "checkpoints, so it cannot resume; use optimizer.algorithm = "
+                          "\"downpour\" (which checkpoints) or start without --resume")
+    check_rank_count(config, comm.Get_size())
+    info, network = open_data(config)
+    model = PartitionedNetwork(network, comm)
+    set_blas_threads(config.run.threads or 1)
+    rank0 = comm.Get_rank() == 0
+
+    def setup() -> tuple:
+        if rank0:
+            start_over(config.run.out_dir, resume, stream)  # nothing here can be resumed
+            prepare_run_dir(config)
+        return (load_eval_set(config, info),
+                TrainShard(info, rank=0, num_ranks=1, seed=config.run.seed))
+
+    eval_set, shard = agree(comm, setup)
+    params = model.init_params(config.run.seed)
+    opt = config.optimizer
+    optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)
+    recorder = None
+    if rank0:
+        _print(stream, f"distbelief: sgd, {network.layout.size:,d} parameters over "
+                       f"{comm.Get_size()} partitions (this one {model.local_size:,d}); data "
+                       f"{info.path} ({info.n_train} train / {len(eval_set[1])} eval "
+                       f"samples), out {config.run.out_dir}; checkpoints are not written "
+                       f"for partitioned runs\n{network.describe()}\n{model.describe()}")
+        recorder = RunRecorder(config.run.out_dir, config.run.progress_every_seconds, stream,
+                               target_accuracy=config.run.target_accuracy)
+    def describe(rank: int) -> str:
+        return f"rank {rank} (partition {rank})"
+
+    guard = watchdog.for_job(comm, describe, config.run)  # collective (an allgather)
+    # Every rank catches the stop signals (launchers forward them to all): rank 0 decides,
+    # at the end of a step, and the others must simply not die of them.
+    with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard), \
+            StopSignals() as signals:
+        try:
+            reason, step = _loop(config, model, shard, optimizer, params, eval_set, recorder,
+                                 signals)
+        except watchdog.RankLost as lost:
+            watchdog.abort_for(comm, describe, lost)
+    traffic = traffic_totals(model)
+    if not rank0:
+        return None
+    summary = recorder.finish({
+        "algorithm": "sgd", "stop_reason": reason, "config_hash": config_hash(config),
+        "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
+        "resumed_from": None, "checkpoint": None, "model_parallel": traffic})
+    accuracy = summary["final_test_accuracy"]  # None after a signal before any evaluation
+    _print(stream, f"distbelief: stopped ({reason}) after {step} steps, "
+                   f"{summary['wall_seconds']:.1f}s; test accuracy "
+                   f"{'-' if accuracy is None else f'{accuracy:.4f}'}; "
+                   f"{traffic['total_bytes_per_step']:,d} bytes/step between partitions\n"
+                   f"results in {config.run.out_dir}")
+    return summary
+
+
+def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
+          params: np.ndarray, eval_set: tuple, recorder: RunRecorder | None,
+          signals: StopSignals) -> tuple[str, int]:
+    """The lockstep loop; returns (why it stopped, steps). Collective over model.comm."""
+    comm, rules = model.comm, StopRules.from_config(config)
+    batch_size, eval_every = config.data.batch_size, config.run.eval_every_seconds
+    grad = np.zeros_like(params)
+    decision = np.zeros(2, dtype=np.int32)  # stop code, evaluate now
+    start = recorder.start if recorder else time.monotonic()
+    next_log, next_eval = start + LOG_EVERY_SECONDS, start + eval_every
+    step, loss_sum, loss_count, recent = 0, 0.0, 0, math.nan
+
+    def evaluate() -> float:
+        test_loss, accuracy = model.evaluate(params, *eval_set, batch_size=EVAL_BATCH_SIZE)
+        if recorder:
+            recorder.log_eval(step, step * batch_size, recent, accuracy, test_loss)
+        return accuracy
+
+    while True:
+        x, y = shard.next_batch(batch_size)
+        loss = model.loss_and_grad(params, x, y, grad)
+        if not math.isfinite(loss):  # the same loss on every partition: all stop here
+            if recorder:
+                recorder.finish({"algorithm": "sgd", "stop_reason": "diverged"})
+            raise TrainingDiverged(f"training diverged: the loss is {loss} at step "
+                                   f"{step + 1}; lower optimizer.learning_rate (now "
+                                   f"{config.optimizer.learning_rate:g})")
+        optimizer.step(params, grad)
+        step += 1
+        loss_sum, loss_count = loss_sum + loss, loss_count + 1
+        if step == 1:
+            traffic = traffic_totals(model)
+            if recorder:
+                recorder.log_event("partitions", step, batch_size, **traffic)
+        if recorder:
+            now = time.monotonic()
+            reason = rules.budget_spent(step, now - start) or signals.received
+            decision[:] = _CODE_OF[reason], now >= next_eval
+            if now >= next_log or reason:
+                recent, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
+                recorder.log(step, step * batch_size, recent)
+                next_log = now + LOG_EVERY_SECONDS
+            recorder.progress(step, step * batch_size, recent)
+        polled_bcast(comm, decision)
+        reason = STOP_CODES[int(decision[0])]
+        if reason:
+            if reason not in StopSignals.NAMES:  # on a signal, stop promptly
+                evaluate()
+            return reason, step
+        if decision[1]:
+            if recorder and loss_count:
+                recent = loss_sum / loss_count
+            if rules.target_reached(evaluate()):
+                return "target_accuracy", step
+            next_eval = time.monotonic() + eval_every
+
+
+# ------------------------------------------------------------------------------------------
+# Shared with Downpour's partitioned replica
+
+
+def polled_bcast(comm: MPI.Comm, value: np.ndarray, what: str = "its lead partition",
+                 ranks: Any = ()) -> np.ndarray:
+    """Rank 0's `value` on every rank of `comm`, in place: an Ibcast waited for with
+    back-off sleeps (a partition may wait long for its lead). Collective over `comm`."""
+    wait_all([comm.Ibcast(value, root=0)], what, ranks)
+    return value
+
+
+def _print(stream: IO[str] | None, text: str) -> None:
+    if stream is not None:
+        print(text, file=stream, flush=True)

@@ -1,0 +1,267 @@
+"""Single-process training (`optimizer.algorithm = "sgd"`).
+
+One process, one model, one shard holding the whole training set: next batch -> loss and
+gradient -> optimizer step, with evaluations on the test set every `run.eval_every_seconds`
+of wall time (evaluation time counts) and one at the end. This is the baseline Downpour is
+measured against, so the loop does nothing per step beyond those three calls and a clock read.
+
+Checkpoints (distbelief.records.checkpoint) go to out_dir/checkpoints every
+`run.checkpoint_every_seconds` of wall time and/or `run.checkpoint_every_steps` steps, and
+always when the run stops, including on SIGTERM or SIGUSR1 (SLURM's time limit, or
+`sbatch --signal`): the current step finishes, a checkpoint is written, and train() returns
+normally without a final evaluation, so the job ends within a step plus a checkpoint
+write. A first Ctrl-C (SIGINT) does the same and `train` exits 130 (StopSignals). A run
+resumes from the newest valid checkpoint in its out_dir (see
+`starting_checkpoint`); resuming restores parameters, optimizer state, step, samples,
+training time so far and the data position, so a resumed run computes bit for bit what an
+uninterrupted one would.
+
+The set-up every trainer shares (run folder, data, evaluation set, stop rules and signals,
+the checkpoint to start from) is in algorithms/common.py.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from distbelief.algorithms.common import (
+    RESUME_MODES,
+    StopRules,
+    StopSignals,
+    TrainingDiverged,
+    evaluate,
+    load_eval_set,
+    open_data,
+    prepare_run_dir,
+    starting_checkpoint,
+)
+from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.metrics import (
+    LOG_EVERY_SECONDS,
+    ResumePoint,
+    RunRecorder,
+)
+from distbelief.runtime.threads import apply_thread_setting
+
+
+def train(config: Config, stream: IO[str] | None = sys.stdout,
+          resume: str = "auto") -> dict[str, Any]:
+    """Train one model in this process until a stop rule fires; returns the run summary.
+
+    Writes config.json, metrics.jsonl, summary.json and checkpoints to run.out_dir (see
+    records.metrics, records.checkpoint) and progress lines to `stream` (None for
+    silence). `resume` is one of RESUME_MODES.
+    """
+    from distbelief.data.hdf5 import TrainShard
+    from distbelief.model.optimizers import make_optimizer
+
+    if resume not in RESUME_MODES:
+        raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
+    apply_thread_setting(config.run.threads)
+    info, network = open_data(config)
+    # Before config.json is rewritten: a refused resume leaves the run folder as it was.
+    start_from = starting_checkpoint(config, network.layout, resume, stream)
+    out_dir = prepare_run_dir(config)
+    eval_set = load_eval_set(config, info)
+    shard = TrainShard(info, rank=0, num_ranks=1, seed=config.run.seed)
+    params = network.init_params(config.run.seed)
+    opt = config.optimizer
+    optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)
+    state = TrainState()
+    resume_point = None
+    if start_from is not None:
+        resume_point = restore(start_from, params, optimizer, shard, state)
+    _print(stream, f"distbelief: sgd, {network.layout.size:,d} parameters, data "
+                   f"{info.path} ({info.n_train} train / {len(eval_set[1])} eval samples), "
+                   f"out {out_dir}\n{network.describe()}")
+
+    recorder = RunRecorder(out_dir, config.run.progress_every_seconds, stream,
+                           target_accuracy=config.run.target_accuracy, resume=resume_point)
+    saver = Checkpointer(config, network.layout, params, optimizer, shard, recorder, stream,
+                         last_step=state.step if start_from is not None else None)
+    # Overflow in a diverging run is reported once, as TrainingDiverged, not as a stream of
+    # numpy warnings.
+    with recorder, np.errstate(over="ignore", invalid="ignore"), StopSignals() as signals:
+        reason = _train_loop(config, network, shard, optimizer, params, eval_set, recorder,
+                             saver, signals, state)
+        saver.save(state)
+        summary = recorder.finish({
+            "algorithm": "sgd", "stop_reason": reason, "config_hash": config_hash(config),
+            "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
+            "resumed_from": str(start_from.path) if start_from is not None else None,
+            "checkpoint": str(saver.last_path) if saver.last_path else None,
+        })
+    _print(stream, _summary_line(summary, out_dir))
+    return summary
+
+
+@dataclass
+class TrainState:
+    """The loop's counters, kept outside it so checkpoints and the summary can read them."""
+
+    step: int = 0
+    samples: int = 0
+
+
+def _train_loop(config: Config, network: Any, shard: Any, optimizer: Any,
+                params: np.ndarray, eval_set: tuple[np.ndarray, np.ndarray],
+                recorder: RunRecorder, saver: Checkpointer, signals: StopSignals,
+                state: TrainState) -> str:
+    """The hot loop; returns why it stopped. The recorder has the last step's evaluation,
+    except after a signal, when stopping promptly matters more. `state` is kept current
+    at every checkpoint and on return."""
+    rules = StopRules.from_config(config)
+    batch_size = config.data.batch_size
+    eval_every = config.run.eval_every_seconds
+    grad = np.zeros_like(params)
+    clock = time.monotonic
+    start = recorder.start
+    now = clock()
+    next_log = now + LOG_EVERY_SECONDS
+    next_eval = now + eval_every
+    next_save_time, next_save_step = saver.schedule(state.step, now)
+    step, samples = state.step, state.samples
+    loss_sum, loss_count, recent_loss = 0.0, 0, math.nan
+    # A resumed run whose budget is already spent trains no further step.
+    reason = rules.budget_spent(step, now - start)
+    while not reason:
+        x, y = shard.next_batch(batch_size)
+        loss_sum += network.loss_and_grad(params, x, y, grad)
+        optimizer.step(params, grad)
+        step += 1
+        samples += len(y)
+        loss_count += 1
+        now = clock()
+        reason = rules.budget_spent(step, now - start) or signals.received
+        if now >= next_log or reason:
+            recent_loss = loss_sum / loss_count
+            loss_sum, loss_count = 0.0, 0
+            recorder.log(step, samples, recent_loss)
+            next_log = now + LOG_EVERY_SECONDS
+            if not math.isfinite(recent_loss):
+                _diverged(recorder, step, samples, recent_loss, config)
+        if reason:
+            break
+        if now >= next_eval:
+            if loss_count:
+                recent_loss = loss_sum / loss_count  # fresher than the last logged mean
+            test_loss, accuracy = evaluate(network, params, eval_set)
+            recorder.log_eval(step, samples, recent_loss, accuracy, test_loss)
+            if rules.target_reached(accuracy):
+                state.step, state.samples = step, samples
+                return "target_accuracy"
+            # Counted from the end of this evaluation, so training always gets the
+            # interval, however long evaluating takes.
+            next_eval = clock() + eval_every
+        if now >= next_save_time or step >= next_save_step:
+            if not math.isfinite(loss_sum):  # never checkpoint parameters that diverged
+                _diverged(recorder, step, samples, loss_sum, config)
+            state.step, state.samples = step, samples
+            saver.save(state)
+            next_save_time, next_save_step = saver.schedule(step, clock())
+        recorder.progress(step, samples, recent_loss)
+    state.step, state.samples = step, samples
+    if reason not in StopSignals.NAMES:
+        test_loss, accuracy = evaluate(network, params, eval_set)
+        recorder.log_eval(step, samples, recent_loss, accuracy, test_loss)
+    return reason
+
+
+class Checkpointer:
+    """When and what the single-process trainer checkpoints: one shard part (the whole
+    vector and the optimizer state) and one replica part (the data position)."""
+
+    def __init__(self, config: Config, layout: Any, params: np.ndarray, optimizer: Any,
+                 shard: Any, recorder: RunRecorder, stream: IO[str] | None,
+                 last_step: int | None = None):
+        run = config.run
+        self.root = ckpt.checkpoint_root(run.out_dir)
+        self.every_seconds, self.every_steps = run.checkpoint_every_seconds, \
+            run.checkpoint_every_steps
+        self.keep = run.keep_checkpoints
+        self.settings = hashed_settings(config)
+        self.config_hash = config_hash(config)
+        self.layout, self.params, self.optimizer, self.shard = layout, params, optimizer, shard
+        self.recorder, self.stream = recorder, stream
+        self.last_step = last_step  # the step of the checkpoint this run started from
+        self.last_path: Path | None = None
+
+    def schedule(self, step: int, now: float) -> tuple[float, float]:
+        """(monotonic time, step) of the next periodic checkpoint; inf when off. Steps are
+        multiples of checkpoint_every_steps, also after a resume from another step."""
+        at_time = now + self.every_seconds if self.every_seconds else math.inf
+        at_step = (step // self.every_steps + 1) * self.every_steps if self.every_steps \
+            else math.inf
+        return at_time, at_step
+
+    def save(self, state: TrainState) -> Path | None:
+        """Checkpoint the current state, unless this step is checkpointed already."""
+        if state.step == self.last_step:
+            return None
+        began = time.monotonic()
+        meta = ckpt.CheckpointMeta(state.step, state.samples, self.recorder.elapsed(),
+                                   self.config_hash)
+        counters = {"step": state.step, "samples": state.samples}
+        path = ckpt.save_local(
+            self.root, meta, settings=self.settings, algorithm="sgd", layout=self.layout,
+            params=self.params, optimizer_state=self.optimizer.state(),
+            data_state=self.shard.state(), counters=counters, keep=self.keep)
+        seconds = time.monotonic() - began
+        self.last_step, self.last_path = state.step, path
+        # Timed at the state it holds, so that a run resumed from it, which continues
+        # from that time, keeps the times in metrics.jsonl increasing.
+        self.recorder.log_event("checkpoint", state.step, state.samples, at=meta.wall_seconds,
+                                seconds=seconds, path=path.name)
+        _print(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
+        return path
+
+
+def restore(found: ckpt.Checkpoint, params: np.ndarray, optimizer: Any, shard: Any,
+            state: TrainState) -> ResumePoint:
+    """Load a verified, compatible single-process checkpoint into the run's objects."""
+    saved, optimizer_state = found.read_state()
+    np.copyto(params, saved)
+    replica = found.read_replica(0)
+    try:
+        optimizer.load_state(optimizer_state)
+        shard.load_state(replica.data_state)
+    except (ValueError, TypeError) as exc:
+        raise ckpt.CheckpointError(f"checkpoint {found.path} cannot be resumed here: "
+                                   f"{exc}") from exc
+    state.step, state.samples = found.step, found.samples
+    return ResumePoint(found.step, found.samples, found.wall_seconds, found.path.name)
+
+
+def _diverged(recorder: RunRecorder, step: int, samples: int, loss: float,
+              config: Config) -> None:
+    recorder.finish({"algorithm": "sgd", "stop_reason": "diverged"})
+    raise TrainingDiverged(f"training diverged: the loss is {loss} at step {step}; "
+                           f"lower optimizer.learning_rate "
+                           f"(now {config.optimizer.learning_rate:g})")
+
+
+def _summary_line(summary: dict[str, Any], out_dir: Path) -> str:
+    accuracy = summary["final_test_accuracy"]
+    shown = "-" if accuracy is None else f"{accuracy:.4f}"  # a signal before any evaluation
+    text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['steps']} steps, "
+            f"{summary['wall_seconds']:.1f}s; test accuracy {shown}")
+    if summary["target_accuracy"] is not None:
+        if summary["reached_target"]:
+            text += (f"; reached {summary['target_accuracy']:g} in "
+                     f"{summary['time_to_target']:.1f}s")
+        else:
+            text += f"; target {summary['target_accuracy']:g} not reached"
+    return f"{text}\nresults in {out_dir}"
+
+
+def _print(stream: IO[str] | None, text: str) -> None:
+    if stream is not None:
+        print(text, file=stream, flush=True)

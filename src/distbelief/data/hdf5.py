@@ -1,0 +1,491 @@
+"""The dataset file format: validation on open, per-rank training shards, the test set, and
+an atomic writer the converters in `datasets.py` use.
+
+FORMAT (version 1). One HDF5 file holding four datasets:
+
+    /train/x   (N_train, *input_shape)   uint8 or float32, chunked by rows
+    /train/y   (N_train,)                integer labels in [0, num_classes)
+    /test/x    (N_test, *input_shape)    same dtype and `scale` as /train/x
+    /test/y    (N_test,)
+
+input_shape is (H, W, C) for images (Fashion-MNIST: (28, 28, 1)) or (F,) for flat features.
+uint8 x carries a float attribute `scale`: value = stored * scale (1/255 for images). float32
+x may carry `scale` too; without it the scale is 1. Root attributes: `format` =
+"distbelief-dataset", `version` = 1, `num_classes` (int >= 2), `source` (free text).
+Both splits hold at least one row. Files written here chunk x by rows (about 256 KiB per
+chunk) so that reading a block of rows reads only the chunks that hold them, and add
+Fletcher-32 checksums to every chunk, so flipped bytes raise an error instead of becoming
+silent bad pixels. Readers accept files without either (e.g. written by hand with h5py).
+
+`open_dataset` validates everything that is cheap to check (structure, shapes, dtypes,
+attributes, every label's range) and returns a `DatasetInfo`. `TrainShard` holds one rank's
+contiguous block of training rows in memory, in the stored dtype, and serves minibatches.
+Every problem with a file is a `DataError` whose one-line message names the file.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+import h5py
+import numpy as np
+
+from distbelief.errors import DataError
+from distbelief.model.layout import balanced_ranges
+
+FORMAT_NAME = "distbelief-dataset"
+FORMAT_VERSION = 1
+SPLITS = ("train", "test")
+STORED_DTYPES = ("uint8", "float32")
+IMAGE_SCALE = 1.0 / 255.0
+
+# Aim for chunks of about this many bytes: big enough that HDF5's per-chunk overhead is
+# negligible, small enough that a shard boundary drags in little foreign data.
+CHUNK_BYTES = 256 * 1024
+# What h5py raises for a damaged file (found by flipping random bytes of valid files):
+# OSError for unreadable metadata or a failed chunk checksum, RuntimeError or KeyError for
+# damaged object headers, ValueError or TypeError for a damaged datatype.
+H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+# Labels are checked in blocks so that validating a file larger than memory stays cheap.
+LABEL_CHECK_ROWS = 1 << 20
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What `open_dataset` learned about a valid dataset file."""
+
+    path: Path
+    input_shape: tuple[int, ...]
+    num_classes: int
+    n_train: int
+    n_test: int
+    stored_dtype: str
+    scale: float
+
+
+def _open_h5(path: Path) -> h5py.File:
+    """Open read-only, turning h5py's errors into one DataError.
+
+    File locking is off: our writers never expose a half-written file (they rename a
+    finished one into place), and HDF5's locks fail on some cluster file systems, where
+    every replica opens the same file at once.
+    """
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    if not path.is_file():
+        raise DataError(f"{path}: not a regular file")
+    try:
+        return h5py.File(path, "r", locking=False)
+    except H5_ERRORS as exc:
+        raise DataError(f"{path}: not a readable HDF5 file (truncated or corrupt?): "
+                        f"{_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _attr_text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _attr_int(path: Path, attrs: h5py.AttributeManager, name: str) -> int:
+    if name not in attrs:
+        raise DataError(f"{path}: root attribute '{name}' is missing")
+    value = np.asarray(attrs[name])
+    if value.shape != () or not np.issubdtype(value.dtype, np.integer):
+        raise DataError(f"{path}: root attribute '{name}' must be an integer, got {value!r}")
+    return int(value)
+
+
+def _get_dataset(path: Path, f: h5py.File, name: str) -> h5py.Dataset:
+    obj = f.get(name)
+    if obj is None:
+        raise DataError(f"{path}: dataset /{name} is missing")
+    if not isinstance(obj, h5py.Dataset):
+        raise DataError(f"{path}: /{name} is not a dataset")
+    return obj
+
+
+def _x_scale(path: Path, x: h5py.Dataset, name: str) -> tuple[str, float]:
+    """The stored dtype of an x dataset and its scale, validated."""
+    dtype = x.dtype.name
+    if dtype not in STORED_DTYPES:
+        raise DataError(f"{path}: /{name} has dtype {dtype}, expected uint8 or float32")
+    if "scale" in x.attrs:
+        scale = np.asarray(x.attrs["scale"])
+        if scale.shape != () or not np.issubdtype(scale.dtype, np.number):
+            raise DataError(f"{path}: /{name} attribute 'scale' must be a number")
+        scale = float(scale)
+    elif dtype == "uint8":
+        raise DataError(f"{path}: /{name} is uint8 but has no 'scale' attribute")
+    else:
+        scale = 1.0
+    if not (np.isfinite(scale) and scale > 0):
+        raise DataError(f"{path}: /{name} attribute 'scale' must be positive, got {scale}")
+    return dtype, scale
+
+
+def _check_labels(path: Path, y: h5py.Dataset, name: str, num_classes: int) -> None:
+    """Every label in [0, num_classes); read in blocks, so big files stay cheap."""
+    if not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"{path}: /{name} has dtype {y.dtype}, expected integer labels")
+    for start in range(0, y.shape[0], LABEL_CHECK_ROWS):
+        block = y[start : start + LABEL_CHECK_ROWS]
+        low, high = int(block.min()), int(block.max())
+        if low < 0 or high >= num_classes:
+            bad = low if low < 0 else high
+            raise DataError(f"{path}: /{name} has label {bad} outside [0, {num_classes})")
+
+
+def _check_split(path: Path, f: h5py.File, split: str,
+                 num_classes: int) -> tuple[int, tuple[int, ...], str, float]:
+    """Validate /split/x and /split/y; return (rows, input_shape, stored_dtype, scale)."""
+    x = _get_dataset(path, f, f"{split}/x")
+    y = _get_dataset(path, f, f"{split}/y")
+    if x.ndim < 2:
+        raise DataError(f"{path}: /{split}/x has shape {x.shape}, expected (N, *input_shape)")
+    if y.ndim != 1:
+        raise DataError(f"{path}: /{split}/y has shape {y.shape}, expected (N,)")
+    if x.shape[0] != y.shape[0]:
+        raise DataError(f"{path}: /{split}/x has {x.shape[0]} rows but /{split}/y has "
+                        f"{y.shape[0]} labels")
+    if x.shape[0] == 0:
+        raise DataError(f"{path}: /{split} is empty")
+    if min(x.shape[1:]) == 0:
+        raise DataError(f"{path}: /{split}/x has an empty input shape {x.shape[1:]}")
+    dtype, scale = _x_scale(path, x, f"{split}/x")
+    _check_labels(path, y, f"{split}/y", num_classes)
+    return x.shape[0], tuple(int(d) for d in x.shape[1:]), dtype, scale
+
+
+def open_dataset(path: str | os.PathLike) -> DatasetInfo:
+    """Validate a dataset file and describe it. Raises DataError naming the problem.
+
+    Checks the structure, shapes, dtypes and attributes, and reads every label (not x).
+    Corrupt x bytes are caught later, when a shard or the test set reads them (chunk
+    checksums).
+    """
+    path = Path(path)
+    with _open_h5(path) as f:
+        try:
+            return _describe(path, f)
+        except DataError:
+            raise
+        except H5_ERRORS as exc:
+            raise DataError(f"{path}: corrupt HDF5 file: {_first_line(exc)}") from exc
+
+
+def _describe(path: Path, f: h5py.File) -> DatasetInfo:
+    fmt = _attr_text(f.attrs.get("format", ""))
+    if fmt != FORMAT_NAME:
+        raise DataError(f"{path}: not a distbelief dataset (root attribute 'format' is "
+                        f"{fmt!r}, expected {FORMAT_NAME!r})")
+    version = _attr_int(path, f.attrs, "version")
+    if version != FORMAT_VERSION:
+        raise DataError(f"{path}: dataset format version {version} is not supported "
+                        f"(this reader knows version {FORMAT_VERSION})")
+    num_classes = _attr_int(path, f.attrs, "num_classes")
+    if num_classes < 2:
+        raise DataError(f"{path}: num_classes is {num_classes}, need at least 2")
+    n_train, train_shape, train_dtype, train_scale = _check_split(path, f, "train", num_classes)
+    n_test, test_shape, test_dtype, test_scale = _check_split(path, f, "test", num_classes)
+    if train_shape != test_shape:
+        raise DataError(f"{path}: train inputs have shape {train_shape} but test inputs "
+                        f"have {test_shape}")
+    if (train_dtype, train_scale) != (test_dtype, test_scale):
+        raise DataError(f"{path}: train x is {train_dtype} with scale {train_scale} but test "
+                        f"x is {test_dtype} with scale {test_scale}")
+    return DatasetInfo(path=path, input_shape=train_shape, num_classes=num_classes,
+                       n_train=n_train, n_test=n_test, stored_dtype=train_dtype,
+                       scale=train_scale)
+
+
+def _read_rows(info: DatasetInfo, split: str, start: int,
+               stop: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [start, stop) of /split as (x in the stored dtype, y as int32).
+
+    Re-checks the shapes against `info`, since the file may have been replaced since.
+    """
+    expected = info.n_train if split == "train" else info.n_test
+    with _open_h5(info.path) as f:
+        try:
+            x, y = f.get(f"{split}/x"), f.get(f"{split}/y")
+            if (not isinstance(x, h5py.Dataset) or not isinstance(y, h5py.Dataset)
+                    or x.shape != (expected, *info.input_shape) or y.shape != (expected,)
+                    or x.dtype.name != info.stored_dtype):
+                raise DataError(f"{info.path}: /{split} changed since the file was opened")
+            return x[start:stop], y[start:stop].astype(np.int32)
+        except DataError:
+            raise
+        except H5_ERRORS as exc:
+            raise DataError(f"{info.path}: cannot read rows {start}..{stop} of /{split}/x "
+                            f"(corrupt file?): {_first_line(exc)}") from exc
+
+
+def _to_float(stored: np.ndarray, scale: float, out: np.ndarray | None = None) -> np.ndarray:
+    """value = stored * scale as float32, into `out` when given."""
+    if out is None:
+        out = np.empty(stored.shape, dtype=np.float32)
+    if scale == 1.0:
+        np.copyto(out, stored, casting="unsafe")
+    else:
+        np.multiply(stored, np.float32(scale), out=out, casting="unsafe")
+    return out
+
+
+def load_test(info: DatasetInfo, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The first `limit` test rows (all when None): x float32 scaled, y int32.
+
+    A `limit` above the test set's size gives the whole test set.
+    """
+    if limit is None:
+        rows = info.n_test
+    elif isinstance(limit, (int, np.integer)) and not isinstance(limit, bool) and limit > 0:
+        rows = min(int(limit), info.n_test)
+    else:
+        raise ValueError(f"test limit must be a positive integer or None, got {limit!r}")
+    x, y = _read_rows(info, "test", 0, rows)
+    return _to_float(x, info.scale), y
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _epoch_permutation(seed: int, rank: int, epoch: int, n: int) -> np.ndarray:
+    """The order of epoch `epoch` on `rank`.
+
+    Each epoch's permutation comes from its own generator, keyed by (seed, rank, epoch),
+    so a resumed shard needs only the epoch number and position (plain ints), not the
+    generator's 128-bit internal state.
+    """
+    seq = np.random.SeedSequence(seed, spawn_key=(rank, epoch))
+    return np.random.default_rng(seq).permutation(n)
+
+
+class TrainShard:
+    """Part `rank` of `num_ranks` of the training set: a contiguous, disjoint block of rows,
+    read from the file once (only those rows), minibatches from its own seeded RNG.
+
+    Blocks are balanced (sizes differ by at most one row; `layout.balanced_ranges`). The
+    rows stay in memory in the stored dtype (uint8 is 4x smaller than float32) and are
+    scaled to float32 batch by batch.
+
+    Batches are consecutive pieces of an endless stream made of one fresh permutation of
+    the shard per epoch, so each epoch visits every row of the shard exactly once. Every
+    batch is full: the last batch of an epoch is completed from the start of the next one
+    (so such a batch may hold one row twice, from two different epochs).
+    """
+
+    def __init__(self, info: DatasetInfo, rank: int = 0, num_ranks: int = 1, seed: int = 0):
+        num_ranks = _positive_int(num_ranks, "num_ranks")
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) \
+                or not 0 <= rank < num_ranks:
+            raise ValueError(f"rank must be an integer in [0, {num_ranks}), got {rank!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        if num_ranks > info.n_train:
+            raise DataError(f"{info.path}: {info.n_train} training rows cannot be split into "
+                            f"{num_ranks} shards")
+        self.info = info
+        self.rank, self.num_ranks, self.seed = int(rank), num_ranks, int(seed)
+        self.start, self.stop = balanced_ranges(info.n_train, num_ranks)[self.rank]
+        self.n: int = self.stop - self.start
+        self._x, self._y = _read_rows(info, "train", self.start, self.stop)
+        self.epoch = 0
+        self.position = 0
+        self._perm = _epoch_permutation(self.seed, self.rank, 0, self.n)
+        self._batch_size = 0
+
+    def _ensure_buffers(self, batch_size: int) -> None:
+        if batch_size == self._batch_size:
+            return
+        shape = (batch_size, *self.info.input_shape)
+        self._index = np.empty(batch_size, dtype=np.intp)
+        self._stored = np.empty(shape, dtype=self._x.dtype)
+        self._xbuf = np.empty(shape, dtype=np.float32)
+        self._ybuf = np.empty(batch_size, dtype=np.int32)
+        self._batch_size = batch_size
+
+    def _next_indices(self, batch_size: int) -> np.ndarray:
+        """Fill self._index with the next `batch_size` rows of the stream."""
+        filled = 0
+        while filled < batch_size:
+            take = min(batch_size - filled, self.n - self.position)
+            self._index[filled : filled + take] = self._perm[self.position : self.position + take]
+            filled += take
+            self.position += take
+            if self.position == self.n:
+                self.epoch += 1
+                self.position = 0
+                self._perm = _epoch_permutation(self.seed, self.rank, self.epoch, self.n)
+        return self._index
+
+    def next_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next minibatch: x float32 (B, *input_shape) scaled, y int32 (B,).
+
+        Both are views of buffers this shard reuses: the next call overwrites them, so copy
+        them if you need them longer.
+        """
+        batch_size = _positive_int(batch_size, "batch_size")
+        if batch_size > self.n:
+            raise ValueError(f"batch_size {batch_size} is larger than this shard "
+                             f"({self.n} rows, rank {self.rank} of {self.num_ranks})")
+        self._ensure_buffers(batch_size)
+        index = self._next_indices(batch_size)
+        np.take(self._x, index, axis=0, out=self._stored)
+        _to_float(self._stored, self.info.scale, out=self._xbuf)
+        np.take(self._y, index, out=self._ybuf)
+        return self._xbuf, self._ybuf
+
+    def state(self) -> dict:
+        """Where the batch stream stands, as plain ints (JSON and HDF5 attribute friendly)."""
+        return {"seed": self.seed, "rank": self.rank, "num_ranks": self.num_ranks,
+                "n": self.n, "epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        """Resume the exact batch sequence saved by `state()`.
+
+        The shard must be the same one (seed, rank, num_ranks, rows); otherwise the saved
+        position means nothing and this raises ValueError.
+        """
+        try:
+            saved = {key: int(state[key]) for key in
+                     ("seed", "rank", "num_ranks", "n", "epoch", "position")}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a TrainShard state: {state!r}") from exc
+        mine = self.state()
+        for key in ("seed", "rank", "num_ranks", "n"):
+            if saved[key] != mine[key]:
+                raise ValueError(f"shard state is for {key}={saved[key]}, this shard has "
+                                 f"{key}={mine[key]}")
+        if saved["epoch"] < 0 or not 0 <= saved["position"] < self.n:
+            raise ValueError(f"shard state has epoch {saved['epoch']}, position "
+                             f"{saved['position']}: out of range for {self.n} rows")
+        self.epoch, self.position = saved["epoch"], saved["position"]
+        self._perm = _epoch_permutation(self.seed, self.rank, self.epoch, self.n)
+
+
+def _chunk_rows(row_shape: tuple[int, ...], itemsize: int) -> int:
+    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * itemsize
+    return max(1, CHUNK_BYTES // max(1, row_bytes))
+
+
+class DatasetWriter:
+    """Writes a dataset file atomically, rows appended in order.
+
+    Everything goes to a temporary file in the destination folder; `commit()` checks that
+    every row was written, flushes, fsyncs and renames it over `path`, then validates the
+    result with `open_dataset`. Leaving a `with` block without commit (an exception) removes
+    the temporary file, so a failed conversion never leaves a file at `path`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, input_shape: tuple[int, ...],
+                 num_classes: int, n_train: int, n_test: int, stored_dtype: str,
+                 scale: float, source: str, chunk_rows: int | None = None):
+        self.path = Path(path)
+        if stored_dtype not in STORED_DTYPES:
+            raise ValueError(f"stored_dtype must be one of {STORED_DTYPES}, got {stored_dtype!r}")
+        if self.path.is_dir():
+            raise DataError(f"{self.path}: is a folder, expected a file name to write")
+        if not self.path.parent.is_dir():
+            raise DataError(f"{self.path}: cannot write, folder {self.path.parent} does not exist")
+        self._rows = {"train": int(n_train), "test": int(n_test)}
+        if min(self._rows.values()) < 1:
+            raise ValueError(f"both splits need at least one row, got {self._rows}")
+        self._written = {"train": 0, "test": 0}
+        self._file: h5py.File | None = None
+        # A fresh name that h5py creates itself ("x": fail if it exists), so the file gets
+        # the usual permissions from the umask (mkstemp would make it private).
+        self._tmp = self.path.with_name(
+            f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            self._file = h5py.File(self._tmp, "x")
+            self._create(tuple(int(d) for d in input_shape), int(num_classes), stored_dtype,
+                         float(scale), str(source), chunk_rows)
+        except OSError as exc:
+            self.abort()
+            raise DataError(f"{self.path}: cannot write: {_first_line(exc)}") from exc
+        except BaseException:
+            self.abort()
+            raise
+
+    def _create(self, input_shape: tuple[int, ...], num_classes: int, stored_dtype: str,
+                scale: float, source: str, chunk_rows: int | None) -> None:
+        f = self._file
+        f.attrs["format"] = FORMAT_NAME
+        f.attrs["version"] = np.int64(FORMAT_VERSION)
+        f.attrs["num_classes"] = np.int64(num_classes)
+        f.attrs["source"] = source
+        dtype = np.dtype(stored_dtype)
+        rows_per_chunk = chunk_rows or _chunk_rows(input_shape, dtype.itemsize)
+        for split, n in self._rows.items():
+            x = f.create_dataset(f"{split}/x", shape=(n, *input_shape), dtype=dtype,
+                                 chunks=(min(rows_per_chunk, n), *input_shape),
+                                 fletcher32=True)
+            x.attrs["scale"] = np.float64(scale)
+            f.create_dataset(f"{split}/y", shape=(n,), dtype=np.int32,
+                             chunks=(min(max(rows_per_chunk, 4096), n),), fletcher32=True)
+
+    def append(self, split: str, x: np.ndarray, y: np.ndarray) -> None:
+        """Write the next len(x) rows of `split` (train or test)."""
+        if self._file is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        start = self._written[split]
+        stop = start + len(x)
+        if len(y) != len(x) or stop > self._rows[split]:
+            raise ValueError(f"{split}: {len(x)} inputs, {len(y)} labels at row {start} "
+                             f"of {self._rows[split]}")
+        try:
+            self._file[f"{split}/x"][start:stop] = x
+            self._file[f"{split}/y"][start:stop] = y
+        except OSError as exc:
+            raise DataError(f"{self.path}: cannot write: {_first_line(exc)}") from exc
+        self._written[split] = stop
+
+    def commit(self) -> DatasetInfo:
+        """Publish the file at `path` (atomically) and return its validated description."""
+        if self._file is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        if self._written != self._rows:
+            raise ValueError(f"{self.path}: wrote {self._written} rows, expected {self._rows}")
+        try:
+            self._file.close()
+            self._file = None
+            _fsync_path(self._tmp)
+            os.replace(self._tmp, self.path)
+            _fsync_path(self.path.parent)
+        except OSError as exc:
+            self.abort()
+            raise DataError(f"{self.path}: cannot write: {_first_line(exc)}") from exc
+        return open_dataset(self.path)
+
+    def abort(self) -> None:
+        """Drop the temporary file; `path` is left as it was."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._file is not None:
+            self.abort()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,296 @@
+"""Validated Python entry points to the compiled kernels in pyx/_kernels.pyx.
+
+CONTRACT (fixed; other modules code against it). All arrays float32 and C-contiguous unless
+said otherwise; outputs are caller-allocated and written in place; nothing is returned
+except where stated. Every function validates dtype, shape and contiguity and raises
+ValueError/TypeError in plain words; the compiled kernel then runs without the GIL.
+
+Outputs must not overlap inputs, except where a function says an output may be the very
+same array as an input (element-wise kernels are safe with exact aliasing).
+
+At import, an editable checkout's pyx/ sources are hashed and compared with the hash the
+extension was built from, so a stale build fails loudly instead of running old kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+
+ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh")
+
+REBUILD_COMMAND = "pip install --no-build-isolation -e ."
+# In an editable install this file is <checkout>/src/distbelief/model/kernels.py.
+PYX_DIR = Path(__file__).resolve().parents[3] / "pyx"
+
+
+def pyx_source_hash(pyx_dir: Path) -> str:
+    """sha256 over pyx_dir's *.pyx and *.pxd in name order, exactly as setup.py's."""
+    digest = hashlib.sha256()
+    for path in sorted([*pyx_dir.glob("*.pyx"), *pyx_dir.glob("*.pxd")]):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def check_kernels_current(pyx_dir: Path, compiled_hash: str) -> None:
+    """Raise ImportError if pyx_dir exists and its sources are not those compiled.
+
+    No pyx_dir (an installed wheel) means nothing to compare and passes.
+    """
+    if not pyx_dir.is_dir():
+        return
+    if pyx_source_hash(pyx_dir) != compiled_hash:
+        raise ImportError(
+            f"The compiled kernels are older than the sources in {pyx_dir}: rebuild them "
+            f"with `{REBUILD_COMMAND}` from the checkout."
+        )
+
+
+try:
+    from distbelief.model import _kernels
+except ImportError as exc:
+    raise ImportError(
+        "The compiled kernels (distbelief.model._kernels) are missing: run "
+        f"`{REBUILD_COMMAND}` from the checkout, or reinstall distbelief."
+    ) from exc
+
+check_kernels_current(PYX_DIR, _kernels.SOURCE_HASH)
+
+
+# ---------------------------------------------------------------------------------------
+# Validation helpers: every message names the argument and what was expected.
+
+def _check_float32(name: str, a: object, ndim: int, writeable: bool = False) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.dtype != np.float32:
+        raise TypeError(f"{name} must have dtype float32, got {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+    if writeable and not a.flags.writeable:
+        raise ValueError(f"{name} is an output and must be writeable")
+    return a
+
+
+def _check_shape(name: str, a: np.ndarray, shape: tuple[int, ...]) -> None:
+    if a.shape != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {a.shape}")
+
+
+def _identical(a: np.ndarray, b: np.ndarray) -> bool:
+    """Same memory, element for element (same start, shape and strides)."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.shape == b.shape and a.strides == b.strides)
+
+
+def _check_no_overlap(out_name: str, out: np.ndarray, others: dict[str, np.ndarray],
+                      may_be: tuple[str, ...] = ()) -> None:
+    """Outputs must not overlap inputs, except exact aliases named in may_be."""
+    for name, other in others.items():
+        # may_share_memory first: it is cheap, _identical is not (~5 us per call).
+        if not np.may_share_memory(out, other):
+            continue
+        if name in may_be and (out is other or _identical(out, other)):
+            continue
+        raise ValueError(f"{out_name} must not overlap {name}")
+
+
+def _check_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return int(value)
+
+
+def _activation_code(activation: object) -> int:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return _kernels.ACTIVATION_CODES[activation]
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizer updates.
+
+def adagrad_update(params: np.ndarray, accum: np.ndarray, grad: np.ndarray,
+                   lr: float, eps: float = 1e-10, copy: np.ndarray | None = None) -> None:
+    """One fused pass: accum += grad**2; params -= lr * grad / (sqrt(accum) + eps); and,
+    if `copy` is given, copy[:] = the new params in the same pass.
+
+    1-D arrays of equal length. Same rule and eps as torch.optim.Adagrad (no initial
+    accumulator value, no decay).
+    """
+    _check_float32("params", params, 1, writeable=True)
+    _check_float32("accum", accum, 1, writeable=True)
+    _check_float32("grad", grad, 1)
+    _check_shape("accum", accum, params.shape)
+    _check_shape("grad", grad, params.shape)
+    lr = _check_real("lr", lr)
+    eps = _check_real("eps", eps)
+    _check_no_overlap("params", params, {"accum": accum, "grad": grad})
+    _check_no_overlap("accum", accum, {"grad": grad})
+    _check_copy(copy, params, {"params": params, "accum": accum, "grad": grad})
+    _kernels.adagrad_update(params, accum, grad, lr, eps, copy)
+
+
+def sgd_update(params: np.ndarray, grad: np.ndarray, lr: float,
+               copy: np.ndarray | None = None) -> None:
+    """params -= lr * grad (1-D, equal length), one pass; with `copy`, copy[:] = the new
+    params in the same pass."""
+    _check_float32("params", params, 1, writeable=True)
+    _check_float32("grad", grad, 1)
+    _check_shape("grad", grad, params.shape)
+    lr = _check_real("lr", lr)
+    _check_no_overlap("params", params, {"grad": grad})
+    _check_copy(copy, params, {"params": params, "grad": grad})
+    _kernels.sgd_update(params, grad, lr, copy)
+
+
+def _check_copy(copy: np.ndarray | None, params: np.ndarray,
+                others: dict[str, np.ndarray]) -> None:
+    if copy is None:
+        return
+    _check_float32("copy", copy, 1, writeable=True)
+    _check_shape("copy", copy, params.shape)
+    _check_no_overlap("copy", copy, others)
+
+
+# ---------------------------------------------------------------------------------------
+# Bias + activation, its derivative, and the loss.
+
+def bias_activation(z: np.ndarray, bias: np.ndarray, activation: str) -> None:
+    """z[n, u] = act(z[n, u] + bias[u]) in place. z is (N, U), bias is (U,).
+
+    activation is one of ACTIVATIONS.
+    """
+    _check_float32("z", z, 2, writeable=True)
+    _check_float32("bias", bias, 1)
+    _check_shape("bias", bias, (z.shape[1],))
+    code = _activation_code(activation)
+    _check_no_overlap("z", z, {"bias": bias})
+    _kernels.bias_activation(z, bias, code)
+
+
+def activation_backward(out: np.ndarray, dout: np.ndarray, activation: str,
+                        dz: np.ndarray, dbias: np.ndarray | None = None) -> None:
+    """dz = dout * act'(z), written in terms of the activation's output `out`.
+
+    out, dout, dz are (N, U); dz may be the same array as dout. If dbias (U,) is given it is
+    overwritten with dz summed over the batch (the bias gradient), in the same pass.
+    """
+    _check_float32("out", out, 2)
+    _check_float32("dout", dout, 2)
+    _check_float32("dz", dz, 2, writeable=True)
+    _check_shape("dout", dout, out.shape)
+    _check_shape("dz", dz, out.shape)
+    code = _activation_code(activation)
+    _check_no_overlap("dz", dz, {"out": out, "dout": dout}, may_be=("out", "dout"))
+    if dbias is not None:
+        _check_float32("dbias", dbias, 1, writeable=True)
+        _check_shape("dbias", dbias, (out.shape[1],))
+        _check_no_overlap("dbias", dbias, {"out": out, "dout": dout, "dz": dz})
+    _kernels.activation_backward(out, dout, code, dz, dbias)
+
+
+def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray, grad: np.ndarray) -> float:
+    """Mean cross-entropy of softmax(logits) against integer labels; returns the loss.
+
+    logits (N, C) float32; labels (N,) any integer dtype (cast to int32 if needed), each in
+    [0, C); grad (N, C) is overwritten with d(mean loss)/d(logits) = (softmax - onehot) / N.
+    grad may be the same array as logits. Numerically stable (max subtracted).
+    """
+    _check_float32("logits", logits, 2)
+    _check_float32("grad", grad, 2, writeable=True)
+    _check_shape("grad", grad, logits.shape)
+    rows, classes = logits.shape
+    if rows == 0 or classes == 0:
+        # The mean over an empty batch is undefined; returning 0 would hide a bug upstream.
+        raise ValueError(f"logits must have at least one row and one class, got {logits.shape}")
+    if not isinstance(labels, np.ndarray):
+        raise TypeError(f"labels must be a numpy array, got {type(labels).__name__}")
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise TypeError(f"labels must have an integer dtype, got {labels.dtype}")
+    _check_shape("labels", labels, (rows,))
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= classes:
+        bad = low if low < 0 else high
+        raise ValueError(f"labels must be in [0, {classes}), got {bad}")
+    _check_no_overlap("grad", grad, {"logits": logits}, may_be=("logits",))
+    labels32 = np.ascontiguousarray(labels, dtype=np.int32)
+    return float(_kernels.softmax_cross_entropy(logits, labels32, grad))
+
+
+# ---------------------------------------------------------------------------------------
+# Locally connected layer.
+
+def _local_shapes(x: np.ndarray, weights: np.ndarray, kernel: object,
+                  stride: object) -> tuple[int, int, int]:
+    """Check x and weights against kernel and stride; return (out_h, out_w, cout)."""
+    kernel = _check_positive_int("kernel", kernel)
+    stride = _check_positive_int("stride", stride)
+    _, height, width, cin = x.shape
+    if height < kernel or width < kernel:
+        raise ValueError(f"x's height and width {height}x{width} are smaller than the "
+                         f"kernel {kernel}")
+    out_h = (height - kernel) // stride + 1
+    out_w = (width - kernel) // stride + 1
+    cout = weights.shape[3]
+    _check_shape("weights", weights, (out_h, out_w, kernel * kernel * cin, cout))
+    return out_h, out_w, cout
+
+
+def local_forward(x: np.ndarray, weights: np.ndarray, out: np.ndarray,
+                  kernel: int, stride: int) -> None:
+    """Locally connected 2-D layer, no bias: out[n,i,j,:] = patch(n,i,j) @ weights[i,j].
+
+    x (N, H, W, Cin); weights (Ho, Wo, kernel*kernel*Cin, Cout), untied per output
+    position; out (N, Ho, Wo, Cout), overwritten. Valid padding: Ho = (H - kernel)//stride
+    + 1, likewise Wo. patch(n,i,j) is x[n, i*stride : i*stride+kernel,
+    j*stride : j*stride+kernel, :] flattened in (row, col, channel) order.
+    """
+    _check_float32("x", x, 4)
+    _check_float32("weights", weights, 4)
+    _check_float32("out", out, 4, writeable=True)
+    out_h, out_w, cout = _local_shapes(x, weights, kernel, stride)
+    _check_shape("out", out, (x.shape[0], out_h, out_w, cout))
+    _check_no_overlap("out", out, {"x": x, "weights": weights})
+    _kernels.local_forward(x, weights, out, int(kernel), int(stride))
+
+
+def local_backward(x: np.ndarray, weights: np.ndarray, dout: np.ndarray,
+                   dweights: np.ndarray, dx: np.ndarray | None,
+                   kernel: int, stride: int) -> None:
+    """Gradients of local_forward. dout (N, Ho, Wo, Cout).
+
+    dweights (same shape as weights) is overwritten with sum_n patch^T dout.
+    dx (same shape as x) is overwritten with the input gradient; pass None to skip it
+    (first layer). The bias gradient comes from activation_backward's dbias.
+    """
+    _check_float32("x", x, 4)
+    _check_float32("weights", weights, 4)
+    _check_float32("dout", dout, 4)
+    _check_float32("dweights", dweights, 4, writeable=True)
+    out_h, out_w, cout = _local_shapes(x, weights, kernel, stride)
+    _check_shape("dout", dout, (x.shape[0], out_h, out_w, cout))
+    _check_shape("dweights", dweights, weights.shape)
+    inputs = {"x": x, "weights": weights, "dout": dout}
+    _check_no_overlap("dweights", dweights, inputs)
+    if dx is not None:
+        _check_float32("dx", dx, 4, writeable=True)
+        _check_shape("dx", dx, x.shape)
+        _check_no_overlap("dx", dx, {**inputs, "dweights": dweights})
+    _kernels.local_backward(x, weights, dout, dweights, dx, int(kernel), int(stride))

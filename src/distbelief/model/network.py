@@ -1,0 +1,281 @@
+"""A feed-forward network over one flat float32 parameter vector: loss, gradient, logits.
+
+`Network` turns the layer list of a configuration into `distbelief.model.layers` objects (checking
+every key, so a bad model spec fails before training with a `ConfigError` naming the layer
+and key), fixes the parameter layout, and runs forward and backward passes. Parameters and
+gradients are views into caller-owned flat vectors (the parameter server's layout); work
+buffers are cached and reused, so a training step allocates nothing.
+
+A Network is not thread-safe: its work buffers are shared by all calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from distbelief.errors import ConfigError, DataError
+from distbelief.model import kernels
+from distbelief.model.layers import ACTIVATIONS, Dense, Layer, Local
+from distbelief.model.layout import DTYPE, ParamLayout
+
+# Per layer type: required keys, and optional keys with their defaults.
+LAYER_KEYS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
+    "dense": (("type", "units", "activation"), {}),
+    "local": (("type", "kernel", "channels", "activation"), {"stride": 1}),
+}
+
+
+class Network:
+    """A stack of dense and local layers ending in a softmax cross-entropy output."""
+
+    def __init__(self, input_shape: tuple[int, ...], layers: list[dict], num_classes: int):
+        """Validate the spec and fix the layout. Cheap: allocates no parameters or buffers."""
+        self.input_shape = check_input_shape(input_shape)
+        self.num_classes = check_num_classes(num_classes)
+        self.layers: list[Layer] = build_layers(self.input_shape, layers, self.num_classes)
+        self.layout = ParamLayout([(i, name, shape)
+                                   for i, layer in enumerate(self.layers)
+                                   for name, shape in layer.param_shapes()])
+        widths = [layer.out_size for layer in self.layers]
+        self._outputs = _RowBuffers(widths)  # each layer's activations
+        self._douts = _RowBuffers(widths)    # the loss gradient w.r.t. each layer's output
+        # The last flat vector seen as params and as grad, with its per-layer views: trainers
+        # pass the same arrays every step, and rebuilding the views cost ~2% of a step.
+        self._view_cache: dict[str, tuple[np.ndarray, list]] = {}
+
+    # -- parameters ----------------------------------------------------------------------
+
+    def init_params(self, seed: int | np.random.Generator) -> np.ndarray:
+        """A fresh flat float32 parameter vector (layout.size), deterministic per seed."""
+        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        params = self.layout.empty()
+        for layer, (weights, bias) in zip(self.layers, self._views(params, "params")):
+            layer.init_params(rng, weights, bias)
+        return params
+
+    def _views(self, flat: np.ndarray, what: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(weights, bias) views of `flat` for each layer; checks dtype, shape, contiguity."""
+        cached = self._view_cache.get(what)
+        # Holding the array in the cache keeps its id from being reused by another one.
+        if cached is not None and cached[0] is flat:
+            return cached[1]
+        if (not isinstance(flat, np.ndarray) or flat.dtype != DTYPE
+                or flat.shape != (self.layout.size,) or not flat.flags.c_contiguous):
+            raise ValueError(f"{what} must be a contiguous float32 vector of "
+                             f"{self.layout.size} elements, got "
+                             f"{getattr(flat, 'dtype', type(flat))} {getattr(flat, 'shape', '')}")
+        views = [(self.layout.view(flat, i, "weights"), self.layout.view(flat, i, "bias"))
+                 for i in range(len(self.layers))]
+        self._view_cache[what] = (flat, views)
+        return views
+
+    # -- forward and backward -------------------------------------------------------------
+
+    def _flat_input(self, x: np.ndarray) -> np.ndarray:
+        """x (N, *input_shape) float32 as a C-contiguous (N, input size) array."""
+        if not isinstance(x, np.ndarray) or x.dtype != DTYPE:
+            raise DataError(f"input must be a float32 array, got {getattr(x, 'dtype', type(x))}")
+        if x.ndim < 1 or x.shape[1:] != self.input_shape or x.shape[0] == 0:
+            raise DataError(f"input has shape {x.shape}, the model needs "
+                            f"(N > 0, {', '.join(map(str, self.input_shape))})")
+        return np.ascontiguousarray(x).reshape(x.shape[0], -1)
+
+    def _forward(self, param_views: list, x: np.ndarray) -> tuple[np.ndarray, list]:
+        """Run all layers; returns (flat input, list of each layer's output buffer)."""
+        inputs = self._flat_input(x)
+        outputs = self._outputs.rows(inputs.shape[0])
+        h = inputs
+        for layer, (weights, bias), out in zip(self.layers, param_views, outputs):
+            layer.forward(h, weights, bias, out)
+            h = out
+        return inputs, outputs
+
+    def loss_and_grad(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
+                      grad: np.ndarray) -> float:
+        """Mean loss over the batch; writes the full flat gradient into `grad` in place."""
+        param_views = self._views(params, "params")
+        grad_views = self._views(grad, "grad")
+        if np.may_share_memory(params, grad):
+            raise ValueError("grad must not overlap params: backward reads the weights "
+                             "after writing their gradient")
+        inputs, outputs = self._forward(param_views, x)
+        douts = self._douts.rows(inputs.shape[0])
+        loss = kernels.softmax_cross_entropy(outputs[-1], self._labels(y, inputs), douts[-1])
+        for i in reversed(range(len(self.layers))):
+            # The first layer's input gradient is never needed: skip that GEMM.
+            below, dbelow = (outputs[i - 1], douts[i - 1]) if i > 0 else (inputs, None)
+            (weights, _), (dweights, dbias) = param_views[i], grad_views[i]
+            self.layers[i].backward(below, outputs[i], douts[i], weights, dweights, dbias,
+                                    dbelow)
+        return float(loss)
+
+    def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
+        """Mean loss over the batch."""
+        inputs, outputs = self._forward(self._views(params, "params"), x)
+        # The logits are not needed afterwards, so the loss gradient may overwrite them.
+        return float(kernels.softmax_cross_entropy(outputs[-1], self._labels(y, inputs),
+                                                   outputs[-1]))
+
+    def logits(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The output layer's pre-softmax values, (N, num_classes), a new array."""
+        _, outputs = self._forward(self._views(params, "params"), x)
+        return outputs[-1].copy()
+
+    def evaluate(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
+                 batch_size: int = 1000) -> tuple[float, float]:
+        """(mean loss, accuracy) over all of x, y, in batches of `batch_size`."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        total = len(x)
+        if total == 0 or len(y) != total:
+            raise DataError(f"evaluate needs equal, non-zero numbers of inputs ({total}) "
+                            f"and labels ({len(y)})")
+        param_views = self._views(params, "params")
+        loss_sum = 0.0
+        correct = 0
+        for start in range(0, total, batch_size):
+            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+            inputs, outputs = self._forward(param_views, xb)
+            labels = self._labels(yb, inputs)
+            # Count hits before the loss overwrites the logits with their gradient.
+            correct += int(np.count_nonzero(outputs[-1].argmax(axis=1) == labels))
+            loss_sum += len(yb) * kernels.softmax_cross_entropy(outputs[-1], labels,
+                                                                outputs[-1])
+        return loss_sum / total, correct / total
+
+    def _labels(self, y: np.ndarray, inputs: np.ndarray) -> np.ndarray:
+        y = np.asarray(y)
+        if y.shape != (inputs.shape[0],) or not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"labels must be integers of shape ({inputs.shape[0]},), "
+                            f"got {y.dtype} {y.shape}")
+        return y
+
+    def describe(self) -> str:
+        """One line per layer: index, type, output shape, parameter count, activation."""
+        return "\n".join(f"{i:>3} {layer.describe()}" for i, layer in enumerate(self.layers))
+
+    def __repr__(self) -> str:
+        return (f"Network(input_shape={self.input_shape}, {len(self.layers)} layers, "
+                f"{self.layout.size} parameters)")
+
+
+class _RowBuffers:
+    """Float32 work arrays (rows, width), one per width, sliced to the batch size.
+
+    One set serves every batch size: it grows to the largest batch seen, and a batch of n
+    uses the first n rows (still C-contiguous), so alternating training and evaluation
+    batches allocate nothing after the first of each.
+    """
+
+    def __init__(self, widths: list[int]):
+        self.widths = widths
+        self.capacity = 0
+        self._arrays: list[np.ndarray] = []
+        self._rows = 0
+        self._views: list[np.ndarray] = []
+
+    def rows(self, n: int) -> list[np.ndarray]:
+        if n > self.capacity:
+            self._arrays = [np.empty((n, w), dtype=DTYPE) for w in self.widths]
+            self.capacity = n
+            self._rows = 0
+        if n != self._rows:
+            self._views = [a[:n] for a in self._arrays]
+            self._rows = n
+        return self._views
+
+
+# -- configuration checks --------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_input_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
+    try:
+        shape = tuple(input_shape)
+    except TypeError:
+        raise ConfigError(f"input_shape must be (H, W, C) or (F,), got {input_shape!r}") from None
+    if len(shape) not in (1, 3) or not all(_is_int(d) and d > 0 for d in shape):
+        raise ConfigError(f"input_shape must be (H, W, C) or (F,) of positive integers, "
+                          f"got {input_shape!r}")
+    return tuple(int(d) for d in shape)
+
+
+def check_num_classes(num_classes: int) -> int:
+    if not _is_int(num_classes) or num_classes < 2:
+        raise ConfigError(f"num_classes must be an integer >= 2, got {num_classes!r}")
+    return int(num_classes)
+
+
+def build_layers(input_shape: tuple[int, ...], specs: list[dict],
+                 num_classes: int) -> list[Layer]:
+    """Layer objects for the config's layer tables, or a ConfigError naming layer and key."""
+    if not isinstance(specs, Sequence) or isinstance(specs, str) or len(specs) == 0:
+        raise ConfigError("layers: need a non-empty list of layer tables")
+    layers: list[Layer] = []
+    shape = input_shape
+    last = len(specs) - 1
+    for index, spec in enumerate(specs):
+        layer = _build_layer(index, spec, shape, is_output=index == last)
+        layers.append(layer)
+        shape = layer.out_shape
+    output = layers[-1]
+    if output.out_size != num_classes:
+        key = "units" if isinstance(output, Dense) else "channels"
+        raise ConfigError(f"layer {last} ({output.kind}): the output layer has "
+                          f"{output.out_size} outputs {output.out_shape} but num_classes is "
+                          f"{num_classes}; set {key!r} so they match")
+    return layers
+
+
+def _build_layer(index: int, spec: object, in_shape: tuple[int, ...],
+                 is_output: bool) -> Layer:
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"layer {index}: must be a table like {{type = \"dense\", ...}}, "
+                          f"got {spec!r}")
+    kind = spec.get("type")
+    if kind not in LAYER_KEYS:
+        raise ConfigError(f"layer {index}: key 'type' must be one of "
+                          f"{', '.join(map(repr, LAYER_KEYS))}, got {kind!r}")
+    where = f"layer {index} ({kind})"
+    required, optional = LAYER_KEYS[kind]
+    for key in spec:
+        if key not in required and key not in optional:
+            raise ConfigError(f"{where}: unknown key {key!r}; allowed: "
+                              f"{', '.join([*required, *optional])}")
+    for key in required:
+        if key not in spec:
+            raise ConfigError(f"{where}: missing key {key!r}")
+    values = {**optional, **spec}
+
+    activation = values["activation"]
+    if activation not in ACTIVATIONS:
+        raise ConfigError(f"{where}: key 'activation' must be one of "
+                          f"{', '.join(ACTIVATIONS)}, got {activation!r}")
+    if is_output and activation != "softmax":
+        raise ConfigError(f"{where}: key 'activation' of the output layer must be "
+                          f"'softmax', got {activation!r}")
+    if not is_output and activation == "softmax":
+        raise ConfigError(f"{where}: key 'activation' = 'softmax' is only allowed on the "
+                          f"last layer")
+    for key, value in values.items():
+        if key not in ("type", "activation") and not (_is_int(value) and value > 0):
+            raise ConfigError(f"{where}: key {key!r} must be a positive integer, "
+                              f"got {value!r}")
+
+    if kind == "dense":
+        return Dense(in_shape, int(values["units"]), activation)
+    if len(in_shape) != 3:
+        reason = ("comes after a dense layer" if index > 0
+                  else f"gets flat input of shape {in_shape}")
+        raise ConfigError(f"{where}: key 'type' = 'local' needs a 3-D (H, W, C) input, "
+                          f"but this layer {reason}")
+    kernel = int(values["kernel"])
+    if kernel > min(in_shape[0], in_shape[1]):
+        raise ConfigError(f"{where}: key 'kernel' = {kernel} is larger than its "
+                          f"{in_shape[0]}x{in_shape[1]} input")
+    return Local(in_shape, kernel, int(values["stride"]), int(values["channels"]), activation)

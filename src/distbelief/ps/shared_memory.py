@@ -1,0 +1,510 @@
+"""The shared-memory transport of the parameter server: every rank of the job on one node.
+
+A client folds its own gradient into the shard's parameters with the shard's optimizer,
+and copies parameters out, directly in the shard's shared segment under a kernel
+reader-writer lock; no shard is on the critical path of a step. The design, the segment
+layout and why each access is legal are in parameter_server.py's docstring (SHARED
+MEMORY); transport.open_parameter_server chooses this transport or RMA for the whole job.
+Moved unchanged from parameter_server.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.errors import ConfigError
+from distbelief.model.layout import DTYPE
+from distbelief.ps import run_control as rc
+from distbelief.ps.parameter_server import (
+    APPLIED,
+    CONTROL_SHARD,
+    COUNTER_BYTES,
+    HEADER_BYTES,
+    TRANSPORT_ENV,
+    VERSION,
+    Optimizer,
+    OptimizerFactory,
+    ParameterClient,
+    ParameterServerShard,
+    ShardStats,
+    _aligned,
+    _Endpoint,
+)
+from distbelief.ps.run_control import ControlExchange, ControlView
+from distbelief.runtime import watchdog
+from distbelief.runtime.backoff import Backoff
+from distbelief.runtime.topology import Topology
+
+SERVING = 2  # int64 slot in a shared segment's header: 1 once the shard has polled
+# int64 slots of each client in a shared segment, written by that client only
+PULLED, FINISHED = 0, 1
+CLIENT_SLOTS = 2
+SHARED_POLL_S = (0.5e-3, 2e-3)
+"""Back-off bounds of a shard on shared memory, whatever serve() is given: its polls
+serve no client (they only notice finish() and run shard 0's duties), so they can be
+sparse; a 0.5 ms cap cost ~8% of a core, measured (benchmarks/RMA_NOTES.md section 8)."""
+
+
+def _segment_bytes(count: int, clients: int, state_arrays: int, control_bytes: int) -> int:
+    slots = _aligned(clients * CLIENT_SLOTS * COUNTER_BYTES)
+    return (HEADER_BYTES + slots + _aligned(control_bytes)
+            + (1 + state_arrays) * _aligned(count * DTYPE().itemsize))
+
+
+@dataclass
+class _Segment:
+    """Views of one shard's shared segment (no copies)."""
+
+    header: np.ndarray  # int64 slots VERSION, APPLIED, SERVING
+    clients: np.ndarray  # int64 (clients, CLIENT_SLOTS): PULLED, FINISHED
+    control: np.ndarray  # int64, the run control block (distbelief.ps.run_control; LOSS f64)
+    params: np.ndarray  # float32, the shard's parameters (the master copy)
+    state: dict[str, np.ndarray]  # float32, the optimizer's state arrays by name
+
+
+def _segment_views(buffer: MPI.buffer, count: int, clients: int, names: list[str],
+                   control_bytes: int) -> _Segment:
+    raw = np.frombuffer(buffer, dtype=np.uint8)
+    control = HEADER_BYTES + _aligned(clients * CLIENT_SLOTS * COUNTER_BYTES)
+    offset = control + _aligned(control_bytes)
+    data = _aligned(count * DTYPE().itemsize)
+    arrays = [raw[offset + i * data : offset + i * data + count * DTYPE().itemsize].view(DTYPE)
+              for i in range(1 + len(names))]
+    return _Segment(
+        header=raw[:HEADER_BYTES].view(np.int64),
+        clients=raw[HEADER_BYTES : HEADER_BYTES + clients * CLIENT_SLOTS * COUNTER_BYTES]
+        .view(np.int64).reshape(clients, CLIENT_SLOTS),
+        control=raw[control : control + control_bytes].view(np.int64),
+        params=arrays[0], state=dict(zip(names, arrays[1:], strict=True)))
+
+
+def _shareable_state(optimizer: OptimizerFactory) -> list[str] | None:
+    """The names of the optimizer's state arrays if they can live in shared memory (each
+    float32 and held in the attribute of its name, so a client's copy of the optimizer can
+    be pointed at the shard's arrays); None otherwise."""
+    probe = optimizer(1)
+    state = probe.state() if hasattr(probe, "state") and hasattr(probe, "step") else None
+    if not isinstance(state, dict):
+        return None
+    for name, value in state.items():
+        if getattr(probe, name, None) is not value or value.dtype != DTYPE:
+            return None
+    return sorted(state)
+
+
+def _bind_state(optimizer: Optimizer, state: dict[str, np.ndarray]) -> None:
+    """Make `optimizer` work on the shared arrays `state` (see _shareable_state)."""
+    for name, view in state.items():
+        setattr(optimizer, name, view)
+        if optimizer.state()[name] is not view:
+            raise RuntimeError(f"optimizer state {name!r} could not be moved to shared memory")
+
+
+def _lock_file(node: MPI.Comm) -> int | None:
+    """An open file descriptor on a fresh lock file shared by every rank of `node`, already
+    unlinked (nothing is left behind, even after a crash); None if one could not be made.
+    Collective over `node`."""
+    path = None
+    if node.Get_rank() == 0:
+        folder = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        try:
+            fd, path = tempfile.mkstemp(prefix="distbelief-ps-", suffix=".lock", dir=folder)
+            os.close(fd)
+        except OSError:
+            path = None
+    path = node.bcast(path, root=0)
+    fd = None
+    if path is not None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            fd = None
+    everyone = node.allreduce(fd is not None, op=MPI.LAND)  # also: all have opened it
+    if node.Get_rank() == 0 and path is not None:
+        os.unlink(path)
+    if not everyone and fd is not None:
+        os.close(fd)
+        fd = None
+    return fd
+
+
+class _SharedSegments:
+    """Every shard's segment in one Win.Allocate_shared window over the node communicator,
+    and the lock file whose byte s is segment s's reader-writer lock.
+
+    Locks are POSIX record locks (fcntl): the kernel grants them, so no rank's progress
+    engine is involved, a waiter sleeps instead of spinning, and a rank that dies releases
+    what it held. Win.Sync after taking a lock and before releasing it is the memory
+    barrier MPI asks for between load/store accesses of different processes to a shared
+    window; it is legal inside the passive-target epoch that Lock_all(MODE_NOCHECK) opens
+    for the window's lifetime (no lock traffic: measured local, 0.1 us per Sync).
+    """
+
+    def __init__(self, node: MPI.Comm, lock_fd: int, topology: Topology,
+                 ranges: list[tuple[int, int]], names: list[str], control_bytes: int):
+        self.node, self.lock_fd, self.names = node, lock_fd, names
+        # Process ids by rank (node ranks are world ranks), to name a lock's holder.
+        self.pids = node.allgather(os.getpid())
+        clients = topology.world_size - topology.ps_shards
+        index = topology.shard_index
+        mine = (0 if index is None
+                else _segment_bytes(ranges[index][1] - ranges[index][0], clients, len(names),
+                                    control_bytes))
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each segment on its owner's pages
+        try:
+            self.win = MPI.Win.Allocate_shared(mine, 1, info, node)
+        finally:
+            info.Free()
+        if self.win.model != MPI.WIN_UNIFIED:
+            raise RuntimeError("shared-memory window is not in the unified memory model")
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        # node ranks are world ranks (one node, Split_type keyed by rank): shard s is rank s
+        self.segments = [_segment_views(self.win.Shared_query(s)[0], stop - start, clients,
+                                        names, control_bytes)
+                         for s, (start, stop) in enumerate(ranges)]
+
+    @contextmanager
+    def lock(self, shard: int, exclusive: bool) -> Iterator[_Segment]:
+        """Shard `shard`'s segment, locked: exclusive (writers) or shared (readers). When
+        the lock is taken, the wait is declared to the stall watchdog with its holder."""
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            fcntl.lockf(self.lock_fd, mode | fcntl.LOCK_NB, 1, shard)
+        except OSError:  # held by another rank: wait for it, sleeping in the kernel
+            with watchdog.current().waiting(
+                    f"the {'exclusive' if exclusive else 'shared'} lock on shard {shard}'s "
+                    f"segment", (), lambda: self.holder(shard, exclusive)):
+                fcntl.lockf(self.lock_fd, mode, 1, shard)
+        try:
+            self.win.Sync()
+            yield self.segments[shard]
+        finally:
+            self.win.Sync()
+            fcntl.lockf(self.lock_fd, fcntl.LOCK_UN, 1, shard)
+
+    def holder(self, shard: int, exclusive: bool) -> int | None:
+        """The rank holding a lock on shard `shard`'s segment that conflicts with taking it
+        `exclusive`ly or not (fcntl F_GETLK), or None."""
+        request = struct.pack("hhqqi", fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK,
+                              os.SEEK_SET, shard, 1, 0) + bytes(8)
+        answer = fcntl.fcntl(self.lock_fd, fcntl.F_GETLK, request)
+        kind, _, _, _, pid = struct.unpack("hhqqi", answer[: struct.calcsize("hhqqi")])
+        if kind == fcntl.F_UNLCK or pid not in self.pids:
+            return None
+        return self.pids.index(pid)
+
+    def free(self) -> None:
+        """Collective over the node communicator (= the world), same order on every rank."""
+        self.win.Unlock_all()
+        self.win.Free()
+        os.close(self.lock_fd)
+        self.node.Free()
+
+
+def _open_shared(comm: MPI.Comm, topology: Topology, ranges: list[tuple[int, int]],
+                 optimizer: OptimizerFactory, requested: str,
+                 control_bytes: int) -> _SharedSegments | None:
+    """The shared segments if the shared transport can be used, else None (use RMA).
+    Collective over `comm`; every rank reaches the same answer (all ranks on one node or
+    not, the same optimizer factory, one lock file for all)."""
+    if requested == "rma":
+        return None
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    names = _shareable_state(optimizer)
+    why = None
+    if node.Get_size() != comm.Get_size():
+        why = "the ranks are on more than one node"
+    elif names is None:
+        why = "the optimizer's state cannot live in shared memory"
+    lock_fd = _lock_file(node) if why is None else None
+    if why is None and lock_fd is None:
+        why = "no lock file could be created in /dev/shm or the temporary folder"
+    if why is None:
+        return _SharedSegments(node, lock_fd, topology, ranges, names, control_bytes)
+    node.Free()
+    if requested == "shared":
+        raise ConfigError(f"the shared-memory parameter server was requested "
+                          f"({TRANSPORT_ENV}=shared) but {why}")
+    return None
+
+
+class SharedMemoryShard(ParameterServerShard):
+    """A shard on the shared-memory transport: its parameters and optimizer state live in
+    its segment, its clients fold their gradients into them and read them directly, and
+    the shard watches (finish, statistics), runs shard 0's duties and serves snapshots and
+    checkpoints. Same interface as ParameterServerShard."""
+
+    def __init__(self, comm: MPI.Comm, segments: _SharedSegments, topology: Topology,
+                 size: int, optimizer: Optimizer, initial: np.ndarray | None):
+        _Endpoint.__init__(self, comm, segments, topology, size)  # none of the RMA set-up
+        self.rank = topology.world_rank
+        self.start, self.stop = self.ranges[self.rank]
+        self.num_clients = topology.world_size - topology.ps_shards
+        self._optimizer = optimizer
+        self._finished = False
+        self.stats = ShardStats(transport="shared")
+        with segments.lock(self.rank, exclusive=True) as seg:
+            seg.header[:] = 0
+            seg.clients[:] = 0
+            seg.control[:] = 0
+            seg.params[:] = 0 if initial is None else initial[self.start : self.stop]
+            for name, value in optimizer.state().items():
+                np.copyto(seg.state[name], value)
+            _bind_state(optimizer, seg.state)
+
+    def _lock(self, exclusive: bool, shard: int | None = None):
+        return self._live().lock(self.rank if shard is None else shard, exclusive)
+
+    @property
+    def version(self) -> int:
+        """Updates applied to this shard's parameters so far (read under the lock)."""
+        with self._lock(exclusive=False) as seg:
+            return int(seg.header[VERSION])
+
+    def parameters(self) -> np.ndarray:
+        """A copy of this shard's current parameters, under the shared lock."""
+        with self._lock(exclusive=False) as seg:
+            return seg.params.copy()
+
+    def checkpoint_state(self) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
+        """As ParameterServerShard.checkpoint_state, all copied under one shared lock."""
+        with self._lock(exclusive=False) as seg:
+            return (seg.params.copy(), {name: value.copy() for name, value in seg.state.items()},
+                    int(seg.header[VERSION]))
+
+    def set_parameters(self, values: np.ndarray) -> None:
+        """Overwrite this shard's parameters under the exclusive lock; counters unchanged."""
+        with self._lock(exclusive=True) as seg:
+            if values.shape != seg.params.shape:
+                raise ValueError(f"shard {self.rank} holds {seg.params.size} parameters, "
+                                 f"got shape {values.shape}")
+            seg.params[:] = values
+
+    def read_counters(self) -> tuple[int, int, int]:
+        """(pushes applied, clients finished, pulls published by the clients so far: each
+        publishes its count with its pushes and at finish), under the shared lock."""
+        with self._lock(exclusive=False) as seg:
+            done, pulls = (int(x) for x in seg.clients[:, [FINISHED, PULLED]].sum(axis=0))
+            return int(seg.header[APPLIED]), done, pulls
+
+    def read_run_control(self) -> ControlView:
+        """The run control block (shard 0's is in use), read under the shared lock."""
+        with self._lock(exclusive=False) as seg:
+            block = seg.control.copy()
+        return rc.ControlView.from_block(block, float(block[rc.LOSS : rc.LOSS + 1]
+                                                      .view(np.float64)[0]))
+
+    def add_run_control(self, slot: int, value: int) -> None:
+        """Add `value` to a slot of the run control block, under the exclusive lock."""
+        with self._lock(exclusive=True) as seg:
+            seg.control[slot] += value
+
+    def snapshot(self, out: np.ndarray) -> np.ndarray:
+        """The whole parameter vector into `out`, each shard's slice copied under that
+        shard's shared lock (one at a time); returns each slice's version."""
+        if out.dtype != DTYPE or out.shape != (self.size,) or not out.flags.c_contiguous:
+            raise ValueError(f"snapshot buffer must be a contiguous float32 vector of "
+                             f"{self.size} elements, got {out.dtype} {out.shape}")
+        versions = np.zeros(self.topology.ps_shards, dtype=np.int64)
+        for shard, (start, stop) in enumerate(self.ranges):
+            with self._lock(False, shard) as seg:
+                np.copyto(out[start:stop], seg.params)
+                versions[shard] = seg.header[VERSION]
+        return versions
+
+    def fold(self) -> int:
+        """Nothing to fold: on this transport the clients fold their own pushes."""
+        return 0
+
+    def serve_once(self) -> bool:
+        """One poll: statistics and finish, read from the segment. Returns False: nothing
+        a client waits for happens here, so the shard may back off to its longest sleep."""
+        self.stats.polls += 1
+        if self.stats.polls == 1:
+            with self._lock(exclusive=True) as seg:
+                seg.header[SERVING] = 1
+        with self._lock(exclusive=False) as seg:  # a poll never delays a pull
+            self.stats.folds = int(seg.header[VERSION])
+            self.stats.pushes = int(seg.header[APPLIED])
+            done, self.stats.pulls = (int(x) for x in
+                                      seg.clients[:, [FINISHED, PULLED]].sum(axis=0))
+        # A client finishes after its last push returned, and pushes fold synchronously.
+        self._finished = done == self.num_clients
+        return False
+
+    def serve(self, backoff: Backoff | None = None,
+              between: Callable[[], bool] | None = None,
+              until: Callable[[], bool] | None = None) -> ShardStats:
+        """As ParameterServerShard.serve, but always with the sparse SHARED_POLL_S back-off
+        (`backoff`, tuned for RMA clients, is not needed: no client waits for a poll)."""
+        return super().serve(Backoff(*SHARED_POLL_S), between, until)
+
+
+class SharedMemoryClient(ParameterClient):
+    """A client on the shared-memory transport: a push folds the gradient into every
+    shard's segment with the shard's optimizer, under the segment's exclusive lock, and
+    returns when it is applied; a pull copies every segment's parameters under its shared
+    lock. No shard takes part. Same interface as ParameterClient, restrict_to included
+    (only the pieces are folded and copied; shards without any are not touched, except
+    shard 0 for a control exchange)."""
+
+    def __init__(self, comm: MPI.Comm, segments: _SharedSegments, topology: Topology,
+                 size: int, optimizer: OptimizerFactory):
+        super().__init__(comm, segments, topology, size)
+        self._slot = topology.world_rank - topology.ps_shards
+        self._pulls = 0  # pulls made (each reads every shard), published under EXCLUSIVE
+        # One optimizer per shard, working on that shard's state arrays (a copy of what
+        # the factory gives, in case it hands out one object every time).
+        self._optimizers = []
+        for shard, (start, stop) in enumerate(self.ranges):
+            local = copy.copy(optimizer(stop - start))
+            _bind_state(local, segments.segments[shard].state)
+            self._optimizers.append(local)
+        self._pieces = self._piece_folders()
+        self._served = np.zeros(len(self.ranges), dtype=bool)
+
+    def _wait_served(self, shards: Sequence[int]) -> None:
+        """Before the first access to a shard: wait, sleeping, until it has polled once."""
+        backoff = Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
+        guard = watchdog.current()
+        for shard in shards:
+            if self._served[shard]:
+                continue
+            with guard.waiting(f"shard {shard} to start serving", (shard,)):
+                while not self._served[shard]:
+                    with self._live().lock(shard, exclusive=False) as seg:
+                        self._served[shard] = bool(seg.header[SERVING])
+                    if not self._served[shard]:
+                        guard.check()
+                        backoff.wait()
+
+    def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
+        """As ParameterClient.restrict_to."""
+        super().restrict_to(pieces)
+        self._pieces = self._piece_folders()
+
+    def _piece_folders(self) -> list[list[tuple[int, int, Optimizer]]]:
+        """Per shard: (start, stop) of each piece in the vector and an optimizer working
+        on the piece's part of the shard's state (the whole range: the shard's own)."""
+        pieces = []
+        segments = self._live()
+        for shard, (low, high) in enumerate(self.ranges):
+            folders = []
+            for start, stop in self._segments[shard]:
+                if (start, stop) == (low, high):
+                    folders.append((start, stop, self._optimizers[shard]))
+                    continue
+                part = copy.copy(self._optimizers[shard])
+                _bind_state(part, {name: view[start - low : stop - low] for name, view
+                                   in segments.segments[shard].state.items()})
+                folders.append((start, stop, part))
+            pieces.append(folders)
+        return pieces
+
+    def _read(self, seg: _Segment, shard: int, out: np.ndarray) -> None:
+        """Copy this client's pieces of a segment's parameters, and its version."""
+        low = self.ranges[shard][0]
+        for start, stop, _ in self._pieces[shard]:
+            np.copyto(out[start:stop], seg.params[start - low : stop - low])
+        self._headers[shard] = seg.header[VERSION], seg.header[APPLIED]
+
+    def _fold(self, seg: _Segment, shard: int, grad: np.ndarray,
+              control: ControlExchange | None, out: np.ndarray | None = None) -> None:
+        """Apply this client's pieces of `grad` as the shard's next update (with `out`, also
+        copy the new values of its pieces there, in the same pass), and the control
+        operations on shard 0 (exclusive lock held)."""
+        if self._touched[shard]:
+            low = self.ranges[shard][0]
+            version = int(seg.header[VERSION])
+            self._taken[shard, 0] = version
+            for start, stop, optimizer in self._pieces[shard]:
+                optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
+                               None if out is None else out[start:stop])
+            seg.header[VERSION] = version + 1
+            seg.header[APPLIED] += 1
+            seg.clients[self._slot, PULLED] = self._pulls
+            self._maybe_hang(shard)
+        if control is not None and shard == CONTROL_SHARD:
+            control.apply(seg.control)
+
+    def _progress(self) -> None:
+        """Let MPI progress, as every RMA call of the other transport does by itself: the
+        caller's nonblocking operations (a partitioned replica's messages to its partners,
+        a replica's statistics to rank 0) advance only while their ranks are inside MPI.
+        One Iprobe on the private communicator (where nothing is ever sent), ~1 us."""
+        self._comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+
+    def _pushed_to(self, control: ControlExchange | None) -> list[int]:
+        """The shards a push locks: those it touches, and shard 0 for a control exchange."""
+        return [shard for shard in self.topology.shard_ranks
+                if self._touched[shard] or (control is not None and shard == CONTROL_SHARD)]
+
+    def pull(self, out: np.ndarray) -> np.ndarray:
+        """As ParameterClient.pull: every shard's slice is one consistent snapshot."""
+        self._check_vector(out, "pull buffer")
+        segments = self._check_open()
+        self._wait_served([int(s) for s in np.flatnonzero(self._touched)])
+        for shard in np.flatnonzero(self._touched):
+            with segments.lock(int(shard), exclusive=False) as seg:
+                self._read(seg, int(shard), out)
+        self._pulls += 1
+        self._progress()
+        return self._pulled()
+
+    def push(self, grad: np.ndarray, control: ControlExchange | None = None) -> np.ndarray:
+        """As ParameterClient.push, but the gradient is applied when it returns."""
+        self._check_vector(grad, "gradient")
+        segments = self._check_open()
+        self._wait_served(self._pushed_to(control))
+        for shard in self._pushed_to(control):
+            with segments.lock(shard, exclusive=True) as seg:
+                self._fold(seg, shard, grad, control)
+        self._progress()
+        return self._pushed()
+
+    def push_pull(self, grad: np.ndarray, out: np.ndarray,
+                  control: ControlExchange | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """As ParameterClient.push_pull; the parameters fetched always contain `grad` (the
+        copy is made under the same exclusive lock, right after the fold)."""
+        self._check_vector(grad, "gradient")
+        self._check_vector(out, "pull buffer")
+        segments = self._check_open()
+        self._wait_served(self._pushed_to(control))
+        self._pulls += 1  # published by the folds below, with this pull
+        for shard in self._pushed_to(control):
+            with segments.lock(shard, exclusive=True) as seg:
+                self._fold(seg, shard, grad, control, out)
+                if self._touched[shard]:
+                    self._headers[shard] = seg.header[VERSION], seg.header[APPLIED]
+        self._progress()
+        return self._pushed(), self._pulled()
+
+    def exchange(self, control: ControlExchange) -> None:
+        """Only the control operations, under shard 0's exclusive lock."""
+        segments = self._check_open()
+        self._wait_served([CONTROL_SHARD])
+        with segments.lock(CONTROL_SHARD, exclusive=True) as seg:
+            control.apply(seg.control)
+
+    def finish(self) -> None:
+        """Publish this client's pull count and mark it finished on every shard (its own
+        slots, under the exclusive lock). Idempotent."""
+        if self._finished:
+            return
+        segments = self._check_open()
+        for shard in self.topology.shard_ranks:
+            with segments.lock(shard, exclusive=True) as seg:
+                seg.clients[self._slot, PULLED] = self._pulls
+                seg.clients[self._slot, FINISHED] = 1
+        self._finished = True

@@ -1,0 +1,105 @@
+"""Which parameter-server transport a job uses, and opening it on every rank.
+
+open_parameter_server (collective) chooses shared memory (shared_memory.py) when every
+rank is on one node and the optimizer's state can be shared, else RMA
+(parameter_server.py), unless told otherwise (requested_transport). A new transport is a
+shard and a client class in ps/ and a branch here. Moved unchanged from parameter_server.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.errors import ConfigError
+from distbelief.model.layout import DTYPE, balanced_ranges
+from distbelief.ps import run_control as rc
+from distbelief.ps.parameter_server import (
+    TRANSPORT_ENV,
+    TRANSPORTS,
+    OptimizerFactory,
+    ParameterClient,
+    ParameterServerShard,
+    _ShardWindows,
+)
+from distbelief.ps.shared_memory import SharedMemoryClient, SharedMemoryShard, _open_shared
+from distbelief.runtime.topology import Topology
+
+
+def requested_transport(transport: str | None = None) -> str:
+    """`transport`, or else $DISTBELIEF_PS_TRANSPORT, or else "auto"; validated. Pure, so a
+    bad value raises ConfigError on every rank before any communication."""
+    value = transport or os.environ.get(TRANSPORT_ENV) or "auto"
+    if value not in TRANSPORTS:
+        raise ConfigError(f"parameter-server transport {value!r} (from "
+                          f"{'the caller' if transport else TRANSPORT_ENV}) must be one of "
+                          f"{', '.join(TRANSPORTS)}")
+    return value
+
+
+def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
+                          optimizer: OptimizerFactory,
+                          initial: np.ndarray | None = None,
+                          transport: str | None = None,
+                          control_replicas: int = 0,
+                          ) -> ParameterServerShard | ParameterClient:
+    """Create the parameter server: a ParameterServerShard on shard ranks, a
+    ParameterClient on every other rank (replicas and the coordinator).
+
+    Collective over `comm_world`: every rank calls it, with the same topology, size and
+    configuration; it creates the windows in one fixed order. It validates first, so a bad
+    configuration raises ConfigError on every rank before any communication.
+    `optimizer(n)` builds the optimizer for a slice of n parameters (on shards; on the
+    shared transport also on clients, once per shard, and once with n = 1 on every rank
+    to see whether its state can be shared); `initial` is the full initial parameter
+    vector (each shard copies its slice; None means zeros). `transport`: "auto", "shared"
+    or "rma" (None: $DISTBELIEF_PS_TRANSPORT, else "auto"; see requested_transport).
+    `control_replicas` > 0 reserves Downpour's run control block (distbelief.ps.run_control)
+    for that many replicas on shard 0 (every shard's windows have the same layout).
+    Returns once every shard has published its initial parameters.
+    """
+    requested = requested_transport(transport)
+    if size < topology.ps_shards:
+        raise ConfigError(f"cannot shard {size} parameters over {topology.ps_shards} "
+                          f"parameter-server shards; use at most {size} shards")
+    if comm_world.Get_size() != topology.world_size:
+        raise ConfigError(f"topology is for {topology.world_size} ranks, the communicator "
+                          f"has {comm_world.Get_size()}")
+    if initial is not None and (initial.shape != (size,) or initial.dtype != DTYPE):
+        raise ValueError(f"initial parameters must be float32 of shape ({size},), got "
+                         f"{initial.dtype} {initial.shape}")
+    # The collective part, identical on every rank whatever its role: a private
+    # communicator (our windows and barrier never mix with the caller's traffic), then the
+    # windows in one fixed order (size 0 off the shards).
+    comm = comm_world.Dup()
+    ranges = balanced_ranges(size, topology.ps_shards)
+    try:
+        segments = _open_shared(comm, topology, ranges, optimizer, requested,
+                                rc.block_bytes(control_replicas))
+    except ConfigError:
+        comm.Free()
+        raise
+    endpoint: ParameterServerShard | ParameterClient
+    if segments is not None:
+        if topology.is_shard:
+            endpoint = SharedMemoryShard(comm, segments, topology, size,
+                                         optimizer(ranges[topology.world_rank][1]
+                                                   - ranges[topology.world_rank][0]), initial)
+        comm.Barrier()  # every shard has initialised its segment
+        if not topology.is_shard:
+            endpoint = SharedMemoryClient(comm, segments, topology, size, optimizer)
+        return endpoint
+    index = topology.shard_index
+    local_count = 0 if index is None else ranges[index][1] - ranges[index][0]
+    windows = _ShardWindows(comm, local_count, rc.block_bytes(control_replicas))
+    # Local set-up: a shard publishes its initial parameters under its own lock.
+    if topology.is_shard:
+        endpoint = ParameterServerShard(comm, windows, topology, size,
+                                        optimizer(local_count), initial)
+    else:
+        endpoint = ParameterClient(comm, windows, topology, size)
+    # Collective again: every shard has published before any client can pull.
+    comm.Barrier()
+    return endpoint

@@ -1,0 +1,887 @@
+"""Checkpoints: a directory of HDF5 part files plus a JSON manifest, committed atomically by
+one rank after several writers, loaded back whatever the shard count.
+
+FORMAT (version 1)
+
+    out_dir/checkpoints/
+        ckpt-0000001500/            a committed checkpoint (the name carries the step)
+            manifest.json
+            shard-0000.h5           one per parameter-server shard: its slice of the vector
+            shard-0001.h5 ...
+            replica-0000.h5         one per model replica: data position, RNG, counters
+        ckpt-0000002000.partial/    being written (or left by a killed run: never loaded)
+        ckpt-0000000500.deleting/   an old checkpoint being removed (retention)
+        ckpt-0000001800.damaged/    failed verification at a resume; set aside, not deleted
+
+shard-NNNN.h5 (plain datasets and attributes; `h5ls -r`, `h5dump -A` read them):
+    attributes  format = "distbelief-checkpoint-part", version = 1, kind = "shard",
+                index, start, stop, step, config_hash
+    /params              float32 (stop - start,)   the slice [start, stop) of the vector
+    /optimizer/<name>    float32 (stop - start,)   per-parameter optimizer state (Adagrad:
+                                                    "accum"; SGD: none)
+    /counters            group whose integer attributes are the shard's counters
+replica-NNNN.h5:
+    attributes  format, version, kind = "replica", index, step, config_hash
+    /counters            integer attributes (step, samples, ...)
+    /data                integer attributes: distbelief.data.hdf5.TrainShard.state()
+    /rng                 attribute `state_json`: a numpy bit generator's state, as JSON
+                         (present only when the replica has an RNG of its own)
+    /arrays/<name>       any further arrays of the replica
+
+manifest.json: format, version, step, samples, wall_seconds (training time so far),
+created (UTC, for people), config_hash, config (the hashed settings, so a refused resume
+can say what changed), algorithm, num_params, layout (ParamLayout.to_records()),
+optimizer_state (names), shards [{index, start, stop, part}], replicas [{index, part}],
+parts {name: {size, sha256}}, and manifest_sha256 over all the other fields (canonical
+JSON), so a flipped digit in the step cannot pass as valid.
+
+WRITING (the order every rank follows; no MPI in this module)
+
+    committer (rank 0):  clean_leftovers(root)                    once, at start-up
+      -- all ranks agree to checkpoint now and on one CheckpointMeta (step, samples,
+         wall_seconds, config_hash): e.g. rank 0 decides and broadcasts --
+    committer:           partial = prepare(root, meta.step)       before any writer
+      -- writers learn that `partial` exists (the same bcast, or a barrier after it) --
+    each shard rank:     record = write_shard_part(partial, meta, index, start, stop,
+                                                   params, optimizer_state, counters)
+    each replica leader: record = write_replica_part(partial, meta, index, data_state,
+                                                     rng_state, counters)
+      -- the committer gathers every PartRecord (gather; a writer that failed sends
+         None, and then the committer does not commit: the .partial is cleaned later) --
+    committer:           commit(root, meta, settings=..., layout=..., shard_ranges=...,
+                                parts=records, num_replicas=R, keep=N)
+
+`save_local` is this sequence in one process; distbelief.algorithms.downpour spreads it over the
+ranks of an MPI job (its CHECKPOINTS section: the agreement, then these steps).
+
+A part is written under a temporary name, fsynced and renamed; commit checks that every
+expected part is there with the size its writer reported, writes the manifest the same
+way, renames the directory to its final name, fsyncs the parent, and only then deletes
+checkpoints beyond the newest `keep`. A crash at any point leaves the previous checkpoint
+untouched; a checkpoint counts only once its directory has no suffix and its manifest
+and part checksums verify.
+
+LOADING
+
+    found, damaged = find_latest(root)      newest checkpoint that verifies, and the newer
+                                            ones that did not (each with its reason)
+    verify(path, parts=[...])               only some parts: each rank its own, then agree
+    found.check_compatible(config, layout)  CheckpointMismatch naming both sides
+    params, opt_state = found.read_range(start, stop)   any range, assembled from the
+                                            overlapping shard parts: re-sharding for free
+    replica = found.read_replica(index)
+
+`assemble` and `split` do the same re-slicing in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from distbelief.errors import UserError
+from distbelief.model.layout import DTYPE, ParamLayout
+
+CHECKPOINTS_DIR = "checkpoints"
+MANIFEST = "manifest.json"
+FORMAT_NAME = "distbelief-checkpoint"
+PART_FORMAT_NAME = "distbelief-checkpoint-part"
+FORMAT_VERSION = 1
+PARTIAL_SUFFIX = ".partial"
+DELETING_SUFFIX = ".deleting"
+DAMAGED_SUFFIX = ".damaged"
+MIN_KEEP = 2
+
+_COMMITTED = re.compile(r"^ckpt-(\d+)$")
+_LEFTOVER = re.compile(r"^ckpt-\d+(\.partial|\.deleting)$")
+_HASH_BLOCK = 16 << 20
+# What h5py raises for a damaged file (see distbelief.data.hdf5.H5_ERRORS).
+_H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be written or read: damaged, incomplete, not a checkpoint."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A valid checkpoint of a different model or configuration than the run's."""
+
+
+# ---------------------------------------------------------------------------------------
+# Names
+
+
+def checkpoint_root(out_dir: str | Path) -> Path:
+    """Where a run's checkpoints live: out_dir/checkpoints."""
+    return Path(out_dir) / CHECKPOINTS_DIR
+
+
+def checkpoint_name(step: int) -> str:
+    """ckpt-<step, zero-padded to 10 digits>; longer steps simply get more digits."""
+    return f"ckpt-{step:010d}"
+
+
+def shard_part_name(index: int) -> str:
+    return f"shard-{index:04d}.h5"
+
+
+def replica_part_name(index: int) -> str:
+    return f"replica-{index:04d}.h5"
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Committed checkpoint directories (by name; not verified) as (step, path), newest
+    first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _COMMITTED.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def list_leftovers(root: str | Path) -> list[Path]:
+    """.partial and .deleting directories: what a killed run left behind."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _LEFTOVER.match(p.name) and p.is_dir())
+
+
+# ---------------------------------------------------------------------------------------
+# Writing
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """What every writer and the committer agree on before a checkpoint is written."""
+
+    step: int
+    samples: int
+    wall_seconds: float
+    config_hash: str
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """A part file as its writer left it: the committer puts these in the manifest."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+def clean_leftovers(root: str | Path) -> list[Path]:
+    """Remove .partial and .deleting directories; returns what was removed.
+
+    Only the committer calls this, and only while no writer is active (at start-up): an
+    incomplete checkpoint is never loaded, so removing it loses nothing.
+    """
+    removed = list_leftovers(root)
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
+
+
+def prepare(root: str | Path, step: int) -> Path:
+    """Create an empty ckpt-<step>.partial/ for the writers (committer only, before them).
+
+    A .partial of the same step from a killed run is removed first. Raises
+    CheckpointError if the checkpoint exists already (its step was committed).
+    """
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    if final.exists():
+        raise CheckpointError(f"checkpoint {final} exists already; a step is checkpointed "
+                              "once")
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir()
+    except OSError as exc:
+        raise CheckpointError(f"cannot create checkpoint folder {partial}: "
+                              f"{exc.strerror or exc}") from exc
+    return partial
+
+
+def write_shard_part(partial: str | Path, meta: CheckpointMeta, index: int, start: int,
+                     stop: int, params: np.ndarray, optimizer_state: Mapping[str, np.ndarray],
+                     counters: Mapping[str, int] | None = None) -> PartRecord:
+    """Write shard `index`'s slice [start, stop) and its optimizer state (each shard rank).
+
+    No communication. Returns the record the committer needs.
+    """
+    length = stop - start
+    _check_vector(params, length, "params")
+    for name, values in optimizer_state.items():
+        _check_vector(values, length, f"optimizer state {name!r}")
+
+    def fill(f: h5py.File) -> None:
+        _part_attrs(f, "shard", index, meta)
+        f.attrs["start"], f.attrs["stop"] = np.int64(start), np.int64(stop)
+        f.create_dataset("params", data=params)
+        group = f.create_group("optimizer")
+        for name in sorted(optimizer_state):
+            group.create_dataset(name, data=optimizer_state[name])
+        _int_attrs(f.create_group("counters"), counters or {})
+
+    return _write_part(Path(partial), shard_part_name(index), fill)
+
+
+def write_replica_part(partial: str | Path, meta: CheckpointMeta, index: int,
+                       data_state: Mapping[str, int], rng_state: Mapping[str, Any] | None = None,
+                       counters: Mapping[str, int] | None = None,
+                       arrays: Mapping[str, np.ndarray] | None = None) -> PartRecord:
+    """Write replica `index`'s state (its leader rank): the data position
+    (TrainShard.state()), the state of its own RNG if it has one (a numpy
+    `bit_generator.state`), counters, and any further arrays. No communication."""
+    def fill(f: h5py.File) -> None:
+        _part_attrs(f, "replica", index, meta)
+        _int_attrs(f.create_group("counters"), counters or {})
+        _int_attrs(f.create_group("data"), data_state)
+        if rng_state is not None:
+            f.create_group("rng").attrs["state_json"] = json.dumps(rng_state, sort_keys=True)
+        group = f.create_group("arrays")
+        for name in sorted(arrays or {}):
+            group.create_dataset(name, data=arrays[name])
+
+    return _write_part(Path(partial), replica_part_name(index), fill)
+
+
+def _check_vector(values: np.ndarray, length: int, what: str) -> None:
+    if not isinstance(values, np.ndarray) or values.dtype != DTYPE or values.shape != (length,):
+        shape = getattr(values, "shape", None)
+        dtype = getattr(values, "dtype", type(values).__name__)
+        raise ValueError(f"{what} must be float32 of shape ({length},), got {dtype} {shape}")
+
+
+def _part_attrs(f: h5py.File, kind: str, index: int, meta: CheckpointMeta) -> None:
+    f.attrs["format"] = PART_FORMAT_NAME
+    f.attrs["version"] = np.int64(FORMAT_VERSION)
+    f.attrs["kind"] = kind
+    f.attrs["index"] = np.int64(index)
+    f.attrs["step"] = np.int64(meta.step)
+    f.attrs["config_hash"] = meta.config_hash
+
+
+def _int_attrs(group: h5py.Group, values: Mapping[str, int]) -> None:
+    for key, value in values.items():
+        group.attrs[key] = np.int64(value)
+
+
+def _write_part(partial: Path, name: str, fill: Callable[[h5py.File], None]) -> PartRecord:
+    """Write a part under a temporary name, fsync it, rename it into place."""
+    if not partial.is_dir():
+        raise CheckpointError(f"checkpoint folder {partial} does not exist; the committer "
+                              "calls prepare() before the writers start")
+    tmp = partial / f".{name}.tmp"
+    try:
+        with h5py.File(tmp, "w", locking=False) as f:
+            fill(f)
+        size, digest = _sync_and_digest(tmp)
+        os.replace(tmp, partial / name)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write checkpoint part {partial / name}: "
+                              f"{exc.strerror or exc}") from exc
+    return PartRecord(name, size, digest)
+
+
+def _sync_and_digest(path: Path) -> tuple[int, str]:
+    """fsync a file and return (size, sha256). The hash reads the file back from the page
+    cache while the fsync waits for the disk, on another thread: both release the GIL."""
+    with path.open("rb") as f, ThreadPoolExecutor(1) as pool:
+        synced = pool.submit(os.fsync, f.fileno())
+        size, digest = _digest(f)
+        synced.result()
+    return size, digest
+
+
+def _digest(f: Any) -> tuple[int, str]:
+    h = hashlib.sha256()
+    buf = bytearray(_HASH_BLOCK)
+    view = memoryview(buf)
+    size = 0
+    while n := f.readinto(buf):
+        h.update(view[:n])
+        size += n
+    return size, h.hexdigest()
+
+
+def _file_digest(path: Path) -> tuple[int, str]:
+    with path.open("rb") as f:
+        return _digest(f)
+
+
+def _write_file_atomic(folder: Path, name: str, data: bytes) -> None:
+    tmp = folder / f".{name}.tmp"
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / name)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any],
+           algorithm: str, layout: ParamLayout, shard_ranges: Sequence[tuple[int, int]],
+           optimizer_state: Sequence[str], parts: Sequence[PartRecord], num_replicas: int,
+           keep: int, lost_replicas: Sequence[int] = ()) -> Path:
+    """Publish ckpt-<step> (committer only, after every writer has returned its record).
+
+    `settings` is distbelief.config.hashed_settings(config); its hash must be
+    meta.config_hash. `shard_ranges` must tile the layout's vector; `parts` holds one
+    record per shard and per replica, except the `lost_replicas` (Downpour replicas that
+    died: they have no part, and a resume starts them on a fresh pass). Checks the parts,
+    writes the manifest, renames the folder, fsyncs the parent, then keeps only the newest
+    `keep` checkpoints. Returns the committed folder.
+    """
+    from distbelief.config import settings_hash
+
+    root = Path(root)
+    if keep < MIN_KEEP:
+        raise ValueError(f"keep must be at least {MIN_KEEP}, got {keep}")
+    if settings_hash(dict(settings)) != meta.config_hash:
+        raise ValueError("meta.config_hash is not the hash of `settings`")
+    partial = root / (checkpoint_name(meta.step) + PARTIAL_SUFFIX)
+    ranges = [(int(a), int(b)) for a, b in shard_ranges]
+    _check_tiling(ranges, 0, layout.size)
+    lost = sorted({int(r) for r in lost_replicas})
+    kept = [i for i in range(num_replicas) if i not in lost]
+    records = _check_parts(partial, len(ranges), kept, parts)
+    manifest = {
+        "format": FORMAT_NAME, "version": FORMAT_VERSION, "step": int(meta.step),
+        "samples": int(meta.samples), "wall_seconds": float(meta.wall_seconds),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config_hash": meta.config_hash, "config": dict(settings), "algorithm": algorithm,
+        "num_params": int(layout.size), "layout": layout.to_records(),
+        "optimizer_state": sorted(optimizer_state),
+        "shards": [{"index": i, "start": a, "stop": b, "part": shard_part_name(i)}
+                   for i, (a, b) in enumerate(ranges)],
+        "replicas": [{"index": i, "part": replica_part_name(i)} for i in kept],
+        "lost_replicas": lost,
+        "parts": {r.name: {"size": r.size, "sha256": r.sha256} for r in records},
+    }
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    try:
+        _write_manifest(partial, manifest)
+        final = _publish(partial)
+    except OSError as exc:
+        raise CheckpointError(f"cannot commit checkpoint {partial}: "
+                              f"{exc.strerror or exc}") from exc
+    try:
+        _prune(root, keep)
+    except OSError as exc:
+        raise CheckpointError(f"committed {final}, but could not remove an old checkpoint: "
+                              f"{exc.strerror or exc}") from exc
+    return final
+
+
+def _check_parts(partial: Path, num_shards: int, replicas: Sequence[int],
+                 parts: Sequence[PartRecord]) -> list[PartRecord]:
+    """Every expected part reported once and on disk at its reported size."""
+    by_name = {r.name: r for r in parts}
+    expected = ([shard_part_name(i) for i in range(num_shards)]
+                + [replica_part_name(i) for i in replicas])
+    if len(by_name) != len(parts) or set(by_name) != set(expected):
+        raise CheckpointError(f"checkpoint {partial}: writers reported parts "
+                              f"{sorted(by_name)}, expected {expected}")
+    for name in expected:
+        path = partial / name
+        size = path.stat().st_size if path.is_file() else None
+        if size != by_name[name].size:
+            raise CheckpointError(f"checkpoint {partial}: part {name} is "
+                                  f"{'missing' if size is None else f'{size} bytes'}, its "
+                                  f"writer reported {by_name[name].size} bytes")
+    return [by_name[name] for name in expected]
+
+
+def _manifest_digest(manifest: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
+                          .encode()).hexdigest()
+
+
+def _write_manifest(partial: Path, manifest: Mapping[str, Any]) -> None:
+    _write_file_atomic(partial, MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    _fsync_dir(partial)  # the parts' and the manifest's renames
+
+
+def _publish(partial: Path) -> Path:
+    final = partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX))
+    # rename() would also replace an empty folder silently; a step is committed once.
+    if final.exists():
+        raise CheckpointError(f"checkpoint {final} exists already")
+    os.rename(partial, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def _prune(root: Path, keep: int) -> list[Path]:
+    """Delete committed checkpoints beyond the newest `keep`, oldest first. Each is renamed
+    to .deleting first, so a crash half-way through never leaves a damaged checkpoint
+    under a committed name."""
+    removed = []
+    for _, path in reversed(list_checkpoints(root)[keep:]):
+        doomed = path.with_name(path.name + DELETING_SUFFIX)
+        os.rename(path, doomed)
+        _fsync_dir(root)
+        shutil.rmtree(doomed)
+        removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------
+# Verifying and loading
+
+
+@dataclass
+class PartStatus:
+    """One part file as found on disk against the manifest."""
+
+    name: str
+    size: int
+    sha256: str
+    found_size: int | None = None
+    found_sha256: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.found_size == self.size and self.found_sha256 == self.sha256
+
+    def problem(self) -> str | None:
+        if self.found_size is None:
+            return f"part {self.name} is missing"
+        if self.found_size != self.size:
+            return (f"part {self.name} is {self.found_size} bytes, the manifest says "
+                    f"{self.size} (truncated?)")
+        if self.found_sha256 != self.sha256:
+            return f"part {self.name} fails its sha256 checksum (corrupt)"
+        return None
+
+
+@dataclass
+class Inspection:
+    """What `inspect_checkpoint` found: the manifest (None if unreadable), the status of
+    each part, and every problem in words. Valid when there are no problems."""
+
+    path: Path
+    manifest: dict[str, Any] | None
+    parts: list[PartStatus] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def valid(self) -> bool:
+        return not self.problems and self.manifest is not None
+
+
+def inspect_checkpoint(path: str | Path, parts: Collection[str] | None = None) -> Inspection:
+    """Read and check a checkpoint folder without raising: manifest, shard ranges, and the
+    size and sha256 of every part (or only of `parts`, names like "shard-0003.h5")."""
+    path = Path(path)
+    report = Inspection(path, None)
+    if path.name.endswith(PARTIAL_SUFFIX):
+        report.problems.append("incomplete: its writers never committed it (.partial)")
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as exc:
+        report.problems.append(str(exc).removeprefix(f"checkpoint {path}: "))
+        return report
+    report.manifest = manifest
+    try:
+        _check_tiling([(s["start"], s["stop"]) for s in manifest["shards"]], 0,
+                      manifest["num_params"])
+    except ValueError as exc:
+        report.problems.append(f"shard {exc}")
+    unknown = set(parts or ()) - set(manifest["parts"])
+    if unknown:
+        report.problems.append(f"has no part {', '.join(sorted(unknown))}")
+    for name, entry in manifest["parts"].items():
+        if parts is not None and name not in parts:
+            continue
+        status = PartStatus(name, entry["size"], entry["sha256"])
+        part = path / name
+        if part.is_file():
+            status.found_size = part.stat().st_size
+            # Hashing a file of the wrong size would only confirm what the size says.
+            if status.found_size == status.size:
+                status.found_size, status.found_sha256 = _file_digest(part)
+        report.parts.append(status)
+        if (problem := status.problem()) is not None:
+            report.problems.append(problem)
+    return report
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder, checked for shape and its own checksum."""
+    path = Path(path)
+    file = path / MANIFEST
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: not a folder")
+    try:
+        manifest = json.loads(file.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable "
+                              f"({type(exc).__name__}: {exc})") from exc
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} {problem}")
+    return manifest
+
+
+_MANIFEST_KEYS = ("format", "version", "step", "samples", "wall_seconds", "config_hash",
+                  "config", "algorithm", "num_params", "layout", "optimizer_state", "shards",
+                  "replicas", "parts", "manifest_sha256")
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        return "is not a distbelief checkpoint manifest"
+    if manifest.get("version") != FORMAT_VERSION:
+        return (f"has format version {manifest.get('version')!r}; this reader knows "
+                f"version {FORMAT_VERSION}")
+    missing = [k for k in _MANIFEST_KEYS if k not in manifest]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    if manifest["manifest_sha256"] != _manifest_digest(manifest):
+        return "fails its own checksum (edited or corrupt)"
+    return None
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """What write_replica_part saved for one replica."""
+
+    index: int
+    counters: dict[str, int]
+    data_state: dict[str, int]
+    rng_state: dict[str, Any] | None
+    arrays: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint whose manifest and part checksums verified (see `verify`)."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def samples(self) -> int:
+        return int(self.manifest["samples"])
+
+    @property
+    def wall_seconds(self) -> float:
+        return float(self.manifest["wall_seconds"])
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas of the run that wrote it, lost ones included."""
+        return len(self.manifest["replicas"]) + len(self.manifest.get("lost_replicas", []))
+
+    def has_replica(self, index: int) -> bool:
+        """Whether replica `index` wrote a part (a lost replica did not)."""
+        return any(r["index"] == index for r in self.manifest["replicas"])
+
+    @property
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        return [(s["start"], s["stop"]) for s in self.manifest["shards"]]
+
+    def check_compatible(self, settings: Mapping[str, Any], layout: ParamLayout) -> None:
+        """CheckpointMismatch unless this checkpoint holds `layout` and was written under
+        the same hashed settings (distbelief.config.hashed_settings)."""
+        from distbelief.config import settings_diff, settings_hash
+
+        problem = _layout_difference(self.manifest["layout"], layout)
+        if problem:
+            raise CheckpointMismatch(f"checkpoint {self.path} holds a different model: "
+                                     f"{problem}")
+        theirs, ours = self.manifest["config_hash"], settings_hash(dict(settings))
+        if theirs != ours:
+            changes = settings_diff(self.manifest["config"], dict(settings))
+            raise CheckpointMismatch(
+                f"checkpoint {self.path} was written by a different configuration "
+                f"(config hash {theirs[:12]}, this run's {ours[:12]}): "
+                f"{'; '.join(changes) or 'settings differ'}")
+
+    def read_range(self, start: int, stop: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Parameters and optimizer state of [start, stop), assembled from the shard parts
+        that overlap it, whatever their number: a shard of a run with another shard count
+        reads its own range here."""
+        if not 0 <= start < stop <= int(self.manifest["num_params"]):
+            raise ValueError(f"range [{start}, {stop}) is outside the "
+                             f"{self.manifest['num_params']} parameters")
+        names = ["params", *(f"optimizer/{n}" for n in self.manifest["optimizer_state"])]
+        out = {name: np.empty(stop - start, DTYPE) for name in names}
+        for shard in self.manifest["shards"]:
+            lo, hi = max(start, shard["start"]), min(stop, shard["stop"])
+            if lo < hi:
+                self._read_slices(shard, lo - shard["start"], hi - shard["start"],
+                                  {n: a[lo - start : hi - start] for n, a in out.items()})
+        params = out.pop("params")
+        return params, {n.removeprefix("optimizer/"): a for n, a in out.items()}
+
+    def read_state(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The full parameter vector and optimizer state."""
+        return self.read_range(0, int(self.manifest["num_params"]))
+
+    def _read_slices(self, shard: Mapping[str, Any], lo: int, hi: int,
+                     into: Mapping[str, np.ndarray]) -> None:
+        path = self.path / shard["part"]
+        with self._open_part(path, "shard", shard["index"]) as f:
+            try:
+                for name, dest in into.items():
+                    dset = f[name]
+                    if dset.shape != (shard["stop"] - shard["start"],) or dset.dtype != DTYPE:
+                        raise CheckpointError(f"checkpoint part {path}: /{name} has shape "
+                                              f"{dset.shape} {dset.dtype}, the manifest "
+                                              f"says ({shard['stop'] - shard['start']},)")
+                    dset.read_direct(dest, np.s_[lo:hi])
+            except _H5_ERRORS as exc:
+                raise CheckpointError(f"checkpoint part {path}: cannot read: "
+                                      f"{_first_line(exc)}") from exc
+
+    def read_replica(self, index: int) -> ReplicaState:
+        """The saved state of replica `index`."""
+        entries = {r["index"]: r for r in self.manifest["replicas"]}
+        if index not in entries:
+            raise CheckpointError(f"checkpoint {self.path} has no replica {index} "
+                                  f"(it has {len(entries)})")
+        path = self.path / entries[index]["part"]
+        with self._open_part(path, "replica", index) as f:
+            try:
+                rng = f.get("rng")
+                return ReplicaState(
+                    index=index,
+                    counters={k: int(v) for k, v in f["counters"].attrs.items()},
+                    data_state={k: int(v) for k, v in f["data"].attrs.items()},
+                    rng_state=json.loads(rng.attrs["state_json"]) if rng is not None else None,
+                    arrays={k: v[()] for k, v in f["arrays"].items()})
+            except (*_H5_ERRORS, json.JSONDecodeError) as exc:
+                raise CheckpointError(f"checkpoint part {path}: cannot read: "
+                                      f"{_first_line(exc)}") from exc
+
+    def _open_part(self, path: Path, kind: str, index: int) -> h5py.File:
+        """Open a part and check that its header is the one the manifest promises."""
+        try:
+            f = h5py.File(path, "r", locking=False)
+        except _H5_ERRORS as exc:
+            raise CheckpointError(f"checkpoint part {path}: not a readable HDF5 file: "
+                                  f"{_first_line(exc)}") from exc
+        header = {k: f.attrs.get(k) for k in ("format", "kind", "index", "step", "config_hash")}
+        expected = {"format": PART_FORMAT_NAME, "kind": kind, "index": index,
+                    "step": self.step, "config_hash": self.manifest["config_hash"]}
+        if header != expected:
+            f.close()
+            raise CheckpointError(f"checkpoint part {path}: header {header} does not match "
+                                  f"the manifest ({expected})")
+        return f
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _layout_difference(records: list[dict[str, Any]], layout: ParamLayout) -> str | None:
+    """None if the saved layout records describe `layout`, else the first difference."""
+    ours = layout.to_records()
+    if records == ours:
+        return None
+    for i, (a, b) in enumerate(zip(records, ours, strict=False)):
+        if a != b:
+            return (f"parameter array {i} is layer {a['layer']} {a['name']!r} "
+                    f"{tuple(a['shape'])} in the checkpoint, layer {b['layer']} "
+                    f"{b['name']!r} {tuple(b['shape'])} in this run's model")
+    size = sum(int(np.prod(r["shape"])) for r in records)
+    return (f"the checkpoint has {len(records)} parameter arrays ({size:,d} parameters), "
+            f"this run's model {len(ours)} ({layout.size:,d})")
+
+
+def verify(path: str | Path, parts: Collection[str] | None = None) -> Checkpoint:
+    """The checkpoint at `path` if its manifest and every part's size and sha256 check
+    out; CheckpointError saying which checkpoint and what is wrong otherwise.
+
+    With `parts`, only those parts are checked: in an MPI run each rank verifies the parts
+    it reads, and the ranks agree on the verdict (allreduce) before anyone loads, instead
+    of one rank reading every byte.
+    """
+    report = inspect_checkpoint(path, parts)
+    if not report.valid:
+        raise CheckpointError(f"checkpoint {report.path} is damaged: "
+                              f"{'; '.join(report.problems)}")
+    return Checkpoint(report.path, report.manifest)
+
+
+def find_latest(root: str | Path) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+    """The newest committed checkpoint that verifies (None if there is none), and the
+    newer ones that failed, each with what is wrong with it (newest first).
+
+    .partial and .deleting folders are never considered.
+    """
+    damaged = []
+    for _, path in list_checkpoints(root):
+        try:
+            return verify(path), damaged
+        except CheckpointError as exc:
+            damaged.append((path, str(exc)))
+    return None, damaged
+
+
+def set_aside(path: str | Path) -> Path:
+    """Rename a damaged checkpoint to <name>.damaged (or .damaged-2, ...) so that it is
+    neither loaded nor counted nor overwritten, and not lost either. Returns the new path."""
+    path = Path(path)
+    target = path.with_name(path.name + DAMAGED_SUFFIX)
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{DAMAGED_SUFFIX}-{n}")
+    os.rename(path, target)
+    _fsync_dir(path.parent)
+    return target
+
+
+# ---------------------------------------------------------------------------------------
+# Re-slicing
+
+
+def _check_tiling(ranges: Sequence[tuple[int, int]], start: int, stop: int) -> None:
+    """ValueError unless `ranges`, in order, cover [start, stop) exactly, none empty."""
+    at = start
+    for a, b in ranges:
+        if a != at or b <= a:
+            raise ValueError(f"ranges {list(ranges)} do not tile [{start}, {stop}): "
+                             f"[{a}, {b}) where {at} was expected")
+        at = b
+    if at != stop:
+        raise ValueError(f"ranges {list(ranges)} end at {at}, expected {stop}")
+
+
+def assemble(pieces: Sequence[tuple[int, int, np.ndarray]], total: int) -> np.ndarray:
+    """One vector of length `total` from (start, stop, values) pieces that tile it (in any
+    order): S shards' slices -> the full vector."""
+    ordered = sorted(pieces, key=lambda p: p[0])
+    _check_tiling([(a, b) for a, b, _ in ordered], 0, total)
+    out = np.empty(total, dtype=ordered[0][2].dtype if ordered else DTYPE)
+    for a, b, values in ordered:
+        if values.shape != (b - a,):
+            raise ValueError(f"piece [{a}, {b}) has shape {values.shape}")
+        out[a:b] = values
+    return out
+
+
+def split(vector: np.ndarray, ranges: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+    """The slices of `vector` for `ranges` (which must tile it): the full vector -> S'
+    shards' slices. Views, not copies."""
+    _check_tiling(ranges, 0, len(vector))
+    return [vector[a:b] for a, b in ranges]
+
+
+# ---------------------------------------------------------------------------------------
+# One process: the whole sequence above
+
+
+def save_local(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any],
+               algorithm: str, layout: ParamLayout, params: np.ndarray,
+               optimizer_state: Mapping[str, np.ndarray], data_state: Mapping[str, int],
+               counters: Mapping[str, int], keep: int,
+               rng_state: Mapping[str, Any] | None = None) -> Path:
+    """A single-process checkpoint: one shard part for the whole vector and one replica
+    part, committed. The same calls, in the same order, that an MPI run spreads over its
+    ranks."""
+    partial = prepare(root, meta.step)
+    records = [
+        write_shard_part(partial, meta, 0, 0, layout.size, params, optimizer_state, counters),
+        write_replica_part(partial, meta, 0, data_state, rng_state, counters),
+    ]
+    return commit(root, meta, settings=settings, algorithm=algorithm, layout=layout,
+                  shard_ranges=[(0, layout.size)], optimizer_state=list(optimizer_state),
+                  parts=records, num_replicas=1, keep=keep)
+
+
+# ---------------------------------------------------------------------------------------
+# Inspecting (the `distbelief inspect` command)
+
+
+def inspect_path(path: str | Path) -> list[Inspection]:
+    """Inspections for a checkpoint folder, a checkpoints folder or a run's out_dir:
+    every committed checkpoint (newest first), then leftovers (.partial, .deleting).
+    CheckpointError if `path` holds none of these."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if (path / MANIFEST).exists() or _COMMITTED.match(path.name) or \
+            path.name.endswith(PARTIAL_SUFFIX):
+        return [inspect_checkpoint(path)]
+    root = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
+    folders = [p for _, p in list_checkpoints(root)] + list_leftovers(root)
+    if not folders:
+        raise CheckpointError(f"{path} holds no checkpoint (looked for {root}/ckpt-*)")
+    return [inspect_checkpoint(p) for p in folders]
+
+
+def describe(report: Inspection, max_arrays: int = 12) -> str:
+    """A human-readable account of one inspected checkpoint."""
+    verdict = "VALID" if report.valid else "NOT VALID"
+    lines = [f"{report.path}: {verdict}"]
+    lines += [f"  problem: {p}" for p in report.problems]
+    m = report.manifest
+    if m is None:
+        return "\n".join(lines)
+    lines.append(f"  step {m['step']:,d}, {m['samples']:,d} samples, "
+                 f"{m['wall_seconds']:.1f}s of training, written {m.get('created', '?')}, "
+                 f"algorithm {m['algorithm']}")
+    lines.append(f"  config hash {m['config_hash']}")
+    lines.append(f"  layout: {len(m['layout'])} arrays, {m['num_params']:,d} parameters; "
+                 f"optimizer state: {', '.join(m['optimizer_state']) or 'none'}")
+    for r in m["layout"][:max_arrays]:
+        shape = "x".join(str(d) for d in r["shape"])
+        lines.append(f"    layer {r['layer']:<3d} {r['name']:<10s} {shape:<18s} "
+                     f"offset {r['offset']:,d}")
+    if len(m["layout"]) > max_arrays:
+        lines.append(f"    ... {len(m['layout']) - max_arrays} more")
+    lines.append(f"  shards: {len(m['shards'])}")
+    lines += [f"    shard {s['index']}: [{s['start']:,d}, {s['stop']:,d})  {s['part']}"
+              for s in m["shards"]]
+    lines.append(f"  replicas: {len(m['replicas'])}")
+    lines += [f"    replica {r['index']}: {r['part']}" for r in m["replicas"]]
+    if m.get("lost_replicas"):
+        lines.append(f"  lost replicas (no part; a resume starts them afresh): "
+                     f"{', '.join(str(r) for r in m['lost_replicas'])}")
+    lines.append("  parts:")
+    for part in report.parts:
+        status = "ok" if part.ok else (part.problem() or "?").removeprefix(f"part {part.name} ")
+        lines.append(f"    {part.name:<16s} {part.size:>14,d} bytes  sha256 {part.sha256[:16]}  "
+                     f"{status}")
+    return "\n".join(lines)

@@ -1,0 +1,8 @@
+"""The machinery of an MPI run, independent of the model and the algorithm.
+
+topology (which world rank plays which role, and the communicators), backoff (the spacing
+of polling loops), agreement (polled collectives that never block on a dead rank),
+liveness and watchdog (noticing dead and stalled ranks), guardian (the per-rank process
+that turns a worker's death into an exit status), faults (test-only injected faults),
+threads (BLAS thread settings).
+"""

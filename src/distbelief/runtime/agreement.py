@@ -1,0 +1,144 @@
+"""Agreement among MPI ranks that must never wait on each other while they train.
+
+Downpour's shards serve free, yet some decisions need every shard: write a checkpoint now
+(a global consistency point), stop because a signal reached one of them, and the end of
+the run (replicas agree through Downpour's one-sided run control instead: a collective that
+includes a rank that may die never completes). Sandblaster and the partitioned trainer
+use the polled barriers. Two pieces:
+
+`Rounds`: a sequence of non-blocking allreduces (MPI_Iallreduce, MAX over a few int64
+flags) that each rank polls from its own loop. Round k+1 is posted only after round k
+completed on that rank, and no sooner than `interval_s` after round k was posted, so
+rounds cost a Test per poll and a few small messages per interval. Every rank sees the
+same result for round k, so every decision taken from a round result is taken by all
+ranks, at the same point of their sequence of collectives; any rank can raise a flag
+(a signal, a failure) and rank 0 can ask for a checkpoint. A round completes once every
+rank has posted it, so its latency is the longest time any rank goes without polling
+(a replica polls after each push: one block of n_push steps).
+
+Why not a broadcast from rank 0 plus point-to-point messages for signals: a message sent
+to rank 0 after it stopped listening would never be received, and a collective cannot be
+cancelled; rounds need neither, and they also end the run cleanly (the `done` flag: the
+last round is the one in which every rank says it is done).
+
+`wait_for_everyone`: a barrier (MPI_Ibarrier) polled with back-off sleeps, calling
+`serve()` between polls. MPICH's blocking calls busy-poll a core (DESIGN.md), so every
+wait here sleeps; a shard that waits keeps serving, so the RMA epochs of replicas that have
+not arrived yet still complete. A blocking collective issued right after such a barrier
+(everyone has arrived) finishes at once: that is how a lowercase bcast/gather of Python
+objects is done without a spinning wait.
+
+Nothing here can deadlock as long as every rank keeps polling. A rank that dies never
+arrives: the polled waits declare themselves to the stall watchdog (distbelief.runtime.watchdog),
+which raises RankLost at once when the rank's process on this node is gone and reports
+(and aborts) after run.stall_*_seconds otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.errors import UserError
+from distbelief.runtime import watchdog
+from distbelief.runtime.backoff import Backoff
+from distbelief.runtime.topology import world_ranks
+
+WAIT_SLEEP_S = (50e-6, 5e-3)
+"""Back-off bounds of a polled wait: quick at first (the others are usually close), never
+more than 5 ms late."""
+
+
+class Rounds:
+    """Rounds of MPI_Iallreduce(MAX) over `width` int64 flags on `comm`, polled.
+
+    Collective over `comm` in the sense of MPI: every rank must keep calling poll() until
+    the rounds end, and must issue any other collective on `comm` between the same rounds
+    (right after acting on a round's result). `comm` should be private to this use.
+    """
+
+    def __init__(self, comm: MPI.Comm, width: int, interval_s: float):
+        self.comm = comm
+        self.interval_s = interval_s
+        self._send = np.zeros(width, dtype=np.int64)
+        self._result = np.zeros(width, dtype=np.int64)
+        self._request: MPI.Request | None = None
+        self._next_post = 0.0
+        self.completed = 0
+
+    @property
+    def in_flight(self) -> bool:
+        return self._request is not None
+
+    def poll(self, contribute: Callable[[], Sequence[int]]) -> np.ndarray | None:
+        """Test the round in flight: its result (a copy) once it completed, else None.
+        With no round in flight, post the next one with `contribute()` (called only then)
+        once the interval has passed. Non-blocking."""
+        if self._request is not None:
+            if not self._request.Test():
+                return None
+            self._request = None
+            self.completed += 1
+            return self._result.copy()
+        now = time.monotonic()
+        if now >= self._next_post:
+            self._send[:] = contribute()
+            self._request = self.comm.Iallreduce(self._send, self._result, MPI.MAX)
+            self._next_post = now + self.interval_s
+        return None
+
+
+def wait_for_everyone(comm: MPI.Comm, serve: Callable[[], bool] | None = None,
+                      backoff: Backoff | None = None, what: str = "a barrier") -> None:
+    """Collective over `comm`: an Ibarrier polled with back-off sleeps; `serve()` (if given)
+    runs between polls, and True from it (work was done) keeps the polls fast. Declared to
+    the stall watchdog as waiting for `what` from the other ranks of `comm`."""
+    request = comm.Ibarrier()
+    if request.Test():
+        return
+    backoff = backoff or Backoff(*WAIT_SLEEP_S)
+    guard = watchdog.current()
+    others = [r for r in range(comm.Get_size()) if r != comm.Get_rank()]
+    with guard.waiting(what, world_ranks(comm, others) if guard.enabled else ()):
+        while not request.Test():
+            guard.check(request.Test)
+            if serve is not None and serve():
+                backoff.reset()
+            else:
+                backoff.wait()
+
+
+def bcast_after_barrier(comm: MPI.Comm, value: object, root: int = 0) -> object:
+    """Collective over `comm`: the root's `value` on every rank (a polled barrier, then a
+    bcast that completes at once)."""
+    wait_for_everyone(comm)
+    return comm.bcast(value, root=root)
+
+
+def gather_after_barrier(comm: MPI.Comm, value: object, root: int = 0) -> list | None:
+    """Collective over `comm`: every rank's `value` in rank order on the root, None
+    elsewhere (a polled barrier, then a gather that completes at once)."""
+    wait_for_everyone(comm)
+    return comm.gather(value, root=root)
+
+
+def agree(comm: MPI.Comm, setup: Callable[[], Any]) -> Any:
+    """Run `setup()` here; if it raised a UserError on any rank, raise it on every rank.
+
+    Collective over `comm` (a back-off barrier, then allgather of the error messages):
+    the local set-up differs by rank (a replica reads its rows, rank 0 writes the run
+    folder), so a failure there would otherwise leave the other ranks waiting forever.
+    """
+    try:
+        result, error = setup(), None
+    except UserError as e:
+        result, error = None, str(e)
+    wait_for_everyone(comm)
+    errors = [message for message in comm.allgather(error) if message is not None]
+    if errors:
+        raise UserError(errors[0])  # the lowest rank's, so that rank 0 prints one message
+    return result

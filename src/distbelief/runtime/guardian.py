@@ -1,0 +1,137 @@
+"""Each MPI rank of `train` runs as a worker process under a small guardian, so that a rank
+that dies of a signal (kill -9, the OOM killer, a segfault) does not take the job down
+with it where the launcher would let the others live.
+
+Why: MPICH's hydra proxy calls waitpid after every event and, when a process it started
+died of a signal, SIGKILLs every rank of the job, even under `-disable-auto-cleanup`
+(read in hydra's proxy source and seen here: the survivors went on for a moment, then all
+died). A process that merely exits is another matter: with `-disable-auto-cleanup` hydra
+only sends SIGUSR1 to the others. So the process hydra starts is the guardian, which uses
+no MPI; it starts the worker (the same command, which does the MPI work, inheriting the
+PMI connection), and when the worker dies of signal N the guardian exits with status
+128 + N instead. Downpour then goes on without that replica (distbelief.algorithms.downpour).
+
+The guardian relays SIGTERM, SIGUSR1, SIGUSR2, SIGINT and SIGHUP to the worker, which runs
+in a process group of its own: a signal meant for the rank reaches the worker whether
+the launcher signals the rank's process or its process group (hydra signals process
+groups; SLURM's slurmstepd signals every process of the step, so there the worker gets it
+twice, which is harmless: a stop request is a stop request, and a SIGINT arriving twice
+within a second counts as one Ctrl-C, see distbelief.algorithms.common.note_interrupt). The worker dies with its
+guardian (PR_SET_PDEATHSIG), so a launcher that kills the job leaves nothing behind.
+
+Known gap: a worker that dies before MPI_Init (it cannot even start) ends its guardian
+with status 1, and under `-disable-auto-cleanup` hydra then lets the other ranks wait in
+MPI_Init for ever (the stall watchdog starts only after it); the default launch ends the
+job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+WORKER_ENV = "DISTBELIEF_GUARDIAN_PID"
+"""Set in the worker's environment: its guardian's process id."""
+
+RELAYED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1
+
+
+def is_worker() -> bool:
+    return WORKER_ENV in os.environ
+
+
+def run_guarded(argv: Sequence[str]) -> int:
+    """Run `python -m distbelief ARGV` as the worker; return its exit status (128 + N if a
+    signal N killed it). Call before MPI is initialised in this process."""
+    env = dict(os.environ)
+    env[WORKER_ENV] = str(os.getpid())
+    pmi_fds = _pmi_fds()
+    # The interpreter's own options (-X, -O, -W) carry over, as multiprocessing does it.
+    python = [sys.executable, *subprocess._args_from_interpreter_flags()]
+    worker = subprocess.Popen([*python, "-m", "distbelief", *argv], env=env,
+                              pass_fds=pmi_fds, process_group=0)
+    for fd in pmi_fds:
+        # The launcher must see the PMI connection close when the worker dies.
+        os.close(fd)
+    for number in RELAYED:
+        signal.signal(number, lambda signum, frame: _relay(worker, signum))
+    status = worker.wait()
+    for number in RELAYED:
+        # A launcher may go on signalling (hydra sends several SIGUSR1s per death); dying
+        # of one now would be a death by signal, the very thing this process prevents.
+        signal.signal(number, signal.SIG_IGN)
+    if status < 0:
+        name = signal.Signals(-status).name
+        print(f"distbelief: the worker of rank {os.environ.get('PMI_RANK', '?')} was killed "
+              f"by {name}", file=sys.stderr, flush=True)
+        status = 128 - status
+    return status
+
+
+def _relay(worker: subprocess.Popen, signum: int) -> None:
+    try:
+        worker.send_signal(signum)
+    except ProcessLookupError:
+        pass
+
+
+def _pmi_fds() -> list[int]:
+    """The file descriptor of the PMI connection the launcher passed (MPICH's hydra and
+    SLURM's PMI-1/PMI-2 name it in PMI_FD); PMIx launchers connect by address instead."""
+    text = os.environ.get("PMI_FD", "")
+    if not text.isdigit():
+        return []
+    try:
+        os.fstat(int(text))
+    except OSError:
+        return []
+    return [int(text)]
+
+
+def bind_to_guardian() -> None:
+    """In the worker: ignore SIGUSR1 until a trainer handles it (a launcher's notice of a
+    death, or an early stop request, must not kill it before or after training), die with
+    the guardian (SIGKILL when it exits), and exit now if it is gone already. Linux only
+    for the last two."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    guardian = int(os.environ.get(WORKER_ENV, "0"))
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if guardian and os.getppid() != guardian:
+        print(f"distbelief: the guardian (process {guardian}) of this worker is gone, or "
+              f"{WORKER_ENV} was inherited from another distbelief run; not starting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+_skip_finalize = False
+
+
+def skip_mpi_finalize() -> None:
+    """This process must end without MPI_Finalize: a rank of the job is dead, and MPICH's
+    MPI_Finalize waits (a PMI barrier) for every rank, so it would never return. Call
+    `end_process` with the exit status to leave."""
+    global _skip_finalize
+    _skip_finalize = True
+
+
+def end_process(status: int) -> None:
+    """If MPI_Finalize must be skipped, flush and leave now with `status` (os._exit: no
+    interpreter shutdown, so mpi4py's exit hook that finalizes MPI does not run); else
+    return and let the interpreter end normally."""
+    if not _skip_finalize:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)

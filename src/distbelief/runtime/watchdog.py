@@ -1,0 +1,220 @@
+"""Stall watchdog: when a rank waits on another (a lock, a message, a collective) for too
+long, say which rank and what for, and optionally abort the job (in the spirit of
+Horovod's stall inspector).
+
+Every wait that can depend on another rank declares itself:
+
+    with watchdog.current().waiting("the lock on shard 1's segment", ranks=[1],
+                                    holder=find_holder):
+        ...block or poll...
+
+and polled waits call `watchdog.current().check()` between polls. A thread of the
+watchdog looks at the innermost wait every TICK_S: after `warn_s` it prints one line naming
+the rank waited for (or, with `holder`, the rank found holding what is waited for), after
+`abort_s` it aborts the job. The thread works while the main thread is blocked in a
+system call or in MPI (mpi4py releases the GIL there: measured, a thread ticked on while
+the main thread sat 1 s in MPI_Win_unlock). `check()` raises RankLost in the waiting rank
+when a rank it waits for is gone (distbelief.runtime.liveness), so a polled wait on a dead peer
+ends at once instead of after the timeout.
+
+One watchdog per process, installed by the trainer for the run (`watching`); `current()`
+is a disabled one otherwise, so library code can declare its waits unconditionally. (It
+is process-wide state on purpose: waits are declared deep inside the parameter server,
+the agreement helpers and the model-parallel exchange, and there is one main thread.)
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+TICK_S = 0.1
+"""How often the watchdog thread looks at the current wait."""
+
+CHECK_S = 0.1
+"""How often a polled wait looks for gone ranks (check())."""
+
+
+class RankLost(Exception):
+    """A rank that a polled wait waits for is gone."""
+
+    def __init__(self, rank: int, what: str):
+        super().__init__(f"rank {rank} is gone while waiting for {what}")
+        self.rank, self.what = rank, what
+
+
+@dataclass
+class _Wait:
+    what: str
+    ranks: tuple[int, ...]
+    holder: Callable[[], int | None] | None
+    started: float = field(default_factory=time.monotonic)
+    warned: bool = False
+
+
+class Watchdog:
+    """Watches the waits of one rank (see the module docstring).
+
+    `describe(rank)` names a rank for messages ("rank 3 (replica 1)"); `gone(rank)` says
+    whether its process has ended (None: never known); `abort(message)` ends the job.
+    `warn_s` / `abort_s` of 0 turn the warning / the abort off.
+    """
+
+    def __init__(self, rank: int, describe: Callable[[int], str], warn_s: float,
+                 abort_s: float, abort: Callable[[str], None],
+                 gone: Callable[[int], bool] | None = None):
+        self.rank, self.describe = rank, describe
+        self.warn_s, self.abort_s = warn_s, abort_s
+        self.abort, self.gone = abort, gone
+        self._waits: list[_Wait] = []
+        self._next_check = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reports: list[str] = []  # what it printed (tests, summaries)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.warn_s or self.abort_s or self.gone)
+
+    @contextmanager
+    def waiting(self, what: str, ranks: Sequence[int] = (),
+                holder: Callable[[], int | None] | None = None) -> Iterator[None]:
+        """Declare a wait for `what`, which depends on `ranks` (world ranks). `holder()`,
+        if given, finds the rank holding what is waited for (called by the thread)."""
+        if not self.enabled:
+            yield
+            return
+        self._waits.append(_Wait(what, tuple(ranks), holder))
+        try:
+            yield
+        finally:
+            self._waits.pop()
+
+    def check(self, done: Callable[[], bool] | None = None) -> None:
+        """From a polled wait, between polls: raise RankLost if a rank the innermost wait
+        depends on is gone, unless `done()` (polled once more) says the wait is over: a
+        rank may send its last message and leave before the receiver has tested for it.
+        Cheap (looks every CHECK_S at most)."""
+        if self.gone is None or not self._waits:
+            return
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + CHECK_S
+        wait = self._waits[-1]
+        for rank in wait.ranks:
+            if self.gone(rank):
+                if done is not None and done():
+                    return
+                raise RankLost(rank, wait.what)
+
+    def progress(self) -> None:
+        """The rank waited for has answered (a poll of a long wait got a reply): the
+        innermost wait is not a stall, its clock starts again."""
+        if self._waits:
+            wait = self._waits[-1]
+            wait.started, wait.warned = time.monotonic(), False
+
+    # -- the thread
+
+    def start(self) -> None:
+        if self.warn_s or self.abort_s:
+            self._thread = threading.Thread(target=self._watch, name="distbelief-watchdog",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(TICK_S):
+            waits = self._waits
+            if not waits:
+                continue
+            wait = waits[-1]
+            waited = time.monotonic() - wait.started
+            if self.warn_s and waited >= self.warn_s and not wait.warned:
+                wait.warned = True
+                self._say(f"stall: {self.describe(self.rank)} has waited {waited:.1f} s for "
+                          f"{wait.what}{self._culprit(wait)}")
+            if self.abort_s and waited >= self.abort_s:
+                self.abort(f"stall: {self.describe(self.rank)} waited {waited:.1f} s for "
+                           f"{wait.what}{self._culprit(wait)}; aborting the job "
+                           f"(run.stall_abort_seconds = {self.abort_s:g})")
+                return
+
+    def _culprit(self, wait: _Wait) -> str:
+        holder = None
+        if wait.holder is not None:
+            try:
+                holder = wait.holder()
+            except OSError:
+                holder = None
+        if holder is not None:
+            return f", held by {self.describe(holder)}"
+        if wait.ranks:
+            return f" from {', '.join(self.describe(r) for r in wait.ranks)}"
+        return ""
+
+    def _say(self, text: str) -> None:
+        self.reports.append(text)
+        print(f"distbelief: {text}", file=sys.stderr, flush=True)
+
+
+def abort_job(world: Any, message: str) -> None:
+    """Print `message` (one line, stderr) and abort every rank of the job (`world`:
+    COMM_WORLD): for failures no rank can recover from, such as a lost shard or a stall."""
+    print(f"distbelief: rank {world.Get_rank()}: {message}", file=sys.stderr, flush=True)
+    time.sleep(0.2)  # let the launcher forward the line before the job is torn down
+    world.Abort(1)
+
+
+def for_job(comm: Any, describe: Callable[[int], str], run: Any) -> Watchdog:
+    """This rank's watchdog for an MPI run: `run` is the [run] configuration
+    (stall_warn_seconds, stall_abort_seconds), `describe(rank)` names a rank, and every
+    rank's process is watched on this node (distbelief.runtime.liveness). Collective over `comm`
+    (an allgather of every rank's identity)."""
+    from distbelief.runtime.liveness import Peers
+
+    peers = Peers.gather(comm)
+    return Watchdog(comm.Get_rank(), describe, run.stall_warn_seconds,
+                    run.stall_abort_seconds, lambda message: abort_job(comm, message),
+                    peers.gone)
+
+
+def abort_for(world: Any, describe: Callable[[int], str], lost: RankLost) -> None:
+    """A rank this one waited for is gone, and nothing can go on without it: abort the job
+    with a message naming it."""
+    abort_job(world, f"{describe(lost.rank)} is gone while this rank waited for "
+                     f"{lost.what}; the job stops. Run the same command again to resume "
+                     f"from the last checkpoint (where the run writes them)")
+
+
+_DISABLED = Watchdog(0, str, 0.0, 0.0, lambda message: None)
+_current = _DISABLED
+
+
+def current() -> Watchdog:
+    """This process's watchdog (a disabled one outside `watching`)."""
+    return _current
+
+
+@contextmanager
+def watching(watchdog: Watchdog) -> Iterator[Watchdog]:
+    """Install `watchdog` as this process's for the block, with its thread running."""
+    global _current
+    previous, _current = _current, watchdog
+    watchdog.start()
+    try:
+        yield watchdog
+    finally:
+        watchdog.stop()
+        _current = previous

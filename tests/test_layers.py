@@ -1,0 +1,184 @@
+"""The package's layering (docs/architecture.md), checked by reading the imports with `ast`.
+
+Lower layers never import higher ones, and no module imports itself back through others.
+Imports inside functions count as much as those at the top: a lazy import is still a
+dependency, and hiding a climb inside a function is how cycles creep back in.
+
+Serial and fast (parses the sources; imports nothing of distbelief).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Lowest first. A module belongs to the last entry that is a prefix of its dotted name,
+# so "distbelief" (the package's __init__: only __version__) is the bottom layer.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("distbelief", "distbelief.errors")),
+    ("runtime", ("distbelief.runtime",)),
+    ("model", ("distbelief.model",)),
+    ("data", ("distbelief.data",)),
+    ("ps", ("distbelief.ps",)),
+    ("config", ("distbelief.config",)),
+    ("records", ("distbelief.records",)),
+    ("algorithms", ("distbelief.algorithms",)),
+    ("cli", ("distbelief.cli", "distbelief.__main__")),
+]
+
+
+def module_name(path: Path, src: Path) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def find_modules(src: Path) -> dict[str, Path]:
+    """Every module under src/distbelief, by dotted name (packages by their __init__)."""
+    return {module_name(p, src): p for p in sorted((src / "distbelief").rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The distbelief modules `name` imports anywhere in its source (functions included).
+    `from a.b import c` is module a.b.c when that is a module, else a.b; a compiled
+    extension (model._kernels) has no source and counts as its package."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = name.split(".")
+                package = package if is_package else package[:-1]
+                package = package[:len(package) - node.level + 1]
+                base = ".".join(package + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # a.b.c (not a file) -> a.b
+                target = target.rpartition(".")[0]
+            if target.startswith("distbelief") and target != name:
+                found.add(target)
+    return found
+
+
+def layer_of(module: str) -> int | None:
+    best: tuple[int, int] | None = None  # (prefix length, layer index)
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            matches = module == prefix or module.startswith(prefix + ".")
+            if matches and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), index)
+    return None if best is None else best[1]
+
+
+def import_graph(src: Path) -> dict[str, set[str]]:
+    modules = find_modules(src)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def climbs(graph: dict[str, set[str]]) -> list[str]:
+    """'a imports b' for each import from a higher layer."""
+    out = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            low, high = layer_of(module), layer_of(target)
+            if low is not None and high is not None and high > low:
+                out.append(f"{module} ({LAYERS[low][0]}) imports {target} "
+                           f"({LAYERS[high][0]}, a higher layer)")
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+# -- the package itself ----------------------------------------------------------------------
+
+def test_every_module_has_a_layer() -> None:
+    missing = [m for m in find_modules(SRC) if layer_of(m) is None]
+    assert not missing, f"add these to LAYERS (and docs/architecture.md): {missing}"
+
+
+def test_no_layer_imports_a_higher_one() -> None:
+    found = climbs(import_graph(SRC))
+    assert not found, "lower layers import higher ones:\n" + "\n".join(found)
+
+
+def test_no_import_cycles() -> None:
+    found = cycles(import_graph(SRC))
+    assert not found, f"import cycles: {found}"
+
+
+def test_the_graph_sees_the_imports_we_know_of() -> None:
+    """Guards the checker against passing because it parsed nothing."""
+    graph = import_graph(SRC)
+    assert "distbelief.runtime.topology" in graph["distbelief.ps.parameter_server"]
+    assert "distbelief.model.layers" in graph["distbelief.model.network"]
+    assert "distbelief.algorithms.downpour" in graph["distbelief.cli"]  # inside a function
+    assert "distbelief.model" in graph["distbelief.model.kernels"]  # the compiled _kernels
+
+
+# -- the checker, on a made-up tree ----------------------------------------------------------
+
+@pytest.fixture
+def bad_tree(tmp_path: Path) -> Path:
+    files = {
+        "distbelief/__init__.py": "",
+        "distbelief/runtime/__init__.py": "",
+        "distbelief/runtime/loop.py": "def f():\n    from distbelief.ps import shard\n",
+        "distbelief/ps/__init__.py": "",
+        "distbelief/ps/shard.py": "from . import other\n",
+        "distbelief/ps/other.py": "import distbelief.ps.shard\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def test_the_checker_finds_a_climb_and_a_cycle(bad_tree: Path) -> None:
+    graph = import_graph(bad_tree)
+    climb = "distbelief.runtime.loop (runtime) imports distbelief.ps.shard (ps, a higher layer)"
+    assert climbs(graph) == [climb]
+    assert cycles(graph) == [["distbelief.ps.other", "distbelief.ps.shard"]]
