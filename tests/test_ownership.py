@@ -1,4 +1,4 @@
-"""One live run per run directory (distbelief.ownership): the rules that decide whether an
+"""One live run per run directory (distbelief.runtime.ownership): the rules that decide whether an
 owner is dead, each one tested on a faked owner file (another host, a dead pid, a reused
 pid, a SLURM requeue, an unreadable file), and end to end: a second run, `--fresh`
 included, on a live run's folder is refused at once with one line naming the owner (alone
@@ -21,9 +21,9 @@ import pytest
 from conftest import REPO, _env, run_cli, run_mpi
 from test_downpour import TOML, exit_statuses, set_args
 
-from distbelief import ownership
 from distbelief.data.converters import make_synthetic
 from distbelief.records.metrics import read_metrics
+from distbelief.runtime import ownership
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 
@@ -148,7 +148,7 @@ def test_the_heartbeat_is_refreshed_while_the_owner_runs(tmp_path: Path) -> None
 
 
 def test_an_owner_whose_file_was_taken_over_stops_without_writing(tmp_path: Path) -> None:
-    code = ("import time, sys\nfrom distbelief import ownership\n"
+    code = ("import time, sys\nfrom distbelief.runtime import ownership\n"
             f"o = ownership.claim({str(tmp_path)!r}, timeout_s=1.0)\n"
             "print('claimed', flush=True)\ntime.sleep(30)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,

@@ -390,7 +390,7 @@ def test_script_asks_slurm_for_signal_requeue_and_appending_log(name):
     assert text.rfind("#SBATCH") < first_command
 
 
-# -- one live run per run.out_dir (distbelief.ownership) -------------------------------------------
+# -- one live run per run.out_dir (distbelief.runtime.ownership) -------------------------------------------
 
 
 @pytest.mark.parametrize("script, ntasks, overrides", [
@@ -430,7 +430,7 @@ def test_a_job_submitted_twice_is_refused_while_the_first_runs(data_dir, tmp_pat
 def test_a_requeue_takes_over_from_its_instance_on_a_lost_node(data_dir, tmp_path, script):
     """The earlier instance's owner file names another node with a fresh heartbeat (the
     node was lost a moment ago): only the requeue rule lets the requeued job start."""
-    from distbelief import ownership
+    from distbelief.runtime import ownership
 
     job = Job(script, tmp_path, 1, data_dir / "synth.toml", "run.max_steps=50")
     job.out.mkdir()

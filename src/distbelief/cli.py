@@ -347,11 +347,11 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
 
 
 def _claim_run_dir(config: Any, comm: Any) -> Any:
-    """Make this run the one live owner of run.out_dir (distbelief.ownership), before
+    """Make this run the one live owner of run.out_dir (distbelief.runtime.ownership), before
     anything is written there. With several ranks rank 0 claims and a refusal is raised
     on every rank (collective over `comm`: agreement.agree). The Ownership on the rank
     that holds it, None elsewhere."""
-    from distbelief.ownership import claim
+    from distbelief.runtime.ownership import claim
 
     def claim_here() -> Any:
         owner = claim(config.run.out_dir, config.run.owner_timeout_seconds)
@@ -432,7 +432,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from distbelief.status import describe, run_status
+    from distbelief.records.status import describe, run_status
 
     state = run_status(args.run_dir)
     print(json.dumps(state, indent=2) if args.json else describe(state))

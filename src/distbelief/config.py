@@ -36,7 +36,7 @@ Sections and keys, with their defaults:
                  another this long says which and what for / aborts the job; 0 = never),
                  owner_timeout_seconds = 120 (a run owning out_dir on another host whose
                  heartbeat is older than this is taken for dead; 0 = never; see
-                 distbelief.ownership)
+                 distbelief.runtime.ownership)
 
 Checkpoints (distbelief.records.checkpoint) go to out_dir/checkpoints; besides the periodic ones,
 a run always writes one when it stops (budget, target, SIGTERM/SIGUSR1), so it can be

@@ -1,7 +1,7 @@
 """`distbelief status RUN_DIR`: what a run is doing, read from its folder alone.
 
 Meant for a login node: no MPI, no lock, nothing written. The owner file
-(distbelief.ownership) says whether a run holds the folder, where and since when; the
+(distbelief.runtime.ownership) says whether a run holds the folder, where and since when; the
 newest lines of metrics.jsonl give the last step and evaluation (a live run may be half
 way through writing its last line: read_metrics drops it); checkpoints/ gives the newest
 committed checkpoint (by name, not verified: `distbelief inspect` verifies); summary.json
@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distbelief import ownership
 from distbelief.errors import UserError
+from distbelief.runtime import ownership
 
 CHECKPOINTS_DIR = "checkpoints"  # distbelief.records.checkpoint.CHECKPOINTS_DIR, without h5py
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from distbelief.ownership import process_start_time
+from distbelief.runtime.ownership import process_start_time
 
 # The same /proc reading decides whether a run directory's owner is alive.
 _start_time = process_start_time
