@@ -305,7 +305,9 @@ def test_a_replica_that_stops_responding_is_lost_and_fenced_off(data_dir: Path,
     lost = summary["lost_replicas"]
     assert [(x["replica"], x["ranks"]) for x in lost] == [(2, [3])]
     assert "no news from it for 1 s" in lost[0]["why"]
-    assert lost[0]["at_seconds"] < 4, "declared lost while it slept"
+    # Not before its 1 s without news. (That it was declared lost while it slept, not
+    # after, follows from the rest: awake, it would have sent news again and trained on.)
+    assert lost[0]["at_seconds"] >= 1, lost
     assert summary["stop_reason"] == "max_seconds"
     assert {r["replica"] for r in summary["replicas"]} == {0, 1}
     # Fenced off: the run's steps are the two others' plus the 100 replica 2 made before
