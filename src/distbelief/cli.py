@@ -142,9 +142,11 @@ examples:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI: Downpour SGD "
-        "over a sharded parameter server, model parallelism (replicas split over ranks), "
-        "and a single-process SGD baseline.",
+        prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI. Algorithms "
+        "(optimizer.algorithm): sgd (one process, the baseline), downpour (Downpour SGD "
+        "against a sharded parameter server) and sandblaster (Sandblaster L-BFGS); with "
+        "cluster.partitions = P, any of them splits each model replica over P ranks "
+        "(partitioned model parallelism).",
         epilog="Run 'distbelief COMMAND --help' for each command's options and examples.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

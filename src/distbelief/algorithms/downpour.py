@@ -48,10 +48,11 @@ nodes), is declared lost: LOST is set in its slots (a replica that was only stal
 stops when it reads it), the summary records it, checkpoints give it no part (a resume
 starts it on a fresh pass), and the run goes on without it: the steps it was granted and
 had not pushed (at most n_push) are not trained. Whether the other ranks live on is the
-launcher's choice: MPICH's hydra keeps them with `-disable-auto-cleanup` (the README
-says what each launcher does). A lost SHARD ends the job: every rank checks the shards'
-processes (shards each other, replicas when they sweep) and the first to find one gone
-aborts the job with a message; rerunning resumes from the last checkpoint.
+launcher's choice: MPICH's hydra keeps them with `-disable-auto-cleanup`
+(docs/checkpoints-and-reliability.md says what each launcher does). A lost SHARD ends the
+job: every rank checks the shards' processes (shards each other, replicas when they sweep)
+and the first to find one gone aborts the job with a message; rerunning resumes from the
+last checkpoint.
 
 SIGNALS. SIGTERM and SIGUSR1 (SLURM's time limit, `sbatch --signal=B:USR1@N`) are counted
 on the ranks they reach (common.StopSignals): replicas publish their counts in the
