@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,37 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
         pytest.fail(f"MPI job timed out after {timeout}s (deadlock?): {cmd}\n"
                     f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+
+def start_in_background(cmd: list[str], log: Path) -> subprocess.Popen:
+    """CMD in a session of its own (a signal to it reaches the whole job, as a terminal's
+    Ctrl-C does), its output in LOG. End it with wait_or_kill."""
+    with open(log, "w") as f:
+        return subprocess.Popen(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT,
+                                env=_env(), start_new_session=True)
+
+
+def wait_for_training(proc: subprocess.Popen, out: Path, log: Path) -> None:
+    """Until the run in OUT has logged a training line; fails if it ends first or takes
+    over 60 s."""
+    deadline = time.monotonic() + 60
+    path = out / "metrics.jsonl"
+    while not (path.exists() and '"train"' in path.read_text()):
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "no training line"
+        time.sleep(0.05)
+
+
+def wait_or_kill(proc: subprocess.Popen, timeout: float = 60) -> int:
+    """PROC's exit status; if it has not ended within TIMEOUT s, its process group is
+    killed and the test fails."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        pytest.fail(f"{proc.args} did not end within {timeout} s")
 
 
 @pytest.fixture

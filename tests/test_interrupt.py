@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, run_cli, run_mpi
+from conftest import REPO, run_cli, run_mpi, start_in_background, wait_for_training, wait_or_kill
 from test_downpour import TOML, set_args
 
 from distbelief.data.converters import make_synthetic
@@ -40,32 +40,6 @@ def train_args(data_dir: Path, out: Path, *overrides: str) -> list[str]:
                              *set_args(f'run.out_dir="{out}"', *overrides)]]
 
 
-def launch(cmd: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(),
-                                start_new_session=True)
-
-
-def wait_for_training(proc: subprocess.Popen, out: Path, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    path = out / "metrics.jsonl"
-    while not (path.exists() and '"train"' in path.read_text()):
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "no training line"
-        time.sleep(0.05)
-    time.sleep(0.3)  # every rank past its set-up
-
-
-def finish(proc: subprocess.Popen) -> int:
-    try:
-        return proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            pytest.fail("the run did not end within 60 s of the SIGINT")
-
-
 SINGLE = ['optimizer.algorithm="sgd"']
 
 
@@ -86,13 +60,14 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes(data_dir: Path, tmp_
                  "partitions": [*SINGLE, "cluster.partitions=3"]}.get(launcher.split()[-1], [])
         cmd = ["mpiexec", "-n", str(n), sys.executable, str(PROGRAMS / "cli_exit_status.py"),
                *train_args(data_dir, out, *extra, *budget)]
-    proc = launch(cmd, log)
+    proc = start_in_background(cmd, log)
     wait_for_training(proc, out, log)
+    time.sleep(0.3)  # every rank past its set-up
     if "terminal" in launcher:  # a terminal signals its whole foreground process group
         os.killpg(proc.pid, signal.SIGINT)
     else:
         os.kill(proc.pid, signal.SIGINT)
-    status = finish(proc)
+    status = wait_or_kill(proc)
     output = log.read_text()
     assert status == 130, output
     if n > 1:

@@ -18,7 +18,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, run_cli, run_mpi
+from conftest import (
+    REPO,
+    _env,
+    run_cli,
+    run_mpi,
+    start_in_background,
+    wait_for_training,
+    wait_or_kill,
+)
 from test_downpour import TOML, exit_statuses, set_args
 
 from distbelief.data.converters import make_synthetic
@@ -182,29 +190,9 @@ def train_args(data_dir: Path, out: Path, *overrides: str) -> list:
 
 def start_sgd(data_dir: Path, out: Path, log: Path, *overrides: str) -> subprocess.Popen:
     """A single-process run in the background, with its output in `log`."""
-    cmd = [sys.executable, "-m", "distbelief",
-           *map(str, train_args(data_dir, out, 'optimizer.algorithm="sgd"', *overrides))]
-    with open(log, "w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(),
-                                start_new_session=True)
-
-
-def wait_for_training(proc: subprocess.Popen, out: Path, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    path = out / "metrics.jsonl"
-    while not (path.exists() and '"train"' in path.read_text()):
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, "no training line"
-        time.sleep(0.05)
-
-
-def stop(proc: subprocess.Popen) -> int:
-    try:
-        return proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return start_in_background(
+        [sys.executable, "-m", "distbelief",
+         *train_args(data_dir, out, 'optimizer.algorithm="sgd"', *overrides)], log)
 
 
 def snapshot(out: Path) -> set[str]:
@@ -249,7 +237,7 @@ def test_a_second_run_on_a_live_runs_folder_is_refused_and_the_first_is_untouche
         assert not [p for p in out.iterdir() if p.name.startswith("previous-")]
         assert first.poll() is None  # still running: the refusal came while it was alive
     finally:
-        status = stop(first)
+        status = wait_or_kill(first)
     assert status == 0, log.read_text()
     summary = json.loads((out / "summary.json").read_text())
     lines = read_metrics(out / "metrics.jsonl")
@@ -271,7 +259,7 @@ def test_a_kill_9_owner_does_not_block_the_rerun(data_dir: Path, tmp_path: Path,
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     finally:
-        stop(first)
+        wait_or_kill(first)
     assert ownership.read_owner(out)["pid"] == first.pid  # left behind
     if launcher == "alone":
         proc = run_cli(train_args(data_dir, out, 'optimizer.algorithm="sgd"',
@@ -323,7 +311,7 @@ def test_status_of_a_live_run_then_of_the_ended_run(data_dir: Path, tmp_path: Pa
         live = status_json(out)
         text = run_cli(["status", out]).stdout
     finally:
-        status = stop(first)
+        status = wait_or_kill(first)
     assert live["alive"] is True and live["owner"]["pid"] == first.pid
     assert live["last_step"] > 0 and live["last_eval"]["test_accuracy"] > 0
     assert live["last_checkpoint"]["step"] > 0
