@@ -14,7 +14,7 @@ bytes each layer sends per step, summed over the partitions, once as a "partitio
 line in metrics.jsonl and in summary.json. Checkpoints are not written for partitioned
 runs yet (said at start).
 
-DOWNPOUR (`algorithm = "downpour"`, S + R x P ranks; the class is in downpour.py, which
+DOWNPOUR (`algorithm = "downpour"`, S + R x P ranks; the class is in downpour/replica.py, which
 uses polled_bcast from here): `PartitionedReplica` is a Downpour replica whose network is
 a `PartitionedNetwork` over its replica's P ranks and whose
 parameter client pulls and pushes only the partition's pieces of the vector

@@ -1,0 +1,149 @@
+"""Downpour's plan and what every role shares: the timing constants and tags, the errors,
+the validated plan (plan_run, pure: every rank raises the same error before the first
+collective), grant (a claim's steps) and Ending (how the run ended, as one rank knows it).
+The package docstring (distbelief.algorithms.downpour) says how the run goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from distbelief.algorithms.common import (
+    TrainingDiverged,
+)
+from distbelief.config import Config
+from distbelief.errors import DataError, UserError
+from distbelief.ps import run_control as rc
+from distbelief.records import checkpoint as ckpt
+from distbelief.runtime.topology import Topology
+
+WARM_START_POLL_S = (1e-3, 20e-3)
+"""Back-off bounds of replicas polling shard 0 while they wait for the warm start: slow,
+since each poll is an RMA epoch that shard 0 has to serve."""
+
+PAUSE_POLL_S = (0.2e-3, 5e-3)
+"""Back-off bounds of a replica paused for a checkpoint or waiting for the teardown."""
+
+ROUND_INTERVAL_S = 5e-3
+"""Shortest time between two shards' rounds: the latency of a checkpoint once every
+replica has paused, and of the end of the run."""
+
+CONTROL_POLL_S = 2e-3
+"""Shard 0 reads the run control block at most this often (more often while replicas are
+paused for a checkpoint)."""
+
+SWEEP_S = 0.25
+"""How often shard 0 looks for lost replicas and shards, and the other ranks for lost
+shards (distbelief.runtime.liveness: a /proc read per rank)."""
+
+NOTICE_SLACK_S = 1.0
+"""A rank's new SIGUSR1 is the launcher's notice of a death (hydra sends several per
+death, within milliseconds) if shard 0 found a rank gone between that rank's previous
+report, less this slack, and the decision; otherwise it is a stop request."""
+
+NOTICE_DELAY_S = 0.5
+"""How long a new SIGUSR1 waits for a rank to be found gone before it counts as a stop
+request (a launcher signals while the dead process is still being torn down)."""
+
+LEAVE_GRACE_S = 30.0
+"""With TEARDOWN_LEAVE, how long shard 0 waits for ranks it cannot see (on other nodes) to
+say they leave before it leaves itself (over RMA they need its progress to read it)."""
+
+STATS_TAG = 7
+"""Tag of a replica's statistics message to rank 0 at its end."""
+
+# The int64 flags of a shards' round, combined with MAX over the shards.
+ROUND_TERM, ROUND_USR1, ROUND_CHECKPOINT, ROUND_FINISHED = range(4)
+ROUND_WIDTH = 4
+
+
+class BadGradients(TrainingDiverged):
+    """A replica computed run.max_bad_gradients_in_a_row non-finite gradients in a row:
+    the run diverged (every replica), or its data holds NaN/inf (one replica)."""
+
+
+class RunFailed(UserError):
+    """The run stopped because of an error reported on another rank (its message is
+    printed by rank 0)."""
+
+
+# ------------------------------------------------------------------------------------------
+# The plan: pure validation, the same on every rank, before any communication
+
+
+@dataclass(frozen=True)
+class DownpourPlan:
+    """A validated Downpour run for one rank: its role and the run's cadences."""
+
+    topology: Topology
+    batch_size: int
+    n_fetch: int
+    n_push: int
+    warm_start_steps: int
+    max_steps: int
+    max_bad_gradients: int = 10
+    replica_timeout_s: float = 0.0
+
+    @property
+    def num_replicas(self) -> int:
+        return self.topology.num_replicas
+
+
+def plan_run(config: Config, world_size: int, world_rank: int, n_train: int) -> DownpourPlan:
+    """Check that the job fits the configuration and the data; pure (no communication),
+    so every rank raises the same ConfigError/DataError before the first collective."""
+    cluster, opt = config.cluster, config.optimizer
+    topology = Topology(world_size, world_rank, cluster.ps_shards, cluster.partitions)
+    smallest = n_train // topology.num_replicas  # balanced_ranges: sizes differ by <= 1
+    if config.data.batch_size > smallest:
+        raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
+                        f"{smallest} training rows each of the {topology.num_replicas} "
+                        f"replicas gets ({n_train} rows in {config.data.path}); use a "
+                        f"smaller batch or fewer replicas")
+    return DownpourPlan(topology, config.data.batch_size, opt.n_fetch, opt.n_push,
+                        opt.warm_start_steps, config.run.max_steps,
+                        config.run.max_bad_gradients_in_a_row,
+                        config.run.replica_timeout_seconds)
+
+
+def grant(claimed_before: int, want: int, max_steps: int) -> int:
+    """Steps a claim of `want` receives when `claimed_before` were claimed before it (the
+    result of the atomic fetch-and-add): all of them, or what is left of max_steps (0 =
+    no limit). The grants of all claims add up to exactly min(claims, max_steps)."""
+    if not max_steps:
+        return want
+    return max(0, min(want, max_steps - claimed_before))
+
+
+@dataclass
+class Ending:
+    """How the run ended, as one rank knows it."""
+
+    stop: int  # a run_control STOP_* code (0: ended on max_steps)
+    stop_arg: int = 0
+    teardown: int = rc.TEARDOWN_FREE
+    failure: str | None = None  # a checkpoint error (the shards know its text)
+    summary: dict[str, Any] | None = None  # rank 0
+
+    def raise_error(self, config: Config) -> None:
+        """The run's error, the same kind on every rank (rank 0 prints it)."""
+        lr = config.optimizer.learning_rate
+        if self.stop == rc.STOP_BAD_GRADIENTS:
+            limit = config.run.max_bad_gradients_in_a_row
+            raise BadGradients(
+                f"training diverged or the data holds NaN/inf: replica {self.stop_arg - 1} "
+                f"computed {limit} non-finite gradients in a row "
+                f"(run.max_bad_gradients_in_a_row = {limit}), so the run stopped; they were "
+                f"dropped, never pushed, so the parameters and checkpoints are finite. "
+                f"Lower optimizer.learning_rate (now {lr:g}) or check the data")
+        if self.stop == rc.STOP_DIVERGED:
+            raise TrainingDiverged(f"training diverged: the training loss became non-finite; "
+                                   f"lower optimizer.learning_rate (now {lr:g})")
+        if self.stop == rc.STOP_CHECKPOINT_FAILED:
+            if self.failure is not None:
+                raise ckpt.CheckpointError(self.failure)
+            raise RunFailed("the run stopped: a checkpoint could not be written")
+        if self.stop == rc.STOP_ALL_LOST:
+            raise RunFailed("every replica was lost, so the run stopped (its last state is "
+                            "checkpointed); run the same command again to resume")

@@ -1,0 +1,415 @@
+"""Downpour's replicas: Replica (train, fetch, push, follow shard 0's commands; one-sided
+only), PartitionedReplica (one partition of a model-parallel replica) and make_replica,
+which picks between them. REPLICAS, RUN CONTROL and END OF THE RUN in the package
+docstring say what they do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.algorithms.downpour.plan import (
+    PAUSE_POLL_S,
+    STATS_TAG,
+    WARM_START_POLL_S,
+    Ending,
+    grant,
+)
+from distbelief.algorithms.downpour.run import OpenRun
+from distbelief.algorithms.partitioned_sgd import polled_bcast
+from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
+from distbelief.ps.parameter_server import (
+    StalenessStats,
+)
+from distbelief.ps.run_control import ControlExchange
+from distbelief.runtime import watchdog
+from distbelief.runtime.backoff import Backoff
+from distbelief.runtime.faults import Faults
+from distbelief.runtime.watchdog import RankLost
+
+
+def make_replica(run: Any, network: Any, fetch_own_pushes: bool) -> Any:
+    """Downpour's replica role for this rank (`run`: downpour.OpenRun): the plain one when
+    partitions = 1, else a PartitionedReplica over the replica's partition communicator
+    (topology.split_communicators). Local (no communication)."""
+    comm = run.communicators.partition
+    if comm == MPI.COMM_NULL or comm.Get_size() == 1:
+        return Replica(run, network, fetch_own_pushes)
+    return PartitionedReplica(run, network, fetch_own_pushes)
+
+
+# ------------------------------------------------------------------------------------------
+# Replicas
+
+
+@dataclass
+class ReplicaStats:
+    """What one replica did. Times are wall seconds; `train_seconds` runs from its first
+    claim to its finish (warm-start waiting excluded), `rma_seconds` is the part of it
+    spent in pushes and pulls."""
+
+    replica: int
+    rank: int
+    steps: int = 0
+    samples: int = 0
+    pushes: int = 0
+    fetches: int = 0
+    train_seconds: float = 0.0
+    rma_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    refetches: int = 0
+    bad_gradients: int = 0
+    started_at_step: int = 0
+    checkpoint_seconds: float = 0.0
+    staleness: StalenessStats = field(default_factory=StalenessStats)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["staleness"] = self.staleness.to_dict()
+        out["samples_per_second"] = (self.samples / self.train_seconds
+                                     if self.train_seconds > 0 else None)
+        return out
+
+
+# What the lead tells its partitions after each exchange (model parallelism; a replica of
+# one rank tells only itself).
+GO, PAUSE, STOP, LOST = range(4)
+
+
+class Replica:
+    """One model replica: train on its part of the data, fetch every n_fetch steps, push
+    the accumulated gradient every n_push steps, and follow shard 0's commands. All its
+    communication is one-sided, with the shards (pull, push, push_pull, exchange), plus
+    one message with its statistics to rank 0 at the end; it never waits for another
+    replica. With model parallelism its lead partition exchanges with shard 0 and tells
+    the others (`_share_values`; PartitionedReplica)."""
+
+    lead = True  # this rank talks to shard 0 for its replica
+
+    def __init__(self, run: OpenRun, network: Any, fetch_own_pushes: bool = True):
+        plan, client = run.plan, run.endpoint
+        self.run_, self.plan, self.client, self.network = run, plan, client, network
+        self.data, self.base = run.local, run.start.base
+        self.fetch_own_pushes = fetch_own_pushes
+        topology = plan.topology
+        self.index = topology.replica_index
+        self.stats_ = ReplicaStats(self.index, topology.world_rank, staleness=client.staleness)
+        self.params = np.zeros(network.layout.size, dtype=np.float32)
+        self.grad = np.zeros_like(self.params)
+        # With n_push = 1 the step's gradient is pushed as it is; otherwise summed here.
+        self.pushed = self.grad if plan.n_push == 1 else np.zeros_like(self.params)
+        self.control = ControlExchange(self.index if self.lead else None)
+        self.t = run.start.local_steps  # local steps done (a resumed replica goes on)
+        self.fresh = False  # params were fetched at the last push (push_pull)
+        self.stopping = False
+        self.lost = False
+        self.acked = 0  # the last checkpoint request this replica paused for
+        self.bad_in_a_row = 0
+        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.runtime.faults)
+
+    # -- the loop
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        start = t0
+        try:
+            if self.index > 0 and self.plan.warm_start_steps > 0:
+                self._wait_for_warm_start()
+            start = time.perf_counter()
+            self.stats_.wait_seconds = start - t0
+            granted = 0 if self.stopping else self._first_claim()
+            while granted and not self.stopping:
+                granted = self._train_block(granted)
+        except RankLost as lost:
+            if lost.rank < self.plan.topology.ps_shards:
+                raise
+            # Another partition of this replica is gone: the replica is lost. The lead
+            # says so (shard 0 may be on another node than the dead rank) and goes quiet.
+            self.lost = self.stopping = True
+            if self.lead:
+                self.client.exchange(self.control.publish(abandoned=1).set(claim=0))
+        self.stats_.train_seconds = time.perf_counter() - start
+
+    def _wait_for_warm_start(self) -> None:
+        """Poll shard 0 (control only, with back-off sleeps) until replica 0 has reported
+        warm_start_steps steps, or the run is over already."""
+        backoff = Backoff(*WARM_START_POLL_S)
+        plan = self.plan
+        while not self.stopping:
+            over = False
+            if self.lead:
+                control = self._exchange(self.control.set(claim=0))
+                over = bool(plan.max_steps and self.base + control.claimed_before
+                            >= plan.max_steps) or control.warm
+                over = over or self.base + control.steps_before >= plan.warm_start_steps
+            over, _ = self._decide(int(over))
+            if over:
+                return
+            backoff.wait()
+
+    def _first_claim(self) -> int:
+        """Claim the first n_push steps and fetch the parameters."""
+        t0 = time.perf_counter()
+        if self.lead:
+            self._exchange(self.control.set(claim=self.plan.n_push))
+            self.stats_.started_at_step = self.base + self.control.steps_before
+        self.client.pull(self.params)
+        self.stats_.rma_seconds += time.perf_counter() - t0
+        self.stats_.fetches += 1
+        self.fresh = True
+        return self._granted_after_exchange()
+
+    def _train_block(self, steps: int) -> int:
+        """Compute `steps` granted steps (fetching on schedule), then push them with the
+        next claim; returns the steps that claim was granted."""
+        plan, loss_sum, done = self.plan, 0.0, 0
+        while done < steps and not self.stopping:
+            if self.t % plan.n_fetch == 0 and not self.fresh:
+                self._pull()
+            self.fresh = False
+            t0 = time.perf_counter()
+            x, y = self.data.next_batch(plan.batch_size)
+            loss = self.network.loss_and_grad(self.params, x, y, self.grad)
+            self.t += 1
+            done += 1
+            if self.faults:
+                self.faults.poison(self.t, self.grad)
+            if self._usable(loss):
+                if self.pushed is not self.grad:
+                    self.pushed += self.grad
+            else:
+                self._drop()
+            if math.isfinite(loss):
+                loss_sum += loss
+            if self.faults:
+                self.faults.after_step(self.t, time.perf_counter() - t0)
+                if self.faults.hang_due(self.t):
+                    self.client.hang_in_next_push(self.faults)
+        self._push(self.control.set(plan.n_push, done, loss_sum))
+        self.stats_.steps += done
+        self.stats_.samples += done * plan.batch_size
+        return self._granted_after_exchange()
+
+    def _granted_after_exchange(self) -> int:
+        """After an exchange: the steps granted, once shard 0's commands are obeyed (0 when
+        the replica stops)."""
+        granted = 0
+        if self.lead:
+            granted = grant(self.base + self.control.claimed_before, self.plan.n_push,
+                            self.plan.max_steps)
+        granted, action = self._decide(granted)
+        return granted if action == GO else 0
+
+    def _decide(self, value: int) -> tuple[int, int]:
+        """The lead's `value` and its reading of its last exchange, on every partition of
+        the replica; pauses for checkpoints (as often as asked) are taken here, together.
+        Returns (value, GO, STOP or LOST); STOP and LOST also stop the replica."""
+        while True:
+            action, arg = self._command() if self.lead else (GO, 0)
+            value, action, arg = (int(v) for v in
+                                  self._share_values(np.array([value, action, arg])))
+            if action != PAUSE:
+                break
+            self._pause(arg)
+        if action in (STOP, LOST):
+            self.stopping = True
+            self.lost = self.lost or action == LOST
+        return value, action
+
+    def _command(self) -> tuple[int, int]:
+        """What the lead's last exchange asks of the replica."""
+        control = self.control
+        if control.lost:
+            return LOST, 0
+        if control.checkpoint > self.acked:
+            return PAUSE, control.checkpoint
+        if control.stop or self.stopping:
+            return STOP, 0
+        return GO, 0
+
+    def _pause(self, request: int) -> None:
+        """Checkpoint `request`: publish this replica's position (every step it computed is
+        pushed) and wait, polling the block, until shard 0 has written the checkpoint or
+        the run stops. Partitions other than the lead wait at their next `_share_values`."""
+        self.acked = request
+        t0 = time.perf_counter()
+        if self.lead:
+            control = self._publish_position(acked=request)
+            backoff = Backoff(*PAUSE_POLL_S)
+            guard = watchdog.current()
+            with guard.waiting("shard 0 to write a checkpoint", (0,)):
+                while control.release < request and not control.stop and not control.lost:
+                    guard.check()
+                    backoff.wait()
+                    self._exchange(control.set(claim=0))
+                    guard.progress()  # shard 0 answers: only the checkpoint takes time
+        self.stats_.checkpoint_seconds += time.perf_counter() - t0
+
+    def _publish_position(self, **more: int) -> ControlExchange:
+        """Publish the data position and local steps (with `more`), in one exchange."""
+        state = self.data.state()
+        self.control.publish(epoch=state["epoch"], position=state["position"],
+                             local_steps=self.t, **more)
+        return self._exchange(self.control.set(claim=0))
+
+    # -- sharing with the other partitions (PartitionedReplica overrides)
+
+    def _share_values(self, values: np.ndarray) -> np.ndarray:
+        """The lead's int64 `values` on every partition of the replica."""
+        return values
+
+    # -- steps
+
+    def _usable(self, loss: float) -> bool:
+        """Whether this step's loss and gradient are finite. One BLAS pass (a dot product
+        of the gradient with itself: a NaN or inf anywhere, or an element whose square
+        overflows float32, which would make Adagrad's accumulator infinite, gives a
+        non-finite result)."""
+        if math.isfinite(loss) and math.isfinite(float(np.dot(self.grad, self.grad))):
+            self.bad_in_a_row = 0
+            return True
+        return False
+
+    def _drop(self) -> None:
+        """Count a non-finite gradient and keep it out of the push; after
+        max_bad_gradients in a row, give up: the next exchange tells shard 0."""
+        self.stats_.bad_gradients += 1
+        self.bad_in_a_row += 1
+        if self.pushed is self.grad:
+            self.grad.fill(0)  # n_push = 1: the block pushes nothing
+        if self.bad_in_a_row >= self.plan.max_bad_gradients:
+            self.stopping = True
+            self.control.publish(gave_up=1)
+
+    def _pull(self) -> None:
+        t0 = time.perf_counter()
+        self.client.pull(self.params)
+        self._catch_up()
+        self.stats_.rma_seconds += time.perf_counter() - t0
+        self.stats_.fetches += 1
+
+    def _catch_up(self) -> None:
+        """Read-your-writes (see train's fetch_own_pushes): pull again until the
+        parameters hold this replica's last push."""
+        if self.fetch_own_pushes:
+            self.stats_.refetches += self.client.catch_up(self.params)
+
+    def _push(self, control: ControlExchange) -> None:
+        """Push the gradient with the control exchange (the lead's); fetch in the same
+        epochs when the next step is due to fetch."""
+        t0 = time.perf_counter()
+        control = self._before_exchange(control) if self.lead else None
+        if self.t % self.plan.n_fetch == 0:
+            self.client.push_pull(self.pushed, self.params, control)
+            self._catch_up()
+            self.stats_.fetches += 1
+            self.fresh = True
+        else:
+            self.client.push(self.pushed, control)
+        self.stats_.rma_seconds += time.perf_counter() - t0
+        self.stats_.pushes += 1
+        if self.pushed is not self.grad:
+            self.pushed.fill(0)
+
+    def _exchange(self, control: ControlExchange) -> ControlExchange:
+        """A control-only exchange with shard 0 (the lead's)."""
+        self.client.exchange(self._before_exchange(control))
+        return control
+
+    def _before_exchange(self, control: ControlExchange) -> ControlExchange:
+        """Every exchange publishes the signals this rank received; a new SIGUSR1 may be
+        a launcher's notice that a rank died, so the shards are looked at first."""
+        counts = self.run_.signals.counts
+        control.publish(usr1=counts["SIGUSR1"], term=counts["SIGTERM"])
+        self.run_.check_shards(time.monotonic())
+        return control
+
+    # -- the end
+
+    def finish(self) -> Ending:
+        """Publish the end of this replica's work (FINISHED with its final position: its
+        last push is in), send its statistics to rank 0, and wait for the teardown.
+        A lost replica publishes nothing and sends nothing. One-sided, plus one message."""
+        if not self.lost:
+            if self.lead:
+                self._publish_position(finished=1)
+            request = self.run_.messages.isend(self.stats(), dest=0, tag=STATS_TAG)
+            backoff = Backoff(*PAUSE_POLL_S)
+            guard = watchdog.current()
+            with guard.waiting("rank 0 to take this replica's statistics", (0,)):
+                while not request.Test():
+                    guard.check()
+                    backoff.wait()
+        teardown, stop, stop_arg = self._wait_for_teardown()
+        return Ending(stop, stop_arg, teardown)
+
+    def _wait_for_teardown(self) -> tuple[int, int, int]:
+        """Poll the block until shard 0 says how the run ends, then count this rank as
+        leaving (LEFT). Every rank of the replica polls on its own, without the
+        replica's slots (no heartbeat: a lost replica's stays silent), so a partition
+        whose partner died needs no one. Returns (TEARDOWN, STOP, STOP_ARG)."""
+        control = ControlExchange(None)
+        backoff = Backoff(*PAUSE_POLL_S)
+        guard = watchdog.current()
+        self.client.exchange(control.set(claim=0))
+        with guard.waiting("shard 0 to end the run", (0,)):
+            while not control.teardown:
+                guard.check()
+                backoff.wait()
+                self.client.exchange(control.set(claim=0))
+                guard.progress()  # shard 0 answers: the run is simply not over yet
+        self.client.exchange(control.set(claim=0, leaving=True))
+        return control.teardown, control.stop, control.stop_arg
+
+    def stats(self) -> dict[str, Any]:
+        return {"role": "replica", **self.stats_.to_dict()}
+
+
+# ------------------------------------------------------------------------------------------
+# Partitioned replicas (model parallelism; partitioned_sgd.py's docstring says how)
+
+
+class PartitionedReplica(Replica):
+    """One partition of a Downpour replica: its own pieces of the parameters, its own
+    pushes and pulls; partition 0 (the lead) exchanges with shard 0 for the replica
+    (claims, reports, commands, its data position) and shares every decision with the
+    others (one Ibcast per block), so all of them pause, stop and end together."""
+
+    def __init__(self, run: Any, network: Any, fetch_own_pushes: bool):
+        comm = run.communicators.partition
+        self.lead = comm.Get_rank() == 0
+        model = PartitionedNetwork(network, comm)
+        run.endpoint.restrict_to(model.pieces)
+        model.layout = network.layout  # whole-model vectors: Replica sizes them so
+        super().__init__(run, model, fetch_own_pushes)
+        self.model, self.comm = model, comm
+        self._finite = np.zeros(1, dtype=np.int32)
+
+    def _share_values(self, values: np.ndarray) -> np.ndarray:
+        values = np.ascontiguousarray(values, dtype=np.int64)
+        lead = self.model.partner_ranks[:1] if not self.lead else ()
+        return polled_bcast(self.comm, values, "its lead partition's decision", lead)
+
+    def _usable(self, loss: float) -> bool:
+        """Downpour's finite-gradient check, agreed by the partitions (Allreduce MIN):
+        one partition's pieces may be finite while another's are not, and a partition
+        that dropped a step, or stopped after too many, while the others went on
+        would leave them waiting for its activations."""
+        before = self.bad_in_a_row
+        self._finite[0] = super()._usable(loss)
+        wait_all([self.comm.Iallreduce(MPI.IN_PLACE, self._finite, op=MPI.MIN)],
+                 "the other partitions of this replica", self.model.partner_ranks)
+        self.bad_in_a_row = 0 if self._finite[0] else before
+        return bool(self._finite[0])
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out["partition"] = self.comm.Get_rank()
+        out["model_parallel"] = self.model.traffic.per_step()
+        return out

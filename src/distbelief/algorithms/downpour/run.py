@@ -1,0 +1,223 @@
+"""Setting a Downpour run up on every rank (open_run, collective): the local set-up, the
+checkpoint to start from and each rank's piece of it (Start), the parameter server and the
+communicators, held by OpenRun, which every role runs on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.algorithms.common import (
+    StopSignals,
+    load_eval_set,
+    open_data,
+    prepare_run_dir,
+    starting_checkpoint,
+)
+from distbelief.algorithms.downpour.plan import SWEEP_S, DownpourPlan, plan_run
+from distbelief.config import Config
+from distbelief.model.layout import balanced_ranges
+from distbelief.model.optimizers import make_optimizer
+from distbelief.ps import run_control as rc
+from distbelief.ps.parameter_server import (
+    ParameterClient,
+    ParameterServerShard,
+)
+from distbelief.ps.transport import open_parameter_server
+from distbelief.records import checkpoint as ckpt
+from distbelief.runtime import guardian
+from distbelief.runtime.agreement import (
+    agree,
+)
+from distbelief.runtime.liveness import Peers
+from distbelief.runtime.topology import Communicators, split_communicators
+from distbelief.runtime.watchdog import abort_job
+
+
+@dataclass
+class OpenRun:
+    """A rank's run once set up: its plan, its local data (a replica's TrainShard; rank 0's
+    (eval set, chosen checkpoint)), where it starts, its parameter-server endpoint
+    (restored from the checkpoint if there is one), its communicators, every rank's
+    identity (liveness) and the channel for the replicas' final statistics."""
+
+    plan: DownpourPlan
+    local: Any
+    start: Start
+    endpoint: ParameterServerShard | ParameterClient
+    communicators: Communicators
+    peers: Peers
+    messages: MPI.Comm
+    signals: StopSignals
+    world: MPI.Comm
+    _next_shard_check: float = 0.0
+    _usr1_checked: int = 0
+
+    def check_shards(self, now: float, force: bool = False) -> None:
+        """Abort the job if a shard on this node is gone: looked at every SWEEP_S, at once
+        after a new SIGUSR1 (hydra's notice of a death), or when `force`d. Local."""
+        usr1 = self.signals.counts["SIGUSR1"]
+        if not force and now < self._next_shard_check and usr1 == self._usr1_checked:
+            return
+        self._next_shard_check, self._usr1_checked = now + SWEEP_S, usr1
+        gone = self.peers.gone_among(self.plan.topology.shard_ranks)
+        if gone:
+            abort_job(self.world, shard_lost_message(gone[0], "is gone"))
+
+    def close(self, teardown: int) -> None:
+        """TEARDOWN_FREE: collective over the world communicator (the parameter server,
+        then the other communicators). TEARDOWN_LEAVE: nothing is freed (a rank is dead:
+        any collective would wait for it) and the process will end without MPI_Finalize,
+        which would wait for the dead rank too (guardian.skip_mpi_finalize)."""
+        if teardown != rc.TEARDOWN_FREE:
+            guardian.skip_mpi_finalize()  # MPI_Finalize would wait for the dead
+            return
+        self.endpoint.free()
+        self.messages.Free()
+        self.communicators.free()
+
+
+def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None,
+             signals: StopSignals, info: Any = None, network: Any = None,
+             peers: Peers | None = None) -> OpenRun:
+    """Set up a Downpour run on every rank of `comm` (train's first half; tests use it to
+    look at a resumed run's starting state).
+
+    Collective over `comm`: validates without communicating, then the local set-up and
+    rank 0's choice of checkpoint (agreed: any rank's UserError is raised on every rank),
+    a bcast of the checkpoint's path, each rank's read of its piece (agreed), an
+    allgather of every rank's identity, open_parameter_server with the restored slices
+    and optimizer state and the run control block, the role communicators, and a
+    Comm.Dup for the final statistics.
+    """
+    if info is None or network is None:
+        info, network = open_data(config)
+    plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train)
+    topology = plan.topology
+    local = agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
+    chosen = local[1] if topology.world_rank == 0 else None
+    path = comm.bcast(str(chosen.path) if chosen is not None else None, root=0)
+    start = agree(comm, lambda: _read_start(config, plan, network, info, local, path, chosen,
+                                             stream))
+    if peers is None:
+        peers = Peers.gather(comm)
+    opt = config.optimizer
+    initial = None
+    if topology.is_shard:
+        initial = network.init_params(config.run.seed)
+        if start.params is not None:
+            a, b = start.shard_range
+            initial[a:b] = start.params
+    endpoint = open_parameter_server(
+        comm, topology, network.layout.size,
+        lambda n: (start.optimizer if start.optimizer is not None
+                   else make_optimizer(opt.adagrad, opt.learning_rate, n)),
+        initial, control_replicas=plan.num_replicas)
+    # The shards' communicator (rounds, checkpoints) and each replica's partitions'.
+    communicators = split_communicators(comm, topology)
+    messages = comm.Dup()
+    return OpenRun(plan, local, start, endpoint, communicators, peers, messages, signals,
+                   comm)
+
+
+def _local_setup(config: Config, plan: DownpourPlan, info: Any, network: Any, resume: str,
+                 stream: IO[str] | None) -> Any:
+    """What this rank needs before training: a replica its part of the training set; rank 0
+    the checkpoint to start from (before config.json is rewritten, so a refused resume
+    leaves the run folder as it was), the run folder and the evaluation set. Local."""
+    from distbelief.data.hdf5 import TrainShard
+
+    topology = plan.topology
+    if topology.is_replica:
+        return TrainShard(info, topology.replica_index, plan.num_replicas, config.run.seed)
+    if topology.world_rank == 0:
+        chosen = starting_checkpoint(config, network.layout, resume, stream)
+        prepare_run_dir(config)
+        return load_eval_set(config, info), chosen
+    return None
+
+
+@dataclass
+class Start:
+    """Where one rank starts: the checkpoint (None for a fresh run) and its piece of it."""
+
+    checkpoint: ckpt.Checkpoint | None = None
+    shard_range: tuple[int, int] = (0, 0)
+    params: np.ndarray | None = None  # a shard's slice
+    optimizer: Any = None  # a shard's optimizer with its state loaded
+    local_steps: int = 0  # a replica's steps before (decides its fetch schedule)
+
+    @property
+    def base(self) -> int:
+        """Global steps before this job."""
+        return self.checkpoint.step if self.checkpoint is not None else 0
+
+
+def _read_start(config: Config, plan: DownpourPlan, network: Any, info: Any, local: Any,
+                path: str | None, chosen: ckpt.Checkpoint | None,
+                stream: IO[str] | None) -> Start:
+    """Read this rank's piece of the checkpoint at `path` (rank 0 verified all of it).
+    Local; CheckpointError if the piece cannot be used."""
+    if path is None:
+        return Start()
+    found = chosen if chosen is not None else ckpt.Checkpoint(Path(path),
+                                                              ckpt.read_manifest(path))
+    start = Start(found)
+    topology = plan.topology
+    try:
+        if topology.is_shard:
+            start.shard_range = balanced_ranges(network.layout.size,
+                                                topology.ps_shards)[topology.shard_index]
+            start.params, state = found.read_range(*start.shard_range)
+            opt = config.optimizer
+            start.optimizer = make_optimizer(opt.adagrad, opt.learning_rate,
+                                             start.params.size)
+            start.optimizer.load_state(state)
+        elif topology.is_replica:
+            _restore_replica(found, plan, local, info, start)
+    except (ValueError, TypeError) as exc:
+        raise ckpt.CheckpointError(f"checkpoint {found.path} cannot be resumed here: "
+                                   f"{exc}") from exc
+    saved = found.num_replicas
+    if topology.world_rank == 0 and saved != plan.num_replicas:
+        _print(stream, f"distbelief: the checkpoint was written by {saved} replica(s), this "
+                       f"run has {plan.num_replicas}: each replica starts a fresh pass over "
+                       f"its part of the training set")
+    if topology.world_rank == 0 and saved == plan.num_replicas \
+            and found.manifest.get("lost_replicas"):
+        lost = ", ".join(str(r) for r in found.manifest["lost_replicas"])
+        _print(stream, f"distbelief: replica(s) {lost} had been lost when the checkpoint was "
+                       f"written: they start a fresh pass over their part of the training set")
+    return start
+
+
+def _restore_replica(found: ckpt.Checkpoint, plan: DownpourPlan, data: Any, info: Any,
+                     start: Start) -> None:
+    """The data position and local step count of this replica: exact when the checkpoint
+    has as many replicas and holds this one's part; otherwise the parts of the data are
+    new (or this replica had been lost), and it starts a pass that no earlier epoch used
+    (the number of passes over the whole set so far)."""
+    index = plan.topology.replica_index
+    if found.num_replicas == plan.num_replicas and found.has_replica(index):
+        saved = found.read_replica(index)
+        data.load_state(saved.data_state)
+        start.local_steps = saved.counters.get("local_steps", 0)
+    else:
+        data.load_state({**data.state(), "epoch": 1 + found.samples // info.n_train,
+                         "position": 0})
+
+
+def shard_lost_message(shard: int, how: str) -> str:
+    return (f"parameter-server shard {shard} (world rank {shard}) {how}: its slice of the "
+            f"parameters cannot be recovered without it, so the job stops. Run the same "
+            f"command again to resume from the last checkpoint")
+
+
+def _print(stream: IO[str] | None, text: str) -> None:
+    if stream is not None:
+        print(text, file=stream, flush=True)

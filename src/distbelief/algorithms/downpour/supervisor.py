@@ -1,0 +1,583 @@
+"""Shard 0 (Supervisor): it serves its slice like every shard and runs the run between
+polls (the control block, training lines, evaluations, stop rules, lost replicas,
+checkpoints), then writes the summary (the helpers at the end of this module). "The module
+docstring" in the code below is the package's (distbelief.algorithms.downpour).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.algorithms.common import (
+    StopRules,
+    evaluate,
+)
+from distbelief.algorithms.downpour.plan import (
+    CONTROL_POLL_S,
+    LEAVE_GRACE_S,
+    NOTICE_DELAY_S,
+    NOTICE_SLACK_S,
+    ROUND_TERM,
+    ROUND_USR1,
+    STATS_TAG,
+    SWEEP_S,
+    DownpourPlan,
+    Ending,
+)
+from distbelief.algorithms.downpour.run import OpenRun, _print
+from distbelief.algorithms.downpour.shards import _part_report, _ShardRole
+from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.model.layout import balanced_ranges
+from distbelief.ps import run_control as rc
+from distbelief.ps.parameter_server import (
+    STALENESS_BINS,
+)
+from distbelief.ps.run_control import ControlView
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder
+from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import (
+    WAIT_SLEEP_S,
+)
+from distbelief.runtime.backoff import Backoff
+
+
+@dataclass
+class LostReplica:
+    """A replica shard 0 declared lost."""
+
+    replica: int
+    ranks: list[int]
+    why: str
+    at_step: int
+    at_seconds: float
+
+
+class Supervisor(_ShardRole):
+    """Shard 0: serves its slice like every shard and, between polls, runs the run: the
+    control block, training lines, evaluations (in a thread, on snapshots), stop rules,
+    progress lines, lost replicas, and the checkpoints (it asks for them, commits them,
+    and writes the replicas' parts).
+
+    Communicates one-sided (its own windows; Gets of the other shards' PARAMS for
+    snapshots), in the shards' rounds and collectives, and receives the replicas' final
+    statistics. Owns the RunRecorder.
+    """
+
+    def __init__(self, run: OpenRun, config: Config, network: Any, info: Any,
+                 stream: IO[str] | None):
+        super().__init__(run)
+        self.config, self.network, self.info, self.stream = config, network, info, stream
+        eval_set, start = run.local[0], run.start
+        self.eval_set = eval_set
+        plan = self.plan
+        self.rules = StopRules.from_config(config)
+        self.reason: str | None = None
+        self.stop_code, self.stop_arg = 0, 0
+        self.base = start.base
+        self.resumed_from = start.checkpoint
+        self.steps, self.loss_total, self.loss = self.base, 0.0, math.nan
+        self.snapshot = np.zeros(network.layout.size, dtype=np.float32)
+        self.pending: tuple[Future, int] | None = None  # evaluation in flight, its step
+        self.evaluations, self.eval_seconds = 0, 0.0
+        # The run control block, as last read, and what shard 0 knows of each replica.
+        self.view: ControlView | None = None
+        replicas = plan.num_replicas
+        self.beats = np.zeros(replicas, dtype=np.int64)
+        self.beat_times = np.full(replicas, time.monotonic())
+        self.lost: dict[int, LostReplica] = {}
+        self.lost_mask = np.zeros(replicas, dtype=bool)  # the same, for whole-array tests
+        self.dead_ranks: set[int] = set()
+        self.death_times: list[float] = []  # when sweeps found ranks newly gone
+        # SIGUSR1 counts by source (replica index, or "shards": their max in the rounds):
+        # (count, when it was last seen); and new ones waiting for their meaning.
+        self.usr1_seen: dict[Any, tuple[int, float]] = {}
+        self.usr1_pending: list[tuple[float, float]] = []  # (previous report, first seen)
+        self.warm_released = False
+        self.replica_stats: dict[int, dict[str, Any]] = {}
+        self.requests = 0  # checkpoint requests made (the CHECKPOINT slot)
+        self.awaiting = False  # a request is out: its checkpoint has not been written
+        self.ready = False  # every replica has paused for it (or finished, or is lost)
+        self.logged_steps = -1
+        self.logged_loss_total = 0.0  # loss_total at the last training line
+        self._next_control = 0.0
+        self._next_sweep = time.monotonic() + SWEEP_S
+        self._shard_signals = (0, 0)  # max SIGTERM, SIGUSR1 counts of the shards
+        self._terms_seen = 0
+        run_config = config.run
+        self.root = ckpt.checkpoint_root(run_config.out_dir)
+        self.every_seconds, self.every_steps = (run_config.checkpoint_every_seconds,
+                                                run_config.checkpoint_every_steps)
+        self.last_checkpoint_step = self.base if start.checkpoint is not None else None
+        self.last_checkpoint: str | None = None
+        self.checkpoints = 0
+        _print(stream, _header(config, plan, network, info, len(eval_set[1])))
+        resume = None
+        if start.checkpoint is not None:
+            found = start.checkpoint
+            resume = ResumePoint(found.step, found.samples, found.wall_seconds,
+                                 found.path.name)
+        # The clock starts once every rank is ready (open_parameter_server's barrier).
+        self.recorder = RunRecorder(run_config.out_dir, run_config.progress_every_seconds,
+                                    stream, target_accuracy=run_config.target_accuracy,
+                                    resume=resume)
+        now = time.monotonic()
+        self.next_log = now + LOG_EVERY_SECONDS
+        self.next_eval = now + run_config.eval_every_seconds
+        self._schedule_checkpoint(now)
+
+    def run(self) -> None:
+        with ThreadPoolExecutor(1, thread_name_prefix="distbelief-eval") as self.executor:
+            super().run()
+            if self.pending is not None:
+                self._record_eval(*self.pending)
+        self._read_control(time.monotonic())
+        self._log_training()  # every replica has finished: the totals are final
+        if self.reason is None:
+            self.reason = "max_steps"
+
+    def _duties(self) -> bool:
+        """Shard 0's duties between two polls; cheap unless one of them is due."""
+        if self.faults:
+            self.faults.after_updates(self.shard.version)
+        now = time.monotonic()
+        busy = self._collect_stats()
+        if self.pending is not None and self.pending[0].done():
+            self._record_eval(*self.pending)
+            busy = True
+        if (now >= self._next_control or (self.awaiting and not self.ready)
+                or self.usr1_pending):
+            self._read_control(now)
+        if now >= self._next_sweep:
+            self._sweep(now)
+        if now >= self.next_log:
+            self._log_training()
+            self.next_log = now + LOG_EVERY_SECONDS
+        if self.reason is None:
+            self._apply_budget(now)
+        if self.reason is None and self.pending is None and now >= self.next_eval:
+            self._start_eval()
+            busy = True
+        if not self.awaiting and self._checkpoint_due(now):
+            self.requests += 1
+            self.shard.add_run_control(rc.CHECKPOINT, 1)
+            self.awaiting, self.ready = True, False
+        self.recorder.progress(self.steps, self.steps * self.plan.batch_size, self.loss)
+        return self._poll_rounds() or busy
+
+    # -- the run control block
+
+    def _read_control(self, now: float) -> None:
+        """Read the block: steps and loss, heartbeats, signals, replicas giving up, the
+        pause for a checkpoint, the end."""
+        self._next_control = now + CONTROL_POLL_S
+        view = self.view = self.shard.read_run_control()
+        steps = self.base + view.steps
+        if steps > self.steps:
+            self.steps, self.loss_total = steps, view.loss_sum
+        rows = view.replicas
+        moved = rows[:, rc.BEAT] != self.beats
+        self.beats[moved] = rows[moved, rc.BEAT]
+        self.beat_times[moved] = now
+        term = max(int(rows[:, rc.TERM].max(initial=0)), self._shard_signals[0])
+        usr1 = {r: int(count) for r, count in enumerate(rows[:, rc.USR1])}
+        usr1["shards"] = self._shard_signals[1]
+        self._on_signals(term, usr1, now)
+        for replica in np.flatnonzero(rows[:, rc.GAVE_UP]):
+            if int(replica) not in self.lost:
+                self._stop(rc.STOP_BAD_GRADIENTS, "bad_gradients", int(replica) + 1)
+        for replica in np.flatnonzero(rows[:, rc.ABANDONED]):
+            if int(replica) not in self.lost:
+                self._lose(int(replica), list(self.plan.topology.replica_ranks(replica)),
+                           "one of its partitions found another gone")
+        if self.plan.warm_start_steps and not self.warm_released and (
+                0 in self.lost or rows[0, rc.FINISHED]):
+            # The others wait for replica 0's warm-start steps, which will never come.
+            self.shard.add_run_control(rc.WARM, 1)
+            self.warm_released = True
+        if self.awaiting and not self.ready:
+            self.ready = bool(np.all(self.lost_mask | (rows[:, rc.ACKED] >= self.requests)
+                                     | (rows[:, rc.FINISHED] > 0)))
+
+    def _replicas_done(self) -> bool:
+        if self.view is None:
+            return False
+        return bool(np.all(self.lost_mask | (self.view.replicas[:, rc.FINISHED] > 0)))
+
+    def _contribution(self) -> list[int]:
+        counts = self.signals.counts
+        finished = not self.awaiting and self._replicas_done()
+        return [counts["SIGTERM"], counts["SIGUSR1"], int(self.awaiting and self.ready),
+                int(finished)]
+
+    def _on_round(self, result: np.ndarray) -> None:
+        self._shard_signals = (int(result[ROUND_TERM]), int(result[ROUND_USR1]))
+
+    def _on_signals(self, term: int, usr1: dict[Any, int], now: float) -> None:
+        """Stop on a SIGTERM; on a SIGUSR1 unless it is the launcher's notice of a death:
+        a source's new SIGUSR1 is a notice if a rank was found gone since that source's
+        previous report (see SIGNALS in the module docstring)."""
+        if self.all_finished:
+            return  # the run is ending: ranks leaving make hydra send SIGUSR1s
+        if term > self._terms_seen:
+            self._terms_seen = term
+            self._stop(rc.STOP_SIGNAL, "SIGTERM")
+        for source, count in usr1.items():
+            seen, when = self.usr1_seen.get(source, (0, -math.inf))
+            if count > seen:
+                self.usr1_pending.append((when, now))
+            self.usr1_seen[source] = (count, now)
+        if not self.usr1_pending:
+            return
+        self._sweep(now)
+        waiting = []
+        for previous, first in self.usr1_pending:
+            if any(previous - NOTICE_SLACK_S <= t for t in self.death_times):
+                if not self.stop_code:
+                    _print(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice "
+                                        "of the rank(s) found gone; training goes on")
+            elif now - first >= NOTICE_DELAY_S:
+                self._stop(rc.STOP_SIGNAL, "SIGUSR1")
+            else:
+                waiting.append((previous, first))
+        self.usr1_pending = waiting
+
+    # -- liveness
+
+    def _sweep(self, now: float, shards: bool = True) -> None:
+        """Look for gone shards (fatal; not once the shards have ended the run together and
+        may leave) and lost replicas (process gone on this node, or heartbeat stopped for
+        run.replica_timeout_seconds)."""
+        self._next_sweep = now + SWEEP_S
+        topology, peers = self.plan.topology, self.run_.peers
+        if shards:
+            self.run_.check_shards(now, force=True)
+        timeout = self.plan.replica_timeout_s
+        rows = self.view.replicas if self.view is not None else None
+        for replica in range(self.plan.num_replicas):
+            ranks = list(topology.replica_ranks(replica))
+            gone = peers.gone_among(ranks)
+            if set(gone) - self.dead_ranks:
+                self.death_times.append(now)
+            self.dead_ranks.update(gone)
+            if replica in self.lost:
+                continue
+            if gone:
+                self._lose(replica, ranks, f"the process of rank {gone[0]} is gone")
+            elif (timeout and rows is not None and not rows[replica, rc.FINISHED]
+                  and now - self.beat_times[replica] > timeout):
+                self._lose(replica, ranks, f"no news from it for {timeout:g} s "
+                                           f"(run.replica_timeout_seconds)")
+
+    def _lose(self, replica: int, ranks: list[int], why: str) -> None:
+        self.lost_mask[replica] = True
+        self.lost[replica] = LostReplica(replica, ranks, why, self.steps,
+                                         self.recorder.elapsed())
+        self.shard.add_run_control(rc.replica_slot(replica, rc.LOST), 1)
+        left = self.plan.num_replicas - len(self.lost)
+        _print(self.stream, f"distbelief: replica {replica} (rank{'s' * (len(ranks) > 1)} "
+                            f"{', '.join(map(str, ranks))}) lost at step {self.steps}: {why}; "
+                            f"training goes on with {left} replica(s)")
+        self.recorder.log_event("replica_lost", self.steps, self.steps * self.plan.batch_size,
+                                replica=replica, ranks=ranks, why=why)
+        if left == 0:
+            self._stop(rc.STOP_ALL_LOST, "replicas_lost")
+
+    def _collect_stats(self) -> bool:
+        """Receive the replicas' final statistics as they come (point-to-point)."""
+        got = False
+        messages = self.run_.messages
+        status = MPI.Status()
+        while messages.Iprobe(MPI.ANY_SOURCE, STATS_TAG, status):
+            source = status.Get_source()
+            self.replica_stats[source] = messages.recv(source=source, tag=STATS_TAG)
+            got = True
+        return got
+
+    # -- training lines, stops, evaluations
+
+    def _log_training(self) -> None:
+        """A training line, if steps were reported since the last one. Its loss is the mean
+        over every step since the previous line (LOG_EVERY_SECONDS apart), as the other
+        trainers log it, so the curves of different algorithms compare."""
+        if self.steps == self.logged_steps or self.steps == self.base:
+            return
+        since = max(self.logged_steps, self.base)
+        self.loss = (self.loss_total - self.logged_loss_total) / (self.steps - since)
+        self.logged_steps, self.logged_loss_total = self.steps, self.loss_total
+        self.recorder.log(self.steps, self.steps * self.plan.batch_size, self.loss,
+                          version=self.shard.version)
+        if not math.isfinite(self.loss) and self.reason is None:
+            self._stop(rc.STOP_DIVERGED, "diverged")
+
+    def _apply_budget(self, now: float) -> None:
+        reason = self.rules.budget_spent(self.steps, now - self.recorder.start)
+        if reason:
+            self._stop(rc.STOP_RULE, reason)
+
+    def _stop(self, code: int, reason: str, arg: int = 0) -> None:
+        """Stop the run: the first reason counts, except that an error (divergence, bad
+        gradients, a failed checkpoint) overrides a budget or a signal."""
+        errors = (rc.STOP_BAD_GRADIENTS, rc.STOP_DIVERGED, rc.STOP_CHECKPOINT_FAILED)
+        if self.stop_code and (self.stop_code in errors or code not in errors):
+            return
+        self.shard.add_run_control(rc.STOP, code - self.stop_code)
+        self.shard.add_run_control(rc.STOP_ARG, arg - self.stop_arg)
+        self.stop_code, self.stop_arg, self.reason = code, arg, reason
+
+    def _start_eval(self) -> None:
+        """Snapshot the global parameters (one-sided Gets from the other shards) and
+        evaluate them in the thread, while this thread goes on polling."""
+        self.shard.snapshot(self.snapshot)
+        future = self.executor.submit(self._timed_eval, self.snapshot)
+        self.pending = (future, self.steps)
+
+    def _timed_eval(self, params: np.ndarray) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        with np.errstate(over="ignore", invalid="ignore"):  # per thread: not train()'s
+            loss, accuracy = evaluate(self.network, params, self.eval_set)
+        return loss, accuracy, time.perf_counter() - t0
+
+    def _record_eval(self, future: Future, steps: int) -> None:
+        test_loss, accuracy, seconds = future.result()  # re-raises the thread's exception
+        self.pending = None
+        self.evaluations += 1
+        self.eval_seconds += seconds
+        self.recorder.log_eval(steps, steps * self.plan.batch_size, self.loss, accuracy,
+                               test_loss)
+        if self.reason is None and self.rules.target_reached(accuracy):
+            self._stop(rc.STOP_RULE, "target_accuracy")
+        self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
+
+    # -- checkpoints: when, the parts of the replicas, the commit
+
+    def _schedule_checkpoint(self, now: float) -> None:
+        """The next periodic checkpoint: `every_seconds` from now, and the next multiple
+        of `every_steps` (also after a resume from another step); inf when off."""
+        self.next_checkpoint_time = now + self.every_seconds if self.every_seconds \
+            else math.inf
+        self.next_checkpoint_step = ((self.steps // self.every_steps + 1) * self.every_steps
+                                     if self.every_steps else math.inf)
+
+    def _checkpoint_due(self, now: float) -> bool:
+        if self.stop_code or self._replicas_done():
+            return False  # the checkpoint at the end follows
+        return now >= self.next_checkpoint_time or self.steps >= self.next_checkpoint_step
+
+    def _plan_checkpoint(self) -> dict[str, Any] | None:
+        # Every push is folded: the totals are those of the checkpoint. Logged now, so
+        # that no line up to its step is later than the checkpoint's time.
+        self._read_control(time.monotonic())
+        self._log_training()
+        if self.stop_code == rc.STOP_DIVERGED or self.failure is not None \
+                or self.steps == self.last_checkpoint_step:
+            return None
+        meta = ckpt.CheckpointMeta(self.steps, self.steps * self.plan.batch_size,
+                                   self.recorder.elapsed(), config_hash(self.config))
+        try:
+            partial = ckpt.prepare(self.root, meta.step)
+        except ckpt.CheckpointError as exc:
+            return {"error": str(exc)}
+        return {"partial": str(partial), "meta": asdict(meta)}
+
+    def _write_parts(self, partial: Path, meta: ckpt.CheckpointMeta) -> dict[str, Any]:
+        """Shard 0's slice and every replica's part (from the positions they published
+        when they paused or finished; lost replicas have none)."""
+        mine = super()._write_parts(partial, meta)
+        if "records" not in mine:
+            return mine
+        replicas = _part_report(lambda: [
+            ckpt.write_replica_part(partial, meta, r, state, counters={"local_steps": steps})
+            for r, (state, steps) in self._replica_positions().items()])
+        if "records" not in replicas:
+            return replicas
+        return {"records": mine["records"] + replicas["records"]}
+
+    def _replica_positions(self) -> dict[int, tuple[dict[str, int], int]]:
+        """Replica index -> (TrainShard.state(), local steps) as published, for every
+        replica that is not lost."""
+        rows = self.view.replicas
+        replicas = self.plan.num_replicas
+        ranges = balanced_ranges(self.info.n_train, replicas)
+        positions = {}
+        for r in range(replicas):
+            if r in self.lost:
+                continue
+            row = rows[r]
+            state = {"seed": self.config.run.seed, "rank": r, "num_ranks": replicas,
+                     "n": ranges[r][1] - ranges[r][0], "epoch": int(row[rc.EPOCH]),
+                     "position": int(row[rc.POSITION])}
+            positions[r] = (state, int(row[rc.LOCAL_STEPS]))
+        return positions
+
+    def _commit(self, meta: ckpt.CheckpointMeta,
+                reports: list[dict[str, Any]] | None) -> dict[str, Any]:
+        for kind in ("diverged", "error"):
+            problems = [r[kind] for r in reports if kind in r]
+            if problems:
+                return {kind: problems[0]}  # the .partial is cleaned at the next start
+        records = [ckpt.PartRecord(*rec) for r in reports for rec in r["records"]]
+        try:
+            path = ckpt.commit(
+                self.root, meta, settings=hashed_settings(self.config), algorithm="downpour",
+                layout=self.network.layout, shard_ranges=self.shard.ranges,
+                optimizer_state=list(self.shard.optimizer.state()), parts=records,
+                num_replicas=self.plan.num_replicas, keep=self.config.run.keep_checkpoints,
+                lost_replicas=sorted(self.lost))
+        except ckpt.CheckpointError as exc:
+            return {"error": str(exc)}
+        return {"path": str(path), "step": meta.step, "samples": meta.samples,
+                "at": meta.wall_seconds}
+
+    def _after_checkpoint(self, outcome: dict[str, Any], seconds: float) -> None:
+        super()._after_checkpoint(outcome, seconds)
+        if "path" in outcome:
+            path = Path(outcome["path"])
+            self.checkpoints += 1
+            self.last_checkpoint_step, self.last_checkpoint = outcome["step"], str(path)
+            # Timed at the state it holds, so that a run resumed from it, which continues
+            # from that time, keeps the times in metrics.jsonl increasing.
+            self.recorder.log_event("checkpoint", outcome["step"], outcome["samples"],
+                                    at=outcome["at"], seconds=seconds, path=path.name)
+            _print(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
+        elif "diverged" in outcome or "error" in outcome:
+            _print(self.stream, f"distbelief: checkpoint not written: "
+                                f"{outcome.get('diverged') or outcome.get('error')}")
+        if "diverged" in outcome:
+            self._stop(rc.STOP_DIVERGED, "diverged")
+        elif "error" in outcome:
+            self._stop(rc.STOP_CHECKPOINT_FAILED, "checkpoint_failed")
+        if self.awaiting:  # the replicas paused for it go on
+            self.shard.add_run_control(rc.RELEASE, 1)
+            self.awaiting = self.ready = False
+        self._schedule_checkpoint(time.monotonic())
+
+    # -- the end
+
+    def _before_final_checkpoint(self, all_stats: list | None, final: np.ndarray | None) -> None:
+        self.shard_stats = [s for s in all_stats if s["role"] == "shard"]
+        self._wait_for_replica_stats()
+        if self.stop_code != rc.STOP_SIGNAL:  # after a signal, stopping promptly matters
+            samples = self.steps * self.plan.batch_size
+            t0 = time.perf_counter()
+            test_loss, accuracy = evaluate(self.network, final, self.eval_set)
+            self.evaluations += 1
+            self.eval_seconds += time.perf_counter() - t0
+            self.recorder.log_eval(self.steps, samples, self.loss, accuracy, test_loss)
+
+    def _wait_for_replica_stats(self) -> None:
+        """Every replica that finished sends its statistics; wait for them (sleeping),
+        giving up on a replica whose process turns out to be gone."""
+        backoff = Backoff(*WAIT_SLEEP_S)
+        topology = self.plan.topology
+        with watchdog.current().waiting("the replicas' final statistics"):
+            while True:
+                self._collect_stats()
+                missing = [rank for r in range(self.plan.num_replicas) if r not in self.lost
+                           for rank in topology.replica_ranks(r)
+                           if rank not in self.replica_stats]
+                if not missing:
+                    return
+                self._sweep(time.monotonic())
+                backoff.wait()
+
+    def _ending(self) -> Ending:
+        teardown = rc.TEARDOWN_LEAVE if self.lost or self.dead_ranks else rc.TEARDOWN_FREE
+        summary = self.recorder.finish(_summary_extras(self))
+        _print(self.stream, _summary_line(summary, self.config))
+        return Ending(self.stop_code, self.stop_arg, teardown, self.failure, summary)
+
+    def _announce(self, ending: Ending) -> None:
+        """Tell the other ranks how the run ends. With LEAVE (nobody frees; some rank is
+        dead), wait until every client rank has said it leaves, or is found gone, before
+        leaving: over RMA their reads need this rank's progress. Ranks it cannot see
+        (other nodes) get LEAVE_GRACE_S. Nothing is recorded any more (summary written)."""
+        self.shard.add_run_control(rc.TEARDOWN, ending.teardown)
+        if ending.teardown == rc.TEARDOWN_FREE:
+            return
+        topology, peers = self.plan.topology, self.run_.peers
+        clients = range(topology.first_replica_rank, topology.world_size)
+        dead = len(peers.gone_among(clients))  # before the announce: they never leave
+        backoff = Backoff(*WAIT_SLEEP_S)
+        deadline = time.monotonic() + LEAVE_GRACE_S
+        with watchdog.current().waiting("the other ranks to read the end of the run"):
+            # A rank that dies from now on never says it leaves: LEAVE_GRACE_S covers it.
+            while (self.shard.read_run_control().left + dead < len(clients)
+                   and time.monotonic() < deadline):
+                backoff.wait()
+
+
+# ------------------------------------------------------------------------------------------
+# The summary
+
+
+def _summary_extras(sup: Supervisor) -> dict[str, Any]:
+    config, plan = sup.config, sup.plan
+    replicas = sorted(sup.replica_stats.values(), key=lambda s: (s["replica"], s["rank"]))
+    resumed = sup.resumed_from
+    return {
+        "algorithm": "downpour", "stop_reason": sup.reason,
+        "config_hash": config_hash(config), "num_params": int(sup.network.layout.size),
+        "eval_samples": len(sup.eval_set[1]), "world_size": plan.topology.world_size,
+        "ps_shards": plan.topology.ps_shards, "num_replicas": plan.num_replicas,
+        "n_fetch": plan.n_fetch, "n_push": plan.n_push,
+        "warm_start_steps": plan.warm_start_steps, "max_steps": plan.max_steps,
+        "evaluations": sup.evaluations, "eval_seconds": sup.eval_seconds,
+        "resumed_from": str(resumed.path) if resumed is not None else None,
+        "resumed_at_step": sup.base, "checkpoint": sup.last_checkpoint,
+        "bad_gradients": sum(r["bad_gradients"] for r in replicas),
+        "checkpoints_written": sup.checkpoints, "checkpoint_seconds": sup.checkpoint_seconds,
+        "lost_replicas": [asdict(lost) for _, lost in sorted(sup.lost.items())],
+        "staleness": _combined_staleness(replicas),
+        "replicas": replicas, "shards": sup.shard_stats,
+    }
+
+
+def _combined_staleness(replicas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The staleness of every push of every replica, as one distribution."""
+    width = max((len(r["staleness"]["histogram"]) for r in replicas), default=0)
+    histogram = np.zeros(width, dtype=np.int64)
+    for r in replicas:
+        h = r["staleness"]["histogram"]
+        histogram[: len(h)] += np.asarray(h, dtype=np.int64)
+    samples = int(histogram.sum())
+    mean = float((histogram * np.arange(width)).sum() / samples) if samples else 0.0
+    return {"samples": samples, "mean": mean,
+            "max": max((r["staleness"]["max"] for r in replicas), default=0),
+            "histogram": [int(c) for c in histogram], "histogram_cap": STALENESS_BINS - 1}
+
+
+def _header(config: Config, plan: DownpourPlan, network: Any, info: Any,
+            eval_samples: int) -> str:
+    opt = config.optimizer
+    return (f"distbelief: downpour, {network.layout.size:,d} parameters; "
+            f"{plan.topology.describe()}; n_fetch {opt.n_fetch}, n_push {opt.n_push}, "
+            f"warm start {opt.warm_start_steps} steps, "
+            f"{'Adagrad' if opt.adagrad else 'SGD'} lr {opt.learning_rate:g}; data "
+            f"{info.path} ({info.n_train} train / {eval_samples} eval samples), out "
+            f"{config.run.out_dir}\n{network.describe()}")
+
+
+def _summary_line(summary: dict[str, Any], config: Config) -> str:
+    rates = ", ".join(f"{r['samples_per_second'] or 0:.0f}" for r in summary["replicas"])
+    accuracy = summary["final_test_accuracy"]
+    shown = "-" if accuracy is None else f"{accuracy:.4f}"  # a signal before any evaluation
+    text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['steps']} steps "
+            f"in total, {summary['wall_seconds']:.1f}s; test accuracy {shown}; samples/s "
+            f"per replica: {rates}; staleness mean {summary['staleness']['mean']:.2f} max "
+            f"{summary['staleness']['max']}")
+    if summary["lost_replicas"]:
+        text += f"; replicas lost: {', '.join(str(r['replica']) for r in summary['lost_replicas'])}"
+    if summary["target_accuracy"] is not None:
+        text += (f"; reached {summary['target_accuracy']:g} in "
+                 f"{summary['time_to_target']:.1f}s" if summary["reached_target"]
+                 else f"; target {summary['target_accuracy']:g} not reached")
+    return f"{text}\nresults in {config.run.out_dir}"
