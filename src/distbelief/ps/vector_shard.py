@@ -16,7 +16,7 @@ evaluations). float64 because L-BFGS takes differences of nearby iterates and gr
 
 Each operation the coordinator commands returns this slice's partial sums (numpy float64
 arrays); the coordinator adds them over the shards (algorithms.sandblaster.lbfgs). Nothing here
-communicates: distbelief.algorithms.sandblaster.roles moves the commands and the pushes.
+communicates: distbelief.algorithms.sandblaster.shards moves the commands and the pushes.
 """
 
 from __future__ import annotations

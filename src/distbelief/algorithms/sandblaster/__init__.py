@@ -1,4 +1,5 @@
-"""Sandblaster L-BFGS: roles (the shards', coordinator's and replicas' loops, and train),
+"""Sandblaster L-BFGS: roles (train, start, finish; the design in its docstring), plan
+(validation, tags, pieces, batch rows), shards, replica, coordinator (the roles' loops),
 lbfgs (L-BFGS on scalars: the coordinator's side), work_units (dynamic load balancing with
 backup copies).
 """

@@ -28,7 +28,7 @@ straggler's finished-but-uncommitted units are outstanding like any other, and b
 cover them.
 
 The shards count the units in the pushes they receive; the evaluation is over when they
-have all `n_units` (distbelief.algorithms.sandblaster.roles).
+have all `n_units` (distbelief.algorithms.sandblaster.shards).
 """
 
 from __future__ import annotations

@@ -1,0 +1,442 @@
+"""Sandblaster's coordinator (Coordinator): runs lbfgs.minimize on dot products, hands out
+work units and evaluations, owns the run folder, the stop rules and the checkpoints, and
+writes the summary (the helpers at the end of this module). THE COORDINATOR, CHECKPOINTS
+and STOP in the docstring of sandblaster.roles say how.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.algorithms.common import (
+    StopRules,
+    StopSignals,
+)
+from distbelief.algorithms.sandblaster.lbfgs import Gram, Iteration, minimize
+from distbelief.algorithms.sandblaster.plan import (
+    BACKUP_LATE_FACTOR,
+    TAG_COMMAND,
+    TAG_REQUEST,
+    TAG_RESULT,
+    TAG_TASK,
+    SandblasterPlan,
+    _backoff,
+)
+from distbelief.algorithms.sandblaster.work_units import (
+    COMMIT,
+    DROP,
+    HOLD,
+    UnitStats,
+    WorkUnitTable,
+)
+from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.metrics import ResumePoint, RunRecorder
+from distbelief.runtime import watchdog
+
+# ------------------------------------------------------------------------------------------
+# The coordinator
+
+
+@dataclass
+class Traffic:
+    """Bytes the coordinator sent to and received from shards and replicas (pickled
+    message sizes, as MPI carries them)."""
+
+    shard_bytes: int = 0
+    shard_messages: int = 0
+    replica_bytes: int = 0
+    replica_messages: int = 0
+
+
+@dataclass
+class EvaluationRecord:
+    """One gradient evaluation (a trial of the line search, or a new batch's gradient)."""
+
+    seconds: float
+    stats: UnitStats = field(default_factory=UnitStats)
+
+
+class Coordinator:
+    """Runs L-BFGS through shard commands, deals out work units, keeps the run's records.
+    Point-to-point with every shard and replica; never holds a vector."""
+
+    def __init__(self, comm: MPI.Comm, config: Config, plan: SandblasterPlan, network: Any,
+                 info: Any, stream: IO[str] | None, resumed: ckpt.Checkpoint | None = None):
+        self.comm, self.config, self.plan, self.network = comm, config, plan, network
+        self.resumed = resumed
+        self.stream = stream
+        topology = plan.topology
+        self.shards = list(topology.shard_ranks)
+        self.replicas = [topology.replica_ranks(r)[0] for r in range(plan.num_replicas)]
+        self.all_replica_ranks = range(topology.first_replica_rank, topology.world_size)
+        self.units = plan.units
+        self.rules = StopRules.from_config(config)
+        self.traffic = Traffic()
+        self.table: WorkUnitTable | None = None
+        self.trial_id = 0
+        self.batch = 0
+        self.loss_sum = 0.0
+        self.parked: list[int] = []
+        self.stopping = False
+        self.stopped: set[int] = set()
+        self.reason: str | None = None
+        self.samples = 0
+        self.evaluations: list[EvaluationRecord] = []
+        self.iteration_evals: list[EvaluationRecord] = []
+        self.unit_totals = UnitStats()
+        self.late_discarded = 0
+        self.unit_seconds: deque[float] = deque(maxlen=256)  # recent units, issue to report
+        self.snapshot_id = 0
+        self.eval_task: int | None = None  # a snapshot waiting for a replica to evaluate it
+        self.snapshot_at: dict[int, tuple[int, int]] = {}  # snapshot -> (step, samples)
+        self.eval_in_flight = False
+        self.last_loss = math.nan
+        self.step = 0
+        _print(stream, _header(config, plan, network, info))
+        resume = None
+        if resumed is not None:
+            self.step, self.samples = resumed.step, resumed.samples
+            resume = ResumePoint(resumed.step, resumed.samples, resumed.wall_seconds,
+                                 resumed.path.name)
+        self.recorder = RunRecorder(config.run.out_dir, config.run.progress_every_seconds,
+                                    stream, target_accuracy=config.run.target_accuracy,
+                                    resume=resume)
+        self.order: list[int] = []  # history slots in use, oldest first (for checkpoints)
+        self.checkpointed = (self.step, self.recorder.elapsed())  # (step, time) of the last
+        self.next_eval = self.recorder.start  # evaluate x0 first
+        self.method = Coordinator._minimize
+        self.signals: StopSignals | None = None
+        """What `run` does with the shards and replicas; tests put other methods here."""
+
+    # -- the method -------------------------------------------------------------------------
+
+    def _minimize(self) -> str:
+        gram = None
+        if self.resumed is not None:
+            pairs = sum(1 for name in self.resumed.manifest["optimizer_state"]
+                        if name.startswith("s") and not name.endswith("_lo"))
+            gram = Gram(self.plan.options.m)
+            gram.load(self._command("gram"), pairs)
+            self.order = list(gram.order)
+        return minimize(self, self.plan.options, self._on_iteration, self.step, gram)
+
+    def run(self) -> None:
+        """Run the method, then the final checkpoint and evaluation, then stop every replica
+        and shard. Point-to-point with every shard and replica."""
+        self.reason = self.method(self)
+        if self.reason == "converged":
+            _print(self.stream, f"converged: gradient norm <= "
+                   f"{self.plan.options.gradient_tolerance:g}")
+        if self.reason != "diverged":
+            self._checkpoint()
+        if self.reason not in StopSignals.NAMES:  # on a signal, end soon: no evaluation
+            self._evaluate_now()  # the final parameters
+        self.stopping = True
+        for rank in self.parked:
+            self._reply(rank, (HOLD, ("stop",)))
+            self.stopped.add(rank)
+        self.parked = []
+        self._serve_until(lambda: len(self.stopped) == len(self.replicas))
+        self._command("stop")
+
+    def _on_iteration(self, it: Iteration) -> str | None:
+        self.step = it.step
+        self.last_loss = it.loss
+        self.order = it.order
+        stats = UnitStats()
+        for record in self.iteration_evals:
+            stats.add(record.stats)
+        stats.discarded += self.late_discarded  # reported after their trial ended
+        self.late_discarded = 0
+        self.recorder.log(
+            it.step, self.samples, it.loss, grad_norm=it.grad_norm, step_size=it.step_size,
+            line_search_evals=it.line_search_evals, pair_kept=it.pair_kept,
+            restarted=it.restarted,
+            units_per_replica=[stats.committed_by.get(r, 0) for r in range(len(self.replicas))],
+            backup_units_issued=stats.backups_issued, backup_units_discarded=stats.discarded,
+            evaluation_seconds=[r.seconds for r in self.iteration_evals],
+            coordinator_shard_bytes=self.traffic.shard_bytes,
+            coordinator_replica_bytes=self.traffic.replica_bytes)
+        self.iteration_evals = []
+        self.recorder.progress(it.step, self.samples, it.loss)
+        now = time.monotonic()
+        if not math.isfinite(it.loss):
+            return "diverged"
+        if now >= self.next_eval and not self.eval_in_flight:
+            self._schedule_evaluation()
+        if self._checkpoint_due():
+            self._checkpoint()
+        if self.reason:
+            return self.reason  # target accuracy, seen in an evaluation result
+        if self.signals is not None and self.signals.received:
+            return self.signals.received
+        return self.rules.budget_spent(0, now - self.recorder.start)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _checkpoint_due(self) -> bool:
+        run = self.config.run
+        step, at = self.checkpointed
+        return bool((run.checkpoint_every_steps and self.step - step
+                     >= run.checkpoint_every_steps)
+                    or (run.checkpoint_every_seconds and self.recorder.elapsed() - at
+                        >= run.checkpoint_every_seconds))
+
+    def _checkpoint(self) -> None:
+        """Write and commit a checkpoint of the current iterate and history (the shards
+        write their parts on command; this rank commits). Point-to-point with the shards."""
+        if self.checkpointed[0] == self.step and self.step > 0:
+            return  # this iteration is in a checkpoint already
+        root = ckpt.checkpoint_root(self.config.run.out_dir)
+        meta = ckpt.CheckpointMeta(self.step, self.samples, self.recorder.elapsed(),
+                                   config_hash(self.config))
+        partial = ckpt.prepare(root, self.step)
+        records = self._command("checkpoint", str(partial), meta, list(self.order),
+                                combine=list)
+        names = ["x_lo"] + [f"{v}{k:03d}{lo}" for k in range(len(self.order))
+                            for v in "sy" for lo in ("", "_lo")]
+        layout = self.network.layout
+        final = ckpt.commit(root, meta, settings=hashed_settings(self.config),
+                            algorithm="sandblaster", layout=layout,
+                            shard_ranges=layout.shard_ranges(len(self.shards)),
+                            optimizer_state=names, parts=records, num_replicas=0,
+                            keep=self.config.run.keep_checkpoints)
+        self.checkpointed = (self.step, self.recorder.elapsed())
+        self.recorder.log_event("checkpoint", self.step, self.samples, path=str(final))
+
+    # -- Backend (sandblaster.lbfgs): vector operations on the shards -------------------------
+
+    def evaluate(self, t: float, batch: int) -> tuple[float, float]:
+        t0 = time.monotonic()
+        self.trial_id += 1
+        self.batch = batch
+        self._command("begin_trial", self.trial_id, t)
+        late = (BACKUP_LATE_FACTOR * statistics.median(self.unit_seconds)
+                if len(self.unit_seconds) >= 4 else 0.0)
+        self.table = WorkUnitTable(len(self.units), self.plan.push_every,
+                                   self.plan.backup_copies, backup_after=late)
+        self.loss_sum = 0.0
+        if self.step == 0 and self.trial_id == 1 and not self.eval_in_flight:
+            self._schedule_evaluation()  # x0, while the first batch runs
+        parked, self.parked = self.parked, []
+        for rank in parked:
+            self._give_task(rank, HOLD)
+        self._serve_until(lambda: self.table.complete)
+        stats = self.table.stats
+        self.unit_seconds.extend(self.table.unit_seconds)
+        self.table = None
+        (gtd,) = self._command("finish_trial", len(self.units), self.plan.batch_size)
+        self.samples += self.plan.batch_size
+        self.unit_totals.add(stats)
+        record = EvaluationRecord(time.monotonic() - t0, stats)
+        self.evaluations.append(record)
+        self.iteration_evals.append(record)
+        return self.loss_sum / self.plan.batch_size, float(gtd)
+
+    def accept(self, slot: int) -> np.ndarray:
+        return self._command("accept", slot)
+
+    def take_gradient(self) -> np.ndarray:
+        return self._command("take_gradient")
+
+    def set_direction(self, coefficients: np.ndarray) -> tuple[float, float]:
+        gtd, dd = self._command("set_direction", np.asarray(coefficients, dtype=np.float64))
+        return float(gtd), float(dd)
+
+    def _command(self, op: str, *args: Any, combine: Any = sum) -> Any:
+        """Send `op` to every shard, wait (serving replicas meanwhile) for every answer;
+        returns combine(answers in shard order): their sum by default. Point-to-point with
+        the shards."""
+        message = (op, args)
+        size = len(MPI.pickle.dumps(message))
+        for shard in self.shards:
+            self.comm.send(message, dest=shard, tag=TAG_COMMAND)
+        self.traffic.shard_bytes += size * len(self.shards)
+        self.traffic.shard_messages += len(self.shards)
+        answers, status = {}, MPI.Status()
+        backoff = _backoff()
+        guard = watchdog.current()
+        with guard.waiting(f"the shards' answers to {op}", self.shards):
+            while len(answers) < len(self.shards):
+                guard.check()
+                if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_RESULT, status):
+                    self.traffic.shard_bytes += status.Get_count(MPI.BYTE)
+                    self.traffic.shard_messages += 1
+                    source = status.Get_source()
+                    answers[source] = self.comm.recv(source=source, tag=TAG_RESULT)
+                    backoff.reset()
+                elif self._serve_one():
+                    backoff.reset()
+                else:
+                    backoff.wait()
+        return combine(answers[shard] for shard in self.shards)
+
+    # -- replicas ------------------------------------------------------------------------------
+
+    def _serve_until(self, done: Any) -> None:
+        backoff = _backoff()
+        guard = watchdog.current()
+        with guard.waiting("the replicas' work units", self.all_replica_ranks):
+            while not done():
+                if self._serve_one() or self._wake_parked():
+                    backoff.reset()
+                else:
+                    backoff.wait()
+
+    def _wake_parked(self) -> bool:
+        """In the tail of a batch, give parked replicas the backups of units that have
+        become late since they asked. Returns whether any got one."""
+        if self.table is None or not self.table.tail or not self.parked:
+            return False
+        parked, self.parked = self.parked, []
+        for rank in parked:
+            self._give_task(rank, HOLD)  # parks it again if nothing is late yet
+        return len(self.parked) < len(parked)
+
+    def _serve_one(self) -> bool:
+        """Answer one replica request if one is waiting; returns whether one was."""
+        status = MPI.Status()
+        if not self.comm.Iprobe(MPI.ANY_SOURCE, TAG_REQUEST, status):
+            return False
+        rank = status.Get_source()
+        self.traffic.replica_bytes += status.Get_count(MPI.BYTE)
+        self.traffic.replica_messages += 1
+        trial, units, loss, result = self.comm.recv(source=rank, tag=TAG_REQUEST)
+        if result is not None:
+            self._record_evaluation(*result)
+        replica = self.replicas.index(rank)
+        current = self.table is not None and trial == self.trial_id
+        if not units:
+            decision = HOLD
+        elif current:
+            decision = self.table.settle(replica, units)
+            if decision == COMMIT:
+                self.loss_sum += loss
+        else:
+            decision = DROP  # its trial is over: every unit of it was committed already
+            self.unit_totals.discarded += len(units)
+            self.late_discarded += len(units)
+        self._give_task(rank, decision, free=not units or decision != HOLD)
+        return True
+
+    def _give_task(self, rank: int, decision: str, free: bool = True) -> None:
+        """Answer `rank` with `decision` and a task, or park it when there is no task and
+        nothing to tell (it is answered when work comes). `free`: it holds no uncommitted
+        units, so it may take an evaluation (which must not delay a pending push)."""
+        replica = self.replicas.index(rank)
+        task: tuple | None = None
+        if self.stopping:
+            task = ("stop",)
+            self.stopped.add(rank)
+        elif self.eval_task is not None and free:
+            task = ("evaluate", self.eval_task)
+            self.eval_task = None
+        elif self.table is not None:
+            unit = self.table.next_unit(replica)
+            if unit is not None:
+                start, stop = self.units[unit]
+                task = ("unit", self.trial_id, self.batch, unit, start, stop)
+        if task is None and decision == HOLD:
+            self.parked.append(rank)
+            return
+        self._reply(rank, (decision, task))
+
+    def _reply(self, rank: int, message: tuple) -> None:
+        self.comm.send(message, dest=rank, tag=TAG_TASK)
+        self.traffic.replica_bytes += len(MPI.pickle.dumps(message))
+        self.traffic.replica_messages += 1
+
+    # -- evaluations (test accuracy) on replicas ---------------------------------------------
+
+    def _schedule_evaluation(self) -> None:
+        """Snapshot x on the shards and hand its evaluation to the next free replica."""
+        self.snapshot_id += 1
+        self._command("snapshot", self.snapshot_id)
+        self.eval_task = self.snapshot_id
+        self.snapshot_at[self.snapshot_id] = (self.step, self.samples)
+        self.eval_in_flight = True
+        if self.parked:
+            self._give_task(self.parked.pop(0), HOLD)
+
+    def _record_evaluation(self, snapshot: int, loss: float, accuracy: float) -> None:
+        self.eval_in_flight = False
+        step, samples = self.snapshot_at.pop(snapshot)
+        self.recorder.log_eval(step, samples, self.last_loss, accuracy, loss)
+        self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
+        if self.reason is None and self.rules.target_reached(accuracy):
+            self.reason = "target_accuracy"
+
+    def _evaluate_now(self) -> None:
+        """Evaluate the current x and wait for the result (the final evaluation)."""
+        self._serve_until(lambda: not self.eval_in_flight)
+        self._schedule_evaluation()
+        self._serve_until(lambda: not self.eval_in_flight)
+
+    # -- summary ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {"role": "coordinator", "rank": self.comm.Get_rank()}
+
+    def write_summary(self, all_stats: list[dict[str, Any]]) -> dict[str, Any]:
+        replicas = sorted((s for s in all_stats if s["role"] == "replica"),
+                          key=lambda s: (s["replica"], s["partition"]))
+        for r in replicas:
+            r["units_committed"] = self.unit_totals.committed_by.get(r["replica"], 0)
+        plan, totals = self.plan, self.unit_totals
+        iterations = max(self.step, 1)
+        extras = {
+            "algorithm": "sandblaster", "stop_reason": self.reason,
+            "config_hash": config_hash(self.config),
+            "num_params": int(self.network.layout.size),
+            "world_size": plan.topology.world_size, "ps_shards": plan.topology.ps_shards,
+            "num_replicas": plan.num_replicas, "partitions": plan.partitions,
+            "batch_size": plan.batch_size,
+            "work_unit_size": plan.unit_size, "units_per_evaluation": len(self.units),
+            "m": plan.options.m, "iterations": self.step,
+            "gradient_evaluations": len(self.evaluations),
+            "evaluation_seconds_mean": (float(np.mean([e.seconds for e in self.evaluations]))
+                                        if self.evaluations else None),
+            "units_issued": totals.issued, "backup_units_issued": totals.backups_issued,
+            "backup_units_discarded": totals.discarded,
+            "coordinator_traffic": asdict(self.traffic),
+            "coordinator_shard_bytes_per_iteration": self.traffic.shard_bytes / iterations,
+            "final_loss": self.last_loss,
+            "replicas": replicas, "shards": [s for s in all_stats if s["role"] == "shard"],
+        }
+        summary = self.recorder.finish(extras)
+        _print(self.stream, _summary_line(summary, self.config))
+        return summary
+
+
+def _header(config: Config, plan: SandblasterPlan, network: Any, info: Any) -> str:
+    opt = plan.options
+    return (f"distbelief: sandblaster L-BFGS, {network.layout.size:,d} parameters; "
+            f"{plan.topology.describe()}; m {opt.m}, batch {plan.batch_size} in "
+            f"{len(plan.units)} units of {plan.unit_size}, "
+            f"{'Wolfe' if opt.wolfe else 'Armijo'} line search; data {info.path}, out "
+            f"{config.run.out_dir}\n{network.describe()}")
+
+
+def _summary_line(summary: dict[str, Any], config: Config) -> str:
+    accuracy = summary["final_test_accuracy"]
+    text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['iterations']} "
+            f"iterations ({summary['gradient_evaluations']} gradient evaluations), "
+            f"{summary['wall_seconds']:.1f}s; loss {summary['final_loss']:.6g}; test accuracy "
+            f"{'-' if accuracy is None else f'{accuracy:.4f}'}; backup units "
+            f"{summary['backup_units_issued']} issued, {summary['backup_units_discarded']} "
+            f"discarded")
+    return f"{text}\nresults in {config.run.out_dir}"
+
+
+def _print(stream: IO[str] | None, text: str) -> None:
+    if stream is not None:
+        print(text, file=stream, flush=True)

@@ -1,0 +1,152 @@
+"""Sandblaster's plan and what every role shares: the message tags and the polling
+back-off, the validated plan (plan_run, pure: every rank raises the same error before the
+first message), the partitions' pieces and the shards' segments of them, and BatchRows
+(which rows make up batch k). The docstring of sandblaster.roles says how the run goes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from distbelief.algorithms.sandblaster.lbfgs import LbfgsOptions
+from distbelief.algorithms.sandblaster.work_units import (
+    unit_ranges,
+)
+from distbelief.config import Config
+from distbelief.errors import ConfigError
+from distbelief.model.partition import partition_pieces
+from distbelief.runtime.backoff import Backoff
+from distbelief.runtime.topology import Topology
+
+TAG_REQUEST, TAG_TASK, TAG_COMMAND, TAG_RESULT, TAG_FETCH, TAG_PARAMS, TAG_PUSH = range(
+    201, 208)
+HEADER = 4
+"""float32 slots in front of every vector message, read as int32: [trial or snapshot id,
+units, partition, 0]."""
+
+POLL_S = (20e-6, 1e-3)
+"""Back-off bounds of every polling wait (min, max sleep). A replica waiting between
+trials or a shard between commands wakes every millisecond at most (a few % of a core)."""
+
+AUTO_UNITS_PER_REPLICA = 16
+MIN_AUTO_UNIT = 32
+BACKUP_LATE_FACTOR = 1.5
+"""A unit gets a backup copy once its newest copy has been out this many times the
+median seconds per unit of the recent units (distbelief.algorithms.sandblaster.work_units)."""
+
+
+# ------------------------------------------------------------------------------------------
+# The plan: pure validation, the same on every rank, before any communication
+
+
+@dataclass(frozen=True)
+class SandblasterPlan:
+    """A validated Sandblaster run for one rank."""
+
+    topology: Topology
+    batch_size: int      # examples per gradient evaluation (<= n_train)
+    n_train: int
+    unit_size: int
+    options: LbfgsOptions
+    push_every: int
+    backup_copies: int
+
+    @property
+    def num_replicas(self) -> int:
+        return self.topology.num_replicas
+
+    @property
+    def full_batch(self) -> bool:
+        return self.batch_size == self.n_train
+
+    @property
+    def units(self) -> list[tuple[int, int]]:
+        return unit_ranges(self.batch_size, self.unit_size)
+
+    @property
+    def partitions(self) -> int:
+        return self.topology.partitions
+
+
+Piece = tuple[int, int]
+
+
+def shard_segments(pieces: list[Piece], ranges: list[Piece]) -> list[list[Piece]]:
+    """Per shard, the parts of `pieces` (sorted [start, stop) ranges of the flat vector: one
+    partition's parameters) that lie in the shard's range, in order. Pure. Shards own
+    ascending contiguous ranges, so these parts, shard after shard, are the pieces back to
+    back: each shard's share of a partition's own-size vector is one contiguous slice."""
+    return [[(max(a, low), min(b, high)) for a, b in pieces if max(a, low) < min(b, high)]
+            for low, high in ranges]
+
+
+def all_pieces(network: Any, partitions: int,
+               splits: list[list[int]] | None = None) -> list[list[Piece]]:
+    """Per partition, the ranges of the flat parameter vector it owns (the whole vector
+    when P = 1). Pure and cheap; ConfigError when `splits` do not fit the network."""
+    if partitions == 1:
+        return [[(0, network.layout.size)]]
+    return partition_pieces(network.layers, network.layout, partitions, splits)
+
+
+def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
+             num_params: int) -> SandblasterPlan:
+    """Check that the job fits; pure, so every rank raises the same ConfigError before the
+    first collective."""
+    opt, cluster = config.optimizer, config.cluster
+    topology = Topology(world_size, world_rank, cluster.ps_shards, cluster.partitions,
+                        coordinator=True)
+    if cluster.ps_shards > num_params:
+        raise ConfigError(f"cluster.ps_shards = {cluster.ps_shards} is more than the "
+                          f"{num_params} parameters of the model")
+    batch = min(config.data.batch_size, n_train)
+    unit = opt.work_unit_size or max(min(batch, MIN_AUTO_UNIT),
+                                     math.ceil(batch / (AUTO_UNITS_PER_REPLICA
+                                                        * topology.num_replicas)))
+    if unit > batch:
+        raise ConfigError(f"optimizer.work_unit_size = {unit} is larger than the batch of "
+                          f"{batch} examples (data.batch_size, at most the {n_train} "
+                          f"training rows)")
+    options = LbfgsOptions(m=opt.m, c1=opt.wolfe_c1, c2=opt.wolfe_c2,
+                           wolfe=opt.line_search == "wolfe",
+                           max_line_search=opt.max_line_search,
+                           gradient_tolerance=opt.gradient_tolerance,
+                           max_iterations=config.run.max_steps, full_batch=batch == n_train)
+    return SandblasterPlan(topology, batch, n_train, unit, options, opt.push_every_units,
+                           opt.backup_copies)
+
+
+class BatchRows:
+    """Which training rows make up batch k: all rows in order when the batch is the whole
+    set, else consecutive pieces of a stream of seeded per-epoch permutations (every
+    replica computes the same rows from (seed, k))."""
+
+    def __init__(self, n_train: int, batch_size: int, seed: int):
+        self.n, self.batch_size, self.seed = n_train, batch_size, seed
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    def rows(self, k: int) -> np.ndarray:
+        if self.batch_size >= self.n:
+            return np.arange(self.n)
+        if self._cache is None or self._cache[0] != k:
+            first = k * self.batch_size
+            positions = np.arange(first, first + self.batch_size)
+            epochs, offsets = np.divmod(positions, self.n)
+            out = np.empty(self.batch_size, dtype=np.intp)
+            for epoch in np.unique(epochs):
+                mask = epochs == epoch
+                out[mask] = self._permutation(int(epoch))[offsets[mask]]
+            self._cache = (k, out)
+        return self._cache[1]
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        seq = np.random.SeedSequence(self.seed, spawn_key=(epoch,))
+        return np.random.default_rng(seq).permutation(self.n)
+
+
+def _backoff() -> Backoff:
+    return Backoff(*POLL_S)

@@ -1,0 +1,285 @@
+"""Sandblaster's replicas (Replica): ask the coordinator for a task, commit or drop the
+units done since, compute a unit's gradient or an evaluation; a partitioned replica
+shares each answer with its partners (encode_answer / decode_answer). REPLICAS and
+PARTITIONED REPLICAS in the docstring of sandblaster.roles say how.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.algorithms.sandblaster.plan import (
+    HEADER,
+    TAG_FETCH,
+    TAG_PARAMS,
+    TAG_PUSH,
+    TAG_REQUEST,
+    TAG_TASK,
+    BatchRows,
+    Piece,
+    SandblasterPlan,
+    _backoff,
+    shard_segments,
+)
+from distbelief.algorithms.sandblaster.work_units import (
+    COMMIT,
+    DROP,
+    HOLD,
+)
+from distbelief.config import Config
+from distbelief.data.hdf5 import _to_float
+from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
+from distbelief.runtime import watchdog
+from distbelief.runtime.faults import Faults
+
+# ------------------------------------------------------------------------------------------
+# Replicas
+
+
+@dataclass
+class ReplicaStats:
+    replica: int
+    rank: int
+    partition: int = 0
+    units: int = 0          # units computed (committed or not)
+    examples: int = 0
+    abandoned: int = 0      # units not computed: their trial was over when fetched
+    evaluations: int = 0
+    pushes: int = 0
+    fetches: int = 0
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time in run(): the work, whatever the load
+
+
+DECISIONS = (HOLD, COMMIT, DROP)
+TASK_KINDS = (None, "stop", "evaluate", "unit")
+ANSWER_SLOTS = 8
+
+
+def encode_answer(decision: str, task: tuple | None, out: np.ndarray) -> np.ndarray:
+    """The coordinator's answer (decision, task) as int64s, for partition 0 to broadcast:
+    [decision, task kind, task arguments...] (a unit's: trial, batch, unit, start, stop)."""
+    out.fill(0)
+    out[0] = DECISIONS.index(decision)
+    out[1] = TASK_KINDS.index(None if task is None else task[0])
+    if task is not None:
+        out[2:2 + len(task) - 1] = task[1:]
+    return out
+
+
+def decode_answer(values: np.ndarray) -> tuple[str, tuple | None]:
+    """What `encode_answer` encoded."""
+    kind = TASK_KINDS[int(values[1])]
+    arguments = {None: 0, "stop": 0, "evaluate": 1, "unit": 5}[kind]
+    task = None if kind is None else (kind, *(int(v) for v in values[2:2 + arguments]))
+    return DECISIONS[int(values[0])], task
+
+
+class Replica:
+    """Ask for a task, commit or drop the pending sum, do the task; until told to stop.
+    Point-to-point with the coordinator (requests, tasks) and the shards (fetch, push).
+
+    `model`: a Network (one rank per replica), or this partition's PartitionedNetwork over
+    `team`, the replica's partition communicator: partition 0 then asks the coordinator
+    and shares each answer with its partners (collective over `team`, polled), and every
+    vector here is this partition's own pieces (`pieces`) back to back."""
+
+    def __init__(self, comm: MPI.Comm, config: Config, plan: SandblasterPlan, model: Any,
+                 x: np.ndarray, y: np.ndarray, eval_set: tuple[np.ndarray, np.ndarray],
+                 scale: float, pieces: list[Piece], team: MPI.Comm | None = None):
+        self.comm, self.plan, self.model = comm, plan, model
+        self.x, self.y, self.eval_set, self.scale = x, y, eval_set, scale
+        topology = plan.topology
+        self.coordinator = topology.coordinator_rank
+        self.team = team if team is not None and team.Get_size() > 1 else None
+        self.partition = topology.partition_index
+        self.lead = self.partition == 0
+        self.batches = BatchRows(plan.n_train, plan.batch_size, config.run.seed)
+        if (any(a >= b for a, b in pieces)
+                or any(b > c for (_, b), (c, _) in itertools.pairwise(pieces))):
+            raise ValueError(f"pieces must be non-empty, ascending and disjoint: {pieces}")
+        ranges = model_layout(model).shard_ranges(topology.ps_shards)
+        # (shard, offset, size): each shard's share of this partition's vector.
+        self.links: list[tuple[int, int, int]] = []
+        offset = 0
+        for shard, segments in enumerate(shard_segments(pieces, ranges)):
+            size = sum(b - a for a, b in segments)
+            if size:
+                self.links.append((shard, offset, size))
+            offset += size
+        self.params = np.zeros(offset, dtype=np.float32)
+        self.grad = np.zeros(offset, dtype=np.float32)
+        self.pending = np.zeros(offset, dtype=np.float32)
+        self.recv = [np.empty(HEADER + size, dtype=np.float32) for _, _, size in self.links]
+        self.send = [np.empty(HEADER + size, dtype=np.float32) for _, _, size in self.links]
+        self.fetched: tuple[str, int] | None = None
+        self.answer = np.zeros(ANSWER_SLOTS, dtype=np.int64)
+        self.agreed = np.zeros(1, dtype=np.int32)
+        self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank,
+                                   self.partition)
+        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.runtime.faults)
+        self.signals = None  # set by train(); only the coordinator acts on signals
+        self._clear()
+
+    def _clear(self) -> None:
+        self.pending.fill(0)
+        self.pending_units: list[int] = []
+        self.pending_trial, self.pending_loss = -1, 0.0
+
+    def run(self) -> None:
+        """Work until the coordinator answers "stop". Point-to-point with the coordinator
+        (requests, partition 0 only) and the shards (fetches, pushes); with partitions
+        collective over the team in lockstep. Every wait polls with sleeps."""
+        cpu = time.process_time()
+        try:
+            self._work()
+        finally:
+            self.stats_.cpu_seconds += time.process_time() - cpu
+
+    def _work(self) -> None:
+        result = None
+        while True:
+            decision, task = self._next_task(result)
+            result = None
+            if decision == COMMIT:
+                self._push()
+            if decision in (COMMIT, DROP):
+                self._clear()
+            if task is None:
+                continue
+            if task[0] == "stop":
+                return
+            if task[0] == "evaluate":
+                result = self._evaluate(*task[1:])
+            else:
+                self._compute(*task[1:])
+
+    def _next_task(self, result: tuple | None) -> tuple[str, tuple | None]:
+        """The coordinator's answer to this replica's next request (partition 0 asks,
+        reporting its pending units and `result`), on every partition."""
+        answer = None
+        if self.lead:
+            answer = self._ask((self.pending_trial, self.pending_units, self.pending_loss,
+                                result))
+        if self.team is None:
+            return answer
+        t0 = time.perf_counter()
+        if self.lead:
+            encode_answer(*answer, self.answer)
+        wait_all([self.team.Ibcast(self.answer, root=0)])
+        self.stats_.comm_seconds += time.perf_counter() - t0
+        return decode_answer(self.answer)
+
+    def _all_agree(self, ok: bool) -> bool:
+        """Whether `ok` holds on every partition (an Iallreduce MIN over the team, polled);
+        `ok` itself with one partition."""
+        if self.team is None:
+            return ok
+        self.agreed[0] = ok
+        wait_all([self.team.Iallreduce(MPI.IN_PLACE, self.agreed, op=MPI.MIN)])
+        return bool(self.agreed[0])
+
+    def _ask(self, request: tuple) -> tuple[str, tuple | None]:
+        """Send a request to the coordinator; wait (polling) for its answer."""
+        t0 = time.perf_counter()
+        self.comm.send(request, dest=self.coordinator, tag=TAG_REQUEST)
+        backoff = _backoff()
+        guard = watchdog.current()
+        with guard.waiting("the coordinator's answer", (self.coordinator,)):
+            while not self.comm.Iprobe(self.coordinator, TAG_TASK):
+                guard.check(lambda: self.comm.Iprobe(self.coordinator, TAG_TASK))
+                backoff.wait()
+        answer = self.comm.recv(source=self.coordinator, tag=TAG_TASK)
+        self.stats_.comm_seconds += time.perf_counter() - t0
+        return answer
+
+    def _fetch(self, kind: str, ident: int) -> bool:
+        """Fetch this partition's pieces of the trial point or snapshot `ident` from the
+        shards that hold them; False if a shard (any partition's) has moved on to another
+        one already (the task is stale). Agreed over the team when it fetched."""
+        if self.fetched == (kind, ident):
+            return True
+        t0 = time.perf_counter()
+        requests = [self.comm.Irecv([buf, MPI.FLOAT], shard, TAG_PARAMS)
+                    for (shard, _, _), buf in zip(self.links, self.recv)]
+        for shard, _, _ in self.links:
+            requests.append(self.comm.isend(kind, dest=shard, tag=TAG_FETCH))
+        wait_all(requests, f"the {kind} from the shards", [s for s, _, _ in self.links])
+        self.stats_.fetches += 1
+        current = all(int(buf[:1].view(np.int32)[0]) == ident for buf in self.recv)
+        current = self._all_agree(current)
+        self.stats_.comm_seconds += time.perf_counter() - t0
+        if not current:
+            self.fetched = None
+            return False
+        for (_, offset, size), buf in zip(self.links, self.recv):
+            self.params[offset:offset + size] = buf[HEADER:]
+        self.fetched = (kind, ident)
+        return True
+
+    def _compute(self, trial: int, batch: int, unit: int, start: int, stop: int) -> None:
+        """Add one unit's gradient sum to the pending sum; nothing if its trial is over
+        already (the shards have begun another: the unit was committed by another replica,
+        and this one's next request simply reports nothing)."""
+        if not self._fetch("trial", trial):
+            self.stats_.abandoned += 1
+            return
+        t0 = time.perf_counter()
+        rows = self.batches.rows(batch)[start:stop]
+        x = _to_float(self.x[rows], self.scale)
+        n = stop - start
+        loss = self.model.loss_and_grad(self.params, x, self.y[rows], self.grad)
+        self.grad *= np.float32(n)  # mean -> sum, so units of any size add up
+        self.pending += self.grad
+        self.pending_loss += loss * n
+        self.pending_units.append(unit)
+        self.pending_trial = trial
+        if self.faults:
+            self.faults.after_step(self.stats_.units + 1, time.perf_counter() - t0, "unit")
+        self.stats_.compute_seconds += time.perf_counter() - t0
+        self.stats_.units += 1
+        self.stats_.examples += n
+
+    def _push(self) -> None:
+        """Send the committed sum to the shards, each its share of this partition's
+        pieces. Point-to-point."""
+        t0 = time.perf_counter()
+        requests = []
+        for (shard, offset, size), buf in zip(self.links, self.send):
+            buf[:HEADER].view(np.int32)[:] = (self.pending_trial, len(self.pending_units),
+                                              self.partition, 0)
+            buf[HEADER:] = self.pending[offset:offset + size]
+            requests.append(self.comm.Isend([buf, MPI.FLOAT], shard, TAG_PUSH))
+        wait_all(requests, "the shards to take this replica's push",
+                 [s for s, _, _ in self.links])
+        self.stats_.pushes += 1
+        self.stats_.comm_seconds += time.perf_counter() - t0
+
+    def _evaluate(self, snapshot: int) -> tuple:
+        """(snapshot, test loss, test accuracy) of snapshot `snapshot` (with partitions,
+        the PartitionedNetwork's distributed loss and accuracy: the same on every one)."""
+        if not self._fetch("snapshot", snapshot):
+            # The coordinator takes a new snapshot only after this result: cannot happen.
+            raise RuntimeError(f"replica {self.stats_.replica}: snapshot {snapshot} was "
+                               "replaced before it was evaluated (protocol error)")
+        loss, accuracy = self.model.evaluate(self.params, *self.eval_set, batch_size=1000)
+        self.stats_.evaluations += 1
+        return (snapshot, float(loss), float(accuracy))
+
+    def stats(self) -> dict[str, Any]:
+        out = {"role": "replica", **asdict(self.stats_)}
+        if self.team is not None:
+            out["model_parallel"] = self.model.traffic.per_step()
+        return out
+
+
+def model_layout(model: Any) -> Any:
+    """The whole model's parameter layout of a Network or a PartitionedNetwork."""
+    return model.network.layout if isinstance(model, PartitionedNetwork) else model.layout
