@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from distbelief.algorithms.common import (
-    TrainingDiverged,
-)
+from distbelief.algorithms.common import TrainingDiverged
 from distbelief.config import Config
 from distbelief.errors import DataError, UserError
 from distbelief.ps import run_control as rc

@@ -24,9 +24,7 @@ from distbelief.algorithms.downpour.plan import (
 from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.algorithms.partitioned_sgd import polled_bcast
 from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
-from distbelief.ps.parameter_server import (
-    StalenessStats,
-)
+from distbelief.ps.parameter_server import StalenessStats
 from distbelief.ps.run_control import ControlExchange
 from distbelief.runtime import watchdog
 from distbelief.runtime.backoff import Backoff

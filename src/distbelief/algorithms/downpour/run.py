@@ -24,16 +24,11 @@ from distbelief.config import Config
 from distbelief.model.layout import balanced_ranges
 from distbelief.model.optimizers import make_optimizer
 from distbelief.ps import run_control as rc
-from distbelief.ps.parameter_server import (
-    ParameterClient,
-    ParameterServerShard,
-)
+from distbelief.ps.parameter_server import ParameterClient, ParameterServerShard
 from distbelief.ps.transport import open_parameter_server
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime import guardian
-from distbelief.runtime.agreement import (
-    agree,
-)
+from distbelief.runtime.agreement import agree
 from distbelief.runtime.liveness import Peers
 from distbelief.runtime.topology import Communicators, split_communicators
 from distbelief.runtime.watchdog import abort_job

@@ -16,10 +16,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import (
-    StopRules,
-    evaluate,
-)
+from distbelief.algorithms.common import StopRules, evaluate
 from distbelief.algorithms.downpour.plan import (
     CONTROL_POLL_S,
     LEAVE_GRACE_S,
@@ -37,16 +34,12 @@ from distbelief.algorithms.downpour.shards import _part_report, _ShardRole
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.model.layout import balanced_ranges
 from distbelief.ps import run_control as rc
-from distbelief.ps.parameter_server import (
-    STALENESS_BINS,
-)
+from distbelief.ps.parameter_server import STALENESS_BINS
 from distbelief.ps.run_control import ControlView
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder
 from distbelief.runtime import watchdog
-from distbelief.runtime.agreement import (
-    WAIT_SLEEP_S,
-)
+from distbelief.runtime.agreement import WAIT_SLEEP_S
 from distbelief.runtime.backoff import Backoff
 
 

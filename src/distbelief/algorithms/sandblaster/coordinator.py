@@ -16,10 +16,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import (
-    StopRules,
-    StopSignals,
-)
+from distbelief.algorithms.common import StopRules, StopSignals
 from distbelief.algorithms.sandblaster.lbfgs import Gram, Iteration, minimize
 from distbelief.algorithms.sandblaster.plan import (
     BACKUP_LATE_FACTOR,

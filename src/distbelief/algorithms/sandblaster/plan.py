@@ -13,9 +13,7 @@ from typing import Any
 import numpy as np
 
 from distbelief.algorithms.sandblaster.lbfgs import LbfgsOptions
-from distbelief.algorithms.sandblaster.work_units import (
-    unit_ranges,
-)
+from distbelief.algorithms.sandblaster.work_units import unit_ranges
 from distbelief.config import Config
 from distbelief.errors import ConfigError
 from distbelief.model.partition import partition_pieces

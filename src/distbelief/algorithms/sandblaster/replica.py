@@ -27,11 +27,7 @@ from distbelief.algorithms.sandblaster.plan import (
     _backoff,
     shard_segments,
 )
-from distbelief.algorithms.sandblaster.work_units import (
-    COMMIT,
-    DROP,
-    HOLD,
-)
+from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD
 from distbelief.config import Config
 from distbelief.data.hdf5 import _to_float
 from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
