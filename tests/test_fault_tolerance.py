@@ -92,17 +92,21 @@ def summary_of(out: Path) -> dict:
 
 
 def test_faults_parse_and_apply_to_their_rank_only() -> None:
-    assert parse("kill:3:100, poison:2:5+ delay:*:0:10x pause:1:7:2.5s") == [
+    assert parse("kill:3:100, poison:2:5+ delay:*:0:10x pause:1:7:2.5s linger:1:0:1s") == [
         Fault("kill", 3, 100), Fault("poison", 2, 5, from_then_on=True),
-        Fault("delay", None, 0, factor=10.0), Fault("pause", 1, 7, extra_seconds=2.5)]
+        Fault("delay", None, 0, factor=10.0), Fault("pause", 1, 7, extra_seconds=2.5),
+        Fault("linger", 1, 0, extra_seconds=1.0)]
     faults = Faults.for_rank(2, {FAULTS: "kill:3:100 poison:2:5+ delay:*:0:0.01s"})
     assert [f.action for f in faults.faults] == ["poison", "delay"]
     assert not faults.poisons(4) and faults.poisons(5) and faults.poisons(50)
+    lingers = Faults.for_rank(1, {FAULTS: "linger:1:10:0.5s"})
+    assert lingers.linger_seconds(9) == 0 and lingers.linger_seconds(10) == 0.5
     assert not Faults.for_rank(1, {})
 
 
 @pytest.mark.parametrize("text", ["explode:1:2", "kill:x:1", "kill:1", "delay:1:0:0.5x",
-                                  "delay:1:0:3", "pause:1:0:2x", "poison:-1:3"])
+                                  "delay:1:0:3", "pause:1:0:2x", "poison:-1:3",
+                                  "linger:1:0:2x", "linger:1:0"])
 def test_a_bad_fault_is_one_clear_error(text: str) -> None:
     with pytest.raises(ConfigError, match=f"DISTBELIEF_FAULTS: cannot read '{text}'"):
         parse(text)
@@ -192,6 +196,27 @@ def test_a_killed_replica_leaves_the_others_to_finish_the_run(
     resumed = summary_of(out)
     assert resumed["resumed_at_step"] == summary["steps"]
     assert resumed["steps"] == summary["steps"] + 500 and resumed["lost_replicas"] == []
+
+
+def test_after_a_loss_shard_0_stays_until_the_last_epoch_on_it_has_closed(
+        data_dir: Path, tmp_path: Path) -> None:
+    # With a replica lost nobody frees the windows (TEARDOWN_LEAVE) and shard 0 leaves on
+    # its own once the others say they leave. Over RMA a rank's epoch on shard 0's window
+    # completes (Unlock returns) only while shard 0 is inside MPI, and shard 0 seeing an
+    # epoch's operations applied does not mean that epoch has completed. Replica 0 (rank
+    # 1) holds each of its end-of-run epochs open 1 s with their operations applied (a
+    # rank descheduled just before its Unlock, as under load): had shard 0 left on seeing
+    # them, rank 1 would wait in its Unlock for ever (the watchdog aborts it after 10 s).
+    out = tmp_path / "out"
+    proc = job(4, data_dir / "linear.toml", out, "run.max_steps=3000",
+               "run.stall_warn_seconds=5", "run.stall_abort_seconds=10",
+               faults=f"kill:2:300 linger:1:0:1s {DELAY}", transport="rma")
+    output = proc.stdout + proc.stderr
+    assert exit_statuses(proc) == [0, 0, 137, 0], output
+    assert "stall:" not in output, output
+    summary = summary_of(out)
+    assert [x["replica"] for x in summary["lost_replicas"]] == [1]
+    assert summary["stop_reason"] == "max_steps"
 
 
 def test_a_killed_partition_loses_its_replica_and_the_run_goes_on(data_dir: Path,

@@ -689,11 +689,18 @@ class ParameterClient(_Endpoint):
         self._segments = [[r] for r in self.ranges]
         self._touched = np.ones(shards, dtype=bool)
         self._hang: Any = None  # test-only: distbelief.runtime.faults.Faults to hang in a push
+        self._linger_s = 0.0  # test-only: seconds to hold each exchange's epoch open
 
     def hang_in_next_push(self, faults: Any) -> None:
         """TEST-ONLY (distbelief.runtime.faults "hang"): the next push stops responding for ever
         while it holds its locks on the shards, as a replica that froze mid-push."""
         self._hang = faults
+
+    def linger_in_exchanges(self, seconds: float) -> None:
+        """TEST-ONLY (distbelief.runtime.faults "linger"): from now on every exchange flushes
+        its operations to shard 0 (they are applied there) and holds its epoch open
+        `seconds` longer before the Unlock, as a rank descheduled just before it."""
+        self._linger_s = seconds
 
     def _maybe_hang(self, shard: int) -> None:
         if self._hang is not None:
@@ -852,6 +859,9 @@ class ParameterClient(_Endpoint):
         win = self._check_open().accum
         with _epoch(win, CONTROL_SHARD, MPI.LOCK_SHARED):
             control.issue(win, CONTROL_SHARD, HEADER_BYTES)
+            if self._linger_s:
+                win.Flush(CONTROL_SHARD)
+                time.sleep(self._linger_s)
 
     def finish(self) -> None:
         """Tell every shard that this rank will push no more. One-sided: Accumulate(SUM) of

@@ -15,7 +15,9 @@ window on the RMA transport, in its segment on the shared-memory one (parameter_
     global slots          written by            meaning
     CLAIMED               replicas (+claim)     steps claimed (the global step counter)
     STEPS                 replicas (+steps)     steps finished and pushed
-    LEFT                  client ranks (+1)     ranks that read TEARDOWN and leave
+    LEFT                  client ranks (+1)     ranks that read TEARDOWN and leave (not
+                                                  Downpour's: shard 0 cannot tell from it
+                                                  that their epochs have completed)
     LOSS (float64)        replicas (+sum)       sum of their minibatch losses
     STOP                  shard 0               why the run stops (a STOP_* code), 0: it goes
                                                   on; set once, replaced only by an error

@@ -14,6 +14,10 @@ Sandblaster replica its work units, a Downpour shard the updates it has folded.
     hang:RANK:AT          stop responding after step AT, for ever (a Downpour replica: in the
                           middle of its next push, holding the lock on the shard it pushes to)
     pause:RANK:AT:5s      stop responding after step AT for 5 s, holding nothing, then go on
+    linger:RANK:AT:1s     a Downpour replica that has done AT steps or more, at the end of the
+                          run: hold each epoch of its exchanges with shard 0 open 1 s longer,
+                          its operations flushed to shard 0 (a rank descheduled just before
+                          its Unlock)
 
 Nothing but the tests and the benchmarks sets it; a real run never should, and the rank
 prints what it does when a fault fires.
@@ -34,7 +38,7 @@ import numpy as np
 from distbelief.errors import ConfigError
 
 ENV = "DISTBELIEF_FAULTS"
-ACTIONS = ("kill", "raise", "poison", "delay", "hang", "pause")
+ACTIONS = ("kill", "raise", "poison", "delay", "hang", "pause", "linger")
 
 
 @dataclass(frozen=True)
@@ -68,20 +72,21 @@ def _parse_one(item: str) -> Fault:
     action, *fields = item.split(":")
     if action not in ACTIONS:
         raise ValueError(f"unknown action {action!r}")
-    if len(fields) != (3 if action in ("delay", "pause") else 2):
+    timed = ("delay", "pause", "linger")
+    if len(fields) != (3 if action in timed else 2):
         raise ValueError("wrong number of fields")
     rank = None if fields[0] == "*" else _non_negative(fields[0], "RANK")
     at_text = fields[1]
     from_then_on = action == "poison" and at_text.endswith("+")
     at = _non_negative(at_text.removesuffix("+") if from_then_on else at_text, "AT")
-    if action not in ("delay", "pause"):
+    if action not in timed:
         return Fault(action, rank, at, from_then_on)
     arg = fields[2]
     if action == "delay" and arg.endswith("x") and _positive_float(arg[:-1]) >= 1:
         return Fault(action, rank, at, factor=float(arg[:-1]))
     if arg.endswith("s"):
         return Fault(action, rank, at, extra_seconds=_positive_float(arg[:-1]))
-    raise ValueError("a delay is Fx (F >= 1) or SECONDSs; a pause is SECONDSs")
+    raise ValueError("a delay is Fx (F >= 1) or SECONDSs; a pause or linger is SECONDSs")
 
 
 def _non_negative(text: str, what: str) -> int:
@@ -153,6 +158,11 @@ class Faults:
     def hang_due(self, step: int) -> bool:
         """Whether the rank is to stop responding after `step` (the caller decides where)."""
         return bool(self._firing("hang", step))
+
+    def linger_seconds(self, step: int) -> float:
+        """How long each end-of-run exchange epoch is to stay open, once `step` steps are
+        done (0: not at all)."""
+        return sum(f.extra_seconds for f in self.faults if f.action == "linger" and step >= f.at)
 
     def kill(self, where: str) -> None:
         _say(f"test-only kill -9 of rank {self.rank} {where} ({ENV})")

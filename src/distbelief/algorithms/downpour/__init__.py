@@ -93,8 +93,10 @@ TEARDOWN. Shard 0, once every replica has finished or been lost, ends the shards
 with a round; then the shards, together: fold the rest, gather statistics and the final
 slices, shard 0 evaluates the final parameters, the final checkpoint, summary.json;
 TEARDOWN is FREE when no rank was lost (every rank then frees the windows together) and
-LEAVE otherwise (no rank frees: a collective would wait for the dead; shard 0 waits until
-the live replicas have read it, so none is left waiting on its windows).
+LEAVE otherwise (no rank frees: a collective would wait for the dead; each live client
+rank reads it, then sends rank 0 a message that it leaves, and shard 0 stays inside MPI
+until it has every live rank's message: over RMA a rank's last epoch on shard 0's window
+completes only while shard 0 progresses it, so none is left waiting in an Unlock).
 
 METRICS: rank 0 owns the run folder (config.json, metrics.jsonl, summary.json;
 distbelief.records.metrics.RunRecorder, the contract of the single-process trainer; `step` and

@@ -51,6 +51,10 @@ say they leave before it leaves itself (over RMA they need its progress to read 
 STATS_TAG = 7
 """Tag of a replica's statistics message to rank 0 at its end."""
 
+LEAVING_TAG = 8
+"""Tag of a client rank's message to rank 0 that it leaves (TEARDOWN_LEAVE), sent once its
+last epoch on shard 0's windows has completed."""
+
 # The int64 flags of a shards' round, combined with MAX over the shards.
 ROUND_TERM, ROUND_USR1, ROUND_CHECKPOINT, ROUND_FINISHED = range(4)
 ROUND_WIDTH = 4

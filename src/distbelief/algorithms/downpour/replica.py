@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.downpour.plan import (
+    LEAVING_TAG,
     PAUSE_POLL_S,
     STATS_TAG,
     WARM_START_POLL_S,
@@ -24,6 +25,7 @@ from distbelief.algorithms.downpour.plan import (
 from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.algorithms.partitioned_sgd import polled_bcast
 from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
+from distbelief.ps import run_control as rc
 from distbelief.ps.parameter_server import StalenessStats
 from distbelief.ps.run_control import ControlExchange
 from distbelief.runtime import watchdog
@@ -334,6 +336,8 @@ class Replica:
         """Publish the end of this replica's work (FINISHED with its final position: its
         last push is in), send its statistics to rank 0, and wait for the teardown.
         A lost replica publishes nothing and sends nothing. One-sided, plus one message."""
+        if self.faults and self.faults.linger_seconds(self.t):  # test-only
+            self.client.linger_in_exchanges(self.faults.linger_seconds(self.t))
         if not self.lost:
             if self.lead:
                 self._publish_position(finished=1)
@@ -362,8 +366,24 @@ class Replica:
                 backoff.wait()
                 self.client.exchange(control.set(claim=0))
                 guard.progress()  # shard 0 answers: the run is simply not over yet
-        self.client.exchange(control.set(claim=0, leaving=True))
+        if control.teardown == rc.TEARDOWN_LEAVE:
+            self._say_leaving()
         return control.teardown, control.stop, control.stop_arg
+
+    def _say_leaving(self) -> None:
+        """Tell rank 0 that this rank is done with its windows, by a message sent after the
+        last epoch's Unlock has returned. Not through the block: over RMA an epoch completes
+        only while its target is inside MPI, and shard 0 seeing an epoch's operations
+        applied does not mean the epoch has completed, so a LEFT count read there would let
+        shard 0 leave while this rank still waits in its Unlock. A message rank 0 has
+        received was sent, so every epoch before it is closed."""
+        request = self.run_.messages.isend(None, dest=0, tag=LEAVING_TAG)
+        backoff = Backoff(*PAUSE_POLL_S)
+        guard = watchdog.current()
+        with guard.waiting("rank 0 to take this rank's leaving message", (0,)):
+            while not request.Test():
+                guard.check()
+                backoff.wait()
 
     def stats(self) -> dict[str, Any]:
         return {"role": "replica", **self.stats_.to_dict()}

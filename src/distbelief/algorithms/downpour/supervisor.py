@@ -20,6 +20,7 @@ from distbelief.algorithms.common import StopRules, evaluate
 from distbelief.algorithms.downpour.plan import (
     CONTROL_POLL_S,
     LEAVE_GRACE_S,
+    LEAVING_TAG,
     NOTICE_DELAY_S,
     NOTICE_SLACK_S,
     ROUND_TERM,
@@ -497,15 +498,22 @@ class Supervisor(_ShardRole):
         if ending.teardown == rc.TEARDOWN_FREE:
             return
         topology, peers = self.plan.topology, self.run_.peers
-        clients = range(topology.first_replica_rank, topology.world_size)
-        dead = len(peers.gone_among(clients))  # before the announce: they never leave
+        waiting = set(range(topology.first_replica_rank, topology.world_size))
+        messages, status = self.run_.messages, MPI.Status()
         backoff = Backoff(*WAIT_SLEEP_S)
         deadline = time.monotonic() + LEAVE_GRACE_S
         with watchdog.current().waiting("the other ranks to read the end of the run"):
-            # A rank that dies from now on never says it leaves: LEAVE_GRACE_S covers it.
-            while (self.shard.read_run_control().left + dead < len(clients)
-                   and time.monotonic() < deadline):
-                backoff.wait()
+            # Iprobe keeps this rank in MPI, so the epochs still open on it complete. A rank
+            # gone has no epoch open; one on another node that dies never says it leaves:
+            # LEAVE_GRACE_S covers it.
+            while waiting and time.monotonic() < deadline:
+                while messages.Iprobe(MPI.ANY_SOURCE, LEAVING_TAG, status):
+                    source = status.Get_source()
+                    messages.recv(source=source, tag=LEAVING_TAG)
+                    waiting.discard(source)
+                waiting.difference_update(peers.gone_among(sorted(waiting)))
+                if waiting:
+                    backoff.wait()
 
 
 # ------------------------------------------------------------------------------------------
