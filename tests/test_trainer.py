@@ -9,11 +9,13 @@ import math
 from pathlib import Path
 
 import pytest
+import threadpoolctl
 
 from distbelief.algorithms.sgd import StopRules, TrainingDiverged, train
 from distbelief.config import Config, apply_overrides, config_from_dict
 from distbelief.data.converters import make_synthetic
 from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS, ResumePoint, RunRecorder, read_metrics
+from distbelief.runtime import threads as threads_module
 from distbelief.runtime.threads import get_blas_threads, set_blas_threads
 
 CLASSES = 4
@@ -293,13 +295,40 @@ def test_a_new_run_replaces_old_metrics(tmp_path: Path) -> None:
 
 def test_set_blas_threads_changes_the_thread_count() -> None:
     before = get_blas_threads()
-    assert before is not None, "numpy's OpenBLAS was not found"
+    assert before is not None, "numpy's BLAS was not found"
     try:
         for n in (1, 2, 1):
             assert set_blas_threads(n) is True
             assert get_blas_threads() == n
     finally:
         set_blas_threads(before)
+
+
+def test_set_blas_threads_reaches_the_blas_numpy_uses() -> None:
+    # threadpoolctl's own report of every loaded BLAS, numpy's among them: the count we ask
+    # for is the one the library runs with, not just what our getter says back.
+    before = get_blas_threads()
+    try:
+        for n in (2, 1):
+            set_blas_threads(n)
+            blas = [info for info in threadpoolctl.threadpool_info() if info["user_api"] == "blas"]
+            assert blas, "threadpoolctl found no BLAS in this process"
+            assert {info["num_threads"] for info in blas} == {n}
+    finally:
+        set_blas_threads(before)
+
+
+def test_no_blas_found_warns_once_and_returns_false(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # threadpoolctl's selection as it comes back from a process without any BLAS loaded.
+    monkeypatch.setattr(threads_module, "_blas_controller",
+                        lambda: threadpoolctl.ThreadpoolController().select(user_api="no-such-api"))
+    threads_module._warn_not_found.cache_clear()
+    assert get_blas_threads() is None
+    assert set_blas_threads(2) is False
+    assert set_blas_threads(3) is False
+    err = capsys.readouterr().err
+    assert err.count("no BLAS library found") == 1, err
 
 
 def test_bad_thread_count() -> None:
