@@ -227,6 +227,17 @@ def test_target_accuracy_stops_the_run(data_dir, tmp_path):
     assert summary["reached_target"] and summary["time_to_target"] < 30
     hits = [x for x in lines if x["kind"] == "eval" and x["test_accuracy"] >= 0.7]
     assert hits and hits[0]["time"] == pytest.approx(summary["time_to_target"])
+    # The evaluation that fired the stop is the one reported as reaching the target; the
+    # final evaluation (after the replicas' last pushes) is reported apart and may be lower.
+    assert summary["target_reached_accuracy"] == hits[0]["test_accuracy"] >= 0.7
+    assert summary["target_reached_step"] == hits[0]["step"]
+    final = [x for x in lines if x["kind"] == "eval"][-1]
+    assert summary["final_test_accuracy"] == final["test_accuracy"]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("distbelief: stopped"))
+    assert (f"reached 0.7 in {summary['time_to_target']:.1f}s "
+            f"({hits[0]['test_accuracy']:.4f} at step {hits[0]['step']})") in line
+    assert (f"final test accuracy {final['test_accuracy']:.4f}" in line) == \
+        (final["test_accuracy"] != hits[0]["test_accuracy"])
     check_downpour_summary(summary, 4, 2)
 
 

@@ -14,7 +14,13 @@ import threadpoolctl
 from distbelief.algorithms.sgd import StopRules, TrainingDiverged, train
 from distbelief.config import Config, apply_overrides, config_from_dict
 from distbelief.data.converters import make_synthetic
-from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS, ResumePoint, RunRecorder, read_metrics
+from distbelief.records.metrics import (
+    REQUIRED_SUMMARY_KEYS,
+    ResumePoint,
+    RunRecorder,
+    read_metrics,
+    target_text,
+)
 from distbelief.runtime import threads as threads_module
 from distbelief.runtime.threads import get_blas_threads, set_blas_threads
 
@@ -138,7 +144,12 @@ def test_target_accuracy_stops_the_run(data_dir: Path, tmp_path: Path) -> None:
     assert lines[-2] is hits[-1] and len(hits) == 1
     assert lines[-1]["kind"] == "checkpoint" and lines[-1]["step"] == hits[-1]["step"]
     assert summary["wall_seconds"] < 30
-    assert "reached 0.45" in output
+    # The reaching evaluation is reported as such (here it is also the final one).
+    assert summary["target_reached_accuracy"] == hits[0]["test_accuracy"] >= 0.45
+    assert summary["target_reached_step"] == hits[0]["step"] == summary["steps"]
+    assert (f"reached 0.45 in {summary['time_to_target']:.1f}s "
+            f"({hits[0]['test_accuracy']:.4f} at step {hits[0]['step']})") in output
+    assert "final test accuracy" not in output  # said once, when it differs
 
 
 def test_max_seconds_stops_the_run(data_dir: Path, tmp_path: Path) -> None:
@@ -226,6 +237,29 @@ def test_recorder_summary_and_time_to_target(tmp_path: Path) -> None:
     assert (summary["steps"], summary["samples"]) == (30, 960)
     assert summary["stop_reason"] == "test"
     assert not list(tmp_path.glob(".*tmp*"))  # the atomic write's temp file is gone
+    # The evaluation that reached the target, apart from the final one under it.
+    assert (summary["target_reached_accuracy"], summary["target_reached_step"]) == (0.75, 20)
+
+
+def test_summary_line_tells_the_reaching_and_the_final_evaluation_apart() -> None:
+    summary = {"target_accuracy": 0.88, "reached_target": True, "time_to_target": 92.21,
+               "target_reached_accuracy": 0.8803, "target_reached_step": 4100,
+               "final_test_accuracy": 0.8794}
+    assert target_text(summary) == ("; reached 0.88 in 92.2s (0.8803 at step 4100); "
+                                    "final test accuracy 0.8794")
+    assert target_text({**summary, "final_test_accuracy": 0.8803}) == \
+        "; reached 0.88 in 92.2s (0.8803 at step 4100)"
+    missed = {"target_accuracy": 0.88, "reached_target": False, "final_test_accuracy": 0.7}
+    assert target_text(missed) == "; target 0.88 not reached"
+    assert target_text({"target_accuracy": None}) == ""
+
+
+def test_no_target_no_reaching_evaluation(tmp_path: Path) -> None:
+    recorder = RunRecorder(tmp_path, stream=None, target_accuracy=0.9)
+    recorder.log_eval(10, 320, 1.0, 0.6, 1.0)
+    summary = recorder.finish({"stop_reason": "test"})
+    assert summary["reached_target"] is False
+    assert summary["target_reached_accuracy"] is None and summary["target_reached_step"] is None
 
 
 def test_recorder_progress_is_rate_limited(tmp_path: Path) -> None:

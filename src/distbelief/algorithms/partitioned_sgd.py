@@ -53,7 +53,7 @@ from distbelief.algorithms.common import (
 from distbelief.config import Config, config_hash
 from distbelief.errors import ConfigError, UserError
 from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
-from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder
+from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder, target_text
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import wait_for_everyone
 from distbelief.runtime.threads import set_blas_threads
@@ -172,7 +172,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     _print(stream, f"distbelief: stopped ({reason}) after {step} steps, "
                    f"{summary['wall_seconds']:.1f}s; test accuracy "
                    f"{'-' if accuracy is None else f'{accuracy:.4f}'}; "
-                   f"{traffic['total_bytes_per_step']:,d} bytes/step between partitions\n"
+                   f"{traffic['total_bytes_per_step']:,d} bytes/step between partitions"
+                   f"{target_text(summary)}\n"
                    f"results in {config.run.out_dir}")
     return summary
 

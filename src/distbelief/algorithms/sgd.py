@@ -48,6 +48,7 @@ from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
     ResumePoint,
     RunRecorder,
+    target_text,
 )
 from distbelief.runtime.threads import apply_thread_setting
 
@@ -253,13 +254,7 @@ def _summary_line(summary: dict[str, Any], out_dir: Path) -> str:
     shown = "-" if accuracy is None else f"{accuracy:.4f}"  # a signal before any evaluation
     text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['steps']} steps, "
             f"{summary['wall_seconds']:.1f}s; test accuracy {shown}")
-    if summary["target_accuracy"] is not None:
-        if summary["reached_target"]:
-            text += (f"; reached {summary['target_accuracy']:g} in "
-                     f"{summary['time_to_target']:.1f}s")
-        else:
-            text += f"; target {summary['target_accuracy']:g} not reached"
-    return f"{text}\nresults in {out_dir}"
+    return f"{text}{target_text(summary)}\nresults in {out_dir}"
 
 
 def _print(stream: IO[str] | None, text: str) -> None:

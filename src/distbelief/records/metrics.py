@@ -22,7 +22,10 @@ must be JSON-serialisable; Downpour adds e.g. the shards' version). A non-finite
 pick the kinds they plot.
 
 summary.json (written atomically: temp file, fsync, rename) has at least `reached_target`,
-`time_to_target` (seconds, or null), `target_accuracy`, `final_test_accuracy`,
+`time_to_target` (seconds, or null), `target_reached_accuracy` and `target_reached_step`
+(of the first evaluation at or above the target, the one that stops a run with a target;
+null when none was), `target_accuracy`, `final_test_accuracy` (the last evaluation's,
+which may be another one and fall below the target),
 `best_test_accuracy`, `final_test_loss`, `steps`, `samples`, `wall_seconds` and
 `samples_per_second`, filled from what was logged; the dict given to `finish` adds keys
 or overrides them.
@@ -91,6 +94,7 @@ class RunRecorder:
         self._last_eval: dict[str, Any] | None = None
         self._best_accuracy: float | None = None
         self.time_to_target: float | None = None
+        self._target_eval: dict[str, Any] | None = None  # the first eval at the target
         self._next_progress = self.start + progress_every_seconds
         if resume is None:
             # A new run starts a new file: lines from an earlier run in the same folder
@@ -120,7 +124,7 @@ class RunRecorder:
 
     @property
     def reached_target(self) -> bool:
-        return self.time_to_target is not None
+        return self._target_eval is not None
 
     def log(self, step: int, samples: int, loss: float, **extra: Any) -> None:
         """Append a training line (time, step, samples, loss, extra)."""
@@ -151,8 +155,9 @@ class RunRecorder:
         self._last_eval = line
         if self._best_accuracy is None or accuracy > self._best_accuracy:
             self._best_accuracy = accuracy
-        if (self.target_accuracy is not None and self.time_to_target is None
+        if (self.target_accuracy is not None and self._target_eval is None
                 and accuracy >= self.target_accuracy):
+            self._target_eval = line
             self.time_to_target = float(line["time"])
 
     @property
@@ -184,9 +189,15 @@ class RunRecorder:
         """The summary of what was logged so far, updated with `extra`."""
         wall = self.elapsed()
         last = self._last_eval or {}
+        hit = self._target_eval or {}
         out: dict[str, Any] = {
             "reached_target": self.reached_target,
             "time_to_target": self.time_to_target,
+            # The evaluation that reached the target, kept apart from the final one: a run
+            # stopped by its target evaluates again at the end (Downpour: the parameters
+            # after the replicas' last pushes), and that can fall just under the target.
+            "target_reached_accuracy": hit.get("test_accuracy"),
+            "target_reached_step": hit.get("step"),
             "target_accuracy": self.target_accuracy,
             "final_test_accuracy": last.get("test_accuracy"),
             "best_test_accuracy": self._best_accuracy,
@@ -225,6 +236,25 @@ class RunRecorder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def target_text(summary: dict[str, Any]) -> str:
+    """The target part of a trainer's closing line: "" without a target; the reaching
+    evaluation's time, accuracy and step; and the final accuracy when it differs from that
+    one (it may lie under the target), so the line never seems to contradict summary.json.
+    """
+    target = summary.get("target_accuracy")
+    if target is None:
+        return ""
+    if not summary.get("reached_target"):
+        return f"; target {target:g} not reached"
+    hit = summary["target_reached_accuracy"]
+    text = (f"; reached {target:g} in {summary['time_to_target']:.1f}s "
+            f"({hit:.4f} at step {summary['target_reached_step']})")
+    final = summary.get("final_test_accuracy")
+    if final is not None and final != hit:
+        text += f"; final test accuracy {final:.4f}"
+    return text
 
 
 def finite_or_null(value: Any) -> Any:

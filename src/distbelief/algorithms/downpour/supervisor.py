@@ -38,7 +38,7 @@ from distbelief.ps import run_control as rc
 from distbelief.ps.parameter_server import STALENESS_BINS
 from distbelief.ps.run_control import ControlView
 from distbelief.records import checkpoint as ckpt
-from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder
+from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import WAIT_SLEEP_S
 from distbelief.runtime.backoff import Backoff
@@ -577,8 +577,5 @@ def _summary_line(summary: dict[str, Any], config: Config) -> str:
             f"{summary['staleness']['max']}")
     if summary["lost_replicas"]:
         text += f"; replicas lost: {', '.join(str(r['replica']) for r in summary['lost_replicas'])}"
-    if summary["target_accuracy"] is not None:
-        text += (f"; reached {summary['target_accuracy']:g} in "
-                 f"{summary['time_to_target']:.1f}s" if summary["reached_target"]
-                 else f"; target {summary['target_accuracy']:g} not reached")
+    text += target_text(summary)
     return f"{text}\nresults in {config.run.out_dir}"

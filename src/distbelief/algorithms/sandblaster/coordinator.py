@@ -36,7 +36,7 @@ from distbelief.algorithms.sandblaster.work_units import (
 )
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
-from distbelief.records.metrics import ResumePoint, RunRecorder
+from distbelief.records.metrics import ResumePoint, RunRecorder, target_text
 from distbelief.runtime import watchdog
 
 # ------------------------------------------------------------------------------------------
@@ -430,7 +430,7 @@ def _summary_line(summary: dict[str, Any], config: Config) -> str:
             f"{summary['wall_seconds']:.1f}s; loss {summary['final_loss']:.6g}; test accuracy "
             f"{'-' if accuracy is None else f'{accuracy:.4f}'}; backup units "
             f"{summary['backup_units_issued']} issued, {summary['backup_units_discarded']} "
-            f"discarded")
+            f"discarded{target_text(summary)}")
     return f"{text}\nresults in {config.run.out_dir}"
 
 
