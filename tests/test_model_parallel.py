@@ -208,6 +208,22 @@ def test_partitioned_sgd_trains_like_the_single_process_trainer(data_dir, tmp_pa
     assert marker[0]["forward_bytes_per_step"] == traffic["forward_bytes_per_step"]
 
 
+def test_partitioned_sgd_target_stop_names_the_reaching_evaluation(data_dir, tmp_path):
+    out = tmp_path / "out"
+    proc = run_mpi(3, ["-m", "distbelief", *train_args(
+        data_dir, out, "cluster.partitions=3", "run.max_steps=0", "run.max_seconds=60",
+        "run.target_accuracy=0.6", "run.eval_every_seconds=0.05")], timeout=TIMEOUT)
+    summary = finished(proc, out)
+    assert summary["stop_reason"] == "target_accuracy" and summary["reached_target"]
+    evals = [x for x in read_metrics(out / "metrics.jsonl") if x["kind"] == "eval"]
+    hit = next(x for x in evals if x["test_accuracy"] >= 0.6)
+    assert (summary["target_reached_accuracy"], summary["target_reached_step"]) == (
+        hit["test_accuracy"], hit["step"])
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("distbelief: stopped"))
+    assert f"reached 0.6 in {summary['time_to_target']:.1f}s " \
+           f"({hit['test_accuracy']:.4f} at step {hit['step']})" in line
+
+
 @pytest.mark.parametrize("shards, partitions", [(2, 2), (1, 3)])
 def test_downpour_one_partitioned_replica_is_sequential_sgd(data_dir, tmp_path,
                                                             single_process, shards,

@@ -370,6 +370,25 @@ def test_convex_problem_converges_to_scipys_loss(data_dir: Path, tmp_path: Path,
         assert all((tmp_path / "report" / name).stat().st_size > 10000 for name in written)
 
 
+def test_target_accuracy_stops_the_run_and_the_summary_names_the_reaching_evaluation(
+        data_dir: Path, tmp_path: Path) -> None:
+    config = write(data_dir, "target.toml", toml())
+    proc = train(4, config, tmp_path / "out", "run.max_steps=0", "run.max_seconds=60",
+                 "run.target_accuracy=0.6", "run.eval_every_seconds=0.05")
+    summary, metrics = finished(proc, tmp_path / "out")
+    assert summary["stop_reason"] == "target_accuracy" and summary["reached_target"]
+    evals = [m for m in metrics if m["kind"] == "eval"]
+    hit = next(m for m in evals if m["test_accuracy"] >= 0.6)
+    assert summary["target_reached_accuracy"] == hit["test_accuracy"] >= 0.6
+    assert summary["target_reached_step"] == hit["step"]
+    assert summary["time_to_target"] == pytest.approx(hit["time"])
+    # The final evaluation (of the last iterate) is the summary's final accuracy.
+    assert summary["final_test_accuracy"] == evals[-1]["test_accuracy"]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("distbelief: stopped"))
+    assert f"({hit['test_accuracy']:.4f} at step {hit['step']})" in line
+    assert ("final test accuracy" in line) == (evals[-1]["test_accuracy"] != hit["test_accuracy"])
+
+
 def test_idle_ranks_sleep_instead_of_spinning(data_dir: Path, tmp_path: Path) -> None:
     """After one gradient the coordinator waits 3 s with nothing to hand out: parked
     replicas, idle shards and the coordinator itself must poll with sleeps (MPICH's
