@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable
 from typing import IO, Any
 
 import numpy as np
@@ -51,11 +50,11 @@ from distbelief.algorithms.common import (
     start_over,
 )
 from distbelief.config import Config, config_hash
-from distbelief.errors import ConfigError, UserError
+from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
 from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder, target_text
 from distbelief.runtime import watchdog
-from distbelief.runtime.agreement import wait_for_everyone
+from distbelief.runtime.agreement import agree
 from distbelief.runtime.threads import set_blas_threads
 
 STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
@@ -72,21 +71,6 @@ def check_rank_count(config: Config, world_size: int) -> None:
             f"model replica on exactly {partitions} MPI ranks, but {world_size} were "
             f"started; run mpiexec -n {partitions}, or use algorithm = \"downpour\" for "
             f"several replicas")
-
-
-def agree(comm: MPI.Comm, setup: Callable[[], Any]) -> Any:
-    """Run `setup()` here; if it raised a UserError on any rank, raise it on every rank
-    (the lowest rank's message). Collective over `comm`: an Ibarrier polled with back-off
-    sleeps, then an allgather of the error messages."""
-    try:
-        result, error = setup(), None
-    except UserError as e:
-        result, error = None, str(e)
-    wait_for_everyone(comm)
-    errors = [message for message in comm.allgather(error) if message is not None]
-    if errors:
-        raise UserError(errors[0])
-    return result
 
 
 def traffic_totals(model: PartitionedNetwork) -> dict[str, Any] | None:
