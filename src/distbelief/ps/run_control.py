@@ -15,9 +15,9 @@ window on the RMA transport, in its segment on the shared-memory one (parameter_
     global slots          written by            meaning
     CLAIMED               replicas (+claim)     steps claimed (the global step counter)
     STEPS                 replicas (+steps)     steps finished and pushed
-    LEFT                  client ranks (+1)     ranks that read TEARDOWN and leave (not
-                                                  Downpour's: shard 0 cannot tell from it
-                                                  that their epochs have completed)
+    LEFT                  (nobody)              unused, always 0: kept so the block's
+                                                  layout stays; ranks that leave tell rank 0
+                                                  by message (downpour.replica._say_leaving)
     LOSS (float64)        replicas (+sum)       sum of their minibatch losses
     STOP                  shard 0               why the run stops (a STOP_* code), 0: it goes
                                                   on; set once, replaced only by an error
@@ -100,13 +100,12 @@ class ControlView:
     """The whole block as shard 0 read it at one moment."""
 
     steps: int
-    left: int
     loss_sum: float
     replicas: np.ndarray  # int64 (replicas, REPLICA_SLOTS)
 
     @classmethod
     def from_block(cls, block: np.ndarray, loss: float) -> ControlView:
-        return cls(int(block[STEPS]), int(block[LEFT]), loss,
+        return cls(int(block[STEPS]), loss,
                    block[GLOBAL_SLOTS:].reshape(-1, REPLICA_SLOTS).copy())
 
 
@@ -135,12 +134,11 @@ class ControlExchange:
         self._delta = np.zeros(REPLICA_SLOTS, dtype=np.int64)
         self._row = np.zeros(REPLICA_SLOTS, dtype=np.int64)
 
-    def set(self, claim: int, steps: int = 0, loss_sum: float = 0.0,
-            leaving: bool = False) -> ControlExchange:
-        """What the next exchange adds; `leaving`: this rank read TEARDOWN and leaves."""
+    def set(self, claim: int, steps: int = 0, loss_sum: float = 0.0) -> ControlExchange:
+        """What the next exchange adds."""
         if claim < 0 or steps < 0:
             raise ValueError(f"claim and steps must be >= 0, got {claim}, {steps}")
-        self._send[:] = claim, steps, int(leaving)
+        self._send[:] = claim, steps, 0
         self._loss[0] = loss_sum
         return self
 
@@ -209,7 +207,7 @@ class ControlExchange:
     def issue(self, win: MPI.Win, target: int, base: int) -> None:
         """The exchange's operations, inside an open SHARED epoch on `target`'s window
         whose block starts at byte `base`; four, as few as a push carried before the run
-        control grew: Get_accumulate(SUM) adds the claim, the steps and `leaving` and
+        control grew: Get_accumulate(SUM) adds the claim and the steps (and 0 to LEFT) and
         returns the counters before (CLAIMED, STEPS, LEFT are adjacent), Accumulate(SUM) the
         loss,
         Get_accumulate(NO_OP) reads the commands, and Get_accumulate(SUM) adds this
