@@ -104,8 +104,10 @@ distbelief.records.metrics.RunRecorder, the contract of the single-process train
 pushes, fetches, RMA time and staleness (mean, max, histogram), per-shard statistics,
 the combined staleness and `lost_replicas`.
 
-Threads: each rank uses 1 BLAS thread unless `[run] threads` says otherwise (ranks
-oversubscribe small machines; more threads per rank only fight over the cores).
+Threads: each replica rank uses 1 BLAS thread unless `[run] threads` says otherwise (ranks
+oversubscribe small machines; more threads per rank only fight over the cores). Shards
+always use 1: their own work is elementwise, and shard 0's evaluations run beside the
+replicas, so more BLAS threads there would only take cores from them.
 
 MODULES (each imports only those before it; this one imports them all): plan (the
 constants, errors, DownpourPlan, grant, Ending), run (open_run, OpenRun, Start: the set-up
@@ -168,7 +170,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     info, network = open_data(config)
     # Validated before the handlers go in: a bad configuration fails at once.
     topology = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train).topology
-    set_blas_threads(config.run.threads or 1)
+    set_blas_threads((config.run.threads or 1) if topology.is_replica else 1)
     # Handlers first: a signal that arrives during the set-up is counted and acted on
     # once training runs, instead of killing the rank (SIGUSR1's default action).
     with StopSignals() as signals:
