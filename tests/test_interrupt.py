@@ -16,7 +16,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli, run_mpi, start_in_background, wait_for_training, wait_or_kill
+from conftest import (
+    REPO,
+    _env,
+    run_cli,
+    run_mpi,
+    start_in_background,
+    wait_for_training,
+    wait_or_kill,
+)
 from test_downpour import TOML, set_args
 
 from distbelief.data.converters import make_synthetic
@@ -168,3 +176,31 @@ def test_rerunning_a_finished_run_says_it_stops_at_once_and_names_fresh(
                         "it stops at once. Raise run.max_steps to train on, or pass --fresh "
                         "to start over")
     assert previous_folders(out) == []
+
+
+
+def test_a_reader_that_leaves_stops_the_printing_not_the_run(data_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """`distbelief train ... | head -1`: the pipe closes after the first line; the run
+    finishes as it would have (summary and checkpoint), with one note on stderr. Alone only:
+    under mpiexec the launcher itself dies of the closed pipe, which no rank can prevent
+    (docs/checkpoints-and-reliability.md says so)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "distbelief",
+           *train_args(data_dir, out, *SINGLE, "run.max_steps=0", "run.max_seconds=4")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), start_new_session=True)
+    assert proc.stdout.readline()  # the first line, then the reader leaves
+    proc.stdout.close()
+    try:
+        status = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        pytest.fail("the run did not end after its reader left")
+    err = proc.stderr.read()
+    assert status == 0, err
+    assert err.count("the reader of the output left") == 1, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "max_seconds", summary
+    assert ckpt.list_checkpoints(ckpt.checkpoint_root(out)), "no checkpoint at the end"

@@ -31,6 +31,7 @@ import numpy as np
 from distbelief.config import Config, build_network, config_hash, hashed_settings
 from distbelief.errors import UserError
 from distbelief.records import checkpoint as ckpt
+from distbelief.records.console import say
 from distbelief.records.metrics import DISCARDED_FILE, METRICS_FILE, SUMMARY_FILE
 
 EVAL_BATCH_SIZE = 1000
@@ -215,7 +216,7 @@ def starting_checkpoint(config: Config, layout: Any, resume: str,
         return None
     found, damaged = ckpt.find_latest(root)
     for _, problem in damaged:
-        _print(stream, f"distbelief: warning: {problem}")
+        say(stream, f"distbelief: warning: {problem}")
     if found is None:
         if damaged:
             raise ckpt.CheckpointError(
@@ -233,14 +234,14 @@ def starting_checkpoint(config: Config, layout: Any, resume: str,
                                       "(moves the old run aside) or choose another "
                                       "run.out_dir") from exc
     for path, _ in damaged:
-        _print(stream, f"distbelief: set {path.name} aside as {ckpt.set_aside(path).name}")
+        say(stream, f"distbelief: set {path.name} aside as {ckpt.set_aside(path).name}")
     ckpt.clean_leftovers(root)
     why = "" if resume == "require" else " (found in run.out_dir; train --fresh starts over)"
-    _print(stream, f"distbelief: resuming from {found.path} at step {found.step}, "
+    say(stream, f"distbelief: resuming from {found.path} at step {found.step}, "
                    f"{found.samples:,d} samples, {found.wall_seconds:.1f}s trained{why}")
     spent = StopRules.from_config(config).budget_spent(found.step, found.wall_seconds)
     if spent:
-        _print(stream, f"distbelief: that run already used its budget (run.{spent} = "
+        say(stream, f"distbelief: that run already used its budget (run.{spent} = "
                        f"{getattr(config.run, spent):g}): it stops at once. Raise run.{spent} "
                        f"to train on, or pass --fresh to start over")
     return found
@@ -259,9 +260,9 @@ def start_over(out_dir: str | Path, resume: str, stream: IO[str] | None) -> None
     if moved is None:
         return
     if resume == "fresh":
-        _print(stream, f"distbelief: --fresh: moved the previous run's files to {moved}")
+        say(stream, f"distbelief: --fresh: moved the previous run's files to {moved}")
     else:
-        _print(stream, f"distbelief: starting from step 0: {out_dir} held a previous run's "
+        say(stream, f"distbelief: starting from step 0: {out_dir} held a previous run's "
                        f"metrics but no checkpoint to resume from; moved its files to {moved}")
 
 
@@ -287,7 +288,3 @@ def archive_previous_run(out_dir: str | Path) -> Path | None:
         os.rename(path, target / path.name)
     return target
 
-
-def _print(stream: IO[str] | None, text: str) -> None:
-    if stream is not None:
-        print(text, file=stream, flush=True)

@@ -52,6 +52,7 @@ from distbelief.algorithms.common import (
 from distbelief.config import Config, config_hash
 from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
+from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder, target_text
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import agree
@@ -125,7 +126,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)
     recorder = None
     if rank0:
-        _print(stream, f"distbelief: sgd, {network.layout.size:,d} parameters over "
+        say(stream, f"distbelief: sgd, {network.layout.size:,d} parameters over "
                        f"{comm.Get_size()} partitions (this one {model.local_size:,d}); data "
                        f"{info.path} ({info.n_train} train / {len(eval_set[1])} eval "
                        f"samples), out {config.run.out_dir}; checkpoints are not written "
@@ -153,7 +154,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
         "resumed_from": None, "checkpoint": None, "model_parallel": traffic})
     accuracy = summary["final_test_accuracy"]  # None after a signal before any evaluation
-    _print(stream, f"distbelief: stopped ({reason}) after {step} steps, "
+    say(stream, f"distbelief: stopped ({reason}) after {step} steps, "
                    f"{summary['wall_seconds']:.1f}s; test accuracy "
                    f"{'-' if accuracy is None else f'{accuracy:.4f}'}; "
                    f"{traffic['total_bytes_per_step']:,d} bytes/step between partitions"
@@ -230,7 +231,3 @@ def polled_bcast(comm: MPI.Comm, value: np.ndarray, what: str = "its lead partit
     wait_all([comm.Ibcast(value, root=0)], what, ranks)
     return value
 
-
-def _print(stream: IO[str] | None, text: str) -> None:
-    if stream is not None:
-        print(text, file=stream, flush=True)

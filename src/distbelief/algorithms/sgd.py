@@ -44,6 +44,7 @@ from distbelief.algorithms.common import (
 )
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
+from distbelief.records.console import say
 from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
     ResumePoint,
@@ -80,7 +81,7 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
     resume_point = None
     if start_from is not None:
         resume_point = restore(start_from, params, optimizer, shard, state)
-    _print(stream, f"distbelief: sgd, {network.layout.size:,d} parameters, data "
+    say(stream, f"distbelief: sgd, {network.layout.size:,d} parameters, data "
                    f"{info.path} ({info.n_train} train / {len(eval_set[1])} eval samples), "
                    f"out {out_dir}\n{network.describe()}")
 
@@ -100,7 +101,7 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
             "resumed_from": str(start_from.path) if start_from is not None else None,
             "checkpoint": str(saver.last_path) if saver.last_path else None,
         })
-    _print(stream, _summary_line(summary, out_dir))
+    say(stream, _summary_line(summary, out_dir))
     return summary
 
 
@@ -221,7 +222,7 @@ class Checkpointer:
         # from that time, keeps the times in metrics.jsonl increasing.
         self.recorder.log_event("checkpoint", state.step, state.samples, at=meta.wall_seconds,
                                 seconds=seconds, path=path.name)
-        _print(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
+        say(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
         return path
 
 
@@ -256,7 +257,3 @@ def _summary_line(summary: dict[str, Any], out_dir: Path) -> str:
             f"{summary['wall_seconds']:.1f}s; test accuracy {shown}")
     return f"{text}{target_text(summary)}\nresults in {out_dir}"
 
-
-def _print(stream: IO[str] | None, text: str) -> None:
-    if stream is not None:
-        print(text, file=stream, flush=True)

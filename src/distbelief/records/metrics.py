@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from distbelief.errors import DataError
+from distbelief.records.console import say
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -181,9 +182,8 @@ class RunRecorder:
         if test_accuracy is None:
             test_accuracy = self.last_test_accuracy
         accuracy = "-" if test_accuracy is None else f"{test_accuracy:.4f}"
-        print(f"step {step:>8d}  {rate:>9.0f} samples/s  loss {loss:.4f}  "
-              f"test acc {accuracy}  elapsed {now - self.start:.1f}s",
-              file=self.stream, flush=True)
+        say(self.stream, f"step {step:>8d}  {rate:>9.0f} samples/s  loss {loss:.4f}  "
+                         f"test acc {accuracy}  elapsed {now - self.start:.1f}s")
 
     def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """The summary of what was logged so far, updated with `extra`."""

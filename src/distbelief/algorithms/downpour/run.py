@@ -27,6 +27,7 @@ from distbelief.ps import run_control as rc
 from distbelief.ps.parameter_server import ParameterClient, ParameterServerShard
 from distbelief.ps.transport import open_parameter_server
 from distbelief.records import checkpoint as ckpt
+from distbelief.records.console import say
 from distbelief.runtime import guardian
 from distbelief.runtime.agreement import agree
 from distbelief.runtime.liveness import Peers
@@ -180,13 +181,13 @@ def _read_start(config: Config, plan: DownpourPlan, network: Any, info: Any, loc
                                    f"{exc}") from exc
     saved = found.num_replicas
     if topology.world_rank == 0 and saved != plan.num_replicas:
-        _print(stream, f"distbelief: the checkpoint was written by {saved} replica(s), this "
+        say(stream, f"distbelief: the checkpoint was written by {saved} replica(s), this "
                        f"run has {plan.num_replicas}: each replica starts a fresh pass over "
                        f"its part of the training set")
     if topology.world_rank == 0 and saved == plan.num_replicas \
             and found.manifest.get("lost_replicas"):
         lost = ", ".join(str(r) for r in found.manifest["lost_replicas"])
-        _print(stream, f"distbelief: replica(s) {lost} had been lost when the checkpoint was "
+        say(stream, f"distbelief: replica(s) {lost} had been lost when the checkpoint was "
                        f"written: they start a fresh pass over their part of the training set")
     return start
 
@@ -212,7 +213,3 @@ def shard_lost_message(shard: int, how: str) -> str:
             f"parameters cannot be recovered without it, so the job stops. Run the same "
             f"command again to resume from the last checkpoint")
 
-
-def _print(stream: IO[str] | None, text: str) -> None:
-    if stream is not None:
-        print(text, file=stream, flush=True)

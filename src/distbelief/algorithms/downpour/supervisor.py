@@ -30,7 +30,7 @@ from distbelief.algorithms.downpour.plan import (
     DownpourPlan,
     Ending,
 )
-from distbelief.algorithms.downpour.run import OpenRun, _print
+from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.algorithms.downpour.shards import _part_report, _ShardRole
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.model.layout import balanced_ranges
@@ -38,6 +38,7 @@ from distbelief.ps import run_control as rc
 from distbelief.ps.parameter_server import STALENESS_BINS
 from distbelief.ps.run_control import ControlView
 from distbelief.records import checkpoint as ckpt
+from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import WAIT_SLEEP_S
@@ -113,7 +114,7 @@ class Supervisor(_ShardRole):
         self.last_checkpoint_step = self.base if start.checkpoint is not None else None
         self.last_checkpoint: str | None = None
         self.checkpoints = 0
-        _print(stream, _header(config, plan, network, info, len(eval_set[1])))
+        say(stream, _header(config, plan, network, info, len(eval_set[1])))
         resume = None
         if start.checkpoint is not None:
             found = start.checkpoint
@@ -236,7 +237,7 @@ class Supervisor(_ShardRole):
         for previous, first in self.usr1_pending:
             if any(previous - NOTICE_SLACK_S <= t for t in self.death_times):
                 if not self.stop_code:
-                    _print(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice "
+                    say(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice "
                                         "of the rank(s) found gone; training goes on")
             elif now - first >= NOTICE_DELAY_S:
                 self._stop(rc.STOP_SIGNAL, "SIGUSR1")
@@ -277,7 +278,7 @@ class Supervisor(_ShardRole):
                                          self.recorder.elapsed())
         self.shard.add_run_control(rc.replica_slot(replica, rc.LOST), 1)
         left = self.plan.num_replicas - len(self.lost)
-        _print(self.stream, f"distbelief: replica {replica} (rank{'s' * (len(ranks) > 1)} "
+        say(self.stream, f"distbelief: replica {replica} (rank{'s' * (len(ranks) > 1)} "
                             f"{', '.join(map(str, ranks))}) lost at step {self.steps}: {why}; "
                             f"training goes on with {left} replica(s)")
         self.recorder.log_event("replica_lost", self.steps, self.steps * self.plan.batch_size,
@@ -441,9 +442,9 @@ class Supervisor(_ShardRole):
             # from that time, keeps the times in metrics.jsonl increasing.
             self.recorder.log_event("checkpoint", outcome["step"], outcome["samples"],
                                     at=outcome["at"], seconds=seconds, path=path.name)
-            _print(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
+            say(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
         elif "diverged" in outcome or "error" in outcome:
-            _print(self.stream, f"distbelief: checkpoint not written: "
+            say(self.stream, f"distbelief: checkpoint not written: "
                                 f"{outcome.get('diverged') or outcome.get('error')}")
         if "diverged" in outcome:
             self._stop(rc.STOP_DIVERGED, "diverged")
@@ -486,7 +487,7 @@ class Supervisor(_ShardRole):
     def _ending(self) -> Ending:
         teardown = rc.TEARDOWN_LEAVE if self.lost or self.dead_ranks else rc.TEARDOWN_FREE
         summary = self.recorder.finish(_summary_extras(self))
-        _print(self.stream, _summary_line(summary, self.config))
+        say(self.stream, _summary_line(summary, self.config))
         return Ending(self.stop_code, self.stop_arg, teardown, self.failure, summary)
 
     def _announce(self, ending: Ending) -> None:

@@ -36,6 +36,7 @@ from distbelief.algorithms.sandblaster.work_units import (
 )
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
+from distbelief.records.console import say
 from distbelief.records.metrics import ResumePoint, RunRecorder, target_text
 from distbelief.runtime import watchdog
 
@@ -98,7 +99,7 @@ class Coordinator:
         self.eval_in_flight = False
         self.last_loss = math.nan
         self.step = 0
-        _print(stream, _header(config, plan, network, info))
+        say(stream, _header(config, plan, network, info))
         resume = None
         if resumed is not None:
             self.step, self.samples = resumed.step, resumed.samples
@@ -131,7 +132,7 @@ class Coordinator:
         and shard. Point-to-point with every shard and replica."""
         self.reason = self.method(self)
         if self.reason == "converged":
-            _print(self.stream, f"converged: gradient norm <= "
+            say(self.stream, f"converged: gradient norm <= "
                    f"{self.plan.options.gradient_tolerance:g}")
         if self.reason != "diverged":
             self._checkpoint()
@@ -410,7 +411,7 @@ class Coordinator:
             "replicas": replicas, "shards": [s for s in all_stats if s["role"] == "shard"],
         }
         summary = self.recorder.finish(extras)
-        _print(self.stream, _summary_line(summary, self.config))
+        say(self.stream, _summary_line(summary, self.config))
         return summary
 
 
@@ -433,7 +434,3 @@ def _summary_line(summary: dict[str, Any], config: Config) -> str:
             f"discarded{target_text(summary)}")
     return f"{text}\nresults in {config.run.out_dir}"
 
-
-def _print(stream: IO[str] | None, text: str) -> None:
-    if stream is not None:
-        print(text, file=stream, flush=True)
