@@ -151,8 +151,10 @@ def find_checkpoint(path: Path) -> tuple[ckpt.Checkpoint, list[tuple[Path, str]]
         if damaged:
             raise ckpt.CheckpointError(f"{path} holds no valid checkpoint: "
                                        f"{'; '.join(why for _, why in damaged)}")
-        raise ckpt.CheckpointError(f"{path} holds no checkpoint (looked for {root}/ckpt-*): "
-                                   "give a run folder, a checkpoint folder or an export file")
+        raise ckpt.CheckpointError(f"{path} holds no checkpoint (looked for {root}/ckpt-*; "
+                                   "a single replica over partitions, algorithm sgd with "
+                                   "cluster.partitions > 1, writes none yet): give a run "
+                                   "folder, a checkpoint folder or an export file")
     return found, damaged
 
 
@@ -163,12 +165,13 @@ def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
     layers = found.manifest["config"]["model"]["layers"]
     info = _data_info(found, data)
     try:
-        network = Network(info.input_shape, [dict(layer) for layer in layers],
-                          info.num_classes)
-    except ConfigError as exc:
-        raise DataError(f"checkpoint {found.path} does not fit data file {info.path}: "
+        found.check_layout(Network(info.input_shape, [dict(layer) for layer in layers],
+                                   info.num_classes).layout)
+    except (ConfigError, ckpt.CheckpointMismatch) as exc:
+        shape = "x".join(map(str, info.input_shape))
+        raise DataError(f"checkpoint {found.path} does not take the inputs of "
+                        f"{info.path} (input {shape}, {info.num_classes} classes): "
                         f"{exc}") from exc
-    found.check_layout(network.layout)
     params, state = found.read_state(with_optimizer)
     source = {"kind": "checkpoint", "path": str(found.path.resolve()), "step": found.step,
               "samples": found.samples, "algorithm": found.manifest["algorithm"],
