@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import _env, run_cli, run_mpi
+from conftest import REQUIRE_TORCH, _env, run_cli, run_mpi
 from test_checkpoint import _flip_bytes
 
 import distbelief
@@ -106,6 +107,20 @@ def train(data_dir: Path, name: str) -> Path:
 @pytest.fixture(scope="module", params=list(RUNS))
 def run(request: pytest.FixtureRequest, data_dir: Path) -> Path:
     return train(data_dir, request.param)
+
+
+@pytest.fixture
+def torch_or_none():
+    """PyTorch when installed (required under DISTBELIEF_REQUIRE_TORCH=1), else None: the
+    full-size test checks everything else without it."""
+    try:
+        import torch
+    except ImportError:
+        if os.environ.get(REQUIRE_TORCH) == "1":
+            pytest.fail(f"{REQUIRE_TORCH}=1 but PyTorch is not installed", pytrace=False)
+        return None
+    torch.set_num_threads(1)
+    return torch
 
 
 @pytest.fixture(scope="module")
@@ -461,3 +476,43 @@ def test_a_checkpoint_whose_data_file_moved_says_how_to_name_it(copied_run: Path
     figures = evaluate_json(newest, "--data", moved)
     assert figures["accuracy"] == summary(copied_run)["final_test_accuracy"]
     assert distbelief.load_model(newest, data=moved).num_classes == 4
+
+
+# -- at full size ------------------------------------------------------------------------
+
+
+def test_fashion_mnist_mlp_end_to_end(fashion_mnist_dir: Path, tmp_path: Path,
+                                      torch_or_none) -> None:
+    """The reference MLP (784-512-512-10) on Fashion-MNIST: evaluate gives the run's
+    final_test_accuracy, and the export predicts the same classes in PyTorch."""
+    from distbelief.data.converters import convert_idx
+
+    data = convert_idx(fashion_mnist_dir, tmp_path / "fashion_mnist.h5")
+    out = tmp_path / "run"
+    proc = run_cli(["train", Path(__file__).parents[1] / "configs" / "fashion_mnist_mlp.toml",
+                    "--set", f'data.path="{data}"', "--set", f'run.out_dir="{out}"',
+                    "--set", "run.max_steps=300", "--set", "run.max_seconds=0"],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    final = summary(out)
+    figures = evaluate_json(out)
+    assert figures["samples"] == 10000 and figures["step"] == 300
+    assert figures["accuracy"] == final["final_test_accuracy"] > 0.7
+    assert figures["loss"] == pytest.approx(final["final_test_loss"], rel=1e-5)
+    export = tmp_path / "mlp.safetensors"
+    assert run_cli(["export", out, "--out", export, "--format",
+                    "safetensors"]).returncode == 0
+    model = distbelief.load_model(export)
+    assert model.input_shape == (28, 28, 1) and model.num_classes == 10
+    x, y = held_out(out)
+    assert model.evaluate(x, y).accuracy == final["final_test_accuracy"]
+    if torch_or_none is None:
+        return
+    torch = torch_or_none
+    net = torch_model(torch, model.layers, 784)
+    net.load_state_dict({name: torch.from_numpy(values.copy())
+                         for name, values in model.named_parameters()})
+    with torch.no_grad():
+        theirs = net(torch.from_numpy(x.astype(np.float32) * np.float32(model.input_scale)))
+    agree = np.mean(theirs.numpy().argmax(axis=1) == model.predict(x).argmax(axis=1))
+    assert agree == 1.0
