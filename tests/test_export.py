@@ -19,9 +19,10 @@ from conftest import REQUIRE_TORCH, _env, run_cli, run_mpi
 from test_checkpoint import _flip_bytes
 
 import distbelief
-from distbelief.data.converters import make_synthetic
+from distbelief.data.converters import convert_idx, make_synthetic
 from distbelief.errors import UserError
 from distbelief.records import checkpoint as ckpt
+from distbelief.records.export import TrainedModel, read_export, read_trained, write_export
 
 TIMEOUT = 180
 
@@ -276,8 +277,6 @@ def test_with_optimizer_adds_the_optimizer_state(dense_run: Path, tmp_path: Path
     out = tmp_path / f"model.{fmt}"
     proc = run_cli(["export", dense_run, "--out", out, "--format", fmt, "--with-optimizer"])
     assert proc.returncode == 0 and "optimizer state accum" in proc.stdout, proc.stderr
-    from distbelief.records.export import read_trained
-
     trained = read_trained(out, with_optimizer=True)
     newest, _ = ckpt.find_latest(ckpt.checkpoint_root(dense_run))
     params, state = newest.read_state()
@@ -335,8 +334,6 @@ def test_pytorch_loads_the_dense_export_and_predicts_the_same_classes(
     assert run_cli(["export", dense_run, "--out", out, "--format", "safetensors"]).returncode == 0
     model = distbelief.load_model(out)
     net = torch_model(torch, model.layers, int(np.prod(model.input_shape)))
-    from distbelief.records.export import read_export
-
     state = {name: torch.from_numpy(values.copy())
              for name, values in read_export(out).named_arrays(
                  read_export(out).network().layout).items()}
@@ -485,8 +482,6 @@ def test_fashion_mnist_mlp_end_to_end(fashion_mnist_dir: Path, tmp_path: Path,
                                       torch_or_none) -> None:
     """The reference MLP (784-512-512-10) on Fashion-MNIST: evaluate gives the run's
     final_test_accuracy, and the export predicts the same classes in PyTorch."""
-    from distbelief.data.converters import convert_idx
-
     data = convert_idx(fashion_mnist_dir, tmp_path / "fashion_mnist.h5")
     out = tmp_path / "run"
     proc = run_cli(["train", Path(__file__).parents[1] / "configs" / "fashion_mnist_mlp.toml",
@@ -516,3 +511,49 @@ def test_fashion_mnist_mlp_end_to_end(fashion_mnist_dir: Path, tmp_path: Path,
         theirs = net(torch.from_numpy(x.astype(np.float32) * np.float32(model.input_scale)))
     agree = np.mean(theirs.numpy().argmax(axis=1) == model.predict(x).argmax(axis=1))
     assert agree == 1.0
+
+
+# -- in one process, no run needed ---------------------------------------------------------
+
+
+def random_model(seed: int = 0) -> TrainedModel:
+    layers = [{"type": "local", "kernel": 3, "stride": 2, "channels": 2, "activation": "tanh"},
+              {"type": "dense", "units": 5, "activation": "softmax"}]
+    model = TrainedModel(layers, (7, 7, 3), 1 / 255, 5, np.empty(0, np.float32))
+    network = model.network()
+    model.params = network.init_params(seed)
+    model.optimizer_state = {"accum": np.random.default_rng(seed).random(
+        network.layout.size, dtype=np.float32)}
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["hdf5", "safetensors"])
+def test_write_and_read_keep_every_array_and_the_metadata(tmp_path: Path, fmt: str) -> None:
+    model = random_model()
+    path = write_export(model, tmp_path / "m", fmt)
+    back = read_export(path)
+    assert np.array_equal(back.params, model.params)
+    assert np.array_equal(back.optimizer_state["accum"], model.optimizer_state["accum"])
+    assert (back.layers, back.input_shape, back.input_scale, back.num_classes) == \
+        (model.layers, (7, 7, 3), 1 / 255, 5)
+    assert dict(distbelief.Model(back).named_parameters())["layers.0.weight"].shape == \
+        (3, 3, 27, 2)
+
+
+def test_predict_takes_the_stored_arrays_and_refuses_others() -> None:
+    model = distbelief.Model(random_model())
+    x = np.random.default_rng(1).integers(0, 256, (6, 7, 7, 3), dtype=np.uint8)
+    scaled = x.astype(np.float32) * np.float32(1 / 255)
+    logits = model._network.logits(model._params, scaled)
+    expected = np.exp(logits - logits.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(model.predict(x),
+                               expected / expected.sum(axis=1, keepdims=True), rtol=1e-6)
+    # float32 x is the file's stored values too: multiplied by the same scale.
+    np.testing.assert_allclose(model.predict(x.astype(np.float32)), model.predict(x))
+    assert np.array_equal(model.predict(x, batch_size=4), model.predict(x))
+    with pytest.raises(UserError, match="uint8 or float32"):
+        model.predict(x.astype(np.float64))
+    with pytest.raises(UserError, match=r"needs \(N > 0, 7, 7, 3\)"):
+        model.predict(x.reshape(6, -1))
+    with pytest.raises(ValueError, match="batch_size"):
+        model.evaluate(x, np.zeros(6, np.int64), batch_size=0)
