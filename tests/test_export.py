@@ -328,15 +328,21 @@ def torch_model(torch, layers: list[dict], inputs: int):
     return Dense()
 
 
+@pytest.mark.parametrize("fmt", ["hdf5", "safetensors"])
 def test_pytorch_loads_the_dense_export_and_predicts_the_same_classes(
-        torch, dense_run: Path, tmp_path: Path) -> None:
-    out = tmp_path / "model.safetensors"
-    assert run_cli(["export", dense_run, "--out", out, "--format", "safetensors"]).returncode == 0
+        torch, dense_run: Path, tmp_path: Path, fmt: str) -> None:
+    """Each format read into PyTorch the way docs/using-a-trained-model.md shows."""
+    out = tmp_path / f"model.{fmt}"
+    assert run_cli(["export", dense_run, "--out", out, "--format", fmt]).returncode == 0
+    if fmt == "safetensors":
+        torch_reader = pytest.importorskip("safetensors.torch", reason="needs the "
+                                           "safetensors package: pip install safetensors")
+        state = torch_reader.load_file(str(out))
+    else:
+        with h5py.File(out, "r") as f:
+            state = {k: torch.from_numpy(v[()]) for k, v in f["params"].items()}
     model = distbelief.load_model(out)
     net = torch_model(torch, model.layers, int(np.prod(model.input_shape)))
-    state = {name: torch.from_numpy(values.copy())
-             for name, values in read_export(out).named_arrays(
-                 read_export(out).network().layout).items()}
     net.load_state_dict(state)  # strict: every name and shape matches nn.Linear's
     x, _ = held_out(dense_run)
     with torch.no_grad():
