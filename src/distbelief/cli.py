@@ -537,7 +537,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     data = args.data or trained.source.get("data")
     if data is None:
         raise DataError(f"{args.path} names no dataset file: give one with --data FILE")
-    info = open_dataset(data)
+    try:
+        info = open_dataset(data)
+    except DataError as exc:
+        if args.data:
+            raise
+        raise DataError(f"{exc} (the data file the model was trained on); give another "
+                        "with --data FILE") from exc
     if info.input_shape != trained.input_shape or info.num_classes != trained.num_classes:
         raise DataError(f"{info.path} holds inputs {info.input_shape} in {info.num_classes} "
                         f"classes, the model takes {trained.input_shape} in "
@@ -566,8 +572,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"{PROG}: skipped a damaged checkpoint: {skipped}", file=sys.stderr)
     path = write_export(trained, args.out, args.format)
     state = ", ".join(sorted(trained.optimizer_state))
-    print(f"wrote {path} ({args.format}; {len(trained.layers)} layers"
-          f"{f', optimizer state {state}' if state else ''}) from "
+    if state:
+        state = f", optimizer state {state}"
+    elif args.with_optimizer:
+        state = ", no optimizer state: plain SGD keeps none"
+    print(f"wrote {path} ({args.format}; {len(trained.layers)} layers{state}) from "
           f"{trained.source.get('path', args.path)}")
     return 0
 
