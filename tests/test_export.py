@@ -434,6 +434,9 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["step"] == step < newest_step
     assert "skipped a damaged checkpoint" in proc.stderr and newest.name in proc.stderr
+    with pytest.warns(UserWarning, match=f"skipped a damaged checkpoint: .*{newest.name}"):
+        model = distbelief.load_model(copied_run)
+    assert model.source["step"] == step
 
 
 def test_a_damaged_checkpoint_is_one_clear_error(copied_run: Path, tmp_path: Path) -> None:

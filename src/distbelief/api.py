@@ -17,6 +17,7 @@ Nothing below this module imports mpi4py: the model, data and records layers are
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -131,6 +132,11 @@ def load_model(path: str | Path, data: str | Path | None = None) -> Model:
 
     A checkpoint takes its input shape and scale from the run's data file; `data` names
     another dataset file when that one has moved. Never starts MPI. A damaged or unknown
-    file raises distbelief.errors.UserError with one line saying what is wrong.
+    file raises distbelief.errors.UserError with one line saying what is wrong; a damaged
+    newer checkpoint of a run folder that was passed over is a warning (and in
+    `Model.source["skipped"]`).
     """
-    return Model(read_trained(path, data=data))
+    trained = read_trained(path, data=data)
+    for skipped in trained.source.get("skipped", []):
+        warnings.warn(f"skipped a damaged checkpoint: {skipped}", stacklevel=2)
+    return Model(trained)
