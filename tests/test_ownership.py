@@ -303,7 +303,7 @@ def status_json(out: Path) -> dict:
 
 def test_status_of_a_live_run_then_of_the_ended_run(data_dir: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "out", tmp_path / "log"
-    first = start_sgd(data_dir, out, log, "run.max_steps=0", "run.max_seconds=4",
+    first = start_sgd(data_dir, out, log, "run.max_steps=0", "run.max_seconds=8",
                       "run.checkpoint_every_seconds=0.5", "run.eval_every_seconds=0.3")
     try:
         wait_for_training(first, out, log)

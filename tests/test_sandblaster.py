@@ -23,7 +23,7 @@ from distbelief.algorithms.sandblaster.roles import BatchRows
 from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD, WorkUnitTable
 from distbelief.config import apply_overrides, config_from_dict
 from distbelief.data.converters import make_synthetic
-from distbelief.data.hdf5 import _read_rows, _to_float, open_dataset
+from distbelief.data.hdf5 import _read_rows, open_dataset, to_float
 from distbelief.errors import ConfigError
 from distbelief.model.network import Network
 from distbelief.ps.vector_shard import VectorShard
@@ -93,7 +93,7 @@ def finished(proc, out: Path) -> tuple[dict, list[dict]]:
 def training_set(path: Path) -> tuple[np.ndarray, np.ndarray]:
     info = open_dataset(path)
     x, y = _read_rows(info, "train", 0, info.n_train)
-    return _to_float(x, info.scale), y
+    return to_float(x, info.scale), y
 
 
 def network_for(path: Path, layers: list[dict]) -> Network:

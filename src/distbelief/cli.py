@@ -1,4 +1,5 @@
-"""The `distbelief` command line: train, report, status, prepare, inspect, costmodel.
+"""The `distbelief` command line: train, report, status, prepare, inspect, costmodel,
+evaluate, export.
 
 `main()` is the entry point of both `distbelief` and `python -m distbelief`. A UserError
 (bad configuration or data) becomes one line, `distbelief: error: <message>`, on stderr and
@@ -28,6 +29,8 @@ from distbelief.errors import EXIT_USER_ERROR, ConfigError, UserError
 from distbelief.runtime import guardian
 
 PROG = "distbelief"
+EVAL_BATCH_SIZE = 1000
+"""Rows per forward pass in `evaluate`: the trainers' (algorithms.common.EVAL_BATCH_SIZE)."""
 
 TRAIN_HELP = """\
 Train the model of a TOML configuration until one of its stop rules fires (run.max_steps,
@@ -129,6 +132,39 @@ examples:
       --partitions 1,2,4,8 --gflops 100 --bandwidth 12.5 --latency 2
 """
 
+EVALUATE_HELP = """\
+Print the loss and accuracy of a trained model on a dataset file: by default the newest
+valid checkpoint of RUN_DIR on the run's own test set, which gives the run's
+final_test_accuracy (when the run evaluated its whole test set: run.eval_samples = 0).
+Works for every algorithm, shard count and partition count (but a single replica over
+partitions, algorithm "sgd" with cluster.partitions > 1, writes no checkpoints yet), in
+one process, without mpiexec: run it on a login node. A checkpoint folder or a
+`distbelief export` file works too. A damaged newest checkpoint is named on stderr and
+the one before it used.
+
+examples:
+  distbelief evaluate runs/fashion_mnist_mlp
+  distbelief evaluate runs/fashion_mnist_mlp --data data/other.h5 --split train --json
+  distbelief evaluate model.safetensors --data data/fashion_mnist.h5
+"""
+
+EXPORT_HELP = """\
+Write a trained model (the newest valid checkpoint of RUN_DIR, or a checkpoint folder) as
+named per-layer float32 arrays, with the layer specification, the input shape and scale
+and the class count as metadata: an HDF5 file that plain h5py reads, or a safetensors file
+that safetensors.numpy / safetensors.torch read. Dense layers are named and shaped as
+PyTorch's nn.Linear (layers.<i>.weight (out, in), layers.<i>.bias), so a ModuleList of
+Linear layers load_state_dict()s them; docs/using-a-trained-model.md gives the shapes of
+locally connected layers and a numpy forward. Optimizer state is left out unless
+--with-optimizer. An existing file is never overwritten.
+
+examples:
+  distbelief export runs/fashion_mnist_mlp --out mlp.h5
+  distbelief export runs/fashion_mnist_mlp --out mlp.safetensors --format safetensors
+  distbelief export runs/fashion_mnist_mlp/checkpoints/ckpt-0000004000 --out mlp.h5 \\
+      --with-optimizer
+"""
+
 PREPARE_HELP = """\
 Write a dataset in distbelief's HDF5 format (/train/x, /train/y, /test/x, /test/y).
 
@@ -215,6 +251,32 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--classes", metavar="K", type=_positive_int, default=None,
                       help="number of classes instead of the data file's")
     cost.set_defaults(func=cmd_costmodel)
+
+    evaluate = commands.add_parser("evaluate", help="print a trained model's loss and "
+                                   "accuracy on a dataset file", description=EVALUATE_HELP,
+                                   formatter_class=raw)
+    evaluate.add_argument("path", metavar="RUN_DIR|CHECKPOINT",
+                          help="a run folder, a checkpoint folder or an export file")
+    evaluate.add_argument("--data", metavar="FILE", default=None,
+                          help="dataset file (default: the run's own data.path)")
+    evaluate.add_argument("--split", choices=("test", "train"), default="test",
+                          help="which part of the file (default: %(default)s)")
+    evaluate.add_argument("--json", action="store_true",
+                          help="print one JSON object, for scripts")
+    evaluate.set_defaults(func=cmd_evaluate)
+
+    export = commands.add_parser("export", help="write a trained model's weights as named "
+                                 "arrays (HDF5 or safetensors)", description=EXPORT_HELP,
+                                 formatter_class=raw)
+    export.add_argument("path", metavar="RUN_DIR|CHECKPOINT",
+                        help="a run folder or a checkpoint folder")
+    export.add_argument("--out", metavar="FILE", required=True, help="the file to write")
+    export.add_argument("--format", choices=("hdf5", "safetensors"), default="hdf5",
+                        help="file format (default: %(default)s)")
+    export.add_argument("--with-optimizer", action="store_true",
+                        help="also write the optimizer state (Adagrad's accumulators), "
+                             "named optimizer.<state>.layers.<i>.weight, ...")
+    export.set_defaults(func=cmd_export)
 
     prepare = commands.add_parser("prepare", help="write a dataset as HDF5",
                                   description=PREPARE_HELP, formatter_class=raw)
@@ -459,6 +521,63 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     for note in notes:
         print(note)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    import json
+
+    from distbelief.data.hdf5 import load_split, open_dataset
+    from distbelief.errors import DataError
+    from distbelief.records.export import read_trained
+
+    trained = read_trained(args.path, data=args.data)
+    for skipped in trained.source.get("skipped", []):
+        print(f"{PROG}: skipped a damaged checkpoint: {skipped}", file=sys.stderr)
+    data = args.data or trained.source.get("data")
+    if data is None:
+        raise DataError(f"{args.path} names no dataset file: give one with --data FILE")
+    try:
+        info = open_dataset(data)
+    except DataError as exc:
+        if args.data:
+            raise
+        raise DataError(f"{exc} (the data file the model was trained on); give another "
+                        "with --data FILE") from exc
+    if info.input_shape != trained.input_shape or info.num_classes != trained.num_classes:
+        raise DataError(f"{info.path} holds inputs {info.input_shape} in {info.num_classes} "
+                        f"classes, the model takes {trained.input_shape} in "
+                        f"{trained.num_classes}")
+    x, y = load_split(info, args.split)  # scaled by the file's own scale, as in training
+    loss, accuracy = trained.network().evaluate(trained.params, x, y,
+                                                batch_size=EVAL_BATCH_SIZE)
+    result = {"loss": loss, "accuracy": accuracy, "data": str(info.path),
+              "split": args.split, "samples": len(y), "model": str(args.path),
+              "checkpoint": trained.source.get("path"), "step": trained.source.get("step")}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    origin = f"; checkpoint {result['checkpoint']}" if result["checkpoint"] else ""
+    step = f", step {result['step']:,d}" if result["step"] is not None else ""
+    print(f"loss {loss:.4f}, accuracy {accuracy:.4f} on {info.path} /{args.split} "
+          f"({len(y):,d} samples); model {args.path}{origin}{step}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from distbelief.records.export import read_trained, write_export
+
+    trained = read_trained(args.path, with_optimizer=args.with_optimizer)
+    for skipped in trained.source.get("skipped", []):
+        print(f"{PROG}: skipped a damaged checkpoint: {skipped}", file=sys.stderr)
+    path = write_export(trained, args.out, args.format)
+    state = ", ".join(sorted(trained.optimizer_state))
+    if state:
+        state = f", optimizer state {state}"
+    elif args.with_optimizer:
+        state = ", no optimizer state: plain SGD keeps none"
+    print(f"wrote {path} ({args.format}; {len(trained.layers)} layers{state}) from "
+          f"{trained.source.get('path', args.path)}")
     return 0
 
 

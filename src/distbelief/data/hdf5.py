@@ -228,7 +228,7 @@ def _read_rows(info: DatasetInfo, split: str, start: int,
                             f"(corrupt file?): {_first_line(exc)}") from exc
 
 
-def _to_float(stored: np.ndarray, scale: float, out: np.ndarray | None = None) -> np.ndarray:
+def to_float(stored: np.ndarray, scale: float, out: np.ndarray | None = None) -> np.ndarray:
     """value = stored * scale as float32, into `out` when given."""
     if out is None:
         out = np.empty(stored.shape, dtype=np.float32)
@@ -244,14 +244,26 @@ def load_test(info: DatasetInfo, limit: int | None = None) -> tuple[np.ndarray, 
 
     A `limit` above the test set's size gives the whole test set.
     """
+    return load_split(info, "test", limit)
+
+
+def load_split(info: DatasetInfo, split: str,
+               limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The first `limit` rows of /split (all when None): x float32 scaled, y int32.
+
+    A `limit` above the split's size gives the whole split.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    total = info.n_train if split == "train" else info.n_test
     if limit is None:
-        rows = info.n_test
+        rows = total
     elif isinstance(limit, (int, np.integer)) and not isinstance(limit, bool) and limit > 0:
-        rows = min(int(limit), info.n_test)
+        rows = min(int(limit), total)
     else:
-        raise ValueError(f"test limit must be a positive integer or None, got {limit!r}")
-    x, y = _read_rows(info, "test", 0, rows)
-    return _to_float(x, info.scale), y
+        raise ValueError(f"{split} limit must be a positive integer or None, got {limit!r}")
+    x, y = _read_rows(info, split, 0, rows)
+    return to_float(x, info.scale), y
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -342,7 +354,7 @@ class TrainShard:
         self._ensure_buffers(batch_size)
         index = self._next_indices(batch_size)
         np.take(self._x, index, axis=0, out=self._stored)
-        _to_float(self._stored, self.info.scale, out=self._xbuf)
+        to_float(self._stored, self.info.scale, out=self._xbuf)
         np.take(self._y, index, out=self._ybuf)
         return self._xbuf, self._ybuf
 

@@ -622,10 +622,7 @@ class Checkpoint:
         the same hashed settings (distbelief.config.hashed_settings)."""
         from distbelief.config import settings_diff, settings_hash
 
-        problem = _layout_difference(self.manifest["layout"], layout)
-        if problem:
-            raise CheckpointMismatch(f"checkpoint {self.path} holds a different model: "
-                                     f"{problem}")
+        self.check_layout(layout)
         theirs, ours = self.manifest["config_hash"], settings_hash(dict(settings))
         if theirs != ours:
             changes = settings_diff(self.manifest["config"], dict(settings))
@@ -634,14 +631,24 @@ class Checkpoint:
                 f"(config hash {theirs[:12]}, this run's {ours[:12]}): "
                 f"{'; '.join(changes) or 'settings differ'}")
 
-    def read_range(self, start: int, stop: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def check_layout(self, layout: ParamLayout) -> None:
+        """CheckpointMismatch unless this checkpoint holds `layout` (the model only; the
+        settings are check_compatible's)."""
+        problem = _layout_difference(self.manifest["layout"], layout)
+        if problem:
+            raise CheckpointMismatch(f"checkpoint {self.path} holds a different model: "
+                                     f"{problem}")
+
+    def read_range(self, start: int, stop: int, with_optimizer: bool = True
+                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Parameters and optimizer state of [start, stop), assembled from the shard parts
         that overlap it, whatever their number: a shard of a run with another shard count
-        reads its own range here."""
+        reads its own range here. Without `with_optimizer` the state is not read ({})."""
         if not 0 <= start < stop <= int(self.manifest["num_params"]):
             raise ValueError(f"range [{start}, {stop}) is outside the "
                              f"{self.manifest['num_params']} parameters")
-        names = ["params", *(f"optimizer/{n}" for n in self.manifest["optimizer_state"])]
+        state = self.manifest["optimizer_state"] if with_optimizer else []
+        names = ["params", *(f"optimizer/{n}" for n in state)]
         out = {name: np.empty(stop - start, DTYPE) for name in names}
         for shard in self.manifest["shards"]:
             lo, hi = max(start, shard["start"]), min(stop, shard["stop"])
@@ -651,9 +658,10 @@ class Checkpoint:
         params = out.pop("params")
         return params, {n.removeprefix("optimizer/"): a for n, a in out.items()}
 
-    def read_state(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The full parameter vector and optimizer state."""
-        return self.read_range(0, int(self.manifest["num_params"]))
+    def read_state(self, with_optimizer: bool = True
+                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The full parameter vector and (unless not `with_optimizer`) optimizer state."""
+        return self.read_range(0, int(self.manifest["num_params"]), with_optimizer)
 
     def _read_slices(self, shard: Mapping[str, Any], lo: int, hi: int,
                      into: Mapping[str, np.ndarray]) -> None:

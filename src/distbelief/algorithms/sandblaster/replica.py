@@ -29,7 +29,7 @@ from distbelief.algorithms.sandblaster.plan import (
 )
 from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD
 from distbelief.config import Config
-from distbelief.data.hdf5 import _to_float
+from distbelief.data.hdf5 import to_float
 from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
 from distbelief.runtime import watchdog
 from distbelief.runtime.faults import Faults
@@ -229,7 +229,7 @@ class Replica:
             return
         t0 = time.perf_counter()
         rows = self.batches.rows(batch)[start:stop]
-        x = _to_float(self.x[rows], self.scale)
+        x = to_float(self.x[rows], self.scale)
         n = stop - start
         loss = self.model.loss_and_grad(self.params, x, self.y[rows], self.grad)
         self.grad *= np.float32(n)  # mean -> sum, so units of any size add up

@@ -1,0 +1,142 @@
+"""The public Python API: a trained model in a notebook or a script, without MPI.
+
+    import distbelief
+    model = distbelief.load_model("runs/fashion_mnist_mlp")  # run folder, checkpoint, export
+    probabilities = model.predict(x)      # x: the dataset file's stored array (uint8/float32)
+    loss, accuracy = model.evaluate(x, y)
+    for name, array in model.named_parameters(): ...
+
+These names are a contract that users' scripts rely on: `load_model`, `Model` (`predict`,
+`evaluate`, `named_parameters`, `layers`, `input_shape`, `input_scale`, `num_classes`,
+`source`) and `Evaluation` (`loss`, `accuracy`). Change them only by adding.
+
+Nothing below this module imports mpi4py: the model, data and records layers are MPI-free
+(only model.partitioned_network and the ps, runtime and algorithms layers use MPI), so
+`import distbelief` works on a login node. tests/test_export.py checks it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from distbelief.data.hdf5 import to_float
+from distbelief.errors import DataError
+from distbelief.records.export import TrainedModel, read_trained
+
+BATCH_SIZE = 1000
+"""Rows per forward pass in predict and evaluate (the trainers' evaluation batch)."""
+
+
+class Evaluation(NamedTuple):
+    """The mean cross-entropy loss and the accuracy of a model on a labelled set."""
+
+    loss: float
+    accuracy: float
+
+
+class Model:
+    """A trained model: its layers, its weights and a forward pass. Not thread-safe."""
+
+    def __init__(self, trained: TrainedModel):
+        self._trained = trained
+        self._network = trained.network()
+        self._params = np.ascontiguousarray(trained.params)
+        self._named = trained.named_arrays(self._network.layout, self._params)
+
+    @property
+    def layers(self) -> list[dict[str, Any]]:
+        """The layer tables of the run's [model] section (a copy), e.g.
+        {"type": "dense", "units": 512, "activation": "relu"}."""
+        return [dict(layer) for layer in self._trained.layers]
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One input's shape: (H, W, C) for images, (F,) for flat features."""
+        return self._trained.input_shape
+
+    @property
+    def input_scale(self) -> float:
+        """The model reads x * input_scale (the dataset file's `scale`, 1/255 for images)."""
+        return self._trained.input_scale
+
+    @property
+    def num_classes(self) -> int:
+        return self._trained.num_classes
+
+    @property
+    def source(self) -> dict[str, Any]:
+        """Where the weights came from: checkpoint path, step, samples, algorithm, ..."""
+        return dict(self._trained.source)
+
+    def named_parameters(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, array) per parameter array, in layer order: layers.<i>.weight and
+        layers.<i>.bias, shaped as in an export (dense: PyTorch's nn.Linear). The arrays
+        are the model's own: writing to them changes its predictions."""
+        yield from self._named.items()
+
+    def predict(self, x: np.ndarray, batch_size: int = BATCH_SIZE) -> np.ndarray:
+        """Class probabilities, float32 (N, num_classes), for x (N, *input_shape) given as
+        the dataset file stores it: uint8 or float32, scaled here by input_scale."""
+        inputs = self._inputs(x)
+        out = np.empty((len(inputs), self.num_classes), dtype=np.float32)
+        for start in range(0, len(inputs), _check_batch(batch_size)):
+            logits = self._network.logits(self._params, inputs[start:start + batch_size])
+            logits -= logits.max(axis=1, keepdims=True)  # exp never overflows
+            np.exp(logits, out=logits)
+            logits /= logits.sum(axis=1, keepdims=True)
+            out[start:start + len(logits)] = logits
+        return out
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray,
+                 batch_size: int = BATCH_SIZE) -> Evaluation:
+        """Mean loss and accuracy on x (as for predict) and integer labels y (N,): the
+        figures training reports as test_loss and test_accuracy."""
+        loss, accuracy = self._network.evaluate(self._params, self._inputs(x), np.asarray(y),
+                                                batch_size=_check_batch(batch_size))
+        return Evaluation(float(loss), float(accuracy))
+
+    def _inputs(self, x: np.ndarray) -> np.ndarray:
+        """x as the network's float32 input: the same conversion training applies."""
+        x = np.asarray(x)
+        if x.dtype not in (np.uint8, np.float32):
+            raise DataError(f"x must be uint8 or float32, as a dataset file stores it (the "
+                            f"model multiplies it by input_scale = {self.input_scale:g}); "
+                            f"got {x.dtype}")
+        if x.ndim < 1 or x.shape[1:] != self.input_shape or len(x) == 0:
+            raise DataError(f"x has shape {x.shape}, the model needs (N > 0, "
+                            f"{', '.join(map(str, self.input_shape))})")
+        return to_float(x, self.input_scale)
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(layer["type"] for layer in self._trained.layers)
+        return (f"Model({len(self._trained.layers)} layers: {kinds}; input "
+                f"{self.input_shape}, {self.num_classes} classes, "
+                f"{self._network.layout.size:,d} parameters)")
+
+
+def _check_batch(batch_size: int) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
+            or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    return int(batch_size)
+
+
+def load_model(path: str | Path, data: str | Path | None = None) -> Model:
+    """The trained model at `path`: a run folder (its newest valid checkpoint), a
+    checkpoint folder, or a file written by `distbelief export` (HDF5 or safetensors).
+
+    A checkpoint takes its input shape and scale from the run's data file; `data` names
+    another dataset file when that one has moved. Never starts MPI. A damaged or unknown
+    file raises distbelief.errors.UserError with one line saying what is wrong; a damaged
+    newer checkpoint of a run folder that was passed over is a warning (and in
+    `Model.source["skipped"]`).
+    """
+    trained = read_trained(path, data=data)
+    for skipped in trained.source.get("skipped", []):
+        warnings.warn(f"skipped a damaged checkpoint: {skipped}", stacklevel=2)
+    return Model(trained)

@@ -1,0 +1,388 @@
+"""A trained model as named arrays: read from a run folder, a checkpoint or an export file,
+and written as an export file (HDF5 or safetensors) that plain h5py, safetensors or numpy
+reads without distbelief. No MPI in this module.
+
+ARRAY NAMES AND ORIENTATION (version 1; the same in both formats)
+
+    layers.<i>.weight, layers.<i>.bias     layer i's parameters, float32
+        dense i:  weight (units, inputs), bias (units,): the names and shapes of PyTorch's
+                  torch.nn.Linear, so a ModuleList of Linear layers load_state_dict()s them.
+                  The input is the layer below's output (or the model's input) flattened
+                  in (row, column, channel) order.
+        local i:  weight (Ho, Wo, kernel*kernel*Cin, Cout), bias (Ho, Wo, Cout): untied
+                  weights per output position; a patch is flattened in (row, column,
+                  channel) order (docs/using-a-trained-model.md has a numpy forward).
+    optimizer.<state>.layers.<i>.weight / .bias   only when asked (Adagrad: state "accum")
+
+The model's input is the dataset file's stored x times `input_scale` (a float32 array of
+shape (N, *input_shape)); the last layer's outputs are logits (softmax gives the class
+probabilities).
+
+HDF5 FILE: /params/<name> and /optimizer/<state>/<name> datasets; root attributes format =
+"distbelief-export", version = 1, layers (the [model] layer tables as JSON text),
+input_shape (int64 array), input_scale (float64), num_classes (int64), source (JSON text:
+where the weights came from: checkpoint path, step, samples, algorithm, config hash).
+
+SAFETENSORS FILE (https://huggingface.co/docs/safetensors): 8-byte little-endian header
+length, a JSON header, the raw little-endian float32 data. Tensors are named as above
+(optimizer state as optimizer.<state>.<name>); the header's __metadata__ holds the same
+keys as the HDF5 attributes, each value JSON text. This module writes and reads the format
+itself: it is small and fully specified, and a login node then needs no extra package.
+
+Files are written under a temporary name, fsynced and renamed into place; an existing
+file is never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from distbelief.data.hdf5 import H5_ERRORS, DatasetInfo, open_dataset
+from distbelief.errors import ConfigError, DataError, UserError
+from distbelief.model.layout import DTYPE, ParamLayout
+from distbelief.model.network import Network
+from distbelief.records import checkpoint as ckpt
+
+FORMAT_NAME = "distbelief-export"
+FORMAT_VERSION = 1
+FORMATS = ("hdf5", "safetensors")
+PARAM_NAMES = {"weights": "weight", "bias": "bias"}
+"""Layout array name -> exported name (PyTorch's)."""
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one
+
+
+class ExportError(UserError):
+    """An export file that cannot be written or read."""
+
+
+@dataclass
+class TrainedModel:
+    """A model's specification and weights: everything needed to run it.
+
+    `params` and each `optimizer_state` vector are flat float32 vectors in the layout of
+    `network()`; `source` says where they came from (JSON-friendly).
+    """
+
+    layers: list[dict[str, Any]]
+    input_shape: tuple[int, ...]
+    input_scale: float
+    num_classes: int
+    params: np.ndarray
+    optimizer_state: dict[str, np.ndarray] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def network(self) -> Network:
+        """The Network of this specification (a ConfigError if it is not a valid one)."""
+        return Network(self.input_shape, [dict(layer) for layer in self.layers],
+                       self.num_classes)
+
+    def named_arrays(self, layout: ParamLayout, flat: np.ndarray | None = None
+                     ) -> dict[str, np.ndarray]:
+        """`flat` (default: params) as {layers.<i>.weight: view, ...} in layout order."""
+        flat = self.params if flat is None else flat
+        return {array_name(e.layer, e.name): layout.view(flat, e.layer, e.name)
+                for e in layout.entries}
+
+    def metadata(self) -> dict[str, Any]:
+        """The file's metadata: format, version and what rebuilds the model."""
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "layers": self.layers,
+                "input_shape": list(self.input_shape), "input_scale": self.input_scale,
+                "num_classes": self.num_classes,
+                "source": {k: v for k, v in self.source.items() if k != "skipped"}}
+
+
+def array_name(layer: int, name: str) -> str:
+    """layers.<layer>.weight / .bias: the exported name of a layout array."""
+    return f"layers.{layer}.{PARAM_NAMES[name]}"
+
+
+# ---------------------------------------------------------------------------------------
+# Reading: a run folder, a checkpoint or an export
+
+
+def read_trained(path: str | Path, data: str | Path | None = None,
+                 with_optimizer: bool = False) -> TrainedModel:
+    """The trained model at `path`: a run folder (its newest valid checkpoint), a
+    checkpoint folder, or an export file (HDF5 or safetensors).
+
+    A checkpoint does not record the input shape and scale: they come from the run's data
+    file (the manifest's data.path), or from `data` when given. Any problem is one
+    UserError naming the file and what is wrong.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path} does not exist")
+    if path.is_file():
+        model = read_export(path)
+        if with_optimizer and not model.optimizer_state:
+            raise ExportError(f"{path} holds no optimizer state; export it from the run's "
+                              "checkpoint with --with-optimizer")
+        return model if with_optimizer else _without_optimizer(model)
+    found, skipped = find_checkpoint(path)
+    model = from_checkpoint(found, data, with_optimizer)
+    model.source["skipped"] = [f"{p}: {why}" for p, why in skipped]
+    return model
+
+
+def _without_optimizer(model: TrainedModel) -> TrainedModel:
+    model.optimizer_state = {}
+    return model
+
+
+def find_checkpoint(path: Path) -> tuple[ckpt.Checkpoint, list[tuple[Path, str]]]:
+    """The checkpoint at `path` (verified), or the newest valid one of a run folder or a
+    checkpoints folder, with the newer damaged ones that were passed over."""
+    if (path / ckpt.MANIFEST).exists() or path.name.startswith("ckpt-"):
+        return ckpt.verify(path), []
+    root = ckpt.checkpoint_root(path)
+    root = root if root.is_dir() else path
+    found, damaged = ckpt.find_latest(root)
+    if found is None:
+        if damaged:
+            raise ckpt.CheckpointError(f"{path} holds no valid checkpoint: "
+                                       f"{'; '.join(why for _, why in damaged)}")
+        raise ckpt.CheckpointError(f"{path} holds no checkpoint (looked for {root}/ckpt-*; "
+                                   "a single replica over partitions, algorithm sgd with "
+                                   "cluster.partitions > 1, writes none yet): give a run "
+                                   "folder, a checkpoint folder or an export file")
+    return found, damaged
+
+
+def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
+                    with_optimizer: bool = False) -> TrainedModel:
+    """The model held by a verified checkpoint; the input shape and scale from `data` or
+    the run's own data file."""
+    layers = found.manifest["config"]["model"]["layers"]
+    info = _data_info(found, data)
+    try:
+        found.check_layout(Network(info.input_shape, [dict(layer) for layer in layers],
+                                   info.num_classes).layout)
+    except (ConfigError, ckpt.CheckpointMismatch) as exc:
+        shape = "x".join(map(str, info.input_shape))
+        raise DataError(f"checkpoint {found.path} does not take the inputs of "
+                        f"{info.path} (input {shape}, {info.num_classes} classes): "
+                        f"{exc}") from exc
+    params, state = found.read_state(with_optimizer)
+    source = {"kind": "checkpoint", "path": str(found.path.resolve()), "step": found.step,
+              "samples": found.samples, "algorithm": found.manifest["algorithm"],
+              "config_hash": found.manifest["config_hash"], "data": str(info.path)}
+    return TrainedModel(list(layers), info.input_shape, info.scale, info.num_classes,
+                        params, state, source)
+
+
+def _data_info(found: ckpt.Checkpoint, data: str | Path | None) -> DatasetInfo:
+    if data is not None:
+        return open_dataset(data)
+    path = found.manifest["config"]["data"]["path"]
+    try:
+        return open_dataset(path)
+    except DataError as exc:
+        raise DataError(f"checkpoint {found.path}: its input shape and scale come from the "
+                        f"run's data file, which cannot be read ({exc}); give the data file "
+                        "(--data FILE, or load_model(path, data=FILE))") from exc
+
+
+def read_export(path: str | Path) -> TrainedModel:
+    """The model in an export file, HDF5 or safetensors (told apart by their first bytes)."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+    except OSError as exc:
+        raise ExportError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if head == HDF5_SIGNATURE:
+        metadata, arrays = _read_hdf5(path)
+    else:
+        metadata, arrays = _read_safetensors(path)
+    return _from_arrays(path, metadata, arrays)
+
+
+def _from_arrays(path: Path, metadata: Mapping[str, Any],
+                 arrays: Mapping[str, np.ndarray]) -> TrainedModel:
+    """Check an export's metadata and arrays against the model they describe."""
+    if metadata.get("format") != FORMAT_NAME or metadata.get("version") != FORMAT_VERSION:
+        raise ExportError(f"{path} is not a distbelief export (format "
+                          f"{metadata.get('format')!r}, version {metadata.get('version')!r})")
+    try:
+        model = TrainedModel(list(metadata["layers"]), tuple(metadata["input_shape"]),
+                             float(metadata["input_scale"]), int(metadata["num_classes"]),
+                             np.empty(0, DTYPE), {}, dict(metadata.get("source") or {}))
+        layout = model.network().layout
+    except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
+        raise ExportError(f"{path}: damaged metadata: {exc}") from exc
+    state_names = sorted({name.split(".")[1] for name in arrays
+                          if name.startswith("optimizer.")})
+    vectors = {"params": ""} | {s: f"optimizer.{s}." for s in state_names}
+    flats = {}
+    for what, prefix in vectors.items():
+        flat = layout.empty()
+        for e in layout.entries:
+            name = prefix + array_name(e.layer, e.name)
+            values = arrays.get(name)
+            if values is None or values.shape != e.shape or values.dtype != DTYPE:
+                got = "missing" if values is None else f"{values.dtype} {values.shape}"
+                raise ExportError(f"{path}: array {name} should be float32 {e.shape}, "
+                                  f"it is {got}")
+            flat[e.offset:e.stop] = values.reshape(-1)
+        flats[what] = flat
+    expected = {prefix + array_name(e.layer, e.name) for prefix in vectors.values()
+                for e in layout.entries}
+    extra = sorted(set(arrays) - expected)
+    if extra:
+        raise ExportError(f"{path}: arrays the model does not have: {', '.join(extra[:5])}")
+    model.params = flats.pop("params")
+    model.optimizer_state = flats
+    return model
+
+
+def _read_hdf5(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            attrs = dict(f.attrs)
+            if attrs.get("format") != FORMAT_NAME:
+                raise ExportError(f"{path} is an HDF5 file but not a distbelief export "
+                                  f"(format attribute {attrs.get('format')!r}); a run folder "
+                                  "or a checkpoint folder also works")
+            metadata = {
+                "format": attrs["format"], "version": int(attrs["version"]),
+                "layers": json.loads(attrs["layers"]),
+                "input_shape": [int(d) for d in attrs["input_shape"]],
+                "input_scale": float(attrs["input_scale"]),
+                "num_classes": int(attrs["num_classes"]),
+                "source": json.loads(attrs.get("source", "{}"))}
+            arrays = {name: dset[()] for name, dset in f["params"].items()}
+            for state, group in f.get("optimizer", {}).items():
+                arrays |= {f"optimizer.{state}.{name}": dset[()]
+                           for name, dset in group.items()}
+    except ExportError:
+        raise
+    except (*H5_ERRORS, json.JSONDecodeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ExportError(f"{path}: damaged export: {first}") from exc
+    return metadata, arrays
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    data = path.read_bytes()
+    not_one = f"{path} is neither an HDF5 nor a safetensors distbelief export"
+    if len(data) < 8:
+        raise ExportError(not_one)
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > min(_MAX_HEADER, len(data) - 8):
+        raise ExportError(not_one)
+    try:
+        header = json.loads(data[8:8 + length])
+        raw_meta = header.pop("__metadata__", {}) or {}
+        metadata = {key: json.loads(value) for key, value in raw_meta.items()}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as exc:
+        raise ExportError(f"{not_one} (its header does not parse: {exc})") from exc
+    body = memoryview(data)[8 + length:]
+    arrays = {}
+    for name, entry in header.items():
+        try:
+            begin, end = (int(v) for v in entry["data_offsets"])
+            shape = tuple(int(d) for d in entry["shape"])
+            dtype = entry["dtype"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ExportError(f"{path}: damaged entry for {name}: {exc}") from exc
+        if dtype != "F32" or not 0 <= begin <= end <= len(body) or \
+                end - begin != 4 * int(np.prod(shape, dtype=np.int64)):
+            raise ExportError(f"{path}: tensor {name} ({dtype} {list(shape)}, bytes "
+                              f"{begin}..{end} of {len(body)}) is not a float32 tensor "
+                              "inside the file")
+        arrays[name] = np.frombuffer(body[begin:end], dtype="<f4").reshape(shape)
+    return metadata, arrays
+
+
+# ---------------------------------------------------------------------------------------
+# Writing
+
+
+def write_export(model: TrainedModel, out: str | Path, fmt: str = "hdf5") -> Path:
+    """Write `model` (with its optimizer state, if it holds any) to `out` in format `fmt`;
+    ExportError if `out` exists. Atomic: a temporary file, fsynced, renamed into place."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    out = Path(out)
+    if out.exists():
+        raise ExportError(f"{out} exists; remove it or choose another --out (an export "
+                          "never overwrites a file)")
+    if not out.parent.is_dir():
+        raise ExportError(f"cannot write {out}: folder {out.parent} does not exist")
+    layout = model.network().layout
+    arrays = model.named_arrays(layout)
+    for state, flat in sorted(model.optimizer_state.items()):
+        arrays |= {f"optimizer.{state}.{name}": values
+                   for name, values in model.named_arrays(layout, flat).items()}
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        if fmt == "hdf5":
+            _write_hdf5(tmp, model.metadata(), arrays)
+        else:
+            _write_safetensors(tmp, model.metadata(), arrays)
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+    except OSError as exc:
+        raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _write_hdf5(path: Path, metadata: Mapping[str, Any],
+                arrays: Mapping[str, np.ndarray]) -> None:
+    with h5py.File(path, "w", locking=False) as f:
+        f.attrs["format"] = metadata["format"]
+        f.attrs["version"] = np.int64(metadata["version"])
+        f.attrs["layers"] = json.dumps(metadata["layers"])
+        f.attrs["input_shape"] = np.asarray(metadata["input_shape"], dtype=np.int64)
+        f.attrs["input_scale"] = np.float64(metadata["input_scale"])
+        f.attrs["num_classes"] = np.int64(metadata["num_classes"])
+        f.attrs["source"] = json.dumps(metadata["source"])
+        params = f.create_group("params")
+        for name, values in arrays.items():
+            if name.startswith("optimizer."):
+                _, state, rest = name.split(".", 2)
+                f.require_group("optimizer").require_group(state).create_dataset(
+                    rest, data=values)
+            else:
+                params.create_dataset(name, data=values)
+
+
+def _write_safetensors(path: Path, metadata: Mapping[str, Any],
+                       arrays: Mapping[str, np.ndarray]) -> None:
+    header: dict[str, Any] = {"__metadata__": {k: json.dumps(v) for k, v in metadata.items()}}
+    offset = 0
+    for name, values in arrays.items():
+        size = values.size * 4
+        header[name] = {"dtype": "F32", "shape": list(values.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the spec advises
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for values in arrays.values():
+            f.write(np.ascontiguousarray(values, dtype="<f4").tobytes())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
