@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, run_mpi
+from conftest import REPO, _env, mpiexec, run_mpi
 from test_checkpoint import _flip_bytes
 from test_downpour import BATCH, TOML, exit_statuses, set_args
 
@@ -30,6 +30,7 @@ from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
 from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launcher import launcher_rank
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
@@ -127,9 +128,10 @@ def rank_pids(root: int, n: int, timeout: float = 30) -> dict[int, int]:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            rank = [item[9:] for item in env if item.startswith(b"PMI_RANK=")]
-            if rank and b"cli_exit_status.py" in cmdline:
-                ranks[int(rank[0])] = pid
+            rank = launcher_rank(dict(item.decode(errors="replace").partition("=")[::2]
+                                      for item in env))
+            if rank is not None and b"cli_exit_status.py" in cmdline:
+                ranks[int(rank)] = pid
         if len(ranks) == n:
             return ranks
         assert time.monotonic() < deadline, f"found ranks {ranks} of {n}"
@@ -138,7 +140,7 @@ def rank_pids(root: int, n: int, timeout: float = 30) -> dict[int, int]:
 
 def launch(n: int, data_dir: Path, out: Path, log: Path, *overrides: str,
            env: dict | None = None) -> subprocess.Popen:
-    cmd = ["mpiexec", "-n", str(n), sys.executable, str(PROGRAMS / "cli_exit_status.py"),
+    cmd = [*mpiexec(n), sys.executable, str(PROGRAMS / "cli_exit_status.py"),
            *map(str, train_args(data_dir, out, *overrides))]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or _env(),

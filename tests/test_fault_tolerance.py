@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, run_mpi
+from conftest import REPO, _env, run_mpi, survive_a_death
 from test_downpour import exit_statuses, set_args
 
 from distbelief.data.converters import make_synthetic
@@ -35,7 +35,6 @@ from distbelief.runtime.watchdog import RankLost, Watchdog, current, watching
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
-SURVIVE = ("-disable-auto-cleanup",)  # hydra: a rank that exits does not end the job
 MLP = '{ type = "dense", units = 32, activation = "relu" }, '
 TOML = """
 [model]
@@ -81,7 +80,7 @@ def job(n: int, config: Path, out: Path, *overrides: str, faults: str = "",
     env = {**_env(), FAULTS: faults, "DISTBELIEF_PS_TRANSPORT": transport}
     args = ["train", config, *set_args(f'run.out_dir="{out}"', *overrides)]
     return run_mpi(n, [PROGRAMS / "cli_exit_status.py", *args], timeout=timeout, env=env,
-                   launcher_options=SURVIVE if survive else ())
+                   launcher_options=survive_a_death() if survive else ())
 
 
 def summary_of(out: Path) -> dict:

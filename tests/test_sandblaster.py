@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, run_mpi
+from conftest import REPO, _env, mpiexec, run_mpi
 from scipy.optimize import minimize as scipy_minimize
 from test_downpour import exit_statuses
 
@@ -583,7 +583,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_job_resumes(data_dir: Path,
 
     config = write(data_dir, "sigterm.toml", toml(batch=500))
     out = tmp_path / "out"
-    cmd = ["mpiexec", "-n", "5", sys.executable, "-m", "distbelief", "train", str(config),
+    cmd = [*mpiexec(5), sys.executable, "-m", "distbelief", "train", str(config),
            *sets(f'run.out_dir="{out}"', "run.max_steps=0", "run.max_seconds=90",
                  "optimizer.gradient_tolerance=0")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
