@@ -177,6 +177,7 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> int:
     (4, 2, [0, 1, 2, 3], signal.SIGTERM),    # every rank, as SLURM at the time limit
     (3, 1, ["mpiexec"], signal.SIGUSR1),     # the launcher (hydra passes it to every rank)
 ], ids=["rank0", "one-replica", "shard1", "all-SIGTERM", "launcher"])
+@pytest.mark.both_mpis
 def test_a_signal_on_some_ranks_checkpoints_and_every_rank_exits_0(
         data_dir: Path, tmp_path: Path, n: int, shards: int, targets: list,
         sig: signal.Signals) -> None:
@@ -259,6 +260,7 @@ def test_one_replica_resumed_is_bit_identical_to_an_uninterrupted_run(
     ((4, 2), (4, 1)),    # 2 replicas, 2 shards -> 3 replicas, 1 shard
     ((3, 1), (2, 1)),    # 2 replicas -> 1
 ])
+@pytest.mark.both_mpis
 def test_another_replica_or_shard_count_starts_from_the_checkpoint_exactly(
         data_dir: Path, tmp_path: Path, first: tuple, second: tuple) -> None:
     out, dump = tmp_path / "out", tmp_path / "dump"
@@ -308,6 +310,7 @@ STEP_DELAY = "delay:*:0:0.0005s"
     (4, 1, 2),    # one of 3 replicas
     (4, 2, 0),    # shard 0 (2 replicas)
 ], ids=["replica-of-1", "shard1-of-2", "replica-of-3", "shard0-of-2"])
+@pytest.mark.both_mpis
 def test_kill_9_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
         data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int) -> None:
     out = tmp_path / "out"

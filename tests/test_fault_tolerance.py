@@ -150,6 +150,7 @@ def test_a_short_wait_is_not_a_stall_and_a_gone_rank_ends_a_polled_wait() -> Non
     (5, 2, 2, "shared"),   # 2 shards, the first replica
     (4, 1, 2, "rma"),      # the RMA transport, as multi-node jobs run
 ], ids=["1-of-3", "2-shards", "rma"])
+@pytest.mark.both_mpis
 def test_a_killed_replica_leaves_the_others_to_finish_the_run(
         data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int,
         transport: str) -> None:
@@ -248,6 +249,7 @@ def test_losing_replica_0_during_the_warm_start_lets_the_others_start(data_dir: 
 # -- a lost shard --------------------------------------------------------------------------------
 
 
+@pytest.mark.both_mpis
 def test_a_killed_shard_ends_the_job_with_a_message_and_a_rerun_resumes(
         data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -292,6 +294,7 @@ def test_a_slow_replica_does_not_hold_the_others_back(data_dir: Path, tmp_path: 
 # -- stalls ----------------------------------------------------------------------------------
 
 
+@pytest.mark.both_mpis
 def test_the_watchdog_names_a_replica_that_hangs_holding_a_shard(data_dir: Path,
                                                                  tmp_path: Path) -> None:
     # Replica 2 (rank 3) stops responding in the middle of its push at step 100, holding
