@@ -10,8 +10,10 @@ it finds there), named by the folder holding its `python` and `mpiexec`:
 
 Each row is `mpiexec -n 1+R python -m distbelief train configs/fashion_mnist_downpour.toml`
 (the real command line) with the row's MPI; rounds alternate the MPIs so that both see the
-same load, and the table gives the median over `--rounds` and Open MPI / MPICH. Open MPI
+same load, and the table gives the median over `--rounds` and each against MPICH. Open MPI
 gets --oversubscribe and the run-as-root variables, as tests/conftest.py gives it.
+`--variants mpich,openmpi,openmpi-spin` adds Open MPI with mpi_yield_when_idle off;
+`--seconds 20` bounds each run (for samples/s on a machine too busy to reach 88% soon).
 """
 
 from __future__ import annotations
@@ -26,25 +28,30 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "fashion_mnist_downpour.toml"
-FLAGS = {"mpich": [], "openmpi": ["--oversubscribe"]}
+# "openmpi-spin": Open MPI with mpi_yield_when_idle off. With more ranks than cores
+# (--oversubscribe, or a machine busy with other work) Open MPI's idle progress calls
+# sched_yield, which on a loaded machine gives the core away at every MPI call.
+FLAGS = {"mpich": [], "openmpi": ["--oversubscribe"],
+         "openmpi-spin": ["--oversubscribe", "--mca", "mpi_yield_when_idle", "0"]}
 OPENMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
-def run(mpi: str, bindir: Path, transport: str, replicas: int, out: Path) -> dict:
+def run(mpi: str, bindir: Path, transport: str, replicas: int, out: Path,
+        seconds: float) -> dict:
     """One training run; its summary's time to target and mean samples/s per replica."""
     env = {**os.environ, **OPENMPI_ENV, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
            "DISTBELIEF_PS_TRANSPORT": transport,
            "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
     cmd = [str(bindir / "mpiexec"), *FLAGS[mpi], "-n", str(1 + replicas),
            str(bindir / "python"), "-m", "distbelief", "train", str(CONFIG),
-           "--set", f'run.out_dir="{out}"', "--fresh"]
+           "--set", f'run.out_dir="{out}"', "--set", f"run.max_seconds={seconds}", "--fresh"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
                           check=False)
     if proc.returncode != 0:
         raise SystemExit(f"{mpi} {transport}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
     rates = [r["samples_per_second"] for r in summary["replicas"]]
-    return {"time_to_target": summary["time_to_target"],
+    return {"time_to_target": summary["time_to_target"] or float("nan"),
             "per_replica": sum(rates) / len(rates),
             "ucx_error_lines": proc.stderr.count("osc_ucx_component.c")}
 
@@ -62,12 +69,16 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--transports", default="shared,rma")
+    p.add_argument("--seconds", type=float, default=300,
+                   help="run.max_seconds: a bound; a run that ends there has no time to 88%%")
+    p.add_argument("--variants", default="mpich,openmpi",
+                   help="mpich, openmpi, openmpi-spin (Open MPI without sched_yield)")
     args = p.parse_args()
-    bins = {"mpich": args.mpich, "openmpi": args.openmpi}
-    for mpi, folder in bins.items():
+    bins = {v: args.mpich if v == "mpich" else args.openmpi for v in args.variants.split(",")}
+    for folder in {args.mpich, args.openmpi}:
         for name in ("python", "mpiexec"):
             if not (folder / name).exists():
-                raise SystemExit(f"--{mpi} {folder}: no {name} there")
+                raise SystemExit(f"{folder}: no {name} there")
     results: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for transport in args.transports.split(","):
@@ -75,22 +86,23 @@ def main() -> None:
                 order = list(bins) if k % 2 == 0 else list(bins)[::-1]
                 for mpi in order:
                     before = load()
-                    row = run(mpi, bins[mpi], transport, args.replicas, Path(tmp) / mpi)
+                    row = run(mpi, bins[mpi], transport, args.replicas, Path(tmp) / mpi,
+                              args.seconds)
                     row["load"] = before
                     results.setdefault((transport, mpi), []).append(row)
-                    print(f"  {transport:6} {mpi:7} round {k}: {row['time_to_target']:.1f} s "
+                    print(f"  {transport:6} {mpi:12} round {k}: {row['time_to_target']:.1f} s "
                           f"to 88%, {row['per_replica']:,.0f} samples/s per replica "
                           f"(load {before:.1f}, osc_ucx lines {row['ucx_error_lines']})",
                           flush=True)
     print(f"\n1 shard + {args.replicas} replica(s), median of {args.rounds} rounds")
-    print("| transport | MPI | time to 88% (s) | samples/s per replica | Open MPI / MPICH |")
+    print("| transport | MPI | time to 88% (s) | samples/s per replica | vs MPICH |")
     print("|---|---|---:|---:|---:|")
     for transport in args.transports.split(","):
         med = {mpi: {key: statistics.median(r[key] for r in results[(transport, mpi)])
                      for key in ("time_to_target", "per_replica")} for mpi in bins}
         for mpi in bins:
-            ratio = (f"{med['openmpi']['per_replica'] / med['mpich']['per_replica']:.2f} "
-                     "(samples/s)") if mpi == "openmpi" else ""
+            ratio = (f"{med[mpi]['per_replica'] / med['mpich']['per_replica']:.2f}"
+                     if "mpich" in med and mpi != "mpich" else "")
             print(f"| {transport} | {mpi} | {med[mpi]['time_to_target']:.1f} | "
                   f"{med[mpi]['per_replica']:,.0f} | {ratio} |")
 

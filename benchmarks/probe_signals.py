@@ -26,7 +26,7 @@ LIFE = 8.0
 RANK = """
 import os, signal, sys, time
 from mpi4py import MPI
-rank, folder = MPI.COMM_WORLD.Get_rank(), sys.argv[1]
+rank, folder, life = MPI.COMM_WORLD.Get_rank(), sys.argv[1], float(sys.argv[2])
 t0 = time.monotonic()
 def note(text):
     with open(f"{folder}/rank{rank}", "a") as f:
@@ -35,15 +35,16 @@ for number in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, si
                signal.SIGCONT):
     signal.signal(number, lambda s, f: note(signal.Signals(s).name))
 note(f"started, pid {os.getpid()}")
-while time.monotonic() - t0 < %s:
+while time.monotonic() - t0 < life:
     time.sleep(0.01)
 note("lived to the end")
-""" % LIFE
+"""
 
 
 def main() -> None:
     what, options = sys.argv[1] if len(sys.argv) > 1 else "kill9", sys.argv[3:]
-    version = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True,
+                             check=False).stdout
     env = dict(os.environ)
     if "Open MPI" in version:
         options = ["--oversubscribe", *options]
@@ -52,7 +53,7 @@ def main() -> None:
         program = Path(folder) / "rank.py"
         program.write_text(RANK)
         launcher = subprocess.Popen(["mpiexec", *options, "-n", "4", sys.executable,
-                                     str(program), folder], env=env, start_new_session=True,
+                                     str(program), folder, str(LIFE)], env=env, start_new_session=True,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         logs = [Path(folder) / f"rank{r}" for r in range(4)]
         while not all(log.exists() for log in logs):
