@@ -174,7 +174,6 @@ def test_pulls_are_never_torn(n, shards, mode, transport):
     assert proc.stdout.count("pulls consistent") == n - shards
 
 
-@pytest.mark.both_mpis
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n, shards, extra", [
     (3, 1, []), (4, 2, []), (5, 2, []), (6, 1, ["--coordinator"])])
