@@ -3,6 +3,7 @@ timeout, so a deadlock fails the test instead of freezing CI."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -50,12 +51,73 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.torch)
 
 
+# -- which MPI launches the MPI tests -------------------------------------------------------
+# DISTBELIEF_TEST_MPI=mpich|openmpi names the MPI whose `mpiexec` is first on PATH (CI sets
+# it, so a venv holding the wrong MPI fails instead of testing the other one twice); unset,
+# `mpiexec --version` decides. Each MPI's launcher gets its own flags below.
+TEST_MPI = "DISTBELIEF_TEST_MPI"
+MPIS = ("mpich", "openmpi")
+LAUNCHER_FLAGS = {
+    "mpich": (),
+    # More ranks than the two cores; Open MPI refuses both without being told.
+    "openmpi": ("--oversubscribe",),
+}
+# A rank that dies does not end the job: the other ranks finish the run without it.
+SURVIVE_A_DEATH = {
+    "mpich": ("-disable-auto-cleanup",),  # Hydra
+    "openmpi": ("--enable-recovery",),    # PRRTE (Open MPI 5's mpirun)
+}
+# Open MPI refuses to run as root (containers, CI) unless both are set.
+OPENMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+@functools.cache
+def detected_mpi() -> str:
+    """"mpich" or "openmpi", from `mpiexec --version` (the mpiexec the tests will run)."""
+    try:
+        text = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True,
+                              timeout=30, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.fail(f"cannot run `mpiexec --version`: {exc}", pytrace=False)
+    if "Open MPI" in text or "OpenRTE" in text:
+        return "openmpi"
+    if "HYDRA" in text:
+        return "mpich"
+    pytest.fail(f"`mpiexec --version` names neither MPICH's Hydra nor Open MPI: {text[:200]}",
+                pytrace=False)
+
+
+@functools.cache
+def mpi_under_test() -> str:
+    """The MPI the MPI tests launch: DISTBELIEF_TEST_MPI if set (and it must be the one on
+    PATH), else the detected one."""
+    found = detected_mpi()
+    chosen = os.environ.get(TEST_MPI, "").strip() or found
+    if chosen not in MPIS:
+        pytest.fail(f"{TEST_MPI}={chosen!r}: choose one of {', '.join(MPIS)}", pytrace=False)
+    if chosen != found:
+        pytest.fail(f"{TEST_MPI}={chosen} but the mpiexec on PATH is {found}'s",
+                    pytrace=False)
+    return chosen
+
+
+def mpiexec(n: int, *options: str) -> list[str]:
+    """`mpiexec [this MPI's flags] [OPTIONS] -n N`: the start of an MPI test's command."""
+    return ["mpiexec", *LAUNCHER_FLAGS[mpi_under_test()], *options, "-n", str(n)]
+
+
+def survive_a_death() -> tuple[str, ...]:
+    """The launcher options that let the other ranks live on when one dies."""
+    return SURVIVE_A_DEATH[mpi_under_test()]
+
+
 def _env(threads: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     # One BLAS thread per process: MPI tests oversubscribe the two cores.
     env["OPENBLAS_NUM_THREADS"] = str(threads)
     env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(OPENMPI_ENV)  # only Open MPI reads them
     return env
 
 
@@ -71,12 +133,13 @@ def run_cli(args: list[str], timeout: float = 120, cwd: Path | None = None,
 def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = None,
             env: dict[str, str] | None = None,
             launcher_options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """`mpiexec [LAUNCHER_OPTIONS] -n N python ARGS` in a subprocess, under a timeout.
+    """`mpiexec [LAUNCHER_OPTIONS] -n N python ARGS` in a subprocess, under a timeout, with
+    the flags of the MPI under test (DISTBELIEF_TEST_MPI).
 
     ARGS starts with what python runs: `["-m", "distbelief", "train", cfg]` or a script
     path. On timeout the whole process group is killed and the test fails.
     """
-    cmd = ["mpiexec", *launcher_options, "-n", str(n), sys.executable, *map(str, args)]
+    cmd = [*mpiexec(n, *launcher_options), sys.executable, *map(str, args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=cwd, env=env or _env(), start_new_session=True)
     try:

@@ -201,6 +201,7 @@ def test_plain_sgd_run_does_not_start_mpi(data_dir: Path) -> None:
 # -- under MPI ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.both_mpis
 @pytest.mark.parametrize("n", [2, 3])
 def test_user_error_under_mpi_is_printed_once_and_every_rank_exits_2(tmp_path: Path,
                                                                       n: int) -> None:
@@ -224,6 +225,7 @@ def test_sgd_refuses_several_ranks_on_every_rank(data_dir: Path, n: int) -> None
     assert len(errors) == 1 and f"{n} MPI ranks" in errors[0], result.stderr
 
 
+@pytest.mark.both_mpis
 def test_unhandled_exception_on_one_rank_aborts_the_job(tmp_path: Path) -> None:
     # Rank 1 would wait forever in the barrier if rank 0's exception did not abort the job.
     script = tmp_path / "crash.py"

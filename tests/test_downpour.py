@@ -132,6 +132,7 @@ def check_metrics(lines: list[dict], summary: dict) -> None:
     (5, 2, ["optimizer.n_fetch=2", "optimizer.n_push=3",  # 3 replicas, odd cadences
             "optimizer.warm_start_steps=50", "run.checkpoint_every_steps=100"]),
 ])
+@pytest.mark.both_mpis
 def test_max_steps_counts_total_steps_exactly(data_dir, tmp_path, n, shards, extra,
                                               transport):
     # 401 is not a multiple of n_push, nor of the number of replicas. Both parameter-server
@@ -283,6 +284,7 @@ def exit_statuses(proc) -> list[int]:
     (3, ["cluster.ps_shards=3"], "mpiexec -n 4"),
     (5, ["data.batch_size=2000"], "data.batch_size = 2000 is larger than the 1000"),
 ])
+@pytest.mark.both_mpis
 def test_configuration_that_does_not_fit_exits_2_on_every_rank(data_dir, tmp_path, n,
                                                                 overrides, needle):
     sets = set_args(f'run.out_dir="{tmp_path / "out"}"', *overrides)
@@ -320,6 +322,7 @@ def test_single_rank_is_told_to_use_mpiexec(data_dir, tmp_path):
     assert "mpiexec -n 2" in proc.stderr
 
 
+@pytest.mark.both_mpis
 @pytest.mark.parametrize("n, shards, failing_rank", [(3, 1, 2), (4, 2, 0), (5, 1, 3)])
 def test_exception_on_one_rank_ends_the_job_within_seconds(data_dir, tmp_path, n, shards,
                                                            failing_rank):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, run_mpi
+from conftest import REPO, _env, mpiexec, run_mpi
 from test_checkpoint import _flip_bytes
 from test_downpour import BATCH, TOML, exit_statuses, set_args
 
@@ -30,6 +30,7 @@ from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
 from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launcher import launcher_rank
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
@@ -127,9 +128,10 @@ def rank_pids(root: int, n: int, timeout: float = 30) -> dict[int, int]:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            rank = [item[9:] for item in env if item.startswith(b"PMI_RANK=")]
-            if rank and b"cli_exit_status.py" in cmdline:
-                ranks[int(rank[0])] = pid
+            rank = launcher_rank(dict(item.decode(errors="replace").partition("=")[::2]
+                                      for item in env))
+            if rank is not None and b"cli_exit_status.py" in cmdline:
+                ranks[int(rank)] = pid
         if len(ranks) == n:
             return ranks
         assert time.monotonic() < deadline, f"found ranks {ranks} of {n}"
@@ -138,7 +140,7 @@ def rank_pids(root: int, n: int, timeout: float = 30) -> dict[int, int]:
 
 def launch(n: int, data_dir: Path, out: Path, log: Path, *overrides: str,
            env: dict | None = None) -> subprocess.Popen:
-    cmd = ["mpiexec", "-n", str(n), sys.executable, str(PROGRAMS / "cli_exit_status.py"),
+    cmd = [*mpiexec(n), sys.executable, str(PROGRAMS / "cli_exit_status.py"),
            *map(str, train_args(data_dir, out, *overrides))]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or _env(),
@@ -175,6 +177,7 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> int:
     (4, 2, [0, 1, 2, 3], signal.SIGTERM),    # every rank, as SLURM at the time limit
     (3, 1, ["mpiexec"], signal.SIGUSR1),     # the launcher (hydra passes it to every rank)
 ], ids=["rank0", "one-replica", "shard1", "all-SIGTERM", "launcher"])
+@pytest.mark.both_mpis
 def test_a_signal_on_some_ranks_checkpoints_and_every_rank_exits_0(
         data_dir: Path, tmp_path: Path, n: int, shards: int, targets: list,
         sig: signal.Signals) -> None:
@@ -257,6 +260,7 @@ def test_one_replica_resumed_is_bit_identical_to_an_uninterrupted_run(
     ((4, 2), (4, 1)),    # 2 replicas, 2 shards -> 3 replicas, 1 shard
     ((3, 1), (2, 1)),    # 2 replicas -> 1
 ])
+@pytest.mark.both_mpis
 def test_another_replica_or_shard_count_starts_from_the_checkpoint_exactly(
         data_dir: Path, tmp_path: Path, first: tuple, second: tuple) -> None:
     out, dump = tmp_path / "out", tmp_path / "dump"
@@ -306,6 +310,7 @@ STEP_DELAY = "delay:*:0:0.0005s"
     (4, 1, 2),    # one of 3 replicas
     (4, 2, 0),    # shard 0 (2 replicas)
 ], ids=["replica-of-1", "shard1-of-2", "replica-of-3", "shard0-of-2"])
+@pytest.mark.both_mpis
 def test_kill_9_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
         data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int) -> None:
     out = tmp_path / "out"

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, run_mpi
+from conftest import REPO, _env, run_mpi, survive_a_death
 from test_downpour import exit_statuses, set_args
 
 from distbelief.data.converters import make_synthetic
@@ -35,7 +35,6 @@ from distbelief.runtime.watchdog import RankLost, Watchdog, current, watching
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
-SURVIVE = ("-disable-auto-cleanup",)  # hydra: a rank that exits does not end the job
 MLP = '{ type = "dense", units = 32, activation = "relu" }, '
 TOML = """
 [model]
@@ -81,7 +80,7 @@ def job(n: int, config: Path, out: Path, *overrides: str, faults: str = "",
     env = {**_env(), FAULTS: faults, "DISTBELIEF_PS_TRANSPORT": transport}
     args = ["train", config, *set_args(f'run.out_dir="{out}"', *overrides)]
     return run_mpi(n, [PROGRAMS / "cli_exit_status.py", *args], timeout=timeout, env=env,
-                   launcher_options=SURVIVE if survive else ())
+                   launcher_options=survive_a_death() if survive else ())
 
 
 def summary_of(out: Path) -> dict:
@@ -151,6 +150,7 @@ def test_a_short_wait_is_not_a_stall_and_a_gone_rank_ends_a_polled_wait() -> Non
     (5, 2, 2, "shared"),   # 2 shards, the first replica
     (4, 1, 2, "rma"),      # the RMA transport, as multi-node jobs run
 ], ids=["1-of-3", "2-shards", "rma"])
+@pytest.mark.both_mpis
 def test_a_killed_replica_leaves_the_others_to_finish_the_run(
         data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int,
         transport: str) -> None:
@@ -249,6 +249,7 @@ def test_losing_replica_0_during_the_warm_start_lets_the_others_start(data_dir: 
 # -- a lost shard --------------------------------------------------------------------------------
 
 
+@pytest.mark.both_mpis
 def test_a_killed_shard_ends_the_job_with_a_message_and_a_rerun_resumes(
         data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -293,6 +294,7 @@ def test_a_slow_replica_does_not_hold_the_others_back(data_dir: Path, tmp_path: 
 # -- stalls ----------------------------------------------------------------------------------
 
 
+@pytest.mark.both_mpis
 def test_the_watchdog_names_a_replica_that_hangs_holding_a_shard(data_dir: Path,
                                                                  tmp_path: Path) -> None:
     # Replica 2 (rank 3) stops responding in the middle of its push at step 100, holding

@@ -19,6 +19,7 @@ import pytest
 from conftest import (
     REPO,
     _env,
+    mpiexec,
     run_cli,
     run_mpi,
     start_in_background,
@@ -66,7 +67,7 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes(data_dir: Path, tmp_
         extra = {"shards": ["cluster.ps_shards=2"],
                  "sandblaster": ['optimizer.algorithm="sandblaster"'],
                  "partitions": [*SINGLE, "cluster.partitions=3"]}.get(launcher.split()[-1], [])
-        cmd = ["mpiexec", "-n", str(n), sys.executable, str(PROGRAMS / "cli_exit_status.py"),
+        cmd = [*mpiexec(n), sys.executable, str(PROGRAMS / "cli_exit_status.py"),
                *train_args(data_dir, out, *extra, *budget)]
     proc = start_in_background(cmd, log)
     wait_for_training(proc, out, log)

@@ -247,6 +247,7 @@ def test_downpour_one_partitioned_replica_is_sequential_sgd(data_dir, tmp_path,
         assert shard["pushes"] == sum(r["pushes"] for r in replicas)
 
 
+@pytest.mark.both_mpis
 def test_downpour_two_replicas_of_two_partitions_reach_the_target(data_dir, tmp_path):
     out = tmp_path / "out"
     proc = run_mpi(5, ["-m", "distbelief", *train_args(
@@ -363,6 +364,7 @@ def test_costmodel_command_without_data_file():
     assert "41,777,152 parameters" in proc.stdout
 
 
+@pytest.mark.both_mpis
 def test_downpour_partitioned_replicas_checkpoint_and_resume(data_dir, tmp_path):
     # Agreement rounds and checkpoints with replicas of 2 partitions: the partitions act on
     # a round together (else a checkpoint barrier would wait on a partition that waits for

@@ -127,6 +127,7 @@ def test_split_communicators(n, shards, partitions, coordinator):
     # runs out of 4, shared in 2 out of 2).
     (5, 1, 669_706, 40, []),
 ])
+@pytest.mark.both_mpis
 def test_pushes_are_applied_exactly_once(n, shards, size, pushes, extra, transport):
     proc = mpi4py_job(n, "ps_exact.py", "--shards", shards, "--size", size,
                       "--pushes", pushes, "--lr", 0.5, "--transport", transport, *extra)
@@ -160,6 +161,7 @@ def test_shard_optimizer_matches_local_optimizer(n, shards, adagrad, transport):
     assert proc.stdout.count("matches the local optimizer after 10 pushes") == shards
 
 
+@pytest.mark.both_mpis
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n, shards, mode", [
     (2, 1, "set"), (3, 2, "set"), (4, 1, "fold"), (5, 2, "fold"), (6, 2, "fold")])

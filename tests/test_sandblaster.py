@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, run_mpi
+from conftest import REPO, _env, mpiexec, run_mpi
 from scipy.optimize import minimize as scipy_minimize
 from test_downpour import exit_statuses
 
@@ -335,6 +335,7 @@ def test_assembled_gradient_equals_the_single_process_gradient(
         assert summary["backup_units_issued"] > 0
 
 
+@pytest.mark.both_mpis
 @pytest.mark.parametrize("n,shards", [(4, 1), (5, 2), (6, 3), (6, 1)])
 def test_convex_problem_converges_to_scipys_loss(data_dir: Path, tmp_path: Path, n: int,
                                                  shards: int) -> None:
@@ -536,6 +537,7 @@ def test_hash_follows_what_sandblaster_trains_not_how_units_are_dealt() -> None:
 # -- checkpoints --------------------------------------------------------------------------------
 
 
+@pytest.mark.both_mpis
 def test_checkpoint_holds_the_history_and_a_resume_on_other_shards_continues(
         data_dir: Path, tmp_path: Path) -> None:
     from distbelief.records.checkpoint import checkpoint_root, find_latest
@@ -583,7 +585,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_job_resumes(data_dir: Path,
 
     config = write(data_dir, "sigterm.toml", toml(batch=500))
     out = tmp_path / "out"
-    cmd = ["mpiexec", "-n", "5", sys.executable, "-m", "distbelief", "train", str(config),
+    cmd = [*mpiexec(5), sys.executable, "-m", "distbelief", "train", str(config),
            *sets(f'run.out_dir="{out}"', "run.max_steps=0", "run.max_seconds=90",
                  "optimizer.gradient_tolerance=0")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

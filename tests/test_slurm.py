@@ -232,6 +232,7 @@ def test_sgd_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, script
         assert len(job.shim_calls("srun")) == 2
 
 
+@pytest.mark.both_mpis
 @pytest.mark.parametrize("script, ntasks, shards", [("one_node", 3, 1), ("multi_node", 5, 2)])
 def test_downpour_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, script,
                                                            ntasks, shards):
@@ -241,6 +242,7 @@ def test_downpour_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, s
     check_preempted_then_resumed(job, DOWNPOUR_STEPS)
 
 
+@pytest.mark.both_mpis
 @pytest.mark.parametrize("script", ["one_node", "multi_node"])
 def test_a_run_that_lost_a_replica_is_still_requeued_and_resumed(data_dir, tmp_path, script):
     """1 shard + 3 replicas; replica 2 (rank 3) is killed at its step 100, the others go on
@@ -279,6 +281,7 @@ def test_a_run_that_lost_a_replica_is_still_requeued_and_resumed(data_dir, tmp_p
     assert job.summary()["steps"] == steps and job.summary()["lost_replicas"] == []
 
 
+@pytest.mark.both_mpis
 def test_sandblaster_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path):
     """Sandblaster needs no script of its own: the algorithm comes from the config.
     4 ranks: 1 shard, the coordinator, 2 replicas; a step is one L-BFGS iteration."""

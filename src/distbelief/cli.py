@@ -26,7 +26,7 @@ from typing import Any
 
 from distbelief import __version__
 from distbelief.errors import EXIT_USER_ERROR, ConfigError, UserError
-from distbelief.runtime import guardian
+from distbelief.runtime import guardian, launcher
 
 PROG = "distbelief"
 EVAL_BATCH_SIZE = 1000
@@ -613,15 +613,15 @@ def launched_with_several_ranks() -> bool:
     """
     if "mpi4py.MPI" in sys.modules:
         return True  # e.g. `python -m mpi4py -m distbelief`: MPI is up already
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        if os.environ.get(var, "1").strip() not in ("", "0", "1"):
-            return True
-    return False
+    return launcher.launcher_size() > 1
 
 
 def start_mpi() -> Any:
     """Initialise MPI; returns COMM_WORLD. With several ranks, make any unhandled exception
     (main thread or not) print its traceback and abort the whole job."""
+    # Open MPI without InfiniBand: no osc/ucx error line per rank and window (the user's
+    # own OMPI_MCA_osc wins; distbelief.runtime.launcher.quiet_osc_ucx says why).
+    launcher.quiet_osc_ucx()
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD

@@ -4,5 +4,6 @@ topology (which world rank plays which role, and the communicators), backoff (th
 of polling loops), agreement (polled collectives that never block on a dead rank),
 liveness and watchdog (noticing dead and stalled ranks), guardian (the per-rank process
 that turns a worker's death into an exit status), faults (test-only injected faults),
-threads (BLAS thread settings).
+threads (BLAS thread settings), launcher (what the MPI launcher tells a process through
+its environment).
 """

@@ -34,6 +34,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from distbelief.runtime.launcher import launcher_rank
+
 WORKER_ENV = "DISTBELIEF_GUARDIAN_PID"
 """Set in the worker's environment: its guardian's process id."""
 
@@ -67,7 +69,7 @@ def run_guarded(argv: Sequence[str]) -> int:
         signal.signal(number, signal.SIG_IGN)
     if status < 0:
         name = signal.Signals(-status).name
-        print(f"distbelief: the worker of rank {os.environ.get('PMI_RANK', '?')} was killed "
+        print(f"distbelief: the worker of rank {launcher_rank() or '?'} was killed "
               f"by {name}", file=sys.stderr, flush=True)
         status = 128 - status
     return status

@@ -1,0 +1,84 @@
+"""What the MPI launcher tells a process (distbelief.runtime.launcher), for MPICH's Hydra,
+Open MPI's mpirun and srun, and the osc/ucx default the command line sets before MPI_Init
+under Open MPI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import REPO, _env, run_mpi, survive_a_death
+from test_downpour import exit_statuses
+
+from distbelief.data.converters import make_synthetic
+from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launcher import launcher_rank, launcher_size, quiet_osc_ucx
+
+PROGRAMS = REPO / "tests" / "mpi_programs"
+TOML = """
+[model]
+layers = [{ type = "dense", units = 3, activation = "softmax" }]
+[data]
+path = "synth.h5"
+batch_size = 32
+[optimizer]
+algorithm = "downpour"
+learning_rate = 0.05
+[cluster]
+ps_shards = 1
+[run]
+max_steps = 600
+eval_every_seconds = 1
+threads = 1
+"""
+
+
+@pytest.mark.parametrize("environ, rank, size", [
+    ({}, None, 1),                                                   # no launcher
+    ({"PMI_RANK": "2", "PMI_SIZE": "5"}, "2", 5),                    # Hydra, srun --mpi=pmi2
+    ({"OMPI_COMM_WORLD_RANK": "3", "PMIX_RANK": "3",
+      "OMPI_COMM_WORLD_SIZE": "4"}, "3", 4),                         # Open MPI's mpirun
+    ({"PMIX_RANK": "1", "SLURM_STEP_NUM_TASKS": "6"}, "1", 6),       # srun --mpi=pmix
+    ({"SLURM_STEP_NUM_TASKS": "6"}, None, 1),                        # srun without MPI
+    ({"PMI_RANK": "", "OMPI_COMM_WORLD_RANK": "0", "PMI_SIZE": "x"}, "0", 1),
+], ids=["none", "hydra", "openmpi", "srun-pmix", "srun-no-mpi", "junk"])
+def test_rank_and_size_from_each_launcher(environ: dict, rank: str | None, size: int) -> None:
+    assert launcher_rank(environ) == rank
+    assert launcher_size(environ) == size
+
+
+def test_osc_ucx_is_excluded_only_without_infiniband_and_without_a_user_choice(
+        tmp_path: Path) -> None:
+    none = tmp_path / "none"  # no /sys/class/infiniband at all
+    environ: dict[str, str] = {}
+    assert quiet_osc_ucx(environ, none) and environ == {"OMPI_MCA_osc": "^ucx"}
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    environ = {}
+    assert quiet_osc_ucx(environ, empty) and environ == {"OMPI_MCA_osc": "^ucx"}
+
+    for chosen in ("ucx", "sm,rdma", ""):  # the user's choice wins, even an empty one
+        environ = {"OMPI_MCA_osc": chosen}
+        assert not quiet_osc_ucx(environ, none) and environ == {"OMPI_MCA_osc": chosen}
+
+    infiniband = tmp_path / "infiniband"
+    (infiniband / "mlx5_0").mkdir(parents=True)
+    environ = {}
+    assert not quiet_osc_ucx(environ, infiniband) and environ == {}
+
+
+@pytest.mark.both_mpis
+def test_a_killed_worker_is_named_by_rank_and_no_osc_ucx_error_is_printed(tmp_path: Path) -> None:
+    # 1 shard + 2 replicas on the RMA transport (windows from Win.Allocate, the ones osc/ucx
+    # is asked about); replica 1 (rank 2) is killed at its step 50 and the others finish.
+    make_synthetic(tmp_path / "synth.h5", n_train=2000, n_test=200, input_shape=(16,),
+                   num_classes=3, seed=1)
+    (tmp_path / "run.toml").write_text(TOML)
+    env = {**_env(), FAULTS: "kill:2:50 delay:*:0:0.0005s", "DISTBELIEF_PS_TRANSPORT": "rma"}
+    args = ["train", tmp_path / "run.toml", "--set", f'run.out_dir="{tmp_path / "out"}"']
+    proc = run_mpi(3, [PROGRAMS / "cli_exit_status.py", *args], env=env,
+                   launcher_options=survive_a_death())
+    assert exit_statuses(proc) == [0, 0, 137], proc.stdout + proc.stderr[-3000:]
+    assert "distbelief: the worker of rank 2 was killed by SIGKILL" in proc.stderr
+    assert "osc_ucx_component" not in proc.stderr, proc.stderr[-3000:]
