@@ -503,3 +503,370 @@ def local_backward(const float[:, :, :, ::1] x,        # IN (N, H, W, Cin)
         free(grads_t)
         free(w_t)
         free(dpatches)
+
+
+# ---------------------------------------------------------------------------------------
+# Pooling over k x k windows with a stride, per channel, NHWC, valid windows (like the
+# locally connected layer): max, or L2 (the square root of the sum of squares, as in the
+# paper's image model). Channels are the innermost loop, contiguous in x and out, so each
+# window position is one vector operation over the channels.
+
+cdef enum PoolMode:
+    POOL_MAX = 0
+    POOL_L2 = 1
+
+POOL_MODES = {"max": POOL_MAX, "l2": POOL_L2}
+
+
+cdef void _pool_forward_sample(const float* x, float* out, Py_ssize_t width,
+                               Py_ssize_t channels, Py_ssize_t out_h, Py_ssize_t out_w,
+                               int kernel, int stride, int mode) noexcept nogil:
+    cdef Py_ssize_t i, j, ky, kx, c
+    cdef const float* src
+    cdef float* dst
+    cdef float v
+    cdef Py_ssize_t x_row = width * channels
+    for i in range(out_h):
+        for j in range(out_w):
+            dst = out + (i * out_w + j) * channels
+            src = x + (i * stride) * x_row + (j * stride) * channels
+            if mode == POOL_MAX:
+                for c in range(channels):
+                    dst[c] = src[c]
+            else:
+                for c in range(channels):
+                    dst[c] = 0.0
+            for ky in range(kernel):
+                for kx in range(kernel):
+                    src = x + (i * stride + ky) * x_row + (j * stride + kx) * channels
+                    if mode == POOL_MAX:
+                        for c in range(channels):
+                            v = src[c]
+                            dst[c] = v if v > dst[c] else dst[c]
+                    else:
+                        for c in range(channels):
+                            v = src[c]
+                            dst[c] = dst[c] + v * v
+            if mode == POOL_L2:
+                for c in range(channels):
+                    dst[c] = sqrtf(dst[c])
+
+
+cdef void _pool_backward_sample(const float* x, const float* out, const float* dout,
+                                float* dx, float* routed, Py_ssize_t width,
+                                Py_ssize_t channels, Py_ssize_t out_h, Py_ssize_t out_w,
+                                int kernel, int stride, int mode) noexcept nogil:
+    """dx += the window's share of dout. Max: all of it to the window's first maximum in
+    (row, column) order, as PyTorch's max_pool2d routes it (`routed` is C floats of
+    scratch: 1 once a channel's maximum is found). L2: dout * x / out (0 where out is 0)."""
+    cdef Py_ssize_t i, j, ky, kx, c
+    cdef Py_ssize_t x_row = width * channels
+    cdef Py_ssize_t at
+    cdef const float* o
+    cdef const float* g
+    cdef float hit
+    cdef float zero = 0.0
+    cdef float one = 1.0
+    for i in range(out_h):
+        for j in range(out_w):
+            at = (i * out_w + j) * channels
+            o = out + at
+            g = dout + at
+            if mode == POOL_MAX:
+                for c in range(channels):
+                    routed[c] = zero
+            else:
+                # routed holds dout / out, the L2 window's common factor.
+                for c in range(channels):
+                    routed[c] = g[c] / o[c] if o[c] > zero else zero
+            for ky in range(kernel):
+                for kx in range(kernel):
+                    at = (i * stride + ky) * x_row + (j * stride + kx) * channels
+                    if mode == POOL_MAX:
+                        for c in range(channels):
+                            hit = one if (x[at + c] == o[c] and routed[c] == zero) else zero
+                            dx[at + c] = dx[at + c] + hit * g[c]
+                            routed[c] = routed[c] + hit
+                    else:
+                        for c in range(channels):
+                            dx[at + c] = dx[at + c] + x[at + c] * routed[c]
+
+
+def pool_forward(const float[:, :, :, ::1] x,   # IN (N, H, W, C)
+                 float[:, :, :, ::1] out,       # OUT (N, Ho, Wo, C)
+                 int kernel,
+                 int stride,
+                 int mode):
+    cdef Py_ssize_t n
+    cdef Py_ssize_t x_sample = x.shape[1] * x.shape[2] * x.shape[3]
+    cdef Py_ssize_t out_sample = out.shape[1] * out.shape[2] * out.shape[3]
+    if _size4(out.shape) == 0:
+        return
+    with nogil:
+        for n in range(x.shape[0]):
+            _pool_forward_sample(&x[0, 0, 0, 0] + n * x_sample, &out[0, 0, 0, 0] + n * out_sample,
+                                 x.shape[2], x.shape[3], out.shape[1], out.shape[2],
+                                 kernel, stride, mode)
+
+
+def pool_backward(const float[:, :, :, ::1] x,     # IN (N, H, W, C)
+                  const float[:, :, :, ::1] out,   # IN (N, Ho, Wo, C) pool_forward's output
+                  const float[:, :, :, ::1] dout,  # IN (N, Ho, Wo, C)
+                  float[:, :, :, ::1] dx,          # OUT (N, H, W, C)
+                  int kernel,
+                  int stride,
+                  int mode):
+    cdef Py_ssize_t n
+    cdef Py_ssize_t x_sample = x.shape[1] * x.shape[2] * x.shape[3]
+    cdef Py_ssize_t out_sample = out.shape[1] * out.shape[2] * out.shape[3]
+    cdef float* routed
+    if _size4(dx.shape) == 0:
+        return
+    with nogil:
+        memset(&dx[0, 0, 0, 0], 0, _size4(dx.shape) * sizeof(float))
+    if out_sample == 0:
+        return
+    routed = _scratch(x.shape[3])
+    try:
+        with nogil:
+            for n in range(x.shape[0]):
+                _pool_backward_sample(&x[0, 0, 0, 0] + n * x_sample,
+                                      &out[0, 0, 0, 0] + n * out_sample,
+                                      &dout[0, 0, 0, 0] + n * out_sample,
+                                      &dx[0, 0, 0, 0] + n * x_sample, routed,
+                                      x.shape[2], x.shape[3], out.shape[1], out.shape[2],
+                                      kernel, stride, mode)
+    finally:
+        free(routed)
+
+
+# ---------------------------------------------------------------------------------------
+# Local contrast normalization (Jarrett et al. 2009; Le et al. 2012), NHWC, same size out:
+#     mean(i,j)  = sum_{p,q,c} w_pq x_c(i+p, j+q) / C         w: a k x k Gaussian, sum 1
+#     v_c        = x_c - mean
+#     s(i,j)     = sum_{p,q,c} w_pq v_c(i+p, j+q)^2 / C
+#     y_c        = v_c / max(sqrt(s), floor)
+# with zero padding outside the image. The Gaussian is separable (w = g g^T), so each
+# weighted sum is a channel sum followed by two 1-D passes of k taps over one H x W map:
+# O(H*W*(C + 4k)) per sample instead of a k x k x C convolution's O(H*W*C*k*k).
+#
+# Row bands (model parallelism): x may be a band of image rows and out a band of rows
+# inside it, `off` rows below x's first. The caller passes exactly the rows the output
+# band reads (out's rows widened by k-1 each side, clipped to the image), so every row
+# outside x is padding and the kernels treat it as zero; the mean and v are computed for
+# out's rows widened by k//2 (the rows s reads), clipped to x. For a whole image, off = 0
+# and x and out have the same rows.
+
+cdef void _blur(const float* src, Py_ssize_t s0, Py_ssize_t s1, float* dst,
+                Py_ssize_t d0, Py_ssize_t d1, float* tmp, const float* g, int kernel,
+                Py_ssize_t width) noexcept nogil:
+    """dst rows [d0, d1) = the Gaussian w = g g^T applied to src rows [s0, s1) (every other
+    row, and every column outside the map, is zero). Maps are (rows, width) with rows
+    width apart; tmp is scratch as large as src. w is symmetric, so this is its own
+    transpose: the backward passes call it too."""
+    cdef Py_ssize_t r, j, q, p, lo, hi, row
+    cdef int pad = kernel // 2
+    cdef float wq
+    cdef float* t
+    cdef const float* s
+    cdef float* d
+    for r in range(s0, s1):
+        t = tmp + r * width
+        s = src + r * width
+        for j in range(width):
+            t[j] = 0.0
+        for q in range(kernel):
+            wq = g[q]
+            # t[j] += wq * s[j + q - pad] for the j whose column is inside the map.
+            lo = pad - q if q < pad else 0
+            hi = width + pad - q if q > pad else width
+            for j in range(lo, hi):
+                t[j] = t[j] + wq * s[j + q - pad]
+    for r in range(d0, d1):
+        d = dst + r * width
+        for j in range(width):
+            d[j] = 0.0
+        for p in range(kernel):
+            row = r + p - pad
+            if row < s0 or row >= s1:
+                continue
+            wq = g[p]
+            t = tmp + row * width
+            for j in range(width):
+                d[j] = d[j] + wq * t[j]
+
+
+cdef struct LcnMaps:
+    # Per-sample scratch maps, each (rows of x) x W floats, in x's row coordinates.
+    float* chan     # channel mean of x; backward: the gradient w.r.t. mean
+    float* mean     # the Gaussian-weighted local mean
+    float* sq       # channel mean of v^2; backward: its gradient
+    float* s        # the weighted local variance (out's rows)
+    float* tmp      # _blur's scratch
+
+
+cdef void _lcn_statistics(const float* x, LcnMaps* maps, const float* g, int kernel,
+                          Py_ssize_t rows, Py_ssize_t width, Py_ssize_t channels,
+                          Py_ssize_t m0, Py_ssize_t m1, Py_ssize_t o0,
+                          Py_ssize_t o1) noexcept nogil:
+    """maps.mean on rows [m0, m1) and maps.s on rows [o0, o1) of one sample."""
+    cdef Py_ssize_t r, j, c
+    cdef const float* px
+    cdef float acc, dv
+    cdef float inv_c = 1.0 / channels
+    for r in range(rows):
+        for j in range(width):
+            px = x + (r * width + j) * channels
+            acc = 0.0
+            for c in range(channels):
+                acc = acc + px[c]
+            maps.chan[r * width + j] = acc * inv_c
+    _blur(maps.chan, 0, rows, maps.mean, m0, m1, maps.tmp, g, kernel, width)
+    for r in range(m0, m1):
+        for j in range(width):
+            px = x + (r * width + j) * channels
+            acc = 0.0
+            for c in range(channels):
+                dv = px[c] - maps.mean[r * width + j]
+                acc = acc + dv * dv
+            maps.sq[r * width + j] = acc * inv_c
+    _blur(maps.sq, m0, m1, maps.s, o0, o1, maps.tmp, g, kernel, width)
+
+
+cdef LcnMaps _lcn_maps(Py_ssize_t count) except *:
+    cdef LcnMaps maps
+    maps.chan = maps.mean = maps.sq = maps.s = maps.tmp = NULL
+    try:
+        maps.chan = _scratch(count)
+        maps.mean = _scratch(count)
+        maps.sq = _scratch(count)
+        maps.s = _scratch(count)
+        maps.tmp = _scratch(count)
+    except MemoryError:
+        _free_lcn_maps(&maps)
+        raise
+    return maps
+
+
+cdef void _free_lcn_maps(LcnMaps* maps) noexcept:
+    free(maps.chan)
+    free(maps.mean)
+    free(maps.sq)
+    free(maps.s)
+    free(maps.tmp)
+
+
+def lcn_forward(const float[:, :, :, ::1] x,   # IN (N, Hx, W, C) a band of image rows
+                float[:, :, :, ::1] out,       # OUT (N, Ho, W, C): x's rows off .. off+Ho-1
+                const float[::1] g,            # IN (k,) the 1-D Gaussian, sum 1
+                float floor,
+                int off):
+    cdef Py_ssize_t n, r, j, c
+    cdef Py_ssize_t rows = x.shape[1], width = x.shape[2], channels = x.shape[3]
+    cdef Py_ssize_t out_rows = out.shape[1]
+    cdef int kernel = g.shape[0]
+    cdef int pad = kernel // 2
+    cdef Py_ssize_t m0 = max(0, off - pad), m1 = min(rows, off + out_rows + pad)
+    cdef Py_ssize_t x_sample = rows * width * channels
+    cdef Py_ssize_t out_sample = out_rows * width * channels
+    cdef const float* px
+    cdef float* po
+    cdef float mu, inv_d, sigma
+    cdef LcnMaps maps
+    if _size4(out.shape) == 0:
+        return
+    maps = _lcn_maps(rows * width)
+    try:
+        with nogil:
+            for n in range(x.shape[0]):
+                _lcn_statistics(&x[0, 0, 0, 0] + n * x_sample, &maps, &g[0], kernel, rows,
+                                width, channels, m0, m1, off, off + out_rows)
+                for r in range(out_rows):
+                    for j in range(width):
+                        px = &x[0, 0, 0, 0] + n * x_sample + ((r + off) * width + j) * channels
+                        po = &out[0, 0, 0, 0] + n * out_sample + (r * width + j) * channels
+                        mu = maps.mean[(r + off) * width + j]
+                        sigma = sqrtf(maps.s[(r + off) * width + j])
+                        inv_d = 1.0 / (sigma if sigma > floor else floor)
+                        for c in range(channels):
+                            po[c] = (px[c] - mu) * inv_d
+    finally:
+        _free_lcn_maps(&maps)
+
+
+def lcn_backward(const float[:, :, :, ::1] x,      # IN (N, Hx, W, C)
+                 const float[:, :, :, ::1] dout,   # IN (N, Ho, W, C)
+                 float[:, :, :, ::1] dx,           # OUT (N, Hx, W, C)
+                 const float[::1] g,               # IN (k,)
+                 float floor,
+                 int off):
+    """dx = the gradient of lcn_forward, recomputing its statistics from x (cheaper than
+    keeping them: they are a few H x W maps per sample, one pass)."""
+    cdef Py_ssize_t n, r, j, c, at
+    cdef Py_ssize_t rows = x.shape[1], width = x.shape[2], channels = x.shape[3]
+    cdef Py_ssize_t out_rows = dout.shape[1]
+    cdef int kernel = g.shape[0]
+    cdef int pad = kernel // 2
+    cdef Py_ssize_t m0 = max(0, off - pad), m1 = min(rows, off + out_rows + pad)
+    cdef Py_ssize_t x_sample = rows * width * channels
+    cdef Py_ssize_t out_sample = out_rows * width * channels
+    cdef const float* px
+    cdef const float* pg
+    cdef float* pdx
+    cdef float mu, sigma, d, inv_d, dot, two_dsq, dmean
+    cdef float inv_c = 1.0 / channels
+    cdef LcnMaps maps
+    if _size4(dx.shape) == 0:
+        return
+    with nogil:
+        memset(&dx[0, 0, 0, 0], 0, _size4(dx.shape) * sizeof(float))
+    if out_sample == 0:
+        return
+    maps = _lcn_maps(rows * width)
+    try:
+        with nogil:
+            for n in range(x.shape[0]):
+                px = &x[0, 0, 0, 0] + n * x_sample
+                pdx = &dx[0, 0, 0, 0] + n * x_sample
+                _lcn_statistics(px, &maps, &g[0], kernel, rows, width, channels, m0, m1,
+                                off, off + out_rows)
+                # Out's rows: dv = dout / d into dx; the gradient w.r.t. s into maps.s.
+                for r in range(off, off + out_rows):
+                    for j in range(width):
+                        at = r * width + j
+                        pg = &dout[0, 0, 0, 0] + n * out_sample + ((r - off) * width + j) * channels
+                        mu = maps.mean[at]
+                        sigma = sqrtf(maps.s[at])
+                        d = sigma if sigma > floor else floor
+                        inv_d = 1.0 / d
+                        dot = 0.0
+                        for c in range(channels):
+                            dot = dot + pg[c] * (px[at * channels + c] - mu)
+                            pdx[at * channels + c] = pg[c] * inv_d
+                        # ds = d(-dot/d)/dsigma * dsigma/ds, zero where the floor holds.
+                        maps.s[at] = -dot * inv_d * inv_d * 0.5 / sigma if sigma > floor else 0.0
+                # The gradient w.r.t. the channel mean of v^2 on the mean's rows.
+                _blur(maps.s, off, off + out_rows, maps.sq, m0, m1, maps.tmp, &g[0], kernel,
+                      width)
+                # dv += 2 v dsq / C on the mean's rows; the gradient w.r.t. mean is -sum dv.
+                for r in range(m0, m1):
+                    for j in range(width):
+                        at = r * width + j
+                        mu = maps.mean[at]
+                        two_dsq = 2.0 * maps.sq[at] * inv_c
+                        dmean = 0.0
+                        for c in range(channels):
+                            pdx[at * channels + c] = (pdx[at * channels + c]
+                                                      + two_dsq * (px[at * channels + c] - mu))
+                            dmean = dmean + pdx[at * channels + c]
+                        maps.chan[at] = -dmean
+                # dx += (the Gaussian, transposed, of the mean's gradient) / C, on x's rows.
+                _blur(maps.chan, m0, m1, maps.mean, 0, rows, maps.tmp, &g[0], kernel, width)
+                for r in range(rows):
+                    for j in range(width):
+                        at = r * width + j
+                        dmean = maps.mean[at] * inv_c
+                        for c in range(channels):
+                            pdx[at * channels + c] = pdx[at * channels + c] + dmean
+    finally:
+        _free_lcn_maps(&maps)
