@@ -19,8 +19,16 @@ import numpy as np
 from distbelief.errors import ConfigError, DataError
 from distbelief.model import kernels
 from distbelief.model.kernels import POOL_MODES
-from distbelief.model.layers import (ACTIVATIONS, LCN_FLOOR, NO_PARAMS, Dense, Layer, Lcn,
-                                     Local, Pool)
+from distbelief.model.layers import (
+    ACTIVATIONS,
+    LCN_FLOOR,
+    NO_PARAMS,
+    Dense,
+    Layer,
+    Lcn,
+    Local,
+    Pool,
+)
 from distbelief.model.layout import DTYPE, ParamLayout
 
 # Per layer type: required keys, and optional keys with their defaults.
