@@ -444,3 +444,15 @@ def test_cost_model_counts_pool_and_lcn_work_and_halo_bytes():
     values = sum(plan.exchanged_values(i) for i in range(len(net.layers)))
     assert split.bytes_per_step == 2 * values * 8 * 4 + 3 * 3 * 8 * 4
     assert single.bytes_per_step == 0 and split.speedup > 1
+
+
+def test_partition_owning_only_pool_or_lcn_rows_is_a_config_error():
+    # 8 pool rows but only 2 local rows: 3 partitions would leave one without parameters.
+    net = Network((10, 10, 1), [{"type": "local", "kernel": 3, "channels": 2,
+                                 "activation": "relu"}, pool("max", 1), lcn(3),
+                                {"type": "local", "kernel": 7, "channels": 1,
+                                 "activation": "softmax"}], 4)
+    Partitioning(net.layers, net.layout, 8)
+    with pytest.raises(ConfigError, match=r"partition\(s\) \[8\] would own no units of any "
+                                          r"layer with parameters.*at most 8"):
+        Partitioning(net.layers, net.layout, 9)

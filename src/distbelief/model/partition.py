@@ -16,7 +16,8 @@ both output-major; layout.py; pool and lcn layers have none). So a partition own
 contiguous ranges of the flat
 parameter vector per layer (weights, bias), and in Downpour it pulls and pushes exactly
 those (the paper's Figure 2). Blocks may differ in size and may be empty (an output layer
-of 10 classes on 16 partitions); every partition must own units in at least one layer.
+of 10 classes on 16 partitions); every partition must own units in at least one layer
+with parameters.
 Row bands rather than 2-D tiles keep every block and every parameter slice contiguous;
 the price is a larger halo per partition once bands get thin (cost_model.py counts it).
 
@@ -106,17 +107,20 @@ def input_window(layer: Layer, start: int, stop: int) -> tuple[int, int]:
 
 def check_every_partition_owns_units(layers: Sequence[Layer],
                                      splits: Sequence[Sequence[int]]) -> None:
-    """ConfigError unless every partition owns units of some layer. Cheap (no masks), so
-    configuration checks can call it with balanced splits of P partitions."""
+    """ConfigError unless every partition owns units of some layer with parameters (a
+    partition holding only pool or lcn rows would have no parameters to train). Cheap (no
+    masks), so configuration checks can call it with balanced splits of P partitions."""
     partitions = len(splits[0]) - 1
-    idle = [p for p in range(partitions) if all(b[p] == b[p + 1] for b in splits)]
+    trained = [i for i, layer in enumerate(layers) if layer.num_params]
+    idle = [p for p in range(partitions)
+            if all(splits[i][p] == splits[i][p + 1] for i in trained)]
     if idle:
-        most = max(split_units(layer) for layer in layers)
+        most = max(split_units(layers[i]) for i in trained)
         raise ConfigError(
             f"partitions = {partitions}: partition(s) {idle} would own no units of any "
-            f"layer (the widest layer splits into at most {most} blocks: dense layers by "
-            f"units, locally connected layers by output rows); use at most {most} "
-            f"partitions")
+            f"layer with parameters (dense layers split into blocks of units, locally "
+            f"connected layers into blocks of output rows; the widest splits into at "
+            f"most {most}); use at most {most} partitions")
 
 
 def checked_splits(layers: Sequence[Layer], partitions: int,
