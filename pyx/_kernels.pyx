@@ -509,7 +509,10 @@ def local_backward(const float[:, :, :, ::1] x,        # IN (N, H, W, Cin)
 # Pooling over k x k windows with a stride, per channel, NHWC, valid windows (like the
 # locally connected layer): max, or L2 (the square root of the sum of squares, as in the
 # paper's image model). Channels are the innermost loop, contiguous in x and out, so each
-# window position is one vector operation over the channels.
+# window position is one vector operation over the channels. A window's running values
+# live in small local arrays of up to POOL_CHUNK channels (wider maps go chunk by chunk):
+# gcc then knows they alias nothing and vectorises without run-time overlap checks, which
+# cost more than the arithmetic when a window has few channels.
 
 cdef enum PoolMode:
     POOL_MAX = 0
@@ -517,79 +520,86 @@ cdef enum PoolMode:
 
 POOL_MODES = {"max": POOL_MAX, "l2": POOL_L2}
 
+cdef enum:
+    POOL_CHUNK = 64
 
-cdef void _pool_forward_sample(const float* x, float* out, Py_ssize_t width,
-                               Py_ssize_t channels, Py_ssize_t out_h, Py_ssize_t out_w,
-                               int kernel, int stride, int mode) noexcept nogil:
-    cdef Py_ssize_t i, j, ky, kx, c
+
+cdef inline void _pool_window(const float* x0, Py_ssize_t x_row, Py_ssize_t channels,
+                              int kernel, int mode, float* dst) noexcept nogil:
+    """dst[c] = the window's max or L2 norm; the window's corner is x0."""
+    cdef float acc[POOL_CHUNK]
+    cdef Py_ssize_t c0, c, cc, ky, kx
+    cdef const float* src
+    cdef float v
+    for c0 in range(0, channels, 64):  # POOL_CHUNK; Cython needs a literal step
+        cc = min(<Py_ssize_t>POOL_CHUNK, channels - c0)
+        if mode == POOL_MAX:
+            src = x0 + c0
+            for c in range(cc):
+                acc[c] = src[c]
+            for ky in range(kernel):
+                for kx in range(kernel):
+                    src = x0 + ky * x_row + kx * channels + c0
+                    for c in range(cc):
+                        v = src[c]
+                        acc[c] = v if v > acc[c] else acc[c]
+        else:
+            for c in range(cc):
+                acc[c] = 0.0
+            for ky in range(kernel):
+                for kx in range(kernel):
+                    src = x0 + ky * x_row + kx * channels + c0
+                    for c in range(cc):
+                        v = src[c]
+                        acc[c] = acc[c] + v * v
+            for c in range(cc):
+                acc[c] = sqrtf(acc[c])
+        for c in range(cc):
+            dst[c0 + c] = acc[c]
+
+
+cdef inline void _pool_window_backward(const float* x0, float* dx0, const float* o,
+                                       const float* g, Py_ssize_t x_row,
+                                       Py_ssize_t channels, int kernel,
+                                       int mode) noexcept nogil:
+    """dx0's window += its share of g. Max: all of it to the window's first tap equal to
+    its maximum o in (row, column) order, as PyTorch's max_pool2d routes it. L2:
+    g * x / o, 0 where o is 0."""
+    cdef float rem[POOL_CHUNK]
+    cdef float factor[POOL_CHUNK]
+    cdef Py_ssize_t c0, c, cc, ky, kx
     cdef const float* src
     cdef float* dst
-    cdef float v
-    cdef Py_ssize_t x_row = width * channels
-    for i in range(out_h):
-        for j in range(out_w):
-            dst = out + (i * out_w + j) * channels
-            src = x + (i * stride) * x_row + (j * stride) * channels
-            if mode == POOL_MAX:
-                for c in range(channels):
-                    dst[c] = src[c]
-            else:
-                for c in range(channels):
-                    dst[c] = 0.0
-            for ky in range(kernel):
-                for kx in range(kernel):
-                    src = x + (i * stride + ky) * x_row + (j * stride + kx) * channels
-                    if mode == POOL_MAX:
-                        for c in range(channels):
-                            v = src[c]
-                            dst[c] = v if v > dst[c] else dst[c]
-                    else:
-                        for c in range(channels):
-                            v = src[c]
-                            dst[c] = dst[c] + v * v
-            if mode == POOL_L2:
-                for c in range(channels):
-                    dst[c] = sqrtf(dst[c])
-
-
-cdef void _pool_backward_sample(const float* x, const float* out, const float* dout,
-                                float* dx, float* routed, Py_ssize_t width,
-                                Py_ssize_t channels, Py_ssize_t out_h, Py_ssize_t out_w,
-                                int kernel, int stride, int mode) noexcept nogil:
-    """dx += the window's share of dout. Max: all of it to the window's first maximum in
-    (row, column) order, as PyTorch's max_pool2d routes it (`routed` is C floats of
-    scratch: 1 once a channel's maximum is found). L2: dout * x / out (0 where out is 0)."""
-    cdef Py_ssize_t i, j, ky, kx, c
-    cdef Py_ssize_t x_row = width * channels
-    cdef Py_ssize_t at
-    cdef const float* o
-    cdef const float* g
-    cdef float hit
+    cdef float v, hit
     cdef float zero = 0.0
-    cdef float one = 1.0
-    for i in range(out_h):
-        for j in range(out_w):
-            at = (i * out_w + j) * channels
-            o = out + at
-            g = dout + at
-            if mode == POOL_MAX:
-                for c in range(channels):
-                    routed[c] = zero
-            else:
-                # routed holds dout / out, the L2 window's common factor.
-                for c in range(channels):
-                    routed[c] = g[c] / o[c] if o[c] > zero else zero
+    for c0 in range(0, channels, 64):  # POOL_CHUNK
+        cc = min(<Py_ssize_t>POOL_CHUNK, channels - c0)
+        if mode == POOL_MAX:
+            # rem holds what is still to route: a tap equal to the maximum takes all of
+            # it, later ties get 0. Arithmetic on a 0/1 mask, no select: gcc would not
+            # if-convert a select here (a running argmax, likewise), and the branches
+            # then mispredicted on every unpredictable comparison, 10-30x slower.
+            for c in range(cc):
+                rem[c] = g[c0 + c]
             for ky in range(kernel):
                 for kx in range(kernel):
-                    at = (i * stride + ky) * x_row + (j * stride + kx) * channels
-                    if mode == POOL_MAX:
-                        for c in range(channels):
-                            hit = one if (x[at + c] == o[c] and routed[c] == zero) else zero
-                            dx[at + c] = dx[at + c] + hit * g[c]
-                            routed[c] = routed[c] + hit
-                    else:
-                        for c in range(channels):
-                            dx[at + c] = dx[at + c] + x[at + c] * routed[c]
+                    src = x0 + ky * x_row + kx * channels + c0
+                    dst = dx0 + ky * x_row + kx * channels + c0
+                    for c in range(cc):
+                        hit = src[c] == o[c0 + c]
+                        v = rem[c] * hit
+                        dst[c] = dst[c] + v
+                        rem[c] = rem[c] - v
+        else:
+            for c in range(cc):
+                v = o[c0 + c]
+                factor[c] = g[c0 + c] / v if v > zero else zero
+            for ky in range(kernel):
+                for kx in range(kernel):
+                    src = x0 + ky * x_row + kx * channels + c0
+                    dst = dx0 + ky * x_row + kx * channels + c0
+                    for c in range(cc):
+                        dst[c] = dst[c] + src[c] * factor[c]
 
 
 def pool_forward(const float[:, :, :, ::1] x,   # IN (N, H, W, C)
@@ -597,16 +607,17 @@ def pool_forward(const float[:, :, :, ::1] x,   # IN (N, H, W, C)
                  int kernel,
                  int stride,
                  int mode):
-    cdef Py_ssize_t n
-    cdef Py_ssize_t x_sample = x.shape[1] * x.shape[2] * x.shape[3]
-    cdef Py_ssize_t out_sample = out.shape[1] * out.shape[2] * out.shape[3]
+    cdef Py_ssize_t n, i, j
+    cdef Py_ssize_t channels = x.shape[3]
+    cdef Py_ssize_t x_row = x.shape[2] * channels
     if _size4(out.shape) == 0:
         return
     with nogil:
         for n in range(x.shape[0]):
-            _pool_forward_sample(&x[0, 0, 0, 0] + n * x_sample, &out[0, 0, 0, 0] + n * out_sample,
-                                 x.shape[2], x.shape[3], out.shape[1], out.shape[2],
-                                 kernel, stride, mode)
+            for i in range(out.shape[1]):
+                for j in range(out.shape[2]):
+                    _pool_window(&x[n, i * stride, j * stride, 0], x_row, channels, kernel,
+                                 mode, &out[n, i, j, 0])
 
 
 def pool_backward(const float[:, :, :, ::1] x,     # IN (N, H, W, C)
@@ -616,28 +627,22 @@ def pool_backward(const float[:, :, :, ::1] x,     # IN (N, H, W, C)
                   int kernel,
                   int stride,
                   int mode):
-    cdef Py_ssize_t n
-    cdef Py_ssize_t x_sample = x.shape[1] * x.shape[2] * x.shape[3]
-    cdef Py_ssize_t out_sample = out.shape[1] * out.shape[2] * out.shape[3]
-    cdef float* routed
+    cdef Py_ssize_t n, i, j
+    cdef Py_ssize_t channels = x.shape[3]
+    cdef Py_ssize_t x_row = x.shape[2] * channels
     if _size4(dx.shape) == 0:
         return
     with nogil:
         memset(&dx[0, 0, 0, 0], 0, _size4(dx.shape) * sizeof(float))
-    if out_sample == 0:
+    if _size4(out.shape) == 0:
         return
-    routed = _scratch(x.shape[3])
-    try:
-        with nogil:
-            for n in range(x.shape[0]):
-                _pool_backward_sample(&x[0, 0, 0, 0] + n * x_sample,
-                                      &out[0, 0, 0, 0] + n * out_sample,
-                                      &dout[0, 0, 0, 0] + n * out_sample,
-                                      &dx[0, 0, 0, 0] + n * x_sample, routed,
-                                      x.shape[2], x.shape[3], out.shape[1], out.shape[2],
-                                      kernel, stride, mode)
-    finally:
-        free(routed)
+    with nogil:
+        for n in range(x.shape[0]):
+            for i in range(out.shape[1]):
+                for j in range(out.shape[2]):
+                    _pool_window_backward(&x[n, i * stride, j * stride, 0],
+                                          &dx[n, i * stride, j * stride, 0], &out[n, i, j, 0],
+                                          &dout[n, i, j, 0], x_row, channels, kernel, mode)
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,11 +11,14 @@ test_model_parallel.py (tests/mpi_programs/mp_gradients.py, networks "image" and
 
 from __future__ import annotations
 
+import json
 import tomllib
 
 import numpy as np
 import pytest
+from conftest import run_cli, run_mpi
 
+from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
 from distbelief.model import kernels
 from distbelief.model.cost_model import Link, layer_flops, predict
@@ -456,3 +459,87 @@ def test_partition_owning_only_pool_or_lcn_rows_is_a_config_error():
     with pytest.raises(ConfigError, match=r"partition\(s\) \[8\] would own no units of any "
                                           r"layer with parameters.*at most 8"):
         Partitioning(net.layers, net.layout, 9)
+
+
+# ---------------------------------------------------------------------------------------
+# Training through the command line: one rank, partitions, Downpour (Sandblaster's
+# partitioned gradient with an image network: test_sandblaster_partitions.py, "image")
+
+IMAGE_TOML = """
+[model]
+layers = [
+    { type = "local", kernel = 3, channels = 4, activation = "relu" },
+    { type = "pool", mode = "l2", kernel = 2 },
+    { type = "lcn", kernel = 3 },
+    { type = "local", kernel = 2, channels = 4, activation = "relu" },
+    { type = "pool", mode = "max", kernel = 2, stride = 1 },
+    { type = "lcn", kernel = 3, floor = 0.2 },
+    { type = "dense", units = 4, activation = "softmax" },
+]
+[data]
+path = "synth.h5"
+batch_size = 32
+[optimizer]
+algorithm = "sgd"
+learning_rate = 0.05
+[run]
+max_steps = 60
+eval_every_seconds = 0.5
+progress_every_seconds = 0.5
+threads = 1
+"""
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def image_data(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("image_layers")
+    make_synthetic(folder / "synth.h5", n_train=3000, n_test=400, input_shape=(12, 12, 1),
+                   num_classes=4, seed=5)
+    (folder / "image.toml").write_text(IMAGE_TOML)
+    return folder
+
+
+def image_train(folder, out, *overrides: str) -> list:
+    sets = [arg for o in (f'run.out_dir="{out}"', *overrides) for arg in ("--set", o)]
+    return ["train", folder / "image.toml", *sets]
+
+
+def image_summary(proc, out) -> dict:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def image_single(image_data) -> dict:
+    out = image_data / "single"
+    return image_summary(run_cli(image_train(image_data, out), timeout=TIMEOUT), out)
+
+
+@pytest.mark.parametrize("partitions", [2, 3])
+def test_image_network_trains_over_partitions_like_one_rank(image_data, image_single,
+                                                             tmp_path, partitions):
+    out = tmp_path / "out"
+    proc = run_mpi(partitions, ["-m", "distbelief", *image_train(
+        image_data, out, f"cluster.partitions={partitions}")], timeout=TIMEOUT)
+    summary = image_summary(proc, out)
+    assert summary["steps"] == image_single["steps"] == 60
+    assert summary["final_test_loss"] == pytest.approx(image_single["final_test_loss"],
+                                                       rel=1e-5)
+    assert image_single["final_test_accuracy"] > 0.4  # it learned (4 classes: chance 0.25)
+    traffic = summary["model_parallel"]
+    # The pool and lcn layers' halos travel too (layer 0 reads the data).
+    assert all(b > 0 for b in traffic["forward_bytes_per_step"][1:])
+    assert traffic["forward_bytes_per_step"] == traffic["backward_bytes_per_step"]
+
+
+def test_image_network_downpour_one_partitioned_replica_is_sequential_sgd(
+        image_data, image_single, tmp_path):
+    out = tmp_path / "out"
+    proc = run_mpi(3, ["-m", "distbelief", *image_train(
+        image_data, out, 'optimizer.algorithm="downpour"', "cluster.ps_shards=1",
+        "cluster.partitions=2")], timeout=TIMEOUT)
+    summary = image_summary(proc, out)
+    assert summary["steps"] == 60
+    assert summary["final_test_loss"] == pytest.approx(image_single["final_test_loss"],
+                                                       rel=1e-5)
