@@ -563,33 +563,38 @@ cdef inline void _pool_window_backward(const float* x0, float* dx0, const float*
                                        Py_ssize_t channels, int kernel,
                                        int mode) noexcept nogil:
     """dx0's window += its share of g. Max: all of it to the window's first tap equal to
-    its maximum o in (row, column) order, as PyTorch's max_pool2d routes it. L2:
+    its maximum o in (row, column) order, as PyTorch's max_pool2d routes it (an offset
+    below 2^24 floats, so a window spans under 16M floats: far beyond any image). L2:
     g * x / o, 0 where o is 0."""
-    cdef float rem[POOL_CHUNK]
+    cdef float open_[POOL_CHUNK]
+    cdef float arg[POOL_CHUNK]   # offsets in the window, as floats (exact below 2^24)
     cdef float factor[POOL_CHUNK]
     cdef Py_ssize_t c0, c, cc, ky, kx
     cdef const float* src
     cdef float* dst
-    cdef float v, hit
+    cdef float v, hit, at
     cdef float zero = 0.0
     for c0 in range(0, channels, 64):  # POOL_CHUNK
         cc = min(<Py_ssize_t>POOL_CHUNK, channels - c0)
         if mode == POOL_MAX:
-            # rem holds what is still to route: a tap equal to the maximum takes all of
-            # it, later ties get 0. Arithmetic on a 0/1 mask, no select: gcc would not
-            # if-convert a select here (a running argmax, likewise), and the branches
-            # then mispredicted on every unpredictable comparison, 10-30x slower.
+            # The first tap equal to the maximum o, found with arithmetic on 0/1 masks
+            # (open[c]: 1 until found), then one scatter per channel. No select or
+            # branch: gcc would not if-convert one here, and the branches mispredicted
+            # on every unpredictable comparison (10-30x slower). Reading x only and
+            # writing dx once per window keeps overlapping windows cheap.
             for c in range(cc):
-                rem[c] = g[c0 + c]
+                open_[c] = 1.0
+                arg[c] = 0.0
             for ky in range(kernel):
                 for kx in range(kernel):
+                    at = <float>(ky * x_row + kx * channels)
                     src = x0 + ky * x_row + kx * channels + c0
-                    dst = dx0 + ky * x_row + kx * channels + c0
                     for c in range(cc):
-                        hit = src[c] == o[c0 + c]
-                        v = rem[c] * hit
-                        dst[c] = dst[c] + v
-                        rem[c] = rem[c] - v
+                        hit = (src[c] == o[c0 + c]) * open_[c]
+                        arg[c] = arg[c] + hit * at
+                        open_[c] = open_[c] - hit
+            for c in range(cc):
+                dx0[<Py_ssize_t>arg[c] + c0 + c] += g[c0 + c]
         else:
             for c in range(cc):
                 v = o[c0 + c]
