@@ -578,7 +578,7 @@ cdef inline void _pool_window_backward(const float* x0, float* dx0, const float*
         cc = min(<Py_ssize_t>POOL_CHUNK, channels - c0)
         if mode == POOL_MAX:
             # The first tap equal to the maximum o, found with arithmetic on 0/1 masks
-            # (open[c]: 1 until found), then one scatter per channel. No select or
+            # (open_[c]: 1 until found), then one scatter per channel. No select or
             # branch: gcc would not if-convert one here, and the branches mispredicted
             # on every unpredictable comparison (10-30x slower). Reading x only and
             # writing dx once per window keeps overlapping windows cheap.
