@@ -503,3 +503,380 @@ def local_backward(const float[:, :, :, ::1] x,        # IN (N, H, W, Cin)
         free(grads_t)
         free(w_t)
         free(dpatches)
+
+
+# ---------------------------------------------------------------------------------------
+# Pooling over k x k windows with a stride, per channel, NHWC, valid windows (like the
+# locally connected layer): max, or L2 (the square root of the sum of squares, as in the
+# paper's image model). Channels are the innermost loop, contiguous in x and out, so each
+# window position is one vector operation over the channels. A window's running values
+# live in small local arrays of up to POOL_CHUNK channels (wider maps go chunk by chunk):
+# gcc then knows they alias nothing and vectorises without run-time overlap checks, which
+# cost more than the arithmetic when a window has few channels.
+
+cdef enum PoolMode:
+    POOL_MAX = 0
+    POOL_L2 = 1
+
+POOL_MODES = {"max": POOL_MAX, "l2": POOL_L2}
+
+cdef enum:
+    POOL_CHUNK = 64
+
+
+cdef inline void _pool_window(const float* x0, Py_ssize_t x_row, Py_ssize_t channels,
+                              int kernel, int mode, float* dst) noexcept nogil:
+    """dst[c] = the window's max or L2 norm; the window's corner is x0."""
+    cdef float acc[POOL_CHUNK]
+    cdef Py_ssize_t c0, c, cc, ky, kx
+    cdef const float* src
+    cdef float v
+    for c0 in range(0, channels, 64):  # POOL_CHUNK; Cython needs a literal step
+        cc = min(<Py_ssize_t>POOL_CHUNK, channels - c0)
+        if mode == POOL_MAX:
+            src = x0 + c0
+            for c in range(cc):
+                acc[c] = src[c]
+            for ky in range(kernel):
+                for kx in range(kernel):
+                    src = x0 + ky * x_row + kx * channels + c0
+                    for c in range(cc):
+                        v = src[c]
+                        acc[c] = v if v > acc[c] else acc[c]
+        else:
+            for c in range(cc):
+                acc[c] = 0.0
+            for ky in range(kernel):
+                for kx in range(kernel):
+                    src = x0 + ky * x_row + kx * channels + c0
+                    for c in range(cc):
+                        v = src[c]
+                        acc[c] = acc[c] + v * v
+            for c in range(cc):
+                acc[c] = sqrtf(acc[c])
+        for c in range(cc):
+            dst[c0 + c] = acc[c]
+
+
+cdef inline void _pool_window_backward(const float* x0, float* dx0, const float* o,
+                                       const float* g, Py_ssize_t x_row,
+                                       Py_ssize_t channels, int kernel,
+                                       int mode) noexcept nogil:
+    """dx0's window += its share of g. Max: all of it to the window's first tap equal to
+    its maximum o in (row, column) order, as PyTorch's max_pool2d routes it (an offset
+    below 2^24 floats, so a window spans under 16M floats: far beyond any image). L2:
+    g * x / o, 0 where o is 0."""
+    cdef float open_[POOL_CHUNK]
+    cdef float arg[POOL_CHUNK]   # offsets in the window, as floats (exact below 2^24)
+    cdef float factor[POOL_CHUNK]
+    cdef Py_ssize_t c0, c, cc, ky, kx
+    cdef const float* src
+    cdef float* dst
+    cdef float v, hit, at
+    cdef float zero = 0.0
+    for c0 in range(0, channels, 64):  # POOL_CHUNK
+        cc = min(<Py_ssize_t>POOL_CHUNK, channels - c0)
+        if mode == POOL_MAX:
+            # The first tap equal to the maximum o, found with arithmetic on 0/1 masks
+            # (open_[c]: 1 until found), then one scatter per channel. No select or
+            # branch: gcc would not if-convert one here, and the branches mispredicted
+            # on every unpredictable comparison (10-30x slower). Reading x only and
+            # writing dx once per window keeps overlapping windows cheap.
+            for c in range(cc):
+                open_[c] = 1.0
+                arg[c] = 0.0
+            for ky in range(kernel):
+                for kx in range(kernel):
+                    at = <float>(ky * x_row + kx * channels)
+                    src = x0 + ky * x_row + kx * channels + c0
+                    for c in range(cc):
+                        hit = (src[c] == o[c0 + c]) * open_[c]
+                        arg[c] = arg[c] + hit * at
+                        open_[c] = open_[c] - hit
+            for c in range(cc):
+                dx0[<Py_ssize_t>arg[c] + c0 + c] += g[c0 + c]
+        else:
+            for c in range(cc):
+                v = o[c0 + c]
+                factor[c] = g[c0 + c] / v if v > zero else zero
+            for ky in range(kernel):
+                for kx in range(kernel):
+                    src = x0 + ky * x_row + kx * channels + c0
+                    dst = dx0 + ky * x_row + kx * channels + c0
+                    for c in range(cc):
+                        dst[c] = dst[c] + src[c] * factor[c]
+
+
+def pool_forward(const float[:, :, :, ::1] x,   # IN (N, H, W, C)
+                 float[:, :, :, ::1] out,       # OUT (N, Ho, Wo, C)
+                 int kernel,
+                 int stride,
+                 int mode):
+    cdef Py_ssize_t n, i, j
+    cdef Py_ssize_t channels = x.shape[3]
+    cdef Py_ssize_t x_row = x.shape[2] * channels
+    if _size4(out.shape) == 0:
+        return
+    with nogil:
+        for n in range(x.shape[0]):
+            for i in range(out.shape[1]):
+                for j in range(out.shape[2]):
+                    _pool_window(&x[n, i * stride, j * stride, 0], x_row, channels, kernel,
+                                 mode, &out[n, i, j, 0])
+
+
+def pool_backward(const float[:, :, :, ::1] x,     # IN (N, H, W, C)
+                  const float[:, :, :, ::1] out,   # IN (N, Ho, Wo, C) pool_forward's output
+                  const float[:, :, :, ::1] dout,  # IN (N, Ho, Wo, C)
+                  float[:, :, :, ::1] dx,          # OUT (N, H, W, C)
+                  int kernel,
+                  int stride,
+                  int mode):
+    cdef Py_ssize_t n, i, j
+    cdef Py_ssize_t channels = x.shape[3]
+    cdef Py_ssize_t x_row = x.shape[2] * channels
+    if _size4(dx.shape) == 0:
+        return
+    with nogil:
+        memset(&dx[0, 0, 0, 0], 0, _size4(dx.shape) * sizeof(float))
+    if _size4(out.shape) == 0:
+        return
+    with nogil:
+        for n in range(x.shape[0]):
+            for i in range(out.shape[1]):
+                for j in range(out.shape[2]):
+                    _pool_window_backward(&x[n, i * stride, j * stride, 0],
+                                          &dx[n, i * stride, j * stride, 0], &out[n, i, j, 0],
+                                          &dout[n, i, j, 0], x_row, channels, kernel, mode)
+
+
+# ---------------------------------------------------------------------------------------
+# Local contrast normalization (Jarrett et al. 2009; Le et al. 2012), NHWC, same size out:
+#     mean(i,j)  = sum_{p,q,c} w_pq x_c(i+p, j+q) / C         w: a k x k Gaussian, sum 1
+#     v_c        = x_c - mean
+#     s(i,j)     = sum_{p,q,c} w_pq v_c(i+p, j+q)^2 / C
+#     y_c        = v_c / max(sqrt(s), floor)
+# with zero padding outside the image. The Gaussian is separable (w = g g^T), so each
+# weighted sum is a channel sum followed by two 1-D passes of k taps over one H x W map:
+# O(H*W*(C + 4k)) per sample instead of a k x k x C convolution's O(H*W*C*k*k).
+#
+# Row bands (model parallelism): x may be a band of image rows and out a band of rows
+# inside it, `off` rows below x's first. The caller passes exactly the rows the output
+# band reads (out's rows widened by k-1 each side, clipped to the image), so every row
+# outside x is padding and the kernels treat it as zero; the mean and v are computed for
+# out's rows widened by k//2 (the rows s reads), clipped to x. For a whole image, off = 0
+# and x and out have the same rows.
+
+cdef void _blur(const float* src, Py_ssize_t s0, Py_ssize_t s1, float* dst,
+                Py_ssize_t d0, Py_ssize_t d1, float* tmp, const float* g, int kernel,
+                Py_ssize_t width) noexcept nogil:
+    """dst rows [d0, d1) = the Gaussian w = g g^T applied to src rows [s0, s1) (every other
+    row, and every column outside the map, is zero). Maps are (rows, width) with rows
+    width apart; tmp is scratch as large as src. w is symmetric, so this is its own
+    transpose: the backward passes call it too."""
+    cdef Py_ssize_t r, j, q, p, lo, hi, row
+    cdef int pad = kernel // 2
+    cdef float wq
+    cdef float* t
+    cdef const float* s
+    cdef float* d
+    for r in range(s0, s1):
+        t = tmp + r * width
+        s = src + r * width
+        for j in range(width):
+            t[j] = 0.0
+        for q in range(kernel):
+            wq = g[q]
+            # t[j] += wq * s[j + q - pad] for the j whose column is inside the map.
+            lo = pad - q if q < pad else 0
+            hi = width + pad - q if q > pad else width
+            for j in range(lo, hi):
+                t[j] = t[j] + wq * s[j + q - pad]
+    for r in range(d0, d1):
+        d = dst + r * width
+        for j in range(width):
+            d[j] = 0.0
+        for p in range(kernel):
+            row = r + p - pad
+            if row < s0 or row >= s1:
+                continue
+            wq = g[p]
+            t = tmp + row * width
+            for j in range(width):
+                d[j] = d[j] + wq * t[j]
+
+
+cdef struct LcnMaps:
+    # Per-sample scratch maps, each (rows of x) x W floats, in x's row coordinates.
+    float* chan     # channel mean of x; backward: the gradient w.r.t. mean
+    float* mean     # the Gaussian-weighted local mean
+    float* sq       # channel mean of v^2; backward: its gradient
+    float* s        # the weighted local variance (out's rows)
+    float* tmp      # _blur's scratch
+
+
+cdef void _lcn_statistics(const float* x, LcnMaps* maps, const float* g, int kernel,
+                          Py_ssize_t rows, Py_ssize_t width, Py_ssize_t channels,
+                          Py_ssize_t m0, Py_ssize_t m1, Py_ssize_t o0,
+                          Py_ssize_t o1) noexcept nogil:
+    """maps.mean on rows [m0, m1) and maps.s on rows [o0, o1) of one sample."""
+    cdef Py_ssize_t r, j, c
+    cdef const float* px
+    cdef float acc, dv
+    cdef float inv_c = 1.0 / channels
+    for r in range(rows):
+        for j in range(width):
+            px = x + (r * width + j) * channels
+            acc = 0.0
+            for c in range(channels):
+                acc = acc + px[c]
+            maps.chan[r * width + j] = acc * inv_c
+    _blur(maps.chan, 0, rows, maps.mean, m0, m1, maps.tmp, g, kernel, width)
+    for r in range(m0, m1):
+        for j in range(width):
+            px = x + (r * width + j) * channels
+            acc = 0.0
+            for c in range(channels):
+                dv = px[c] - maps.mean[r * width + j]
+                acc = acc + dv * dv
+            maps.sq[r * width + j] = acc * inv_c
+    _blur(maps.sq, m0, m1, maps.s, o0, o1, maps.tmp, g, kernel, width)
+
+
+cdef LcnMaps _lcn_maps(Py_ssize_t count) except *:
+    cdef LcnMaps maps
+    maps.chan = maps.mean = maps.sq = maps.s = maps.tmp = NULL
+    try:
+        maps.chan = _scratch(count)
+        maps.mean = _scratch(count)
+        maps.sq = _scratch(count)
+        maps.s = _scratch(count)
+        maps.tmp = _scratch(count)
+    except MemoryError:
+        _free_lcn_maps(&maps)
+        raise
+    return maps
+
+
+cdef void _free_lcn_maps(LcnMaps* maps) noexcept:
+    free(maps.chan)
+    free(maps.mean)
+    free(maps.sq)
+    free(maps.s)
+    free(maps.tmp)
+
+
+def lcn_forward(const float[:, :, :, ::1] x,   # IN (N, Hx, W, C) a band of image rows
+                float[:, :, :, ::1] out,       # OUT (N, Ho, W, C): x's rows off .. off+Ho-1
+                const float[::1] g,            # IN (k,) the 1-D Gaussian, sum 1
+                float floor,
+                int off):
+    cdef Py_ssize_t n, r, j, c
+    cdef Py_ssize_t rows = x.shape[1], width = x.shape[2], channels = x.shape[3]
+    cdef Py_ssize_t out_rows = out.shape[1]
+    cdef int kernel = g.shape[0]
+    cdef int pad = kernel // 2
+    cdef Py_ssize_t m0 = max(0, off - pad), m1 = min(rows, off + out_rows + pad)
+    cdef Py_ssize_t x_sample = rows * width * channels
+    cdef Py_ssize_t out_sample = out_rows * width * channels
+    cdef const float* px
+    cdef float* po
+    cdef float mu, inv_d, sigma
+    cdef LcnMaps maps
+    if _size4(out.shape) == 0:
+        return
+    maps = _lcn_maps(rows * width)
+    try:
+        with nogil:
+            for n in range(x.shape[0]):
+                _lcn_statistics(&x[0, 0, 0, 0] + n * x_sample, &maps, &g[0], kernel, rows,
+                                width, channels, m0, m1, off, off + out_rows)
+                for r in range(out_rows):
+                    for j in range(width):
+                        px = &x[0, 0, 0, 0] + n * x_sample + ((r + off) * width + j) * channels
+                        po = &out[0, 0, 0, 0] + n * out_sample + (r * width + j) * channels
+                        mu = maps.mean[(r + off) * width + j]
+                        sigma = sqrtf(maps.s[(r + off) * width + j])
+                        inv_d = 1.0 / (sigma if sigma > floor else floor)
+                        for c in range(channels):
+                            po[c] = (px[c] - mu) * inv_d
+    finally:
+        _free_lcn_maps(&maps)
+
+
+def lcn_backward(const float[:, :, :, ::1] x,      # IN (N, Hx, W, C)
+                 const float[:, :, :, ::1] dout,   # IN (N, Ho, W, C)
+                 float[:, :, :, ::1] dx,           # OUT (N, Hx, W, C)
+                 const float[::1] g,               # IN (k,)
+                 float floor,
+                 int off):
+    """dx = the gradient of lcn_forward, recomputing its statistics from x (cheaper than
+    keeping them: they are a few H x W maps per sample, one pass)."""
+    cdef Py_ssize_t n, r, j, c, at
+    cdef Py_ssize_t rows = x.shape[1], width = x.shape[2], channels = x.shape[3]
+    cdef Py_ssize_t out_rows = dout.shape[1]
+    cdef int kernel = g.shape[0]
+    cdef int pad = kernel // 2
+    cdef Py_ssize_t m0 = max(0, off - pad), m1 = min(rows, off + out_rows + pad)
+    cdef Py_ssize_t x_sample = rows * width * channels
+    cdef Py_ssize_t out_sample = out_rows * width * channels
+    cdef const float* px
+    cdef const float* pg
+    cdef float* pdx
+    cdef float mu, sigma, d, inv_d, dot, two_dsq, dmean
+    cdef float inv_c = 1.0 / channels
+    cdef LcnMaps maps
+    if _size4(dx.shape) == 0:
+        return
+    with nogil:
+        memset(&dx[0, 0, 0, 0], 0, _size4(dx.shape) * sizeof(float))
+    if out_sample == 0:
+        return
+    maps = _lcn_maps(rows * width)
+    try:
+        with nogil:
+            for n in range(x.shape[0]):
+                px = &x[0, 0, 0, 0] + n * x_sample
+                pdx = &dx[0, 0, 0, 0] + n * x_sample
+                _lcn_statistics(px, &maps, &g[0], kernel, rows, width, channels, m0, m1,
+                                off, off + out_rows)
+                # Out's rows: dv = dout / d into dx; the gradient w.r.t. s into maps.s.
+                for r in range(off, off + out_rows):
+                    for j in range(width):
+                        at = r * width + j
+                        pg = &dout[0, 0, 0, 0] + n * out_sample + ((r - off) * width + j) * channels
+                        mu = maps.mean[at]
+                        sigma = sqrtf(maps.s[at])
+                        d = sigma if sigma > floor else floor
+                        inv_d = 1.0 / d
+                        dot = 0.0
+                        for c in range(channels):
+                            dot = dot + pg[c] * (px[at * channels + c] - mu)
+                            pdx[at * channels + c] = pg[c] * inv_d
+                        # ds = d(-dot/d)/dsigma * dsigma/ds, zero where the floor holds.
+                        maps.s[at] = -dot * inv_d * inv_d * 0.5 / sigma if sigma > floor else 0.0
+                # The gradient w.r.t. the channel mean of v^2 on the mean's rows.
+                _blur(maps.s, off, off + out_rows, maps.sq, m0, m1, maps.tmp, &g[0], kernel,
+                      width)
+                # dv += 2 v dsq / C on the mean's rows; the gradient w.r.t. mean is -sum dv.
+                for r in range(m0, m1):
+                    for j in range(width):
+                        at = r * width + j
+                        mu = maps.mean[at]
+                        two_dsq = 2.0 * maps.sq[at] * inv_c
+                        dmean = 0.0
+                        for c in range(channels):
+                            pdx[at * channels + c] = (pdx[at * channels + c]
+                                                      + two_dsq * (px[at * channels + c] - mu))
+                            dmean = dmean + pdx[at * channels + c]
+                        maps.chan[at] = -dmean
+                # dx += (the Gaussian, transposed, of the mean's gradient) / C, on x's rows.
+                _blur(maps.chan, m0, m1, maps.mean, 0, rows, maps.tmp, &g[0], kernel, width)
+                for r in range(rows):
+                    for j in range(width):
+                        at = r * width + j
+                        dmean = maps.mean[at] * inv_c
+                        for c in range(channels):
+                            pdx[at * channels + c] = pdx[at * channels + c] + dmean
+    finally:
+        _free_lcn_maps(&maps)

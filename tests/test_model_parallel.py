@@ -117,16 +117,18 @@ def test_bad_splits_are_config_errors(splits, needle):
 def test_partitioned_loss_gradients_and_bytes_match(partitions):
     """Loss, gradient (own-size and whole-model vectors), evaluation equal the Network's;
     bytes per layer and direction == cut edges x batch x 4 (counted from the geometry in
-    the program); dense, local and mixed networks, balanced, skewed and one-owner blocks."""
+    the program); dense, local, mixed and image (local, pool, lcn) networks, balanced,
+    skewed and one-owner blocks."""
     proc = run_mpi(partitions, ["-m", "mpi4py", PROGRAMS / "mp_gradients.py"],
                    timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("OK ")]
     cases = {tuple(line.split()[1:3]) for line in lines}
-    expected = {(net, "balanced") for net in ("dense", "local", "mixed")}
+    nets = ("dense", "local", "mixed", "image", "image-first")
+    expected = {(net, "balanced") for net in nets}
     if partitions > 1:
-        expected |= {(net, "one-owner") for net in ("dense", "local", "mixed")}
-        expected |= {(net, "skewed0") for net in ("dense", "local", "mixed")}
+        expected |= {(net, "one-owner") for net in nets}
+        expected |= {(net, "skewed0") for net in nets}
     assert expected <= cases, lines
     if partitions > 1:  # something really crossed
         assert any(int(b) > 0 for line in lines

@@ -55,6 +55,11 @@ NETWORKS = {
               {"type": "local", "kernel": 3, "channels": 2, "activation": "tanh"},
               {"type": "dense", "units": 16, "activation": "relu"},
               {"type": "dense", "units": CLASSES, "activation": "softmax"}],
+    # The paper's image stage: 10x10 -> 8x8x4 -> L2 pool 4x4x4 -> lcn -> softmax.
+    "image": [{"type": "local", "kernel": 3, "channels": 4, "activation": "relu"},
+              {"type": "pool", "mode": "l2", "kernel": 2},
+              {"type": "lcn", "kernel": 3},
+              {"type": "dense", "units": CLASSES, "activation": "softmax"}],
 }
 
 
@@ -138,6 +143,7 @@ def test_answers_survive_the_broadcast_encoding(answer: tuple) -> None:
 GRADIENT_CASES = [
     ("dense", 2, 2, 2, "balanced", (0, 1)),
     ("local", 3, 2, 1, "skewed", None),
+    ("image", 2, 1, 1, "skewed", None),
     ("mixed", 3, 1, 2, "skewed", (1, 0)),
     ("mixed", 2, 3, 2, "skewed", (0, 0)),
 ]

@@ -1,6 +1,7 @@
 """Model parallelism against the unpartitioned Network, on every rank of COMM_WORLD (P =
-world size): loss, gradient, evaluation and bytes exchanged, for dense, locally connected
-and mixed networks, with balanced and unequal (some empty) blocks.
+world size): loss, gradient, evaluation and bytes exchanged, for dense, locally connected,
+mixed networks and the paper's image layers (local, pool, lcn), with balanced and unequal
+(some empty) blocks.
 
 Run: mpiexec -n P python -m mpi4py tests/mpi_programs/mp_gradients.py
 Prints "OK <case> <splits>" per checked case; any failed check aborts the job.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.model.layers import Dense, Local
+from distbelief.model.layers import Dense, Lcn, Local, Pool
 from distbelief.model.network import Network
 from distbelief.model.partition import balanced_splits, split_units
 from distbelief.model.partitioned_network import PartitionedNetwork
@@ -30,6 +31,22 @@ NETWORKS = {
                             {"type": "local", "kernel": 3, "channels": 2, "activation": "tanh"},
                             {"type": "dense", "units": 16, "activation": "relu"},
                             {"type": "dense", "units": 6, "activation": "softmax"}], 6),
+    # The paper's stages: local -> L2 pool -> lcn, then local -> overlapping max pool ->
+    # lcn with a window wider than the band, then softmax.
+    "image": ((14, 12, 2), [{"type": "local", "kernel": 3, "channels": 4, "activation": "relu"},
+                            {"type": "pool", "mode": "l2", "kernel": 2},
+                            {"type": "lcn", "kernel": 3, "floor": 0.2},
+                            {"type": "local", "kernel": 2, "channels": 3,
+                             "activation": "tanh"},
+                            {"type": "pool", "mode": "max", "kernel": 2, "stride": 1},
+                            {"type": "lcn", "kernel": 5},
+                            {"type": "dense", "units": 5, "activation": "softmax"}], 5),
+    # Parameter-free layers first (they read the data batch), a stride above the kernel.
+    "image-first": ((17, 9, 3), [{"type": "lcn", "kernel": 5, "floor": 0.3},
+                                 {"type": "pool", "mode": "max", "kernel": 2, "stride": 3},
+                                 {"type": "local", "kernel": 2, "channels": 4,
+                                  "activation": "relu"},
+                                 {"type": "dense", "units": 7, "activation": "softmax"}], 7),
 }
 BATCH = 7
 
@@ -68,19 +85,28 @@ def cut_edges(network: Network, splits: list[list[int]], layer_index: int) -> in
                 if owner(below_bounds, u // per_block) != dest:
                     pairs.add((u, dest))
         return len(pairs)
-    assert isinstance(layer, Local)
-    _, width, channels = layer.in_shape
+    height, width, channels = layer.in_shape
     ho, wo, _ = layer.out_shape
     for i in range(ho):
         dest = owner(bounds, i)
         for j in range(wo):
-            for dy in range(layer.kernel):
-                for dx in range(layer.kernel):
-                    y, x = i * layer.stride + dy, j * layer.stride + dx
-                    if owner(below_bounds, y) != dest:  # local below: split unit = row
-                        for c in range(channels):
-                            pairs.add(((y * width + x) * channels + c, dest))
+            for y, x in receptive_field(layer, i, j, height, width):
+                if owner(below_bounds, y) != dest:  # image layer below: split unit = row
+                    for c in range(channels):
+                        pairs.add(((y * width + x) * channels + c, dest))
     return len(pairs)
+
+
+def receptive_field(layer, i: int, j: int, height: int, width: int) -> list[tuple[int, int]]:
+    """The input pixels output (i, j) depends on, from each layer's definition."""
+    if isinstance(layer, (Local, Pool)):
+        return [(i * layer.stride + dy, j * layer.stride + dx)
+                for dy in range(layer.kernel) for dx in range(layer.kernel)]
+    assert isinstance(layer, Lcn)
+    # y(i, j) divides by a deviation over a window of v, each v over a window of x.
+    reach = 2 * (layer.kernel // 2)
+    return [(y, x) for y in range(max(0, i - reach), min(height, i + reach + 1))
+            for x in range(max(0, j - reach), min(width, j + reach + 1))]
 
 
 def close(a: np.ndarray, b: np.ndarray, what: str) -> None:
@@ -161,7 +187,8 @@ def main() -> None:
         for shift in range(min(size, 2)):
             splits = [skewed_splits(split_units(layer), size, shift + i)
                       for i, layer in enumerate(network.layers)]
-            if all(any(b[p] < b[p + 1] for b in splits) for p in range(size)):
+            trained = [b for b, layer in zip(splits, network.layers) if layer.num_params]
+            if all(any(b[p] < b[p + 1] for b in trained) for p in range(size)):
                 run_case(comm, name, splits, f"skewed{shift}")
         if size > 1:  # one layer entirely on the last partition
             splits = [balanced_splits(split_units(layer), size) for layer in network.layers]

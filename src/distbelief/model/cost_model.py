@@ -10,7 +10,12 @@ and partition p it counts
 
     F(l, p)  floating-point operations of p's units per step: forward 2*N*fan_in per
              output value; backward the same again for the weight gradient and, except in
-             layer 0, once more for the input gradient
+             layer 0, once more for the input gradient. Pool and lcn layers have no
+             weights: pooling costs k*k operations per output value forward (2*k*k for
+             L2) and 2*k*k backward; LCN 6 + 8k/C per value forward (channel sums,
+             centring, squares, division, and two separable k-tap blurs per pixel shared
+             by its C channels), twice that backward (it recomputes its statistics); in
+             layer 0 neither computes an input gradient, so neither has a backward
     V(l, p)  values p receives per sample (inputs it is wired to and does not own) and
              values it sends (its outputs that other partitions are wired to, once per
              receiving partition); backward sends them the other way
@@ -37,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from distbelief.model.layers import Dense, Layer
+from distbelief.model.layers import Dense, Layer, Lcn, Pool
 from distbelief.model.partition import balanced_splits, needed_inputs, split_units, unit_width
 
 BYTES_PER_VALUE = 4
@@ -70,15 +75,29 @@ class Prediction:
     largest_partition_flops: float
 
 
-def layer_flops(layer: Layer, start: int, stop: int, batch: int, first: bool) -> float:
-    """Forward + backward floating-point operations of split units [start, stop)."""
+def layer_work(layer: Layer, start: int, stop: int, batch: int,
+               first: bool) -> tuple[float, float]:
+    """(forward, backward) floating-point operations of split units [start, stop)."""
+    outputs = batch * (stop - start) * unit_width(layer)
+    if isinstance(layer, Pool):
+        taps = layer.kernel * layer.kernel
+        forward = outputs * taps * (2.0 if layer.mode == "l2" else 1.0)
+        return forward, 0.0 if first else outputs * 2.0 * taps
+    if isinstance(layer, Lcn):
+        forward = outputs * (6.0 + 8.0 * layer.kernel / layer.in_shape[2])
+        return forward, 0.0 if first else 2.0 * forward
     if isinstance(layer, Dense):
         fan_in = layer.in_size
     else:
         fan_in = layer.kernel * layer.kernel * layer.in_shape[2]
-    outputs = (stop - start) * unit_width(layer)
-    passes = 2 if first else 3  # forward, weight gradient, input gradient
-    return passes * 2.0 * batch * fan_in * outputs
+    forward = 2.0 * fan_in * outputs
+    # Backward: the weight gradient, and the input gradient except in layer 0.
+    return forward, forward * (1 if first else 2)
+
+
+def layer_flops(layer: Layer, start: int, stop: int, batch: int, first: bool) -> float:
+    """Forward + backward floating-point operations of split units [start, stop)."""
+    return sum(layer_work(layer, start, stop, batch, first))
 
 
 def exchanged_values(layers: list[Layer], splits: list[list[int]], index: int
@@ -115,20 +134,19 @@ def step_time(layers: list[Layer], partitions: int, batch: int, flops: float,
     moved = 0
     per_partition = [0.0] * partitions
     for i, layer in enumerate(layers):
-        work = [layer_flops(layer, splits[i][p], splits[i][p + 1], batch, i == 0)
+        work = [layer_work(layer, splits[i][p], splits[i][p + 1], batch, i == 0)
                 for p in range(partitions)]
-        for p, w in enumerate(work):
-            per_partition[p] += w
+        for p, (forward, backward) in enumerate(work):
+            per_partition[p] += forward + backward
         received, sent, peers = exchanged_values(layers, splits, i)
         moved += 2 * sum(received) * batch * BYTES_PER_VALUE
         # Forward and backward each pay the message cost; the work is split between them.
         wires = [link.latency + batch * BYTES_PER_VALUE * max(received[p], sent[p])
                  / link.bandwidth if peers[p] else 0.0 for p in range(partitions)]
-        passes = 3 if i else 2  # layer 0 computes no input gradient
-        for share in (1 / passes, (passes - 1) / passes):  # forward, backward
+        for direction in (0, 1):  # forward, backward
             slowest = max(range(partitions),
-                          key=lambda p: share * work[p] / flops + wires[p])
-            compute += share * work[slowest] / flops
+                          key=lambda p: work[p][direction] / flops + wires[p])
+            compute += work[slowest][direction] / flops
             comm += wires[slowest]
     if partitions > 1:
         rounds = 2 * math.ceil(math.log2(partitions))

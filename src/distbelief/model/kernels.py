@@ -294,3 +294,116 @@ def local_backward(x: np.ndarray, weights: np.ndarray, dout: np.ndarray,
         _check_shape("dx", dx, x.shape)
         _check_no_overlap("dx", dx, {**inputs, "dweights": dweights})
     _kernels.local_backward(x, weights, dout, dweights, dx, int(kernel), int(stride))
+
+
+# ---------------------------------------------------------------------------------------
+# Pooling (max or L2) and local contrast normalization: no parameters.
+
+POOL_MODES = ("max", "l2")
+
+
+def _pool_shapes(x: np.ndarray, kernel: object, stride: object,
+                 mode: object) -> tuple[tuple[int, int, int, int], int]:
+    """Check kernel, stride and mode against x; return (out shape, mode code)."""
+    kernel = _check_positive_int("kernel", kernel)
+    stride = _check_positive_int("stride", stride)
+    if mode not in POOL_MODES:
+        raise ValueError(f"mode must be one of {POOL_MODES}, got {mode!r}")
+    n, height, width, channels = x.shape
+    if height < kernel or width < kernel:
+        raise ValueError(f"x's height and width {height}x{width} are smaller than the "
+                         f"kernel {kernel}")
+    shape = (n, (height - kernel) // stride + 1, (width - kernel) // stride + 1, channels)
+    return shape, _kernels.POOL_MODES[mode]
+
+
+def pool_forward(x: np.ndarray, out: np.ndarray, kernel: int, stride: int,
+                 mode: str) -> None:
+    """Pooling over kernel x kernel windows, per channel, valid windows (as local_forward).
+
+    x (N, H, W, C); out (N, Ho, Wo, C), overwritten; Ho = (H - kernel)//stride + 1, likewise
+    Wo. mode "max": the window's maximum; "l2": the square root of its sum of squares.
+    """
+    _check_float32("x", x, 4)
+    _check_float32("out", out, 4, writeable=True)
+    shape, code = _pool_shapes(x, kernel, stride, mode)
+    _check_shape("out", out, shape)
+    _check_no_overlap("out", out, {"x": x})
+    _kernels.pool_forward(x, out, int(kernel), int(stride), code)
+
+
+def pool_backward(x: np.ndarray, out: np.ndarray, dout: np.ndarray, dx: np.ndarray,
+                  kernel: int, stride: int, mode: str) -> None:
+    """Gradient of pool_forward: dx (like x) is overwritten. `out` is pool_forward's output
+    for this x. Max routes each window's gradient to its first maximum in (row, column)
+    order, as PyTorch does; L2's gradient is dout * x / out, 0 where out is 0."""
+    _check_float32("x", x, 4)
+    _check_float32("out", out, 4)
+    _check_float32("dout", dout, 4)
+    _check_float32("dx", dx, 4, writeable=True)
+    shape, code = _pool_shapes(x, kernel, stride, mode)
+    _check_shape("out", out, shape)
+    _check_shape("dout", dout, shape)
+    _check_shape("dx", dx, x.shape)
+    _check_no_overlap("dx", dx, {"x": x, "out": out, "dout": dout})
+    _kernels.pool_backward(x, out, dout, dx, int(kernel), int(stride), code)
+
+
+def gaussian_window(kernel: int) -> np.ndarray:
+    """The LCN's 1-D Gaussian of `kernel` (odd) taps, sigma = (kernel - 1) / 4 (the window
+    spans 2 sigma each side), normalised to sum 1; the 2-D window is its outer product."""
+    kernel = _check_positive_int("kernel", kernel)
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel must be odd (a window centred on its pixel), got {kernel}")
+    if kernel == 1:
+        return np.ones(1, dtype=np.float32)
+    sigma = (kernel - 1) / 4.0
+    taps = np.arange(kernel, dtype=np.float64) - kernel // 2
+    window = np.exp(-taps ** 2 / (2.0 * sigma ** 2))
+    return (window / window.sum()).astype(np.float32)
+
+
+def _lcn_checks(x: np.ndarray, band: np.ndarray, band_name: str, kernel: object,
+                floor: object, off: object) -> tuple[np.ndarray, float, int]:
+    window = gaussian_window(kernel)
+    floor = _check_real("floor", floor)
+    if floor <= 0:
+        raise ValueError(f"floor must be positive (it bounds the divisor), got {floor}")
+    if isinstance(off, bool) or not isinstance(off, (int, np.integer)) or off < 0:
+        raise ValueError(f"off must be a non-negative integer, got {off!r}")
+    n, rows, width, channels = x.shape
+    if band.shape[0] != n or band.shape[2:] != (width, channels) or off + band.shape[1] > rows:
+        raise ValueError(f"{band_name} must be (N, rows, W, C) = ({n}, <= {rows - off}, "
+                         f"{width}, {channels}) for x {x.shape} and off {off}, "
+                         f"got {band.shape}")
+    return window, floor, int(off)
+
+
+def lcn_forward(x: np.ndarray, out: np.ndarray, kernel: int, floor: float,
+                off: int = 0) -> None:
+    """Local contrast normalization (Jarrett et al. 2009), same size, zero padding:
+    v = x - the Gaussian-weighted mean over a kernel x kernel window and all channels,
+    out = v / max(the weighted standard deviation of v likewise, floor).
+
+    x (N, H, W, C) and out (N, H, W, C), off = 0, for whole images. For a row band (model
+    parallelism) x holds the image rows out's band reads (out's rows widened by kernel - 1
+    each side, clipped to the image) and out's first row is x's row `off`.
+    """
+    _check_float32("x", x, 4)
+    _check_float32("out", out, 4, writeable=True)
+    window, floor, off = _lcn_checks(x, out, "out", kernel, floor, off)
+    _check_no_overlap("out", out, {"x": x})
+    _kernels.lcn_forward(x, out, window, floor, off)
+
+
+def lcn_backward(x: np.ndarray, dout: np.ndarray, dx: np.ndarray, kernel: int,
+                 floor: float, off: int = 0) -> None:
+    """Gradient of lcn_forward with the same x, kernel, floor and off: dx (like x) is
+    overwritten, including the halo rows of a band (their share goes to their owner)."""
+    _check_float32("x", x, 4)
+    _check_float32("dout", dout, 4)
+    _check_float32("dx", dx, 4, writeable=True)
+    window, floor, off = _lcn_checks(x, dout, "dout", kernel, floor, off)
+    _check_shape("dx", dx, x.shape)
+    _check_no_overlap("dx", dx, {"x": x, "dout": dout})
+    _kernels.lcn_backward(x, dout, dx, window, floor, off)

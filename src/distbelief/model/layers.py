@@ -1,4 +1,6 @@
-"""The layers of a DistBelief network: fully connected (dense) and locally connected.
+"""The layers of a DistBelief network: fully connected (dense), locally connected, and the
+parameter-free image layers of the paper's image model: pooling (max or L2) and local
+contrast normalization.
 
 Each layer is a small object that knows its shapes and has a forward and a backward over
 explicit arrays: its input, its output buffer, its parameter arrays and their gradient
@@ -9,6 +11,14 @@ of output units (dense) or band of output rows (local) with its own slices of th
 
 Activations between layers are 2-D (N, units) float32 C-contiguous arrays; a local layer
 reads them as (N, H, W, C) images (row, column, channel order), which is a free reshape.
+
+Pooling and LCN layers keep no parameters (their parameter list is empty, so the flat
+layout is that of the other layers alone) and take empty arrays in the weights and bias
+positions of forward and backward, so every caller drives all layer types the same way.
+
+Every image layer (local, pool, lcn) is split by output rows for model parallelism; each
+says which input rows a band of output rows reads (`input_rows`) and which input columns
+any output reads (`input_columns`), which is all partition.py needs to count its halo.
 
 A layer whose activation is "softmax" is the output layer: its forward stops at the logits
 (bias, no nonlinearity) and the network applies softmax cross-entropy, whose gradient with
@@ -75,6 +85,35 @@ class Layer:
         return f"{self.kind:<6} {shape:<12} {self.num_params:>12,d} params  {self.activation}"
 
 
+class ImageLayer(Layer):
+    """A layer over (H, W, C) images, split by output rows: local, pool and lcn."""
+
+    kernel: int
+
+    def input_rows(self, start: int, stop: int) -> tuple[int, int]:
+        """The input rows [first, last) that output rows [start, stop) read."""
+        raise NotImplementedError
+
+    def input_columns(self) -> np.ndarray:
+        """Boolean mask over the input's columns: those some output reads."""
+        raise NotImplementedError
+
+
+class ValidWindows(ImageLayer):
+    """Windows of kernel x kernel inputs every `stride` rows and columns, no padding."""
+
+    stride: int
+
+    def input_rows(self, start: int, stop: int) -> tuple[int, int]:
+        return start * self.stride, (stop - 1) * self.stride + self.kernel
+
+    def input_columns(self) -> np.ndarray:
+        columns = np.zeros(self.in_shape[1], dtype=bool)
+        for c in range(self.out_shape[1]):
+            columns[c * self.stride: c * self.stride + self.kernel] = True
+        return columns
+
+
 class Dense(Layer):
     """Fully connected: out = act(x @ W.T + b), W is (units_out, units_in).
 
@@ -110,7 +149,7 @@ class Dense(Layer):
             np.matmul(dout, weights, out=dx)
 
 
-class Local(Layer):
+class Local(ValidWindows):
     """Locally connected 2-D layer: like a convolution with valid padding, but untied.
 
     Every output position (i, j) has its own weights (kernel*kernel*Cin, Cout) and its own
@@ -164,3 +203,117 @@ class Local(Layer):
 def output_extent(size: int, kernel: int, stride: int) -> int:
     """Output rows (or columns) of a valid-padding window sweep over `size` inputs."""
     return (size - kernel) // stride + 1
+
+
+NO_PARAMS = np.empty(0, dtype=np.float32)
+"""What a parameter-free layer gets for weights, bias and their gradients."""
+
+
+class Pool(ValidWindows):
+    """Pooling over kernel x kernel windows every `stride` pixels, per channel, no padding:
+    "max", or "l2" (the square root of the window's sum of squares, the paper's choice).
+    No parameters."""
+
+    kind = "pool"
+
+    def __init__(self, in_shape: tuple[int, int, int], kernel: int, stride: int,
+                 mode: str):
+        height, width, channels = in_shape
+        out_shape = (output_extent(height, kernel, stride),
+                     output_extent(width, kernel, stride), channels)
+        super().__init__(in_shape, out_shape, "linear")
+        self.kernel = kernel
+        self.stride = stride
+        self.mode = mode
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return []
+
+    def fans(self) -> tuple[int, int]:
+        return self.kernel * self.kernel, 1
+
+    def init_params(self, rng: np.random.Generator, weights: np.ndarray,
+                    bias: np.ndarray) -> None:
+        """Nothing to initialise (and nothing drawn from rng)."""
+
+    def forward(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray,
+                out: np.ndarray) -> None:
+        n = x.shape[0]
+        kernels.pool_forward(x.reshape(n, *self.in_shape), out.reshape(n, *self.out_shape),
+                             self.kernel, self.stride, self.mode)
+
+    def backward(self, x: np.ndarray, out: np.ndarray, dout: np.ndarray,
+                 weights: np.ndarray, dweights: np.ndarray, dbias: np.ndarray,
+                 dx: np.ndarray | None) -> None:
+        """Overwrite dx (unless None); `dout` is left as it is."""
+        if dx is None:
+            return
+        n = x.shape[0]
+        kernels.pool_backward(x.reshape(n, *self.in_shape), out.reshape(n, *self.out_shape),
+                              dout.reshape(n, *self.out_shape), dx.reshape(n, *self.in_shape),
+                              self.kernel, self.stride, self.mode)
+
+    def describe(self) -> str:
+        return (f"{super().describe().rsplit(maxsplit=1)[0]}  {self.mode} "
+                f"{self.kernel}x{self.kernel}/{self.stride}")
+
+
+LCN_FLOOR = 0.1
+"""The default floor of LCN's divisor: on activations of order 1, regions whose local
+standard deviation is under a tenth of that are centred but not amplified."""
+
+
+class Lcn(ImageLayer):
+    """Local contrast normalization (Jarrett et al. 2009, Le et al. 2012): subtract the
+    Gaussian-weighted mean over a kernel x kernel window and all channels, divide by the
+    weighted standard deviation, floored at `floor`. Same size out; zero padding; no
+    parameters (the Gaussian is fixed: kernels.gaussian_window)."""
+
+    kind = "lcn"
+
+    def __init__(self, in_shape: tuple[int, int, int], kernel: int, floor: float):
+        super().__init__(in_shape, in_shape, "linear")
+        self.kernel = kernel
+        self.floor = floor
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return []
+
+    def fans(self) -> tuple[int, int]:
+        return self.kernel * self.kernel * self.in_shape[2], 1
+
+    def init_params(self, rng: np.random.Generator, weights: np.ndarray,
+                    bias: np.ndarray) -> None:
+        """Nothing to initialise (and nothing drawn from rng)."""
+
+    @property
+    def reach(self) -> int:
+        """Rows (and columns) an output reads each side: the mean's window and then the
+        standard deviation's, each kernel // 2."""
+        return 2 * (self.kernel // 2)
+
+    def input_rows(self, start: int, stop: int) -> tuple[int, int]:
+        return max(0, start - self.reach), min(self.in_shape[0], stop + self.reach)
+
+    def input_columns(self) -> np.ndarray:
+        return np.ones(self.in_shape[1], dtype=bool)
+
+    def forward(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray,
+                out: np.ndarray) -> None:
+        n = x.shape[0]
+        kernels.lcn_forward(x.reshape(n, *self.in_shape), out.reshape(n, *self.out_shape),
+                            self.kernel, self.floor)
+
+    def backward(self, x: np.ndarray, out: np.ndarray, dout: np.ndarray,
+                 weights: np.ndarray, dweights: np.ndarray, dbias: np.ndarray,
+                 dx: np.ndarray | None) -> None:
+        """Overwrite dx (unless None); `dout` is left as it is."""
+        if dx is None:
+            return
+        n = x.shape[0]
+        kernels.lcn_backward(x.reshape(n, *self.in_shape), dout.reshape(n, *self.out_shape),
+                             dx.reshape(n, *self.in_shape), self.kernel, self.floor)
+
+    def describe(self) -> str:
+        return (f"{super().describe().rsplit(maxsplit=1)[0]}  {self.kernel}x{self.kernel} "
+                f"floor {self.floor:g}")

@@ -11,24 +11,39 @@ A Network is not thread-safe: its work buffers are shared by all calls.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from distbelief.errors import ConfigError, DataError
 from distbelief.model import kernels
-from distbelief.model.layers import ACTIVATIONS, Dense, Layer, Local
+from distbelief.model.kernels import POOL_MODES
+from distbelief.model.layers import (
+    ACTIVATIONS,
+    LCN_FLOOR,
+    NO_PARAMS,
+    Dense,
+    Layer,
+    Lcn,
+    Local,
+    Pool,
+)
 from distbelief.model.layout import DTYPE, ParamLayout
 
 # Per layer type: required keys, and optional keys with their defaults.
 LAYER_KEYS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "dense": (("type", "units", "activation"), {}),
     "local": (("type", "kernel", "channels", "activation"), {"stride": 1}),
+    "pool": (("type", "mode", "kernel"), {"stride": None}),  # None: the kernel
+    "lcn": (("type", "kernel"), {"floor": LCN_FLOOR}),
 }
+IMAGE_LAYERS = ("local", "pool", "lcn")
 
 
 class Network:
-    """A stack of dense and local layers ending in a softmax cross-entropy output."""
+    """A stack of dense, local, pool and lcn layers ending in a softmax cross-entropy
+    output."""
 
     def __init__(self, input_shape: tuple[int, ...], layers: list[dict], num_classes: int):
         """Validate the spec and fix the layout. Cheap: allocates no parameters or buffers."""
@@ -67,7 +82,8 @@ class Network:
                              f"{self.layout.size} elements, got "
                              f"{getattr(flat, 'dtype', type(flat))} {getattr(flat, 'shape', '')}")
         views = [(self.layout.view(flat, i, "weights"), self.layout.view(flat, i, "bias"))
-                 for i in range(len(self.layers))]
+                 if layer.num_params else (NO_PARAMS, NO_PARAMS)
+                 for i, layer in enumerate(self.layers)]
         self._view_cache[what] = (flat, views)
         return views
 
@@ -251,6 +267,10 @@ def _build_layer(index: int, spec: object, in_shape: tuple[int, ...],
         if key not in spec:
             raise ConfigError(f"{where}: missing key {key!r}")
     values = {**optional, **spec}
+    if kind == "pool":
+        return _build_pool(where, values, in_shape, index, is_output)
+    if kind == "lcn":
+        return _build_lcn(where, values, in_shape, index, is_output)
 
     activation = values["activation"]
     if activation not in ACTIVATIONS:
@@ -262,20 +282,68 @@ def _build_layer(index: int, spec: object, in_shape: tuple[int, ...],
     if not is_output and activation == "softmax":
         raise ConfigError(f"{where}: key 'activation' = 'softmax' is only allowed on the "
                           f"last layer")
-    for key, value in values.items():
-        if key not in ("type", "activation") and not (_is_int(value) and value > 0):
-            raise ConfigError(f"{where}: key {key!r} must be a positive integer, "
-                              f"got {value!r}")
+    _check_positive_ints(where, values, ("type", "activation"))
 
     if kind == "dense":
         return Dense(in_shape, int(values["units"]), activation)
+    kernel = _check_image_input(where, kind, in_shape, index, int(values["kernel"]))
+    return Local(in_shape, kernel, int(values["stride"]), int(values["channels"]), activation)
+
+
+def _check_positive_ints(where: str, values: Mapping, others: tuple[str, ...]) -> None:
+    for key, value in values.items():
+        if key not in others and not (_is_int(value) and value > 0):
+            raise ConfigError(f"{where}: key {key!r} must be a positive integer, "
+                              f"got {value!r}")
+
+
+def _check_image_input(where: str, kind: str, in_shape: tuple[int, ...], index: int,
+                       kernel: int, padded: bool = False) -> int:
+    """`kernel`, once the layer's input is an image at least that large (any image, if
+    the layer pads its input)."""
     if len(in_shape) != 3:
         reason = ("comes after a dense layer" if index > 0
                   else f"gets flat input of shape {in_shape}")
-        raise ConfigError(f"{where}: key 'type' = 'local' needs a 3-D (H, W, C) input, "
+        raise ConfigError(f"{where}: key 'type' = {kind!r} needs a 3-D (H, W, C) input, "
                           f"but this layer {reason}")
-    kernel = int(values["kernel"])
-    if kernel > min(in_shape[0], in_shape[1]):
+    if not padded and kernel > min(in_shape[0], in_shape[1]):
         raise ConfigError(f"{where}: key 'kernel' = {kernel} is larger than its "
                           f"{in_shape[0]}x{in_shape[1]} input")
-    return Local(in_shape, kernel, int(values["stride"]), int(values["channels"]), activation)
+    return kernel
+
+
+def _check_not_output(where: str, is_output: bool) -> None:
+    if is_output:
+        raise ConfigError(f"{where}: the last layer must be the softmax output layer "
+                          f"(dense or local with activation = 'softmax')")
+
+
+def _build_pool(where: str, values: dict, in_shape: tuple[int, ...], index: int,
+                is_output: bool) -> Pool:
+    _check_not_output(where, is_output)
+    if values["mode"] not in POOL_MODES:
+        raise ConfigError(f"{where}: key 'mode' must be one of "
+                          f"{', '.join(map(repr, POOL_MODES))}, got {values['mode']!r}")
+    _check_positive_ints(where, {key: value for key, value in values.items()
+                                 if value is not None}, ("type", "mode"))
+    if values["stride"] is None:
+        values["stride"] = values["kernel"]
+    kernel = _check_image_input(where, "pool", in_shape, index, int(values["kernel"]))
+    return Pool(in_shape, kernel, int(values["stride"]), values["mode"])
+
+
+def _build_lcn(where: str, values: dict, in_shape: tuple[int, ...], index: int,
+               is_output: bool) -> Lcn:
+    _check_not_output(where, is_output)
+    _check_positive_ints(where, values, ("type", "floor"))
+    floor = values["floor"]
+    if (isinstance(floor, bool) or not isinstance(floor, (int, float))
+            or not math.isfinite(floor) or floor <= 0):
+        raise ConfigError(f"{where}: key 'floor' must be a positive number, got {floor!r}")
+    kernel = int(values["kernel"])
+    if kernel % 2 == 0:
+        raise ConfigError(f"{where}: key 'kernel' must be odd (a window centred on its "
+                          f"pixel), got {kernel}")
+    # Zero padding makes any window size well defined, even one wider than the image.
+    kernel = _check_image_input(where, "lcn", in_shape, index, kernel, padded=True)
+    return Lcn(in_shape, kernel, float(floor))

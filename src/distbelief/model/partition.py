@@ -5,24 +5,28 @@ UNITS. Each layer is split into P contiguous blocks of *split units*, one block 
 partition (Dean et al. 2012, Figure 1):
 
     dense layer            split unit = one output unit       (block = units [u0, u1))
-    locally connected      split unit = one row of the        (block = rows [r0, r1) of
-                           output map (all its columns and     the Ho x Wo x Cout map)
+    image layers (local,   split unit = one row of the        (block = rows [r0, r1) of
+    pool, lcn)             output map (all its columns and     the Ho x Wo x Cout map)
                            channels)
 
 Both blocks are one contiguous range of the layer's flattened output (dense: units;
 local: (row, column, channel) order) and one contiguous slice of each of the layer's
 parameter arrays (dense weights are (units, inputs), local weights (Ho, Wo, patch, Cout),
-both output-major; layout.py). So a partition owns 2 contiguous ranges of the flat
+both output-major; layout.py; pool and lcn layers have none). So a partition owns 2
+contiguous ranges of the flat
 parameter vector per layer (weights, bias), and in Downpour it pulls and pushes exactly
 those (the paper's Figure 2). Blocks may differ in size and may be empty (an output layer
-of 10 classes on 16 partitions); every partition must own units in at least one layer.
+of 10 classes on 16 partitions); every partition must own units in at least one layer
+with parameters.
 Row bands rather than 2-D tiles keep every block and every parameter slice contiguous;
 the price is a larger halo per partition once bands get thin (cost_model.py counts it).
 
 INPUTS. Partition p's block of layer l is connected to a set of layer l-1 outputs:
-all of them for a dense layer; for a locally connected layer, the union of its positions'
-receptive fields (rows r*s .. r*s+k-1 for its rows r, and the columns any position reads;
-columns or rows that no window covers, when (W-k) % s != 0 or s > k, are not needed).
+all of them for a dense layer; for an image layer, the union of its positions' receptive
+fields: rows r*s .. r*s+k-1 for its rows r of a local or pool layer, and the columns any
+position reads (columns or rows that no window covers, when (W-k) % s != 0 or s > k, are
+not needed); rows r-(k-1) .. r+(k-1) of an lcn layer, whose standard deviation is taken
+over a window of the mean-subtracted values, each a window wide (all columns).
 The inputs a partition needs and does not own are received from their owners, each value
 once per step even when several of the partition's units read it (the paper: "its state
 is only sent to the machine on that other side once"). The number of such (value,
@@ -47,7 +51,7 @@ from itertools import pairwise
 import numpy as np
 
 from distbelief.errors import ConfigError
-from distbelief.model.layers import Dense, Layer, Local
+from distbelief.model.layers import Dense, ImageLayer, Layer
 from distbelief.model.layout import ParamLayout
 
 
@@ -80,42 +84,43 @@ def needed_inputs(layer: Layer, start: int, stop: int) -> np.ndarray:
     if isinstance(layer, Dense):
         mask[:] = True
         return mask
-    height, width, _ = layer.in_shape
-    k, s = layer.kernel, layer.stride
-    rows = np.zeros(height, dtype=bool)
+    rows = np.zeros(layer.in_shape[0], dtype=bool)
     for r in range(start, stop):
-        rows[r * s: r * s + k] = True
-    cols = np.zeros(width, dtype=bool)
-    for c in range(layer.out_shape[1]):
-        cols[c * s: c * s + k] = True
+        first, last = layer.input_rows(r, r + 1)
+        rows[first:last] = True
+    cols = layer.input_columns()
     grid = rows[:, None, None] & cols[None, :, None]
     return np.broadcast_to(grid, layer.in_shape).reshape(-1).copy()
 
 
 def input_window(layer: Layer, start: int, stop: int) -> tuple[int, int]:
     """The contiguous range of flattened inputs a partition holds for split units [start,
-    stop): all inputs (dense), or the whole input rows its windows span (local)."""
+    stop): all inputs (dense), or the whole input rows its windows span (image layers)."""
     if start >= stop:
         return 0, 0
     if isinstance(layer, Dense):
         return 0, layer.in_size
     row = layer.in_shape[1] * layer.in_shape[2]
-    return start * layer.stride * row, ((stop - 1) * layer.stride + layer.kernel) * row
+    first, last = layer.input_rows(start, stop)
+    return first * row, last * row
 
 
 def check_every_partition_owns_units(layers: Sequence[Layer],
                                      splits: Sequence[Sequence[int]]) -> None:
-    """ConfigError unless every partition owns units of some layer. Cheap (no masks), so
-    configuration checks can call it with balanced splits of P partitions."""
+    """ConfigError unless every partition owns units of some layer with parameters (a
+    partition holding only pool or lcn rows would have no parameters to train). Cheap (no
+    masks), so configuration checks can call it with balanced splits of P partitions."""
     partitions = len(splits[0]) - 1
-    idle = [p for p in range(partitions) if all(b[p] == b[p + 1] for b in splits)]
+    trained = [i for i, layer in enumerate(layers) if layer.num_params]
+    idle = [p for p in range(partitions)
+            if all(splits[i][p] == splits[i][p + 1] for i in trained)]
     if idle:
-        most = max(split_units(layer) for layer in layers)
+        most = max(split_units(layers[i]) for i in trained)
         raise ConfigError(
             f"partitions = {partitions}: partition(s) {idle} would own no units of any "
-            f"layer (the widest layer splits into at most {most} blocks: dense layers by "
-            f"units, locally connected layers by output rows); use at most {most} "
-            f"partitions")
+            f"layer with parameters (dense layers split into blocks of units, locally "
+            f"connected layers into blocks of output rows; the widest splits into at "
+            f"most {most}); use at most {most} partitions")
 
 
 def checked_splits(layers: Sequence[Layer], partitions: int,
@@ -142,9 +147,10 @@ def checked_splits(layers: Sequence[Layer], partitions: int,
 def layer_pieces(layer: Layer, layout: ParamLayout, index: int, start: int,
                  stop: int) -> list[tuple[int, int]]:
     """[start, stop) ranges of the flat parameter vector (weights, bias) that split units
-    [start, stop) of layer `index` own (empty ranges for an empty block)."""
+    [start, stop) of layer `index` own (empty ranges for an empty block; none for a layer
+    without parameters)."""
     pieces = []
-    for name in ("weights", "bias"):
+    for name in [name for name, _ in layer.param_shapes()]:
         entry = layout.entry(index, name)
         per_unit = entry.size // split_units(layer)
         pieces.append((entry.offset + start * per_unit, entry.offset + stop * per_unit))
@@ -291,7 +297,7 @@ class Partitioning:
         lines = []
         for i, layer in enumerate(self.layers):
             sizes = [b - a for a, b in pairwise(self.splits[i])]
-            what = "rows" if isinstance(layer, Local) else "units"
+            what = "rows" if isinstance(layer, ImageLayer) else "units"
             lines.append(f"{i:>3} {layer.kind:<6} {what} per partition {sizes}; "
                          f"{self.exchanged_values(i):,d} values/sample cross")
         return "\n".join(lines)

@@ -12,12 +12,16 @@ values on cut edges, point-to-point:
                        a dense layer the partial product with its own input block, then
                        one GEMM per message in peer order as each arrives; a locally
                        connected layer its interior output rows (windows inside its own
-                       input rows), then the boundary rows once the halos are in.
+                       input rows), then the boundary rows once the halos are in; a
+                       pool or lcn layer (no parameters, little work) waits for its
+                       halo rows and then runs its kernel on the whole band.
     backward, layer l  the mirror image (tag 2l+1): the input gradients destined to peers
                        are computed first (dense: their column blocks; local: the boundary
                        rows, whose windows hold the halo), sent, and the rest of the
                        layer's work (own block, weight gradient) overlaps the messages;
-                       the owner sums what comes back into its outputs' gradient.
+                       the owner sums what comes back into its outputs' gradient. A
+                       pool or lcn layer computes its band's input gradient, halo rows
+                       included, and sends the halo's share back.
     loss               the logits stay where they were computed; three Allreduces over
                        the batch's rows (max, sum of exponentials, the loss sum) give the
                        softmax cross-entropy and its gradient on every partition, so no
@@ -53,7 +57,7 @@ from mpi4py import MPI
 
 from distbelief.errors import DataError
 from distbelief.model import kernels
-from distbelief.model.layers import Dense, Layer
+from distbelief.model.layers import NO_PARAMS, Dense, Layer, Lcn, Pool
 from distbelief.model.layout import DTYPE
 from distbelief.model.network import Network
 from distbelief.model.partition import LayerPart, Partitioning
@@ -188,7 +192,7 @@ class PartitionedNetwork:
                 lo = offset if local else start
                 arrays.append(flat[lo:lo + stop - start].reshape(shape))
                 offset += stop - start
-            views.append((arrays[0], arrays[1]))
+            views.append((arrays[0], arrays[1]) if arrays else (NO_PARAMS, NO_PARAMS))
         self._view_cache[what] = (flat, views)
         return views
 
@@ -237,6 +241,8 @@ class PartitionedNetwork:
         if not part.empty:
             if isinstance(self.layers[i], Dense):
                 self._dense_forward(part, params, lb, recvs)
+            elif isinstance(self.layers[i], (Pool, Lcn)):
+                self._pool_lcn_forward(part, lb, recvs)
             else:
                 self._local_forward(part, params, lb, recvs)
         self._wait(recvs)
@@ -301,6 +307,23 @@ class PartitionedNetwork:
             for block in boundary:
                 self._local_rows_forward(part, layer, row0, window4, weights, out4, *block)
         kernels.bias_activation(lb.out, bias.reshape(-1), layer.kernel_activation)
+
+    def _pool_lcn_forward(self, part: LayerPart, lb: _LayerBuffers,
+                          recvs: list[MPI.Request]) -> None:
+        """A pool or lcn layer's band of output rows, once its halo rows are in."""
+        self._wait(recvs)
+        lo = part.window[0]
+        for m, buf in zip(part.recv, lb.recv):
+            lb.window[:, m.columns(lo)] = buf
+        layer, row0, window4, _ = self._local_geometry(part, lb)
+        out4 = lb.out.reshape(window4.shape[0], -1, *layer.out_shape[1:])
+        if isinstance(layer, Pool):
+            kernels.pool_forward(window4, out4, layer.kernel, layer.stride, layer.mode)
+        else:
+            # The window holds out's rows widened by the LCN's reach (clipped to the
+            # image): exactly what kernels.lcn_forward wants for a band.
+            kernels.lcn_forward(window4, out4, layer.kernel, layer.floor,
+                                part.units[0] - row0)
 
     @staticmethod
     def _input_rows(layer: Any, row0: int, first: int, stop: int) -> slice:
@@ -375,11 +398,11 @@ class PartitionedNetwork:
         (summed with the peers' contributions)."""
         part, layer, tag = self.parts[i], self.layers[i], _tag(i, BACKWARD)
         dweights, dbias = grads
-        if not part.empty:
+        if not part.empty and layer.num_params:
             kernels.activation_backward(lb.out, lb.dout, layer.kernel_activation, lb.dout,
                                         dbias.reshape(-1))
         if below is None:  # layer 0: the input needs no gradient
-            if not part.empty:
+            if not part.empty and layer.num_params:
                 self._weight_grads_only(part, params[0], dweights, lb)
             return
         # Backward messages mirror the forward ones: gradients of what we sent come back
@@ -390,6 +413,8 @@ class PartitionedNetwork:
         if not part.empty:
             if isinstance(layer, Dense):
                 self._dense_backward(part, params[0], dweights, lb, sends, tag)
+            elif isinstance(layer, (Pool, Lcn)):
+                self._pool_lcn_backward(part, lb, sends, tag)
             else:
                 self._local_backward(part, params[0], dweights, lb, sends, tag)
         origin, lo = self.parts[i - 1].outputs[0], part.window[0]
@@ -446,6 +471,26 @@ class PartitionedNetwork:
         if interior:
             self._local_rows_backward(part, layer, row0, window4, weights, dz4, dweights,
                                       dwindow4, *interior)
+
+    def _pool_lcn_backward(self, part: LayerPart, lb: _LayerBuffers, sends: list,
+                           tag: int) -> None:
+        """The input gradient of a pool or lcn layer's band, halo rows included; the halo's
+        share goes back to its owners."""
+        layer, row0, window4, _ = self._local_geometry(part, lb)
+        n = window4.shape[0]
+        out4 = lb.out.reshape(n, -1, *layer.out_shape[1:])
+        dout4 = lb.dout.reshape(out4.shape)
+        dwindow4 = lb.dwindow.reshape(window4.shape)
+        if isinstance(layer, Pool):
+            kernels.pool_backward(window4, out4, dout4, dwindow4, layer.kernel, layer.stride,
+                                  layer.mode)
+        else:
+            kernels.lcn_backward(window4, dout4, dwindow4, layer.kernel, layer.floor,
+                                 part.units[0] - row0)
+        lo = part.window[0]
+        for m, buf in zip(part.recv, lb.recv):
+            _gather_columns(lb.dwindow, m.columns(lo), buf)
+        self._send_back(part, lb, sends, tag)
 
     def _local_rows_backward(self, part: LayerPart, layer: Any, row0: int,
                              window4: np.ndarray, weights: np.ndarray, dz4: np.ndarray,
