@@ -688,13 +688,19 @@ class ParameterClient(_Endpoint):
         # What this client transfers, per shard: all of its range unless restrict_to.
         self._segments = [[r] for r in self.ranges]
         self._touched = np.ones(shards, dtype=bool)
-        self._hang: Any = None  # test-only: distbelief.runtime.faults.Faults to hang in a push
+        self._hang: Any = None  # test-only: what to do in the next push (Faults.hang or .kill)
         self._linger_s = 0.0  # test-only: seconds to hold each exchange's epoch open
 
     def hang_in_next_push(self, faults: Any) -> None:
         """TEST-ONLY (distbelief.runtime.faults "hang"): the next push stops responding for ever
         while it holds its locks on the shards, as a replica that froze mid-push."""
-        self._hang = faults
+        self._hang = faults.hang
+
+    def kill_in_next_push(self, faults: Any) -> None:
+        """TEST-ONLY (distbelief.runtime.faults "killpush"): the next push kills its process
+        (SIGKILL) once its operations are issued, before they complete, as a replica whose
+        node crashed mid-push."""
+        self._hang = faults.kill
 
     def linger_in_exchanges(self, seconds: float) -> None:
         """TEST-ONLY (distbelief.runtime.faults "linger"): from now on every exchange flushes
@@ -704,7 +710,7 @@ class ParameterClient(_Endpoint):
 
     def _maybe_hang(self, shard: int) -> None:
         if self._hang is not None:
-            self._hang.hang(f"in a push, holding the lock on shard {shard}")
+            self._hang(f"in a push, holding the lock on shard {shard}")
 
     def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
         """From now on pull and push only `pieces`, [start, stop) ranges of the vector (a
