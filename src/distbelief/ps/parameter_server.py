@@ -659,8 +659,11 @@ class ParameterServerShard(_Endpoint):
         are pending, take the closed phase's accumulator once every push of it has
         completed (or after GIVE_UP_S). Returns the pushes folded (0: none now)."""
         if self._flipped_at is None:
-            self._flip()
-            return 0
+            if not self._flip():
+                return 0
+            # Usually every push of the closed phase has completed already: look now
+            # rather than a poll later (a read-your-writes client waits for this take).
+            self.read_counters()
         closed = (self._phase - 1) % 2
         completed = int(self._counters[COMPLETED + closed])
         if completed < self._expected[closed]:
