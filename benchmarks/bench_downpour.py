@@ -338,13 +338,13 @@ def section_transports(args: argparse.Namespace) -> None:
         print(f"  {name:<56} {rate:>8,.0f}  {ratio(rate, best[TRANSPORT_ROWS[0][0]]):>5}")
     print(f"  (loads at round starts: {', '.join(f'{x:.1f}' for x in loads)})")
     print(f"  time to {args.target}, 1 shard + 1 replica, median of {args.seeds} seed(s):")
-    times: dict[str, list[float]] = {"shared": [], "rma": []}
+    times: dict[str, list[float | None]] = {"shared": [], "rma": []}
     for seed in range(args.seeds):
         for transport, got in times.items():
-            t = downpour_run(args, seed=seed, target=args.target, eval_every=args.eval_every,
-                             transport=transport)["time_to_target"]
-            got.append(float("inf") if t is None else t)
-    shared, rma = (statistics.median(times[k]) for k in ("shared", "rma"))
+            got.append(downpour_run(args, seed=seed, target=args.target,
+                                    eval_every=args.eval_every,
+                                    transport=transport)["time_to_target"])
+    shared, rma = (median_or_none(times[k]) for k in ("shared", "rma"))
     print(f"  shared {fmt(shared)} s, rma {fmt(rma)} s: rma / shared {ratio(rma, shared)} "
           f"({load()})", flush=True)
 
