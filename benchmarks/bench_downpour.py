@@ -36,6 +36,10 @@ exception on any rank aborts the job):
     Downpour block's time over the single-process block's).
     Both kinds see the same load, so this figure holds still on a busy machine where the
     separate runs of (b) do not.
+(f) transports (issue 17): 1 shard + 2 replicas, samples/s per replica on shared memory,
+    RMA, RMA through MPI's network module (MPIR_CVAR_NOLOCAL=1) and 3 fake hosts (hydra's
+    `-launcher fork -hosts`, which picks RMA by itself), each as a ratio to shared memory
+    in the same sweep; then time to the target, 1 shard + 1 replica, shared and RMA.
 
 The machine is shared: each row shows the load average just before it was measured, and
 the figures to quote are the best rounds (throughput) taken when the load was lowest.
@@ -150,13 +154,15 @@ def run_json(cmd: list[str], timeout: float, env: dict[str, str] | None = None) 
 def downpour_run(args: argparse.Namespace, ranks: int = 2, threads: int = 1, seed: int = 0,
                  steps: int = 0, target: float = 0.99, n_fetch: int = 1, n_push: int = 1,
                  async_fetch: bool = False, eval_every: float = 1000.0,
-                 transport: str = "auto") -> dict:
+                 transport: str = "auto", extra_env: dict | None = None,
+                 launcher: tuple[str, ...] = ()) -> dict:
     """One Downpour run; `transport` goes to the parameter server through
     $DISTBELIEF_PS_TRANSPORT ("auto": shared memory here, one node; "rma": the multi-node
-    path)."""
-    env = {**os.environ, "DISTBELIEF_PS_TRANSPORT": transport}
+    path); `extra_env` and `launcher` (mpiexec options) for the multi-node rows."""
+    env = {**os.environ, "DISTBELIEF_PS_TRANSPORT": transport, **(extra_env or {})}
     with tempfile.TemporaryDirectory() as out:
-        cmd = ["mpiexec", "-n", str(ranks), sys.executable, "-m", "mpi4py", __file__,
+        cmd = ["mpiexec", *launcher, "-n", str(ranks), sys.executable, "-m", "mpi4py",
+               __file__,
                "--worker", "--data", str(args.data), "--out", out, "--threads", str(threads),
                "--seed", str(seed), "--steps", str(steps), "--target", str(target),
                "--n-fetch", str(n_fetch), "--n-push", str(n_push),
@@ -303,12 +309,52 @@ def section_interleaved(args: argparse.Namespace) -> None:
               f"{1 - 1 / r['ratio']:>8.1%}   ({before})", flush=True)
 
 
+TRANSPORT_ROWS = [
+    ("shared memory (one node's default)", "shared", {}, ()),
+    ("RMA (DISTBELIEF_PS_TRANSPORT=rma)", "rma", {}, ()),
+    ("RMA through MPI's network module (MPIR_CVAR_NOLOCAL=1)", "rma",
+     {"MPIR_CVAR_NOLOCAL": "1"}, ()),
+    ("3 fake hosts (-launcher fork -hosts h1,h2,h3 -ppn 1)", "auto", {},
+     ("-launcher", "fork", "-hosts", "h1,h2,h3", "-ppn", "1")),
+]
+
+
+def section_transports(args: argparse.Namespace) -> None:
+    """(f) issue 17's rows, transport by transport, each against shared memory measured in
+    the same sweep: samples/s per replica with 1 shard + 2 replicas, and time to the
+    target with 1 shard + 1 replica."""
+    print(f"\n(f) transports: 1 shard + 2 replicas, {args.steps} steps in total, mean "
+          f"samples/s per replica, best of {args.repeats} interleaved rounds; vs shared")
+    best: dict[str, float] = {}
+    loads = []
+    for _ in range(args.repeats):
+        loads.append(os.getloadavg()[0])
+        for name, transport, env, launcher in TRANSPORT_ROWS:
+            r = downpour_run(args, ranks=3, steps=args.steps, transport=transport,
+                             extra_env=env, launcher=launcher)
+            rate = statistics.mean(x["samples_per_second"] for x in r["replicas"])
+            best[name] = max(best.get(name, 0.0), rate)
+    for name, rate in best.items():
+        print(f"  {name:<56} {rate:>8,.0f}  {ratio(rate, best[TRANSPORT_ROWS[0][0]]):>5}")
+    print(f"  (loads at round starts: {', '.join(f'{x:.1f}' for x in loads)})")
+    print(f"  time to {args.target}, 1 shard + 1 replica, median of {args.seeds} seed(s):")
+    times: dict[str, list[float | None]] = {"shared": [], "rma": []}
+    for seed in range(args.seeds):
+        for transport, got in times.items():
+            got.append(downpour_run(args, seed=seed, target=args.target,
+                                    eval_every=args.eval_every,
+                                    transport=transport)["time_to_target"])
+    shared, rma = (median_or_none(times[k]) for k in ("shared", "rma"))
+    print(f"  shared {fmt(shared)} s, rma {fmt(rma)} s: rma / shared {ratio(rma, shared)} "
+          f"({load()})", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=REPO / "data" / "fashion_mnist.h5")
     p.add_argument("--only", choices=["target", "throughput", "replicas", "bandwidth",
-                                      "interleaved"])
+                                      "interleaved", "transports"])
     p.add_argument("--threads", default="1,2", help="(a): thread counts")
     p.add_argument("--seeds", type=int, default=1, help="(a): seeds, median reported")
     p.add_argument("--steps", type=int, default=4000, help="(b), (c): steps per run")
@@ -351,6 +397,8 @@ def main() -> None:
         section_bandwidth(args, runs)
     if args.only in (None, "interleaved"):
         section_interleaved(args)
+    if args.only in (None, "transports"):
+        section_transports(args)
 
 
 if __name__ == "__main__":

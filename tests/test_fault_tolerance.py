@@ -198,6 +198,54 @@ def test_a_killed_replica_leaves_the_others_to_finish_the_run(
     assert resumed["steps"] == summary["steps"] + 500 and resumed["lost_replicas"] == []
 
 
+# Kills inside a push (its operations issued, not completed), at moments spread over runs of
+# 3000 steps: AT counts the victim's own steps (each of R replicas makes about 3000 / R),
+# so these land early, in the middle and late in its share, around checkpoints (every
+# 1000 steps) too; 2 to 4 replicas, 1 and 2 shards (issue 17 item 3).
+KILL_PUSH_STEPS = 3000
+KILLS_IN_PUSH = [
+    (4, 1, 3, 40, "rma"), (4, 1, 2, 330, "rma"), (4, 1, 1, 650, "rma"),
+    (3, 1, 2, 1100, "rma"), (5, 2, 3, 500, "rma"), (6, 2, 2, 420, "rma"),
+    (4, 1, 3, 330, "shared"),
+]
+
+
+@pytest.mark.parametrize("n, shards, victim, at, transport", KILLS_IN_PUSH,
+                         ids=[f"{t}-{n}ranks-{s}shards-r{v}@{a}"
+                              for n, s, v, a, t in KILLS_IN_PUSH])
+def test_a_replica_killed_inside_a_push_never_stalls_the_others(
+        data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int, at: int,
+        transport: str) -> None:
+    # Before issue 17 a replica killed inside an RMA push epoch left its SHARED lock on the
+    # shard, whose next EXCLUSIVE lock (its fold) then waited for ever: the survivors
+    # stalled until the watchdog aborted the job. Here any wait of 5 s prints a "stall:"
+    # line (and one of 20 s aborts), which fails the test.
+    out = tmp_path / "out"
+    proc = job(n, data_dir / "linear.toml", out, f"cluster.ps_shards={shards}",
+               f"run.max_steps={KILL_PUSH_STEPS}", "run.checkpoint_every_steps=1000",
+               "run.stall_warn_seconds=5", "run.stall_abort_seconds=20",
+               faults=f"killpush:{victim}:{at} {DELAY}", transport=transport)
+    output = proc.stdout + proc.stderr
+    assert f"test-only kill -9 of rank {victim} in a push" in proc.stderr, output[-3000:]
+    assert exit_statuses(proc) == [137 if r == victim else 0 for r in range(n)], output[-3000:]
+    assert "stall:" not in output, output[-3000:]
+    if transport == "rma":
+        # Its ticket was taken, its data never completed: the shards wrote the push off.
+        assert "never completed (a replica died or froze in the middle of a push)" in (
+            proc.stderr), output[-3000:]
+    summary = summary_of(out)
+    replica = victim - shards
+    assert summary["stop_reason"] == "max_steps", output[-3000:]
+    assert [(x["replica"], x["ranks"]) for x in summary["lost_replicas"]] == [(replica, [victim])]
+    # The victim's last step was granted but its push never completed: at most that one
+    # step is missing; every completed push is counted exactly once.
+    assert KILL_PUSH_STEPS - 1 <= summary["steps"] <= KILL_PUSH_STEPS, summary["steps"]
+    assert [r["replica"] for r in summary["replicas"]] == [
+        r for r in range(n - shards) if r != replica]
+    final = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
+    assert final.step == summary["steps"] and final.manifest["lost_replicas"] == [replica]
+
+
 def test_after_a_loss_shard_0_stays_until_the_last_epoch_on_it_has_closed(
         data_dir: Path, tmp_path: Path) -> None:
     # With a replica lost nobody frees the windows (TEARDOWN_LEAVE) and shard 0 leaves on

@@ -14,7 +14,7 @@ rank agrees; `requested_transport` for how to force one):
   the shard folds the pushed gradients into its parameters with its optimizer (Adagrad or
   SGD). The rest of this section up to SHARED MEMORY describes it.
 
-Why both: with MPICH on one node every RMA epoch needs two passes through the target's
+Why both: with MPICH on one node every RMA round needs a pass through the target's
 progress engine, and the read-your-writes fetch puts the shard's fold on the critical
 path too; a 2 ms step paid ~1.25 ms of RMA with a shard that sleeps between polls
 (benchmarks/RMA_NOTES.md sections 6-8). In shared memory the same step pays a lock (a few
@@ -27,116 +27,104 @@ the shard's progress engine for every lock again.
 Windows (per shard; size 0 on every other rank), allocated with Win.Allocate over a
 private duplicate of the world communicator, displacement unit 1 byte:
 
-    ACCUM  [0:8) taken | [8:16) pushes | [16:24) done | [64:64+c) run control block |
-           [64+c': +4n) gradient accumulator f32   (c = run_control.block_bytes(R), used on
-           shard 0 only, 0 outside Downpour; c' = c rounded up to 64 bytes)
-    PARAMS [0:8) version | [8:16) applied | [16:24) pulls | [64:64+4n) parameters f32
-                                                                   (counters: int64)
+    ACCUM  [0:8) TICKET | [16:24) DONE | [24:40) COMPLETED[0..1] | [64:64+c) run control
+           block | PENDING[C] (one per client) | accumulator 0 f32 | accumulator 1 f32
+    PARAMS [0:8) PUBLISHED | [8:16) BEGUN | [16:24) PULLS | buffer 0 | buffer 1, each
+           [0:8) VERSION [8:16) APPLIED, then the slice f32       (counters: int64;
+           c = run_control.block_bytes(R), used on shard 0 only; every part 64-byte aligned)
 
-    taken   = gradient batches the shard has taken out of the accumulator (folds started)
-    pushes  = pushes received (every push adds 1)
-    done    = clients (replicas and coordinator) that called finish()
-    version = updates applied to the parameters (folds finished); version <= taken <= +1
-    applied = pushes contained in the parameters (the value of `pushes` at the last take)
-    pulls   = pulls served (so that the shard sees pull traffic and polls fast)
+    TICKET    = phase * PHASE + pushes started (clients +1, the shard +PHASE to flip)
+    COMPLETED = pushes completed into accumulator b (clients +1 once their data is in)
+    PENDING   = 1 while that client has a push in flight (+1 as it starts, -1 when done)
+    DONE      = clients (replicas and coordinator) that called finish()
+    PUBLISHED / BEGUN = publishes of the parameters finished / started (the shard +1)
+    PULLS     = pulls served (so that the shard sees pull traffic and polls fast)
+    VERSION   = updates applied to the parameters in that buffer (folds finished)
+    APPLIED   = pushes contained in them
 
 The run control block (distbelief.ps.run_control: step claims, reports, commands, each
 replica's slots) rides on the pushes a replica makes anyway (`ControlExchange`, issued
-inside the push's SHARED epoch on shard 0), so it costs no extra lock round trip. Its
-access rules are in run_control's docstring: every access is an accumulate (SUM by the
-writer of a slot, NO_OP by its readers), under SHARED locks only, shard 0's own too.
+with a push's data on shard 0), so it costs no extra round. Its access rules are in
+run_control's docstring: every access is an accumulate (SUM by the writer of a slot,
+NO_OP by its readers).
 
-Two windows rather than one, so that pushes keep landing in ACCUM while the shard
-publishes new parameters into PARAMS, and pulls keep reading PARAMS while it takes the
-accumulator; `push_pull` still costs a step only one round of lock traffic, because it
-opens its epochs on both windows at once.
+RMA SCHEME (issue 17: a client may die at ANY instant, in the middle of a push included,
+and nobody may wait for it for ever). Every rank opens one passive-target epoch on both
+windows at creation, `Lock_all(MODE_NOCHECK)`, and keeps it until `free()`: nobody ever
+calls Lock or Unlock, so no rank can die holding a lock, and operations complete by
+`Win.Flush(target)`. NOCHECK is legal because no rank ever requests a conflicting (an
+exclusive) lock. Every access to window memory after the set-up is an accumulate
+operation, so none conflicts with another and no lock is needed to keep them apart:
 
-RMA SCHEME. "Owner" is the shard itself, "client" any other rank (replica, coordinator).
-Every lock is taken and released through `_epoch` (a context manager).
+| location           | access                                              |
+|--------------------|-----------------------------------------------------|
+| accumulator b      | client: Accumulate(SUM) f32                         |
+|                    | owner: Get_accumulate(NO_OP) read, then Accumulate  |
+|                    |   (SUM) of the negation of what it read (to zero)   |
+| TICKET             | client: Fetch_and_op(SUM, 1); owner: Fetch_and_op   |
+|                    |   (SUM, PHASE) to flip; owner reads: NO_OP          |
+| COMPLETED, PENDING,| client: Accumulate(SUM, +-1) int64                  |
+| DONE, PULLS        | owner: Get_accumulate / Fetch_and_op(NO_OP)         |
+| PUBLISHED, BEGUN   | owner: Accumulate(SUM, 1); readers: Fetch_and_op    |
+|                    |   (NO_OP)                                           |
+| buffer b           | owner: Accumulate(REPLACE) of VERSION, APPLIED and  |
+|                    |   the slice; readers (clients, shard 0's snapshot): |
+|                    |   Get_accumulate(NO_OP)                             |
+| run control block  | see run_control (SUM writers, NO_OP readers)        |
 
-| location         | access                                     | epoch (lock)          |
-|------------------|--------------------------------------------|-----------------------|
-| ACCUM gradient   | client: Accumulate(SUM), float32           | SHARED on the shard   |
-|                  | owner: copy out + store zeros (load/store) | EXCLUSIVE on itself   |
-| ACCUM pushes     | client: Accumulate(SUM, +1), int64         | SHARED on the shard   |
-|                  | owner: Fetch_and_op(NO_OP) (poll for work) | SHARED on itself      |
-|                  | owner: load                                | EXCLUSIVE on itself   |
-| ACCUM taken      | client: Fetch_and_op(NO_OP), int64         | SHARED on the shard   |
-|                  | owner: store (taken + 1)                   | EXCLUSIVE on itself   |
-| ACCUM done       | client: Accumulate(SUM, +1), int64         | SHARED on the shard   |
-|                  | owner: Fetch_and_op(NO_OP)                 | SHARED on itself      |
-| PARAMS version,  | client: Get                                | SHARED on the shard   |
-| applied, params  | owner: store (copy of its master params)   | EXCLUSIVE on itself   |
-| PARAMS pulls     | client: Accumulate(SUM, +1), int64         | SHARED on the shard   |
-|                  | owner: Fetch_and_op(NO_OP)                 | SHARED on itself      |
-| PARAMS version,  | shard 0 (snapshot for evaluation): Get     | SHARED on the other   |
-| applied, params  | of another shard's window, like a client   | shard                 |
-| ACCUM run        | client: Get_accumulate(SUM) / Accumulate   | SHARED on shard 0     |
-| control block    |   (SUM) on its slots, Get_accumulate(NO_OP)|                       |
-| (shard 0)        | owner: Get_accumulate(NO_OP) reads,        | SHARED on itself      |
-|                  |   Accumulate(SUM) commands                 |                       |
-|                  | owner: store zeros at creation             | EXCLUSIVE on itself   |
+Why it is legal (MPI-4.1, one-sided chapter: conflicting accesses, the semantics section,
+window info `accumulate_ops`): accumulate operations on one location with the same basic
+datatype do not conflict, and `accumulate_ops=same_op_no_op` (the default, set
+explicitly) asks only that concurrent ones use the same op or NO_OP: every location above
+has one writing op (SUM, or REPLACE for the buffers, whose only writer is the owner) and
+NO_OP readers. Atomicity is per element; whole-vector consistency comes from the
+protocols below. The owner's plain stores happen only at creation, before the barrier
+that precedes any client access (Win.Sync makes them visible). Visibility: the unified
+memory model (checked at creation); Flush completes an operation at the target.
 
-Why each access is legal (MPI-4.1, one-sided chapter: conflicting accesses, passive-target
-synchronization, and the semantics section; window info `accumulate_ops`):
-- Two accesses to one location conflict unless both are reads or both are accumulate
-  operations (Accumulate, Get_accumulate, Fetch_and_op) with the same basic datatype; and
-  `accumulate_ops=same_op_no_op` (the default; set explicitly here) further requires that
-  concurrent accumulates use the same op or NO_OP. Concurrent pushes are all SUM on
-  float32 (gradient) or SUM on int64 (pushes, done, pulls, the run control's int64 slots)
-  or SUM on float64 (its loss slot), and every concurrent reader of a counter uses NO_OP
-  with the counter's own datatype: element-wise atomic and legal. REPLACE is never used,
-  so SUM never meets a different op. A client's Get of the PARAMS header covers version
-  and applied only, never the pulls counter that other clients update concurrently.
-- Shard 0's snapshot Get of another shard's PARAMS window is exactly a client's pull
-  without the pull counter: a SHARED epoch on that shard, which its owner's EXCLUSIVE
-  publish excludes. Shard 0 waits in that epoch only for the other shard's progress,
-  which polls on its own and never waits for shard 0, so the two cannot deadlock.
-- Everything else (the owner's loads and stores, a client's plain Get) would conflict
-  with a concurrent update, so the locks keep it apart: "accesses that are protected by
-  an exclusive lock will not be concurrent at the window site with other accesses to the
-  same window that are lock protected" (MPI_Win_lock/unlock). The owner stores into its
-  windows only inside an EXCLUSIVE epoch on itself; clients touch a shard only inside a
-  SHARED epoch on it. So a Get never overlaps a store, and Accumulate(SUM) never overlaps
-  the owner zeroing the accumulator: no push is lost or counted twice, no pull is torn.
-- Get_accumulate(NO_OP) for pulls would be legal even against concurrent accumulate
-  stores, but it is atomic per element only, so a pull could still mix two versions of
-  the vector: whole-slice snapshots need the exclusive lock anyway, and under it a plain
-  Get is legal and as fast (53 GB/s both, benchmarks/RMA_NOTES.md).
-- Visibility: the windows use the unified memory model (checked at creation). Remote
-  updates become visible to the owner's loads when it locks its own window, and its
-  stores become visible to later remote accesses at its unlock, so no Win.Sync is needed
-  (it is for loads and stores outside a lock epoch, or polling inside one).
-- Exclusive sections are short: the optimizer works on a private master copy outside any
-  lock; the PARAMS epoch only copies the result in (one memcpy of the slice), the ACCUM
-  epoch only copies the accumulator out and zeroes it (0.1-0.25 ms held for 2.7 MB).
-- Staleness is exact because `taken` only changes inside the owner's EXCLUSIVE epoch on
-  ACCUM: a push that reads taken = t in its SHARED epoch lands in the accumulator before
-  take t+1, so it is applied as update t+1. If its parameters were pulled at version p,
-  the shard applied t - p other updates in between: that is the staleness.
+Pushes: double-buffered accumulators, closed by phases. A push is three rounds, each
+completed by Flush on every shard: (1) take a ticket (Fetch_and_op SUM 1 on TICKET: it
+counts the push as started and returns the phase f) and PENDING += 1; (2) Accumulate the
+gradient into accumulator f % 2 (with the control operations); (3) COMPLETED[f % 2] += 1,
+PENDING -= 1. The shard, when tickets were taken since its last flip, flips (Fetch_and_op
+SUM PHASE on TICKET, which returns the pushes started before it, atomically: so exactly
+those went to the closed accumulator) and, on later polls, once COMPLETED of the closed
+accumulator counts all of them, takes it: reads it, subtracts what it read, applies it as
+update f + 1 and publishes. No new push adds to it meanwhile (they are in phase f + 1),
+so a take holds whole pushes: exact push counts, and a pull never sees part of a push.
+A client that dies between (1) and (3) never completes: the shard writes its push off
+once it sees the process gone (`watch_clients`, GONE_CHECK_S) or after GIVE_UP_S, and
+folds without it; if its data ever lands it is folded with a later take (SUM keeps it;
+subtraction, not zeroing, keeps that legal). Staleness is exact: a push of phase f is
+applied by update f + 1, so staleness = f - (version pulled).
 
-PROGRESS. With MPICH on shared memory a lock, accumulate or get completes only while the
-target is inside MPI (DESIGN.md), and one epoch takes several round trips through the
-target's progress engine (~4-6 polls measured). The shard therefore polls: `serve_once()`
-reads its counters (SHARED epochs on itself, which also drive MPI progress: more epochs
-per poll than Request.Test or Iprobe, measured) and folds pending gradients; `serve()`
-loops over it, sleeping between polls with `Backoff`: 50 us after traffic, doubling to
-0.5 ms while idle. That costs ~6% of a core when idle and ~1 ms per 2.7 MB push_pull; a
-shard that never sleeps answers in 0.4 ms but burns a core even when idle (table in
-benchmarks/RMA_NOTES.md). MPICH's async progress thread is not used: it spins in every
-rank. Downpour's shards use `PacedBackoff` instead, which learns the pace of the pushes
-and polls every 20 us around the time the next one is due (0.8-1.2 ms of RMA per step
-instead of 1.0-2.2 with the reference MLP, benchmarks/RMA_NOTES.md section 6).
+Pulls: double-buffered, checked parameters (a seqlock made of accumulates). Publish k
+(the owner): BEGUN += 1, Flush; REPLACE buffer k % 2 (VERSION, APPLIED, slice), Flush;
+PUBLISHED += 1, Flush. A read: PUBLISHED -> p, Flush; read buffer p % 2, Flush; BEGUN ->
+b, Flush; keep it if b <= p + 1 (the next write into that buffer, publish p + 2, had not
+begun before the read completed), else read again (two publishes during one read).
+push_pull runs the two in the same three rounds.
 
-READ-YOUR-WRITES. `catch_up()` pulls again until the pulled versions include the take
-that holds the client's last push (the push read taken = t under the shared lock, so its
-fold is take t + 1): plain pulls, legal as above, and waiting only for the shard.
+Failure: a dead client holds nothing (no lock); its last push is written off as above;
+its pulls are reads. A dead shard is found by the other ranks' liveness checks
+(Downpour), as before.
+
+PROGRESS. With MPICH on shared memory an RMA operation completes only while the target
+is inside MPI (DESIGN.md). The shard therefore polls: `serve_once()` reads its counters
+(accumulates on itself and a Flush, which drive MPI progress) and advances the fold;
+`serve()` loops over it, sleeping between polls with `Backoff`: 50 us after traffic,
+doubling to 0.5 ms while idle. MPICH's async progress thread is not used: it spins in
+every rank. Downpour's shards use `PacedBackoff`, which learns the pace of the pushes and
+polls every 20 us around the time the next one is due (benchmarks/RMA_NOTES.md).
+
+READ-YOUR-WRITES. `catch_up()` pulls again until the pulled versions include the update
+that holds the client's last push (phase f: version f + 1), waiting only for the shard.
 
 SHUTDOWN. A client's `finish()` adds 1 to `done` on every shard, one-sided, after its
 last push has completed; a shard's `serve()` returns once done counts every client and it
-has folded every push counted before that. `free()` is the same on every rank: one
-Ibarrier polled with back-off sleeps (a finished replica does not spin a core while the
-others train), then the windows are freed in one fixed order.
+has folded every push started before that. `free()` is the same on every rank: one
+Ibarrier polled with back-off sleeps, then Unlock_all and the windows freed in one fixed
+order.
 
 SHARED MEMORY (transport "shared"; SharedMemoryShard, SharedMemoryClient). One window from
 Win.Allocate_shared over the node communicator (= the world), a segment per shard (size 0
@@ -201,9 +189,9 @@ checkpoint rounds) `parameters()` and `optimizer.state()` agree as on "rma".
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -221,11 +209,23 @@ HEADER_BYTES = 64  # counters at the head of each window; data starts cache-line
 FLOAT_BYTES = DTYPE().itemsize
 COUNTER_BYTES = 8
 HEADER_SLOTS = HEADER_BYTES // COUNTER_BYTES
-# int64 slots in the ACCUM header
-TAKEN, PUSHES, DONE = 0, 1, 2
+# int64 slots in the ACCUM header: TICKET (phase * PHASE + pushes started), DONE, and
+# COMPLETED + b: pushes completed into accumulator b (slot 1 unused)
+TICKET, DONE, COMPLETED = 0, 2, 3
+ACCUM_SLOTS = COMPLETED + 2
+PHASE = 1 << 40  # TICKET's unit of phases; pushes started are counted below it
+GIVE_UP_S = 2.0
+"""How long a shard waits for a push that started (took its ticket) to complete before it
+folds the accumulator without it: that replica died or froze in the middle of its push.
+(A healthy push completes in milliseconds; its data, if it ever lands, is folded later.)
+A client whose process is seen gone (`ParameterServerShard.watch_clients`) is given up on
+after GONE_CHECK_S instead."""
+GONE_CHECK_S = 0.02
 CONTROL_SHARD = 0  # holds Downpour's run control block (distbelief.ps.run_control)
-# int64 slots in the PARAMS header
-VERSION, APPLIED, PULLS = 0, 1, 2
+# int64 slots of a published parameter buffer's header (RMA) and of a shared segment's
+VERSION, APPLIED = 0, 1
+# int64 slots in the PARAMS window header (RMA): publishes finished, started; pulls served
+PUBLISHED, BEGUN, PULLS = 0, 1, 2
 STALENESS_BINS = 64  # histogram bins 0..62, and the last for 63 or more
 
 
@@ -242,20 +242,15 @@ class Optimizer(Protocol):
 OptimizerFactory = Callable[[int], Optimizer]  # slice length -> optimizer for that slice
 
 
-@contextmanager
-def _epoch(win: MPI.Win, rank: int, lock_type: int) -> Iterator[None]:
-    """A passive-target access epoch: Lock on entry; Unlock on exit, which completes every
-    operation issued inside, at the origin and at the target. Declared to the stall
-    watchdog: an epoch that never completes means `rank` is not polling (gone, stalled)
-    or a client holds a lock on it that it never releases (it died or froze in a push)."""
-    kind = "exclusive" if lock_type == MPI.LOCK_EXCLUSIVE else "shared"
-    with watchdog.current().waiting(f"an RMA epoch ({kind} lock) on rank {rank}'s window",
-                                    (rank,)):
-        win.Lock(rank, lock_type)
-        try:
-            yield
-        finally:
-            win.Unlock(rank)
+def _complete(win: MPI.Win, ranks: Sequence[int]) -> None:
+    """Complete every operation this rank issued on `win` to `ranks`, at the origin and at
+    the targets (Win.Flush inside the Lock_all epoch every rank holds for the windows'
+    life). Declared to the stall watchdog: a flush that never returns means a target is
+    not polling (gone, stalled); no other client can make it wait, since nobody locks."""
+    with watchdog.current().waiting(f"RMA operations on rank(s) {list(ranks)}' window "
+                                    "to complete", tuple(ranks)):
+        for rank in ranks:
+            win.Flush(rank)
 
 
 def _int64(buf: np.ndarray) -> list:
@@ -269,6 +264,12 @@ def _float64(buf: np.ndarray) -> list:
     return [buf, MPI.DOUBLE]
 
 
+# Origin buffers of Get_accumulate(NO_OP) reads: MPI ignores them.
+_NO_INT64 = [None, 0, MPI.INT64_T]
+_NO_DOUBLE = [None, 0, MPI.DOUBLE]
+_NO_FLOAT = [None, 0, MPI.FLOAT]
+
+
 def _window_info() -> MPI.Info:
     info = MPI.Info.Create()
     # The default, stated so that the scheme above does not depend on it silently.
@@ -277,21 +278,31 @@ def _window_info() -> MPI.Info:
     return info
 
 
+def _buffer_stride(count: int) -> int:
+    return HEADER_BYTES + _aligned(count * FLOAT_BYTES)
+
+
 class _ShardWindows:
     """The two windows of every shard, allocated and freed collectively in one order.
     ACCUM holds the run control block (`control_bytes`, Downpour's, used on shard 0) between
     its header and the gradient accumulator, which starts at `accum_data`."""
 
-    def __init__(self, comm: MPI.Comm, local_count: int, control_bytes: int = 0):
+    def __init__(self, comm: MPI.Comm, local_count: int, control_bytes: int = 0,
+                 clients: int = 0):
         self.control_bytes = control_bytes
-        self.accum_data = HEADER_BYTES + _aligned(control_bytes)
+        # One PENDING slot per client (int64, +1 as a push starts, -1 once it completed).
+        self.pending = HEADER_BYTES + _aligned(control_bytes)
+        self.clients = clients
+        self.accum_data = self.pending + _aligned(clients * COUNTER_BYTES)
         data = local_count * DTYPE().itemsize
+        # PARAMS holds two published buffers, each a header (VERSION, APPLIED) + the slice.
         info = _window_info()
         try:
-            self.accum = MPI.Win.Allocate(self.accum_data + data if local_count else 0, 1,
-                                          info, comm)
-            self.params = MPI.Win.Allocate(HEADER_BYTES + data if local_count else 0, 1,
-                                           info, comm)
+            self.accum = MPI.Win.Allocate(
+                self.accum_data + 2 * _aligned(data) if local_count else 0, 1, info, comm)
+            self.params = MPI.Win.Allocate(
+                HEADER_BYTES + 2 * _buffer_stride(local_count) if local_count else 0, 1, info,
+                comm)
         finally:
             info.Free()
         for win in (self.accum, self.params):
@@ -299,9 +310,26 @@ class _ShardWindows:
                 # The visibility argument in the module docstring assumes the unified model
                 # (MPICH and Open MPI on cache-coherent machines always give it).
                 raise RuntimeError("RMA window is not in the unified memory model")
+            # One passive-target epoch on every rank's part for the windows' whole life:
+            # nobody ever takes a lock (NOCHECK: no conflicting lock exists), so a rank
+            # that dies holds nothing anybody waits for. Operations complete by Flush.
+            win.Lock_all(MPI.MODE_NOCHECK)
+
+    def accumulator(self, phase: int, count: int) -> int:
+        """Byte offset of the ACCUM accumulator that pushes of phase `phase` add to, on a
+        shard that holds `count` parameters."""
+        return self.accum_data + (phase % 2) * _aligned(count * FLOAT_BYTES)
+
+    @staticmethod
+    def buffer(publish: int, count: int) -> int:
+        """Byte offset of the PARAMS buffer that publish number `publish` writes, on a
+        shard that holds `count` parameters."""
+        return HEADER_BYTES + (publish % 2) * _buffer_stride(count)
 
     def free(self) -> None:
         """Collective over the window communicator, same order on every rank."""
+        for win in (self.params, self.accum):
+            win.Unlock_all()
         self.params.Free()
         self.accum.Free()
 
@@ -313,6 +341,71 @@ def _views(win: MPI.Win, count: int, data_offset: int) -> tuple[np.ndarray, np.n
     header = raw[:HEADER_BYTES].view(np.int64)
     data = raw[data_offset : data_offset + count * DTYPE().itemsize].view(DTYPE)
     return header, data
+
+
+def _issue_reads_of(win: MPI.Win, shards: Sequence[int], slot: int,
+                    into: np.ndarray) -> None:
+    """Fetch_and_op(NO_OP) of int64 header slot `slot` of every shard's PARAMS window into
+    into[shard] (legal against the owner's SUMs)."""
+    for shard in shards:
+        win.Fetch_and_op(_int64(into[shard]), _int64(into[shard]), shard,
+                         slot * COUNTER_BYTES, MPI.NO_OP)
+
+
+def _issue_buffer_reads(windows: _ShardWindows, shards: Sequence[int],
+                        segments: dict[int, list[tuple[int, int]]] | Sequence,
+                        ranges: Sequence[tuple[int, int]], out: np.ndarray,
+                        headers: np.ndarray, published: np.ndarray,
+                        count_pull: np.ndarray | None) -> None:
+    """Get_accumulate(NO_OP) of the buffer that publish published[shard] wrote: its header
+    (VERSION, APPLIED) into headers[shard] and `segments[shard]` of the vector into `out`;
+    with `count_pull` (int64 [1]), Accumulate(SUM) of it into the shard's pull counter."""
+    win = windows.params
+    for shard in shards:
+        low, high = ranges[shard]
+        where = windows.buffer(int(published[shard, 0]), high - low)
+        win.Get_accumulate(_NO_INT64, _int64(headers[shard]), shard, (where, 2, MPI.INT64_T),
+                           MPI.NO_OP)
+        for start, stop in segments[shard]:
+            win.Get_accumulate(_NO_FLOAT, [out[start:stop], MPI.FLOAT], shard,
+                               (where + HEADER_BYTES + (start - low) * FLOAT_BYTES,
+                                stop - start, MPI.FLOAT), MPI.NO_OP)
+        if count_pull is not None:
+            win.Accumulate(_int64(count_pull), shard, (PULLS * COUNTER_BYTES, 1, MPI.INT64_T),
+                           MPI.SUM)
+
+
+def _untorn(shards: Sequence[int], published: np.ndarray, begun: np.ndarray) -> bool:
+    """Whether the buffers read after seeing `published` were not being rewritten: the
+    next write into buffer p % 2 is publish p + 2, and it had not begun."""
+    return all(begun[s, 0] <= published[s, 0] + 1 for s in shards)
+
+
+def _read_published(windows: _ShardWindows, shards: Sequence[int],
+                    segments: dict[int, list[tuple[int, int]]] | Sequence,
+                    ranges: Sequence[tuple[int, int]], out: np.ndarray, headers: np.ndarray,
+                    count_pull: np.ndarray | None = None) -> int:
+    """Read the latest published parameters of `shards` (their `segments` into `out`,
+    each buffer's VERSION and APPLIED into `headers`), in three rounds each completed by
+    Flush: PUBLISHED, the buffer, BEGUN; again if a shard rewrote the buffer meanwhile
+    (two publishes during one read). Returns the rounds of three made (1 usually).
+    One-sided, to `shards`; accumulate operations only (NO_OP reads, SUM of the pull)."""
+    win = windows.params
+    n = len(ranges)
+    published = np.zeros((n, 1), dtype=np.int64)
+    begun = np.zeros((n, 1), dtype=np.int64)
+    tries = 0
+    while True:
+        tries += 1
+        _issue_reads_of(win, shards, PUBLISHED, published)
+        _complete(win, shards)
+        _issue_buffer_reads(windows, shards, segments, ranges, out, headers, published,
+                            count_pull if tries == 1 else None)
+        _complete(win, shards)
+        _issue_reads_of(win, shards, BEGUN, begun)
+        _complete(win, shards)
+        if _untorn(shards, published, begun):
+            return tries
 
 
 class _Endpoint:
@@ -369,28 +462,39 @@ class ParameterServerShard(_Endpoint):
         self.num_clients = topology.world_size - topology.ps_shards
         count = self.stop - self.start
         windows = self._live()
-        self._accum_header, self._accum = _views(windows.accum, count, windows.accum_data)
-        self._params_header, self._params = _views(windows.params, count, HEADER_BYTES)
         raw = np.frombuffer(windows.accum.tomemory(), dtype=np.uint8)
         self._control = raw[HEADER_BYTES : HEADER_BYTES + windows.control_bytes].view(np.int64)
         self._optimizer = optimizer
         self._master = np.zeros(count, dtype=DTYPE)  # the parameters; private to this rank
         self._grad = np.zeros(count, dtype=DTYPE)  # the gradient batch being applied
-        self._counters = np.zeros(3, dtype=np.int64)  # pushes, done, pulls as last read
+        self._negated = np.zeros(count, dtype=DTYPE)  # -grad, subtracted from the accumulator
+        self._counters = np.zeros(ACCUM_SLOTS, dtype=np.int64)  # ACCUM header as last read
+        self._pulls = np.zeros(1, dtype=np.int64)  # PULLS as last read
+        self._one = np.ones(1, dtype=np.int64)
+        self._phase_unit = np.array([PHASE], dtype=np.int64)
+        self._ticket = np.zeros(1, dtype=np.int64)
+        self._phase = 0  # pushes that take a ticket now add to accumulator phase % 2
+        self._started = 0  # pushes started (tickets taken) before the last flip
+        self._expected = [0, 0]  # pushes into each accumulator its takes wait for, so far
+        self._flipped_at: float | None = None  # set while the last phase awaits its take
+        self._pending = np.zeros(windows.clients, dtype=np.int64)  # PENDING as last read
+        self._client_gone: Callable[[int], bool] | None = None
+        self._given_up: set[int] = set()  # gone clients whose push in flight is written off
+        self._written_off = 0  # pushes of gone clients the pending take no longer waits for
+        self._buffer_header = np.zeros(2, dtype=np.int64)  # VERSION, APPLIED of a publish
         self._taken = 0
         self._pushes_taken = 0
+        self._publishes = 0
         self._finished = False
         self.stats = ShardStats()
         if initial is not None:
             self._master[:] = initial[self.start : self.stop]
-        # Window memory comes uninitialised: zero every counter and the accumulator before
-        # the first client can see them (open_parameter_server's barrier follows).
-        with _epoch(windows.accum, self.rank, MPI.LOCK_EXCLUSIVE):
-            self._accum_header[:] = 0
-            self._control.fill(0)
-            self._accum.fill(0)
-        with _epoch(windows.params, self.rank, MPI.LOCK_EXCLUSIVE):
-            self._params_header[:] = 0
+        # Window memory comes uninitialised: zero all of it with plain stores before any
+        # client can access it (open_parameter_server's barrier follows), and Win.Sync so
+        # that later RMA sees them.
+        for win in (windows.accum, windows.params):
+            np.frombuffer(win.tomemory(), dtype=np.uint8).fill(0)
+            win.Sync()
         self._publish()
 
     @property
@@ -422,7 +526,7 @@ class ParameterServerShard(_Endpoint):
     def set_parameters(self, values: np.ndarray) -> None:
         """Overwrite this shard's parameters (initial values, restores, tests).
 
-        One-sided on its own PARAMS window: the store happens under the exclusive lock, so
+        One-sided on its own PARAMS window: written as a new publish (double-buffered), so
         a concurrent pull sees either the old or the new slice, never a mix. Counters are
         unchanged.
         """
@@ -434,110 +538,183 @@ class ParameterServerShard(_Endpoint):
         self._publish()
 
     def read_counters(self) -> tuple[int, int, int]:
-        """(pushes received, clients finished, pulls served), each read atomically.
+        """(pushes completed, clients finished, pulls served), each read atomically.
 
-        One-sided on its own windows: SHARED epochs with Fetch_and_op(NO_OP), legal
-        against the clients' concurrent SUMs. The epochs also drive MPI progress.
+        One-sided on its own windows: Get_accumulate(NO_OP) of the ACCUM header and
+        Fetch_and_op(NO_OP) of PULLS, legal against the clients' concurrent SUMs,
+        completed by Flush (which also drives MPI progress).
         """
         windows = self._live()
-        pushes, done, pulls = (self._counters[i : i + 1] for i in range(3))
-        for win, slot, value in ((windows.accum, PUSHES, pushes), (windows.accum, DONE, done),
-                                 (windows.params, PULLS, pulls)):
-            with _epoch(win, self.rank, MPI.LOCK_SHARED):
-                win.Fetch_and_op(_int64(value), _int64(value), self.rank,
-                                 slot * COUNTER_BYTES, MPI.NO_OP)
-        return int(pushes[0]), int(done[0]), int(pulls[0])
+        windows.accum.Get_accumulate(_NO_INT64, _int64(self._counters), self.rank,
+                                     (0, ACCUM_SLOTS, MPI.INT64_T), MPI.NO_OP)
+        windows.params.Fetch_and_op(_int64(self._pulls), _int64(self._pulls), self.rank,
+                                    PULLS * COUNTER_BYTES, MPI.NO_OP)
+        windows.accum.Flush(self.rank)
+        windows.params.Flush(self.rank)
+        completed = self._counters[COMPLETED] + self._counters[COMPLETED + 1]
+        return int(completed), int(self._counters[DONE]), int(self._pulls[0])
+
+    def watch_clients(self, gone: Callable[[int], bool]) -> None:
+        """Let the fold ask whether a client (world rank) is gone (e.g. liveness.Peers.gone)
+        when a push it started does not complete: a gone client's push is written off
+        after GONE_CHECK_S instead of GIVE_UP_S. Local."""
+        self._client_gone = gone
 
     def read_run_control(self) -> ControlView:
         """Downpour's run control block (distbelief.ps.run_control) as it stands on this shard
         (shard 0 holds the one in use).
 
-        One-sided on its own ACCUM window: one SHARED epoch of Get_accumulate(NO_OP) reads
-        with each slot's datatype, legal against the clients' concurrent SUMs.
+        One-sided on its own ACCUM window: Get_accumulate(NO_OP) reads with each slot's
+        datatype, legal against the clients' concurrent SUMs.
         """
         win = self._live().accum
         n = self._control.size
         ints = np.zeros(n, dtype=np.int64)
-        zeros = np.zeros(n, dtype=np.int64)
         loss = np.zeros(1, dtype=np.float64)
         parts = [(0, rc.LOSS), (rc.LOSS + 1, n)]  # int64 slots around the float64 LOSS
-        with _epoch(win, self.rank, MPI.LOCK_SHARED):
-            for a, b in parts:
-                win.Get_accumulate(_int64(zeros[a:b]), _int64(ints[a:b]), self.rank,
-                                   (HEADER_BYTES + a * COUNTER_BYTES, b - a, MPI.INT64_T),
-                                   MPI.NO_OP)
-            win.Get_accumulate(_float64(np.zeros(1)), _float64(loss), self.rank,
-                               (HEADER_BYTES + rc.LOSS * COUNTER_BYTES, 1, MPI.DOUBLE),
+        for a, b in parts:
+            win.Get_accumulate(_NO_INT64, _int64(ints[a:b]), self.rank,
+                               (HEADER_BYTES + a * COUNTER_BYTES, b - a, MPI.INT64_T),
                                MPI.NO_OP)
+        win.Get_accumulate(_NO_DOUBLE, _float64(loss), self.rank,
+                           (HEADER_BYTES + rc.LOSS * COUNTER_BYTES, 1, MPI.DOUBLE),
+                           MPI.NO_OP)
+        _complete(win, (self.rank,))
         return rc.ControlView.from_block(ints, float(loss[0]))
 
     def add_run_control(self, slot: int, value: int) -> None:
         """Add `value` to slot `slot` of this shard's run control block (shard 0's commands:
         STOP, CHECKPOINT, RELEASE, TEARDOWN, a replica's LOST).
 
-        One-sided on its own ACCUM window: Accumulate(SUM) inside a SHARED epoch, the same
-        op the clients use, so shard 0 needs no exclusive lock to command (a client that
-        died inside its epoch cannot block it).
+        One-sided on its own ACCUM window: Accumulate(SUM), the same op the clients use,
+        completed by Flush; no lock (a client that died mid-exchange cannot block it).
         """
         win = self._live().accum
-        with _epoch(win, self.rank, MPI.LOCK_SHARED):
-            win.Accumulate(_int64(np.array([value], dtype=np.int64)), self.rank,
-                           (HEADER_BYTES + slot * COUNTER_BYTES, 1, MPI.INT64_T), MPI.SUM)
+        win.Accumulate(_int64(np.array([value], dtype=np.int64)), self.rank,
+                       (HEADER_BYTES + slot * COUNTER_BYTES, 1, MPI.INT64_T), MPI.SUM)
+        _complete(win, (self.rank,))
 
     def snapshot(self, out: np.ndarray) -> np.ndarray:
         """The whole current parameter vector into `out` (float32, the full size): this
         shard's master copy, and every other shard's published slice; returns the version
         of each slice (int64, one per shard). Used by shard 0 to evaluate while it serves.
 
-        One-sided: Get from every other shard's PARAMS window under SHARED locks, all open
-        at once (a client's pull, without the pull counter). Waits only for the other
-        shards' own polling, never for a replica.
+        One-sided: reads every other shard's published buffer as a client's pull does,
+        without the pull counter. Waits only for the other shards' own polling, never for
+        a replica.
         """
-        windows = self._live()
+        self._live()
         if out.dtype != DTYPE or out.shape != (self.size,) or not out.flags.c_contiguous:
             raise ValueError(f"snapshot buffer must be a contiguous float32 vector of "
                              f"{self.size} elements, got {out.dtype} {out.shape}")
         headers = np.zeros((self.topology.ps_shards, 2), dtype=np.int64)
         others = [s for s in self.topology.shard_ranks if s != self.rank]
-        with ExitStack() as stack:
-            for shard in others:
-                stack.enter_context(_epoch(windows.params, shard, MPI.LOCK_SHARED))
-            for shard in others:
-                start, stop = self.ranges[shard]
-                windows.params.Get(_int64(headers[shard]), shard, (0, 2, MPI.INT64_T))
-                windows.params.Get([out[start:stop], MPI.FLOAT], shard,
-                                   (HEADER_BYTES, stop - start, MPI.FLOAT))
+        if others:
+            _read_published(self._live(), others,
+                            {s: [self.ranges[s]] for s in others}, self.ranges, out,
+                            headers)
         out[self.start : self.stop] = self._master
         headers[self.rank, VERSION] = self._taken
         return headers[:, VERSION].copy()
 
-    @contextmanager
-    def _exclusive(self, win: MPI.Win) -> Iterator[None]:
-        """An EXCLUSIVE epoch on this rank's own part of `win`, timed: the wait for the
-        lock (clients' SHARED epochs in flight) and how long it is held."""
-        t0 = time.perf_counter()
-        with _epoch(win, self.rank, MPI.LOCK_EXCLUSIVE):
-            t1 = time.perf_counter()
-            yield
-            t2 = time.perf_counter()
-        self.stats.exclusive(wait=t1 - t0, hold=t2 - t1)
+    def _self_ops(self, win: MPI.Win) -> None:
+        """Complete this rank's operations on its own part of `win`."""
+        win.Flush(self.rank)
 
     def fold(self) -> int:
-        """Take the accumulated gradient and apply it with the optimizer; returns the
-        number of pushes it contained (0: nothing to do, the version is unchanged).
+        """Fold every push started so far into the parameters, waiting (polling) for them
+        to complete; returns the number of pushes folded (0: none, version unchanged).
+        Local loop over serve_once's steps, for tests and callers outside serve()."""
+        self.read_counters()
+        if self._flipped_at is None and not self._flip():
+            return 0
+        backoff = Backoff(min_sleep_s=20e-6, max_sleep_s=0.5e-3)
+        while True:
+            self.read_counters()
+            folded = self._advance()
+            if self._flipped_at is None:
+                return folded
+            backoff.wait()
 
-        One-sided on its own windows: an EXCLUSIVE epoch on ACCUM copies out and zeroes
-        the accumulator, the optimizer runs outside any lock on the private master copy,
-        an EXCLUSIVE epoch on PARAMS publishes the result.
-        """
-        with self._exclusive(self._live().accum):
-            pushes = int(self._accum_header[PUSHES])
-            if pushes == self._pushes_taken:
+    def _flip(self) -> bool:
+        """Close the current phase if a push started in it: Fetch_and_op(SUM, PHASE) on
+        TICKET (the same op the clients use) returns the pushes started before; from now
+        on pushes go to the other accumulator. Returns whether it flipped."""
+        started = int(self._counters[TICKET]) % PHASE
+        if started == self._started:
+            return False
+        win = self._live().accum
+        win.Fetch_and_op(_int64(self._phase_unit), _int64(self._ticket), self.rank,
+                         TICKET * COUNTER_BYTES, MPI.SUM)
+        self._self_ops(win)
+        started = int(self._ticket[0]) % PHASE
+        self._expected[self._phase % 2] += started - self._started
+        self._started = started
+        self._phase += 1
+        self._flipped_at = time.perf_counter()
+        return True
+
+    def _advance(self) -> int:
+        """One step of the fold cycle, from the counters as last read: flip when pushes
+        are pending, take the closed phase's accumulator once every push of it has
+        completed (or after GIVE_UP_S). Returns the pushes folded (0: none now)."""
+        if self._flipped_at is None:
+            if not self._flip():
                 return 0
-            np.copyto(self._grad, self._accum)
-            self._accum.fill(0)
-            self._taken += 1
-            self._accum_header[TAKEN] = self._taken
+            # Usually every push of the closed phase has completed already: look now
+            # rather than a poll later (a read-your-writes client waits for this take).
+            self.read_counters()
+        closed = (self._phase - 1) % 2
+        completed = int(self._counters[COMPLETED + closed])
+        if completed < self._expected[closed]:
+            waited = time.perf_counter() - self._flipped_at
+            if waited < GONE_CHECK_S:
+                return 0
+            if waited < GIVE_UP_S:
+                self._written_off += self._gone_pending()
+                if completed + self._written_off < self._expected[closed]:
+                    return 0
+            missing = self._expected[closed] - completed
+            print(f"distbelief: shard {self.rank}: {missing} push(es) started {waited:.2f} s "
+                  "ago never completed (a replica died or froze in the middle of a push); "
+                  "folding without them", file=sys.stderr, flush=True)
+            self._expected[closed] = completed
+        return self._take(closed)
+
+    def _gone_pending(self) -> int:
+        """How many clients with a push in flight (PENDING) are gone; each is written off
+        once (a gone client's PENDING stays 1 for ever)."""
+        if self._client_gone is None or not self._pending.size:
+            return 0
+        win = self._live().accum
+        win.Get_accumulate(_NO_INT64, _int64(self._pending), self.rank,
+                           (self._live().pending, self._pending.size, MPI.INT64_T), MPI.NO_OP)
+        self._self_ops(win)
+        shards = self.topology.ps_shards
+        gone = [c for c in np.flatnonzero(self._pending > 0)
+                if int(c) not in self._given_up and self._client_gone(shards + int(c))]
+        self._given_up.update(int(c) for c in gone)
+        return len(gone)
+
+    def _take(self, closed: int) -> int:
+        """Take accumulator `closed` (every push of its phase completed, none will add to
+        it before the next flip): read it (Get_accumulate NO_OP), subtract what was read
+        (Accumulate SUM of the negation: exactly zero, and legal against a late SUM);
+        apply it with the optimizer on the private master copy; publish."""
+        windows = self._live()
+        win, count = windows.accum, self.stop - self.start
+        t0 = time.perf_counter()
+        data = (windows.accumulator(closed, count), count, MPI.FLOAT)
+        win.Get_accumulate(_NO_FLOAT, [self._grad, MPI.FLOAT], self.rank, data, MPI.NO_OP)
+        self._self_ops(win)
+        np.negative(self._grad, out=self._negated)
+        win.Accumulate([self._negated, MPI.FLOAT], self.rank, data, MPI.SUM)
+        self._self_ops(win)
+        self._taken += 1
+        self.stats.exclusive(wait=t0 - self._flipped_at, hold=time.perf_counter() - t0)
+        self._flipped_at = None
+        self._written_off = 0
+        pushes = sum(self._expected)
         new = pushes - self._pushes_taken
         self._pushes_taken = pushes
         self._optimizer.step(self._master, self._grad)
@@ -547,11 +724,30 @@ class ParameterServerShard(_Endpoint):
         return new
 
     def _publish(self) -> None:
-        """Copy the master parameters and the counters into PARAMS (EXCLUSIVE on self)."""
-        with self._exclusive(self._live().params):
-            np.copyto(self._params, self._master)
-            self._params_header[VERSION] = self._taken
-            self._params_header[APPLIED] = self._pushes_taken
+        """Write the master parameters, version and applied count into the next PARAMS
+        buffer: BEGUN += 1, the buffer (Accumulate REPLACE), PUBLISHED += 1, each round
+        completed by Flush. A reader that saw PUBLISHED = p reads buffer p % 2 and keeps
+        what it read only if BEGUN <= p + 1 after its read (the write of p + 2, the next
+        into that buffer, had not begun)."""
+        windows = self._live()
+        win, count = windows.params, self.stop - self.start
+        t0 = time.perf_counter()
+        publish = self._publishes + 1
+        win.Accumulate(_int64(self._one), self.rank, (BEGUN * COUNTER_BYTES, 1, MPI.INT64_T),
+                       MPI.SUM)
+        self._self_ops(win)
+        where = windows.buffer(publish, count)
+        self._buffer_header[:] = (self._taken, self._pushes_taken)
+        win.Accumulate(_int64(self._buffer_header), self.rank, (where, 2, MPI.INT64_T),
+                       MPI.REPLACE)
+        win.Accumulate([self._master, MPI.FLOAT], self.rank,
+                       (where + HEADER_BYTES, count, MPI.FLOAT), MPI.REPLACE)
+        self._self_ops(win)
+        win.Accumulate(_int64(self._one), self.rank,
+                       (PUBLISHED * COUNTER_BYTES, 1, MPI.INT64_T), MPI.SUM)
+        self._self_ops(win)
+        self._publishes = publish
+        self.stats.exclusive(wait=0.0, hold=time.perf_counter() - t0)
 
     def serve_once(self) -> bool:
         """One poll: read the counters (which drives MPI progress, letting the clients'
@@ -560,14 +756,16 @@ class ParameterServerShard(_Endpoint):
         the caller to keep polling fast. One-sided on its own windows.
         """
         self.stats.polls += 1
-        pushes, done, pulls = self.read_counters()
+        _, done, pulls = self.read_counters()
+        phase = self._phase
+        folded = self._advance() > 0
         # Clients finish only after their last push completed, so once every client is
-        # done, `pushes` is final and folding it leaves nothing behind.
-        folded = pushes > self._pushes_taken and self.fold() > 0
-        if done == self.num_clients and self._pushes_taken >= pushes:
+        # done, the tickets are final, and a fold of all of them leaves nothing behind.
+        if (done == self.num_clients and self._flipped_at is None
+                and int(self._counters[TICKET]) % PHASE == self._started):
             self._finished = True
         pulled, self.stats.pulls = pulls > self.stats.pulls, pulls
-        return folded or pulled
+        return folded or pulled or self._phase != phase
 
     def serve(self, backoff: Backoff | None = None,
               between: Callable[[], bool] | None = None,
@@ -578,7 +776,7 @@ class ParameterServerShard(_Endpoint):
         Polls with `serve_once`, sleeping between polls under `backoff` (shortest sleep
         after traffic, longer while idle). `between()`, if given, runs after every poll
         (Downpour's shard 0 evaluates, logs and applies the stop rules there; it must be
-        short, since the clients' epochs wait while it runs); True counts as traffic.
+        short, since the clients' operations wait while it runs); True counts as traffic.
         One-sided on its own windows, plus whatever `between` does.
         """
         backoff = backoff or Backoff()
@@ -607,9 +805,11 @@ class ParameterServerShard(_Endpoint):
 @dataclass
 class ShardStats:
     """What a shard did: folds, pushes folded, pulls served (as of the last poll), polls,
-    its exclusive sections (time held, and time waiting for the clients' shared epochs to
-    drain), CPU and wall time served, and the transport ("rma" or "shared"). On the shared
-    transport the clients fold, and folds/pushes/pulls are read from the segment."""
+    its fold sections (on "rma", each take and each publish counts one: `hold` is its own
+    time, `wait` the time a take waited after its flip for the closed phase's pushes to
+    complete; the names are from the lock-based scheme before issue 17), CPU and wall
+    time served, and the transport ("rma" or "shared"). On the shared transport the
+    clients fold, and folds/pushes/pulls are read from the segment."""
 
     folds: int = 0
     pushes: int = 0
@@ -669,8 +869,9 @@ class ParameterClient(_Endpoint):
     """A replica's (or the coordinator's) handle on all shards: pull, push, finish.
 
     Created by `open_parameter_server` on every non-shard rank. pull, push and finish are
-    one-sided, targeting every shard (SHARED locks on all shards at once, so transfers to
-    several shards overlap); free is collective over the world communicator.
+    one-sided, targeting every shard (each round issued to all shards before one Flush
+    per shard, so transfers to several shards overlap); free is collective over the
+    world communicator.
     """
 
     def __init__(self, comm: MPI.Comm, windows: _ShardWindows, topology: Topology,
@@ -683,18 +884,29 @@ class ParameterClient(_Endpoint):
         self._finished = False
         self._headers = np.zeros((shards, 2), dtype=np.int64)
         self._one = np.ones(1, dtype=np.int64)
-        self._taken = np.zeros((shards, 1), dtype=np.int64)
+        self._taken = np.zeros((shards, 1), dtype=np.int64)  # phase of the last push
+        self._tickets = np.zeros((shards, 1), dtype=np.int64)
+        self._minus_one = -self._one
+        self._client = topology.world_rank - shards  # its PENDING slot
         self._push_versions = np.zeros(shards, dtype=np.int64)  # versions holding last push
+        self._published = np.zeros((shards, 1), dtype=np.int64)  # PUBLISHED as last read
+        self._begun = np.zeros((shards, 1), dtype=np.int64)  # BEGUN as last read
         # What this client transfers, per shard: all of its range unless restrict_to.
         self._segments = [[r] for r in self.ranges]
         self._touched = np.ones(shards, dtype=bool)
-        self._hang: Any = None  # test-only: distbelief.runtime.faults.Faults to hang in a push
+        self._hang: Any = None  # test-only: what to do in the next push (Faults.hang or .kill)
         self._linger_s = 0.0  # test-only: seconds to hold each exchange's epoch open
 
     def hang_in_next_push(self, faults: Any) -> None:
         """TEST-ONLY (distbelief.runtime.faults "hang"): the next push stops responding for ever
         while it holds its locks on the shards, as a replica that froze mid-push."""
-        self._hang = faults
+        self._hang = faults.hang
+
+    def kill_in_next_push(self, faults: Any) -> None:
+        """TEST-ONLY (distbelief.runtime.faults "killpush"): the next push kills its process
+        (SIGKILL) once its operations are issued, before they complete, as a replica whose
+        node crashed mid-push."""
+        self._hang = faults.kill
 
     def linger_in_exchanges(self, seconds: float) -> None:
         """TEST-ONLY (distbelief.runtime.faults "linger"): from now on every exchange flushes
@@ -704,7 +916,7 @@ class ParameterClient(_Endpoint):
 
     def _maybe_hang(self, shard: int) -> None:
         if self._hang is not None:
-            self._hang.hang(f"in a push, holding the lock on shard {shard}")
+            self._hang(f"in a push, holding the lock on shard {shard}")
 
     def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
         """From now on pull and push only `pieces`, [start, stop) ranges of the vector (a
@@ -732,48 +944,45 @@ class ParameterClient(_Endpoint):
             raise RuntimeError("this client already called finish()")
         return windows
 
-    @contextmanager
-    def _all_shards(self, *wins: MPI.Win) -> Iterator[None]:
-        """SHARED epochs on every shard of every window in `wins`, open at the same time,
-        so that their lock round trips and transfers overlap."""
-        with ExitStack() as stack:
-            for win in wins:
-                for shard in self.topology.shard_ranks:
-                    stack.enter_context(_epoch(win, shard, MPI.LOCK_SHARED))
-            yield
+    def _pulled_shards(self) -> list[int]:
+        return [s for s in self.topology.shard_ranks if self._touched[s]]
 
-    def _issue_pull(self, win: MPI.Win, out: np.ndarray) -> None:
-        for shard, (low, _) in enumerate(self.ranges):
-            if not self._touched[shard]:
-                continue
-            # version and applied only: `pulls` is updated concurrently by other clients.
-            win.Get(_int64(self._headers[shard]), shard, (0, 2, MPI.INT64_T))
-            for start, stop in self._segments[shard]:
-                win.Get([out[start:stop], MPI.FLOAT], shard,
-                        (HEADER_BYTES + (start - low) * FLOAT_BYTES, stop - start, MPI.FLOAT))
-            win.Accumulate(_int64(self._one), shard, (PULLS * COUNTER_BYTES, 1, MPI.INT64_T),
-                           MPI.SUM)
+    def _issue_push_ticket(self, win: MPI.Win) -> None:
+        """A push's first round: take a ticket on each shard it touches (Fetch_and_op SUM
+        of 1 on TICKET): it counts the push as started and names its phase."""
+        pending = self._live().pending + self._client * COUNTER_BYTES
+        for shard in self._pulled_shards():
+            win.Fetch_and_op(_int64(self._one), _int64(self._tickets[shard]), shard,
+                             TICKET * COUNTER_BYTES, MPI.SUM)
+            win.Accumulate(_int64(self._one), shard, (pending, 1, MPI.INT64_T), MPI.SUM)
 
-    def _issue_push(self, win: MPI.Win, grad: np.ndarray,
-                    control: ControlExchange | None) -> None:
-        # The order inside the epoch does not matter: the shard takes the accumulator and
-        # the push count together under its EXCLUSIVE lock, after this SHARED epoch has
-        # completed. (Counters first, to wake the shard earlier, was measured: no faster.)
-        data = self._live().accum_data
-        for shard, (low, _) in enumerate(self.ranges):
-            if not self._touched[shard]:
-                continue
+    def _issue_push_data(self, win: MPI.Win, grad: np.ndarray,
+                         control: ControlExchange | None) -> None:
+        """A push's second round: Accumulate(SUM) of the gradient into the accumulator of
+        its phase on each shard, and the control operations on shard 0."""
+        windows = self._live()
+        self._taken[:, 0] = self._tickets[:, 0] // PHASE
+        for shard in self._pulled_shards():
+            low, high = self.ranges[shard]
+            base = windows.accumulator(int(self._taken[shard, 0]), high - low)
             for start, stop in self._segments[shard]:
                 win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
-                               (data + (start - low) * FLOAT_BYTES, stop - start,
+                               (base + (start - low) * FLOAT_BYTES, stop - start,
                                 MPI.FLOAT), MPI.SUM)
-            win.Accumulate(_int64(self._one), shard, (PUSHES * COUNTER_BYTES, 1, MPI.INT64_T),
-                           MPI.SUM)
-            win.Fetch_and_op(_int64(self._one), _int64(self._taken[shard]), shard,
-                             TAKEN * COUNTER_BYTES, MPI.NO_OP)
         if control is not None:
             control.issue(win, CONTROL_SHARD, HEADER_BYTES)
         self._maybe_hang(CONTROL_SHARD)
+
+    def _issue_push_done(self, win: MPI.Win) -> None:
+        """A push's third round, once its gradient has completed at every shard:
+        Accumulate(SUM) of 1 into the COMPLETED counter of its accumulator, which the
+        shard waits for before it takes that accumulator."""
+        pending = self._live().pending + self._client * COUNTER_BYTES
+        for shard in self._pulled_shards():
+            slot = COMPLETED + int(self._taken[shard, 0]) % 2
+            win.Accumulate(_int64(self._one), shard, (slot * COUNTER_BYTES, 1, MPI.INT64_T),
+                           MPI.SUM)
+            win.Accumulate(_int64(self._minus_one), shard, (pending, 1, MPI.INT64_T), MPI.SUM)
 
     def _pulled(self) -> np.ndarray:
         self.pulled_versions[:] = self._headers[:, VERSION]
@@ -781,7 +990,8 @@ class ParameterClient(_Endpoint):
         return self.pulled_versions.copy()
 
     def _pushed(self) -> np.ndarray:
-        # The push read taken = t on each shard: the fold that applies it is take t + 1.
+        # The push took its ticket in phase t on each shard: the take of phase t, version
+        # t + 1, applies it; the shard applied t - p updates after the pull of version p.
         touched = self._touched
         self._push_versions[touched] = self._taken[touched, 0] + 1
         staleness = self._taken[:, 0] - self.pulled_versions
@@ -790,44 +1000,64 @@ class ParameterClient(_Endpoint):
 
     def pull(self, out: np.ndarray) -> np.ndarray:
         """Fetch all parameters into `out`; returns each shard's version (int64, one per
-        shard). One-sided: Get from every shard's PARAMS window under a SHARED lock, so
-        each shard's slice is one consistent snapshot matching its version (plus an
-        Accumulate(SUM) of 1 into its pull counter)."""
+        shard). One-sided: reads each shard's latest published buffer (Get_accumulate
+        NO_OP, checked untorn; see _read_published), plus an Accumulate(SUM) of 1 into its
+        pull counter."""
         self._check_vector(out, "pull buffer")
-        win = self._check_open().params
-        with self._all_shards(win):
-            self._issue_pull(win, out)
+        windows = self._check_open()
+        _read_published(windows, self._pulled_shards(), self._segments, self.ranges, out,
+                        self._headers, self._one)
         return self._pulled()
 
     def push(self, grad: np.ndarray, control: ControlExchange | None = None) -> np.ndarray:
         """Add `grad` to every shard's accumulator; returns the staleness per shard
-        (updates the shard applied after the version of the last pull, before this one).
+        (updates the shard applied after the version of the last pull, before the push
+        completed).
 
-        One-sided: per shard, in one SHARED epoch, Accumulate(SUM) of its slice and of 1
-        into its push counter, and Fetch_and_op(NO_OP) on taken; with `control`, its
-        operations on shard 0 ride in the same epoch.
+        One-sided, two rounds each completed by Flush: Accumulate(SUM) of each shard's
+        slice (with `control`, its operations on shard 0 too); then Accumulate(SUM) of 1
+        into each push counter and Fetch_and_op(NO_OP) on taken.
         """
         self._check_vector(grad, "gradient")
         win = self._check_open().accum
-        with self._all_shards(win):
-            self._issue_push(win, grad, control)
+        shards = self.topology.shard_ranks
+        self._issue_push_ticket(win)
+        _complete(win, shards)
+        self._issue_push_data(win, grad, control)
+        _complete(win, shards)
+        self._issue_push_done(win)
+        _complete(win, shards)
         return self._pushed()
 
     def push_pull(self, grad: np.ndarray, out: np.ndarray,
                   control: ControlExchange | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """push(grad, control) and pull(out) with all their epochs open at once; returns
+        """push(grad, control) and pull(out) with their rounds overlapped; returns
         (staleness, versions) as push and pull do.
 
-        One-sided, to every shard: the same operations as push and pull, overlapped, so a
-        training step costs the shard one round of lock traffic instead of two. The
-        parameters fetched may or may not contain this gradient yet (usually not).
+        One-sided, to every shard: the same operations as push and pull, in three rounds
+        instead of five. The parameters fetched may or may not contain this gradient yet
+        (usually not).
         """
         self._check_vector(grad, "gradient")
         self._check_vector(out, "pull buffer")
         windows = self._check_open()
-        with self._all_shards(windows.accum, windows.params):
-            self._issue_push(windows.accum, grad, control)
-            self._issue_pull(windows.params, out)
+        accum, params = windows.accum, windows.params
+        shards, pulled = self.topology.shard_ranks, self._pulled_shards()
+        self._issue_push_ticket(accum)
+        _issue_reads_of(params, pulled, PUBLISHED, self._published)
+        _complete(accum, shards)
+        _complete(params, pulled)
+        self._issue_push_data(accum, grad, control)
+        _issue_buffer_reads(windows, pulled, self._segments, self.ranges, out, self._headers,
+                            self._published, self._one)
+        _complete(accum, shards)
+        _complete(params, pulled)
+        self._issue_push_done(accum)
+        _issue_reads_of(params, pulled, BEGUN, self._begun)
+        _complete(accum, shards)
+        _complete(params, pulled)
+        if not _untorn(pulled, self._published, self._begun):
+            _read_published(windows, pulled, self._segments, self.ranges, out, self._headers)
         return self._pushed(), self._pulled()
 
     def catch_up(self, out: np.ndarray, backoff: Backoff | None = None) -> int:
@@ -857,11 +1087,10 @@ class ParameterClient(_Endpoint):
         """Only the control operations, without a gradient (a replica's first claim, its
         warm-start polls). One-sided: a SHARED epoch on shard 0's ACCUM window."""
         win = self._check_open().accum
-        with _epoch(win, CONTROL_SHARD, MPI.LOCK_SHARED):
-            control.issue(win, CONTROL_SHARD, HEADER_BYTES)
-            if self._linger_s:
-                win.Flush(CONTROL_SHARD)
-                time.sleep(self._linger_s)
+        control.issue(win, CONTROL_SHARD, HEADER_BYTES)
+        _complete(win, (CONTROL_SHARD,))
+        if self._linger_s:
+            time.sleep(self._linger_s)
 
     def finish(self) -> None:
         """Tell every shard that this rank will push no more. One-sided: Accumulate(SUM) of
@@ -869,10 +1098,10 @@ class ParameterClient(_Endpoint):
         if self._finished:
             return
         win = self._check_open().accum
-        with self._all_shards(win):
-            for shard in self.topology.shard_ranks:
-                win.Accumulate(_int64(self._one), shard, (DONE * COUNTER_BYTES, 1, MPI.INT64_T),
-                               MPI.SUM)
+        for shard in self.topology.shard_ranks:
+            win.Accumulate(_int64(self._one), shard, (DONE * COUNTER_BYTES, 1, MPI.INT64_T),
+                           MPI.SUM)
+        _complete(win, self.topology.shard_ranks)
         self._finished = True
 
     def free(self) -> None:

@@ -93,7 +93,8 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
         return endpoint
     index = topology.shard_index
     local_count = 0 if index is None else ranges[index][1] - ranges[index][0]
-    windows = _ShardWindows(comm, local_count, rc.block_bytes(control_replicas))
+    windows = _ShardWindows(comm, local_count, rc.block_bytes(control_replicas),
+                            clients=topology.world_size - topology.ps_shards)
     # Local set-up: a shard publishes its initial parameters under its own lock.
     if topology.is_shard:
         endpoint = ParameterServerShard(comm, windows, topology, size,

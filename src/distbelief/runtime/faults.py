@@ -13,6 +13,9 @@ Sandblaster replica its work units, a Downpour shard the updates it has folded.
     delay:RANK:AT:0.002s  from step AT on, every step takes 2 ms longer
     hang:RANK:AT          stop responding after step AT, for ever (a Downpour replica: in the
                           middle of its next push, holding the lock on the shard it pushes to)
+    killpush:RANK:AT      SIGKILL itself in the middle of its next push after step AT (a
+                          Downpour replica: its operations on the shards issued, not completed,
+                          holding whatever the transport holds during a push)
     pause:RANK:AT:5s      stop responding after step AT for 5 s, holding nothing, then go on
     linger:RANK:AT:1s     a Downpour replica that has done AT steps or more, at the end of the
                           run: hold each epoch of its exchanges with shard 0 open 1 s longer,
@@ -38,7 +41,7 @@ import numpy as np
 from distbelief.errors import ConfigError
 
 ENV = "DISTBELIEF_FAULTS"
-ACTIONS = ("kill", "raise", "poison", "delay", "hang", "pause", "linger")
+ACTIONS = ("kill", "raise", "poison", "delay", "hang", "killpush", "pause", "linger")
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,10 @@ class Faults:
     def hang_due(self, step: int) -> bool:
         """Whether the rank is to stop responding after `step` (the caller decides where)."""
         return bool(self._firing("hang", step))
+
+    def kill_in_push_due(self, step: int) -> bool:
+        """Whether the rank is to kill itself inside its push after `step`."""
+        return bool(self._firing("killpush", step))
 
     def linger_seconds(self, step: int) -> float:
         """How long each end-of-run exchange epoch is to stay open, once `step` steps are

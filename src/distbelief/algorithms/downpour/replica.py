@@ -191,6 +191,8 @@ class Replica:
                 self.faults.after_step(self.t, time.perf_counter() - t0)
                 if self.faults.hang_due(self.t):
                     self.client.hang_in_next_push(self.faults)
+                if self.faults.kill_in_push_due(self.t):
+                    self.client.kill_in_next_push(self.faults)
         self._push(self.control.set(plan.n_push, done, loss_sum))
         self.stats_.steps += done
         self.stats_.samples += done * plan.batch_size

@@ -114,6 +114,9 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
         lambda n: (start.optimizer if start.optimizer is not None
                    else make_optimizer(opt.adagrad, opt.learning_rate, n)),
         initial, control_replicas=plan.num_replicas)
+    if isinstance(endpoint, ParameterServerShard):
+        # A replica killed mid-push is written off as soon as its process is seen gone.
+        endpoint.watch_clients(peers.gone)
     # The shards' communicator (rounds, checkpoints) and each replica's partitions'.
     communicators = split_communicators(comm, topology)
     messages = comm.Dup()
