@@ -208,7 +208,7 @@ REFUSED = re.compile(r"^distbelief: error: run\.out_dir .* belongs to a live run
 def test_a_second_run_on_a_live_runs_folder_is_refused_and_the_first_is_untouched(
         data_dir: Path, tmp_path: Path, second: str) -> None:
     out, log = tmp_path / "out", tmp_path / "log"
-    first = start_sgd(data_dir, out, log, "run.max_steps=0", "run.max_seconds=6",
+    first = start_sgd(data_dir, out, log, "run.max_steps=0", "run.max_seconds=10",
                       "run.checkpoint_every_seconds=1")
     try:
         wait_for_training(first, out, log)
