@@ -238,13 +238,20 @@ class Supervisor(_ShardRole):
                 if not self.stop_code:
                     _print(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice "
                                         "of the rank(s) found gone; training goes on")
-            elif now - first >= NOTICE_DELAY_S:
+            elif now - first >= self._notice_delay():
                 self._stop(rc.STOP_SIGNAL, "SIGUSR1")
             else:
                 waiting.append((previous, first))
         self.usr1_pending = waiting
 
     # -- liveness
+
+    def _notice_delay(self) -> float:
+        """How long a new SIGUSR1 waits for a rank to be found gone: NOTICE_DELAY_S, plus
+        the heartbeat timeout when ranks on other nodes are found by their heartbeat (else
+        hydra's notice of a death there would stop the run before the death is found)."""
+        beats = self.run_.peers.heartbeats
+        return NOTICE_DELAY_S + (beats.timeout_s + SWEEP_S if beats is not None else 0.0)
 
     def _sweep(self, now: float, shards: bool = True) -> None:
         """Look for gone shards (fatal; not once the shards have ended the run together and
@@ -265,7 +272,9 @@ class Supervisor(_ShardRole):
             if replica in self.lost:
                 continue
             if gone:
-                self._lose(replica, ranks, f"the process of rank {gone[0]} is gone")
+                how = peers.how_gone(gone[0])
+                self._lose(replica, ranks, f"rank {gone[0]} is gone{how}" if how
+                           else f"the process of rank {gone[0]} is gone")
             elif (timeout and rows is not None and not rows[replica, rc.FINISHED]
                   and now - self.beat_times[replica] > timeout):
                 self._lose(replica, ranks, f"no news from it for {timeout:g} s "
