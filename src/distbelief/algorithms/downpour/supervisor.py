@@ -442,6 +442,10 @@ class Supervisor(_ShardRole):
 
     def _after_checkpoint(self, outcome: dict[str, Any], seconds: float) -> None:
         super()._after_checkpoint(outcome, seconds)
+        # The replicas were paused, and over RMA their news waits for this shard's
+        # progress: a silence while shard 0 itself was writing does not count against
+        # them (run.replica_timeout_seconds), however long the checkpoint took.
+        self.beat_times[:] = time.monotonic()
         if "path" in outcome:
             path = Path(outcome["path"])
             self.checkpoints += 1
