@@ -46,8 +46,8 @@ a replica whose process on this node is gone (distbelief.runtime.liveness; any o
 whose heartbeat file on another node (distbelief.runtime.nodes says which ranks share a
 node, distbelief.runtime.heartbeat how they beat) has not changed for
 `run.heartbeat_timeout_seconds` (30 s), or whose BEAT in the control block has not moved
-for `run.replica_timeout_seconds` (alive but stuck), is declared lost: LOST is set in its slots (a replica that was only stalled
-stops when it reads it), the summary records it, checkpoints give it no part (a resume
+for `run.replica_timeout_seconds` (alive but stuck), is declared lost: LOST is set in its
+slots (a replica that was only stalled stops when it reads it), the summary records it, checkpoints give it no part (a resume
 starts it on a fresh pass), and the run goes on without it: the steps it was granted and
 had not pushed (at most n_push) are not trained. Whether the other ranks live on is the
 launcher's choice: MPICH's hydra keeps them with `-disable-auto-cleanup`
