@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, run_cli, run_mpi
+from conftest import REPO, _env, run_cli, run_mpi, simulated_test_nodes
 
 from distbelief.config import apply_overrides, config_from_dict
 from distbelief.data.converters import convert_idx, make_synthetic
@@ -104,6 +104,8 @@ def check_downpour_summary(summary: dict, n: int, shards: int) -> None:
     assert combined["samples"] == pushes * shards
     assert combined["max"] == max(r["staleness"]["max"] for r in replicas)
     assert all(key in summary for key in REQUIRED_SUMMARY_KEYS)
+    if simulated_test_nodes():  # ranks on several nodes share no memory
+        assert {s["transport"] for s in summary["shards"]} == {"rma"}
 
 
 def check_metrics(lines: list[dict], summary: dict) -> None:
@@ -125,7 +127,8 @@ def check_metrics(lines: list[dict], summary: dict) -> None:
 # -- end to end -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("transport", ["shared", "rma"])
+# The RMA cases also run on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES).
+@pytest.mark.parametrize("transport", ["shared", pytest.param("rma", marks=pytest.mark.nodes)])
 @pytest.mark.parametrize("n, shards, extra", [
     (2, 1, []),
     (3, 2, ["optimizer.adagrad=false"]),                # 1 replica, odd slices, SGD

@@ -261,6 +261,7 @@ def test_one_replica_resumed_is_bit_identical_to_an_uninterrupted_run(
     ((3, 1), (2, 1)),    # 2 replicas -> 1
 ])
 @pytest.mark.both_mpis
+@pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 def test_another_replica_or_shard_count_starts_from_the_checkpoint_exactly(
         data_dir: Path, tmp_path: Path, first: tuple, second: tuple) -> None:
     out, dump = tmp_path / "out", tmp_path / "dump"
@@ -439,7 +440,8 @@ def test_periodic_checkpoints_by_time_keep_the_newest(data_dir: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("n, shards, n_push, transport", [
-    (4, 2, 1, "shared"), (4, 1, 3, "shared"), (4, 2, 3, "rma")])
+    (4, 2, 1, "shared"), (4, 1, 3, "shared"),
+    pytest.param(4, 2, 3, "rma", marks=pytest.mark.nodes)])  # and on simulated nodes
 def test_every_checkpoint_is_a_consistent_snapshot(data_dir: Path, tmp_path: Path, n: int,
                                                    shards: int, n_push: int,
                                                    transport: str) -> None:

@@ -187,6 +187,7 @@ def single_process(data_dir: Path) -> dict:
     return finished(run_cli(train_args(data_dir, out), timeout=TIMEOUT), out)
 
 
+@pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 @pytest.mark.parametrize("partitions", [2, 3])
 def test_partitioned_sgd_trains_like_the_single_process_trainer(data_dir, tmp_path,
                                                                  single_process, partitions):
@@ -226,6 +227,7 @@ def test_partitioned_sgd_target_stop_names_the_reaching_evaluation(data_dir, tmp
            f"({hit['test_accuracy']:.4f} at step {hit['step']})" in line
 
 
+@pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 @pytest.mark.parametrize("shards, partitions", [(2, 2), (1, 3)])
 def test_downpour_one_partitioned_replica_is_sequential_sgd(data_dir, tmp_path,
                                                             single_process, shards,
@@ -250,6 +252,7 @@ def test_downpour_one_partitioned_replica_is_sequential_sgd(data_dir, tmp_path,
 
 
 @pytest.mark.both_mpis
+@pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 def test_downpour_two_replicas_of_two_partitions_reach_the_target(data_dir, tmp_path):
     out = tmp_path / "out"
     proc = run_mpi(5, ["-m", "distbelief", *train_args(
@@ -367,6 +370,7 @@ def test_costmodel_command_without_data_file():
 
 
 @pytest.mark.both_mpis
+@pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 def test_downpour_partitioned_replicas_checkpoint_and_resume(data_dir, tmp_path):
     # Agreement rounds and checkpoints with replicas of 2 partitions: the partitions act on
     # a round together (else a checkpoint barrier would wait on a partition that waits for

@@ -25,6 +25,8 @@ TIMEOUT = 90
 # Both transports run on this one node: "shared" is what a one-node job uses, "rma" what a
 # multi-node job uses (forced here with the programs' --transport).
 TRANSPORTS = ["shared", "rma"]
+# The RMA cases also run on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES).
+TRANSPORTS_NODES = ["shared", pytest.param("rma", marks=pytest.mark.nodes)]
 
 
 def mpi4py_job(n: int, program: str, *args: object, timeout: float = TIMEOUT,
@@ -115,7 +117,7 @@ def test_split_communicators(n, shards, partitions, coordinator):
     assert proc.stdout.count(" ok") == n
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_NODES)
 @pytest.mark.parametrize("n, shards, size, pushes, extra", [
     (2, 1, 1000, 20, []),
     (3, 2, 1001, 20, []),             # one replica, size not divisible by the shards
@@ -162,7 +164,7 @@ def test_shard_optimizer_matches_local_optimizer(n, shards, adagrad, transport):
 
 
 @pytest.mark.both_mpis
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_NODES)
 @pytest.mark.parametrize("n, shards, mode", [
     (2, 1, "set"), (3, 2, "set"), (4, 1, "fold"), (5, 2, "fold"), (6, 2, "fold")])
 def test_pulls_are_never_torn(n, shards, mode, transport):
@@ -174,7 +176,7 @@ def test_pulls_are_never_torn(n, shards, mode, transport):
     assert proc.stdout.count("pulls consistent") == n - shards
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_NODES)
 @pytest.mark.parametrize("n, shards, extra", [
     (3, 1, []), (4, 2, []), (5, 2, []), (6, 1, ["--coordinator"])])
 def test_staleness_counts_updates_since_pull(n, shards, extra, transport):

@@ -336,6 +336,7 @@ def test_assembled_gradient_equals_the_single_process_gradient(
 
 
 @pytest.mark.both_mpis
+@pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 @pytest.mark.parametrize("n,shards", [(4, 1), (5, 2), (6, 3), (6, 1)])
 def test_convex_problem_converges_to_scipys_loss(data_dir: Path, tmp_path: Path, n: int,
                                                  shards: int) -> None:
@@ -538,6 +539,7 @@ def test_hash_follows_what_sandblaster_trains_not_how_units_are_dealt() -> None:
 
 
 @pytest.mark.both_mpis
+@pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 def test_checkpoint_holds_the_history_and_a_resume_on_other_shards_continues(
         data_dir: Path, tmp_path: Path) -> None:
     from distbelief.records.checkpoint import checkpoint_root, find_latest

@@ -273,6 +273,7 @@ def exit_statuses(proc: subprocess.CompletedProcess) -> list[int]:
     return [status for _, status in found]
 
 
+@pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 def test_command_line_trains_partitioned_replicas_and_every_rank_exits_0(
         image_dir: Path, tmp_path: Path) -> None:
     """`mpiexec -n 6 python -m distbelief train` with 1 shard, the coordinator and 2

@@ -32,6 +32,9 @@ Sections and keys, with their defaults:
                  gradient; this many in a row from one replica stop the run),
                  replica_timeout_seconds = 300 (Downpour: a replica not heard from for this
                  long is lost, the run goes on without it; 0 = never),
+                 heartbeat_timeout_seconds = 30 (Downpour, ranks on several nodes: a rank
+                 on another node whose heartbeat file in out_dir has not changed for this
+                 long is taken for dead; 0 = never; see distbelief.runtime.heartbeat),
                  stall_warn_seconds = 60, stall_abort_seconds = 600 (a rank waiting on
                  another this long says which and what for / aborts the job; 0 = never),
                  owner_timeout_seconds = 120 (a run owning out_dir on another host whose
@@ -123,6 +126,7 @@ class RunConfig:
     keep_checkpoints: int = 3
     max_bad_gradients_in_a_row: int = 10
     replica_timeout_seconds: float = 300.0
+    heartbeat_timeout_seconds: float = 30.0
     stall_warn_seconds: float = 60.0
     stall_abort_seconds: float = 600.0
     owner_timeout_seconds: float = 120.0
@@ -261,6 +265,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "keep_checkpoints": (_int(2), 3),
         "max_bad_gradients_in_a_row": (_int(1), 10),
         "replica_timeout_seconds": (_float(0.0), 300.0),
+        "heartbeat_timeout_seconds": (_float(0.0), 30.0),
         "stall_warn_seconds": (_float(0.0), 60.0),
         "stall_abort_seconds": (_float(0.0), 600.0),
         "owner_timeout_seconds": (_float(0.0), 120.0),

@@ -43,6 +43,7 @@ from distbelief.ps.parameter_server import (
 from distbelief.ps.run_control import ControlExchange, ControlView
 from distbelief.runtime import watchdog
 from distbelief.runtime.backoff import Backoff
+from distbelief.runtime.nodes import node_communicator
 from distbelief.runtime.topology import Topology
 
 SERVING = 2  # int64 slot in a shared segment's header: 1 once the shard has polled
@@ -220,7 +221,7 @@ def _open_shared(comm: MPI.Comm, topology: Topology, ranges: list[tuple[int, int
     not, the same optimizer factory, one lock file for all)."""
     if requested == "rma":
         return None
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    node = node_communicator(comm)  # MPI's node, or a simulated one (runtime.nodes)
     names = _shareable_state(optimizer)
     why = None
     if node.Get_size() != comm.Get_size():

@@ -5,22 +5,31 @@ usable with the PyPI build: MPIR_CVAR_ENABLE_FT=1 fails an assertion in MPI_Init
 collective or a lock that waits for a dead rank never returns. So Downpour watches its
 ranks itself (distbelief.algorithms.downpour):
 
-- `Peers`: every rank's host name, process id and process start time, gathered once at
-  set-up. A rank on this node is gone when its process no longer exists, is a zombie,
-  or is another process that got the same id (its start time differs). Exact, and cheap
-  (a /proc read per rank).
-- Ranks on other nodes cannot be looked at this way; Downpour notices them by their
-  heartbeat (distbelief.ps.run_control's BEAT) stopping for `run.replica_timeout_seconds`.
+- `Peers`: every rank's node (distbelief.runtime.nodes: MPI's node split, or the
+  simulated one), host name, process id and process start time, gathered once at set-up.
+  A rank on this node is gone when its process no longer exists, is a zombie, or is
+  another process that got the same id (its start time differs). Exact, and cheap (a
+  /proc read per rank).
+- Ranks on other nodes cannot be looked at this way (with simulated nodes they could,
+  and are not: the point is to take the other path); they are noticed by their
+  heartbeat stopping (Downpour: a replica's BEAT in distbelief.ps.run_control for
+  `run.replica_timeout_seconds` when it is alive but stuck, and every rank's heartbeat
+  file for `run.heartbeat_timeout_seconds` when it died: distbelief.runtime.heartbeat).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from mpi4py import MPI
 
+from distbelief.runtime.heartbeat import FOLDER, Heartbeats
+from distbelief.runtime.nodes import Nodes, node_split
 from distbelief.runtime.ownership import process_start_time
 
 # The same /proc reading decides whether a run directory's owner is alive.
@@ -29,32 +38,72 @@ _start_time = process_start_time
 
 @dataclass(frozen=True)
 class Peers:
-    """Host, pid and process start time of every rank of a communicator."""
+    """Node, host, pid and process start time of every rank of a communicator, and the
+    heartbeats of the ranks on other nodes (None on one node, or when not asked for)."""
 
+    nodes: Nodes
     hosts: tuple[str, ...]
     pids: tuple[int, ...]
     starts: tuple[int | None, ...]
     me: int
+    heartbeats: Heartbeats | None = None
 
     @classmethod
-    def gather(cls, comm: MPI.Comm) -> Peers:
-        """Collective over `comm` (allgather): every rank's identity."""
+    def gather(cls, comm: MPI.Comm, heartbeat_dir: Path | None = None,
+               heartbeat_timeout_s: float = 0.0) -> Peers:
+        """Collective over `comm` (node_split, then a bcast and an allgather): every rank's
+        identity. With `heartbeat_dir` and a timeout, and ranks on more than one node,
+        every rank starts beating under heartbeat_dir (distbelief.runtime.heartbeat) before
+        the allgather, so every beat that can be seen exists once it returns; close() stops
+        it."""
+        nodes = node_split(comm)
+        heartbeats = None
+        if heartbeat_dir is not None and heartbeat_timeout_s > 0 and not nodes.single:
+            token = comm.bcast(secrets.token_hex(6) if comm.Get_rank() == 0 else None, root=0)
+            heartbeats = Heartbeats(Path(heartbeat_dir) / FOLDER / token, comm.Get_rank(),
+                                    heartbeat_timeout_s)
+            try:
+                heartbeats.start()
+            except OSError as exc:  # never fatal: the others then never see it stop
+                print(f"distbelief: rank {comm.Get_rank()}: cannot write its heartbeat in "
+                      f"{heartbeats.folder} ({exc.strerror or exc}); a death of this rank "
+                      f"is found by the stall watchdog only", file=sys.stderr, flush=True)
         pid = os.getpid()
         mine = (socket.gethostname(), pid, _start_time(pid))
         everyone = comm.allgather(mine)
-        return cls(tuple(e[0] for e in everyone), tuple(e[1] for e in everyone),
-                   tuple(e[2] for e in everyone), comm.Get_rank())
+        return cls(nodes, tuple(e[0] for e in everyone), tuple(e[1] for e in everyone),
+                   tuple(e[2] for e in everyone), comm.Get_rank(), heartbeats)
+
+    def close(self) -> None:
+        """Stop this rank's heartbeat (if any) and remove its file. Local."""
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
 
     def on_this_node(self, rank: int) -> bool:
-        return self.hosts[rank] == self.hosts[self.me]
+        # Both: MPI's node (or the simulated one), and the host name, so that a process
+        # id is never looked up on a machine it does not belong to.
+        return self.nodes.same_node(rank) and self.hosts[rank] == self.hosts[self.me]
 
     def gone(self, rank: int) -> bool:
-        """True if `rank` is on this node and its process has ended (or its id now belongs
-        to another process). False if it is alive, or on another node (not knowable here).
-        Local."""
-        if rank == self.me or not self.on_this_node(rank) or self.starts[rank] is None:
+        """True if `rank`'s process has ended (or its id now belongs to another process),
+        looked at in /proc on this node; on another node, if its heartbeat has stopped
+        (False without heartbeats: not knowable here). Local."""
+        if rank == self.me:
+            return False
+        if not self.on_this_node(rank):
+            return self.heartbeats is not None and self.heartbeats.stopped(rank)
+        if self.starts[rank] is None:
             return False
         return _start_time(self.pids[rank]) != self.starts[rank]
+
+    def how_gone(self, rank: int) -> str:
+        """How `rank` was found gone, as a suffix for "rank N is gone": "" on this node (its
+        process ended), " (its heartbeat ...)" on another."""
+        if self.on_this_node(rank):
+            return ""
+        timeout = self.heartbeats.timeout_s if self.heartbeats is not None else 0
+        return (f" (its heartbeat from another node stopped for {timeout:g} s: "
+                f"run.heartbeat_timeout_seconds)")
 
     def gone_among(self, ranks: range | list[int]) -> list[int]:
         """The ranks of `ranks` that are gone (see `gone`)."""

@@ -15,7 +15,10 @@ the rank waited for (or, with `holder`, the rank found holding what is waited fo
 system call or in MPI (mpi4py releases the GIL there: measured, a thread ticked on while
 the main thread sat 1 s in MPI_Win_unlock). `check()` raises RankLost in the waiting rank
 when a rank it waits for is gone (distbelief.runtime.liveness), so a polled wait on a dead peer
-ends at once instead of after the timeout.
+ends at once instead of after the timeout. A wait that cannot poll (blocked inside MPI,
+such as an RMA epoch on a dead target, which never completes) is ended by the thread: when
+a rank it depends on has been gone for GONE_GRACE_S, the thread calls `on_lost` (by
+default it aborts the job naming the rank).
 
 One watchdog per process, installed by the trainer for the run (`watching`); `current()`
 is a disabled one otherwise, so library code can declare its waits unconditionally. (It
@@ -38,6 +41,10 @@ TICK_S = 0.1
 
 CHECK_S = 0.1
 """How often a polled wait looks for gone ranks (check())."""
+
+GONE_GRACE_S = 2.0
+"""A wait that is still on this long after one of its ranks is found gone is blocked
+inside MPI (a polled wait raises RankLost within CHECK_S): the thread ends it."""
 
 
 class RankLost(Exception):
@@ -62,15 +69,19 @@ class Watchdog:
 
     `describe(rank)` names a rank for messages ("rank 3 (replica 1)"); `gone(rank)` says
     whether its process has ended (None: never known); `abort(message)` ends the job.
-    `warn_s` / `abort_s` of 0 turn the warning / the abort off.
+    `warn_s` / `abort_s` of 0 turn the warning / the abort off. `on_lost(lost)` ends the
+    job when a wait blocked inside MPI depends on a gone rank (default: `abort` with a
+    message naming it).
     """
 
     def __init__(self, rank: int, describe: Callable[[int], str], warn_s: float,
                  abort_s: float, abort: Callable[[str], None],
-                 gone: Callable[[int], bool] | None = None):
+                 gone: Callable[[int], bool] | None = None,
+                 on_lost: Callable[[RankLost], None] | None = None):
         self.rank, self.describe = rank, describe
         self.warn_s, self.abort_s = warn_s, abort_s
-        self.abort, self.gone = abort, gone
+        self.abort, self.gone, self.on_lost = abort, gone, on_lost
+        self._gone_since: dict[int, float] = {}  # the thread's view: rank -> found gone at
         self._waits: list[_Wait] = []
         self._next_check = 0.0
         self._stop = threading.Event()
@@ -123,7 +134,7 @@ class Watchdog:
     # -- the thread
 
     def start(self) -> None:
-        if self.warn_s or self.abort_s:
+        if self.warn_s or self.abort_s or self.gone is not None:
             self._thread = threading.Thread(target=self._watch, name="distbelief-watchdog",
                                             daemon=True)
             self._thread.start()
@@ -140,7 +151,10 @@ class Watchdog:
             if not waits:
                 continue
             wait = waits[-1]
-            waited = time.monotonic() - wait.started
+            now = time.monotonic()
+            waited = now - wait.started
+            if self._blocked_on_the_gone(wait, now):
+                return
             if self.warn_s and waited >= self.warn_s and not wait.warned:
                 wait.warned = True
                 self._say(f"stall: {self.describe(self.rank)} has waited {waited:.1f} s for "
@@ -150,6 +164,25 @@ class Watchdog:
                            f"{wait.what}{self._culprit(wait)}; aborting the job "
                            f"(run.stall_abort_seconds = {self.abort_s:g})")
                 return
+
+    def _blocked_on_the_gone(self, wait: _Wait, now: float) -> bool:
+        """If a rank `wait` depends on has been gone for GONE_GRACE_S (and the wait goes
+        on), end the job through on_lost; True then."""
+        if self.gone is None:
+            return False
+        for rank in wait.ranks:
+            if not self.gone(rank):
+                self._gone_since.pop(rank, None)
+                continue
+            since = self._gone_since.setdefault(rank, now)
+            if now - since >= GONE_GRACE_S and self._waits and self._waits[-1] is wait:
+                lost = RankLost(rank, wait.what)
+                if self.on_lost is not None:
+                    self.on_lost(lost)
+                else:
+                    self.abort(lost_message(self.describe, lost))
+                return True
+        return False
 
     def _culprit(self, wait: _Wait) -> str:
         holder = None
@@ -193,9 +226,13 @@ def for_job(comm: Any, describe: Callable[[int], str], run: Any) -> Watchdog:
 def abort_for(world: Any, describe: Callable[[int], str], lost: RankLost) -> None:
     """A rank this one waited for is gone, and nothing can go on without it: abort the job
     with a message naming it."""
-    abort_job(world, f"{describe(lost.rank)} is gone while this rank waited for "
-                     f"{lost.what}; the job stops. Run the same command again to resume "
-                     f"from the last checkpoint (where the run writes them)")
+    abort_job(world, lost_message(describe, lost))
+
+
+def lost_message(describe: Callable[[int], str], lost: RankLost) -> str:
+    return (f"{describe(lost.rank)} is gone while this rank waited for {lost.what}; the job "
+            f"stops. Run the same command again to resume from the last checkpoint (where "
+            f"the run writes them)")
 
 
 _DISABLED = Watchdog(0, str, 0.0, 0.0, lambda message: None)

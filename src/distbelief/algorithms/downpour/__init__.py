@@ -43,16 +43,20 @@ non-finite gradients, a signal), asks for checkpoints, and watches the replicas.
 
 LOST REPLICAS. Shard 0 sweeps every SWEEP_S (and at once when a SIGUSR1 is reported):
 a replica whose process on this node is gone (distbelief.runtime.liveness; any of its P ranks),
-or whose heartbeat has not moved for `run.replica_timeout_seconds` (ranks on other
-nodes), is declared lost: LOST is set in its slots (a replica that was only stalled
-stops when it reads it), the summary records it, checkpoints give it no part (a resume
+whose heartbeat file on another node (distbelief.runtime.nodes says which ranks share a
+node, distbelief.runtime.heartbeat how they beat) has not changed for
+`run.heartbeat_timeout_seconds` (30 s), or whose BEAT in the control block has not moved
+for `run.replica_timeout_seconds` (alive but stuck), is declared lost: LOST is set in its
+slots (a replica that was only stalled stops when it reads it), the summary records it, checkpoints give it no part (a resume
 starts it on a fresh pass), and the run goes on without it: the steps it was granted and
 had not pushed (at most n_push) are not trained. Whether the other ranks live on is the
 launcher's choice: MPICH's hydra keeps them with `-disable-auto-cleanup`
 (docs/checkpoints-and-reliability.md says what each launcher does). A lost SHARD ends the
-job: every rank checks the shards' processes (shards each other, replicas when they sweep)
-and the first to find one gone aborts the job with a message; rerunning resumes from the
-last checkpoint.
+job: every rank checks the shards (shards each other, replicas when they sweep; by /proc
+on this node, by heartbeat on another) and the first to find one gone aborts the job with
+a message; a rank blocked inside MPI on a dead shard (an RMA epoch that never completes)
+is ended by its stall watchdog's thread once the shard is found gone. Rerunning resumes
+from the last checkpoint.
 
 SIGNALS. SIGTERM and SIGUSR1 (SLURM's time limit, `sbatch --signal=B:USR1@N`) are counted
 on the ranks they reach (common.StopSignals): replicas publish their counts in the
@@ -61,8 +65,9 @@ their current block, the run ends with its final checkpoint and no final evaluat
 every rank exits 0. Hydra with `-disable-auto-cleanup` also sends SIGUSR1 (several) to
 every rank when a rank dies; shard 0 tells the two apart by sweeping first: a SIGUSR1
 reported within NOTICE_WINDOW_S of finding a rank gone is the launcher's notice, any other
-is a stop request (so a real one that lands in that window is missed, and a rank on
-another node dying is not seen by the sweep: its notice stops the run, cleanly).
+is a stop request (so a real one that lands in that window is missed). When ranks on
+other nodes are watched by heartbeat, a SIGUSR1 waits run.heartbeat_timeout_seconds
+longer before it counts as a stop request, the time a death there takes to be found.
 
 CHECKPOINTS (distbelief.records.checkpoint's format; `run.checkpoint_every_seconds`,
 `checkpoint_every_steps`, `keep_checkpoints`) are global consistency points:
@@ -118,6 +123,8 @@ what every shard does), supervisor (Supervisor: shard 0, and the summary); train
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import IO, Any
 
 import numpy as np
@@ -174,13 +181,15 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     # Handlers first: a signal that arrives during the set-up is counted and acted on
     # once training runs, instead of killing the rank (SIGUSR1's default action).
     with StopSignals() as signals:
-        peers = Peers.gather(comm)  # collective: the first, so the set-up is watched too
+        # Collective: the first, so the set-up is watched too. On several nodes every
+        # rank beats in out_dir (distbelief.runtime.heartbeat) until the end.
+        peers = Peers.gather(comm, config.run.out_dir, config.run.heartbeat_timeout_seconds)
         guard = watchdog.Watchdog(
             topology.world_rank, topology.describe_rank, config.run.stall_warn_seconds,
             config.run.stall_abort_seconds, lambda message: abort_job(comm, message),
-            peers.gone)
+            peers.gone, lambda lost: _abort_for(comm, topology, lost, peers))
         others = [r for r in range(topology.world_size) if r != topology.world_rank]
-        with watchdog.watching(guard):
+        with watchdog.watching(guard), _closing(peers):
             try:
                 with guard.waiting("the other ranks to set the run up", others):
                     run = open_run(config, comm, resume, stream, signals, info, network,
@@ -191,17 +200,27 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                     ending = role.finish()
                 run.close(ending.teardown)
             except RankLost as lost:
-                _abort_for(comm, topology, lost)
+                _abort_for(comm, topology, lost, peers)
     ending.raise_error(config)
     return ending.summary
 
 
-def _abort_for(world: MPI.Comm, topology: Topology, lost: RankLost) -> None:
+def _abort_for(world: MPI.Comm, topology: Topology, lost: RankLost, peers: Peers) -> None:
     """A rank this one waited for is gone where nothing can go on without it: a shard, or
     any rank during the set-up or once the run is ending. Abort the job with a message."""
     if lost.rank < topology.ps_shards:
-        abort_job(world, shard_lost_message(lost.rank, "is gone"))
-    watchdog.abort_for(world, topology.describe_rank, lost)
+        abort_job(world, shard_lost_message(lost.rank, f"is gone{peers.how_gone(lost.rank)}"))
+    else:
+        watchdog.abort_for(world, topology.describe_rank, lost)
+
+
+@contextmanager
+def _closing(peers: Peers) -> Iterator[None]:
+    """Stop this rank's heartbeat at the end, however the run ends (but an abort)."""
+    try:
+        yield
+    finally:
+        peers.close()
 
 
 def _make_role(run: OpenRun, config: Config, network: Any, info: Any,

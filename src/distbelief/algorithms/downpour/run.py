@@ -55,7 +55,8 @@ class OpenRun:
     _usr1_checked: int = 0
 
     def check_shards(self, now: float, force: bool = False) -> None:
-        """Abort the job if a shard on this node is gone: looked at every SWEEP_S, at once
+        """Abort the job if a shard is gone (on this node its process, on another its
+        heartbeat: distbelief.runtime.liveness): looked at every SWEEP_S, at once
         after a new SIGUSR1 (hydra's notice of a death), or when `force`d. Local."""
         usr1 = self.signals.counts["SIGUSR1"]
         if not force and now < self._next_shard_check and usr1 == self._usr1_checked:
@@ -63,7 +64,8 @@ class OpenRun:
         self._next_shard_check, self._usr1_checked = now + SWEEP_S, usr1
         gone = self.peers.gone_among(self.plan.topology.shard_ranks)
         if gone:
-            abort_job(self.world, shard_lost_message(gone[0], "is gone"))
+            abort_job(self.world, shard_lost_message(
+                gone[0], f"is gone{self.peers.how_gone(gone[0])}"))
 
     def close(self, teardown: int) -> None:
         """TEARDOWN_FREE: collective over the world communicator (the parameter server,

@@ -239,13 +239,20 @@ class Supervisor(_ShardRole):
                 if not self.stop_code:
                     say(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice "
                                         "of the rank(s) found gone; training goes on")
-            elif now - first >= NOTICE_DELAY_S:
+            elif now - first >= self._notice_delay():
                 self._stop(rc.STOP_SIGNAL, "SIGUSR1")
             else:
                 waiting.append((previous, first))
         self.usr1_pending = waiting
 
     # -- liveness
+
+    def _notice_delay(self) -> float:
+        """How long a new SIGUSR1 waits for a rank to be found gone: NOTICE_DELAY_S, plus
+        the heartbeat timeout when ranks on other nodes are found by their heartbeat (else
+        hydra's notice of a death there would stop the run before the death is found)."""
+        beats = self.run_.peers.heartbeats
+        return NOTICE_DELAY_S + (beats.timeout_s + SWEEP_S if beats is not None else 0.0)
 
     def _sweep(self, now: float, shards: bool = True) -> None:
         """Look for gone shards (fatal; not once the shards have ended the run together and
@@ -266,7 +273,9 @@ class Supervisor(_ShardRole):
             if replica in self.lost:
                 continue
             if gone:
-                self._lose(replica, ranks, f"the process of rank {gone[0]} is gone")
+                how = peers.how_gone(gone[0])
+                self._lose(replica, ranks, f"rank {gone[0]} is gone{how}" if how
+                           else f"the process of rank {gone[0]} is gone")
             elif (timeout and rows is not None and not rows[replica, rc.FINISHED]
                   and now - self.beat_times[replica] > timeout):
                 self._lose(replica, ranks, f"no news from it for {timeout:g} s "
@@ -434,6 +443,10 @@ class Supervisor(_ShardRole):
 
     def _after_checkpoint(self, outcome: dict[str, Any], seconds: float) -> None:
         super()._after_checkpoint(outcome, seconds)
+        # The replicas were paused, and over RMA their news waits for this shard's
+        # progress: a silence while shard 0 itself was writing does not count against
+        # them (run.replica_timeout_seconds), however long the checkpoint took.
+        self.beat_times[:] = time.monotonic()
         if "path" in outcome:
             path = Path(outcome["path"])
             self.checkpoints += 1

@@ -1,0 +1,247 @@
+"""Several nodes simulated on one machine (issue 17, items 1 and 4).
+
+- distbelief's node split (distbelief.runtime.nodes) follows MPI's (hydra's fake hosts)
+  and DISTBELIEF_SIMULATED_NODES, and the transport choice and /proc liveness follow it;
+- heartbeat files (distbelief.runtime.heartbeat) go silent when a rank stops beating;
+- Downpour on 2 simulated nodes, with kill -9: a replica on the other node than shard 0
+  is lost by its heartbeat within the bound, a shard on another node ends the job with one
+  clear line within the bound and the rerun resumes; a healthy replica that is busy for
+  longer than the bound (its main thread asleep) is not lost.
+
+The tests of other files marked `nodes` run in this mode too under DISTBELIEF_TEST_NODES
+(conftest.py); these ones always do, whatever it says.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, _env, run_mpi, simulated_nodes_launch
+from test_downpour import exit_statuses, set_args
+from test_fault_tolerance import DELAY, TOML
+
+from distbelief.data.converters import make_synthetic
+from distbelief.errors import ConfigError
+from distbelief.records import checkpoint as ckpt
+from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.heartbeat import Heartbeats
+from distbelief.runtime.nodes import _colors, simulated_nodes
+from distbelief.runtime.watchdog import GONE_GRACE_S, RankLost, Watchdog, watching
+
+PROGRAMS = REPO / "tests" / "mpi_programs"
+TIMEOUT = 180
+BEAT_S = 3  # run.heartbeat_timeout_seconds in these runs (30 by default)
+SURVIVE = ("-disable-auto-cleanup",)
+
+
+# -- the split, pure -------------------------------------------------------------------------
+
+
+def test_simulated_nodes_reads_the_environment_and_refuses_nonsense() -> None:
+    assert simulated_nodes({}) == 0 and simulated_nodes({"DISTBELIEF_SIMULATED_NODES": ""}) == 0
+    assert simulated_nodes({"DISTBELIEF_SIMULATED_NODES": " 3 "}) == 3
+    for bad in ("0", "-2", "two", "1.5"):
+        with pytest.raises(ConfigError, match=f"DISTBELIEF_SIMULATED_NODES='{bad}' must be"):
+            simulated_nodes({"DISTBELIEF_SIMULATED_NODES": bad})
+
+
+def test_simulated_nodes_narrow_mpis_split() -> None:
+    # MPI's nodes named by their first rank; the simulated split is rank % N.
+    assert _colors([0, 0, 0, 0, 0], 0) == [0, 0, 0, 0, 0]
+    assert _colors([0, 0, 0, 0, 0], 2) == [0, 1, 0, 1, 0]
+    assert _colors([0, 1, 0, 1, 0], 2) == [0, 1, 0, 1, 0]  # hydra's fake hosts agree
+    assert _colors([0, 0, 0, 3, 3, 3], 3) == [0, 1, 2, 3, 4, 5]  # never wider than MPI's
+    assert _colors([0, 1, 0, 1], 1) == [0, 1, 0, 1]
+
+
+# -- the split under MPI -----------------------------------------------------------------------
+
+
+def node_split(n: int, hosts: str = "", nodes: str = "") -> dict:
+    env = {**_env(), "DISTBELIEF_SIMULATED_NODES": nodes}
+    env.pop("DISTBELIEF_PS_TRANSPORT", None)
+    options = ("-launcher", "fork", "-hosts", hosts) if hosts else ()
+    env.pop("DISTBELIEF_TEST_NODES", None)  # this test sets the launch itself
+    proc = run_mpi(n, [PROGRAMS / "node_split.py"], timeout=60, env=env,
+                   launcher_options=options)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("n, hosts, nodes, node_of, transport", [
+    (3, "", "", [0, 0, 0], "shared"),                  # one node
+    (3, "", "2", [0, 1, 0], "rma"),                    # DISTBELIEF_SIMULATED_NODES alone
+    (5, "h1,h2,h3", "", [0, 1, 2, 0, 1], "rma"),       # MPI's split of hydra's fake hosts
+    (5, "h1,h2", "2", [0, 1, 0, 1, 0], "rma"),         # both, as the test mode runs
+])
+def test_the_node_split_decides_the_transport_and_liveness(
+        n: int, hosts: str, nodes: str,
+        node_of: list[int], transport: str) -> None:
+    found = node_split(n, hosts, nodes)
+    assert found["node_of"] == node_of
+    assert found["transport"] == transport
+    # Every rank runs on this machine, yet /proc is looked at only on rank 0's node.
+    assert found["on_rank_0s_node"] == [r for r in range(n) if node_of[r] == 0]
+
+
+def test_a_bad_simulated_node_count_is_one_error_on_every_rank(tmp_path: Path) -> None:
+    make_synthetic(tmp_path / "synth.h5", n_train=400, n_test=100, input_shape=(32,),
+                   num_classes=4, seed=5)
+    (tmp_path / "c.toml").write_text(TOML % "")
+    env = {**_env(), "DISTBELIEF_SIMULATED_NODES": "many"}
+    env.pop("DISTBELIEF_TEST_NODES", None)
+    proc = run_mpi(3, [PROGRAMS / "cli_exit_status.py", "train", tmp_path / "c.toml",
+                       *set_args(f'run.out_dir="{tmp_path / "out"}"', "run.max_steps=10")],
+                   timeout=60, env=env,
+                   cwd=tmp_path)
+    assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr[-3000:]
+    assert "DISTBELIEF_SIMULATED_NODES='many' must be a whole number" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# -- heartbeats in one process -----------------------------------------------------------------
+
+
+def test_a_heartbeat_goes_silent_when_its_rank_stops(tmp_path: Path) -> None:
+    folder = tmp_path / ".heartbeats" / "job"
+    watcher, beating = Heartbeats(folder, 0, 0.5), Heartbeats(folder, 1, 0.5)
+    watcher.start()
+    beating.start()
+    assert watcher.silent_for(1) == 0.0 and not watcher.stopped(1)
+    assert watcher.silent_for(7) == 0.0 and not watcher.stopped(7)  # never seen: no verdict
+    time.sleep(1.2)  # over twice the timeout, beating every 50 ms
+    assert not watcher.stopped(1)
+    beating.stop()
+    assert not (folder / "rank-1").exists()
+    time.sleep(0.7)
+    assert watcher.stopped(1) and watcher.silent_for(1) > 0.5
+    watcher.stop()
+    assert not folder.parent.exists(), "the last rank removes the job's folder"
+
+
+# -- the watchdog, in one process -----------------------------------------------------------------
+
+
+def test_the_watchdog_thread_ends_a_blocked_wait_on_a_gone_rank() -> None:
+    # A wait that cannot poll (an RMA epoch on a dead shard never completes): the thread
+    # calls on_lost GONE_GRACE_S after it finds the rank gone, and only for that rank.
+    lost: list[RankLost] = []
+    dead_at = time.monotonic() + 0.5
+    dog = Watchdog(4, str, warn_s=0, abort_s=0, abort=pytest.fail,
+                   gone=lambda rank: rank == 1 and time.monotonic() >= dead_at,
+                   on_lost=lost.append)
+    with watching(dog), dog.waiting("an RMA epoch on rank 1's window", (0, 1)):
+        began = time.monotonic()
+        while not lost and time.monotonic() - began < 10:
+            time.sleep(0.05)  # blocked: never calls check()
+    waited = time.monotonic() - began
+    assert [(x.rank, x.what) for x in lost] == [(1, "an RMA epoch on rank 1's window")]
+    assert 0.5 + GONE_GRACE_S <= waited < 0.5 + GONE_GRACE_S + 1.5, waited
+    # A polled wait on the same rank raises RankLost itself, long before the grace.
+    lost.clear()
+    with watching(dog), dog.waiting("a message", (1,)), pytest.raises(RankLost):
+        dog.check()
+    assert lost == []
+
+
+# -- Downpour on two simulated nodes, with kill -9 -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("simnodes")
+    make_synthetic(folder / "synth.h5", n_train=12000, n_test=2000, input_shape=(32,),
+                   num_classes=4, seed=5)
+    (folder / "mlp.toml").write_text(TOML % '{ type = "dense", units = 32, activation = "relu" }, ')
+    return folder
+
+
+def on_two_nodes(n: int, data_dir: Path, out: Path, *overrides: str, faults: str = "",
+                 timeout: float = TIMEOUT):
+    """The real command line on 2 simulated nodes (rank r on node r % 2), hydra keeping
+    the survivors of a kill; each rank prints its exit status."""
+    env = {**_env(), FAULTS: faults}
+    env.pop("DISTBELIEF_TEST_NODES", None)
+    options, env = simulated_nodes_launch(2, env)
+    args = ["train", data_dir / "mlp.toml",
+            *set_args(f'run.out_dir="{out}"', f"run.heartbeat_timeout_seconds={BEAT_S}",
+                      *overrides)]
+    return run_mpi(n, [PROGRAMS / "cli_exit_status.py", *args], timeout=timeout, env=env,
+                   launcher_options=(*options, *SURVIVE), cwd=data_dir)
+
+
+def summary_of(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_a_killed_replica_on_another_node_is_lost_by_its_heartbeat(data_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    # 1 shard + 3 replicas: shard 0 and replica 1 (rank 2) on node 0, replicas 0 and 2
+    # (ranks 1 and 3) on node 1. Rank 3 dies at its step 300; shard 0 cannot see its
+    # process, only its heartbeat stopping.
+    out = tmp_path / "out"
+    proc = on_two_nodes(4, data_dir, out, "run.max_steps=3000",
+                        "run.checkpoint_every_steps=1000", faults=f"kill:3:300 {DELAY}")
+    output = proc.stdout + proc.stderr
+    assert exit_statuses(proc) == [0, 0, 0, 137], output[-3000:]
+    summary = summary_of(out)
+    assert [s["transport"] for s in summary["shards"]] == ["rma"]
+    lost = summary["lost_replicas"]
+    assert [(x["replica"], x["ranks"]) for x in lost] == [(2, [3])], lost
+    assert f"its heartbeat from another node stopped for {BEAT_S} s" in lost[0]["why"]
+    assert summary["stop_reason"] == "max_steps" and summary["steps"] >= 2999
+    # hydra's SIGUSR1 about the death came long before the heartbeat went silent; it
+    # is still taken for the notice, not for a stop request.
+    assert "SIGUSR1 taken as the launcher's notice" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_healthy_replica_busy_longer_than_the_bound_is_not_lost(data_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    # Replica 0 (rank 1, node 1) sits 2.5 x the heartbeat timeout inside one step (its main
+    # thread asleep: a long step, a swap storm); its heartbeat thread goes on beating.
+    out = tmp_path / "out"
+    proc = on_two_nodes(3, data_dir, out, "run.max_steps=0", "run.max_seconds=20",
+                        faults=f"pause:1:50:{2.5 * BEAT_S}s {DELAY}")
+    assert exit_statuses(proc) == [0, 0, 0], proc.stdout + proc.stderr[-3000:]
+    assert "test-only pause of rank 1" in proc.stderr, proc.stderr[-3000:]
+    summary = summary_of(out)
+    assert summary["lost_replicas"] == []
+    assert summary["stop_reason"] == "max_seconds"
+    steps = {r["replica"]: r["steps"] for r in summary["replicas"]}
+    assert steps[0] > 51, steps  # it trained on after its pause
+
+
+@pytest.mark.parametrize("victim, n, shards", [
+    (0, 2, 1),  # the only shard; the only replica is on node 1 and sees only its heartbeat
+    (1, 5, 2),  # shard 1 on node 1: shard 0 and ranks 2, 4 on node 0, rank 3 on node 1
+], ids=["shard-0-of-1", "shard-1-of-2"])
+def test_a_killed_shard_on_another_node_ends_the_job_and_a_rerun_resumes(
+        data_dir: Path, tmp_path: Path, victim: int, n: int, shards: int) -> None:
+    out = tmp_path / "out"
+    began = time.monotonic()
+    proc = on_two_nodes(n, data_dir, out, f"cluster.ps_shards={shards}", "run.max_steps=0",
+                        "run.max_seconds=120", "run.checkpoint_every_steps=100",
+                        faults=f"kill:{victim}:300 {DELAY}")
+    elapsed = time.monotonic() - began
+    assert proc.returncode != 0
+    # The kill comes a few seconds in (longer on a loaded machine); then BEAT_S, a grace
+    # of 2 s. Not found, the job would run its 120 s, or wait for the stall abort (600 s).
+    assert elapsed < 60, f"{elapsed:.1f} s to end the job"
+    lost = [line for line in proc.stderr.splitlines()
+            if f"parameter-server shard {victim} (world rank {victim}) is gone" in line]
+    assert lost, proc.stderr[-3000:]
+    assert "cannot be recovered without it, so the job stops" in lost[0]
+    if n == 2:  # found by the heartbeat alone
+        assert f"its heartbeat from another node stopped for {BEAT_S} s" in lost[0], lost
+    assert "stall:" not in proc.stderr, proc.stderr[-3000:]
+    saved = [step for step, _ in ckpt.list_checkpoints(ckpt.checkpoint_root(out))]
+    assert saved, "checkpoints were written before the kill"
+    proc = on_two_nodes(n, data_dir, out, f"cluster.ps_shards={shards}",
+                        f"run.max_steps={saved[0] + 200}")
+    assert exit_statuses(proc) == [0] * n, proc.stderr[-3000:]
+    assert f"at step {saved[0]}," in proc.stdout
+    assert summary_of(out)["steps"] == saved[0] + 200
+
