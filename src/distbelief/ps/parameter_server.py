@@ -93,7 +93,9 @@ accumulator counts all of them, takes it: reads it, subtracts what it read, appl
 update f + 1 and publishes. No new push adds to it meanwhile (they are in phase f + 1),
 so a take holds whole pushes: exact push counts, and a pull never sees part of a push.
 A client that dies between (1) and (3) never completes: the shard writes its push off
-once it sees the process gone (`watch_clients`, GONE_CHECK_S) or after GIVE_UP_S, and
+once it sees the process gone (`watch_clients`, GONE_CHECK_S) or after a give-up bound
+(GIVE_UP_S; Downpour passes its heartbeat timeout, below which a live rank always shows a
+sign of life, so a replica that is merely descheduled on a loaded node is waited for), and
 folds without it; if its data ever lands it is folded with a later take (SUM keeps it;
 subtraction, not zeroing, keeps that legal). Staleness is exact: a push of phase f is
 applied by update f + 1, so staleness = f - (version pulled).
@@ -219,7 +221,8 @@ GIVE_UP_S = 2.0
 folds the accumulator without it: that replica died or froze in the middle of its push.
 (A healthy push completes in milliseconds; its data, if it ever lands, is folded later.)
 A client whose process is seen gone (`ParameterServerShard.watch_clients`) is given up on
-after GONE_CHECK_S instead."""
+after GONE_CHECK_S instead. The default for a shard told nothing else: `watch_clients` sets
+the bound of a job (Downpour: run.heartbeat_timeout_seconds, if longer)."""
 GONE_CHECK_S = 0.02
 CONTROL_SHARD = 0  # holds Downpour's run control block (distbelief.ps.run_control)
 # int64 slots of a published parameter buffer's header (RMA) and of a shared segment's
@@ -479,6 +482,7 @@ class ParameterServerShard(_Endpoint):
         self._flipped_at: float | None = None  # set while the last phase awaits its take
         self._pending = np.zeros(windows.clients, dtype=np.int64)  # PENDING as last read
         self._client_gone: Callable[[int], bool] | None = None
+        self._give_up_s = GIVE_UP_S  # a push in flight longer than this is written off
         self._given_up: set[int] = set()  # gone clients whose push in flight is written off
         self._written_off = 0  # pushes of gone clients the pending take no longer waits for
         self._buffer_header = np.zeros(2, dtype=np.int64)  # VERSION, APPLIED of a publish
@@ -554,11 +558,16 @@ class ParameterServerShard(_Endpoint):
         completed = self._counters[COMPLETED] + self._counters[COMPLETED + 1]
         return int(completed), int(self._counters[DONE]), int(self._pulls[0])
 
-    def watch_clients(self, gone: Callable[[int], bool]) -> None:
+    def watch_clients(self, gone: Callable[[int], bool],
+                      give_up_s: float = GIVE_UP_S) -> None:
         """Let the fold ask whether a client (world rank) is gone (e.g. liveness.Peers.gone)
         when a push it started does not complete: a gone client's push is written off
-        after GONE_CHECK_S instead of GIVE_UP_S. Local."""
+        after GONE_CHECK_S; any other after `give_up_s` (frozen, or a node whose liveness
+        is unknown here). Local."""
+        if give_up_s < GONE_CHECK_S:
+            raise ValueError(f"give_up_s must be at least {GONE_CHECK_S} s, got {give_up_s}")
         self._client_gone = gone
+        self._give_up_s = give_up_s
 
     def read_run_control(self) -> ControlView:
         """Downpour's run control block (distbelief.ps.run_control) as it stands on this shard
@@ -657,7 +666,7 @@ class ParameterServerShard(_Endpoint):
     def _advance(self) -> int:
         """One step of the fold cycle, from the counters as last read: flip when pushes
         are pending, take the closed phase's accumulator once every push of it has
-        completed (or after GIVE_UP_S). Returns the pushes folded (0: none now)."""
+        completed (or after the give-up bound). Returns the pushes folded (0: none now)."""
         if self._flipped_at is None:
             if not self._flip():
                 return 0
@@ -670,7 +679,7 @@ class ParameterServerShard(_Endpoint):
             waited = time.perf_counter() - self._flipped_at
             if waited < GONE_CHECK_S:
                 return 0
-            if waited < GIVE_UP_S:
+            if waited < self._give_up_s:
                 self._written_off += self._gone_pending()
                 if completed + self._written_off < self._expected[closed]:
                     return 0

@@ -24,7 +24,7 @@ from distbelief.config import Config
 from distbelief.model.layout import balanced_ranges
 from distbelief.model.optimizers import make_optimizer
 from distbelief.ps import run_control as rc
-from distbelief.ps.parameter_server import ParameterClient, ParameterServerShard
+from distbelief.ps.parameter_server import GIVE_UP_S, ParameterClient, ParameterServerShard
 from distbelief.ps.transport import open_parameter_server
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
@@ -117,8 +117,9 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
                    else make_optimizer(opt.adagrad, opt.learning_rate, n)),
         initial, control_replicas=plan.num_replicas)
     if isinstance(endpoint, ParameterServerShard):
-        # A replica killed mid-push is written off as soon as its process is seen gone.
-        endpoint.watch_clients(peers.gone)
+        # A replica killed mid-push is written off as soon as its process is seen gone; a
+        # live one is waited for as long as a live rank may go without a heartbeat.
+        endpoint.watch_clients(peers.gone, max(GIVE_UP_S, config.run.heartbeat_timeout_seconds))
     # The shards' communicator (rounds, checkpoints) and each replica's partitions'.
     communicators = split_communicators(comm, topology)
     messages = comm.Dup()
