@@ -10,6 +10,20 @@ The package's public Python API (distbelief.api) is a trained model without MPI:
 
 __version__ = "0.1.0"
 
-from distbelief.api import Evaluation, Model, load_model
-
 __all__ = ["Evaluation", "Model", "__version__", "load_model"]
+
+_API = ("Evaluation", "Model", "load_model")
+
+
+def __getattr__(name: str) -> object:  # PEP 562
+    # distbelief.api brings numpy, h5py and the kernels. The command line and every rank's
+    # guardian process import this package too, and most of them never need those: load
+    # the API on first use (`distbelief.load_model`, `from distbelief import Model`).
+    if name in _API:
+        from distbelief import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'distbelief' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_API])
