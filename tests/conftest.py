@@ -111,6 +111,18 @@ def survive_a_death() -> tuple[str, ...]:
     return SURVIVE_A_DEATH[mpi_under_test()]
 
 
+def every_rank_exited(statuses: list[int], n: int, code: int) -> bool:
+    """Whether the per-rank exit statuses of an `n`-rank job show every rank ending with
+    `code` together. Open MPI's launcher ends the job at the first non-zero exit: a rank
+    still on its way out then gets SIGTERM (143) instead, which counts as long as one rank
+    did exit with `code`. Under MPICH every rank's own status is `code`."""
+    if len(statuses) != n:
+        return False
+    if mpi_under_test() == "openmpi":
+        return code in statuses and all(s in (code, 143) for s in statuses)
+    return statuses == [code] * n
+
+
 def _env(threads: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     # One BLAS thread per process: MPI tests oversubscribe the two cores.
