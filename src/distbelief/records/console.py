@@ -11,21 +11,23 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from typing import IO
 
-# The ids of the streams whose reader left; nothing more is written to them.
-_closed: set[int] = set()
+# The streams whose reader left; nothing more is written to them. Weak, so that a stream
+# gone and another created in its place (the same id) is not taken for it.
+_closed: weakref.WeakSet = weakref.WeakSet()
 
 
 def say(stream: IO[str] | None, text: str) -> None:
     """Print a line of `text` to `stream` (None: stay quiet) and flush it. A stream whose
     reader left is silenced, with one note on stderr, instead of ending the run."""
-    if stream is None or id(stream) in _closed:
+    if stream is None or stream in _closed:
         return
     try:
         print(text, file=stream, flush=True)
     except BrokenPipeError:
-        _closed.add(id(stream))
+        _closed.add(stream)
         _point_at_devnull(stream)
         print("distbelief: the reader of the output left (a pipe was closed); the run goes "
               "on, and its progress is in metrics.jsonl", file=sys.stderr, flush=True)
