@@ -24,7 +24,8 @@ def serve_set(shard: ParameterServerShard) -> None:
         k += 1
         shard.set_parameters(np.full(shard.stop - shard.start, k, dtype=np.float32))
         shard.serve_once()
-    say(f"shard {shard.rank} published {k} constant vectors")
+    say(f"shard {shard.rank} set {k} constant vectors; readers asked {shard.stats.holds} "
+        "hold(s) of its publishes")
 
 
 def check_pull(endpoint, params, last, mode, versions) -> np.ndarray:

@@ -29,7 +29,8 @@ private duplicate of the world communicator, displacement unit 1 byte:
 
     ACCUM  [0:8) TICKET | [16:24) DONE | [24:40) COMPLETED[0..1] | [64:64+c) run control
            block | PENDING[C] (one per client) | accumulator 0 f32 | accumulator 1 f32
-    PARAMS [0:8) PUBLISHED | [8:16) BEGUN | [16:24) PULLS | buffer 0 | buffer 1, each
+    PARAMS [0:8) PUBLISHED | [8:16) BEGUN | [16:24) PULLS | [24:40) HOLDS_ASKED,
+           HOLDS_RELEASED | buffer 0 | buffer 1, each
            [0:8) VERSION [8:16) APPLIED, then the slice f32       (counters: int64;
            c = run_control.block_bytes(R), used on shard 0 only; every part 64-byte aligned)
 
@@ -39,6 +40,7 @@ private duplicate of the world communicator, displacement unit 1 byte:
     DONE      = clients (replicas and coordinator) that called finish()
     PUBLISHED / BEGUN = publishes of the parameters finished / started (the shard +1)
     PULLS     = pulls served (so that the shard sees pull traffic and polls fast)
+    HOLDS_ASKED / HOLDS_RELEASED = readers' requests to hold publishes, and their ends
     VERSION   = updates applied to the parameters in that buffer (folds finished)
     APPLIED   = pushes contained in them
 
@@ -64,7 +66,8 @@ operation, so none conflicts with another and no lock is needed to keep them apa
 | TICKET             | client: Fetch_and_op(SUM, 1); owner: Fetch_and_op   |
 |                    |   (SUM, PHASE) to flip; owner reads: NO_OP          |
 | COMPLETED, PENDING,| client: Accumulate(SUM, +-1) int64                  |
-| DONE, PULLS        | owner: Get_accumulate / Fetch_and_op(NO_OP)         |
+| DONE, PULLS,       | owner: Get_accumulate / Fetch_and_op(NO_OP)         |
+| HOLDS_*            |                                                     |
 | PUBLISHED, BEGUN   | owner: Accumulate(SUM, 1); readers: Fetch_and_op    |
 |                    |   (NO_OP)                                           |
 | buffer b           | owner: Accumulate(REPLACE) of VERSION, APPLIED and  |
@@ -105,7 +108,12 @@ Pulls: double-buffered, checked parameters (a seqlock made of accumulates). Publ
 PUBLISHED += 1, Flush. A read: PUBLISHED -> p, Flush; read buffer p % 2, Flush; BEGUN ->
 b, Flush; keep it if b <= p + 1 (the next write into that buffer, publish p + 2, had not
 begun before the read completed), else read again (two publishes during one read).
-push_pull runs the two in the same three rounds.
+push_pull runs the two in the same three rounds. A reader slower than two publishes (a
+descheduled rank on a loaded node, a slow network) would read again for as long as the
+shard publishes that often: after TORN_READS_BEFORE_HOLD torn reads it asks the shard to
+hold (HOLDS_ASKED += 1), and releases it after its read (HOLDS_RELEASED += 1). While a
+hold is on, for HOLD_MAX_S at most, the shard folds but defers its publish, so the next
+read succeeds (CI saw one pull take over 10 s through MPICH's network module before).
 
 Failure: a dead client holds nothing (no lock); its last push is written off as above;
 its pulls are reads. A dead shard is found by the other ranks' liveness checks
@@ -227,8 +235,17 @@ GONE_CHECK_S = 0.02
 CONTROL_SHARD = 0  # holds Downpour's run control block (distbelief.ps.run_control)
 # int64 slots of a published parameter buffer's header (RMA) and of a shared segment's
 VERSION, APPLIED = 0, 1
-# int64 slots in the PARAMS window header (RMA): publishes finished, started; pulls served
-PUBLISHED, BEGUN, PULLS = 0, 1, 2
+# int64 slots in the PARAMS window header (RMA): publishes finished, started; pulls
+# served; holds asked and released by readers that tore too often (below)
+PUBLISHED, BEGUN, PULLS, HOLDS_ASKED, HOLDS_RELEASED = 0, 1, 2, 3, 4
+PARAMS_SLOTS = HOLDS_RELEASED + 1
+TORN_READS_BEFORE_HOLD = 2
+"""Torn reads in a row after which a reader asks the shard to hold its publishes (a
+reader slower than two publishes, e.g. descheduled on a loaded node, would otherwise
+retry for as long as the shard keeps publishing)."""
+HOLD_MAX_S = 0.5
+"""The longest a shard holds its publishes for one reader's request: a reader that died
+after asking costs at most this much freshness, once."""
 STALENESS_BINS = 64  # histogram bins 0..62, and the last for 63 or more
 
 
@@ -378,10 +395,19 @@ def _issue_buffer_reads(windows: _ShardWindows, shards: Sequence[int],
                            MPI.SUM)
 
 
-def _untorn(shards: Sequence[int], published: np.ndarray, begun: np.ndarray) -> bool:
-    """Whether the buffers read after seeing `published` were not being rewritten: the
-    next write into buffer p % 2 is publish p + 2, and it had not begun."""
-    return all(begun[s, 0] <= published[s, 0] + 1 for s in shards)
+def _torn(shards: Sequence[int], published: np.ndarray, begun: np.ndarray) -> list[int]:
+    """The shards whose buffer, read after seeing `published`, was being rewritten: the
+    next write into buffer p % 2 is publish p + 2, and it had begun."""
+    return [s for s in shards if begun[s, 0] > published[s, 0] + 1]
+
+
+def _add_to_slot(win: MPI.Win, shards: Sequence[int], slot: int) -> None:
+    """Accumulate(SUM) of 1 into int64 header slot `slot` of every shard's PARAMS window,
+    completed."""
+    one = np.ones(1, dtype=np.int64)
+    for shard in shards:
+        win.Accumulate(_int64(one), shard, (slot * COUNTER_BYTES, 1, MPI.INT64_T), MPI.SUM)
+    _complete(win, shards)
 
 
 def _read_published(windows: _ShardWindows, shards: Sequence[int],
@@ -391,12 +417,16 @@ def _read_published(windows: _ShardWindows, shards: Sequence[int],
     """Read the latest published parameters of `shards` (their `segments` into `out`,
     each buffer's VERSION and APPLIED into `headers`), in three rounds each completed by
     Flush: PUBLISHED, the buffer, BEGUN; again if a shard rewrote the buffer meanwhile
-    (two publishes during one read). Returns the rounds of three made (1 usually).
-    One-sided, to `shards`; accumulate operations only (NO_OP reads, SUM of the pull)."""
+    (two publishes during one read). After TORN_READS_BEFORE_HOLD torn reads of a shard
+    in a row, asks it to hold its publishes (HOLDS_ASKED += 1) and releases it once the
+    read succeeded (HOLDS_RELEASED += 1). Returns the rounds of three made (1 usually).
+    One-sided, to `shards`; accumulate operations only (NO_OP reads, SUMs)."""
     win = windows.params
     n = len(ranges)
     published = np.zeros((n, 1), dtype=np.int64)
     begun = np.zeros((n, 1), dtype=np.int64)
+    torn_in_a_row = np.zeros(n, dtype=np.int64)
+    held: list[int] = []
     tries = 0
     while True:
         tries += 1
@@ -407,8 +437,17 @@ def _read_published(windows: _ShardWindows, shards: Sequence[int],
         _complete(win, shards)
         _issue_reads_of(win, shards, BEGUN, begun)
         _complete(win, shards)
-        if _untorn(shards, published, begun):
+        torn = _torn(shards, published, begun)
+        if not torn:
+            if held:
+                _add_to_slot(win, held, HOLDS_RELEASED)
             return tries
+        torn_in_a_row[torn] += 1
+        ask = [s for s in torn
+               if torn_in_a_row[s] >= TORN_READS_BEFORE_HOLD and s not in held]
+        if ask:
+            _add_to_slot(win, ask, HOLDS_ASKED)
+            held.extend(ask)
 
 
 class _Endpoint:
@@ -472,7 +511,10 @@ class ParameterServerShard(_Endpoint):
         self._grad = np.zeros(count, dtype=DTYPE)  # the gradient batch being applied
         self._negated = np.zeros(count, dtype=DTYPE)  # -grad, subtracted from the accumulator
         self._counters = np.zeros(ACCUM_SLOTS, dtype=np.int64)  # ACCUM header as last read
-        self._pulls = np.zeros(1, dtype=np.int64)  # PULLS as last read
+        self._params_header = np.zeros(PARAMS_SLOTS, dtype=np.int64)  # as last read
+        self._holds_seen = 0  # HOLDS_ASKED when the current hold began
+        self._hold_since: float | None = None  # when it began
+        self._unpublished = False  # a publish waits for a hold to end
         self._one = np.ones(1, dtype=np.int64)
         self._phase_unit = np.array([PHASE], dtype=np.int64)
         self._ticket = np.zeros(1, dtype=np.int64)
@@ -545,18 +587,24 @@ class ParameterServerShard(_Endpoint):
         """(pushes completed, clients finished, pulls served), each read atomically.
 
         One-sided on its own windows: Get_accumulate(NO_OP) of the ACCUM header and
-        Fetch_and_op(NO_OP) of PULLS, legal against the clients' concurrent SUMs,
+        of the PARAMS header, legal against the clients' concurrent SUMs,
         completed by Flush (which also drives MPI progress).
         """
         windows = self._live()
         windows.accum.Get_accumulate(_NO_INT64, _int64(self._counters), self.rank,
                                      (0, ACCUM_SLOTS, MPI.INT64_T), MPI.NO_OP)
-        windows.params.Fetch_and_op(_int64(self._pulls), _int64(self._pulls), self.rank,
-                                    PULLS * COUNTER_BYTES, MPI.NO_OP)
+        self._read_params_header()
         windows.accum.Flush(self.rank)
-        windows.params.Flush(self.rank)
         completed = self._counters[COMPLETED] + self._counters[COMPLETED + 1]
-        return int(completed), int(self._counters[DONE]), int(self._pulls[0])
+        return int(completed), int(self._counters[DONE]), int(self._params_header[PULLS])
+
+    def _read_params_header(self) -> None:
+        """The PARAMS header (publishes, pulls, holds) into _params_header: one
+        Get_accumulate(NO_OP) on its own window, completed."""
+        win = self._live().params
+        win.Get_accumulate(_NO_INT64, _int64(self._params_header), self.rank,
+                           (0, PARAMS_SLOTS, MPI.INT64_T), MPI.NO_OP)
+        win.Flush(self.rank)
 
     def watch_clients(self, gone: Callable[[int], bool],
                       give_up_s: float = GIVE_UP_S) -> None:
@@ -733,6 +781,30 @@ class ParameterServerShard(_Endpoint):
         return new
 
     def _publish(self) -> None:
+        """Publish the master parameters, unless a reader asked for a hold (below): then
+        the publish waits, and serve_once makes it once the hold is over. The parameters
+        only become fresher meanwhile; every take still folds."""
+        if self._holding():
+            self._unpublished = True
+            return
+        self._unpublished = False
+        self._write_publish()
+
+    def _holding(self) -> bool:
+        """Whether a reader's hold is on: it asked (HOLDS_ASKED rose) after tearing
+        TORN_READS_BEFORE_HOLD reads in a row, has not released it yet (HOLDS_RELEASED
+        behind), and the hold began less than HOLD_MAX_S ago (a dead reader never
+        releases). One-sided on its own PARAMS window."""
+        self._read_params_header()
+        asked = int(self._params_header[HOLDS_ASKED])
+        if asked > self._holds_seen:
+            self._holds_seen, self._hold_since = asked, time.perf_counter()
+            self.stats.holds += 1
+        if int(self._params_header[HOLDS_RELEASED]) >= asked or self._hold_since is None:
+            return False
+        return time.perf_counter() - self._hold_since < HOLD_MAX_S
+
+    def _write_publish(self) -> None:
         """Write the master parameters, version and applied count into the next PARAMS
         buffer: BEGUN += 1, the buffer (Accumulate REPLACE), PUBLISHED += 1, each round
         completed by Flush. A reader that saw PUBLISHED = p reads buffer p % 2 and keeps
@@ -768,13 +840,17 @@ class ParameterServerShard(_Endpoint):
         _, done, pulls = self.read_counters()
         phase = self._phase
         folded = self._advance() > 0
+        if self._unpublished:
+            self._publish()
         # Clients finish only after their last push completed, so once every client is
-        # done, the tickets are final, and a fold of all of them leaves nothing behind.
+        # done, the tickets are final, and a fold of all of them leaves nothing behind
+        # (and nothing unpublished: shard 0's last snapshot reads the published slices).
         if (done == self.num_clients and self._flipped_at is None
-                and int(self._counters[TICKET]) % PHASE == self._started):
+                and int(self._counters[TICKET]) % PHASE == self._started
+                and not self._unpublished):
             self._finished = True
         pulled, self.stats.pulls = pulls > self.stats.pulls, pulls
-        return folded or pulled or self._phase != phase
+        return folded or pulled or self._phase != phase or self._unpublished
 
     def serve(self, backoff: Backoff | None = None,
               between: Callable[[], bool] | None = None,
@@ -825,6 +901,7 @@ class ShardStats:
     pulls: int = 0
     polls: int = 0
     exclusive_sections: int = 0
+    holds: int = 0  # readers' requests to hold publishes (RMA; see _read_published)
     hold_max_s: float = 0.0
     hold_total_s: float = 0.0
     wait_max_s: float = 0.0
@@ -1065,7 +1142,7 @@ class ParameterClient(_Endpoint):
         _issue_reads_of(params, pulled, BEGUN, self._begun)
         _complete(accum, shards)
         _complete(params, pulled)
-        if not _untorn(pulled, self._published, self._begun):
+        if _torn(pulled, self._published, self._begun):
             _read_published(windows, pulled, self._segments, self.ranges, out, self._headers)
         return self._pushed(), self._pulled()
 
