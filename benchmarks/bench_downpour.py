@@ -94,7 +94,7 @@ def interleaved_worker(args: argparse.Namespace) -> None:
     from distbelief.config import load_config
     from distbelief.data.hdf5 import TrainShard
     from distbelief.model.optimizers import make_optimizer
-    from distbelief.ps.parameter_server import ParameterServerShard
+    from distbelief.ps.rma_shard import ParameterServerShard
     from distbelief.ps.transport import open_parameter_server
     from distbelief.runtime.backoff import PacedBackoff
     from distbelief.runtime.threads import set_blas_threads

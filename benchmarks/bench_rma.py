@@ -141,7 +141,7 @@ def progress_run(poll: str, sleep: str, seconds: float, compute: int, pull: str,
     Collective over COMM_WORLD. Returns the summary on rank 0, None elsewhere.
     """
     MPI = _mpi()
-    from distbelief.ps.parameter_server import ParameterServerShard
+    from distbelief.ps.rma_shard import ParameterServerShard
     from distbelief.ps.transport import open_parameter_server
     from distbelief.runtime.topology import Topology
     world = MPI.COMM_WORLD
@@ -202,7 +202,7 @@ def client_rates(seconds: float, transport: str) -> dict[str, float]:
     the shard on its default Backoff (on "shared" a push includes the Adagrad step, which
     the replica does itself). Collective over COMM_WORLD; meaningful on rank 1."""
     MPI = _mpi()
-    from distbelief.ps.parameter_server import ParameterServerShard
+    from distbelief.ps.rma_shard import ParameterServerShard
     from distbelief.ps.transport import open_parameter_server
     from distbelief.runtime.topology import Topology
     world = MPI.COMM_WORLD

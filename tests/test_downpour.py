@@ -378,7 +378,7 @@ def test_grants_add_up_to_max_steps_whatever_the_claim_order():
 
 
 def test_staleness_histogram_and_overflow_bin():
-    from distbelief.ps.parameter_server import STALENESS_BINS, StalenessStats
+    from distbelief.ps.stats import STALENESS_BINS, StalenessStats
 
     stats = StalenessStats()
     stats.add(np.array([0, 2, 2]))

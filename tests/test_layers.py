@@ -156,7 +156,7 @@ def test_no_import_cycles() -> None:
 def test_the_graph_sees_the_imports_we_know_of() -> None:
     """Guards the checker against passing because it parsed nothing."""
     graph = import_graph(SRC)
-    assert "distbelief.runtime.topology" in graph["distbelief.ps.parameter_server"]
+    assert "distbelief.runtime.topology" in graph["distbelief.ps.rma_shard"]
     assert "distbelief.model.layers" in graph["distbelief.model.network"]
     assert "distbelief.algorithms.downpour" in graph["distbelief.cli"]  # inside a function
     assert "distbelief.model" in graph["distbelief.model.kernels"]  # the compiled _kernels

@@ -16,8 +16,9 @@ import pytest
 from conftest import REPO, _env, run_mpi
 
 from distbelief.errors import ConfigError
-from distbelief.ps import parameter_server as ps
 from distbelief.ps import transport
+from distbelief.ps.endpoint import TRANSPORT_ENV
+from distbelief.runtime import backoff as backoff_module
 from distbelief.runtime.topology import Topology, validate_rank_count
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
@@ -84,8 +85,8 @@ def test_roles_shards_first_then_coordinator_then_replica_blocks():
 
 def test_backoff_doubles_up_to_the_cap_and_resets_after_work(monkeypatch):
     sleeps: list[float] = []
-    monkeypatch.setattr(ps.time, "sleep", sleeps.append)
-    backoff = ps.Backoff(min_sleep_s=1e-4, max_sleep_s=1e-3)
+    monkeypatch.setattr(backoff_module.time, "sleep", sleeps.append)
+    backoff = backoff_module.Backoff(min_sleep_s=1e-4, max_sleep_s=1e-3)
     for _ in range(6):
         backoff.wait()
     assert sleeps == pytest.approx([1e-4, 2e-4, 4e-4, 8e-4, 1e-3, 1e-3])
@@ -96,12 +97,12 @@ def test_backoff_doubles_up_to_the_cap_and_resets_after_work(monkeypatch):
 
 
 def test_transport_request_is_validated_before_communication(monkeypatch):
-    monkeypatch.delenv(ps.TRANSPORT_ENV, raising=False)
+    monkeypatch.delenv(TRANSPORT_ENV, raising=False)
     assert transport.requested_transport() == "auto"
-    monkeypatch.setenv(ps.TRANSPORT_ENV, "rma")
+    monkeypatch.setenv(TRANSPORT_ENV, "rma")
     assert transport.requested_transport() == "rma"
     assert transport.requested_transport("shared") == "shared"  # the caller's choice wins
-    monkeypatch.setenv(ps.TRANSPORT_ENV, "infiniband")
+    monkeypatch.setenv(TRANSPORT_ENV, "infiniband")
     with pytest.raises(ConfigError, match="DISTBELIEF_PS_TRANSPORT.*auto, shared, rma"):
         transport.requested_transport()
 
@@ -142,9 +143,9 @@ def test_pushes_are_applied_exactly_once(n, shards, size, pushes, extra, transpo
 def test_auto_transport_is_shared_on_one_node_unless_the_environment_says_rma(
         env_value, expected):
     env = _env()
-    env.pop(ps.TRANSPORT_ENV, None)
+    env.pop(TRANSPORT_ENV, None)
     if env_value:
-        env[ps.TRANSPORT_ENV] = env_value
+        env[TRANSPORT_ENV] = env_value
     proc = mpi4py_job(3, "ps_exact.py", "--shards", 1, "--size", 1000, "--pushes", 5,
                       "--lr", 0.5, "--transport", "auto", env=env)
     assert_ok(proc)
@@ -202,7 +203,7 @@ def test_config_error_on_every_rank_before_communication(n, args, needle, transp
     # the others (a rank blocked in a collective would time the test out).
     env = _env()
     if transport:
-        env[ps.TRANSPORT_ENV] = transport
+        env[TRANSPORT_ENV] = transport
     proc = run_mpi(n, [PROGRAMS / "ps_config.py", *args], timeout=TIMEOUT, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     # mpiexec may interleave the ranks' lines, so count rather than split lines.

@@ -13,7 +13,8 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.model.optimizers import make_optimizer
-from distbelief.ps.parameter_server import ParameterClient, ParameterServerShard
+from distbelief.ps.rma_client import ParameterClient
+from distbelief.ps.rma_shard import ParameterServerShard
 from distbelief.ps.transport import open_parameter_server
 from distbelief.runtime.topology import Topology
 

@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 from ps_common import check, open_server, parser, say
 
-from distbelief.ps.parameter_server import ParameterServerShard
+from distbelief.ps.rma_shard import ParameterServerShard
 
 
 def serve_set(shard: ParameterServerShard) -> None:

@@ -2,10 +2,68 @@
 
 A client folds its own gradient into the shard's parameters with the shard's optimizer,
 and copies parameters out, directly in the shard's shared segment under a kernel
-reader-writer lock; no shard is on the critical path of a step. The design, the segment
-layout and why each access is legal are in parameter_server.py's docstring (SHARED
-MEMORY); transport.open_parameter_server chooses this transport or RMA for the whole job.
-Moved unchanged from parameter_server.py.
+reader-writer lock; no shard is on the critical path of a step.
+transport.open_parameter_server chooses this transport or RMA for the whole job.
+
+SHARED MEMORY (transport "shared"; SharedMemoryShard, SharedMemoryClient). One window from
+Win.Allocate_shared over the node communicator (= the world), a segment per shard (size 0
+on other ranks); every rank maps every segment (Win.Shared_query). Shard s's segment:
+
+    [0:64) header, int64 slots: VERSION 0 | APPLIED 1 | SERVING 2 (1 once the shard polls)
+    [64:..) per client c (non-shard world rank S + c): PULLED, FINISHED (int64; pulls
+           made so far, published with each push and at finish)
+    then, each 64-byte aligned: the run control block (distbelief.ps.run_control; used on
+           shard 0), the parameters f32, each optimizer state array f32 (for Adagrad, its
+           sum of squared gradients), by name
+
+The parameters and the optimizer state are the shard's own (its optimizer object works
+on the segment's arrays; every client holds a copy of the optimizer pointed at the same
+arrays). Segment s is guarded by a reader-writer lock: a POSIX record lock (fcntl) on
+byte s of one lock file that all ranks opened (and that is unlinked at once). The kernel
+grants it: no MPI progress is needed from anybody, a waiter sleeps, a dead process's
+locks are released. MPI's own Win_lock on a shared window was measured to wait for the
+target's progress (0.5 s behind a sleeping target), so it is not used.
+
+| location            | access                                          | lock      |
+|---------------------|-------------------------------------------------|-----------|
+| params, state,      | client push: optimizer step with its gradient,  | exclusive |
+| VERSION, APPLIED    |   VERSION += 1, APPLIED += 1 (load/store)       |           |
+|                     | shard: set_parameters, initialisation (store)   | exclusive |
+|                     | client pull, shard snapshot/parameters/         | shared    |
+|                     |   checkpoint_state/version (load)               |           |
+| run control block   | client, with a push or exchange: read, add      | exclusive |
+| (shard 0)           | shard 0: read_run_control (load)                | shared    |
+|                     | shard 0: add_run_control (load, store)          | exclusive |
+| SERVING             | shard: first serve_once (store 1)               | exclusive |
+|                     | client, before its first access (load)          | shared    |
+| PULLED[c],          | client c only, with a push and at finish: store | exclusive |
+| FINISHED[c]         | shard: serve_once, read_counters (load)         | shared    |
+
+Why it is correct: load/store accesses to a shared window are ordinary memory accesses of
+the processes (MPI-4.1, shared memory windows), so they need what any shared-memory
+program needs: no location is written while another process accesses it. Every write
+above is under the exclusive lock, every other access under the shared or the exclusive
+one. (A pull therefore does not count itself in the segment; the client publishes its
+count later, under the exclusive lock it takes anyway.) So a pull never sees half a fold
+(no torn reads), a fold's read-modify-write of the parameters, the state and the counters
+is never interleaved with another (no lost or doubled update), and step claims are atomic
+(max_steps stays exact). Memory ordering: Win.Sync after taking a lock and before
+releasing it (the memory barrier the standard asks for between processes' load/store
+accesses to a shared window; legal because Lock_all(MODE_NOCHECK) keeps a passive-target
+epoch open for the window's life, without lock traffic); the lock calls are system calls,
+which order memory as well.
+
+Semantics against "rma": a client's first access waits (sleeping) until every shard it
+touches has polled once (SERVING), as its first RMA epoch would: a caller that sets up
+after open_parameter_server (Downpour's shard 0 starts its clock, its rounds) finds no
+work done before it serves. A push returns once the gradient is applied (it is one fold:
+version and applied pushes advance together, and staleness counts the updates applied
+after the pull, exactly as there), a fetch after it always contains it (catch_up never
+pulls again), push_pull's fetch always contains its push. The shard only polls, sparsely
+(SHARED_POLL_S), for `finish()` and statistics, and shard 0 runs its duties between polls
+as before. A checkpoint taken while clients may push uses `checkpoint_state()` (one
+shared lock for parameters and state together); where no client pushes (Downpour's
+checkpoint rounds) `parameters()` and `optimizer.state()` agree as on "rma".
 """
 
 from __future__ import annotations
@@ -25,7 +83,7 @@ from mpi4py import MPI
 from distbelief.errors import ConfigError
 from distbelief.model.layout import DTYPE
 from distbelief.ps import run_control as rc
-from distbelief.ps.parameter_server import (
+from distbelief.ps.endpoint import (
     APPLIED,
     CONTROL_SHARD,
     COUNTER_BYTES,
@@ -34,13 +92,13 @@ from distbelief.ps.parameter_server import (
     VERSION,
     Optimizer,
     OptimizerFactory,
-    ParameterClient,
-    ParameterServerShard,
-    ShardStats,
     _aligned,
     _Endpoint,
 )
+from distbelief.ps.rma_client import ParameterClient
+from distbelief.ps.rma_shard import ParameterServerShard
 from distbelief.ps.run_control import ControlExchange, ControlView
+from distbelief.ps.stats import ShardStats
 from distbelief.runtime import watchdog
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.nodes import node_communicator

@@ -16,14 +16,10 @@ from mpi4py import MPI
 from distbelief.errors import ConfigError
 from distbelief.model.layout import DTYPE, balanced_ranges
 from distbelief.ps import run_control as rc
-from distbelief.ps.parameter_server import (
-    TRANSPORT_ENV,
-    TRANSPORTS,
-    OptimizerFactory,
-    ParameterClient,
-    ParameterServerShard,
-    _ShardWindows,
-)
+from distbelief.ps.endpoint import TRANSPORT_ENV, TRANSPORTS, OptimizerFactory
+from distbelief.ps.rma_client import ParameterClient
+from distbelief.ps.rma_shard import ParameterServerShard
+from distbelief.ps.rma_windows import _ShardWindows
 from distbelief.ps.shared_memory import SharedMemoryClient, SharedMemoryShard, _open_shared
 from distbelief.runtime.topology import Topology
 

@@ -26,8 +26,8 @@ from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.algorithms.partitioned_sgd import polled_bcast
 from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
 from distbelief.ps import run_control as rc
-from distbelief.ps.parameter_server import StalenessStats
 from distbelief.ps.run_control import ControlExchange
+from distbelief.ps.stats import StalenessStats
 from distbelief.runtime import watchdog
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.faults import Faults

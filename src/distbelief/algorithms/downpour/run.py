@@ -24,7 +24,8 @@ from distbelief.config import Config
 from distbelief.model.layout import balanced_ranges
 from distbelief.model.optimizers import make_optimizer
 from distbelief.ps import run_control as rc
-from distbelief.ps.parameter_server import GIVE_UP_S, ParameterClient, ParameterServerShard
+from distbelief.ps.rma_client import ParameterClient
+from distbelief.ps.rma_shard import GIVE_UP_S, ParameterServerShard
 from distbelief.ps.transport import open_parameter_server
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say

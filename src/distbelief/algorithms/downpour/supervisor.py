@@ -35,8 +35,8 @@ from distbelief.algorithms.downpour.shards import _part_report, _ShardRole
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.model.layout import balanced_ranges
 from distbelief.ps import run_control as rc
-from distbelief.ps.parameter_server import STALENESS_BINS
 from distbelief.ps.run_control import ControlView
+from distbelief.ps.stats import STALENESS_BINS
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
