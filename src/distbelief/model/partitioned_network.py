@@ -75,7 +75,7 @@ def wait_all(requests: list[MPI.Request], what: str = "messages",
              ranks: Sequence[int] = ()) -> None:
     """Complete `requests` without spinning a core for long: MPICH's Wait busy-polls
     (DESIGN.md), and partitions may share cores with each other or with shards. Testall a
-    few times, then between tests sleep 20 us, doubling up to 1 ms (parameter_server's
+    few times, then between tests sleep 20 us, doubling up to 1 ms (runtime.backoff's
     Backoff). The wait is declared to the stall watchdog as waiting for `what` from the
     world ranks `ranks`; watchdog.RankLost if one of them is gone."""
     for _ in range(SPIN_TESTS):

@@ -6,13 +6,14 @@ ranges (`distbelief.model.layout.balanced_ranges`); shard s (world rank s, see t
 range s. Two transports, chosen once by `open_parameter_server` for the whole job (every
 rank agrees; `requested_transport` for how to force one):
 
-- "shared", when every rank of the job is on one node (SHARED MEMORY below): a client
+- "shared", when every rank of the job is on one node (shared_memory.py): a client
   folds its own gradient into the shard's parameters with the shard's optimizer, and
   copies parameters out, directly in the shard's shared segment under a kernel
   reader-writer lock. No shard is on the critical path of a step.
 - "rma" otherwise: replicas push gradients and pull parameters with passive-target RMA;
   the shard folds the pushed gradients into its parameters with its optimizer (Adagrad or
-  SGD). The rest of this section up to SHARED MEMORY describes it.
+  SGD): rma_windows.py (the windows and why every access is legal), rma_shard.py,
+  rma_client.py.
 
 Why both: with MPICH on one node every RMA round needs a pass through the target's
 progress engine, and the read-your-writes fetch puts the shard's fold on the critical

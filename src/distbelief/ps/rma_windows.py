@@ -59,9 +59,10 @@ datatype do not conflict, and `accumulate_ops=same_op_no_op` (the default, set
 explicitly) asks only that concurrent ones use the same op or NO_OP: every location above
 has one writing op (SUM, or REPLACE for the buffers, whose only writer is the owner) and
 NO_OP readers. Atomicity is per element; whole-vector consistency comes from the
-protocols below. The owner's plain stores happen only at creation, before the barrier
-that precedes any client access (Win.Sync makes them visible). Visibility: the unified
-memory model (checked at creation); Flush completes an operation at the target.
+protocols: pulls below, pushes in rma_shard.py. The owner's plain stores happen only at
+creation, before the barrier that precedes any client access (Win.Sync makes them
+visible). Visibility: the unified memory model (checked at creation); Flush completes an
+operation at the target.
 
 Pulls: double-buffered, checked parameters (a seqlock made of accumulates). Publish k
 (the owner): BEGUN += 1, Flush; REPLACE buffer k % 2 (VERSION, APPLIED, slice), Flush;
@@ -88,7 +89,6 @@ from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, _aligned
 from distbelief.runtime import watchdog
 
 FLOAT_BYTES = DTYPE().itemsize
-HEADER_SLOTS = HEADER_BYTES // COUNTER_BYTES
 # int64 slots in the ACCUM header: TICKET (phase * PHASE + pushes started), DONE, and
 # COMPLETED + b: pushes completed into accumulator b (slot 1 unused)
 TICKET, DONE, COMPLETED = 0, 2, 3

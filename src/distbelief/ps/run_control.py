@@ -10,7 +10,7 @@ Shard 0 owns the block and decides; the shards agree among themselves with colle
 over their own communicator (shards cannot be lost without losing parameters).
 
 The block is an array of int64 slots (one float64) in shard 0's memory: in its ACCUM
-window on the RMA transport, in its segment on the shared-memory one (parameter_server).
+window on the RMA transport, in its segment on the shared-memory one (rma_windows.py, shared_memory.py).
 
     global slots          written by            meaning
     CLAIMED               replicas (+claim)     steps claimed (the global step counter)

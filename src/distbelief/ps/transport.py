@@ -1,9 +1,9 @@
 """Which parameter-server transport a job uses, and opening it on every rank.
 
 open_parameter_server (collective) chooses shared memory (shared_memory.py) when every
-rank is on one node and the optimizer's state can be shared, else RMA
-(parameter_server.py), unless told otherwise (requested_transport). A new transport is a
-shard and a client class in ps/ and a branch here. Moved unchanged from parameter_server.py.
+rank is on one node and the optimizer's state can be shared, else RMA (rma_shard.py,
+rma_client.py), unless told otherwise (requested_transport). A new transport is a shard
+and a client class in ps/ and a branch here.
 """
 
 from __future__ import annotations
