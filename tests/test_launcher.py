@@ -4,6 +4,7 @@ under Open MPI."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,35 @@ def test_a_killed_worker_is_named_by_rank_and_no_osc_ucx_error_is_printed(tmp_pa
     assert exit_statuses(proc) == [0, 0, 137], proc.stdout + proc.stderr[-3000:]
     assert "distbelief: the worker of rank 2 was killed by SIGKILL" in proc.stderr
     assert "osc_ucx_component" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_rank_that_never_reaches_mpi_init_ends_the_others_within_the_bound(
+        tmp_path: Path) -> None:
+    # Under -disable-auto-cleanup hydra only notifies the others when rank 2's worker exits
+    # before MPI_Init, and they would wait in MPI_Init for ever; their guardians end them
+    # at the bound (DISTBELIEF_INIT_TIMEOUT) with one line each.
+    make_synthetic(tmp_path / "synth.h5", n_train=2000, n_test=200, input_shape=(16,),
+                   num_classes=3, seed=1)
+    (tmp_path / "run.toml").write_text(TOML)
+    env = {**_env(), FAULTS: "noinit:2:0", "DISTBELIEF_INIT_TIMEOUT": "10"}
+    args = ["train", tmp_path / "run.toml", "--set", f'run.out_dir="{tmp_path / "out"}"']
+    t0 = time.monotonic()
+    proc = run_mpi(3, [PROGRAMS / "cli_exit_status.py", *args], env=env, timeout=90,
+                   launcher_options=survive_a_death())
+    elapsed = time.monotonic() - t0
+    assert exit_statuses(proc) == [1, 1, 1], proc.stdout + proc.stderr[-3000:]
+    assert "test-only exit of rank 2 before MPI_Init" in proc.stderr
+    for rank in (0, 1):
+        assert (f"distbelief: rank {rank}: MPI_Init did not return within 10 s"
+                in proc.stderr), proc.stderr[-3000:]
+    assert elapsed < 80, f"the job took {elapsed:.0f} s to end"
+
+
+def test_a_bad_init_bound_is_one_error_on_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "run.toml").write_text(TOML)
+    env = {**_env(), "DISTBELIEF_INIT_TIMEOUT": "soon"}
+    proc = run_mpi(2, [PROGRAMS / "cli_exit_status.py", "train", tmp_path / "run.toml"],
+                   env=env, timeout=60)
+    assert exit_statuses(proc) == [2, 2], proc.stdout + proc.stderr[-3000:]
+    assert "DISTBELIEF_INIT_TIMEOUT must be a positive number of seconds, got 'soon'" \
+        in proc.stderr

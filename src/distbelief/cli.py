@@ -361,6 +361,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return guardian.run_guarded(args.argv)
     if guardian.is_worker():
         guardian.bind_to_guardian()
+        from distbelief.runtime.faults import Faults
+
+        Faults.for_rank(int(launcher.launcher_rank() or 0)).before_mpi_init()
     from distbelief.algorithms.common import note_interrupt
 
     # Ctrl-C (or mpiexec forwarding it) stops a run like SIGTERM: distbelief.algorithms.common.
@@ -622,8 +625,10 @@ def start_mpi() -> Any:
     # Open MPI without InfiniBand: no osc/ucx error line per rank and window (the user's
     # own OMPI_MCA_osc wins; distbelief.runtime.launcher.quiet_osc_ucx says why).
     launcher.quiet_osc_ucx()
+    guardian.mpi_init_begins()  # the guardian bounds MPI_Init (distbelief.runtime.guardian)
     from mpi4py import MPI
 
+    guardian.mpi_init_returned()
     world = MPI.COMM_WORLD
     if world.Get_size() > 1:
         def abort_job(exc_type: type, exc: BaseException, tb: Any) -> None:

@@ -21,6 +21,8 @@ Sandblaster replica its work units, a Downpour shard the updates it has folded.
                           run: hold each epoch of its exchanges with shard 0 open 1 s longer,
                           its operations flushed to shard 0 (a rank descheduled just before
                           its Unlock)
+    noinit:RANK:0         the rank's worker exits with status 1 before MPI_Init (a rank that
+                          cannot start: a missing library, a full disk); AT is unused
 
 Nothing but the tests and the benchmarks sets it; a real run never should, and the rank
 prints what it does when a fault fires.
@@ -41,7 +43,8 @@ import numpy as np
 from distbelief.errors import ConfigError
 
 ENV = "DISTBELIEF_FAULTS"
-ACTIONS = ("kill", "raise", "poison", "delay", "hang", "killpush", "pause", "linger")
+ACTIONS = ("kill", "raise", "poison", "delay", "hang", "killpush", "pause", "linger",
+           "noinit")
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,12 @@ class Faults:
         """How long each end-of-run exchange epoch is to stay open, once `step` steps are
         done (0: not at all)."""
         return sum(f.extra_seconds for f in self.faults if f.action == "linger" and step >= f.at)
+
+    def before_mpi_init(self) -> None:
+        """Exit with status 1 now if a `noinit` fault is armed for this rank."""
+        if any(f.action == "noinit" for f in self.faults):
+            _say(f"test-only exit of rank {self.rank} before MPI_Init ({ENV})")
+            sys.exit(1)
 
     def kill(self, where: str) -> None:
         _say(f"test-only kill -9 of rank {self.rank} {where} ({ENV})")

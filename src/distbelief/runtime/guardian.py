@@ -19,25 +19,40 @@ twice, which is harmless: a stop request is a stop request, and a SIGINT arrivin
 within a second counts as one Ctrl-C, see distbelief.algorithms.common.note_interrupt). The worker dies with its
 guardian (PR_SET_PDEATHSIG), so a launcher that kills the job leaves nothing behind.
 
-Known gap: a worker that dies before MPI_Init (it cannot even start) ends its guardian
-with status 1, and under `-disable-auto-cleanup` hydra then lets the other ranks wait in
-MPI_Init for ever (the stall watchdog starts only after it); the default launch ends the
-job.
+MPI_Init is bounded (INIT_TIMEOUT_ENV, 120 s by default): a worker that dies before
+MPI_Init (it cannot even start) leaves the other ranks waiting in MPI_Init for ever under
+`-disable-auto-cleanup` (hydra only notifies them, and the stall watchdog starts after
+MPI_Init), and under Open MPI's `--enable-recovery` too (seen); the default launch would
+end the job. The worker cannot bound its own
+MPI_Init: mpi4py holds the interpreter lock through it, so no Python thread runs (tried).
+So the guardian does: the worker writes one byte into a pipe as it calls MPI_Init and one
+once it returned, and a guardian that has read the first but not the second within the
+bound says so in one line, kills the worker and exits 1. (The worker's start-up before
+MPI_Init is not bounded: on a loaded node it took over 6 s, measured, and it is no hang.)
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 
+from distbelief.errors import ConfigError
 from distbelief.runtime.launcher import launcher_rank
 
 WORKER_ENV = "DISTBELIEF_GUARDIAN_PID"
 """Set in the worker's environment: its guardian's process id."""
+
+INIT_FD_ENV = "DISTBELIEF_INIT_FD"
+"""Set in the worker's environment: the pipe to its guardian, written as MPI_Init starts
+and once it returned."""
+INIT_TIMEOUT_ENV = "DISTBELIEF_INIT_TIMEOUT"
+"""Seconds a guardian waits for its worker's MPI_Init (default INIT_TIMEOUT_S)."""
+INIT_TIMEOUT_S = 120.0
 
 RELAYED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
@@ -50,29 +65,100 @@ def is_worker() -> bool:
 def run_guarded(argv: Sequence[str]) -> int:
     """Run `python -m distbelief ARGV` as the worker; return its exit status (128 + N if a
     signal N killed it). Call before MPI is initialised in this process."""
+    bound = init_timeout()
     env = dict(os.environ)
     env[WORKER_ENV] = str(os.getpid())
     pmi_fds = _pmi_fds()
+    started, told = os.pipe()
+    env[INIT_FD_ENV] = str(told)
     # The interpreter's own options (-X, -O, -W) carry over, as multiprocessing does it.
     python = [sys.executable, *subprocess._args_from_interpreter_flags()]
     worker = subprocess.Popen([*python, "-m", "distbelief", *argv], env=env,
-                              pass_fds=pmi_fds, process_group=0)
-    for fd in pmi_fds:
+                              pass_fds=[*pmi_fds, told], process_group=0)
+    for fd in [*pmi_fds, told]:
         # The launcher must see the PMI connection close when the worker dies.
         os.close(fd)
     for number in RELAYED:
         signal.signal(number, lambda signum, frame: _relay(worker, signum))
+    timed_out = _init_timed_out(started, bound)
+    if timed_out:
+        print(f"distbelief: rank {launcher_rank() or '?'}: MPI_Init did not return within "
+              f"{bound:g} s (a rank of the job failed to start, see its error; or a node "
+              f"cannot be reached); ending this rank ({INIT_TIMEOUT_ENV} sets the bound)",
+              file=sys.stderr, flush=True)
+        _kill_worker(worker)
     status = worker.wait()
     for number in RELAYED:
         # A launcher may go on signalling (hydra sends several SIGUSR1s per death); dying
         # of one now would be a death by signal, the very thing this process prevents.
         signal.signal(number, signal.SIG_IGN)
+    if timed_out:
+        return 1
     if status < 0:
         name = signal.Signals(-status).name
         print(f"distbelief: the worker of rank {launcher_rank() or '?'} was killed "
               f"by {name}", file=sys.stderr, flush=True)
         status = 128 - status
     return status
+
+
+def init_timeout() -> float:
+    """The bound on MPI_Init from INIT_TIMEOUT_ENV, or INIT_TIMEOUT_S; a bad value is an
+    error on every rank alike (they share the environment)."""
+    text = os.environ.get(INIT_TIMEOUT_ENV, "")
+    if not text:
+        return INIT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{INIT_TIMEOUT_ENV} must be a positive number of seconds, "
+                          f"got {text!r}")
+    return value
+
+
+def _init_timed_out(started: int, bound: float) -> bool:
+    """Wait for the worker's first byte on `started` (it calls MPI_Init), then up to
+    `bound` s for the second (MPI_Init returned); True if the second did not come in
+    time. End of file (the worker ended; its exit status says the rest) is not a time-out."""
+    try:
+        if os.read(started, 1) != b"i":
+            return False
+        ready, _, _ = select.select([started], [], [], bound)
+        return not ready
+    finally:
+        os.close(started)
+
+
+def mpi_init_begins() -> None:
+    """In the worker, just before MPI_Init: start the guardian's clock."""
+    _tell_guardian(b"i", close=False)
+
+
+def mpi_init_returned() -> None:
+    """In the worker, once MPI_Init returned: stop the guardian's clock (and close)."""
+    _tell_guardian(b"1", close=True)
+
+
+def _tell_guardian(byte: bytes, close: bool) -> None:
+    fd = os.environ.get(INIT_FD_ENV, "")
+    if not fd.isdigit():
+        return
+    try:
+        os.write(int(fd), byte)
+        if close:
+            os.close(int(fd))
+            del os.environ[INIT_FD_ENV]
+    except OSError:
+        pass
+
+
+def _kill_worker(worker: subprocess.Popen) -> None:
+    try:
+        os.killpg(worker.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _relay(worker: subprocess.Popen, signum: int) -> None:
