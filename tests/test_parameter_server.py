@@ -177,6 +177,20 @@ def test_pulls_are_never_torn(n, shards, mode, transport):
     assert proc.stdout.count("pulls consistent") == n - shards
 
 
+@pytest.mark.both_mpis
+@pytest.mark.nodes
+@pytest.mark.parametrize("n, shards", [(2, 1), (4, 2)])
+def test_a_reader_slower_than_the_publishes_still_pulls(n, shards):
+    # Each read sleeps 50 ms before its check while the shards publish about every
+    # millisecond: every read tears, and without the reader's hold no pull would ever end
+    # (checked: the first pull never returned, the job timed out).
+    proc = mpi4py_job(n, "ps_torn.py", "--shards", shards, "--size", 100_000,
+                      "--mode", "set", "--seconds", 1.0, "--transport", "rma",
+                      "--slow-reads", 0.05)
+    assert_ok(proc)
+    assert proc.stdout.count("pulls consistent") == n - shards
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS_NODES)
 @pytest.mark.parametrize("n, shards, extra", [
     (3, 1, []), (4, 2, []), (5, 2, []), (6, 1, ["--coordinator"])])

@@ -7,6 +7,11 @@ slice must be constant and k must never decrease.
 mode "fold": the clients push gradients of -1 (SGD, lr 1: each push adds 1 to every
 parameter) and pull, in turn separately and overlapped (push_pull); every pulled slice must be constant and equal to the number of pushes
 its shard reports as applied in the same pull, and versions must never decrease.
+
+--slow-reads S (rma): every client read sleeps S seconds between reading the buffer and
+checking BEGUN, as a reader descheduled on a loaded node; with the shard publishing
+every millisecond or so ("set"), each such read tears, and only the reader's hold
+(rma_windows) lets a pull finish: the shard must report holds, and every pull must end.
 """
 
 import time
@@ -15,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 from ps_common import check, open_server, parser, say
 
+from distbelief.ps import rma_windows
 from distbelief.ps.rma_shard import ParameterServerShard
 
 
@@ -26,6 +32,7 @@ def serve_set(shard: ParameterServerShard) -> None:
         shard.serve_once()
     say(f"shard {shard.rank} set {k} constant vectors; readers asked {shard.stats.holds} "
         "hold(s) of its publishes")
+    return k
 
 
 def check_pull(endpoint, params, last, mode, versions) -> np.ndarray:
@@ -53,19 +60,36 @@ def _done(elapsed: float, seconds: float, first: np.ndarray | None,
     return changed or elapsed >= 10 * seconds
 
 
+def slow_down_reads(seconds: float) -> None:
+    """Sleep before each read of BEGUN, i.e. after the buffer was read."""
+    issue = rma_windows._issue_reads_of
+
+    def slowed(win, shards, slot, into):
+        if slot == rma_windows.BEGUN:
+            time.sleep(seconds)
+        issue(win, shards, slot, into)
+
+    rma_windows._issue_reads_of = slowed
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--mode", choices=["set", "fold"], required=True)
     p.add_argument("--seconds", type=float, default=1.0)
+    p.add_argument("--slow-reads", type=float, default=0.0)
     args = p.parse_args()
     topology, endpoint = open_server(args)
     pulls = 0
     if isinstance(endpoint, ParameterServerShard):
         if args.mode == "set":
             serve_set(endpoint)
+            check(args.slow_reads == 0 or endpoint.stats.holds > 0,
+                  f"shard {endpoint.rank}: slow readers, yet no hold was asked")
         else:
             endpoint.serve()
     else:
+        if args.slow_reads:
+            slow_down_reads(args.slow_reads)
         params = np.empty(args.size, dtype=np.float32)
         minus_one = np.full(args.size, -1, dtype=np.float32)
         last = np.zeros(topology.ps_shards)
