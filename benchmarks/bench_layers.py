@@ -8,6 +8,7 @@ ratio is PyTorch's time over ours: above 1, ours is faster.
 
     op          ours                           PyTorch
     max pool    kernels.pool_forward/backward   F.max_pool2d (backward: autograd)
+                (forward saving the argmax)
     L2 pool     kernels.pool_forward/backward   F.lp_pool2d(p=2)
     lcn         kernels.lcn_forward/backward    conv2d with the fixed Gaussian over the
                                                 window and all channels (as the tests)
@@ -15,7 +16,17 @@ ratio is PyTorch's time over ours: above 1, ours is faster.
 PyTorch's forward runs with requires_grad (what a training step does: max_pool2d then
 keeps its argmax indices); its backward is torch.autograd.grad over the recorded graph.
 
-    python benchmarks/bench_layers.py [--repeats 15] [--quick]
+--clock cpu times with the process's CPU time instead of the wall clock: on a machine
+other jobs load, the wall clock also counts their time slices (the two alternate, so the
+ratio holds roughly, but each figure swings); CPU time counts only this process's work.
+
+    python benchmarks/bench_layers.py [--repeats 15] [--quick] [--clock wall|cpu]
+
+--step CONFIG times instead one training step of a config's model (Network.loss_and_grad
+at its batch size, on random 28x28x1 inputs, one thread): the fastest and the median of
+--repeats rounds of 20 steps, in the chosen clock (no PyTorch).
+
+    python benchmarks/bench_layers.py --step configs/fashion_mnist_image.toml --clock cpu
 """
 
 from __future__ import annotations
@@ -45,11 +56,15 @@ CASES = [
 ]
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter
+
+
 def timed(run: Callable[[], object], loops: int) -> float:
-    start = time.perf_counter()
+    start = clock()
     for _ in range(loops):
         run()
-    return (time.perf_counter() - start) / loops
+    return (clock() - start) / loops
 
 
 def ours(name: str, x: np.ndarray, dout: np.ndarray, kernel: int, stride: int
@@ -62,9 +77,11 @@ def ours(name: str, x: np.ndarray, dout: np.ndarray, kernel: int, stride: int
     mode = "max" if name == "max pool" else "l2"
     out = np.empty_like(dout)
     dx = np.empty_like(x)
-    kernels.pool_forward(x, out, kernel, stride, mode)
-    return (lambda: kernels.pool_forward(x, out, kernel, stride, mode),
-            lambda: kernels.pool_backward(x, out, dout, dx, kernel, stride, mode))
+    # A training step's forward: max pooling saves its argmax for the backward.
+    argmax = np.empty(dout.shape, dtype=np.int32) if mode == "max" else None
+    kernels.pool_forward(x, out, kernel, stride, mode, argmax)
+    return (lambda: kernels.pool_forward(x, out, kernel, stride, mode, argmax),
+            lambda: kernels.pool_backward(x, out, dout, dx, kernel, stride, mode, argmax))
 
 
 def theirs(torch, name: str, x: np.ndarray, dout: np.ndarray, kernel: int, stride: int,
@@ -94,20 +111,53 @@ def theirs(torch, name: str, x: np.ndarray, dout: np.ndarray, kernel: int, strid
     return forward, lambda: torch.autograd.grad(y, xt, gt, retain_graph=True)
 
 
+def step_time(config: str, repeats: int) -> None:
+    """Print the time of one training step of `config`'s model."""
+    import tomllib
+
+    from distbelief.model.network import Network
+
+    with open(config, "rb") as f:
+        spec = tomllib.load(f)
+    layers, batch = spec["model"]["layers"], spec["data"]["batch_size"]
+    classes = layers[-1]["units"]
+    net = Network((28, 28, 1), layers, classes)
+    rng = np.random.default_rng(0)
+    params = net.init_params(0)
+    grad = np.empty_like(params)
+    x = rng.random((batch, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, classes, batch)
+    step = lambda: net.loss_and_grad(params, x, y, grad)
+    step()
+    times = [timed(step, 20) for _ in range(repeats)]
+    print(f"{config}: one step (batch {batch}) {min(times) * 1e3:.3f} ms fastest, "
+          f"{statistics.median(times) * 1e3:.3f} ms median of {repeats} rounds of 20; "
+          f"load average {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="rounds per figure")
     parser.add_argument("--quick", action="store_true", help="3 rounds, for a smoke test")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="wall clock (default) or this process's CPU time")
+    parser.add_argument("--step", metavar="CONFIG",
+                        help="time one training step of CONFIG's model instead")
     args = parser.parse_args()
     repeats = 3 if args.quick else args.repeats
+    global clock
+    clock = CLOCKS[args.clock]
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(1)
+    if args.step:
+        step_time(args.step, repeats)
+        return
 
     import torch  # a benchmark peer only, never a dependency
     torch.set_num_threads(1)
-    from threadpoolctl import threadpool_limits
-    threadpool_limits(1)
 
     print(f"PyTorch {torch.__version__}, 1 thread, float32; median of {repeats} rounds; "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"{args.clock} clock; load average {os.getloadavg()[0]:.1f}")
     print(f"{'op':<9} {'N x H x W x C':>16} {'k/s':>5} | {'ours fwd':>9} {'torch fwd':>9} "
           f"{'ratio':>6} | {'ours bwd':>9} {'torch bwd':>9} {'ratio':>6} | torch layout")
     rng = np.random.default_rng(0)

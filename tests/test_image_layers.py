@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -76,15 +77,33 @@ POOL_CASES = [  # (N, H, W, C, kernel, stride)
 
 
 def pool_run(case, mode, seed=0):
+    """x, out, dout, dx of a training step: max pooling's forward saves its argmax."""
     n, h, w, c, k, s = case
     rng = np.random.default_rng(seed)
     x = randn(rng, n, h, w, c)
     out = np.full((n, (h - k) // s + 1, (w - k) // s + 1, c), np.nan, dtype=np.float32)
-    kernels.pool_forward(x, out, k, s, mode)
+    argmax = np.full(out.shape, -1, dtype=np.int32) if mode == "max" else None
+    kernels.pool_forward(x, out, k, s, mode, argmax)
     dout = randn(rng, *out.shape)
     dx = np.full_like(x, np.nan)
-    kernels.pool_backward(x, out, dout, dx, k, s, mode)
+    kernels.pool_backward(x, out, dout, dx, k, s, mode, argmax)
     return x, out, dout, dx
+
+
+def ref_max_pool_backward(x: np.ndarray, dout: np.ndarray, kernel: int,
+                          stride: int) -> np.ndarray:
+    """What the backward computed before it kept the argmax: each window's maximum found
+    again from x, the gradient to its first maximum in (row, column) order."""
+    n, channels = x.shape[0], x.shape[3]
+    dx = np.zeros(x.shape)
+    rows, cols = np.meshgrid(np.arange(n), np.arange(channels), indexing="ij")
+    for i in range(dout.shape[1]):
+        for j in range(dout.shape[2]):
+            win = x[:, i * stride:i * stride + kernel, j * stride:j * stride + kernel, :]
+            first = win.reshape(n, kernel * kernel, channels).argmax(axis=1)  # first max
+            dy, dxx = i * stride + first // kernel, j * stride + first % kernel
+            np.add.at(dx, (rows, dy, dxx, cols), dout[:, i, j])
+    return dx
 
 
 @pytest.mark.parametrize("mode", ["max", "l2"])
@@ -111,10 +130,63 @@ def test_pool_matches_reference_and_finite_differences(case, mode):
 def test_max_pool_routes_ties_to_the_first_maximum():
     x = np.zeros((1, 2, 2, 1), dtype=np.float32)
     out = np.empty((1, 1, 1, 1), dtype=np.float32)
-    kernels.pool_forward(x, out, 2, 2, "max")
+    argmax = np.empty(out.shape, dtype=np.int32)
+    kernels.pool_forward(x, out, 2, 2, "max", argmax)
     dx = np.full_like(x, np.nan)
-    kernels.pool_backward(x, out, np.ones_like(out), dx, 2, 2, "max")
+    kernels.pool_backward(x, out, np.ones_like(out), dx, 2, 2, "max", argmax)
     np.testing.assert_array_equal(dx.reshape(-1), [1, 0, 0, 0])
+
+
+# Channel counts that take every path of the forward: blocks of 8, a block of 4, and the
+# one-by-one tail (1, 3, 5, 12 = 8 + 4, 13 = 8 + 4 + 1, 19 = 2 x 8 + 3).
+@pytest.mark.parametrize("channels", [1, 3, 4, 5, 8, 12, 13, 19])
+@pytest.mark.parametrize("window", [(2, 2), (3, 2), (3, 1), (2, 3)])
+def test_max_pool_argmax_backward_equals_finding_the_maximum_again(channels, window):
+    k, s = window
+    rng = np.random.default_rng(channels)
+    # Few distinct values, so most windows hold ties, some several.
+    x = rng.integers(-2, 3, (3, 9, 8, channels)).astype(np.float32)
+    x[0] = 0.0  # whole windows of ties
+    out = np.empty((3, (9 - k) // s + 1, (8 - k) // s + 1, channels), dtype=np.float32)
+    argmax = np.full(out.shape, -1, dtype=np.int32)
+    kernels.pool_forward(x, out, k, s, "max", argmax)
+    plain = np.empty_like(out)
+    kernels.pool_forward(x, plain, k, s, "max")  # evaluation: no argmax
+    np.testing.assert_array_equal(out, plain)
+    np.testing.assert_array_equal(out, ref_pool(x, k, s, "max"))
+    # Each saved offset points at its output's value, inside its own sample.
+    flat = x.reshape(3, -1)
+    np.testing.assert_array_equal(
+        np.take_along_axis(flat, argmax.reshape(3, -1), axis=1), out.reshape(3, -1))
+    dout = randn(rng, *out.shape)
+    dx = np.full_like(x, np.nan)
+    kernels.pool_backward(x, out, dout, dx, k, s, "max", argmax)
+    np.testing.assert_allclose(dx, ref_max_pool_backward(x, dout, k, s), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_max_pool_backward_refuses_a_missing_or_foreign_argmax():
+    x = randn(np.random.default_rng(0), 2, 4, 4, 3)
+    out = np.empty((2, 2, 2, 3), dtype=np.float32)
+    argmax = np.empty(out.shape, dtype=np.int32)
+    kernels.pool_forward(x, out, 2, 2, "max", argmax)
+    dx = np.empty_like(x)
+    with pytest.raises(ValueError, match="needs the argmax its forward saved"):
+        kernels.pool_backward(x, out, out, dx, 2, 2, "max")
+    with pytest.raises(TypeError, match="argmax must have dtype int32"):
+        kernels.pool_backward(x, out, out, dx, 2, 2, "max", argmax.astype(np.int64))
+    with pytest.raises(ValueError, match="argmax must have shape"):
+        kernels.pool_backward(x, out, out, dx, 2, 2, "max", argmax[:1])
+    with pytest.raises(ValueError, match="'max' only"):
+        kernels.pool_forward(x, out, 2, 2, "l2", argmax)
+    with pytest.raises(ValueError, match="writeable"):
+        argmax.flags.writeable = False
+        kernels.pool_forward(x, out, 2, 2, "max", argmax)
+    foreign = argmax.copy()
+    foreign[1, 1, 0, 2] = x[0].size      # one past its sample: never written
+    foreign[0, 0, 0, 0] = -1
+    with pytest.raises(ValueError, match="2 offsets outside"):
+        kernels.pool_backward(x, out, out, dx, 2, 2, "max", foreign)
 
 
 def test_l2_pool_of_zeros_has_zero_gradient():
@@ -335,6 +407,98 @@ def test_network_gradient_through_pool_and_lcn_matches_finite_differences():
         numeric = (net.loss(plus, x, y) - net.loss(minus, x, y)) / (2 * h)
         assert grad[i] == pytest.approx(numeric, rel=2e-2, abs=2e-4), i
     assert net.loss(params, x, y) == pytest.approx(loss, rel=1e-6)
+
+
+MAX_POOLED = [LOCAL, pool("max", 2), {"type": "local", "kernel": 2, "channels": 3,
+                                      "activation": "relu"},
+              pool("max", 3, 1), {"type": "dense", "units": 4, "activation": "softmax"}]
+
+
+def test_max_pool_saves_its_argmax_in_buffers_reused_step_after_step():
+    """Training steps allocate nothing that stays: the argmax buffers are made once per
+    training batch size, and evaluation (no backward, larger batches) neither fills nor
+    grows them."""
+    net = Network((12, 12, 2), MAX_POOLED, 4)
+    assert [layer.saved_per_output for layer in net.layers] == [0, 1, 0, 1, 0]
+    rng = np.random.default_rng(4)
+    params = net.init_params(rng)
+    x, y = randn(rng, 16, 12, 12, 2), rng.integers(0, 4, 16)
+    grad = np.empty(net.layout.size, dtype=np.float32)
+    x_eval, y_eval = np.concatenate([x] * 4), np.concatenate([y] * 4)
+    first = net.loss_and_grad(params, x, y, grad)
+    net.evaluate(params, x_eval, y_eval, batch_size=64)  # grows the activations, once
+    saved = net._saved.rows(16)
+    buffers = [a.base if a.base is not None else a for a in saved]
+    argmax_bytes = sum(a.nbytes for a in saved)
+    assert argmax_bytes == 16 * 4 * (net.layers[1].out_size + net.layers[3].out_size)
+
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        probe = np.empty(argmax_bytes // 4, dtype=np.int32)  # numpy's arrays are traced
+        assert tracemalloc.get_traced_memory()[0] - base >= probe.nbytes
+        del probe
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(20):
+            assert net.loss_and_grad(params, x, y, grad) == first
+            net.evaluate(params, x_eval, y_eval, batch_size=64)
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert grown < argmax_bytes, f"{grown} bytes stayed after 20 steps"
+    assert net._saved.capacity == 16
+    assert all(a.base is b or a is b for a, b in zip(net._saved.rows(16), buffers))
+
+    # What the max pooling layers were handed: one buffer each step after step, None in
+    # evaluation.
+    handed: list = []
+    for layer in (net.layers[1], net.layers[3]):
+        def spy(*args, _forward=layer.forward):
+            handed.append(args[4])
+            _forward(*args)
+        layer.forward = spy
+    net.loss_and_grad(params, x, y, grad)
+    net.loss_and_grad(params, x, y, grad)
+    net.evaluate(params, x_eval, y_eval, batch_size=64)
+    assert handed[4:] == [None, None]
+    assert [np.shares_memory(a, b) for a, b in zip(handed[:2], buffers[1::2])] == [True] * 2
+    assert all(handed[i] is handed[i + 2] for i in range(2))
+
+
+def test_network_backward_through_saved_argmax_equals_finding_the_maximum_again():
+    """The whole network's gradient with max pooling over ties (relu zeros, integer
+    inputs) equals one computed with the kernels' reference: the first maximum of each
+    window found again from x."""
+    net = Network((9, 9, 2), [pool("max", 2, 1), LOCAL, pool("max", 3, 2),
+                              {"type": "dense", "units": 3, "activation": "softmax"}], 3)
+    rng = np.random.default_rng(9)
+    params = net.init_params(rng)
+    x = np.round(randn(rng, 5, 9, 9, 2))
+    y = rng.integers(0, 3, 5)
+    grad = np.empty(net.layout.size, dtype=np.float32)
+    net.loss_and_grad(params, x, y, grad)
+    # Rebuild the gradient with the layers' forward and the reference backward for pooling.
+    views = net._views(params, "params")
+    acts = [x.reshape(5, -1)]
+    for layer, (w, b) in zip(net.layers, views):
+        out = np.empty((5, layer.out_size), dtype=np.float32)
+        layer.forward(acts[-1], w, b, out)  # no saved: evaluation's forward
+        acts.append(out)
+    dout = np.empty_like(acts[-1])
+    kernels.softmax_cross_entropy(acts[-1], y, dout)
+    want = np.empty_like(grad)
+    grad_views = net._views(want, "grad")
+    for i in reversed(range(len(net.layers))):
+        layer, dx = net.layers[i], (np.empty_like(acts[i]) if i else None)
+        if isinstance(layer, Pool):
+            if dx is not None:
+                dx[...] = ref_max_pool_backward(
+                    acts[i].reshape(5, *layer.in_shape), dout.reshape(5, *layer.out_shape),
+                    layer.kernel, layer.stride).reshape(5, -1)
+        else:
+            layer.backward(acts[i], acts[i + 1], dout, views[i][0], *grad_views[i], dx)
+        dout = dx
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-6)
 
 
 def test_pool_and_lcn_keep_no_parameters_and_describe_themselves():

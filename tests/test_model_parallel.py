@@ -118,13 +118,13 @@ def test_partitioned_loss_gradients_and_bytes_match(partitions):
     """Loss, gradient (own-size and whole-model vectors), evaluation equal the Network's;
     bytes per layer and direction == cut edges x batch x 4 (counted from the geometry in
     the program); dense, local, mixed and image (local, pool, lcn) networks, balanced,
-    skewed and one-owner blocks."""
+    skewed and one-owner blocks; max pooling over ties ("image-ties")."""
     proc = run_mpi(partitions, ["-m", "mpi4py", PROGRAMS / "mp_gradients.py"],
                    timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("OK ")]
     cases = {tuple(line.split()[1:3]) for line in lines}
-    nets = ("dense", "local", "mixed", "image", "image-first")
+    nets = ("dense", "local", "mixed", "image", "image-first", "image-ties")
     expected = {(net, "balanced") for net in nets}
     if partitions > 1:
         expected |= {(net, "one-owner") for net in nets}

@@ -47,7 +47,16 @@ NETWORKS = {
                                  {"type": "local", "kernel": 2, "channels": 4,
                                   "activation": "relu"},
                                  {"type": "dense", "units": 7, "activation": "softmax"}], 7),
+    # Max pooling over ties: on integer inputs (TIED_INPUTS), then on a relu layer's zeros,
+    # overlapping windows across the band edges. Each tie's gradient goes to the window's
+    # first maximum on every P, through the argmax the forward saved.
+    "image-ties": ((13, 11, 2), [{"type": "pool", "mode": "max", "kernel": 3, "stride": 1},
+                                 {"type": "local", "kernel": 2, "channels": 5,
+                                  "activation": "relu"},
+                                 {"type": "pool", "mode": "max", "kernel": 3, "stride": 2},
+                                 {"type": "dense", "units": 4, "activation": "softmax"}], 4),
 }
+TIED_INPUTS = {"image-ties"}
 BATCH = 7
 
 
@@ -120,6 +129,8 @@ def run_case(comm: MPI.Comm, name: str, splits: list[list[int]] | None, label: s
     network = Network(input_shape, layers, classes)
     rng = np.random.default_rng(11)
     x = rng.standard_normal((BATCH, *input_shape)).astype(np.float32)
+    if name in TIED_INPUTS:
+        x = np.round(x)  # mostly -1, 0 and 1: most max windows hold ties
     y = rng.integers(0, classes, BATCH)
     params = network.init_params(5)
     params += rng.standard_normal(params.shape).astype(np.float32) * 0.05  # nonzero biases
@@ -133,10 +144,14 @@ def run_case(comm: MPI.Comm, name: str, splits: list[list[int]] | None, label: s
     check(abs(loss - full_loss) <= 1e-5 * max(1.0, abs(full_loss)),
           f"{name} {label}: loss {loss} != {full_loss}")
     close(grad, part.local_params(full_grad), f"{name} {label}: gradient")
-    # The same step twice: buffers reused, nothing carried over.
+    # The same step twice: buffers reused (what max pooling saved too), nothing carried
+    # over.
+    saved = [lb.saved for lb in part._buffers_for(BATCH)]
     grad2 = np.zeros_like(mine)
     part.loss_and_grad(mine, x, y, grad2)
     check(np.array_equal(grad, grad2), f"{name} {label}: second step differs")
+    check(all(a is lb.saved for a, lb in zip(saved, part._buffers_for(BATCH))),
+          f"{name} {label}: the saved buffers were allocated again")
 
     # Whole-model vectors (Downpour's mode): only this partition's pieces are written.
     big = np.zeros_like(params)

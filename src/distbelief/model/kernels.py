@@ -317,36 +317,87 @@ def _pool_shapes(x: np.ndarray, kernel: object, stride: object,
     return shape, _kernels.POOL_MODES[mode]
 
 
+def _check_argmax(argmax: object, mode: str, shape: tuple[int, ...], x: np.ndarray,
+                  writeable: bool) -> np.ndarray:
+    """Max pooling's saved offsets: int32, C-contiguous, one per output."""
+    if mode != "max":
+        raise ValueError(f"argmax is for mode 'max' only, got mode {mode!r}")
+    if not isinstance(argmax, np.ndarray):
+        raise TypeError(f"argmax must be a numpy array, got {type(argmax).__name__}")
+    if argmax.dtype != np.int32:
+        raise TypeError(f"argmax must have dtype int32, got {argmax.dtype}")
+    if not argmax.flags.c_contiguous:
+        raise ValueError("argmax must be C-contiguous (use np.ascontiguousarray)")
+    if writeable and not argmax.flags.writeable:
+        raise ValueError("argmax is an output and must be writeable")
+    _check_shape("argmax", argmax, shape)
+    if math.prod(x.shape[1:]) >= 2 ** 31:
+        raise ValueError(f"x's samples ({x.shape[1:]}) have 2^31 elements or more, too "
+                         f"many for int32 argmax offsets")
+    return argmax
+
+
 def pool_forward(x: np.ndarray, out: np.ndarray, kernel: int, stride: int,
-                 mode: str) -> None:
+                 mode: str, argmax: np.ndarray | None = None) -> None:
     """Pooling over kernel x kernel windows, per channel, valid windows (as local_forward).
 
     x (N, H, W, C); out (N, Ho, Wo, C), overwritten; Ho = (H - kernel)//stride + 1, likewise
     Wo. mode "max": the window's maximum; "l2": the square root of its sum of squares.
+
+    argmax (N, Ho, Wo, C) int32, mode "max" only: if given, it is overwritten with where
+    each maximum is, as an offset into its sample x[n] flattened (the first maximum in
+    (row, column) order, as PyTorch's max_pool2d). pool_backward needs it.
     """
     _check_float32("x", x, 4)
     _check_float32("out", out, 4, writeable=True)
     shape, code = _pool_shapes(x, kernel, stride, mode)
     _check_shape("out", out, shape)
     _check_no_overlap("out", out, {"x": x})
-    _kernels.pool_forward(x, out, int(kernel), int(stride), code)
+    if argmax is None:
+        _kernels.pool_forward(x, out, int(kernel), int(stride), code)
+        return
+    _check_argmax(argmax, mode, shape, x, writeable=True)
+    _check_no_overlap("argmax", argmax, {"x": x, "out": out})
+    _kernels.max_pool_forward_argmax(x, out, argmax, int(kernel), int(stride))
 
 
 def pool_backward(x: np.ndarray, out: np.ndarray, dout: np.ndarray, dx: np.ndarray,
-                  kernel: int, stride: int, mode: str) -> None:
-    """Gradient of pool_forward: dx (like x) is overwritten. `out` is pool_forward's output
-    for this x. Max routes each window's gradient to its first maximum in (row, column)
-    order, as PyTorch does; L2's gradient is dout * x / out, 0 where out is 0."""
+                  kernel: int, stride: int, mode: str,
+                  argmax: np.ndarray | None = None) -> None:
+    """Gradient of pool_forward: dx (like x) is overwritten.
+
+    Max: `argmax` is required, as pool_forward wrote it for this x; each output's gradient
+    goes to the input it names, and x and out are not read. ValueError if an offset lies
+    outside the sample (dx is then incomplete). L2: `out` is pool_forward's output for
+    this x; the gradient is dout * x / out, 0 where out is 0.
+    """
     _check_float32("x", x, 4)
     _check_float32("out", out, 4)
     _check_float32("dout", dout, 4)
     _check_float32("dx", dx, 4, writeable=True)
-    shape, code = _pool_shapes(x, kernel, stride, mode)
+    shape, _ = _pool_shapes(x, kernel, stride, mode)
     _check_shape("out", out, shape)
     _check_shape("dout", dout, shape)
     _check_shape("dx", dx, x.shape)
     _check_no_overlap("dx", dx, {"x": x, "out": out, "dout": dout})
-    _kernels.pool_backward(x, out, dout, dx, int(kernel), int(stride), code)
+    if mode == "l2":
+        if argmax is not None:
+            _check_argmax(argmax, mode, shape, x, writeable=False)  # raises: max only
+        _kernels.l2_pool_backward(x, out, dout, dx, int(kernel), int(stride))
+        return
+    if argmax is None:
+        raise ValueError("max pooling's backward needs the argmax its forward saved: "
+                         "pass the same int32 array as argmax= to pool_forward and "
+                         "pool_backward")
+    _check_argmax(argmax, mode, shape, x, writeable=False)
+    _check_no_overlap("dx", dx, {"argmax": argmax})
+    n = x.shape[0]
+    bad = _kernels.max_pool_backward(argmax.reshape(n, math.prod(shape[1:])),
+                                     dout.reshape(n, math.prod(shape[1:])),
+                                     dx.reshape(n, math.prod(x.shape[1:])))
+    if bad:
+        raise ValueError(f"argmax holds {bad} offsets outside x's samples: it was not "
+                         f"written by pool_forward for an x of this shape")
 
 
 def gaussian_window(kernel: int) -> np.ndarray:

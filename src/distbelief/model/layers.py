@@ -12,6 +12,13 @@ of output units (dense) or band of output rows (local) with its own slices of th
 Activations between layers are 2-D (N, units) float32 C-contiguous arrays; a local layer
 reads them as (N, H, W, C) images (row, column, channel order), which is a free reshape.
 
+A layer may also keep values from its forward for its backward: `saved_per_output` int32
+values per output unit (only max pooling does, its argmax: 1; every other layer 0). The
+caller allocates them (`saved`: (N, saved_per_output * outputs), SAVED_DTYPE) beside the
+activations, reuses them step after step, passes them to forward and then the same array
+to backward, and passes None to a forward that no backward follows (evaluation). Every
+layer takes the argument, so every caller drives all layer types the same way.
+
 Pooling and LCN layers keep no parameters (their parameter list is empty, so the flat
 layout is that of the other layers alone) and take empty arrays in the weights and bias
 positions of forward and backward, so every caller drives all layer types the same way.
@@ -34,12 +41,17 @@ import numpy as np
 from distbelief.model import kernels
 
 ACTIVATIONS = ("relu", "sigmoid", "tanh", "linear", "softmax")
+SAVED_DTYPE = np.int32
+"""The dtype of what a layer's forward saves for its backward (`Layer.saved_per_output`)."""
 
 
 class Layer:
     """What dense and local layers share: shapes, activation, initialisation."""
 
     kind = "layer"
+    saved_per_output = 0
+    """SAVED_DTYPE values per output unit that forward saves for backward (see the module's
+    docstring): the caller's `saved` array has this many times the outputs as columns."""
 
     def __init__(self, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
                  activation: str):
@@ -134,14 +146,14 @@ class Dense(Layer):
         return self.in_size, self.units
 
     def forward(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray,
-                out: np.ndarray) -> None:
+                out: np.ndarray, saved: np.ndarray | None = None) -> None:
         """out (N, units) = act(x (N, in) @ weights.T + bias)."""
         np.matmul(x, weights.T, out=out)
         kernels.bias_activation(out, bias, self.kernel_activation)
 
     def backward(self, x: np.ndarray, out: np.ndarray, dout: np.ndarray,
                  weights: np.ndarray, dweights: np.ndarray, dbias: np.ndarray,
-                 dx: np.ndarray | None) -> None:
+                 dx: np.ndarray | None, saved: np.ndarray | None = None) -> None:
         """Overwrite dweights, dbias and (unless None) dx; `dout` is overwritten with dz."""
         kernels.activation_backward(out, dout, self.kernel_activation, dout, dbias)
         np.matmul(dout.T, x, out=dweights)
@@ -180,7 +192,7 @@ class Local(ValidWindows):
         return area * self.in_shape[2], area * self.channels
 
     def forward(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray,
-                out: np.ndarray) -> None:
+                out: np.ndarray, saved: np.ndarray | None = None) -> None:
         """out (N, Ho*Wo*Cout) = act(local(x (N, H*W*Cin)) + bias)."""
         n = x.shape[0]
         kernels.local_forward(x.reshape(n, *self.in_shape), weights,
@@ -189,7 +201,7 @@ class Local(ValidWindows):
 
     def backward(self, x: np.ndarray, out: np.ndarray, dout: np.ndarray,
                  weights: np.ndarray, dweights: np.ndarray, dbias: np.ndarray,
-                 dx: np.ndarray | None) -> None:
+                 dx: np.ndarray | None, saved: np.ndarray | None = None) -> None:
         """Overwrite dweights, dbias and (unless None) dx; `dout` is overwritten with dz."""
         n = x.shape[0]
         kernels.activation_backward(out, dout, self.kernel_activation, dout,
@@ -225,6 +237,8 @@ class Pool(ValidWindows):
         self.kernel = kernel
         self.stride = stride
         self.mode = mode
+        # Max pooling keeps each output's argmax, so that its backward only scatters.
+        self.saved_per_output = 1 if mode == "max" else 0
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return []
@@ -237,21 +251,30 @@ class Pool(ValidWindows):
         """Nothing to initialise (and nothing drawn from rng)."""
 
     def forward(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray,
-                out: np.ndarray) -> None:
+                out: np.ndarray, saved: np.ndarray | None = None) -> None:
+        """Max pooling fills `saved` (N, outputs) with each output's argmax, unless None."""
         n = x.shape[0]
         kernels.pool_forward(x.reshape(n, *self.in_shape), out.reshape(n, *self.out_shape),
-                             self.kernel, self.stride, self.mode)
+                             self.kernel, self.stride, self.mode,
+                             self._argmax(saved, n))
 
     def backward(self, x: np.ndarray, out: np.ndarray, dout: np.ndarray,
                  weights: np.ndarray, dweights: np.ndarray, dbias: np.ndarray,
-                 dx: np.ndarray | None) -> None:
-        """Overwrite dx (unless None); `dout` is left as it is."""
+                 dx: np.ndarray | None, saved: np.ndarray | None = None) -> None:
+        """Overwrite dx (unless None); `dout` is left as it is. Max pooling needs the
+        `saved` its forward filled."""
         if dx is None:
             return
         n = x.shape[0]
         kernels.pool_backward(x.reshape(n, *self.in_shape), out.reshape(n, *self.out_shape),
                               dout.reshape(n, *self.out_shape), dx.reshape(n, *self.in_shape),
-                              self.kernel, self.stride, self.mode)
+                              self.kernel, self.stride, self.mode, self._argmax(saved, n))
+
+    def _argmax(self, saved: np.ndarray | None, n: int) -> np.ndarray | None:
+        """`saved` as the kernels' (N, Ho, Wo, C) argmax; None for L2 pooling."""
+        if saved is None or not self.saved_per_output:
+            return None
+        return saved.reshape(n, *self.out_shape)
 
     def describe(self) -> str:
         return (f"{super().describe().rsplit(maxsplit=1)[0]}  {self.mode} "
@@ -299,14 +322,14 @@ class Lcn(ImageLayer):
         return np.ones(self.in_shape[1], dtype=bool)
 
     def forward(self, x: np.ndarray, weights: np.ndarray, bias: np.ndarray,
-                out: np.ndarray) -> None:
+                out: np.ndarray, saved: np.ndarray | None = None) -> None:
         n = x.shape[0]
         kernels.lcn_forward(x.reshape(n, *self.in_shape), out.reshape(n, *self.out_shape),
                             self.kernel, self.floor)
 
     def backward(self, x: np.ndarray, out: np.ndarray, dout: np.ndarray,
                  weights: np.ndarray, dweights: np.ndarray, dbias: np.ndarray,
-                 dx: np.ndarray | None) -> None:
+                 dx: np.ndarray | None, saved: np.ndarray | None = None) -> None:
         """Overwrite dx (unless None); `dout` is left as it is."""
         if dx is None:
             return

@@ -23,6 +23,7 @@ from distbelief.model.layers import (
     ACTIVATIONS,
     LCN_FLOOR,
     NO_PARAMS,
+    SAVED_DTYPE,
     Dense,
     Layer,
     Lcn,
@@ -56,6 +57,10 @@ class Network:
         widths = [layer.out_size for layer in self.layers]
         self._outputs = _RowBuffers(widths)  # each layer's activations
         self._douts = _RowBuffers(widths)    # the loss gradient w.r.t. each layer's output
+        # What each layer's training forward keeps for its backward (max pooling: argmax).
+        # Apart from the activations, so evaluation's larger batches do not grow it.
+        self._saved = _RowBuffers([layer.saved_per_output * layer.out_size
+                                   for layer in self.layers], SAVED_DTYPE)
         # The last flat vector seen as params and as grad, with its per-layer views: trainers
         # pass the same arrays every step, and rebuilding the views cost ~2% of a step.
         self._view_cache: dict[str, tuple[np.ndarray, list]] = {}
@@ -98,15 +103,20 @@ class Network:
                             f"(N > 0, {', '.join(map(str, self.input_shape))})")
         return np.ascontiguousarray(x).reshape(x.shape[0], -1)
 
-    def _forward(self, param_views: list, x: np.ndarray) -> tuple[np.ndarray, list]:
-        """Run all layers; returns (flat input, list of each layer's output buffer)."""
+    def _forward(self, param_views: list, x: np.ndarray,
+                 save: bool = False) -> tuple[np.ndarray, list, list]:
+        """Run all layers; returns (flat input, each layer's output buffer, each layer's
+        saved values for backward, or Nones unless `save`)."""
         inputs = self._flat_input(x)
         outputs = self._outputs.rows(inputs.shape[0])
+        saved = (self._saved.rows(inputs.shape[0]) if save
+                 else [None] * len(self.layers))
         h = inputs
-        for layer, (weights, bias), out in zip(self.layers, param_views, outputs):
-            layer.forward(h, weights, bias, out)
+        for layer, (weights, bias), out, keep in zip(self.layers, param_views, outputs,
+                                                     saved):
+            layer.forward(h, weights, bias, out, keep)
             h = out
-        return inputs, outputs
+        return inputs, outputs, saved
 
     def loss_and_grad(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
                       grad: np.ndarray) -> float:
@@ -116,7 +126,7 @@ class Network:
         if np.may_share_memory(params, grad):
             raise ValueError("grad must not overlap params: backward reads the weights "
                              "after writing their gradient")
-        inputs, outputs = self._forward(param_views, x)
+        inputs, outputs, saved = self._forward(param_views, x, save=True)
         douts = self._douts.rows(inputs.shape[0])
         loss = kernels.softmax_cross_entropy(outputs[-1], self._labels(y, inputs), douts[-1])
         for i in reversed(range(len(self.layers))):
@@ -124,19 +134,19 @@ class Network:
             below, dbelow = (outputs[i - 1], douts[i - 1]) if i > 0 else (inputs, None)
             (weights, _), (dweights, dbias) = param_views[i], grad_views[i]
             self.layers[i].backward(below, outputs[i], douts[i], weights, dweights, dbias,
-                                    dbelow)
+                                    dbelow, saved[i])
         return float(loss)
 
     def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         """Mean loss over the batch."""
-        inputs, outputs = self._forward(self._views(params, "params"), x)
+        inputs, outputs, _ = self._forward(self._views(params, "params"), x)
         # The logits are not needed afterwards, so the loss gradient may overwrite them.
         return float(kernels.softmax_cross_entropy(outputs[-1], self._labels(y, inputs),
                                                    outputs[-1]))
 
     def logits(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
         """The output layer's pre-softmax values, (N, num_classes), a new array."""
-        _, outputs = self._forward(self._views(params, "params"), x)
+        _, outputs, _ = self._forward(self._views(params, "params"), x)
         return outputs[-1].copy()
 
     def evaluate(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
@@ -153,7 +163,7 @@ class Network:
         correct = 0
         for start in range(0, total, batch_size):
             xb, yb = x[start:start + batch_size], y[start:start + batch_size]
-            inputs, outputs = self._forward(param_views, xb)
+            inputs, outputs, _ = self._forward(param_views, xb)
             labels = self._labels(yb, inputs)
             # Count hits before the loss overwrites the logits with their gradient.
             correct += int(np.count_nonzero(outputs[-1].argmax(axis=1) == labels))
@@ -178,15 +188,16 @@ class Network:
 
 
 class _RowBuffers:
-    """Float32 work arrays (rows, width), one per width, sliced to the batch size.
+    """Work arrays (rows, width), one per width, sliced to the batch size.
 
     One set serves every batch size: it grows to the largest batch seen, and a batch of n
     uses the first n rows (still C-contiguous), so alternating training and evaluation
     batches allocate nothing after the first of each.
     """
 
-    def __init__(self, widths: list[int]):
+    def __init__(self, widths: list[int], dtype: type = DTYPE):
         self.widths = widths
+        self.dtype = dtype
         self.capacity = 0
         self._arrays: list[np.ndarray] = []
         self._rows = 0
@@ -194,7 +205,7 @@ class _RowBuffers:
 
     def rows(self, n: int) -> list[np.ndarray]:
         if n > self.capacity:
-            self._arrays = [np.empty((n, w), dtype=DTYPE) for w in self.widths]
+            self._arrays = [np.empty((n, w), dtype=self.dtype) for w in self.widths]
             self.capacity = n
             self._rows = 0
         if n != self._rows:

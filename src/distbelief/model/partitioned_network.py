@@ -57,7 +57,7 @@ from mpi4py import MPI
 
 from distbelief.errors import DataError
 from distbelief.model import kernels
-from distbelief.model.layers import NO_PARAMS, Dense, Layer, Lcn, Pool
+from distbelief.model.layers import NO_PARAMS, SAVED_DTYPE, Dense, Layer, Lcn, Pool
 from distbelief.model.layout import DTYPE
 from distbelief.model.network import Network
 from distbelief.model.partition import LayerPart, Partitioning
@@ -118,6 +118,7 @@ class _LayerBuffers:
     out: np.ndarray                     # (N, own outputs) activations
     dout: np.ndarray                    # (N, own outputs) loss gradient
     dwindow: np.ndarray                 # (N, window) input gradient
+    saved: np.ndarray                   # (N, saved_per_output * own outputs) for backward
     recv: list[np.ndarray] = field(default_factory=list)  # per part.recv message
     send: list[np.ndarray] = field(default_factory=list)  # per part.send message
 
@@ -205,25 +206,29 @@ class PartitionedNetwork:
                 out=np.zeros((n, part.outputs[1] - part.outputs[0]), dtype=DTYPE),
                 dout=np.zeros((n, part.outputs[1] - part.outputs[0]), dtype=DTYPE),
                 dwindow=np.zeros((n, part.window[1] - part.window[0]), dtype=DTYPE),
+                saved=np.zeros((n, layer.saved_per_output
+                                * (part.outputs[1] - part.outputs[0])), dtype=SAVED_DTYPE),
                 recv=[np.empty((n, m.size), dtype=DTYPE) for m in part.recv],
                 send=[np.empty((n, m.size), dtype=DTYPE) for m in part.send])
-                for part in self.parts]
+                for part, layer in zip(self.parts, self.layers)]
         return self._buffers[n]
 
     # -- forward ---------------------------------------------------------------------------
 
-    def _forward(self, views: list, x: np.ndarray, count: bool) -> list[_LayerBuffers]:
+    def _forward(self, views: list, x: np.ndarray, training: bool) -> list[_LayerBuffers]:
         inputs = self.network._flat_input(x)
         buffers = self._buffers_for(inputs.shape[0])
         below = inputs
         for i in range(len(self.layers)):
-            self._forward_layer(i, views[i], below, buffers[i], count)
+            self._forward_layer(i, views[i], below, buffers[i], training)
             below = buffers[i].out
         return buffers
 
     def _forward_layer(self, i: int, params: tuple[np.ndarray, np.ndarray],
-                       below: np.ndarray, lb: _LayerBuffers, count: bool) -> None:
-        """Layer i's activations from `below` (layer i-1's own outputs, or the input)."""
+                       below: np.ndarray, lb: _LayerBuffers, training: bool) -> None:
+        """Layer i's activations from `below` (layer i-1's own outputs, or the input).
+        Training: a backward follows, so the bytes sent are counted and the layer keeps
+        what its backward needs in lb.saved."""
         part, tag = self.parts[i], _tag(i, FORWARD)
         recvs = [self.comm.Irecv(buf, source=m.peer, tag=tag)
                  for m, buf in zip(part.recv, lb.recv)]
@@ -232,7 +237,7 @@ class PartitionedNetwork:
         for m, buf in zip(part.send, lb.send):
             _gather_columns(below, m.columns(origin), buf)
             sends.append(self.comm.Isend(buf, dest=m.peer, tag=tag))
-            if count:
+            if training:
                 self.traffic.forward[i] += buf.nbytes
         lo = part.window[0]
         a, b = part.own_inputs
@@ -242,7 +247,7 @@ class PartitionedNetwork:
             if isinstance(self.layers[i], Dense):
                 self._dense_forward(part, params, lb, recvs)
             elif isinstance(self.layers[i], (Pool, Lcn)):
-                self._pool_lcn_forward(part, lb, recvs)
+                self._pool_lcn_forward(part, lb, recvs, training)
             else:
                 self._local_forward(part, params, lb, recvs)
         self._wait(recvs)
@@ -309,8 +314,9 @@ class PartitionedNetwork:
         kernels.bias_activation(lb.out, bias.reshape(-1), layer.kernel_activation)
 
     def _pool_lcn_forward(self, part: LayerPart, lb: _LayerBuffers,
-                          recvs: list[MPI.Request]) -> None:
-        """A pool or lcn layer's band of output rows, once its halo rows are in."""
+                          recvs: list[MPI.Request], training: bool) -> None:
+        """A pool or lcn layer's band of output rows, once its halo rows are in. Max
+        pooling's argmax (offsets into the band's window) goes to lb.saved if training."""
         self._wait(recvs)
         lo = part.window[0]
         for m, buf in zip(part.recv, lb.recv):
@@ -318,7 +324,8 @@ class PartitionedNetwork:
         layer, row0, window4, _ = self._local_geometry(part, lb)
         out4 = lb.out.reshape(window4.shape[0], -1, *layer.out_shape[1:])
         if isinstance(layer, Pool):
-            kernels.pool_forward(window4, out4, layer.kernel, layer.stride, layer.mode)
+            kernels.pool_forward(window4, out4, layer.kernel, layer.stride, layer.mode,
+                                 self._argmax(layer, lb, out4.shape) if training else None)
         else:
             # The window holds out's rows widened by the LCN's reach (clipped to the
             # image): exactly what kernels.lcn_forward wants for a band.
@@ -382,7 +389,7 @@ class PartitionedNetwork:
         grad_views = self._views(grad, "grad")
         if np.may_share_memory(params, grad):
             raise ValueError("grad must not overlap params")
-        buffers = self._forward(views, x, count=True)
+        buffers = self._forward(views, x, training=True)
         labels = self._labels(y, x)
         loss_sum, _ = self._softmax(buffers[-1].out, labels, buffers[-1].dout)
         inputs = self.network._flat_input(x)
@@ -483,7 +490,7 @@ class PartitionedNetwork:
         dwindow4 = lb.dwindow.reshape(window4.shape)
         if isinstance(layer, Pool):
             kernels.pool_backward(window4, out4, dout4, dwindow4, layer.kernel, layer.stride,
-                                  layer.mode)
+                                  layer.mode, self._argmax(layer, lb, out4.shape))
         else:
             kernels.lcn_backward(window4, dout4, dwindow4, layer.kernel, layer.floor,
                                  part.units[0] - row0)
@@ -491,6 +498,11 @@ class PartitionedNetwork:
         for m, buf in zip(part.recv, lb.recv):
             _gather_columns(lb.dwindow, m.columns(lo), buf)
         self._send_back(part, lb, sends, tag)
+
+    @staticmethod
+    def _argmax(layer: Pool, lb: _LayerBuffers, shape: tuple[int, ...]) -> np.ndarray | None:
+        """lb.saved as the band's (N, rows, Wo, C) argmax; None for L2 pooling."""
+        return lb.saved.reshape(shape) if layer.saved_per_output else None
 
     def _local_rows_backward(self, part: LayerPart, layer: Any, row0: int,
                              window4: np.ndarray, weights: np.ndarray, dz4: np.ndarray,
@@ -522,7 +534,7 @@ class PartitionedNetwork:
 
     def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         """Mean loss over the batch. Collective over `comm`."""
-        buffers = self._forward(self._views(params, "params"), x, count=False)
+        buffers = self._forward(self._views(params, "params"), x, training=False)
         loss_sum, _ = self._softmax(buffers[-1].out, self._labels(y, x), None)
         return loss_sum / len(y)
 
@@ -540,7 +552,7 @@ class PartitionedNetwork:
         loss_sum, hits = 0.0, 0
         for start in range(0, total, batch_size):
             xb, yb = x[start:start + batch_size], y[start:start + batch_size]
-            buffers = self._forward(views, xb, count=False)
+            buffers = self._forward(views, xb, training=False)
             batch_loss, batch_hits = self._softmax(buffers[-1].out, self._labels(yb, xb), None)
             loss_sum += batch_loss
             hits += batch_hits
