@@ -364,7 +364,13 @@ class PartitionedNetwork:
         self._wait([self.comm.Iallreduce(row_max, peak, op=MPI.MAX)])
         shifted = np.exp(logits - peak[:, None])
         total = np.empty(n, dtype=DTYPE)
-        self._wait([self.comm.Iallreduce(shifted.sum(axis=1, dtype=DTYPE), total, op=MPI.SUM)])
+        # A nonblocking operation's send buffer must live until its wait returns: held by
+        # a name, not passed as a temporary. Open MPI 5 reads a buffer of 1 KB or more (256
+        # rows) after Iallreduce has returned; a temporary is freed by then, and the sums
+        # came out wrong (NaN at times) for every batch or evaluation chunk that size
+        # (MPICH read it at once and hid the bug). mp_gradients.py's large batch checks it.
+        row_sums = shifted.sum(axis=1, dtype=DTYPE)
+        self._wait([self.comm.Iallreduce(row_sums, total, op=MPI.SUM)])
         rows = np.flatnonzero((labels >= c0) & (labels < c1))
         cols = labels[rows] - c0
         mine = logits[rows, cols]

@@ -253,7 +253,10 @@ class ParameterServerShard(_Endpoint):
         completed by Flush; no lock (a client that died mid-exchange cannot block it).
         """
         win = self._live().accum
-        win.Accumulate(_int64(np.array([value], dtype=np.int64)), self.rank,
+        # Named: an origin buffer must live until the Flush completes the operation (a
+        # temporary is freed when Accumulate returns; model/partitioned_network.py _softmax).
+        addend = np.array([value], dtype=np.int64)
+        win.Accumulate(_int64(addend), self.rank,
                        (HEADER_BYTES + slot * COUNTER_BYTES, 1, MPI.INT64_T), MPI.SUM)
         _complete(win, (self.rank,))
 
