@@ -114,9 +114,11 @@ from distbelief.algorithms.common import (
 )
 from distbelief.algorithms.sandblaster.coordinator import Coordinator
 from distbelief.algorithms.sandblaster.plan import (
+    TAG_STATS,
     BatchRows,
     Piece,
     SandblasterPlan,
+    _backoff,
     all_pieces,
     plan_run,
     shard_segments,
@@ -133,8 +135,9 @@ from distbelief.data.hdf5 import _read_rows
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.ps.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
-from distbelief.runtime import watchdog
+from distbelief.runtime import guardian, watchdog
 from distbelief.runtime.agreement import agree, wait_for_everyone
+from distbelief.runtime.liveness import Peers
 from distbelief.runtime.threads import set_blas_threads
 from distbelief.runtime.topology import Communicators, split_communicators
 
@@ -158,8 +161,14 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     distbelief.algorithms.common.RESUME_MODES ("auto", "require", "fresh").
     """
     role = start(config, comm, stream, resume)
-    # collective (an allgather)
-    guard = watchdog.for_job(comm, role.plan.topology.describe_rank, config.run)
+    # Collective (node_split, an allgather): every rank's identity, and on several nodes
+    # every rank beats in out_dir (distbelief.runtime.heartbeat) until the end.
+    peers = Peers.gather(comm, config.run.out_dir, config.run.heartbeat_timeout_seconds)
+    describe = role.plan.topology.describe_rank
+    guard = watchdog.Watchdog(comm.Get_rank(), describe, config.run.stall_warn_seconds,
+                              config.run.stall_abort_seconds,
+                              lambda message: watchdog.abort_job(comm, message), peers.gone)
+    role.peers = peers
     # Every rank catches SIGTERM/SIGUSR1 (the launcher forwards them to all): only the
     # coordinator acts on it, at the end of the iteration, with a checkpoint and the usual
     # collective stop; the other ranks must simply not die of it.
@@ -170,9 +179,11 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             role.run()
             summary = finish(comm, role)
         except watchdog.RankLost as lost:
-            # Sandblaster does not go on without a rank (its backup tasks cover a slow
-            # replica, not a dead one at the end of the run): end the job with a message.
-            watchdog.abort_for(comm, role.plan.topology.describe_rank, lost)
+            # A shard or the coordinator (a lost replica is written off, see LOST
+            # REPLICAS): nothing goes on without it. End the job with a message.
+            watchdog.abort_for(comm, describe, lost)
+        finally:
+            peers.close()
     if summary["stop_reason"] == "diverged":
         raise TrainingDiverged("training diverged: the loss became non-finite")
     return summary if isinstance(role, Coordinator) else None
@@ -245,7 +256,9 @@ def finish(comm: MPI.Comm, role: Any) -> dict[str, Any]:
     """Back-off barrier, gather of statistics to the coordinator, bcast of the stop
     reason, the role communicators freed; the coordinator writes summary.json. Collective
     over `comm`, the same calls in the same order on every rank. Returns the summary on
-    the coordinator, {"stop_reason": ...} elsewhere."""
+    the coordinator, {"stop_reason": ...} elsewhere. After a lost replica: `_finish_apart`."""
+    if role.leave:
+        return _finish_apart(comm, role)
     wait_for_everyone(comm)
     root = role.plan.topology.ps_shards
     all_stats = comm.gather(role.stats(), root=root)
@@ -255,4 +268,34 @@ def finish(comm: MPI.Comm, role: Any) -> dict[str, Any]:
         communicators.free()
     if not isinstance(role, Coordinator):
         return {"stop_reason": reason}
+    return role.write_summary(all_stats)
+
+
+def _finish_apart(comm: MPI.Comm, role: Any) -> dict[str, Any]:
+    """The end of a run that lost a replica, without collectives (they would wait for the
+    dead): every live rank, but those of lost replicas, sends its statistics to the
+    coordinator (point-to-point), which waits for them (giving up on a rank found gone),
+    writes summary.json, and nobody frees a communicator or calls MPI_Finalize (which
+    would wait for the dead too: guardian.skip_mpi_finalize)."""
+    guardian.skip_mpi_finalize()
+    topology = role.plan.topology
+    root = topology.coordinator_rank
+    if not isinstance(role, Coordinator):
+        if not getattr(role, "lost", False):
+            comm.send(role.stats(), dest=root, tag=TAG_STATS)
+        return {"stop_reason": "diverged" if role.diverged else None}
+    lost = set(role._lost_ranks())
+    waiting = {r for r in range(topology.world_size) if r != root and r not in lost}
+    all_stats = [role.stats()]
+    status, backoff = MPI.Status(), _backoff()
+    with watchdog.current().waiting("the other ranks' final statistics"):
+        while waiting:
+            if comm.Iprobe(MPI.ANY_SOURCE, TAG_STATS, status):
+                source = status.Get_source()
+                all_stats.append(comm.recv(source=source, tag=TAG_STATS))
+                waiting.discard(source)
+                backoff.reset()
+            else:
+                waiting.difference_update(role.peers.gone_among(sorted(waiting)))
+                backoff.wait()
     return role.write_summary(all_stats)
