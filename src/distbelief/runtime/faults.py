@@ -4,7 +4,8 @@ step, so that the tests can check what every other rank does about it.
 Set the environment variable DISTBELIEF_FAULTS to one or more faults, separated by commas
 or spaces, each ACTION:RANK:AT[:ARG]. RANK is a world rank, or `*` for every rank the
 fault applies to. AT counts what the rank does: a Downpour replica its local steps, a
-Sandblaster replica its work units, a Downpour shard the updates it has folded.
+Sandblaster replica its work units, a Downpour shard the updates it has folded, a
+Sandblaster shard the pushes it has received, Sandblaster's coordinator its iterations.
 
     kill:RANK:AT          SIGKILL itself after step AT (a crashed node: no clean-up at all)
     raise:RANK:AT         raise RuntimeError after step AT (an unhandled exception)

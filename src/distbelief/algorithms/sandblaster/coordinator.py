@@ -40,6 +40,7 @@ from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import ResumePoint, RunRecorder, target_text
 from distbelief.runtime import watchdog
+from distbelief.runtime.faults import Faults
 from distbelief.runtime.liveness import Peers
 
 SWEEP_S = 0.25
@@ -137,6 +138,8 @@ class Coordinator:
         self.death_times: list[float] = []
         self.usr1_seen, self.usr1_pending = 0, []  # SIGUSR1s counted, new ones' first sight
         self.next_sweep = 0.0
+        # Test-only (distbelief.runtime.faults): AT counts the iterations.
+        self.faults = Faults.for_rank(comm.Get_rank())
         say(stream, _header(config, plan, network, info))
         resume = None
         if resumed is not None:
@@ -220,6 +223,8 @@ class Coordinator:
             coordinator_replica_bytes=self.traffic.replica_bytes)
         self.iteration_evals = []
         self.recorder.progress(it.step, self.samples, it.loss)
+        if self.faults:
+            self.faults.after_step(it.step, 0.0, "iteration")
         now = time.monotonic()
         if not math.isfinite(it.loss):
             return "diverged"
@@ -421,9 +426,12 @@ class Coordinator:
             gone = self.peers.gone_among(ranks)
             if gone:
                 self.death_times.append(now)
+                # Every rank found gone: a partition that saw its partner die may have
+                # ended already too.
+                names = ", ".join(map(str, gone))
                 how = self.peers.how_gone(gone[0])
-                self._lose(replica, ranks, f"rank {gone[0]} is gone{how}" if how
-                           else f"the process of rank {gone[0]} is gone")
+                self._lose(replica, ranks, f"rank {names} is gone{how}" if how
+                           else f"the process of rank {names} is gone")
         if self.signals is not None and self.signals.counts["SIGUSR1"] > self.usr1_seen:
             self.usr1_seen = self.signals.counts["SIGUSR1"]
             self.usr1_pending.append(now)

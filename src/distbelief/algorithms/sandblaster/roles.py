@@ -81,12 +81,42 @@ coordinator asks them once for the 3 m^2 dots of the history, and L-BFGS continu
 the checkpoint's iteration with a fresh gradient evaluation at x. The gradient, the
 direction and the line search state are not stored: they are recomputed.
 
+LOST REPLICAS (issue 15; the paper: Sandblaster is "robust to machine failure just like
+Downpour SGD"). Every rank gathers every rank's identity at the start
+(distbelief.runtime.liveness.Peers; on several nodes every rank also beats in
+run.out_dir, distbelief.runtime.heartbeat). While it waits, the coordinator sweeps every
+SWEEP_S: a replica with a rank whose process on this node is gone, or whose heartbeat on
+another node has stopped for run.heartbeat_timeout_seconds, is lost (any of its P ranks
+loses the whole replica). The coordinator then prints one line, records it
+(metrics.jsonl `replica_lost`, summary.json `lost_replicas`, as Downpour, and the next
+checkpoints' manifests), writes its ranks off (the stall watchdog no longer waits for
+them), and goes on: its held, uncommitted units go back to the queue; if it committed
+units in the current trial, its push may have reached some shards only, so the trial is
+abandoned and run again under a new id (the shards zero the trial gradient at
+begin_trial and drop pushes of older trials; the argument is in work_units' docstring:
+nothing of a partial push counts, nothing counts twice); an evaluation it held goes to
+another replica. The line search only sees a slower gradient evaluation. A surviving
+partition of a lost replica finds its partner gone in its next wait on it (or is told by
+the coordinator) and stops. A shard receives a push with a polled Irecv and drops it if
+its sender dies before it has all of it. Checkpoints hold no replica part (below), so a
+resumed run starts every replica afresh. hydra (`-disable-auto-cleanup`) announces a
+death by SIGUSR1: the coordinator takes a SIGUSR1 that comes within NOTICE_SLACK_S of a
+death it found (or is followed by one within NOTICE_DELAY_S, plus the heartbeat timeout
+across nodes) for that notice, not for a stop request, as Downpour's shard 0 does. A run
+that lost a replica ends without collectives (`_finish_apart`: statistics sent to the
+coordinator point-to-point, no MPI_Finalize). When every replica is lost the run stops
+(`replicas_lost`) with a checkpoint. A lost SHARD or COORDINATOR cannot be gone on
+without (the shards hold the only copy of x and the history; the coordinator's line
+search state is not stored): the first rank to find it gone in a wait aborts the job
+with one line naming it and saying that a rerun resumes from the last checkpoint.
+
 STOP. The coordinator ends the method (max_steps iterations, max_seconds, target
 accuracy, converged, line search failed, diverged, or SIGTERM/SIGUSR1 at the end of the
 current iteration), writes a checkpoint, runs a final evaluation on a replica (not after
 a signal: the job should end soon), answers every replica's next request with "stop",
 sends "stop" to the shards, then every rank takes part in a back-off barrier and one
-gather of statistics to the coordinator, which writes summary.json.
+gather of statistics to the coordinator, which writes summary.json (after a lost replica,
+point-to-point instead: LOST REPLICAS).
 
 Threads: 1 BLAS thread per rank unless `[run] threads` says otherwise.
 
@@ -182,6 +212,11 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             # A shard or the coordinator (a lost replica is written off, see LOST
             # REPLICAS): nothing goes on without it. End the job with a message.
             watchdog.abort_for(comm, describe, lost)
+            # Abort may return while the launcher tears the job down (seen under hydra's
+            # -disable-auto-cleanup): leave now, without MPI_Finalize (it would wait for
+            # the dead rank).
+            guardian.skip_mpi_finalize()
+            guardian.end_process(1)
         finally:
             peers.close()
     if summary["stop_reason"] == "diverged":

@@ -28,6 +28,7 @@ from distbelief.model.partitioned_network import wait_all
 from distbelief.ps.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime import watchdog
+from distbelief.runtime.faults import Faults
 
 # ------------------------------------------------------------------------------------------
 # Shards
@@ -67,6 +68,8 @@ class ShardServer:
         self.leave = self.diverged = False  # how the coordinator's "stop" ends the run
         self.counts = {"commands": 0, "fetches": 0, "pushes": 0, "stale_pushes": 0,
                        "lost_pushes": 0}
+        # Test-only (distbelief.runtime.faults): AT counts the pushes this shard received.
+        self.faults = Faults.for_rank(topology.world_rank)
 
     def _messages(self, values: np.ndarray, ident: int) -> list[np.ndarray | None]:
         """Per partition, a new [header | its segments of values] float32 buffer (a send of
@@ -109,6 +112,8 @@ class ShardServer:
                 self._finish_trial()
                 busy = True
             self.sending = [(r, b, to) for r, b, to in self.sending if not r.Test()]
+            if self.faults:
+                self.faults.after_updates(self.counts["pushes"])
             if busy:
                 backoff.reset()
             else:
