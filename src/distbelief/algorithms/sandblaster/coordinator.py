@@ -135,7 +135,8 @@ class Coordinator:
         self.in_trial = False  # from begin_trial until the shards' finish answers
         self.broken = False  # this trial lost a replica with commits: run it again
         self.restarted_evaluations = 0
-        self.death_times: list[float] = []
+        self.death_times: list[float] = []  # when sweeps found ranks newly gone
+        self.dead_ranks: set[int] = set()
         self.usr1_seen, self.usr1_pending = 0, []  # SIGUSR1s counted, new ones' first sight
         self.next_sweep = 0.0
         # Test-only (distbelief.runtime.faults): AT counts the iterations.
@@ -420,12 +421,16 @@ class Coordinator:
         self.next_sweep = now + SWEEP_S
         topology = self.plan.topology
         for replica in range(len(self.replicas)):
-            if replica in self.lost:
-                continue
             ranks = list(topology.replica_ranks(replica))
             gone = self.peers.gone_among(ranks)
-            if gone:
+            if set(gone) - self.dead_ranks:
+                # Also a lost replica's surviving partitions, which stop and exit later:
+                # hydra announces each exit with a SIGUSR1 too.
                 self.death_times.append(now)
+                self.dead_ranks.update(gone)
+            if replica in self.lost:
+                continue
+            if gone:
                 # Every rank found gone: a partition that saw its partner die may have
                 # ended already too.
                 names = ", ".join(map(str, gone))
@@ -481,7 +486,9 @@ class Coordinator:
             if any(first - NOTICE_SLACK_S <= t for t in self.death_times):
                 say(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice of the "
                                  "replica(s) found gone; training goes on")
-            elif now - first >= delay:
+            elif now - first >= delay and set(self._lost_ranks()) <= self.dead_ranks:
+                # (While a lost replica's surviving partition has not been seen to end,
+                # its exit, and hydra's notice of it, may be on the way: wait for it.)
                 return "SIGUSR1"
             else:
                 waiting.append(first)
