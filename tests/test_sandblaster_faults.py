@@ -15,11 +15,15 @@ late in the run.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import _env, run_mpi, survive_a_death
+from conftest import _env, mpiexec, run_mpi, survive_a_death
 from test_downpour import exit_statuses
 
 from distbelief.data.converters import make_synthetic
@@ -221,3 +225,34 @@ def test_a_lost_partition_of_partitioned_sgd_ends_the_run_with_one_line(
     assert not (out / "summary.json").exists()
     assert read_metrics(out / "metrics.jsonl")  # whole lines, readable
     assert not list(out.glob("**/*.partial*")) and not (out / "checkpoints").exists()
+
+
+def test_hydras_notice_of_a_death_goes_on_and_a_real_sigusr1_later_stops(
+        data_dir: Path, tmp_path: Path) -> None:
+    # Replica 1 (rank 3) dies after its unit 60: hydra (-disable-auto-cleanup) sends every
+    # rank SIGUSR1, which the coordinator takes for the notice of the death it found.
+    # Later, once iteration 15 is logged, a SIGUSR1 to mpiexec is a stop request.
+    out = tmp_path / "out"
+    cmd = [*mpiexec(5, *survive_a_death()), sys.executable, str(PROGRAM), "train",
+           str(data_dir / "sb.toml"), "--set", f'run.out_dir="{out}"', "--set",
+           "run.max_steps=0", "--set", "run.max_seconds=90", "--set",
+           "optimizer.gradient_tolerance=0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**_env(), FAULTS: "kill:3:60"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (
+                (out / "metrics.jsonl").is_file()
+                and '"step": 15,' in (out / "metrics.jsonl").read_text()):
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert "SIGUSR1 taken as the launcher's notice" in stdout, stdout + stderr[-3000:]
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "SIGUSR1", summary["stop_reason"]
+    assert [x["replica"] for x in summary["lost_replicas"]] == [1]
+    assert 15 <= summary["iterations"] < 40
