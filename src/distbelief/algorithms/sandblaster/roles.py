@@ -102,7 +102,9 @@ its sender dies before it has all of it. Checkpoints hold no replica part (below
 resumed run starts every replica afresh. hydra (`-disable-auto-cleanup`) announces a
 death by SIGUSR1: the coordinator takes a SIGUSR1 that comes within NOTICE_SLACK_S of a
 death it found (or is followed by one within NOTICE_DELAY_S, plus the heartbeat timeout
-across nodes) for that notice, not for a stop request, as Downpour's shard 0 does. A run
+across nodes) for that notice, not for a stop request, as Downpour's shard 0 does (and
+waits while a lost replica's surviving partition has not been seen to end: its exit
+brings a notice too). A run
 that lost a replica ends without collectives (`_finish_apart`: statistics sent to the
 coordinator point-to-point, no MPI_Finalize). When every replica is lost the run stops
 (`replicas_lost`) with a checkpoint. A lost SHARD or COORDINATOR cannot be gone on
