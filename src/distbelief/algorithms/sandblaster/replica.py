@@ -148,9 +148,9 @@ class Replica:
                 raise  # a shard or the coordinator: nothing goes on without it
             # A partition of this replica died: the coordinator drops the whole replica
             # (its committed units' evaluation is run again), and this rank stops.
-            print(f"distbelief: rank {self.stats_.rank}: partition {gone.rank} of replica "
-                  f"{self.stats_.replica} is gone; this replica stops", file=sys.stderr,
-                  flush=True)
+            print(f"distbelief: rank {self.stats_.rank}: rank {gone.rank}, another "
+                  f"partition of replica {self.stats_.replica}, is gone; this replica stops",
+                  file=sys.stderr, flush=True)
             self.leave = self.lost = True
         finally:
             self.stats_.cpu_seconds += time.process_time() - cpu
