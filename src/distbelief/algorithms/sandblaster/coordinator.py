@@ -379,12 +379,15 @@ class Coordinator:
         guard = watchdog.current()
         with guard.waiting(f"the shards' answers to {op}", self.shards):
             while len(answers) < len(self.shards):
-                guard.check()
+                # (A shard may send its answer and leave before this rank has looked.)
+                guard.check(lambda: self.comm.Iprobe(MPI.ANY_SOURCE, TAG_RESULT))
                 if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_RESULT, status):
                     self.traffic.shard_bytes += status.Get_count(MPI.BYTE)
                     self.traffic.shard_messages += 1
                     source = status.Get_source()
                     answers[source] = self.comm.recv(source=source, tag=TAG_RESULT)
+                    if op == "stop":  # it may end now (after a lost replica it does)
+                        guard.write_off([source])
                     backoff.reset()
                 elif self._serve_one():
                     backoff.reset()
@@ -548,6 +551,8 @@ class Coordinator:
         if self.stopping:
             task = self._stop_task()
             self.stopped.add(rank)
+            if self.leave:  # it ends once it has sent its statistics: not waited for
+                watchdog.current().write_off(self.plan.topology.replica_ranks(replica))
         elif self.eval_task is not None and free:
             task = ("evaluate", self.eval_task)
             self.eval_task = None

@@ -131,6 +131,7 @@ SandblasterPlan, pieces and segments, BatchRows), shards (ShardServer), replica
 from __future__ import annotations
 
 import sys
+import time
 from typing import IO, Any
 
 import numpy as np
@@ -308,6 +309,11 @@ def finish(comm: MPI.Comm, role: Any) -> dict[str, Any]:
     return role.write_summary(all_stats)
 
 
+STATS_GRACE_S = 1.0
+"""How long the coordinator still looks for the statistics of a rank found gone at the end
+of a run that lost a replica."""
+
+
 def _finish_apart(comm: MPI.Comm, role: Any) -> dict[str, Any]:
     """The end of a run that lost a replica, without collectives (they would wait for the
     dead): every live rank, but those of lost replicas, sends its statistics to the
@@ -325,6 +331,7 @@ def _finish_apart(comm: MPI.Comm, role: Any) -> dict[str, Any]:
     waiting = {r for r in range(topology.world_size) if r != root and r not in lost}
     all_stats = [role.stats()]
     status, backoff = MPI.Status(), _backoff()
+    gone_since: dict[int, float] = {}
     with watchdog.current().waiting("the other ranks' final statistics"):
         while waiting:
             if comm.Iprobe(MPI.ANY_SOURCE, TAG_STATS, status):
@@ -332,7 +339,12 @@ def _finish_apart(comm: MPI.Comm, role: Any) -> dict[str, Any]:
                 all_stats.append(comm.recv(source=source, tag=TAG_STATS))
                 waiting.discard(source)
                 backoff.reset()
-            else:
-                waiting.difference_update(role.peers.gone_among(sorted(waiting)))
-                backoff.wait()
+                continue
+            # A rank sends its statistics and ends: give up on one only once it has been
+            # gone for a while, so a message still on its way is not missed.
+            now = time.monotonic()
+            for rank in role.peers.gone_among(sorted(waiting)):
+                if now - gone_since.setdefault(rank, now) > STATS_GRACE_S:
+                    waiting.discard(rank)
+            backoff.wait()
     return role.write_summary(all_stats)
