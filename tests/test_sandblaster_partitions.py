@@ -132,7 +132,8 @@ def test_shard_segments_cut_pieces_at_shard_boundaries_in_order() -> None:
 
 
 @pytest.mark.parametrize("answer", [
-    ("hold", None), ("commit", None), ("drop", ("stop",)), ("commit", ("evaluate", 7)),
+    ("hold", None), ("commit", None), ("drop", ("stop", 0, 0, 0)), ("drop", ("stop", 1, 1, 0)),
+    ("commit", ("evaluate", 7)),
     ("hold", ("unit", 12, 3, 41, 2870, 2940))])
 def test_answers_survive_the_broadcast_encoding(answer: tuple) -> None:
     encoded = encode_answer(*answer, np.zeros(ANSWER_SLOTS, dtype=np.int64))

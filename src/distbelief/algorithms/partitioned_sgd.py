@@ -54,8 +54,9 @@ from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder, target_text
-from distbelief.runtime import watchdog
+from distbelief.runtime import guardian, watchdog
 from distbelief.runtime.agreement import agree
+from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
 STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
@@ -145,7 +146,13 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             reason, step = _loop(config, model, shard, optimizer, params, eval_set, recorder,
                                  signals)
         except watchdog.RankLost as lost:
+            # One replica over P ranks: nothing goes on without a partition. No checkpoint
+            # is written for partitioned runs, so nothing is left half written either.
             watchdog.abort_for(comm, describe, lost)
+            # Abort may return while the launcher tears the job down (hydra's
+            # -disable-auto-cleanup): leave without MPI_Finalize (it waits for the dead).
+            guardian.skip_mpi_finalize()
+            guardian.end_process(1)
     traffic = traffic_totals(model)
     if not rank0:
         return None
@@ -174,6 +181,7 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
     start = recorder.start if recorder else time.monotonic()
     next_log, next_eval = start + LOG_EVERY_SECONDS, start + eval_every
     step, loss_sum, loss_count, recent = 0, 0.0, 0, math.nan
+    faults = Faults.for_rank(MPI.COMM_WORLD.Get_rank())  # test-only: AT counts steps
 
     def evaluate() -> float:
         test_loss, accuracy = model.evaluate(params, *eval_set, batch_size=EVAL_BATCH_SIZE)
@@ -192,6 +200,8 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
                                    f"{config.optimizer.learning_rate:g})")
         optimizer.step(params, grad)
         step += 1
+        if faults:
+            faults.after_step(step, 0.0)
         loss_sum, loss_count = loss_sum + loss, loss_count + 1
         if step == 1:
             traffic = traffic_totals(model)
@@ -206,7 +216,7 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
                 recorder.log(step, step * batch_size, recent)
                 next_log = now + LOG_EVERY_SECONDS
             recorder.progress(step, step * batch_size, recent)
-        polled_bcast(comm, decision)
+        polled_bcast(comm, decision, ranks=model.partner_ranks)
         reason = STOP_CODES[int(decision[0])]
         if reason:
             if reason not in StopSignals.NAMES:  # on a signal, stop promptly

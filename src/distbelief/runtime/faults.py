@@ -4,7 +4,8 @@ step, so that the tests can check what every other rank does about it.
 Set the environment variable DISTBELIEF_FAULTS to one or more faults, separated by commas
 or spaces, each ACTION:RANK:AT[:ARG]. RANK is a world rank, or `*` for every rank the
 fault applies to. AT counts what the rank does: a Downpour replica its local steps, a
-Sandblaster replica its work units, a Downpour shard the updates it has folded.
+Sandblaster replica its work units, a Downpour shard the updates it has folded, a
+Sandblaster shard the pushes it has received, Sandblaster's coordinator its iterations.
 
     kill:RANK:AT          SIGKILL itself after step AT (a crashed node: no clean-up at all)
     raise:RANK:AT         raise RuntimeError after step AT (an unhandled exception)
@@ -15,7 +16,9 @@ Sandblaster replica its work units, a Downpour shard the updates it has folded.
                           middle of its next push, holding the lock on the shard it pushes to)
     killpush:RANK:AT      SIGKILL itself in the middle of its next push after step AT (a
                           Downpour replica: its operations on the shards issued, not completed,
-                          holding whatever the transport holds during a push)
+                          holding whatever the transport holds during a push; a
+                          Sandblaster replica: in its first push after unit AT, once its
+                          part for the first shard is sent)
     pause:RANK:AT:5s      stop responding after step AT for 5 s, holding nothing, then go on
     linger:RANK:AT:1s     a Downpour replica that has done AT steps or more, at the end of the
                           run: hold each epoch of its exchanges with shard 0 open 1 s longer,
@@ -168,6 +171,11 @@ class Faults:
     def kill_in_push_due(self, step: int) -> bool:
         """Whether the rank is to kill itself inside its push after `step`."""
         return bool(self._firing("killpush", step))
+
+    def kill_in_push_from(self, step: int) -> bool:
+        """Whether a push made once `step` steps (units) are done is to be cut by a kill:
+        the first push at or after a killpush fault's AT."""
+        return any(f.action == "killpush" and step >= f.at for f in self.faults)
 
     def linger_seconds(self, step: int) -> float:
         """How long each end-of-run exchange epoch is to stay open, once `step` steps are

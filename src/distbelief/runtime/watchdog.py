@@ -83,6 +83,7 @@ class Watchdog:
         self.abort, self.gone, self.on_lost = abort, gone, on_lost
         self._gone_since: dict[int, float] = {}  # the thread's view: rank -> found gone at
         self._waits: list[_Wait] = []
+        self.written_off: set[int] = set()  # gone ranks the caller has handled (write_off)
         self._next_check = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,10 +120,15 @@ class Watchdog:
         self._next_check = now + CHECK_S
         wait = self._waits[-1]
         for rank in wait.ranks:
-            if self.gone(rank):
+            if rank not in self.written_off and self.gone(rank):
                 if done is not None and done():
                     return
                 raise RankLost(rank, wait.what)
+
+    def write_off(self, ranks: Sequence[int]) -> None:
+        """`ranks` are gone and the caller goes on without them (Sandblaster's coordinator
+        and shards after a lost replica): no wait raises or aborts for them any more."""
+        self.written_off.update(ranks)
 
     def progress(self) -> None:
         """The rank waited for has answered (a poll of a long wait got a reply): the
@@ -171,7 +177,7 @@ class Watchdog:
         if self.gone is None:
             return False
         for rank in wait.ranks:
-            if not self.gone(rank):
+            if rank in self.written_off or not self.gone(rank):
                 self._gone_since.pop(rank, None)
                 continue
             since = self._gone_since.setdefault(rank, now)

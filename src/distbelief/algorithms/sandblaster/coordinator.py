@@ -21,6 +21,7 @@ from distbelief.algorithms.sandblaster.lbfgs import Gram, Iteration, minimize
 from distbelief.algorithms.sandblaster.plan import (
     BACKUP_LATE_FACTOR,
     TAG_COMMAND,
+    TAG_FINISHED,
     TAG_REQUEST,
     TAG_RESULT,
     TAG_TASK,
@@ -39,6 +40,33 @@ from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import ResumePoint, RunRecorder, target_text
 from distbelief.runtime import watchdog
+from distbelief.runtime.faults import Faults
+from distbelief.runtime.liveness import Peers
+
+SWEEP_S = 0.25
+"""How often the coordinator looks for gone replica ranks while it waits."""
+NOTICE_SLACK_S = 1.0
+NOTICE_DELAY_S = 0.5
+"""A SIGUSR1 first seen no more than NOTICE_SLACK_S after a rank was found gone, or
+followed by a rank found gone within NOTICE_DELAY_S (plus the heartbeat timeout when
+ranks on other nodes are watched by heartbeat), is hydra's notice of the death
+(`-disable-auto-cleanup`), not a stop request: the values Downpour uses."""
+
+
+class AllReplicasLost(Exception):
+    """Every replica is lost: no gradient can be computed any more."""
+
+
+@dataclass
+class LostReplica:
+    """A replica the coordinator declared lost (summary.json's lost_replicas, as
+    Downpour's)."""
+
+    replica: int
+    ranks: list[int]
+    why: str
+    at_step: int
+    at_seconds: float
 
 # ------------------------------------------------------------------------------------------
 # The coordinator
@@ -99,6 +127,20 @@ class Coordinator:
         self.eval_in_flight = False
         self.last_loss = math.nan
         self.step = 0
+        # Lost replicas (see LOST REPLICAS in sandblaster.roles).
+        self.peers: Peers | None = None  # set by roles.train
+        self.lost: dict[int, LostReplica] = {}
+        self.eval_holder: int | None = None  # the replica evaluating eval_task's snapshot
+        self.committers: set[int] = set()  # replicas with units committed in this trial
+        self.in_trial = False  # from begin_trial until the shards' finish answers
+        self.broken = False  # this trial lost a replica with commits: run it again
+        self.restarted_evaluations = 0
+        self.death_times: list[float] = []  # when sweeps found ranks newly gone
+        self.dead_ranks: set[int] = set()
+        self.usr1_seen, self.usr1_pending = 0, []  # SIGUSR1s counted, new ones' first sight
+        self.next_sweep = 0.0
+        # Test-only (distbelief.runtime.faults): AT counts the iterations.
+        self.faults = Faults.for_rank(comm.Get_rank())
         say(stream, _header(config, plan, network, info))
         resume = None
         if resumed is not None:
@@ -130,21 +172,37 @@ class Coordinator:
     def run(self) -> None:
         """Run the method, then the final checkpoint and evaluation, then stop every replica
         and shard. Point-to-point with every shard and replica."""
-        self.reason = self.method(self)
+        try:
+            self.reason = self.method(self)
+        except AllReplicasLost:
+            self.reason = "replicas_lost"
+            self.in_trial, self.table = False, None
         if self.reason == "converged":
             say(self.stream, f"converged: gradient norm <= "
                    f"{self.plan.options.gradient_tolerance:g}")
         if self.reason != "diverged":
             self._checkpoint()
-        if self.reason not in StopSignals.NAMES:  # on a signal, end soon: no evaluation
-            self._evaluate_now()  # the final parameters
+        if self.reason not in (*StopSignals.NAMES, "replicas_lost"):
+            self._evaluate_now()  # the final parameters (on a signal, end soon: none)
         self.stopping = True
         for rank in self.parked:
-            self._reply(rank, (HOLD, ("stop",)))
+            self._reply(rank, (HOLD, self._stop_task()))
             self.stopped.add(rank)
         self.parked = []
-        self._serve_until(lambda: len(self.stopped) == len(self.replicas))
-        self._command("stop")
+        self._serve_until(lambda: self.stopped | {self.replicas[r] for r in self.lost}
+                          >= set(self.replicas), stopping=True)
+        self._command("stop", self.leave, self.reason == "diverged", self._lost_ranks())
+
+    @property
+    def leave(self) -> bool:
+        """Whether the run ends without collectives (a rank of it is lost)."""
+        return bool(self.lost)
+
+    def _lost_ranks(self) -> list[int]:
+        return sorted(rank for lost in self.lost.values() for rank in lost.ranks)
+
+    def _stop_task(self, lost: bool = False) -> tuple:
+        return ("stop", int(self.leave), int(lost), int(self.reason == "diverged"))
 
     def _on_iteration(self, it: Iteration) -> str | None:
         self.step = it.step
@@ -166,6 +224,8 @@ class Coordinator:
             coordinator_replica_bytes=self.traffic.replica_bytes)
         self.iteration_evals = []
         self.recorder.progress(it.step, self.samples, it.loss)
+        if self.faults:
+            self.faults.after_step(it.step, 0.0, "iteration")
         now = time.monotonic()
         if not math.isfinite(it.loss):
             return "diverged"
@@ -175,8 +235,9 @@ class Coordinator:
             self._checkpoint()
         if self.reason:
             return self.reason  # target accuracy, seen in an evaluation result
-        if self.signals is not None and self.signals.received:
-            return self.signals.received
+        signal_ = self._signal_stop(now)
+        if signal_:
+            return signal_
         return self.rules.budget_spent(0, now - self.recorder.start)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -207,7 +268,8 @@ class Coordinator:
                             algorithm="sandblaster", layout=layout,
                             shard_ranges=layout.shard_ranges(len(self.shards)),
                             optimizer_state=names, parts=records, num_replicas=0,
-                            keep=self.config.run.keep_checkpoints)
+                            keep=self.config.run.keep_checkpoints,
+                            lost_replicas=sorted(self.lost))
         self.checkpointed = (self.step, self.recorder.elapsed())
         self.recorder.log_event("checkpoint", self.step, self.samples, path=str(final))
 
@@ -215,8 +277,29 @@ class Coordinator:
 
     def evaluate(self, t: float, batch: int) -> tuple[float, float]:
         t0 = time.monotonic()
+        while True:
+            found = self._try_evaluation(t, batch)
+            if found is not None:
+                break
+            # A replica was lost with units committed in this trial: its push may have
+            # reached some shards only (work_units: A LOST REPLICA). Run it again.
+            self.restarted_evaluations += 1
+            self.recorder.log_event("evaluation_restarted", self.step, self.samples,
+                                    trial=self.trial_id)
+        gtd, stats = found
+        self.samples += self.plan.batch_size
+        self.unit_totals.add(stats)
+        record = EvaluationRecord(time.monotonic() - t0, stats)
+        self.evaluations.append(record)
+        self.iteration_evals.append(record)
+        return self.loss_sum / self.plan.batch_size, gtd
+
+    def _try_evaluation(self, t: float, batch: int) -> tuple[float, UnitStats] | None:
+        """One trial at point t for `batch`: (gt . d, unit statistics), or None if it was
+        abandoned (a replica lost with commits in it)."""
         self.trial_id += 1
         self.batch = batch
+        self.committers, self.broken, self.in_trial = set(), False, True
         self._command("begin_trial", self.trial_id, t)
         late = (BACKUP_LATE_FACTOR * statistics.median(self.unit_seconds)
                 if len(self.unit_seconds) >= 4 else 0.0)
@@ -228,17 +311,48 @@ class Coordinator:
         parked, self.parked = self.parked, []
         for rank in parked:
             self._give_task(rank, HOLD)
-        self._serve_until(lambda: self.table.complete)
+        self._serve_until(lambda: self.table.complete or self.broken)
         stats = self.table.stats
         self.unit_seconds.extend(self.table.unit_seconds)
         self.table = None
-        (gtd,) = self._command("finish_trial", len(self.units), self.plan.batch_size)
-        self.samples += self.plan.batch_size
-        self.unit_totals.add(stats)
-        record = EvaluationRecord(time.monotonic() - t0, stats)
-        self.evaluations.append(record)
-        self.iteration_evals.append(record)
-        return self.loss_sum / self.plan.batch_size, float(gtd)
+        gtd = None if self.broken else self._finish_trial()
+        self.in_trial = False
+        if gtd is None:
+            self.unit_totals.discarded += stats.issued  # all of it is computed again
+            return None
+        return gtd, stats
+
+    def _finish_trial(self) -> float | None:
+        """Tell the shards to finish the trial once they have every unit; their gt . d
+        summed, or None if the trial was abandoned meanwhile (serving replicas and looking
+        for lost ones while waiting). Point-to-point with the shards."""
+        message = ("finish_trial", (len(self.units), self.plan.batch_size))
+        for shard in self.shards:
+            self.comm.send(message, dest=shard, tag=TAG_COMMAND)
+        self.traffic.shard_bytes += len(MPI.pickle.dumps(message)) * len(self.shards)
+        self.traffic.shard_messages += len(self.shards)
+        answers: dict[int, float] = {}
+        status, backoff, guard = MPI.Status(), _backoff(), watchdog.current()
+        with guard.waiting("the shards to finish the trial", self.shards):
+            while len(answers) < len(self.shards):
+                guard.check()
+                if self.broken:
+                    return None  # the shards drop it at the next begin_trial
+                if len(self.lost) == len(self.replicas):
+                    raise AllReplicasLost
+                if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_FINISHED, status):
+                    source = status.Get_source()
+                    trial, gtd = self.comm.recv(source=source, tag=TAG_FINISHED)
+                    self.traffic.shard_messages += 1
+                    if trial == self.trial_id:  # else of an abandoned trial: dropped
+                        answers[source] = float(gtd[0])
+                    backoff.reset()
+                elif self._serve_one():
+                    backoff.reset()
+                else:
+                    self._sweep()
+                    backoff.wait()
+        return sum(answers[shard] for shard in self.shards)
 
     def accept(self, slot: int) -> np.ndarray:
         return self._command("accept", slot)
@@ -265,30 +379,124 @@ class Coordinator:
         guard = watchdog.current()
         with guard.waiting(f"the shards' answers to {op}", self.shards):
             while len(answers) < len(self.shards):
-                guard.check()
+                # (A shard may send its answer and leave before this rank has looked.)
+                guard.check(lambda: self.comm.Iprobe(MPI.ANY_SOURCE, TAG_RESULT))
                 if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_RESULT, status):
                     self.traffic.shard_bytes += status.Get_count(MPI.BYTE)
                     self.traffic.shard_messages += 1
                     source = status.Get_source()
                     answers[source] = self.comm.recv(source=source, tag=TAG_RESULT)
+                    if op == "stop":  # it may end now (after a lost replica it does)
+                        guard.write_off([source])
                     backoff.reset()
                 elif self._serve_one():
                     backoff.reset()
                 else:
+                    self._sweep()
                     backoff.wait()
         return combine(answers[shard] for shard in self.shards)
 
     # -- replicas ------------------------------------------------------------------------------
 
-    def _serve_until(self, done: Any) -> None:
+    def _serve_until(self, done: Any, stopping: bool = False) -> None:
+        """Serve replicas until done(); AllReplicasLost if none is left first (not while
+        `stopping`: then done() counts them). Looks for lost replicas meanwhile."""
         backoff = _backoff()
         guard = watchdog.current()
         with guard.waiting("the replicas' work units", self.all_replica_ranks):
             while not done():
+                if not stopping and len(self.lost) == len(self.replicas):
+                    raise AllReplicasLost
                 if self._serve_one() or self._wake_parked():
                     backoff.reset()
                 else:
+                    self._sweep()
                     backoff.wait()
+
+    # -- lost replicas --------------------------------------------------------------------------
+
+    def _sweep(self, force: bool = False) -> None:
+        """Every SWEEP_S: declare lost each replica with a rank found gone (liveness.Peers:
+        its process on this node, its heartbeat on another), and note new SIGUSR1s."""
+        now = time.monotonic()
+        if self.peers is None or (now < self.next_sweep and not force):
+            return
+        self.next_sweep = now + SWEEP_S
+        topology = self.plan.topology
+        for replica in range(len(self.replicas)):
+            ranks = list(topology.replica_ranks(replica))
+            gone = self.peers.gone_among(ranks)
+            if set(gone) - self.dead_ranks:
+                # Also a lost replica's surviving partitions, which stop and exit later:
+                # hydra announces each exit with a SIGUSR1 too.
+                self.death_times.append(now)
+                self.dead_ranks.update(gone)
+            if replica in self.lost:
+                continue
+            if gone:
+                # Every rank found gone: a partition that saw its partner die may have
+                # ended already too.
+                names = ", ".join(map(str, gone))
+                how = self.peers.how_gone(gone[0])
+                self._lose(replica, ranks, f"rank {names} is gone{how}" if how
+                           else f"the process of rank {names} is gone")
+        if self.signals is not None and self.signals.counts["SIGUSR1"] > self.usr1_seen:
+            self.usr1_seen = self.signals.counts["SIGUSR1"]
+            self.usr1_pending.append(now)
+
+    def _lose(self, replica: int, ranks: list[int], why: str) -> None:
+        """Go on without `replica`: its held units back to the queue, this trial run again
+        if it committed units in it, its evaluation to another replica; the waits of this
+        rank no longer depend on its ranks. Local (answers replicas)."""
+        self.lost[replica] = LostReplica(replica, ranks, why, self.step,
+                                         self.recorder.elapsed())
+        watchdog.current().write_off(ranks)
+        left = len(self.replicas) - len(self.lost)
+        say(self.stream, f"distbelief: replica {replica} (rank{'s' * (len(ranks) > 1)} "
+                         f"{', '.join(map(str, ranks))}) lost at step {self.step}: {why}; "
+                         f"training goes on with {left} replica(s)")
+        self.recorder.log_event("replica_lost", self.step, self.samples, replica=replica,
+                                ranks=ranks, why=why)
+        lead = self.replicas[replica]
+        if self.in_trial and replica in self.committers:
+            self.broken = True
+        elif self.table is not None:
+            self.table.release(replica)
+        if self.eval_holder == replica:  # its evaluation goes to another replica
+            self.eval_holder = None
+            self.eval_task = max(self.snapshot_at)
+        if lead in self.parked:
+            self.parked.remove(lead)
+            if not self.peers.gone(lead):  # a partition is gone, not the lead: stop it
+                self._reply(lead, (DROP, self._stop_task(lost=True)))
+        if self.parked and self.eval_task is not None:
+            self._give_task(self.parked.pop(0), HOLD)
+
+    def _signal_stop(self, now: float) -> str | None:
+        """The signal that stops the run, if any: SIGTERM or SIGINT at once; SIGUSR1 unless
+        it is hydra's notice of a lost rank (NOTICE_SLACK_S, NOTICE_DELAY_S)."""
+        if self.signals is None:
+            return None
+        counts = self.signals.counts
+        if counts["SIGTERM"]:
+            return "SIGINT" if counts["SIGINT"] else "SIGTERM"
+        self._sweep(force=True)
+        delay = NOTICE_DELAY_S
+        if self.peers is not None and self.peers.heartbeats is not None:
+            delay += self.peers.heartbeats.timeout_s + SWEEP_S
+        waiting = []
+        for first in self.usr1_pending:
+            if any(first - NOTICE_SLACK_S <= t for t in self.death_times):
+                say(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice of the "
+                                 "replica(s) found gone; training goes on")
+            elif now - first >= delay and set(self._lost_ranks()) <= self.dead_ranks:
+                # (While a lost replica's surviving partition has not been seen to end,
+                # its exit, and hydra's notice of it, may be on the way: wait for it.)
+                return "SIGUSR1"
+            else:
+                waiting.append(first)
+        self.usr1_pending = waiting
+        return None
 
     def _wake_parked(self) -> bool:
         """In the tail of a batch, give parked replicas the backups of units that have
@@ -309,9 +517,16 @@ class Coordinator:
         self.traffic.replica_bytes += status.Get_count(MPI.BYTE)
         self.traffic.replica_messages += 1
         trial, units, loss, result = self.comm.recv(source=rank, tag=TAG_REQUEST)
+        replica = self.replicas.index(rank)
+        if replica in self.lost:
+            # Its partner died after it asked (or before it was found): nothing of it
+            # counts; tell it to stop.
+            self.unit_totals.discarded += len(units)
+            if not self.peers.gone(rank):
+                self._reply(rank, (DROP, self._stop_task(lost=True)))
+            return True
         if result is not None:
             self._record_evaluation(*result)
-        replica = self.replicas.index(rank)
         current = self.table is not None and trial == self.trial_id
         if not units:
             decision = HOLD
@@ -319,6 +534,7 @@ class Coordinator:
             decision = self.table.settle(replica, units)
             if decision == COMMIT:
                 self.loss_sum += loss
+                self.committers.add(replica)
         else:
             decision = DROP  # its trial is over: every unit of it was committed already
             self.unit_totals.discarded += len(units)
@@ -333,11 +549,14 @@ class Coordinator:
         replica = self.replicas.index(rank)
         task: tuple | None = None
         if self.stopping:
-            task = ("stop",)
+            task = self._stop_task()
             self.stopped.add(rank)
+            if self.leave:  # it ends once it has sent its statistics: not waited for
+                watchdog.current().write_off(self.plan.topology.replica_ranks(replica))
         elif self.eval_task is not None and free:
             task = ("evaluate", self.eval_task)
             self.eval_task = None
+            self.eval_holder = replica
         elif self.table is not None:
             unit = self.table.next_unit(replica)
             if unit is not None:
@@ -367,6 +586,7 @@ class Coordinator:
 
     def _record_evaluation(self, snapshot: int, loss: float, accuracy: float) -> None:
         self.eval_in_flight = False
+        self.eval_holder = None
         step, samples = self.snapshot_at.pop(snapshot)
         self.recorder.log_eval(step, samples, self.last_loss, accuracy, loss)
         self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
@@ -375,9 +595,12 @@ class Coordinator:
 
     def _evaluate_now(self) -> None:
         """Evaluate the current x and wait for the result (the final evaluation)."""
-        self._serve_until(lambda: not self.eval_in_flight)
-        self._schedule_evaluation()
-        self._serve_until(lambda: not self.eval_in_flight)
+        try:
+            self._serve_until(lambda: not self.eval_in_flight)
+            self._schedule_evaluation()
+            self._serve_until(lambda: not self.eval_in_flight)
+        except AllReplicasLost:
+            self.reason = "replicas_lost"
 
     # -- summary ------------------------------------------------------------------------------
 
@@ -408,6 +631,8 @@ class Coordinator:
             "coordinator_traffic": asdict(self.traffic),
             "coordinator_shard_bytes_per_iteration": self.traffic.shard_bytes / iterations,
             "final_loss": self.last_loss,
+            "lost_replicas": [asdict(lost) for _, lost in sorted(self.lost.items())],
+            "restarted_evaluations": self.restarted_evaluations,
             "replicas": replicas, "shards": [s for s in all_stats if s["role"] == "shard"],
         }
         summary = self.recorder.finish(extras)
@@ -431,6 +656,11 @@ def _summary_line(summary: dict[str, Any], config: Config) -> str:
             f"{summary['wall_seconds']:.1f}s; loss {summary['final_loss']:.6g}; test accuracy "
             f"{'-' if accuracy is None else f'{accuracy:.4f}'}; backup units "
             f"{summary['backup_units_issued']} issued, {summary['backup_units_discarded']} "
-            f"discarded{target_text(summary)}")
+            f"discarded")
+    if summary["lost_replicas"]:
+        text += (f"; replicas lost: "
+                 f"{', '.join(str(r['replica']) for r in summary['lost_replicas'])} "
+                 f"({summary['restarted_evaluations']} evaluation(s) run again)")
+    text += target_text(summary)
     return f"{text}\nresults in {config.run.out_dir}"
 

@@ -22,6 +22,11 @@ from distbelief.runtime.topology import Topology
 
 TAG_REQUEST, TAG_TASK, TAG_COMMAND, TAG_RESULT, TAG_FETCH, TAG_PARAMS, TAG_PUSH = range(
     201, 208)
+TAG_FINISHED, TAG_STATS = 208, 209
+"""A shard's answer to finish_trial, (trial id, its gt . d), sent when the trial is complete
+(maybe never: a trial abandoned after a lost replica); a rank's statistics at the end of a
+run that lost a replica (point-to-point instead of a gather: a collective would wait for
+the dead)."""
 HEADER = 4
 """float32 slots in front of every vector message, read as int32: [trial or snapshot id,
 units, partition, 0]."""

@@ -7,6 +7,7 @@ PARTITIONED REPLICAS in the docstring of sandblaster.roles say how.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -61,7 +62,8 @@ ANSWER_SLOTS = 8
 
 def encode_answer(decision: str, task: tuple | None, out: np.ndarray) -> np.ndarray:
     """The coordinator's answer (decision, task) as int64s, for partition 0 to broadcast:
-    [decision, task kind, task arguments...] (a unit's: trial, batch, unit, start, stop)."""
+    [decision, task kind, task arguments...] (a unit's: trial, batch, unit, start, stop;
+    a stop's: leave, lost, diverged as 0 or 1)."""
     out.fill(0)
     out[0] = DECISIONS.index(decision)
     out[1] = TASK_KINDS.index(None if task is None else task[0])
@@ -73,7 +75,7 @@ def encode_answer(decision: str, task: tuple | None, out: np.ndarray) -> np.ndar
 def decode_answer(values: np.ndarray) -> tuple[str, tuple | None]:
     """What `encode_answer` encoded."""
     kind = TASK_KINDS[int(values[1])]
-    arguments = {None: 0, "stop": 0, "evaluate": 1, "unit": 5}[kind]
+    arguments = {None: 0, "stop": 3, "evaluate": 1, "unit": 5}[kind]
     task = None if kind is None else (kind, *(int(v) for v in values[2:2 + arguments]))
     return DECISIONS[int(values[0])], task
 
@@ -122,6 +124,11 @@ class Replica:
                                    self.partition)
         self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.runtime.faults)
         self.signals = None  # set by train(); only the coordinator acts on signals
+        self.partners = [r for r in topology.replica_ranks(topology.replica_index)
+                         if r != topology.world_rank]
+        # How the run ended for this rank (the coordinator's "stop"): `leave`, a rank of the
+        # job was lost (finish without collectives); `lost`, this replica was; `diverged`.
+        self.leave = self.lost = self.diverged = False
         self._clear()
 
     def _clear(self) -> None:
@@ -136,6 +143,15 @@ class Replica:
         cpu = time.process_time()
         try:
             self._work()
+        except watchdog.RankLost as gone:
+            if gone.rank not in self.partners:
+                raise  # a shard or the coordinator: nothing goes on without it
+            # A partition of this replica died: the coordinator drops the whole replica
+            # (its committed units' evaluation is run again), and this rank stops.
+            print(f"distbelief: rank {self.stats_.rank}: rank {gone.rank}, another "
+                  f"partition of replica {self.stats_.replica}, is gone; this replica stops",
+                  file=sys.stderr, flush=True)
+            self.leave = self.lost = True
         finally:
             self.stats_.cpu_seconds += time.process_time() - cpu
 
@@ -151,6 +167,7 @@ class Replica:
             if task is None:
                 continue
             if task[0] == "stop":
+                self.leave, self.lost, self.diverged = (bool(v) for v in task[1:])
                 return
             if task[0] == "evaluate":
                 result = self._evaluate(*task[1:])
@@ -169,7 +186,8 @@ class Replica:
         t0 = time.perf_counter()
         if self.lead:
             encode_answer(*answer, self.answer)
-        wait_all([self.team.Ibcast(self.answer, root=0)])
+        wait_all([self.team.Ibcast(self.answer, root=0)], "the answer from partition 0",
+                 self.partners)
         self.stats_.comm_seconds += time.perf_counter() - t0
         return decode_answer(self.answer)
 
@@ -179,7 +197,8 @@ class Replica:
         if self.team is None:
             return ok
         self.agreed[0] = ok
-        wait_all([self.team.Iallreduce(MPI.IN_PLACE, self.agreed, op=MPI.MIN)])
+        wait_all([self.team.Iallreduce(MPI.IN_PLACE, self.agreed, op=MPI.MIN)],
+                 "the other partitions of this replica", self.partners)
         return bool(self.agreed[0])
 
     def _ask(self, request: tuple) -> tuple[str, tuple | None]:
@@ -248,11 +267,16 @@ class Replica:
         pieces. Point-to-point."""
         t0 = time.perf_counter()
         requests = []
+        # Test-only: killed in the middle of this push, after its first shard's part.
+        dying = bool(self.faults) and self.faults.kill_in_push_from(self.stats_.units)
         for (shard, offset, size), buf in zip(self.links, self.send):
             buf[:HEADER].view(np.int32)[:] = (self.pending_trial, len(self.pending_units),
                                               self.partition, 0)
             buf[HEADER:] = self.pending[offset:offset + size]
             requests.append(self.comm.Isend([buf, MPI.FLOAT], shard, TAG_PUSH))
+            if dying:
+                wait_all(requests)
+                self.faults.kill(f"in its push after unit {self.stats_.units}")
         wait_all(requests, "the shards to take this replica's push",
                  [s for s, _, _ in self.links])
         self.stats_.pushes += 1

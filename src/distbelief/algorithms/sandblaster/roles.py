@@ -81,12 +81,44 @@ coordinator asks them once for the 3 m^2 dots of the history, and L-BFGS continu
 the checkpoint's iteration with a fresh gradient evaluation at x. The gradient, the
 direction and the line search state are not stored: they are recomputed.
 
+LOST REPLICAS (issue 15; the paper: Sandblaster is "robust to machine failure just like
+Downpour SGD"). Every rank gathers every rank's identity at the start
+(distbelief.runtime.liveness.Peers; on several nodes every rank also beats in
+run.out_dir, distbelief.runtime.heartbeat). While it waits, the coordinator sweeps every
+SWEEP_S: a replica with a rank whose process on this node is gone, or whose heartbeat on
+another node has stopped for run.heartbeat_timeout_seconds, is lost (any of its P ranks
+loses the whole replica). The coordinator then prints one line, records it
+(metrics.jsonl `replica_lost`, summary.json `lost_replicas`, as Downpour, and the next
+checkpoints' manifests), writes its ranks off (the stall watchdog no longer waits for
+them), and goes on: its held, uncommitted units go back to the queue; if it committed
+units in the current trial, its push may have reached some shards only, so the trial is
+abandoned and run again under a new id (the shards zero the trial gradient at
+begin_trial and drop pushes of older trials; the argument is in work_units' docstring:
+nothing of a partial push counts, nothing counts twice); an evaluation it held goes to
+another replica. The line search only sees a slower gradient evaluation. A surviving
+partition of a lost replica finds its partner gone in its next wait on it (or is told by
+the coordinator) and stops. A shard receives a push with a polled Irecv and drops it if
+its sender dies before it has all of it. Checkpoints hold no replica part (below), so a
+resumed run starts every replica afresh. hydra (`-disable-auto-cleanup`) announces a
+death by SIGUSR1: the coordinator takes a SIGUSR1 that comes within NOTICE_SLACK_S of a
+death it found (or is followed by one within NOTICE_DELAY_S, plus the heartbeat timeout
+across nodes) for that notice, not for a stop request, as Downpour's shard 0 does (and
+waits while a lost replica's surviving partition has not been seen to end: its exit
+brings a notice too). A run
+that lost a replica ends without collectives (`_finish_apart`: statistics sent to the
+coordinator point-to-point, no MPI_Finalize). When every replica is lost the run stops
+(`replicas_lost`) with a checkpoint. A lost SHARD or COORDINATOR cannot be gone on
+without (the shards hold the only copy of x and the history; the coordinator's line
+search state is not stored): the first rank to find it gone in a wait aborts the job
+with one line naming it and saying that a rerun resumes from the last checkpoint.
+
 STOP. The coordinator ends the method (max_steps iterations, max_seconds, target
 accuracy, converged, line search failed, diverged, or SIGTERM/SIGUSR1 at the end of the
 current iteration), writes a checkpoint, runs a final evaluation on a replica (not after
 a signal: the job should end soon), answers every replica's next request with "stop",
 sends "stop" to the shards, then every rank takes part in a back-off barrier and one
-gather of statistics to the coordinator, which writes summary.json.
+gather of statistics to the coordinator, which writes summary.json (after a lost replica,
+point-to-point instead: LOST REPLICAS).
 
 Threads: 1 BLAS thread per rank unless `[run] threads` says otherwise.
 
@@ -99,6 +131,7 @@ SandblasterPlan, pieces and segments, BatchRows), shards (ShardServer), replica
 from __future__ import annotations
 
 import sys
+import time
 from typing import IO, Any
 
 import numpy as np
@@ -114,9 +147,11 @@ from distbelief.algorithms.common import (
 )
 from distbelief.algorithms.sandblaster.coordinator import Coordinator
 from distbelief.algorithms.sandblaster.plan import (
+    TAG_STATS,
     BatchRows,
     Piece,
     SandblasterPlan,
+    _backoff,
     all_pieces,
     plan_run,
     shard_segments,
@@ -133,8 +168,9 @@ from distbelief.data.hdf5 import _read_rows
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.ps.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
-from distbelief.runtime import watchdog
+from distbelief.runtime import guardian, watchdog
 from distbelief.runtime.agreement import agree, wait_for_everyone
+from distbelief.runtime.liveness import Peers
 from distbelief.runtime.threads import set_blas_threads
 from distbelief.runtime.topology import Communicators, split_communicators
 
@@ -158,8 +194,14 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     distbelief.algorithms.common.RESUME_MODES ("auto", "require", "fresh").
     """
     role = start(config, comm, stream, resume)
-    # collective (an allgather)
-    guard = watchdog.for_job(comm, role.plan.topology.describe_rank, config.run)
+    # Collective (node_split, an allgather): every rank's identity, and on several nodes
+    # every rank beats in out_dir (distbelief.runtime.heartbeat) until the end.
+    peers = Peers.gather(comm, config.run.out_dir, config.run.heartbeat_timeout_seconds)
+    describe = role.plan.topology.describe_rank
+    guard = watchdog.Watchdog(comm.Get_rank(), describe, config.run.stall_warn_seconds,
+                              config.run.stall_abort_seconds,
+                              lambda message: watchdog.abort_job(comm, message), peers.gone)
+    role.peers = peers
     # Every rank catches SIGTERM/SIGUSR1 (the launcher forwards them to all): only the
     # coordinator acts on it, at the end of the iteration, with a checkpoint and the usual
     # collective stop; the other ranks must simply not die of it.
@@ -170,9 +212,16 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             role.run()
             summary = finish(comm, role)
         except watchdog.RankLost as lost:
-            # Sandblaster does not go on without a rank (its backup tasks cover a slow
-            # replica, not a dead one at the end of the run): end the job with a message.
-            watchdog.abort_for(comm, role.plan.topology.describe_rank, lost)
+            # A shard or the coordinator (a lost replica is written off, see LOST
+            # REPLICAS): nothing goes on without it. End the job with a message.
+            watchdog.abort_for(comm, describe, lost)
+            # Abort may return while the launcher tears the job down (seen under hydra's
+            # -disable-auto-cleanup): leave now, without MPI_Finalize (it would wait for
+            # the dead rank).
+            guardian.skip_mpi_finalize()
+            guardian.end_process(1)
+        finally:
+            peers.close()
     if summary["stop_reason"] == "diverged":
         raise TrainingDiverged("training diverged: the loss became non-finite")
     return summary if isinstance(role, Coordinator) else None
@@ -245,7 +294,9 @@ def finish(comm: MPI.Comm, role: Any) -> dict[str, Any]:
     """Back-off barrier, gather of statistics to the coordinator, bcast of the stop
     reason, the role communicators freed; the coordinator writes summary.json. Collective
     over `comm`, the same calls in the same order on every rank. Returns the summary on
-    the coordinator, {"stop_reason": ...} elsewhere."""
+    the coordinator, {"stop_reason": ...} elsewhere. After a lost replica: `_finish_apart`."""
+    if role.leave:
+        return _finish_apart(comm, role)
     wait_for_everyone(comm)
     root = role.plan.topology.ps_shards
     all_stats = comm.gather(role.stats(), root=root)
@@ -255,4 +306,45 @@ def finish(comm: MPI.Comm, role: Any) -> dict[str, Any]:
         communicators.free()
     if not isinstance(role, Coordinator):
         return {"stop_reason": reason}
+    return role.write_summary(all_stats)
+
+
+STATS_GRACE_S = 1.0
+"""How long the coordinator still looks for the statistics of a rank found gone at the end
+of a run that lost a replica."""
+
+
+def _finish_apart(comm: MPI.Comm, role: Any) -> dict[str, Any]:
+    """The end of a run that lost a replica, without collectives (they would wait for the
+    dead): every live rank, but those of lost replicas, sends its statistics to the
+    coordinator (point-to-point), which waits for them (giving up on a rank found gone),
+    writes summary.json, and nobody frees a communicator or calls MPI_Finalize (which
+    would wait for the dead too: guardian.skip_mpi_finalize)."""
+    guardian.skip_mpi_finalize()
+    topology = role.plan.topology
+    root = topology.coordinator_rank
+    if not isinstance(role, Coordinator):
+        if not getattr(role, "lost", False):
+            comm.send(role.stats(), dest=root, tag=TAG_STATS)
+        return {"stop_reason": "diverged" if role.diverged else None}
+    lost = set(role._lost_ranks())
+    waiting = {r for r in range(topology.world_size) if r != root and r not in lost}
+    all_stats = [role.stats()]
+    status, backoff = MPI.Status(), _backoff()
+    gone_since: dict[int, float] = {}
+    with watchdog.current().waiting("the other ranks' final statistics"):
+        while waiting:
+            if comm.Iprobe(MPI.ANY_SOURCE, TAG_STATS, status):
+                source = status.Get_source()
+                all_stats.append(comm.recv(source=source, tag=TAG_STATS))
+                waiting.discard(source)
+                backoff.reset()
+                continue
+            # A rank sends its statistics and ends: give up on one only once it has been
+            # gone for a while, so a message still on its way is not missed.
+            now = time.monotonic()
+            for rank in role.peers.gone_among(sorted(waiting)):
+                if now - gone_since.setdefault(rank, now) > STATS_GRACE_S:
+                    waiting.discard(rank)
+            backoff.wait()
     return role.write_summary(all_stats)

@@ -15,6 +15,7 @@ from distbelief.algorithms.sandblaster.plan import (
     HEADER,
     TAG_COMMAND,
     TAG_FETCH,
+    TAG_FINISHED,
     TAG_PARAMS,
     TAG_PUSH,
     TAG_RESULT,
@@ -23,8 +24,11 @@ from distbelief.algorithms.sandblaster.plan import (
     _backoff,
     shard_segments,
 )
+from distbelief.model.partitioned_network import wait_all
 from distbelief.ps.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
+from distbelief.runtime import watchdog
+from distbelief.runtime.faults import Faults
 
 # ------------------------------------------------------------------------------------------
 # Shards
@@ -57,11 +61,15 @@ class ShardServer:
         self.push_buffer = np.empty(HEADER + hi - lo, dtype=np.float32)
         self.trial_msgs = self._messages(store.trial32, -1)
         self.snapshot_msgs = self._messages(store.snapshot32, -1)
-        self.sending: list[tuple[MPI.Request, np.ndarray]] = []
+        self.sending: list[tuple[MPI.Request, np.ndarray, int]] = []  # (send, buffer, to)
         self.finish_due: tuple[int, int] | None = None  # (n_units, batch_size)
         self.signals = None  # set by train(); only the coordinator acts on signals
         self.running = True
-        self.counts = {"commands": 0, "fetches": 0, "pushes": 0}
+        self.leave = self.diverged = False  # how the coordinator's "stop" ends the run
+        self.counts = {"commands": 0, "fetches": 0, "pushes": 0, "stale_pushes": 0,
+                       "lost_pushes": 0}
+        # Test-only (distbelief.runtime.faults): AT counts the pushes this shard received.
+        self.faults = Faults.for_rank(topology.world_rank)
 
     def _messages(self, values: np.ndarray, ident: int) -> list[np.ndarray | None]:
         """Per partition, a new [header | its segments of values] float32 buffer (a send of
@@ -103,7 +111,9 @@ class ShardServer:
             if self.finish_due and self._trial_complete():
                 self._finish_trial()
                 busy = True
-            self.sending = [(r, b) for r, b in self.sending if not r.Test()]
+            self.sending = [(r, b, to) for r, b, to in self.sending if not r.Test()]
+            if self.faults:
+                self.faults.after_updates(self.counts["pushes"])
             if busy:
                 backoff.reset()
             else:
@@ -114,8 +124,14 @@ class ShardServer:
         if tag == TAG_PUSH:
             partition = self._partition_of(source)
             count = status.Get_count(MPI.FLOAT)
-            self.comm.Recv([self.push_buffer, MPI.FLOAT], source, TAG_PUSH)
+            if not self._receive_push(source):
+                return
             trial, units, sender = (int(v) for v in self.push_buffer[:3].view(np.int32))
+            if trial < self.store.trial_id:
+                # Of a trial the coordinator abandoned after losing a replica: it is being
+                # computed again, every unit of it (work_units: A LOST REPLICA).
+                self.counts["stale_pushes"] += 1
+                return
             if trial != self.store.trial_id:
                 raise RuntimeError(f"shard {self.comm.Get_rank()}: push for trial {trial} "
                                    f"during trial {self.store.trial_id} (protocol error)")
@@ -136,7 +152,8 @@ class ShardServer:
                 raise RuntimeError(f"shard {self.comm.Get_rank()}: fetch from rank {source}, "
                                    f"whose partition {partition} owns nothing here "
                                    f"(protocol error)")
-            self.sending.append((self.comm.Isend([msg, MPI.FLOAT], source, TAG_PARAMS), msg))
+            self.sending.append((self.comm.Isend([msg, MPI.FLOAT], source, TAG_PARAMS), msg,
+                                 source))
             self.counts["fetches"] += 1
         elif tag == TAG_COMMAND and source == self.coordinator:
             op, args = self.comm.recv(source=source, tag=TAG_COMMAND)
@@ -151,6 +168,7 @@ class ShardServer:
         if op == "begin_trial":
             result = store.begin_trial(*args)
             self.unit_counts = [0] * self.partitions
+            self.finish_due = None  # the previous trial, if unfinished, is abandoned
             self.trial_msgs = self._messages(store.trial32, store.trial_id)
         elif op == "finish_trial":
             self.finish_due = args  # answered once every unit has been pushed
@@ -172,7 +190,11 @@ class ShardServer:
             result = ckpt.write_shard_part(partial, meta, self.comm.Get_rank(), store.start,
                                            store.stop, params, state)
         elif op == "stop":
+            leave, diverged, lost = args
             self.running, result = False, np.zeros(0)
+            self.leave, self.diverged = leave, diverged
+            # A send to a lost rank never completes: do not wait for it.
+            self.sending = [(r, b, to) for r, b, to in self.sending if to not in lost]
         else:
             raise RuntimeError(f"shard: unknown command {op!r}")
         self.comm.send(result, dest=self.coordinator, tag=TAG_RESULT)
@@ -185,8 +207,21 @@ class ShardServer:
                                f"{self.store.trial_id} by partition {wrong}, expected "
                                f"{n_units} from each of {self.owners}")
         self.finish_due = None
-        self.comm.send(self.store.finish_trial(batch_size), dest=self.coordinator,
-                       tag=TAG_RESULT)
+        gtd = self.store.finish_trial(batch_size)
+        self.comm.send((self.store.trial_id, gtd), dest=self.coordinator, tag=TAG_FINISHED)
+
+    def _receive_push(self, source: int) -> bool:
+        """Receive the push that `source` has begun to send into push_buffer; False if
+        `source` died before all of it arrived (the push is dropped: its replica is lost,
+        and its trial will be abandoned). Polled, so a dead sender cannot hang the shard."""
+        request = self.comm.Irecv([self.push_buffer, MPI.FLOAT], source, TAG_PUSH)
+        try:
+            wait_all([request], "a replica's push", (source,))
+        except watchdog.RankLost:
+            request.Cancel()
+            self.counts["lost_pushes"] += 1
+            return False
+        return True
 
     def stats(self) -> dict[str, Any]:
         return {"role": "shard", "rank": self.comm.Get_rank(), "start": self.store.start,

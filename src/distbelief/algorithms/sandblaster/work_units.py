@@ -29,6 +29,20 @@ cover them.
 
 The shards count the units in the pushes they receive; the evaluation is over when they
 have all `n_units` (distbelief.algorithms.sandblaster.shards).
+
+A LOST REPLICA (its process gone; the coordinator's sweep). Its held, uncommitted units
+go back to the queue (`release`): nothing of them reached a shard, since only committed
+sums are pushed. Its committed units are another matter: the coordinator marked them
+committed before the replica pushed, and a replica killed in its push may have reached
+some shards and not others (with several shards, or partitions, a push is several
+messages), or none. No shard can take back a sum it has added, and the coordinator cannot
+tell which parts arrived, so a replica lost with units committed in the current
+evaluation makes the coordinator abandon the evaluation and run it again under a new trial
+id (the same point t): the shards zero the trial gradient at begin_trial and drop every
+push that carries an older trial id, so of the lost replica's push nothing counts, and of
+the new trial every unit is committed once, by a live replica, and pushed whole. Counted
+twice or half is impossible either way. A replica lost with no commit in the evaluation
+costs nothing but its held units, which `release` gives to the others.
 """
 
 from __future__ import annotations
@@ -123,6 +137,18 @@ class WorkUnitTable:
             if best_key is None or key < best_key:
                 best, best_key = unit, key
         return best
+
+    def release(self, replica: int) -> list[int]:
+        """`replica` is lost: the units it holds and nobody has committed go back to the
+        front of the queue unless another replica holds them too. Returns those units."""
+        back = []
+        for unit, holders in enumerate(self.holders):
+            if replica in holders:
+                holders.discard(replica)
+                if not self.committed[unit] and not holders:
+                    back.append(unit)
+        self.queue.extendleft(reversed(back))
+        return back
 
     def settle(self, replica: int, units: list[int], now: float | None = None) -> str:
         """COMMIT, DROP or HOLD the sum of `units` that `replica` reports (see the module

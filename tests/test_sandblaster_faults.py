@@ -1,0 +1,258 @@
+"""Sandblaster goes on without a lost replica (issue 15), end to end: kill -9 of a replica
+(test-only faults, distbelief.runtime.faults) at moments spread over a run, at 1 and 2
+shards, with and without partitions, on one node and on simulated nodes, with MPICH's
+launcher keeping the others alive (`-disable-auto-cleanup`). Each run finishes its
+iterations; every other rank exits 0; summary.json, metrics.jsonl and the checkpoint
+record the lost replica; the final loss is within 5% of the same run without the fault;
+a rerun resumes with every replica.
+
+The runs are full-batch L-BFGS on a small MLP (3000 rows, 60 work units per gradient
+evaluation, 30 iterations, about 34 evaluations): every replica gets any unit, so a
+replica's units near AT (AT counts the units it computed) land early, in the middle or
+late in the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import _env, mpiexec, run_mpi, survive_a_death
+from test_downpour import exit_statuses
+
+from distbelief.data.converters import make_synthetic
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.metrics import read_metrics
+from distbelief.runtime.faults import ENV as FAULTS
+
+PROGRAM = Path(__file__).parent / "mpi_programs" / "cli_exit_status.py"
+TIMEOUT = 240
+ITERATIONS = 30
+CONFIG = f"""
+[model]
+layers = [{{ type = "dense", units = 64, activation = "relu" }},
+          {{ type = "dense", units = 4, activation = "softmax" }}]
+[data]
+path = "synth.h5"
+batch_size = 3000
+[optimizer]
+algorithm = "sandblaster"
+m = 5
+work_unit_size = 50
+[cluster]
+ps_shards = 1
+[run]
+max_steps = {ITERATIONS}
+eval_every_seconds = 0.5
+progress_every_seconds = 0.5
+threads = 1
+heartbeat_timeout_seconds = 5
+"""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("sandblaster_faults")
+    make_synthetic(folder / "synth.h5", n_train=3000, n_test=500, input_shape=(16,),
+                   num_classes=4, seed=3)
+    (folder / "sb.toml").write_text(CONFIG)
+    return folder
+
+
+def job(n: int, folder: Path, out: Path, *overrides: str, faults: str = ""):
+    env = {**_env(), FAULTS: faults}
+    args = ["train", folder / "sb.toml", "--set", f'run.out_dir="{out}"']
+    for o in overrides:
+        args += ["--set", o]
+    return run_mpi(n, [PROGRAM, *args], timeout=TIMEOUT, env=env,
+                   launcher_options=survive_a_death())
+
+
+def summary_of(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+_baselines: dict[tuple, float] = {}
+
+
+def baseline_loss(n: int, folder: Path, tmp: Path, overrides: tuple[str, ...]) -> float:
+    """The final loss of the same run without a fault (once per configuration)."""
+    key = (n, overrides)
+    if key not in _baselines:
+        proc = job(n, folder, tmp / "clean", *overrides)
+        assert exit_statuses(proc) == [0] * n, proc.stderr[-3000:]
+        _baselines[key] = summary_of(tmp / "clean")["final_loss"]
+    return _baselines[key]
+
+
+# (id, ranks, overrides, fault, the replica's ranks); rank 0..S-1 shards, S coordinator.
+CASES = [
+    ("batch-1-shard", 5, (), "kill:3:60", [3]),
+    ("early-2-shards", 5, ("cluster.ps_shards=2",), "kill:4:10", [4]),
+    ("late", 5, (), "kill:2:450", [2]),
+    ("checkpoint-every-iteration", 5, ("run.checkpoint_every_steps=1",), "kill:4:200", [4]),
+    ("inside-a-push-2-shards", 5, ("cluster.ps_shards=2",), "killpush:3:30", [3]),
+    ("partition-1", 6, ("cluster.partitions=2",), "kill:5:40", [4, 5]),
+    ("partition-0", 6, ("cluster.partitions=2",), "kill:4:40", [4, 5]),
+]
+NODES_CASES = {"batch-1-shard", "partition-1"}
+
+
+@pytest.mark.parametrize(
+    "name, n, overrides, fault, ranks",
+    [pytest.param(*case, marks=[pytest.mark.nodes] if case[0] in NODES_CASES else [],
+                  id=case[0]) for case in CASES])
+def test_a_killed_sandblaster_replica_leaves_the_others_to_finish(
+        data_dir: Path, tmp_path: Path, name: str, n: int, overrides: tuple[str, ...],
+        fault: str, ranks: list[int]) -> None:
+    out = tmp_path / "out"
+    victim = int(fault.split(":")[1])
+    proc = job(n, data_dir, out, *overrides, faults=fault)
+    output = proc.stdout + proc.stderr[-3000:]
+    assert exit_statuses(proc) == [137 if r == victim else 0 for r in range(n)], output
+    shards = 2 if "cluster.ps_shards=2" in overrides else 1
+    partitions = 2 if "cluster.partitions=2" in overrides else 1
+    replica = (ranks[0] - shards - 1) // partitions
+    assert f"replica {replica} (rank{'s' * (len(ranks) > 1)} " in proc.stdout, output
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "max_steps" and summary["iterations"] == ITERATIONS
+    lost = summary["lost_replicas"]
+    assert [(x["replica"], x["ranks"]) for x in lost] == [(replica, ranks)], lost
+    assert "is gone" in lost[0]["why"]
+    assert all(r["replica"] != replica for r in summary["replicas"])
+    events = [line for line in read_metrics(out / "metrics.jsonl")
+              if line.get("kind") == "replica_lost"]
+    assert [(e["replica"], e["ranks"]) for e in events] == [(replica, ranks)]
+    if fault.startswith("killpush"):
+        # Its push reached shard 0 and not shard 1: that evaluation was run again.
+        assert summary["restarted_evaluations"] >= 1, summary
+    final = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
+    assert final.step == ITERATIONS and final.manifest["lost_replicas"] == [replica]
+    clean = baseline_loss(n, data_dir, tmp_path, overrides)
+    assert abs(summary["final_loss"] - clean) <= 0.05 * clean, (summary["final_loss"], clean)
+
+
+def test_a_rerun_after_a_lost_replica_resumes_with_every_replica(data_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = job(5, data_dir, out, faults="kill:3:60")
+    assert exit_statuses(proc) == [0, 0, 0, 137, 0], proc.stderr[-3000:]
+    proc = job(5, data_dir, out, f"run.max_steps={ITERATIONS + 5}")
+    assert exit_statuses(proc) == [0] * 5, proc.stderr[-3000:]
+    resumed = summary_of(out)
+    assert resumed["iterations"] == ITERATIONS + 5 and resumed["lost_replicas"] == []
+    # The replica lost in the first run computes units again.
+    assert [r["replica"] for r in resumed["replicas"]] == [0, 1, 2]
+    assert all(r["units"] > 0 for r in resumed["replicas"]), resumed["replicas"]
+
+
+# -- what cannot be survived: a lost shard or coordinator, a lost partition of sgd ----------
+
+
+@pytest.mark.parametrize("name, overrides, fault, needle", [
+    # Shard 1 dies after it received 300 pushes (about iteration 8; 2 shards).
+    pytest.param("shard", ("cluster.ps_shards=2",), "kill:1:300", "rank 1 (shard 1) is gone",
+                 marks=pytest.mark.nodes, id="shard"),
+    # The coordinator (rank 1 with one shard) dies after iteration 7.
+    pytest.param("coordinator", (), "kill:1:7", "rank 1 (coordinator) is gone",
+                 id="coordinator"),
+])
+def test_a_lost_shard_or_coordinator_ends_the_job_with_a_message_and_a_rerun_resumes(
+        data_dir: Path, tmp_path: Path, name: str, overrides: tuple[str, ...], fault: str,
+        needle: str) -> None:
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    proc = job(5, data_dir, out, *overrides, "run.checkpoint_every_steps=2", faults=fault)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert elapsed < 60, f"{elapsed:.1f} s to end the job"  # start-up included
+    assert needle in proc.stderr and "Run the same command again to resume" in proc.stderr, (
+        proc.stderr[-3000:])
+    assert not (out / "summary.json").exists()
+    saved = [step for step, _ in ckpt.list_checkpoints(ckpt.checkpoint_root(out))]
+    assert saved, "checkpoints were written before the kill"
+    proc = job(5, data_dir, out, *overrides)
+    assert exit_statuses(proc) == [0] * 5, proc.stderr[-3000:]
+    assert f"at step {max(saved)}," in proc.stdout, proc.stdout
+    assert summary_of(out)["iterations"] == ITERATIONS
+
+
+SGD = """
+[model]
+layers = [{ type = "dense", units = 64, activation = "relu" },
+          { type = "dense", units = 4, activation = "softmax" }]
+[data]
+path = "synth.h5"
+batch_size = 32
+[optimizer]
+algorithm = "sgd"
+learning_rate = 0.05
+[cluster]
+partitions = 2
+[run]
+max_steps = 0
+max_seconds = 60
+eval_every_seconds = 0.5
+progress_every_seconds = 0.5
+threads = 1
+"""
+
+
+def test_a_lost_partition_of_partitioned_sgd_ends_the_run_with_one_line(
+        data_dir: Path, tmp_path: Path) -> None:
+    # One replica over 2 ranks cannot go on without one: rank 1 dies after step 200, rank 0
+    # finds it gone in its next wait on it and aborts the job with one line. Partitioned
+    # runs write no checkpoint, so nothing is left half written: no summary, and
+    # metrics.jsonl whole lines only.
+    (data_dir / "sgd.toml").write_text(SGD)
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    env = {**_env(), FAULTS: "kill:1:200"}
+    proc = run_mpi(2, [PROGRAM, "train", data_dir / "sgd.toml", "--set",
+                       f'run.out_dir="{out}"'], timeout=TIMEOUT, env=env,
+                   launcher_options=survive_a_death())
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0 and elapsed < 40, (proc.returncode, elapsed)
+    lines = [line for line in proc.stderr.splitlines() if "is gone while" in line]
+    assert len(lines) == 1 and "rank 1 (partition 1) is gone" in lines[0], proc.stderr[-3000:]
+    assert "Run the same command again" in lines[0]
+    assert not (out / "summary.json").exists()
+    assert read_metrics(out / "metrics.jsonl")  # whole lines, readable
+    assert not list(out.glob("**/*.partial*")) and not (out / "checkpoints").exists()
+
+
+def test_hydras_notice_of_a_death_goes_on_and_a_real_sigusr1_later_stops(
+        data_dir: Path, tmp_path: Path) -> None:
+    # Replica 1 (rank 3) dies after its unit 60: hydra (-disable-auto-cleanup) sends every
+    # rank SIGUSR1, which the coordinator takes for the notice of the death it found.
+    # Later, once iteration 15 is logged, a SIGUSR1 to mpiexec is a stop request.
+    out = tmp_path / "out"
+    cmd = [*mpiexec(5, *survive_a_death()), sys.executable, str(PROGRAM), "train",
+           str(data_dir / "sb.toml"), "--set", f'run.out_dir="{out}"', "--set",
+           "run.max_steps=0", "--set", "run.max_seconds=90", "--set",
+           "optimizer.gradient_tolerance=0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**_env(), FAULTS: "kill:3:60"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (
+                (out / "metrics.jsonl").is_file()
+                and '"step": 15,' in (out / "metrics.jsonl").read_text()):
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert "SIGUSR1 taken as the launcher's notice" in stdout, stdout + stderr[-3000:]
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "SIGUSR1", summary["stop_reason"]
+    assert [x["replica"] for x in summary["lost_replicas"]] == [1]
+    assert 15 <= summary["iterations"] < 40
