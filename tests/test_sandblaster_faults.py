@@ -26,6 +26,7 @@ import pytest
 from conftest import _env, mpiexec, run_mpi, survive_a_death
 from test_downpour import exit_statuses
 
+from distbelief.algorithms.sandblaster.coordinator import NOTICE_SLACK_S
 from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
@@ -243,8 +244,12 @@ def test_hydras_notice_of_a_death_goes_on_and_a_real_sigusr1_later_stops(
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not (
                 (out / "metrics.jsonl").is_file()
-                and '"step": 15,' in (out / "metrics.jsonl").read_text()):
+                and '"step": 15,' in (text := (out / "metrics.jsonl").read_text())
+                and '"replica_lost"' in text):
             time.sleep(0.1)
+        # A SIGUSR1 within NOTICE_SLACK_S of the death being found is taken for hydra's
+        # notice by design (and was, once, when iteration 15 came that soon after it).
+        time.sleep(NOTICE_SLACK_S + 1.0)
         os.kill(proc.pid, signal.SIGUSR1)
         stdout, stderr = proc.communicate(timeout=90)
     finally:
@@ -255,4 +260,4 @@ def test_hydras_notice_of_a_death_goes_on_and_a_real_sigusr1_later_stops(
     summary = summary_of(out)
     assert summary["stop_reason"] == "SIGUSR1", summary["stop_reason"]
     assert [x["replica"] for x in summary["lost_replicas"]] == [1]
-    assert 15 <= summary["iterations"] < 40
+    assert summary["iterations"] >= 15  # stopped by the SIGUSR1 sent after iteration 15
