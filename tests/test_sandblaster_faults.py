@@ -202,9 +202,11 @@ max_seconds = 60
 eval_every_seconds = 0.5
 progress_every_seconds = 0.5
 threads = 1
+heartbeat_timeout_seconds = 5
 """
 
 
+@pytest.mark.nodes  # the partitions on two simulated nodes: found by heartbeat, not /proc
 def test_a_lost_partition_of_partitioned_sgd_ends_the_run_with_one_line(
         data_dir: Path, tmp_path: Path) -> None:
     # One replica over 2 ranks cannot go on without one: rank 1 dies after step 200, rank 0

@@ -137,7 +137,9 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     def describe(rank: int) -> str:
         return f"rank {rank} (partition {rank})"
 
-    guard = watchdog.for_job(comm, describe, config.run)  # collective (an allgather)
+    # Collective (an allgather); on several nodes every rank beats in out_dir until the end,
+    # so that a partition dying on another node is found within the heartbeat timeout.
+    guard, peers = watchdog.for_job(comm, describe, config.run)
     # Every rank catches the stop signals (launchers forward them to all): rank 0 decides,
     # at the end of a step, and the others must simply not die of them.
     with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard), \
@@ -153,6 +155,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             # -disable-auto-cleanup): leave without MPI_Finalize (it waits for the dead).
             guardian.skip_mpi_finalize()
             guardian.end_process(1)
+        finally:
+            peers.close()
     traffic = traffic_totals(model)
     if not rank0:
         return None

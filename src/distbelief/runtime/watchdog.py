@@ -216,17 +216,20 @@ def abort_job(world: Any, message: str) -> None:
     world.Abort(1)
 
 
-def for_job(comm: Any, describe: Callable[[int], str], run: Any) -> Watchdog:
-    """This rank's watchdog for an MPI run: `run` is the [run] configuration
-    (stall_warn_seconds, stall_abort_seconds), `describe(rank)` names a rank, and every
-    rank's process is watched on this node (distbelief.runtime.liveness). Collective over `comm`
-    (an allgather of every rank's identity)."""
+def for_job(comm: Any, describe: Callable[[int], str], run: Any) -> tuple[Watchdog, Any]:
+    """This rank's watchdog for an MPI run, and the liveness.Peers it asks: `run` is the
+    [run] configuration (stall_warn_seconds, stall_abort_seconds, out_dir,
+    heartbeat_timeout_seconds), `describe(rank)` names a rank. Every rank's process is
+    watched on this node, and by heartbeat on the others (distbelief.runtime.liveness);
+    close the Peers at the end. Collective over `comm` (an allgather of every rank's
+    identity)."""
     from distbelief.runtime.liveness import Peers
 
-    peers = Peers.gather(comm)
-    return Watchdog(comm.Get_rank(), describe, run.stall_warn_seconds,
-                    run.stall_abort_seconds, lambda message: abort_job(comm, message),
-                    peers.gone)
+    peers = Peers.gather(comm, run.out_dir, run.heartbeat_timeout_seconds)
+    guard = Watchdog(comm.Get_rank(), describe, run.stall_warn_seconds,
+                     run.stall_abort_seconds, lambda message: abort_job(comm, message),
+                     peers.gone)
+    return guard, peers
 
 
 def abort_for(world: Any, describe: Callable[[int], str], lost: RankLost) -> None:
