@@ -13,7 +13,12 @@ from test_downpour import exit_statuses
 
 from distbelief.data.converters import make_synthetic
 from distbelief.runtime.faults import ENV as FAULTS
-from distbelief.runtime.launcher import launcher_rank, launcher_size, quiet_osc_ucx
+from distbelief.runtime.launcher import (
+    launcher_rank,
+    launcher_size,
+    quiet_osc_ucx,
+    sends_death_notices,
+)
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TOML = """
@@ -46,6 +51,14 @@ threads = 1
 def test_rank_and_size_from_each_launcher(environ: dict, rank: str | None, size: int) -> None:
     assert launcher_rank(environ) == rank
     assert launcher_size(environ) == size
+
+
+def test_only_hydra_is_expected_to_send_notices_of_a_death() -> None:
+    # Hydra's proxies set HYDI_CONTROL_FD in every rank (seen with MPICH 5.0.2); srun and
+    # Open MPI's mpirun set nothing of the kind, and send no SIGUSR1 when a rank dies.
+    assert sends_death_notices({"HYDI_CONTROL_FD": "7", "PMI_RANK": "0"})
+    assert not sends_death_notices({"PMI_RANK": "0", "SLURM_PROCID": "0"})
+    assert not sends_death_notices({"OMPI_COMM_WORLD_RANK": "0", "PMIX_RANK": "0"})
 
 
 def test_osc_ucx_is_excluded_only_without_infiniband_and_without_a_user_choice(

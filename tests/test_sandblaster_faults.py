@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import _env, mpiexec, run_mpi, survive_a_death
+from conftest import _env, mpi_under_test, mpiexec, run_mpi, survive_a_death
 from test_downpour import exit_statuses
 
 from distbelief.algorithms.sandblaster.coordinator import NOTICE_SLACK_S
@@ -263,3 +263,36 @@ def test_hydras_notice_of_a_death_goes_on_and_a_real_sigusr1_later_stops(
     assert summary["stop_reason"] == "SIGUSR1", summary["stop_reason"]
     assert [x["replica"] for x in summary["lost_replicas"]] == [1]
     assert summary["iterations"] >= 15  # stopped by the SIGUSR1 sent after iteration 15
+
+
+@pytest.mark.both_mpis
+def test_without_hydra_a_sigusr1_right_after_a_death_stops_the_run(
+        data_dir: Path, tmp_path: Path) -> None:
+    # Open MPI's mpirun (like srun) sends no notice when a rank dies, so a SIGUSR1 just
+    # after a death is a stop request there (runtime.launcher.sends_death_notices); under
+    # hydra the same signal would be taken for its notice (the test above).
+    if mpi_under_test() != "openmpi":
+        pytest.skip("hydra sends notices of a death; this is the launcher that does not")
+    out = tmp_path / "out"
+    cmd = [*mpiexec(5, *survive_a_death()), sys.executable, str(PROGRAM), "train",
+           str(data_dir / "sb.toml"), "--set", f'run.out_dir="{out}"', "--set",
+           "run.max_steps=0", "--set", "run.max_seconds=90", "--set",
+           "optimizer.gradient_tolerance=0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**_env(), FAULTS: "kill:3:60"}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (
+                (out / "metrics.jsonl").is_file()
+                and '"replica_lost"' in (out / "metrics.jsonl").read_text()):
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert "taken as the launcher's notice" not in stdout, stdout + stderr[-3000:]
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "SIGUSR1", summary["stop_reason"]
+    assert [x["replica"] for x in summary["lost_replicas"]] == [1]

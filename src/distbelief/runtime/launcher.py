@@ -33,6 +33,14 @@ def launcher_rank(environ: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
+def sends_death_notices(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the launcher may signal SIGUSR1 to every rank when one dies: MPICH's Hydra
+    does under -disable-auto-cleanup (its proxies set HYDI_CONTROL_FD in every rank). srun
+    and Open MPI's mpirun send nothing (benchmarks/probe_signals.py), so there every
+    SIGUSR1 is a stop request."""
+    return "HYDI_CONTROL_FD" in environ
+
+
 def launcher_size(environ: Mapping[str, str] = os.environ) -> int:
     """The number of ranks the launcher started; 1 outside a launcher."""
     names = list(SIZE_VARIABLES)

@@ -40,7 +40,7 @@ from distbelief.ps.stats import STALENESS_BINS
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
-from distbelief.runtime import watchdog
+from distbelief.runtime import launcher, watchdog
 from distbelief.runtime.agreement import WAIT_SLEEP_S
 from distbelief.runtime.backoff import Backoff
 
@@ -96,6 +96,7 @@ class Supervisor(_ShardRole):
         # (count, when it was last seen); and new ones waiting for their meaning.
         self.usr1_seen: dict[Any, tuple[int, float]] = {}
         self.usr1_pending: list[tuple[float, float]] = []  # (previous report, first seen)
+        self._notices = launcher.sends_death_notices()  # else every SIGUSR1 is a stop
         self.warm_released = False
         self.replica_stats: dict[int, dict[str, Any]] = {}
         self.requests = 0  # checkpoint requests made (the CHECKPOINT slot)
@@ -235,7 +236,9 @@ class Supervisor(_ShardRole):
         self._sweep(now)
         waiting = []
         for previous, first in self.usr1_pending:
-            if any(previous - NOTICE_SLACK_S <= t for t in self.death_times):
+            if not self._notices:
+                self._stop(rc.STOP_SIGNAL, "SIGUSR1")
+            elif any(previous - NOTICE_SLACK_S <= t for t in self.death_times):
                 if not self.stop_code:
                     say(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice "
                                         "of the rank(s) found gone; training goes on")

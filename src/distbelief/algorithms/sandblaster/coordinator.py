@@ -39,7 +39,7 @@ from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import ResumePoint, RunRecorder, target_text
-from distbelief.runtime import watchdog
+from distbelief.runtime import launcher, watchdog
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.liveness import Peers
 
@@ -138,6 +138,7 @@ class Coordinator:
         self.death_times: list[float] = []  # when sweeps found ranks newly gone
         self.dead_ranks: set[int] = set()
         self.usr1_seen, self.usr1_pending = 0, []  # SIGUSR1s counted, new ones' first sight
+        self.notices = launcher.sends_death_notices()  # else every SIGUSR1 is a stop
         self.next_sweep = 0.0
         # Test-only (distbelief.runtime.faults): AT counts the iterations.
         self.faults = Faults.for_rank(comm.Get_rank())
@@ -486,6 +487,8 @@ class Coordinator:
             delay += self.peers.heartbeats.timeout_s + SWEEP_S
         waiting = []
         for first in self.usr1_pending:
+            if not self.notices:
+                return "SIGUSR1"
             if any(first - NOTICE_SLACK_S <= t for t in self.death_times):
                 say(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice of the "
                                  "replica(s) found gone; training goes on")
