@@ -230,34 +230,42 @@ def test_a_lost_partition_of_partitioned_sgd_ends_the_run_with_one_line(
     assert not list(out.glob("**/*.partial*")) and not (out / "checkpoints").exists()
 
 
-def test_hydras_notice_of_a_death_goes_on_and_a_real_sigusr1_later_stops(
-        data_dir: Path, tmp_path: Path) -> None:
-    # Replica 1 (rank 3) dies after its unit 60: hydra (-disable-auto-cleanup) sends every
-    # rank SIGUSR1, which the coordinator takes for the notice of the death it found.
-    # Later, once iteration 15 is logged, a SIGUSR1 to mpiexec is a stop request.
-    out = tmp_path / "out"
+def sigusr1_after_a_death(data_dir: Path, out: Path, logged: tuple[str, ...],
+                          then_wait_s: float = 0.0) -> tuple[str, str]:
+    """Run Sandblaster (1 shard, coordinator, 3 replicas) where replica 1 (rank 3) dies
+    after its unit 60; once metrics.jsonl holds every string of `logged`, wait
+    `then_wait_s` and send SIGUSR1 to the launcher. Returns its (stdout, stderr)."""
     cmd = [*mpiexec(5, *survive_a_death()), sys.executable, str(PROGRAM), "train",
            str(data_dir / "sb.toml"), "--set", f'run.out_dir="{out}"', "--set",
            "run.max_steps=0", "--set", "run.max_seconds=90", "--set",
            "optimizer.gradient_tolerance=0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**_env(), FAULTS: "kill:3:60"}, start_new_session=True)
+    metrics = out / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not (
-                (out / "metrics.jsonl").is_file()
-                and '"step": 15,' in (text := (out / "metrics.jsonl").read_text())
-                and '"replica_lost"' in text):
-            time.sleep(0.1)
-        # A SIGUSR1 within NOTICE_SLACK_S of the death being found is taken for hydra's
-        # notice by design (and was, once, when iteration 15 came that soon after it).
-        time.sleep(NOTICE_SLACK_S + 1.0)
+                metrics.is_file() and all(x in metrics.read_text() for x in logged)):
+            time.sleep(0.05)
+        time.sleep(then_wait_s)
         os.kill(proc.pid, signal.SIGUSR1)
-        stdout, stderr = proc.communicate(timeout=90)
+        return proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+
+
+def test_hydras_notice_of_a_death_goes_on_and_a_real_sigusr1_later_stops(
+        data_dir: Path, tmp_path: Path) -> None:
+    # Replica 1 (rank 3) dies after its unit 60: hydra (-disable-auto-cleanup) sends every
+    # rank SIGUSR1, which the coordinator takes for the notice of the death it found.
+    # Later, once iteration 15 is logged, a SIGUSR1 to mpiexec is a stop request. (One
+    # within NOTICE_SLACK_S of the death being found is taken for hydra's notice by design,
+    # and was, once, when iteration 15 came that soon after it: hence the wait.)
+    out = tmp_path / "out"
+    stdout, stderr = sigusr1_after_a_death(data_dir, out, ('"step": 15,', '"replica_lost"'),
+                                           then_wait_s=NOTICE_SLACK_S + 1.0)
     assert "SIGUSR1 taken as the launcher's notice" in stdout, stdout + stderr[-3000:]
     summary = summary_of(out)
     assert summary["stop_reason"] == "SIGUSR1", summary["stop_reason"]
@@ -274,24 +282,7 @@ def test_without_hydra_a_sigusr1_right_after_a_death_stops_the_run(
     if mpi_under_test() != "openmpi":
         pytest.skip("hydra sends notices of a death; this is the launcher that does not")
     out = tmp_path / "out"
-    cmd = [*mpiexec(5, *survive_a_death()), sys.executable, str(PROGRAM), "train",
-           str(data_dir / "sb.toml"), "--set", f'run.out_dir="{out}"', "--set",
-           "run.max_steps=0", "--set", "run.max_seconds=90", "--set",
-           "optimizer.gradient_tolerance=0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**_env(), FAULTS: "kill:3:60"}, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and not (
-                (out / "metrics.jsonl").is_file()
-                and '"replica_lost"' in (out / "metrics.jsonl").read_text()):
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGUSR1)
-        stdout, stderr = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    stdout, stderr = sigusr1_after_a_death(data_dir, out, ('"replica_lost"',))
     assert "taken as the launcher's notice" not in stdout, stdout + stderr[-3000:]
     summary = summary_of(out)
     assert summary["stop_reason"] == "SIGUSR1", summary["stop_reason"]
