@@ -4,11 +4,15 @@ under Open MPI."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, run_mpi, survive_a_death
+from conftest import REPO, _env, mpiexec, run_mpi, survive_a_death
 from test_downpour import exit_statuses
 
 from distbelief.data.converters import make_synthetic
@@ -128,3 +132,66 @@ def test_a_bad_init_bound_is_one_error_on_every_rank(tmp_path: Path) -> None:
     assert exit_statuses(proc) == [2, 2], proc.stdout + proc.stderr[-3000:]
     assert "DISTBELIEF_INIT_TIMEOUT must be a positive number of seconds, got 'soon'" \
         in proc.stderr
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Process ids whose command line contains `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+@pytest.mark.both_mpis
+def test_the_ranks_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    # mpiexec and its helpers (hydra's proxy; under Open MPI, prterun is both) die of
+    # SIGKILL while the job trains: nobody will ever signal the ranks. Each guardian sees
+    # its parent gone and ends its worker, so nothing is left (seen under Open MPI before:
+    # a hung worker and its guardian lived on for an hour).
+    make_synthetic(tmp_path / "synth.h5", n_train=2000, n_test=200, input_shape=(16,),
+                   num_classes=3, seed=1)
+    (tmp_path / "run.toml").write_text(TOML)
+    out = tmp_path / "out-launcher-killed"
+    cmd = [*mpiexec(3), sys.executable, "-m", "distbelief", "train",
+           str(tmp_path / "run.toml"), "--set", f'run.out_dir="{out}"', "--set",
+           "run.max_steps=0", "--set", "run.max_seconds=120"]
+    env = {**_env(), FAULTS: "delay:*:0:0.002s"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (out / "metrics.jsonl").is_file():
+            time.sleep(0.1)
+        assert (out / "metrics.jsonl").is_file(), "the run never started"
+        ranks = _processes_naming(str(out))
+        assert len(ranks) >= 6, ranks  # a guardian and a worker per rank
+        launcher = [proc.pid] + [c for c in _children(proc.pid) if c not in ranks]
+        for pid in launcher:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _processes_naming(str(out)):
+            time.sleep(0.2)
+        left = _processes_naming(str(out))
+        assert not left, f"still alive 15 s after the launcher was killed: {left}"
+    finally:
+        for pid in _processes_naming(str(out)):
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+        proc.communicate()

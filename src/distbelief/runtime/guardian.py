@@ -53,6 +53,8 @@ and once it returned."""
 INIT_TIMEOUT_ENV = "DISTBELIEF_INIT_TIMEOUT"
 """Seconds a guardian waits for its worker's MPI_Init (default INIT_TIMEOUT_S)."""
 INIT_TIMEOUT_S = 120.0
+LAUNCHER_CHECK_S = 1.0
+"""How often a guardian looks whether the launcher's process that started it is gone."""
 
 RELAYED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
@@ -80,6 +82,7 @@ def run_guarded(argv: Sequence[str]) -> int:
         os.close(fd)
     for number in RELAYED:
         signal.signal(number, lambda signum, frame: _relay(worker, signum))
+    launcher = os.getppid()
     timed_out = _init_timed_out(started, bound)
     if timed_out:
         print(f"distbelief: rank {launcher_rank() or '?'}: MPI_Init did not return within "
@@ -87,7 +90,7 @@ def run_guarded(argv: Sequence[str]) -> int:
               f"cannot be reached); ending this rank ({INIT_TIMEOUT_ENV} sets the bound)",
               file=sys.stderr, flush=True)
         _kill_worker(worker)
-    status = worker.wait()
+    status = _wait_while_launcher_lives(worker, launcher)
     for number in RELAYED:
         # A launcher may go on signalling (hydra sends several SIGUSR1s per death); dying
         # of one now would be a death by signal, the very thing this process prevents.
@@ -152,6 +155,29 @@ def _tell_guardian(byte: bytes, close: bool) -> None:
             del os.environ[INIT_FD_ENV]
     except OSError:
         pass
+
+
+def _wait_while_launcher_lives(worker: subprocess.Popen, launcher: int) -> int:
+    """worker.wait(), unless the launcher's process that started this one (`launcher`,
+    its parent) goes first: then SIGKILL the worker and return 1. Seen under Open MPI: a
+    hung worker ignored the SIGTERM its guardian relayed after MPI_Abort, PRRTE's daemon
+    left without a SIGKILL, and guardian and worker lived on as orphans. Waits on a pidfd,
+    looking at the parent every LAUNCHER_CHECK_S (no spinning)."""
+    try:
+        pidfd = os.pidfd_open(worker.pid)
+    except (AttributeError, OSError):
+        return worker.wait()  # no pidfd (old kernel): wait as before
+    try:
+        while not select.select([pidfd], [], [], LAUNCHER_CHECK_S)[0]:
+            if os.getppid() != launcher:
+                print(f"distbelief: rank {launcher_rank() or '?'}: the launcher is gone; "
+                      "ending this rank's worker", file=sys.stderr, flush=True)
+                _kill_worker(worker)
+                worker.wait()
+                return 1
+    finally:
+        os.close(pidfd)
+    return worker.wait()
 
 
 def _kill_worker(worker: subprocess.Popen) -> None:
