@@ -163,7 +163,11 @@ def test_unknown_key_far_from_any_has_no_suggestion_but_lists_valid_keys() -> No
     ("optimizer.n_fetch", "0", "an integer >= 1"),
     ("optimizer.n_push", "0", "an integer >= 1"),
     ("optimizer.warm_start_steps", "-5", "an integer >= 0"),
-    ("cluster.ps_shards", "0", "an integer >= 1"),
+    ("cluster.ps_shards", "-1", "an integer >= 0"),
+    ("optimizer.update", '"adam"', "one of 'adagrad', 'sgd', 'adarevision'"),
+    ("optimizer.backup_workers", "-1", "an integer >= 0"),
+    ("optimizer.average_every", "0", "an integer >= 1"),
+    ("optimizer.elastic_alpha", "1.5", "a number > 0 and <= 1"),
     ("run.target_accuracy", "1.5", "a number > 0 and <= 1"),
     ("run.target_accuracy", "0", "a number > 0 and <= 1"),
     ("run.max_seconds", "-1", "a number >= 0"),
@@ -423,3 +427,49 @@ def test_sandblaster_with_partitions_is_accepted(tmp_path):
                    '[cluster]\npartitions = 2\n[run]\nmax_steps = 3\n')
     config = load_config(cfg, check_data=False)
     assert (config.optimizer.algorithm, config.cluster.partitions) == ("sandblaster", 2)
+
+
+def _optimizer(overrides: list[str]) -> tuple:
+    config = config_from_dict(apply_overrides(raw_config(), overrides), Path("/cfg/exp.toml"))
+    return config.optimizer, config.cluster
+
+
+def test_update_reads_the_older_adagrad_spelling_and_refuses_a_contradiction() -> None:
+    assert _optimizer([])[0].update == "adagrad"
+    assert _optimizer(["optimizer.adagrad=false"])[0].update == "sgd"
+    opt = _optimizer(['optimizer.update="sgd"'])[0]
+    assert (opt.update, opt.adagrad) == ("sgd", False)
+    opt = _optimizer(['optimizer.algorithm="downpour"', 'optimizer.update="adarevision"'])[0]
+    assert (opt.update, opt.adagrad) == ("adarevision", False)
+    message = schema_error(VALID, ("optimizer.adagrad=true", 'optimizer.update="sgd"'))
+    assert "contradicts" in message and "optimizer.update" in message
+    message = schema_error(VALID, ('optimizer.update="adarevision"',))
+    assert "Downpour" in message and '"sgd"' in message
+
+
+def test_keys_of_one_algorithm_are_refused_for_another() -> None:
+    message = schema_error(VALID, ('optimizer.algorithm="downpour"', "optimizer.backup_workers=1"))
+    assert 'optimizer.backup_workers applies only to algorithm = "sync"' in message
+    message = schema_error(VALID, ("optimizer.elastic_alpha=0.5",))
+    assert 'applies only to algorithm = "averaging"' in message
+
+
+def test_ps_shards_defaults_to_what_the_algorithm_needs() -> None:
+    assert _optimizer(['optimizer.algorithm="downpour"'])[1].ps_shards == 1
+    assert _optimizer([])[1].ps_shards == 1  # sgd ignores it; as before
+    message = schema_error(VALID, ('optimizer.algorithm="downpour"', "cluster.ps_shards=0"))
+    assert "cluster.ps_shards = 0" in message and "at least 1" in message
+
+
+def test_new_optimizer_keys_leave_earlier_runs_hashes_alone() -> None:
+    """Checkpoints written before update/backup_workers/average_every/elastic_alpha existed
+    must still resume: those keys stay out of the hash of the algorithms that ignore them."""
+    for algorithm in ("sgd", "downpour"):
+        config = config_from_dict(apply_overrides(raw_config(), [
+            f'optimizer.algorithm="{algorithm}"']), Path("/cfg/exp.toml"))
+        assert set(hashed_settings(config)["optimizer"]) == {
+            "algorithm", "learning_rate", "adagrad", "n_fetch", "n_push", "warm_start_steps"}
+    config = config_from_dict(apply_overrides(raw_config(), [
+        'optimizer.algorithm="downpour"', 'optimizer.update="adarevision"']),
+        Path("/cfg/exp.toml"))
+    assert hashed_settings(config)["optimizer"]["update"] == "adarevision"

@@ -13,15 +13,24 @@ Sections and keys, with their defaults:
 
     [model]      layers (list of tables, required; checked by distbelief.model.network.Network)
     [data]       path (required; relative to the config file's folder), batch_size = 64
-    [optimizer]  algorithm = "sgd" | "downpour" | "sandblaster", learning_rate = 0.02,
-                 adagrad = true, n_fetch = 1, n_push = 1, warm_start_steps = 0
+    [optimizer]  algorithm = "sgd" | "downpour" | "sandblaster" | "sync" | "averaging" |
+                 "hogwild", learning_rate = 0.02, update = "adagrad" | "sgd" |
+                 "adarevision" (the update rule; `adagrad = true/false` is the older
+                 spelling of "adagrad"/"sgd"; "adarevision" is Downpour's shards only),
+                 n_fetch = 1, n_push = 1, warm_start_steps = 0
+                 Synchronous SGD only: backup_workers = 0 (each step takes the first
+                 R - k gradients and drops the late ones; k > 0 goes through the shards)
+                 Averaging only: average_every = 10 (local steps between averages),
+                 elastic_alpha (unset; set, it is EASGD's moving rate, on the shards)
                  Sandblaster L-BFGS only (algorithms.sandblaster.roles; no learning rate):
                  m = 10 (history pairs), work_unit_size = 0 (examples per work unit;
                  0 = automatic), push_every_units = 4, backup_copies = 2 (copies of a
                  unit in flight at most, the original included), line_search = "wolfe" |
                  "armijo", wolfe_c1 = 1e-4, wolfe_c2 = 0.9, max_line_search = 20,
                  gradient_tolerance = 1e-6 (stop when the gradient norm is below)
-    [cluster]    ps_shards = 1, partitions = 1 (ranks per model replica: model parallelism)
+    [cluster]    ps_shards = 1 (0 for an algorithm that keeps no parameters on shards:
+                 sync without backup workers, averaging without elastic_alpha, hogwild),
+                 partitions = 1 (ranks per model replica: model parallelism)
     [run]        max_steps = 0, max_seconds = 0 (0 = no limit), target_accuracy (unset),
                  eval_every_seconds = 2.0, eval_samples = 0 (0 = whole test set), seed = 0,
                  out_dir = "runs/<config file stem>" (relative to the current directory),
@@ -62,7 +71,18 @@ from typing import Any
 from distbelief.errors import ConfigError, DataError
 
 ALGORITHMS = ("sgd", "downpour", "sandblaster")
-NOT_IMPLEMENTED_ALGORITHMS: tuple[str, ...] = ()
+NOT_IMPLEMENTED_ALGORITHMS: tuple[str, ...] = ("sync", "averaging", "hogwild")
+UPDATES = ("adagrad", "sgd", "adarevision")
+"""optimizer.update: the rule that applies a gradient. "adagrad" and "sgd" are also
+spelled `adagrad = true/false`; "adarevision" (delay-tolerant Adagrad) runs on Downpour's
+shards, where the delay is known."""
+ALGORITHM_KEYS = {
+    "sync": ("backup_workers",),
+    "averaging": ("average_every", "elastic_alpha"),
+}
+"""[optimizer] keys that only one algorithm reads: setting one for another algorithm is an
+error, and they are left out of the other algorithms' config hash (so adding them did not
+change the hash of earlier runs)."""
 LINE_SEARCHES = ("wolfe", "armijo")
 SANDBLASTER_KEYS = ("m", "work_unit_size", "push_every_units", "backup_copies", "line_search",
                     "wolfe_c1", "wolfe_c2", "max_line_search", "gradient_tolerance")
@@ -90,6 +110,10 @@ class OptimizerConfig:
     algorithm: str = "sgd"
     learning_rate: float = 0.02
     adagrad: bool = True
+    update: str = "adagrad"
+    backup_workers: int = 0
+    average_every: int = 10
+    elastic_alpha: float | None = None
     n_fetch: int = 1
     n_push: int = 1
     warm_start_steps: int = 0
@@ -233,6 +257,10 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "algorithm": (_choice(ALGORITHMS + NOT_IMPLEMENTED_ALGORITHMS), "sgd"),
         "learning_rate": (_float(0.0, strict=True), 0.02),
         "adagrad": (_bool(), True),
+        "update": (_choice(UPDATES), None),
+        "backup_workers": (_int(0), 0),
+        "average_every": (_int(1), 10),
+        "elastic_alpha": (_float(0.0, strict=True, maximum=1.0), None),
         "n_fetch": (_int(1), 1),
         "n_push": (_int(1), 1),
         "warm_start_steps": (_int(0), 0),
@@ -247,7 +275,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "gradient_tolerance": (_float(0.0), 1e-6),
     },
     "cluster": {
-        "ps_shards": (_int(1), 1),
+        "ps_shards": (_int(0), None),
         "partitions": (_int(1), 1),
     },
     "run": {
@@ -409,6 +437,8 @@ def config_from_dict(raw: dict, source: Path | None = None,
     _check_names(raw, where)
     values = {section: _section_values(raw, section, where) for section in SECTIONS}
     _check_not_implemented(values, where)
+    _resolve_update(values["optimizer"], raw.get("optimizer", {}), where)
+    _resolve_ps_shards(values, where)
     _check_consistency(values, where)
 
     base = source.resolve().parent if source is not None else Path.cwd()
@@ -433,6 +463,64 @@ def _check_not_implemented(values: dict, where: str) -> None:
     if algorithm in NOT_IMPLEMENTED_ALGORITHMS:
         raise ConfigError(f"{where}: optimizer.algorithm = {algorithm!r} is not implemented "
                           f"yet; use one of {', '.join(repr(a) for a in ALGORITHMS)}")
+
+
+def _resolve_update(opt: dict, given: dict, where: str) -> None:
+    """optimizer.update from `adagrad` when it is not given; both given must agree."""
+    if opt["update"] is None:
+        opt["update"] = "adagrad" if opt["adagrad"] else "sgd"
+    elif "adagrad" in given and opt["adagrad"] != (opt["update"] == "adagrad"):
+        raise ConfigError(f"{where}: optimizer.adagrad = {_show(opt['adagrad'])} contradicts "
+                          f"optimizer.update = {_show(opt['update'])}; give only update")
+    opt["adagrad"] = opt["update"] == "adagrad"
+    if opt["update"] == "adarevision" and opt["algorithm"] != "downpour":
+        raise ConfigError(f"{where}: optimizer.update = \"adarevision\" runs on Downpour's "
+                          f"parameter-server shards, which know each push's delay; with "
+                          f"algorithm = {_show(opt['algorithm'])} use \"adagrad\" or \"sgd\"")
+    for algorithm, keys in ALGORITHM_KEYS.items():
+        for key in keys:
+            if opt["algorithm"] != algorithm and key in given:
+                raise ConfigError(f"{where}: optimizer.{key} applies only to algorithm = "
+                                  f"{_show(algorithm)}, not {_show(opt['algorithm'])}")
+
+
+def needs_shards(algorithm: str, backup_workers: int = 0,
+                 elastic_alpha: float | None = None) -> bool:
+    """Whether an algorithm keeps parameters on parameter-server shards (ps_shards >= 1)."""
+    if algorithm in ("downpour", "sandblaster"):
+        return True
+    if algorithm == "sync":
+        return backup_workers > 0
+    if algorithm == "averaging":
+        return elastic_alpha is not None
+    return False
+
+
+def _resolve_ps_shards(values: dict, where: str) -> None:
+    """cluster.ps_shards defaults to what the algorithm needs: at least one shard for the
+    algorithms that keep parameters there, none for those that do not (sgd ignores it)."""
+    opt, cluster = values["optimizer"], values["cluster"]
+    algorithm = opt["algorithm"]
+    shards = needs_shards(algorithm, opt["backup_workers"], opt["elastic_alpha"])
+    if cluster["ps_shards"] is None:
+        cluster["ps_shards"] = 1 if shards or algorithm == "sgd" else 0
+    elif shards and cluster["ps_shards"] == 0:
+        raise ConfigError(f"{where}: cluster.ps_shards = 0, but algorithm = "
+                          f"{_show(algorithm)}{_shard_reason(opt)} keeps the parameters on "
+                          "parameter-server shards: give at least 1")
+    elif not shards and algorithm != "sgd" and cluster["ps_shards"] > 0:
+        raise ConfigError(f"{where}: cluster.ps_shards = {cluster['ps_shards']}, but "
+                          f"algorithm = {_show(algorithm)}{_shard_reason(opt)} uses no "
+                          "parameter-server shard: set cluster.ps_shards = 0 or leave it out")
+
+
+def _shard_reason(opt: dict) -> str:
+    if opt["algorithm"] == "sync":
+        return f" with backup_workers = {opt['backup_workers']}"
+    if opt["algorithm"] == "averaging":
+        return (" without elastic_alpha" if opt["elastic_alpha"] is None
+                else f" with elastic_alpha = {opt['elastic_alpha']:g}")
+    return ""
 
 
 def _check_consistency(values: dict, where: str) -> None:
@@ -529,8 +617,13 @@ def hashed_settings(config: Config) -> dict[str, Any]:
     resume can name the keys that changed."""
     d = config.to_dict()
     out = {section: d[section] for section in HASHED_SECTIONS}
-    dropped = (SANDBLASTER_UNHASHED if config.optimizer.algorithm == "sandblaster"
-               else SANDBLASTER_KEYS)
+    algorithm = config.optimizer.algorithm
+    dropped = set(SANDBLASTER_UNHASHED if algorithm == "sandblaster" else SANDBLASTER_KEYS)
+    for owner, keys in ALGORITHM_KEYS.items():
+        if owner != algorithm:
+            dropped.update(keys)
+    if config.optimizer.update != "adarevision":
+        dropped.add("update")  # `adagrad` says it, as it did before `update` existed
     out["optimizer"] = {k: v for k, v in out["optimizer"].items() if k not in dropped}
     out["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
     return out
