@@ -58,9 +58,19 @@ def test_rank_count_counts_coordinator_and_partitions():
         validate_rank_count(2, 1, coordinator=True)
     with pytest.raises(ConfigError, match="not a multiple of partitions=2. Run with 6 or 8"):
         validate_rank_count(7, 1, partitions=2, coordinator=True)
-    for bad in ({"ps_shards": 0}, {"ps_shards": 1, "partitions": 0}):
+    for bad in ({"ps_shards": -1}, {"ps_shards": 1, "partitions": 0}):
         with pytest.raises(ConfigError):
             validate_rank_count(4, **bad)
+
+
+def test_without_shards_every_rank_is_a_replica():
+    """sync, averaging and hogwild keep no parameters on shards (ps_shards = 0)."""
+    roles = [Topology(3, r, 0) for r in range(3)]
+    assert [t.replica_index for t in roles] == [0, 1, 2]
+    assert roles[0].shard_ranks == range(0) and "no shards" in roles[0].describe()
+    assert validate_rank_count(4, 0, partitions=2) == 2
+    with pytest.raises(ConfigError, match=r"Run with 2 or 4 ranks"):
+        validate_rank_count(3, 0, partitions=2)
 
 
 def test_topology_rejects_bad_rank_count_on_construction():

@@ -8,7 +8,8 @@ shards on their own nodes):
     first_replica + r*P + p       partition p of model replica r
 
 where S = ps_shards, P = partitions (ranks per replica) and first_replica = S + (1 if a
-coordinator else 0). Shard s is world rank s, which is also its rank in every window
+coordinator else 0). S = 0 for the algorithms that keep no parameters on shards (sync
+without backup workers, averaging without EASGD, hogwild): every rank is a replica. Shard s is world rank s, which is also its rank in every window
 created over the world communicator.
 
 `Topology` and `validate_rank_count` are pure: they take integers and never communicate,
@@ -37,8 +38,8 @@ def validate_rank_count(world_size: int, ps_shards: int, partitions: int = 1,
 
     Pure (no communication). Raises ConfigError naming the numbers and how to fix them.
     """
-    if ps_shards < 1:
-        raise ConfigError(f"ps_shards must be at least 1, got {ps_shards}")
+    if ps_shards < 0:
+        raise ConfigError(f"ps_shards must be at least 0, got {ps_shards}")
     if partitions < 1:
         raise ConfigError(f"partitions must be at least 1, got {partitions}")
     fixed = ps_shards + (1 if coordinator else 0)
@@ -48,8 +49,8 @@ def validate_rank_count(world_size: int, ps_shards: int, partitions: int = 1,
         raise ConfigError(
             f"{world_size} MPI rank(s) leave {max(left, 0)} for model replicas after {what}; "
             f"one replica needs {partitions} rank(s) (partitions={partitions}). Run with at "
-            f"least {fixed + partitions} ranks (mpiexec -n {fixed + partitions}) or lower "
-            f"ps_shards.")
+            f"least {fixed + partitions} ranks (mpiexec -n {fixed + partitions})"
+            + (" or lower ps_shards." if ps_shards else "."))
     if left % partitions:
         lower = fixed + (left // partitions) * partitions
         raise ConfigError(
@@ -143,7 +144,8 @@ class Topology:
     def describe(self) -> str:
         """One line for logs: the whole layout, the same on every rank."""
         coord = f", coordinator rank {self.coordinator_rank}" if self.coordinator else ""
-        return (f"{self.world_size} ranks: shards 0..{self.ps_shards - 1}{coord}, "
+        shards = f"shards 0..{self.ps_shards - 1}" if self.ps_shards else "no shards"
+        return (f"{self.world_size} ranks: {shards}{coord}, "
                 f"{self.num_replicas} replica(s) x {self.partitions} partition(s) from rank "
                 f"{self.first_replica_rank}")
 
