@@ -332,28 +332,19 @@ class Coordinator:
             self.comm.send(message, dest=shard, tag=TAG_COMMAND)
         self.traffic.shard_bytes += len(MPI.pickle.dumps(message)) * len(self.shards)
         self.traffic.shard_messages += len(self.shards)
-        answers: dict[int, float] = {}
-        status, backoff, guard = MPI.Status(), _backoff(), watchdog.current()
-        with guard.waiting("the shards to finish the trial", self.shards):
-            while len(answers) < len(self.shards):
-                guard.check()
-                if self.broken:
-                    return None  # the shards drop it at the next begin_trial
-                if len(self.lost) == len(self.replicas):
-                    raise AllReplicasLost
-                if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_FINISHED, status):
-                    source = status.Get_source()
-                    trial, gtd = self.comm.recv(source=source, tag=TAG_FINISHED)
-                    self.traffic.shard_messages += 1
-                    if trial == self.trial_id:  # else of an abandoned trial: dropped
-                        answers[source] = float(gtd[0])
-                    backoff.reset()
-                elif self._serve_one():
-                    backoff.reset()
-                else:
-                    self._sweep()
-                    backoff.wait()
-        return sum(answers[shard] for shard in self.shards)
+        answers = self._shard_answers(
+            TAG_FINISHED, "the shards to finish the trial", give_up=self._trial_abandoned,
+            keep=lambda answer: answer[0] == self.trial_id)  # not an abandoned trial's
+        if answers is None:
+            return None  # the shards drop it at the next begin_trial
+        return sum(float(answers[shard][1][0]) for shard in self.shards)
+
+    def _trial_abandoned(self) -> bool:
+        if self.broken:
+            return True
+        if len(self.lost) == len(self.replicas):
+            raise AllReplicasLost
+        return False
 
     def accept(self, slot: int) -> np.ndarray:
         return self._command("accept", slot)
@@ -375,19 +366,33 @@ class Coordinator:
             self.comm.send(message, dest=shard, tag=TAG_COMMAND)
         self.traffic.shard_bytes += size * len(self.shards)
         self.traffic.shard_messages += len(self.shards)
-        answers, status = {}, MPI.Status()
-        backoff = _backoff()
-        guard = watchdog.current()
-        with guard.waiting(f"the shards' answers to {op}", self.shards):
+        answers = self._shard_answers(TAG_RESULT, f"the shards' answers to {op}",
+                                      leaving=op == "stop")
+        return combine(answers[shard] for shard in self.shards)
+
+    def _shard_answers(self, tag: int, what: str, give_up: Any = lambda: False,
+                       keep: Any = lambda answer: True,
+                       leaving: bool = False) -> dict[int, Any] | None:
+        """One message per shard on `tag` that keep() accepts (others are dropped), by
+        shard rank, serving replicas and looking for lost ones while waiting; None as soon
+        as give_up(). With `leaving`, a shard that answered may end at once (it is written
+        off)."""
+        answers: dict[int, Any] = {}
+        status, backoff, guard = MPI.Status(), _backoff(), watchdog.current()
+        with guard.waiting(what, self.shards):
             while len(answers) < len(self.shards):
                 # (A shard may send its answer and leave before this rank has looked.)
-                guard.check(lambda: self.comm.Iprobe(MPI.ANY_SOURCE, TAG_RESULT))
-                if self.comm.Iprobe(MPI.ANY_SOURCE, TAG_RESULT, status):
+                guard.check(lambda: self.comm.Iprobe(MPI.ANY_SOURCE, tag))
+                if give_up():
+                    return None
+                if self.comm.Iprobe(MPI.ANY_SOURCE, tag, status):
                     self.traffic.shard_bytes += status.Get_count(MPI.BYTE)
                     self.traffic.shard_messages += 1
                     source = status.Get_source()
-                    answers[source] = self.comm.recv(source=source, tag=TAG_RESULT)
-                    if op == "stop":  # it may end now (after a lost replica it does)
+                    answer = self.comm.recv(source=source, tag=tag)
+                    if keep(answer):
+                        answers[source] = answer
+                    if leaving:  # it may end now (after a lost replica it does)
                         guard.write_off([source])
                     backoff.reset()
                 elif self._serve_one():
@@ -395,7 +400,7 @@ class Coordinator:
                 else:
                     self._sweep()
                     backoff.wait()
-        return combine(answers[shard] for shard in self.shards)
+        return answers
 
     # -- replicas ------------------------------------------------------------------------------
 
