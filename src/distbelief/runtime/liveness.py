@@ -105,6 +105,13 @@ class Peers:
         return (f" (its heartbeat from another node stopped for {timeout:g} s: "
                 f"run.heartbeat_timeout_seconds)")
 
+    def why_gone(self, gone: list[int]) -> str:
+        """Why a replica whose ranks `gone` (from gone_among, not empty) were found gone is
+        lost, for the line that says so: "rank 3 is gone (its heartbeat ...)"."""
+        names = ", ".join(map(str, gone))
+        how = self.how_gone(gone[0])
+        return f"rank {names} is gone{how}" if how else f"the process of rank {names} is gone"
+
     def gone_among(self, ranks: range | list[int]) -> list[int]:
         """The ranks of `ranks` that are gone (see `gone`)."""
         return [rank for rank in ranks if self.gone(rank)]

@@ -276,9 +276,7 @@ class Supervisor(_ShardRole):
             if replica in self.lost:
                 continue
             if gone:
-                how = peers.how_gone(gone[0])
-                self._lose(replica, ranks, f"rank {gone[0]} is gone{how}" if how
-                           else f"the process of rank {gone[0]} is gone")
+                self._lose(replica, ranks, peers.why_gone(gone))
             elif (timeout and rows is not None and not rows[replica, rc.FINISHED]
                   and now - self.beat_times[replica] > timeout):
                 self._lose(replica, ranks, f"no news from it for {timeout:g} s "

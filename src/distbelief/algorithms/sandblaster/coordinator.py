@@ -442,10 +442,7 @@ class Coordinator:
             if gone:
                 # Every rank found gone: a partition that saw its partner die may have
                 # ended already too.
-                names = ", ".join(map(str, gone))
-                how = self.peers.how_gone(gone[0])
-                self._lose(replica, ranks, f"rank {names} is gone{how}" if how
-                           else f"the process of rank {names} is gone")
+                self._lose(replica, ranks, self.peers.why_gone(gone))
         if self.signals is not None and self.signals.counts["SIGUSR1"] > self.usr1_seen:
             self.usr1_seen = self.signals.counts["SIGUSR1"]
             self.usr1_pending.append(now)
