@@ -33,10 +33,10 @@ needs the same number of replicas.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import IO, Any
 
@@ -344,12 +344,12 @@ class _Run:
         say(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
 
     def replicas_identical(self) -> bool:
-        """Whether every replica holds the same parameters, bit for bit (a CRC-32 of each,
-        gathered). Collective."""
-        mine = zlib.crc32(self.params.tobytes()) ^ zlib.crc32(self.optimizer_bytes())
+        """Whether every replica holds the same parameters and optimizer state, bit for bit
+        (a SHA-256 digest of each, gathered). Collective."""
+        digest = hashlib.sha256(self.params.tobytes())
+        for _, values in sorted(self.optimizer.state().items()):
+            digest.update(values.tobytes())
+        mine = digest.hexdigest()
         with watchdog.current().waiting("the final parameter check", self.others):
             sums = self.comm.allgather(mine)
         return len(set(sums)) == 1
-
-    def optimizer_bytes(self) -> bytes:
-        return b"".join(v.tobytes() for _, v in sorted(self.optimizer.state().items()))

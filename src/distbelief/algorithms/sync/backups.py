@@ -54,7 +54,7 @@ from distbelief.algorithms.common import (
     prepare_run_dir,
     starting_checkpoint,
 )
-from distbelief.algorithms.sync.allreduce import CODE_OF, STOP_CODES, write_checkpoint
+from distbelief.algorithms.sync.allreduce import write_checkpoint
 from distbelief.config import Config, config_hash
 from distbelief.model.partitioned_network import wait_all
 from distbelief.records import checkpoint as ckpt
@@ -450,7 +450,8 @@ class _Server:
                 if source is not None:
                     continue
                 for rank in sorted(waiting):
-                    if self.peers.gone(rank):
+                    # A replica that said goodbye may have left before it was read.
+                    if self.peers.gone(rank) and not self.comm.Iprobe(rank, MPI.ANY_TAG):
                         waiting.discard(rank)
                         self.lost.setdefault(rank, self.state["step"])
                 self._prune_sends()
