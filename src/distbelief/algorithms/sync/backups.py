@@ -69,6 +69,10 @@ from distbelief.runtime.threads import set_blas_threads
 TAG_DOWN_HEAD, TAG_PARAMS = 11, 12
 TAG_UP_HEAD, TAG_GRAD, TAG_BYE = 21, 22, 23
 SHARD = 0
+STOP, STOP_AFTER_A_LOSS = 1, 2
+"""Stop codes in the shard's header: the second tells the replicas to leave without
+MPI_Finalize, which would wait for the dead rank (its heartbeat on another node may not
+look stale yet)."""
 NOTICE_SLACK_S, NOTICE_DELAY_S = 1.0, 0.5
 """A SIGUSR1 seen no more than NOTICE_SLACK_S after a replica was found gone, or followed
 by one found gone within NOTICE_DELAY_S (plus the heartbeat timeout across nodes), is
@@ -118,8 +122,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                                    seed=config.run.seed)
                 if found is not None and found.has_replica(rank - 1):
                     shard.load_state(found.read_replica(rank - 1).data_state)
-                _replica_loop(config, comm, network, shard)
-                if peers.gone_among(range(comm.Get_size())):
+                lost = _replica_loop(config, comm, network, shard) == STOP_AFTER_A_LOSS
+                if lost or peers.gone_among(range(comm.Get_size())):
                     guardian.skip_mpi_finalize()  # MPI_Finalize would wait for the dead
                 return None
             params = network.init_params(config.run.seed)
@@ -149,9 +153,9 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
 # A replica
 
 
-def _replica_loop(config: Config, comm: MPI.Comm, network: Any, shard: Any) -> None:
+def _replica_loop(config: Config, comm: MPI.Comm, network: Any, shard: Any) -> int:
     """Fetch the newest parameters, compute a gradient on the next batch, send it; until
-    the shard says stop. Point-to-point with the shard only."""
+    the shard says stop. Returns the stop code. Point-to-point with the shard only."""
     n = network.layout.size
     params = np.zeros(n, dtype=np.float32)
     grad = np.zeros(n, dtype=np.float32)
@@ -177,6 +181,7 @@ def _replica_loop(config: Config, comm: MPI.Comm, network: Any, shard: Any) -> N
     # does not order this message after them, as its tag differs).
     sending.append(comm.Isend(np.array([computed], dtype=np.float64), SHARD, TAG_BYE))
     wait_all(sending, "the shard to take the last messages", [SHARD])
+    return int(down[1])
 
 
 def _fetch_newest(comm: MPI.Comm, down: np.ndarray, params: np.ndarray) -> bool:
@@ -429,7 +434,7 @@ class _Server:
     def _stop_replicas(self) -> None:
         """Tell every live replica to stop and take what they still send, until each has
         said goodbye or is gone. Late gradients among them are counted as dropped."""
-        self._send_params(stop=1)
+        self._send_params(stop=STOP_AFTER_A_LOSS if self.lost else STOP)
         head = np.zeros(5, dtype=np.float64)
         grad = np.zeros(self.params.size, dtype=np.float32)
         bye = np.zeros(1, dtype=np.float64)
