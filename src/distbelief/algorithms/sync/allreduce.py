@@ -137,6 +137,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             run.checkpoint(final=True)
             identical = run.replicas_identical()
         except watchdog.RankLost as lost:
+            if rank != min(r for r in range(replicas) if r != lost.rank):
+                time.sleep(1.0)  # the lowest survivor speaks for all: one line, not R - 1
             watchdog.abort_job(comm, lost_replica_line(lost.rank))
             # Abort may return while the launcher tears the job down (hydra's
             # -disable-auto-cleanup): leave without MPI_Finalize (it waits for the dead).
