@@ -247,8 +247,10 @@ class _Run:
         next_save = now + save_every_s
         step, samples = self.state["step"], self.state["samples"]
         loss_sum, loss_count = 0.0, 0
-        if rules.budget_spent(step, now - start):  # a resumed run that used its budget
-            return rules.budget_spent(step, now - start)
+        # A resumed run that used its budget stops at once: rank 0's clock decides, for all.
+        spent = comm.bcast(rules.budget_spent(step, now - start) if self.recorder else None)
+        if spent:
+            return spent
         while True:
             x, y = self.shard.next_batch(batch)
             began = time.monotonic()
