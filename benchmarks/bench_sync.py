@@ -144,6 +144,11 @@ def ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None else f"{a / b:.2f}"
 
 
+def rate(run: dict) -> str:
+    seconds = run["time_to_target"]
+    return "-" if not seconds else f"{run['steps'] / seconds:.1f}"
+
+
 def median(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.median(known) if len(known) == len(values) else None
@@ -164,8 +169,10 @@ def main() -> None:
     print(f"sync SGD vs PyTorch DDP (gloo), reference MLP, {args.replicas} replicas, batch "
           f"{args.batch_size} per replica, Adagrad lr {args.lr}, time to {args.target:.2f} "
           f"test accuracy (s)")
+    # Steps per second (to the target, evaluations included) is the less noisy figure:
+    # when an evaluation first sees the target depends on the eval cadence's timing.
     print(f"{'seed':>4}  {'load':>5}  {'ours':>7}  {'ddp':>7}  {'ours/ddp':>8}  "
-          f"{'ours steps':>10}  {'ddp steps':>9}")
+          f"{'ours steps':>10}  {'ddp steps':>9}  {'ours steps/s':>12}  {'ddp steps/s':>11}")
     rows = []
     for seed in range(args.seeds):
         load = os.getloadavg()[0]
@@ -174,7 +181,7 @@ def main() -> None:
         print(f"{seed:>4}  {load:>5.1f}  {fmt(a['time_to_target']):>7}  "
               f"{fmt(b['time_to_target']):>7}  "
               f"{ratio(a['time_to_target'], b['time_to_target']):>8}  {a['steps']:>10}  "
-              f"{b['steps']:>9}", flush=True)
+              f"{b['steps']:>9}  {rate(a):>12}  {rate(b):>11}", flush=True)
     m_ours = median([a["time_to_target"] for a, _ in rows])
     m_peer = median([b["time_to_target"] for _, b in rows])
     print(f"median      {fmt(m_ours):>7}  {fmt(m_peer):>7}  {ratio(m_ours, m_peer):>8}")

@@ -340,7 +340,7 @@ class _Server:
             "num_params": int(self.network.layout.size),
             "eval_samples": len(self.eval_set[1]), "replicas": self.replicas,
             "backup_workers": self.k, "dropped_gradients": self.dropped,
-            "lost_replicas": [{"replica": r - 1, "ranks": [r], "step": s}
+            "lost_replicas": [{"replica": r - 1, "ranks": [r], "step": s, "why": self._why(r)}
                               for r, s in sorted(self.lost.items())],
             "resumed_from": start_path, "checkpoint": self.last_path})
         accuracy = summary["final_test_accuracy"]
@@ -398,7 +398,12 @@ class _Server:
             return None
         source = status.Get_source()
         self.comm.Recv(head, source, TAG_UP_HEAD)
-        wait_all([self.comm.Irecv(grad, source, TAG_GRAD)], "a gradient", [source])
+        try:
+            wait_all([self.comm.Irecv(grad, source, TAG_GRAD)], "a gradient", [source])
+        except watchdog.RankLost:  # it died between the two messages
+            self._lose(source)
+            self._check_quorum()
+            return None
         self.received[source] = self.received.get(source, 0) + 1
         self.data_states[source - 1] = {
             "seed": self.config.run.seed, "rank": source - 1, "num_ranks": self.replicas,
@@ -409,16 +414,28 @@ class _Server:
         """Write off the replicas whose process is gone; stop the job if too few remain."""
         for rank in sorted(self.live):
             if self.peers.gone(rank):
-                self.live.discard(rank)
-                self.lost[rank] = self.state["step"]
-                self.last_death = time.monotonic()
-                self.guard.write_off([rank])
-                self.recorder.log_event("lost", self.state["step"], self.state["samples"],
-                                        replica=rank - 1, rank=rank)
-                say(self.stream, f"distbelief: replica {rank - 1} (rank {rank}) lost at "
-                                 f"step {self.state['step']}; going on with "
-                                 f"{len(self.live)} replicas (each step takes the first "
-                                 f"{self.quorum} gradients)")
+                self._lose(rank)
+        self._check_quorum()
+
+    def _lose(self, rank: int) -> None:
+        """Go on without replica rank `rank`: no more parameters to it, no wait on it."""
+        if rank not in self.live:
+            return
+        self.live.discard(rank)
+        self.lost[rank] = self.state["step"]
+        self.last_death = time.monotonic()
+        self.guard.write_off([rank])
+        self.recorder.log_event("replica_lost", self.state["step"],
+                                self.state["samples"], replica=rank - 1, ranks=[rank],
+                                why=self._why(rank))
+        say(self.stream, f"distbelief: replica {rank - 1} (rank {rank}) lost at "
+                         f"step {self.state['step']}; going on with "
+                         f"{len(self.live)} replicas (each step takes the first "
+                         f"{self.quorum} gradients)")
+
+    def _check_quorum(self) -> None:
+        """If fewer than R - k replicas are left, no step can complete: checkpoint, say so in
+        one line and end the job."""
         if len(self.live) < self.quorum:
             self.checkpoint()
             lost = ", ".join(f"replica {r - 1} (rank {r})" for r in sorted(self.lost))
@@ -430,6 +447,10 @@ class _Server:
                 f"checkpoint is at step {self.state['step']}"))
             guardian.skip_mpi_finalize()
             guardian.end_process(1)
+
+    def _why(self, rank: int) -> str:
+        how = self.peers.how_gone(rank)
+        return f"rank {rank} is gone{how}" if how else f"the process of rank {rank} is gone"
 
     def _stop_replicas(self) -> None:
         """Tell every live replica to stop and take what they still send, until each has
