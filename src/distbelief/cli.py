@@ -43,6 +43,10 @@ run.out_dir from the current one.
 optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour SGD over
 MPI ranks (parameter-server shards and model replicas), launched with mpiexec;
 "sandblaster" runs Sandblaster L-BFGS over MPI ranks (shards, one coordinator, replicas).
+"sync" runs synchronous data-parallel SGD, every rank a replica, the gradients averaged
+each step (an allreduce); with optimizer.backup_workers = k it runs on 1 shard + R
+replicas and each step takes the first R - k gradients (k slow or lost replicas never
+hold it up).
 cluster.partitions = P splits each model replica over P ranks (model parallelism): "sgd"
 then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks, "sandblaster"
 on ps_shards + 1 + replicas x P ranks. See `distbelief costmodel` for how many partitions
@@ -76,6 +80,9 @@ examples:
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sandblaster.toml
   mpiexec -n 6 python -m distbelief train configs/fashion_mnist_sandblaster.toml \\
       --set cluster.partitions=2
+  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_sync.toml
+  mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sync.toml \\
+      --set optimizer.backup_workers=1
 """
 
 REPORT_HELP = """\
@@ -180,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI. Algorithms "
         "(optimizer.algorithm): sgd (one process, the baseline), downpour (Downpour SGD "
-        "against a sharded parameter server) and sandblaster (Sandblaster L-BFGS); with "
-        "cluster.partitions = P, any of them splits each model replica over P ranks "
+        "against a sharded parameter server), sandblaster (Sandblaster L-BFGS) and sync "
+        "(synchronous data-parallel SGD, optionally with backup workers); with "
+        "cluster.partitions = P, any of them but sync splits each model replica over P ranks "
         "(partitioned model parallelism).",
         epilog="Run 'distbelief COMMAND --help' for each command's options and examples.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -401,7 +409,7 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
         raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "
                           f"{comm.Get_size()} MPI ranks were started; run it without "
                           f"mpiexec, or use algorithm = \"downpour\"")
-    if algorithm not in ("sgd", "downpour", "sandblaster"):
+    if algorithm not in ("sgd", "downpour", "sandblaster", "sync"):
         raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
     if comm is None and (algorithm != "sgd" or config.cluster.partitions > 1):
         comm = start_mpi()
@@ -449,6 +457,10 @@ def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
         from distbelief.algorithms import downpour
 
         return downpour.train(config, comm, resume=resume)
+    if algorithm == "sync":
+        from distbelief.algorithms import sync
+
+        return sync.train(config, comm, resume=resume)
     from distbelief.algorithms.sandblaster import roles as sandblaster
 
     return sandblaster.train(config, comm, resume=resume)

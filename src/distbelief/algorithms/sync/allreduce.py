@@ -1,0 +1,359 @@
+"""Synchronous SGD without backup workers: every rank is a replica, and each step's
+gradients are summed with a polled MPI_Iallreduce (the package docstring says what the
+algorithm is and where it comes from).
+
+One step on every replica, in lockstep:
+
+    batch -> loss and gradient -> Iallreduce(SUM) of [gradient, loss] and Iallreduce(MAX)
+    of the step's decisions -> the same optimizer step on every replica
+
+The two collectives are issued together and completed with back-off sleeps
+(model.partitioned_network.wait_all), never with a spinning MPI_Wait: with more ranks than
+cores a spinning waiter starves the replicas it waits for (DESIGN.md). Their buffers are
+named arrays that live for the whole run, never temporaries (docs/development.md: a
+buffer given to a non-blocking call must outlive it).
+
+The decisions travel with the gradient, so deciding costs no extra round trip: rank 0
+owns the clock (max_seconds, when to evaluate, when to checkpoint) and every rank can
+raise a stop code (a signal reached it); MAX makes the result the same everywhere, so all
+replicas evaluate, checkpoint and stop at the same step. An evaluation is collective too:
+each replica evaluates 1/R of the evaluation set and the counts are summed, so every
+replica knows whether the target was reached.
+
+A replica that dies never joins the next allreduce, which can then never complete. The
+polled wait asks the liveness machinery (runtime.liveness through the stall watchdog: a
+gone process on this node, a stale heartbeat on another) between polls, and the first
+replica to notice prints one line naming the lost rank and aborts the job.
+
+Checkpoints have one writer, rank 0, which holds everything (the parameters and the
+optimizer state are the same on every replica); the others send it their data positions
+(one small gather), so a resumed run continues each replica's batch sequence. Resuming
+needs the same number of replicas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.algorithms.common import (
+    RESUME_MODES,
+    StopRules,
+    StopSignals,
+    TrainingDiverged,
+    load_eval_set,
+    open_data,
+    prepare_run_dir,
+    starting_checkpoint,
+)
+from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.model.partitioned_network import wait_all
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.console import say
+from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
+from distbelief.runtime import guardian, watchdog
+from distbelief.runtime.agreement import agree
+from distbelief.runtime.faults import Faults
+from distbelief.runtime.threads import set_blas_threads
+
+STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
+              5: "SIGINT"}
+CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
+EVAL_BATCH_SIZE = 1000
+
+
+def lost_replica_line(rank: int) -> str:
+    """What a run without backup workers says when replica `rank` is gone."""
+    return (f"replica {rank} (rank {rank}) is gone: algorithm = \"sync\" without "
+            f"backup_workers cannot go on, as every step's allreduce needs every replica. "
+            f"Set optimizer.backup_workers = k (k replicas may be lost) or use algorithm = "
+            f"\"downpour\" to survive a lost replica; run the same command again to resume "
+            f"from the last checkpoint")
+
+
+def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
+          resume: str = "auto") -> dict[str, Any] | None:
+    """Synchronous SGD over the ranks of `comm`, all replicas; the summary on rank 0,
+    None elsewhere. Collective over `comm`."""
+    from distbelief.data.hdf5 import TrainShard
+    from distbelief.model.optimizers import make_optimizer
+
+    if resume not in RESUME_MODES:
+        raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
+    rank, replicas = comm.Get_rank(), comm.Get_size()
+    set_blas_threads(config.run.threads or 1)
+    info, network = open_data(config)
+
+    def setup() -> str | None:
+        if rank != 0:
+            return None
+        found = starting_checkpoint(config, network.layout, resume, stream)
+        if found is not None and found.num_replicas != replicas:
+            raise ckpt.CheckpointError(
+                f"checkpoint {found.path} holds {found.num_replicas} replicas' data "
+                f"positions; this run has {replicas}. Resume with mpiexec -n "
+                f"{found.num_replicas}, or pass --fresh to start over")
+        prepare_run_dir(config)
+        return None if found is None else str(found.path)
+
+    start_path = comm.bcast(agree(comm, setup), root=0)
+    eval_set = _eval_slice(load_eval_set(config, info), rank, replicas)
+    shard = TrainShard(info, rank=rank, num_ranks=replicas, seed=config.run.seed)
+    params = network.init_params(config.run.seed)
+    opt = config.optimizer
+    optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)
+    state = {"step": 0, "samples": 0}
+    resume_point = None
+    if start_path is not None:
+        resume_point = restore(Path(start_path), rank, params, optimizer, shard, state)
+    recorder = None
+    if rank == 0:
+        say(stream, f"distbelief: sync, {replicas} replicas (allreduce, no backup "
+                    f"workers), {network.layout.size:,d} parameters, data {info.path} "
+                    f"({info.n_train} train / {eval_set[2]} eval samples), out "
+                    f"{config.run.out_dir}\n{network.describe()}")
+        recorder = RunRecorder(config.run.out_dir, config.run.progress_every_seconds, stream,
+                               target_accuracy=config.run.target_accuracy,
+                               resume=resume_point)
+    run = _Run(config, comm, network, shard, optimizer, params, eval_set, recorder, state,
+               stream)
+
+    def describe(r: int) -> str:
+        return f"replica {r} (rank {r})"
+
+    # Collective: every rank's identity, so that a gone one is found (liveness).
+    guard, peers = watchdog.for_job(comm, describe, config.run)
+    with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard), \
+            StopSignals() as signals:
+        try:
+            reason = run.loop(signals)
+            run.checkpoint(final=True)
+            identical = run.replicas_identical()
+        except watchdog.RankLost as lost:
+            if rank != min(r for r in range(replicas) if r != lost.rank):
+                time.sleep(1.0)  # the lowest survivor speaks for all: one line, not R - 1
+            watchdog.abort_job(comm, lost_replica_line(lost.rank))
+            # Abort may return while the launcher tears the job down (hydra's
+            # -disable-auto-cleanup): leave without MPI_Finalize (it waits for the dead).
+            guardian.skip_mpi_finalize()
+            guardian.end_process(1)
+            raise
+        finally:
+            peers.close()
+    if recorder is None:
+        return None
+    summary = recorder.finish({
+        "algorithm": "sync", "stop_reason": reason, "config_hash": config_hash(config),
+        "num_params": int(network.layout.size), "eval_samples": eval_set[2],
+        "replicas": replicas, "backup_workers": 0, "dropped_gradients": 0,
+        "replicas_identical": identical,
+        "resumed_from": start_path, "checkpoint": run.last_path})
+    accuracy = summary["final_test_accuracy"]
+    say(stream, f"distbelief: stopped ({reason}) after {summary['steps']} steps, "
+                f"{summary['wall_seconds']:.1f}s; test accuracy "
+                f"{'-' if accuracy is None else f'{accuracy:.4f}'}; replicas identical: "
+                f"{'yes' if identical else 'NO'}{target_text(summary)}\n"
+                f"results in {config.run.out_dir}")
+    return summary
+
+
+def _eval_slice(eval_set: tuple[np.ndarray, np.ndarray], rank: int,
+                replicas: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """This replica's contiguous 1/R of the evaluation set, and the whole set's size."""
+    x, y = eval_set
+    bounds = np.linspace(0, len(y), replicas + 1).astype(int)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    return x[lo:hi], y[lo:hi], len(y)
+
+
+def restore(path: Path, rank: int, params: np.ndarray, optimizer: Any, shard: Any,
+            state: dict[str, int]) -> ResumePoint:
+    """Load the checkpoint rank 0 chose and verified (starting_checkpoint) into this
+    replica's objects: the shared parameters and optimizer state, its own data position."""
+    found = ckpt.Checkpoint(path, ckpt.read_manifest(path))
+    saved, optimizer_state = found.read_state()
+    np.copyto(params, saved)
+    try:
+        optimizer.load_state(optimizer_state)
+        shard.load_state(found.read_replica(rank).data_state)
+    except (ValueError, TypeError) as exc:
+        raise ckpt.CheckpointError(f"checkpoint {found.path} cannot be resumed here: "
+                                   f"{exc}") from exc
+    state["step"], state["samples"] = found.step, found.samples
+    return ResumePoint(found.step, found.samples, found.wall_seconds, found.path.name)
+
+
+def write_checkpoint(config: Config, layout: Any, params: np.ndarray, optimizer: Any,
+                     data_states: dict[int, dict], state: dict[str, int], wall: float,
+                     num_replicas: int, lost: tuple[int, ...] = ()) -> Path:
+    """Commit a checkpoint of a sync run from its one writer: the whole vector and the
+    optimizer state as shard part 0, one replica part per replica in `data_states`. No
+    communication."""
+    meta = ckpt.CheckpointMeta(state["step"], state["samples"], wall, config_hash(config))
+    root = ckpt.checkpoint_root(config.run.out_dir)
+    partial = ckpt.prepare(root, meta.step)
+    counters = {"step": state["step"], "samples": state["samples"]}
+    records = [ckpt.write_shard_part(partial, meta, 0, 0, layout.size, params,
+                                     optimizer.state(), counters)]
+    records += [ckpt.write_replica_part(partial, meta, r, data_states[r], None, counters)
+                for r in sorted(data_states)]
+    return ckpt.commit(root, meta, settings=hashed_settings(config), algorithm="sync",
+                       layout=layout, shard_ranges=[(0, layout.size)],
+                       optimizer_state=list(optimizer.state()), parts=records,
+                       num_replicas=num_replicas, keep=config.run.keep_checkpoints,
+                       lost_replicas=lost)
+
+
+class _Run:
+    """One replica's side of the lockstep loop, its evaluations and checkpoints."""
+
+    def __init__(self, config: Config, comm: MPI.Comm, network: Any, shard: Any,
+                 optimizer: Any, params: np.ndarray, eval_set: tuple, recorder: Any,
+                 state: dict[str, int], stream: IO[str] | None):
+        self.config, self.comm, self.network, self.shard = config, comm, network, shard
+        self.optimizer, self.params, self.eval_set = optimizer, params, eval_set
+        self.recorder, self.state, self.stream = recorder, state, stream
+        self.rank, self.replicas = comm.Get_rank(), comm.Get_size()
+        self.others = [r for r in range(self.replicas) if r != self.rank]
+        self.last_path: str | None = None
+        self.last_saved = state["step"] if state["step"] else None
+        self.recent_loss = math.nan
+
+    # -- the loop
+
+    def loop(self, signals: StopSignals) -> str:
+        """Train until a stop rule fires; returns why. Collective over the replicas."""
+        config, comm, n = self.config, self.comm, self.params.size
+        rules = StopRules.from_config(config)
+        batch = config.data.batch_size
+        run = config.run
+        # Named buffers for the collectives (they must outlive each non-blocking call).
+        send = np.zeros(n + 1, dtype=np.float32)  # [gradient, loss]
+        total = np.zeros_like(send)
+        flags, decided = np.zeros(3, dtype=np.int32), np.zeros(3, dtype=np.int32)
+        grad, mean_grad = send[:n], total[:n]
+        faults = Faults.for_rank(MPI.COMM_WORLD.Get_rank())  # test-only
+        start = self.recorder.start if self.recorder else time.monotonic()
+        now = time.monotonic()
+        next_log, next_eval = now + LOG_EVERY_SECONDS, now + run.eval_every_seconds
+        save_every_s = run.checkpoint_every_seconds or math.inf
+        next_save = now + save_every_s
+        step, samples = self.state["step"], self.state["samples"]
+        loss_sum, loss_count = 0.0, 0
+        # A resumed run that used its budget stops at once: rank 0's clock decides, for all.
+        spent = comm.bcast(rules.budget_spent(step, now - start) if self.recorder else None)
+        if spent:
+            return spent
+        while True:
+            x, y = self.shard.next_batch(batch)
+            began = time.monotonic()
+            send[n] = self.network.loss_and_grad(self.params, x, y, grad)
+            if faults:
+                faults.after_step(step + 1, time.monotonic() - began)
+            flags[:] = 0
+            now = time.monotonic()
+            if self.recorder is not None:  # rank 0 owns the clock
+                spent = rules.budget_spent(step + 1, now - start)
+                flags[0] = CODE_OF[spent]
+                flags[1] = now >= next_eval
+                every = run.checkpoint_every_steps
+                flags[2] = now >= next_save or bool(every and (step + 1) % every == 0)
+            elif rules.max_steps and step + 1 >= rules.max_steps:
+                flags[0] = CODE_OF["max_steps"]
+            if signals.received:
+                flags[0] = max(flags[0], CODE_OF[signals.received])
+            wait_all([comm.Iallreduce(send, total, op=MPI.SUM),
+                      comm.Iallreduce(flags, decided, op=MPI.MAX)],
+                     "the step's gradient allreduce", self.others)
+            loss = float(total[n]) / self.replicas
+            if not math.isfinite(loss):  # the same sum everywhere: every replica stops
+                if self.recorder is not None:
+                    self.recorder.finish({"algorithm": "sync", "stop_reason": "diverged"})
+                raise TrainingDiverged(f"training diverged: the loss is {loss} at step "
+                                       f"{step + 1}; lower optimizer.learning_rate (now "
+                                       f"{config.optimizer.learning_rate:g})")
+            mean_grad *= np.float32(1.0 / self.replicas)
+            self.optimizer.step(self.params, mean_grad)
+            step, samples = step + 1, samples + batch * self.replicas
+            self.state["step"], self.state["samples"] = step, samples
+            loss_sum, loss_count = loss_sum + loss, loss_count + 1
+            reason = STOP_CODES[int(decided[0])]
+            if self.recorder is not None:
+                if now >= next_log or reason:
+                    self.recent_loss, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
+                    self.recorder.log(step, samples, self.recent_loss)
+                    next_log = now + LOG_EVERY_SECONDS
+                self.recorder.progress(step, samples, self.recent_loss)
+            if reason:
+                if reason not in StopSignals.NAMES:  # on a signal, stop promptly
+                    self.evaluate()
+                return reason
+            if decided[1]:
+                if loss_count:
+                    self.recent_loss = loss_sum / loss_count
+                if rules.target_reached(self.evaluate()):
+                    return "target_accuracy"
+                next_eval = time.monotonic() + run.eval_every_seconds
+            if decided[2]:
+                self.checkpoint()
+                next_save = time.monotonic() + save_every_s
+
+    # -- collective pieces
+
+    def evaluate(self) -> float:
+        """Test accuracy of the (identical) parameters, each replica evaluating its slice of
+        the evaluation set; logged by rank 0. Collective (one polled Iallreduce)."""
+        x, y, total = self.eval_set
+        part = np.zeros(2, dtype=np.float64)
+        if len(y):
+            loss, accuracy = self.network.evaluate(self.params, x, y, EVAL_BATCH_SIZE)
+            part[:] = loss * len(y), round(accuracy * len(y))
+        summed = np.zeros_like(part)
+        wait_all([self.comm.Iallreduce(part, summed, op=MPI.SUM)], "an evaluation",
+                 self.others)
+        test_loss, accuracy = summed[0] / total, summed[1] / total
+        if self.recorder is not None:
+            self.recorder.log_eval(self.state["step"], self.state["samples"],
+                                   self.recent_loss, float(accuracy), float(test_loss))
+        return float(accuracy)
+
+    def checkpoint(self, final: bool = False) -> None:
+        """Rank 0 commits a checkpoint of the current step with every replica's data
+        position (a gather to rank 0). Collective. `final`: the one written at the end,
+        unless this step has one already."""
+        if final and self.state["step"] == self.last_saved:
+            return
+        with watchdog.current().waiting("the data positions for a checkpoint",
+                                        self.others):
+            states = self.comm.gather(self.shard.state(), root=0)
+        self.last_saved = self.state["step"]
+        if self.recorder is None:
+            return
+        began = time.monotonic()
+        wall = self.recorder.elapsed()
+        path = write_checkpoint(self.config, self.network.layout, self.params,
+                                self.optimizer, dict(enumerate(states)), self.state, wall,
+                                self.replicas)
+        seconds = time.monotonic() - began
+        self.last_path = str(path)
+        self.recorder.log_event("checkpoint", self.state["step"], self.state["samples"],
+                                at=wall, seconds=seconds, path=path.name)
+        say(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
+
+    def replicas_identical(self) -> bool:
+        """Whether every replica holds the same parameters and optimizer state, bit for bit
+        (a SHA-256 digest of each, gathered). Collective."""
+        digest = hashlib.sha256(self.params.tobytes())
+        for _, values in sorted(self.optimizer.state().items()):
+            digest.update(values.tobytes())
+        mine = digest.hexdigest()
+        with watchdog.current().waiting("the final parameter check", self.others):
+            sums = self.comm.allgather(mine)
+        return len(set(sums)) == 1

@@ -1,0 +1,190 @@
+"""Synchronous SGD (`optimizer.algorithm = "sync"`, issue 14 item 1), as MPI jobs under
+timeouts on tiny synthetic data:
+
+- the replicas end bit for bit identical, and equal to a single-process computation of
+  the same averaged-gradient steps (R = 2 exactly, R = 3 to float32 rounding: MPI may sum
+  three gradients in another order); a resumed run continues that computation exactly;
+- backup workers (R = 3, k = 1): every step takes the first 2 gradients and the late ones
+  are counted as dropped;
+- a killed replica without backup workers ends the job with one line and a non-zero
+  status, never a hang; with a backup worker the run goes on without it;
+- configurations that cannot work are refused with one line naming the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, _env, run_mpi, survive_a_death
+from test_downpour import exit_statuses, set_args
+
+from distbelief.algorithms.sync import check_configuration
+from distbelief.config import build_network, load_config
+from distbelief.data.converters import make_synthetic
+from distbelief.data.hdf5 import TrainShard, open_dataset
+from distbelief.errors import ConfigError
+from distbelief.model.optimizers import make_optimizer
+from distbelief.records import checkpoint as ckpt
+from distbelief.runtime.faults import ENV as FAULTS
+
+PROGRAM = REPO / "tests" / "mpi_programs" / "cli_exit_status.py"
+TIMEOUT = 90
+TOML = """
+[model]
+layers = [
+    { type = "dense", units = 16, activation = "relu" },
+    { type = "dense", units = 4, activation = "softmax" },
+]
+[data]
+path = "synth.h5"
+batch_size = 32
+[optimizer]
+algorithm = "sync"
+learning_rate = 0.05
+[run]
+max_steps = 100
+eval_every_seconds = 0.5
+progress_every_seconds = 1
+threads = 1
+"""
+LOST_LINE = ('is gone: algorithm = "sync" without backup_workers cannot go on, as every '
+             'step\'s allreduce needs every replica. Set optimizer.backup_workers = k')
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("sync")
+    make_synthetic(folder / "synth.h5", n_train=3000, n_test=600, input_shape=(24,),
+                   num_classes=4, seed=7)
+    (folder / "sync.toml").write_text(TOML)
+    return folder
+
+
+def job(n: int, data_dir: Path, out: Path, *overrides: str, faults: str = ""):
+    """The real command line on every rank (each printing its exit status); a dead rank
+    does not end the job by itself (survive_a_death), so what the others do is seen."""
+    env = {**_env(), FAULTS: faults}
+    args = ["train", data_dir / "sync.toml",
+            *set_args(f'run.out_dir="{out}"', "run.heartbeat_timeout_seconds=5", *overrides)]
+    return run_mpi(n, [PROGRAM, *args], timeout=TIMEOUT, env=env,
+                   launcher_options=survive_a_death())
+
+
+def summary_of(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def final_params(out: Path) -> np.ndarray:
+    found = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
+    return found.read_state()[0]
+
+
+def reference(data_dir: Path, replicas: int, steps: int) -> np.ndarray:
+    """The same synchronous steps in this process: each replica's batch from its own
+    TrainShard, the gradients summed and scaled by 1/R in float32, one Adagrad step."""
+    config = load_config(data_dir / "sync.toml")
+    info = open_dataset(config.data.path)
+    network = build_network(config, info)
+    params = network.init_params(config.run.seed)
+    optimizer = make_optimizer(True, config.optimizer.learning_rate, params.size)
+    shards = [TrainShard(info, r, replicas, config.run.seed) for r in range(replicas)]
+    grad, total = np.zeros_like(params), np.zeros_like(params)
+    for _ in range(steps):
+        total[:] = 0
+        for shard in shards:
+            network.loss_and_grad(params, *shard.next_batch(config.data.batch_size), grad)
+            total += grad
+        total *= np.float32(1.0 / replicas)
+        optimizer.step(params, total)
+    return params
+
+
+@pytest.mark.parametrize("replicas", [2, pytest.param(3, marks=pytest.mark.both_mpis)])
+def test_replicas_stay_identical_and_compute_the_reference_steps(
+        data_dir: Path, tmp_path: Path, replicas: int) -> None:
+    out = tmp_path / "out"
+    proc = job(replicas, data_dir, out, "run.max_steps=60")
+    assert exit_statuses(proc) == [0] * replicas, proc.stdout + proc.stderr[-3000:]
+    summary = summary_of(out)
+    assert summary["algorithm"] == "sync" and summary["stop_reason"] == "max_steps"
+    assert summary["steps"] == 60 and summary["samples"] == 60 * 32 * replicas
+    assert summary["replicas_identical"] is True  # SHA-256 of every replica's state
+    assert summary["final_test_accuracy"] is not None
+    expected = reference(data_dir, replicas, 60)
+    if replicas == 2:  # a + b == b + a: the same bits as the reference
+        np.testing.assert_array_equal(final_params(out), expected)
+    else:
+        np.testing.assert_allclose(final_params(out), expected, rtol=1e-5, atol=1e-6)
+    if replicas != 2:
+        return
+    # Resumed to 100 steps: each replica's batch sequence and the Adagrad state continue,
+    # so the result is the uninterrupted computation's, bit for bit.
+    proc = job(replicas, data_dir, out, "run.max_steps=100")
+    assert exit_statuses(proc) == [0] * replicas, proc.stdout + proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout and summary_of(out)["steps"] == 100
+    np.testing.assert_array_equal(final_params(out), reference(data_dir, replicas, 100))
+
+
+def test_backup_workers_take_the_first_gradients_and_count_the_dropped(
+        data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = job(4, data_dir, out, "optimizer.backup_workers=1", "run.max_steps=150")
+    assert exit_statuses(proc) == [0] * 4, proc.stdout + proc.stderr[-3000:]
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "max_steps" and summary["steps"] == 150
+    assert summary["backup_workers"] == 1 and summary["lost_replicas"] == []
+    # Every step takes 2 of the 3 gradients: the third arrives late and is dropped.
+    assert summary["samples"] == 150 * 2 * 32
+    assert 140 <= summary["dropped_gradients"] <= 150
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = sum(line.get("dropped", 0) for line in lines if line["kind"] == "train")
+    assert 0 < logged <= summary["dropped_gradients"]
+
+
+def test_a_lost_replica_without_backup_workers_stops_the_job_with_one_line(
+        data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    # Without the loss the run would go on for minutes: only the detection ends it.
+    proc = job(3, data_dir, out, "run.max_steps=1000000", faults="kill:1:40")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert f"replica 1 (rank 1) {LOST_LINE}" in proc.stderr, output[-3000:]
+    assert not (out / "summary.json").exists()  # no summary claims a run that broke
+
+
+@pytest.mark.nodes  # a dead rank on another node is found by its heartbeat
+def test_a_lost_replica_with_a_backup_worker_leaves_the_others_to_finish(
+        data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = job(4, data_dir, out, "optimizer.backup_workers=1", "run.max_steps=600",
+               "run.checkpoint_every_steps=100000", faults="kill:2:50 delay:*:0:0.001s")
+    assert exit_statuses(proc) == [0, 0, 137, 0], proc.stdout + proc.stderr[-3000:]
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "max_steps" and summary["steps"] == 600
+    assert [(x["replica"], x["ranks"]) for x in summary["lost_replicas"]] == [(1, [2])]
+    assert "replica 1 (rank 2) lost at step" in proc.stdout
+    final = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
+    assert final.step == 600 and final.manifest["lost_replicas"] == [1]
+
+
+@pytest.mark.parametrize("ranks, overrides, needle", [
+    (3, ["optimizer.backup_workers=2"],
+     "backup_workers = 2 needs more replicas than that: 3 MPI ranks give 2 replica(s)"),
+    (4, ["optimizer.backup_workers=1", "cluster.ps_shards=2"], "set cluster.ps_shards = 1"),
+    (2, ["cluster.partitions=2"], "cluster.partitions = 2 is not supported"),
+])
+def test_a_configuration_that_cannot_work_is_one_clear_error(
+        data_dir: Path, ranks: int, overrides: list[str], needle: str) -> None:
+    config = load_config(data_dir / "sync.toml", overrides)
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        check_configuration(config, ranks)
+
+
+def test_a_refused_configuration_exits_2_on_every_rank(data_dir: Path,
+                                                       tmp_path: Path) -> None:
+    proc = job(3, data_dir, tmp_path / "out", "optimizer.backup_workers=2")
+    assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr[-3000:]
+    assert proc.stderr.count("backup_workers = 2 needs more replicas") >= 1
