@@ -89,6 +89,53 @@ cdef inline void _sgd_copy(float* params, const float* grad, float* copy, Py_ssi
         copy[i] = p
 
 
+cdef inline float _adarevision_one(float* params, float* gsum, float* z, float* zmax,
+                                  const float* fetched, const float* grad, Py_ssize_t i,
+                                  float lr, float eps) noexcept nogil:
+    # AdaRevision (model/optimizers.py AdaRevision) at coordinate i; returns the new param.
+    # Branchless: with no backlog (b == 0) every term in b adds exactly 0, so the result
+    # is Adagrad's to the bit (same operations in the same order).
+    cdef float g = grad[i]
+    cdef float s = gsum[i]
+    cdef float b = s - fetched[i]
+    cdef float zm = zmax[i]
+    cdef float eta_old = lr / (sqrtf(zm) + eps)
+    cdef float zz = z[i] + g * g + 2.0 * g * b
+    cdef float d, p
+    z[i] = zz
+    if zz > zm:
+        zm = zz
+    zmax[i] = zm
+    d = sqrtf(zm) + eps
+    p = params[i] - lr * g / d + (eta_old - lr / d) * b
+    params[i] = p
+    gsum[i] = s + g
+    return p
+
+
+def adarevision_update(float[::1] params,        # IN/OUT (P,)
+                       float[::1] gsum,          # IN/OUT (P,) sum of gradients applied
+                       float[::1] z,             # IN/OUT (P,) delay-adjusted sum of squares
+                       float[::1] zmax,          # IN/OUT (P,) running max of z
+                       const float[::1] fetched, # IN (P,) gsum when the grad's params were
+                       const float[::1] grad,    # IN (P,)                     fetched
+                       float lr,
+                       float eps,
+                       float[::1] copy=None):    # OUT (P,) or None: the new params again
+    cdef Py_ssize_t i, size = params.shape[0]
+    if size == 0:
+        return
+    with nogil:
+        if copy is None:
+            for i in range(size):
+                _adarevision_one(&params[0], &gsum[0], &z[0], &zmax[0], &fetched[0],
+                                 &grad[0], i, lr, eps)
+        else:
+            for i in range(size):
+                copy[i] = _adarevision_one(&params[0], &gsum[0], &z[0], &zmax[0],
+                                           &fetched[0], &grad[0], i, lr, eps)
+
+
 def adagrad_update(float[::1] params,        # IN/OUT (P,)
                    float[::1] accum,         # IN/OUT (P,) sum of squared gradients
                    const float[::1] grad,    # IN (P,)
