@@ -161,7 +161,10 @@ class AdaRevision:
         self.zmax = np.zeros(self.size, np.float32)
         for k in range(history):
             setattr(self, self._slot_name(k), np.zeros(self.size, np.float32))
-        self.capped = 0  # updates whose fetch was older than the history (this process)
+        # Counts of this process's updates (a shard's on RMA; each client's on shared memory)
+        self.updates = 0
+        self.backlog_versions = 0  # sum over updates of version - fetched, after capping
+        self.capped = 0  # updates whose fetch was older than the history
 
     @staticmethod
     def _slot_name(k: int) -> str:
@@ -183,9 +186,17 @@ class AdaRevision:
         if version - fetched >= self.history:
             fetched = version - self.history + 1
             self.capped += 1
+        self.updates += 1
+        self.backlog_versions += version - fetched
         kernels.adarevision_update(params, self.gsum, self.z, self.zmax, self._slot(fetched),
                                    grad, self.learning_rate, self.eps, copy)
         np.copyto(self._slot(version + 1), self.gsum)
+
+    def delay_stats(self) -> dict[str, float]:
+        """This object's updates, their mean backlog in versions, and how many fetches were
+        older than the history (capped)."""
+        mean = self.backlog_versions / self.updates if self.updates else 0.0
+        return {"updates": self.updates, "backlog_mean": mean, "capped": self.capped}
 
     def state(self) -> dict[str, np.ndarray]:
         """The live state arrays (not copies): gsum, z, zmax and the history slots."""

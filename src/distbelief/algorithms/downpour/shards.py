@@ -185,9 +185,15 @@ class _ShardRole:
 
     def stats(self) -> dict[str, Any]:
         shard = self.shard
-        return {"role": "shard", "rank": shard.rank, "version": shard.version,
-                "params": shard.stop - shard.start,
-                "checkpoint_seconds": self.checkpoint_seconds, **asdict(shard.stats)}
+        stats = {"role": "shard", "rank": shard.rank, "version": shard.version,
+                 "params": shard.stop - shard.start,
+                 "checkpoint_seconds": self.checkpoint_seconds, **asdict(shard.stats)}
+        revision = getattr(shard.optimizer, "delay_stats", None)
+        if revision is not None:
+            # AdaRevision: the folds this shard's optimizer made (every one on RMA; none
+            # on shared memory, where each client folds its own pushes).
+            stats["adarevision"] = revision()
+        return stats
 
 
 def _part_report(write: Any) -> dict[str, Any]:
