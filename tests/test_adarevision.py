@@ -131,8 +131,8 @@ def test_checkpoint_state_round_trip_fills_the_history():
     assert {f"history_{k:02d}" for k in range(HISTORY)} < set(opt.state())
     fresh = AdaRevision(n, LR)
     fresh.load_state(saved)
-    for name in saved:
-        assert np.array_equal(getattr(fresh, name), saved[name])
+    for name, value in saved.items():
+        assert np.array_equal(getattr(fresh, name), value)
     for k in range(HISTORY):  # a push fetched after the restore sees no backlog before it
         assert np.array_equal(fresh.state()[f"history_{k:02d}"], saved["gsum"])
     bad = {**saved, "zmax": saved["z"] - 1}
@@ -249,3 +249,15 @@ def test_resume_restores_the_adarevision_state(data_dir, tmp_path):
     # from zero instead, 300 steps would leave it below the saved values somewhere.
     assert (after["zmax"] >= before["zmax"]).all()
     assert not np.array_equal(after["gsum"], before["gsum"])
+
+
+def test_partitioned_replicas_revise_too(data_dir, tmp_path):
+    # 2 replicas x 2 partitions: each partition pushes its own pieces with the version it
+    # pulled of them; the shard's takes mix them (RMA, where the shard folds).
+    out = tmp_path / "out"
+    proc = downpour(5, data_dir, out, "rma", "cluster.ps_shards=1", "cluster.partitions=2",
+                    "run.max_steps=401")
+    summary = summary_of(proc, out)
+    assert summary["steps"] == 401 and summary["final_test_accuracy"] > 0.5
+    stats = summary["shards"][0]["adarevision"]
+    assert 0 <= stats["backlog_mean"] <= summary["staleness"]["max"]

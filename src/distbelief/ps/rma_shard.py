@@ -406,7 +406,7 @@ class ParameterServerShard(_Endpoint):
         added, self._fetched_seen[closed] = total - self._fetched_seen[closed], total
         if pushes <= 0:
             return self._taken - 1
-        return min(self._taken - 1, int(round(added / pushes)))
+        return min(self._taken - 1, round(added / pushes))
 
     def _publish(self) -> None:
         """Publish the master parameters, unless a reader asked for a hold (below): then
