@@ -29,6 +29,10 @@ from libc.string cimport memset
 
 cdef extern from *:
     const char* DISTBELIEF_SOURCE_HASH
+    # Pointers the caller promises do not alias (kernels.py checks it): with seven arrays
+    # gcc would otherwise need more runtime overlap checks than it makes, and not vectorise.
+    ctypedef float* float_rp "float * __restrict__"
+    ctypedef const float* cfloat_rp "const float * __restrict__"
 SOURCE_HASH = DISTBELIEF_SOURCE_HASH.decode()
 
 cdef enum Activation:
@@ -87,6 +91,54 @@ cdef inline void _sgd_copy(float* params, const float* grad, float* copy, Py_ssi
         p = params[i] - lr * grad[i]
         params[i] = p
         copy[i] = p
+
+
+cdef inline void _adarevision(float_rp params, float_rp gsum, float_rp z, float_rp zmax,
+                              cfloat_rp fetched, cfloat_rp grad, float_rp copy,
+                              Py_ssize_t size, float lr, float eps) noexcept nogil:
+    # AdaRevision (model/optimizers.py AdaRevision has the rule), one pass; `copy` NULL or
+    # the new params again. Branchless: with no backlog (b == 0) every term in b adds
+    # exactly 0, so the result is Adagrad's to the bit (same operations, same order).
+    # Float constants keep the arithmetic in float32 (a double literal would promote it).
+    cdef Py_ssize_t i
+    cdef float g, s, b, zm, zz, eta_old, d, p
+    cdef float two = 2.0
+    for i in range(size):
+        g = grad[i]
+        s = gsum[i]
+        b = s - fetched[i]
+        zm = zmax[i]
+        eta_old = lr / (sqrtf(zm) + eps)
+        zz = z[i] + g * g + two * g * b
+        z[i] = zz
+        zm = zz if zz > zm else zm  # a select, vectorised (setup.py: -fno-trapping-math)
+        zmax[i] = zm
+        d = sqrtf(zm) + eps
+        p = params[i] - lr * g / d + (eta_old - lr / d) * b
+        params[i] = p
+        gsum[i] = s + g
+        if copy != NULL:
+            copy[i] = p
+
+
+def adarevision_update(float[::1] params,        # IN/OUT (P,)
+                       float[::1] gsum,          # IN/OUT (P,) sum of gradients applied
+                       float[::1] z,             # IN/OUT (P,) delay-adjusted sum of squares
+                       float[::1] zmax,          # IN/OUT (P,) running max of z
+                       const float[::1] fetched, # IN (P,) gsum when the grad's params were
+                       const float[::1] grad,    # IN (P,)                     fetched
+                       float lr,
+                       float eps,
+                       float[::1] copy=None):    # OUT (P,) or None: the new params again
+    cdef Py_ssize_t size = params.shape[0]
+    cdef float* out = NULL
+    if size == 0:
+        return
+    if copy is not None:
+        out = &copy[0]
+    with nogil:
+        _adarevision(&params[0], &gsum[0], &z[0], &zmax[0], &fetched[0], &grad[0], out,
+                     size, lr, eps)
 
 
 def adagrad_update(float[::1] params,        # IN/OUT (P,)

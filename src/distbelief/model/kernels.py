@@ -147,6 +147,35 @@ def adagrad_update(params: np.ndarray, accum: np.ndarray, grad: np.ndarray,
     _kernels.adagrad_update(params, accum, grad, lr, eps, copy)
 
 
+def adarevision_update(params: np.ndarray, gsum: np.ndarray, z: np.ndarray,
+                       zmax: np.ndarray, fetched: np.ndarray, grad: np.ndarray, lr: float,
+                       eps: float = 1e-10, copy: np.ndarray | None = None) -> None:
+    """One fused pass of AdaRevision (distbelief.model.optimizers.AdaRevision has the rule):
+    b = gsum - fetched; z += grad**2 + 2*grad*b; zmax = max(zmax, z); params -= the
+    revised step; gsum += grad; with `copy`, copy[:] = the new params in the same pass.
+    1-D float32 arrays of equal length; eps > 0. With fetched == gsum it is adagrad_update
+    with accum = z, to the bit."""
+    _check_float32("params", params, 1, writeable=True)
+    for name, array in (("gsum", gsum), ("z", z), ("zmax", zmax)):
+        _check_float32(name, array, 1, writeable=True)
+        _check_shape(name, array, params.shape)
+    _check_float32("fetched", fetched, 1)
+    _check_float32("grad", grad, 1)
+    _check_shape("fetched", fetched, params.shape)
+    _check_shape("grad", grad, params.shape)
+    lr = _check_real("lr", lr)
+    eps = _check_real("eps", eps)
+    if eps <= 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    inputs = {"params": params, "gsum": gsum, "z": z, "zmax": zmax, "fetched": fetched,
+              "grad": grad}
+    for name in ("params", "gsum", "z", "zmax"):
+        _check_no_overlap(name, inputs[name],
+                          {k: v for k, v in inputs.items() if k != name})
+    _check_copy(copy, params, inputs)
+    _kernels.adarevision_update(params, gsum, z, zmax, fetched, grad, lr, eps, copy)
+
+
 def sgd_update(params: np.ndarray, grad: np.ndarray, lr: float,
                copy: np.ndarray | None = None) -> None:
     """params -= lr * grad (1-D, equal length), one pass; with `copy`, copy[:] = the new

@@ -1,4 +1,5 @@
-"""Optimizers that update a flat float32 parameter vector in place: Adagrad and plain SGD.
+"""Optimizers that update a flat float32 parameter vector in place: Adagrad, plain SGD, and
+AdaRevision (Adagrad that revises its steps for the updates a stale gradient missed).
 
 They work on any 1-D float32 array, so a parameter-server shard runs one on its own range
 of the parameter vector, and a single process runs one on the whole vector. The update
@@ -101,6 +102,153 @@ class SGD:
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         """Accepts only the empty state that state() returns."""
         _check_state_keys("SGD", state, set())
+
+
+HISTORY = 8
+"""Versions of the gradient sum an AdaRevision shard keeps (a ring): a push whose fetch is
+older than this is revised as if it had fetched the oldest one kept (counted in `capped`).
+Each costs one float32 vector of the slice in memory (in the shared segment on the shared
+transport), none on the wire."""
+
+
+class AdaRevision:
+    """AdaRevision: McMahan and Streeter, "Delay-Tolerant Algorithms for Asynchronous
+    Distributed Online Learning", NIPS 2014, Algorithm 2 (AdaptiveRevision), per coordinate.
+
+    The rule, written from the paper's algorithm (the text of the paper was not available
+    here; the zero-delay case below is the check that it reduces to Adagrad as the paper
+    says). State: gsum, the sum of every gradient applied; z, the delay-adjusted sum of
+    squares; zmax, its running maximum. A gradient g computed on parameters fetched when
+    the sum was gsum_fetched is applied as
+
+        g_bck = gsum - gsum_fetched        (gradients applied since the fetch)
+        eta_old = lr / (sqrt(zmax) + eps)
+        z += g**2 + 2 * g * g_bck
+        zmax = max(zmax, z)
+        eta = lr / (sqrt(zmax) + eps)
+        param -= eta * g - (eta_old - eta) * g_bck   (revise the backlog's steps)
+        gsum += g
+
+    With no delay (g_bck = 0) this is Adagrad exactly: z = sum of g**2, eta as Adagrad's.
+    z may shrink (g against the backlog), hence zmax, which keeps the rate non-increasing.
+
+    What "gsum at fetch" is: the shard numbers its updates (its version). Instead of every
+    push carrying a vector gsum_fetched (one more slice on every pull and push), the push
+    carries the version it fetched (8 bytes), and the optimizer keeps gsum at each of the
+    last HISTORY versions (history_00 ...: history_k holds gsum after the update that
+    made a version v with v % HISTORY == k). step() takes the version being updated and
+    the version fetched.
+    """
+
+    revises = True  # step() needs version= and fetched= (distbelief.ps shards check this)
+
+    def __init__(self, size: int, learning_rate: float, eps: float = 1e-10,
+                 history: int = HISTORY) -> None:
+        self.size = _check_size(size)
+        self.learning_rate = _check_learning_rate(learning_rate)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
+            raise TypeError(f"eps must be a number, got {type(eps).__name__}")
+        # eps > 0: eta_old of a coordinate with no gradient yet is lr / eps, finite, and
+        # multiplies a g_bck of exactly 0 there.
+        if not math.isfinite(eps) or eps <= 0:
+            raise ValueError(f"eps must be a positive finite number, got {eps}")
+        self.eps = float(eps)
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"history must be a positive integer, got {history!r}")
+        self.history = history
+        self.gsum = np.zeros(self.size, np.float32)
+        self.z = np.zeros(self.size, np.float32)
+        self.zmax = np.zeros(self.size, np.float32)
+        for k in range(history):
+            setattr(self, self._slot_name(k), np.zeros(self.size, np.float32))
+        # Counts of this process's updates (a shard's on RMA; each client's on shared memory)
+        self.updates = 0
+        self.backlog_versions = 0  # sum over updates of version - fetched, after capping
+        self.capped = 0  # updates whose fetch was older than the history
+
+    @staticmethod
+    def _slot_name(k: int) -> str:
+        return f"history_{k:02d}"
+
+    def _slot(self, version: int) -> np.ndarray:
+        return getattr(self, self._slot_name(version % self.history))
+
+    def step(self, params: np.ndarray, grad: np.ndarray, copy: np.ndarray | None = None, *,
+             version: int, fetched: int) -> None:
+        """Apply `grad` as update number version + 1 (`version` updates were applied
+        before it), computed on the parameters of version `fetched`; params (1-D float32,
+        length size) in place, with `copy` also stored there. A fetch older than the
+        history is taken as the oldest version kept (self.capped counts them); a fetch
+        newer than `version` as `version` (no delay)."""
+        if version < 0:
+            raise ValueError(f"version must be non-negative, got {version}")
+        fetched = min(int(fetched), int(version))
+        if version - fetched >= self.history:
+            fetched = version - self.history + 1
+            self.capped += 1
+        self.updates += 1
+        self.backlog_versions += version - fetched
+        kernels.adarevision_update(params, self.gsum, self.z, self.zmax, self._slot(fetched),
+                                   grad, self.learning_rate, self.eps, copy)
+        np.copyto(self._slot(version + 1), self.gsum)
+
+    def delay_stats(self) -> dict[str, float]:
+        """This object's updates, their mean backlog in versions, and how many fetches were
+        older than the history (capped)."""
+        mean = self.backlog_versions / self.updates if self.updates else 0.0
+        return {"updates": self.updates, "backlog_mean": mean, "capped": self.capped}
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The live state arrays (not copies): gsum, z, zmax and the history slots."""
+        state = {"gsum": self.gsum, "z": self.z, "zmax": self.zmax}
+        for k in range(self.history):
+            state[self._slot_name(k)] = getattr(self, self._slot_name(k))
+        return state
+
+    def saved_state(self) -> dict[str, np.ndarray]:
+        """What a checkpoint keeps: gsum, z and zmax (live arrays). Not the history: a
+        resumed run's replicas fetch afresh, so no push refers to a version before it."""
+        return {"gsum": self.gsum, "z": self.z, "zmax": self.zmax}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore state saved by saved_state() (or state(); the history is not read):
+        checks shapes and values, copies, and fills every history slot with gsum, so a
+        push that fetched after the restore sees no backlog before it."""
+        names = {"gsum", "z", "zmax"}
+        if not isinstance(state, dict):
+            raise TypeError(f"AdaRevision state must be a dict of arrays, "
+                            f"got {type(state).__name__}")
+        if not names <= set(state):
+            raise ValueError(f"AdaRevision state must have keys {sorted(names)}, "
+                             f"got {sorted(map(str, state))}")
+        for name in sorted(names):
+            value = state[name]
+            if not isinstance(value, np.ndarray) or not np.issubdtype(value.dtype, np.floating):
+                raise TypeError(f"AdaRevision state {name!r} must be a floating-point numpy "
+                                "array")
+            if value.shape != (self.size,):
+                raise ValueError(f"AdaRevision state {name!r} must have shape ({self.size},), "
+                                 f"got {value.shape}")
+            if not np.all(np.isfinite(value)):
+                raise ValueError(f"AdaRevision state {name!r} must be finite")
+        if np.any(state["zmax"] < 0) or np.any(state["zmax"] < state["z"]):
+            raise ValueError("AdaRevision state 'zmax' must be non-negative and at least z")
+        for name in sorted(names):
+            np.copyto(getattr(self, name), state[name], casting="same_kind")
+        for k in range(self.history):
+            np.copyto(getattr(self, self._slot_name(k)), self.gsum)
+
+
+UPDATES = ("adagrad", "sgd", "adarevision")
+
+
+def optimizer_for(update: str, learning_rate: float, size: int) -> Adagrad | SGD | AdaRevision:
+    """The optimizer config.optimizer.update names, over `size` parameters."""
+    if update == "adarevision":
+        return AdaRevision(size, learning_rate)
+    if update not in UPDATES:
+        raise ValueError(f"update must be one of {', '.join(UPDATES)}, got {update!r}")
+    return make_optimizer(update == "adagrad", learning_rate, size)
 
 
 def make_optimizer(adagrad: bool, learning_rate: float, size: int) -> Adagrad | SGD:

@@ -47,8 +47,11 @@ VERSION, APPLIED = 0, 1
 
 
 class Optimizer(Protocol):
-    """What a shard needs from distbelief.model.optimizers (make_optimizer's Adagrad or SGD): an
-    in-place update of its slice, and its state for checkpoints."""
+    """What a shard needs from distbelief.model.optimizers (optimizer_for's Adagrad, SGD or
+    AdaRevision): an in-place update of its slice, and its state for checkpoints. An
+    optimizer with `revises = True` (AdaRevision) takes step(..., version=, fetched=):
+    the shard's version before the update and the version the gradient's parameters
+    were pulled at."""
 
     def step(self, params: np.ndarray, grad: np.ndarray,
              copy: np.ndarray | None = None) -> None: ...
@@ -57,6 +60,13 @@ class Optimizer(Protocol):
 
 
 OptimizerFactory = Callable[[int], Optimizer]  # slice length -> optimizer for that slice
+
+
+def saved_state(optimizer: Optimizer) -> dict[str, np.ndarray]:
+    """The live state arrays a checkpoint keeps: `saved_state()` where the optimizer has
+    one (AdaRevision leaves its history of gradient sums out), else all of `state()`."""
+    saved = getattr(optimizer, "saved_state", None)
+    return saved() if saved is not None else optimizer.state()
 
 
 class _Windows(Protocol):

@@ -29,6 +29,7 @@ from distbelief.ps.rma_windows import (
     BEGUN,
     COMPLETED,
     DONE,
+    FETCHED,
     FLOAT_BYTES,
     PHASE,
     PUBLISHED,
@@ -58,9 +59,13 @@ class ParameterClient(_Endpoint):
     """
 
     def __init__(self, comm: MPI.Comm, windows: _ShardWindows, topology: Topology,
-                 size: int):
+                 size: int, send_fetched: bool = False):
         super().__init__(comm, windows, topology, size)
         shards = topology.ps_shards
+        # Whether a push also adds the version it had pulled to FETCHED (the shards'
+        # optimizer revises for delay: AdaRevision); one int64 per shard, same round.
+        self._send_fetched = send_fetched
+        self._fetched = np.zeros((shards, 1), dtype=np.int64)
         self.pulled_versions = np.zeros(shards, dtype=np.int64)
         self.applied_pushes = np.zeros(shards, dtype=np.int64)
         self.staleness = StalenessStats()
@@ -145,9 +150,15 @@ class ParameterClient(_Endpoint):
         its phase on each shard, and the control operations on shard 0."""
         windows = self._live()
         self._taken[:, 0] = self._tickets[:, 0] // PHASE
+        self._fetched[:, 0] = self.pulled_versions
         for shard in self._pulled_shards():
             low, high = self.ranges[shard]
             base = windows.accumulator(int(self._taken[shard, 0]), high - low)
+            if self._send_fetched:
+                # With the data, so it is complete before COMPLETED counts the push.
+                slot = FETCHED + int(self._taken[shard, 0]) % 2
+                win.Accumulate(_int64(self._fetched[shard]), shard,
+                               (slot * COUNTER_BYTES, 1, MPI.INT64_T), MPI.SUM)
             for start, stop in self._segments[shard]:
                 win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
                                (base + (start - low) * FLOAT_BYTES, stop - start,

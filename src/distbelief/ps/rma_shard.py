@@ -57,6 +57,7 @@ from distbelief.ps.endpoint import (
     Optimizer,
     _Endpoint,
     _waiting_backoff,
+    saved_state,
 )
 from distbelief.ps.rma_windows import (
     _NO_DOUBLE,
@@ -66,6 +67,7 @@ from distbelief.ps.rma_windows import (
     BEGUN,
     COMPLETED,
     DONE,
+    FETCHED,
     HOLD_MAX_S,
     HOLDS_ASKED,
     HOLDS_RELEASED,
@@ -134,6 +136,7 @@ class ParameterServerShard(_Endpoint):
         self._given_up: set[int] = set()  # gone clients whose push in flight is written off
         self._written_off = 0  # pushes of gone clients the pending take no longer waits for
         self._buffer_header = np.zeros(2, dtype=np.int64)  # VERSION, APPLIED of a publish
+        self._fetched_seen = [0, 0]  # FETCHED of each accumulator at its last take
         self._taken = 0
         self._pushes_taken = 0
         self._publishes = 0
@@ -172,7 +175,7 @@ class ParameterServerShard(_Endpoint):
         """Copies of the parameters and of the optimizer state, and the version, taken
         together: what a checkpoint writes. Local. (Here only the shard itself changes
         them; on the shared transport clients do, and this takes the segment's lock.)"""
-        state = {name: value.copy() for name, value in self._optimizer.state().items()}
+        state = {name: value.copy() for name, value in saved_state(self._optimizer).items()}
         return self._master.copy(), state, self._taken
 
     def set_parameters(self, values: np.ndarray) -> None:
@@ -383,11 +386,27 @@ class ParameterServerShard(_Endpoint):
         pushes = sum(self._expected)
         new = pushes - self._pushes_taken
         self._pushes_taken = pushes
-        self._optimizer.step(self._master, self._grad)
+        if getattr(self._optimizer, "revises", False):
+            self._optimizer.step(self._master, self._grad, version=self._taken - 1,
+                                 fetched=self._fetched_version(closed, new))
+        else:
+            self._optimizer.step(self._master, self._grad)
         self._publish()
         self.stats.folds += 1
         self.stats.pushes += new
         return new
+
+    def _fetched_version(self, closed: int, pushes: int) -> int:
+        """The version the take of accumulator `closed` was computed on, for AdaRevision:
+        the mean, rounded, of the versions its `pushes` pushes had pulled (FETCHED, as
+        read with their COMPLETED). A take sums its pushes into one gradient, as for
+        Adagrad, so it is revised as one: exactly the paper's rule when they fetched one
+        version (one replica; or replicas in step)."""
+        total = int(self._counters[FETCHED + closed])
+        added, self._fetched_seen[closed] = total - self._fetched_seen[closed], total
+        if pushes <= 0:
+            return self._taken - 1
+        return min(self._taken - 1, round(added / pushes))
 
     def _publish(self) -> None:
         """Publish the master parameters, unless a reader asked for a hold (below): then

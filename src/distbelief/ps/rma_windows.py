@@ -5,7 +5,8 @@ and shard 0's snapshots use. rma_shard.py and rma_client.py build on it.
 Windows (per shard; size 0 on every other rank), allocated with Win.Allocate over a
 private duplicate of the world communicator, displacement unit 1 byte:
 
-    ACCUM  [0:8) TICKET | [16:24) DONE | [24:40) COMPLETED[0..1] | [64:64+c) run control
+    ACCUM  [0:8) TICKET | [16:24) DONE | [24:40) COMPLETED[0..1] | [40:56) FETCHED[0..1] |
+           [64:64+c) run control
            block | PENDING[C] (one per client) | accumulator 0 f32 | accumulator 1 f32
     PARAMS [0:8) PUBLISHED | [8:16) BEGUN | [16:24) PULLS | [24:40) HOLDS_ASKED,
            HOLDS_RELEASED | buffer 0 | buffer 1, each
@@ -14,6 +15,9 @@ private duplicate of the world communicator, displacement unit 1 byte:
 
     TICKET    = phase * PHASE + pushes started (clients +1, the shard +PHASE to flip)
     COMPLETED = pushes completed into accumulator b (clients +1 once their data is in)
+    FETCHED   = sum of the versions those pushes were computed on (clients + their pulled
+                version, with the data; only where the shard's optimizer revises for
+                delay, AdaRevision: the shard's take derives the fetch version from it)
     PENDING   = 1 while that client has a push in flight (+1 as it starts, -1 when done)
     DONE      = clients (replicas and coordinator) that called finish()
     PUBLISHED / BEGUN = publishes of the parameters finished / started (the shard +1)
@@ -43,7 +47,8 @@ operation, so none conflicts with another and no lock is needed to keep them apa
 |                    |   (SUM) of the negation of what it read (to zero)   |
 | TICKET             | client: Fetch_and_op(SUM, 1); owner: Fetch_and_op   |
 |                    |   (SUM, PHASE) to flip; owner reads: NO_OP          |
-| COMPLETED, PENDING,| client: Accumulate(SUM, +-1) int64                  |
+| COMPLETED, PENDING,| client: Accumulate(SUM, +-1) int64 (FETCHED: + its |
+| FETCHED,           |   pulled version)                                   |
 | DONE, PULLS,       | owner: Get_accumulate / Fetch_and_op(NO_OP)         |
 | HOLDS_*            |                                                     |
 | PUBLISHED, BEGUN   | owner: Accumulate(SUM, 1); readers: Fetch_and_op    |
@@ -90,9 +95,10 @@ from distbelief.runtime import watchdog
 
 FLOAT_BYTES = DTYPE().itemsize
 # int64 slots in the ACCUM header: TICKET (phase * PHASE + pushes started), DONE, and
-# COMPLETED + b: pushes completed into accumulator b (slot 1 unused)
-TICKET, DONE, COMPLETED = 0, 2, 3
-ACCUM_SLOTS = COMPLETED + 2
+# COMPLETED + b: pushes completed into accumulator b (slot 1 unused), FETCHED + b: the sum
+# of the versions those pushes had pulled (AdaRevision)
+TICKET, DONE, COMPLETED, FETCHED = 0, 2, 3, 5
+ACCUM_SLOTS = FETCHED + 2
 PHASE = 1 << 40  # TICKET's unit of phases; pushes started are counted below it
 # int64 slots in the PARAMS window header (RMA): publishes finished, started; pulls
 # served; holds asked and released by readers that tore too often (below)

@@ -94,6 +94,7 @@ from distbelief.ps.endpoint import (
     OptimizerFactory,
     _aligned,
     _Endpoint,
+    saved_state,
 )
 from distbelief.ps.rma_client import ParameterClient
 from distbelief.ps.rma_shard import ParameterServerShard
@@ -339,7 +340,9 @@ class SharedMemoryShard(ParameterServerShard):
     def checkpoint_state(self) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
         """As ParameterServerShard.checkpoint_state, all copied under one shared lock."""
         with self._lock(exclusive=False) as seg:
-            return (seg.params.copy(), {name: value.copy() for name, value in seg.state.items()},
+            kept = saved_state(self._optimizer)
+            return (seg.params.copy(), {name: value.copy() for name, value in seg.state.items()
+                                        if name in kept},
                     int(seg.header[VERSION]))
 
     def set_parameters(self, values: np.ndarray) -> None:
@@ -488,8 +491,15 @@ class SharedMemoryClient(ParameterClient):
             version = int(seg.header[VERSION])
             self._taken[shard, 0] = version
             for start, stop, optimizer in self._pieces[shard]:
-                optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
-                               None if out is None else out[start:stop])
+                copy_to = None if out is None else out[start:stop]
+                if getattr(optimizer, "revises", False):
+                    # AdaRevision: revised for the updates since this client's last pull
+                    optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
+                                   copy_to, version=version,
+                                   fetched=int(self.pulled_versions[shard]))
+                else:
+                    optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
+                                   copy_to)
             seg.header[VERSION] = version + 1
             seg.header[APPLIED] += 1
             seg.clients[self._slot, PULLED] = self._pulls

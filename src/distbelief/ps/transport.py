@@ -96,7 +96,9 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
         endpoint = ParameterServerShard(comm, windows, topology, size,
                                         optimizer(local_count), initial)
     else:
-        endpoint = ParameterClient(comm, windows, topology, size)
+        # One probe, as _open_shared's: does the shards' optimizer need the fetch version?
+        endpoint = ParameterClient(comm, windows, topology, size,
+                                   send_fetched=bool(getattr(optimizer(1), "revises", False)))
     # Collective again: every shard has published before any client can pull.
     comm.Barrier()
     return endpoint

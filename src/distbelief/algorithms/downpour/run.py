@@ -22,7 +22,7 @@ from distbelief.algorithms.common import (
 from distbelief.algorithms.downpour.plan import SWEEP_S, DownpourPlan, plan_run
 from distbelief.config import Config
 from distbelief.model.layout import balanced_ranges
-from distbelief.model.optimizers import make_optimizer
+from distbelief.model.optimizers import optimizer_for
 from distbelief.ps import run_control as rc
 from distbelief.ps.rma_client import ParameterClient
 from distbelief.ps.rma_shard import GIVE_UP_S, ParameterServerShard
@@ -115,7 +115,7 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     endpoint = open_parameter_server(
         comm, topology, network.layout.size,
         lambda n: (start.optimizer if start.optimizer is not None
-                   else make_optimizer(opt.adagrad, opt.learning_rate, n)),
+                   else optimizer_for(opt.update, opt.learning_rate, n)),
         initial, control_replicas=plan.num_replicas)
     if isinstance(endpoint, ParameterServerShard):
         # A replica killed mid-push is written off as soon as its process is seen gone; a
@@ -178,8 +178,8 @@ def _read_start(config: Config, plan: DownpourPlan, network: Any, info: Any, loc
                                                 topology.ps_shards)[topology.shard_index]
             start.params, state = found.read_range(*start.shard_range)
             opt = config.optimizer
-            start.optimizer = make_optimizer(opt.adagrad, opt.learning_rate,
-                                             start.params.size)
+            start.optimizer = optimizer_for(opt.update, opt.learning_rate,
+                                            start.params.size)
             start.optimizer.load_state(state)
         elif topology.is_replica:
             _restore_replica(found, plan, local, info, start)

@@ -22,6 +22,7 @@ from distbelief.algorithms.downpour.plan import (
     Ending,
 )
 from distbelief.algorithms.downpour.run import OpenRun
+from distbelief.ps.endpoint import saved_state
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.agreement import (
     Rounds,
@@ -120,7 +121,7 @@ class _ShardRole:
         """Write this shard's part: {"records": [[name, size, sha256], ...]}, {"error": ...}
         or {"diverged": ...}."""
         shard = self.shard
-        params, state = shard.parameters(), shard.optimizer.state()
+        params, state = shard.parameters(), saved_state(shard.optimizer)
         if not (np.isfinite(params).all() and all(np.isfinite(v).all()
                                                   for v in state.values())):
             return {"diverged": f"shard {shard.rank} holds non-finite values at step "
@@ -184,9 +185,15 @@ class _ShardRole:
 
     def stats(self) -> dict[str, Any]:
         shard = self.shard
-        return {"role": "shard", "rank": shard.rank, "version": shard.version,
-                "params": shard.stop - shard.start,
-                "checkpoint_seconds": self.checkpoint_seconds, **asdict(shard.stats)}
+        stats = {"role": "shard", "rank": shard.rank, "version": shard.version,
+                 "params": shard.stop - shard.start,
+                 "checkpoint_seconds": self.checkpoint_seconds, **asdict(shard.stats)}
+        revision = getattr(shard.optimizer, "delay_stats", None)
+        if revision is not None:
+            # AdaRevision: the folds this shard's optimizer made (every one on RMA; none
+            # on shared memory, where each client folds its own pushes).
+            stats["adarevision"] = revision()
+        return stats
 
 
 def _part_report(write: Any) -> dict[str, Any]:

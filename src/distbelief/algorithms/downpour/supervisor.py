@@ -35,6 +35,7 @@ from distbelief.algorithms.downpour.shards import _part_report, _ShardRole
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.model.layout import balanced_ranges
 from distbelief.ps import run_control as rc
+from distbelief.ps.endpoint import saved_state
 from distbelief.ps.run_control import ControlView
 from distbelief.ps.stats import STALENESS_BINS
 from distbelief.records import checkpoint as ckpt
@@ -434,7 +435,7 @@ class Supervisor(_ShardRole):
             path = ckpt.commit(
                 self.root, meta, settings=hashed_settings(self.config), algorithm="downpour",
                 layout=self.network.layout, shard_ranges=self.shard.ranges,
-                optimizer_state=list(self.shard.optimizer.state()), parts=records,
+                optimizer_state=list(saved_state(self.shard.optimizer)), parts=records,
                 num_replicas=self.plan.num_replicas, keep=self.config.run.keep_checkpoints,
                 lost_replicas=sorted(self.lost))
         except ckpt.CheckpointError as exc:
