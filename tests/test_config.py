@@ -443,6 +443,17 @@ def test_update_reads_the_older_adagrad_spelling_and_refuses_a_contradiction() -
     assert (opt.update, opt.adagrad) == ("adarevision", False)
     message = schema_error(VALID, ("optimizer.adagrad=true", 'optimizer.update="sgd"'))
     assert "contradicts" in message and "optimizer.update" in message
+    message = schema_error(VALID + "[optimizer]\nadagrad = true\nupdate = \"sgd\"\n")
+    assert "contradicts" in message
+    # An override of one spelling replaces the file's other one.
+    in_file = raw_config(VALID + '[optimizer]\nalgorithm = "downpour"\nadagrad = true\n')
+    config = config_from_dict(apply_overrides(in_file, ['optimizer.update="adarevision"']),
+                              Path("/cfg/exp.toml"))
+    assert config.optimizer.update == "adarevision"
+    in_file = raw_config(VALID + '[optimizer]\nupdate = "adagrad"\n')
+    config = config_from_dict(apply_overrides(in_file, ["optimizer.adagrad=false"]),
+                              Path("/cfg/exp.toml"))
+    assert config.optimizer.update == "sgd"
     message = schema_error(VALID, ('optimizer.update="adarevision"',))
     assert "Downpour" in message and '"sgd"' in message
 

@@ -400,12 +400,22 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
     checked by check_override first)."""
     merged = {section: dict(table) if isinstance(table, dict) else table
               for section, table in raw.items()}
+    overridden: set[tuple[str, str]] = set()
     for text in overrides:
         section, key, value = check_override(text)
         table = merged.setdefault(section, {})
         if isinstance(table, dict):
             table[key] = value
+            overridden.add((section, key))
+            other = SPELLINGS.get((section, key))
+            if other is not None and (section, other) not in overridden:
+                table.pop(other, None)  # --set update=... replaces the file's adagrad
     return merged
+
+
+SPELLINGS = {("optimizer", "update"): "adagrad", ("optimizer", "adagrad"): "update"}
+"""Keys that say the same thing two ways: an override of one replaces the other as the
+file gives it (two overrides that disagree are still an error)."""
 
 
 # ---------------------------------------------------------------------------------------
