@@ -42,7 +42,9 @@ run.out_dir from the current one.
 
 optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour SGD over
 MPI ranks (parameter-server shards and model replicas), launched with mpiexec;
-"sandblaster" runs Sandblaster L-BFGS over MPI ranks (shards, one coordinator, replicas).
+"sandblaster" runs Sandblaster L-BFGS over MPI ranks (shards, one coordinator, replicas);
+"hogwild" runs Hogwild (Niu et al. 2011): every rank a replica, all on one node, updating
+one shared parameter vector without locks (cluster.ps_shards = 0, partitions = 1).
 cluster.partitions = P splits each model replica over P ranks (model parallelism): "sgd"
 then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks, "sandblaster"
 on ps_shards + 1 + replicas x P ranks. See `distbelief costmodel` for how many partitions
@@ -76,6 +78,8 @@ examples:
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sandblaster.toml
   mpiexec -n 6 python -m distbelief train configs/fashion_mnist_sandblaster.toml \\
       --set cluster.partitions=2
+  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_mlp.toml \\
+      --set optimizer.algorithm=hogwild
 """
 
 REPORT_HELP = """\
@@ -180,9 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI. Algorithms "
         "(optimizer.algorithm): sgd (one process, the baseline), downpour (Downpour SGD "
-        "against a sharded parameter server) and sandblaster (Sandblaster L-BFGS); with "
-        "cluster.partitions = P, any of them splits each model replica over P ranks "
-        "(partitioned model parallelism).",
+        "against a sharded parameter server), sandblaster (Sandblaster L-BFGS) and hogwild "
+        "(lock-free shared parameters on one node); with cluster.partitions = P, sgd, "
+        "downpour and sandblaster split each model replica over P ranks (partitioned model "
+        "parallelism).",
         epilog="Run 'distbelief COMMAND --help' for each command's options and examples.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
