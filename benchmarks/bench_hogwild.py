@@ -150,9 +150,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-hogwild-") as tmp:
         for i in range(args.repeats):  # interleaved, so load drifts hit both alike
             ours.append(run_ours(args, Path(tmp) / f"run{i}"))
-            print(json.dumps(ours[-1]), flush=True)
+            print(json.dumps({**ours[-1], "load": os.getloadavg()[0]}), flush=True)
             theirs.append(run_torch(args))
-            print(json.dumps(theirs[-1]), flush=True)
+            print(json.dumps({**theirs[-1], "load": os.getloadavg()[0]}), flush=True)
     a, b = median_time(ours), median_time(theirs)
     print(json.dumps({"replicas": args.replicas, "target": args.target,
                       "repeats": args.repeats, "ours_median_s": a, "torch_median_s": b,

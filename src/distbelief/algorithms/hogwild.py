@@ -221,15 +221,16 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             leader = Leader(config, network, info, shared, replica, peers, signals, stream,
                             start_from)
             summary, reason, teardown = leader.run()
+            loss_text = leader.diverged_at
         else:
-            summary = None
+            summary, loss_text = None, "not finite"
             reason, teardown = _follow(config, network, shared, replica, peers, signals)
     if teardown == TEARDOWN_FREE:
         shared.free()
     else:
         guardian.skip_mpi_finalize()  # a rank is dead: MPI_Finalize would wait for it
     if reason == "diverged":
-        raise TrainingDiverged(f"training diverged: the loss is not finite; lower "
+        raise TrainingDiverged(f"training diverged: the loss is {loss_text}; lower "
                                f"optimizer.learning_rate (now {opt.learning_rate:g})")
     return summary
 
@@ -423,6 +424,7 @@ class Leader:
         self.last_saved = start_from.step if start_from is not None else None
         self.last_path: Path | None = None
         self.pause_epoch = 0
+        self.diverged_at = "not finite"  # the loss and step, said by rank 0's error line
         self._loss_seen = (0.0, 0)
         self._next_check = 0.0
         self._usr1_seen, self._usr1_since = 0, None
@@ -525,8 +527,7 @@ class Leader:
                     if math.isnan(recent) and not self._any_loss():
                         pass  # no step finished yet
                     else:
-                        say(self.stream, f"distbelief: the training loss is {recent} at "
-                                         f"step {steps}: stopping")
+                        self.diverged_at = f"{recent} at step {steps}"
                         return "diverged"
             if reason:
                 break
