@@ -214,13 +214,14 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     agree(comm, lambda: _fill_segment(config, network, shared, path) if rank == 0 else None)
     replica = agree(comm, lambda: _setup_replica(config, info, network, shared, path, rank,
                                                  replicas))
-    comm.Barrier()  # every replica's words are set before anybody trains
     peers = Peers.gather(comm)
+    # Rank 0's recorder (its clock) and evaluation set are ready before anybody trains.
+    leader = agree(comm, lambda: Leader(config, network, info, shared, replica, peers,
+                                        stream, start_from) if rank == 0 else None)
     with np.errstate(over="ignore", invalid="ignore"), StopSignals() as signals:
-        if rank == 0:
-            leader = Leader(config, network, info, shared, replica, peers, signals, stream,
-                            start_from)
-            summary, reason, teardown = leader.run()
+        comm.Barrier()  # every replica's words are set before anybody trains
+        if leader is not None:
+            summary, reason, teardown = leader.run(signals)
             loss_text = leader.diverged_at
         else:
             summary, loss_text = None, "not finite"
@@ -412,10 +413,11 @@ class Leader:
     """Rank 0: replica 0, plus the recorder, the stop rules, liveness and checkpoints."""
 
     def __init__(self, config: Config, network: Any, info: Any, shared: SharedState,
-                 replica: Replica, peers: Peers, signals: StopSignals,
-                 stream: IO[str] | None, start_from: ckpt.Checkpoint | None):
+                 replica: Replica, peers: Peers, stream: IO[str] | None,
+                 start_from: ckpt.Checkpoint | None):
         self.config, self.network, self.shared = config, network, shared
-        self.replica, self.peers, self.signals, self.stream = replica, peers, signals, stream
+        self.replica, self.peers, self.stream = replica, peers, stream
+        self.signals = StopSignals()  # replaced by the installed one in run()
         self.start_from = start_from
         self.num_replicas = shared.words.shape[0]
         self.eval_set = load_eval_set(config, info)
@@ -473,9 +475,10 @@ class Leader:
 
     # -- the loop -------------------------------------------------------------------------
 
-    def run(self) -> tuple[dict[str, Any], str, int]:
+    def run(self, signals: StopSignals) -> tuple[dict[str, Any], str, int]:
         """Train and lead until a stop rule; then the end protocol. Returns (summary,
         reason, teardown)."""
+        self.signals = signals
         with self.recorder:
             reason = self._loop()
             self.shared.control[STOP] = REASONS.index(reason) + 1
