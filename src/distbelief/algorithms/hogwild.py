@@ -55,6 +55,11 @@ every wait, records it as lost (metrics.jsonl, summary, checkpoint manifest), co
 unfinished quota as done, and the run goes on. Rank 0 holds the recorder and the only
 writer: if it dies, every other rank stops with one line naming it (the last checkpoint
 resumes the run).
+
+SIGNALS. Each rank publishes how many SIGTERM, SIGINT and SIGUSR1 it received; rank 0
+stops the run on any of them (a checkpoint, no final evaluation, exit 0; 130 after a
+Ctrl-C), except a SIGUSR1 that a death found within NOTICE_DELAY_S explains. A diverged
+loss (not finite) stops every rank with one error line (exit 2) and no checkpoint.
 """
 
 from __future__ import annotations
@@ -225,7 +230,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             loss_text = leader.diverged_at
         else:
             summary, loss_text = None, "not finite"
-            reason, teardown = _follow(config, network, shared, replica, peers, signals)
+            reason, teardown = _follow(config, network, shared, replica, peers, signals,
+                                       comm)
     if teardown == TEARDOWN_FREE:
         shared.free()
     else:
@@ -356,7 +362,7 @@ class Backoff:
 
 
 def _follow(config: Config, network: Any, shared: SharedState, replica: Replica,
-            peers: Peers, signals: StopSignals) -> tuple[str, int]:
+            peers: Peers, signals: StopSignals, world: MPI.Comm) -> tuple[str, int]:
     """A replica other than rank 0: train until STOP, answering PAUSE between steps; then
     publish, say DONE and wait for TEARDOWN. Returns (stop reason, teardown)."""
     grad = np.zeros_like(shared.params)
@@ -382,7 +388,7 @@ def _follow(config: Config, network: Any, shared: SharedState, replica: Replica,
         now = time.monotonic()
         if now >= next_check:
             next_check = now + LIVENESS_EVERY_S
-            _check_leader(shared, peers)
+            _check_leader(peers, world)
     replica.publish(shared)
     words[DONE] = 1
     shared.sync()
@@ -391,7 +397,7 @@ def _follow(config: Config, network: Any, shared: SharedState, replica: Replica,
         shared.sync()
         if control[TEARDOWN]:
             break
-        _check_leader(shared, peers)  # rank 0 leaves once TEARDOWN is set: look first
+        _check_leader(peers, world)  # rank 0 leaves once TEARDOWN is set: look first
         wait.sleep()
     return REASONS[control[STOP] - 1], int(control[TEARDOWN])
 
@@ -402,9 +408,10 @@ def _publish_signals(signals: StopSignals, words: np.ndarray) -> None:
                                                         counts["SIGINT"])
 
 
-def _check_leader(shared: SharedState, peers: Peers) -> None:
+def _check_leader(peers: Peers, world: MPI.Comm) -> None:
+    """Abort the job with one line if rank 0 is gone (its process, in /proc)."""
     if peers.gone(0):
-        abort_job(MPI.COMM_WORLD, "rank 0 (Hogwild's replica 0, which evaluates, records "
+        abort_job(world, "rank 0 (Hogwild's replica 0, which evaluates, records "
                                   "and checkpoints) is gone: the run stops; run the same "
                                   "command again to resume from the last checkpoint")
 
