@@ -1,17 +1,35 @@
 """Hogwild (algorithms/hogwild.py) end to end, as MPI jobs under timeouts: it trains at 2
 and 3 replicas with max_steps split exactly, resumes exactly, equals the single-process
 trainer bit for bit at one replica, refuses ranks on several nodes with one line and exit
-2 on every rank, survives a killed replica and stops with one line when rank 0 dies.
+2 on every rank, survives a killed replica, stops with one line when rank 0 dies, and
+stops every replica with a checkpoint on Ctrl-C.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, TEST_NODES, _env, mpi_under_test, run_cli, run_mpi, survive_a_death
+from conftest import (
+    REPO,
+    TEST_NODES,
+    _env,
+    mpi_under_test,
+    mpiexec,
+    run_cli,
+    run_mpi,
+    start_in_background,
+    survive_a_death,
+    wait_for_training,
+    wait_or_kill,
+)
 from test_downpour import exit_statuses, set_args
 
 from distbelief.data.converters import make_synthetic
@@ -151,3 +169,23 @@ def test_losing_rank_0_stops_the_others_with_one_line(data_dir: Path,
     assert proc.returncode != 0
     assert "rank 0 (Hogwild's replica 0, which evaluates, records and checkpoints) is " \
            "gone" in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_ctrl_c_stops_every_replica_with_a_checkpoint(data_dir: Path, tmp_path: Path) -> None:
+    out, log = tmp_path / "out", tmp_path / "log"
+    cmd = [*mpiexec(3), sys.executable, EXIT_STATUS, "train", data_dir / "hogwild.toml",
+           *set_args(f'run.out_dir="{out}"', "run.max_seconds=60")]
+    proc = start_in_background(cmd, log)
+    wait_for_training(proc, out, log)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGINT)  # mpiexec forwards it to every rank
+    assert wait_or_kill(proc) == 130, log.read_text()
+    assert sorted(exit_statuses_of(log.read_text())) == [130] * 3, log.read_text()
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "SIGINT" and summary["steps"] > 0
+    final = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
+    assert final.step == summary["steps"]
+
+
+def exit_statuses_of(text: str) -> list[int]:
+    return [int(s) for s in re.findall(r"rank \d+ exit (\d+)", text)]
