@@ -80,6 +80,7 @@ def summary_of(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.both_mpis  # the shared window and its memory barrier, under Open MPI too
 @pytest.mark.parametrize("n", [2, 3])
 def test_replicas_share_max_steps_exactly_learn_and_resume(data_dir: Path, tmp_path: Path,
                                                            n: int) -> None:
@@ -171,6 +172,8 @@ def test_losing_rank_0_stops_the_others_with_one_line(data_dir: Path,
            "gone" in proc.stderr, proc.stdout + proc.stderr
 
 
+@pytest.mark.skipif(mpi_under_test() == "openmpi",
+                    reason="seen: a SIGINT to PRRTE's mpirun ends the job (status 1) first")
 def test_ctrl_c_stops_every_replica_with_a_checkpoint(data_dir: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "out", tmp_path / "log"
     cmd = [*mpiexec(3), sys.executable, EXIT_STATUS, "train", data_dir / "hogwild.toml",
