@@ -42,11 +42,13 @@ run.out_dir from the current one.
 
 optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour SGD over
 MPI ranks (parameter-server shards and model replicas), launched with mpiexec;
-"sandblaster" runs Sandblaster L-BFGS over MPI ranks (shards, one coordinator, replicas).
+"sandblaster" runs Sandblaster L-BFGS over MPI ranks (shards, one coordinator, replicas);
 "sync" runs synchronous data-parallel SGD, every rank a replica, the gradients averaged
 each step (an allreduce); with optimizer.backup_workers = k it runs on 1 shard + R
 replicas and each step takes the first R - k gradients (k slow or lost replicas never
-hold it up).
+hold it up);
+"hogwild" runs Hogwild (Niu et al. 2011): every rank a replica, all on one node, updating
+one shared parameter vector without locks (cluster.ps_shards = 0, partitions = 1).
 cluster.partitions = P splits each model replica over P ranks (model parallelism): "sgd"
 then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks, "sandblaster"
 on ps_shards + 1 + replicas x P ranks. See `distbelief costmodel` for how many partitions
@@ -83,6 +85,8 @@ examples:
   mpiexec -n 2 python -m distbelief train configs/fashion_mnist_sync.toml
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sync.toml \\
       --set optimizer.backup_workers=1
+  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_mlp.toml \\
+      --set optimizer.algorithm=hogwild
 """
 
 REPORT_HELP = """\
@@ -187,10 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI. Algorithms "
         "(optimizer.algorithm): sgd (one process, the baseline), downpour (Downpour SGD "
-        "against a sharded parameter server), sandblaster (Sandblaster L-BFGS) and sync "
-        "(synchronous data-parallel SGD, optionally with backup workers); with "
-        "cluster.partitions = P, any of them but sync splits each model replica over P ranks "
-        "(partitioned model parallelism).",
+        "against a sharded parameter server), sandblaster (Sandblaster L-BFGS), sync "
+        "(synchronous data-parallel SGD, optionally with backup workers) and hogwild "
+        "(lock-free shared parameters on one node); with cluster.partitions = P, sgd, "
+        "downpour and sandblaster split each model replica over P ranks (partitioned model "
+        "parallelism).",
         epilog="Run 'distbelief COMMAND --help' for each command's options and examples.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -409,7 +414,7 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
         raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "
                           f"{comm.Get_size()} MPI ranks were started; run it without "
                           f"mpiexec, or use algorithm = \"downpour\"")
-    if algorithm not in ("sgd", "downpour", "sandblaster", "sync"):
+    if algorithm not in ("sgd", "downpour", "sandblaster", "sync", "hogwild"):
         raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
     if comm is None and (algorithm != "sgd" or config.cluster.partitions > 1):
         comm = start_mpi()
@@ -461,6 +466,11 @@ def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
         from distbelief.algorithms import sync
 
         return sync.train(config, comm, resume=resume)
+
+    if algorithm == "hogwild":
+        from distbelief.algorithms import hogwild
+
+        return hogwild.train(config, comm, resume=resume)
     from distbelief.algorithms.sandblaster import roles as sandblaster
 
     return sandblaster.train(config, comm, resume=resume)
