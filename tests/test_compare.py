@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -313,3 +314,44 @@ def test_a_second_comparison_on_the_same_folder_is_refused(config: Path,
     assert result.returncode == 2
     assert "belongs to a live run" in result.stderr
     assert not (out / running.STATE_FILE).exists()
+
+
+def test_compare_sbatch_requeues_on_usr1_and_resumes(config: Path, tmp_path: Path) -> None:
+    """slurm/compare.sbatch under the SLURM shims: SIGUSR1 to the batch shell reaches the
+    current run through compare and srun; the run checkpoints, the job requeues, and the
+    requeued job skips nothing it should run and reruns nothing that finished."""
+    from test_slurm import JOB_ID, Job
+
+    out = tmp_path / "cmp"
+    job = Job("compare", tmp_path, 3, config)
+    args = [str(config), "--algorithm", "sgd", "--algorithm", "downpour", "--target", "0.99",
+            "--max-seconds", "4", "--out", str(out)]
+    proc = job.start(args=args)
+    metrics = out / "runs" / "downpour-r1-seed0" / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while not (metrics.is_file() and '"kind": "train"' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, job.text()[-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGUSR1)
+    assert job.wait(proc) == 0, job.text()[-3000:]
+    assert job.shim_calls("scontrol") == [f"scontrol requeue {JOB_ID}"]
+    state = json.loads((out / running.STATE_FILE).read_text())
+    assert [r["state"] for r in state["runs"]] == ["finished", "interrupted"]
+
+    assert job.run(restarts=1, args=args) == 0, job.text()[-3000:]
+    second = job.text().split("restart 1", 1)[1]
+    assert "sgd, seed 0 (1 rank): finished earlier, not run again" in second
+    assert "resuming from" in second
+    state = json.loads((out / running.STATE_FILE).read_text())
+    assert [r["state"] for r in state["runs"]] == ["finished", "finished"]
+    assert all(" -n 2 " in call for call in job.shim_calls("srun"))
+    assert len(job.shim_calls("srun")) == 2
+
+
+def test_help_says_how_to_use_it() -> None:
+    result = run_cli(["compare", "--help"])
+    assert result.returncode == 0
+    for fragment in ("--algorithm", "--replicas", "--seeds", "--learning-rates", "--launcher",
+                     "{n}", "resume", "Ctrl-C", "examples:", "slurm/compare.sbatch"):
+        assert fragment in result.stdout
+    assert "compare" in run_cli(["--help"]).stdout

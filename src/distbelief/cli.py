@@ -112,13 +112,17 @@ partitions, one more for Sandblaster's coordinator; algorithms that keep no para
 on shards run with cluster.ps_shards = 0; "sgd" runs without a launcher. Its output is
 shown indented as it comes and kept in DIR/logs/; its folder DIR/runs/NAME is an ordinary
 run.out_dir (`distbelief report DIR/runs/NAME` works). A run that fails (non-zero exit) is
-marked FAILED in the table and the comparison goes on.
+shown as FAILED, counted in the table's "failed" column, and the comparison goes on.
 
 Run the same command again to resume: runs that finished with the same settings are not
 run again, an interrupted one continues from its checkpoint, one whose settings changed
 starts over (train --fresh: the old files are moved aside). Ctrl-C (or SIGTERM, SIGUSR1:
-SLURM's time limit) is passed to the current run, which checkpoints and stops; no other
-run starts, and the table of what finished is written. One comparison at a time owns DIR.
+SLURM's time limit) is passed to the current run as SIGUSR1, which every launcher passes
+to the ranks: the run checkpoints and stops, no other run starts, the table of what
+finished is written, and compare exits 130 after Ctrl-C, 0 after SIGTERM or SIGUSR1 (so
+slurm/compare.sbatch requeues the job). A second Ctrl-C kills the run at once. A run that
+fails does not change the exit status: the table counts it. One comparison at a time
+owns DIR.
 Writes DIR/table.csv, DIR/runs.csv, DIR/accuracy_vs_time.png and
 DIR/time_to_target_vs_cores.png (needs matplotlib: pip install 'distbelief[plot]').
 

@@ -38,6 +38,10 @@ from distbelief.errors import ConfigError
 _NEXT_OVERRIDE = re.compile(r",(?=\s*[A-Za-z_]+\.[A-Za-z_]+\s*=)")
 
 
+COMPARE_KEYS = (("optimizer", "algorithm"), ("run", "out_dir"))
+"""Keys compare sets for each run itself."""
+
+
 @dataclass(frozen=True)
 class AlgorithmSpec:
     """One algorithm of a comparison: its name and the overrides only its runs get."""
@@ -64,7 +68,7 @@ def parse_algorithm(text: str) -> AlgorithmSpec:
             section, key, _ = check_override(override)
         except ConfigError as e:
             raise ConfigError(f"--algorithm {text!r}: {e}") from e
-        if (section, key) in (("optimizer", "algorithm"), ("run", "out_dir")):
+        if (section, key) in COMPARE_KEYS:
             raise ConfigError(f"--algorithm {text!r}: {section}.{key} is set by compare "
                               "itself; leave it out")
     return AlgorithmSpec(label, name, overrides)
@@ -113,7 +117,10 @@ def plan_runs(config_path: str | Path, grid: Grid, check: bool = True) -> list[P
     (its runs fail and are reported as failed)."""
     base = read_toml(config_path)
     for override in grid.overrides:
-        check_override(override)
+        section, key, _ = check_override(override)
+        if (section, key) in COMPARE_KEYS:
+            raise ConfigError(f"--set {override}: {section}.{key} is set by compare itself "
+                              "(--algorithm, --out); leave it out")
     runs: list[PlannedRun] = []
     for spec in grid.algorithms:
         raw = apply_overrides(base, [*grid.overrides, *spec.overrides])

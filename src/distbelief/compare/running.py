@@ -16,11 +16,13 @@ since its folder was written starts with `train --fresh`, which moves the old fi
 aside (nothing is deleted).
 
 SIGNALS. The run's launcher is started in a process group of its own, so a Ctrl-C at the
-terminal reaches `compare` alone, which forwards it (SIGINT, SIGTERM and SIGUSR1 alike)
-to the launcher, which forwards it to the ranks: train stops after the current step,
-writes its checkpoint and exits; `compare` records the run as interrupted and starts no
-other. A second Ctrl-C is forwarded too (train then stops at once). Run the same command
-again to resume.
+terminal reaches `compare` alone. A first SIGINT, SIGTERM or SIGUSR1 is passed on to the
+launcher as SIGUSR1, the one stop signal that mpiexec (Hydra, Open MPI) and srun all pass
+to the ranks (srun answers a SIGTERM by killing them, and a first SIGINT only makes it
+print its status): train stops after the current step, writes its checkpoint and exits;
+`compare` records the run as interrupted and starts no other. A second SIGINT kills the
+launcher's process group at once (the run resumes from its last checkpoint, which was
+committed atomically). Run the same command again to resume.
 """
 
 from __future__ import annotations
@@ -95,9 +97,9 @@ def _clock(seconds: float) -> str:
 
 
 class Stopper:
-    """Forwards SIGINT, SIGTERM and SIGUSR1 to the current run's launcher and remembers
-    the first one, so that no further run starts. Main thread only; handlers restored on
-    exit."""
+    """Passes the first stop signal (SIGINT, SIGTERM, SIGUSR1) on to the current run's
+    launcher as SIGUSR1, and remembers it so that no further run starts; a second SIGINT
+    kills the launcher's process group. Main thread only; handlers restored on exit."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -114,14 +116,19 @@ class Stopper:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is None:
+        again = self.received is not None
+        if not again:
             self.received = signum
         child = self.child
-        if child is not None and child.poll() is None:
-            try:
-                child.send_signal(signum)
-            except ProcessLookupError:
-                pass
+        if child is None or child.poll() is not None:
+            return
+        try:
+            if not again:
+                child.send_signal(signal.SIGUSR1)
+            elif signum == signal.SIGINT:
+                os.killpg(child.pid, signal.SIGKILL)  # its own group: process_group=0
+        except ProcessLookupError:
+            pass
 
 
 def run_comparison(config_path: str | Path, runs: Sequence[PlannedRun], out_dir: str | Path,
@@ -208,7 +215,7 @@ def _launch(argv: list[str], log_path: Path, stream: IO[str] | None, stopper: St
         log.flush()
         try:
             # A process group of its own: a terminal's Ctrl-C reaches compare only, which
-            # forwards it once (a rank that got it twice would stop without its checkpoint).
+            # passes it on as SIGUSR1 (Stopper says why).
             child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, errors="replace",
                                      env=env, process_group=0)
