@@ -237,17 +237,17 @@ def test_launcher_gets_the_rank_count_and_a_failed_run_is_reported(config: Path,
 def test_tiny_comparison_end_to_end_and_resume(config: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     args = ["compare", config, "--algorithm", "sgd", "--algorithm", "downpour",
-            "--algorithm", "sync", "--replicas", "1,2", "--out", out]
+            "--algorithm", "sync", "--replicas", "2", "--out", out]
     result = run_cli(args, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "[1/5] sgd, seed 0 (1 rank): starting" in result.stdout
-    assert "[3/5] downpour, 2 replicas, seed 0 (3 ranks): finished" in result.stdout
+    assert "[1/3] sgd, seed 0 (1 rank): starting" in result.stdout
+    assert "[2/3] downpour, 2 replicas, seed 0 (3 ranks): finished" in result.stdout
     assert "step " in result.stdout  # the runs' own progress lines
-    # sync has no trainer in this branch: its runs fail, the table says so
-    assert "[4/5] sync, 1 replica, seed 0 (1 rank): FAILED" in result.stdout
+    # sync has no trainer in this branch: its run fails, the table says so
+    assert "[3/3] sync, 2 replicas, seed 0 (2 ranks): FAILED" in result.stdout
     with (out / "table.csv").open() as f:
         rows = {(r["algorithm"], r["replicas"]): r for r in csv.DictReader(f)}
-    for key in [("sgd", "1"), ("downpour", "1"), ("downpour", "2")]:
+    for key in [("sgd", "1"), ("downpour", "2")]:
         assert rows[key]["reached"] == "1" and float(rows[key]["time_to_target_median"]) > 0
     assert rows[("sync", "2")]["failed"] == "1"
     for png in ("accuracy_vs_time.png", "time_to_target_vs_cores.png"):
@@ -260,8 +260,8 @@ def test_tiny_comparison_end_to_end_and_resume(config: Path, tmp_path: Path) -> 
 
     again = run_cli(args, timeout=120)
     assert again.returncode == 0, again.stderr
-    assert again.stdout.count("finished earlier, not run again") == 3
-    assert again.stdout.count("FAILED") == 2  # the failed runs are tried again
+    assert again.stdout.count("finished earlier, not run again") == 2
+    assert again.stdout.count("FAILED") == 1  # the failed run is tried again
     assert summary.stat().st_mtime_ns == written
 
 
@@ -269,7 +269,7 @@ def test_ctrl_c_stops_the_run_with_a_checkpoint_and_resume_continues(
         config: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     args = [sys.executable, "-m", "distbelief", "compare", str(config), "--algorithm", "sgd",
-            "--algorithm", "downpour", "--target", "0.99", "--max-seconds", "6",
+            "--algorithm", "downpour", "--target", "0.99", "--max-seconds", "3",
             "--out", str(out)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=_env())
@@ -325,7 +325,7 @@ def test_compare_sbatch_requeues_on_usr1_and_resumes(config: Path, tmp_path: Pat
     out = tmp_path / "cmp"
     job = Job("compare", tmp_path, 3, config)
     args = [str(config), "--algorithm", "sgd", "--algorithm", "downpour", "--target", "0.99",
-            "--max-seconds", "4", "--out", str(out)]
+            "--max-seconds", "3", "--out", str(out)]
     proc = job.start(args=args)
     metrics = out / "runs" / "downpour-r1-seed0" / "metrics.jsonl"
     deadline = time.monotonic() + 90
