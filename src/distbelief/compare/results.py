@@ -157,20 +157,26 @@ def table_rows(groups: Sequence[Group]) -> list[dict[str, Any]]:
 
 
 def format_table(rows: Sequence[dict[str, Any]], target: float | None) -> str:
-    """The table as text: medians over seeds with [min-max] beside them."""
+    """The table as text: medians over seeds with [min-max] beside them; a learning-rate
+    column only when the comparison gave learning rates."""
     to = f"to {target:g}" if target is not None else "to target"
-    header = (f"{'algorithm':<34} {'ranks':>5} {'lr':>7} {'reached':>8} {'failed':>6}  "
-              f"{'time ' + to + ' (s)':<22} {'samples ' + to:<26} {'final accuracy':<22}")
+    with_lr = any(row["learning_rate"] is not None for row in rows)
+    lr_head = f" {'lr':>7}" if with_lr else ""
+    header = (f"{'algorithm':<34} {'ranks':>5}{lr_head} {'reached':>8} {'failed':>6}  "
+              f"{'time ' + to + ' (s)':<22} {'samples ' + to:<26} final accuracy")
     lines = [header]
     for row in rows:
         name = row["algorithm"] if row["algorithm"].startswith("sgd") \
             else f"{row['algorithm']}, {row['replicas']} repl."
-        lr = "-" if row["learning_rate"] is None else f"{row['learning_rate']:g}"
+        lr = ""
+        if with_lr:
+            lr = " " + (f"{row['learning_rate']:>7g}" if row["learning_rate"] is not None
+                        else f"{'-':>7}")
         lines.append(
-            f"{name:<34} {row['ranks']:>5} {lr:>7} {row['reached']:>4}/{row['seeds']:<3} "
+            f"{name:<34} {row['ranks']:>5}{lr} {row['reached']:>4}/{row['seeds']:<3} "
             f"{row['failed']:>6}  {_cell(row, 'time_to_target', '.1f'):<22} "
             f"{_cell(row, 'samples_to_target', ',.0f'):<26} "
-            f"{_cell(row, 'final_accuracy', '.4f'):<22}")
+            f"{_cell(row, 'final_accuracy', '.4f')}".rstrip())
     lines.append("median over the seeds [min-max]; times and samples over the seeds that "
                  "reached the target")
     return "\n".join(lines)
@@ -240,8 +246,11 @@ def _plot_accuracy(plt: Any, groups: Sequence[Group], target: float | None, titl
                    path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")
     show_lr = len({g.learning_rate for g in groups}) > 1
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, g in enumerate(groups):
+    colors = _algorithm_colors(plt, groups)
+    drawn: dict[str, int] = {}  # groups of each algorithm so far: one line style each
+    for g in groups:
+        style = LINE_STYLES[drawn.get(g.algorithm, 0) % len(LINE_STYLES)]
+        drawn[g.algorithm] = drawn.get(g.algorithm, 0) + 1
         curves = [r.curve for r in g.results if r.curve]
         label = _group_label(g, show_lr)
         if len(curves) > 1:
@@ -250,10 +259,12 @@ def _plot_accuracy(plt: Any, groups: Sequence[Group], target: float | None, titl
             label += f"; {g.failed} of {len(g.results)} failed"
         for k, curve in enumerate(curves):
             xs, ys = zip(*curve)
-            ax.plot(xs, ys, color=colors[i % len(colors)], linewidth=1.2, alpha=0.85,
-                    marker="." if len(curve) < 50 else None, label=label if k == 0 else None)
+            ax.plot(xs, ys, color=colors[g.algorithm], linestyle=style, linewidth=1.2,
+                    alpha=0.85, marker="." if len(curve) < 50 else None,
+                    label=label if k == 0 else None)
         if not curves:  # keep the failed group in the legend
-            ax.plot([], [], color=colors[i % len(colors)], label=f"{label} (no curve)")
+            ax.plot([], [], color=colors[g.algorithm], linestyle=style,
+                    label=f"{label} (no curve)")
     if target is not None:
         ax.axhline(target, color="gray", linestyle=":", linewidth=1,
                    label=f"target {target:g}")
@@ -263,6 +274,16 @@ def _plot_accuracy(plt: Any, groups: Sequence[Group], target: float | None, titl
     return _save(plt, fig, ax, path, f"Test accuracy against time\n{title}")
 
 
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _algorithm_colors(plt: Any, groups: Sequence[Group]) -> dict[str, str]:
+    """One colour per algorithm, the same in both figures."""
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = list(dict.fromkeys(g.algorithm for g in groups))
+    return {name: cycle[i % len(cycle)] for i, name in enumerate(names)}
+
+
 def _plot_scaling(plt: Any, groups: Sequence[Group], target: float | None, title: str,
                   path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")
@@ -270,6 +291,7 @@ def _plot_scaling(plt: Any, groups: Sequence[Group], target: float | None, title
     for g in groups:
         lines.setdefault((g.algorithm, g.learning_rate), []).append(g)
     show_lr = len({g.learning_rate for g in groups}) > 1
+    colors = _algorithm_colors(plt, groups)
     ranks_seen: set[int] = set()
     for (algorithm, rate), members in lines.items():
         xs, ys, low, high = [], [], [], []
@@ -290,10 +312,9 @@ def _plot_scaling(plt: Any, groups: Sequence[Group], target: float | None, title
                  for why, ranks in missed.items() if ranks]
         if notes:
             label += f" ({'; '.join(notes)})"
-        if xs:
-            ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=label)
-        else:
-            ax.plot([], [], marker="o", label=label)
+        # An errorbar even when empty, so the legend keeps the algorithms' order.
+        ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, label=label,
+                    color=colors[algorithm])
     ax.set_xlabel("cores used (MPI ranks)")
     to = f"{target:g}" if target is not None else "the target"
     ax.set_ylabel(f"time to {to} test accuracy (s)")
