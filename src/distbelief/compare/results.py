@@ -162,24 +162,30 @@ def format_table(rows: Sequence[dict[str, Any]], target: float | None) -> str:
     to = f"to {target:g}" if target is not None else "to target"
     with_lr = any(row["learning_rate"] is not None for row in rows)
     lr_head = f" {'lr':>7}" if with_lr else ""
-    header = (f"{'algorithm':<34} {'ranks':>5}{lr_head} {'reached':>8} {'failed':>6}  "
+    names = [_row_name(row) for row in rows]
+    width = max([len("algorithm"), *map(len, names)])
+    header = (f"{'algorithm':<{width}} {'ranks':>5}{lr_head} {'reached':>8} {'failed':>6}  "
               f"{'time ' + to + ' (s)':<22} {'samples ' + to:<26} final accuracy")
     lines = [header]
-    for row in rows:
-        name = row["algorithm"] if row["algorithm"].startswith("sgd") \
-            else f"{row['algorithm']}, {row['replicas']} repl."
+    for row, name in zip(rows, names):
         lr = ""
         if with_lr:
             lr = " " + (f"{row['learning_rate']:>7g}" if row["learning_rate"] is not None
                         else f"{'-':>7}")
         lines.append(
-            f"{name:<34} {row['ranks']:>5}{lr} {row['reached']:>4}/{row['seeds']:<3} "
+            f"{name:<{width}} {row['ranks']:>5}{lr} {row['reached']:>4}/{row['seeds']:<3} "
             f"{row['failed']:>6}  {_cell(row, 'time_to_target', '.1f'):<22} "
             f"{_cell(row, 'samples_to_target', ',.0f'):<26} "
             f"{_cell(row, 'final_accuracy', '.4f')}".rstrip())
     lines.append("median over the seeds [min-max]; times and samples over the seeds that "
                  "reached the target")
     return "\n".join(lines)
+
+
+def _row_name(row: dict[str, Any]) -> str:
+    if row["algorithm"].startswith("sgd"):
+        return row["algorithm"]
+    return f"{row['algorithm']}, {row['replicas']} repl."
 
 
 def _cell(row: dict[str, Any], name: str, spec: str) -> str:
