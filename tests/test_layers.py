@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("distbelief.config",)),
     ("records", ("distbelief.records",)),
     ("algorithms", ("distbelief.algorithms",)),
+    ("compare", ("distbelief.compare",)),
     ("api", ("distbelief", "distbelief.api")),
     ("cli", ("distbelief.cli", "distbelief.__main__")),
 ]

@@ -1,5 +1,5 @@
-"""The `distbelief` command line: train, report, status, prepare, inspect, costmodel,
-evaluate, export.
+"""The `distbelief` command line: train, compare, report, status, prepare, inspect,
+costmodel, evaluate, export.
 
 `main()` is the entry point of both `distbelief` and `python -m distbelief`. A UserError
 (bad configuration or data) becomes one line, `distbelief: error: <message>`, on stderr and
@@ -102,6 +102,51 @@ examples:
   distbelief report runs/fashion_mnist_mlp          # writes runs/fashion_mnist_mlp/*.png
   distbelief report runs/sgd runs/downpour          # writes runs/compare-sgd+downpour/*.png
   distbelief report runs/sgd runs/downpour --out plots/
+"""
+
+COMPARE_HELP = """\
+Train one configuration with several algorithms, one run after another, and compare them
+as Dean et al. 2012 did (Figures 4 and 5): a table of the time and training samples to
+the target accuracy and the final accuracy (median and [min-max] over the seeds), and two
+figures: test accuracy against wall time, one curve per algorithm, and time to the target
+against the cores (MPI ranks) a run used, one line per algorithm.
+
+--algorithm NAME[:SECTION.KEY=VALUE,...] (repeatable) gives an algorithm and the settings
+only its runs get, e.g. sync:optimizer.backup_workers=1 or
+sandblaster:data.batch_size=6000. Every algorithm runs at every --replicas count (sgd
+runs once: it is one process), every --learning-rates value and every --seeds value.
+--max-seconds and --target set run.max_seconds and run.target_accuracy for all runs.
+
+Each run is `distbelief train`, started as LAUNCHER python -m distbelief train CONFIG
+--set ... with LAUNCHER's {n} replaced by the run's rank count: ps_shards + replicas x
+partitions, one more for Sandblaster's coordinator; algorithms that keep no parameters
+on shards run with cluster.ps_shards = 0; "sgd" runs without a launcher. Its output is
+shown indented as it comes and kept in DIR/logs/; its folder DIR/runs/NAME is an ordinary
+run.out_dir (`distbelief report DIR/runs/NAME` works). A run that fails (non-zero exit) is
+shown as FAILED, counted in the table's "failed" column, and the comparison goes on.
+
+Run the same command again to resume: runs that finished with the same settings are not
+run again, an interrupted one continues from its checkpoint, one whose settings changed
+starts over (train --fresh: the old files are moved aside). Ctrl-C (or SIGTERM, SIGUSR1:
+SLURM's time limit) is passed to the current run as SIGUSR1, which every launcher passes
+to the ranks: the run checkpoints and stops, no other run starts, the table of what
+finished is written, and compare exits 130 after Ctrl-C, 0 after SIGTERM or SIGUSR1 (so
+slurm/compare.sbatch requeues the job). A second Ctrl-C kills the run at once. A run that
+fails does not change the exit status: the table counts it. One comparison at a time
+owns DIR.
+Writes DIR/table.csv, DIR/runs.csv, DIR/accuracy_vs_time.png and
+DIR/time_to_target_vs_cores.png (needs matplotlib: pip install 'distbelief[plot]').
+
+examples:
+  distbelief compare configs/fashion_mnist_mlp.toml --algorithm sgd --algorithm downpour \\
+      --algorithm sandblaster:data.batch_size=6000 --replicas 2 --target 0.88 \\
+      --max-seconds 120 --out comparisons/fashion_mnist
+  distbelief compare configs/fashion_mnist_mlp.toml --algorithm downpour \\
+      --algorithm sync:optimizer.backup_workers=1 --replicas 1,2,4 --seeds 0,1,2 \\
+      --learning-rates 0.01,0.02
+  # inside an sbatch allocation (see slurm/compare.sbatch):
+  distbelief compare configs/fashion_mnist_mlp.toml --algorithm downpour --replicas 4,8,16 \\
+      --launcher "srun --mpi=pmix -n {n}"
 """
 
 INSPECT_HELP = """\
@@ -229,6 +274,36 @@ def build_parser() -> argparse.ArgumentParser:
                              "several runs, compare-A+B beside the first)")
     report.set_defaults(func=cmd_report)
 
+    compare = commands.add_parser("compare", help="train one configuration with several "
+                                  "algorithms and compare them (table, figures)",
+                                  description=COMPARE_HELP, formatter_class=raw)
+    compare.add_argument("config", metavar="CONFIG", help="the base TOML configuration")
+    compare.add_argument("--algorithm", metavar="NAME[:SECTION.KEY=VALUE,...]",
+                         action="append", required=True, dest="algorithms",
+                         help="an algorithm to run, with settings of its own; repeat it "
+                              "for each algorithm")
+    compare.add_argument("--replicas", metavar="R,R,...", type=_positive_ints, default=(1,),
+                         help="replica counts (default: 1)")
+    compare.add_argument("--seeds", metavar="S,S,...", type=_seeds, default=(0,),
+                         help="run.seed values; the table gives the median and spread "
+                              "over them (default: 0)")
+    compare.add_argument("--learning-rates", metavar="LR,LR,...", type=_positive_floats,
+                         default=(), help="optimizer.learning_rate values (default: the "
+                                          "configuration's)")
+    compare.add_argument("--max-seconds", metavar="S", type=_positive_float, default=None,
+                         help="run.max_seconds of every run: the time budget")
+    compare.add_argument("--target", metavar="ACC", type=_positive_float, default=None,
+                         help="run.target_accuracy of every run")
+    compare.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                         dest="overrides", help="override a configuration key for every run "
+                                                "(as train's --set); may be repeated")
+    compare.add_argument("--launcher", metavar="COMMAND", default=None,
+                         help="how to start a run's ranks, {n} standing for the rank count "
+                              "(default: \"mpiexec -n {n}\")")
+    compare.add_argument("--out", metavar="DIR", default=None,
+                         help="the comparison's folder (default: comparisons/<config name>)")
+    compare.set_defaults(func=cmd_compare)
+
     status = commands.add_parser("status", help="say whether a run is alive, where, and "
                                  "how far it got", description=STATUS_HELP,
                                  formatter_class=raw)
@@ -336,6 +411,21 @@ def _positive_int(text: str) -> int:
 
 def _positive_ints(text: str) -> tuple[int, ...]:
     return tuple(_positive_int(part) for part in text.split(","))
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 0,1,2, "
+                                         f"got {text!r}") from None
+    if min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"seeds must be 0 or more, got {text!r}")
+    return seeds
+
+
+def _positive_floats(text: str) -> tuple[float, ...]:
+    return tuple(_positive_float(part) for part in text.split(","))
 
 
 def _positive_float(text: str) -> float:
@@ -479,6 +569,49 @@ def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
 def _resume_mode(args: argparse.Namespace) -> str:
     """train's --resume / --fresh as a distbelief.algorithms.common.RESUME_MODES value."""
     return "require" if args.resume else "fresh" if args.fresh else "auto"
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from distbelief.compare import plan, results, running
+    from distbelief.records.report import import_pyplot
+    from distbelief.runtime.ownership import claim
+
+    import_pyplot()  # fail on a missing matplotlib before the first run, not after the last
+    if args.target is not None and args.target > 1:
+        raise ConfigError(f"--target {args.target:g}: an accuracy, between 0 and 1")
+    specs = list({spec.label: spec for spec in map(plan.parse_algorithm,
+                                                    args.algorithms)}.values())
+    launcher_template = args.launcher or running.DEFAULT_LAUNCHER
+    running.check_launcher(launcher_template)
+    grid = plan.Grid(specs, args.replicas, args.seeds, args.learning_rates,
+                     args.max_seconds, args.target, args.overrides)
+    runs = plan.plan_runs(args.config, grid)
+    out = Path(args.out if args.out is not None
+               else Path("comparisons") / Path(args.config).stem).resolve()
+    owner = claim(out)
+    try:
+        print(f"distbelief compare: {len(runs)} runs of {args.config} into {out}", flush=True)
+        stopped_by = running.run_comparison(args.config, runs, out, launcher_template)
+        collected = results.collect(out, runs)
+        groups = results.group_results(collected)
+        rows = results.table_rows(groups)
+        target = next((r.target for r in collected if r.target is not None), args.target)
+        print(results.format_table(rows, target))
+        written = results.write_tables(out, collected, rows)
+        written += results.plot(out, groups, target, Path(args.config).name)
+    finally:
+        owner.release()
+    for path in written:
+        print(f"wrote {path}")
+    if stopped_by is not None:
+        done = sum(r.state == "finished" for r in collected)
+        print(f"{PROG}: compare stopped by {signal.Signals(stopped_by).name} with {done} of "
+              f"{len(runs)} runs finished; run the same command again to resume",
+              file=sys.stderr)
+        return 130 if stopped_by == signal.SIGINT else 0
+    return 0
 
 
 def cmd_costmodel(args: argparse.Namespace) -> int:

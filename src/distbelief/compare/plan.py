@@ -1,0 +1,220 @@
+"""The grid of runs a comparison makes, each run's `train --set` overrides and its MPI rank
+count, worked out before anything runs (so a mistake is one line, not a failed run).
+
+An algorithm is given as NAME or NAME:SECTION.KEY=VALUE[,SECTION.KEY=VALUE...], e.g.
+`downpour`, `sync:optimizer.backup_workers=1`,
+`sandblaster:data.batch_size=6000,optimizer.m=10`: one word per algorithm on a command line
+or in an sbatch script, the overrides in `--set`'s own syntax. The spec as written is the
+algorithm's label in the table and figures, so two specs of one algorithm are two lines.
+
+Rank counts (R replicas, P = cluster.partitions, S = cluster.ps_shards):
+    sgd          P ranks; with P = 1 one plain process, no launcher (replicas do not apply)
+    sandblaster  S + 1 + R x P (the coordinator)
+    every other  S + R x P, where S is 0 for an algorithm that keeps no parameters on shards
+                 (config.needs_shards) unless its own overrides set cluster.ps_shards
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from distbelief.config import (
+    ALGORITHMS,
+    NOT_IMPLEMENTED_ALGORITHMS,
+    apply_overrides,
+    check_override,
+    load_config,
+    needs_shards,
+    read_toml,
+)
+from distbelief.errors import ConfigError
+
+# A comma starts the next override only where `section.key=` follows, so a value may hold
+# commas (a TOML list) and colons (a path).
+_NEXT_OVERRIDE = re.compile(r",(?=\s*[A-Za-z_]+\.[A-Za-z_]+\s*=)")
+
+
+COMPARE_KEYS = (("optimizer", "algorithm"), ("run", "out_dir"))
+"""Keys compare sets for each run itself."""
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """One algorithm of a comparison: its name and the overrides only its runs get."""
+
+    label: str
+    name: str
+    overrides: tuple[str, ...] = ()
+
+
+def parse_algorithm(text: str) -> AlgorithmSpec:
+    """NAME[:SECTION.KEY=VALUE[,SECTION.KEY=VALUE...]] -> AlgorithmSpec; ConfigError naming
+    the spec when the name is unknown or an override is malformed."""
+    label = text.strip()
+    name, _, rest = label.partition(":")
+    name = name.strip()
+    known = ALGORITHMS + NOT_IMPLEMENTED_ALGORITHMS
+    if name not in known:
+        raise ConfigError(f"--algorithm {text!r}: unknown algorithm {name!r}; expected one of "
+                          f"{', '.join(known)}, optionally followed by "
+                          f":section.key=value,... (e.g. sync:optimizer.backup_workers=1)")
+    overrides = tuple(part.strip() for part in _NEXT_OVERRIDE.split(rest)) if rest else ()
+    for override in overrides:
+        try:
+            section, key, _ = check_override(override)
+        except ConfigError as e:
+            raise ConfigError(f"--algorithm {text!r}: {e}") from e
+        if (section, key) in COMPARE_KEYS:
+            raise ConfigError(f"--algorithm {text!r}: {section}.{key} is set by compare "
+                              "itself; leave it out")
+    return AlgorithmSpec(label, name, overrides)
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One training run of the comparison."""
+
+    algorithm: str              # the spec's label
+    name: str                   # optimizer.algorithm
+    replicas: int
+    seed: int
+    learning_rate: float | None  # None: the configuration's own
+    ranks: int
+    uses_launcher: bool         # False for single-process sgd
+    folder: str                 # under the comparison's runs/
+    overrides: tuple[str, ...] = field(default=())  # train --set, run.out_dir excluded
+
+    def describe(self) -> str:
+        lr = "" if self.learning_rate is None else f", lr {self.learning_rate:g}"
+        plural = "s" if self.replicas != 1 else ""
+        replicas = "" if self.name == "sgd" else f", {self.replicas} replica{plural}"
+        return (f"{self.algorithm}{replicas}{lr}, seed {self.seed} "
+                f"({self.ranks} rank{'s' if self.ranks != 1 else ''})")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to compare: the lists the command line gives."""
+
+    algorithms: Sequence[AlgorithmSpec]
+    replicas: Sequence[int] = (1,)
+    seeds: Sequence[int] = (0,)
+    learning_rates: Sequence[float] = ()
+    max_seconds: float | None = None
+    target_accuracy: float | None = None
+    overrides: Sequence[str] = ()   # --set, for every run
+
+
+def plan_runs(config_path: str | Path, grid: Grid, check: bool = True) -> list[PlannedRun]:
+    """Every run of the grid, in the order they run: algorithm by algorithm, then replica
+    count, learning rate, seed. With `check`, each run of an algorithm that is implemented
+    is validated as train would (config and data file), so bad input stops the comparison
+    before its first run; an algorithm still listed as not implemented is passed through
+    (its runs fail and are reported as failed)."""
+    base = read_toml(config_path)
+    for override in grid.overrides:
+        section, key, _ = check_override(override)
+        if (section, key) in COMPARE_KEYS:
+            raise ConfigError(f"--set {override}: {section}.{key} is set by compare itself "
+                              "(--algorithm, --out); leave it out")
+    runs: list[PlannedRun] = []
+    for spec in grid.algorithms:
+        raw = apply_overrides(base, [*grid.overrides, *spec.overrides])
+        optimizer = raw.get("optimizer", {})
+        cluster = raw.get("cluster", {})
+        partitions = int(cluster.get("partitions", 1))
+        shards = _shard_count(spec, optimizer, cluster)
+        replica_counts = (1,) if spec.name == "sgd" else tuple(dict.fromkeys(grid.replicas))
+        rates: Sequence[float | None] = tuple(dict.fromkeys(grid.learning_rates)) or (None,)
+        for replicas in replica_counts:
+            ranks = _rank_count(spec.name, replicas, partitions, shards)
+            for rate in rates:
+                for seed in dict.fromkeys(grid.seeds):
+                    settings = _run_settings(spec, shards, seed, rate, grid)
+                    runs.append(PlannedRun(
+                        spec.label, spec.name, replicas, seed, rate, ranks,
+                        uses_launcher=spec.name != "sgd" or partitions > 1,
+                        folder=_folder_name(spec, replicas, rate, seed),
+                        overrides=tuple(settings)))
+    _check_unique_folders(runs)
+    if check:
+        for run in runs:
+            if run.name in ALGORITHMS:
+                validate_run(config_path, run)
+    return runs
+
+
+def validate_run(config_path: str | Path, run: PlannedRun) -> None:
+    """Load the run's configuration as train will (data file included); ConfigError or
+    DataError naming the algorithm when it does not hold, or when it has no target."""
+    try:
+        config = load_config(config_path, run.overrides)
+    except ConfigError as e:
+        raise ConfigError(f"--algorithm {run.algorithm}: {e}") from e
+    if config.run.target_accuracy is None:
+        raise ConfigError("compare measures the time to a target accuracy: give --target "
+                          "or set run.target_accuracy in the configuration")
+
+
+def _shard_count(spec: AlgorithmSpec, optimizer: dict, cluster: dict) -> int:
+    """cluster.ps_shards of the algorithm's runs: its own override if it has one; else the
+    configuration's (at least 1) where the algorithm keeps parameters on shards, 0 where
+    it does not (so one base file serves Downpour and the shard-less algorithms alike)."""
+    own = [o for o in spec.overrides if o.replace(" ", "").startswith("cluster.ps_shards=")]
+    if own:
+        return int(cluster.get("ps_shards", 0))
+    if spec.name == "sgd":
+        return 0
+    if needs_shards(spec.name, int(optimizer.get("backup_workers", 0)),
+                    optimizer.get("elastic_alpha")):
+        return max(1, int(cluster.get("ps_shards", 1)))
+    return 0
+
+
+def _rank_count(name: str, replicas: int, partitions: int, shards: int) -> int:
+    if name == "sgd":
+        return partitions
+    coordinator = 1 if name == "sandblaster" else 0
+    return shards + coordinator + replicas * partitions
+
+
+def _run_settings(spec: AlgorithmSpec, shards: int, seed: int, rate: float | None,
+                  grid: Grid) -> list[str]:
+    """The run's --set overrides: the comparison's, the grid point's, then the
+    algorithm's own (which win)."""
+    settings = [*grid.overrides, f"optimizer.algorithm={json.dumps(spec.name)}"]
+    if spec.name != "sgd":
+        settings.append(f"cluster.ps_shards={shards}")
+    settings.append(f"run.seed={seed}")
+    if rate is not None:
+        settings.append(f"optimizer.learning_rate={rate!r}")
+    if grid.max_seconds is not None:
+        settings.append(f"run.max_seconds={grid.max_seconds!r}")
+    if grid.target_accuracy is not None:
+        settings.append(f"run.target_accuracy={grid.target_accuracy!r}")
+    return [*settings, *spec.overrides]
+
+
+def _folder_name(spec: AlgorithmSpec, replicas: int, rate: float | None, seed: int) -> str:
+    """A readable folder name: sync+backup_workers=1-r2-lr0.01-seed0."""
+    label = spec.name + "".join(f"+{o.split('.', 1)[1]}" for o in spec.overrides)
+    label = re.sub(r"[^A-Za-z0-9._=+-]+", "_", label.replace(" ", ""))
+    parts = [label] + ([] if spec.name == "sgd" else [f"r{replicas}"])
+    if rate is not None:
+        parts.append(f"lr{rate:g}")
+    parts.append(f"seed{seed}")
+    return "-".join(parts)
+
+
+def _check_unique_folders(runs: Sequence[PlannedRun]) -> None:
+    seen: dict[str, PlannedRun] = {}
+    for run in runs:
+        if run.folder in seen and seen[run.folder].algorithm != run.algorithm:
+            raise ConfigError(f"--algorithm {seen[run.folder].algorithm!r} and "
+                              f"{run.algorithm!r} would share the run folder {run.folder}; "
+                              "give them different overrides")
+        seen[run.folder] = run

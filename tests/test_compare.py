@@ -1,0 +1,357 @@
+"""`distbelief compare`: the plan (rank counts, lists expanded), the table from fake run
+folders, the launcher option, one real tiny comparison with its resume, and Ctrl-C."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import _env, run_cli
+
+from distbelief.compare import plan, results, running
+from distbelief.data.converters import make_synthetic
+from distbelief.errors import ConfigError
+
+CONFIG = """
+[model]
+layers = [
+    { type = "dense", units = 16, activation = "relu" },
+    { type = "dense", units = 3, activation = "softmax" },
+]
+
+[data]
+path = "synth.h5"
+batch_size = 16
+
+[optimizer]
+learning_rate = 0.05
+
+[run]
+target_accuracy = 0.6
+max_seconds = 20
+eval_every_seconds = 0.3
+progress_every_seconds = 0.5
+"""
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("compare")
+    make_synthetic(folder / "synth.h5", n_train=2000, n_test=300, input_shape=(8,),
+                   num_classes=3)
+    (folder / "exp.toml").write_text(CONFIG)
+    return folder / "exp.toml"
+
+
+def specs(*texts: str) -> list[plan.AlgorithmSpec]:
+    return [plan.parse_algorithm(t) for t in texts]
+
+
+# -- the plan ----------------------------------------------------------------------------
+
+
+def test_plan_expands_the_lists_and_counts_the_ranks(config: Path) -> None:
+    grid = plan.Grid(specs("sgd", "downpour", "sandblaster", "sync",
+                           "sync:optimizer.backup_workers=1",
+                           "averaging:optimizer.elastic_alpha=0.5", "hogwild"),
+                     replicas=(1, 3), seeds=(0, 1), learning_rates=(0.01, 0.02),
+                     max_seconds=30, target_accuracy=0.7)
+    runs = plan.plan_runs(config, grid)
+    ranks = {(r.algorithm, r.replicas): r.ranks for r in runs}
+    assert ranks == {
+        ("sgd", 1): 1,                                   # one process, replicas ignored
+        ("downpour", 1): 2, ("downpour", 3): 4,           # 1 shard + R
+        ("sandblaster", 1): 3, ("sandblaster", 3): 5,     # 1 shard + coordinator + R
+        ("sync", 1): 1, ("sync", 3): 3,                   # no shard
+        ("sync:optimizer.backup_workers=1", 1): 2,        # backups go through a shard
+        ("sync:optimizer.backup_workers=1", 3): 4,
+        ("averaging:optimizer.elastic_alpha=0.5", 1): 2,  # EASGD's center on a shard
+        ("averaging:optimizer.elastic_alpha=0.5", 3): 4,
+        ("hogwild", 1): 1, ("hogwild", 3): 3,
+    }
+    # 2 learning rates x 2 seeds at each point; sgd once per point, not per replica count.
+    assert len(runs) == 4 * (1 + 6 * 2)
+    assert len({r.folder for r in runs}) == len(runs)
+    assert [r.uses_launcher for r in runs if r.name == "sgd"] == [False] * 4
+    one = next(r for r in runs if r.algorithm.startswith("sync:") and r.replicas == 3
+               and r.seed == 1 and r.learning_rate == 0.02)
+    assert one.folder == "sync+backup_workers=1-r3-lr0.02-seed1"
+    assert one.overrides == ('optimizer.algorithm="sync"', "cluster.ps_shards=1",
+                             "run.seed=1", "optimizer.learning_rate=0.02",
+                             "run.max_seconds=30", "run.target_accuracy=0.7",
+                             "optimizer.backup_workers=1")
+
+
+def test_plan_with_partitions_and_shards(config: Path) -> None:
+    grid = plan.Grid(specs("sgd", "downpour", "sandblaster", "sync",
+                           "downpour:cluster.ps_shards=3"), replicas=(2,),
+                     overrides=("cluster.partitions=2", "cluster.ps_shards=2"))
+    ranks = {r.algorithm: (r.ranks, r.uses_launcher)
+             for r in plan.plan_runs(config, grid, check=False)}
+    assert ranks == {"sgd": (2, True), "downpour": (2 + 4, True),
+                     "sandblaster": (2 + 1 + 4, True), "sync": (4, True),
+                     "downpour:cluster.ps_shards=3": (3 + 4, True)}
+
+
+def test_algorithm_specs() -> None:
+    spec = plan.parse_algorithm("sandblaster:data.batch_size=600,optimizer.m=5")
+    assert (spec.name, spec.overrides) == ("sandblaster", ("data.batch_size=600",
+                                                           "optimizer.m=5"))
+    # a comma inside a value (a TOML list) stays in its override
+    spec = plan.parse_algorithm('downpour:run.seed=1,model.layers=[{type="dense", units=3}]')
+    assert len(spec.overrides) == 2
+    with pytest.raises(ConfigError, match="unknown algorithm 'downpur'"):
+        plan.parse_algorithm("downpur")
+    with pytest.raises(ConfigError, match="unknown key"):
+        plan.parse_algorithm("downpour:optimizer.nfetch=2")
+    with pytest.raises(ConfigError, match="set by compare"):
+        plan.parse_algorithm("downpour:run.out_dir=x")
+
+
+def test_bad_input_is_one_line_before_any_run(config: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    # an implemented algorithm is checked as train would check it
+    result = run_cli(["compare", config, "--algorithm", "sgd",
+                      "--algorithm", "downpour:optimizer.backup_workers=1", "--out", out])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "backup_workers applies only" in result.stderr
+    result = run_cli(["compare", config, "--algorithm", "sgd", "--launcher", "srun -n 4",
+                      "--out", out])
+    assert result.returncode == 2 and "has no {n}" in result.stderr
+    assert not (out / running.STATE_FILE).exists()
+
+
+# -- the table and figures from fake run folders ------------------------------------------
+
+
+def fake_run(out: Path, run: plan.PlannedRun, state: str, time_to_target: float | None,
+             final: float | None, records: list) -> None:
+    folder = out / running.RUNS_DIR / run.folder
+    folder.mkdir(parents=True)
+    evals = [(1.0, 0.5, 1000)]
+    if time_to_target is not None:
+        evals.append((time_to_target, 0.9, int(time_to_target * 1000)))
+    with (folder / "metrics.jsonl").open("w") as f:
+        for t, acc, samples in evals:
+            f.write(json.dumps({"kind": "eval", "time": t, "step": 1, "samples": samples,
+                                "loss": 1.0, "test_accuracy": acc}) + "\n")
+    if state == "finished":
+        (folder / "summary.json").write_text(json.dumps({
+            "target_accuracy": 0.88, "time_to_target": time_to_target,
+            "final_test_accuracy": final, "wall_seconds": 60.0}))
+    records.append({"folder": run.folder, "state": state, "exit_status": 0
+                    if state == "finished" else 1})
+
+
+def test_table_median_spread_failed_and_unreached(config: Path, tmp_path: Path) -> None:
+    grid = plan.Grid(specs("downpour", "sync"), replicas=(2,), seeds=(0, 1, 2))
+    runs = plan.plan_runs(config, grid, check=False)
+    records: list = []
+    down = [r for r in runs if r.name == "downpour"]
+    fake_run(tmp_path, down[0], "finished", 40.0, 0.89, records)
+    fake_run(tmp_path, down[1], "finished", 10.0, 0.90, records)
+    fake_run(tmp_path, down[2], "finished", 20.0, 0.88, records)
+    sync = [r for r in runs if r.name == "sync"]
+    fake_run(tmp_path, sync[0], "finished", None, 0.85, records)  # never reached
+    fake_run(tmp_path, sync[1], "failed", None, None, records)
+    # sync[2] never ran
+    (tmp_path / running.STATE_FILE).write_text(json.dumps({"runs": records}))
+
+    collected = results.collect(tmp_path, runs)
+    rows = results.table_rows(results.group_results(collected))
+    downpour, synchronous = rows
+    assert (downpour["reached"], downpour["seeds"], downpour["failed"]) == (3, 3, 0)
+    assert (downpour["time_to_target_median"], downpour["time_to_target_min"],
+            downpour["time_to_target_max"]) == (20.0, 10.0, 40.0)
+    assert downpour["samples_to_target_median"] == 20000
+    assert downpour["final_accuracy_median"] == 0.89
+    assert (synchronous["reached"], synchronous["failed"]) == (0, 2)
+    assert synchronous["time_to_target_median"] is None
+    assert synchronous["final_accuracy_median"] == 0.85
+    text = results.format_table(rows, 0.88)
+    assert "20.0 [10.0-40.0]" in text and "20,000 [10,000-40,000]" in text
+    assert "0/3" in text
+
+    paths = results.write_tables(tmp_path, collected, rows)
+    with paths[1].open() as f:
+        states = [row["state"] for row in csv.DictReader(f)]
+    assert states == ["finished"] * 4 + ["failed", "not run"]
+    pytest.importorskip("matplotlib")
+    for png in results.plot(tmp_path, results.group_results(collected), 0.88, "exp.toml"):
+        assert png.stat().st_size > 10_000
+
+
+def test_a_finished_run_is_one_with_the_same_settings(config: Path, tmp_path: Path) -> None:
+    run = plan.plan_runs(config, plan.Grid(specs("sgd")))[0]
+    key = running.settings_key(config, run)
+    record = {"state": "finished", "key": key}
+    assert not running.is_finished(tmp_path, run, record, key)  # no summary.json
+    (tmp_path / running.RUNS_DIR / run.folder).mkdir(parents=True)
+    (tmp_path / running.RUNS_DIR / run.folder / "summary.json").write_text("{}")
+    assert running.is_finished(tmp_path, run, record, key)
+    assert not running.is_finished(tmp_path, run, {**record, "state": "interrupted"}, key)
+    other = plan.plan_runs(config, plan.Grid(specs("sgd"), max_seconds=5))[0]
+    assert running.settings_key(config, other) != key
+    assert running.run_state(0, {"stop_reason": "SIGTERM"}, False) == "interrupted"
+    assert running.run_state(0, {"stop_reason": "target_accuracy"}, False) == "finished"
+    assert running.run_state(0, None, False) == "failed"
+
+
+# -- the launcher ------------------------------------------------------------------------
+
+
+def test_launcher_gets_the_rank_count_and_a_failed_run_is_reported(config: Path,
+                                                                    tmp_path: Path) -> None:
+    calls = tmp_path / "calls.txt"
+    launcher = tmp_path / "fake-srun"
+    launcher.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "fake-srun: no job"\n'
+                        'exit 3\n')
+    launcher.chmod(0o755)
+    out = tmp_path / "cmp"
+    result = run_cli(["compare", config, "--algorithm", "downpour", "--algorithm",
+                      "sandblaster:data.batch_size=300", "--replicas", "1,2",
+                      "--launcher", f"{launcher} --mpi=pmix -n {{n}}", "--out", out])
+    assert result.returncode == 0, result.stderr
+    lines = calls.read_text().splitlines()
+    assert [line.split(" -m distbelief")[0].split()[:3] for line in lines] == [
+        ["--mpi=pmix", "-n", "2"], ["--mpi=pmix", "-n", "3"],
+        ["--mpi=pmix", "-n", "3"], ["--mpi=pmix", "-n", "4"]]
+    assert all(f"run.out_dir=\"{out}/runs/" in line for line in lines)
+    assert result.stdout.count("FAILED after") == 4
+    assert "fake-srun: no job" in (out / "logs" / "downpour-r1-seed0.log").read_text()
+    state = json.loads((out / running.STATE_FILE).read_text())
+    assert [r["exit_status"] for r in state["runs"]] == [3] * 4
+    assert (out / "table.csv").is_file()
+
+
+# -- a real comparison -------------------------------------------------------------------
+
+
+def test_tiny_comparison_end_to_end_and_resume(config: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    args = ["compare", config, "--algorithm", "sgd", "--algorithm", "downpour",
+            "--algorithm", "sync", "--replicas", "2", "--out", out]
+    result = run_cli(args, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[1/3] sgd, seed 0 (1 rank): starting" in result.stdout
+    assert "[2/3] downpour, 2 replicas, seed 0 (3 ranks): finished" in result.stdout
+    assert "step " in result.stdout  # the runs' own progress lines
+    # sync has no trainer in this branch: its run fails, the table says so
+    assert "[3/3] sync, 2 replicas, seed 0 (2 ranks): FAILED" in result.stdout
+    with (out / "table.csv").open() as f:
+        rows = {(r["algorithm"], r["replicas"]): r for r in csv.DictReader(f)}
+    for key in [("sgd", "1"), ("downpour", "2")]:
+        assert rows[key]["reached"] == "1" and float(rows[key]["time_to_target_median"]) > 0
+    assert rows[("sync", "2")]["failed"] == "1"
+    for png in ("accuracy_vs_time.png", "time_to_target_vs_cores.png"):
+        assert (out / png).stat().st_size > 10_000
+    summary = out / "runs" / "downpour-r2-seed0" / "summary.json"
+    assert json.loads(summary.read_text())["algorithm"] == "downpour"
+    written = summary.stat().st_mtime_ns
+    # a single run's folder is an ordinary run folder
+    assert run_cli(["report", out / "runs" / "downpour-r2-seed0"]).returncode == 0
+
+    again = run_cli(args, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("finished earlier, not run again") == 2
+    assert again.stdout.count("FAILED") == 1  # the failed run is tried again
+    assert summary.stat().st_mtime_ns == written
+
+
+def test_ctrl_c_stops_the_run_with_a_checkpoint_and_resume_continues(
+        config: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    args = [sys.executable, "-m", "distbelief", "compare", str(config), "--algorithm", "sgd",
+            "--algorithm", "downpour", "--target", "0.99", "--max-seconds", "3",
+            "--out", str(out)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=_env())
+    try:
+        for line in proc.stdout:  # wait for the sgd run's first progress line
+            if line.strip().startswith("step "):
+                break
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest
+    assert "sgd, seed 0 (1 rank): interrupted" in rest
+    assert "[2/2]" not in rest  # no other run started
+    state = json.loads((out / running.STATE_FILE).read_text())
+    assert [r["state"] for r in state["runs"]] == ["interrupted"]
+    assert list((out / "runs" / "sgd-seed0" / "checkpoints").glob("ckpt-*"))
+
+    started = time.monotonic()
+    resumed = run_cli(args[3:], timeout=120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resum" in resumed.stdout.lower()
+    kinds = [json.loads(line)["kind"] for line in
+             (out / "runs" / "sgd-seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert "resume" in kinds
+    assert time.monotonic() - started < 100
+    state = json.loads((out / running.STATE_FILE).read_text())
+    assert [r["state"] for r in state["runs"]] == ["finished", "finished"]
+
+
+def test_a_second_comparison_on_the_same_folder_is_refused(config: Path,
+                                                           tmp_path: Path) -> None:
+    from distbelief.runtime.ownership import claim
+
+    out = tmp_path / "cmp"
+    owner = claim(out)  # a live comparison (this process) owns the folder
+    try:
+        result = run_cli(["compare", config, "--algorithm", "sgd", "--out", out])
+    finally:
+        owner.release()
+    assert result.returncode == 2
+    assert "belongs to a live run" in result.stderr
+    assert not (out / running.STATE_FILE).exists()
+
+
+def test_compare_sbatch_requeues_on_usr1_and_resumes(config: Path, tmp_path: Path) -> None:
+    """slurm/compare.sbatch under the SLURM shims: SIGUSR1 to the batch shell reaches the
+    current run through compare and srun; the run checkpoints, the job requeues, and the
+    requeued job skips nothing it should run and reruns nothing that finished."""
+    from test_slurm import JOB_ID, Job
+
+    out = tmp_path / "cmp"
+    job = Job("compare", tmp_path, 3, config)
+    args = [str(config), "--algorithm", "sgd", "--algorithm", "downpour", "--target", "0.99",
+            "--max-seconds", "3", "--out", str(out)]
+    proc = job.start(args=args)
+    metrics = out / "runs" / "downpour-r1-seed0" / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while not (metrics.is_file() and '"kind": "train"' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, job.text()[-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGUSR1)
+    assert job.wait(proc) == 0, job.text()[-3000:]
+    assert job.shim_calls("scontrol") == [f"scontrol requeue {JOB_ID}"]
+    state = json.loads((out / running.STATE_FILE).read_text())
+    assert [r["state"] for r in state["runs"]] == ["finished", "interrupted"]
+
+    assert job.run(restarts=1, args=args) == 0, job.text()[-3000:]
+    second = job.text().split("restart 1", 1)[1]
+    assert "sgd, seed 0 (1 rank): finished earlier, not run again" in second
+    assert "resuming from" in second
+    state = json.loads((out / running.STATE_FILE).read_text())
+    assert [r["state"] for r in state["runs"]] == ["finished", "finished"]
+    assert all(" -n 2 " in call for call in job.shim_calls("srun"))
+    assert len(job.shim_calls("srun")) == 2
+
+
+def test_help_says_how_to_use_it() -> None:
+    result = run_cli(["compare", "--help"])
+    assert result.returncode == 0
+    for fragment in ("--algorithm", "--replicas", "--seeds", "--learning-rates", "--launcher",
+                     "{n}", "resume", "Ctrl-C", "examples:", "slurm/compare.sbatch"):
+        assert fragment in result.stdout
+    assert "compare" in run_cli(["--help"]).stdout
