@@ -401,7 +401,7 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
         raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "
                           f"{comm.Get_size()} MPI ranks were started; run it without "
                           f"mpiexec, or use algorithm = \"downpour\"")
-    if algorithm not in ("sgd", "downpour", "sandblaster"):
+    if algorithm not in ("sgd", "downpour", "sandblaster", "averaging"):
         raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
     if comm is None and (algorithm != "sgd" or config.cluster.partitions > 1):
         comm = start_mpi()
@@ -449,6 +449,10 @@ def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
         from distbelief.algorithms import downpour
 
         return downpour.train(config, comm, resume=resume)
+    if algorithm == "averaging":
+        from distbelief.algorithms import averaging
+
+        return averaging.train(config, comm, resume=resume)
     from distbelief.algorithms.sandblaster import roles as sandblaster
 
     return sandblaster.train(config, comm, resume=resume)
