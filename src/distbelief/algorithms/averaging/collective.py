@@ -72,7 +72,7 @@ from distbelief.runtime.threads import set_blas_threads
 STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
               5: "SIGINT"}
 _CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
-OPTIMIZER_PREFIX = "optimizer/"  # a replica part's arrays that hold its optimizer state
+OPTIMIZER_PREFIX = "optimizer."  # a replica part's arrays that hold its optimizer state
 LOST_ABORT_WAIT_S = 5.0  # how long a rank that is not the lowest live one leaves the abort
 
 
