@@ -48,6 +48,13 @@ then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks, "san
 on ps_shards + 1 + replicas x P ranks. See `distbelief costmodel` for how many partitions
 pay off.
 
+optimizer.algorithm = "averaging" makes every rank a replica (cluster.ps_shards = 0) that
+trains on its own part of the data and averages its parameters with the others every
+optimizer.average_every steps; a lost replica stops it with one line. With
+optimizer.elastic_alpha set it is EASGD: a center variable on the ps_shards shards (the
+model that is evaluated and checkpointed), each replica and the center pulled toward each
+other every average_every steps, and a lost replica does not stop the run.
+
 Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
 or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1
 (SLURM's time limit, sbatch --signal=USR1@120): the current step finishes, a checkpoint is
@@ -74,6 +81,9 @@ examples:
   mpiexec -n 2 python -m distbelief train configs/fashion_mnist_local.toml \\
       --set cluster.partitions=2
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sandblaster.toml
+  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_averaging.toml
+  mpiexec -n 3 python -m distbelief train configs/fashion_mnist_averaging.toml \\
+      --set optimizer.elastic_alpha=0.45
   mpiexec -n 6 python -m distbelief train configs/fashion_mnist_sandblaster.toml \\
       --set cluster.partitions=2
 """
@@ -180,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI. Algorithms "
         "(optimizer.algorithm): sgd (one process, the baseline), downpour (Downpour SGD "
-        "against a sharded parameter server) and sandblaster (Sandblaster L-BFGS); with "
+        "against a sharded parameter server), sandblaster (Sandblaster L-BFGS) and averaging "
+        "(periodic parameter averaging, or EASGD with optimizer.elastic_alpha); with "
         "cluster.partitions = P, any of them splits each model replica over P ranks "
         "(partitioned model parallelism).",
         epilog="Run 'distbelief COMMAND --help' for each command's options and examples.")
