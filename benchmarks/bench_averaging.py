@@ -13,8 +13,10 @@ Runs per seed:
   easgd      mpiexec -n 3 ... the same with elastic_alpha            (1 shard + 2 replicas)
 all with run.threads = 1 and the same run.eval_every_seconds (evaluation time counts).
 The figure is summary.json's time_to_target (seconds from the start of training to the
-first evaluation at the target). Prints each run, then the medians and the ratio
-sgd / algorithm (above 1: the algorithm is faster than the single-process trainer).
+first evaluation at the target). Prints each run, then per algorithm the median time and
+the median over seeds of the ratio sgd / algorithm, each ratio taken between the runs of
+one seed, which ran one after the other (above 1: the algorithm is faster than the
+single-process trainer). A run that misses the target counts as --max-seconds.
 `distbelief prepare fashion-mnist --out FILE` writes the data file.
 """
 
@@ -65,9 +67,13 @@ def run_one(kind: str, args: argparse.Namespace, seed: int) -> float | None:
     load = os.getloadavg()[0]
     seconds = summary["time_to_target"]
     shown = "-" if seconds is None else f"{seconds:.1f}s"
+    rounds = ""
+    if summary.get("averages"):  # collective averaging: the time in its rounds
+        rounds = (f", {1000 * summary['average_seconds'] / summary['averages']:.1f} ms per "
+                  f"average")
     print(f"  {kind:9s} seed {seed}: {shown} to {args.target:g} (final "
-          f"{summary['final_test_accuracy']:.4f}, {summary['steps']} steps, load {load:.1f})",
-          flush=True)
+          f"{summary['final_test_accuracy']:.4f}, {summary['steps']} steps{rounds}, load "
+          f"{load:.1f})", flush=True)
     return seconds
 
 
@@ -90,20 +96,21 @@ def main() -> None:
           f"every {args.average_every} steps, EASGD elastic_alpha {args.alpha:g}; "
           f"{os.cpu_count()} cores", flush=True)
     times: dict[str, list[float]] = {kind: [] for kind in args.only}
+    reached = dict.fromkeys(args.only, 0)
     for seed in args.seeds:
         for kind in args.only:
             seconds = run_one(kind, args, seed)
-            if seconds is not None:
-                times[kind].append(seconds)
-    print("\n| run | ranks | median s to target | runs at target | sgd / run |")
+            reached[kind] += seconds is not None
+            times[kind].append(args.max_seconds if seconds is None else seconds)
+    print("\n| run | ranks | median s to target | runs at target | sgd / run (median of "
+          "per-seed ratios) |")
     print("|---|---:|---:|---:|---:|")
-    base = statistics.median(times["sgd"]) if times.get("sgd") else None
     for kind, got in times.items():
         ranks = {"sgd": 1, "averaging": 2, "easgd": 3}[kind]
-        median = statistics.median(got) if got else None
-        ratio = f"{base / median:.2f}" if base and median else "-"
-        shown = f"{median:.1f}" if median else "-"
-        print(f"| {kind} | {ranks} | {shown} | {len(got)}/{len(args.seeds)} | {ratio} |")
+        ratios = [b / t for b, t in zip(times.get("sgd", []), got, strict=False)]
+        ratio = f"{statistics.median(ratios):.2f}" if ratios else "-"
+        print(f"| {kind} | {ranks} | {statistics.median(got):.1f} | "
+              f"{reached[kind]}/{len(args.seeds)} | {ratio} |")
 
 
 if __name__ == "__main__":
