@@ -54,6 +54,13 @@ then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks, "san
 on ps_shards + 1 + replicas x P ranks. See `distbelief costmodel` for how many partitions
 pay off.
 
+optimizer.algorithm = "averaging" makes every rank a replica (cluster.ps_shards = 0) that
+trains on its own part of the data and averages its parameters with the others every
+optimizer.average_every steps; a lost replica stops it with one line. With
+optimizer.elastic_alpha set it is EASGD: a center variable on the ps_shards shards (the
+model that is evaluated and checkpointed), each replica and the center pulled toward each
+other every average_every steps, and a lost replica does not stop the run.
+
 Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
 or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1
 (SLURM's time limit, sbatch --signal=USR1@120): the current step finishes, a checkpoint is
@@ -80,6 +87,9 @@ examples:
   mpiexec -n 2 python -m distbelief train configs/fashion_mnist_local.toml \\
       --set cluster.partitions=2
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sandblaster.toml
+  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_averaging.toml
+  mpiexec -n 3 python -m distbelief train configs/fashion_mnist_averaging.toml \\
+      --set optimizer.elastic_alpha=0.45
   mpiexec -n 6 python -m distbelief train configs/fashion_mnist_sandblaster.toml \\
       --set cluster.partitions=2
   mpiexec -n 2 python -m distbelief train configs/fashion_mnist_sync.toml
@@ -237,10 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI. Algorithms "
         "(optimizer.algorithm): sgd (one process, the baseline), downpour (Downpour SGD "
         "against a sharded parameter server), sandblaster (Sandblaster L-BFGS), sync "
-        "(synchronous data-parallel SGD, optionally with backup workers) and hogwild "
-        "(lock-free shared parameters on one node); with cluster.partitions = P, sgd, "
-        "downpour and sandblaster split each model replica over P ranks (partitioned model "
-        "parallelism).",
+        "(synchronous data-parallel SGD, optionally with backup workers), averaging "
+        "(periodic parameter averaging, or EASGD with optimizer.elastic_alpha) and "
+        "hogwild (lock-free shared parameters on one node); with cluster.partitions = P, "
+        "sgd, downpour and sandblaster split each model replica over P ranks "
+        "(partitioned model parallelism).",
         epilog="Run 'distbelief COMMAND --help' for each command's options and examples.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -504,7 +515,7 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
         raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "
                           f"{comm.Get_size()} MPI ranks were started; run it without "
                           f"mpiexec, or use algorithm = \"downpour\"")
-    if algorithm not in ("sgd", "downpour", "sandblaster", "sync", "hogwild"):
+    if algorithm not in ("sgd", "downpour", "sandblaster", "sync", "averaging", "hogwild"):
         raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
     if comm is None and (algorithm != "sgd" or config.cluster.partitions > 1):
         comm = start_mpi()
@@ -561,6 +572,11 @@ def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
         from distbelief.algorithms import hogwild
 
         return hogwild.train(config, comm, resume=resume)
+
+    if algorithm == "averaging":
+        from distbelief.algorithms import averaging
+
+        return averaging.train(config, comm, resume=resume)
     from distbelief.algorithms.sandblaster import roles as sandblaster
 
     return sandblaster.train(config, comm, resume=resume)

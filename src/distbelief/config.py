@@ -70,8 +70,8 @@ from typing import Any
 
 from distbelief.errors import ConfigError, DataError
 
-ALGORITHMS = ("sgd", "downpour", "sandblaster", "sync", "hogwild")
-NOT_IMPLEMENTED_ALGORITHMS: tuple[str, ...] = ("averaging",)
+ALGORITHMS = ("sgd", "downpour", "sandblaster", "sync", "averaging", "hogwild")
+NOT_IMPLEMENTED_ALGORITHMS: tuple[str, ...] = ()
 UPDATES = ("adagrad", "sgd", "adarevision")
 """optimizer.update: the rule that applies a gradient. "adagrad" and "sgd" are also
 spelled `adagrad = true/false`; "adarevision" (delay-tolerant Adagrad) runs on Downpour's

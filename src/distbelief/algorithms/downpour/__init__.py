@@ -123,7 +123,7 @@ what every shard does), supervisor (Supervisor: shard 0, and the summary); train
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -152,7 +152,9 @@ __all__ = ["OpenRun", "grant", "open_run", "plan_run", "train"]
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          fetch_own_pushes: bool = True, resume: str = "auto") -> dict[str, Any] | None:
+          fetch_own_pushes: bool = True, resume: str = "auto",
+          replica_role: Callable[..., Any] = make_replica,
+          shard_update: Callable[[int], Any] | None = None) -> dict[str, Any] | None:
     """Run Downpour SGD on the ranks of `comm`; returns the run summary on rank 0, None
     on the other ranks.
 
@@ -171,6 +173,11 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     lost. Rank 0 writes the run folder and prints to `stream`; raises TrainingDiverged,
     BadGradients or CheckpointError (RunFailed off the shards) on every live rank when
     the run failed.
+
+    `replica_role(run, network, fetch_own_pushes)` makes a replica rank's role and
+    `shard_update(size)` a shard's update rule (default: optimizer.update's); the
+    variants that reuse Downpour's machinery (EASGD: distbelief.algorithms.averaging.elastic)
+    pass their own.
     """
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
@@ -193,9 +200,10 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             try:
                 with guard.waiting("the other ranks to set the run up", others):
                     run = open_run(config, comm, resume, stream, signals, info, network,
-                                   peers)
+                                   peers, shard_update)
                 with np.errstate(over="ignore", invalid="ignore"):
-                    role = _make_role(run, config, network, info, stream, fetch_own_pushes)
+                    role = _make_role(run, config, network, info, stream, fetch_own_pushes,
+                                      replica_role)
                     role.run()
                     ending = role.finish()
                 run.close(ending.teardown)
@@ -224,10 +232,11 @@ def _closing(peers: Peers) -> Iterator[None]:
 
 
 def _make_role(run: OpenRun, config: Config, network: Any, info: Any,
-               stream: IO[str] | None, fetch_own_pushes: bool) -> Any:
+               stream: IO[str] | None, fetch_own_pushes: bool,
+               replica_role: Callable[..., Any] = make_replica) -> Any:
     topology = run.plan.topology
     if topology.is_replica:  # partitioned when partitions > 1
-        return make_replica(run, network, fetch_own_pushes)
+        return replica_role(run, network, fetch_own_pushes)
     if topology.world_rank == 0:
         return Supervisor(run, config, network, info, stream)
     return _ShardRole(run)

@@ -5,6 +5,7 @@ communicators, held by OpenRun, which every role runs on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -83,7 +84,8 @@ class OpenRun:
 
 def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None,
              signals: StopSignals, info: Any = None, network: Any = None,
-             peers: Peers | None = None) -> OpenRun:
+             peers: Peers | None = None,
+             shard_update: Callable[[int], Any] | None = None) -> OpenRun:
     """Set up a Downpour run on every rank of `comm` (train's first half; tests use it to
     look at a resumed run's starting state).
 
@@ -92,8 +94,11 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     a bcast of the checkpoint's path, each rank's read of its piece (agreed), an
     allgather of every rank's identity, open_parameter_server with the restored slices
     and optimizer state and the run control block, the role communicators, and a
-    Comm.Dup for the final statistics.
+    Comm.Dup for the final statistics. `shard_update(size)` makes a shard's update rule
+    (None: the configured optimizer, shard_optimizer).
     """
+    if shard_update is None:
+        shard_update = lambda size: shard_optimizer(config, size)
     if info is None or network is None:
         info, network = open_data(config)
     plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train)
@@ -102,10 +107,9 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     chosen = local[1] if topology.world_rank == 0 else None
     path = comm.bcast(str(chosen.path) if chosen is not None else None, root=0)
     start = agree(comm, lambda: _read_start(config, plan, network, info, local, path, chosen,
-                                             stream))
+                                             stream, shard_update))
     if peers is None:
         peers = Peers.gather(comm)
-    opt = config.optimizer
     initial = None
     if topology.is_shard:
         initial = network.init_params(config.run.seed)
@@ -114,8 +118,7 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
             initial[a:b] = start.params
     endpoint = open_parameter_server(
         comm, topology, network.layout.size,
-        lambda n: (start.optimizer if start.optimizer is not None
-                   else optimizer_for(opt.update, opt.learning_rate, n)),
+        lambda n: start.optimizer if start.optimizer is not None else shard_update(n),
         initial, control_replicas=plan.num_replicas)
     if isinstance(endpoint, ParameterServerShard):
         # A replica killed mid-push is written off as soon as its process is seen gone; a
@@ -163,7 +166,8 @@ class Start:
 
 def _read_start(config: Config, plan: DownpourPlan, network: Any, info: Any, local: Any,
                 path: str | None, chosen: ckpt.Checkpoint | None,
-                stream: IO[str] | None) -> Start:
+                stream: IO[str] | None,
+                shard_update: Callable[[int], Any]) -> Start:
     """Read this rank's piece of the checkpoint at `path` (rank 0 verified all of it).
     Local; CheckpointError if the piece cannot be used."""
     if path is None:
@@ -177,9 +181,7 @@ def _read_start(config: Config, plan: DownpourPlan, network: Any, info: Any, loc
             start.shard_range = balanced_ranges(network.layout.size,
                                                 topology.ps_shards)[topology.shard_index]
             start.params, state = found.read_range(*start.shard_range)
-            opt = config.optimizer
-            start.optimizer = optimizer_for(opt.update, opt.learning_rate,
-                                            start.params.size)
+            start.optimizer = shard_update(start.params.size)
             start.optimizer.load_state(state)
         elif topology.is_replica:
             _restore_replica(found, plan, local, info, start)
@@ -213,6 +215,12 @@ def _restore_replica(found: ckpt.Checkpoint, plan: DownpourPlan, data: Any, info
     else:
         data.load_state({**data.state(), "epoch": 1 + found.samples // info.n_train,
                          "position": 0})
+
+
+def shard_optimizer(config: Config, size: int) -> Any:
+    """The configured update rule for a shard of `size` parameters (optimizer.update)."""
+    opt = config.optimizer
+    return optimizer_for(opt.update, opt.learning_rate, size)
 
 
 def shard_lost_message(shard: int, how: str) -> str:

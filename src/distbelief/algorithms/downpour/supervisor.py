@@ -433,7 +433,8 @@ class Supervisor(_ShardRole):
         records = [ckpt.PartRecord(*rec) for r in reports for rec in r["records"]]
         try:
             path = ckpt.commit(
-                self.root, meta, settings=hashed_settings(self.config), algorithm="downpour",
+                self.root, meta, settings=hashed_settings(self.config),
+                algorithm=self.config.optimizer.algorithm,
                 layout=self.network.layout, shard_ranges=self.shard.ranges,
                 optimizer_state=list(saved_state(self.shard.optimizer)), parts=records,
                 num_replicas=self.plan.num_replicas, keep=self.config.run.keep_checkpoints,
@@ -541,11 +542,13 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
     replicas = sorted(sup.replica_stats.values(), key=lambda s: (s["replica"], s["rank"]))
     resumed = sup.resumed_from
     return {
-        "algorithm": "downpour", "stop_reason": sup.reason,
+        # "averaging" for EASGD, which runs on this machinery (algorithms.averaging.elastic)
+        "algorithm": config.optimizer.algorithm, "stop_reason": sup.reason,
         "config_hash": config_hash(config), "num_params": int(sup.network.layout.size),
         "eval_samples": len(sup.eval_set[1]), "world_size": plan.topology.world_size,
         "ps_shards": plan.topology.ps_shards, "num_replicas": plan.num_replicas,
         "n_fetch": plan.n_fetch, "n_push": plan.n_push,
+        "elastic_alpha": config.optimizer.elastic_alpha,
         "warm_start_steps": plan.warm_start_steps, "max_steps": plan.max_steps,
         "evaluations": sup.evaluations, "eval_seconds": sup.eval_seconds,
         "resumed_from": str(resumed.path) if resumed is not None else None,
@@ -575,7 +578,9 @@ def _combined_staleness(replicas: list[dict[str, Any]]) -> dict[str, Any]:
 def _header(config: Config, plan: DownpourPlan, network: Any, info: Any,
             eval_samples: int) -> str:
     opt = config.optimizer
-    return (f"distbelief: downpour, {network.layout.size:,d} parameters; "
+    name = "downpour" if opt.elastic_alpha is None else \
+        f"averaging (EASGD, elastic_alpha {opt.elastic_alpha:g}, every {opt.average_every} steps)"
+    return (f"distbelief: {name}, {network.layout.size:,d} parameters; "
             f"{plan.topology.describe()}; n_fetch {opt.n_fetch}, n_push {opt.n_push}, "
             f"warm start {opt.warm_start_steps} steps, "
             f"{'Adagrad' if opt.adagrad else 'SGD'} lr {opt.learning_rate:g}; data "

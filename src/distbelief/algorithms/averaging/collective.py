@@ -1,0 +1,422 @@
+"""Periodic parameter averaging (`algorithm = "averaging"`, no elastic_alpha, ps_shards = 0).
+
+Every rank is a replica. Each trains on its own part of the training set with its own
+optimizer (optimizer.update "adagrad" or "sgd") for `average_every` = tau local steps;
+then the replicas' parameters are averaged, x_i <- (1/R) sum_j x_j, and every replica
+continues from the average. The optimizer state (Adagrad's accumulators) STAYS LOCAL: it is
+never averaged, each replica keeps the one its own gradients built. This is the
+"supervisor pattern" of issue 14 and the iterative parameter mixing of McDonald, Hall and
+Mann (2010), "Distributed training strategies for the structured perceptron" (NAACL),
+analysed for SGD by Zinkevich, Weimer, Smola and Li (2010), "Parallelized stochastic
+gradient descent" (NIPS); tau = 1 with SGD is synchronous data-parallel SGD.
+
+One average is one collective round over `comm`: three non-blocking Iallreduces issued
+in the same order on every rank (the parameters, float32 SUM; the replicas' loss sums,
+float64 SUM; the decisions, int32 MAX), completed by polling with back-off sleeps
+(partitioned_network.wait_all: MPICH's Wait spins a core, DESIGN.md "spinning waits").
+The decisions ride on the average: any rank's stop signal, and rank 0's clock-based
+choices (max_seconds, evaluate now, checkpoint now). max_steps counts TOTAL steps over
+the replicas, as Downpour's does; replicas run in lockstep, so each trains
+ceil(max_steps / R) steps and the last block is cut short to end on an average. After an
+average every replica holds the same parameters, so rank 0 alone evaluates them (the
+others wait for its verdict, a polled Ibcast) and the run folder is rank 0's.
+
+Checkpoints (records.checkpoint's format) are taken right after an average, collectively:
+rank 0 writes the one "shard" part (the averaged parameters), every replica its own
+replica part (data position, local steps, and its own optimizer state as arrays), rank 0
+commits. A resume therefore restores each replica exactly, and needs the same replica
+count (a different one is refused with the count that fits).
+
+A LOST REPLICA cannot be survived: the next average waits for it forever. The polled wait
+asks the liveness machinery (runtime.liveness: /proc on this node, heartbeats on others)
+about every other replica, and once one is gone the lowest live rank ends the job with one
+line naming it (the others leave the abort to it) and exit status 1. The last checkpoint
+survives; EASGD (elastic_alpha set) is the variant that goes on without a lost replica.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+from mpi4py import MPI
+
+from distbelief.algorithms.common import (
+    EVAL_BATCH_SIZE,
+    RESUME_MODES,
+    StopRules,
+    StopSignals,
+    TrainingDiverged,
+    load_eval_set,
+    open_data,
+    prepare_run_dir,
+    starting_checkpoint,
+)
+from distbelief.algorithms.partitioned_sgd import polled_bcast
+from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.errors import ConfigError, DataError
+from distbelief.model.partitioned_network import wait_all
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.console import say
+from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
+from distbelief.runtime import guardian, watchdog
+from distbelief.runtime.agreement import agree
+from distbelief.runtime.faults import Faults
+from distbelief.runtime.threads import set_blas_threads
+
+STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
+              5: "SIGINT"}
+_CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
+OPTIMIZER_PREFIX = "optimizer."  # a replica part's arrays that hold its optimizer state
+LOST_ABORT_WAIT_S = 5.0  # how long a rank that is not the lowest live one leaves the abort
+
+
+def check_job(config: Config, world_size: int, n_train: int) -> None:
+    """The job fits collective averaging: every rank a replica of one rank, each with at
+    least a batch of rows. Pure, so every rank raises the same error before communicating."""
+    cluster = config.cluster
+    if cluster.ps_shards != 0:
+        raise ConfigError(f"optimizer.algorithm = \"averaging\" without elastic_alpha keeps "
+                          f"no parameters on shards, but cluster.ps_shards = "
+                          f"{cluster.ps_shards}; set ps_shards = 0, or set "
+                          f"optimizer.elastic_alpha for EASGD")
+    if cluster.partitions != 1:
+        raise ConfigError(f"optimizer.algorithm = \"averaging\" runs replicas of one rank "
+                          f"each; cluster.partitions = {cluster.partitions} is not supported")
+    smallest = n_train // world_size
+    if config.data.batch_size > smallest:
+        raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
+                        f"{smallest} training rows each of the {world_size} replicas gets "
+                        f"({n_train} rows in {config.data.path}); use a smaller batch or "
+                        f"fewer replicas")
+
+
+@dataclass
+class Replica:
+    """One rank's replica: its data, parameters, optimizer and counters."""
+
+    comm: MPI.Comm
+    network: Any
+    shard: Any
+    params: np.ndarray
+    optimizer: Any
+    local_steps: int = 0
+    averages: int = 0
+    average_seconds: float = 0.0
+    others: tuple[int, ...] = field(default=())
+
+    @property
+    def size(self) -> int:
+        return self.comm.Get_size()
+
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    def average(self, losses: np.ndarray, flags: np.ndarray) -> None:
+        """Average the parameters over the replicas in place, sum `losses` and take the
+        MAX of `flags`, in one polled round. Collective over comm (three Iallreduces)."""
+        t0 = time.perf_counter()
+        requests = [self.comm.Iallreduce(MPI.IN_PLACE, self.params, op=MPI.SUM),
+                    self.comm.Iallreduce(MPI.IN_PLACE, losses, op=MPI.SUM),
+                    self.comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)]
+        wait_all(requests, "the other replicas' parameters for the average", self.others)
+        self.params *= np.float32(1.0 / self.size)
+        self.averages += 1
+        self.average_seconds += time.perf_counter() - t0
+
+
+def describe_rank(rank: int) -> str:
+    return f"replica {rank} (rank {rank})"
+
+
+def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
+          resume: str = "auto") -> dict[str, Any] | None:
+    """Train with periodic parameter averaging on the ranks of `comm`; the summary on rank
+    0, None elsewhere. Collective over `comm` (every rank calls it with the same config).
+
+    Validates the job first without communicating (ConfigError/DataError on every rank);
+    any rank's UserError in the set-up is raised on every rank (agreement.agree). A lost
+    replica ends the job (module docstring).
+    """
+    from distbelief.data.hdf5 import TrainShard
+    from distbelief.model.optimizers import make_optimizer
+
+    if resume not in RESUME_MODES:
+        raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
+    info, network = open_data(config)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    check_job(config, size, info.n_train)
+    set_blas_threads(config.run.threads or 1)
+
+    def setup() -> tuple[Any, Any]:
+        if rank != 0:
+            return None, None
+        chosen = starting_checkpoint(config, network.layout, resume, stream)
+        prepare_run_dir(config)
+        return load_eval_set(config, info), chosen
+
+    eval_set, chosen = agree(comm, setup)
+    path = comm.bcast(str(chosen.path) if chosen is not None else None, root=0)
+    opt = config.optimizer
+    params = network.init_params(config.run.seed)  # the same on every rank (same seed)
+    replica = Replica(comm, network, TrainShard(info, rank, size, config.run.seed), params,
+                      make_optimizer(opt.adagrad, opt.learning_rate, params.size),
+                      others=tuple(r for r in range(size) if r != rank))
+    found = agree(comm, lambda: _restore(path, chosen, replica))
+    recorder = None
+    if rank == 0:
+        say(stream, f"distbelief: averaging, {size} replica(s), average every "
+                       f"{opt.average_every} steps, {network.layout.size:,d} parameters, "
+                       f"data {info.path} ({info.n_train} train / {len(eval_set[1])} eval "
+                       f"samples), out {config.run.out_dir}\n{network.describe()}")
+        resume_point = None if found is None else ResumePoint(
+            found.step, found.samples, found.wall_seconds, found.path.name)
+        recorder = RunRecorder(config.run.out_dir, config.run.progress_every_seconds, stream,
+                               target_accuracy=config.run.target_accuracy,
+                               resume=resume_point)
+    saver = Saver(config, replica, recorder, stream,
+                  last_step=found.step if found is not None else None)
+    guard, peers = watchdog.for_job(comm, describe_rank, config.run)
+    with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard), \
+            StopSignals() as signals:
+        try:
+            reason = _loop(config, replica, eval_set, recorder, saver, signals)
+            saver.save()
+        except watchdog.RankLost as lost:
+            _stop_for_lost(comm, peers, lost, saver)
+        finally:
+            peers.close()
+    if recorder is None:
+        return None
+    summary = recorder.finish({
+        "algorithm": "averaging", "stop_reason": reason, "config_hash": config_hash(config),
+        "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
+        "replicas": size, "average_every": opt.average_every,
+        "averages": replica.averages, "average_seconds": replica.average_seconds,
+        "resumed_from": str(found.path) if found is not None else None,
+        "checkpoint": str(saver.last_path) if saver.last_path else None})
+    accuracy = summary["final_test_accuracy"]
+    say(stream, f"distbelief: stopped ({reason}) after {summary['steps']} steps "
+                   f"({replica.averages} averages), {summary['wall_seconds']:.1f}s; test "
+                   f"accuracy {'-' if accuracy is None else f'{accuracy:.4f}'}"
+                   f"{target_text(summary)}\nresults in {config.run.out_dir}")
+    return summary
+
+
+def _loop(config: Config, replica: Replica, eval_set: Any, recorder: RunRecorder | None,
+          saver: Saver, signals: StopSignals) -> str:
+    """Blocks of local steps, each ending with an average; returns why the run stopped.
+    Collective over replica.comm."""
+    rules, size = StopRules.from_config(config), replica.size
+    tau, batch_size = config.optimizer.average_every, config.data.batch_size
+    eval_every = config.run.eval_every_seconds
+    local_budget = -(-rules.max_steps // size) if rules.max_steps else 0
+    grad = np.zeros_like(replica.params)
+    losses = np.zeros(2, dtype=np.float64)  # this block's loss sum and step count
+    flags = np.zeros(3, dtype=np.int32)  # stop code, evaluate now, checkpoint now
+    verdict = np.zeros(1, dtype=np.int32)
+    now = time.monotonic()
+    next_log, next_eval = now + LOG_EVERY_SECONDS, now + eval_every
+    next_save_time, next_save_step = saver.schedule(replica.local_steps * size, now)
+    faults = Faults.for_rank(MPI.COMM_WORLD.Get_rank())  # test-only: kill:RANK:STEP
+    pending_loss, pending_count, recent = 0.0, 0, math.nan
+    while True:
+        # Averages fall on multiples of tau, also after a resume; the budget cuts the last.
+        steps = tau - replica.local_steps % tau
+        if local_budget:
+            steps = max(0, min(steps, local_budget - replica.local_steps))
+        losses[:] = 0.0
+        for _ in range(steps):
+            x, y = replica.shard.next_batch(batch_size)
+            losses[0] += replica.network.loss_and_grad(replica.params, x, y, grad)
+            replica.optimizer.step(replica.params, grad)
+            replica.local_steps += 1
+            if faults:
+                faults.after_step(replica.local_steps, 0.0)
+        losses[1] = steps
+        step = replica.local_steps * size
+        flags[:] = 0
+        flags[0] = _CODE_OF[signals.received]
+        if recorder is not None:
+            now = time.monotonic()
+            flags[0] = max(flags[0], _CODE_OF[rules.budget_spent(step, now - recorder.start)])
+            flags[1] = now >= next_eval
+            flags[2] = now >= next_save_time or step >= next_save_step
+        replica.average(losses, flags)
+        samples = step * batch_size
+        if losses[1]:
+            pending_loss, pending_count = pending_loss + losses[0], pending_count + losses[1]
+        if not math.isfinite(losses[0]):  # the same sum on every rank: all stop here
+            if recorder is not None:
+                recorder.finish({"algorithm": "averaging", "stop_reason": "diverged"})
+            raise TrainingDiverged(f"training diverged: the loss is {losses[0]} at step "
+                                   f"{step}; lower optimizer.learning_rate (now "
+                                   f"{config.optimizer.learning_rate:g})")
+        reason = STOP_CODES[int(flags[0])]
+        if recorder is not None:
+            now = time.monotonic()
+            if (now >= next_log or reason) and pending_count:
+                recent = pending_loss / pending_count
+                pending_loss, pending_count = 0.0, 0
+                recorder.log(step, samples, recent)
+                next_log = now + LOG_EVERY_SECONDS
+            recorder.progress(step, samples, recent)
+        if reason:
+            if reason not in StopSignals.NAMES and recorder is not None:
+                _evaluate(replica, eval_set, recorder, step, samples, recent)
+            return reason
+        if flags[1]:
+            if recorder is not None:
+                accuracy = _evaluate(replica, eval_set, recorder, step, samples, recent)
+                verdict[0] = rules.target_reached(accuracy)
+            polled_bcast(replica.comm, verdict, "rank 0's evaluation", (0,))
+            if verdict[0]:
+                return "target_accuracy"
+            next_eval = time.monotonic() + eval_every
+        if flags[2]:
+            saver.save()
+            next_save_time, next_save_step = saver.schedule(step, time.monotonic())
+
+
+def _evaluate(replica: Replica, eval_set: Any, recorder: RunRecorder, step: int,
+              samples: int, recent: float) -> float:
+    """Evaluate the (just averaged) parameters on rank 0 and log it; the test accuracy."""
+    x, y = eval_set
+    loss, accuracy = replica.network.evaluate(replica.params, x, y,
+                                              batch_size=EVAL_BATCH_SIZE)
+    recorder.log_eval(step, samples, recent, float(accuracy), float(loss))
+    return float(accuracy)
+
+
+# ------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+class Saver:
+    """When and how the replicas checkpoint, right after an average (all hold the same
+    parameters): rank 0 the parameters, each replica its own part. Collective."""
+
+    def __init__(self, config: Config, replica: Replica, recorder: RunRecorder | None,
+                 stream: IO[str] | None, last_step: int | None):
+        run = config.run
+        self.root = ckpt.checkpoint_root(run.out_dir)
+        self.every_seconds, self.every_steps = run.checkpoint_every_seconds, \
+            run.checkpoint_every_steps
+        self.keep, self.settings = run.keep_checkpoints, hashed_settings(config)
+        self.config_hash, self.batch_size = config_hash(config), config.data.batch_size
+        self.replica, self.recorder, self.stream = replica, recorder, stream
+        self.last_step = last_step
+        self.last_path: Path | None = None
+
+    def schedule(self, step: int, now: float) -> tuple[float, float]:
+        """(monotonic time, total step) of the next periodic checkpoint; inf when off."""
+        at_time = now + self.every_seconds if self.every_seconds else math.inf
+        at_step = (step // self.every_steps + 1) * self.every_steps if self.every_steps \
+            else math.inf
+        return at_time, at_step
+
+    def save(self) -> None:
+        """Checkpoint the state right after an average, unless this step has one already.
+        Collective over the replicas' communicator (three agreements and a gather); a
+        failed write raises CheckpointError on every rank."""
+        replica = self.replica
+        step = replica.local_steps * replica.size
+        if step == self.last_step:
+            return
+        comm, rank0 = replica.comm, replica.rank == 0
+        began = time.monotonic()
+        elapsed = comm.bcast(self.recorder.elapsed() if rank0 else None, root=0)
+        meta = ckpt.CheckpointMeta(step, step * self.batch_size, elapsed, self.config_hash)
+        partial = agree(comm, lambda: ckpt.prepare(self.root, step) if rank0 else None)
+        partial = comm.bcast(partial, root=0)
+        counters = {"step": step, "local_steps": replica.local_steps}
+        arrays = {OPTIMIZER_PREFIX + name: value
+                  for name, value in replica.optimizer.state().items()}
+        record = agree(comm, lambda: ckpt.write_replica_part(
+            partial, meta, replica.rank, replica.shard.state(), counters=counters,
+            arrays=arrays))
+        records = comm.gather(record, root=0)
+        path = agree(comm, lambda: self._commit(partial, meta, records) if rank0 else None)
+        self.last_step = step
+        if rank0:
+            self.last_path = path
+            seconds = time.monotonic() - began
+            self.recorder.log_event("checkpoint", step, meta.samples, at=meta.wall_seconds,
+                                    seconds=seconds, path=path.name)
+            say(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
+
+    def _commit(self, partial: Path, meta: ckpt.CheckpointMeta,
+                records: list[ckpt.PartRecord]) -> Path:
+        replica = self.replica
+        size = replica.params.size
+        shard = ckpt.write_shard_part(partial, meta, 0, 0, size, replica.params, {},
+                                      {"step": meta.step})
+        return ckpt.commit(self.root, meta, settings=self.settings, algorithm="averaging",
+                           layout=replica.network.layout, shard_ranges=[(0, size)],
+                           optimizer_state=[], parts=[shard, *records],
+                           num_replicas=replica.size, keep=self.keep)
+
+
+def _restore(path: str | None, chosen: ckpt.Checkpoint | None,
+             replica: Replica) -> ckpt.Checkpoint | None:
+    """Load this replica's piece of the checkpoint at `path` (rank 0 verified all of it):
+    the averaged parameters, its data position, local steps and optimizer state. Local;
+    CheckpointError when it cannot be used here."""
+    if path is None:
+        return None
+    found = chosen if chosen is not None else ckpt.Checkpoint(Path(path),
+                                                              ckpt.read_manifest(path))
+    if found.num_replicas != replica.size:
+        raise ckpt.CheckpointError(
+            f"checkpoint {found.path} was written by {found.num_replicas} averaging "
+            f"replica(s) and each replica's optimizer state is its own, so it resumes on "
+            f"{found.num_replicas} ranks (mpiexec -n {found.num_replicas}), not "
+            f"{replica.size}; or pass --fresh to start over")
+    try:
+        params, _ = found.read_state(with_optimizer=False)
+        np.copyto(replica.params, params)
+        saved = found.read_replica(replica.rank)
+        replica.shard.load_state(saved.data_state)
+        replica.optimizer.load_state({name[len(OPTIMIZER_PREFIX):]: value
+                                      for name, value in saved.arrays.items()
+                                      if name.startswith(OPTIMIZER_PREFIX)})
+    except (ValueError, TypeError) as exc:
+        raise ckpt.CheckpointError(f"checkpoint {found.path} cannot be resumed here: "
+                                   f"{exc}") from exc
+    replica.local_steps = saved.counters.get("local_steps", found.step // replica.size)
+    return found
+
+
+# ------------------------------------------------------------------------------------------
+# A lost replica
+
+
+def lost_replica_message(rank: int, how: str, last_step: int | None) -> str:
+    """The one line that ends a collective averaging run whose replica `rank` died."""
+    survives = (f"the last checkpoint (step {last_step}) survives it: run the same command "
+                f"again to resume from it" if last_step is not None else
+                "no checkpoint was written yet, so a rerun starts over")
+    return (f"replica {rank} (rank {rank}) is gone{how}: parameter averaging needs every "
+            f"replica in each average, so the run stops; {survives} (EASGD, "
+            f"optimizer.elastic_alpha, goes on without a lost replica)")
+
+
+def _stop_for_lost(comm: MPI.Comm, peers: Any, lost: watchdog.RankLost, saver: Saver) -> None:
+    """End the job for a lost replica: the lowest live rank prints the line and aborts; the
+    others give it LOST_ABORT_WAIT_S to do so, then abort themselves. Never returns."""
+    size = comm.Get_size()
+    live = [r for r in range(size) if r == comm.Get_rank() or not peers.gone(r)]
+    message = lost_replica_message(lost.rank, peers.how_gone(lost.rank), saver.last_step)
+    if live and live[0] != comm.Get_rank():
+        time.sleep(LOST_ABORT_WAIT_S)  # the lowest live rank aborts the job meanwhile
+    watchdog.abort_job(comm, message)
+    # Abort may return while the launcher tears the job down (hydra's
+    # -disable-auto-cleanup): leave without MPI_Finalize (it waits for the dead).
+    guardian.skip_mpi_finalize()
+    guardian.end_process(1)
