@@ -271,16 +271,23 @@ def _plot_accuracy(plt: Any, groups: Sequence[Group], target: float | None, titl
         if not curves:  # keep the failed group in the legend
             ax.plot([], [], color=colors[g.algorithm], linestyle=style,
                     label=f"{label} (no curve)")
+    ylabel = "test accuracy"
     if target is not None:
         ax.axhline(target, color="gray", linestyle=":", linewidth=1,
                    label=f"target {target:g}")
+        # The runs differ near the target, where a full 0-1 axis squeezes them together.
+        ax.set_ylim(max(0.0, target - ZOOM_BELOW_TARGET), min(1.0, target + 0.03))
+        ylabel += f" (axis from {max(0.0, target - ZOOM_BELOW_TARGET):g})"
     ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("test accuracy")
+    ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     return _save(plt, fig, ax, path, f"Test accuracy against time\n{title}")
 
 
 LINE_STYLES = ("-", "--", ":", "-.")
+
+ZOOM_BELOW_TARGET = 0.1
+"""With a target, the accuracy figure's axis starts this far below it."""
 
 
 def _algorithm_colors(plt: Any, groups: Sequence[Group]) -> dict[str, str]:
