@@ -36,6 +36,12 @@ from distbelief.records.metrics import DISCARDED_FILE, METRICS_FILE, SUMMARY_FIL
 
 EVAL_BATCH_SIZE = 1000
 
+STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
+              5: "SIGINT"}
+"""Why a run stops, as the int code a MAX-allreduce of the ranks' votes agrees on (the
+trainers whose ranks step in lockstep: partitioned sgd, sync, averaging); 0 goes on."""
+STOP_CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
+
 
 def prepare_run_dir(config: Config) -> Path:
     """Create run.out_dir and write the resolved configuration there as config.json."""

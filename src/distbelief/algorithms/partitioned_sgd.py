@@ -41,6 +41,8 @@ from mpi4py import MPI
 
 from distbelief.algorithms.common import (
     EVAL_BATCH_SIZE,
+    STOP_CODE_OF,
+    STOP_CODES,
     StopRules,
     StopSignals,
     TrainingDiverged,
@@ -58,10 +60,6 @@ from distbelief.runtime import guardian, watchdog
 from distbelief.runtime.agreement import agree
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
-
-STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
-              5: "SIGINT"}
-_CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
 
 
 def check_rank_count(config: Config, world_size: int) -> None:
@@ -214,7 +212,7 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
         if recorder:
             now = time.monotonic()
             reason = rules.budget_spent(step, now - start) or signals.received
-            decision[:] = _CODE_OF[reason], now >= next_eval
+            decision[:] = STOP_CODE_OF[reason], now >= next_eval
             if now >= next_log or reason:
                 recent, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
                 recorder.log(step, step * batch_size, recent)

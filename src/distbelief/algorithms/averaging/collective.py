@@ -49,6 +49,8 @@ from mpi4py import MPI
 from distbelief.algorithms.common import (
     EVAL_BATCH_SIZE,
     RESUME_MODES,
+    STOP_CODE_OF,
+    STOP_CODES,
     StopRules,
     StopSignals,
     TrainingDiverged,
@@ -69,9 +71,6 @@ from distbelief.runtime.agreement import agree
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
-STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
-              5: "SIGINT"}
-_CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
 OPTIMIZER_PREFIX = "optimizer."  # a replica part's arrays that hold its optimizer state
 LOST_ABORT_WAIT_S = 5.0  # how long a rank that is not the lowest live one leaves the abort
 
@@ -242,10 +241,10 @@ def _loop(config: Config, replica: Replica, eval_set: Any, recorder: RunRecorder
         losses[1] = steps
         step = replica.local_steps * size
         flags[:] = 0
-        flags[0] = _CODE_OF[signals.received]
+        flags[0] = STOP_CODE_OF[signals.received]
         if recorder is not None:
             now = time.monotonic()
-            flags[0] = max(flags[0], _CODE_OF[rules.budget_spent(step, now - recorder.start)])
+            flags[0] = max(flags[0], STOP_CODE_OF[rules.budget_spent(step, now - recorder.start)])
             flags[1] = now >= next_eval
             flags[2] = now >= next_save_time or step >= next_save_step
         replica.average(losses, flags)

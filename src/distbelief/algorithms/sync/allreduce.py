@@ -44,7 +44,10 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.common import (
+    EVAL_BATCH_SIZE,
     RESUME_MODES,
+    STOP_CODE_OF,
+    STOP_CODES,
     StopRules,
     StopSignals,
     TrainingDiverged,
@@ -62,11 +65,6 @@ from distbelief.runtime import guardian, watchdog
 from distbelief.runtime.agreement import agree
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
-
-STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
-              5: "SIGINT"}
-CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
-EVAL_BATCH_SIZE = 1000
 
 
 def lost_replica_line(rank: int) -> str:
@@ -261,14 +259,14 @@ class _Run:
             now = time.monotonic()
             if self.recorder is not None:  # rank 0 owns the clock
                 spent = rules.budget_spent(step + 1, now - start)
-                flags[0] = CODE_OF[spent]
+                flags[0] = STOP_CODE_OF[spent]
                 flags[1] = now >= next_eval
                 every = run.checkpoint_every_steps
                 flags[2] = now >= next_save or bool(every and (step + 1) % every == 0)
             elif rules.max_steps and step + 1 >= rules.max_steps:
-                flags[0] = CODE_OF["max_steps"]
+                flags[0] = STOP_CODE_OF["max_steps"]
             if signals.received:
-                flags[0] = max(flags[0], CODE_OF[signals.received])
+                flags[0] = max(flags[0], STOP_CODE_OF[signals.received])
             wait_all([comm.Iallreduce(send, total, op=MPI.SUM),
                       comm.Iallreduce(flags, decided, op=MPI.MAX)],
                      "the step's gradient allreduce", self.others)
