@@ -251,11 +251,13 @@ def test_resume_restores_the_adarevision_state(data_dir, tmp_path):
     assert not np.array_equal(after["gsum"], before["gsum"])
 
 
-def test_partitioned_replicas_revise_too(data_dir, tmp_path):
+@pytest.mark.parametrize("transport", ["rma", "shared"])
+def test_partitioned_replicas_revise_too(data_dir, tmp_path, transport):
     # 2 replicas x 2 partitions: each partition pushes its own pieces with the version it
-    # pulled of them; the shard's takes mix them (RMA, where the shard folds).
+    # pulled of them; on RMA the shard's takes mix them, on shared memory each piece is
+    # stepped by its client and the whole shard's history slot is recorded after it.
     out = tmp_path / "out"
-    proc = downpour(5, data_dir, out, "rma", "cluster.ps_shards=1", "cluster.partitions=2",
+    proc = downpour(5, data_dir, out, transport, "cluster.ps_shards=1", "cluster.partitions=2",
                     "run.max_steps=401")
     summary = summary_of(proc, out)
     assert summary["steps"] == 401 and summary["final_test_accuracy"] > 0.5

@@ -190,7 +190,12 @@ class AdaRevision:
         self.backlog_versions += version - fetched
         kernels.adarevision_update(params, self.gsum, self.z, self.zmax, self._slot(fetched),
                                    grad, self.learning_rate, self.eps, copy)
-        np.copyto(self._slot(version + 1), self.gsum)
+        self.record_version(version + 1)
+
+    def record_version(self, version: int) -> None:
+        """Keep gsum as the gradient sum of `version` (its history slot). step does it for
+        its own slice; a transport that steps a shard in pieces calls it on the whole."""
+        np.copyto(self._slot(version), self.gsum)
 
     def delay_stats(self) -> dict[str, float]:
         """This object's updates, their mean backlog in versions, and how many fetches were

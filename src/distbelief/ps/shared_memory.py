@@ -500,6 +500,11 @@ class SharedMemoryClient(ParameterClient):
                 else:
                     optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
                                    copy_to)
+            whole = self._optimizers[shard]
+            if getattr(whole, "revises", False):
+                # A partitioned replica's pieces recorded only their slices of the new
+                # version's gradient sum; the rest did not change in this version.
+                whole.record_version(version + 1)
             seg.header[VERSION] = version + 1
             seg.header[APPLIED] += 1
             seg.clients[self._slot, PULLED] = self._pulls
