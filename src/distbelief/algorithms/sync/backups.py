@@ -203,6 +203,11 @@ def _fetch_newest(comm: MPI.Comm, down: np.ndarray, params: np.ndarray) -> bool:
 # The parameter-server shard
 
 
+MAX_PARAMS_IN_FLIGHT = 2
+"""Parameter sends to one replica not yet received at most: a replica that is alive but
+frozen (stopped, swapping) must not make the shard keep a 2.7 MB copy per step for it."""
+
+
 class _Server:
     """The shard: takes the first R - k gradients of each step, applies their mean, sends
     the parameters out, drops the late gradients; evaluates, logs and checkpoints."""
@@ -222,6 +227,7 @@ class _Server:
         self.dropped = 0
         self.data_states: dict[int, dict] = {}  # replica index -> its last data position
         self.sending: list[tuple[MPI.Request, np.ndarray]] = []
+        self.params_in_flight: dict[int, list[MPI.Request]] = {}  # rank -> its sends
         self.resume_point: ResumePoint | None = None
         self.last_path: str | None = None
         self.last_saved: int | None = None
@@ -379,13 +385,22 @@ class _Server:
 
     def _send_params(self, stop: int) -> None:
         """The current step's parameters (or a stop) to every live replica; a copy kept
-        until each send completes."""
+        until each send completes. A replica with MAX_PARAMS_IN_FLIGHT sends not yet
+        received (frozen, or far behind) is skipped this step: it takes the newest it has
+        when it catches up, and the copies kept for it stay bounded."""
         head = np.array([self.state["step"], stop], dtype=np.float64)
         snapshot = None if stop else self.params.copy()
         for rank in sorted(self.live):
+            if snapshot is not None:
+                pending = [r for r in self.params_in_flight.get(rank, []) if not r.Test()]
+                self.params_in_flight[rank] = pending
+                if len(pending) >= MAX_PARAMS_IN_FLIGHT:
+                    continue
             self.sending.append((self.comm.Isend(head, rank, TAG_DOWN_HEAD), head))
             if snapshot is not None:
-                self.sending.append((self.comm.Isend(snapshot, rank, TAG_PARAMS), snapshot))
+                request = self.comm.Isend(snapshot, rank, TAG_PARAMS)
+                self.sending.append((request, snapshot))
+                self.params_in_flight[rank].append(request)
 
     def _prune_sends(self) -> None:
         self.sending = [(r, b) for r, b in self.sending if not r.Test()]
