@@ -125,6 +125,16 @@ def test_bad_input_is_one_line_before_any_run(config: Path, tmp_path: Path) -> N
     result = run_cli(["compare", config, "--algorithm", "sgd", "--launcher", "srun -n 4",
                       "--out", out])
     assert result.returncode == 2 and "has no {n}" in result.stderr
+    # a value the rank counts need is checked before they use it
+    result = run_cli(["compare", config, "--algorithm", "downpour", "--set",
+                      'cluster.partitions="two"', "--out", out])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "cluster.partitions" in result.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text(config.read_text() + '\n[cluster]\npartitions = "two"\n')
+    result = run_cli(["compare", bad, "--algorithm", "downpour", "--out", out])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "cluster.partitions = 'two' is invalid" in result.stderr
     assert not (out / running.STATE_FILE).exists()
 
 

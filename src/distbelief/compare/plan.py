@@ -21,10 +21,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from distbelief.config import (
     ALGORITHMS,
     NOT_IMPLEMENTED_ALGORITHMS,
+    SCHEMA,
     apply_overrides,
     check_override,
     load_config,
@@ -126,7 +128,7 @@ def plan_runs(config_path: str | Path, grid: Grid, check: bool = True) -> list[P
         raw = apply_overrides(base, [*grid.overrides, *spec.overrides])
         optimizer = raw.get("optimizer", {})
         cluster = raw.get("cluster", {})
-        partitions = int(cluster.get("partitions", 1))
+        partitions = _checked(cluster, "cluster", "partitions", 1)
         shards = _shard_count(spec, optimizer, cluster)
         replica_counts = (1,) if spec.name == "sgd" else tuple(dict.fromkeys(grid.replicas))
         rates: Sequence[float | None] = tuple(dict.fromkeys(grid.learning_rates)) or (None,)
@@ -166,13 +168,26 @@ def _shard_count(spec: AlgorithmSpec, optimizer: dict, cluster: dict) -> int:
     it does not (so one base file serves Downpour and the shard-less algorithms alike)."""
     own = [o for o in spec.overrides if o.replace(" ", "").startswith("cluster.ps_shards=")]
     if own:
-        return int(cluster.get("ps_shards", 0))
+        return _checked(cluster, "cluster", "ps_shards", 0)
     if spec.name == "sgd":
         return 0
-    if needs_shards(spec.name, int(optimizer.get("backup_workers", 0)),
-                    optimizer.get("elastic_alpha")):
-        return max(1, int(cluster.get("ps_shards", 1)))
+    if needs_shards(spec.name, _checked(optimizer, "optimizer", "backup_workers", 0),
+                    _checked(optimizer, "optimizer", "elastic_alpha", None)):
+        return max(1, _checked(cluster, "cluster", "ps_shards", 1))
     return 0
+
+
+def _checked(table: dict, section: str, key: str, default: Any) -> Any:
+    """A value the rank counts need, checked against the configuration schema before they
+    use it: a wrong one is the one-line error train would give, not a traceback."""
+    if key not in table:
+        return default
+    rule = SCHEMA[section][key][0]
+    value = rule.convert(table[key])
+    if value is None:
+        raise ConfigError(f"{section}.{key} = {table[key]!r} is invalid; expected "
+                          f"{rule.allowed}")
+    return value
 
 
 def _rank_count(name: str, replicas: int, partitions: int, shards: int) -> int:
