@@ -18,9 +18,9 @@ exception on any rank aborts the job):
     included) against the single-process loop of bench_train.py (next_batch,
     loss_and_grad, Adagrad step; no warm-up excluded in either), same number of steps,
     1 thread; overhead = 1 - replica / single. n_fetch = n_push = 1, 2, 4, 8 with the
-    read-your-writes fetch the CLI uses, and 1/1 with the asynchronous fetch
-    (fetch_own_pushes=False) for comparison, on the transport a one-node job gets (shared
-    memory); then 1/1 and 4/4 on the RMA transport that multi-node jobs use
+    read-your-writes fetch the CLI uses, and 1/1 with optimizer.fetch = "asynchronous"
+    for comparison, on the transport a one-node job gets (shared memory); then 1/1 with
+    each optimizer.fetch and 4/4 on the RMA transport that multi-node jobs use
     (DISTBELIEF_PS_TRANSPORT=rma). "comm ms/step" is the replica's time in pushes and
     fetches per step: on shared memory it includes the optimizer step the replica applies
     itself (the single-process loop pays that too). Best of `--repeats` interleaved rounds.
@@ -32,14 +32,17 @@ exception on any rank aborts the job):
     process (2 ranks: the shard serves as in Downpour), alternating blocks of `--block`
     single-process steps (next_batch, loss_and_grad, Adagrad on private parameters) and
     Downpour steps (next_batch, loss_and_grad, push_pull + read-your-writes catch_up), on
-    both transports; overhead = 1 - 1 / (median over pairs of adjacent blocks of the
+    both transports, then on RMA with optimizer.fetch = "asynchronous" (push_pull only)
+    and "overlapped" (push_pull_overlapped, transfers completed during the next step);
+    overhead = 1 - 1 / (median over pairs of adjacent blocks of the
     Downpour block's time over the single-process block's).
     Both kinds see the same load, so this figure holds still on a busy machine where the
     separate runs of (b) do not.
 (f) transports (issue 17): 1 shard + 2 replicas, samples/s per replica on shared memory,
     RMA, RMA through MPI's network module (MPIR_CVAR_NOLOCAL=1) and 3 fake hosts (hydra's
-    `-launcher fork -hosts`, which picks RMA by itself), each as a ratio to shared memory
-    in the same sweep; then time to the target, 1 shard + 1 replica, shared and RMA.
+    `-launcher fork -hosts`, which picks RMA by itself), with each optimizer.fetch, each
+    as a ratio to shared memory in the same sweep; then time to the target, 1 shard + 1
+    replica, shared memory and RMA with each optimizer.fetch.
 
 The machine is shared: each row shows the load average just before it was measured, and
 the figures to quote are the best rounds (throughput) taken when the load was lowest.
@@ -56,6 +59,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from distbelief.config import FETCHES
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "fashion_mnist_downpour.toml"
@@ -78,9 +83,8 @@ def downpour_worker(args: argparse.Namespace) -> None:
                  f"run.max_steps={args.steps}", f"run.max_seconds={args.max_seconds}",
                  f"run.target_accuracy={args.target}", f"run.eval_every_seconds={args.eval_every}",
                  f"optimizer.n_fetch={args.n_fetch}", f"optimizer.n_push={args.n_push}"]
-    config = load_config(CONFIG, overrides)
-    summary = downpour.train(config, MPI.COMM_WORLD, stream=None,
-                             fetch_own_pushes=not args.async_fetch)
+    config = load_config(CONFIG, overrides + [f'optimizer.fetch="{args.fetch}"'])
+    summary = downpour.train(config, MPI.COMM_WORLD, stream=None)
     if summary is not None:
         print(json.dumps(summary))
 
@@ -115,8 +119,8 @@ def interleaved_worker(args: argparse.Namespace) -> None:
         endpoint.free()
         return
     data = TrainShard(info, seed=0)
-    local, remote = initial.copy(), initial.copy()
-    grad = np.zeros_like(local)
+    local, remote, spare = initial.copy(), initial.copy(), initial.copy()
+    grad, in_flight = np.zeros_like(local), np.zeros_like(local)
     optimizer = make_optimizer(True, lr, local.size)
     times: dict[str, list[float]] = {"single": [], "downpour": []}
     for _ in range(args.blocks):
@@ -127,10 +131,17 @@ def interleaved_worker(args: argparse.Namespace) -> None:
                 if kind == "single":
                     network.loss_and_grad(local, x, y, grad)
                     optimizer.step(local, grad)
+                elif args.fetch == "overlapped":
+                    network.loss_and_grad(remote, x, y, grad)
+                    target = remote if endpoint.pull_in_flight else spare
+                    if endpoint.push_pull_overlapped(grad, target)[1]:
+                        remote, spare = spare, remote
+                    grad, in_flight = in_flight, grad
                 else:
                     network.loss_and_grad(remote, x, y, grad)
                     endpoint.push_pull(grad, remote)
-                    endpoint.catch_up(remote)
+                    if args.fetch == "own_pushes":
+                        endpoint.catch_up(remote)
             block_times.append((time.perf_counter() - t0) / args.block)
     endpoint.free()
     # Each Downpour block against the single-process block just before it: the pairs see
@@ -153,7 +164,7 @@ def run_json(cmd: list[str], timeout: float, env: dict[str, str] | None = None) 
 
 def downpour_run(args: argparse.Namespace, ranks: int = 2, threads: int = 1, seed: int = 0,
                  steps: int = 0, target: float = 0.99, n_fetch: int = 1, n_push: int = 1,
-                 async_fetch: bool = False, eval_every: float = 1000.0,
+                 fetch: str = "own_pushes", eval_every: float = 1000.0,
                  transport: str = "auto", extra_env: dict | None = None,
                  launcher: tuple[str, ...] = ()) -> dict:
     """One Downpour run; `transport` goes to the parameter server through
@@ -167,7 +178,7 @@ def downpour_run(args: argparse.Namespace, ranks: int = 2, threads: int = 1, see
                "--seed", str(seed), "--steps", str(steps), "--target", str(target),
                "--n-fetch", str(n_fetch), "--n-push", str(n_push),
                "--eval-every", str(eval_every), "--max-seconds", str(args.max_seconds)]
-        return run_json(cmd + (["--async-fetch"] if async_fetch else []),
+        return run_json(cmd + ["--fetch", fetch],
                         args.max_seconds + 300, env)
 
 
@@ -224,9 +235,10 @@ def section_target(args: argparse.Namespace) -> None:
 
 
 def section_throughput(args: argparse.Namespace) -> list[dict]:
-    cadences = [(1, 1, False, "auto"), (2, 2, False, "auto"), (4, 4, False, "auto"),
-                (8, 8, False, "auto"), (1, 1, True, "auto"), (1, 1, False, "rma"),
-                (4, 4, False, "rma")]
+    own, asynchronous, overlapped = FETCHES
+    cadences = [(1, 1, own, "auto"), (2, 2, own, "auto"), (4, 4, own, "auto"),
+                (8, 8, own, "auto"), (1, 1, asynchronous, "auto"), (1, 1, own, "rma"),
+                (1, 1, asynchronous, "rma"), (1, 1, overlapped, "rma"), (4, 4, own, "rma")]
     print(f"\n(b) replica samples/s vs the single-process loop, {args.steps} steps, 1 thread, "
           f"1 shard + 1 replica, best of {args.repeats} interleaved rounds")
     best_single = 0.0
@@ -235,20 +247,19 @@ def section_throughput(args: argparse.Namespace) -> list[dict]:
     for _ in range(args.repeats):
         loads.append(os.getloadavg()[0])
         best_single = max(best_single, single_process_rate(args, args.steps))
-        for n_fetch, n_push, async_fetch, transport in cadences:
+        for n_fetch, n_push, fetch, transport in cadences:
             r = downpour_run(args, steps=args.steps, n_fetch=n_fetch, n_push=n_push,
-                             async_fetch=async_fetch, transport=transport)
+                             fetch=fetch, transport=transport)
             rep = r["replicas"][0] | {"transport": r["shards"][0]["transport"]}
-            key = (n_fetch, n_push, async_fetch, transport)
+            key = (n_fetch, n_push, fetch, transport)
             if key not in best or rep["samples_per_second"] > best[key]["samples_per_second"]:
                 best[key] = {**rep, "load": os.getloadavg()[0]}
     print(f"single-process loop: {best_single:,.0f} samples/s (loads at round starts: "
           f"{', '.join(f'{x:.1f}' for x in loads)})")
     print(f"{'n_fetch/n_push':>14} {'transport':>9} {'fetch':>13} {'samples/s':>10} "
           f"{'overhead':>9} {'comm ms/step':>12} {'staleness':>9}")
-    for (n_fetch, n_push, async_fetch, _), rep in best.items():
+    for (n_fetch, n_push, kind, _), rep in best.items():
         rate = rep["samples_per_second"]
-        kind = "asynchronous" if async_fetch else "own pushes"
         print(f"{f'{n_fetch}/{n_push}':>14} {rep['transport']:>9} {kind:>13} {rate:>10,.0f} "
               f"{1 - rate / best_single:>8.1%} {rep['rma_seconds'] / rep['steps'] * 1e3:>12.3f} "
               f"{rep['staleness']['mean']:>9.2f}   (load {rep['load']:.1f})")
@@ -285,10 +296,10 @@ def section_bandwidth(args: argparse.Namespace, runs: list[dict] | None) -> None
     if result.returncode != 0:
         print(f"  bench_rma.py failed: {result.stderr[-500:]}")
     for rep in runs or []:
-        n_fetch, n_push, async_fetch, _ = rep["key"]
+        n_fetch, n_push, fetch, _ = rep["key"]
         moved = (rep["pushes"] + rep["fetches"] + rep["refetches"]) * N_PARAMS * 4
         print(f"  in training, n_fetch/n_push {n_fetch}/{n_push} {rep['transport']}"
-              f"{' asynchronous' if async_fetch else ''}: {moved / rep['rma_seconds'] / 1e9:.2f}"
+              f" {fetch}: {moved / rep['rma_seconds'] / 1e9:.2f}"
               f" GB/s moved while in RMA calls ({rep['refetches']} re-fetches for "
               f"{rep['fetches']} fetches)")
 
@@ -297,56 +308,69 @@ def section_interleaved(args: argparse.Namespace) -> None:
     print(f"\n(e) overhead at n_fetch = n_push = 1, measured inside the replica process: "
           f"{args.blocks} x {args.block} single-process steps interleaved with as many "
           f"Downpour steps, medians")
-    print(f"{'transport':>9} {'single ms/step':>14} {'downpour ms/step':>16} {'overhead':>9}"
+    print(f"{'transport':>9} {'fetch':>12} {'single ms/step':>14} {'downpour ms/step':>16} "
+          f"{'overhead':>9}"
           f"   (median block times; overhead from the median pair ratio)")
-    for transport in ("shared", "rma"):
+    for transport, fetch in (("shared", FETCHES[0]),) + tuple(("rma", f) for f in FETCHES):
         before = load()
         cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", __file__,
                "--interleaved-worker", "--transport", transport, "--data", str(args.data),
-               "--blocks", str(args.blocks), "--block", str(args.block)]
+               "--blocks", str(args.blocks), "--block", str(args.block), "--fetch", fetch]
         r = run_json(cmd, 600)
-        print(f"{transport:>9} {r['single'] * 1e3:>14.3f} {r['downpour'] * 1e3:>16.3f} "
-              f"{1 - 1 / r['ratio']:>8.1%}   ({before})", flush=True)
+        print(f"{transport:>9} {fetch:>12} {r['single'] * 1e3:>14.3f} "
+              f"{r['downpour'] * 1e3:>16.3f} {1 - 1 / r['ratio']:>8.1%}   ({before})",
+              flush=True)
 
 
+NOLOCAL = {"MPIR_CVAR_NOLOCAL": "1"}
+FAKE_HOSTS = ("-launcher", "fork", "-hosts", "h1,h2,h3", "-ppn", "1")
 TRANSPORT_ROWS = [
-    ("shared memory (one node's default)", "shared", {}, ()),
-    ("RMA (DISTBELIEF_PS_TRANSPORT=rma)", "rma", {}, ()),
-    ("RMA through MPI's network module (MPIR_CVAR_NOLOCAL=1)", "rma",
-     {"MPIR_CVAR_NOLOCAL": "1"}, ()),
-    ("3 fake hosts (-launcher fork -hosts h1,h2,h3 -ppn 1)", "auto", {},
-     ("-launcher", "fork", "-hosts", "h1,h2,h3", "-ppn", "1")),
+    ("shared memory (one node's default)", "shared", {}, (), "own_pushes"),
+    ("RMA (DISTBELIEF_PS_TRANSPORT=rma)", "rma", {}, (), "own_pushes"),
+    ("  fetch = asynchronous", "rma", {}, (), "asynchronous"),
+    ("  fetch = overlapped", "rma", {}, (), "overlapped"),
+    ("RMA through MPI's network module (MPIR_CVAR_NOLOCAL=1)", "rma", NOLOCAL, (),
+     "own_pushes"),
+    ("  fetch = asynchronous", "rma", NOLOCAL, (), "asynchronous"),
+    ("  fetch = overlapped", "rma", NOLOCAL, (), "overlapped"),
+    ("3 fake hosts (-launcher fork -hosts h1,h2,h3 -ppn 1)", "auto", {}, FAKE_HOSTS,
+     "own_pushes"),
+    ("  fetch = overlapped", "auto", {}, FAKE_HOSTS, "overlapped"),
 ]
 
 
 def section_transports(args: argparse.Namespace) -> None:
-    """(f) issue 17's rows, transport by transport, each against shared memory measured in
-    the same sweep: samples/s per replica with 1 shard + 2 replicas, and time to the
-    target with 1 shard + 1 replica."""
+    """(f) issue 17's rows, transport by transport and fetch by fetch, each against shared
+    memory measured in the same sweep: samples/s per replica with 1 shard + 2 replicas,
+    and time to the target with 1 shard + 1 replica."""
     print(f"\n(f) transports: 1 shard + 2 replicas, {args.steps} steps in total, mean "
           f"samples/s per replica, best of {args.repeats} interleaved rounds; vs shared")
-    best: dict[str, float] = {}
+    best: dict[int, float] = {}
     loads = []
     for _ in range(args.repeats):
         loads.append(os.getloadavg()[0])
-        for name, transport, env, launcher in TRANSPORT_ROWS:
+        for row, (_, transport, env, launcher, fetch) in enumerate(TRANSPORT_ROWS):
             r = downpour_run(args, ranks=3, steps=args.steps, transport=transport,
-                             extra_env=env, launcher=launcher)
+                             extra_env=env, launcher=launcher, fetch=fetch)
             rate = statistics.mean(x["samples_per_second"] for x in r["replicas"])
-            best[name] = max(best.get(name, 0.0), rate)
-    for name, rate in best.items():
-        print(f"  {name:<56} {rate:>8,.0f}  {ratio(rate, best[TRANSPORT_ROWS[0][0]]):>5}")
+            best[row] = max(best.get(row, 0.0), rate)
+    for row, rate in best.items():
+        print(f"  {TRANSPORT_ROWS[row][0]:<56} {rate:>8,.0f}  {ratio(rate, best[0]):>5}")
     print(f"  (loads at round starts: {', '.join(f'{x:.1f}' for x in loads)})")
     print(f"  time to {args.target}, 1 shard + 1 replica, median of {args.seeds} seed(s):")
-    times: dict[str, list[float | None]] = {"shared": [], "rma": []}
+    runs = [("shared", "own_pushes")] + [("rma", fetch) for fetch in FETCHES]
+    times: dict[tuple[str, str], list[float | None]] = {run: [] for run in runs}
     for seed in range(args.seeds):
-        for transport, got in times.items():
+        for (transport, fetch), got in times.items():
             got.append(downpour_run(args, seed=seed, target=args.target,
-                                    eval_every=args.eval_every,
-                                    transport=transport)["time_to_target"])
-    shared, rma = (median_or_none(times[k]) for k in ("shared", "rma"))
-    print(f"  shared {fmt(shared)} s, rma {fmt(rma)} s: rma / shared {ratio(rma, shared)} "
-          f"({load()})", flush=True)
+                                    eval_every=args.eval_every, transport=transport,
+                                    fetch=fetch)["time_to_target"])
+    shared = median_or_none(times[runs[0]])
+    for (transport, fetch), got in times.items():
+        t = median_or_none(got)
+        print(f"    {transport:>6} {fetch:<12} {fmt(t):>11} s  {ratio(t, shared):>5} "
+              f"({', '.join(fmt(x) for x in got)})")
+    print(f"  ({load()})", flush=True)
 
 
 def main() -> None:
@@ -370,7 +394,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--n-fetch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--n-push", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--async-fetch", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--fetch", default="own_pushes", help=argparse.SUPPRESS)
     p.add_argument("--interleaved-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -463,6 +463,10 @@ def test_keys_of_one_algorithm_are_refused_for_another() -> None:
     assert 'optimizer.backup_workers applies only to algorithm = "sync"' in message
     message = schema_error(VALID, ("optimizer.elastic_alpha=0.5",))
     assert 'applies only to algorithm = "averaging"' in message
+    message = schema_error(VALID, ('optimizer.fetch="overlapped"',))
+    assert 'optimizer.fetch applies only to algorithm = "downpour"' in message
+    message = schema_error(VALID, ('optimizer.algorithm="downpour"', 'optimizer.fetch="late"'))
+    assert "optimizer.fetch" in message and "'overlapped'" in message
 
 
 def test_ps_shards_defaults_to_what_the_algorithm_needs() -> None:
@@ -484,3 +488,8 @@ def test_new_optimizer_keys_leave_earlier_runs_hashes_alone() -> None:
         'optimizer.algorithm="downpour"', 'optimizer.update="adarevision"']),
         Path("/cfg/exp.toml"))
     assert hashed_settings(config)["optimizer"]["update"] == "adarevision"
+    # fetch changes the trajectory when it is not the default: then it is hashed
+    config = config_from_dict(apply_overrides(raw_config(), [
+        'optimizer.algorithm="downpour"', 'optimizer.fetch="overlapped"']),
+        Path("/cfg/exp.toml"))
+    assert hashed_settings(config)["optimizer"]["fetch"] == "overlapped"

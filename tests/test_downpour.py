@@ -157,6 +157,40 @@ def test_max_steps_counts_total_steps_exactly(data_dir, tmp_path, n, shards, ext
         assert all(r["started_at_step"] >= 50 for r in others), others
 
 
+# On RMA the later fetches leave the replica's own pushes out (they make a step cheaper);
+# on shared memory a replica's fold comes before its copy, so its own pushes are in.
+FETCH_CASES = [(fetch, transport, n, shards, extra)
+               for fetch in ("asynchronous", "overlapped")
+               for transport in ("shared", "rma")
+               for n, shards, extra in [
+                   (2, 1, []),
+                   (5, 2, ["optimizer.n_fetch=2", "optimizer.n_push=3",
+                           "run.checkpoint_every_steps=100"])]]
+
+
+@pytest.mark.parametrize("fetch, transport, n, shards, extra", [
+    pytest.param(*case, marks=[pytest.mark.nodes] if case[1] == "rma" else [])
+    for case in FETCH_CASES])
+def test_fetch_settings_keep_counts_exact(data_dir, tmp_path, fetch, transport, n, shards,
+                                          extra):
+    out = tmp_path / "out"
+    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
+    proc = downpour(n, data_dir, out, f"cluster.ps_shards={shards}", "run.max_steps=401",
+                    f'optimizer.fetch="{fetch}"', *extra, env=env)
+    summary, lines = finished(proc, out)
+    assert summary["steps"] == 401 and summary["stop_reason"] == "max_steps"
+    check_downpour_summary(summary, n, shards)
+    check_metrics(lines, summary)
+    assert summary["final_test_accuracy"] > 0.5, "chance is 0.25"
+    assert json.loads((out / "config.json").read_text())["optimizer"]["fetch"] == fetch
+    if n == 2:  # one replica: stale only by its own pushes
+        stale = summary["staleness"]["mean"]
+        if summary["shards"][0]["transport"] == "shared":
+            assert stale == 0
+        else:  # the pull of push_pull never holds that push; overlapped is a step later
+            assert stale >= (1.0 if fetch == "overlapped" else 0.5), summary["staleness"]
+
+
 def test_one_replica_reads_its_own_pushes(data_dir, tmp_path):
     # With read-your-writes fetches a lone replica never computes on stale parameters.
     out = tmp_path / "out"

@@ -213,18 +213,21 @@ def test_a_killed_replica_leaves_the_others_to_finish_the_run(
 # 1000 steps) too; 2 to 4 replicas, 1 and 2 shards (issue 17 item 3).
 KILL_PUSH_STEPS = 3000
 KILLS_IN_PUSH = [
-    (4, 1, 3, 40, "rma"), (4, 1, 2, 330, "rma"), (4, 1, 1, 650, "rma"),
-    (3, 1, 2, 1100, "rma"), (5, 2, 3, 500, "rma"), (6, 2, 2, 420, "rma"),
-    (4, 1, 3, 330, "shared"),
+    (4, 1, 3, 40, "rma", "own_pushes"), (4, 1, 2, 330, "rma", "own_pushes"),
+    (4, 1, 1, 650, "rma", "own_pushes"), (3, 1, 2, 1100, "rma", "own_pushes"),
+    (5, 2, 3, 500, "rma", "own_pushes"), (6, 2, 2, 420, "rma", "own_pushes"),
+    (4, 1, 3, 330, "shared", "own_pushes"),
+    # its previous push still in flight, completed with this one's ticket
+    (4, 1, 2, 330, "rma", "overlapped"), (5, 2, 4, 500, "rma", "overlapped"),
 ]
 
 
-@pytest.mark.parametrize("n, shards, victim, at, transport", KILLS_IN_PUSH,
-                         ids=[f"{t}-{n}ranks-{s}shards-r{v}@{a}"
-                              for n, s, v, a, t in KILLS_IN_PUSH])
+@pytest.mark.parametrize("n, shards, victim, at, transport, fetch", KILLS_IN_PUSH,
+                         ids=[f"{t}-{n}ranks-{s}shards-r{v}@{a}-{f}"
+                              for n, s, v, a, t, f in KILLS_IN_PUSH])
 def test_a_replica_killed_inside_a_push_never_stalls_the_others(
         data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int, at: int,
-        transport: str) -> None:
+        transport: str, fetch: str) -> None:
     # Before issue 17 a replica killed inside an RMA push epoch left its SHARED lock on the
     # shard, whose next EXCLUSIVE lock (its fold) then waited for ever: the survivors
     # stalled until the watchdog aborted the job. Here any wait of 5 s prints a "stall:"
@@ -233,7 +236,8 @@ def test_a_replica_killed_inside_a_push_never_stalls_the_others(
     proc = job(n, data_dir / "linear.toml", out, f"cluster.ps_shards={shards}",
                f"run.max_steps={KILL_PUSH_STEPS}", "run.checkpoint_every_steps=1000",
                "run.stall_warn_seconds=5", "run.stall_abort_seconds=20",
-               faults=f"killpush:{victim}:{at} {DELAY}", transport=transport)
+               f'optimizer.fetch="{fetch}"', faults=f"killpush:{victim}:{at} {DELAY}",
+               transport=transport)
     output = proc.stdout + proc.stderr
     assert f"test-only kill -9 of rank {victim} in a push" in proc.stderr, output[-3000:]
     assert exit_statuses(proc) == [137 if r == victim else 0 for r in range(n)], output[-3000:]

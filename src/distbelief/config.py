@@ -18,6 +18,8 @@ Sections and keys, with their defaults:
                  "adarevision" (the update rule; `adagrad = true/false` is the older
                  spelling of "adagrad"/"sgd"; "adarevision" is Downpour's shards only),
                  n_fetch = 1, n_push = 1, warm_start_steps = 0
+                 Downpour only: fetch = "own_pushes" | "asynchronous" | "overlapped" (what
+                 a replica's fetch waits for; FETCHES below)
                  Synchronous SGD only: backup_workers = 0 (each step takes the first
                  R - k gradients and drops the late ones; k > 0 goes through the shards)
                  Averaging only: average_every = 10 (local steps between averages),
@@ -76,7 +78,16 @@ UPDATES = ("adagrad", "sgd", "adarevision")
 """optimizer.update: the rule that applies a gradient. "adagrad" and "sgd" are also
 spelled `adagrad = true/false`; "adarevision" (delay-tolerant Adagrad) runs on Downpour's
 shards, where the delay is known."""
+FETCHES = ("own_pushes", "asynchronous", "overlapped")
+"""optimizer.fetch (Downpour): "own_pushes" (the default), a fetch waits until the shards
+have applied the replica's own last push, so one replica is sequential SGD; "asynchronous",
+the fetch rides on the push and returns what the shards had published (every gradient at
+least one update stale); "overlapped", the push and the fetch of one step move while the
+next step computes, as the paper's fetch and push threads (at least two updates stale).
+On the RMA transport the later ones make a step cheaper; on shared memory a replica's push
+is applied before its fetch anyway (docs/downpour.md, "Fetch")."""
 ALGORITHM_KEYS = {
+    "downpour": ("fetch",),
     "sync": ("backup_workers",),
     "averaging": ("average_every", "elastic_alpha"),
 }
@@ -111,6 +122,7 @@ class OptimizerConfig:
     learning_rate: float = 0.02
     adagrad: bool = True
     update: str = "adagrad"
+    fetch: str = "own_pushes"
     backup_workers: int = 0
     average_every: int = 10
     elastic_alpha: float | None = None
@@ -258,6 +270,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "learning_rate": (_float(0.0, strict=True), 0.02),
         "adagrad": (_bool(), True),
         "update": (_choice(UPDATES), None),
+        "fetch": (_choice(FETCHES), "own_pushes"),
         "backup_workers": (_int(0), 0),
         "average_every": (_int(1), 10),
         "elastic_alpha": (_float(0.0, strict=True, maximum=1.0), None),
@@ -634,6 +647,8 @@ def hashed_settings(config: Config) -> dict[str, Any]:
             dropped.update(keys)
     if config.optimizer.update != "adarevision":
         dropped.add("update")  # `adagrad` says it, as it did before `update` existed
+    if config.optimizer.fetch == "own_pushes":
+        dropped.add("fetch")  # the default, as before the key existed
     out["optimizer"] = {k: v for k, v in out["optimizer"].items() if k not in dropped}
     out["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
     return out

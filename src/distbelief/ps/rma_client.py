@@ -26,6 +26,7 @@ from distbelief.ps.endpoint import (
     _waiting_backoff,
 )
 from distbelief.ps.rma_windows import (
+    _NO_INT64,
     BEGUN,
     COMPLETED,
     DONE,
@@ -79,9 +80,17 @@ class ParameterClient(_Endpoint):
         self._push_versions = np.zeros(shards, dtype=np.int64)  # versions holding last push
         self._published = np.zeros((shards, 1), dtype=np.int64)  # PUBLISHED as last read
         self._begun = np.zeros((shards, 1), dtype=np.int64)  # BEGUN as last read
+        self._buffer_headers = np.zeros((shards, 2, 2), dtype=np.int64)  # both buffers'
         # What this client transfers, per shard: all of its range unless restrict_to.
         self._segments = [[r] for r in self.ranges]
         self._touched = np.ones(shards, dtype=bool)
+        # push_pull_overlapped: a push whose data, and a pull whose buffer read, were
+        # issued but not completed (they complete in the next call, or _drain); a caller
+        # that alternates pull buffers reads pull_in_flight
+        self.in_flight = False
+        self.pull_in_flight = False
+        self._pull_out: np.ndarray | None = None
+        self._in_flight_published = np.zeros((shards, 1), dtype=np.int64)  # PUBLISHED it read
         self._hang: Any = None  # test-only: what to do in the next push (Faults.hang or .kill)
         self._linger_s = 0.0  # test-only: seconds to hold each exchange's epoch open
 
@@ -144,13 +153,18 @@ class ParameterClient(_Endpoint):
                              TICKET * COUNTER_BYTES, MPI.SUM)
             win.Accumulate(_int64(self._one), shard, (pending, 1, MPI.INT64_T), MPI.SUM)
 
-    def _issue_push_data(self, win: MPI.Win, grad: np.ndarray,
-                         control: ControlExchange | None) -> None:
-        """A push's second round: Accumulate(SUM) of the gradient into the accumulator of
-        its phase on each shard, and the control operations on shard 0."""
-        windows = self._live()
+    def _note_ticket(self) -> None:
+        """Once the ticket round completed: the phase of the push (from its ticket) and
+        the version its gradient was computed on (the last pull's, for FETCHED)."""
         self._taken[:, 0] = self._tickets[:, 0] // PHASE
         self._fetched[:, 0] = self.pulled_versions
+
+    def _issue_push_data(self, win: MPI.Win, grad: np.ndarray,
+                         control: ControlExchange | None) -> None:
+        """A push's second round (after _note_ticket): Accumulate(SUM) of the gradient into
+        the accumulator of its phase on each shard, and the control operations on shard
+        0."""
+        windows = self._live()
         for shard in self._pulled_shards():
             low, high = self.ranges[shard]
             base = windows.accumulator(int(self._taken[shard, 0]), high - low)
@@ -199,6 +213,7 @@ class ParameterClient(_Endpoint):
         pull counter."""
         self._check_vector(out, "pull buffer")
         windows = self._check_open()
+        self._drain()
         _read_published(windows, self._pulled_shards(), self._segments, self.ranges, out,
                         self._headers, self._one)
         return self._pulled()
@@ -215,8 +230,10 @@ class ParameterClient(_Endpoint):
         self._check_vector(grad, "gradient")
         win = self._check_open().accum
         shards = self.topology.shard_ranks
+        self._drain()
         self._issue_push_ticket(win)
         _complete(win, shards)
+        self._note_ticket()
         self._issue_push_data(win, grad, control)
         _complete(win, shards)
         self._issue_push_done(win)
@@ -235,12 +252,14 @@ class ParameterClient(_Endpoint):
         self._check_vector(grad, "gradient")
         self._check_vector(out, "pull buffer")
         windows = self._check_open()
+        self._drain()
         accum, params = windows.accum, windows.params
         shards, pulled = self.topology.shard_ranks, self._pulled_shards()
         self._issue_push_ticket(accum)
         _issue_reads_of(params, pulled, PUBLISHED, self._published)
         _complete(accum, shards)
         _complete(params, pulled)
+        self._note_ticket()
         self._issue_push_data(accum, grad, control)
         _issue_buffer_reads(windows, pulled, self._segments, self.ranges, out, self._headers,
                             self._published, self._one)
@@ -253,6 +272,90 @@ class ParameterClient(_Endpoint):
         if _torn(pulled, self._published, self._begun):
             _read_published(windows, pulled, self._segments, self.ranges, out, self._headers)
         return self._pushed(), self._pulled()
+
+    def push_pull_overlapped(self, grad: np.ndarray, out: np.ndarray | None,
+                             control: ControlExchange | None = None) -> tuple[np.ndarray, bool]:
+        """push(grad, control) and, with `out`, pull(out), returning before their data moves:
+        the transfers complete in the next call (or in any other call of this client),
+        while the caller computes its next step (the paper's overlapped fetch and push).
+        Until then the caller must not touch `grad` or `out`. Returns (staleness of this
+        push, per shard; whether the pull issued by the previous call completed, into the
+        buffer given then).
+
+        One-sided, to every shard. Each call makes one round of small operations and waits
+        for it: it completes the previous call's data (a Flush, usually already done),
+        counts that push complete and checks that pull (BEGUN), takes this push's ticket,
+        reads PUBLISHED and issues the control operations (so their answers are known at
+        once); then it issues this push's data and this pull's buffer read, unflushed.
+        The push therefore completes one step later than push_pull's, and the parameters
+        computed on next are those of the previous call's pull: every gradient is at
+        least two updates stale with one replica, where push_pull's are one, and the
+        shards' takes wait for pushes that complete a step late. Staleness is still exact
+        (ticket phase against the pulled version)."""
+        self._check_vector(grad, "gradient")
+        if out is not None:
+            self._check_vector(out, "pull buffer")
+        windows = self._check_open()
+        accum, params = windows.accum, windows.params
+        shards, pulled = self.topology.shard_ranks, self._pulled_shards()
+        completed_pull = self._finish_in_flight(issue_next=True)
+        self._issue_push_ticket(accum)
+        if out is not None:
+            _issue_reads_of(params, pulled, PUBLISHED, self._published)
+        if control is not None:
+            control.issue(accum, CONTROL_SHARD, HEADER_BYTES)
+        _complete(accum, shards)
+        _complete(params, pulled)
+        # Before the pull in flight sets pulled_versions: this gradient was computed on the
+        # parameters of the pull before it.
+        self._note_ticket()
+        staleness = self._pushed()
+        if completed_pull:
+            self._check_pull_in_flight()
+        self._issue_push_data(accum, grad, None)
+        if out is not None:
+            _issue_buffer_reads(windows, pulled, self._segments, self.ranges, out,
+                                self._headers, self._published, self._one)
+            self._pull_out, self._in_flight_published[:] = out, self._published
+        self.in_flight, self.pull_in_flight = True, out is not None
+        return staleness, completed_pull
+
+    def _finish_in_flight(self, issue_next: bool) -> bool:
+        """Complete what the last push_pull_overlapped left in flight: its data and its
+        buffer read (Flush), then issue the push's completion count and, for the pull,
+        the read of BEGUN; with `issue_next` they ride in the caller's next round, else
+        they are completed here. Returns whether a pull was in flight."""
+        if not self.in_flight:
+            return False
+        windows = self._live()
+        shards, pulled = self.topology.shard_ranks, self._pulled_shards()
+        _complete(windows.accum, shards)
+        _complete(windows.params, pulled)
+        self._issue_push_done(windows.accum)
+        pull = self.pull_in_flight
+        if pull:
+            _issue_reads_of(windows.params, pulled, BEGUN, self._begun)
+        self.in_flight = self.pull_in_flight = False
+        if not issue_next:
+            _complete(windows.accum, shards)
+            _complete(windows.params, pulled)
+            if pull:
+                self._check_pull_in_flight()
+        return pull
+
+    def _check_pull_in_flight(self) -> None:
+        """The seqlock check of the pull that was in flight (its BEGUN read completed): read
+        again, whole, a shard whose buffer was rewritten meanwhile; then take its versions."""
+        pulled = self._pulled_shards()
+        if _torn(pulled, self._in_flight_published, self._begun):
+            _read_published(self._live(), pulled, self._segments, self.ranges,
+                            self._pull_out, self._headers)
+        self._pulled()
+
+    def _drain(self) -> None:
+        """Complete what push_pull_overlapped left in flight, before any other operation of
+        this client (its pull lands in the buffer given then)."""
+        self._finish_in_flight(issue_next=False)
 
     def catch_up(self, out: np.ndarray, backoff: Backoff | None = None) -> int:
         """Make the last pull contain this client's last push (read-your-writes): pull
@@ -270,17 +373,52 @@ class ParameterClient(_Endpoint):
         with guard.waiting("the shards to apply this client's push",
                            self.topology.shard_ranks):
             while (self.pulled_versions < self._push_versions).any():
-                if extra:
+                if not self._push_published():
                     guard.check()
                     backoff.wait()
-                self.pull(out)
+                    continue
+                self._pull_published(out)
                 extra += 1
         return extra
+
+    def _pull_published(self, out: np.ndarray) -> None:
+        """pull(out) once _push_published has read PUBLISHED: the buffer it named and then
+        BEGUN, two rounds instead of three (a whole pull again if the buffer was torn)."""
+        windows, pulled = self._check_open(), self._pulled_shards()
+        _issue_buffer_reads(windows, pulled, self._segments, self.ranges, out, self._headers,
+                            self._published, self._one)
+        _complete(windows.params, pulled)
+        _issue_reads_of(windows.params, pulled, BEGUN, self._begun)
+        _complete(windows.params, pulled)
+        if _torn(pulled, self._published, self._begun):
+            _read_published(windows, pulled, self._segments, self.ranges, out, self._headers)
+        self._pulled()
+
+    def _push_published(self) -> bool:
+        """Whether every shard behind has published, or is publishing, an update that holds
+        this client's last push: one round of 8- and 16-byte reads (PUBLISHED and both
+        buffers' VERSION, Fetch_and_op and Get_accumulate NO_OP), so that catch_up does
+        not pull 2.7 MB again and again while a shard folds (4-5 pulls per step, each
+        served by the folding shard, before: benchmarks/RMA_NOTES.md section 11). A hint
+        only: the pull that follows checks what it read."""
+        windows, pulled = self._check_open(), self._pulled_shards()
+        win, behind = windows.params, [
+            s for s in pulled if self.pulled_versions[s] < self._push_versions[s]]
+        for shard in behind:
+            low, high = self.ranges[shard]
+            for b in (0, 1):
+                win.Get_accumulate(_NO_INT64, _int64(self._buffer_headers[shard, b]), shard,
+                                   (windows.buffer(b, high - low), 2, MPI.INT64_T), MPI.NO_OP)
+        _issue_reads_of(win, pulled, PUBLISHED, self._published)
+        _complete(win, pulled)
+        return all(self._buffer_headers[s, self._published[s, 0] % 2, VERSION]
+                   >= self._push_versions[s] for s in behind)
 
     def exchange(self, control: ControlExchange) -> None:
         """Only the control operations, without a gradient (a replica's first claim, its
         warm-start polls). One-sided: a SHARED epoch on shard 0's ACCUM window."""
         win = self._check_open().accum
+        self._drain()
         control.issue(win, CONTROL_SHARD, HEADER_BYTES)
         _complete(win, (CONTROL_SHARD,))
         if self._linger_s:
@@ -292,6 +430,7 @@ class ParameterClient(_Endpoint):
         if self._finished:
             return
         win = self._check_open().accum
+        self._drain()
         for shard in self.topology.shard_ranks:
             win.Accumulate(_int64(self._one), shard, (DONE * COUNTER_BYTES, 1, MPI.INT64_T),
                            MPI.SUM)

@@ -564,6 +564,16 @@ class SharedMemoryClient(ParameterClient):
         self._progress()
         return self._pushed(), self._pulled()
 
+    def push_pull_overlapped(self, grad: np.ndarray, out: np.ndarray | None,
+                             control: ControlExchange | None = None) -> tuple[np.ndarray, bool]:
+        """As ParameterClient.push_pull_overlapped, without the overlap: on one node the
+        client folds its own push and copies the parameters out while it holds the
+        lock, so there is no transfer to hide. The pull (into `out`) is complete on
+        return, and reported so."""
+        if out is None:
+            return self.push(grad, control), False
+        return self.push_pull(grad, out, control)[0], True
+
     def exchange(self, control: ControlExchange) -> None:
         """Only the control operations, under shard 0's exclusive lock."""
         segments = self._check_open()

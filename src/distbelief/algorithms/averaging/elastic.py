@@ -85,9 +85,9 @@ class ElasticReplica(Replica):
     (module docstring). Its run control (claims, commands, checkpoints, the end) is
     Downpour's, one exchange per block."""
 
-    def __init__(self, run: Any, network: Any, fetch_own_pushes: bool,
+    def __init__(self, run: Any, network: Any, fetch: str,
                  opt: OptimizerConfig):
-        super().__init__(run, network, fetch_own_pushes)
+        super().__init__(run, network, fetch)
         self.alpha = float(opt.elastic_alpha)
         self.local_optimizer = make_optimizer(opt.adagrad, opt.learning_rate,
                                               self.params.size)
@@ -158,6 +158,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                           "supported")
     config = downpour_settings(config)
     return downpour.train(config, comm, stream, resume=resume,
-                          replica_role=lambda run, network, fetch_own_pushes: ElasticReplica(
-                              run, network, fetch_own_pushes, config.optimizer),
+                          replica_role=lambda run, network, fetch: ElasticReplica(
+                              run, network, fetch, config.optimizer),
                           shard_update=lambda size: CenterUpdate())

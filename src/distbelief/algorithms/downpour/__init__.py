@@ -12,13 +12,14 @@ before it communicates, so a bad configuration ends the job with exit 2 on every
 REPLICAS train on disjoint parts of the training set (`TrainShard(info, replica, R,
 seed)`, each with its own shuffling stream). A replica fetches the parameters before
 every `n_fetch`-th step and pushes the sum of its gradients after every `n_push`-th step;
-when both fall together it uses `push_pull`, one round of lock traffic. A fetch returns
-parameters that contain the replica's own earlier pushes (read-your-writes:
-`ParameterClient.catch_up`), which is the order in which DistBelief's server answers a
-replica and makes one replica exactly sequential SGD; the staleness of a push then counts
-only other replicas' updates (without it one replica ends 0.4-3 points lower at equal
-steps: `fetch_own_pushes=False`, kept for experiments). A replica never waits for
-another.
+when both fall together it uses `push_pull`, one set of rounds. By default
+(`optimizer.fetch = "own_pushes"`) a fetch returns parameters that contain the replica's
+own earlier pushes (read-your-writes: `ParameterClient.catch_up`), which is the order in
+which DistBelief's server answers a replica and makes one replica exactly sequential SGD;
+the staleness of a push then counts only other replicas' updates. "asynchronous" skips
+that wait (one replica ends 0.4-3 points lower at equal steps), "overlapped" also leaves
+the push and the fetch in flight while the next step computes (docs/downpour.md, "Fetch").
+A replica never waits for another.
 
 RUN CONTROL (distbelief.ps.run_control). After the set-up a replica takes part in no
 collective: a collective that includes a dead rank never completes. Everything it must
@@ -152,16 +153,14 @@ __all__ = ["OpenRun", "grant", "open_run", "plan_run", "train"]
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          fetch_own_pushes: bool = True, resume: str = "auto",
+          resume: str = "auto",
           replica_role: Callable[..., Any] = make_replica,
           shard_update: Callable[[int], Any] | None = None) -> dict[str, Any] | None:
     """Run Downpour SGD on the ranks of `comm`; returns the run summary on rank 0, None
     on the other ranks.
 
-    `fetch_own_pushes` (True, what the command line uses): a replica's fetch returns
-    parameters that contain every gradient it pushed before (read-your-writes), so one
-    replica is exactly sequential SGD; False is for experiments (every gradient at least
-    one update stale). `resume` is one of common.RESUME_MODES ("auto": continue from a
+    What a replica's fetch waits for is `optimizer.fetch` (config.FETCHES; the default,
+    "own_pushes", makes one replica exactly sequential SGD). `resume` is one of common.RESUME_MODES ("auto": continue from a
     checkpoint in out_dir if there is one; "require"; "fresh").
 
     Collective over `comm` for the set-up: every rank calls it with the same
@@ -174,7 +173,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     BadGradients or CheckpointError (RunFailed off the shards) on every live rank when
     the run failed.
 
-    `replica_role(run, network, fetch_own_pushes)` makes a replica rank's role and
+    `replica_role(run, network, fetch)` makes a replica rank's role and
     `shard_update(size)` a shard's update rule (default: optimizer.update's); the
     variants that reuse Downpour's machinery (EASGD: distbelief.algorithms.averaging.elastic)
     pass their own.
@@ -202,7 +201,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                     run = open_run(config, comm, resume, stream, signals, info, network,
                                    peers, shard_update)
                 with np.errstate(over="ignore", invalid="ignore"):
-                    role = _make_role(run, config, network, info, stream, fetch_own_pushes,
+                    role = _make_role(run, config, network, info, stream,
                                       replica_role)
                     role.run()
                     ending = role.finish()
@@ -232,11 +231,11 @@ def _closing(peers: Peers) -> Iterator[None]:
 
 
 def _make_role(run: OpenRun, config: Config, network: Any, info: Any,
-               stream: IO[str] | None, fetch_own_pushes: bool,
+               stream: IO[str] | None,
                replica_role: Callable[..., Any] = make_replica) -> Any:
     topology = run.plan.topology
     if topology.is_replica:  # partitioned when partitions > 1
-        return replica_role(run, network, fetch_own_pushes)
+        return replica_role(run, network, config.optimizer.fetch)
     if topology.world_rank == 0:
         return Supervisor(run, config, network, info, stream)
     return _ShardRole(run)

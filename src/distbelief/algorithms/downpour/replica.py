@@ -34,14 +34,14 @@ from distbelief.runtime.faults import Faults
 from distbelief.runtime.watchdog import RankLost
 
 
-def make_replica(run: Any, network: Any, fetch_own_pushes: bool) -> Any:
+def make_replica(run: Any, network: Any, fetch: str) -> Any:
     """Downpour's replica role for this rank (`run`: downpour.OpenRun): the plain one when
     partitions = 1, else a PartitionedReplica over the replica's partition communicator
     (topology.split_communicators). Local (no communication)."""
     comm = run.communicators.partition
     if comm == MPI.COMM_NULL or comm.Get_size() == 1:
-        return Replica(run, network, fetch_own_pushes)
-    return PartitionedReplica(run, network, fetch_own_pushes)
+        return Replica(run, network, fetch)
+    return PartitionedReplica(run, network, fetch)
 
 
 # ------------------------------------------------------------------------------------------
@@ -92,11 +92,12 @@ class Replica:
 
     lead = True  # this rank talks to shard 0 for its replica
 
-    def __init__(self, run: OpenRun, network: Any, fetch_own_pushes: bool = True):
+    def __init__(self, run: OpenRun, network: Any, fetch: str = "own_pushes"):
         plan, client = run.plan, run.endpoint
         self.run_, self.plan, self.client, self.network = run, plan, client, network
         self.data, self.base = run.local, run.start.base
-        self.fetch_own_pushes = fetch_own_pushes
+        self.fetch = fetch  # config.FETCHES: what a fetch waits for
+        self.fetch_own_pushes = fetch == "own_pushes"
         topology = plan.topology
         self.index = topology.replica_index
         self.stats_ = ReplicaStats(self.index, topology.world_rank, staleness=client.staleness)
@@ -104,6 +105,11 @@ class Replica:
         self.grad = np.zeros_like(self.params)
         # With n_push = 1 the step's gradient is pushed as it is; otherwise summed here.
         self.pushed = self.grad if plan.n_push == 1 else np.zeros_like(self.params)
+        if fetch == "overlapped":  # a second of each: one is in flight while one is used
+            self._spare_params = np.zeros_like(self.params)
+            self._spare_grad = np.zeros_like(self.params)
+            self._spare_pushed = self._spare_grad if plan.n_push == 1 else np.zeros_like(
+                self.params)
         self.control = ControlExchange(self.index if self.lead else None)
         self.t = run.start.local_steps  # local steps done (a resumed replica goes on)
         self.fresh = False  # params were fetched at the last push (push_pull)
@@ -307,7 +313,10 @@ class Replica:
         epochs when the next step is due to fetch."""
         t0 = time.perf_counter()
         control = self._before_exchange(control) if self.lead else None
-        if self.t % self.plan.n_fetch == 0:
+        fetch = self.t % self.plan.n_fetch == 0
+        if self.fetch == "overlapped":
+            self._push_overlapped(control, fetch)
+        elif fetch:
             self.client.push_pull(self.pushed, self.params, control)
             self._catch_up()
             self.stats_.fetches += 1
@@ -318,6 +327,26 @@ class Replica:
         self.stats_.pushes += 1
         if self.pushed is not self.grad:
             self.pushed.fill(0)
+
+    def _push_overlapped(self, control: ControlExchange | None, fetch: bool) -> None:
+        """fetch = "overlapped": push (and fetch) with the transfers left in flight until
+        the next push; the next steps compute on the last fetch that completed. The pull
+        in flight always lands in _spare_params, adopted when it completes; the gradient
+        in flight stays untouched, the next one goes to the other buffer."""
+        target = None
+        if fetch:
+            target = self.params if self.client.pull_in_flight else self._spare_params
+        _, completed = self.client.push_pull_overlapped(self.pushed, target, control)
+        if completed:
+            self.params, self._spare_params = self._spare_params, self.params
+        if fetch:
+            self.stats_.fetches += 1
+            self.fresh = True
+        if self.pushed is self.grad:
+            self.grad, self._spare_grad = self._spare_grad, self.grad
+            self.pushed = self.grad
+        else:
+            self.pushed, self._spare_pushed = self._spare_pushed, self.pushed
 
     def _exchange(self, control: ControlExchange) -> ControlExchange:
         """A control-only exchange with shard 0 (the lead's)."""
@@ -401,13 +430,13 @@ class PartitionedReplica(Replica):
     (claims, reports, commands, its data position) and shares every decision with the
     others (one Ibcast per block), so all of them pause, stop and end together."""
 
-    def __init__(self, run: Any, network: Any, fetch_own_pushes: bool):
+    def __init__(self, run: Any, network: Any, fetch: str):
         comm = run.communicators.partition
         self.lead = comm.Get_rank() == 0
         model = PartitionedNetwork(network, comm)
         run.endpoint.restrict_to(model.pieces)
         model.layout = network.layout  # whole-model vectors: Replica sizes them so
-        super().__init__(run, model, fetch_own_pushes)
+        super().__init__(run, model, fetch)
         self.model, self.comm = model, comm
         self._finite = np.zeros(1, dtype=np.int32)
 
