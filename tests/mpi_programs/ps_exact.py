@@ -47,23 +47,33 @@ def main() -> None:
               or not topology.is_replica,
               "first pull of a lone replica must see the initial parameters")
         if topology.is_replica:
+            spare = np.empty_like(params)
+            in_flight = None  # an overlapped push's gradient must live until it completes
             for m in range(args.pushes):
                 grad = gradient(topology.replica_index, m, args.size)
-                # Three ways to push: alone, followed by a pull, overlapped with a pull.
+                # Five ways to push: alone, followed by a pull, with a pull in the same
+                # rounds, and overlapped (left in flight) with and without a pull; the
+                # next call, whichever, completes an overlapped one.
                 new = versions
-                if m % 3 == 0:
+                if m % 5 == 0:
                     staleness = endpoint.push(grad)
-                elif m % 3 == 1:
+                elif m % 5 == 1:
                     staleness = endpoint.push(grad)
                     new = endpoint.pull(params)
-                else:
+                elif m % 5 == 2:
                     staleness, new = endpoint.push_pull(grad, params)
+                else:
+                    staleness, _ = endpoint.push_pull_overlapped(
+                        grad, spare if m % 5 == 3 else None)
+                    in_flight = grad
+                    new = endpoint.pulled_versions.copy()
                 check(bool((staleness >= 0).all()), f"negative staleness {staleness}")
                 check(bool((new >= versions).all()), f"versions went back: {versions} {new}")
                 versions = new
             say(f"replica {topology.replica_index} pushed {args.pushes}; staleness mean "
                 f"{endpoint.staleness.mean:.2f} max {endpoint.staleness.max}")
-        endpoint.finish()
+            del in_flight
+        endpoint.finish()  # completes an overlapped push left in flight
     endpoint.free()
 
 
