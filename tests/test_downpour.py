@@ -191,11 +191,14 @@ def test_fetch_settings_keep_counts_exact(data_dir, tmp_path, fetch, transport, 
             assert stale >= (1.0 if fetch == "overlapped" else 0.5), summary["staleness"]
 
 
-def test_one_replica_reads_its_own_pushes(data_dir, tmp_path):
+@pytest.mark.parametrize("transport", ["shared", "rma"])
+def test_one_replica_reads_its_own_pushes(data_dir, tmp_path, transport):
     # With read-your-writes fetches a lone replica never computes on stale parameters.
     out = tmp_path / "out"
-    summary, _ = finished(downpour(2, data_dir, out, "run.max_steps=300"), out)
+    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
+    summary, _ = finished(downpour(2, data_dir, out, "run.max_steps=300", env=env), out)
     assert summary["staleness"]["max"] == 0 and summary["staleness"]["samples"] == 300
+    assert summary["shards"][0]["transport"] == transport
 
 
 @pytest.fixture(scope="module")

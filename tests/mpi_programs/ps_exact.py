@@ -51,20 +51,24 @@ def main() -> None:
             in_flight = None  # an overlapped push's gradient must live until it completes
             for m in range(args.pushes):
                 grad = gradient(topology.replica_index, m, args.size)
-                # Five ways to push: alone, followed by a pull, with a pull in the same
-                # rounds, and overlapped (left in flight) with and without a pull; the
-                # next call, whichever, completes an overlapped one.
+                # Six ways to push: alone, followed by a pull, with a pull in the same
+                # rounds, followed by a pull that holds it (read-your-writes), and
+                # overlapped (left in flight) with and without a pull; the next call,
+                # whichever, completes an overlapped one.
                 new = versions
-                if m % 5 == 0:
+                if m % 6 == 0:
                     staleness = endpoint.push(grad)
-                elif m % 5 == 1:
+                elif m % 6 == 1:
                     staleness = endpoint.push(grad)
                     new = endpoint.pull(params)
-                elif m % 5 == 2:
+                elif m % 6 == 2:
                     staleness, new = endpoint.push_pull(grad, params)
+                elif m % 6 == 3:
+                    staleness, _ = endpoint.push_pull_own(grad, params)
+                    new = endpoint.pulled_versions.copy()
                 else:
                     staleness, _ = endpoint.push_pull_overlapped(
-                        grad, spare if m % 5 == 3 else None)
+                        grad, spare if m % 6 == 4 else None)
                     in_flight = grad
                     new = endpoint.pulled_versions.copy()
                 check(bool((staleness >= 0).all()), f"negative staleness {staleness}")

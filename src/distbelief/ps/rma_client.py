@@ -357,6 +357,17 @@ class ParameterClient(_Endpoint):
         this client (its pull lands in the buffer given then)."""
         self._finish_in_flight(issue_next=False)
 
+    def push_pull_own(self, grad: np.ndarray, out: np.ndarray,
+                      control: ControlExchange | None = None) -> tuple[np.ndarray, int]:
+        """push(grad, control), then pull(out) once every shard has applied that push
+        (read-your-writes); returns (staleness, as push does; the pulls made beyond the
+        first, as catch_up counts them after a push_pull). Pushing alone, not push_pull:
+        its pull is read before the push lands, so it never holds it, and would only add
+        2.7 MB to a step (0.2-0.3 ms with the reference MLP, benchmarks/RMA_NOTES.md
+        section 11)."""
+        staleness = self.push(grad, control)
+        return staleness, max(0, self.catch_up(out) - 1)
+
     def catch_up(self, out: np.ndarray, backoff: Backoff | None = None) -> int:
         """Make the last pull contain this client's last push (read-your-writes): pull
         again, sleeping under `backoff` between pulls, until every shard's pulled version

@@ -564,6 +564,12 @@ class SharedMemoryClient(ParameterClient):
         self._progress()
         return self._pushed(), self._pulled()
 
+    def push_pull_own(self, grad: np.ndarray, out: np.ndarray,
+                      control: ControlExchange | None = None) -> tuple[np.ndarray, int]:
+        """As ParameterClient.push_pull_own: here push_pull's copy, made right after the
+        fold, always holds the push, so no extra pull is ever needed."""
+        return self.push_pull(grad, out, control)[0], 0
+
     def push_pull_overlapped(self, grad: np.ndarray, out: np.ndarray | None,
                              control: ControlExchange | None = None) -> tuple[np.ndarray, bool]:
         """As ParameterClient.push_pull_overlapped, without the overlap: on one node the

@@ -316,13 +316,16 @@ class Replica:
         fetch = self.t % self.plan.n_fetch == 0
         if self.fetch == "overlapped":
             self._push_overlapped(control, fetch)
-        elif fetch:
-            self.client.push_pull(self.pushed, self.params, control)
-            self._catch_up()
+        elif not fetch:
+            self.client.push(self.pushed, control)
+        else:
+            if self.fetch_own_pushes:
+                self.stats_.refetches += self.client.push_pull_own(self.pushed, self.params,
+                                                                   control)[1]
+            else:
+                self.client.push_pull(self.pushed, self.params, control)
             self.stats_.fetches += 1
             self.fresh = True
-        else:
-            self.client.push(self.pushed, control)
         self.stats_.rma_seconds += time.perf_counter() - t0
         self.stats_.pushes += 1
         if self.pushed is not self.grad:
