@@ -14,12 +14,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
 import pytest
 from conftest import run_cli
 
+from distbelief.algorithms.common import check_replica_count
 from distbelief.config import settings_hash
 from distbelief.model.layout import ParamLayout, balanced_ranges
 from distbelief.records import checkpoint as ckpt
@@ -857,3 +859,16 @@ def test_a_resume_drops_lines_written_after_the_checkpoint_even_of_earlier_steps
     assert [x["time"] for x in lines] == sorted(x["time"] for x in lines)
     discarded = read_metrics(tmp_path / "metrics.discarded.jsonl")
     assert [x["kind"] for x in discarded] == ["discarded", "eval"]
+
+
+def test_a_checkpoint_of_another_replica_count_says_how_to_resume_it() -> None:
+    found = SimpleNamespace(path=Path("runs/x/checkpoints/ckpt-0000000100"), num_replicas=3)
+    check_replica_count(found, 3, "synchronous")  # the same count: nothing to say
+    check_replica_count(None, 2, "synchronous")  # a fresh start
+    with pytest.raises(ckpt.CheckpointError) as error:
+        check_replica_count(found, 2, "synchronous", extra_ranks=1,
+                            why=" (their data positions)")
+    assert str(error.value) == (
+        "checkpoint runs/x/checkpoints/ckpt-0000000100 was written by 3 synchronous "
+        "replica(s) (their data positions), so it resumes on 4 ranks (mpiexec -n 4), not 3; "
+        "or pass --fresh to start over")

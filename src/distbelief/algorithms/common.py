@@ -253,6 +253,21 @@ def starting_checkpoint(config: Config, layout: Any, resume: str,
     return found
 
 
+def check_replica_count(found: ckpt.Checkpoint | None, replicas: int, kind: str,
+                        extra_ranks: int = 0, why: str = "") -> None:
+    """Refuse a checkpoint written by another number of replicas (what it keeps per
+    replica, data positions or optimizer states, fits no other count) with one
+    CheckpointError that says how to resume it; `extra_ranks`: the job's ranks that are
+    not replicas (a shard)."""
+    if found is None or found.num_replicas == replicas:
+        return
+    ranks = found.num_replicas + extra_ranks
+    raise ckpt.CheckpointError(
+        f"checkpoint {found.path} was written by {found.num_replicas} {kind} replica(s)"
+        f"{why}, so it resumes on {ranks} ranks (mpiexec -n {ranks}), not "
+        f"{replicas + extra_ranks}; or pass --fresh to start over")
+
+
 def start_over(out_dir: str | Path, resume: str, stream: IO[str] | None) -> None:
     """Before a run starts from step 0 in out_dir: with --fresh, move the previous run's
     files aside; without it, do the same if a previous run left metrics or a summary but

@@ -79,6 +79,7 @@ from distbelief.algorithms.common import (
     StopRules,
     StopSignals,
     TrainingDiverged,
+    check_replica_count,
     evaluate,
     load_eval_set,
     open_data,
@@ -272,10 +273,7 @@ def _choose_checkpoint(config: Config, network: Any, resume: str, stream: IO[str
         return None
     found = starting_checkpoint(config, network.layout, resume, stream)
     prepare_run_dir(config)
-    if found is not None and found.num_replicas != replicas:
-        raise ckpt.CheckpointMismatch(
-            f"checkpoint {found.path} was written by {found.num_replicas} Hogwild "
-            f"replicas; resume it with mpiexec -n {found.num_replicas}, or pass --fresh")
+    check_replica_count(found, replicas, "Hogwild", why=" (their data positions)")
     return found
 
 

@@ -54,6 +54,7 @@ from distbelief.algorithms.common import (
     StopRules,
     StopSignals,
     TrainingDiverged,
+    check_replica_count,
     load_eval_set,
     open_data,
     prepare_run_dir,
@@ -371,12 +372,8 @@ def _restore(path: str | None, chosen: ckpt.Checkpoint | None,
         return None
     found = chosen if chosen is not None else ckpt.Checkpoint(Path(path),
                                                               ckpt.read_manifest(path))
-    if found.num_replicas != replica.size:
-        raise ckpt.CheckpointError(
-            f"checkpoint {found.path} was written by {found.num_replicas} averaging "
-            f"replica(s) and each replica's optimizer state is its own, so it resumes on "
-            f"{found.num_replicas} ranks (mpiexec -n {found.num_replicas}), not "
-            f"{replica.size}; or pass --fresh to start over")
+    check_replica_count(found, replica.size, "averaging",
+                        why=" and each replica's optimizer state is its own")
     try:
         params, _ = found.read_state(with_optimizer=False)
         np.copyto(replica.params, params)

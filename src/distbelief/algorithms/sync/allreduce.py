@@ -51,6 +51,7 @@ from distbelief.algorithms.common import (
     StopRules,
     StopSignals,
     TrainingDiverged,
+    check_replica_count,
     load_eval_set,
     open_data,
     prepare_run_dir,
@@ -93,11 +94,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         if rank != 0:
             return None
         found = starting_checkpoint(config, network.layout, resume, stream)
-        if found is not None and found.num_replicas != replicas:
-            raise ckpt.CheckpointError(
-                f"checkpoint {found.path} holds {found.num_replicas} replicas' data "
-                f"positions; this run has {replicas}. Resume with mpiexec -n "
-                f"{found.num_replicas}, or pass --fresh to start over")
+        check_replica_count(found, replicas, "synchronous", why=" (their data positions)")
         prepare_run_dir(config)
         return None if found is None else str(found.path)
 

@@ -48,6 +48,7 @@ from distbelief.algorithms.common import (
     StopRules,
     StopSignals,
     TrainingDiverged,
+    check_replica_count,
     evaluate,
     load_eval_set,
     open_data,
@@ -97,11 +98,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         if rank != SHARD:
             return None
         found = starting_checkpoint(config, network.layout, resume, stream)
-        if found is not None and found.num_replicas != replicas:
-            raise ckpt.CheckpointError(
-                f"checkpoint {found.path} was written by {found.num_replicas} replicas; "
-                f"this run has {replicas}. Resume with mpiexec -n {found.num_replicas + 1}, "
-                f"or pass --fresh to start over")
+        check_replica_count(found, replicas, "synchronous", extra_ranks=1,
+                            why=" (their data positions)")
         prepare_run_dir(config)
         return None if found is None else str(found.path)
 
