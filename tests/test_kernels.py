@@ -502,7 +502,7 @@ def test_stale_kernels_are_detected(tmp_path: Path) -> None:
 
     source = next(pyx_dir.glob("*.pyx"))
     source.write_text(source.read_text() + "\n# edited\n")
-    with pytest.raises(ImportError, match="pip install --no-build-isolation -e ."):
+    with pytest.raises(ImportError, match=r"pip install -e \."):
         kernels.check_kernels_current(pyx_dir, compiled)
 
     source.write_text(source.read_text().removesuffix("\n# edited\n"))
@@ -524,4 +524,4 @@ def test_missing_extension_names_the_fix() -> None:
     assert proc.returncode != 0
     assert ("ImportError: The compiled kernels (distbelief.model._kernels) are missing"
             in proc.stderr)
-    assert "pip install --no-build-isolation -e ." in proc.stderr
+    assert "pip install -e ." in proc.stderr

@@ -22,7 +22,7 @@ import numpy as np
 
 ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh")
 
-REBUILD_COMMAND = "pip install --no-build-isolation -e ."
+REBUILD_COMMAND = "pip install -e ."
 # In an editable install this file is <checkout>/src/distbelief/model/kernels.py.
 PYX_DIR = Path(__file__).resolve().parents[3] / "pyx"
 
