@@ -31,7 +31,8 @@ exception on any rank aborts the job):
 (e) interleaved: the overhead of (b) at n_fetch = n_push = 1 measured inside one replica
     process (2 ranks: the shard serves as in Downpour), alternating blocks of `--block`
     single-process steps (next_batch, loss_and_grad, Adagrad on private parameters) and
-    Downpour steps (next_batch, loss_and_grad, push_pull + read-your-writes catch_up), on
+    Downpour steps (next_batch, loss_and_grad, push_pull_own: push, then read-your-writes
+    catch_up), on
     both transports, then on RMA with optimizer.fetch = "asynchronous" (push_pull only)
     and "overlapped" (push_pull_overlapped, transfers completed during the next step);
     overhead = 1 - 1 / (median over pairs of adjacent blocks of the
@@ -137,11 +138,12 @@ def interleaved_worker(args: argparse.Namespace) -> None:
                     if endpoint.push_pull_overlapped(grad, target)[1]:
                         remote, spare = spare, remote
                     grad, in_flight = in_flight, grad
+                elif args.fetch == "own_pushes":
+                    network.loss_and_grad(remote, x, y, grad)
+                    endpoint.push_pull_own(grad, remote)
                 else:
                     network.loss_and_grad(remote, x, y, grad)
                     endpoint.push_pull(grad, remote)
-                    if args.fetch == "own_pushes":
-                        endpoint.catch_up(remote)
             block_times.append((time.perf_counter() - t0) / args.block)
     endpoint.free()
     # Each Downpour block against the single-process block just before it: the pairs see
@@ -357,6 +359,13 @@ def section_transports(args: argparse.Namespace) -> None:
     for row, rate in best.items():
         print(f"  {TRANSPORT_ROWS[row][0]:<56} {rate:>8,.0f}  {ratio(rate, best[0]):>5}")
     print(f"  (loads at round starts: {', '.join(f'{x:.1f}' for x in loads)})")
+
+
+def section_transport_target(args: argparse.Namespace) -> None:
+    """(f), second part: time to the target with 1 shard + 1 replica on shared memory and
+    on RMA with each optimizer.fetch, seed by seed in turn (none with --seeds 0)."""
+    if args.seeds < 1:
+        return
     print(f"  time to {args.target}, 1 shard + 1 replica, median of {args.seeds} seed(s):")
     runs = [("shared", "own_pushes")] + [("rma", fetch) for fetch in FETCHES]
     times: dict[tuple[str, str], list[float | None]] = {run: [] for run in runs}
@@ -378,7 +387,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=REPO / "data" / "fashion_mnist.h5")
     p.add_argument("--only", choices=["target", "throughput", "replicas", "bandwidth",
-                                      "interleaved", "transports"])
+                                      "interleaved", "transports", "transport-target"])
     p.add_argument("--threads", default="1,2", help="(a): thread counts")
     p.add_argument("--seeds", type=int, default=1, help="(a): seeds, median reported")
     p.add_argument("--steps", type=int, default=4000, help="(b), (c): steps per run")
@@ -423,6 +432,8 @@ def main() -> None:
         section_interleaved(args)
     if args.only in (None, "transports"):
         section_transports(args)
+    if args.only in (None, "transports", "transport-target"):
+        section_transport_target(args)
 
 
 if __name__ == "__main__":
