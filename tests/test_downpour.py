@@ -169,7 +169,8 @@ FETCH_CASES = [(fetch, transport, n, shards, extra)
 
 
 @pytest.mark.parametrize("fetch, transport, n, shards, extra", [
-    pytest.param(*case, marks=[pytest.mark.nodes] if case[1] == "rma" else [])
+    pytest.param(*case, marks=[pytest.mark.nodes, pytest.mark.both_mpis]
+                 if case[1] == "rma" else [])
     for case in FETCH_CASES])
 def test_fetch_settings_keep_counts_exact(data_dir, tmp_path, fetch, transport, n, shards,
                                           extra):

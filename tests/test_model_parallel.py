@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, run_cli, run_mpi
+from conftest import REPO, _env, run_cli, run_mpi
 
 from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
@@ -383,20 +383,24 @@ def test_costmodel_command_without_data_file():
 
 @pytest.mark.both_mpis
 @pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
-def test_downpour_partitioned_replicas_checkpoint_and_resume(data_dir, tmp_path):
+@pytest.mark.parametrize("fetch, transport", [("own_pushes", None), ("overlapped", "rma")])
+def test_downpour_partitioned_replicas_checkpoint_and_resume(data_dir, tmp_path, fetch,
+                                                             transport):
     # Agreement rounds and checkpoints with replicas of 2 partitions: the partitions act on
     # a round together (else a checkpoint barrier would wait on a partition that waits for
-    # activations), partition 0 writes the replica's part; a second job resumes.
+    # activations), partition 0 writes the replica's part; a second job resumes. Overlapped,
+    # each partition's push is still in flight when the lead pauses for a checkpoint.
     out = tmp_path / "out"
     common = ['optimizer.algorithm="downpour"', "cluster.partitions=2",
-              "run.checkpoint_every_steps=40"]
+              "run.checkpoint_every_steps=40", f'optimizer.fetch="{fetch}"']
+    env = None if transport is None else {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
     first = finished(run_mpi(5, ["-m", "distbelief", *train_args(
-        data_dir, out, *common, "run.max_steps=120")], timeout=TIMEOUT), out)
+        data_dir, out, *common, "run.max_steps=120")], timeout=TIMEOUT, env=env), out)
     assert first["steps"] == 120 and first["checkpoint"]
     inspect = run_cli(["inspect", out], timeout=TIMEOUT)
     assert inspect.returncode == 0, inspect.stdout + inspect.stderr
     second = finished(run_mpi(5, ["-m", "distbelief", *train_args(
-        data_dir, out, *common, "run.max_steps=200")], timeout=TIMEOUT), out)
+        data_dir, out, *common, "run.max_steps=200")], timeout=TIMEOUT, env=env), out)
     assert second["resumed_from"] and second["resumed_at_step"] == 120
     assert second["steps"] == 200
 
