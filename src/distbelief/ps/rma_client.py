@@ -75,6 +75,8 @@ class ParameterClient(_Endpoint):
         self._one = np.ones(1, dtype=np.int64)
         self._taken = np.zeros((shards, 1), dtype=np.int64)  # phase of the last push
         self._tickets = np.zeros((shards, 1), dtype=np.int64)
+        self._phase_marks = np.zeros((shards, 1), dtype=np.int64)  # phase + 1, to PENDING
+        self._unmarks = np.zeros((shards, 1), dtype=np.int64)  # its negation, when done
         self._minus_one = -self._one
         self._client = topology.world_rank - shards  # its PENDING slot
         self._push_versions = np.zeros(shards, dtype=np.int64)  # versions holding last push
@@ -85,7 +87,7 @@ class ParameterClient(_Endpoint):
         self._segments = [[r] for r in self.ranges]
         self._touched = np.ones(shards, dtype=bool)
         # push_pull_overlapped: a push whose data, and a pull whose buffer read, were
-        # issued but not completed (they complete in the next call, or _drain); a caller
+        # issued but not completed (they complete in the next call, or drain); a caller
         # that alternates pull buffers reads pull_in_flight
         self.in_flight = False
         self.pull_in_flight = False
@@ -147,7 +149,7 @@ class ParameterClient(_Endpoint):
     def _issue_push_ticket(self, win: MPI.Win) -> None:
         """A push's first round: take a ticket on each shard it touches (Fetch_and_op SUM
         of 1 on TICKET): it counts the push as started and names its phase."""
-        pending = self._live().pending + self._client * COUNTER_BYTES
+        pending = self._live().pending + 2 * self._client * COUNTER_BYTES
         for shard in self._pulled_shards():
             win.Fetch_and_op(_int64(self._one), _int64(self._tickets[shard]), shard,
                              TICKET * COUNTER_BYTES, MPI.SUM)
@@ -165,9 +167,16 @@ class ParameterClient(_Endpoint):
         the accumulator of its phase on each shard, and the control operations on shard
         0."""
         windows = self._live()
+        phase_slot = windows.pending + (2 * self._client + 1) * COUNTER_BYTES
+        self._phase_marks[:, 0] = self._taken[:, 0] + 1
+        np.negative(self._phase_marks, out=self._unmarks)
         for shard in self._pulled_shards():
             low, high = self.ranges[shard]
             base = windows.accumulator(int(self._taken[shard, 0]), high - low)
+            # The push's phase + 1 into PENDING's second slot, so the shard can tell which
+            # phase a gone client's push was in.
+            win.Accumulate(_int64(self._phase_marks[shard]), shard,
+                           (phase_slot, 1, MPI.INT64_T), MPI.SUM)
             if self._send_fetched:
                 # With the data, so it is complete before COMPLETED counts the push.
                 slot = FETCHED + int(self._taken[shard, 0]) % 2
@@ -185,12 +194,14 @@ class ParameterClient(_Endpoint):
         """A push's third round, once its gradient has completed at every shard:
         Accumulate(SUM) of 1 into the COMPLETED counter of its accumulator, which the
         shard waits for before it takes that accumulator."""
-        pending = self._live().pending + self._client * COUNTER_BYTES
+        pending = self._live().pending + 2 * self._client * COUNTER_BYTES
         for shard in self._pulled_shards():
             slot = COMPLETED + int(self._taken[shard, 0]) % 2
             win.Accumulate(_int64(self._one), shard, (slot * COUNTER_BYTES, 1, MPI.INT64_T),
                            MPI.SUM)
             win.Accumulate(_int64(self._minus_one), shard, (pending, 1, MPI.INT64_T), MPI.SUM)
+            win.Accumulate(_int64(self._unmarks[shard]), shard,
+                           (pending + COUNTER_BYTES, 1, MPI.INT64_T), MPI.SUM)
 
     def _pulled(self) -> np.ndarray:
         self.pulled_versions[:] = self._headers[:, VERSION]
@@ -213,7 +224,7 @@ class ParameterClient(_Endpoint):
         pull counter."""
         self._check_vector(out, "pull buffer")
         windows = self._check_open()
-        self._drain()
+        self.drain()
         _read_published(windows, self._pulled_shards(), self._segments, self.ranges, out,
                         self._headers, self._one)
         return self._pulled()
@@ -230,7 +241,7 @@ class ParameterClient(_Endpoint):
         self._check_vector(grad, "gradient")
         win = self._check_open().accum
         shards = self.topology.shard_ranks
-        self._drain()
+        self.drain()
         self._issue_push_ticket(win)
         _complete(win, shards)
         self._note_ticket()
@@ -252,7 +263,7 @@ class ParameterClient(_Endpoint):
         self._check_vector(grad, "gradient")
         self._check_vector(out, "pull buffer")
         windows = self._check_open()
-        self._drain()
+        self.drain()
         accum, params = windows.accum, windows.params
         shards, pulled = self.topology.shard_ranks, self._pulled_shards()
         self._issue_push_ticket(accum)
@@ -352,10 +363,12 @@ class ParameterClient(_Endpoint):
                             self._pull_out, self._headers)
         self._pulled()
 
-    def _drain(self) -> None:
-        """Complete what push_pull_overlapped left in flight, before any other operation of
-        this client (its pull lands in the buffer given then)."""
-        self._finish_in_flight(issue_next=False)
+    def drain(self) -> bool:
+        """Complete what push_pull_overlapped left in flight; returns whether a pull
+        completed (into the buffer given then). Every other operation of this client
+        calls it first; a caller that alternates pull buffers calls it itself, to adopt
+        that pull."""
+        return self._finish_in_flight(issue_next=False)
 
     def push_pull_own(self, grad: np.ndarray, out: np.ndarray,
                       control: ControlExchange | None = None) -> tuple[np.ndarray, int]:
@@ -378,6 +391,7 @@ class ParameterClient(_Endpoint):
         for another client; with one replica, push_pull + catch_up is exactly sequential
         SGD (the DistBelief server answers a replica's fetch after applying its push).
         """
+        self.drain()
         backoff = backoff or Backoff(min_sleep_s=20e-6, max_sleep_s=0.2e-3)
         extra = 0
         guard = watchdog.current()
@@ -429,7 +443,7 @@ class ParameterClient(_Endpoint):
         """Only the control operations, without a gradient (a replica's first claim, its
         warm-start polls). One-sided: a SHARED epoch on shard 0's ACCUM window."""
         win = self._check_open().accum
-        self._drain()
+        self.drain()
         control.issue(win, CONTROL_SHARD, HEADER_BYTES)
         _complete(win, (CONTROL_SHARD,))
         if self._linger_s:
@@ -441,7 +455,7 @@ class ParameterClient(_Endpoint):
         if self._finished:
             return
         win = self._check_open().accum
-        self._drain()
+        self.drain()
         for shard in self.topology.shard_ranks:
             win.Accumulate(_int64(self._one), shard, (DONE * COUNTER_BYTES, 1, MPI.INT64_T),
                            MPI.SUM)

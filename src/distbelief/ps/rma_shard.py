@@ -5,8 +5,8 @@ the access rules are in rma_windows.py.
 Pushes: double-buffered accumulators, closed by phases. A push is three rounds, each
 completed by Flush on every shard: (1) take a ticket (Fetch_and_op SUM 1 on TICKET: it
 counts the push as started and returns the phase f) and PENDING += 1; (2) Accumulate the
-gradient into accumulator f % 2 (with the control operations); (3) COMPLETED[f % 2] += 1,
-PENDING -= 1. The shard, when tickets were taken since its last flip, flips (Fetch_and_op
+gradient into accumulator f % 2 (with the control operations) and f + 1 into the client's
+second PENDING slot; (3) COMPLETED[f % 2] += 1, PENDING -= 1 and -(f + 1). The shard, when tickets were taken since its last flip, flips (Fetch_and_op
 SUM PHASE on TICKET, which returns the pushes started before it, atomically: so exactly
 those went to the closed accumulator) and, on later polls, once COMPLETED of the closed
 accumulator counts all of them, takes it: reads it, subtracts what it read, applies it as
@@ -134,7 +134,7 @@ class ParameterServerShard(_Endpoint):
         self._started = 0  # pushes started (tickets taken) before the last flip
         self._expected = [0, 0]  # pushes into each accumulator its takes wait for, so far
         self._flipped_at: float | None = None  # set while the last phase awaits its take
-        self._pending = np.zeros(windows.clients, dtype=np.int64)  # PENDING as last read
+        self._pending = np.zeros((windows.clients, 2), dtype=np.int64)  # PENDING as read
         self._client_gone: Callable[[int], bool] | None = None
         self._give_up_s = GIVE_UP_S  # a push in flight longer than this is written off
         self._given_up: set[int] = set()  # gone clients whose push in flight is written off
@@ -344,7 +344,7 @@ class ParameterServerShard(_Endpoint):
             if waited < GONE_CHECK_S:
                 return 0
             if waited < self._give_up_s:
-                self._written_off += self._gone_pending()
+                self._written_off += self._gone_pending(self._phase - 1)
                 if completed + self._written_off < self._expected[closed]:
                     return 0
             missing = self._expected[closed] - completed
@@ -355,9 +355,15 @@ class ParameterServerShard(_Endpoint):
             self._late_push_possible = True
         return self._take(closed)
 
-    def _gone_pending(self) -> int:
-        """How many clients with a push in flight (PENDING) are gone; each is written off
-        once (a gone client's PENDING stays 1 for ever)."""
+    def _gone_pending(self, closed: int) -> int:
+        """How many gone clients have a push in flight (PENDING) in phase `closed`, or
+        in a phase not yet known (it died between its ticket and its data); each is
+        written off once (a gone client's PENDING stays as it left it). A push of a later
+        phase (fetch = "overlapped" keeps one open for a whole step) waits for its take.
+        The phase mark goes out with the push's data; where an MPI applies unflushed
+        accumulates only at the flush, a client that died with its overlapped push in
+        flight leaves its mark 0 and is counted against the closed phase, as before the
+        mark existed (MPICH applied it in every run tried)."""
         if self._client_gone is None or not self._pending.size:
             return 0
         win = self._live().accum
@@ -365,7 +371,8 @@ class ParameterServerShard(_Endpoint):
                            (self._live().pending, self._pending.size, MPI.INT64_T), MPI.NO_OP)
         self._self_ops(win)
         shards = self.topology.ps_shards
-        gone = [c for c in np.flatnonzero(self._pending > 0)
+        in_flight, marks = self._pending[:, 0], self._pending[:, 1]
+        gone = [c for c in np.flatnonzero((in_flight > 0) & np.isin(marks, (0, closed + 1)))
                 if int(c) not in self._given_up and self._client_gone(shards + int(c))]
         self._given_up.update(int(c) for c in gone)
         return len(gone)

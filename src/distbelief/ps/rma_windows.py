@@ -7,7 +7,7 @@ private duplicate of the world communicator, displacement unit 1 byte:
 
     ACCUM  [0:8) TICKET | [16:24) DONE | [24:40) COMPLETED[0..1] | [40:56) FETCHED[0..1] |
            [64:64+c) run control
-           block | PENDING[C] (one per client) | accumulator 0 f32 | accumulator 1 f32
+           block | PENDING[C] (two per client) | accumulator 0 f32 | accumulator 1 f32
     PARAMS [0:8) PUBLISHED | [8:16) BEGUN | [16:24) PULLS | [24:40) HOLDS_ASKED,
            HOLDS_RELEASED | buffer 0 | buffer 1, each
            [0:8) VERSION [8:16) APPLIED, then the slice f32       (counters: int64;
@@ -18,7 +18,9 @@ private duplicate of the world communicator, displacement unit 1 byte:
     FETCHED   = sum of the versions those pushes were computed on (clients + their pulled
                 version, with the data; only where the shard's optimizer revises for
                 delay, AdaRevision: the shard's take derives the fetch version from it)
-    PENDING   = 1 while that client has a push in flight (+1 as it starts, -1 when done)
+    PENDING   = per client: 1 while it has a push in flight (+1 as it starts, -1 when
+                done), and that push's phase + 1 once its data round went out (0
+                before): the shard writes off a gone client's push for its phase only
     DONE      = clients (replicas and coordinator) that called finish()
     PUBLISHED / BEGUN = publishes of the parameters finished / started (the shard +1)
     PULLS     = pulls served (so that the shard sees pull traffic and polls fast)
@@ -48,7 +50,7 @@ operation, so none conflicts with another and no lock is needed to keep them apa
 | TICKET             | client: Fetch_and_op(SUM, 1); owner: Fetch_and_op   |
 |                    |   (SUM, PHASE) to flip; owner reads: NO_OP          |
 | COMPLETED, PENDING,| client: Accumulate(SUM, +-1) int64 (FETCHED: + its |
-| FETCHED,           |   pulled version)                                   |
+| FETCHED,           |   pulled version; PENDING's phase slot: +-(f + 1))  |
 | DONE, PULLS,       | owner: Get_accumulate / Fetch_and_op(NO_OP)         |
 | HOLDS_*            |                                                     |
 | PUBLISHED, BEGUN   | owner: Accumulate(SUM, 1); readers: Fetch_and_op    |
@@ -161,10 +163,10 @@ class _ShardWindows:
     def __init__(self, comm: MPI.Comm, local_count: int, control_bytes: int = 0,
                  clients: int = 0):
         self.control_bytes = control_bytes
-        # One PENDING slot per client (int64, +1 as a push starts, -1 once it completed).
+        # Two PENDING slots per client (int64): a push in flight, and its phase + 1.
         self.pending = HEADER_BYTES + _aligned(control_bytes)
         self.clients = clients
-        self.accum_data = self.pending + _aligned(clients * COUNTER_BYTES)
+        self.accum_data = self.pending + _aligned(2 * clients * COUNTER_BYTES)
         data = local_count * DTYPE().itemsize
         # PARAMS holds two published buffers, each a header (VERSION, APPLIED) + the slice.
         info = _window_info()

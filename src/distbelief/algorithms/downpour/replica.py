@@ -133,14 +133,18 @@ class Replica:
             while granted and not self.stopping:
                 granted = self._train_block(granted)
         except RankLost as lost:
-            if lost.rank < self.plan.topology.ps_shards:
-                raise
-            # Another partition of this replica is gone: the replica is lost. The lead
-            # says so (shard 0 may be on another node than the dead rank) and goes quiet.
-            self.lost = self.stopping = True
-            if self.lead:
-                self.client.exchange(self.control.publish(abandoned=1).set(claim=0))
+            self._abandon(lost)
         self.stats_.train_seconds = time.perf_counter() - start
+
+    def _abandon(self, lost: RankLost) -> None:
+        """Another partition of this replica is gone: the replica is lost. The lead says so
+        (shard 0 may be on another node than the dead rank) and goes quiet. A lost shard
+        ends the job (raised on)."""
+        if lost.rank < self.plan.topology.ps_shards:
+            raise lost
+        self.lost = self.stopping = True
+        if self.lead:
+            self.client.exchange(self.control.publish(abandoned=1).set(claim=0))
 
     def _wait_for_warm_start(self) -> None:
         """Poll shard 0 (control only, with back-off sleeps) until replica 0 has reported
@@ -247,6 +251,7 @@ class Replica:
         the run stops. Partitions other than the lead wait at their next `_share_values`."""
         self.acked = request
         t0 = time.perf_counter()
+        self._settle_pushes()
         if self.lead:
             control = self._publish_position(acked=request)
             backoff = Backoff(*PAUSE_POLL_S)
@@ -297,8 +302,11 @@ class Replica:
 
     def _pull(self) -> None:
         t0 = time.perf_counter()
-        self.client.pull(self.params)
-        self._catch_up()
+        if self.fetch == "overlapped" and self.client.pull_in_flight:
+            self._settle_pushes()  # the pull issued with the last push is this fetch
+        else:
+            self.client.pull(self.params)
+            self._catch_up()
         self.stats_.rma_seconds += time.perf_counter() - t0
         self.stats_.fetches += 1
 
@@ -351,6 +359,13 @@ class Replica:
         else:
             self.pushed, self._spare_pushed = self._spare_pushed, self.pushed
 
+    def _settle_pushes(self) -> None:
+        """fetch = "overlapped": complete this rank's push in flight now, adopting the pull
+        that came with it, before the replica reports a position (a checkpoint pause, the
+        end of its work), which must hold every step it computed."""
+        if self.fetch == "overlapped" and self.client.drain():
+            self.params, self._spare_params = self._spare_params, self.params
+
     def _exchange(self, control: ControlExchange) -> ControlExchange:
         """A control-only exchange with shard 0 (the lead's)."""
         self.client.exchange(self._before_exchange(control))
@@ -372,6 +387,11 @@ class Replica:
         A lost replica publishes nothing and sends nothing. One-sided, plus one message."""
         if self.faults and self.faults.linger_seconds(self.t):  # test-only
             self.client.linger_in_exchanges(self.faults.linger_seconds(self.t))
+        if not self.lost:
+            try:
+                self._settle_pushes()
+            except RankLost as lost:  # a partner partition died after the last decision
+                self._abandon(lost)
         if not self.lost:
             if self.lead:
                 self._publish_position(finished=1)
@@ -442,6 +462,14 @@ class PartitionedReplica(Replica):
         super().__init__(run, model, fetch)
         self.model, self.comm = model, comm
         self._finite = np.zeros(1, dtype=np.int32)
+
+    def _settle_pushes(self) -> None:
+        """Every partition completes its push in flight before the lead reports for the
+        replica (a polled barrier on the partition communicator)."""
+        super()._settle_pushes()
+        if self.fetch == "overlapped":
+            wait_all([self.comm.Ibarrier()], "the other partitions of this replica to "
+                     "complete their pushes", self.model.partner_ranks)
 
     def _share_values(self, values: np.ndarray) -> np.ndarray:
         values = np.ascontiguousarray(values, dtype=np.int64)
