@@ -9,6 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 from conftest import REPO, _env, run_cli, run_mpi
@@ -397,6 +398,14 @@ def test_downpour_partitioned_replicas_checkpoint_and_resume(data_dir, tmp_path,
     first = finished(run_mpi(5, ["-m", "distbelief", *train_args(
         data_dir, out, *common, "run.max_steps=120")], timeout=TIMEOUT, env=env), out)
     assert first["steps"] == 120 and first["checkpoint"]
+    # Every step's push from both partitions is in each checkpoint's shard counters
+    # (overlapped: completed by both before the lead acked the pause).
+    steps_and_pushes = [
+        (int(d.name.split("-")[-1]),
+         int(h5py.File(d / "shard-0000.h5", "r")["counters"].attrs["pushes"]))
+        for d in sorted((out / "checkpoints").glob("ckpt-*"))]
+    assert len(steps_and_pushes) >= 2
+    assert all(pushes == 2 * step for step, pushes in steps_and_pushes), steps_and_pushes
     inspect = run_cli(["inspect", out], timeout=TIMEOUT)
     assert inspect.returncode == 0, inspect.stdout + inspect.stderr
     second = finished(run_mpi(5, ["-m", "distbelief", *train_args(
