@@ -89,7 +89,7 @@ class ParameterClient(_Endpoint):
         # push_pull_overlapped: a push whose data, and a pull whose buffer read, were
         # issued but not completed (they complete in the next call, or drain); a caller
         # that alternates pull buffers reads pull_in_flight
-        self.in_flight = False
+        self._in_flight = False
         self.pull_in_flight = False
         self._pull_out: np.ndarray | None = None
         self._in_flight_published = np.zeros((shards, 1), dtype=np.int64)  # PUBLISHED it read
@@ -280,9 +280,7 @@ class ParameterClient(_Endpoint):
         _issue_reads_of(params, pulled, BEGUN, self._begun)
         _complete(accum, shards)
         _complete(params, pulled)
-        if _torn(pulled, self._published, self._begun):
-            _read_published(windows, pulled, self._segments, self.ranges, out, self._headers)
-        return self._pushed(), self._pulled()
+        return self._pushed(), self._checked(out, self._published)
 
     def push_pull_overlapped(self, grad: np.ndarray, out: np.ndarray | None,
                              control: ControlExchange | None = None) -> tuple[np.ndarray, bool]:
@@ -322,13 +320,13 @@ class ParameterClient(_Endpoint):
         self._note_ticket()
         staleness = self._pushed()
         if completed_pull:
-            self._check_pull_in_flight()
+            self._checked(self._pull_out, self._in_flight_published)
         self._issue_push_data(accum, grad, None)
         if out is not None:
             _issue_buffer_reads(windows, pulled, self._segments, self.ranges, out,
                                 self._headers, self._published, self._one)
             self._pull_out, self._in_flight_published[:] = out, self._published
-        self.in_flight, self.pull_in_flight = True, out is not None
+        self._in_flight, self.pull_in_flight = True, out is not None
         return staleness, completed_pull
 
     def _finish_in_flight(self, issue_next: bool) -> bool:
@@ -336,7 +334,7 @@ class ParameterClient(_Endpoint):
         buffer read (Flush), then issue the push's completion count and, for the pull,
         the read of BEGUN; with `issue_next` they ride in the caller's next round, else
         they are completed here. Returns whether a pull was in flight."""
-        if not self.in_flight:
+        if not self._in_flight:
             return False
         windows = self._live()
         shards, pulled = self.topology.shard_ranks, self._pulled_shards()
@@ -346,22 +344,23 @@ class ParameterClient(_Endpoint):
         pull = self.pull_in_flight
         if pull:
             _issue_reads_of(windows.params, pulled, BEGUN, self._begun)
-        self.in_flight = self.pull_in_flight = False
+        self._in_flight = self.pull_in_flight = False
         if not issue_next:
             _complete(windows.accum, shards)
             _complete(windows.params, pulled)
             if pull:
-                self._check_pull_in_flight()
+                self._checked(self._pull_out, self._in_flight_published)
         return pull
 
-    def _check_pull_in_flight(self) -> None:
-        """The seqlock check of the pull that was in flight (its BEGUN read completed): read
-        again, whole, a shard whose buffer was rewritten meanwhile; then take its versions."""
+    def _checked(self, out: np.ndarray, published: np.ndarray) -> np.ndarray:
+        """The seqlock check of a buffer read into `out` after seeing `published`, once
+        its BEGUN read completed: read again, whole, a shard whose buffer was rewritten
+        meanwhile; then take the versions read (as _pulled)."""
         pulled = self._pulled_shards()
-        if _torn(pulled, self._in_flight_published, self._begun):
-            _read_published(self._live(), pulled, self._segments, self.ranges,
-                            self._pull_out, self._headers)
-        self._pulled()
+        if _torn(pulled, published, self._begun):
+            _read_published(self._live(), pulled, self._segments, self.ranges, out,
+                            self._headers)
+        return self._pulled()
 
     def drain(self) -> bool:
         """Complete what push_pull_overlapped left in flight; returns whether a pull
@@ -415,9 +414,7 @@ class ParameterClient(_Endpoint):
         _complete(windows.params, pulled)
         _issue_reads_of(windows.params, pulled, BEGUN, self._begun)
         _complete(windows.params, pulled)
-        if _torn(pulled, self._published, self._begun):
-            _read_published(windows, pulled, self._segments, self.ranges, out, self._headers)
-        self._pulled()
+        self._checked(out, self._published)
 
     def _push_published(self) -> bool:
         """Whether every shard behind has published, or is publishing, an update that holds

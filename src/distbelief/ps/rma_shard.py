@@ -6,9 +6,10 @@ Pushes: double-buffered accumulators, closed by phases. A push is three rounds, 
 completed by Flush on every shard: (1) take a ticket (Fetch_and_op SUM 1 on TICKET: it
 counts the push as started and returns the phase f) and PENDING += 1; (2) Accumulate the
 gradient into accumulator f % 2 (with the control operations) and f + 1 into the client's
-second PENDING slot; (3) COMPLETED[f % 2] += 1, PENDING -= 1 and -(f + 1). The shard, when tickets were taken since its last flip, flips (Fetch_and_op
-SUM PHASE on TICKET, which returns the pushes started before it, atomically: so exactly
-those went to the closed accumulator) and, on later polls, once COMPLETED of the closed
+second PENDING slot; (3) COMPLETED[f % 2] += 1, PENDING -= 1 and -(f + 1). The shard,
+when tickets were taken since its last flip, flips (Fetch_and_op SUM PHASE on TICKET,
+which returns the pushes started before it, atomically: so exactly those went to the
+closed accumulator) and, on later polls, once COMPLETED of the closed
 accumulator counts all of them, takes it: reads it, subtracts what it read, applies it as
 update f + 1 and publishes. No new push adds to it meanwhile (they are in phase f + 1),
 so a take holds whole pushes: exact push counts, and a pull never sees part of a push.
