@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,12 +44,58 @@ def torch_fixture():
     return torch
 
 
+# Debian packages a few tests need (marked `system`), each asked for by a fixture below:
+# the README's test command runs on a fresh machine without them, and those tests skip,
+# naming the package. CI installs them in a later step and sets DISTBELIEF_REQUIRE_SYSTEM=1,
+# which turns the skip into a failure.
+REQUIRE_SYSTEM = "DISTBELIEF_REQUIRE_SYSTEM"
+SYSTEM_FIXTURES = ("shellcheck", "h5ls", "fashion_mnist_dir")
+
+
+def _need_system_package(package: str, what: str) -> None:
+    reason = f"needs {what}, from the Debian package {package} (apt-get install {package})"
+    if os.environ.get(REQUIRE_SYSTEM) == "1":
+        pytest.fail(f"{REQUIRE_SYSTEM}=1 but this test {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _system_tool(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        _need_system_package(package, f"the `{name}` command")
+    return path
+
+
+@pytest.fixture
+def shellcheck() -> str:
+    """The path of shellcheck (the sbatch scripts are linted with it)."""
+    return _system_tool("shellcheck", "shellcheck")
+
+
+@pytest.fixture
+def h5ls() -> str:
+    """The path of HDF5's h5ls (checkpoints must be readable by the standard tools)."""
+    return _system_tool("h5ls", "hdf5-tools")
+
+
+@pytest.fixture
+def fashion_mnist_dir() -> Path:
+    """The folder of Debian's Fashion-MNIST IDX files (the tests on real data)."""
+    if not FASHION_MNIST_DIR.is_dir():
+        _need_system_package("dataset-fashion-mnist", f"the real data in {FASHION_MNIST_DIR}")
+    return FASHION_MNIST_DIR
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # A test that asks for the torch fixture is a torch test: `-m torch` selects exactly
+    # A test that asks for the torch fixture is a torch test, and one that asks for a
+    # system package's fixture is a system test: `-m torch` and `-m system` select exactly
     # these, with no marker to forget.
     for item in items:
-        if "torch" in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if "torch" in fixtures:
             item.add_marker(pytest.mark.torch)
+        if any(name in fixtures for name in SYSTEM_FIXTURES):
+            item.add_marker(pytest.mark.system)
 
 
 # -- which MPI launches the MPI tests -------------------------------------------------------
@@ -235,11 +282,3 @@ def wait_or_kill(proc: subprocess.Popen, timeout: float = 60) -> int:
         os.killpg(proc.pid, 9)
         proc.wait()
         pytest.fail(f"{proc.args} did not end within {timeout} s")
-
-
-@pytest.fixture
-def fashion_mnist_dir() -> Path:
-    """The Debian dataset-fashion-mnist IDX folder; CI installs it, so its absence fails."""
-    if not FASHION_MNIST_DIR.is_dir():
-        pytest.fail(f"{FASHION_MNIST_DIR} missing: apt-get install dataset-fashion-mnist")
-    return FASHION_MNIST_DIR

@@ -28,6 +28,17 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert CI.index(commands[0]) < CI.index("torch==")
 
 
+def test_ci_installs_system_packages_only_after_the_readme_command_and_the_readme_names_them():
+    # On a fresh machine the README's command runs without them (their tests skip), so CI
+    # must not install them first; a user finds each one named in the README.
+    command = 'pip install -e ".[mpich,test,plot]" && python -m pytest'
+    packages = re.findall(r"apt_packages\+=\(([\w.-]+)\)", CI)
+    assert sorted(packages) == ["dataset-fashion-mnist", "hdf5-tools", "shellcheck"]
+    assert CI.index(command) < CI.index("apt-get install")
+    for package in packages:
+        assert package in _quick_start(), package
+
+
 def test_quick_start_makes_the_venv_first_and_names_the_data_package():
     lines = _code_lines(_quick_start())
     assert lines[0].startswith("python3 -m venv")
