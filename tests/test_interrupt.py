@@ -2,7 +2,8 @@
 to every rank), finishes the step, writes a checkpoint and the summary and exits 130; the
 rerun resumes from that step and says so in its first line. A second SIGINT stops at once.
 Also: a run that finds metrics but no checkpoint moves them aside instead of overwriting
-them, and a rerun of a finished run says it has nothing left to do and names --fresh."""
+them, and a rerun of a finished run says it has nothing left to do, names --fresh and
+changes no record."""
 
 from __future__ import annotations
 
@@ -163,21 +164,54 @@ def test_metrics_without_a_checkpoint_are_moved_aside_not_overwritten(
     assert read_metrics(out / "metrics.jsonl")[0]["step"] <= 30  # the new run's own
 
 
-def test_rerunning_a_finished_run_says_it_stops_at_once_and_names_fresh(
-        data_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    args = train_args(data_dir, out, *SINGLE, "run.max_steps=40")
-    assert run_cli(args, timeout=60).returncode == 0
-    proc = run_cli(args, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert lines[0].startswith(f"distbelief: resuming from {out / 'checkpoints'}")
-    assert "at step 40," in lines[0]
-    assert lines[1] == ("distbelief: that run already used its budget (run.max_steps = 40): "
-                        "it stops at once. Raise run.max_steps to train on, or pass --fresh "
-                        "to start over")
-    assert previous_folders(out) == []
+def run_folder_bytes(out: Path) -> dict[str, bytes]:
+    """Every file under a run folder, by relative path: what a rerun must leave as it was."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file()}
 
+
+# (ranks of the first run, ranks of the rerun, overrides): a finished run reruns with its
+# own rank count or another one (the README: "e.g. when you try another rank count").
+FINISHED_RUNS = {
+    "alone": (1, 1, SINGLE),
+    "downpour x3": (3, 3, []),
+    "downpour x3, rerun x4": (3, 4, []),
+    "sandblaster x3": (3, 3, ['optimizer.algorithm="sandblaster"']),
+    "hogwild x2": (2, 2, ['optimizer.algorithm="hogwild"', "cluster.ps_shards=0"]),
+    "sync x2": (2, 2, ['optimizer.algorithm="sync"', "cluster.ps_shards=0"]),
+}
+
+
+@pytest.mark.parametrize("case", FINISHED_RUNS)
+def test_rerunning_a_finished_run_changes_no_record_and_names_fresh(
+        data_dir: Path, tmp_path: Path, case: str) -> None:
+    first, again, extra = FINISHED_RUNS[case]
+    out = tmp_path / "out"
+    args = train_args(data_dir, out, *extra, "run.max_steps=40")
+
+    def run(n: int, *more: str) -> subprocess.CompletedProcess:
+        if n == 1:
+            return run_cli([*args, *more], timeout=60)
+        return run_mpi(n, ["-m", "distbelief", *args, *more], timeout=90)
+
+    assert run(first).returncode == 0
+    summary = json.loads((out / "summary.json").read_text())
+    before = run_folder_bytes(out)
+    proc = run(again)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == (
+        f"distbelief: {out} holds a finished run (run.max_steps = 40; its checkpoint is at "
+        f"step 40): nothing to train, and its records are left as they are. Raise "
+        f"run.max_steps to train on, or pass --fresh to start over")
+    # Not a byte of summary.json, metrics.jsonl, config.json or the checkpoints changed.
+    assert run_folder_bytes(out) == before
+    assert summary["stop_reason"] == "max_steps"
+    # A higher budget trains on from the checkpoint, as before.
+    proc = run(first, "--set", "run.max_steps=60")
+    assert proc.returncode == 0, proc.stderr
+    assert "resuming from" in proc.stdout
+    assert json.loads((out / "summary.json").read_text())["stop_reason"] == "max_steps"
+    assert run_folder_bytes(out) != before
 
 
 def test_a_reader_that_leaves_stops_the_printing_not_the_run(data_dir: Path,

@@ -521,6 +521,9 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
         comm = start_mpi()
     owner = _claim_run_dir(config, comm)
     try:
+        finished = _finished_run(config, comm, resume)
+        if finished is not None:
+            return finished or None  # the old summary on rank 0, None elsewhere
         return _dispatch(config, comm, resume)
     finally:
         if owner is not None:
@@ -546,6 +549,22 @@ def _claim_run_dir(config: Any, comm: Any) -> Any:
     from distbelief.runtime.agreement import agree
 
     return agree(comm, lambda: claim_here() if comm.Get_rank() == 0 else None)
+
+
+def _finished_run(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
+    """The summary of a finished run that this rerun leaves untouched, on rank 0 ({} on the
+    other ranks); None when there is training to do. Collective over `comm` (rank 0
+    decides: distbelief.algorithms.common.finished_run)."""
+    from distbelief.algorithms.common import finished_run
+
+    rank = 0 if comm is None else comm.Get_rank()
+    summary = finished_run(config, resume, sys.stdout) if rank == 0 else None
+    if comm is None or comm.Get_size() == 1:
+        return summary
+    from distbelief.runtime.agreement import bcast_after_barrier
+
+    done = bcast_after_barrier(comm, summary is not None)
+    return (summary if rank == 0 else {}) if done else None
 
 
 def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:

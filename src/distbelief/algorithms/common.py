@@ -11,6 +11,7 @@ from another algorithm.
     StopRules.from_config(config)    max_steps / max_seconds / target_accuracy
     evaluate(network, params, eval_set) -> (test_loss, test_accuracy)
     starting_checkpoint(config, layout, resume, stream)   which checkpoint to resume from
+    finished_run(config, resume, stream)   the summary of a finished run a rerun leaves be
     StopSignals()                    SIGTERM/SIGUSR1/SIGINT -> a flag the loop polls
     archive_previous_run(out_dir)    train --fresh: the previous run's files moved aside
 """
@@ -251,6 +252,43 @@ def starting_checkpoint(config: Config, layout: Any, resume: str,
                        f"{getattr(config.run, spent):g}): it stops at once. Raise run.{spent} "
                        f"to train on, or pass --fresh to start over")
     return found
+
+
+def finished_run(config: Config, resume: str, stream: IO[str] | None) -> dict[str, Any] | None:
+    """The summary of the finished run in run.out_dir that this config would only resume to
+    stop at once, else None. A finished run is one whose newest checkpoint was written
+    under this config's settings and has used its budget (run.max_steps, run.max_seconds),
+    or that stopped at this config's target accuracy, and whose summary.json is there.
+
+    Such a rerun does no work, so it must change no record: the trainer is not started,
+    and nothing in out_dir is written (the README's "a finished run stops at once"). Call
+    it on rank 0 only, after ownership of out_dir was taken."""
+    if resume == "fresh":
+        return None
+    out_dir = Path(config.run.out_dir)
+    found, _ = ckpt.find_latest(ckpt.checkpoint_root(out_dir))
+    if found is None or found.manifest.get("config_hash") != config_hash(config):
+        return None
+    try:
+        summary = json.loads((out_dir / SUMMARY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict) or summary.get("config_hash", config_hash(config)) \
+            != config_hash(config):
+        return None
+    spent = StopRules.from_config(config).budget_spent(found.step, found.wall_seconds)
+    at_target = (summary.get("stop_reason") == "target_accuracy"
+                 and summary.get("target_accuracy") == config.run.target_accuracy
+                 and summary.get("steps", found.step) == found.step)
+    if not spent and not at_target:
+        return None
+    why = (f"run.{spent} = {getattr(config.run, spent):g}" if spent
+           else f"run.target_accuracy = {config.run.target_accuracy:g} was reached")
+    say(stream, f"distbelief: {out_dir} holds a finished run ({why}; its checkpoint is at "
+                f"step {found.step}): nothing to train, and its records are left as they "
+                f"are. Raise run.{spent or 'max_steps'} to train on, or pass --fresh to "
+                f"start over")
+    return summary
 
 
 def check_replica_count(found: ckpt.Checkpoint | None, replicas: int, kind: str,
