@@ -239,6 +239,26 @@ examples:
   distbelief prepare fashion-mnist --src ~/Downloads/fashion --out data/fashion_mnist.h5
   distbelief prepare synthetic --out data/synth.h5 --train 50000 --test 5000 \\
       --shape 28,28,1 --classes 10
+  distbelief prepare arrays mnist.npz --out data/mnist.h5      (your own data)
+"""
+
+
+ARRAYS_HELP = """\
+Convert your own arrays into distbelief's dataset format: an .npz archive, a pair of .npy
+files, or datasets of another HDF5 file (Keras- or scikit-learn-style names such as
+x_train, y_train, x_test, y_test are found by themselves; other names are given with --x,
+--y, --x-test, --y-test). Inputs are (N, *input_shape): (N, F) features or (N, H, W, C)
+images; labels are class indices 0..K-1. uint8 inputs are kept as bytes (scale 1/255),
+other numbers are stored as float32. .npy files and HDF5 datasets are read in blocks, so
+they may be larger than memory; an .npz archive is read into memory. From Python:
+distbelief.data.write_dataset. More: docs/your-own-data.md.
+
+examples:
+  distbelief prepare arrays mnist.npz --out data/mnist.h5
+  distbelief prepare arrays --x features.npy --y labels.npy --test-fraction 0.1 \\
+      --out data/mine.h5
+  distbelief prepare arrays recordings.h5 --x train/X --y train/labels \\
+      --x-test eval/X --y-test eval/labels --out data/speech.h5
 """
 
 
@@ -407,6 +427,33 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--seed", metavar="S", type=int, default=0,
                            help="random seed (default: %(default)s)")
     synthetic.set_defaults(func=cmd_prepare_synthetic)
+
+    arrays = kinds.add_parser(
+        "arrays", help="convert your own arrays (.npz, .npy pairs, another HDF5 file)",
+        description=ARRAYS_HELP, formatter_class=raw)
+    arrays.add_argument("source", metavar="SOURCE", nargs="?",
+                        help="an .npz or HDF5 file holding the arrays (leave it out to give "
+                             ".npy files to --x and --y)")
+    arrays.add_argument("--out", metavar="FILE", required=True,
+                        help="HDF5 file to write (an existing file is never overwritten)")
+    for flag, what in (("--x", "the inputs, (N, *input_shape)"), ("--y", "the labels, (N,)"),
+                       ("--x-test", "the test inputs"), ("--y-test", "the test labels")):
+        arrays.add_argument(flag, metavar="NAME", help=f"{what}: an array's name in SOURCE, "
+                            f"or a .npy file without SOURCE")
+    arrays.add_argument("--test-fraction", metavar="F", type=float,
+                        help="with no test split: hold out this fraction of the rows, "
+                             "chosen at random (e.g. 0.1)")
+    arrays.add_argument("--classes", metavar="K", type=_positive_int,
+                        help="number of classes (default: the largest label + 1)")
+    arrays.add_argument("--scale", metavar="S", type=float,
+                        help="value = stored * S (default: 1/255 for uint8 inputs, else 1)")
+    arrays.add_argument("--no-shuffle", dest="shuffle", action="store_false",
+                        help="keep the rows in the source's order (by default the training "
+                             "rows are written in a seeded random order, so that every "
+                             "replica's block of rows holds every class)")
+    arrays.add_argument("--seed", metavar="S", type=int, default=0,
+                        help="seed of the shuffle and the held-out rows (default: %(default)s)")
+    arrays.set_defaults(func=cmd_prepare_arrays)
     return parser
 
 
@@ -783,6 +830,47 @@ def cmd_prepare_fashion_mnist(args: argparse.Namespace) -> int:
                         "(sudo apt-get install dataset-fashion-mnist) or give the folder "
                         "holding the four IDX files with --src DIR")
     print(f"wrote {convert_idx(args.src, args.out)}")
+    return 0
+
+
+def cmd_prepare_arrays(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from distbelief.data.arrays import load_npy, pick_names, read_source, write_dataset
+    from distbelief.errors import DataError
+
+    out = Path(args.out)
+    if out.exists():
+        raise DataError(f"{out} exists: distbelief never overwrites a dataset; remove it or "
+                        "choose another --out")
+
+    def convert(x: Any, y: Any, x_test: Any, y_test: Any, source: str) -> None:
+        def report(done: int, total: int) -> None:
+            print(f"distbelief prepare: {done:,d} of {total:,d} rows", flush=True)
+
+        info = write_dataset(out, x, y, x_test, y_test, test_fraction=args.test_fraction,
+                             num_classes=args.classes, scale=args.scale,
+                             shuffle=args.shuffle, seed=args.seed, source=source,
+                             progress=report)
+        print(f"wrote {out}: {info.n_train:,d} training and {info.n_test:,d} test rows of "
+              f"shape {info.input_shape}, {info.num_classes} classes, stored as "
+              f"{info.stored_dtype}")
+
+    names = (args.x, args.y, args.x_test, args.y_test)
+    if args.source is None:
+        if args.x is None or args.y is None:
+            raise DataError("give an .npz or HDF5 file as SOURCE, or two .npy files with "
+                            "--x X.npy --y Y.npy (see distbelief prepare arrays --help)")
+        if (args.x_test is None) != (args.y_test is None):
+            raise DataError("give both --x-test and --y-test, or neither")
+        arrays = [None if name is None else load_npy(name) for name in names]
+        convert(*arrays, source=f"numpy files {', '.join(n for n in names if n)}")
+        return 0
+    with read_source(args.source) as found:
+        chosen = pick_names(Path(args.source), list(found), *names)
+        arrays = [None if name is None else found[name] for name in chosen]
+        convert(*arrays, source=f"{Path(args.source).resolve()}: "
+                                f"{', '.join(n for n in chosen if n)}")
     return 0
 
 

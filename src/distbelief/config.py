@@ -574,7 +574,8 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), check_data: boo
             raise DataError(f"data.path = {given!r}: {config.data.path}: no such file (a "
                             f"relative data.path is resolved from the config file's folder, "
                             f"{source.resolve().parent}; give an absolute path, or make the "
-                            "file with `distbelief prepare`)")
+                            "file with `distbelief prepare`: fashion-mnist, synthetic, or "
+                            "arrays for your own .npz, .npy or HDF5 arrays)")
         check_data_fits(config)
     return config
 

@@ -81,8 +81,26 @@ def _open_h5(path: Path) -> h5py.File:
     try:
         return h5py.File(path, "r", locking=False)
     except H5_ERRORS as exc:
+        numpy_kind = _numpy_kind(path)
+        if numpy_kind:
+            raise DataError(f"{path}: a numpy {numpy_kind} file, not a distbelief dataset "
+                            f"(HDF5); {CONVERT_HINT}") from exc
         raise DataError(f"{path}: not a readable HDF5 file (truncated or corrupt?): "
                         f"{_first_line(exc)}") from exc
+
+
+CONVERT_HINT = ("convert your arrays with `distbelief prepare arrays` (docs/your-own-data.md: "
+                ".npz, .npy pairs, other HDF5 layouts)")
+
+
+def _numpy_kind(path: Path) -> str | None:
+    """".npy" or ".npz" when the file starts as one does, else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError:
+        return None
+    return ".npy" if head == b"\x93NUMPY" else ".npz" if head[:4] == b"PK\x03\x04" else None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -185,7 +203,7 @@ def _describe(path: Path, f: h5py.File) -> DatasetInfo:
     fmt = _attr_text(f.attrs.get("format", ""))
     if fmt != FORMAT_NAME:
         raise DataError(f"{path}: not a distbelief dataset (root attribute 'format' is "
-                        f"{fmt!r}, expected {FORMAT_NAME!r})")
+                        f"{fmt!r}, expected {FORMAT_NAME!r}); {CONVERT_HINT}")
     version = _attr_int(path, f.attrs, "version")
     if version != FORMAT_VERSION:
         raise DataError(f"{path}: dataset format version {version} is not supported "

@@ -1,0 +1,314 @@
+"""A dataset file from arrays a researcher already has: numpy arrays in memory, `.npy` files
+(memory-mapped), an `.npz` archive, or datasets of any other HDF5 file. How-to:
+docs/your-own-data.md.
+
+`write_dataset` copies rows in blocks, so inputs larger than memory (`np.load(...,
+mmap_mode="r")`, h5py datasets) go through with bounded memory; `read_source` opens a
+source file's arrays by name; `pick_names` finds the usual names (x_train, y_train, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distbelief.data.hdf5 import IMAGE_SCALE, DatasetInfo, DatasetWriter
+from distbelief.errors import DataError
+
+# Rows are copied in blocks of about this many bytes of x: bounded memory, few HDF5 calls.
+BLOCK_BYTES = 32 << 20
+# A progress callback is called at most this often (seconds).
+PROGRESS_EVERY_S = 5.0
+
+# The names a source file's arrays usually have (Keras, scikit-learn style, distbelief),
+# tried in order when the caller names none: (x, y, x_test, y_test).
+USUAL_NAMES = (
+    ("x_train", "y_train", "x_test", "y_test"),
+    ("X_train", "y_train", "X_test", "y_test"),
+    ("X_train", "Y_train", "X_test", "Y_test"),
+    ("train/x", "train/y", "test/x", "test/y"),
+    ("x", "y", None, None),
+    ("X", "y", None, None),
+    ("X", "Y", None, None),
+)
+
+FILE_KINDS = {b"\x93NUMPY": "npy", b"PK\x03\x04": "npz", b"\x89HDF\r\n\x1a\n": "hdf5"}
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """"npy", "npz" or "hdf5", read from the file's first bytes (not its name)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    for magic, kind in FILE_KINDS.items():
+        if head.startswith(magic):
+            return kind
+    raise DataError(f"{path}: neither a numpy .npy or .npz file nor an HDF5 file (a CSV or "
+                    f"an image folder: see docs/your-own-data.md for a few lines of numpy "
+                    f"that read one)")
+
+
+@contextmanager
+def read_source(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    """The arrays of an .npz or HDF5 file by name (HDF5: every dataset, by its path without
+    the leading slash), open for the `with` block. .npz arrays are read into memory when
+    first used; HDF5 datasets are read row block by row block."""
+    path = Path(path)
+    kind = file_kind(path)
+    if kind == "npy":
+        raise DataError(f"{path} is a single .npy array: give the inputs and labels as "
+                        f"two files, --x X.npy --y Y.npy")
+    if kind == "npz":
+        try:
+            archive = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+            raise DataError(f"{path}: not a readable .npz file: {exc}") from exc
+        with archive:
+            yield _LazyNpz(path, archive)
+        return
+    import h5py
+
+    try:
+        f = h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        raise DataError(f"{path}: not a readable HDF5 file: {exc}") from exc
+    with f:
+        found: dict[str, Any] = {}
+
+        def note(name: str, obj: Any) -> None:  # returns None: visititems goes on
+            if isinstance(obj, h5py.Dataset):
+                found[name] = obj
+
+        f.visititems(note)
+        yield found
+
+
+class _LazyNpz(dict):
+    """An .npz archive's arrays by name, each read on first use (not all at open)."""
+
+    def __init__(self, path: Path, archive: Any):
+        super().__init__((name, None) for name in archive.files)
+        self._path, self._archive = path, archive
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = super().__getitem__(name)
+        if value is None:
+            try:
+                value = self._archive[name]
+            except ValueError as exc:  # object arrays need pickle, which is never allowed
+                raise DataError(f"{self._path}: array {name!r} cannot be read without "
+                                f"pickle: {exc}") from exc
+            super().__setitem__(name, value)
+        return value
+
+
+def load_npy(path: str | os.PathLike) -> np.ndarray:
+    """One .npy file, memory-mapped (read as rows are copied, never whole)."""
+    path = Path(path)
+    if file_kind(path) != "npy":
+        raise DataError(f"{path}: not a .npy file (an .npz or HDF5 file is the SOURCE "
+                        f"argument, with --x NAME --y NAME)")
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: not a readable .npy file: {exc}") from exc
+
+
+def pick_names(path: Path, available: list[str], x: str | None, y: str | None,
+               x_test: str | None, y_test: str | None) -> tuple[str, str, str | None,
+                                                              str | None]:
+    """The names of (x, y, x_test, y_test) in a source file: the ones given, else the first
+    of USUAL_NAMES the file holds. DataError listing what it holds otherwise."""
+    holds = ", ".join(sorted(available)) or "no arrays"
+    if (x is None) != (y is None):
+        raise DataError("give both --x and --y (the inputs and the labels), or neither")
+    if (x_test is None) != (y_test is None):
+        raise DataError("give both --x-test and --y-test, or neither")
+    if x is None:
+        for names in USUAL_NAMES:
+            if names[0] in available and names[1] in available:
+                x, y = names[:2]
+                if x_test is None and names[2] in available and names[3] in available:
+                    x_test, y_test = names[2:]
+                break
+        else:
+            raise DataError(f"{path} holds {holds}: name the inputs and labels with "
+                            f"--x NAME --y NAME (and the test split with --x-test NAME "
+                            f"--y-test NAME, or hold one out with --test-fraction F)")
+    for name in (x, y, x_test, y_test):
+        if name is not None and name not in available:
+            raise DataError(f"{path} has no array {name!r}; it holds {holds}")
+    return x, y, x_test, y_test
+
+
+def write_dataset(path: str | os.PathLike, x: Any, y: Any, x_test: Any = None,
+                  y_test: Any = None, *, test_fraction: float | None = None,
+                  num_classes: int | None = None, scale: float | None = None,
+                  shuffle: bool = True, seed: int = 0, source: str = "arrays",
+                  progress: Callable[[int, int], None] | None = None) -> DatasetInfo:
+    """Write inputs `x` (N, *input_shape) and integer labels `y` (N,) as a distbelief
+    dataset file at `path` (atomically: a failure leaves no file there).
+
+    The test split is `x_test`, `y_test`, or else a seeded random `test_fraction` of the
+    rows, held out. uint8 inputs are stored as they are, with `scale` (default 1/255, for
+    image bytes); any other numbers become float32 times `scale` (default 1). Labels must
+    be whole numbers in [0, num_classes); `num_classes` defaults to the largest label + 1.
+    With `shuffle` (the default) the training rows are written in a seeded random order,
+    so that each replica's contiguous block of rows holds every class even when the
+    source is sorted by class. Arrays are read in blocks: np.memmap and h5py datasets
+    larger than memory go through. `progress(rows_done, rows_total)` is called every few
+    seconds. Returns the written file's description.
+    """
+    path = Path(path)
+    x_shape = _check_pair(x, y, "x", "y")
+    if (x_test is None) != (y_test is None):
+        raise DataError("give both x_test and y_test, or neither")
+    if x_test is not None and test_fraction is not None:
+        raise DataError("give a test split (x_test, y_test) or a test_fraction, not both")
+    stored, scale = _storage(x, scale)
+    n = x_shape[0]
+    if x_test is not None:
+        test_shape = _check_pair(x_test, y_test, "x_test", "y_test")
+        if test_shape[1:] != x_shape[1:]:
+            raise DataError(f"x has rows of shape {x_shape[1:]} but x_test has "
+                            f"{test_shape[1:]}")
+        if _storage(x_test, scale)[0] != stored:
+            raise DataError(f"x is {np.dtype(x.dtype)} but x_test is "
+                            f"{np.dtype(x_test.dtype)}: give both as uint8 or both as numbers "
+                            f"to store as float32")
+        train_rows, test_rows = np.arange(n), None
+    else:
+        train_rows, test_rows = _hold_out(n, test_fraction, seed)
+    if shuffle:
+        train_rows = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1,))) \
+            .permutation(train_rows)
+    splits = {"train": (x, y, train_rows),
+              "test": (x, y, test_rows) if test_rows is not None
+              else (x_test, y_test, np.arange(x_test.shape[0]))}
+    if num_classes is None:
+        num_classes = 1 + max(_largest_label(labels, name) for name, labels in
+                              (("y", y), ("y_test", y_test)) if labels is not None)
+    if num_classes < 2:
+        raise DataError(f"the labels hold a single class (num_classes = {num_classes}); "
+                        f"a classifier needs at least 2")
+    total = sum(len(rows) for _, _, rows in splits.values())
+    done, last = 0, time.monotonic()
+    with DatasetWriter(path, input_shape=x_shape[1:], num_classes=int(num_classes),
+                       n_train=len(splits["train"][2]), n_test=len(splits["test"][2]),
+                       stored_dtype=stored, scale=scale, source=source) as writer:
+        for split, (xs, ys, rows) in splits.items():
+            for block in _blocks(rows, x_shape[1:]):
+                bx, by = _gather(xs, block), _labels(_gather(ys, block), split, num_classes)
+                writer.append(split, bx.astype(stored, copy=False), by)
+                done += len(block)
+                if progress is not None and time.monotonic() - last >= PROGRESS_EVERY_S:
+                    progress(done, total)
+                    last = time.monotonic()
+        return writer.commit()
+
+
+def _check_pair(x: Any, y: Any, x_name: str, y_name: str) -> tuple[int, ...]:
+    """x's shape, once x and y are checked to be (N, *input_shape) inputs and N labels."""
+    for value, name in ((x, x_name), (y, y_name)):
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise DataError(f"{name} must be an array (numpy, memory-mapped or an h5py "
+                            f"dataset), got {type(value).__name__}")
+    shape = tuple(int(d) for d in x.shape)
+    if len(shape) < 2 or min(shape[1:]) == 0:
+        raise DataError(f"{x_name} has shape {shape}: expected (rows, *input_shape), e.g. "
+                        f"(N, 784) for flat features or (N, 28, 28, 1) for images")
+    if len(y.shape) != 1:
+        raise DataError(f"{y_name} has shape {tuple(y.shape)}: expected one label per row, "
+                        f"(N,) (one-hot labels: take their argmax first)")
+    if y.shape[0] != shape[0]:
+        raise DataError(f"{x_name} has {shape[0]} rows but {y_name} has {y.shape[0]} labels")
+    if shape[0] == 0:
+        raise DataError(f"{x_name} has no rows")
+    return shape
+
+
+def _storage(x: Any, scale: float | None) -> tuple[str, float]:
+    """(stored dtype, scale) for inputs of x's dtype."""
+    dtype = np.dtype(x.dtype)
+    if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
+        raise DataError(f"inputs of dtype {dtype} are not numbers")
+    if scale is not None and not (np.isfinite(scale) and scale > 0):
+        raise DataError(f"scale must be a positive number, got {scale}")
+    if dtype == np.uint8:
+        return "uint8", IMAGE_SCALE if scale is None else float(scale)
+    return "float32", 1.0 if scale is None else float(scale)
+
+
+def _hold_out(n: int, fraction: float | None, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, test rows): a seeded random `fraction` of range(n) held out."""
+    if fraction is None:
+        raise DataError("there is no test split: give one (x_test and y_test; --x-test and "
+                        "--y-test) or hold out a fraction of the rows (test_fraction; "
+                        "--test-fraction 0.1)")
+    if not 0 < fraction < 1:
+        raise DataError(f"test_fraction must be between 0 and 1, got {fraction}")
+    n_test = round(n * fraction)
+    if not 1 <= n_test < n:
+        raise DataError(f"test_fraction {fraction} of {n} rows leaves "
+                        f"{'no test row' if n_test < 1 else 'no training row'}")
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(0,)))
+    held = np.zeros(n, dtype=bool)
+    held[rng.choice(n, size=n_test, replace=False)] = True
+    return np.flatnonzero(~held), np.flatnonzero(held)
+
+
+def _blocks(rows: np.ndarray, row_shape: tuple[int, ...]) -> Iterator[np.ndarray]:
+    row_bytes = 4 * int(np.prod(row_shape, dtype=np.int64))
+    step = max(1, BLOCK_BYTES // max(1, row_bytes))
+    for start in range(0, len(rows), step):
+        yield rows[start:start + step]
+
+
+def _gather(array: Any, rows: np.ndarray) -> np.ndarray:
+    """array[rows] for any array-like, reading in increasing row order (h5py requires it,
+    and it keeps a memory map's reads forward)."""
+    if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and np.all(np.diff(rows) == 1):
+        return np.asarray(array[int(rows[0]):int(rows[-1]) + 1])
+    order = np.argsort(rows, kind="stable")
+    taken = np.asarray(array[rows[order]])
+    out = np.empty_like(taken)
+    out[order] = taken
+    return out
+
+
+def _largest_label(labels: Any, name: str) -> int:
+    largest = -1
+    n = labels.shape[0]
+    step = 1 << 22
+    for start in range(0, n, step):
+        block = _labels(np.asarray(labels[start:start + step]), name, None)
+        largest = max(largest, int(block.max()))
+    return largest
+
+
+def _labels(values: np.ndarray, split: str, num_classes: int | None) -> np.ndarray:
+    """Labels as int32, checked: whole numbers in [0, num_classes)."""
+    if np.issubdtype(values.dtype, np.floating):
+        if not np.all(np.isfinite(values)) or np.any(values != np.round(values)):
+            raise DataError(f"{split} labels must be whole numbers (class indices), found "
+                            f"{values[~(values == np.round(values))][:1]}")
+    elif not (np.issubdtype(values.dtype, np.integer) or values.dtype == np.bool_):
+        raise DataError(f"{split} labels have dtype {values.dtype}: expected class indices "
+                        f"0, 1, 2, ... (map names to indices first)")
+    if values.size and values.min() < 0:
+        raise DataError(f"{split} has a negative label, {int(values.min())}")
+    if num_classes is not None and values.size and values.max() >= num_classes:
+        raise DataError(f"{split} has label {int(values.max())}, outside [0, {num_classes})")
+    return values.astype(np.int32)

@@ -1,0 +1,199 @@
+"""A researcher's own data in (issue 30 item 2): `distbelief.data.write_dataset` from numpy
+arrays, memory maps and h5py datasets, and `distbelief prepare arrays` from an .npz, a pair
+of .npy files or another HDF5 file; every mistake is one line that says what to do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from conftest import run_cli
+
+from distbelief.data import arrays, write_dataset
+from distbelief.data.hdf5 import IMAGE_SCALE, load_split, open_dataset
+from distbelief.errors import DataError
+
+N, FEATURES, CLASSES = 600, 6, 3
+
+
+def numbered_rows(n: int = N) -> tuple[np.ndarray, np.ndarray]:
+    """x whose first feature is the row's number, y = number % CLASSES: every written row
+    can be traced back to its source row."""
+    x = np.random.default_rng(0).random((n, FEATURES))
+    x[:, 0] = np.arange(n)
+    return x, np.arange(n) % CLASSES
+
+
+def written(path: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    x, y = load_split(open_dataset(path), split)
+    return x, y
+
+
+def test_float_arrays_with_a_held_out_fraction(tmp_path: Path) -> None:
+    x, y = numbered_rows()
+    info = write_dataset(tmp_path / "d.h5", x, y, test_fraction=0.25, seed=4)
+    assert (info.n_train, info.n_test, info.num_classes) == (450, 150, CLASSES)
+    assert (info.stored_dtype, info.scale, info.input_shape) == ("float32", 1.0, (FEATURES,))
+    train_x, train_y = written(tmp_path / "d.h5", "train")
+    test_x, test_y = written(tmp_path / "d.h5", "test")
+    train_ids, test_ids = train_x[:, 0].astype(int), test_x[:, 0].astype(int)
+    # Every row exactly once, in one split or the other, its label and values kept.
+    assert sorted([*train_ids, *test_ids]) == list(range(N))
+    np.testing.assert_array_equal(train_y, train_ids % CLASSES)
+    np.testing.assert_array_equal(test_y, test_ids % CLASSES)
+    np.testing.assert_allclose(train_x, x[train_ids].astype(np.float32))
+    # Shuffled by default (a class-sorted source still gives every block every class).
+    assert not np.all(np.diff(train_ids) > 0)
+    # The same seed gives the same file; another seed another split.
+    write_dataset(tmp_path / "again.h5", x, y, test_fraction=0.25, seed=4)
+    np.testing.assert_array_equal(written(tmp_path / "again.h5", "train")[0], train_x)
+    write_dataset(tmp_path / "other.h5", x, y, test_fraction=0.25, seed=5)
+    assert set(written(tmp_path / "other.h5", "test")[0][:, 0]) != set(test_ids)
+
+
+def test_uint8_images_keep_their_bytes_and_no_shuffle_keeps_the_order(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (40, 4, 4, 1), dtype=np.uint8)
+    y = rng.integers(0, 5, 40)
+    x_test, y_test = x[:7], y[:7]
+    info = write_dataset(tmp_path / "img.h5", x, y, x_test, y_test, shuffle=False,
+                         num_classes=5)
+    assert (info.stored_dtype, info.scale, info.num_classes) == ("uint8", IMAGE_SCALE, 5)
+    with h5py.File(tmp_path / "img.h5") as f:
+        np.testing.assert_array_equal(f["train/x"][:], x)
+        np.testing.assert_array_equal(f["train/y"][:], y)
+        np.testing.assert_array_equal(f["test/x"][:], x_test)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_memory_maps_and_h5py_datasets_are_read_in_blocks(tmp_path: Path, shuffle: bool,
+                                                          monkeypatch) -> None:
+    # Blocks of 10 rows here, so the copy takes many blocks (as one larger than memory does).
+    monkeypatch.setattr(arrays, "BLOCK_BYTES", 10 * 4 * FEATURES)
+    x, y = numbered_rows()
+    np.save(tmp_path / "x.npy", x)
+    with h5py.File(tmp_path / "src.h5", "w") as f:
+        f["feats"], f["labels"] = x, y
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    write_dataset(tmp_path / "from_npy.h5", mapped, y, test_fraction=0.1, shuffle=shuffle)
+    with h5py.File(tmp_path / "src.h5") as f:
+        write_dataset(tmp_path / "from_h5.h5", f["feats"], f["labels"], test_fraction=0.1,
+                      shuffle=shuffle)
+    for name in ("from_npy.h5", "from_h5.h5"):
+        train_x, train_y = written(tmp_path / name, "train")
+        ids = train_x[:, 0].astype(int)
+        np.testing.assert_allclose(train_x, x[ids].astype(np.float32))
+        np.testing.assert_array_equal(train_y, y[ids])
+        assert np.all(np.diff(ids) > 0) != shuffle
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda x, y: (x[:, 0], y), "expected (rows, *input_shape)"),
+    (lambda x, y: (x, y[:-1]), "600 rows but y has 599 labels"),
+    (lambda x, y: (x, np.eye(CLASSES)[y]), "one-hot labels: take their argmax first"),
+    (lambda x, y: (x, y + 0.5), "labels must be whole numbers"),
+    (lambda x, y: (x, y - 1), "negative label, -1"),
+    (lambda x, y: (x, y.astype(str)), "map names to indices first"),
+    (lambda x, y: (x, np.zeros_like(y)), "a single class"),
+])
+def test_bad_arrays_are_one_clear_error_and_leave_no_file(tmp_path: Path, change,
+                                                         message: str) -> None:
+    x, y = change(*numbered_rows())
+    with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("*", r"\*")):
+        write_dataset(tmp_path / "d.h5", x, y, test_fraction=0.1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_test_split_is_given_or_held_out_not_both(tmp_path: Path) -> None:
+    x, y = numbered_rows()
+    with pytest.raises(DataError, match="there is no test split"):
+        write_dataset(tmp_path / "d.h5", x, y)
+    with pytest.raises(DataError, match="not both"):
+        write_dataset(tmp_path / "d.h5", x, y, x[:5], y[:5], test_fraction=0.1)
+    with pytest.raises(DataError, match=r"outside \[0, 2\)"):
+        write_dataset(tmp_path / "d.h5", x, y, test_fraction=0.1, num_classes=2)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- the command line ---------------------------------------------------------------------
+
+
+def one_error_line(result, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distbelief: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_prepare_arrays_from_a_keras_style_npz_then_train(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 256, (500, 8, 8, 1), dtype=np.uint8)
+    y = (x.reshape(500, -1).mean(axis=1) > 127.5).astype(np.int64)  # learnable
+    np.savez(tmp_path / "mine.npz", x_train=x[:400], y_train=y[:400], x_test=x[400:],
+             y_test=y[400:])
+    out = tmp_path / "mine.h5"
+    result = run_cli(["prepare", "arrays", tmp_path / "mine.npz", "--out", out])
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out}: 400 training and 100 test rows of shape (8, 8, 1), 2 classes, " \
+           f"stored as uint8" in result.stdout
+    (tmp_path / "mine.toml").write_text(
+        '[model]\nlayers = [{ type = "dense", units = 2, activation = "softmax" }]\n'
+        '[data]\npath = "mine.h5"\nbatch_size = 20\n'
+        '[optimizer]\nalgorithm = "sgd"\nlearning_rate = 0.05\n'
+        f'[run]\nmax_steps = 60\nout_dir = "{tmp_path / "run"}"\n')
+    trained = run_cli(["train", tmp_path / "mine.toml"], timeout=120)
+    assert trained.returncode == 0, trained.stderr
+    assert (tmp_path / "run" / "summary.json").exists()
+    # An existing dataset is never overwritten.
+    one_error_line(run_cli(["prepare", "arrays", tmp_path / "mine.npz", "--out", out]),
+                   f"{out} exists")
+
+
+def test_prepare_arrays_from_npy_files_and_from_named_hdf5_datasets(tmp_path: Path) -> None:
+    x, y = numbered_rows()
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    result = run_cli(["prepare", "arrays", "--x", tmp_path / "x.npy", "--y",
+                      tmp_path / "y.npy", "--test-fraction", "0.2", "--out", tmp_path / "a.h5"])
+    assert result.returncode == 0, result.stderr
+    assert open_dataset(tmp_path / "a.h5").n_test == 120
+    with h5py.File(tmp_path / "rec.h5", "w") as f:
+        f["train/X"], f["train/labels"] = x, y
+        f["eval/X"], f["eval/labels"] = x[:50], y[:50]
+    result = run_cli(["prepare", "arrays", tmp_path / "rec.h5", "--x", "train/X", "--y",
+                      "train/labels", "--x-test", "eval/X", "--y-test", "eval/labels",
+                      "--out", tmp_path / "b.h5"])
+    assert result.returncode == 0, result.stderr
+    info = open_dataset(tmp_path / "b.h5")
+    assert (info.n_train, info.n_test) == (N, 50)
+
+
+def test_prepare_arrays_mistakes_name_what_to_do(tmp_path: Path) -> None:
+    x, y = numbered_rows()
+    np.savez(tmp_path / "odd.npz", feats=x, labels=y)
+    out = tmp_path / "o.h5"
+    one_error_line(run_cli(["prepare", "arrays", tmp_path / "odd.npz", "--out", out]),
+                   "holds feats, labels", "--x NAME --y NAME")
+    one_error_line(run_cli(["prepare", "arrays", tmp_path / "odd.npz", "--x", "feats",
+                            "--y", "labls", "--out", out]), "no array 'labls'")
+    one_error_line(run_cli(["prepare", "arrays", tmp_path / "odd.npz", "--x", "feats",
+                            "--y", "labels", "--out", out]), "--test-fraction 0.1")
+    (tmp_path / "notes.csv").write_text("1,2,3\n")
+    one_error_line(run_cli(["prepare", "arrays", tmp_path / "notes.csv", "--out", out]),
+                   "docs/your-own-data.md")
+    one_error_line(run_cli(["prepare", "arrays", "--out", out]), "--x X.npy --y Y.npy")
+    assert not out.exists()
+
+
+def test_training_on_unconverted_arrays_points_to_the_converter(tmp_path: Path) -> None:
+    x, y = numbered_rows()
+    np.savez(tmp_path / "raw.npz", x_train=x, y_train=y)
+    with h5py.File(tmp_path / "keras.h5", "w") as f:
+        f["X_train"], f["y_train"] = x, y
+    for name in ("raw.npz", "keras.h5"):
+        with pytest.raises(DataError, match="distbelief prepare arrays"):
+            open_dataset(tmp_path / name)
