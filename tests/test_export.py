@@ -439,6 +439,31 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(
     assert model.source["step"] == step
 
 
+def test_the_format_follows_the_extension_and_a_mismatch_is_refused(dense_run: Path,
+                                                                     tmp_path: Path) -> None:
+    # Issue 30: `--out guess.safetensors` once wrote HDF5 without a word.
+    out = tmp_path / "guess.safetensors"
+    proc = run_cli(["export", dense_run, "--out", out])
+    assert proc.returncode == 0, proc.stderr
+    assert "(safetensors;" in proc.stdout
+    from safetensors import safe_open
+
+    with safe_open(str(out), framework="numpy") as f:
+        assert json.loads(f.metadata()["format"]) == "distbelief-export"
+    out = tmp_path / "guess.HDF5"
+    assert run_cli(["export", dense_run, "--out", out]).returncode == 0
+    with h5py.File(out) as f:
+        assert f.attrs["format"] == "distbelief-export"
+    one_error_line(run_cli(["export", dense_run, "--out", tmp_path / "m.safetensors",
+                            "--format", "hdf5"]), "--format hdf5", "a safetensors name")
+    one_error_line(run_cli(["export", dense_run, "--out", tmp_path / "model.bin"]),
+                   "cannot tell the format", "--format hdf5|safetensors")
+    assert run_cli(["export", dense_run, "--out", tmp_path / "model.bin", "--format",
+                    "safetensors"]).returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["guess.HDF5", "guess.safetensors",
+                                                          "model.bin"]
+
+
 def test_a_damaged_checkpoint_is_one_clear_error(copied_run: Path, tmp_path: Path) -> None:
     checkpoints = [path for _, path in ckpt.list_checkpoints(ckpt.checkpoint_root(copied_run))]
     for path in checkpoints:

@@ -221,12 +221,13 @@ and the class count as metadata: an HDF5 file that plain h5py reads, or a safete
 that safetensors.numpy / safetensors.torch read. Dense layers are named and shaped as
 PyTorch's nn.Linear (layers.<i>.weight (out, in), layers.<i>.bias), so a ModuleList of
 Linear layers load_state_dict()s them; docs/using-a-trained-model.md gives the shapes of
-locally connected layers and a numpy forward. Optimizer state is left out unless
+locally connected layers and a numpy forward. The format is the one FILE's extension
+names (.h5, .safetensors) unless --format says. Optimizer state is left out unless
 --with-optimizer. An existing file is never overwritten.
 
 examples:
   distbelief export runs/fashion_mnist_mlp --out mlp.h5
-  distbelief export runs/fashion_mnist_mlp --out mlp.safetensors --format safetensors
+  distbelief export runs/fashion_mnist_mlp --out mlp.safetensors
   distbelief export runs/fashion_mnist_mlp/checkpoints/ckpt-0000004000 --out mlp.h5 \\
       --with-optimizer
 """
@@ -390,8 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("path", metavar="RUN_DIR|CHECKPOINT",
                         help="a run folder or a checkpoint folder")
     export.add_argument("--out", metavar="FILE", required=True, help="the file to write")
-    export.add_argument("--format", choices=("hdf5", "safetensors"), default="hdf5",
-                        help="file format (default: %(default)s)")
+    export.add_argument("--format", choices=("hdf5", "safetensors"),
+                        help="file format (default: the one FILE's extension names, .h5 "
+                             "or .safetensors; a mismatch is refused)")
     export.add_argument("--with-optimizer", action="store_true",
                         help="also write the optimizer state (Adagrad's accumulators), "
                              "named optimizer.<state>.layers.<i>.weight, ...")
@@ -805,18 +807,19 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from distbelief.records.export import read_trained, write_export
+    from distbelief.records.export import export_format, read_trained, write_export
 
+    fmt = export_format(args.out, args.format)  # before the checkpoint is read
     trained = read_trained(args.path, with_optimizer=args.with_optimizer)
     for skipped in trained.source.get("skipped", []):
         print(f"{PROG}: skipped a damaged checkpoint: {skipped}", file=sys.stderr)
-    path = write_export(trained, args.out, args.format)
+    path = write_export(trained, args.out, fmt)
     state = ", ".join(sorted(trained.optimizer_state))
     if state:
         state = f", optimizer state {state}"
     elif args.with_optimizer:
         state = ", no optimizer state: plain SGD keeps none"
-    print(f"wrote {path} ({args.format}; {len(trained.layers)} layers{state}) from "
+    print(f"wrote {path} ({fmt}; {len(trained.layers)} layers{state}) from "
           f"{trained.source.get('path', args.path)}")
     return 0
 

@@ -308,11 +308,32 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
 # Writing
 
 
-def write_export(model: TrainedModel, out: str | Path, fmt: str = "hdf5") -> Path:
-    """Write `model` (with its optimizer state, if it holds any) to `out` in format `fmt`;
-    ExportError if `out` exists. Atomic: a temporary file, fsynced, renamed into place."""
-    if fmt not in FORMATS:
+FORMAT_OF_EXTENSION = {".h5": "hdf5", ".hdf5": "hdf5", ".hdf": "hdf5", ".he5": "hdf5",
+                       ".safetensors": "safetensors"}
+
+
+def export_format(out: str | Path, fmt: str | None) -> str:
+    """The format to write `out` in: `fmt`, else the one its extension names. ExportError
+    when neither says, or when they disagree (a file named .safetensors holding HDF5 would
+    fail in every reader that trusts the name)."""
+    if fmt is not None and fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    suffix = Path(out).suffix.lower()
+    named = FORMAT_OF_EXTENSION.get(suffix)
+    if fmt is None and named is None:
+        raise ExportError(f"cannot tell the format of {out} from its extension: name it .h5 "
+                          f"or .safetensors, or give --format {'|'.join(FORMATS)}")
+    if fmt is not None and named is not None and named != fmt:
+        raise ExportError(f"--format {fmt}, but {out} ends in {suffix}, a {named} name; "
+                          f"choose a matching name or format")
+    return fmt or named
+
+
+def write_export(model: TrainedModel, out: str | Path, fmt: str | None = None) -> Path:
+    """Write `model` (with its optimizer state, if it holds any) to `out` in format `fmt`
+    (by default the one out's extension names: export_format); ExportError if `out`
+    exists. Atomic: a temporary file, fsynced, renamed into place."""
+    fmt = export_format(out, fmt)
     out = Path(out)
     if out.exists():
         raise ExportError(f"{out} exists; remove it or choose another --out (an export "
