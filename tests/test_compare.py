@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import _env, run_cli
@@ -196,6 +197,35 @@ def test_table_median_spread_failed_and_unreached(config: Path, tmp_path: Path) 
     pytest.importorskip("matplotlib")
     for png in results.plot(tmp_path, results.group_results(collected), 0.88, "exp.toml"):
         assert png.stat().st_size > 10_000
+
+
+def test_the_figures_show_every_run_and_say_when_none_reached_the_target(
+        config: Path, tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    grid = plan.Grid(specs("downpour", "sync"), replicas=(1, 2))
+    runs = plan.plan_runs(config, grid, check=False)
+    records: list = []
+    for run in runs:  # none reaches 0.88; their best evaluation is 0.5
+        fake_run(tmp_path, run, "finished", None, 0.5, records)
+    (tmp_path / running.STATE_FILE).write_text(json.dumps({"runs": records}))
+    groups = results.group_results(results.collect(tmp_path, runs))
+    # The accuracy axis reaches down to the lowest run's best (0.5), not just 0.78.
+    assert results.accuracy_axis_floor(groups, 0.88) == 0.48
+    assert results.accuracy_axis_floor(groups[:0], 0.88) == 0.78
+    drawn: dict[str, Any] = {}
+
+    def keep_axes(plt: Any, fig: Any, ax: Any, path: Path, title: str) -> Path:
+        drawn[path.name] = ([t.get_text() for t in ax.texts], ax.get_xlim(), ax.get_ylim())
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(results, "_save", keep_axes)
+    results.plot(tmp_path, groups, 0.88, "exp.toml")
+    texts, xlim, ylim = drawn[results.SCALING_FIGURE]
+    assert texts == ["no run reached 0.88 test accuracy"]
+    ranks = sorted({run.ranks for run in runs})
+    assert xlim == (ranks[0] - 0.5, ranks[-1] + 0.5) and ylim == (0, 1)
+    assert drawn[results.ACCURACY_FIGURE][2][0] == 0.48
 
 
 def test_a_finished_run_is_one_with_the_same_settings(config: Path, tmp_path: Path) -> None:

@@ -275,9 +275,9 @@ def _plot_accuracy(plt: Any, groups: Sequence[Group], target: float | None, titl
     if target is not None:
         ax.axhline(target, color="gray", linestyle=":", linewidth=1,
                    label=f"target {target:g}")
-        # The runs differ near the target, where a full 0-1 axis squeezes them together.
-        ax.set_ylim(max(0.0, target - ZOOM_BELOW_TARGET), min(1.0, target + 0.03))
-        ylabel += f" (axis from {max(0.0, target - ZOOM_BELOW_TARGET):g})"
+        floor = accuracy_axis_floor(groups, target)
+        ax.set_ylim(floor, min(1.0, target + 0.03))
+        ylabel += f" (axis from {floor:g})"
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
@@ -287,7 +287,16 @@ def _plot_accuracy(plt: Any, groups: Sequence[Group], target: float | None, titl
 LINE_STYLES = ("-", "--", ":", "-.")
 
 ZOOM_BELOW_TARGET = 0.1
-"""With a target, the accuracy figure's axis starts this far below it."""
+"""With a target, the accuracy figure's axis starts this far below it (the runs differ near
+the target, where a full 0-1 axis squeezes them together), or lower: accuracy_axis_floor."""
+
+
+def accuracy_axis_floor(groups: Sequence[Group], target: float) -> float:
+    """Where the accuracy axis starts: ZOOM_BELOW_TARGET under the target, or lower, so that
+    every run's best evaluation is on the figure (a run stuck at chance included)."""
+    bests = [max(y for _, y in r.curve) for g in groups for r in g.results if r.curve]
+    floor = min([target - ZOOM_BELOW_TARGET, *(best - 0.02 for best in bests)])
+    return max(0.0, round(floor, 2))
 
 
 def _algorithm_colors(plt: Any, groups: Sequence[Group]) -> dict[str, str]:
@@ -332,6 +341,11 @@ def _plot_scaling(plt: Any, groups: Sequence[Group], target: float | None, title
     to = f"{target:g}" if target is not None else "the target"
     ax.set_ylabel(f"time to {to} test accuracy (s)")
     ax.set_ylim(bottom=0)
+    if not ranks_seen:  # say so, on an axis that still spans the rank counts that ran
+        ax.text(0.5, 0.5, f"no run reached {to} test accuracy", transform=ax.transAxes,
+                ha="center", va="center", fontsize="large", color="dimgray")
+        ax.set_ylim(0, 1)
+        ranks_seen = {g.ranks for g in groups}
     if ranks_seen:
         ax.set_xticks(sorted(ranks_seen))
         ax.set_xlim(min(ranks_seen) - 0.5, max(ranks_seen) + 0.5)
