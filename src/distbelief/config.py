@@ -114,6 +114,8 @@ class ModelConfig:
 class DataConfig:
     path: Path
     batch_size: int = 64
+    in_memory: bool = True
+    stream_memory_mb: int = 256
 
 
 @dataclass(frozen=True)
@@ -264,6 +266,8 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
     "data": {
         "path": (_string(), REQUIRED),
         "batch_size": (_int(1), 64),
+        "in_memory": (_bool(), True),
+        "stream_memory_mb": (_int(4), 256),
     },
     "optimizer": {
         "algorithm": (_choice(ALGORITHMS + NOT_IMPLEMENTED_ALGORITHMS), "sgd"),
@@ -555,6 +559,10 @@ def _check_consistency(values: dict, where: str) -> None:
                           "need 0 < c1 < c2 < 1)")
     if opt["algorithm"] == "sandblaster" and opt["wolfe_c2"] >= 1.0:
         raise ConfigError(f"{where}: optimizer.wolfe_c2 = {opt['wolfe_c2']:g} must be below 1")
+    if opt["algorithm"] == "sandblaster" and not values["data"]["in_memory"]:
+        raise ConfigError(f"{where}: data.in_memory = false streams each replica's own part "
+                          "of the training set, but a Sandblaster replica may be handed any "
+                          "work unit and reads the whole set; leave data.in_memory = true")
     if not run["max_steps"] and not run["max_seconds"] and run["target_accuracy"] is None:
         raise ConfigError(f"{where}: the run would never end: set at least one of "
                           "run.max_steps, run.max_seconds or run.target_accuracy")
@@ -652,6 +660,9 @@ def hashed_settings(config: Config) -> dict[str, Any]:
         dropped.add("fetch")  # the default, as before the key existed
     out["optimizer"] = {k: v for k, v in out["optimizer"].items() if k not in dropped}
     out["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
+    if config.data.in_memory:  # the default, as before the keys existed
+        out["data"] = {k: v for k, v in out["data"].items()
+                       if k not in ("in_memory", "stream_memory_mb")}
     return out
 
 

@@ -65,6 +65,19 @@ def open_data(config: Config) -> tuple[Any, Any]:
     return info, build_network(config, info)
 
 
+def train_shard(config: Config, info: Any, rank: int, num_ranks: int) -> Any:
+    """Replica `rank`'s part of the training set: in memory (TrainShard), or streamed from
+    the file with data.stream_memory_mb of rows in memory (data.in_memory = false)."""
+    if config.data.in_memory:
+        from distbelief.data.hdf5 import TrainShard
+
+        return TrainShard(info, rank, num_ranks, config.run.seed)
+    from distbelief.data.stream import StreamingTrainShard
+
+    return StreamingTrainShard(info, rank, num_ranks, config.run.seed,
+                               memory_bytes=config.data.stream_memory_mb << 20)
+
+
 def load_eval_set(config: Config, info: Any) -> tuple[np.ndarray, np.ndarray]:
     """The test samples every evaluation uses: the first run.eval_samples, or all."""
     from distbelief.data.hdf5 import load_test

@@ -85,6 +85,7 @@ from distbelief.algorithms.common import (
     open_data,
     prepare_run_dir,
     starting_checkpoint,
+    train_shard,
 )
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.errors import ConfigError
@@ -296,10 +297,8 @@ def _fill_segment(config: Config, network: Any, shared: SharedState,
 def _setup_replica(config: Config, info: Any, network: Any, shared: SharedState,
                    path: str | None, rank: int, replicas: int) -> Replica:
     """This rank's replica; rank 0 also fills the segment (initial or restored values)."""
-    from distbelief.data.hdf5 import TrainShard
-
     opt = config.optimizer
-    shard = TrainShard(info, rank=rank, num_ranks=replicas, seed=config.run.seed)
+    shard = train_shard(config, info, rank, replicas)
     optimizer = make_optimizer(opt.adagrad, opt.learning_rate, network.layout.size)
     found = ckpt.verify(path) if path is not None else None
     for name, view in shared.state.items():

@@ -50,6 +50,7 @@ from distbelief.algorithms.common import (
     open_data,
     prepare_run_dir,
     start_over,
+    train_shard,
 )
 from distbelief.config import Config, config_hash
 from distbelief.errors import ConfigError
@@ -99,7 +100,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     configuration raises ConfigError on every rank. Always starts fresh: `resume` =
     "require" (train --resume) is a ConfigError, as this path writes no checkpoints.
     """
-    from distbelief.data.hdf5 import TrainShard
     from distbelief.model.optimizers import make_optimizer
 
     if resume == "require":
@@ -117,7 +117,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             start_over(config.run.out_dir, resume, stream)  # nothing here can be resumed
             prepare_run_dir(config)
         return (load_eval_set(config, info),
-                TrainShard(info, rank=0, num_ranks=1, seed=config.run.seed))
+                train_shard(config, info, 0, 1))
 
     eval_set, shard = agree(comm, setup)
     params = model.init_params(config.run.seed)

@@ -41,6 +41,7 @@ from distbelief.algorithms.common import (
     open_data,
     prepare_run_dir,
     starting_checkpoint,
+    train_shard,
 )
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
@@ -62,7 +63,6 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
     records.metrics, records.checkpoint) and progress lines to `stream` (None for
     silence). `resume` is one of RESUME_MODES.
     """
-    from distbelief.data.hdf5 import TrainShard
     from distbelief.model.optimizers import make_optimizer
 
     if resume not in RESUME_MODES:
@@ -73,7 +73,7 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
     start_from = starting_checkpoint(config, network.layout, resume, stream)
     out_dir = prepare_run_dir(config)
     eval_set = load_eval_set(config, info)
-    shard = TrainShard(info, rank=0, num_ranks=1, seed=config.run.seed)
+    shard = train_shard(config, info, 0, 1)
     params = network.init_params(config.run.seed)
     opt = config.optimizer
     optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)

@@ -67,7 +67,7 @@ class DatasetInfo:
     scale: float
 
 
-def _open_h5(path: Path) -> h5py.File:
+def open_h5(path: Path) -> h5py.File:
     """Open read-only, turning h5py's errors into one DataError.
 
     File locking is off: our writers never expose a half-written file (they rename a
@@ -86,7 +86,7 @@ def _open_h5(path: Path) -> h5py.File:
             raise DataError(f"{path}: a numpy {numpy_kind} file, not a distbelief dataset "
                             f"(HDF5); {CONVERT_HINT}") from exc
         raise DataError(f"{path}: not a readable HDF5 file (truncated or corrupt?): "
-                        f"{_first_line(exc)}") from exc
+                        f"{first_line(exc)}") from exc
 
 
 CONVERT_HINT = ("convert your arrays with `distbelief prepare arrays` (docs/your-own-data.md: "
@@ -103,7 +103,7 @@ def _numpy_kind(path: Path) -> str | None:
     return ".npy" if head == b"\x93NUMPY" else ".npz" if head[:4] == b"PK\x03\x04" else None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
@@ -190,13 +190,13 @@ def open_dataset(path: str | os.PathLike) -> DatasetInfo:
     checksums).
     """
     path = Path(path)
-    with _open_h5(path) as f:
+    with open_h5(path) as f:
         try:
             return _describe(path, f)
         except DataError:
             raise
         except H5_ERRORS as exc:
-            raise DataError(f"{path}: corrupt HDF5 file: {_first_line(exc)}") from exc
+            raise DataError(f"{path}: corrupt HDF5 file: {first_line(exc)}") from exc
 
 
 def _describe(path: Path, f: h5py.File) -> DatasetInfo:
@@ -231,7 +231,7 @@ def _read_rows(info: DatasetInfo, split: str, start: int,
     Re-checks the shapes against `info`, since the file may have been replaced since.
     """
     expected = info.n_train if split == "train" else info.n_test
-    with _open_h5(info.path) as f:
+    with open_h5(info.path) as f:
         try:
             x, y = f.get(f"{split}/x"), f.get(f"{split}/y")
             if (not isinstance(x, h5py.Dataset) or not isinstance(y, h5py.Dataset)
@@ -243,7 +243,7 @@ def _read_rows(info: DatasetInfo, split: str, start: int,
             raise
         except H5_ERRORS as exc:
             raise DataError(f"{info.path}: cannot read rows {start}..{stop} of /{split}/x "
-                            f"(corrupt file?): {_first_line(exc)}") from exc
+                            f"(corrupt file?): {first_line(exc)}") from exc
 
 
 def to_float(stored: np.ndarray, scale: float, out: np.ndarray | None = None) -> np.ndarray:
@@ -301,6 +301,21 @@ def _epoch_permutation(seed: int, rank: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng(seq).permutation(n)
 
 
+def shard_range(info: DatasetInfo, rank: int, num_ranks: int, seed: int) -> tuple[int, int]:
+    """Rows [start, stop) of training shard `rank` of `num_ranks`: contiguous, disjoint,
+    balanced (sizes differ by at most one row), after checking the arguments."""
+    num_ranks = _positive_int(num_ranks, "num_ranks")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) \
+            or not 0 <= rank < num_ranks:
+        raise ValueError(f"rank must be an integer in [0, {num_ranks}), got {rank!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if num_ranks > info.n_train:
+        raise DataError(f"{info.path}: {info.n_train} training rows cannot be split into "
+                        f"{num_ranks} shards")
+    return balanced_ranges(info.n_train, num_ranks)[int(rank)]
+
+
 class TrainShard:
     """Part `rank` of `num_ranks` of the training set: a contiguous, disjoint block of rows,
     read from the file once (only those rows), minibatches from its own seeded RNG.
@@ -316,18 +331,9 @@ class TrainShard:
     """
 
     def __init__(self, info: DatasetInfo, rank: int = 0, num_ranks: int = 1, seed: int = 0):
-        num_ranks = _positive_int(num_ranks, "num_ranks")
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) \
-                or not 0 <= rank < num_ranks:
-            raise ValueError(f"rank must be an integer in [0, {num_ranks}), got {rank!r}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-        if num_ranks > info.n_train:
-            raise DataError(f"{info.path}: {info.n_train} training rows cannot be split into "
-                            f"{num_ranks} shards")
+        self.start, self.stop = shard_range(info, rank, num_ranks, seed)
         self.info = info
-        self.rank, self.num_ranks, self.seed = int(rank), num_ranks, int(seed)
-        self.start, self.stop = balanced_ranges(info.n_train, num_ranks)[self.rank]
+        self.rank, self.num_ranks, self.seed = int(rank), int(num_ranks), int(seed)
         self.n: int = self.stop - self.start
         self._x, self._y = _read_rows(info, "train", self.start, self.stop)
         self.epoch = 0
@@ -443,7 +449,7 @@ class DatasetWriter:
                          float(scale), str(source), chunk_rows)
         except OSError as exc:
             self.abort()
-            raise DataError(f"{self.path}: cannot write: {_first_line(exc)}") from exc
+            raise DataError(f"{self.path}: cannot write: {first_line(exc)}") from exc
         except BaseException:
             self.abort()
             raise
@@ -478,7 +484,7 @@ class DatasetWriter:
             self._file[f"{split}/x"][start:stop] = x
             self._file[f"{split}/y"][start:stop] = y
         except OSError as exc:
-            raise DataError(f"{self.path}: cannot write: {_first_line(exc)}") from exc
+            raise DataError(f"{self.path}: cannot write: {first_line(exc)}") from exc
         self._written[split] = stop
 
     def commit(self) -> DatasetInfo:
@@ -495,7 +501,7 @@ class DatasetWriter:
             _fsync_path(self.path.parent)
         except OSError as exc:
             self.abort()
-            raise DataError(f"{self.path}: cannot write: {_first_line(exc)}") from exc
+            raise DataError(f"{self.path}: cannot write: {first_line(exc)}") from exc
         return open_dataset(self.path)
 
     def abort(self) -> None:

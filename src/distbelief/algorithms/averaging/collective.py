@@ -59,6 +59,7 @@ from distbelief.algorithms.common import (
     open_data,
     prepare_run_dir,
     starting_checkpoint,
+    train_shard,
 )
 from distbelief.algorithms.partitioned_sgd import polled_bcast
 from distbelief.config import Config, config_hash, hashed_settings
@@ -144,7 +145,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     any rank's UserError in the set-up is raised on every rank (agreement.agree). A lost
     replica ends the job (module docstring).
     """
-    from distbelief.data.hdf5 import TrainShard
     from distbelief.model.optimizers import make_optimizer
 
     if resume not in RESUME_MODES:
@@ -165,7 +165,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     path = comm.bcast(str(chosen.path) if chosen is not None else None, root=0)
     opt = config.optimizer
     params = network.init_params(config.run.seed)  # the same on every rank (same seed)
-    replica = Replica(comm, network, TrainShard(info, rank, size, config.run.seed), params,
+    replica = Replica(comm, network, train_shard(config, info, rank, size), params,
                       make_optimizer(opt.adagrad, opt.learning_rate, params.size),
                       others=tuple(r for r in range(size) if r != rank))
     found = agree(comm, lambda: _restore(path, chosen, replica))

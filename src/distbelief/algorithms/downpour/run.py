@@ -19,6 +19,7 @@ from distbelief.algorithms.common import (
     open_data,
     prepare_run_dir,
     starting_checkpoint,
+    train_shard,
 )
 from distbelief.algorithms.downpour.plan import SWEEP_S, DownpourPlan, plan_run
 from distbelief.config import Config
@@ -136,11 +137,9 @@ def _local_setup(config: Config, plan: DownpourPlan, info: Any, network: Any, re
     """What this rank needs before training: a replica its part of the training set; rank 0
     the checkpoint to start from (before config.json is rewritten, so a refused resume
     leaves the run folder as it was), the run folder and the evaluation set. Local."""
-    from distbelief.data.hdf5 import TrainShard
-
     topology = plan.topology
     if topology.is_replica:
-        return TrainShard(info, topology.replica_index, plan.num_replicas, config.run.seed)
+        return train_shard(config, info, topology.replica_index, plan.num_replicas)
     if topology.world_rank == 0:
         chosen = starting_checkpoint(config, network.layout, resume, stream)
         prepare_run_dir(config)

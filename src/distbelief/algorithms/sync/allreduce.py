@@ -56,6 +56,7 @@ from distbelief.algorithms.common import (
     open_data,
     prepare_run_dir,
     starting_checkpoint,
+    train_shard,
 )
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.model.partitioned_network import wait_all
@@ -81,7 +82,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
           resume: str = "auto") -> dict[str, Any] | None:
     """Synchronous SGD over the ranks of `comm`, all replicas; the summary on rank 0,
     None elsewhere. Collective over `comm`."""
-    from distbelief.data.hdf5 import TrainShard
     from distbelief.model.optimizers import make_optimizer
 
     if resume not in RESUME_MODES:
@@ -100,7 +100,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
 
     start_path = comm.bcast(agree(comm, setup), root=0)
     eval_set = _eval_slice(load_eval_set(config, info), rank, replicas)
-    shard = TrainShard(info, rank=rank, num_ranks=replicas, seed=config.run.seed)
+    shard = train_shard(config, info, rank, replicas)
     params = network.init_params(config.run.seed)
     opt = config.optimizer
     optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)

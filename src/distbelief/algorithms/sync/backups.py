@@ -54,6 +54,7 @@ from distbelief.algorithms.common import (
     open_data,
     prepare_run_dir,
     starting_checkpoint,
+    train_shard,
 )
 from distbelief.algorithms.sync.allreduce import write_checkpoint
 from distbelief.config import Config, config_hash
@@ -85,7 +86,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
           resume: str = "auto") -> dict[str, Any] | None:
     """Synchronous SGD with backup workers over `comm` (rank 0 the shard, the others
     replicas); the summary on rank 0, None elsewhere. Collective over `comm`."""
-    from distbelief.data.hdf5 import TrainShard
     from distbelief.model.optimizers import make_optimizer
 
     if resume not in RESUME_MODES:
@@ -116,8 +116,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             StopSignals() as signals:
         try:
             if rank != SHARD:
-                shard = TrainShard(info, rank=rank - 1, num_ranks=replicas,
-                                   seed=config.run.seed)
+                shard = train_shard(config, info, rank - 1, replicas)
                 if found is not None and found.has_replica(rank - 1):
                     shard.load_state(found.read_replica(rank - 1).data_state)
                 lost = _replica_loop(config, comm, network, shard) == STOP_AFTER_A_LOSS
