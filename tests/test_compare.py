@@ -271,6 +271,38 @@ def test_launcher_gets_the_rank_count_and_a_failed_run_is_reported(config: Path,
     assert (out / "table.csv").is_file()
 
 
+def test_a_hung_run_is_ended_and_the_comparison_goes_on(config: Path, tmp_path: Path) -> None:
+    launcher = tmp_path / "hung-mpiexec"
+    launcher.write_text("#!/bin/sh\necho 'started, now hanging'\nsleep 600\n")
+    launcher.chmod(0o755)
+    out = tmp_path / "cmp"
+    started = time.monotonic()
+    result = run_cli(["compare", config, "--algorithm", "downpour", "--replicas", "1,2",
+                      "--launcher", f"{launcher} {{n}}", "--run-timeout", "2", "--out", out],
+                     timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started < 60  # each run ended after 2 s, not 600
+    assert result.stdout.count("TIMED OUT after") == 2
+    state = json.loads((out / running.STATE_FILE).read_text())
+    assert [r["state"] for r in state["runs"]] == ["timed out", "timed out"]
+    log = (out / "logs" / "downpour-r1-seed0.log").read_text()
+    assert "started, now hanging" in log and "ended its processes" in log
+    with (out / "runs.csv").open() as f:
+        assert [row["state"] for row in csv.DictReader(f)] == ["timed out", "timed out"]
+
+
+def test_each_run_may_take_its_budget_and_a_grace(config: Path) -> None:
+    [run] = plan.plan_runs(config, plan.Grid(specs("sgd"), max_seconds=100), check=False)
+    assert running.run_time_limit(config, run) == 100 + running.GRACE_S
+    [run] = plan.plan_runs(config, plan.Grid(specs("sgd"), max_seconds=600), check=False)
+    assert running.run_time_limit(config, run) == 900
+    [run] = plan.plan_runs(config, plan.Grid(specs("sgd")), check=False)  # the file's 20 s
+    assert running.run_time_limit(config, run) == 20 + running.GRACE_S
+    [run] = plan.plan_runs(config, plan.Grid(specs("sgd"), overrides=("run.max_seconds=0",)),
+                           check=False)
+    assert running.run_time_limit(config, run) is None
+
+
 # -- a real comparison -------------------------------------------------------------------
 
 

@@ -332,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--launcher", metavar="COMMAND", default=None,
                          help="how to start a run's ranks, {n} standing for the rank count "
                               "(default: \"mpiexec -n {n}\")")
+    compare.add_argument("--run-timeout", metavar="S", type=_positive_float, default=None,
+                         help="end a run still going S seconds after its start and record "
+                              "it as timed out (default: its run.max_seconds plus 120 s or "
+                              "half the budget, whichever is more; none without a "
+                              "run.max_seconds)")
     compare.add_argument("--out", metavar="DIR", default=None,
                          help="the comparison's folder (default: comparisons/<config name>)")
     compare.set_defaults(func=cmd_compare)
@@ -677,7 +682,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     owner = claim(out)
     try:
         print(f"distbelief compare: {len(runs)} runs of {args.config} into {out}", flush=True)
-        stopped_by = running.run_comparison(args.config, runs, out, launcher_template)
+        stopped_by = running.run_comparison(args.config, runs, out, launcher_template,
+                                            run_timeout=args.run_timeout)
         collected = results.collect(out, runs)
         groups = results.group_results(collected)
         rows = results.table_rows(groups)

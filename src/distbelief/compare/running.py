@@ -34,6 +34,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from distbelief.compare.plan import PlannedRun
+from distbelief.config import apply_overrides, read_toml
 from distbelief.errors import ConfigError
 from distbelief.records.console import say
 from distbelief.records.metrics import SUMMARY_FILE, write_json_atomic
@@ -133,10 +135,13 @@ class Stopper:
 
 def run_comparison(config_path: str | Path, runs: Sequence[PlannedRun], out_dir: str | Path,
                    launcher: str = DEFAULT_LAUNCHER, stream: IO[str] | None = sys.stdout,
-                   env: dict[str, str] | None = None) -> int | None:
+                   env: dict[str, str] | None = None,
+                   run_timeout: float | None = None) -> int | None:
     """Run every run not already finished, one after another, in `out_dir` (which the
-    caller owns). Returns None when all were attempted, or the signal number that
-    stopped the comparison."""
+    caller owns); a run still going `run_timeout` seconds after its start (default: its
+    run.max_seconds plus a grace, run_time_limit) is ended and recorded as timed out.
+    Returns None when all were attempted, or the signal number that stopped the
+    comparison."""
     config_path = Path(config_path).resolve()
     out = Path(out_dir)
     (out / RUNS_DIR).mkdir(parents=True, exist_ok=True)
@@ -162,14 +167,35 @@ def run_comparison(config_path: str | Path, runs: Sequence[PlannedRun], out_dir:
             progress.line(index, f"{run.describe()}: starting")
             say(stream, f"    {record['command']}")
             started = time.monotonic()
-            status = _launch(argv, out / LOGS_DIR / f"{run.folder}.log", stream, stopper, env)
+            limit = run_timeout if run_timeout is not None \
+                else run_time_limit(config_path, run)
+            status, timed_out = _launch(argv, out / LOGS_DIR / f"{run.folder}.log", stream,
+                                        stopper, env, limit)
             record["seconds"] = round(time.monotonic() - started, 3)
             record["exit_status"] = status
             summary = read_summary(out / RUNS_DIR / run.folder)
-            record["state"] = run_state(status, summary, stopper.received is not None)
+            record["state"] = "timed out" if timed_out \
+                else run_state(status, summary, stopper.received is not None)
             _write_state(out, config_path, runs, records)
             progress.line(index, f"{run.describe()}: {outcome_text(record, summary, out)}")
     return stopper.received
+
+
+GRACE_S = 120.0
+"""A run may take this long past its run.max_seconds (start-up, the last evaluation, the
+final checkpoint), and half its budget more on long runs, before compare ends it."""
+KILL_AFTER_S = 10.0
+"""After the SIGTERM of a run past its limit, this long until SIGKILL."""
+
+
+def run_time_limit(config_path: Path, run: PlannedRun) -> float | None:
+    """How long a run may go on: its run.max_seconds plus a grace (GRACE_S, or half the
+    budget when that is more); None when it has no time budget."""
+    budget = apply_overrides(read_toml(config_path), run.overrides).get("run", {}) \
+        .get("max_seconds", 0)
+    if not isinstance(budget, (int, float)) or budget <= 0:
+        return None
+    return float(budget) + max(GRACE_S, 0.5 * float(budget))
 
 
 def run_state(status: int, summary: dict[str, Any] | None, signalled: bool) -> str:
@@ -204,10 +230,11 @@ def train_command(config_path: Path, run: PlannedRun, out: Path, launcher: str,
 
 
 def _launch(argv: list[str], log_path: Path, stream: IO[str] | None, stopper: Stopper,
-            env: dict[str, str] | None) -> int:
+            env: dict[str, str] | None, limit: float | None = None) -> tuple[int, bool]:
     """Run one training command to its end, its output (stdout and stderr, line by line)
-    appended to log_path and shown indented on `stream`. The exit status; 127 when the
-    launcher cannot be started (said in the log)."""
+    appended to log_path and shown indented on `stream`; past `limit` seconds its process
+    group gets SIGTERM, then SIGKILL. (exit status, whether it was ended for its time);
+    status 127 when the launcher cannot be started (said in the log)."""
     env = dict(os.environ if env is None else env)
     env["PYTHONUNBUFFERED"] = "1"  # progress lines as they happen, not at the end
     with open(log_path, "a", encoding="utf-8") as log:
@@ -223,16 +250,53 @@ def _launch(argv: list[str], log_path: Path, stream: IO[str] | None, stopper: St
             message = f"distbelief: compare: cannot start {argv[0]!r}: {e.strerror or e}"
             log.write(message + "\n")
             say(stream, f"    {message}")
-            return 127
+            return 127, False
         stopper.child = child
+        timer = _Deadline(child, limit)
         try:
             for line in child.stdout:
                 log.write(line)
                 log.flush()
                 say(stream, f"    {line.rstrip()}")
-            return child.wait()
+            status = child.wait()
         finally:
+            timer.cancel()
             stopper.child = None
+        if timer.fired:
+            message = (f"distbelief: compare: the run was still going {limit:g} s after its "
+                       f"start (its run.max_seconds and a grace): ended its processes")
+            log.write(message + "\n")
+            say(stream, f"    {message}")
+        return status, timer.fired
+
+
+class _Deadline:
+    """Ends a child's process group `limit` seconds from now: SIGTERM, then SIGKILL after
+    KILL_AFTER_S (a hung launcher holds its output open, so reading it never ends)."""
+
+    def __init__(self, child: subprocess.Popen, limit: float | None):
+        self.fired = False
+        self._child = child
+        self._timers = []
+        if limit is not None:
+            self._timers = [threading.Timer(limit, self._end, (signal.SIGTERM,)),
+                            threading.Timer(limit + KILL_AFTER_S, self._end, (signal.SIGKILL,))]
+            for timer in self._timers:
+                timer.daemon = True
+                timer.start()
+
+    def _end(self, sig: int) -> None:
+        if self._child.poll() is not None:
+            return
+        self.fired = True
+        try:
+            os.killpg(self._child.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def cancel(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
 
 
 def read_summary(run_dir: Path) -> dict[str, Any] | None:
@@ -250,6 +314,9 @@ def outcome_text(record: dict[str, Any], summary: dict[str, Any] | None, out: Pa
         return f"FAILED {took}: {last} (log: {LOGS_DIR}/{record['folder']}.log)"
     if record["state"] == "interrupted":
         return f"interrupted {took}; run the same command again to resume"
+    if record["state"] == "timed out":
+        return (f"TIMED OUT {took}: ended past its time limit (log: {LOGS_DIR}/"
+                f"{record['folder']}.log); run the same command again to retry it")
     reached = summary.get("time_to_target")
     target = summary.get("target_accuracy")
     final = summary.get("final_test_accuracy")
