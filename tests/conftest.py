@@ -8,8 +8,10 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -282,3 +284,47 @@ def wait_or_kill(proc: subprocess.Popen, timeout: float = 60) -> int:
         os.killpg(proc.pid, 9)
         proc.wait()
         pytest.fail(f"{proc.args} did not end within {timeout} s")
+
+
+class SharedMemoryWatch:
+    """The /dev/shm files mapped by any process whose command line holds `marker` (a run's
+    out_dir), sampled every 0.1 s while the `with` block runs; `left()` names those that
+    still exist afterwards. A job's own files, whatever else runs on the machine: a test
+    that kills ranks checks with it that the job removed what it made there
+    (distbelief.runtime.guardian.SharedSegments)."""
+
+    def __init__(self, marker: str | Path):
+        self.marker = str(marker).encode()
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.1):
+            for pid in (name for name in os.listdir("/proc") if name.isdigit()):
+                try:
+                    if self.marker not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        continue
+                    maps = Path(f"/proc/{pid}/maps").read_text(errors="replace")
+                except OSError:
+                    continue
+                self.seen |= {line.split(None, 5)[5] for line in maps.splitlines()
+                              if " /dev/shm/" in line and not line.endswith("(deleted)")}
+
+    def left(self, wait: float = 5.0) -> list[str]:
+        """The files seen that still exist, once they are gone or `wait` s have passed (an
+        aborted job's files are removed by a process it leaves behind, just after it)."""
+        deadline = time.monotonic() + wait
+        while True:
+            left = sorted(path for path in self.seen if os.path.exists(path))
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)

@@ -926,6 +926,7 @@ def start_mpi() -> Any:
                   f"{name}: {exc}", file=sys.stderr)
             traceback.print_exception(exc_type, exc, tb)
             sys.stderr.flush()
+            guardian.clean_up_after_abort()
             time.sleep(0.2)  # let the launcher forward the output before Abort kills it
             world.Abort(1)
 

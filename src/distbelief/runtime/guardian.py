@@ -39,7 +39,8 @@ import select
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from distbelief.errors import ConfigError
 from distbelief.runtime.launcher import launcher_rank
@@ -90,7 +91,14 @@ def run_guarded(argv: Sequence[str]) -> int:
               f"cannot be reached); ending this rank ({INIT_TIMEOUT_ENV} sets the bound)",
               file=sys.stderr, flush=True)
         _kill_worker(worker)
-    status = _wait_while_launcher_lives(worker, launcher)
+    segments = SharedSegments(worker.pid)
+    segments.note()  # what MPI_Init mapped, before a first poll a second from now
+    status = _wait_while_launcher_lives(worker, launcher, segments.note)
+    removed = segments.remove_orphaned()
+    if removed and status != 0:
+        print(f"distbelief: rank {launcher_rank() or '?'}: removed {len(removed)} shared-"
+              f"memory segment(s) the job left behind: {', '.join(removed)}",
+              file=sys.stderr, flush=True)
     for number in RELAYED:
         # A launcher may go on signalling (hydra sends several SIGUSR1s per death); dying
         # of one now would be a death by signal, the very thing this process prevents.
@@ -157,18 +165,21 @@ def _tell_guardian(byte: bytes, close: bool) -> None:
         pass
 
 
-def _wait_while_launcher_lives(worker: subprocess.Popen, launcher: int) -> int:
+def _wait_while_launcher_lives(worker: subprocess.Popen, launcher: int,
+                               every_check: Callable[[], None] = lambda: None) -> int:
     """worker.wait(), unless the launcher's process that started this one (`launcher`,
     its parent) goes first: then SIGKILL the worker and return 1. Seen under Open MPI: a
     hung worker ignored the SIGTERM its guardian relayed after MPI_Abort, PRRTE's daemon
     left without a SIGKILL, and guardian and worker lived on as orphans. Waits on a pidfd,
-    looking at the parent every LAUNCHER_CHECK_S (no spinning)."""
+    looking at the parent (and calling `every_check`) every LAUNCHER_CHECK_S (no
+    spinning)."""
     try:
         pidfd = os.pidfd_open(worker.pid)
     except (AttributeError, OSError):
         return worker.wait()  # no pidfd (old kernel): wait as before
     try:
         while not select.select([pidfd], [], [], LAUNCHER_CHECK_S)[0]:
+            every_check()
             if os.getppid() != launcher:
                 print(f"distbelief: rank {launcher_rank() or '?'}: the launcher is gone; "
                       "ending this rank's worker", file=sys.stderr, flush=True)
@@ -178,6 +189,110 @@ def _wait_while_launcher_lives(worker: subprocess.Popen, launcher: int) -> int:
     finally:
         os.close(pidfd)
     return worker.wait()
+
+
+SHM_DIR = "/dev/shm"
+
+
+class SharedSegments:
+    """The shared-memory files (under /dev/shm) a worker maps, remembered while it lives,
+    so that once it is gone the ones no live process maps any more can be removed.
+
+    MPICH and Open MPI unlink their node's segments in MPI_Finalize; a rank killed by a
+    signal, or a survivor that must skip MPI_Finalize after a death, never does, and the
+    files hold the node's memory until reboot. Each guardian outlives its worker, so the
+    last one of the node to finish finds no process mapping them and removes them. Only
+    files this worker mapped are ever touched (never another job's), and only when no
+    process maps them. A job killed as a whole, guardians included, leaves them: that is
+    the site's per-job cleanup (docs/checkpoints-and-reliability.md)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.seen: set[str] = set()
+
+    def note(self) -> None:
+        """Remember what the worker maps now (called every LAUNCHER_CHECK_S)."""
+        self.seen |= shm_files_mapped_by(self.pid)
+
+    def remove_orphaned(self) -> list[str]:
+        """Remove the remembered files that still exist and that no live process maps;
+        returns their names."""
+        left = [path for path in sorted(self.seen) if os.path.exists(path)]
+        if not left:
+            return []
+        mapped = set()
+        for pid in _live_pids():
+            mapped |= shm_files_mapped_by(pid)
+        removed = []
+        for path in left:
+            if path in mapped:
+                continue
+            try:
+                os.unlink(path)
+                removed.append(os.path.basename(path))
+            except OSError:  # gone already (another guardian), or not ours to remove
+                pass
+        return removed
+
+
+ABORT_CLEANUP_S = 30.0
+"""How long the cleaner an aborting rank leaves behind waits for the job's processes to be
+gone before it gives up (they are killed within a second or two of MPI_Abort)."""
+
+
+def clean_up_after_abort() -> None:
+    """Just before MPI_Abort: leave a process behind, outside the job's process groups,
+    that removes the shared-memory files this process maps once no process maps them.
+    The launcher kills every rank and guardian of an aborted job with SIGKILL, so nothing
+    of the job can do it afterwards."""
+    paths = sorted(shm_files_mapped_by(os.getpid()))
+    if not paths:
+        return
+    code = ("import sys; from distbelief.runtime.guardian import remove_when_unmapped; "
+            f"remove_when_unmapped(sys.argv[1:], {ABORT_CLEANUP_S!r})")
+    try:
+        subprocess.Popen([sys.executable, "-c", code, *paths], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, close_fds=True)
+    except OSError:
+        pass  # no cleaner: the files stay, as before
+
+
+def remove_when_unmapped(paths: Sequence[str], timeout: float) -> None:
+    """Wait (polling every 0.2 s, at most `timeout` s) until no live process maps any of
+    `paths`, then remove those that still exist (run by clean_up_after_abort)."""
+    deadline = time.monotonic() + timeout
+    segments = SharedSegments(os.getpid())
+    segments.seen = set(paths)
+    while time.monotonic() < deadline:
+        mapped = set().union(*(shm_files_mapped_by(pid) for pid in _live_pids()))
+        if not mapped & segments.seen:
+            break
+        time.sleep(0.2)
+    segments.remove_orphaned()
+
+
+def shm_files_mapped_by(pid: int) -> set[str]:
+    """The /dev/shm files process `pid` maps (empty if it is gone or not readable)."""
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    found = set()
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith(SHM_DIR + "/") \
+                and not parts[5].endswith(" (deleted)"):
+            found.add(parts[5])
+    return found
+
+
+def _live_pids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
 
 
 def _kill_worker(worker: subprocess.Popen) -> None:

@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from distbelief.runtime import guardian
+
 TICK_S = 0.1
 """How often the watchdog thread looks at the current wait."""
 
@@ -212,6 +214,7 @@ def abort_job(world: Any, message: str) -> None:
     """Print `message` (one line, stderr) and abort every rank of the job (`world`:
     COMM_WORLD): for failures no rank can recover from, such as a lost shard or a stall."""
     print(f"distbelief: rank {world.Get_rank()}: {message}", file=sys.stderr, flush=True)
+    guardian.clean_up_after_abort()
     time.sleep(0.2)  # let the launcher forward the line before the job is torn down
     world.Abort(1)
 
