@@ -336,6 +336,32 @@ def test_a_killed_partition_loses_its_replica_and_the_run_goes_on(data_dir: Path
     assert {r["replica"] for r in summary["replicas"]} == {0}
 
 
+@pytest.mark.parametrize("fetch", ["own_pushes", "overlapped"])
+@pytest.mark.both_mpis
+def test_losing_the_only_replica_near_the_end_is_exit_2_not_a_crash(
+        data_dir: Path, tmp_path: Path, fetch: str) -> None:
+    # 1 shard + 1 replica x 2 partitions; rank 2, partition 1, dies at step 2800 of 3000.
+    # The last notes saw mpiexec exit 139 here and took it for a segfault: it is hydra
+    # OR-ing the ranks' statuses, 137 | 2. Each rank's own status is checked instead.
+    out = tmp_path / "out"
+    proc = job(3, data_dir / "mlp.toml", out, "cluster.partitions=2", "run.max_steps=3000",
+               f'optimizer.fetch="{fetch}"', faults=f"kill:2:2800 {DELAY}")
+    output = proc.stdout + proc.stderr
+    statuses = exit_statuses(proc)
+    if mpi_under_test() == "mpich":
+        assert statuses == [2, 2, 137], output[-3000:]
+        assert proc.returncode == 137 | 2
+    else:  # PRRTE ends the job at the first non-zero exit: a survivor may go by SIGTERM
+        assert 137 in statuses and all(s in (2, 137, 143) for s in statuses), output[-3000:]
+    assert "killed by SIGSEGV" not in output and "Segmentation" not in output
+    assert "replica 0 (ranks 1, 2) lost at step" in proc.stdout, output[-3000:]
+    assert "every replica was lost, so the run stopped (its last state is checkpointed)" \
+        in proc.stderr
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "replicas_lost" and summary["steps"] >= 2790
+    assert ckpt.find_latest(ckpt.checkpoint_root(out))[0].step == summary["steps"]
+
+
 def test_losing_replica_0_during_the_warm_start_lets_the_others_start(data_dir: Path,
                                                                       tmp_path: Path) -> None:
     # The others wait for replica 0's first 500 steps; it dies at its step 100.
