@@ -20,6 +20,7 @@ from distbelief.records.report import (
     make_report,
     plot_runs,
     summary_table,
+    write_metrics_csv,
 )
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -147,6 +148,21 @@ def test_default_out_dir_is_the_runs_own_folder(tmp_path: Path) -> None:
     assert default_out_dir([tmp_path / "runs" / "a"]) == tmp_path / "runs" / "a"
     several = default_out_dir([tmp_path / "runs" / "a", tmp_path / "other" / "b"])
     assert several == (tmp_path / "runs" / "compare-a+b").resolve()
+
+
+def test_metrics_csv_holds_every_training_and_evaluation_line(tmp_path: Path) -> None:
+    import csv
+
+    runs = [load_run(fake_run(tmp_path / "sgd", [0.3, 0.6])),
+            load_run(fake_run(tmp_path / "downpour", [0.5], finish=False))]
+    path = write_metrics_csv(runs, tmp_path / "out")
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["run"], r["kind"], r["step"]) for r in rows] == [
+        ("sgd", "train", "10"), ("sgd", "eval", "10"), ("sgd", "train", "20"),
+        ("sgd", "eval", "20"), ("downpour", "train", "10"), ("downpour", "eval", "10")]
+    assert rows[1]["test_accuracy"] == "0.3" and rows[0]["test_accuracy"] == ""
+    assert float(rows[2]["loss"]) == 1.0
 
 
 def test_summary_table(tmp_path: Path) -> None:

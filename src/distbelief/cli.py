@@ -758,6 +758,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         load_run,
         plot_runs,
         summary_table,
+        write_metrics_csv,
     )
 
     import_pyplot()  # fail on a missing matplotlib before reading anything
@@ -765,7 +766,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(summary_table(runs))
     notes: list[str] = []
     out = args.out if args.out is not None else default_out_dir(args.run_dirs)
-    for path in plot_runs(runs, out, notes):
+    for path in [*plot_runs(runs, out, notes), write_metrics_csv(runs, out)]:
         print(f"wrote {path}")
     for note in notes:
         print(note)

@@ -7,7 +7,8 @@ Three PNG figures, every run on each (legend: the run folder's name):
                              the mean loss over the steps of each LOG_EVERY_SECONDS (0.5 s)
                              window, so the curves compare; Sandblaster logs the loss of
                              each L-BFGS iterate on its batch, and its legend says so
-and a table with one line per run (`summary_table`), which the command prints. When at
+a table with one line per run (`summary_table`), which the command prints, and
+metrics.csv, every run's training and evaluation lines as one table. When at
 least one run is a Downpour run (summary.json with algorithm "downpour"), two more:
     staleness_histogram.png  share of pushes by staleness (updates the shard applied
                              between a replica's fetch and its push), one bar group per run;
@@ -40,7 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from distbelief.errors import DataError, UserError
-from distbelief.records.metrics import LOG_EVERY_SECONDS, METRICS_FILE, SUMMARY_FILE, read_metrics
+from distbelief.records.metrics import (
+    LOG_EVERY_SECONDS,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    read_metrics,
+    write_text_atomic,
+)
 
 FIGURES = (
     # file name, x key, y key, which lines, x label, y label, title
@@ -83,6 +90,31 @@ def load_run(path: str | Path) -> Run:
     return Run(path.resolve().name, path,
                [r for r in records if r.get("kind") == "train"],
                [r for r in records if r.get("kind") == "eval"], summary)
+
+
+METRICS_CSV = "metrics.csv"
+CSV_COLUMNS = ("run", "kind", "time", "step", "samples", "loss", "test_accuracy",
+               "test_loss")
+
+
+def write_metrics_csv(runs: Sequence[Run], out_dir: str | Path) -> Path:
+    """The runs' training and evaluation lines as one CSV table (a spreadsheet's or
+    pandas' view of metrics.jsonl): a row per line, CSV_COLUMNS, empty where a line has
+    no value. Written atomically."""
+    import csv
+    import io
+
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for run in runs:
+        for line in sorted([*run.train, *run.evals], key=lambda r: (r["time"], r["kind"])):
+            writer.writerow([run.name, *("" if line.get(key) is None else line[key]
+                                         for key in CSV_COLUMNS[1:])])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / METRICS_CSV, text.getvalue())
+    return out / METRICS_CSV
 
 
 def import_pyplot() -> Any:
