@@ -578,6 +578,10 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
         finished = _finished_run(config, comm, resume)
         if finished is not None:
             return finished or None  # the old summary on rank 0, None elsewhere
+        if not config.run.flush_subnormals:
+            from distbelief.model.kernels import flush_subnormals
+
+            flush_subnormals(False)
         return _dispatch(config, comm, resume)
     finally:
         if owner is not None:
@@ -946,12 +950,28 @@ def _rank() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
+    _flush_subnormals_from_the_start()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
     status = _run(args)
     guardian.end_process(status)  # returns unless MPI_Finalize must be skipped
     return status
+
+
+def _flush_subnormals_from_the_start() -> None:
+    """Subnormal floats flushed to zero in this thread before numpy loads its BLAS, whose
+    worker threads inherit the mode when they are created (run.flush_subnormals = false
+    turns it off again in the training thread: distbelief.model.kernels). Saturated
+    gradients full of subnormals made the speech model's steps 16-27x slower."""
+    if "numpy" in sys.modules:
+        return  # too late for the BLAS threads; a caller that imported numpy chose its mode
+    try:
+        from distbelief.model import _kernels  # compiled; imports no numpy
+
+        _kernels.flush_subnormals(True)
+    except (ImportError, AttributeError):
+        pass  # no build, or a stale one: kernels.py says how to rebuild when it is needed
 
 
 def _run(args: argparse.Namespace) -> int:

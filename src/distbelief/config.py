@@ -158,6 +158,7 @@ class RunConfig:
     eval_samples: int = 0
     seed: int = 0
     threads: int = 0
+    flush_subnormals: bool = True
     progress_every_seconds: float = 2.0
     checkpoint_every_seconds: float = 600.0
     checkpoint_every_steps: int = 0
@@ -304,6 +305,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "seed": (_int(0), 0),
         "out_dir": (_string(), None),
         "threads": (_int(0), 0),
+        "flush_subnormals": (_bool(), True),
         "progress_every_seconds": (_float(0.0, strict=True), 2.0),
         "checkpoint_every_seconds": (_float(0.0), 600.0),
         "checkpoint_every_steps": (_int(0), 0),

@@ -61,6 +61,19 @@ except ImportError as exc:
 check_kernels_current(PYX_DIR, _kernels.SOURCE_HASH)
 
 
+def flush_subnormals(on: bool) -> bool:
+    """Flush subnormal float32 values to zero (FTZ and DAZ) in the calling thread and in
+    the threads it creates from now on, or stop; False where the CPU type has no such mode.
+    BLAS worker threads keep the mode they were created with (distbelief.cli sets it before
+    numpy starts them)."""
+    return _kernels.flush_subnormals(bool(on))
+
+
+def flushes_subnormals() -> bool:
+    """Whether the calling thread flushes subnormal floats to zero."""
+    return _kernels.flushes_subnormals()
+
+
 # ---------------------------------------------------------------------------------------
 # Validation helpers: every message names the argument and what was expected.
 
