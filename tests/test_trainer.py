@@ -274,6 +274,18 @@ def test_recorder_progress_is_rate_limited(tmp_path: Path) -> None:
     recorder.close()
 
 
+def test_progress_never_prints_nan_for_a_loss_the_metrics_hold(tmp_path: Path) -> None:
+    # Downpour's shard 0 has no mean loss before its first training line (issue 31).
+    stream = io.StringIO()
+    recorder = RunRecorder(tmp_path, progress_every_seconds=0.0, stream=stream, start=0.0)
+    recorder.progress(1, 64, float("nan"))
+    recorder.log(2, 128, 9.0909)
+    recorder.progress(3, 192, float("nan"))
+    first, second = stream.getvalue().splitlines()
+    assert "loss -  " in first and "loss 9.0909" in second and "nan" not in first + second
+    recorder.close()
+
+
 def test_a_resumed_recorder_continues_the_metrics(tmp_path: Path) -> None:
     with RunRecorder(tmp_path, stream=None, target_accuracy=0.5) as recorder:
         recorder.log_eval(10, 100, 1.0, 0.4, 1.0)

@@ -182,7 +182,10 @@ class RunRecorder:
         if test_accuracy is None:
             test_accuracy = self.last_test_accuracy
         accuracy = "-" if test_accuracy is None else f"{test_accuracy:.4f}"
-        say(self.stream, f"step {step:>8d}  {rate:>9.0f} samples/s  loss {loss:.4f}  "
+        if not math.isfinite(loss):  # none measured yet: the metrics' latest, or nothing
+            loss = self._loss
+        shown = f"{loss:.4f}" if math.isfinite(loss) else "-"
+        say(self.stream, f"step {step:>8d}  {rate:>9.0f} samples/s  loss {shown}  "
                          f"test acc {accuracy}  elapsed {now - self.start:.1f}s")
 
     def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
