@@ -13,7 +13,7 @@ gradient descent" (NIPS); tau = 1 with SGD is synchronous data-parallel SGD.
 One average is one collective round over `comm`: three non-blocking Iallreduces issued
 in the same order on every rank (the parameters, float32 SUM; the replicas' loss sums,
 float64 SUM; the decisions, int32 MAX), completed by polling with back-off sleeps
-(partitioned_network.wait_all: MPICH's Wait spins a core, DESIGN.md "spinning waits").
+(runtime.agreement.wait_all: MPICH's Wait spins a core, DESIGN.md "spinning waits").
 The decisions ride on the average: any rank's stop signal, and rank 0's clock-based
 choices (max_seconds, evaluate now, checkpoint now). max_steps counts TOTAL steps over
 the replicas, as Downpour's does; replicas run in lockstep, so each trains
@@ -60,15 +60,13 @@ from distbelief.algorithms.common import (
     prepare_run_dir,
     starting_checkpoint,
 )
-from distbelief.algorithms.partitioned_sgd import polled_bcast
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.errors import ConfigError, DataError
-from distbelief.model.partitioned_network import wait_all
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
 from distbelief.runtime import guardian, watchdog
-from distbelief.runtime.agreement import agree
+from distbelief.runtime.agreement import agree, polled_bcast, wait_all
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 

@@ -31,8 +31,9 @@ from distbelief.algorithms.sandblaster.plan import (
 from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD
 from distbelief.config import Config
 from distbelief.data.hdf5 import to_float
-from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
+from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import wait_all
 from distbelief.runtime.faults import Faults
 
 # ------------------------------------------------------------------------------------------

@@ -24,10 +24,10 @@ from distbelief.algorithms.sandblaster.plan import (
     _backoff,
     shard_segments,
 )
-from distbelief.model.partitioned_network import wait_all
 from distbelief.ps.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import wait_all
 from distbelief.runtime.faults import Faults
 
 # ------------------------------------------------------------------------------------------

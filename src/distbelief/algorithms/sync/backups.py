@@ -57,12 +57,11 @@ from distbelief.algorithms.common import (
 )
 from distbelief.algorithms.sync.allreduce import write_checkpoint
 from distbelief.config import Config, config_hash
-from distbelief.model.partitioned_network import wait_all
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
 from distbelief.runtime import guardian, launcher, watchdog
-from distbelief.runtime.agreement import agree
+from distbelief.runtime.agreement import agree, wait_all
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
