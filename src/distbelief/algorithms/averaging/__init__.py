@@ -31,7 +31,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     when optimizer.elastic_alpha is set, the collective average otherwise. The summary on
     the rank that wrote it, None elsewhere."""
     if config.optimizer.elastic_alpha is not None:
-        from distbelief.algorithms.averaging import elastic
+        from distbelief.algorithms.downpour import elastic
 
         return elastic.train(config, comm, stream, resume=resume)
     from distbelief.algorithms.averaging import collective
