@@ -24,6 +24,17 @@ def test_each_trainer_exists_and_takes_a_config_and_resume(algorithm) -> None:
         parameters = inspect.signature(trainer).parameters
         assert next(iter(parameters)) == "config" and "resume" in parameters
         assert ("comm" in parameters) != algorithm.in_one_process(partitions)
+    if algorithm.shard_trainer is not None:
+        trainer = algorithm.load_trainer(1, {algorithm.shards: 1})
+        assert "comm" in inspect.signature(trainer).parameters
+
+
+def test_averaging_with_elastic_alpha_is_easgd_on_downpours_machinery() -> None:
+    averaging = registry.get("averaging")
+    assert averaging.load_trainer(1, {"elastic_alpha": None}).__module__ == \
+        "distbelief.algorithms.averaging.collective"
+    assert averaging.load_trainer(1, {"elastic_alpha": 0.5}).__module__ == \
+        "distbelief.algorithms.downpour.elastic"
 
 
 def test_only_sgd_trains_in_one_process_and_only_with_one_partition() -> None:

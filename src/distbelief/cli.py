@@ -573,7 +573,7 @@ def _finished_run(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
 def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
     """Run the configured trainer (distbelief.algorithms.registry names it)."""
     algorithm = registry.get(config.optimizer.algorithm)
-    trainer = algorithm.load_trainer(config.cluster.partitions)
+    trainer = algorithm.load_trainer(config.cluster.partitions, vars(config.optimizer))
     if algorithm.in_one_process(config.cluster.partitions):
         return trainer(config, resume=resume)
     return trainer(config, comm, resume=resume)

@@ -27,6 +27,9 @@ class Algorithm:
     one_process_trainer: str | None = None
     """With cluster.partitions = 1: "module:function", called function(config,
     resume=...) in this process, without MPI."""
+    shard_trainer: str | None = None
+    """With settings that need shards (`needs_shards`): "module:function", called as
+    `trainer` is, in its place."""
 
     def needs_shards(self, optimizer: Mapping[str, Any]) -> bool:
         """Whether runs with these [optimizer] settings keep parameters on shards."""
@@ -38,9 +41,15 @@ class Algorithm:
         """Whether runs of `partitions` ranks per replica train in this process, no MPI."""
         return self.one_process_trainer is not None and partitions == 1
 
-    def load_trainer(self, partitions: int) -> Callable[..., Any]:
-        """The trainer for runs of `partitions` ranks per replica (imported now)."""
-        name = self.one_process_trainer if self.in_one_process(partitions) else self.trainer
+    def load_trainer(self, partitions: int,
+                     optimizer: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+        """The trainer for runs of `partitions` ranks per replica with these [optimizer]
+        settings (imported now)."""
+        name = self.trainer
+        if self.in_one_process(partitions):
+            name = self.one_process_trainer
+        elif self.shard_trainer is not None and self.needs_shards(optimizer or {}):
+            name = self.shard_trainer
         module, _, function = name.partition(":")
         return getattr(importlib.import_module(module), function)
 
@@ -57,9 +66,10 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm("sync", "distbelief.algorithms.sync:train",
               "synchronous data-parallel SGD, optionally with backup workers",
               own_keys=("backup_workers",), shards="backup_workers"),
-    Algorithm("averaging", "distbelief.algorithms.averaging:train",
+    Algorithm("averaging", "distbelief.algorithms.averaging.collective:train",
               "periodic parameter averaging, or EASGD with optimizer.elastic_alpha",
-              own_keys=("average_every", "elastic_alpha"), shards="elastic_alpha"),
+              own_keys=("average_every", "elastic_alpha"), shards="elastic_alpha",
+              shard_trainer="distbelief.algorithms.downpour.elastic:train"),
     Algorithm("hogwild", "distbelief.algorithms.hogwild:train",
               "lock-free shared parameters on one node"),
 )
