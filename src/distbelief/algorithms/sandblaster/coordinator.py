@@ -26,7 +26,7 @@ from distbelief.algorithms.sandblaster.plan import (
     TAG_RESULT,
     TAG_TASK,
     SandblasterPlan,
-    _backoff,
+    poll_backoff,
 )
 from distbelief.algorithms.sandblaster.work_units import (
     COMMIT,
@@ -378,7 +378,7 @@ class Coordinator:
         as give_up(). With `leaving`, a shard that answered may end at once (it is written
         off)."""
         answers: dict[int, Any] = {}
-        status, backoff, guard = MPI.Status(), _backoff(), watchdog.current()
+        status, backoff, guard = MPI.Status(), poll_backoff(), watchdog.current()
         with guard.waiting(what, self.shards):
             while len(answers) < len(self.shards):
                 # (A shard may send its answer and leave before this rank has looked.)
@@ -407,7 +407,7 @@ class Coordinator:
     def _serve_until(self, done: Any, stopping: bool = False) -> None:
         """Serve replicas until done(); AllReplicasLost if none is left first (not while
         `stopping`: then done() counts them). Looks for lost replicas meanwhile."""
-        backoff = _backoff()
+        backoff = poll_backoff()
         guard = watchdog.current()
         with guard.waiting("the replicas' work units", self.all_replica_ranks):
             while not done():

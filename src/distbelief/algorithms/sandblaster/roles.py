@@ -151,9 +151,9 @@ from distbelief.algorithms.sandblaster.plan import (
     BatchRows,
     Piece,
     SandblasterPlan,
-    _backoff,
     all_pieces,
     plan_run,
+    poll_backoff,
     shard_segments,
 )
 from distbelief.algorithms.sandblaster.replica import (
@@ -330,7 +330,7 @@ def _finish_apart(comm: MPI.Comm, role: Any) -> dict[str, Any]:
     lost = set(role._lost_ranks())
     waiting = {r for r in range(topology.world_size) if r != root and r not in lost}
     all_stats = [role.stats()]
-    status, backoff = MPI.Status(), _backoff()
+    status, backoff = MPI.Status(), poll_backoff()
     gone_since: dict[int, float] = {}
     with watchdog.current().waiting("the other ranks' final statistics"):
         while waiting:
