@@ -56,7 +56,7 @@ from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder, target_text
-from distbelief.runtime import guardian, watchdog
+from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import agree, polled_bcast
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
@@ -148,11 +148,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         except watchdog.RankLost as lost:
             # One replica over P ranks: nothing goes on without a partition. No checkpoint
             # is written for partitioned runs, so nothing is left half written either.
-            watchdog.abort_for(comm, describe, lost)
-            # Abort may return while the launcher tears the job down (hydra's
-            # -disable-auto-cleanup): leave without MPI_Finalize (it waits for the dead).
-            guardian.skip_mpi_finalize()
-            guardian.end_process(1)
+            watchdog.abort_and_leave(comm, watchdog.lost_message(describe, lost))
         finally:
             peers.close()
     traffic = traffic_totals(model)

@@ -36,6 +36,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from distbelief.runtime import guardian
+
 TICK_S = 0.1
 """How often the watchdog thread looks at the current wait."""
 
@@ -236,6 +238,15 @@ def abort_for(world: Any, describe: Callable[[int], str], lost: RankLost) -> Non
     """A rank this one waited for is gone, and nothing can go on without it: abort the job
     with a message naming it."""
     abort_job(world, lost_message(describe, lost))
+
+
+def abort_and_leave(world: Any, message: str) -> None:
+    """Abort the job with `message`, then end this process without MPI_Finalize, which
+    would wait for the dead rank (the abort may return while the launcher tears the job
+    down, as under hydra's -disable-auto-cleanup). Never returns."""
+    abort_job(world, message)
+    guardian.skip_mpi_finalize()
+    guardian.end_process(1)
 
 
 def lost_message(describe: Callable[[int], str], lost: RankLost) -> str:

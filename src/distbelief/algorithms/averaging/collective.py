@@ -65,7 +65,7 @@ from distbelief.errors import ConfigError, DataError
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
-from distbelief.runtime import guardian, watchdog
+from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import agree, polled_bcast, wait_all
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
@@ -409,8 +409,4 @@ def _stop_for_lost(comm: MPI.Comm, peers: Any, lost: watchdog.RankLost, saver: S
     message = lost_replica_message(lost.rank, peers.how_gone(lost.rank), saver.last_step)
     if live and live[0] != comm.Get_rank():
         time.sleep(LOST_ABORT_WAIT_S)  # the lowest live rank aborts the job meanwhile
-    watchdog.abort_job(comm, message)
-    # Abort may return while the launcher tears the job down (hydra's
-    # -disable-auto-cleanup): leave without MPI_Finalize (it waits for the dead).
-    guardian.skip_mpi_finalize()
-    guardian.end_process(1)
+    watchdog.abort_and_leave(comm, message)

@@ -214,12 +214,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         except watchdog.RankLost as lost:
             # A shard or the coordinator (a lost replica is written off, see LOST
             # REPLICAS): nothing goes on without it. End the job with a message.
-            watchdog.abort_for(comm, describe, lost)
-            # Abort may return while the launcher tears the job down (seen under hydra's
-            # -disable-auto-cleanup): leave now, without MPI_Finalize (it would wait for
-            # the dead rank).
-            guardian.skip_mpi_finalize()
-            guardian.end_process(1)
+            watchdog.abort_and_leave(comm, watchdog.lost_message(describe, lost))
         finally:
             peers.close()
     if summary["stop_reason"] == "diverged":

@@ -61,7 +61,7 @@ from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
-from distbelief.runtime import guardian, watchdog
+from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import agree, wait_all
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
@@ -133,11 +133,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         except watchdog.RankLost as lost:
             if rank != min(r for r in range(replicas) if r != lost.rank):
                 time.sleep(1.0)  # the lowest survivor speaks for all: one line, not R - 1
-            watchdog.abort_job(comm, lost_replica_line(lost.rank))
-            # Abort may return while the launcher tears the job down (hydra's
-            # -disable-auto-cleanup): leave without MPI_Finalize (it waits for the dead).
-            guardian.skip_mpi_finalize()
-            guardian.end_process(1)
+            watchdog.abort_and_leave(comm, lost_replica_line(lost.rank))
             raise
         finally:
             peers.close()
