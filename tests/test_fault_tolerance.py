@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, _env, mpi_under_test, run_mpi, survive_a_death
-from test_downpour import exit_statuses, set_args
+from helpers import exit_statuses, set_args
 
 from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
