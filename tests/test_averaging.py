@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, _env, run_mpi, survive_a_death
-from test_downpour import exit_statuses, set_args
+from helpers import exit_statuses, set_args
 
-from distbelief.algorithms.averaging.elastic import CenterUpdate, elastic_step
+from distbelief.algorithms.downpour.elastic import CenterUpdate, elastic_step
 from distbelief.config import build_network, load_config
 from distbelief.data.converters import make_synthetic
 from distbelief.data.hdf5 import TrainShard, open_dataset

@@ -20,44 +20,13 @@ import h5py
 import numpy as np
 import pytest
 from conftest import run_cli
+from helpers import flip_bytes
+from helpers.checkpoint import HASH, LAYOUT, PHASES, SETTINGS, break_commit, save, state_for
 
 from distbelief.algorithms.common import check_replica_count
 from distbelief.config import settings_hash
 from distbelief.model.layout import ParamLayout, balanced_ranges
 from distbelief.records import checkpoint as ckpt
-
-LAYOUT = ParamLayout([(0, "weights", (7, 5)), (0, "bias", (7,)), (1, "weights", (3, 7)),
-                      (1, "bias", (3,))])
-SETTINGS = {"model": {"layers": [{"type": "dense", "units": 7}]}, "data": {"batch_size": 4},
-            "optimizer": {"learning_rate": 0.05}, "run": {"seed": 0}}
-HASH = settings_hash(SETTINGS)
-
-
-def state_for(step: int, size: int = LAYOUT.size) -> tuple[np.ndarray, np.ndarray]:
-    """Parameters and Adagrad accumulator that differ for every step."""
-    rng = np.random.default_rng(step)
-    return (rng.standard_normal(size, dtype=np.float32),
-            rng.random(size, dtype=np.float32))
-
-
-def save(root: Path, step: int, shards: int = 1, replicas: int = 1, keep: int = 3,
-         rng_state: dict | None = None) -> Path:
-    """A checkpoint written the way an MPI run spreads it: prepare, each writer its part,
-    then the commit."""
-    params, accum = state_for(step)
-    meta = ckpt.CheckpointMeta(step, step * 4, step * 0.5, HASH)
-    partial = ckpt.prepare(root, step)
-    ranges = balanced_ranges(LAYOUT.size, shards)
-    records = [ckpt.write_shard_part(partial, meta, i, a, b, params[a:b], {"accum": accum[a:b]},
-                                     {"version": step + i})
-               for i, (a, b) in enumerate(ranges)]
-    records += [ckpt.write_replica_part(partial, meta, i, {"epoch": step, "position": i},
-                                        rng_state, {"step": step},
-                                        {"pending": np.full(3, i, np.float32)})
-                for i in range(replicas)]
-    return ckpt.commit(root, meta, settings=SETTINGS, algorithm="downpour", layout=LAYOUT,
-                       shard_ranges=ranges, optimizer_state=["accum"], parts=records,
-                       num_replicas=replicas, keep=keep)
 
 
 def assert_holds(found: ckpt.Checkpoint, step: int) -> None:
@@ -271,33 +240,11 @@ def test_commit_refuses_missing_or_short_parts(root: Path) -> None:
 
 # -- interrupted commits -------------------------------------------------------------------------
 
-# Each phase of a commit, as (function to break, what to do in its place). "stop" raises or
-# kills instead of running it; "after" runs it first; "rename only" is the first half of
-# deleting an old checkpoint.
-PHASES = {
-    "while writing a part": ("_sync_and_digest", "stop"),
-    "after the parts, before the manifest": ("_write_manifest", "stop"),
-    "after the manifest, before the rename": ("_publish", "stop"),
-    "after the rename, before retention": ("_prune", "stop"),
-    "half-way through deleting an old one": ("_prune", "rename only"),
-}
 COMMITTED = {"after the rename, before retention", "half-way through deleting an old one"}
 
 
 class Interrupted(Exception):
     pass
-
-
-def _break(monkeypatch: pytest.MonkeyPatch, phase: str, stop) -> None:
-    name, how = PHASES[phase]
-    if how == "stop":
-        monkeypatch.setattr(ckpt, name, lambda *a, **k: stop())
-    else:
-        def rename_then_stop(root: Path, keep: int) -> None:
-            oldest = ckpt.list_checkpoints(root)[-1][1]
-            os.rename(oldest, oldest.with_name(oldest.name + ckpt.DELETING_SUFFIX))
-            stop()
-        monkeypatch.setattr(ckpt, name, rename_then_stop)
 
 
 def _check_after_interruption(root: Path, phase: str) -> None:
@@ -320,7 +267,7 @@ def test_an_exception_at_any_phase_keeps_the_previous_checkpoint(
         raise Interrupted(phase)
 
     with monkeypatch.context() as patch:
-        _break(patch, phase, stop)
+        break_commit(patch, phase, stop)
         with pytest.raises(Interrupted):
             save(root, 30, shards=2, keep=2)
     _check_after_interruption(root, phase)
@@ -330,12 +277,12 @@ KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import pytest
-import test_checkpoint as t
+from helpers.checkpoint import break_commit, save
 from pathlib import Path
 root = Path({root!r})
 with pytest.MonkeyPatch.context() as patch:
-    t._break(patch, {phase!r}, lambda: os.kill(os.getpid(), signal.SIGKILL))
-    t.save(root, 30, shards=2, keep=2)
+    break_commit(patch, {phase!r}, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    save(root, 30, shards=2, keep=2)
 print("not killed")
 """
 
@@ -354,16 +301,6 @@ def test_sigkill_at_any_phase_keeps_the_previous_checkpoint(root: Path, phase: s
 # -- damaged and mismatched checkpoints ---------------------------------------------------------
 
 
-def _flip_bytes(path: Path) -> None:
-    """Flip a few bytes in the middle of the parameters: same size, different content."""
-    data = bytearray(path.read_bytes())
-    with h5py.File(path, "r") as f:
-        offset = f["params"].id.get_offset()
-    for i in range(offset + 8, offset + 12):
-        data[i] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def _edit_manifest_step(path: Path) -> None:
     text = (path / "manifest.json").read_text()
     (path / "manifest.json").write_text(text.replace('"step": 20', '"step": 21'))
@@ -372,7 +309,7 @@ def _edit_manifest_step(path: Path) -> None:
 DAMAGE = {
     "truncated part": (lambda p: os.truncate(p / "shard-0001.h5", 1000),
                        "shard-0001.h5 is 1000 bytes"),
-    "flipped bytes": (lambda p: _flip_bytes(p / "shard-0000.h5"),
+    "flipped bytes": (lambda p: flip_bytes(p / "shard-0000.h5"),
                       "shard-0000.h5 fails its sha256 checksum"),
     "missing manifest": (lambda p: (p / "manifest.json").unlink(), "manifest.json is missing"),
     "unreadable manifest": (lambda p: (p / "manifest.json").write_text('{"format": "dist'),
@@ -481,7 +418,7 @@ def test_inspect_a_valid_checkpoint(root: Path) -> None:
 
 def test_inspect_a_run_folder_with_a_damaged_newest_checkpoint(root: Path) -> None:
     save(root, 10)
-    _flip_bytes(save(root, 20) / "shard-0000.h5")
+    flip_bytes(save(root, 20) / "shard-0000.h5")
     (root / "ckpt-0000000030.partial").mkdir()
     result = run_cli(["inspect", root.parent], timeout=60)
     assert result.returncode == 1, result.stderr
@@ -648,7 +585,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_is_set_aside(data_dir: Path,
     out = tmp_path / "damaged"
     train_in_process(data_dir, out, "run.max_steps=120", "run.checkpoint_every_steps=60")
     newest = out / "checkpoints" / "ckpt-0000000120"
-    _flip_bytes(newest / "shard-0000.h5")
+    flip_bytes(newest / "shard-0000.h5")
     summary, printed = train_in_process(data_dir, out)
     assert f"warning: checkpoint {newest} is damaged" in printed
     assert "fails its sha256 checksum" in printed

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, every_rank_exited, run_cli, run_mpi
-from test_downpour import exit_statuses
+from helpers import exit_statuses
 
 from distbelief.data.converters import make_synthetic
 

@@ -393,7 +393,7 @@ def test_compare_sbatch_requeues_on_usr1_and_resumes(config: Path, tmp_path: Pat
     """slurm/compare.sbatch under the SLURM shims: SIGUSR1 to the batch shell reaches the
     current run through compare and srun; the run checkpoints, the job requeues, and the
     requeued job skips nothing it should run and reruns nothing that finished."""
-    from test_slurm import JOB_ID, Job
+    from helpers.slurm import JOB_ID, Job
 
     out = tmp_path / "cmp"
     job = Job("compare", tmp_path, 3, config)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, _env, every_rank_exited, run_cli, run_mpi, simulated_test_nodes
+from helpers import exit_statuses, set_args
 
 from distbelief.config import apply_overrides, config_from_dict
 from distbelief.data.converters import convert_idx, make_synthetic
@@ -57,10 +58,6 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                    num_classes=CLASSES, seed=3)
     (folder / "synth.toml").write_text(TOML)
     return folder
-
-
-def set_args(*overrides: str) -> list[str]:
-    return [arg for override in overrides for arg in ("--set", override)]
 
 
 def downpour(n: int, data_dir: Path, out: Path, *overrides: str, env: dict | None = None,
@@ -315,12 +312,6 @@ def test_one_replica_matches_the_single_process_trainer(fashion_mnist, tmp_path)
 
 
 # -- errors --------------------------------------------------------------------------------------
-
-
-def exit_statuses(proc) -> list[int]:
-    """The per-rank statuses printed by cli_exit_status.py, in rank order."""
-    found = sorted((int(r), int(s)) for r, s in re.findall(r"rank (\d+) exit (\d+)", proc.stdout))
-    return [status for _, status in found]
 
 
 @pytest.mark.parametrize("n, overrides, needle", [

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, _env, mpiexec, run_mpi
-from test_checkpoint import _flip_bytes
-from test_downpour import BATCH, TOML, exit_statuses, set_args
+from helpers import exit_statuses, flip_bytes, set_args
+from test_downpour import BATCH, TOML
 
 from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt
@@ -364,7 +364,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     assert newest_step == 300
     broken = ckpt.checkpoint_root(out) / ckpt.checkpoint_name(300)
     if damage == "flipped shard part":
-        _flip_bytes(broken / f"shard-{shards - 1:04d}.h5")
+        flip_bytes(broken / f"shard-{shards - 1:04d}.h5")
         reason = "fails its sha256 checksum"
     else:
         os.truncate(broken / "replica-0001.h5", 100)

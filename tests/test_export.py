@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 from conftest import REQUIRE_TORCH, _env, run_cli, run_mpi
-from test_checkpoint import _flip_bytes
+from helpers import flip_bytes
 
 import distbelief
 from distbelief.data.converters import convert_idx, make_synthetic
@@ -429,7 +429,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(
         copied_run: Path) -> None:
     (newest_step, newest), (step, _), *_ = ckpt.list_checkpoints(
         ckpt.checkpoint_root(copied_run))
-    _flip_bytes(newest / ckpt.shard_part_name(0))
+    flip_bytes(newest / ckpt.shard_part_name(0))
     proc = run_cli(["evaluate", copied_run, "--json"])
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["step"] == step < newest_step
@@ -467,7 +467,7 @@ def test_the_format_follows_the_extension_and_a_mismatch_is_refused(dense_run: P
 def test_a_damaged_checkpoint_is_one_clear_error(copied_run: Path, tmp_path: Path) -> None:
     checkpoints = [path for _, path in ckpt.list_checkpoints(ckpt.checkpoint_root(copied_run))]
     for path in checkpoints:
-        _flip_bytes(path / ckpt.shard_part_name(0))
+        flip_bytes(path / ckpt.shard_part_name(0))
     line = one_error_line(run_cli(["evaluate", copied_run]), "holds no valid checkpoint",
                           "sha256")
     assert checkpoints[0].name in line

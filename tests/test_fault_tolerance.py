@@ -31,7 +31,7 @@ from conftest import (
     run_mpi,
     survive_a_death,
 )
-from test_downpour import exit_statuses, set_args
+from helpers import exit_statuses, set_args
 
 from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError

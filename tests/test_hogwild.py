@@ -30,7 +30,7 @@ from conftest import (
     wait_for_training,
     wait_or_kill,
 )
-from test_downpour import exit_statuses, set_args
+from helpers import exit_statuses, set_args
 
 from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt

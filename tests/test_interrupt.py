@@ -27,7 +27,8 @@ from conftest import (
     wait_for_training,
     wait_or_kill,
 )
-from test_downpour import TOML, set_args
+from helpers import set_args
+from test_downpour import TOML
 
 from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt

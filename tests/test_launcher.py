@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, _env, mpiexec, run_mpi, survive_a_death
-from test_downpour import exit_statuses
+from helpers import exit_statuses
 
 from distbelief.data.converters import make_synthetic
 from distbelief.runtime.faults import ENV as FAULTS

@@ -14,51 +14,39 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, mpiexec, run_mpi
-from scipy.optimize import minimize as scipy_minimize
-from test_downpour import exit_statuses
+from conftest import _env, mpiexec, run_mpi
+from helpers import exit_statuses
+from helpers.sandblaster import (
+    PROGRAMS,
+    SOFTMAX,
+    TIMEOUT,
+    finished,
+    network_for,
+    scipy_optimum,
+    sets,
+    shard_bytes_per_iteration,
+    toml,
+    train,
+    training_set,
+    write,
+)
 
 from distbelief.algorithms.sandblaster import lbfgs
 from distbelief.algorithms.sandblaster.roles import BatchRows
 from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD, WorkUnitTable
 from distbelief.config import apply_overrides, config_from_dict
 from distbelief.data.converters import make_synthetic
-from distbelief.data.hdf5 import _read_rows, open_dataset, to_float
 from distbelief.errors import ConfigError
 from distbelief.model.network import Network
 from distbelief.ps.vector_shard import VectorShard
-from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS, read_metrics
+from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS
 from distbelief.runtime.faults import ENV as FAULTS
 
-PROGRAMS = REPO / "tests" / "mpi_programs"
-TIMEOUT = 120
-SOFTMAX = '[{ type = "dense", units = 4, activation = "softmax" }]'
 MLP_LAYERS = [{"type": "dense", "units": 64, "activation": "relu"},
               {"type": "dense", "units": 4, "activation": "softmax"}]
 MLP = json.dumps(MLP_LAYERS)  # a JSON list of objects without nesting is not TOML ...
 MLP = MLP.replace('": ', '" = ').replace('"type"', "type").replace('"units"', "units").replace(
     '"activation"', "activation")  # ... but becomes TOML inline tables this way
-
-
-def toml(layers: str = SOFTMAX, batch: int = 100000, **optimizer: object) -> str:
-    opts = {"algorithm": '"sandblaster"', "m": 5, "work_unit_size": 100, **optimizer}
-    lines = "\n".join(f"{k} = {v}" for k, v in opts.items())
-    return f"""
-[model]
-layers = {layers}
-[data]
-path = "synth.h5"
-batch_size = {batch}
-[optimizer]
-{lines}
-[cluster]
-ps_shards = 1
-[run]
-max_steps = 100
-eval_every_seconds = 0.5
-progress_every_seconds = 0.5
-threads = 1
-"""
 
 
 @pytest.fixture(scope="module")
@@ -67,53 +55,6 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_synthetic(folder / "synth.h5", n_train=3000, n_test=500, input_shape=(16,),
                    num_classes=4, seed=3)
     return folder
-
-
-def write(folder: Path, name: str, text: str) -> Path:
-    path = folder / name
-    path.write_text(text)
-    return path
-
-
-def sets(*overrides: str) -> list[str]:
-    return [arg for o in overrides for arg in ("--set", o)]
-
-
-def train(n: int, config: Path, out: Path, *overrides: str, env: dict | None = None,
-          timeout: float = TIMEOUT):
-    return run_mpi(n, ["-m", "distbelief", "train", config,
-                       *sets(f'run.out_dir="{out}"', *overrides)], timeout=timeout, env=env)
-
-
-def finished(proc, out: Path) -> tuple[dict, list[dict]]:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    return json.loads((out / "summary.json").read_text()), read_metrics(out / "metrics.jsonl")
-
-
-def training_set(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    info = open_dataset(path)
-    x, y = _read_rows(info, "train", 0, info.n_train)
-    return to_float(x, info.scale), y
-
-
-def network_for(path: Path, layers: list[dict]) -> Network:
-    info = open_dataset(path)
-    return Network(info.input_shape, layers, info.num_classes)
-
-
-def scipy_optimum(net: Network, x: np.ndarray, y: np.ndarray) -> float:
-    """The reference: scipy's L-BFGS-B on the same full-batch loss, run to a tight
-    tolerance from the same start."""
-    grad = np.zeros(net.layout.size, dtype=np.float32)
-
-    def f(w: np.ndarray) -> tuple[float, np.ndarray]:
-        loss = net.loss_and_grad(w.astype(np.float32), x, y, grad)
-        return loss, grad.astype(np.float64)
-
-    result = scipy_minimize(f, net.init_params(0).astype(np.float64), jac=True,
-                            method="L-BFGS-B",
-                            options={"maxiter": 2000, "gtol": 1e-10, "ftol": 1e-15})
-    return float(result.fun)
 
 
 # -- the two-loop recursion on dot products ----------------------------------------------------
@@ -434,15 +375,6 @@ def test_a_ten_times_slower_replica_gets_fewer_units_and_backups(heavy_dir: Path
     assert sorted(units) == [0, 1, 2, 3, 4], units
     assert units[1] < min(u for r, u in units.items() if r != 1) / 2, units
     assert slow["backup_units_issued"] > 0
-
-
-def shard_bytes_per_iteration(metrics: list[dict]) -> list[int]:
-    """Coordinator<->shard bytes of each iteration that needed one line-search trial (the
-    first iteration left out: it also holds the initial evaluation and snapshot)."""
-    lines = [m for m in metrics if m["kind"] == "train"]
-    return [b["coordinator_shard_bytes"] - a["coordinator_shard_bytes"]
-            for a, b in itertools.pairwise(lines)
-            if b["line_search_evals"] == 1 and not b["restarted"]]
 
 
 def test_coordinator_traffic_is_o_of_m_not_of_the_parameters(data_dir: Path,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from conftest import _env, mpi_under_test, mpiexec, run_mpi, survive_a_death
-from test_downpour import exit_statuses
+from helpers import exit_statuses
 
 from distbelief.algorithms.sandblaster.coordinator import NOTICE_SLACK_S
 from distbelief.data.converters import make_synthetic

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import _env, run_mpi
-from test_sandblaster import (
+from helpers.sandblaster import (
     PROGRAMS,
     SOFTMAX,
     TIMEOUT,

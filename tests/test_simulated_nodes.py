@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, _env, run_mpi, simulated_nodes_launch
-from test_downpour import exit_statuses, set_args
+from helpers import exit_statuses, set_args
 from test_fault_tolerance import DELAY, TOML
 
 from distbelief.data.converters import make_synthetic

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, _env, run_mpi, survive_a_death
-from test_downpour import exit_statuses, set_args
+from helpers import exit_statuses, set_args
 
 from distbelief.algorithms.sync import check_configuration
 from distbelief.config import build_network, load_config

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from distbelief import __version__
+from distbelief.algorithms import registry
 from distbelief.errors import EXIT_USER_ERROR, ConfigError, UserError
 from distbelief.runtime import guardian, launcher
 
@@ -263,14 +264,16 @@ examples:
 """
 
 
+def _algorithm_list() -> str:
+    """'sgd (one process, the baseline), ... and hogwild (...)', from the registry."""
+    named = [f"{a.name} ({a.summary})" for a in registry.ALGORITHMS]
+    return ", ".join(named[:-1]) + " and " + named[-1]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI. Algorithms "
-        "(optimizer.algorithm): sgd (one process, the baseline), downpour (Downpour SGD "
-        "against a sharded parameter server), sandblaster (Sandblaster L-BFGS), sync "
-        "(synchronous data-parallel SGD, optionally with backup workers), averaging "
-        "(periodic parameter averaging, or EASGD with optimizer.elastic_alpha) and "
-        "hogwild (lock-free shared parameters on one node); with cluster.partitions = P, "
+        f"(optimizer.algorithm): {_algorithm_list()}; with cluster.partitions = P, "
         "sgd, downpour and sandblaster split each model replica over P ranks "
         "(partitioned model parallelism).",
         epilog="Run 'distbelief COMMAND --help' for each command's options and examples.")
@@ -564,14 +567,14 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
     """Claim run.out_dir, dispatch to the configured trainer, give the folder back after
     the trainer's last write; the summary on the rank that wrote it."""
     algorithm = config.optimizer.algorithm
-    if algorithm == "sgd" and config.cluster.partitions == 1 and comm is not None \
-            and comm.Get_size() > 1:
-        raise ConfigError(f"optimizer.algorithm = \"sgd\" trains in one process, but "
+    if algorithm not in registry.names():
+        raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
+    one_process = registry.get(algorithm).in_one_process(config.cluster.partitions)
+    if one_process and comm is not None and comm.Get_size() > 1:
+        raise ConfigError(f"optimizer.algorithm = \"{algorithm}\" trains in one process, but "
                           f"{comm.Get_size()} MPI ranks were started; run it without "
                           f"mpiexec, or use algorithm = \"downpour\"")
-    if algorithm not in ("sgd", "downpour", "sandblaster", "sync", "averaging", "hogwild"):
-        raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
-    if comm is None and (algorithm != "sgd" or config.cluster.partitions > 1):
+    if comm is None and not one_process:
         comm = start_mpi()
     owner = _claim_run_dir(config, comm)
     try:
@@ -626,37 +629,12 @@ def _finished_run(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
 
 
 def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
-    """Run the configured trainer (the dispatch point for the algorithms)."""
-    algorithm = config.optimizer.algorithm
-    if algorithm == "sgd" and config.cluster.partitions > 1:
-        from distbelief.algorithms import partitioned_sgd as partitioned_training
-
-        return partitioned_training.train(config, comm, resume=resume)
-    if algorithm == "sgd":
-        from distbelief.algorithms import sgd as trainer
-
-        return trainer.train(config, resume=resume)
-    if algorithm == "downpour":
-        from distbelief.algorithms import downpour
-
-        return downpour.train(config, comm, resume=resume)
-    if algorithm == "sync":
-        from distbelief.algorithms import sync
-
-        return sync.train(config, comm, resume=resume)
-
-    if algorithm == "hogwild":
-        from distbelief.algorithms import hogwild
-
-        return hogwild.train(config, comm, resume=resume)
-
-    if algorithm == "averaging":
-        from distbelief.algorithms import averaging
-
-        return averaging.train(config, comm, resume=resume)
-    from distbelief.algorithms.sandblaster import roles as sandblaster
-
-    return sandblaster.train(config, comm, resume=resume)
+    """Run the configured trainer (distbelief.algorithms.registry names it)."""
+    algorithm = registry.get(config.optimizer.algorithm)
+    trainer = algorithm.load_trainer(config.cluster.partitions, vars(config.optimizer))
+    if algorithm.in_one_process(config.cluster.partitions):
+        return trainer(config, resume=resume)
+    return trainer(config, comm, resume=resume)
 
 
 def _resume_mode(args: argparse.Namespace) -> str:

@@ -70,9 +70,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from distbelief.algorithms import registry
 from distbelief.errors import ConfigError, DataError
 
-ALGORITHMS = ("sgd", "downpour", "sandblaster", "sync", "averaging", "hogwild")
+ALGORITHMS = registry.names()
+"""optimizer.algorithm: the names in distbelief.algorithms.registry."""
 NOT_IMPLEMENTED_ALGORITHMS: tuple[str, ...] = ()
 UPDATES = ("adagrad", "sgd", "adarevision")
 """optimizer.update: the rule that applies a gradient. "adagrad" and "sgd" are also
@@ -86,11 +88,7 @@ least one update stale); "overlapped", the push and the fetch of one step move w
 next step computes, as the paper's fetch and push threads (at least two updates stale).
 On the RMA transport the later ones make a step cheaper; on shared memory a replica's push
 is applied before its fetch anyway (docs/downpour.md, "Fetch")."""
-ALGORITHM_KEYS = {
-    "downpour": ("fetch",),
-    "sync": ("backup_workers",),
-    "averaging": ("average_every", "elastic_alpha"),
-}
+ALGORITHM_KEYS = {a.name: a.own_keys for a in registry.ALGORITHMS if a.own_keys}
 """[optimizer] keys that only one algorithm reads: setting one for another algorithm is an
 error, and they are left out of the other algorithms' config hash (so adding them did not
 change the hash of earlier runs)."""
@@ -513,16 +511,10 @@ def _resolve_update(opt: dict, given: dict, where: str) -> None:
                                   f"{_show(algorithm)}, not {_show(opt['algorithm'])}")
 
 
-def needs_shards(algorithm: str, backup_workers: int = 0,
-                 elastic_alpha: float | None = None) -> bool:
-    """Whether an algorithm keeps parameters on parameter-server shards (ps_shards >= 1)."""
-    if algorithm in ("downpour", "sandblaster"):
-        return True
-    if algorithm == "sync":
-        return backup_workers > 0
-    if algorithm == "averaging":
-        return elastic_alpha is not None
-    return False
+def needs_shards(algorithm: str, optimizer: dict[str, Any]) -> bool:
+    """Whether an algorithm keeps parameters on parameter-server shards (ps_shards >= 1)
+    with these [optimizer] settings (distbelief.algorithms.registry says)."""
+    return registry.get(algorithm).needs_shards(optimizer)
 
 
 def _resolve_ps_shards(values: dict, where: str) -> None:
@@ -530,7 +522,7 @@ def _resolve_ps_shards(values: dict, where: str) -> None:
     algorithms that keep parameters there, none for those that do not (sgd ignores it)."""
     opt, cluster = values["optimizer"], values["cluster"]
     algorithm = opt["algorithm"]
-    shards = needs_shards(algorithm, opt["backup_workers"], opt["elastic_alpha"])
+    shards = needs_shards(algorithm, opt)
     if cluster["ps_shards"] is None:
         cluster["ps_shards"] = 1 if shards or algorithm == "sgd" else 0
     elif shards and cluster["ps_shards"] == 0:

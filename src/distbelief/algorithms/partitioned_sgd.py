@@ -14,10 +14,10 @@ bytes each layer sends per step, summed over the partitions, once as a "partitio
 line in metrics.jsonl and in summary.json. Checkpoints are not written for partitioned
 runs yet (said at start).
 
-DOWNPOUR (`algorithm = "downpour"`, S + R x P ranks; the class is in downpour/replica.py, which
-uses polled_bcast from here): `PartitionedReplica` is a Downpour replica whose network is
-a `PartitionedNetwork` over its replica's P ranks and whose
-parameter client pulls and pushes only the partition's pieces of the vector
+DOWNPOUR (`algorithm = "downpour"`, S + R x P ranks; the class is in downpour/replica.py,
+which sends the lead's decisions by runtime.agreement.polled_bcast): `PartitionedReplica`
+is a Downpour replica whose network is a `PartitionedNetwork` over its replica's P ranks
+and whose parameter client pulls and pushes only the partition's pieces of the vector
 (`ParameterClient.restrict_to`; the paper's Figure 2). Partition 0 (the lead) alone talks
 to shard 0's run control block for the replica: it claims steps, reports steps and loss,
 reads the commands (pause for a checkpoint, stop, lost, teardown) and publishes the data
@@ -54,11 +54,11 @@ from distbelief.algorithms.common import (
 )
 from distbelief.config import Config, config_hash
 from distbelief.errors import ConfigError
-from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
+from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder, target_text
-from distbelief.runtime import guardian, watchdog
-from distbelief.runtime.agreement import agree
+from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import agree, polled_bcast
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
@@ -148,11 +148,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         except watchdog.RankLost as lost:
             # One replica over P ranks: nothing goes on without a partition. No checkpoint
             # is written for partitioned runs, so nothing is left half written either.
-            watchdog.abort_for(comm, describe, lost)
-            # Abort may return while the launcher tears the job down (hydra's
-            # -disable-auto-cleanup): leave without MPI_Finalize (it waits for the dead).
-            guardian.skip_mpi_finalize()
-            guardian.end_process(1)
+            watchdog.abort_and_leave(comm, watchdog.lost_message(describe, lost))
         finally:
             peers.close()
     traffic = traffic_totals(model)
@@ -230,16 +226,3 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
             if rules.target_reached(evaluate()):
                 return "target_accuracy", step
             next_eval = time.monotonic() + eval_every
-
-
-# ------------------------------------------------------------------------------------------
-# Shared with Downpour's partitioned replica
-
-
-def polled_bcast(comm: MPI.Comm, value: np.ndarray, what: str = "its lead partition",
-                 ranks: Any = ()) -> np.ndarray:
-    """Rank 0's `value` on every rank of `comm`, in place: an Ibcast waited for with
-    back-off sleeps (a partition may wait long for its lead). Collective over `comm`."""
-    wait_all([comm.Ibcast(value, root=0)], what, ranks)
-    return value
-

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distbelief.algorithms import registry
 from distbelief.config import (
     ALGORITHMS,
     NOT_IMPLEMENTED_ALGORITHMS,
@@ -171,8 +172,10 @@ def _shard_count(spec: AlgorithmSpec, optimizer: dict, cluster: dict) -> int:
         return _checked(cluster, "cluster", "ps_shards", 0)
     if spec.name == "sgd":
         return 0
-    if needs_shards(spec.name, _checked(optimizer, "optimizer", "backup_workers", 0),
-                    _checked(optimizer, "optimizer", "elastic_alpha", None)):
+    rule = registry.get(spec.name).shards  # "always", "never" or an optimizer key
+    settings = ({} if rule in ("always", "never")
+                else {rule: _checked(optimizer, "optimizer", rule, None)})
+    if needs_shards(spec.name, settings):
         return max(1, _checked(cluster, "cluster", "ps_shards", 1))
     return 0
 
@@ -193,8 +196,7 @@ def _checked(table: dict, section: str, key: str, default: Any) -> Any:
 def _rank_count(name: str, replicas: int, partitions: int, shards: int) -> int:
     if name == "sgd":
         return partitions
-    coordinator = 1 if name == "sandblaster" else 0
-    return shards + coordinator + replicas * partitions
+    return shards + registry.get(name).coordinators + replicas * partitions
 
 
 def _run_settings(spec: AlgorithmSpec, shards: int, seed: int, rate: float | None,

@@ -224,7 +224,7 @@ def _describe(path: Path, f: h5py.File) -> DatasetInfo:
                        scale=train_scale)
 
 
-def _read_rows(info: DatasetInfo, split: str, start: int,
+def read_rows(info: DatasetInfo, split: str, start: int,
                stop: int) -> tuple[np.ndarray, np.ndarray]:
     """Rows [start, stop) of /split as (x in the stored dtype, y as int32).
 
@@ -280,7 +280,7 @@ def load_split(info: DatasetInfo, split: str,
         rows = min(int(limit), total)
     else:
         raise ValueError(f"{split} limit must be a positive integer or None, got {limit!r}")
-    x, y = _read_rows(info, split, 0, rows)
+    x, y = read_rows(info, split, 0, rows)
     return to_float(x, info.scale), y
 
 
@@ -335,7 +335,7 @@ class TrainShard:
         self.info = info
         self.rank, self.num_ranks, self.seed = int(rank), int(num_ranks), int(seed)
         self.n: int = self.stop - self.start
-        self._x, self._y = _read_rows(info, "train", self.start, self.stop)
+        self._x, self._y = read_rows(info, "train", self.start, self.stop)
         self.epoch = 0
         self.position = 0
         self._perm = _epoch_permutation(self.seed, self.rank, 0, self.n)

@@ -36,6 +36,7 @@ which raises RankLost at once when the rank's process on this node is gone and r
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,6 +52,53 @@ from distbelief.runtime.topology import world_ranks
 WAIT_SLEEP_S = (50e-6, 5e-3)
 """Back-off bounds of a polled wait: quick at first (the others are usually close), never
 more than 5 ms late."""
+
+
+SPIN_TESTS = 100
+"""Testall calls before the first sleep in `wait_all`: a partner's message in lockstep is
+usually microseconds away, and a sleep costs tens of microseconds."""
+
+
+YIELD_S = 2e-3
+"""How long `wait_all` yields the core between tests before it sleeps between them: a
+collective in lockstep (sync's 2.7 MB Iallreduce) needs many rounds of progress on both
+sides, and each sleep delays a round. Measured with 2 ranks (a 2.7 MB Iallreduce, 100
+times, /tmp-free script in docs/performance.md): sleeps alone 5.9-8.7 ms, yielding for up
+to 2 ms first 2.0-2.1 ms, a blocking Allreduce 1.6-3.0 ms. A yield gives the core to any
+rank that has work, so an oversubscribed node loses little to it; past 2 ms the wait is
+a long one and sleeps."""
+
+
+def wait_all(requests: list[MPI.Request], what: str = "messages",
+             ranks: Sequence[int] = ()) -> None:
+    """Complete `requests` without spinning a core for long: MPICH's Wait busy-polls
+    (DESIGN.md), and partitions may share cores with each other or with shards. Testall a
+    few times, then for up to YIELD_S between tests yield the core, then sleep 20 us,
+    doubling up to 1 ms (runtime.backoff's Backoff). The wait is declared to the stall
+    watchdog as waiting for `what` from the world ranks `ranks`; watchdog.RankLost if one
+    of them is gone."""
+    for _ in range(SPIN_TESTS):
+        if MPI.Request.Testall(requests):
+            return
+    end = time.perf_counter() + YIELD_S
+    while time.perf_counter() < end:
+        if MPI.Request.Testall(requests):
+            return
+        os.sched_yield()
+    backoff = Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
+    guard = watchdog.current()
+    with guard.waiting(what, ranks):
+        while not MPI.Request.Testall(requests):
+            guard.check(lambda: MPI.Request.Testall(requests))
+            backoff.wait()
+
+
+def polled_bcast(comm: MPI.Comm, value: np.ndarray, what: str = "its lead partition",
+                 ranks: Any = ()) -> np.ndarray:
+    """Rank 0's `value` on every rank of `comm`, in place: an Ibcast waited for with
+    back-off sleeps (a partition may wait long for its lead). Collective over `comm`."""
+    wait_all([comm.Ibcast(value, root=0)], what, ranks)
+    return value
 
 
 class Rounds:

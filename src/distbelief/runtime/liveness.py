@@ -23,6 +23,7 @@ import os
 import secrets
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from mpi4py import MPI
 from distbelief.runtime.heartbeat import FOLDER, Heartbeats
 from distbelief.runtime.nodes import Nodes, node_split
 from distbelief.runtime.ownership import process_start_time
+from distbelief.runtime.topology import Topology
 
 # The same /proc reading decides whether a run directory's owner is alive.
 _start_time = process_start_time
@@ -115,3 +117,20 @@ class Peers:
     def gone_among(self, ranks: range | list[int]) -> list[int]:
         """The ranks of `ranks` that are gone (see `gone`)."""
         return [rank for rank in ranks if self.gone(rank)]
+
+
+def sweep_replicas(peers: Peers, topology: Topology, replicas: int, dead_ranks: set[int],
+                   death_times: list[float], now: float) -> Iterator[tuple[int, list[int],
+                                                                         list[int]]]:
+    """(replica, its world ranks, those found gone) for each replica, the lost-replica
+    sweep of Downpour's supervisor and Sandblaster's coordinator. Ranks newly found gone
+    are added to `dead_ranks`, and `now` to `death_times` (a sweep that finds them: a
+    launcher announces each exit with a SIGUSR1, which the caller then does not take for a
+    user's checkpoint request). Communicates with no one."""
+    for replica in range(replicas):
+        ranks = list(topology.replica_ranks(replica))
+        gone = peers.gone_among(ranks)
+        if set(gone) - dead_ranks:
+            death_times.append(now)
+            dead_ranks.update(gone)
+        yield replica, ranks, gone

@@ -241,6 +241,15 @@ def abort_for(world: Any, describe: Callable[[int], str], lost: RankLost) -> Non
     abort_job(world, lost_message(describe, lost))
 
 
+def abort_and_leave(world: Any, message: str) -> None:
+    """Abort the job with `message`, then end this process without MPI_Finalize, which
+    would wait for the dead rank (the abort may return while the launcher tears the job
+    down, as under hydra's -disable-auto-cleanup). Never returns."""
+    abort_job(world, message)
+    guardian.skip_mpi_finalize()
+    guardian.end_process(1)
+
+
 def lost_message(describe: Callable[[int], str], lost: RankLost) -> str:
     return (f"{describe(lost.rank)} is gone while this rank waited for {lost.what}; the job "
             f"stops. Run the same command again to resume from the last checkpoint (where "

@@ -13,7 +13,7 @@ gradient descent" (NIPS); tau = 1 with SGD is synchronous data-parallel SGD.
 One average is one collective round over `comm`: three non-blocking Iallreduces issued
 in the same order on every rank (the parameters, float32 SUM; the replicas' loss sums,
 float64 SUM; the decisions, int32 MAX), completed by polling with back-off sleeps
-(partitioned_network.wait_all: MPICH's Wait spins a core, DESIGN.md "spinning waits").
+(runtime.agreement.wait_all: MPICH's Wait spins a core, DESIGN.md "spinning waits").
 The decisions ride on the average: any rank's stop signal, and rank 0's clock-based
 choices (max_seconds, evaluate now, checkpoint now). max_steps counts TOTAL steps over
 the replicas, as Downpour's does; replicas run in lockstep, so each trains
@@ -61,15 +61,13 @@ from distbelief.algorithms.common import (
     starting_checkpoint,
     train_shard,
 )
-from distbelief.algorithms.partitioned_sgd import polled_bcast
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.errors import ConfigError, DataError
-from distbelief.model.partitioned_network import wait_all
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
-from distbelief.runtime import guardian, watchdog
-from distbelief.runtime.agreement import agree
+from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import agree, polled_bcast, wait_all
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
@@ -411,8 +409,4 @@ def _stop_for_lost(comm: MPI.Comm, peers: Any, lost: watchdog.RankLost, saver: S
     message = lost_replica_message(lost.rank, peers.how_gone(lost.rank), saver.last_step)
     if live and live[0] != comm.Get_rank():
         time.sleep(LOST_ABORT_WAIT_S)  # the lowest live rank aborts the job meanwhile
-    watchdog.abort_job(comm, message)
-    # Abort may return while the launcher tears the job down (hydra's
-    # -disable-auto-cleanup): leave without MPI_Finalize (it waits for the dead).
-    guardian.skip_mpi_finalize()
-    guardian.end_process(1)
+    watchdog.abort_and_leave(comm, message)

@@ -23,12 +23,12 @@ from distbelief.algorithms.downpour.plan import (
     grant,
 )
 from distbelief.algorithms.downpour.run import OpenRun
-from distbelief.algorithms.partitioned_sgd import polled_bcast
-from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
+from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.ps import run_control as rc
 from distbelief.ps.run_control import ControlExchange
 from distbelief.ps.stats import StalenessStats
 from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import polled_bcast, wait_all
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.watchdog import RankLost

@@ -44,6 +44,7 @@ from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecord
 from distbelief.runtime import launcher, watchdog
 from distbelief.runtime.agreement import WAIT_SLEEP_S
 from distbelief.runtime.backoff import Backoff
+from distbelief.runtime.liveness import sweep_replicas
 
 
 @dataclass
@@ -263,17 +264,14 @@ class Supervisor(_ShardRole):
         may leave) and lost replicas (process gone on this node, or heartbeat stopped for
         run.replica_timeout_seconds)."""
         self._next_sweep = now + SWEEP_S
-        topology, peers = self.plan.topology, self.run_.peers
+        peers = self.run_.peers
         if shards:
             self.run_.check_shards(now, force=True)
         timeout = self.plan.replica_timeout_s
         rows = self.view.replicas if self.view is not None else None
-        for replica in range(self.plan.num_replicas):
-            ranks = list(topology.replica_ranks(replica))
-            gone = peers.gone_among(ranks)
-            if set(gone) - self.dead_ranks:
-                self.death_times.append(now)
-            self.dead_ranks.update(gone)
+        for replica, ranks, gone in sweep_replicas(peers, self.plan.topology,
+                                                   self.plan.num_replicas, self.dead_ranks,
+                                                   self.death_times, now):
             if replica in self.lost:
                 continue
             if gone:
@@ -542,7 +540,7 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
     replicas = sorted(sup.replica_stats.values(), key=lambda s: (s["replica"], s["rank"]))
     resumed = sup.resumed_from
     return {
-        # "averaging" for EASGD, which runs on this machinery (algorithms.averaging.elastic)
+        # "averaging" for EASGD, which runs on this machinery (algorithms.downpour.elastic)
         "algorithm": config.optimizer.algorithm, "stop_reason": sup.reason,
         "config_hash": config_hash(config), "num_params": int(sup.network.layout.size),
         "eval_samples": len(sup.eval_set[1]), "world_size": plan.topology.world_size,

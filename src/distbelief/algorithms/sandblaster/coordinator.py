@@ -26,7 +26,7 @@ from distbelief.algorithms.sandblaster.plan import (
     TAG_RESULT,
     TAG_TASK,
     SandblasterPlan,
-    _backoff,
+    poll_backoff,
 )
 from distbelief.algorithms.sandblaster.work_units import (
     COMMIT,
@@ -41,7 +41,7 @@ from distbelief.records.console import say
 from distbelief.records.metrics import ResumePoint, RunRecorder, target_text
 from distbelief.runtime import launcher, watchdog
 from distbelief.runtime.faults import Faults
-from distbelief.runtime.liveness import Peers
+from distbelief.runtime.liveness import Peers, sweep_replicas
 
 SWEEP_S = 0.25
 """How often the coordinator looks for gone replica ranks while it waits."""
@@ -378,7 +378,7 @@ class Coordinator:
         as give_up(). With `leaving`, a shard that answered may end at once (it is written
         off)."""
         answers: dict[int, Any] = {}
-        status, backoff, guard = MPI.Status(), _backoff(), watchdog.current()
+        status, backoff, guard = MPI.Status(), poll_backoff(), watchdog.current()
         with guard.waiting(what, self.shards):
             while len(answers) < len(self.shards):
                 # (A shard may send its answer and leave before this rank has looked.)
@@ -407,7 +407,7 @@ class Coordinator:
     def _serve_until(self, done: Any, stopping: bool = False) -> None:
         """Serve replicas until done(); AllReplicasLost if none is left first (not while
         `stopping`: then done() counts them). Looks for lost replicas meanwhile."""
-        backoff = _backoff()
+        backoff = poll_backoff()
         guard = watchdog.current()
         with guard.waiting("the replicas' work units", self.all_replica_ranks):
             while not done():
@@ -428,15 +428,11 @@ class Coordinator:
         if self.peers is None or (now < self.next_sweep and not force):
             return
         self.next_sweep = now + SWEEP_S
-        topology = self.plan.topology
-        for replica in range(len(self.replicas)):
-            ranks = list(topology.replica_ranks(replica))
-            gone = self.peers.gone_among(ranks)
-            if set(gone) - self.dead_ranks:
-                # Also a lost replica's surviving partitions, which stop and exit later:
-                # hydra announces each exit with a SIGUSR1 too.
-                self.death_times.append(now)
-                self.dead_ranks.update(gone)
+        # Deaths include a lost replica's surviving partitions, which stop and exit later:
+        # hydra announces each exit with a SIGUSR1 too.
+        for replica, ranks, gone in sweep_replicas(self.peers, self.plan.topology,
+                                                   len(self.replicas), self.dead_ranks,
+                                                   self.death_times, now):
             if replica in self.lost:
                 continue
             if gone:

@@ -151,5 +151,6 @@ class BatchRows:
         return np.random.default_rng(seq).permutation(self.n)
 
 
-def _backoff() -> Backoff:
+def poll_backoff() -> Backoff:
+    """A fresh back-off for a polled wait of any Sandblaster role (sleeps within POLL_S)."""
     return Backoff(*POLL_S)

@@ -25,14 +25,15 @@ from distbelief.algorithms.sandblaster.plan import (
     BatchRows,
     Piece,
     SandblasterPlan,
-    _backoff,
+    poll_backoff,
     shard_segments,
 )
 from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD
 from distbelief.config import Config
 from distbelief.data.hdf5 import to_float
-from distbelief.model.partitioned_network import PartitionedNetwork, wait_all
+from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import wait_all
 from distbelief.runtime.faults import Faults
 
 # ------------------------------------------------------------------------------------------
@@ -205,7 +206,7 @@ class Replica:
         """Send a request to the coordinator; wait (polling) for its answer."""
         t0 = time.perf_counter()
         self.comm.send(request, dest=self.coordinator, tag=TAG_REQUEST)
-        backoff = _backoff()
+        backoff = poll_backoff()
         guard = watchdog.current()
         with guard.waiting("the coordinator's answer", (self.coordinator,)):
             while not self.comm.Iprobe(self.coordinator, TAG_TASK):

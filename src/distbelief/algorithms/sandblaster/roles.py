@@ -151,9 +151,9 @@ from distbelief.algorithms.sandblaster.plan import (
     BatchRows,
     Piece,
     SandblasterPlan,
-    _backoff,
     all_pieces,
     plan_run,
+    poll_backoff,
     shard_segments,
 )
 from distbelief.algorithms.sandblaster.replica import (
@@ -164,7 +164,7 @@ from distbelief.algorithms.sandblaster.replica import (
 )
 from distbelief.algorithms.sandblaster.shards import ShardServer
 from distbelief.config import Config
-from distbelief.data.hdf5 import _read_rows
+from distbelief.data.hdf5 import read_rows
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.ps.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
@@ -214,12 +214,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         except watchdog.RankLost as lost:
             # A shard or the coordinator (a lost replica is written off, see LOST
             # REPLICAS): nothing goes on without it. End the job with a message.
-            watchdog.abort_for(comm, describe, lost)
-            # Abort may return while the launcher tears the job down (seen under hydra's
-            # -disable-auto-cleanup): leave now, without MPI_Finalize (it would wait for
-            # the dead rank).
-            guardian.skip_mpi_finalize()
-            guardian.end_process(1)
+            watchdog.abort_and_leave(comm, watchdog.lost_message(describe, lost))
         finally:
             peers.close()
     if summary["stop_reason"] == "diverged":
@@ -267,7 +262,7 @@ def _local_setup(config: Config, plan: SandblasterPlan, info: Any, network: Any,
     """A replica's training rows and evaluation set; on the coordinator the checkpoint to
     resume from (or None) and the run folder. Local."""
     if plan.topology.is_replica:
-        x, y = _read_rows(info, "train", 0, info.n_train)  # every replica may get any unit
+        x, y = read_rows(info, "train", 0, info.n_train)  # every replica may get any unit
         return x, y, load_eval_set(config, info), info.scale
     if plan.topology.role == "coordinator":
         found = starting_checkpoint(config, network.layout, resume, stream)
@@ -330,7 +325,7 @@ def _finish_apart(comm: MPI.Comm, role: Any) -> dict[str, Any]:
     lost = set(role._lost_ranks())
     waiting = {r for r in range(topology.world_size) if r != root and r not in lost}
     all_stats = [role.stats()]
-    status, backoff = MPI.Status(), _backoff()
+    status, backoff = MPI.Status(), poll_backoff()
     gone_since: dict[int, float] = {}
     with watchdog.current().waiting("the other ranks' final statistics"):
         while waiting:

@@ -21,13 +21,13 @@ from distbelief.algorithms.sandblaster.plan import (
     TAG_RESULT,
     Piece,
     SandblasterPlan,
-    _backoff,
+    poll_backoff,
     shard_segments,
 )
-from distbelief.model.partitioned_network import wait_all
 from distbelief.ps.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import wait_all
 from distbelief.runtime.faults import Faults
 
 # ------------------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ class ShardServer:
     def run(self) -> None:
         """Serve until the coordinator says stop and every send has completed.
         Point-to-point with the coordinator and the replicas; polls with back-off sleeps."""
-        status, backoff = MPI.Status(), _backoff()
+        status, backoff = MPI.Status(), poll_backoff()
         while self.running or self.sending:
             busy = False
             while self.running and self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):

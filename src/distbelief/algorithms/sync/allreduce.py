@@ -8,7 +8,7 @@ One step on every replica, in lockstep:
     of the step's decisions -> the same optimizer step on every replica
 
 The two collectives are issued together and completed with back-off sleeps
-(model.partitioned_network.wait_all), never with a spinning MPI_Wait: with more ranks than
+(runtime.agreement.wait_all), never with a spinning MPI_Wait: with more ranks than
 cores a spinning waiter starves the replicas it waits for (DESIGN.md). Their buffers are
 named arrays that live for the whole run, never temporaries (docs/development.md: a
 buffer given to a non-blocking call must outlive it).
@@ -59,12 +59,11 @@ from distbelief.algorithms.common import (
     train_shard,
 )
 from distbelief.config import Config, config_hash, hashed_settings
-from distbelief.model.partitioned_network import wait_all
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
-from distbelief.runtime import guardian, watchdog
-from distbelief.runtime.agreement import agree
+from distbelief.runtime import watchdog
+from distbelief.runtime.agreement import agree, wait_all
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
@@ -134,11 +133,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         except watchdog.RankLost as lost:
             if rank != min(r for r in range(replicas) if r != lost.rank):
                 time.sleep(1.0)  # the lowest survivor speaks for all: one line, not R - 1
-            watchdog.abort_job(comm, lost_replica_line(lost.rank))
-            # Abort may return while the launcher tears the job down (hydra's
-            # -disable-auto-cleanup): leave without MPI_Finalize (it waits for the dead).
-            guardian.skip_mpi_finalize()
-            guardian.end_process(1)
+            watchdog.abort_and_leave(comm, lost_replica_line(lost.rank))
             raise
         finally:
             peers.close()

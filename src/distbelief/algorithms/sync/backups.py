@@ -58,12 +58,11 @@ from distbelief.algorithms.common import (
 )
 from distbelief.algorithms.sync.allreduce import write_checkpoint
 from distbelief.config import Config, config_hash
-from distbelief.model.partitioned_network import wait_all
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
 from distbelief.runtime import guardian, launcher, watchdog
-from distbelief.runtime.agreement import agree
+from distbelief.runtime.agreement import agree, wait_all
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
@@ -138,9 +137,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                         f"{config.run.out_dir}\n{network.describe()}")
             return server.run(signals, start_path)
         except watchdog.RankLost as lost:  # a replica lost its shard: nothing goes on
-            watchdog.abort_for(comm, describe, lost)
-            guardian.skip_mpi_finalize()
-            guardian.end_process(1)
+            watchdog.abort_and_leave(comm, watchdog.lost_message(describe, lost))
             raise
         finally:
             peers.close()
@@ -451,14 +448,12 @@ class _Server:
         if len(self.live) < self.quorum:
             self.checkpoint()
             lost = ", ".join(f"replica {r - 1} (rank {r})" for r in sorted(self.lost))
-            watchdog.abort_job(self.comm, (
+            watchdog.abort_and_leave(self.comm, (
                 f"{len(self.lost)} replicas lost ({lost}), more than optimizer.backup_workers"
                 f" = {self.k}: each step needs R - k = {self.quorum} gradients and only "
                 f"{len(self.live)} replica(s) are left, so algorithm = \"sync\" cannot go "
                 f"on. Raise backup_workers, or use algorithm = \"downpour\"; the last "
                 f"checkpoint is at step {self.state['step']}"))
-            guardian.skip_mpi_finalize()
-            guardian.end_process(1)
 
     def _why(self, rank: int) -> str:
         how = self.peers.how_gone(rank)
