@@ -4,6 +4,7 @@ timeout, so a deadlock fails the test instead of freezing CI."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import pytest
 
@@ -328,3 +329,78 @@ class SharedMemoryWatch:
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.1)
+
+
+# -- the small model and the synthetic data most tests train on --------------------------------
+
+SMALL_CONFIG: dict[str, dict[str, Any]] = {
+    "model": {"layers": [{"type": "dense", "units": 32, "activation": "relu"},
+                         {"type": "dense", "units": 4, "activation": "softmax"}]},
+    "data": {"path": "synth.h5", "batch_size": 32},
+    "optimizer": {"algorithm": "downpour", "learning_rate": 0.05},
+    "cluster": {"ps_shards": 1},
+    "run": {"max_steps": 400, "eval_every_seconds": 0.3, "progress_every_seconds": 0.5,
+            "threads": 1},
+}
+"""An MLP of one hidden layer over synth.h5 (4 classes), trained by Downpour on one shard."""
+
+
+def small_config_text(hidden: int | None = 32, classes: int = 4,
+                      **sections: dict[str, Any] | None) -> str:
+    """SMALL_CONFIG as TOML, with `hidden` units in its hidden layer (None: no hidden layer,
+    softmax regression), `classes` outputs, and each given section updated by its dict; a
+    value of None leaves that key out, a section of None the whole section."""
+    config = {name: dict(values) for name, values in SMALL_CONFIG.items()}
+    hidden_layer, output = config["model"]["layers"]
+    output = {**output, "units": classes}
+    config["model"] = {"layers": [output] if hidden is None
+                       else [{**hidden_layer, "units": hidden}, output]}
+    for name, values in sections.items():
+        if values is None:
+            del config[name]
+        else:
+            config.setdefault(name, {}).update(values)
+    lines = []
+    for name, values in config.items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()
+                  if value is not None]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+@pytest.fixture(scope="session")
+def small_config() -> Any:
+    """small_config_text: the small model's TOML, with overrides."""
+    return small_config_text
+
+
+@pytest.fixture(scope="session")
+def synthetic_folder(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A factory: make(name, {file: text}, **synthetic) gives a new folder holding synth.h5
+    (data.converters.make_synthetic: by default 4000 training rows, 500 test rows of 16
+    features, 4 classes, seed 3) and the given configuration files."""
+    from distbelief.data.converters import make_synthetic
+
+    def make(name: str, configs: dict[str, str] | None = None, *, n_train: int = 4000,
+             n_test: int = 500, input_shape: tuple[int, ...] = (16,), num_classes: int = 4,
+             seed: int = 3) -> Path:
+        folder = tmp_path_factory.mktemp(name)
+        make_synthetic(folder / "synth.h5", n_train=n_train, n_test=n_test,
+                       input_shape=input_shape, num_classes=num_classes, seed=seed)
+        for file, text in (configs or {}).items():
+            (folder / file).write_text(text)
+        return folder
+
+    return make

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from conftest import _env, run_mpi
 
-from distbelief.data.converters import make_synthetic
 from distbelief.model import kernels
 from distbelief.model.optimizers import HISTORY, Adagrad, AdaRevision, optimizer_for
 
@@ -159,33 +158,13 @@ def test_kernel_and_factory_validate():
 
 # -- Downpour end to end --------------------------------------------------------------------
 
-TOML = """
-[model]
-layers = [
-    { type = "dense", units = 32, activation = "relu" },
-    { type = "dense", units = 4, activation = "softmax" },
-]
-[data]
-path = "synth.h5"
-batch_size = 32
-[optimizer]
-algorithm = "downpour"
-learning_rate = 0.05
-update = "adarevision"
-[run]
-max_steps = 400
-eval_every_seconds = 0.3
-threads = 1
-"""
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("adarevision")
-    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(16,),
-                   num_classes=4, seed=3)
-    (folder / "synth.toml").write_text(TOML)
-    return folder
+def data_dir(synthetic_folder, small_config) -> Path:
+    return synthetic_folder("adarevision", {"synth.toml": small_config(
+        optimizer={"update": "adarevision"}, cluster=None,
+        run={"progress_every_seconds": None})})
 
 
 def downpour(n: int, data_dir: Path, out: Path, transport: str, *overrides: str):

@@ -23,7 +23,6 @@ from helpers import exit_statuses, set_args
 
 from distbelief.algorithms.downpour.elastic import CenterUpdate, elastic_step
 from distbelief.config import build_network, load_config
-from distbelief.data.converters import make_synthetic
 from distbelief.data.hdf5 import TrainShard, open_dataset
 from distbelief.model.optimizers import make_optimizer
 from distbelief.records import checkpoint as ckpt
@@ -32,34 +31,14 @@ from distbelief.runtime.faults import ENV as FAULTS
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
 TAU = 4
-TOML = """
-[model]
-layers = [
-    { type = "dense", units = 16, activation = "relu" },
-    { type = "dense", units = 4, activation = "softmax" },
-]
-[data]
-path = "synth.h5"
-batch_size = 32
-[optimizer]
-algorithm = "averaging"
-learning_rate = 0.05
-average_every = TAU
-[run]
-max_steps = 1000
-eval_every_seconds = 0.5
-progress_every_seconds = 1
-threads = 1
-""".replace("TAU", str(TAU))
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("averaging")
-    make_synthetic(folder / "synth.h5", n_train=3000, n_test=500, input_shape=(12,),
-                   num_classes=4, seed=7)
-    (folder / "synth.toml").write_text(TOML)
-    return folder
+def data_dir(synthetic_folder, small_config) -> Path:
+    return synthetic_folder("averaging", {"synth.toml": small_config(
+        16, optimizer={"algorithm": "averaging", "average_every": TAU}, cluster=None,
+        run={"max_steps": 1000, "eval_every_seconds": 0.5, "progress_every_seconds": 1})},
+        n_train=3000, input_shape=(12,), seed=7)
 
 
 def train_job(n: int, data_dir: Path, out: Path, *overrides: str, program: list | None = None,

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import h5py
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import run_cli, small_config_text
 from helpers import flip_bytes
 from helpers.checkpoint import HASH, LAYOUT, PHASES, SETTINGS, break_commit, save, state_for
 
@@ -449,36 +449,17 @@ def test_the_module_uses_no_mpi_and_no_pickle() -> None:
 
 # -- training runs: resume, signals, the command line --------------------------------------------
 
-TRAIN_TOML = """
-[model]
-layers = [
-    { type = "dense", units = 24, activation = "relu" },
-    { type = "dense", units = 3, activation = "softmax" },
-]
-[data]
-path = "synth.h5"
-batch_size = 16
-[optimizer]
-learning_rate = 0.05
-[run]
-max_steps = 200
-eval_every_seconds = 0.05
-progress_every_seconds = 0.05
-threads = 1
-"""
+TRAIN_TOML = small_config_text(
+    24, 3, data={"batch_size": 16}, optimizer={"algorithm": None}, cluster=None,
+    run={"max_steps": 200, "eval_every_seconds": 0.05, "progress_every_seconds": 0.05})
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from distbelief.data.converters import make_synthetic
-
-    folder = tmp_path_factory.mktemp("ckpt_train")
+def data_dir(synthetic_folder) -> Path:
     # 500 rows in batches of 16: a run of 200 steps crosses several epochs, so the data
     # position restored on resume includes the epoch.
-    make_synthetic(folder / "synth.h5", n_train=500, n_test=100, input_shape=(10,),
-                   num_classes=3, seed=5)
-    (folder / "exp.toml").write_text(TRAIN_TOML)
-    return folder
+    return synthetic_folder("ckpt_train", {"exp.toml": TRAIN_TOML}, n_train=500, n_test=100,
+                            input_shape=(10,), num_classes=3, seed=5)
 
 
 def train_config(data_dir: Path, out: Path, *overrides: str):

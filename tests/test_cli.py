@@ -10,38 +10,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, every_rank_exited, run_cli, run_mpi
+from conftest import REPO, every_rank_exited, run_cli, run_mpi, small_config_text
 from helpers import exit_statuses
-
-from distbelief.data.converters import make_synthetic
 
 # The real command line, then a line with the rank's exit status (mpiexec reports one).
 EXIT_STATUS = REPO / "tests" / "mpi_programs" / "cli_exit_status.py"
 
-CONFIG = """
-[model]
-layers = [
-    { type = "dense", units = 16, activation = "relu" },
-    { type = "dense", units = 3, activation = "softmax" },
-]
-
-[data]
-path = "synth.h5"
-batch_size = 16
-
-[run]
-max_steps = 50
-eval_every_seconds = 60
-progress_every_seconds = 60
-"""
+CONFIG = small_config_text(16, 3, data={"batch_size": 16}, optimizer=None, cluster=None,
+                           run={"max_steps": 50, "eval_every_seconds": 60,
+                                "progress_every_seconds": 60, "threads": None})
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("cli")
-    make_synthetic(folder / "synth.h5", n_train=300, n_test=60, input_shape=(8,),
-                   num_classes=3)
-    return folder
+def data_dir(synthetic_folder) -> Path:
+    return synthetic_folder("cli", n_train=300, n_test=60, input_shape=(8,), num_classes=3, seed=0)
 
 
 def write(folder: Path, text: str, name: str = "exp.toml") -> Path:

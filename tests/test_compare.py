@@ -14,41 +14,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _env, run_cli
+from conftest import _env, run_cli, small_config_text
 
 from distbelief.compare import plan, results, running
-from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
 
-CONFIG = """
-[model]
-layers = [
-    { type = "dense", units = 16, activation = "relu" },
-    { type = "dense", units = 3, activation = "softmax" },
-]
-
-[data]
-path = "synth.h5"
-batch_size = 16
-
-[optimizer]
-learning_rate = 0.05
-
-[run]
-target_accuracy = 0.6
-max_seconds = 20
-eval_every_seconds = 0.3
-progress_every_seconds = 0.5
-"""
+CONFIG = small_config_text(
+    16, 3, data={"batch_size": 16}, optimizer={"algorithm": None}, cluster=None,
+    run={"max_steps": None, "target_accuracy": 0.6, "max_seconds": 20, "threads": None})
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("compare")
-    make_synthetic(folder / "synth.h5", n_train=2000, n_test=300, input_shape=(8,),
-                   num_classes=3)
-    (folder / "exp.toml").write_text(CONFIG)
-    return folder / "exp.toml"
+def config(synthetic_folder) -> Path:
+    return synthetic_folder("compare", {"exp.toml": CONFIG}, n_train=2000, n_test=300,
+                            input_shape=(8,), num_classes=3, seed=0) / "exp.toml"
 
 
 def specs(*texts: str) -> list[plan.AlgorithmSpec]:

@@ -16,48 +16,33 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, every_rank_exited, run_cli, run_mpi, simulated_test_nodes
-from helpers import exit_statuses, set_args
+from conftest import (
+    REPO,
+    _env,
+    every_rank_exited,
+    run_cli,
+    run_mpi,
+    simulated_test_nodes,
+    small_config_text,
+)
+from helpers import exit_statuses, finished, set_args
 
 from distbelief.config import apply_overrides, config_from_dict
-from distbelief.data.converters import convert_idx, make_synthetic
+from distbelief.data.converters import convert_idx
 from distbelief.errors import ConfigError, DataError
-from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS, read_metrics
+from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS
 from distbelief.runtime.faults import ENV as FAULTS
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
 CLASSES = 4
 BATCH = 32
-TOML = """
-[model]
-layers = [
-    { type = "dense", units = 32, activation = "relu" },
-    { type = "dense", units = 4, activation = "softmax" },
-]
-[data]
-path = "synth.h5"
-batch_size = 32
-[optimizer]
-algorithm = "downpour"
-learning_rate = 0.05
-[cluster]
-ps_shards = 1
-[run]
-max_steps = 400
-eval_every_seconds = 0.3
-progress_every_seconds = 0.5
-threads = 1
-"""
+TOML = small_config_text()
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("downpour")
-    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(16,),
-                   num_classes=CLASSES, seed=3)
-    (folder / "synth.toml").write_text(TOML)
-    return folder
+def data_dir(synthetic_folder, small_config) -> Path:
+    return synthetic_folder("downpour", {"synth.toml": small_config()}, num_classes=CLASSES)
 
 
 def downpour(n: int, data_dir: Path, out: Path, *overrides: str, env: dict | None = None,
@@ -66,12 +51,6 @@ def downpour(n: int, data_dir: Path, out: Path, *overrides: str, env: dict | Non
     sets = set_args(f'run.out_dir="{out}"', *overrides)
     return run_mpi(n, ["-m", "distbelief", "train", data_dir / "synth.toml", *sets],
                    timeout=timeout, env=env)
-
-
-def finished(proc, out: Path) -> tuple[dict, list[dict]]:
-    """summary.json and metrics.jsonl of a run that must have exited 0."""
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    return json.loads((out / "summary.json").read_text()), read_metrics(out / "metrics.jsonl")
 
 
 def check_downpour_summary(summary: dict, n: int, shards: int) -> None:

@@ -22,11 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, mpiexec, run_mpi
+from conftest import REPO, SMALL_CONFIG, _env, mpiexec, run_mpi
 from helpers import exit_statuses, flip_bytes, set_args
-from test_downpour import BATCH, TOML
 
-from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
 from distbelief.runtime.faults import ENV as FAULTS
@@ -34,15 +32,12 @@ from distbelief.runtime.launcher import launcher_rank
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
+BATCH = SMALL_CONFIG["data"]["batch_size"]
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("downpour_ckpt")
-    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(16,),
-                   num_classes=4, seed=3)
-    (folder / "synth.toml").write_text(TOML)
-    return folder
+def data_dir(synthetic_folder, small_config) -> Path:
+    return synthetic_folder("downpour_ckpt", {"synth.toml": small_config()})
 
 
 def train_args(data_dir: Path, out: Path, *overrides: str) -> list:

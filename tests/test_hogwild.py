@@ -32,39 +32,20 @@ from conftest import (
 )
 from helpers import exit_statuses, set_args
 
-from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.faults import ENV as FAULTS
 
 EXIT_STATUS = REPO / "tests" / "mpi_programs" / "cli_exit_status.py"
 TIMEOUT = 90
-TOML = """
-[model]
-layers = [
-    { type = "dense", units = 32, activation = "relu" },
-    { type = "dense", units = 4, activation = "softmax" },
-]
-[data]
-path = "synth.h5"
-batch_size = 32
-[optimizer]
-algorithm = "%s"
-learning_rate = 0.05
-[run]
-eval_every_seconds = 0.5
-threads = 1
-"""
 DELAY = "delay:*:0:0.0002s"  # a kill at step 300 lands early in a 3000-step run
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("hogwild")
-    make_synthetic(folder / "synth.h5", n_train=8000, n_test=1000, input_shape=(32,),
-                   num_classes=4, seed=3)
-    (folder / "hogwild.toml").write_text(TOML % "hogwild")
-    (folder / "sgd.toml").write_text(TOML % "sgd")
-    return folder
+def data_dir(synthetic_folder, small_config) -> Path:
+    return synthetic_folder("hogwild", {f"{algorithm}.toml": small_config(
+        optimizer={"algorithm": algorithm}, cluster=None,
+        run={"max_steps": None, "eval_every_seconds": 0.5, "progress_every_seconds": None})
+        for algorithm in ("hogwild", "sgd")}, n_train=8000, n_test=1000, input_shape=(32,))
 
 
 def hogwild(n: int, data_dir: Path, out: Path, *overrides: str, faults: str = "",

@@ -28,9 +28,7 @@ from conftest import (
     wait_or_kill,
 )
 from helpers import set_args
-from test_downpour import TOML
 
-from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
 
@@ -38,12 +36,8 @@ PROGRAMS = REPO / "tests" / "mpi_programs"
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("interrupt")
-    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(16,),
-                   num_classes=4, seed=3)
-    (folder / "synth.toml").write_text(TOML)
-    return folder
+def data_dir(synthetic_folder, small_config) -> Path:
+    return synthetic_folder("interrupt", {"synth.toml": small_config()})
 
 
 def train_args(data_dir: Path, out: Path, *overrides: str) -> list[str]:

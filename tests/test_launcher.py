@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, mpiexec, run_mpi, survive_a_death
+from conftest import REPO, _env, mpiexec, run_mpi, small_config_text, survive_a_death
 from helpers import exit_statuses
 
 from distbelief.data.converters import make_synthetic
@@ -25,22 +25,8 @@ from distbelief.runtime.launcher import (
 )
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
-TOML = """
-[model]
-layers = [{ type = "dense", units = 3, activation = "softmax" }]
-[data]
-path = "synth.h5"
-batch_size = 32
-[optimizer]
-algorithm = "downpour"
-learning_rate = 0.05
-[cluster]
-ps_shards = 1
-[run]
-max_steps = 600
-eval_every_seconds = 1
-threads = 1
-"""
+TOML = small_config_text(None, 3, run={"max_steps": 600, "eval_every_seconds": 1,
+                                         "progress_every_seconds": None})
 
 
 @pytest.mark.parametrize("environ, rank, size", [

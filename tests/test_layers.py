@@ -12,6 +12,7 @@ Serial and fast (parses the sources; imports nothing of distbelief).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -301,3 +302,13 @@ def test_the_checker_finds_a_sideways_import_and_a_private_name(tmp_path: Path) 
         "distbelief.algorithms.two.inner imports distbelief.algorithms.one, another algorithm's"]
     assert private_imports(tmp_path) == [
         ("distbelief.algorithms.one", "distbelief.algorithms.common", "_SECRET")]
+
+
+def test_no_test_file_imports_another() -> None:
+    """Shared test code lives in conftest.py (fixtures) and tests/helpers/ (functions). The
+    lines are read as text, so the code a test runs with `python -c` counts too."""
+    tests = Path(__file__).resolve().parent
+    found = [f"{path.name} imports {module}"
+             for path in sorted([*tests.glob("*.py"), *tests.glob("helpers/*.py")])
+             for module in re.findall(r"^\s*(?:import|from) (test_\w+)", path.read_text(), re.MULTILINE)]
+    assert not found, "\n".join(found)

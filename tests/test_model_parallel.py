@@ -13,8 +13,8 @@ import h5py
 import numpy as np
 import pytest
 from conftest import REPO, _env, run_cli, run_mpi
+from helpers import set_args
 
-from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
 from distbelief.model.cost_model import Link, layer_flops, predict
 from distbelief.model.network import Network
@@ -163,16 +163,8 @@ threads = 1
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("model_parallel")
-    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(12, 12, 1),
-                   num_classes=4, seed=3)
-    (folder / "local.toml").write_text(TOML)
-    return folder
-
-
-def set_args(*overrides: str) -> list[str]:
-    return [arg for override in overrides for arg in ("--set", override)]
+def data_dir(synthetic_folder) -> Path:
+    return synthetic_folder("model_parallel", {"local.toml": TOML}, input_shape=(12, 12, 1))
 
 
 def train_args(data_dir: Path, out: Path, *overrides: str) -> list:

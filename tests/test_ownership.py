@@ -28,9 +28,7 @@ from conftest import (
     wait_or_kill,
 )
 from helpers import exit_statuses, set_args
-from test_downpour import TOML
 
-from distbelief.data.converters import make_synthetic
 from distbelief.records.metrics import read_metrics
 from distbelief.runtime import ownership
 
@@ -177,12 +175,8 @@ def test_an_owner_whose_file_was_taken_over_stops_without_writing(tmp_path: Path
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("ownership")
-    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(16,),
-                   num_classes=4, seed=3)
-    (folder / "synth.toml").write_text(TOML)
-    return folder
+def data_dir(synthetic_folder, small_config) -> Path:
+    return synthetic_folder("ownership", {"synth.toml": small_config()})
 
 
 def train_args(data_dir: Path, out: Path, *overrides: str) -> list:

@@ -4,17 +4,21 @@ config validation, compare and the docs read the same list. Serial and fast."""
 from __future__ import annotations
 
 import inspect
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import _env, run_mpi
 
 from distbelief import cli, config
 from distbelief.algorithms import registry
 from distbelief.compare import plan
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
+HELPERS = Path(__file__).resolve().parent / "helpers"
 
 
 @pytest.mark.parametrize("algorithm", registry.ALGORITHMS, ids=registry.names())
@@ -80,3 +84,36 @@ def test_loading_one_trainer_imports_no_other_algorithm() -> None:
 def test_an_unknown_name_is_a_key_error() -> None:
     with pytest.raises(KeyError):
         registry.get("nope")
+
+
+EXAMPLE_LINE = ('registry.Algorithm("full_batch", "example_algorithm:train", '
+                '"full-batch gradient descent")')
+"""The registration line of docs/architecture.md's example, as a test adds it."""
+
+
+def test_a_new_algorithm_is_a_module_and_one_registry_line(synthetic_folder, small_config,
+                                                          tmp_path) -> None:
+    """docs/architecture.md's example, through the real command line on 2 ranks. Every
+    process of the job (the guardians and the workers they start) adds the line to the
+    registry at start-up (a sitecustomize.py), before anything reads it: as if it were
+    written in registry.py."""
+    assert EXAMPLE_LINE.removeprefix("registry.") in (DOCS / "architecture.md").read_text()
+    folder = synthetic_folder("example", {"fb.toml": small_config(
+        optimizer={"algorithm": "full_batch", "learning_rate": 0.5}, cluster=None,
+        run={"max_steps": 25})})
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(HELPERS)!r})\n"
+        f"from distbelief.algorithms import registry\n"
+        f"registry.ALGORITHMS += ({EXAMPLE_LINE},)\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    out = tmp_path / "out"
+    proc = run_mpi(2, ["-m", "distbelief", "train", folder / "fb.toml",
+                       "--set", f'run.out_dir="{out}"'], timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algorithm"] == "full_batch" and summary["steps"] == 25
+    assert summary["stop_reason"] == "max_steps"
+    assert summary["final_test_accuracy"] > 0.4  # 4 classes: chance is 0.25

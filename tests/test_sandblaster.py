@@ -15,15 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import _env, mpiexec, run_mpi
-from helpers import exit_statuses
+from helpers import exit_statuses, finished, set_args
 from helpers.sandblaster import (
     PROGRAMS,
     SOFTMAX,
     TIMEOUT,
-    finished,
     network_for,
     scipy_optimum,
-    sets,
     shard_bytes_per_iteration,
     toml,
     train,
@@ -50,11 +48,8 @@ MLP = MLP.replace('": ', '" = ').replace('"type"', "type").replace('"units"', "u
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("sandblaster")
-    make_synthetic(folder / "synth.h5", n_train=3000, n_test=500, input_shape=(16,),
-                   num_classes=4, seed=3)
-    return folder
+def data_dir(synthetic_folder) -> Path:
+    return synthetic_folder("sandblaster", n_train=3000)
 
 
 # -- the two-loop recursion on dot products ----------------------------------------------------
@@ -410,7 +405,7 @@ def every_rank_exits_2(n: int, config: Path, out: Path, *overrides: str):
     """The real command line on n ranks, each printing its exit status: every one is 2
     (mpiexec reports only one), with one error line."""
     proc = run_mpi(n, [PROGRAMS / "cli_exit_status.py", "train", config,
-                       *sets(f'run.out_dir="{out}"', *overrides)], timeout=TIMEOUT)
+                       *set_args(f'run.out_dir="{out}"', *overrides)], timeout=TIMEOUT)
     assert proc.returncode == 2, proc.stderr
     assert exit_statuses(proc) == [2] * n, proc.stdout + proc.stderr
     assert proc.stderr.count("distbelief: error:") == 1, proc.stderr
@@ -520,7 +515,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_job_resumes(data_dir: Path,
     config = write(data_dir, "sigterm.toml", toml(batch=500))
     out = tmp_path / "out"
     cmd = [*mpiexec(5), sys.executable, "-m", "distbelief", "train", str(config),
-           *sets(f'run.out_dir="{out}"', "run.max_steps=0", "run.max_seconds=90",
+           *set_args(f'run.out_dir="{out}"', "run.max_steps=0", "run.max_seconds=90",
                  "optimizer.gradient_tolerance=0")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(), start_new_session=True)
@@ -542,7 +537,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_job_resumes(data_dir: Path,
     stopped_at = summary["iterations"]
     assert (out / "checkpoints" / f"ckpt-{stopped_at:010d}").is_dir()
     more = run_mpi(4, ["-m", "distbelief", "train", config, "--resume",
-                       *sets(f'run.out_dir="{out}"', f"run.max_steps={stopped_at + 3}")],
+                       *set_args(f'run.out_dir="{out}"', f"run.max_steps={stopped_at + 3}")],
                    timeout=TIMEOUT)
     summary, _ = finished(more, out)
     assert summary["iterations"] == stopped_at + 3 and summary["stop_reason"] == "max_steps"

@@ -27,7 +27,6 @@ from conftest import _env, mpi_under_test, mpiexec, run_mpi, survive_a_death
 from helpers import exit_statuses
 
 from distbelief.algorithms.sandblaster.coordinator import NOTICE_SLACK_S
-from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
 from distbelief.runtime.faults import ENV as FAULTS
@@ -58,12 +57,8 @@ heartbeat_timeout_seconds = 5
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("sandblaster_faults")
-    make_synthetic(folder / "synth.h5", n_train=3000, n_test=500, input_shape=(16,),
-                   num_classes=4, seed=3)
-    (folder / "sb.toml").write_text(CONFIG)
-    return folder
+def data_dir(synthetic_folder) -> Path:
+    return synthetic_folder("sandblaster_faults", {"sb.toml": CONFIG}, n_train=3000)
 
 
 def job(n: int, folder: Path, out: Path, *overrides: str, faults: str = ""):

@@ -15,14 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import _env, run_mpi
+from helpers import finished, set_args
 from helpers.sandblaster import (
     PROGRAMS,
     SOFTMAX,
     TIMEOUT,
-    finished,
     network_for,
     scipy_optimum,
-    sets,
     shard_bytes_per_iteration,
     toml,
     train,
@@ -284,7 +283,7 @@ def test_command_line_trains_partitioned_replicas_and_every_rank_exits_0(
         'path = "synth.h5"', 'path = "img.h5"'))
     out = tmp_path / "out"
     proc = run_mpi(6, [PROGRAMS / "cli_exit_status.py", "train", config,
-                       *sets(f'run.out_dir="{out}"', "cluster.partitions=2",
+                       *set_args(f'run.out_dir="{out}"', "cluster.partitions=2",
                              "run.max_steps=6")], timeout=TIMEOUT)
     assert exit_statuses(proc) == [0] * 6, proc.stdout + proc.stderr[-3000:]
     summary, metrics = finished(proc, out)

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, _env, run_mpi, simulated_nodes_launch
-from helpers import exit_statuses, set_args
-from test_fault_tolerance import DELAY, TOML
+from helpers import DELAY, exit_statuses, fault_config, set_args
 
 from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
@@ -90,7 +89,7 @@ def test_the_node_split_decides_the_transport_and_liveness(
 def test_a_bad_simulated_node_count_is_one_error_on_every_rank(tmp_path: Path) -> None:
     make_synthetic(tmp_path / "synth.h5", n_train=400, n_test=100, input_shape=(32,),
                    num_classes=4, seed=5)
-    (tmp_path / "c.toml").write_text(TOML % "")
+    (tmp_path / "c.toml").write_text(fault_config(None))
     env = {**_env(), "DISTBELIEF_SIMULATED_NODES": "many"}
     env.pop("DISTBELIEF_TEST_NODES", None)
     proc = run_mpi(3, [PROGRAMS / "cli_exit_status.py", "train", tmp_path / "c.toml",
@@ -151,12 +150,9 @@ def test_the_watchdog_thread_ends_a_blocked_wait_on_a_gone_rank() -> None:
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("simnodes")
-    make_synthetic(folder / "synth.h5", n_train=12000, n_test=2000, input_shape=(32,),
-                   num_classes=4, seed=5)
-    (folder / "mlp.toml").write_text(TOML % '{ type = "dense", units = 32, activation = "relu" }, ')
-    return folder
+def data_dir(synthetic_folder) -> Path:
+    return synthetic_folder("simnodes", {"mlp.toml": fault_config(32)}, n_train=12000,
+                            n_test=2000, input_shape=(32,), seed=5)
 
 
 def on_two_nodes(n: int, data_dir: Path, out: Path, *overrides: str, faults: str = "",

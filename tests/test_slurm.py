@@ -25,32 +25,11 @@ from pathlib import Path
 import pytest
 from helpers.slurm import JOB_ID, SCRIPTS, SHIMS, TIMEOUT, Job, kill_session
 
-from distbelief.data.converters import make_synthetic
 from distbelief.runtime.faults import ENV as FAULTS
 
 COMMON_BEGIN = "# ---- Signals, requeue and exit status"
 COMMON_END = "# ---- End of the common part"
 
-TOML = """
-[model]
-layers = [
-    { type = "dense", units = 128, activation = "relu" },
-    { type = "dense", units = 4, activation = "softmax" },
-]
-[data]
-path = "synth.h5"
-batch_size = 32
-[optimizer]
-algorithm = "sgd"
-learning_rate = 0.05
-[cluster]
-ps_shards = 1
-[run]
-eval_every_seconds = 0.5
-eval_samples = 200
-progress_every_seconds = 0.5
-threads = 1
-"""
 # About 3 s of training each on a quiet machine (sgd; Downpour at 3 to 5 ranks): USR1, sent
 # once the first steps are logged (0.5 s in), comes well before the end. Downpour's toy
 # steps take ~0.1 ms on shared memory, so its replicas are slowed to 2 ms per step (a
@@ -62,12 +41,11 @@ SANDBLASTER_STEPS = 150  # about 25 iterations/s at 4 ranks
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("slurm")
-    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(32,),
-                   num_classes=4, seed=3)
-    (folder / "synth.toml").write_text(TOML)
-    return folder
+def data_dir(synthetic_folder, small_config) -> Path:
+    return synthetic_folder("slurm", {"synth.toml": small_config(
+        128, optimizer={"algorithm": "sgd"},
+        run={"max_steps": None, "eval_every_seconds": 0.5, "eval_samples": 200})},
+        input_shape=(32,))
 
 
 def test_scripts_are_there():

@@ -23,7 +23,6 @@ from helpers import exit_statuses, set_args
 
 from distbelief.algorithms.sync import check_configuration
 from distbelief.config import build_network, load_config
-from distbelief.data.converters import make_synthetic
 from distbelief.data.hdf5 import TrainShard, open_dataset
 from distbelief.errors import ConfigError
 from distbelief.model.optimizers import make_optimizer
@@ -32,35 +31,16 @@ from distbelief.runtime.faults import ENV as FAULTS
 
 PROGRAM = REPO / "tests" / "mpi_programs" / "cli_exit_status.py"
 TIMEOUT = 90
-TOML = """
-[model]
-layers = [
-    { type = "dense", units = 16, activation = "relu" },
-    { type = "dense", units = 4, activation = "softmax" },
-]
-[data]
-path = "synth.h5"
-batch_size = 32
-[optimizer]
-algorithm = "sync"
-learning_rate = 0.05
-[run]
-max_steps = 100
-eval_every_seconds = 0.5
-progress_every_seconds = 1
-threads = 1
-"""
 LOST_LINE = ('is gone: algorithm = "sync" without backup_workers cannot go on, as every '
              'step\'s allreduce needs every replica. Set optimizer.backup_workers = k')
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("sync")
-    make_synthetic(folder / "synth.h5", n_train=3000, n_test=600, input_shape=(24,),
-                   num_classes=4, seed=7)
-    (folder / "sync.toml").write_text(TOML)
-    return folder
+def data_dir(synthetic_folder, small_config) -> Path:
+    return synthetic_folder("sync", {"sync.toml": small_config(
+        16, optimizer={"algorithm": "sync"}, cluster=None,
+        run={"max_steps": 100, "eval_every_seconds": 0.5, "progress_every_seconds": 1})},
+        n_train=3000, n_test=600, input_shape=(24,), seed=7)
 
 
 def job(n: int, data_dir: Path, out: Path, *overrides: str, faults: str = ""):

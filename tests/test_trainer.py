@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import threadpoolctl
+from conftest import small_config_text
 
 from distbelief.algorithms.sgd import StopRules, TrainingDiverged, train
 from distbelief.config import Config, apply_overrides, config_from_dict
-from distbelief.data.converters import make_synthetic
 from distbelief.records.metrics import (
     REQUIRED_SUMMARY_KEYS,
     ResumePoint,
@@ -25,31 +25,13 @@ from distbelief.runtime import threads as threads_module
 from distbelief.runtime.threads import get_blas_threads, set_blas_threads
 
 CLASSES = 4
-TOML = """
-[model]
-layers = [
-    { type = "dense", units = 32, activation = "relu" },
-    { type = "dense", units = 4, activation = "softmax" },
-]
-[data]
-path = "synth.h5"
-batch_size = 32
-[optimizer]
-learning_rate = 0.05
-[run]
-max_steps = 400
-eval_every_seconds = 0.2
-progress_every_seconds = 0.1
-threads = 1
-"""
+TOML = small_config_text(optimizer={"algorithm": None}, cluster=None,
+                         run={"eval_every_seconds": 0.2, "progress_every_seconds": 0.1})
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("trainer")
-    make_synthetic(folder / "synth.h5", n_train=4000, n_test=500, input_shape=(16,),
-                   num_classes=CLASSES, seed=3)
-    return folder
+def data_dir(synthetic_folder) -> Path:
+    return synthetic_folder("trainer", num_classes=CLASSES)
 
 
 def make_config(data_dir: Path, out_dir: Path, *overrides: str) -> Config:

@@ -3,14 +3,28 @@ Fixtures live in conftest.py; helpers of one algorithm's tests in helpers/<algor
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import h5py
+from conftest import small_config_text
+
+from distbelief.records.metrics import read_metrics
+
+# Every replica step takes at least 0.2 ms (a test-only delay), so that a kill at step 1000
+# lands early in a run of 6000 steps however fast the machine is.
+DELAY = "delay:*:0:0.0002s"
 
 
 def set_args(*overrides: str) -> list[str]:
     return [arg for override in overrides for arg in ("--set", override)]
+
+
+def finished(proc, out: Path) -> tuple[dict, list[dict]]:
+    """summary.json and metrics.jsonl of a run that must have exited 0."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return json.loads((out / "summary.json").read_text()), read_metrics(out / "metrics.jsonl")
 
 
 def exit_statuses(proc) -> list[int]:
@@ -28,3 +42,10 @@ def flip_bytes(path: Path) -> None:
         data[i] ^= 0xFF
     path.write_bytes(bytes(data))
 
+
+def fault_config(hidden: int | None) -> str:
+    """The fault-tolerance runs' Downpour configuration: softmax regression (None) or an
+    MLP of `hidden` units, batches of 128, no step limit (each test sets its own)."""
+    return small_config_text(hidden, data={"batch_size": 128},
+                             run={"max_steps": None, "eval_every_seconds": 1,
+                                  "progress_every_seconds": 1})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ from scipy.optimize import minimize as scipy_minimize
 
 from distbelief.data.hdf5 import open_dataset, read_rows, to_float
 from distbelief.model.network import Network
-from distbelief.records.metrics import read_metrics
+from helpers import set_args
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
@@ -46,19 +45,10 @@ def write(folder: Path, name: str, text: str) -> Path:
     return path
 
 
-def sets(*overrides: str) -> list[str]:
-    return [arg for o in overrides for arg in ("--set", o)]
-
-
 def train(n: int, config: Path, out: Path, *overrides: str, env: dict | None = None,
           timeout: float = TIMEOUT):
     return run_mpi(n, ["-m", "distbelief", "train", config,
-                       *sets(f'run.out_dir="{out}"', *overrides)], timeout=timeout, env=env)
-
-
-def finished(proc, out: Path) -> tuple[dict, list[dict]]:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    return json.loads((out / "summary.json").read_text()), read_metrics(out / "metrics.jsonl")
+                       *set_args(f'run.out_dir="{out}"', *overrides)], timeout=timeout, env=env)
 
 
 def training_set(path: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -23,6 +23,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
@@ -34,6 +36,7 @@ from distbelief.errors import UserError
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import DISCARDED_FILE, METRICS_FILE, SUMMARY_FILE
+from distbelief.runtime import watchdog
 
 EVAL_BATCH_SIZE = 1000
 
@@ -360,3 +363,22 @@ def archive_previous_run(out_dir: str | Path) -> Path | None:
         os.rename(path, target / path.name)
     return target
 
+
+@contextmanager
+def watched_run(comm: Any, describe: Callable[[int], str],
+                run: Any) -> Iterator[tuple[StopSignals, Any]]:
+    """The frame an MPI trainer's loop runs in, yielding (stop signals, liveness.Peers):
+    this rank's stall watchdog (watchdog.current() inside), every rank catching the stop
+    signals (launchers forward them to all; the trainer decides who acts), numpy's
+    overflow warnings off (a diverging run is reported once, as TrainingDiverged); the
+    Peers are closed on the way out. Collective over `comm` on entry (watchdog.for_job: an
+    allgather of every rank's identity; on several nodes every rank beats in out_dir
+    until the end, so a rank dying on another node is found within the heartbeat
+    timeout). `run` is the [run] configuration, `describe(rank)` names a rank."""
+    guard, peers = watchdog.for_job(comm, describe, run)
+    with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard), \
+            StopSignals() as signals:
+        try:
+            yield signals, peers
+        finally:
+            peers.close()

@@ -51,6 +51,7 @@ from distbelief.algorithms.common import (
     prepare_run_dir,
     start_over,
     train_shard,
+    watched_run,
 )
 from distbelief.config import Config, config_hash
 from distbelief.errors import ConfigError
@@ -135,13 +136,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     def describe(rank: int) -> str:
         return f"rank {rank} (partition {rank})"
 
-    # Collective (an allgather); on several nodes every rank beats in out_dir until the end,
-    # so that a partition dying on another node is found within the heartbeat timeout.
-    guard, peers = watchdog.for_job(comm, describe, config.run)
-    # Every rank catches the stop signals (launchers forward them to all): rank 0 decides,
-    # at the end of a step, and the others must simply not die of them.
-    with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard), \
-            StopSignals() as signals:
+    # Rank 0 acts on a stop signal, at the end of a step; the others must not die of it.
+    with watched_run(comm, describe, config.run) as (signals, _):
         try:
             reason, step = _loop(config, model, shard, optimizer, params, eval_set, recorder,
                                  signals)
@@ -149,8 +145,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             # One replica over P ranks: nothing goes on without a partition. No checkpoint
             # is written for partitioned runs, so nothing is left half written either.
             watchdog.abort_and_leave(comm, watchdog.lost_message(describe, lost))
-        finally:
-            peers.close()
     traffic = traffic_totals(model)
     if not rank0:
         return None

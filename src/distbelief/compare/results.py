@@ -28,7 +28,7 @@ from typing import Any
 from distbelief.compare.plan import PlannedRun
 from distbelief.compare.running import LOGS_DIR, RUNS_DIR, read_state, read_summary
 from distbelief.records.metrics import METRICS_FILE, read_metrics
-from distbelief.records.report import import_pyplot
+from distbelief.records.report import import_pyplot, save_with_legend
 
 TABLE_CSV = "table.csv"
 RUNS_CSV = "runs.csv"
@@ -363,10 +363,4 @@ def _save(plt: Any, fig: Any, ax: Any, path: Path, title: str) -> Path:
         if hasattr(formatter, "set_useOffset"):
             formatter.set_useOffset(False)
             formatter.set_scientific(False)
-    handles, labels = ax.get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="outside lower center", fontsize="small",
-                   ncols=1 if max(len(label) for label in labels) > 40 else 2)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_with_legend(plt, fig, path, ax)

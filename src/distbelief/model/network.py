@@ -152,12 +152,7 @@ class Network:
     def evaluate(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
                  batch_size: int = 1000) -> tuple[float, float]:
         """(mean loss, accuracy) over all of x, y, in batches of `batch_size`."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        total = len(x)
-        if total == 0 or len(y) != total:
-            raise DataError(f"evaluate needs equal, non-zero numbers of inputs ({total}) "
-                            f"and labels ({len(y)})")
+        total = evaluation_size(x, y, batch_size)
         param_views = self._views(params, "params")
         loss_sum = 0.0
         correct = 0
@@ -358,3 +353,15 @@ def _build_lcn(where: str, values: dict, in_shape: tuple[int, ...], index: int,
     # Zero padding makes any window size well defined, even one wider than the image.
     kernel = _check_image_input(where, "lcn", in_shape, index, kernel, padded=True)
     return Lcn(in_shape, kernel, float(floor))
+
+
+def evaluation_size(x: np.ndarray, y: np.ndarray, batch_size: int) -> int:
+    """The number of examples `evaluate` is given, checked: as many labels as inputs, at
+    least one, a positive batch size (ValueError, DataError)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    total = len(x)
+    if total == 0 or len(y) != total:
+        raise DataError(f"evaluate needs equal, non-zero numbers of inputs ({total}) "
+                        f"and labels ({len(y)})")
+    return total

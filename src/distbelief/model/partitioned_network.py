@@ -58,7 +58,7 @@ from distbelief.errors import DataError
 from distbelief.model import kernels
 from distbelief.model.layers import NO_PARAMS, SAVED_DTYPE, Dense, Layer, Lcn, Pool
 from distbelief.model.layout import DTYPE
-from distbelief.model.network import Network
+from distbelief.model.network import Network, evaluation_size
 from distbelief.model.partition import LayerPart, Partitioning
 from distbelief.runtime.agreement import wait_all
 from distbelief.runtime.topology import world_ranks
@@ -523,12 +523,7 @@ class PartitionedNetwork:
                  batch_size: int = 1000) -> tuple[float, float]:
         """(mean loss, accuracy) over all of x, y in batches, as Network.evaluate.
         Collective over `comm`: every partition passes the same x and y."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        total = len(x)
-        if total == 0 or len(y) != total:
-            raise DataError(f"evaluate needs equal, non-zero numbers of inputs ({total}) "
-                            f"and labels ({len(y)})")
+        total = evaluation_size(x, y, batch_size)
         views = self._views(params, "params")
         loss_sum, hits = 0.0, 0
         for start in range(0, total, batch_size):

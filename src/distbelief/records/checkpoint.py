@@ -339,7 +339,8 @@ def _write_file_atomic(folder: Path, name: str, data: bytes) -> None:
     os.replace(tmp, folder / name)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the renames and deletions in folder `path` durable (fsync of the folder)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -428,7 +429,7 @@ def _manifest_digest(manifest: Mapping[str, Any]) -> str:
 
 def _write_manifest(partial: Path, manifest: Mapping[str, Any]) -> None:
     _write_file_atomic(partial, MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-    _fsync_dir(partial)  # the parts' and the manifest's renames
+    fsync_dir(partial)  # the parts' and the manifest's renames
 
 
 def _publish(partial: Path) -> Path:
@@ -437,7 +438,7 @@ def _publish(partial: Path) -> Path:
     if final.exists():
         raise CheckpointError(f"checkpoint {final} exists already")
     os.rename(partial, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 
@@ -449,7 +450,7 @@ def _prune(root: Path, keep: int) -> list[Path]:
     for _, path in reversed(list_checkpoints(root)[keep:]):
         doomed = path.with_name(path.name + DELETING_SUFFIX)
         os.rename(path, doomed)
-        _fsync_dir(root)
+        fsync_dir(root)
         shutil.rmtree(doomed)
         removed.append(path)
     return removed
@@ -776,7 +777,7 @@ def set_aside(path: str | Path) -> Path:
         n += 1
         target = path.with_name(f"{path.name}{DAMAGED_SUFFIX}-{n}")
     os.rename(path, target)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return target
 
 

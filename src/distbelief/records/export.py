@@ -354,7 +354,7 @@ def write_export(model: TrainedModel, out: str | Path, fmt: str | None = None) -
         with tmp.open("rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        ckpt.fsync_dir(out.parent)
     except OSError as exc:
         raise ExportError(f"cannot write {out}: {exc.strerror or exc}") from exc
     finally:
@@ -398,12 +398,3 @@ def _write_safetensors(path: Path, metadata: Mapping[str, Any],
         f.write(text)
         for values in arrays.values():
             f.write(np.ascontiguousarray(values, dtype="<f4").tobytes())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -361,7 +361,13 @@ def _save(plt: Any, fig: Any, path: Path, title: str, runs: Sequence[Run],
     fig.suptitle(f"{title}\n{', '.join(run.name for run in runs)}", fontsize="medium")
     for ax in fig.axes:
         _plain_ticks(ax)
-    handles, labels = (legend_from or fig.axes[0]).get_legend_handles_labels()
+    return save_with_legend(plt, fig, path, legend_from or fig.axes[0])
+
+
+def save_with_legend(plt: Any, fig: Any, path: Path, legend_from: Any) -> Path:
+    """The legend of `legend_from`'s lines below the axes (one column when a label is
+    long); write the PNG and close the figure."""
+    handles, labels = legend_from.get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="outside lower center", fontsize="small",
                    ncols=1 if max(len(label) for label in labels) > 40 else 2)

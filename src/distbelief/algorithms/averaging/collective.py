@@ -60,6 +60,7 @@ from distbelief.algorithms.common import (
     prepare_run_dir,
     starting_checkpoint,
     train_shard,
+    watched_run,
 )
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.errors import ConfigError, DataError
@@ -180,16 +181,12 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                                resume=resume_point)
     saver = Saver(config, replica, recorder, stream,
                   last_step=found.step if found is not None else None)
-    guard, peers = watchdog.for_job(comm, describe_rank, config.run)
-    with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard), \
-            StopSignals() as signals:
+    with watched_run(comm, describe_rank, config.run) as (signals, peers):
         try:
             reason = _loop(config, replica, eval_set, recorder, saver, signals)
             saver.save()
         except watchdog.RankLost as lost:
             _stop_for_lost(comm, peers, lost, saver)
-        finally:
-            peers.close()
     if recorder is None:
         return None
     summary = recorder.finish({

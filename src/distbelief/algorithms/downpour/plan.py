@@ -1,7 +1,7 @@
 """Downpour's plan and what every role shares: the timing constants and tags, the errors,
 the validated plan (plan_run, pure: every rank raises the same error before the first
 collective), grant (a claim's steps) and Ending (how the run ended, as one rank knows it).
-The package docstring (distbelief.algorithms.downpour) says how the run goes.
+docs/downpour.md, "Design", says how the run goes.
 """
 
 from __future__ import annotations

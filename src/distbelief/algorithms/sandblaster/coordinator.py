@@ -1,7 +1,7 @@
 """Sandblaster's coordinator (Coordinator): runs lbfgs.minimize on dot products, hands out
 work units and evaluations, owns the run folder, the stop rules and the checkpoints, and
-writes the summary (the helpers at the end of this module). THE COORDINATOR, CHECKPOINTS
-and STOP in the docstring of sandblaster.roles say how.
+writes the summary (the helpers at the end of this module). docs/sandblaster.md, "Design"
+(the coordinator, checkpoints, stopping), says how.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class Coordinator:
         self.eval_in_flight = False
         self.last_loss = math.nan
         self.step = 0
-        # Lost replicas (see LOST REPLICAS in sandblaster.roles).
+        # Lost replicas (docs/sandblaster.md, "Lost replicas").
         self.peers: Peers | None = None  # set by roles.train
         self.lost: dict[int, LostReplica] = {}
         self.eval_holder: int | None = None  # the replica evaluating eval_task's snapshot

@@ -1,7 +1,7 @@
 """Sandblaster's plan and what every role shares: the message tags and the polling
 back-off, the validated plan (plan_run, pure: every rank raises the same error before the
 first message), the partitions' pieces and the shards' segments of them, and BatchRows
-(which rows make up batch k). The docstring of sandblaster.roles says how the run goes.
+(which rows make up batch k). docs/sandblaster.md, "Design", says how the run goes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Sandblaster's replicas (Replica): ask the coordinator for a task, commit or drop the
 units done since, compute a unit's gradient or an evaluation; a partitioned replica
-shares each answer with its partners (encode_answer / decode_answer). REPLICAS and
-PARTITIONED REPLICAS in the docstring of sandblaster.roles say how.
+shares each answer with its partners (encode_answer / decode_answer). Replicas and
+partitioned replicas in docs/sandblaster.md, "Design", say how.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Sandblaster's shards (ShardServer): the command loop over this shard's vectors
 (distbelief.ps.vector_shard), answering the coordinator's commands with partial dot
-products, the replicas' fetches with the trial point, and summing their pushes. SHARDS
-and ORDER OF A TRIAL in the docstring of sandblaster.roles say how.
+products, the replicas' fetches with the trial point, and summing their pushes.
+docs/sandblaster.md, "Design" (shards, the order of a trial), says how.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ from distbelief.algorithms.common import (
     prepare_run_dir,
     starting_checkpoint,
     train_shard,
+    watched_run,
 )
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
@@ -122,10 +123,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     def describe(r: int) -> str:
         return f"replica {r} (rank {r})"
 
-    # Collective: every rank's identity, so that a gone one is found (liveness).
-    guard, peers = watchdog.for_job(comm, describe, config.run)
-    with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard), \
-            StopSignals() as signals:
+    with watched_run(comm, describe, config.run) as (signals, _):
         try:
             reason = run.loop(signals)
             run.checkpoint(final=True)
@@ -135,8 +133,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                 time.sleep(1.0)  # the lowest survivor speaks for all: one line, not R - 1
             watchdog.abort_and_leave(comm, lost_replica_line(lost.rank))
             raise
-        finally:
-            peers.close()
     if recorder is None:
         return None
     summary = recorder.finish({

@@ -55,6 +55,7 @@ from distbelief.algorithms.common import (
     prepare_run_dir,
     starting_checkpoint,
     train_shard,
+    watched_run,
 )
 from distbelief.algorithms.sync.allreduce import write_checkpoint
 from distbelief.config import Config, config_hash
@@ -110,9 +111,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         return "the parameter-server shard (rank 0)" if r == SHARD else \
             f"replica {r - 1} (rank {r})"
 
-    guard, peers = watchdog.for_job(comm, describe, config.run)
-    with np.errstate(over="ignore", invalid="ignore"), watchdog.watching(guard), \
-            StopSignals() as signals:
+    with watched_run(comm, describe, config.run) as (signals, peers):
         try:
             if rank != SHARD:
                 shard = train_shard(config, info, rank - 1, replicas)
@@ -126,7 +125,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             opt = config.optimizer
             optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)
             server = _Server(config, comm, network, params, optimizer,
-                             load_eval_set(config, info), peers, guard, stream)
+                             load_eval_set(config, info), peers, watchdog.current(), stream)
             if found is not None:
                 server.restore(found)
             say(stream, f"distbelief: sync, {replicas} replicas + 1 parameter-server shard, "
@@ -139,8 +138,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         except watchdog.RankLost as lost:  # a replica lost its shard: nothing goes on
             watchdog.abort_and_leave(comm, watchdog.lost_message(describe, lost))
             raise
-        finally:
-            peers.close()
 
 
 # ------------------------------------------------------------------------------------------
