@@ -191,9 +191,10 @@ def test_pulls_are_never_torn(n, shards, mode, transport):
 @pytest.mark.nodes
 @pytest.mark.parametrize("n, shards", [(2, 1), (4, 2)])
 def test_a_reader_slower_than_the_publishes_still_pulls(n, shards):
-    # Each read sleeps 50 ms before its check while the shards publish about every
-    # millisecond: every read tears, and without the reader's hold no pull would ever end
-    # (checked: the first pull never returned, the job timed out).
+    # Each read sleeps 50 ms once registered, before its Get, while the shards publish
+    # about every millisecond: they must publish around it (the values still change) and
+    # never into the buffer it reads (no torn pull). Before issue 28 (a seqlock) every
+    # such read tore, and only a hold let it end.
     proc = mpi4py_job(n, "ps_torn.py", "--shards", shards, "--size", 100_000,
                       "--mode", "set", "--seconds", 1.0, "--transport", "rma",
                       "--slow-reads", 0.05)
