@@ -213,6 +213,21 @@ def test_staleness_counts_updates_since_pull(n, shards, extra, transport):
     assert "replica B: 5 pushes applied" in proc.stdout
 
 
+@pytest.mark.both_mpis
+@pytest.mark.nodes
+@pytest.mark.parametrize("n, shards, size", [(2, 1, 1000), (3, 2, 1001)])
+def test_rma_census_float_data_moves_only_by_put_and_get(n, shards, size):
+    # Every one-sided call is recorded: an accumulate of anything but one int64 fails the
+    # job, and so does any step whose calls differ from docs/rma-protocol.md's table.
+    proc = mpi4py_job(n, "rma_census.py", "--shards", shards, "--size", size)
+    assert_ok(proc)
+    assert proc.stdout.count("census ok") == n
+    for step in ("pull", "push", "push with a run control exchange", "finish",
+                 "idle shard poll", "shard poll folding one push"):
+        assert f"census {step}:" in proc.stdout
+    assert ("census snapshot:" in proc.stdout) == (shards > 1)
+
+
 @pytest.mark.parametrize("n, args, needle, transport", [
     (2, ["--shards", 2], "2 MPI rank(s) leave 0 for model replicas", None),
     (4, ["--shards", 1, "--partitions", 2], "not a multiple of partitions=2", None),

@@ -116,9 +116,9 @@ class ParameterClient(_Endpoint):
         `seconds` longer before the Unlock, as a rank descheduled just before it."""
         self._linger_s = seconds
 
-    def _maybe_hang(self, shard: int) -> None:
+    def _maybe_hang(self, shard: int, doing: str = "holding the lock on shard") -> None:
         if self._hang is not None:
-            self._hang(f"in a push, holding the lock on shard {shard}")
+            self._hang(f"in a push, {doing} {shard}")
 
     def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
         """From now on pull and push only `pieces`, [start, stop) ranges of the vector (a
@@ -203,7 +203,7 @@ class ParameterClient(_Endpoint):
             for start, stop in self._segments[shard]:
                 win.Put([grad[start:stop], MPI.FLOAT], shard,
                         (base + (start - low) * FLOAT_BYTES, stop - start, MPI.FLOAT))
-        self._maybe_hang(CONTROL_SHARD)
+        self._maybe_hang(CONTROL_SHARD, "its slot claimed and its data issued on shard")
 
     def _issue_push_done(self, win: MPI.Win) -> None:
         """A push's third round, once its data has completed at every shard:

@@ -348,9 +348,10 @@ class ParameterServerShard(_Endpoint):
             if (now - since >= GONE_CHECK_S
                     and self._client_gone(self.topology.ps_shards + client)
                     and self._swap_slot(k, state, QUARANTINED)):
-                print(f"distbelief: shard {self.rank}: client {client} is gone with push "
-                      f"slot {k} claimed; its push is written off and the slot "
-                      f"quarantined for {QUARANTINE_S:.0f} s", file=sys.stderr, flush=True)
+                print(f"distbelief: shard {self.rank}: a push of client {client} never "
+                      f"completed (its process is gone; push slot {k} was claimed): the "
+                      f"push is written off, the slot quarantined for {QUARANTINE_S:.0f} s",
+                      file=sys.stderr, flush=True)
                 self._claimed_since.pop(k, None)
                 self._quarantined[k] = now
 
