@@ -33,6 +33,14 @@ private duplicate of the world communicator, displacement unit 1 byte, int64 slo
 
 Every rank opens one passive-target epoch on both windows at creation,
 `Lock_all(MODE_NOCHECK)`, and keeps it until `free()`: nobody calls Lock or Unlock.
+
+Why it is legal, in short (the argument in full: docs/rma-protocol.md): int64 atomics on
+one location never conflict, and each location sees one op besides NO_OP (CAS on SLOT,
+REPLACE on READING, NEWEST, VERSION_NOW and FOLDED_HINT, SUM elsewhere), as
+`accumulate_ops = same_op_no_op` asks; every Put, Get and owner's load or store is kept
+apart from any conflicting access by the claim/FULL protocol (slots) and the
+registration protocol (buffers), each step completed by Flush or ordered by Win.Sync, in
+the unified memory model.
 """
 
 from __future__ import annotations
