@@ -44,6 +44,10 @@ exception on any rank aborts the job):
     `-launcher fork -hosts`, which picks RMA by itself), with each optimizer.fetch, each
     as a ratio to shared memory in the same sweep; then time to the target, 1 shard + 1
     replica, shared memory and RMA with each optimizer.fetch.
+(g) osc (issue 28; run it in an Open MPI environment): 1 shard + 2 replicas on the RMA
+    transport, samples/s per replica with Open MPI's osc/ucx forced onto UCX's
+    shared-memory transports (the component InfiniBand clusters use) against
+    `--mca osc ^ucx` (osc/sm or osc/rdma), interleaved rounds, best kept, as a ratio.
 
 The machine is shared: each row shows the load average just before it was measured, and
 the figures to quote are the best rounds (throughput) taken when the load was lowest.
@@ -382,11 +386,41 @@ def section_transport_target(args: argparse.Namespace) -> None:
     print(f"  ({load()})", flush=True)
 
 
+OSC_UCX = {"OMPI_MCA_osc": "ucx", "OMPI_MCA_osc_ucx_tls": "any",
+           "OMPI_MCA_osc_ucx_devices": "any", "OMPI_MCA_pml": "ob1"}
+OSC_ROWS = [("osc/ucx forced (OMPI_MCA_osc=ucx, tls/devices any, pml ob1)", OSC_UCX),
+            ("--mca osc ^ucx (osc/sm here)", {"OMPI_MCA_osc": "^ucx"})]
+
+
+def section_osc(args: argparse.Namespace) -> None:
+    """(g) Open MPI's osc/ucx against its other one-sided components, same sweep."""
+    from mpi4py import MPI
+
+    if "Open MPI" not in MPI.Get_library_version():
+        print("\n(g) osc: skipped, mpi4py is not built on Open MPI")
+        return
+    print(f"\n(g) osc: 1 shard + 2 replicas, RMA transport, {args.steps} steps in total, "
+          f"mean samples/s per replica, best of {args.repeats} interleaved rounds")
+    root = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    best: dict[int, float] = {}
+    loads = []
+    for _ in range(args.repeats):
+        loads.append(os.getloadavg()[0])
+        for row, (_, env) in enumerate(OSC_ROWS):
+            r = downpour_run(args, ranks=3, steps=args.steps, transport="rma",
+                             extra_env={**root, **env}, launcher=("--oversubscribe",))
+            rate = statistics.mean(x["samples_per_second"] for x in r["replicas"])
+            best[row] = max(best.get(row, 0.0), rate)
+    for row, rate in best.items():
+        print(f"  {OSC_ROWS[row][0]:<62} {rate:>8,.0f}  {ratio(rate, best[1]):>5}")
+    print(f"  (loads at round starts: {', '.join(f'{x:.1f}' for x in loads)})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=REPO / "data" / "fashion_mnist.h5")
-    p.add_argument("--only", choices=["target", "throughput", "replicas", "bandwidth",
+    p.add_argument("--only", choices=["target", "throughput", "replicas", "bandwidth", "osc",
                                       "interleaved", "transports", "transport-target"])
     p.add_argument("--threads", default="1,2", help="(a): thread counts")
     p.add_argument("--seeds", type=int, default=1, help="(a): seeds, median reported")
@@ -432,6 +466,8 @@ def main() -> None:
         section_interleaved(args)
     if args.only in (None, "transports"):
         section_transports(args)
+    if args.only == "osc":  # not in the default sweep: it needs Open MPI's mpi4py
+        section_osc(args)
     if args.only in (None, "transports", "transport-target"):
         section_transport_target(args)
 

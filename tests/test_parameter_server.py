@@ -191,9 +191,10 @@ def test_pulls_are_never_torn(n, shards, mode, transport):
 @pytest.mark.nodes
 @pytest.mark.parametrize("n, shards", [(2, 1), (4, 2)])
 def test_a_reader_slower_than_the_publishes_still_pulls(n, shards):
-    # Each read sleeps 50 ms before its check while the shards publish about every
-    # millisecond: every read tears, and without the reader's hold no pull would ever end
-    # (checked: the first pull never returned, the job timed out).
+    # Each read sleeps 50 ms once registered, before its Get, while the shards publish
+    # about every millisecond: they must publish around it (the values still change) and
+    # never into the buffer it reads (no torn pull). Before issue 28 (a seqlock) every
+    # such read tore, and only a hold let it end.
     proc = mpi4py_job(n, "ps_torn.py", "--shards", shards, "--size", 100_000,
                       "--mode", "set", "--seconds", 1.0, "--transport", "rma",
                       "--slow-reads", 0.05)
@@ -210,6 +211,21 @@ def test_staleness_counts_updates_since_pull(n, shards, extra, transport):
     assert_ok(proc)
     assert "replica A: staleness 5 then 0" in proc.stdout
     assert "replica B: 5 pushes applied" in proc.stdout
+
+
+@pytest.mark.both_mpis
+@pytest.mark.nodes
+@pytest.mark.parametrize("n, shards, size", [(2, 1, 1000), (3, 2, 1001)])
+def test_rma_census_float_data_moves_only_by_put_and_get(n, shards, size):
+    # Every one-sided call is recorded: an accumulate of anything but one int64 fails the
+    # job, and so does any step whose calls differ from docs/rma-protocol.md's table.
+    proc = mpi4py_job(n, "rma_census.py", "--shards", shards, "--size", size)
+    assert_ok(proc)
+    assert proc.stdout.count("census ok") == n
+    for step in ("pull", "push", "push with a run control exchange", "finish",
+                 "idle shard poll", "shard poll folding one push"):
+        assert f"census {step}:" in proc.stdout
+    assert ("census snapshot:" in proc.stdout) == (shards > 1)
 
 
 @pytest.mark.parametrize("n, args, needle, transport", [

@@ -2,9 +2,9 @@
 
 endpoint (what both transports share: the optimizer interface, the endpoint base, the
 transport names), stats (what a shard did; staleness), the RMA transport between nodes:
-rma_windows (the windows, their access rules and why each access is legal, the checked
-read of published parameters), rma_shard (the fold and publish), rma_client (push, pull,
-catch_up); shared_memory (the transport for a job on one node: clients update the shard's
+rma_windows (the windows, the calls allowed on each location, the registered read of
+published parameters; why each is legal: docs/rma-protocol.md), rma_shard (the fold and
+publish), rma_client (push, pull, catch_up); shared_memory (the transport for a job on one node: clients update the shard's
 segment directly), transport (which transport a job uses: open_parameter_server),
 run_control (Downpour's run control block on shard 0: step claims, reports, commands),
 vector_shard (one shard's slice of the Sandblaster L-BFGS vectors).

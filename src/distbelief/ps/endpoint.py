@@ -10,9 +10,10 @@ rank agrees; `requested_transport` for how to force one):
   folds its own gradient into the shard's parameters with the shard's optimizer, and
   copies parameters out, directly in the shard's shared segment under a kernel
   reader-writer lock. No shard is on the critical path of a step.
-- "rma" otherwise: replicas push gradients and pull parameters with passive-target RMA;
-  the shard folds the pushed gradients into its parameters with its optimizer (Adagrad or
-  SGD): rma_windows.py (the windows and why every access is legal), rma_shard.py,
+- "rma" otherwise: replicas push gradients and pull parameters with passive-target RMA
+  (float data by Put and Get, counters by integer atomics); the shard folds the pushed
+  gradients into its parameters with its optimizer (Adagrad or SGD): rma_windows.py (the
+  windows; docs/rma-protocol.md says why every access is legal), rma_shard.py,
   rma_client.py.
 
 Why both: with MPICH on one node every RMA round needs a pass through the target's

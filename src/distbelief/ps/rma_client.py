@@ -1,13 +1,21 @@
 """A replica's (or the coordinator's) handle on every shard over the RMA transport: push,
-pull, push_pull, catch_up, finish. The windows and the access rules are in
-rma_windows.py, the shard's side in rma_shard.py.
+pull, push_pull, catch_up, finish. The windows and the operations allowed on each
+location are in rma_windows.py, the shard's side in rma_shard.py, why it is legal in
+docs/rma-protocol.md.
 
-READ-YOUR-WRITES. `catch_up()` pulls again until the pulled versions include the update
-that holds the client's last push (phase f: version f + 1), waiting only for the shard.
+A push: (1) claim a push slot on each shard (Compare_and_swap 0 -> id; the run control
+operations, and a read of VERSION_NOW for staleness, ride in the same round); (2) Put
+the gradient into it; (3) mark it FULL (Compare_and_swap). Each round is completed by
+Flush. A pull is rma_windows.PublishedReader's registered read.
+
+READ-YOUR-WRITES. `catch_up()` pulls again until the pulled buffers' FOLDED count of this
+client's pushes reaches the pushes it made, waiting only for the shards (polling the
+8-byte FOLDED_HINT in between).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +25,6 @@ from mpi4py import MPI
 
 from distbelief.model.layout import DTYPE
 from distbelief.ps.endpoint import (
-    APPLIED,
     CONTROL_SHARD,
     COUNTER_BYTES,
     HEADER_BYTES,
@@ -26,22 +33,16 @@ from distbelief.ps.endpoint import (
     _waiting_backoff,
 )
 from distbelief.ps.rma_windows import (
-    _NO_INT64,
-    BEGUN,
-    COMPLETED,
     DONE,
-    FETCHED,
     FLOAT_BYTES,
-    PHASE,
-    PUBLISHED,
-    TICKET,
+    VERSION_NOW,
+    PublishedReader,
     _complete,
-    _int64,
-    _issue_buffer_reads,
-    _issue_reads_of,
-    _read_published,
     _ShardWindows,
-    _torn,
+    add,
+    compare_and_swap,
+    fetch_op,
+    full_state,
 )
 from distbelief.ps.run_control import ControlExchange
 from distbelief.ps.stats import StalenessStats
@@ -63,36 +64,38 @@ class ParameterClient(_Endpoint):
                  size: int, send_fetched: bool = False):
         super().__init__(comm, windows, topology, size)
         shards = topology.ps_shards
-        # Whether a push also adds the version it had pulled to FETCHED (the shards'
-        # optimizer revises for delay: AdaRevision); one int64 per shard, same round.
-        self._send_fetched = send_fetched
-        self._fetched = np.zeros((shards, 1), dtype=np.int64)
+        # Pushes always carry the version they were computed on, in their FULL mark:
+        # AdaRevision's shards use it. (`send_fetched` is kept for the interface.)
+        del send_fetched
+        self._client = topology.world_rank - shards  # its id in SLOT and FOLDED
+        self._reader = PublishedReader(windows, topology.world_rank, shards, self._client)
         self.pulled_versions = np.zeros(shards, dtype=np.int64)
         self.applied_pushes = np.zeros(shards, dtype=np.int64)
         self.staleness = StalenessStats()
         self._finished = False
-        self._headers = np.zeros((shards, 2), dtype=np.int64)
+        self._headers = np.zeros((shards, 2), dtype=np.int64)  # VERSION, APPLIED pulled
+        self._folded_read = np.zeros((shards, 1), dtype=np.int64)  # FOLDED[me] pulled
+        self._folded = np.zeros(shards, dtype=np.int64)  # FOLDED as last pulled
+        self._pushes_made = np.zeros(shards, dtype=np.int64)  # marked FULL, per shard
+        self._hints = np.zeros((shards, 1), dtype=np.int64)
+        self._taken = np.zeros((shards, 1), dtype=np.int64)
+        self._claim_results = np.zeros((shards, 1), dtype=np.int64)
+        self._mark_results = np.zeros((shards, 1), dtype=np.int64)  # disjoint: both in flight
+        self._slot = np.full(shards, -1, dtype=np.int64)  # slot claimed, per shard
+        self._last_slot = np.full(shards, -1, dtype=np.int64)
+        self._mine = np.array([self._client + 1], dtype=np.int64)  # a claim's value
+        self._free = np.zeros(1, dtype=np.int64)
+        self._marks = np.zeros((shards, 1), dtype=np.int64)  # FULL values being written
         self._one = np.ones(1, dtype=np.int64)
-        self._taken = np.zeros((shards, 1), dtype=np.int64)  # phase of the last push
-        self._tickets = np.zeros((shards, 1), dtype=np.int64)
-        self._phase_marks = np.zeros((shards, 1), dtype=np.int64)  # phase + 1, to PENDING
-        self._unmarks = np.zeros((shards, 1), dtype=np.int64)  # its negation, when done
-        self._minus_one = -self._one
-        self._client = topology.world_rank - shards  # its PENDING slot
-        self._push_versions = np.zeros(shards, dtype=np.int64)  # versions holding last push
-        self._published = np.zeros((shards, 1), dtype=np.int64)  # PUBLISHED as last read
-        self._begun = np.zeros((shards, 1), dtype=np.int64)  # BEGUN as last read
-        self._buffer_headers = np.zeros((shards, 2, 2), dtype=np.int64)  # both buffers'
         # What this client transfers, per shard: all of its range unless restrict_to.
         self._segments = [[r] for r in self.ranges]
         self._touched = np.ones(shards, dtype=bool)
-        # push_pull_overlapped: a push whose data, and a pull whose buffer read, were
-        # issued but not completed (they complete in the next call, or drain); a caller
-        # that alternates pull buffers reads pull_in_flight
+        # push_pull_overlapped: a push whose data, and a pull whose Get, were issued but
+        # not completed (they complete in the next call, or drain); a caller that
+        # alternates pull buffers reads pull_in_flight
         self._in_flight = False
         self.pull_in_flight = False
         self._pull_out: np.ndarray | None = None
-        self._in_flight_published = np.zeros((shards, 1), dtype=np.int64)  # PUBLISHED it read
         self._hang: Any = None  # test-only: what to do in the next push (Faults.hang or .kill)
         self._linger_s = 0.0  # test-only: seconds to hold each exchange's epoch open
 
@@ -113,9 +116,9 @@ class ParameterClient(_Endpoint):
         `seconds` longer before the Unlock, as a rank descheduled just before it."""
         self._linger_s = seconds
 
-    def _maybe_hang(self, shard: int) -> None:
+    def _maybe_hang(self, shard: int, doing: str = "holding the lock on shard") -> None:
         if self._hang is not None:
-            self._hang(f"in a push, holding the lock on shard {shard}")
+            self._hang(f"in a push, {doing} {shard}")
 
     def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
         """From now on pull and push only `pieces`, [start, stop) ranges of the vector (a
@@ -146,141 +149,161 @@ class ParameterClient(_Endpoint):
     def _pulled_shards(self) -> list[int]:
         return [s for s in self.topology.shard_ranks if self._touched[s]]
 
-    def _issue_push_ticket(self, win: MPI.Win) -> None:
-        """A push's first round: take a ticket on each shard it touches (Fetch_and_op SUM
-        of 1 on TICKET): it counts the push as started and names its phase."""
-        pending = self._live().pending + 2 * self._client * COUNTER_BYTES
-        for shard in self._pulled_shards():
-            win.Fetch_and_op(_int64(self._one), _int64(self._tickets[shard]), shard,
-                             TICKET * COUNTER_BYTES, MPI.SUM)
-            win.Accumulate(_int64(self._one), shard, (pending, 1, MPI.INT64_T), MPI.SUM)
+    def _candidates(self, shard: int) -> list[int]:
+        """Slots to try on `shard`, in order: the client's two home slots (the other one
+        first after a push, so an overlapped push in flight keeps its own), then the
+        rest."""
+        k = self._live().slots
+        home = [(2 * self._client) % k, (2 * self._client + 1) % k]
+        if self._last_slot[shard] == home[0]:
+            home.reverse()
+        return list(dict.fromkeys(home + [(home[0] + i) % k for i in range(k)]))
 
-    def _note_ticket(self) -> None:
-        """Once the ticket round completed: the phase of the push (from its ticket) and
-        the version its gradient was computed on (the last pull's, for FETCHED)."""
-        self._taken[:, 0] = self._tickets[:, 0] // PHASE
-        self._fetched[:, 0] = self.pulled_versions
-
-    def _issue_push_data(self, win: MPI.Win, grad: np.ndarray,
-                         control: ControlExchange | None) -> None:
-        """A push's second round (after _note_ticket): Accumulate(SUM) of the gradient into
-        the accumulator of its phase on each shard, and the control operations on shard
-        0."""
-        windows = self._live()
-        phase_slot = windows.pending + (2 * self._client + 1) * COUNTER_BYTES
-        self._phase_marks[:, 0] = self._taken[:, 0] + 1
-        np.negative(self._phase_marks, out=self._unmarks)
-        for shard in self._pulled_shards():
-            low, high = self.ranges[shard]
-            base = windows.accumulator(int(self._taken[shard, 0]), high - low)
-            # The push's phase + 1 into PENDING's second slot, so the shard can tell which
-            # phase a gone client's push was in.
-            win.Accumulate(_int64(self._phase_marks[shard]), shard,
-                           (phase_slot, 1, MPI.INT64_T), MPI.SUM)
-            if self._send_fetched:
-                # With the data, so it is complete before COMPLETED counts the push.
-                slot = FETCHED + int(self._taken[shard, 0]) % 2
-                win.Accumulate(_int64(self._fetched[shard]), shard,
-                               (slot * COUNTER_BYTES, 1, MPI.INT64_T), MPI.SUM)
-            for start, stop in self._segments[shard]:
-                win.Accumulate([grad[start:stop], MPI.FLOAT], shard,
-                               (base + (start - low) * FLOAT_BYTES, stop - start,
-                                MPI.FLOAT), MPI.SUM)
+    def _claim(self, win: MPI.Win, control: ControlExchange | None,
+               also: Sequence[tuple[MPI.Win, Sequence[int]]] = ()) -> None:
+        """A push's first round: Compare_and_swap(0 -> id) on a push slot of each shard
+        it touches, Fetch_and_op(NO_OP) of VERSION_NOW there, and the control operations
+        on shard 0; a shard whose slot was taken is tried on its next slot in another
+        round, sleeping after a whole turn (every slot busy: the shard is behind). `also`:
+        other windows' operations issued into the first round, completed with it."""
+        shards = self.topology.shard_ranks
+        pending = {s: self._candidates(s) for s in self._pulled_shards()}
+        for s in pending:
+            fetch_op(win, None, self._taken[s], s, VERSION_NOW * COUNTER_BYTES,
+                     MPI.NO_OP)
         if control is not None:
             control.issue(win, CONTROL_SHARD, HEADER_BYTES)
-        self._maybe_hang(CONTROL_SHARD)
+        first, backoff = True, Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
+        guard = watchdog.current()
+        with guard.waiting("a free push slot on the shards", tuple(pending)):
+            while pending:
+                turn = {s: order.pop(0) for s, order in pending.items()}
+                for s, k in turn.items():
+                    compare_and_swap(win, self._mine, self._free, self._claim_results[s], s,
+                                     self._live().slot(k))
+                _complete(win, shards if first else list(turn))
+                for other, ranks in (also if first else ()):
+                    _complete(other, ranks)
+                first = False
+                for s, k in turn.items():
+                    if self._claim_results[s, 0] == 0:
+                        self._slot[s] = self._last_slot[s] = k
+                        del pending[s]
+                    elif not pending[s]:
+                        pending[s] = self._candidates(s)
+                        guard.check()
+                        backoff.wait()
+
+    def _issue_push_data(self, win: MPI.Win, grad: np.ndarray) -> None:
+        """A push's second round: Put each shard's segments of `grad` into its slot."""
+        windows = self._live()
+        for shard in self._pulled_shards():
+            low, high = self.ranges[shard]
+            base = windows.slot_offset(int(self._slot[shard]), high - low)
+            for start, stop in self._segments[shard]:
+                win.Put([grad[start:stop], MPI.FLOAT], shard,
+                        (base + (start - low) * FLOAT_BYTES, stop - start, MPI.FLOAT))
+        self._maybe_hang(CONTROL_SHARD, "its slot claimed and its data issued on shard")
 
     def _issue_push_done(self, win: MPI.Win) -> None:
-        """A push's third round, once its gradient has completed at every shard:
-        Accumulate(SUM) of 1 into the COMPLETED counter of its accumulator, which the
-        shard waits for before it takes that accumulator."""
-        pending = self._live().pending + 2 * self._client * COUNTER_BYTES
+        """A push's third round, once its data has completed at every shard:
+        Compare_and_swap(id -> FULL(id, version pulled)) on its slot."""
         for shard in self._pulled_shards():
-            slot = COMPLETED + int(self._taken[shard, 0]) % 2
-            win.Accumulate(_int64(self._one), shard, (slot * COUNTER_BYTES, 1, MPI.INT64_T),
-                           MPI.SUM)
-            win.Accumulate(_int64(self._minus_one), shard, (pending, 1, MPI.INT64_T), MPI.SUM)
-            win.Accumulate(_int64(self._unmarks[shard]), shard,
-                           (pending + COUNTER_BYTES, 1, MPI.INT64_T), MPI.SUM)
+            self._marks[shard, 0] = full_state(self._client, int(self.pulled_versions[shard]))
+            compare_and_swap(win, self._marks[shard], self._mine, self._mark_results[shard],
+                             shard, self._live().slot(int(self._slot[shard])))
+
+    def _note_push_done(self) -> None:
+        """After the third round completed: count the push (its FULL mark held)."""
+        for shard in self._pulled_shards():
+            if self._mark_results[shard, 0] == self._mine[0]:
+                self._pushes_made[shard] += 1
+            else:
+                # The shard took this client for gone and wrote its claim off.
+                print(f"distbelief: client {self._client}: shard {shard} wrote off this "
+                      "client's push (taken for gone)", file=sys.stderr, flush=True)
 
     def _pulled(self) -> np.ndarray:
         self.pulled_versions[:] = self._headers[:, VERSION]
-        self.applied_pushes[:] = self._headers[:, APPLIED]
+        self.applied_pushes[:] = self._headers[:, 1]
+        self._folded[:] = self._folded_read[:, 0]
         return self.pulled_versions.copy()
 
     def _pushed(self) -> np.ndarray:
-        # The push took its ticket in phase t on each shard: the take of phase t, version
-        # t + 1, applies it; the shard applied t - p updates after the pull of version p.
+        # Staleness: updates the shard had applied when the push claimed its slot, after
+        # the version its gradient was computed on.
         touched = self._touched
-        self._push_versions[touched] = self._taken[touched, 0] + 1
         staleness = self._taken[:, 0] - self.pulled_versions
         self.staleness.add(staleness[touched])
         return staleness
 
     def pull(self, out: np.ndarray) -> np.ndarray:
         """Fetch all parameters into `out`; returns each shard's version (int64, one per
-        shard). One-sided: reads each shard's latest published buffer (Get_accumulate
-        NO_OP, checked untorn; see _read_published), plus an Accumulate(SUM) of 1 into its
-        pull counter."""
+        shard). One-sided: a registered read of each shard's newest buffer
+        (rma_windows.PublishedReader: atomics and Gets), counted in its PULLS."""
         self._check_vector(out, "pull buffer")
-        windows = self._check_open()
+        self._check_open()
         self.drain()
-        _read_published(windows, self._pulled_shards(), self._segments, self.ranges, out,
-                        self._headers, self._one)
+        self._reader.read(self._pulled_shards(), self._segments, self.ranges, out,
+                          self._headers, self._folded_read, count_pull=True)
         return self._pulled()
 
     def push(self, grad: np.ndarray, control: ControlExchange | None = None) -> np.ndarray:
-        """Add `grad` to every shard's accumulator; returns the staleness per shard
-        (updates the shard applied after the version of the last pull, before the push
-        completed).
+        """Put `grad` into a push slot of every shard; returns the staleness per shard
+        (updates the shard applied after the version of the last pull, before the push).
 
-        One-sided, two rounds each completed by Flush: Accumulate(SUM) of each shard's
-        slice (with `control`, its operations on shard 0 too); then Accumulate(SUM) of 1
-        into each push counter and Fetch_and_op(NO_OP) on taken.
+        One-sided, three rounds each completed by Flush: claim (with `control`'s
+        operations on shard 0), Put, mark FULL.
         """
         self._check_vector(grad, "gradient")
         win = self._check_open().accum
-        shards = self.topology.shard_ranks
         self.drain()
-        self._issue_push_ticket(win)
-        _complete(win, shards)
-        self._note_ticket()
-        self._issue_push_data(win, grad, control)
-        _complete(win, shards)
+        self._claim(win, control)
+        staleness = self._pushed()
+        self._issue_push_data(win, grad)
+        _complete(win, self._pulled_shards())
         self._issue_push_done(win)
-        _complete(win, shards)
-        return self._pushed()
+        _complete(win, self._pulled_shards())
+        self._note_push_done()
+        return staleness
 
     def push_pull(self, grad: np.ndarray, out: np.ndarray,
                   control: ControlExchange | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """push(grad, control) and pull(out) with their rounds overlapped; returns
-        (staleness, versions) as push and pull do.
+        """push(grad, control) and pull(out), the pull's first round riding in the push's
+        last; returns (staleness, versions) as push and pull do. The parameters fetched
+        may or may not contain this gradient yet.
 
-        One-sided, to every shard: the same operations as push and pull, in three rounds
-        instead of five. The parameters fetched may or may not contain this gradient yet
-        (usually not).
+        One-sided, to every shard: the same operations as push and pull.
         """
         self._check_vector(grad, "gradient")
         self._check_vector(out, "pull buffer")
         windows = self._check_open()
         self.drain()
-        accum, params = windows.accum, windows.params
-        shards, pulled = self.topology.shard_ranks, self._pulled_shards()
-        self._issue_push_ticket(accum)
-        _issue_reads_of(params, pulled, PUBLISHED, self._published)
-        _complete(accum, shards)
-        _complete(params, pulled)
-        self._note_ticket()
-        self._issue_push_data(accum, grad, control)
-        _issue_buffer_reads(windows, pulled, self._segments, self.ranges, out, self._headers,
-                            self._published, self._one)
-        _complete(accum, shards)
-        _complete(params, pulled)
+        accum, params, pulled = windows.accum, windows.params, self._pulled_shards()
+        self._claim(accum, control)
+        staleness = self._pushed()
+        self._issue_push_data(accum, grad)
+        _complete(accum, pulled)
         self._issue_push_done(accum)
-        _issue_reads_of(params, pulled, BEGUN, self._begun)
-        _complete(accum, shards)
+        self._reader.issue_newest(pulled, count_pull=True)
+        _complete(accum, pulled)
         _complete(params, pulled)
-        return self._pushed(), self._checked(out, self._published)
+        self._note_push_done()
+        self._finish_read(out)
+        return staleness, self._pulled()
+
+    def _finish_read(self, out: np.ndarray) -> None:
+        """The rest of a registered read once its NEWEST round completed: register, Get,
+        deregister."""
+        params, pulled = self._live().params, self._pulled_shards()
+        self._reader.register(pulled)
+        self._reader.issue_get(pulled, self._segments, self.ranges, out, self._headers,
+                          self._folded_read)
+        _complete(params, pulled)
+        registered = list(self._reader.registered)
+        self._reader.issue_deregister()
+        _complete(params, registered)
+        self._reader.deregistered()
 
     def push_pull_overlapped(self, grad: np.ndarray, out: np.ndarray | None,
                              control: ControlExchange | None = None) -> tuple[np.ndarray, bool]:
@@ -291,76 +314,65 @@ class ParameterClient(_Endpoint):
         push, per shard; whether the pull issued by the previous call completed, into the
         buffer given then).
 
-        One-sided, to every shard. Each call makes one round of small operations and waits
-        for it: it completes the previous call's data (a Flush, usually already done),
-        counts that push complete and checks that pull (BEGUN), takes this push's ticket,
-        reads PUBLISHED and issues the control operations (so their answers are known at
-        once); then it issues this push's data and this pull's buffer read, unflushed.
-        The push therefore completes one step later than push_pull's, and the parameters
-        computed on next are those of the previous call's pull: every gradient is at
-        least two updates stale with one replica, where push_pull's are one, and the
-        shards' takes wait for pushes that complete a step late. Staleness is still exact
-        (ticket phase against the pulled version)."""
+        One-sided, to every shard. Each call completes the previous call's Put and Get
+        (a Flush, usually already done) and, in one round, marks that push FULL,
+        deregisters that pull, claims this push's slot, reads NEWEST and issues the
+        control operations; with `out` it registers (two small rounds); then it issues
+        this push's Put and this pull's Get, unflushed. The push therefore completes one
+        step later than push_pull's; staleness is still exact."""
         self._check_vector(grad, "gradient")
         if out is not None:
             self._check_vector(out, "pull buffer")
         windows = self._check_open()
-        accum, params = windows.accum, windows.params
-        shards, pulled = self.topology.shard_ranks, self._pulled_shards()
+        accum, params, pulled = windows.accum, windows.params, self._pulled_shards()
         completed_pull = self._finish_in_flight(issue_next=True)
-        self._issue_push_ticket(accum)
         if out is not None:
-            _issue_reads_of(params, pulled, PUBLISHED, self._published)
-        if control is not None:
-            control.issue(accum, CONTROL_SHARD, HEADER_BYTES)
-        _complete(accum, shards)
-        _complete(params, pulled)
+            self._reader.issue_newest(pulled, count_pull=True)
+        self._claim(accum, control, also=[(params, pulled)])
+        if self._in_flight:
+            self._note_push_done()
+            self._reader.deregistered()
+            self._in_flight = False
         # Before the pull in flight sets pulled_versions: this gradient was computed on the
         # parameters of the pull before it.
-        self._note_ticket()
         staleness = self._pushed()
         if completed_pull:
-            self._checked(self._pull_out, self._in_flight_published)
-        self._issue_push_data(accum, grad, None)
+            self._pulled()
+        self._issue_push_data(accum, grad)
         if out is not None:
-            _issue_buffer_reads(windows, pulled, self._segments, self.ranges, out,
-                                self._headers, self._published, self._one)
-            self._pull_out, self._in_flight_published[:] = out, self._published
+            self._reader.register(pulled)
+            self._reader.issue_get(pulled, self._segments, self.ranges, out, self._headers,
+                          self._folded_read)
+            self._pull_out = out
         self._in_flight, self.pull_in_flight = True, out is not None
         return staleness, completed_pull
 
     def _finish_in_flight(self, issue_next: bool) -> bool:
-        """Complete what the last push_pull_overlapped left in flight: its data and its
-        buffer read (Flush), then issue the push's completion count and, for the pull,
-        the read of BEGUN; with `issue_next` they ride in the caller's next round, else
-        they are completed here. Returns whether a pull was in flight."""
+        """Complete what the last push_pull_overlapped left in flight: its Put and its Get
+        (Flush), then issue the push's FULL mark and, for the pull, the deregistration;
+        with `issue_next` they ride in the caller's next round (which then counts the push
+        and clears `_in_flight`), else they are completed here. Returns whether a pull was
+        in flight (its data is in the buffer given then)."""
         if not self._in_flight:
             return False
         windows = self._live()
-        shards, pulled = self.topology.shard_ranks, self._pulled_shards()
-        _complete(windows.accum, shards)
+        pulled = self._pulled_shards()
+        _complete(windows.accum, pulled)
         _complete(windows.params, pulled)
         self._issue_push_done(windows.accum)
         pull = self.pull_in_flight
-        if pull:
-            _issue_reads_of(windows.params, pulled, BEGUN, self._begun)
-        self._in_flight = self.pull_in_flight = False
+        registered = list(self._reader.registered)
+        self._reader.issue_deregister()
+        self.pull_in_flight = False
         if not issue_next:
-            _complete(windows.accum, shards)
-            _complete(windows.params, pulled)
+            _complete(windows.accum, pulled)
+            _complete(windows.params, registered)
+            self._note_push_done()
+            self._reader.deregistered()
+            self._in_flight = False
             if pull:
-                self._checked(self._pull_out, self._in_flight_published)
+                self._pulled()
         return pull
-
-    def _checked(self, out: np.ndarray, published: np.ndarray) -> np.ndarray:
-        """The seqlock check of a buffer read into `out` after seeing `published`, once
-        its BEGUN read completed: read again, whole, a shard whose buffer was rewritten
-        meanwhile; then take the versions read (as _pulled)."""
-        pulled = self._pulled_shards()
-        if _torn(pulled, published, self._begun):
-            _read_published(self._live(), pulled, self._segments, self.ranges, out,
-                            self._headers)
-        return self._pulled()
 
     def drain(self) -> bool:
         """Complete what push_pull_overlapped left in flight; returns whether a pull
@@ -373,22 +385,19 @@ class ParameterClient(_Endpoint):
                       control: ControlExchange | None = None) -> tuple[np.ndarray, int]:
         """push(grad, control), then pull(out) once every shard has applied that push
         (read-your-writes); returns (staleness, as push does; the pulls made beyond the
-        first, as catch_up counts them after a push_pull). Pushing alone, not push_pull:
-        its pull is read before the push lands, so it never holds it, and would only add
-        2.7 MB to a step (0.2-0.3 ms with the reference MLP, benchmarks/RMA_NOTES.md
-        section 11)."""
+        first, as catch_up counts them after a push_pull)."""
         staleness = self.push(grad, control)
         return staleness, max(0, self.catch_up(out) - 1)
 
     def catch_up(self, out: np.ndarray, backoff: Backoff | None = None) -> int:
-        """Make the last pull contain this client's last push (read-your-writes): pull
-        again, sleeping under `backoff` between pulls, until every shard's pulled version
-        includes the take that held that push. Returns the number of extra pulls (0 when
-        the last pull had it already).
+        """Make the last pull contain this client's last push (read-your-writes): poll
+        each behind shard's FOLDED_HINT for this client (8 bytes, Fetch_and_op NO_OP),
+        sleeping under `backoff`, and pull once it counts every push made; until the
+        pulled FOLDED does. Returns the number of pulls made (0 when the last pull had
+        it already).
 
-        One-sided, to every shard (pulls). It waits only for the shards to fold, never
-        for another client; with one replica, push_pull + catch_up is exactly sequential
-        SGD (the DistBelief server answers a replica's fetch after applying its push).
+        One-sided, to every shard. It waits only for the shards to fold, never for
+        another client; with one replica, push + catch_up is exactly sequential SGD.
         """
         self.drain()
         backoff = backoff or Backoff(min_sleep_s=20e-6, max_sleep_s=0.2e-3)
@@ -396,49 +405,32 @@ class ParameterClient(_Endpoint):
         guard = watchdog.current()
         with guard.waiting("the shards to apply this client's push",
                            self.topology.shard_ranks):
-            while (self.pulled_versions < self._push_versions).any():
-                if not self._push_published():
+            while (behind := self._behind()):
+                if not self._hints_reached(behind):
                     guard.check()
                     backoff.wait()
                     continue
-                self._pull_published(out)
+                self.pull(out)
                 extra += 1
         return extra
 
-    def _pull_published(self, out: np.ndarray) -> None:
-        """pull(out) once _push_published has read PUBLISHED: the buffer it named and then
-        BEGUN, two rounds instead of three (a whole pull again if the buffer was torn)."""
-        windows, pulled = self._check_open(), self._pulled_shards()
-        _issue_buffer_reads(windows, pulled, self._segments, self.ranges, out, self._headers,
-                            self._published, self._one)
-        _complete(windows.params, pulled)
-        _issue_reads_of(windows.params, pulled, BEGUN, self._begun)
-        _complete(windows.params, pulled)
-        self._checked(out, self._published)
+    def _behind(self) -> list[int]:
+        return [s for s in self._pulled_shards() if self._folded[s] < self._pushes_made[s]]
 
-    def _push_published(self) -> bool:
-        """Whether every shard behind has published, or is publishing, an update that holds
-        this client's last push: one round of 8- and 16-byte reads (PUBLISHED and both
-        buffers' VERSION, Fetch_and_op and Get_accumulate NO_OP), so that catch_up does
-        not pull 2.7 MB again and again while a shard folds (4-5 pulls per step, each
-        served by the folding shard, before: benchmarks/RMA_NOTES.md section 11). A hint
-        only: the pull that follows checks what it read."""
-        windows, pulled = self._check_open(), self._pulled_shards()
-        win, behind = windows.params, [
-            s for s in pulled if self.pulled_versions[s] < self._push_versions[s]]
-        for shard in behind:
-            low, high = self.ranges[shard]
-            for b in (0, 1):
-                win.Get_accumulate(_NO_INT64, _int64(self._buffer_headers[shard, b]), shard,
-                                   (windows.buffer(b, high - low), 2, MPI.INT64_T), MPI.NO_OP)
-        _issue_reads_of(win, pulled, PUBLISHED, self._published)
-        _complete(win, pulled)
-        return all(self._buffer_headers[s, self._published[s, 0] % 2, VERSION]
-                   >= self._push_versions[s] for s in behind)
+    def _hints_reached(self, behind: Sequence[int]) -> bool:
+        """Whether every shard behind has published an update holding this client's last
+        push: FOLDED_HINT[me], one round of 8-byte reads. A hint only: the pull that
+        follows reads FOLDED with the data."""
+        windows = self._check_open()
+        for s in behind:
+            fetch_op(windows.params, None, self._hints[s], s, windows.hint(self._client),
+                     MPI.NO_OP)
+        _complete(windows.params, behind)
+        return all(self._hints[s, 0] >= self._pushes_made[s] for s in behind)
 
     def exchange(self, control: ControlExchange) -> None:
         """Only the control operations, without a gradient (a replica's first claim, its
-        warm-start polls). One-sided: a SHARED epoch on shard 0's ACCUM window."""
+        warm-start polls). One-sided: count-1 atomics on shard 0's ACCUM window."""
         win = self._check_open().accum
         self.drain()
         control.issue(win, CONTROL_SHARD, HEADER_BYTES)
@@ -447,15 +439,14 @@ class ParameterClient(_Endpoint):
             time.sleep(self._linger_s)
 
     def finish(self) -> None:
-        """Tell every shard that this rank will push no more. One-sided: Accumulate(SUM) of
-        1 into each shard's done counter. Call it after the last push; idempotent."""
+        """Tell every shard that this rank will push no more. One-sided: a count-1 Accumulate(SUM)
+        of 1 into each shard's DONE. Call it after the last push; idempotent."""
         if self._finished:
             return
         win = self._check_open().accum
         self.drain()
         for shard in self.topology.shard_ranks:
-            win.Accumulate(_int64(self._one), shard, (DONE * COUNTER_BYTES, 1, MPI.INT64_T),
-                           MPI.SUM)
+            add(win, self._one, shard, DONE * COUNTER_BYTES)
         _complete(win, self.topology.shard_ranks)
         self._finished = True
 

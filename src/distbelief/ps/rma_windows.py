@@ -1,87 +1,46 @@
-"""The RMA transport's windows: their layout, the access rules that make every access
-legal without locks, and the checked (seqlock) read of published parameters that clients
-and shard 0's snapshots use. rma_shard.py and rma_client.py build on it.
+"""The RMA transport's windows: their layout, the operations allowed on each location,
+and the registered read of published parameters that clients and shard 0's snapshots
+use. rma_shard.py and rma_client.py build on it. Why every access is legal, from the
+MPI-4.1 one-sided chapter, and why no rank can die holding anything another waits for:
+docs/rma-protocol.md.
+
+The rule (issue 28): float data moves only by Put and Get; every counter, claim and
+registration is a count-1 int64 Fetch_and_op, Compare_and_swap or Accumulate, which a
+network card does by itself (with `acc_single_intrinsic`, Open MPI's osc/ucx runs them
+as UCX atomics and takes no accumulate lock; MPICH is told which ops to expect).
 
 Windows (per shard; size 0 on every other rank), allocated with Win.Allocate over a
-private duplicate of the world communicator, displacement unit 1 byte:
+private duplicate of the world communicator, displacement unit 1 byte, int64 slots:
 
-    ACCUM  [0:8) TICKET | [16:24) DONE | [24:40) COMPLETED[0..1] | [40:56) FETCHED[0..1] |
-           [64:64+c) run control
-           block | PENDING[C] (two per client) | accumulator 0 f32 | accumulator 1 f32
-    PARAMS [0:8) PUBLISHED | [8:16) BEGUN | [16:24) PULLS | [24:40) HOLDS_ASKED,
-           HOLDS_RELEASED | buffer 0 | buffer 1, each
-           [0:8) VERSION [8:16) APPLIED, then the slice f32       (counters: int64;
-           c = run_control.block_bytes(R), used on shard 0 only; every part 64-byte aligned)
+    ACCUM  [0:64) DONE, VERSION_NOW | run control block (shard 0's is used) |
+           SLOT[K] states | K push slots of the slice (float32)
+    PARAMS [0:64) NEWEST, PULLS | READING[world size] | FOLDED_HINT[clients] |
+           BUFFERS published buffers, each [VERSION, APPLIED, FOLDED[clients]] + slice
 
-    TICKET    = phase * PHASE + pushes started (clients +1, the shard +PHASE to flip)
-    COMPLETED = pushes completed into accumulator b (clients +1 once their data is in)
-    FETCHED   = sum of the versions those pushes were computed on (clients + their pulled
-                version, with the data; only where the shard's optimizer revises for
-                delay, AdaRevision: the shard's take derives the fetch version from it)
-    PENDING   = per client: 1 while it has a push in flight (+1 as it starts, -1 when
-                done), and that push's phase + 1 once its data round went out (0
-                before): the shard writes off a gone client's push for its phase only
-    DONE      = clients (replicas and coordinator) that called finish()
-    PUBLISHED / BEGUN = publishes of the parameters finished / started (the shard +1)
-    PULLS     = pulls served (so that the shard sees pull traffic and polls fast)
-    HOLDS_ASKED / HOLDS_RELEASED = readers' requests to hold publishes, and their ends
-    VERSION   = updates applied to the parameters in that buffer (folds finished)
-    APPLIED   = pushes contained in them
+    DONE        clients that called finish()             clients SUM, shard NO_OP
+    VERSION_NOW updates the shard has applied            shard REPLACE, clients NO_OP
+    SLOT[k]     0 free; c + 1 claimed by client c;       CAS by everyone, NO_OP reads
+                FULL(c, fetched) once its data is in;
+                QUARANTINED: a gone client's claim
+    push slot k written by its claimant's Put, read by the shard's loads once FULL
+    NEWEST      publish << 8 | buffer it wrote           shard REPLACE, readers NO_OP
+    PULLS       pulls served                             clients SUM, shard NO_OP
+    READING[r]  buffer + 1 rank r reads, 0 none          r REPLACE; shard REPLACE 0 for a
+                                                           gone r; shard NO_OP reads
+    FOLDED_HINT[c] pushes of c folded and published      shard REPLACE, client NO_OP
+    buffer b    written by the shard's stores only while no reader is registered on it
+                and it is not NEWEST; read by registered readers' Get
 
-The run control block (distbelief.ps.run_control: step claims, reports, commands, each
-replica's slots) rides on the pushes a replica makes anyway (`ControlExchange`, issued
-with a push's data on shard 0), so it costs no extra round. Its access rules are in
-run_control's docstring: every access is an accumulate (SUM by the writer of a slot,
-NO_OP by its readers).
+Every rank opens one passive-target epoch on both windows at creation,
+`Lock_all(MODE_NOCHECK)`, and keeps it until `free()`: nobody calls Lock or Unlock.
 
-RMA SCHEME (issue 17: a client may die at ANY instant, in the middle of a push included,
-and nobody may wait for it for ever). Every rank opens one passive-target epoch on both
-windows at creation, `Lock_all(MODE_NOCHECK)`, and keeps it until `free()`: nobody ever
-calls Lock or Unlock, so no rank can die holding a lock, and operations complete by
-`Win.Flush(target)`. NOCHECK is legal because no rank ever requests a conflicting (an
-exclusive) lock. Every access to window memory after the set-up is an accumulate
-operation, so none conflicts with another and no lock is needed to keep them apart:
-
-| location           | access                                              |
-|--------------------|-----------------------------------------------------|
-| accumulator b      | client: Accumulate(SUM) f32                         |
-|                    | owner: Get_accumulate(NO_OP) read, then Accumulate  |
-|                    |   (SUM) of the negation of what it read (to zero)   |
-| TICKET             | client: Fetch_and_op(SUM, 1); owner: Fetch_and_op   |
-|                    |   (SUM, PHASE) to flip; owner reads: NO_OP          |
-| COMPLETED, PENDING,| client: Accumulate(SUM, +-1) int64 (FETCHED: + its |
-| FETCHED,           |   pulled version; PENDING's phase slot: +-(f + 1))  |
-| DONE, PULLS,       | owner: Get_accumulate / Fetch_and_op(NO_OP)         |
-| HOLDS_*            |                                                     |
-| PUBLISHED, BEGUN   | owner: Accumulate(SUM, 1); readers: Fetch_and_op    |
-|                    |   (NO_OP)                                           |
-| buffer b           | owner: Accumulate(REPLACE) of VERSION, APPLIED and  |
-|                    |   the slice; readers (clients, shard 0's snapshot): |
-|                    |   Get_accumulate(NO_OP)                             |
-| run control block  | see run_control (SUM writers, NO_OP readers)        |
-
-Why it is legal (MPI-4.1, one-sided chapter: conflicting accesses, the semantics section,
-window info `accumulate_ops`): accumulate operations on one location with the same basic
-datatype do not conflict, and `accumulate_ops=same_op_no_op` (the default, set
-explicitly) asks only that concurrent ones use the same op or NO_OP: every location above
-has one writing op (SUM, or REPLACE for the buffers, whose only writer is the owner) and
-NO_OP readers. Atomicity is per element; whole-vector consistency comes from the
-protocols: pulls below, pushes in rma_shard.py. The owner's plain stores happen only at
-creation, before the barrier that precedes any client access (Win.Sync makes them
-visible). Visibility: the unified memory model (checked at creation); Flush completes an
-operation at the target.
-
-Pulls: double-buffered, checked parameters (a seqlock made of accumulates). Publish k
-(the owner): BEGUN += 1, Flush; REPLACE buffer k % 2 (VERSION, APPLIED, slice), Flush;
-PUBLISHED += 1, Flush. A read: PUBLISHED -> p, Flush; read buffer p % 2, Flush; BEGUN ->
-b, Flush; keep it if b <= p + 1 (the next write into that buffer, publish p + 2, had not
-begun before the read completed), else read again (two publishes during one read).
-push_pull runs the two in the same three rounds. A reader slower than two publishes (a
-descheduled rank on a loaded node, a slow network) would read again for as long as the
-shard publishes that often: after TORN_READS_BEFORE_HOLD torn reads it asks the shard to
-hold (HOLDS_ASKED += 1), and releases it after its read (HOLDS_RELEASED += 1). While a
-hold is on, for HOLD_MAX_S at most, the shard folds but defers its publish, so the next
-read succeeds (CI saw one pull take over 10 s through MPICH's network module before).
+Why it is legal, in short (the argument in full: docs/rma-protocol.md): int64 atomics on
+one location never conflict, and each location sees one op besides NO_OP (CAS on SLOT,
+REPLACE on READING, NEWEST, VERSION_NOW and FOLDED_HINT, SUM elsewhere), as
+`accumulate_ops = same_op_no_op` asks; every Put, Get and owner's load or store is kept
+apart from any conflicting access by the claim/FULL protocol (slots) and the
+registration protocol (buffers), each step completed by Flush or ordered by Win.Sync, in
+the unified memory model.
 """
 
 from __future__ import annotations
@@ -96,23 +55,48 @@ from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, _aligned
 from distbelief.runtime import watchdog
 
 FLOAT_BYTES = DTYPE().itemsize
-# int64 slots in the ACCUM header: TICKET (phase * PHASE + pushes started), DONE, and
-# COMPLETED + b: pushes completed into accumulator b (slot 1 unused), FETCHED + b: the sum
-# of the versions those pushes had pulled (AdaRevision)
-TICKET, DONE, COMPLETED, FETCHED = 0, 2, 3, 5
-ACCUM_SLOTS = FETCHED + 2
-PHASE = 1 << 40  # TICKET's unit of phases; pushes started are counted below it
-# int64 slots in the PARAMS window header (RMA): publishes finished, started; pulls
-# served; holds asked and released by readers that tore too often (below)
-PUBLISHED, BEGUN, PULLS, HOLDS_ASKED, HOLDS_RELEASED = 0, 1, 2, 3, 4
-PARAMS_SLOTS = HOLDS_RELEASED + 1
-TORN_READS_BEFORE_HOLD = 2
-"""Torn reads in a row after which a reader asks the shard to hold its publishes (a
-reader slower than two publishes, e.g. descheduled on a loaded node, would otherwise
-retry for as long as the shard keeps publishing)."""
-HOLD_MAX_S = 0.5
-"""The longest a shard holds its publishes for one reader's request: a reader that died
-after asking costs at most this much freshness, once."""
+# int64 slots of the ACCUM header and of the PARAMS header
+DONE, VERSION_NOW = 0, 1
+NEWEST, PULLS = 0, 1
+BUFFERS = 4
+"""Published buffers per shard: the newest, and three the shard may write while readers
+still read older ones (an overlapped pull keeps its buffer registered for a step)."""
+MAX_PUSH_SLOTS = 8
+"""Push slots per shard at most, whatever the replica count (two per client below)."""
+CLIENT_BITS = 20
+CLIENT_MASK = (1 << CLIENT_BITS) - 1
+QUARANTINED = -1
+"""A gone client's claim: its Put may still be in the network; the slot is reused only
+after QUARANTINE_S (rma_shard)."""
+BUFFER_BITS = 8
+
+
+def push_slots(clients: int) -> int:
+    """K: two per client (an overlapped push is in flight while the next one claims), at
+    most MAX_PUSH_SLOTS; clients beyond that share them (a claim retries)."""
+    return max(1, min(2 * clients, MAX_PUSH_SLOTS))
+
+
+def full_state(client: int, fetched: int) -> int:
+    """SLOT value of client `client`'s completed push computed on version `fetched`."""
+    return ((fetched + 1) << CLIENT_BITS) | (client + 1)
+
+
+def slot_client(state: int) -> int:
+    """The client a claimed or full SLOT value names (-1 for free or quarantined)."""
+    return (state & CLIENT_MASK) - 1 if state > 0 else -1
+
+
+def slot_is_full(state: int) -> bool:
+    return state >> CLIENT_BITS > 0
+
+
+def slot_fetched(state: int) -> int:
+    return (state >> CLIENT_BITS) - 1
+
+
+def newest_buffer(newest: int) -> int:
+    return newest & ((1 << BUFFER_BITS) - 1)
 
 
 def _complete(win: MPI.Win, ranks: Sequence[int]) -> None:
@@ -127,177 +111,202 @@ def _complete(win: MPI.Win, ranks: Sequence[int]) -> None:
 
 
 def _int64(buf: np.ndarray) -> list:
-    """An mpi4py buffer spec that names the MPI datatype, so every accumulate on a counter
+    """An mpi4py buffer spec that names the MPI datatype, so every atomic on a counter
     uses the same basic datatype (atomicity holds per datatype)."""
     return [buf, MPI.INT64_T]
 
 
-def _float64(buf: np.ndarray) -> list:
-    """The same for the float64 loss slot."""
-    return [buf, MPI.DOUBLE]
+_NO_ORIGIN = np.zeros(1, dtype=np.int64)  # never written: NO_OP ignores it
 
 
-# Origin buffers of Get_accumulate(NO_OP) reads: MPI ignores them.
-_NO_INT64 = [None, 0, MPI.INT64_T]
-_NO_DOUBLE = [None, 0, MPI.DOUBLE]
-_NO_FLOAT = [None, 0, MPI.FLOAT]
+def fetch_op(win: MPI.Win, value: np.ndarray | None, result: np.ndarray, target: int,
+             slot_bytes: int, op: MPI.Op) -> None:
+    """A count-1 int64 Fetch_and_op (NO_OP, SUM or REPLACE) on the int64 at byte
+    `slot_bytes` of `target`'s part of `win`; result[0] gets what it held."""
+    # MPI wants origin and result disjoint, even for NO_OP, which ignores the origin.
+    origin = _int64(value if value is not None else _NO_ORIGIN)
+    win.Fetch_and_op(origin, _int64(result), target, slot_bytes, op)
+
+
+def add(win: MPI.Win, value: np.ndarray, target: int, slot_bytes: int) -> None:
+    """A count-1 int64 Accumulate(SUM) of value[0]."""
+    win.Accumulate(_int64(value), target, (slot_bytes, 1, MPI.INT64_T), MPI.SUM)
+
+
+def compare_and_swap(win: MPI.Win, new: np.ndarray, compare: np.ndarray,
+                     result: np.ndarray, target: int, slot_bytes: int) -> None:
+    """A count-1 int64 Compare_and_swap: new[0] if it held compare[0]; result[0] gets what
+    it held."""
+    win.Compare_and_swap(_int64(new), _int64(compare), _int64(result), target, slot_bytes)
 
 
 def _window_info() -> MPI.Info:
+    """What each MPI needs to do the atomics as network atomics (docs/rma-protocol.md):
+    Open MPI's osc/ucx takes no accumulate lock for count-1 atomics of one predefined
+    type with `acc_single_intrinsic`; MPICH is told the only ops used and that no
+    ordering between accumulates is needed (every dependent one waits for a Flush)."""
     info = MPI.Info.Create()
-    # The default, stated so that the scheme above does not depend on it silently.
     info.Set("accumulate_ops", "same_op_no_op")
+    info.Set("accumulate_ordering", "none")
+    info.Set("which_accumulate_ops", "sum,replace,no_op,cswap")
+    info.Set("acc_single_intrinsic", "true")
     info.Set("same_disp_unit", "true")
     return info
 
 
-def _buffer_stride(count: int) -> int:
-    return HEADER_BYTES + _aligned(count * FLOAT_BYTES)
-
-
 class _ShardWindows:
-    """The two windows of every shard, allocated and freed collectively in one order.
-    ACCUM holds the run control block (`control_bytes`, Downpour's, used on shard 0) between
-    its header and the gradient accumulator, which starts at `accum_data`."""
+    """The two windows of every shard, allocated and freed collectively in one order."""
 
     def __init__(self, comm: MPI.Comm, local_count: int, control_bytes: int = 0,
                  clients: int = 0):
         self.control_bytes = control_bytes
-        # Two PENDING slots per client (int64): a push in flight, and its phase + 1.
-        self.pending = HEADER_BYTES + _aligned(control_bytes)
         self.clients = clients
-        self.accum_data = self.pending + _aligned(2 * clients * COUNTER_BYTES)
-        data = local_count * DTYPE().itemsize
-        # PARAMS holds two published buffers, each a header (VERSION, APPLIED) + the slice.
+        self.readers = comm.Get_size()
+        self.slots = push_slots(clients)
+        self.slot_states = HEADER_BYTES + _aligned(control_bytes)
+        self.slot_data = self.slot_states + _aligned(self.slots * COUNTER_BYTES)
+        self.reading = HEADER_BYTES
+        self.folded_hint = self.reading + _aligned(self.readers * COUNTER_BYTES)
+        self.buffer_header_bytes = _aligned((2 + clients) * COUNTER_BYTES)
+        self.buffers = self.folded_hint + _aligned(clients * COUNTER_BYTES)
         info = _window_info()
         try:
             self.accum = MPI.Win.Allocate(
-                self.accum_data + 2 * _aligned(data) if local_count else 0, 1, info, comm)
+                self.slot_offset(self.slots, local_count) if local_count else 0, 1,
+                info, comm)
             self.params = MPI.Win.Allocate(
-                HEADER_BYTES + 2 * _buffer_stride(local_count) if local_count else 0, 1, info,
+                self.buffer(BUFFERS, local_count) if local_count else 0, 1, info,
                 comm)
         finally:
             info.Free()
         for win in (self.accum, self.params):
             if win.model != MPI.WIN_UNIFIED:
-                # The visibility argument in the module docstring assumes the unified model
-                # (MPICH and Open MPI on cache-coherent machines always give it).
+                # docs/rma-protocol.md's visibility argument assumes the unified model.
                 raise RuntimeError("RMA window is not in the unified memory model")
             # One passive-target epoch on every rank's part for the windows' whole life:
-            # nobody ever takes a lock (NOCHECK: no conflicting lock exists), so a rank
-            # that dies holds nothing anybody waits for. Operations complete by Flush.
+            # nobody ever takes a lock, so a rank that dies holds nothing anybody waits
+            # for. Operations complete by Flush.
             win.Lock_all(MPI.MODE_NOCHECK)
 
-    def accumulator(self, phase: int, count: int) -> int:
-        """Byte offset of the ACCUM accumulator that pushes of phase `phase` add to, on a
-        shard that holds `count` parameters."""
-        return self.accum_data + (phase % 2) * _aligned(count * FLOAT_BYTES)
+    def slot(self, k: int) -> int:
+        """Byte offset of push slot k's state (int64)."""
+        return self.slot_states + k * COUNTER_BYTES
 
-    @staticmethod
-    def buffer(publish: int, count: int) -> int:
-        """Byte offset of the PARAMS buffer that publish number `publish` writes, on a
-        shard that holds `count` parameters."""
-        return HEADER_BYTES + (publish % 2) * _buffer_stride(count)
+    def slot_offset(self, k: int, count: int) -> int:
+        """Byte offset of push slot k's float32 data on a shard of `count` parameters
+        (windows are the same size on every rank but a shard's: 0)."""
+        return self.slot_data + k * _aligned(count * FLOAT_BYTES)
+
+    def reader(self, rank: int) -> int:
+        """Byte offset of READING[rank]."""
+        return self.reading + rank * COUNTER_BYTES
+
+    def hint(self, client: int) -> int:
+        """Byte offset of FOLDED_HINT[client]."""
+        return self.folded_hint + client * COUNTER_BYTES
+
+    def buffer(self, b: int, count: int) -> int:
+        """Byte offset of published buffer b's header on a shard of `count` parameters;
+        its slice follows the header."""
+        return self.buffers + b * (self.buffer_header_bytes + _aligned(count * FLOAT_BYTES))
 
     def free(self) -> None:
         """Collective over the window communicator, same order on every rank."""
-        for win in (self.params, self.accum):
+        for win in (self.accum, self.params):
             win.Unlock_all()
         self.params.Free()
         self.accum.Free()
 
 
-def _views(win: MPI.Win, count: int, data_offset: int) -> tuple[np.ndarray, np.ndarray]:
-    """(int64 header, all its slots; float32 data from `data_offset`) views of this rank's
-    part of `win`; no copy."""
-    raw = np.frombuffer(win.tomemory(), dtype=np.uint8)
-    header = raw[:HEADER_BYTES].view(np.int64)
-    data = raw[data_offset : data_offset + count * DTYPE().itemsize].view(DTYPE)
-    return header, data
+class PublishedReader:
+    """One rank's registered reads of shards' published buffers (a client's pulls, shard
+    0's snapshots): NEWEST, register on its buffer (READING[me] = b + 1), NEWEST again,
+    until both name the same buffer; then Get the buffer's header and slice, and
+    deregister. The shard writes a buffer only when it is not NEWEST and nobody is
+    registered on it, so what a Get reads is one whole publish (docs/rma-protocol.md).
+    One-sided, to the shards read; count-1 int64 atomics and Gets only."""
 
+    def __init__(self, windows: _ShardWindows, rank: int, shards: int, client: int | None):
+        self.windows = windows
+        self.rank = rank
+        self.client = client  # its FOLDED slot in a buffer header, if it pushes
+        self.newest = np.zeros((shards, 1), dtype=np.int64)
+        self.checked = np.zeros((shards, 1), dtype=np.int64)
+        self.registration = np.zeros((shards, 1), dtype=np.int64)
+        self.previous = np.zeros((shards, 1), dtype=np.int64)
+        self.registered: list[int] = []  # shards where READING[me] may be set
+        self._one = np.ones(1, dtype=np.int64)
+        self._zero = np.zeros(1, dtype=np.int64)
 
-def _issue_reads_of(win: MPI.Win, shards: Sequence[int], slot: int,
-                    into: np.ndarray) -> None:
-    """Fetch_and_op(NO_OP) of int64 header slot `slot` of every shard's PARAMS window into
-    into[shard] (legal against the owner's SUMs)."""
-    for shard in shards:
-        win.Fetch_and_op(_int64(into[shard]), _int64(into[shard]), shard,
-                         slot * COUNTER_BYTES, MPI.NO_OP)
+    def issue_newest(self, shards: Sequence[int], count_pull: bool) -> None:
+        """First round: read NEWEST of `shards` (and count a pull there)."""
+        win = self.windows.params
+        for s in shards:
+            fetch_op(win, None, self.newest[s], s, NEWEST * COUNTER_BYTES, MPI.NO_OP)
+            if count_pull:
+                add(win, self._one, s, PULLS * COUNTER_BYTES)
 
+    def register(self, shards: Sequence[int]) -> None:
+        """Register on the buffer NEWEST named and read NEWEST again, one round each;
+        again where it moved on meanwhile. Returns once every shard's registration holds."""
+        win = self.windows.params
+        pending = list(shards)
+        while pending:
+            for s in pending:
+                self.registration[s, 0] = newest_buffer(int(self.newest[s, 0])) + 1
+                fetch_op(win, self.registration[s], self.previous[s], s,
+                         self.windows.reader(self.rank), MPI.REPLACE)
+                if s not in self.registered:
+                    self.registered.append(s)
+            _complete(win, pending)
+            for s in pending:
+                fetch_op(win, None, self.checked[s], s, NEWEST * COUNTER_BYTES, MPI.NO_OP)
+            _complete(win, pending)
+            moved = [s for s in pending if newest_buffer(int(self.checked[s, 0]))
+                     != newest_buffer(int(self.newest[s, 0]))]
+            for s in moved:
+                self.newest[s] = self.checked[s]
+            pending = moved
 
-def _issue_buffer_reads(windows: _ShardWindows, shards: Sequence[int],
-                        segments: dict[int, list[tuple[int, int]]] | Sequence,
-                        ranges: Sequence[tuple[int, int]], out: np.ndarray,
-                        headers: np.ndarray, published: np.ndarray,
-                        count_pull: np.ndarray | None) -> None:
-    """Get_accumulate(NO_OP) of the buffer that publish published[shard] wrote: its header
-    (VERSION, APPLIED) into headers[shard] and `segments[shard]` of the vector into `out`;
-    with `count_pull` (int64 [1]), Accumulate(SUM) of it into the shard's pull counter."""
-    win = windows.params
-    for shard in shards:
-        low, high = ranges[shard]
-        where = windows.buffer(int(published[shard, 0]), high - low)
-        win.Get_accumulate(_NO_INT64, _int64(headers[shard]), shard, (where, 2, MPI.INT64_T),
-                           MPI.NO_OP)
-        for start, stop in segments[shard]:
-            win.Get_accumulate(_NO_FLOAT, [out[start:stop], MPI.FLOAT], shard,
-                               (where + HEADER_BYTES + (start - low) * FLOAT_BYTES,
-                                stop - start, MPI.FLOAT), MPI.NO_OP)
-        if count_pull is not None:
-            win.Accumulate(_int64(count_pull), shard, (PULLS * COUNTER_BYTES, 1, MPI.INT64_T),
-                           MPI.SUM)
+    def issue_get(self, shards: Sequence[int], segments, ranges: Sequence[tuple[int, int]],
+                  out: np.ndarray, headers: np.ndarray, folded: np.ndarray | None) -> None:
+        """Get each registered buffer's VERSION, APPLIED into headers[s], this client's
+        FOLDED into folded[s] and `segments[s]` of the slice into `out` (completed by the
+        caller)."""
+        win = self.windows.params
+        for s in shards:
+            low, high = ranges[s]
+            where = self.windows.buffer(newest_buffer(int(self.newest[s, 0])), high - low)
+            win.Get(_int64(headers[s, :2]), s, (where, 2, MPI.INT64_T))
+            if folded is not None:
+                win.Get(_int64(folded[s]), s,
+                        (where + (2 + self.client) * COUNTER_BYTES, 1, MPI.INT64_T))
+            data = where + self.windows.buffer_header_bytes
+            for start, stop in segments[s]:
+                win.Get([out[start:stop], MPI.FLOAT], s,
+                        (data + (start - low) * FLOAT_BYTES, stop - start, MPI.FLOAT))
 
+    def issue_deregister(self) -> None:
+        """READING[me] = 0 on every shard registered on (once its Gets completed)."""
+        win = self.windows.params
+        for s in self.registered:
+            fetch_op(win, self._zero, self.previous[s], s, self.windows.reader(self.rank),
+                     MPI.REPLACE)
 
-def _torn(shards: Sequence[int], published: np.ndarray, begun: np.ndarray) -> list[int]:
-    """The shards whose buffer, read after seeing `published`, was being rewritten: the
-    next write into buffer p % 2 is publish p + 2, and it had begun."""
-    return [s for s in shards if begun[s, 0] > published[s, 0] + 1]
+    def deregistered(self) -> None:
+        self.registered = []
 
-
-def _add_to_slot(win: MPI.Win, shards: Sequence[int], slot: int) -> None:
-    """Accumulate(SUM) of 1 into int64 header slot `slot` of every shard's PARAMS window,
-    completed."""
-    one = np.ones(1, dtype=np.int64)
-    for shard in shards:
-        win.Accumulate(_int64(one), shard, (slot * COUNTER_BYTES, 1, MPI.INT64_T), MPI.SUM)
-    _complete(win, shards)
-
-
-def _read_published(windows: _ShardWindows, shards: Sequence[int],
-                    segments: dict[int, list[tuple[int, int]]] | Sequence,
-                    ranges: Sequence[tuple[int, int]], out: np.ndarray, headers: np.ndarray,
-                    count_pull: np.ndarray | None = None) -> int:
-    """Read the latest published parameters of `shards` (their `segments` into `out`,
-    each buffer's VERSION and APPLIED into `headers`), in three rounds each completed by
-    Flush: PUBLISHED, the buffer, BEGUN; again if a shard rewrote the buffer meanwhile
-    (two publishes during one read). After TORN_READS_BEFORE_HOLD torn reads of a shard
-    in a row, asks it to hold its publishes (HOLDS_ASKED += 1) and releases it once the
-    read succeeded (HOLDS_RELEASED += 1). Returns the rounds of three made (1 usually).
-    One-sided, to `shards`; accumulate operations only (NO_OP reads, SUMs)."""
-    win = windows.params
-    n = len(ranges)
-    published = np.zeros((n, 1), dtype=np.int64)
-    begun = np.zeros((n, 1), dtype=np.int64)
-    torn_in_a_row = np.zeros(n, dtype=np.int64)
-    held: list[int] = []
-    tries = 0
-    while True:
-        tries += 1
-        _issue_reads_of(win, shards, PUBLISHED, published)
+    def read(self, shards: Sequence[int], segments, ranges: Sequence[tuple[int, int]],
+             out: np.ndarray, headers: np.ndarray, folded: np.ndarray | None,
+             count_pull: bool) -> None:
+        """A whole registered read of `shards`: five rounds, each completed by Flush."""
+        win = self.windows.params
+        self.issue_newest(shards, count_pull)
         _complete(win, shards)
-        _issue_buffer_reads(windows, shards, segments, ranges, out, headers, published,
-                            count_pull if tries == 1 else None)
+        self.register(shards)
+        self.issue_get(shards, segments, ranges, out, headers, folded)
         _complete(win, shards)
-        _issue_reads_of(win, shards, BEGUN, begun)
-        _complete(win, shards)
-        torn = _torn(shards, published, begun)
-        if not torn:
-            if held:
-                _add_to_slot(win, held, HOLDS_RELEASED)
-            return tries
-        torn_in_a_row[torn] += 1
-        ask = [s for s in torn
-               if torn_in_a_row[s] >= TORN_READS_BEFORE_HOLD and s not in held]
-        if ask:
-            _add_to_slot(win, ask, HOLDS_ASKED)
-            held.extend(ask)
+        registered = list(self.registered)
+        self.issue_deregister()
+        _complete(win, registered)
+        self.deregistered()

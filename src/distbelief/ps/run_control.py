@@ -18,7 +18,8 @@ window on the RMA transport, in its segment on the shared-memory one (rma_window
     LEFT                  (nobody)              unused, always 0: kept so the block's
                                                   layout stays; ranks that leave tell rank 0
                                                   by message (downpour.replica._say_leaving)
-    LOSS (float64)        replicas (+sum)       sum of their minibatch losses
+    LOSS                  replicas (+sum)       sum of their minibatch losses, fixed
+                                                  point (LOSS_SCALE units; loss_value)
     STOP                  shard 0               why the run stops (a STOP_* code), 0: it goes
                                                   on; set once, replaced only by an error
     STOP_ARG              shard 0               with STOP_BAD_GRADIENTS: the replica index + 1
@@ -41,24 +42,25 @@ window on the RMA transport, in its segment on the shared-memory one (rma_window
     LOST                  shard 0 (0 -> 1)      shard 0 declared it lost: it must stop
 
 Every update is an addition (a writer sends the difference from what it wrote before),
-so on the RMA transport every access is Accumulate(SUM) or Fetch_and_op(SUM) by the
-writer and NO_OP reads (Fetch_and_op, Get_accumulate) by everyone else, with the slot's
-own datatype: element-wise atomic and legal under `accumulate_ops = same_op_no_op` with
-no lock stronger than SHARED, even for shard 0's own writes. So shard 0 never needs an
-exclusive lock on this block, and a replica that dies inside a push epoch cannot keep
-shard 0 from reading or writing it. On the shared-memory transport the block is read and
-written under the segment's reader-writer lock like everything there (a dead process's
-kernel locks are released).
+so on the RMA transport every access is a count-1 int64 atomic: Accumulate(SUM) or
+Fetch_and_op(SUM) by the writer and Fetch_and_op(NO_OP) reads by everyone else. Count-1
+integer atomics are what a network card does by itself (issue 28: with Open MPI's osc/ucx
+and `acc_single_intrinsic` they take no accumulate lock that a dying replica could keep),
+which is why the loss is fixed point, not a float64 accumulate. Element-wise atomic and
+legal under `accumulate_ops = same_op_no_op`, even for shard 0's own writes. On the
+shared-memory transport the block is read and written under the segment's reader-writer
+lock like everything there (a dead process's kernel locks are released).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
-# Global slots (int64 unless noted); CLAIMED, STEPS, LEFT are added to in one operation
+# Global slots (int64)
 CLAIMED, STEPS, LEFT, LOSS, STOP, STOP_ARG, CHECKPOINT, RELEASE, TEARDOWN, WARM = range(10)
 GLOBAL_SLOTS = 10
 COMMANDS = slice(STOP, WARM + 1)  # what a replica reads with each exchange
@@ -67,6 +69,13 @@ COMMANDS = slice(STOP, WARM + 1)  # what a replica reads with each exchange
  LOST) = range(11)
 REPLICA_SLOTS = 11
 SLOT_BYTES = 8
+LOSS_SCALE = 1 << 20
+"""LOSS holds sum(loss) * LOSS_SCALE as an int64 (resolution ~1e-6 per exchange)."""
+LOSS_HUGE = 1 << 52
+"""What one exchange adds for a loss sum too large to scale (a diverging run); a LOSS of
+LOSS_INFINITE or more reads as infinite, so the supervisor's divergence rule still
+fires. About 2000 such exchanges fit before int64 wraps; the run stops long before."""
+LOSS_INFINITE = 1 << 55
 
 # STOP codes: why the run stops (replicas stop after their current block in every case)
 (STOP_RULE, STOP_SIGNAL, STOP_BAD_GRADIENTS, STOP_DIVERGED, STOP_CHECKPOINT_FAILED,
@@ -104,9 +113,21 @@ class ControlView:
     replicas: np.ndarray  # int64 (replicas, REPLICA_SLOTS)
 
     @classmethod
-    def from_block(cls, block: np.ndarray, loss: float) -> ControlView:
-        return cls(int(block[STEPS]), loss,
+    def from_block(cls, block: np.ndarray) -> ControlView:
+        """From the int64 block as read (LOSS fixed point)."""
+        return cls(int(block[STEPS]), loss_value(int(block[LOSS])),
                    block[GLOBAL_SLOTS:].reshape(-1, REPLICA_SLOTS).copy())
+
+
+def loss_units(loss_sum: float) -> int:
+    """The int64 a loss sum adds to LOSS (LOSS_HUGE where it does not fit)."""
+    scaled = loss_sum * LOSS_SCALE
+    return round(scaled) if abs(scaled) < LOSS_HUGE else LOSS_HUGE
+
+
+def loss_value(units: int) -> float:
+    """The loss sum LOSS holds (inf once a diverging run saturated it)."""
+    return math.inf if units >= LOSS_INFINITE else units / LOSS_SCALE
 
 
 class ControlExchange:
@@ -123,7 +144,7 @@ class ControlExchange:
     def __init__(self, replica: int | None) -> None:
         self.replica = replica
         self._send = np.zeros(3, dtype=np.int64)  # claim, steps, left
-        self._loss = np.zeros(1, dtype=np.float64)
+        self._loss = np.zeros(1, dtype=np.int64)  # loss_units
         self._before = np.zeros(3, dtype=np.int64)  # claimed, steps, left
         self._commands = np.zeros(COMMANDS.stop - COMMANDS.start, dtype=np.int64)
         self._zero = np.zeros(len(self._commands), dtype=np.int64)
@@ -139,7 +160,7 @@ class ControlExchange:
         if claim < 0 or steps < 0:
             raise ValueError(f"claim and steps must be >= 0, got {claim}, {steps}")
         self._send[:] = claim, steps, 0
-        self._loss[0] = loss_sum
+        self._loss[0] = loss_units(loss_sum)
         return self
 
     def publish(self, **values: int) -> ControlExchange:
@@ -205,34 +226,38 @@ class ControlExchange:
     # -- the two transports
 
     def issue(self, win: MPI.Win, target: int, base: int) -> None:
-        """The exchange's operations, inside an open SHARED epoch on `target`'s window
-        whose block starts at byte `base`; four, as few as a push carried before the run
-        control grew: Get_accumulate(SUM) adds the claim and the steps (and 0 to LEFT) and
-        returns the counters before (CLAIMED, STEPS, LEFT are adjacent), Accumulate(SUM) the
-        loss,
-        Get_accumulate(NO_OP) reads the commands, and Get_accumulate(SUM) adds this
-        replica's differences to its slots and returns them as they were (LOST with
-        them). Element-wise atomic, and every writer of a slot uses SUM."""
-        int64, double = MPI.INT64_T, MPI.DOUBLE
-        win.Get_accumulate([self._send, int64], [self._before, int64], target,
-                           (base + CLAIMED * SLOT_BYTES, 3, int64), MPI.SUM)
-        win.Accumulate([self._loss, double], target, (base + LOSS * SLOT_BYTES, 1, double),
+        """The exchange's operations, inside the epoch every rank holds on `target`'s
+        window whose block starts at byte `base`; all count-1 int64 atomics (network
+        atomics): Fetch_and_op(SUM) of the claim and of the steps (returning CLAIMED and
+        STEPS before), Accumulate(SUM) of the loss, Fetch_and_op(NO_OP) of each command,
+        Accumulate(SUM) of each of this replica's slots that changes (BEAT always), and
+        Fetch_and_op(NO_OP) of its LOST. 10 + (changed slots) operations."""
+        int64 = MPI.INT64_T
+        for i, slot in enumerate((CLAIMED, STEPS)):
+            win.Fetch_and_op([self._send[i : i + 1], int64], [self._before[i : i + 1], int64],
+                             target, base + slot * SLOT_BYTES, MPI.SUM)
+        win.Accumulate([self._loss, int64], target, (base + LOSS * SLOT_BYTES, 1, int64),
                        MPI.SUM)
-        win.Get_accumulate([self._zero, int64], [self._commands, int64], target,
-                           (base + COMMANDS.start * SLOT_BYTES, len(self._commands), int64),
-                           MPI.NO_OP)
+        for i in range(len(self._commands)):
+            win.Fetch_and_op([self._zero[i : i + 1], int64],
+                             [self._commands[i : i + 1], int64], target,
+                             base + (COMMANDS.start + i) * SLOT_BYTES, MPI.NO_OP)
         if self.replica is None:
             return
         delta = self._next_delta()
-        win.Get_accumulate([delta, int64], [self._row, int64], target,
-                           (base + replica_offset(self.replica), REPLICA_SLOTS, int64), MPI.SUM)
+        row = base + replica_offset(self.replica)
+        for slot in np.flatnonzero(delta):
+            win.Accumulate([delta[slot : slot + 1], int64], target,
+                           (row + int(slot) * SLOT_BYTES, 1, int64), MPI.SUM)
+        win.Fetch_and_op([self._zero[:1], int64], [self._row[LOST : LOST + 1], int64], target,
+                         row + LOST * SLOT_BYTES, MPI.NO_OP)
 
     def apply(self, block: np.ndarray) -> None:
         """The same on a shared-memory block (int64 view; LOSS as float64 bits), under the
         segment's exclusive lock."""
         self._before[:] = block[CLAIMED : LEFT + 1]
         block[CLAIMED : LEFT + 1] += self._send
-        block[LOSS : LOSS + 1].view(np.float64)[0] += self._loss[0]
+        block[LOSS] += self._loss[0]
         self._commands[:] = block[COMMANDS]
         if self.replica is None:
             return

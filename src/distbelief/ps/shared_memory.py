@@ -127,7 +127,7 @@ class _Segment:
 
     header: np.ndarray  # int64 slots VERSION, APPLIED, SERVING
     clients: np.ndarray  # int64 (clients, CLIENT_SLOTS): PULLED, FINISHED
-    control: np.ndarray  # int64, the run control block (distbelief.ps.run_control; LOSS f64)
+    control: np.ndarray  # int64, the run control block (distbelief.ps.run_control)
     params: np.ndarray  # float32, the shard's parameters (the master copy)
     state: dict[str, np.ndarray]  # float32, the optimizer's state arrays by name
 
@@ -364,8 +364,7 @@ class SharedMemoryShard(ParameterServerShard):
         """The run control block (shard 0's is in use), read under the shared lock."""
         with self._lock(exclusive=False) as seg:
             block = seg.control.copy()
-        return rc.ControlView.from_block(block, float(block[rc.LOSS : rc.LOSS + 1]
-                                                      .view(np.float64)[0]))
+        return rc.ControlView.from_block(block)
 
     def add_run_control(self, slot: int, value: int) -> None:
         """Add `value` to a slot of the run control block, under the exclusive lock."""

@@ -24,7 +24,7 @@ class ShardStats:
     pulls: int = 0
     polls: int = 0
     exclusive_sections: int = 0
-    holds: int = 0  # readers' requests to hold publishes (RMA; see _read_published)
+    holds: int = 0  # publishes that waited for a buffer without readers (RMA; rma_shard)
     hold_max_s: float = 0.0
     hold_total_s: float = 0.0
     wait_max_s: float = 0.0
