@@ -188,6 +188,10 @@ class ParameterClient(_Endpoint):
                 for s, k in turn.items():
                     if self._claim_results[s, 0] == 0:
                         self._slot[s] = self._last_slot[s] = k
+                        # The version this gradient was computed on, fixed now: an
+                        # overlapped push's FULL mark goes out after the next pull.
+                        self._marks[s, 0] = full_state(self._client,
+                                                       int(self.pulled_versions[s]))
                         del pending[s]
                     elif not pending[s]:
                         pending[s] = self._candidates(s)
@@ -207,9 +211,9 @@ class ParameterClient(_Endpoint):
 
     def _issue_push_done(self, win: MPI.Win) -> None:
         """A push's third round, once its data has completed at every shard:
-        Compare_and_swap(id -> FULL(id, version pulled)) on its slot."""
+        Compare_and_swap(id -> FULL(id, version pulled)) on its slot (the mark set when
+        the slot was claimed)."""
         for shard in self._pulled_shards():
-            self._marks[shard, 0] = full_state(self._client, int(self.pulled_versions[shard]))
             compare_and_swap(win, self._marks[shard], self._mine, self._mark_results[shard],
                              shard, self._live().slot(int(self._slot[shard])))
 

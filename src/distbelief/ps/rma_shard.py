@@ -33,6 +33,7 @@ Unlock_all and the windows freed in one fixed order.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -89,6 +90,11 @@ QUARANTINE_S = 5.0
 """How long a gone client's claimed slot stays out of use: a Put it issued before dying
 may still be in the network (or, through MPICH's active messages, in the target's queue),
 and must land in a slot nobody else writes."""
+UNPROVEN_QUARANTINE_S = 600.0
+"""The same when the client is only taken for gone, not known to have ended (on another
+node its heartbeat stopped, which a stopped or swapping process also does): its slot is
+reused only after this long, so a process that wakes with a Put still in flight finds the
+slot nobody's, and the pool loses at most two slots per such client for that time."""
 
 
 class ParameterServerShard(_Endpoint):
@@ -126,7 +132,7 @@ class ParameterServerShard(_Endpoint):
         self._reader = PublishedReader(windows, self.rank, topology.ps_shards, None)
         self._states = np.zeros((windows.slots, 1), dtype=np.int64)  # SLOT as last read
         self._claimed_since: dict[int, tuple[int, float]] = {}  # slot: (state, first seen)
-        self._quarantined: dict[int, float] = {}  # slot: since when
+        self._quarantined: dict[int, tuple[float, float]] = {}  # slot: (since, how long)
         self._readings = np.zeros((windows.readers, 1), dtype=np.int64)  # READING as read
         self._registered_since: dict[int, tuple[int, float]] = {}  # rank: (value, seen)
         self._done = np.zeros(1, dtype=np.int64)
@@ -137,6 +143,7 @@ class ParameterServerShard(_Endpoint):
         self._folded = np.zeros(max(self.num_clients, 1), dtype=np.int64)  # per client
         self._hinted = np.zeros_like(self._folded)  # FOLDED_HINT as last written
         self._client_gone: Callable[[int], bool] | None = None
+        self._client_ended: Callable[[int], bool] = lambda rank: False
         self._give_up_s = GIVE_UP_S
         self._newest = 0  # NEWEST as last written
         self._fetched_sum = 0  # the versions the pushes of the current take had pulled
@@ -201,10 +208,14 @@ class ParameterServerShard(_Endpoint):
     def read_counters(self) -> tuple[int, int, int]:
         """(pushes completed: folded, or full and waiting; clients finished; pulls
         served). One-sided on its own windows: count-1 Fetch_and_op(NO_OP) of DONE,
-        PULLS and every SLOT, completed by Flush (which also drives MPI progress)."""
+        PULLS and every SLOT, completed by Flush (which also drives MPI progress). DONE
+        is read and flushed before the slots: a client marks its last slot FULL before it
+        counts itself done, so a DONE that says every client finished guarantees that the
+        slot reads after it see those marks (atomics are unordered without the flush)."""
         windows = self._live()
         accum, params = windows.accum, windows.params
         fetch_op(accum, None, self._done, self.rank, DONE * COUNTER_BYTES, MPI.NO_OP)
+        accum.Flush(self.rank)
         for k in range(windows.slots):
             fetch_op(accum, None, self._states[k], self.rank, windows.slot(k), MPI.NO_OP)
         fetch_op(params, None, self._pulls, self.rank, PULLS * COUNTER_BYTES, MPI.NO_OP)
@@ -214,14 +225,18 @@ class ParameterServerShard(_Endpoint):
         return self.stats.pushes + full, int(self._done[0]), int(self._pulls[0])
 
     def watch_clients(self, gone: Callable[[int], bool],
-                      give_up_s: float = GIVE_UP_S) -> None:
+                      give_up_s: float = GIVE_UP_S,
+                      ended: Callable[[int], bool] | None = None) -> None:
         """Let the shard ask whether a client (world rank) is gone (e.g.
         liveness.Peers.gone) when a push slot it claimed stays unfilled, or a buffer it
         registered on stays registered, for GONE_CHECK_S: a gone client's claim is
-        quarantined, its registration cleared. Local."""
+        quarantined, its registration cleared. `ended` (e.g. liveness.Peers.ended) says
+        whether its process is known to have ended; without that proof its slot is held
+        for UNPROVEN_QUARANTINE_S instead of QUARANTINE_S. Local."""
         if give_up_s < GONE_CHECK_S:
             raise ValueError(f"give_up_s must be at least {GONE_CHECK_S} s, got {give_up_s}")
-        self._client_gone = gone
+        self._client_gone = _asked_at_most_every(gone, GONE_CHECK_S)
+        self._client_ended = ended or (lambda rank: False)
         self._give_up_s = give_up_s
 
     def read_run_control(self) -> ControlView:
@@ -333,8 +348,8 @@ class ParameterServerShard(_Endpoint):
         for k in range(windows.slots):
             state = int(self._states[k, 0])
             if state == QUARANTINED:
-                since = self._quarantined.setdefault(k, now)
-                if now - since >= QUARANTINE_S and self._swap_slot(k, state, 0):
+                since, hold = self._quarantined.setdefault(k, (now, UNPROVEN_QUARANTINE_S))
+                if now - since >= hold and self._swap_slot(k, state, 0):
                     del self._quarantined[k]
                 continue
             if state <= 0 or slot_is_full(state):
@@ -345,15 +360,16 @@ class ParameterServerShard(_Endpoint):
                 since = now
             self._claimed_since[k] = (state, since)
             client = slot_client(state)
-            if (now - since >= GONE_CHECK_S
-                    and self._client_gone(self.topology.ps_shards + client)
+            rank = self.topology.ps_shards + client
+            if (now - since >= GONE_CHECK_S and self._client_gone(rank)
                     and self._swap_slot(k, state, QUARANTINED)):
+                hold = QUARANTINE_S if self._client_ended(rank) else UNPROVEN_QUARANTINE_S
                 print(f"distbelief: shard {self.rank}: a push of client {client} never "
                       f"completed (its process is gone; push slot {k} was claimed): the "
-                      f"push is written off, the slot quarantined for {QUARANTINE_S:.0f} s",
+                      f"push is written off, the slot quarantined for {hold:.0f} s",
                       file=sys.stderr, flush=True)
                 self._claimed_since.pop(k, None)
-                self._quarantined[k] = now
+                self._quarantined[k] = (now, hold)
 
     def _swap_slot(self, k: int, state: int, new: int) -> bool:
         """Compare_and_swap SLOT[k] from `state` to `new` on its own window; whether it
@@ -503,3 +519,21 @@ class ParameterServerShard(_Endpoint):
         """
         self.serve()
         self._free_all(_waiting_backoff())
+
+
+def _asked_at_most_every(gone: Callable[[int], bool],
+                         interval: float) -> Callable[[int], bool]:
+    """`gone`, asked about each rank at most once per `interval` (the last answer is kept
+    in between): an overlapped client holds its slot and its registration for a whole
+    step, and a /proc or heartbeat-file check on every poll would spin the shard's core."""
+    answers: dict[int, tuple[float, bool]] = {}
+
+    def asked(rank: int) -> bool:
+        now = time.perf_counter()
+        at, answer = answers.get(rank, (-math.inf, False))
+        if now - at >= interval:
+            answer = bool(gone(rank))
+            answers[rank] = (now, answer)
+        return answer
+
+    return asked

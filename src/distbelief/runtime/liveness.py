@@ -98,6 +98,12 @@ class Peers:
             return False
         return _start_time(self.pids[rank]) != self.starts[rank]
 
+    def ended(self, rank: int) -> bool:
+        """True only if `rank`'s process is known to have ended: on this node, looked at in
+        /proc. A stopped heartbeat on another node is no proof (a stopped or swapping
+        process is silent too). Local."""
+        return rank != self.me and self.on_this_node(rank) and self.gone(rank)
+
     def how_gone(self, rank: int) -> str:
         """How `rank` was found gone, as a suffix for "rank N is gone": "" on this node (its
         process ended), " (its heartbeat ...)" on another."""

@@ -124,7 +124,8 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     if isinstance(endpoint, ParameterServerShard):
         # A replica killed mid-push is written off as soon as its process is seen gone; a
         # live one is waited for as long as a live rank may go without a heartbeat.
-        endpoint.watch_clients(peers.gone, max(GIVE_UP_S, config.run.heartbeat_timeout_seconds))
+        endpoint.watch_clients(peers.gone, max(GIVE_UP_S, config.run.heartbeat_timeout_seconds),
+                               ended=peers.ended)
     # The shards' communicator (rounds, checkpoints) and each replica's partitions'.
     communicators = split_communicators(comm, topology)
     messages = comm.Dup()
