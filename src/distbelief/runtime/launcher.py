@@ -63,11 +63,11 @@ def quiet_osc_ucx(environ: MutableMapping[str, str] = os.environ,
 
     Why: Open MPI 5 asks osc/ucx first at every window creation; where UCX finds no device
     it supports (no InfiniBand: workstations, CI, containers) the component declines, and
-    says so as `osc_ucx_component.c:375 Error: OSC UCX component priority set inside
-    component query failed` on every rank and for every window, then cleans UCX up and
-    does it all again at the next window. Open MPI goes on with osc/rdma or osc/sm either
-    way (ompi/mca/osc/ucx/osc_ucx_component.c, component_set_priority). With an InfiniBand
-    device present osc/ucx is the component to use, and its errors matter: left alone.
+    says so as `osc_ucx_component.c:375 Error` on every rank and for every window. Open MPI
+    goes on with osc/rdma or osc/sm either way. With an InfiniBand device present osc/ucx
+    is the component clusters use, and distbelief's RMA transport is built for it (Put,
+    Get and int64 atomics only: docs/rma-protocol.md); CI tests it by forcing it onto
+    UCX's shared-memory transports (OMPI_MCA_osc=ucx, which this leaves alone).
     """
     if OSC_VARIABLE in environ or _has_devices(devices):
         return False
