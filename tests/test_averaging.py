@@ -26,6 +26,7 @@ from distbelief.config import build_network, load_config
 from distbelief.data.hdf5 import TrainShard, open_dataset
 from distbelief.model.optimizers import make_optimizer
 from distbelief.records import checkpoint as ckpt
+from distbelief.records.report import THROUGHPUT_FIGURE, load_run, plot_runs
 from distbelief.runtime.faults import ENV as FAULTS
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
@@ -191,8 +192,12 @@ def test_one_easgd_replica_matches_the_reference(data_dir: Path, tmp_path: Path,
     np.testing.assert_allclose(center, reference_easgd(data_dir, 0.25, exchanges),
                                rtol=1e-5, atol=1e-6)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["algorithm"] == "averaging" and summary["elastic_alpha"] == 0.25
+    # EASGD names itself (issue 34), and report draws Downpour's figures for it.
+    assert summary["algorithm"] == "easgd" and summary["elastic_alpha"] == 0.25
     assert summary["replicas"][0]["pushes"] == exchanges
+    pytest.importorskip("matplotlib")
+    written = plot_runs([load_run(out)], tmp_path / "report")
+    assert THROUGHPUT_FIGURE in [path.name for path in written]
 
 
 @pytest.mark.both_mpis

@@ -637,6 +637,14 @@ HASHED_SECTIONS = ("model", "data", "optimizer")
 fewer ranks, and a checkpoint must load on a different shard count (it is re-sliced)."""
 
 
+def run_name(config: Config) -> str:
+    """The algorithm a run names itself by in its summary and report: the configured one,
+    or "easgd" for averaging with optimizer.elastic_alpha set (Downpour's machinery)."""
+    if config.optimizer.algorithm == "averaging" and config.optimizer.elastic_alpha is not None:
+        return "easgd"
+    return config.optimizer.algorithm
+
+
 def hashed_settings(config: Config) -> dict[str, Any]:
     """The settings that decide the training trajectory, as a JSON-friendly nested dict:
     model, data, optimizer and run.seed. Checkpoint manifests store it so that a refused

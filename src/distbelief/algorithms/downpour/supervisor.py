@@ -32,7 +32,7 @@ from distbelief.algorithms.downpour.plan import (
 )
 from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.algorithms.downpour.shards import _part_report, _ShardRole
-from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.config import Config, config_hash, hashed_settings, run_name
 from distbelief.model.layout import balanced_ranges
 from distbelief.ps import run_control as rc
 from distbelief.ps.endpoint import saved_state
@@ -541,7 +541,7 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
     resumed = sup.resumed_from
     return {
         # "averaging" for EASGD, which runs on this machinery (algorithms.downpour.elastic)
-        "algorithm": config.optimizer.algorithm, "stop_reason": sup.reason,
+        "algorithm": run_name(config), "stop_reason": sup.reason,
         "config_hash": config_hash(config), "num_params": int(sup.network.layout.size),
         "eval_samples": len(sup.eval_set[1]), "world_size": plan.topology.world_size,
         "ps_shards": plan.topology.ps_shards, "num_replicas": plan.num_replicas,
