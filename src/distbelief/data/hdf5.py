@@ -393,21 +393,28 @@ class TrainShard:
         The shard must be the same one (seed, rank, num_ranks, rows); otherwise the saved
         position means nothing and this raises ValueError.
         """
-        try:
-            saved = {key: int(state[key]) for key in
-                     ("seed", "rank", "num_ranks", "n", "epoch", "position")}
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a TrainShard state: {state!r}") from exc
-        mine = self.state()
-        for key in ("seed", "rank", "num_ranks", "n"):
-            if saved[key] != mine[key]:
-                raise ValueError(f"shard state is for {key}={saved[key]}, this shard has "
-                                 f"{key}={mine[key]}")
-        if saved["epoch"] < 0 or not 0 <= saved["position"] < self.n:
-            raise ValueError(f"shard state has epoch {saved['epoch']}, position "
-                             f"{saved['position']}: out of range for {self.n} rows")
-        self.epoch, self.position = saved["epoch"], saved["position"]
+        self.epoch, self.position = saved_position(self.state(), state,
+                                                   "not a TrainShard state")
         self._perm = _epoch_permutation(self.seed, self.rank, self.epoch, self.n)
+
+
+def saved_position(mine: dict, state: dict, not_ours: str) -> tuple[int, int]:
+    """(epoch, position) of a saved shard `state`, checked against this shard's own
+    `state()` (`mine`): every other key must match (the same rows, seed and order), and the
+    position must lie in the shard. ValueError, starting with `not_ours` when `state` lacks
+    a key, otherwise naming the key that differs."""
+    try:
+        saved = {key: int(state[key]) for key in mine}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{not_ours}: {state!r}") from exc
+    for key in mine.keys() - {"epoch", "position"}:
+        if saved[key] != mine[key]:
+            raise ValueError(f"shard state is for {key}={saved[key]}, this shard has "
+                             f"{key}={mine[key]}")
+    if saved["epoch"] < 0 or not 0 <= saved["position"] < mine["n"]:
+        raise ValueError(f"shard state has epoch {saved['epoch']}, position "
+                         f"{saved['position']}: out of range for {mine['n']} rows")
+    return saved["epoch"], saved["position"]
 
 
 def _chunk_rows(row_shape: tuple[int, ...], itemsize: int) -> int:

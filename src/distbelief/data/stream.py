@@ -27,6 +27,7 @@ from distbelief.data.hdf5 import (
     DatasetInfo,
     first_line,
     open_h5,
+    saved_position,
     shard_range,
     to_float,
 )
@@ -156,21 +157,11 @@ class StreamingTrainShard:
     def load_state(self, state: dict) -> None:
         """Resume the exact batch sequence saved by `state()` (ValueError for another
         shard, or a state written with another window shape or in memory)."""
-        try:
-            saved = {key: int(state[key]) for key in self.state()}
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"not a streaming shard state (was the run trained with "
-                             f"data.in_memory = true?): {state!r}") from exc
-        mine = self.state()
-        for key in ("seed", "rank", "num_ranks", "n", "block_rows", "blocks_per_window"):
-            if saved[key] != mine[key]:
-                raise ValueError(f"shard state is for {key}={saved[key]}, this shard has "
-                                 f"{key}={mine[key]}")
-        if saved["epoch"] < 0 or not 0 <= saved["position"] < self.n:
-            raise ValueError(f"shard state has epoch {saved['epoch']}, position "
-                             f"{saved['position']}: out of range for {self.n} rows")
+        epoch, position = saved_position(
+            self.state(), state, "not a streaming shard state (was the run trained with "
+            "data.in_memory = true?)")
         self.close()
-        self.epoch, self.position = saved["epoch"], saved["position"]
+        self.epoch, self.position = epoch, position
 
     def close(self) -> None:
         """Stop the prefetch thread (a later batch starts it again)."""
