@@ -32,6 +32,7 @@ from conftest import (
     _env,
     mpi_under_test,
     run_mpi,
+    simulated_test_nodes,
     survive_a_death,
 )
 from helpers import DELAY, exit_statuses, fault_config, set_args
@@ -446,7 +447,10 @@ def test_a_killed_shard_ends_the_job_with_a_message_and_a_rerun_resumes(
                    faults=f"kill:1:600 {DELAY}")
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
-    assert watch.seen and watch.left() == [], (watch.left(0), proc.stderr[-3000:])
+    # An aborted job is cleaned on the aborting rank's node only (its cleaner knows the
+    # files it maps); on several (simulated) nodes the others' are the site's to clean.
+    if not simulated_test_nodes():
+        assert watch.seen and watch.left() == [], (watch.left(0), proc.stderr[-3000:])
     assert elapsed < 30, f"{elapsed:.1f} s to end the job"
     assert ("parameter-server shard 1 (world rank 1) is gone: its slice of the parameters "
             "cannot be recovered without it") in proc.stderr, proc.stderr[-3000:]
