@@ -40,7 +40,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from distbelief.errors import ConfigError
 from distbelief.runtime.launcher import launcher_rank
@@ -217,22 +217,31 @@ class SharedSegments:
     def remove_orphaned(self) -> list[str]:
         """Remove the remembered files that still exist and that no live process maps;
         returns their names."""
-        left = [path for path in sorted(self.seen) if os.path.exists(path)]
-        if not left:
-            return []
-        mapped = set()
-        for pid in _live_pids():
-            mapped |= shm_files_mapped_by(pid)
-        removed = []
-        for path in left:
-            if path in mapped:
-                continue
-            try:
-                os.unlink(path)
-                removed.append(os.path.basename(path))
-            except OSError:  # gone already (another guardian), or not ours to remove
-                pass
-        return removed
+        return remove_unmapped(self.seen)
+
+
+def remove_unmapped(paths: Collection[str]) -> list[str]:
+    """Remove those of `paths` that still exist and that no live process maps; returns
+    their names."""
+    left = [path for path in sorted(paths) if os.path.exists(path)]
+    if not left:
+        return []
+    mapped = mapped_by_anyone()
+    removed = []
+    for path in left:
+        if path in mapped:
+            continue
+        try:
+            os.unlink(path)
+            removed.append(os.path.basename(path))
+        except OSError:  # gone already (another guardian), or not ours to remove
+            pass
+    return removed
+
+
+def mapped_by_anyone() -> set[str]:
+    """The /dev/shm files some live process maps now."""
+    return set().union(*(shm_files_mapped_by(pid) for pid in _live_pids()))
 
 
 ABORT_CLEANUP_S = 30.0
@@ -262,14 +271,9 @@ def remove_when_unmapped(paths: Sequence[str], timeout: float) -> None:
     """Wait (polling every 0.2 s, at most `timeout` s) until no live process maps any of
     `paths`, then remove those that still exist (run by clean_up_after_abort)."""
     deadline = time.monotonic() + timeout
-    segments = SharedSegments(os.getpid())
-    segments.seen = set(paths)
-    while time.monotonic() < deadline:
-        mapped = set().union(*(shm_files_mapped_by(pid) for pid in _live_pids()))
-        if not mapped & segments.seen:
-            break
+    while time.monotonic() < deadline and mapped_by_anyone() & set(paths):
         time.sleep(0.2)
-    segments.remove_orphaned()
+    remove_unmapped(paths)
 
 
 def shm_files_mapped_by(pid: int) -> set[str]:
