@@ -12,7 +12,10 @@ input_shape is (H, W, C) for images (Fashion-MNIST: (28, 28, 1)) or (F,) for fla
 uint8 x carries a float attribute `scale`: value = stored * scale (1/255 for images). float32
 x may carry `scale` too; without it the scale is 1. Root attributes: `format` =
 "distbelief-dataset", `version` = 1, `num_classes` (int >= 2), `source` (free text).
-Both splits hold at least one row. Files written here chunk x by rows (about 256 KiB per
+Both splits hold at least one row. An optional third split, /val/x and /val/y (same
+shapes, dtype and scale), is a validation set: when it is there, evaluations during
+training and the stop rules use it, and the test set is evaluated once, at the end.
+Without one, `with_validation` holds out the last rows of /train (data.validation). Files written here chunk x by rows (about 256 KiB per
 chunk) so that reading a block of rows reads only the chunks that hold them, and add
 Fletcher-32 checksums to every chunk, so flipped bytes raise an error instead of becoming
 silent bad pixels. Readers accept files without either (e.g. written by hand with h5py).
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Self
 
@@ -39,7 +42,9 @@ from distbelief.model.layout import balanced_ranges
 
 FORMAT_NAME = "distbelief-dataset"
 FORMAT_VERSION = 1
-SPLITS = ("train", "test")
+SPLITS = ("train", "test", "validation")
+"""What load_split reads: "validation" is /val, or the rows of /train held out by
+with_validation."""
 STORED_DTYPES = ("uint8", "float32")
 IMAGE_SCALE = 1.0 / 255.0
 
@@ -65,6 +70,11 @@ class DatasetInfo:
     n_test: int
     stored_dtype: str
     scale: float
+    n_val: int = 0
+    """Rows of the validation split: /val's, or the held-out end of /train."""
+    held_out: int = 0
+    """Rows at the end of /train held out as the validation split (with_validation):
+    n_train counts only the rows trained on."""
 
 
 def open_h5(path: Path) -> h5py.File:
@@ -219,9 +229,35 @@ def _describe(path: Path, f: h5py.File) -> DatasetInfo:
     if (train_dtype, train_scale) != (test_dtype, test_scale):
         raise DataError(f"{path}: train x is {train_dtype} with scale {train_scale} but test "
                         f"x is {test_dtype} with scale {test_scale}")
+    n_val = 0
+    if "val" in f:
+        n_val, val_shape, val_dtype, val_scale = _check_split(path, f, "val", num_classes)
+        if (val_shape, val_dtype, val_scale) != (train_shape, train_dtype, train_scale):
+            raise DataError(f"{path}: /val x is {val_dtype} {val_shape} with scale "
+                            f"{val_scale} but train x is {train_dtype} {train_shape} with "
+                            f"scale {train_scale}")
     return DatasetInfo(path=path, input_shape=train_shape, num_classes=num_classes,
                        n_train=n_train, n_test=n_test, stored_dtype=train_dtype,
-                       scale=train_scale)
+                       scale=train_scale, n_val=n_val)
+
+
+def with_validation(info: DatasetInfo, fraction: float) -> DatasetInfo:
+    """`info` with the last round(fraction * n_train) rows of /train held out as the
+    validation split (data.validation): they are never trained on. fraction 0 leaves
+    `info` as it is; a file with a /val split of its own refuses a fraction (one or the
+    other)."""
+    if not fraction:
+        return info
+    if info.n_val and not info.held_out:
+        raise DataError(f"{info.path} has a validation split of its own (/val, {info.n_val} "
+                        f"rows): leave data.validation = 0 to use it")
+    total = info.n_train + info.held_out
+    held = round(fraction * total)
+    if not 1 <= held < total:
+        raise DataError(f"data.validation = {fraction:g} of the {total} training rows in "
+                        f"{info.path} holds out {held}: it must leave at least one row on "
+                        f"each side")
+    return replace(info, n_train=total - held, n_val=held, held_out=held)
 
 
 def read_rows(info: DatasetInfo, split: str, start: int,
@@ -229,8 +265,14 @@ def read_rows(info: DatasetInfo, split: str, start: int,
     """Rows [start, stop) of /split as (x in the stored dtype, y as int32).
 
     Re-checks the shapes against `info`, since the file may have been replaced since.
+    "validation" reads the validation split (/val, or the held-out end of /train).
     """
-    expected = info.n_train if split == "train" else info.n_test
+    if split == "validation" and info.held_out:
+        split, start, stop = "train", info.n_train + start, info.n_train + stop
+    elif split == "validation":
+        split = "val"
+    expected = {"train": info.n_train + info.held_out, "test": info.n_test,
+                "val": info.n_val}[split]
     with open_h5(info.path) as f:
         try:
             x, y = f.get(f"{split}/x"), f.get(f"{split}/y")
@@ -273,7 +315,10 @@ def load_split(info: DatasetInfo, split: str,
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    total = info.n_train if split == "train" else info.n_test
+    total = {"train": info.n_train, "test": info.n_test, "validation": info.n_val}[split]
+    if total == 0:
+        raise DataError(f"{info.path} has no validation split: add a /val group, or hold "
+                        f"out part of /train with data.validation")
     if limit is None:
         rows = total
     elif isinstance(limit, (int, np.integer)) and not isinstance(limit, bool) and limit > 0:
@@ -433,7 +478,7 @@ class DatasetWriter:
 
     def __init__(self, path: str | os.PathLike, *, input_shape: tuple[int, ...],
                  num_classes: int, n_train: int, n_test: int, stored_dtype: str,
-                 scale: float, source: str, chunk_rows: int | None = None):
+                 scale: float, source: str, chunk_rows: int | None = None, n_val: int = 0):
         self.path = Path(path)
         if stored_dtype not in STORED_DTYPES:
             raise ValueError(f"stored_dtype must be one of {STORED_DTYPES}, got {stored_dtype!r}")
@@ -444,7 +489,9 @@ class DatasetWriter:
         self._rows = {"train": int(n_train), "test": int(n_test)}
         if min(self._rows.values()) < 1:
             raise ValueError(f"both splits need at least one row, got {self._rows}")
-        self._written = {"train": 0, "test": 0}
+        if n_val:  # the optional validation split, /val
+            self._rows["val"] = int(n_val)
+        self._written = dict.fromkeys(self._rows, 0)
         self._file: h5py.File | None = None
         # A fresh name that h5py creates itself ("x": fail if it exists), so the file gets
         # the usual permissions from the umask (mkstemp would make it private).
@@ -479,7 +526,7 @@ class DatasetWriter:
                              chunks=(min(max(rows_per_chunk, 4096), n),), fletcher32=True)
 
     def append(self, split: str, x: np.ndarray, y: np.ndarray) -> None:
-        """Write the next len(x) rows of `split` (train or test)."""
+        """Write the next len(x) rows of `split` (train, test, or val when n_val > 0)."""
         if self._file is None:
             raise ValueError(f"{self.path}: writer is closed")
         start = self._written[split]
