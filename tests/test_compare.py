@@ -122,7 +122,7 @@ def test_bad_input_is_one_line_before_any_run(config: Path, tmp_path: Path) -> N
 
 
 def fake_run(out: Path, run: plan.PlannedRun, state: str, time_to_target: float | None,
-             final: float | None, records: list) -> None:
+             final: float | None, records: list, key: str = "test_accuracy") -> None:
     folder = out / running.RUNS_DIR / run.folder
     folder.mkdir(parents=True)
     evals = [(1.0, 0.5, 1000)]
@@ -131,7 +131,7 @@ def fake_run(out: Path, run: plan.PlannedRun, state: str, time_to_target: float 
     with (folder / "metrics.jsonl").open("w") as f:
         for t, acc, samples in evals:
             f.write(json.dumps({"kind": "eval", "time": t, "step": 1, "samples": samples,
-                                "loss": 1.0, "test_accuracy": acc}) + "\n")
+                                "loss": 1.0, key: acc}) + "\n")
     if state == "finished":
         (folder / "summary.json").write_text(json.dumps({
             "target_accuracy": 0.88, "time_to_target": time_to_target,
@@ -205,6 +205,33 @@ def test_the_figures_show_every_run_and_say_when_none_reached_the_target(
     ranks = sorted({run.ranks for run in runs})
     assert xlim == (ranks[0] - 0.5, ranks[-1] + 0.5) and ylim == (0, 1)
     assert drawn[results.ACCURACY_FIGURE][2][0] == 0.48
+
+
+def test_runs_with_a_validation_split_are_compared_on_it(config: Path, tmp_path: Path,
+                                                         monkeypatch) -> None:
+    grid = plan.Grid(specs("downpour"), replicas=(1, 2))
+    runs = plan.plan_runs(config, grid, check=False)
+    records: list = []
+    fake_run(tmp_path, runs[0], "finished", 30.0, 0.87, records, key="val_accuracy")
+    fake_run(tmp_path, runs[1], "finished", None, 0.86, records, key="val_accuracy")
+    (tmp_path / running.STATE_FILE).write_text(json.dumps({"runs": records}))
+    collected = results.collect(tmp_path, runs)
+    assert [r.split for r in collected] == ["validation", "validation"]
+    assert collected[0].curve == [(1.0, 0.5), (30.0, 0.9)]
+    assert collected[0].samples_to_target == 30000
+    assert collected[0].final_accuracy == 0.87  # the summary's test accuracy
+    pytest.importorskip("matplotlib")
+    labels: dict[str, str] = {}
+
+    def keep_label(plt: Any, fig: Any, ax: Any, path: Path, title: str) -> Path:
+        labels[path.name] = ax.get_ylabel()
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(results, "_save", keep_label)
+    results.plot(tmp_path, results.group_results(collected), 0.88, "exp.toml")
+    assert labels[results.ACCURACY_FIGURE].startswith("validation accuracy")
+    assert labels[results.SCALING_FIGURE] == "time to 0.88 validation accuracy (s)"
 
 
 def test_a_finished_run_is_one_with_the_same_settings(config: Path, tmp_path: Path) -> None:

@@ -222,7 +222,7 @@ def test_loss_decreases_and_accuracy_beats_chance(timed_run):
 
 def test_progress_lines_come_from_rank_0_no_more_often_than_asked(timed_run):
     proc, _, _ = timed_run
-    progress = re.findall(r"^step +(\d+) .* elapsed ([\d.]+)s$", proc.stdout, re.MULTILINE)
+    progress = re.findall(r"^step +(\d+) .* elapsed ([\d.]+)s\b", proc.stdout, re.MULTILINE)
     assert len(progress) >= 3, proc.stdout
     # progress_every_seconds = 0.5 is a floor (0.4 with the printed rounding); how late a
     # line comes on a busy machine is not the code's to promise, so there is no ceiling

@@ -127,6 +127,9 @@ only its runs get, e.g. sync:optimizer.backup_workers=1 or
 sandblaster:data.batch_size=6000. Every algorithm runs at every --replicas count (sgd
 runs once: it is one process), every --learning-rates value and every --seeds value.
 --max-seconds and --target set run.max_seconds and run.target_accuracy for all runs.
+With a validation split (data.validation in CONFIG, or --set data.validation=0.1), the
+target, the time to it and the curves use validation accuracy, and the final accuracy is
+each run's test accuracy, evaluated once at its end.
 
 Each run is `distbelief train`, started as LAUNCHER python -m distbelief train CONFIG
 --set ... with LAUNCHER's {n} replaced by the run's rank count: ps_shards + replicas x
@@ -207,10 +210,13 @@ Works for every algorithm, shard count and partition count (but a single replica
 partitions, algorithm "sgd" with cluster.partitions > 1, writes no checkpoints yet), in
 one process, without mpiexec: run it on a login node. A checkpoint folder or a
 `distbelief export` file works too. A damaged newest checkpoint is named on stderr and
-the one before it used.
+the one before it used. --split validation reads the run's validation split: the rows
+of /train it held out (data.validation), or the file's /val; --split train reads all of
+/train, held-out rows included.
 
 examples:
   distbelief evaluate runs/fashion_mnist_mlp
+  distbelief evaluate runs/fashion_mnist_mlp --split validation
   distbelief evaluate runs/fashion_mnist_mlp --data data/other.h5 --split train --json
   distbelief evaluate model.safetensors --data data/fashion_mnist.h5
 """
@@ -387,8 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a run folder, a checkpoint folder or an export file")
     evaluate.add_argument("--data", metavar="FILE", default=None,
                           help="dataset file (default: the run's own data.path)")
-    evaluate.add_argument("--split", choices=("test", "train"), default="test",
-                          help="which part of the file (default: %(default)s)")
+    evaluate.add_argument("--split", choices=("test", "validation", "train"), default="test",
+                          help="which part of the file: test, validation (the run's "
+                               "held-out rows or /val) or train (default: %(default)s)")
     evaluate.add_argument("--json", action="store_true",
                           help="print one JSON object, for scripts")
     evaluate.set_defaults(func=cmd_evaluate)
@@ -550,10 +557,16 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         write_json_atomic(outcome, {"stop_reason": summary["stop_reason"],
                                     "lost_replicas": len(summary.get("lost_replicas", []))})
-    from distbelief.algorithms.common import INTERRUPTED_STATUS, interrupted_by_user
+    from distbelief.algorithms.common import (
+        COLLAPSED_STATUS,
+        INTERRUPTED_STATUS,
+        interrupted_by_user,
+    )
 
     # Ctrl-C stopped the run cleanly (checkpoint and summary written): say so in the status.
-    return INTERRUPTED_STATUS if interrupted_by_user() else 0
+    if interrupted_by_user():
+        return INTERRUPTED_STATUS
+    return COLLAPSED_STATUS if summary and summary.get("stop_reason") == "collapse" else 0
 
 
 OUTCOME_ENV = "DISTBELIEF_OUTCOME_FILE"
@@ -630,11 +643,15 @@ def _finished_run(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
 
 def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
     """Run the configured trainer (distbelief.algorithms.registry names it)."""
+    from distbelief.algorithms.common import final_test
+
     algorithm = registry.get(config.optimizer.algorithm)
     trainer = algorithm.load_trainer(config.cluster.partitions, vars(config.optimizer))
     if algorithm.in_one_process(config.cluster.partitions):
-        return trainer(config, resume=resume)
-    return trainer(config, comm, resume=resume)
+        summary = trainer(config, resume=resume)
+    else:
+        summary = trainer(config, comm, resume=resume)
+    return None if summary is None else final_test(config, summary, sys.stdout)
 
 
 def _resume_mode(args: argparse.Namespace) -> str:
@@ -758,7 +775,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
-    from distbelief.data.hdf5 import load_split, open_dataset
+    from distbelief.data.hdf5 import load_split, open_dataset, with_validation
     from distbelief.errors import DataError
     from distbelief.records.export import read_trained
 
@@ -779,6 +796,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         raise DataError(f"{info.path} holds inputs {info.input_shape} in {info.num_classes} "
                         f"classes, the model takes {trained.input_shape} in "
                         f"{trained.num_classes}")
+    if args.split == "validation":  # the run's held-out rows, or the file's /val
+        info = with_validation(info, trained.source.get("validation") or 0.0)
     x, y = load_split(info, args.split)  # scaled by the file's own scale, as in training
     loss, accuracy = trained.network().evaluate(trained.params, x, y,
                                                 batch_size=EVAL_BATCH_SIZE)

@@ -12,7 +12,12 @@ the value given and what is allowed.
 Sections and keys, with their defaults:
 
     [model]      layers (list of tables, required; checked by distbelief.model.network.Network)
-    [data]       path (required; relative to the config file's folder), batch_size = 64
+    [data]       path (required; relative to the config file's folder), batch_size = 64,
+                 in_memory = true, stream_memory_mb = 256 (data.in_memory = false: rows in
+                 memory per replica), validation = 0.0 (the fraction of /train held out as
+                 a validation split, its last rows; 0 = none, unless the file has a /val
+                 group: then evaluations and stop rules use the validation split and the
+                 test set is evaluated once, at the end)
     [optimizer]  algorithm = "sgd" | "downpour" | "sandblaster" | "sync" | "averaging" |
                  "hogwild", learning_rate = 0.02, update = "adagrad" | "sgd" |
                  "adarevision" (the update rule; `adagrad = true/false` is the older
@@ -50,7 +55,9 @@ Sections and keys, with their defaults:
                  another this long says which and what for / aborts the job; 0 = never),
                  owner_timeout_seconds = 120 (a run owning out_dir on another host whose
                  heartbeat is older than this is taken for dead; 0 = never; see
-                 distbelief.runtime.ownership)
+                 distbelief.runtime.ownership), collapse_window_seconds = 60 (a training
+                 loss at chance for this long, or non-finite, is reported as a collapse),
+                 stop_on_collapse = false (true: a collapse ends the run, exit status 4)
 
 Checkpoints (distbelief.records.checkpoint) go to out_dir/checkpoints; besides the periodic ones,
 a run always writes one when it stops (budget, target, SIGTERM/SIGUSR1), so it can be
@@ -114,6 +121,7 @@ class DataConfig:
     batch_size: int = 64
     in_memory: bool = True
     stream_memory_mb: int = 256
+    validation: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +175,8 @@ class RunConfig:
     stall_warn_seconds: float = 60.0
     stall_abort_seconds: float = 600.0
     owner_timeout_seconds: float = 120.0
+    collapse_window_seconds: float = 60.0
+    stop_on_collapse: bool = False
 
 
 @dataclass(frozen=True)
@@ -267,6 +277,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "batch_size": (_int(1), 64),
         "in_memory": (_bool(), True),
         "stream_memory_mb": (_int(4), 256),
+        "validation": (_float(0.0, maximum=0.5), 0.0),
     },
     "optimizer": {
         "algorithm": (_choice(ALGORITHMS + NOT_IMPLEMENTED_ALGORITHMS), "sgd"),
@@ -314,6 +325,8 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "stall_warn_seconds": (_float(0.0), 60.0),
         "stall_abort_seconds": (_float(0.0), 600.0),
         "owner_timeout_seconds": (_float(0.0), 120.0),
+        "collapse_window_seconds": (_float(0.0, strict=True), 60.0),
+        "stop_on_collapse": (_bool(), False),
     },
 }
 SECTIONS = tuple(SCHEMA)
@@ -587,9 +600,9 @@ def check_data_fits(config: Config) -> None:
 
     Cheap: reads the file's metadata only and does not allocate parameters.
     """
-    from distbelief.data.hdf5 import open_dataset
+    from distbelief.data.hdf5 import open_dataset, with_validation
 
-    info = open_dataset(config.data.path)
+    info = with_validation(open_dataset(config.data.path), config.data.validation)
     network = build_network(config, info)
     if config.cluster.partitions > 1:
         from distbelief.model.partition import (
@@ -608,9 +621,10 @@ def check_data_fits(config: Config) -> None:
     if config.data.batch_size > info.n_train and config.optimizer.algorithm != "sandblaster":
         raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
                         f"{info.n_train} training samples in {info.path}")
-    if config.run.eval_samples > info.n_test:
+    split, rows = ("validation", info.n_val) if info.n_val else ("test", info.n_test)
+    if config.run.eval_samples > rows:
         raise DataError(f"run.eval_samples = {config.run.eval_samples} is larger than the "
-                        f"{info.n_test} test samples in {info.path}")
+                        f"{rows} {split} samples in {info.path}")
 
 
 def build_network(config: Config, info: Any) -> Any:
@@ -665,6 +679,8 @@ def hashed_settings(config: Config) -> dict[str, Any]:
     if config.data.in_memory:  # the default, as before the keys existed
         out["data"] = {k: v for k, v in out["data"].items()
                        if k not in ("in_memory", "stream_memory_mb")}
+    if not config.data.validation:  # the default, as before the key existed
+        out["data"].pop("validation", None)
     return out
 
 

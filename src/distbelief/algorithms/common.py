@@ -7,9 +7,12 @@ from another algorithm.
 
     prepare_run_dir(config)          out_dir created, config.json written
     open_data(config)                (DatasetInfo, Network) checked against each other
-    load_eval_set(config, info)      the test samples evaluations use
-    StopRules.from_config(config)    max_steps / max_seconds / target_accuracy
-    evaluate(network, params, eval_set) -> (test_loss, test_accuracy)
+    load_eval_set(config, info)      the samples evaluations use (validation, else test)
+    run_recorder(config, info, ...)  the RunRecorder of the run's reporting rank
+    StopRules.from_config(config)    max_steps / max_seconds / target_accuracy / collapse
+    evaluate(network, params, eval_set) -> (loss, accuracy)
+    final_test(config, summary, stream)   a run with a validation split: the test set,
+                                     evaluated once at the end, into summary.json
     starting_checkpoint(config, layout, resume, stream)   which checkpoint to resume from
     finished_run(config, resume, stream)   the summary of a finished run a rerun leaves be
     StopSignals()                    SIGTERM/SIGUSR1/SIGINT -> a flag the loop polls
@@ -34,14 +37,21 @@ import numpy as np
 from distbelief.config import Config, build_network, config_hash, hashed_settings
 from distbelief.errors import UserError
 from distbelief.records import checkpoint as ckpt
+from distbelief.records.collapse import CollapseWatch
 from distbelief.records.console import say
-from distbelief.records.metrics import DISCARDED_FILE, METRICS_FILE, SUMMARY_FILE
+from distbelief.records.metrics import (
+    DISCARDED_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    ResumePoint,
+    RunRecorder,
+)
 from distbelief.runtime import watchdog
 
 EVAL_BATCH_SIZE = 1000
 
 STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUSR1",
-              5: "SIGINT"}
+              5: "SIGINT", 6: "collapse"}
 """Why a run stops, as the int code a MAX-allreduce of the ranks' votes agrees on (the
 trainers whose ranks step in lockstep: partitioned sgd, sync, averaging); 0 goes on."""
 STOP_CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
@@ -62,9 +72,9 @@ def prepare_run_dir(config: Config) -> Path:
 
 def open_data(config: Config) -> tuple[Any, Any]:
     """(DatasetInfo, Network) for the config: the data file opened, the model built on it."""
-    from distbelief.data.hdf5 import open_dataset
+    from distbelief.data.hdf5 import open_dataset, with_validation
 
-    info = open_dataset(config.data.path)
+    info = with_validation(open_dataset(config.data.path), config.data.validation)
     return info, build_network(config, info)
 
 
@@ -81,19 +91,79 @@ def train_shard(config: Config, info: Any, rank: int, num_ranks: int) -> Any:
                                memory_bytes=config.data.stream_memory_mb << 20)
 
 
-def load_eval_set(config: Config, info: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The test samples every evaluation uses: the first run.eval_samples, or all."""
-    from distbelief.data.hdf5 import load_test
+def eval_split(info: Any) -> str:
+    """The split evaluations during training use: "validation" when the data has one
+    (data.validation, or a /val group in the file), else "test"."""
+    return "validation" if info.n_val else "test"
 
-    return load_test(info, limit=config.run.eval_samples or None)
+
+def load_eval_set(config: Config, info: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The samples every evaluation during training uses (the validation split when there
+    is one, else the test set): the first run.eval_samples, or all."""
+    from distbelief.data.hdf5 import load_split
+
+    return load_split(info, eval_split(info), limit=config.run.eval_samples or None)
+
+
+def run_recorder(config: Config, info: Any, stream: IO[str] | None,
+                 resume: ResumePoint | None = None, start: float | None = None) -> RunRecorder:
+    """The RunRecorder of a run's reporting rank, set up from the config: its cadence,
+    target, budget (for the ETA), the split its evaluations are on, and its collapse
+    watch (on the data's class count)."""
+    run = config.run
+    return RunRecorder(run.out_dir, run.progress_every_seconds, stream,
+                       target_accuracy=run.target_accuracy, start=start, resume=resume,
+                       max_steps=run.max_steps, max_seconds=run.max_seconds,
+                       eval_split=eval_split(info),
+                       collapse=CollapseWatch(info.num_classes, run.collapse_window_seconds))
 
 
 def evaluate(network: Any, params: np.ndarray,
              eval_set: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
-    """(test loss, test accuracy) of `params` on the evaluation set."""
+    """(loss, accuracy) of `params` on the evaluation set."""
     x, y = eval_set
     loss, accuracy = network.evaluate(params, x, y, batch_size=EVAL_BATCH_SIZE)
     return float(loss), float(accuracy)
+
+
+def final_test(config: Config, summary: dict[str, Any],
+               stream: IO[str] | None) -> dict[str, Any]:
+    """A run that evaluated a validation split during training: its test set, evaluated
+    once, at the end, on the run's newest checkpoint (every trainer writes one when it
+    stops), into summary.json (final_test_accuracy, final_test_loss, test_step) and
+    metrics.jsonl (a "test" line); returns the summary. Other runs' summaries are returned
+    as they are. Call it on the rank that wrote the summary, after the trainer returned."""
+    if summary.get("eval_split") != "validation":
+        return summary
+    from distbelief.data.hdf5 import load_split
+    from distbelief.records.export import read_trained
+    from distbelief.records.metrics import write_json_atomic
+
+    out_dir = Path(config.run.out_dir)
+    try:
+        trained = read_trained(out_dir, data=config.data.path)
+    except UserError as exc:
+        why = f"no checkpoint to evaluate ({exc})"
+        say(stream, f"distbelief: the test set was not evaluated: {why}")
+        summary = {**summary, "test_not_evaluated": why}
+        write_json_atomic(out_dir / SUMMARY_FILE, summary)
+        return summary
+    info, _ = open_data(config)
+    x, y = load_split(info, "test")
+    loss, accuracy = trained.network().evaluate(trained.params, x, y,
+                                                batch_size=EVAL_BATCH_SIZE)
+    step = trained.source.get("step")
+    summary = {**summary, "final_test_accuracy": float(accuracy), "final_test_loss": float(loss),
+               "test_step": step, "test_samples": len(y)}
+    line = {"kind": "test", "time": summary.get("wall_seconds"), "step": step,
+            "samples": trained.source.get("samples"), "test_accuracy": float(accuracy),
+            "test_loss": float(loss)}
+    with (out_dir / METRICS_FILE).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(line) + "\n")
+    write_json_atomic(out_dir / SUMMARY_FILE, summary)
+    say(stream, f"distbelief: test set, evaluated once at the end: accuracy {accuracy:.4f}, "
+                f"loss {loss:.4f} ({len(y):,d} samples, checkpoint of step {step:,d})")
+    return summary
 
 
 @dataclass(frozen=True)
@@ -103,18 +173,23 @@ class StopRules:
     max_steps: int = 0
     max_seconds: float = 0.0
     target_accuracy: float | None = None
+    stop_on_collapse: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> StopRules:
         run = config.run
-        return cls(run.max_steps, run.max_seconds, run.target_accuracy)
+        return cls(run.max_steps, run.max_seconds, run.target_accuracy, run.stop_on_collapse)
 
-    def budget_spent(self, step: int, elapsed: float) -> str | None:
-        """"max_steps" or "max_seconds" once that budget is used up, else None."""
+    def budget_spent(self, step: int, elapsed: float, collapsed: bool = False) -> str | None:
+        """"max_steps" or "max_seconds" once that budget is used up, "collapse" when the
+        run collapsed (`collapsed`: RunRecorder.collapsed) and run.stop_on_collapse is
+        set, else None."""
         if self.max_steps and step >= self.max_steps:
             return "max_steps"
         if self.max_seconds and elapsed >= self.max_seconds:
             return "max_seconds"
+        if self.stop_on_collapse and collapsed:
+            return "collapse"
         return None
 
     def target_reached(self, test_accuracy: float) -> bool:
@@ -186,6 +261,10 @@ class StopSignals:
             signal.signal(number, handler)
         self._previous.clear()
 
+
+COLLAPSED_STATUS = 4
+"""The exit status of a run that run.stop_on_collapse ended (distbelief.records.collapse);
+3 is an owner that lost its folder (distbelief.runtime.ownership)."""
 
 INTERRUPTED_STATUS = 130
 """The exit status of a run stopped by Ctrl-C (128 + SIGINT, as shells report it)."""

@@ -84,6 +84,7 @@ from distbelief.algorithms.common import (
     load_eval_set,
     open_data,
     prepare_run_dir,
+    run_recorder,
     starting_checkpoint,
     train_shard,
 )
@@ -93,7 +94,7 @@ from distbelief.model.layout import DTYPE
 from distbelief.model.optimizers import make_optimizer
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
+from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, accuracy_text, target_text
 from distbelief.runtime import guardian
 from distbelief.runtime.agreement import agree
 from distbelief.runtime.faults import Faults
@@ -449,8 +450,7 @@ class Leader:
                            start_from.samples - sum(p["samples"] for p in parts))
             resume_point = ResumePoint(start_from.step, start_from.samples,
                                        start_from.wall_seconds, start_from.path.name)
-        self.recorder = RunRecorder(run.out_dir, run.progress_every_seconds, stream,
-                                    target_accuracy=run.target_accuracy, resume=resume_point)
+        self.recorder = run_recorder(config, info, stream, resume=resume_point)
         say(stream, f"distbelief: hogwild, {self.num_replicas} replica(s) on one node, "
                     f"{network.layout.size:,d} parameters in one shared segment, data "
                     f"{info.path} ({info.n_train} train / {len(self.eval_set[1])} eval "
@@ -513,7 +513,7 @@ class Leader:
         recent = math.nan
         wait = None
         steps, samples = self.totals()
-        reason = self.rules.budget_spent(steps, now - start)
+        reason = self.rules.budget_spent(steps, now - start, self.recorder.collapsed)
         while not reason:
             if replica.steps < replica.quota:
                 _step(self.network, self.shared, replica, grad, self.config.data.batch_size)
@@ -524,7 +524,8 @@ class Leader:
             now = clock()
             self._check_replicas(now)
             steps, samples = self.totals()
-            reason = (self._quotas_done() or self.rules.budget_spent(steps, now - start)
+            reason = (self._quotas_done()
+                      or self.rules.budget_spent(steps, now - start, self.recorder.collapsed)
                       or self._signal(now))
             if now >= next_log or reason:
                 recent = self.recent_loss()
@@ -694,10 +695,8 @@ class Leader:
 
 
 def _summary_line(summary: dict[str, Any], out_dir: Path) -> str:
-    accuracy = summary["final_test_accuracy"]
-    shown = "-" if accuracy is None else f"{accuracy:.4f}"
     text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['steps']} steps "
             f"of {summary['num_replicas']} replica(s), {summary['wall_seconds']:.1f}s; "
-            f"test accuracy {shown}")
+            f"{accuracy_text(summary)}")
     return f"{text}{target_text(summary)}\nresults in {out_dir}"
 

@@ -49,6 +49,7 @@ from distbelief.algorithms.common import (
     load_eval_set,
     open_data,
     prepare_run_dir,
+    run_recorder,
     start_over,
     train_shard,
     watched_run,
@@ -57,7 +58,7 @@ from distbelief.config import Config, config_hash
 from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records.console import say
-from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder, target_text
+from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder, accuracy_text, target_text
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import agree, polled_bcast
 from distbelief.runtime.faults import Faults
@@ -131,8 +132,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                        f"{info.path} ({info.n_train} train / {len(eval_set[1])} eval "
                        f"samples), out {config.run.out_dir}; checkpoints are not written "
                        f"for partitioned runs\n{network.describe()}\n{model.describe()}")
-        recorder = RunRecorder(config.run.out_dir, config.run.progress_every_seconds, stream,
-                               target_accuracy=config.run.target_accuracy)
+        recorder = run_recorder(config, info, stream)
     def describe(rank: int) -> str:
         return f"rank {rank} (partition {rank})"
 
@@ -152,10 +152,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         "algorithm": "sgd", "stop_reason": reason, "config_hash": config_hash(config),
         "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
         "resumed_from": None, "checkpoint": None, "model_parallel": traffic})
-    accuracy = summary["final_test_accuracy"]  # None after a signal before any evaluation
     say(stream, f"distbelief: stopped ({reason}) after {step} steps, "
-                   f"{summary['wall_seconds']:.1f}s; test accuracy "
-                   f"{'-' if accuracy is None else f'{accuracy:.4f}'}; "
+                   f"{summary['wall_seconds']:.1f}s; {accuracy_text(summary)}; "
                    f"{traffic['total_bytes_per_step']:,d} bytes/step between partitions"
                    f"{target_text(summary)}\n"
                    f"results in {config.run.out_dir}")
@@ -201,7 +199,8 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
                 recorder.log_event("partitions", step, batch_size, **traffic)
         if recorder:
             now = time.monotonic()
-            reason = rules.budget_spent(step, now - start) or signals.received
+            reason = (rules.budget_spent(step, now - start, recorder.collapsed)
+                      or signals.received)
             decision[:] = STOP_CODE_OF[reason], now >= next_eval
             if now >= next_log or reason:
                 recent, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0

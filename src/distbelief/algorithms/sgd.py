@@ -40,6 +40,7 @@ from distbelief.algorithms.common import (
     load_eval_set,
     open_data,
     prepare_run_dir,
+    run_recorder,
     starting_checkpoint,
     train_shard,
 )
@@ -50,6 +51,7 @@ from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
     ResumePoint,
     RunRecorder,
+    accuracy_text,
     target_text,
 )
 from distbelief.runtime.threads import apply_thread_setting
@@ -85,8 +87,7 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
                    f"{info.path} ({info.n_train} train / {len(eval_set[1])} eval samples), "
                    f"out {out_dir}\n{network.describe()}")
 
-    recorder = RunRecorder(out_dir, config.run.progress_every_seconds, stream,
-                           target_accuracy=config.run.target_accuracy, resume=resume_point)
+    recorder = run_recorder(config, info, stream, resume=resume_point)
     saver = Checkpointer(config, network.layout, params, optimizer, shard, recorder, stream,
                          last_step=state.step if start_from is not None else None)
     # Overflow in a diverging run is reported once, as TrainingDiverged, not as a stream of
@@ -133,7 +134,7 @@ def _train_loop(config: Config, network: Any, shard: Any, optimizer: Any,
     step, samples = state.step, state.samples
     loss_sum, loss_count, recent_loss = 0.0, 0, math.nan
     # A resumed run whose budget is already spent trains no further step.
-    reason = rules.budget_spent(step, now - start)
+    reason = rules.budget_spent(step, now - start, recorder.collapsed)
     while not reason:
         x, y = shard.next_batch(batch_size)
         loss_sum += network.loss_and_grad(params, x, y, grad)
@@ -142,7 +143,7 @@ def _train_loop(config: Config, network: Any, shard: Any, optimizer: Any,
         samples += len(y)
         loss_count += 1
         now = clock()
-        reason = rules.budget_spent(step, now - start) or signals.received
+        reason = rules.budget_spent(step, now - start, recorder.collapsed) or signals.received
         if now >= next_log or reason:
             recent_loss = loss_sum / loss_count
             loss_sum, loss_count = 0.0, 0
@@ -251,9 +252,7 @@ def _diverged(recorder: RunRecorder, step: int, samples: int, loss: float,
 
 
 def _summary_line(summary: dict[str, Any], out_dir: Path) -> str:
-    accuracy = summary["final_test_accuracy"]
-    shown = "-" if accuracy is None else f"{accuracy:.4f}"  # a signal before any evaluation
     text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['steps']} steps, "
-            f"{summary['wall_seconds']:.1f}s; test accuracy {shown}")
+            f"{summary['wall_seconds']:.1f}s; {accuracy_text(summary)}")
     return f"{text}{target_text(summary)}\nresults in {out_dir}"
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from distbelief.compare.plan import PlannedRun
 from distbelief.compare.running import LOGS_DIR, RUNS_DIR, read_state, read_summary
-from distbelief.records.metrics import METRICS_FILE, read_metrics
+from distbelief.records.metrics import METRICS_FILE, eval_accuracy, read_metrics
 from distbelief.records.report import import_pyplot, save_with_legend
 
 TABLE_CSV = "table.csv"
@@ -48,7 +48,8 @@ class RunResult:
     samples_to_target: int | None
     final_accuracy: float | None
     wall_seconds: float | None
-    curve: list[tuple[float, float]]  # (time, test accuracy) of each evaluation
+    curve: list[tuple[float, float]]  # (time, accuracy) of each evaluation (eval_accuracy)
+    split: str = "test"               # what the evaluations ran on: test, or validation
 
 
 def collect(out_dir: str | Path, runs: Sequence[PlannedRun]) -> list[RunResult]:
@@ -63,14 +64,15 @@ def collect(out_dir: str | Path, runs: Sequence[PlannedRun]) -> list[RunResult]:
         summary = _summary(out / RUNS_DIR / run.folder) if state == "finished" else {}
         target = summary.get("target_accuracy")
         hit = next((e for e in evals if target is not None
-                    and e["test_accuracy"] >= target), None)
+                    and eval_accuracy(e) >= target), None)
         results.append(RunResult(
             run, state, record.get("exit_status"), target,
             summary.get("time_to_target"),
             hit["samples"] if hit is not None and summary.get("time_to_target") is not None
             else None,
             summary.get("final_test_accuracy"), summary.get("wall_seconds"),
-            [(e["time"], e["test_accuracy"]) for e in evals]))
+            [(e["time"], eval_accuracy(e)) for e in evals],
+            "validation" if any("val_accuracy" in e for e in evals) else "test"))
     return results
 
 
@@ -79,7 +81,7 @@ def _evals(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [r for r in read_metrics(path)
-            if r.get("kind") == "eval" and r.get("test_accuracy") is not None]
+            if r.get("kind") == "eval" and eval_accuracy(r) is not None]
 
 
 def _summary(run_dir: Path) -> dict[str, Any]:
@@ -271,7 +273,7 @@ def _plot_accuracy(plt: Any, groups: Sequence[Group], target: float | None, titl
         if not curves:  # keep the failed group in the legend
             ax.plot([], [], color=colors[g.algorithm], linestyle=style,
                     label=f"{label} (no curve)")
-    ylabel = "test accuracy"
+    ylabel = f"{_split(groups)} accuracy"
     if target is not None:
         ax.axhline(target, color="gray", linestyle=":", linewidth=1,
                    label=f"target {target:g}")
@@ -339,10 +341,11 @@ def _plot_scaling(plt: Any, groups: Sequence[Group], target: float | None, title
                     color=colors[algorithm])
     ax.set_xlabel("cores used (MPI ranks)")
     to = f"{target:g}" if target is not None else "the target"
-    ax.set_ylabel(f"time to {to} test accuracy (s)")
+    split = _split(groups)
+    ax.set_ylabel(f"time to {to} {split} accuracy (s)")
     ax.set_ylim(bottom=0)
     if not ranks_seen:  # say so, on an axis that still spans the rank counts that ran
-        ax.text(0.5, 0.5, f"no run reached {to} test accuracy", transform=ax.transAxes,
+        ax.text(0.5, 0.5, f"no run reached {to} {split} accuracy", transform=ax.transAxes,
                 ha="center", va="center", fontsize="large", color="dimgray")
         ax.set_ylim(0, 1)
         ranks_seen = {g.ranks for g in groups}
@@ -351,8 +354,14 @@ def _plot_scaling(plt: Any, groups: Sequence[Group], target: float | None, title
         ax.set_xlim(min(ranks_seen) - 0.5, max(ranks_seen) + 0.5)
     ax.grid(True, alpha=0.3)
     return _save(plt, fig, ax, path,
-                 f"Time to {to} test accuracy against cores\n{title}\n"
+                 f"Time to {to} {split} accuracy against cores\n{title}\n"
                  "median over seeds; bars: fastest to slowest seed")
+
+
+def _split(groups: Sequence[Group]) -> str:
+    """"validation" when the runs evaluated a validation split, else "test"."""
+    splits = {r.split for g in groups for r in g.results}
+    return "validation" if "validation" in splits else "test"
 
 
 def _save(plt: Any, fig: Any, ax: Any, path: Path, title: str) -> Path:

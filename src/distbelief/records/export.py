@@ -175,7 +175,8 @@ def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
     params, state = found.read_state(with_optimizer)
     source = {"kind": "checkpoint", "path": str(found.path.resolve()), "step": found.step,
               "samples": found.samples, "algorithm": found.manifest["algorithm"],
-              "config_hash": found.manifest["config_hash"], "data": str(info.path)}
+              "config_hash": found.manifest["config_hash"], "data": str(info.path),
+              "validation": found.manifest["config"]["data"].get("validation", 0.0)}
     return TrainedModel(list(layers), info.input_shape, info.scale, info.num_classes,
                         params, state, source)
 

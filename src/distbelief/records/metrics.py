@@ -6,7 +6,7 @@ run, in the process that owns the run's output folder:
     recorder = RunRecorder(out_dir, progress_every_seconds=2.0, target_accuracy=0.88)
     recorder.log(step, samples, loss, **extra)       # a training line; call every ~0.5 s,
                                                      # not every step (loss: recent mean)
-    recorder.log_eval(step, samples, loss, test_accuracy, test_loss, **extra)
+    recorder.log_eval(step, samples, loss, accuracy, eval_loss, **extra)
     recorder.progress(step, samples, loss)           # cheap to call every step: prints a
                                                      # line only every progress_every_seconds
     recorder.log_event("checkpoint", step, samples, **extra)   # a marker line
@@ -15,7 +15,10 @@ run, in the process that owns the run's output folder:
 metrics.jsonl has one JSON object per line, flushed as it is written, so a run killed
 half-way leaves a readable file. Every line has `kind` ("train" or "eval"), `time`
 (seconds since the recorder's start), `step`, `samples` and `loss` (training loss); eval
-lines add `test_accuracy` and `test_loss`; `extra` keywords are added as they are (they
+lines add `test_accuracy` and `test_loss`, or `val_accuracy` and `val_loss` when the run
+evaluates a validation split (`eval_split="validation"`; read either with eval_accuracy and
+eval_loss); a run with a validation split gets one `{"kind": "test", ...}` line at its end
+(distbelief.algorithms.common.final_test); `extra` keywords are added as they are (they
 must be JSON-serialisable; Downpour adds e.g. the shards' version). A non-finite number
 (a diverged loss) is written as null, here and in summary.json: strict JSON. Marker lines of other kinds
 ("checkpoint", "resume") have `kind`, `time`, `step` and `samples` but no loss; readers
@@ -27,8 +30,15 @@ summary.json (written atomically: temp file, fsync, rename) has at least `reache
 null when none was), `target_accuracy`, `final_test_accuracy` (the last evaluation's,
 which may be another one and fall below the target),
 `best_test_accuracy`, `final_test_loss`, `steps`, `samples`, `wall_seconds` and
-`samples_per_second`, filled from what was logged; the dict given to `finish` adds keys
-or overrides them.
+`samples_per_second`, `eval_split` and `collapse` (null, or what
+distbelief.records.collapse found), filled from what was logged; with a validation split
+the evaluation keys are named `final_val_accuracy`, `best_val_accuracy` and
+`final_val_loss`, and `final_test_accuracy`/`final_test_loss` stay null until the test set
+is evaluated at the end. The dict given to `finish` adds keys or overrides them.
+
+Given the run's budget (`max_steps`, `max_seconds`), progress lines say how much of it is
+spent and when it will be (ETA); given a CollapseWatch, a collapse is printed once when
+found and marked on every later progress line.
 
 Times come from time.monotonic(); pass `start` (a monotonic time) to count from an earlier
 moment than the recorder's creation.
@@ -53,6 +63,7 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from distbelief.errors import DataError
+from distbelief.records.collapse import CollapseWatch
 from distbelief.records.console import say
 
 METRICS_FILE = "metrics.jsonl"
@@ -63,6 +74,9 @@ LOG_EVERY_SECONDS = 0.5
 the previous line (one line per step would be thousands a second)."""
 REQUIRED_SUMMARY_KEYS = ("reached_target", "time_to_target", "final_test_accuracy",
                          "steps", "samples", "wall_seconds")
+EVAL_SPLITS = ("test", "validation")
+EVAL_PREFIX = {"test": "test", "validation": "val"}
+"""What an evaluation's keys start with: test_accuracy, val_accuracy."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +94,16 @@ class RunRecorder:
 
     def __init__(self, out_dir: str | Path, progress_every_seconds: float = 2.0,
                  stream: IO[str] | None = sys.stdout, target_accuracy: float | None = None,
-                 start: float | None = None, resume: ResumePoint | None = None):
+                 start: float | None = None, resume: ResumePoint | None = None, *,
+                 max_steps: int = 0, max_seconds: float = 0.0, eval_split: str = "test",
+                 collapse: CollapseWatch | None = None):
+        if eval_split not in EVAL_SPLITS:
+            raise ValueError(f"eval_split must be one of {EVAL_SPLITS}, got {eval_split!r}")
         self.out_dir = Path(out_dir)
+        self.max_steps, self.max_seconds = max_steps, max_seconds
+        self.eval_split = eval_split
+        self._prefix = EVAL_PREFIX[eval_split]
+        self.collapse = collapse
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.progress_every_seconds = progress_every_seconds
         self.stream = stream
@@ -102,10 +124,12 @@ class RunRecorder:
             # would mix two runs in one curve.
             self._file = (self.out_dir / METRICS_FILE).open("w", encoding="utf-8")
             self._progress_mark = (self.start, 0)  # (time, samples) of the last progress line
+            self._rate_mark = (self.start, 0)  # (time, step) the ETA's step rate counts from
         else:
             self._continue(resume)
             # Rates and the first line count from now, not from the run's shifted start.
             self._progress_mark = (time.monotonic(), resume.samples)
+            self._rate_mark = (time.monotonic(), resume.step)
             self._next_progress = time.monotonic() + progress_every_seconds
 
     def _continue(self, resume: ResumePoint) -> None:
@@ -130,8 +154,19 @@ class RunRecorder:
     def log(self, step: int, samples: int, loss: float, **extra: Any) -> None:
         """Append a training line (time, step, samples, loss, extra)."""
         self._remember(step, samples, loss)
-        self._write({"kind": "train", "time": self.elapsed(), "step": step, "samples": samples,
+        now = self.elapsed()
+        self._write({"kind": "train", "time": now, "step": step, "samples": samples,
                      "loss": float(loss), **extra})
+        if self.collapse is not None:
+            found = self.collapse.add(now, step, float(loss))
+            if found is not None:
+                say(self.stream, f"distbelief: warning: {found.describe()}")
+
+    @property
+    def collapsed(self) -> bool:
+        """Whether the CollapseWatch found a collapse (and the loss has not recovered)."""
+        return (self.collapse is not None and self.collapse.found is not None
+                and self.collapse.recovered_at is None)
 
     def log_event(self, kind: str, step: int, samples: int, at: float | None = None,
                   **extra: Any) -> None:
@@ -140,19 +175,22 @@ class RunRecorder:
         self._write({"kind": kind, "time": self.elapsed() if at is None else at, "step": step,
                      "samples": samples, **extra})
 
-    def log_eval(self, step: int, samples: int, loss: float, test_accuracy: float,
-                 test_loss: float, **extra: Any) -> None:
-        """Append an evaluation line; notes the first time the target accuracy is reached."""
+    def log_eval(self, step: int, samples: int, loss: float, accuracy: float,
+                 eval_loss: float, **extra: Any) -> None:
+        """Append an evaluation line (on the eval split: test_ or val_ keys); notes the
+        first time the target accuracy is reached."""
         self._remember(step, samples, loss)
         now = self.elapsed()
         line = {"kind": "eval", "time": now, "step": step, "samples": samples,
-                "loss": float(loss), "test_accuracy": float(test_accuracy),
-                "test_loss": float(test_loss), **extra}
+                "loss": float(loss), f"{self._prefix}_accuracy": float(accuracy),
+                f"{self._prefix}_loss": float(eval_loss), **extra}
         self._write(line)
         self._note_eval(line)
 
     def _note_eval(self, line: dict[str, Any]) -> None:
-        accuracy = float(line["test_accuracy"])
+        accuracy = eval_accuracy(line)
+        if accuracy is None:
+            return
         self._last_eval = line
         if self._best_accuracy is None or accuracy > self._best_accuracy:
             self._best_accuracy = accuracy
@@ -162,8 +200,9 @@ class RunRecorder:
             self.time_to_target = float(line["time"])
 
     @property
-    def last_test_accuracy(self) -> float | None:
-        return None if self._last_eval is None else self._last_eval["test_accuracy"]
+    def last_accuracy(self) -> float | None:
+        """The last evaluation's accuracy (on the eval split), or None."""
+        return None if self._last_eval is None else eval_accuracy(self._last_eval)
 
     def progress(self, step: int, samples: int, loss: float,
                  test_accuracy: float | None = None) -> None:
@@ -180,31 +219,41 @@ class RunRecorder:
         self._progress_mark = (now, samples)
         rate = (samples - mark_samples) / max(now - mark_time, 1e-9)
         if test_accuracy is None:
-            test_accuracy = self.last_test_accuracy
+            test_accuracy = self.last_accuracy
         accuracy = "-" if test_accuracy is None else f"{test_accuracy:.4f}"
         if not math.isfinite(loss):  # none measured yet: the metrics' latest, or nothing
             loss = self._loss
         shown = f"{loss:.4f}" if math.isfinite(loss) else "-"
+        elapsed = now - self.start
+        step_rate = (step - self._rate_mark[1]) / max(now - self._rate_mark[0], 1e-9)
+        spent = budget_text(step, elapsed, self.max_steps, self.max_seconds, step_rate)
+        warning = f"  [collapsed: {self.collapse.found.kind}]" if self.collapsed else ""
         say(self.stream, f"step {step:>8d}  {rate:>9.0f} samples/s  loss {shown}  "
-                         f"test acc {accuracy}  elapsed {now - self.start:.1f}s")
+                         f"{self._prefix} acc {accuracy}  elapsed {elapsed:.1f}s"
+                         f"{spent}{warning}")
 
     def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """The summary of what was logged so far, updated with `extra`."""
         wall = self.elapsed()
         last = self._last_eval or {}
         hit = self._target_eval or {}
+        p = self._prefix
         out: dict[str, Any] = {
             "reached_target": self.reached_target,
             "time_to_target": self.time_to_target,
             # The evaluation that reached the target, kept apart from the final one: a run
             # stopped by its target evaluates again at the end (Downpour: the parameters
             # after the replicas' last pushes), and that can fall just under the target.
-            "target_reached_accuracy": hit.get("test_accuracy"),
+            "target_reached_accuracy": hit.get(f"{p}_accuracy"),
             "target_reached_step": hit.get("step"),
             "target_accuracy": self.target_accuracy,
-            "final_test_accuracy": last.get("test_accuracy"),
-            "best_test_accuracy": self._best_accuracy,
-            "final_test_loss": last.get("test_loss"),
+            "eval_split": self.eval_split,
+            "final_test_accuracy": None,
+            "final_test_loss": None,
+            f"final_{p}_accuracy": last.get(f"{p}_accuracy"),
+            f"best_{p}_accuracy": self._best_accuracy,
+            f"final_{p}_loss": last.get(f"{p}_loss"),
+            "collapse": None if self.collapse is None else self.collapse.summary(),
             "steps": self._step,
             "samples": self._samples,
             "wall_seconds": wall,
@@ -239,6 +288,80 @@ class RunRecorder:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def eval_accuracy(line: dict[str, Any]) -> float | None:
+    """An evaluation line's accuracy: on the validation split if it has one, else test."""
+    value = line.get("val_accuracy", line.get("test_accuracy"))
+    return None if value is None else float(value)
+
+
+def eval_loss(line: dict[str, Any]) -> float | None:
+    """An evaluation line's loss, on the split eval_accuracy reads."""
+    value = line.get("val_loss", line.get("test_loss"))
+    return None if value is None else float(value)
+
+
+def accuracy_name(lines_or_summary: Any) -> str:
+    """"validation accuracy" when a run's evaluations (its eval lines, or its summary)
+    were on a validation split, else "test accuracy": what a figure's axis says."""
+    if isinstance(lines_or_summary, dict):
+        validation = lines_or_summary.get("eval_split") == "validation"
+    else:
+        validation = any("val_accuracy" in line for line in lines_or_summary)
+    return "validation accuracy" if validation else "test accuracy"
+
+
+def budget_fraction(step: int, elapsed: float, max_steps: int,
+                    max_seconds: float) -> float | None:
+    """How much of the run's budget is spent (0..1, whichever limit comes first), or None
+    without one."""
+    parts = [step / max_steps if max_steps else None,
+             elapsed / max_seconds if max_seconds else None]
+    known = [x for x in parts if x is not None]
+    return min(1.0, max(known)) if known else None
+
+
+def seconds_left(step: int, elapsed: float, max_steps: int, max_seconds: float,
+                 step_rate: float) -> float | None:
+    """When the budget will be spent, at `step_rate` steps a second: the sooner of the two
+    limits; None without a budget (or a rate, for a step budget alone)."""
+    left = []
+    if max_steps and step_rate > 0:
+        left.append(max(0.0, (max_steps - step) / step_rate))
+    if max_seconds:
+        left.append(max(0.0, max_seconds - elapsed))
+    return min(left) if left else None
+
+
+def duration_text(seconds: float) -> str:
+    """42s, 3m05s, 2h07m: short, for a progress line."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def budget_text(step: int, elapsed: float, max_steps: int, max_seconds: float,
+                step_rate: float) -> str:
+    """"  12% of budget, ETA 3m05s" for a progress line, or "" without a budget."""
+    fraction = budget_fraction(step, elapsed, max_steps, max_seconds)
+    if fraction is None:
+        return ""
+    left = seconds_left(step, elapsed, max_steps, max_seconds, step_rate)
+    eta = "" if left is None else f", ETA {duration_text(left)}"
+    return f"  {100 * fraction:.0f}% of budget{eta}"
+
+
+def accuracy_text(summary: dict[str, Any]) -> str:
+    """"test accuracy 0.8812" (or "validation accuracy ...") for a trainer's closing line:
+    the final evaluation's, "-" when there was none (a signal before the first)."""
+    p = EVAL_PREFIX.get(summary.get("eval_split", "test"), "test")
+    accuracy = summary.get(f"final_{p}_accuracy")
+    shown = "-" if accuracy is None else f"{accuracy:.4f}"
+    return f"{'validation' if p == 'val' else 'test'} accuracy {shown}"
 
 
 def target_text(summary: dict[str, Any]) -> str:

@@ -46,16 +46,19 @@ from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
     METRICS_FILE,
     SUMMARY_FILE,
+    accuracy_name,
+    eval_accuracy,
     read_metrics,
     write_text_atomic,
 )
 
 FIGURES = (
-    # file name, x key, y key, which lines, x label, y label, title
-    ("accuracy_vs_time.png", "time", "test_accuracy", "eval", "wall time (s)",
-     "test accuracy", "Test accuracy against time"),
-    ("accuracy_vs_samples.png", "samples", "test_accuracy", "eval", "training samples",
-     "test accuracy", "Test accuracy against training samples"),
+    # file name, x key, y key, which lines, x label, y label, title ("accuracy": on the
+    # runs' eval split, named by accuracy_name: test, or validation)
+    ("accuracy_vs_time.png", "time", "accuracy", "eval", "wall time (s)",
+     "accuracy", "accuracy against time"),
+    ("accuracy_vs_samples.png", "samples", "accuracy", "eval", "training samples",
+     "accuracy", "accuracy against training samples"),
     ("loss_vs_samples.png", "samples", "loss", "train", "training samples",
      f"training loss (mean over each {LOG_EVERY_SECONDS:g} s of steps)",
      "Training loss against training samples"),
@@ -88,14 +91,14 @@ def load_run(path: str | Path) -> Run:
             summary = json.loads(summary_path.read_text())
         except json.JSONDecodeError as e:
             raise DataError(f"{summary_path}: not valid JSON: {e}") from e
+    evals = [{**r, "accuracy": eval_accuracy(r)} for r in records if r.get("kind") == "eval"]
     return Run(path.resolve().name, path,
-               [r for r in records if r.get("kind") == "train"],
-               [r for r in records if r.get("kind") == "eval"], summary)
+               [r for r in records if r.get("kind") == "train"], evals, summary)
 
 
 METRICS_CSV = "metrics.csv"
 CSV_COLUMNS = ("run", "kind", "time", "step", "samples", "loss", "test_accuracy",
-               "test_loss")
+               "test_loss", "val_accuracy", "val_loss")
 
 
 def write_metrics_csv(runs: Sequence[Run], out_dir: str | Path) -> Path:
@@ -165,7 +168,10 @@ def plot_runs(runs: Sequence[Run], out_dir: str | Path,
                     label += " (Sandblaster: loss of each L-BFGS iterate on its batch)"
                 ax.plot(xs, ys, marker="." if len(points) < 50 else None, label=label)
         target = _common_target(runs)
-        if y_key == "test_accuracy" and target is not None:
+        if y_key == "accuracy":
+            y_label = _accuracy_label(runs)
+            title = f"{y_label.capitalize()} {title.removeprefix('accuracy ')}"
+        if y_key == "accuracy" and target is not None:
             ax.axhline(target, color="gray", linestyle=":", linewidth=1,
                        label=f"target {target:g}")
         if y_key == "loss" and all(_is_sandblaster(run) for run in runs):
@@ -378,6 +384,12 @@ def save_with_legend(plt: Any, fig: Any, path: Path, legend_from: Any) -> Path:
     return path
 
 
+def _accuracy_label(runs: Sequence[Run]) -> str:
+    """What the accuracy figures' axis shows: test or validation accuracy, or both."""
+    names = {accuracy_name(run.evals) for run in runs if run.evals}
+    return names.pop() if len(names) == 1 else "accuracy (validation or test, by run)"
+
+
 def _common_target(runs: Sequence[Run]) -> float | None:
     targets = {(r.summary or {}).get("target_accuracy") for r in runs}
     return targets.pop() if len(targets) == 1 else None
@@ -389,7 +401,7 @@ def summary_table(runs: Sequence[Run]) -> str:
     for run in runs:
         s = run.summary or {}
         final = s.get("final_test_accuracy")
-        final = final if final is not None else (run.evals[-1]["test_accuracy"]
+        final = final if final is not None else (run.evals[-1]["accuracy"]
                                                  if run.evals else None)
         to_target = s.get("time_to_target")
         rate = s.get("samples_per_second")

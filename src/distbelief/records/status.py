@@ -5,7 +5,9 @@ Meant for a login node: no MPI, no lock, nothing written. The owner file
 newest lines of metrics.jsonl give the last step and evaluation (a live run may be half
 way through writing its last line: read_metrics drops it); checkpoints/ gives the newest
 committed checkpoint (by name, not verified: `distbelief inspect` verifies); summary.json
-says how a run that ended stopped.
+says how a run that ended stopped. config.json's run.max_steps and run.max_seconds give how
+much of the budget is spent, and, while the run is alive, an ETA at its step rate since it
+last (re)started.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from typing import Any
 from distbelief.errors import UserError
 from distbelief.runtime import ownership
 
+EVAL_KEYS = ("test_accuracy", "test_loss", "val_accuracy", "val_loss")
 CHECKPOINTS_DIR = "checkpoints"  # distbelief.records.checkpoint.CHECKPOINTS_DIR, without h5py
 
 
 def run_status(out_dir: str | Path) -> dict[str, Any]:
     """The state of the run in out_dir as a JSON-ready dict (see describe for the text)."""
-    from distbelief.records.metrics import read_metrics
+    from distbelief.records.metrics import eval_accuracy, eval_loss, read_metrics
 
     out = Path(out_dir)
     if not out.is_dir():
@@ -32,7 +35,8 @@ def run_status(out_dir: str | Path) -> dict[str, Any]:
     if not any((out / name).exists() for name in names):
         raise UserError(f"{out} is not a run folder: it holds none of {', '.join(names)}")
     now = time.time()
-    timeout = _owner_timeout(out)
+    run_config = _run_config(out)
+    timeout = float(run_config.get("owner_timeout_seconds", ownership.DEFAULT_TIMEOUT_S))
     owner = ownership.read_owner(out)
     state: dict[str, Any] = {"run_dir": str(out), "checked_at": now, "alive": False,
                              "owner": owner or None, "dead_because": None}
@@ -51,8 +55,12 @@ def run_status(out_dir: str | Path) -> dict[str, Any]:
     evals = [x for x in lines if x.get("kind") == "eval"]
     state["last_step"] = with_step[-1]["step"] if with_step else None
     state["last_samples"] = with_step[-1].get("samples") if with_step else None
-    state["last_eval"] = ({k: evals[-1].get(k) for k in ("step", "time", "test_accuracy",
-                                                         "test_loss")} if evals else None)
+    state["last_eval"] = ({"step": evals[-1].get("step"), "time": evals[-1].get("time"),
+                           "accuracy": eval_accuracy(evals[-1]), "loss": eval_loss(evals[-1]),
+                           "split": "validation" if "val_accuracy" in evals[-1] else "test",
+                           **{k: evals[-1][k] for k in EVAL_KEYS if k in evals[-1]}}
+                          if evals else None)
+    state["budget"] = _budget(run_config, with_step, state["alive"])
     state["last_checkpoint"] = _newest_checkpoint(out / CHECKPOINTS_DIR)
     summary_path = out / "summary.json"
     summary = None
@@ -66,13 +74,35 @@ def run_status(out_dir: str | Path) -> dict[str, Any]:
     return state
 
 
-def _owner_timeout(out: Path) -> float:
-    """run.owner_timeout_seconds of the run's config.json, else the default."""
+def _run_config(out: Path) -> dict[str, Any]:
+    """The [run] table of the run's config.json, or {} when it cannot be read."""
     try:
         config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-        return float(config["run"]["owner_timeout_seconds"])
+        run = config["run"]
+        return run if isinstance(run, dict) else {}
     except (OSError, ValueError, KeyError, TypeError):
-        return ownership.DEFAULT_TIMEOUT_S
+        return {}
+
+
+def _budget(run: dict[str, Any], lines: list[dict[str, Any]],
+            alive: bool) -> dict[str, Any] | None:
+    """How much of run.max_steps / run.max_seconds the newest line has spent, and (alive)
+    the seconds left at the step rate since the run last started or resumed."""
+    from distbelief.records.metrics import budget_fraction, seconds_left
+
+    max_steps, max_seconds = int(run.get("max_steps") or 0), float(run.get("max_seconds") or 0)
+    if not lines or not (max_steps or max_seconds):
+        return None
+    last = lines[-1]
+    since = [x for x in lines if x.get("kind") == "resume"] or lines[:1]
+    first = since[-1]
+    spent = float(last.get("time", 0.0)) - float(first.get("time", 0.0))
+    rate = (last["step"] - first["step"]) / spent if spent > 0 else 0.0
+    elapsed = float(last.get("time", 0.0))
+    left = seconds_left(last["step"], elapsed, max_steps, max_seconds, rate) if alive else None
+    return {"max_steps": max_steps, "max_seconds": max_seconds,
+            "fraction": budget_fraction(last["step"], elapsed, max_steps, max_seconds),
+            "seconds_left": left}
 
 
 def _newest_checkpoint(root: Path) -> dict[str, Any] | None:
@@ -102,6 +132,8 @@ def _ago(then: float | None, now: float) -> str:
 
 def describe(state: dict[str, Any]) -> str:
     """The state as a few lines for a person."""
+    from distbelief.records.metrics import duration_text
+
     now = state["checked_at"]
     owner = state["owner"]
     if state["alive"]:
@@ -118,11 +150,21 @@ def describe(state: dict[str, Any]) -> str:
     lines.append(f"  last step:         {'-' if step is None else f'{step:,d}'}")
     ev = state["last_eval"]
     if ev:
-        accuracy = ev.get("test_accuracy")
+        accuracy = ev.get("accuracy")
         shown = "-" if accuracy is None else f"{accuracy:.4f}"
-        lines.append(f"  last evaluation:   test accuracy {shown} at step {ev.get('step'):,d}")
+        lines.append(f"  last evaluation:   {ev.get('split', 'test')} accuracy {shown} at "
+                     f"step {ev.get('step'):,d}")
     else:
         lines.append("  last evaluation:   none yet")
+    budget = state.get("budget")
+    if budget:
+        limits = " and ".join(text for text in (
+            f"run.max_steps = {budget['max_steps']:,d}" if budget["max_steps"] else "",
+            f"run.max_seconds = {budget['max_seconds']:g}" if budget["max_seconds"] else "")
+            if text)
+        left = budget["seconds_left"]
+        eta = "" if left is None else f"; ETA {duration_text(left)}"
+        lines.append(f"  budget:            {100 * budget['fraction']:.0f}% of {limits}{eta}")
     ck = state["last_checkpoint"]
     lines.append(f"  last checkpoint:   {ck['path']} (step {ck['step']:,d}, written "
                  f"{_ago(ck['written_at'], now)})" if ck else "  last checkpoint:   none")

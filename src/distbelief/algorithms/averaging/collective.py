@@ -58,6 +58,7 @@ from distbelief.algorithms.common import (
     load_eval_set,
     open_data,
     prepare_run_dir,
+    run_recorder,
     starting_checkpoint,
     train_shard,
     watched_run,
@@ -66,7 +67,13 @@ from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.errors import ConfigError, DataError
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
+from distbelief.records.metrics import (
+    LOG_EVERY_SECONDS,
+    ResumePoint,
+    RunRecorder,
+    accuracy_text,
+    target_text,
+)
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import agree, polled_bcast, wait_all
 from distbelief.runtime.faults import Faults
@@ -176,9 +183,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                        f"samples), out {config.run.out_dir}\n{network.describe()}")
         resume_point = None if found is None else ResumePoint(
             found.step, found.samples, found.wall_seconds, found.path.name)
-        recorder = RunRecorder(config.run.out_dir, config.run.progress_every_seconds, stream,
-                               target_accuracy=config.run.target_accuracy,
-                               resume=resume_point)
+        recorder = run_recorder(config, info, stream, resume=resume_point)
     saver = Saver(config, replica, recorder, stream,
                   last_step=found.step if found is not None else None)
     with watched_run(comm, describe_rank, config.run) as (signals, peers):
@@ -196,10 +201,9 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         "averages": replica.averages, "average_seconds": replica.average_seconds,
         "resumed_from": str(found.path) if found is not None else None,
         "checkpoint": str(saver.last_path) if saver.last_path else None})
-    accuracy = summary["final_test_accuracy"]
     say(stream, f"distbelief: stopped ({reason}) after {summary['steps']} steps "
-                   f"({replica.averages} averages), {summary['wall_seconds']:.1f}s; test "
-                   f"accuracy {'-' if accuracy is None else f'{accuracy:.4f}'}"
+                   f"({replica.averages} averages), {summary['wall_seconds']:.1f}s; "
+                   f"{accuracy_text(summary)}"
                    f"{target_text(summary)}\nresults in {config.run.out_dir}")
     return summary
 
@@ -240,7 +244,8 @@ def _loop(config: Config, replica: Replica, eval_set: Any, recorder: RunRecorder
         flags[0] = STOP_CODE_OF[signals.received]
         if recorder is not None:
             now = time.monotonic()
-            flags[0] = max(flags[0], STOP_CODE_OF[rules.budget_spent(step, now - recorder.start)])
+            spent = rules.budget_spent(step, now - recorder.start, recorder.collapsed)
+            flags[0] = max(flags[0], STOP_CODE_OF[spent])
             flags[1] = now >= next_eval
             flags[2] = now >= next_save_time or step >= next_save_step
         replica.average(losses, flags)

@@ -16,7 +16,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import StopRules, evaluate
+from distbelief.algorithms.common import StopRules, evaluate, run_recorder
 from distbelief.algorithms.downpour.plan import (
     CONTROL_POLL_S,
     LEAVE_GRACE_S,
@@ -40,7 +40,7 @@ from distbelief.ps.run_control import ControlView
 from distbelief.ps.stats import STALENESS_BINS
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
+from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, accuracy_text, target_text
 from distbelief.runtime import launcher, watchdog
 from distbelief.runtime.agreement import WAIT_SLEEP_S
 from distbelief.runtime.backoff import Backoff
@@ -124,9 +124,7 @@ class Supervisor(_ShardRole):
             resume = ResumePoint(found.step, found.samples, found.wall_seconds,
                                  found.path.name)
         # The clock starts once every rank is ready (open_parameter_server's barrier).
-        self.recorder = RunRecorder(run_config.out_dir, run_config.progress_every_seconds,
-                                    stream, target_accuracy=run_config.target_accuracy,
-                                    resume=resume)
+        self.recorder = run_recorder(config, info, stream, resume=resume)
         now = time.monotonic()
         self.next_log = now + LOG_EVERY_SECONDS
         self.next_eval = now + run_config.eval_every_seconds
@@ -323,7 +321,8 @@ class Supervisor(_ShardRole):
             self._stop(rc.STOP_DIVERGED, "diverged")
 
     def _apply_budget(self, now: float) -> None:
-        reason = self.rules.budget_spent(self.steps, now - self.recorder.start)
+        reason = self.rules.budget_spent(self.steps, now - self.recorder.start,
+                                         self.recorder.collapsed)
         if reason:
             self._stop(rc.STOP_RULE, reason)
 
@@ -588,10 +587,8 @@ def _header(config: Config, plan: DownpourPlan, network: Any, info: Any,
 
 def _summary_line(summary: dict[str, Any], config: Config) -> str:
     rates = ", ".join(f"{r['samples_per_second'] or 0:.0f}" for r in summary["replicas"])
-    accuracy = summary["final_test_accuracy"]
-    shown = "-" if accuracy is None else f"{accuracy:.4f}"  # a signal before any evaluation
     text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['steps']} steps "
-            f"in total, {summary['wall_seconds']:.1f}s; test accuracy {shown}; samples/s "
+            f"in total, {summary['wall_seconds']:.1f}s; {accuracy_text(summary)}; samples/s "
             f"per replica: {rates}; staleness mean {summary['staleness']['mean']:.2f} max "
             f"{summary['staleness']['max']}")
     if summary["lost_replicas"]:

@@ -16,7 +16,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import StopRules, StopSignals
+from distbelief.algorithms.common import StopRules, StopSignals, run_recorder
 from distbelief.algorithms.sandblaster.lbfgs import Gram, Iteration, minimize
 from distbelief.algorithms.sandblaster.plan import (
     BACKUP_LATE_FACTOR,
@@ -38,7 +38,7 @@ from distbelief.algorithms.sandblaster.work_units import (
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.records.metrics import ResumePoint, RunRecorder, target_text
+from distbelief.records.metrics import ResumePoint, accuracy_text, target_text
 from distbelief.runtime import launcher, watchdog
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.liveness import Peers, sweep_replicas
@@ -148,9 +148,7 @@ class Coordinator:
             self.step, self.samples = resumed.step, resumed.samples
             resume = ResumePoint(resumed.step, resumed.samples, resumed.wall_seconds,
                                  resumed.path.name)
-        self.recorder = RunRecorder(config.run.out_dir, config.run.progress_every_seconds,
-                                    stream, target_accuracy=config.run.target_accuracy,
-                                    resume=resume)
+        self.recorder = run_recorder(config, info, stream, resume=resume)
         self.order: list[int] = []  # history slots in use, oldest first (for checkpoints)
         self.checkpointed = (self.step, self.recorder.elapsed())  # (step, time) of the last
         self.next_eval = self.recorder.start  # evaluate x0 first
@@ -239,7 +237,7 @@ class Coordinator:
         signal_ = self._signal_stop(now)
         if signal_:
             return signal_
-        return self.rules.budget_spent(0, now - self.recorder.start)
+        return self.rules.budget_spent(0, now - self.recorder.start, self.recorder.collapsed)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -651,11 +649,10 @@ def _header(config: Config, plan: SandblasterPlan, network: Any, info: Any) -> s
 
 
 def _summary_line(summary: dict[str, Any], config: Config) -> str:
-    accuracy = summary["final_test_accuracy"]
     text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['iterations']} "
             f"iterations ({summary['gradient_evaluations']} gradient evaluations), "
-            f"{summary['wall_seconds']:.1f}s; loss {summary['final_loss']:.6g}; test accuracy "
-            f"{'-' if accuracy is None else f'{accuracy:.4f}'}; backup units "
+            f"{summary['wall_seconds']:.1f}s; loss {summary['final_loss']:.6g}; "
+            f"{accuracy_text(summary)}; backup units "
             f"{summary['backup_units_issued']} issued, {summary['backup_units_discarded']} "
             f"discarded")
     if summary["lost_replicas"]:

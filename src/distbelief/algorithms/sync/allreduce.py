@@ -55,6 +55,7 @@ from distbelief.algorithms.common import (
     load_eval_set,
     open_data,
     prepare_run_dir,
+    run_recorder,
     starting_checkpoint,
     train_shard,
     watched_run,
@@ -62,7 +63,7 @@ from distbelief.algorithms.common import (
 from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
+from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, accuracy_text, target_text
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import agree, wait_all
 from distbelief.runtime.faults import Faults
@@ -114,9 +115,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                     f"workers), {network.layout.size:,d} parameters, data {info.path} "
                     f"({info.n_train} train / {eval_set[2]} eval samples), out "
                     f"{config.run.out_dir}\n{network.describe()}")
-        recorder = RunRecorder(config.run.out_dir, config.run.progress_every_seconds, stream,
-                               target_accuracy=config.run.target_accuracy,
-                               resume=resume_point)
+        recorder = run_recorder(config, info, stream, resume=resume_point)
     run = _Run(config, comm, network, shard, optimizer, params, eval_set, recorder, state,
                stream)
 
@@ -141,10 +140,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         "replicas": replicas, "backup_workers": 0, "dropped_gradients": 0,
         "replicas_identical": identical,
         "resumed_from": start_path, "checkpoint": run.last_path})
-    accuracy = summary["final_test_accuracy"]
     say(stream, f"distbelief: stopped ({reason}) after {summary['steps']} steps, "
-                f"{summary['wall_seconds']:.1f}s; test accuracy "
-                f"{'-' if accuracy is None else f'{accuracy:.4f}'}; replicas identical: "
+                f"{summary['wall_seconds']:.1f}s; {accuracy_text(summary)}; replicas identical: "
                 f"{'yes' if identical else 'NO'}{target_text(summary)}\n"
                 f"results in {config.run.out_dir}")
     return summary
@@ -246,7 +243,7 @@ class _Run:
             flags[:] = 0
             now = time.monotonic()
             if self.recorder is not None:  # rank 0 owns the clock
-                spent = rules.budget_spent(step + 1, now - start)
+                spent = rules.budget_spent(step + 1, now - start, self.recorder.collapsed)
                 flags[0] = STOP_CODE_OF[spent]
                 flags[1] = now >= next_eval
                 every = run.checkpoint_every_steps

@@ -53,6 +53,7 @@ from distbelief.algorithms.common import (
     load_eval_set,
     open_data,
     prepare_run_dir,
+    run_recorder,
     starting_checkpoint,
     train_shard,
     watched_run,
@@ -61,7 +62,13 @@ from distbelief.algorithms.sync.allreduce import write_checkpoint
 from distbelief.config import Config, config_hash
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, RunRecorder, target_text
+from distbelief.records.metrics import (
+    LOG_EVERY_SECONDS,
+    ResumePoint,
+    RunRecorder,
+    accuracy_text,
+    target_text,
+)
 from distbelief.runtime import guardian, launcher, watchdog
 from distbelief.runtime.agreement import agree, wait_all
 from distbelief.runtime.backoff import Backoff
@@ -125,7 +132,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             opt = config.optimizer
             optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)
             server = _Server(config, comm, network, params, optimizer,
-                             load_eval_set(config, info), peers, watchdog.current(), stream)
+                             info, peers, watchdog.current(), stream)
             if found is not None:
                 server.restore(found)
             say(stream, f"distbelief: sync, {replicas} replicas + 1 parameter-server shard, "
@@ -204,7 +211,7 @@ class _Server:
     the parameters out, drops the late gradients; evaluates, logs and checkpoints."""
 
     def __init__(self, config: Config, comm: MPI.Comm, network: Any, params: np.ndarray,
-                 optimizer: Any, eval_set: tuple, peers: Any, guard: watchdog.Watchdog,
+                 optimizer: Any, info: Any, peers: Any, guard: watchdog.Watchdog,
                  stream: IO[str] | None):
         self.config, self.comm, self.network = config, comm, network
         self.params, self.optimizer, self.peers, self.guard = params, optimizer, peers, guard
@@ -229,7 +236,8 @@ class _Server:
         self.last_death = -math.inf
         self.notice_delay = NOTICE_DELAY_S + (
             config.run.heartbeat_timeout_seconds if peers.heartbeats is not None else 0.0)
-        self.eval_set = eval_set
+        self.info = info
+        self.eval_set = load_eval_set(config, info)
 
     def restore(self, found: ckpt.Checkpoint) -> None:
         saved, optimizer_state = found.read_state()
@@ -252,9 +260,8 @@ class _Server:
     def run(self, signals: StopSignals, start_path: str | None) -> dict[str, Any]:
         config = self.config
         run, rules = config.run, StopRules.from_config(config)
-        self.recorder = recorder = RunRecorder(
-            run.out_dir, run.progress_every_seconds, self.stream,
-            target_accuracy=run.target_accuracy, resume=self.resume_point)
+        self.recorder = recorder = run_recorder(config, self.info, self.stream,
+                                                resume=self.resume_point)
         n, batch = self.params.size, config.data.batch_size
         total, incoming = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
         head = np.zeros(5, dtype=np.float64)
@@ -302,7 +309,8 @@ class _Server:
             step, samples = self.state["step"], self.state["samples"]
             loss_sum, loss_count = loss_sum + loss, loss_count + 1
             now = time.monotonic()
-            reason = rules.budget_spent(step, recorder.elapsed()) or self._signal(signals)
+            reason = (rules.budget_spent(step, recorder.elapsed(), recorder.collapsed)
+                      or self._signal(signals))
             if not reason:  # the replicas compute the next step while this rank logs,
                 self._send_params(stop=0)  # evaluates and checkpoints
             if now >= next_log or reason:
@@ -340,10 +348,8 @@ class _Server:
             "lost_replicas": [{"replica": r - 1, "ranks": [r], "step": s, "why": self._why(r)}
                               for r, s in sorted(self.lost.items())],
             "resumed_from": start_path, "checkpoint": self.last_path})
-        accuracy = summary["final_test_accuracy"]
         say(self.stream, f"distbelief: stopped ({reason}) after {summary['steps']} steps, "
-                         f"{summary['wall_seconds']:.1f}s; test accuracy "
-                         f"{'-' if accuracy is None else f'{accuracy:.4f}'}; "
+                         f"{summary['wall_seconds']:.1f}s; {accuracy_text(summary)}; "
                          f"{self.dropped:,d} late gradients dropped, "
                          f"{len(self.lost)} replica(s) lost{target_text(summary)}\n"
                          f"results in {config.run.out_dir}")

@@ -1,0 +1,173 @@
+"""How far along its budget a run is (progress lines and `status`, with an ETA), and a run
+that collapses says so (distbelief.records.collapse; run.stop_on_collapse)."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import (
+    run_cli,
+    run_mpi,
+    small_config_text,
+    start_in_background,
+    wait_for_training,
+    wait_or_kill,
+)
+from helpers import finished
+
+from distbelief.data.arrays import write_dataset
+from distbelief.records.collapse import AT_CHANCE, CollapseWatch
+from distbelief.records.metrics import (
+    RunRecorder,
+    budget_fraction,
+    budget_text,
+    duration_text,
+    seconds_left,
+)
+
+# -- the budget and the ETA ------------------------------------------------------------------
+
+def test_budget_fraction_is_the_limit_that_comes_first():
+    assert budget_fraction(250, 10.0, 1000, 0) == 0.25
+    assert budget_fraction(250, 30.0, 1000, 60.0) == 0.5
+    assert budget_fraction(2000, 1.0, 1000, 0) == 1.0
+    assert budget_fraction(250, 10.0, 0, 0) is None
+
+
+def test_seconds_left_is_the_sooner_limit_at_the_step_rate():
+    assert seconds_left(250, 10.0, 1000, 0, step_rate=25.0) == 30.0
+    assert seconds_left(250, 10.0, 1000, 20.0, step_rate=25.0) == 10.0
+    assert seconds_left(250, 10.0, 1000, 0, step_rate=0.0) is None
+    assert seconds_left(250, 10.0, 0, 0, step_rate=25.0) is None
+
+
+def test_durations_read_as_a_person_writes_them():
+    assert [duration_text(s) for s in (4.4, 65, 3600 + 7 * 60 + 1)] == ["4s", "1m05s", "1h07m"]
+    assert budget_text(500, 5.0, 1000, 0, 100.0) == "  50% of budget, ETA 5s"
+    assert budget_text(500, 5.0, 0, 0, 100.0) == ""
+
+
+def test_progress_lines_show_the_budget_and_eta(tmp_path):
+    stream = io.StringIO()
+    recorder = RunRecorder(tmp_path, progress_every_seconds=0.0, stream=stream,
+                           max_steps=1000, start=time.monotonic() - 10.0)
+    recorder.progress(250, 250 * 32, 0.5)
+    line = stream.getvalue().strip()
+    # 250 steps in about 10 s: 750 to go at ~25 steps/s, about 30 s.
+    found = re.search(r"(\d+)% of budget, ETA (\d+)s$", line)
+    assert found, line
+    assert int(found[1]) == 25 and 25 <= int(found[2]) <= 31
+
+
+# -- collapse --------------------------------------------------------------------------------
+
+def _feed(watch: CollapseWatch, losses, every: float = 0.5):
+    found = []
+    for i, loss in enumerate(losses):
+        hit = watch.add(i * every, i, loss)
+        if hit is not None:
+            found.append(hit)
+    return found
+
+
+def test_a_loss_at_chance_for_a_window_is_a_collapse_once():
+    watch = CollapseWatch(num_classes=10, window_seconds=5.0)
+    found = _feed(watch, [math.log(10) + 0.01] * 40)
+    assert len(found) == 1 and found[0].kind == "at chance"
+    assert found[0].time == pytest.approx(5.0)  # as soon as one window is full
+    assert "learning rate" in found[0].describe()
+
+
+def test_a_learning_run_is_not_a_collapse():
+    watch = CollapseWatch(num_classes=10, window_seconds=5.0)
+    losses = [2.3 * math.exp(-i / 10) + 0.2 for i in range(60)]
+    assert _feed(watch, losses) == [] and watch.summary() is None
+
+
+def test_a_loss_that_starts_at_chance_is_judged_only_after_a_window():
+    watch = CollapseWatch(num_classes=4, window_seconds=5.0)
+    # At chance for 4 s, then learning: never a full window at chance.
+    losses = [math.log(4)] * 8 + [AT_CHANCE * math.log(4) * 0.8] * 30
+    assert _feed(watch, losses) == []
+
+
+def test_a_non_finite_loss_is_a_collapse_at_once_and_recovery_is_noted():
+    watch = CollapseWatch(num_classes=10, window_seconds=2.0)
+    assert [c.kind for c in _feed(watch, [1.0, float("nan")])] == ["non-finite"]
+    watch = CollapseWatch(num_classes=10, window_seconds=2.0)
+    _feed(watch, [2.4] * 10 + [0.5] * 10)
+    summary = watch.summary()
+    assert summary["kind"] == "at chance" and summary["recovered_at"] is not None
+
+
+def _random_labels(folder, n=3000, features=16, classes=4):
+    """A data set whose labels carry no signal: no model can leave chance on it."""
+    rng = np.random.default_rng(1)
+    write_dataset(folder / "noise.h5", rng.normal(size=(n, features)).astype(np.float32),
+                  rng.integers(0, classes, n), test_fraction=0.1)
+
+
+def test_sgd_on_noise_reports_a_collapse_and_can_stop_on_it(tmp_path):
+    _random_labels(tmp_path)
+    (tmp_path / "c.toml").write_text(small_config_text(
+        None, data={"path": "noise.h5"}, optimizer={"algorithm": "sgd"}, cluster=None,
+        run={"max_steps": None, "max_seconds": 8, "collapse_window_seconds": 3}))
+    out = tmp_path / "runs" / "c"
+    proc = run_cli(["train", tmp_path / "c.toml"], cwd=tmp_path)
+    summary, _ = finished(proc, out)  # reported, not stopped: exit 0, the whole budget
+    assert summary["stop_reason"] == "max_seconds"
+    assert summary["collapse"]["kind"] == "at chance"
+    assert proc.stdout.count("warning: the run collapsed") == 1
+    assert "[collapsed: at chance]" in proc.stdout
+    stopped = run_cli(["train", tmp_path / "c.toml", "--fresh", "--set",
+                       "run.stop_on_collapse=true"], cwd=tmp_path)
+    assert stopped.returncode == 4, stopped.stdout + stopped.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "collapse" and summary["wall_seconds"] < 6
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_downpour_stops_on_a_collapse_on_every_rank(tmp_path, n):
+    _random_labels(tmp_path)
+    (tmp_path / "c.toml").write_text(small_config_text(
+        None, data={"path": "noise.h5"},
+        run={"max_steps": None, "max_seconds": 30, "collapse_window_seconds": 3,
+             "stop_on_collapse": True}))
+    proc = run_mpi(n, ["-m", "distbelief", "train", tmp_path / "c.toml"], cwd=tmp_path,
+                   timeout=120)
+    assert proc.returncode != 0, proc.stdout
+    summary = json.loads((tmp_path / "runs" / "c" / "summary.json").read_text())
+    assert summary["stop_reason"] == "collapse"
+    assert summary["collapse"]["kind"] == "at chance" and summary["wall_seconds"] < 20
+    assert "stopped (collapse)" in proc.stdout
+
+
+# -- status ----------------------------------------------------------------------------------
+
+def test_status_of_a_live_run_shows_its_budget_and_eta(synthetic_folder):
+    config = small_config_text(32, optimizer={"algorithm": "sgd"}, cluster=None,
+                               run={"max_steps": None, "max_seconds": 25})
+    folder = synthetic_folder("statuseta", {"c.toml": config})
+    out = folder / "runs" / "c"
+    log = folder / "log.txt"
+    proc = start_in_background([sys.executable, "-m", "distbelief", "train",
+                                folder / "c.toml", "--set", f"run.out_dir={str(out)!r}"], log)
+    try:
+        wait_for_training(proc, out, log)
+        time.sleep(2.0)
+        state = json.loads(run_cli(["status", out, "--json"]).stdout)
+        text = run_cli(["status", out]).stdout
+    finally:
+        proc.terminate()
+        wait_or_kill(proc)
+    budget = state["budget"]
+    assert budget["max_seconds"] == 25 and 0 < budget["fraction"] < 1
+    assert 0 < budget["seconds_left"] <= 25
+    assert re.search(r"budget: +\d+% of run.max_seconds = 25; ETA \d+s", text), text
