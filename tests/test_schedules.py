@@ -182,3 +182,13 @@ def test_easgd_replicas_step_on_the_schedule(mpi_dir: Path, tmp_path: Path) -> N
                         "cluster.ps_shards=1", *STEP_SCHEDULE, "run.max_steps=300")
     assert summary["final_test_accuracy"] > 0.5
     assert train_lines(out) and all("learning_rate" not in x for x in train_lines(out))
+
+
+def test_a_checkpoint_of_another_schedule_is_refused_naming_the_change(
+        sgd_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    train_sgd(sgd_dir, out, *SCHEDULE, "run.max_steps=20")
+    with pytest.raises(ckpt.CheckpointMismatch, match=r"optimizer\.warmup_steps: 50 -> 80"):
+        train_sgd(sgd_dir, out, *SCHEDULE, "optimizer.warmup_steps=80")
+    with pytest.raises(ckpt.CheckpointMismatch, match=r'optimizer\.schedule: "cosine" -> null'):
+        train_sgd(sgd_dir, out, "optimizer.warmup_steps=50")
