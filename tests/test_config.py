@@ -493,3 +493,84 @@ def test_new_optimizer_keys_leave_earlier_runs_hashes_alone() -> None:
         'optimizer.algorithm="downpour"', 'optimizer.fetch="overlapped"']),
         Path("/cfg/exp.toml"))
     assert hashed_settings(config)["optimizer"]["fetch"] == "overlapped"
+
+
+# -- the learning-rate schedule ----------------------------------------------------------
+
+
+def test_schedule_defaults_and_what_build_schedule_makes() -> None:
+    from distbelief.config import build_schedule
+
+    opt = _optimizer([])[0]
+    assert (opt.warmup_steps, opt.schedule, opt.decay_steps, opt.decay_rate,
+            opt.min_learning_rate) == (0, "constant", None, None, None)
+    config = config_from_dict(raw_config(), Path("/cfg/exp.toml"))
+    assert build_schedule(config).constant and build_schedule(config)(10**6) == 0.02
+    # step fills in its decay rate and floor; cosine its floor
+    opt = _optimizer(['optimizer.schedule="step"', "optimizer.decay_steps=100"])[0]
+    assert (opt.decay_rate, opt.min_learning_rate) == (0.1, 0.0)
+    config = config_from_dict(apply_overrides(raw_config(), [
+        "optimizer.learning_rate=0.1", "optimizer.warmup_steps=10",
+        'optimizer.schedule="cosine"', "optimizer.decay_steps=100",
+        "optimizer.min_learning_rate=0.001"]), Path("/cfg/exp.toml"))
+    schedule = build_schedule(config)
+    assert schedule(0) == pytest.approx(0.01) and schedule(9) == schedule(10) == 0.1
+    assert schedule(110) == pytest.approx(0.001)
+    # every algorithm with a learning rate takes one
+    for algorithm in ("downpour", "sync", "averaging", "hogwild"):
+        opt = _optimizer([f'optimizer.algorithm="{algorithm}"', "optimizer.warmup_steps=5",
+                          "cluster.ps_shards=1" if algorithm == "downpour" else
+                          "optimizer.learning_rate=0.02"])[0]
+        assert opt.warmup_steps == 5
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (['optimizer.schedule="cosine"'],
+     'optimizer.schedule = "cosine" needs optimizer.decay_steps, an integer >= 1'),
+    (['optimizer.schedule="step"'], 'optimizer.schedule = "step" needs optimizer.decay_steps'),
+    (["optimizer.decay_steps=100"],
+     'optimizer.decay_steps = 100 applies to optimizer.schedule = "step" or "cosine"'),
+    (["optimizer.min_learning_rate=0.001"], "optimizer.min_learning_rate = 0.001 applies to"),
+    (['optimizer.schedule="cosine"', "optimizer.decay_steps=10", "optimizer.decay_rate=0.5"],
+     'optimizer.decay_rate = 0.5 applies to optimizer.schedule = "step"'),
+    (['optimizer.schedule="step"', "optimizer.decay_steps=10", "optimizer.decay_rate=1.0"],
+     "optimizer.decay_rate = 1.0 is invalid; expected a number > 0 and < 1"),
+    (['optimizer.schedule="cosine"', "optimizer.decay_steps=10",
+      "optimizer.min_learning_rate=0.02"],
+     "optimizer.min_learning_rate = 0.02 must be below optimizer.learning_rate = 0.02"),
+    (['optimizer.schedule="linear"'],
+     ("""optimizer.schedule = "linear" is invalid; expected one of 'constant', 'step', """
+     """'cosine'""")),
+    (["optimizer.warmup_steps=-1"], "optimizer.warmup_steps = -1 is invalid"),
+    (['optimizer.schedule="cosine"', "optimizer.decay_steps=0"],
+     "optimizer.decay_steps = 0 is invalid; expected an integer >= 1"),
+    (['optimizer.algorithm="sandblaster"', "optimizer.warmup_steps=100"],
+     'optimizer.warmup_steps = 100, but algorithm = "sandblaster" has no learning rate'),
+    (['optimizer.algorithm="sandblaster"', 'optimizer.schedule="constant"'],
+     'algorithm = "sandblaster" has no learning rate'),
+])
+def test_schedule_errors_name_the_key_the_value_and_what_is_allowed(overrides, expected):
+    assert expected in schema_error(VALID, tuple(overrides))
+
+
+def test_the_schedule_is_in_the_hash_and_its_defaults_are_not() -> None:
+    base = _hash([])
+    assert _hash(["optimizer.warmup_steps=0", 'optimizer.schedule="constant"']) == base
+    warmup = _hash(["optimizer.warmup_steps=100"])
+    cosine = _hash(['optimizer.schedule="cosine"', "optimizer.decay_steps=1000"])
+    hashes = {base, warmup, cosine,
+              _hash(["optimizer.warmup_steps=200"]),
+              _hash(['optimizer.schedule="cosine"', "optimizer.decay_steps=2000"]),
+              _hash(['optimizer.schedule="cosine"', "optimizer.decay_steps=1000",
+                     "optimizer.min_learning_rate=0.001"]),
+              _hash(['optimizer.schedule="step"', "optimizer.decay_steps=1000"]),
+              _hash(['optimizer.schedule="step"', "optimizer.decay_steps=1000",
+                     "optimizer.decay_rate=0.5"])}
+    assert len(hashes) == 8
+    config = config_from_dict(apply_overrides(raw_config(), [
+        "optimizer.warmup_steps=100", 'optimizer.schedule="cosine"',
+        "optimizer.decay_steps=1000"]), Path("/cfg/exp.toml"))
+    assert settings_diff(hashed_settings(config_from_dict(raw_config(), Path("/cfg/exp.toml"))),
+                         hashed_settings(config)) == [
+        "optimizer.decay_steps: null -> 1000", "optimizer.min_learning_rate: null -> 0.0",
+        'optimizer.schedule: null -> "cosine"', "optimizer.warmup_steps: null -> 100"]

@@ -1,12 +1,22 @@
 """Adagrad and SGD: same updates as torch.optim with default arguments, on any 1-D float32
-slice, and state that round-trips through state()/load_state()."""
+slice, and state that round-trips through state()/load_state(); the learning-rate
+Schedule's values and the optimizers stepping on it."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
 
-from distbelief.model.optimizers import SGD, Adagrad, make_optimizer
+from distbelief.model.optimizers import (
+    SGD,
+    Adagrad,
+    AdaRevision,
+    Schedule,
+    make_optimizer,
+    optimizer_for,
+)
 
 
 def _torch_steps(torch, opt_class, params0: np.ndarray, grads: list[np.ndarray], **kwargs):
@@ -175,3 +185,117 @@ def test_step_rejects_wrong_length_and_dtype() -> None:
         opt.step(np.zeros(5, np.float64), np.zeros(5, np.float32))
     with pytest.raises(TypeError, match="float32"):
         SGD(0.1).step(np.zeros(5, np.float32), np.zeros(5, np.float64))
+
+
+# -- the learning-rate schedule -----------------------------------------------------------
+
+
+def test_a_plain_rate_is_the_constant_schedule() -> None:
+    schedule = Schedule(0.02)
+    assert schedule.constant
+    assert [schedule(t) for t in (0, 1, 10**9)] == [0.02, 0.02, 0.02]
+    assert not Schedule(0.02, warmup_steps=1).constant
+    assert not Schedule(0.02, kind="cosine", decay_steps=5).constant
+
+
+def test_warmup_ramps_linearly_to_the_rate_then_holds() -> None:
+    schedule = Schedule(0.1, warmup_steps=4)
+    rates = [schedule(t) for t in range(7)]
+    np.testing.assert_allclose(rates, [0.025, 0.05, 0.075, 0.1, 0.1, 0.1, 0.1], rtol=1e-15)
+    assert rates[0] > 0  # the first update moves the parameters
+
+
+def test_step_decay_changes_exactly_at_its_boundaries() -> None:
+    schedule = Schedule(1.0, kind="step", decay_steps=3, decay_rate=0.5)
+    assert [schedule(t) for t in range(10)] == [1, 1, 1, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25,
+                                                0.125]
+    # After a warmup the decay counts from the warmup's end.
+    warm = Schedule(1.0, warmup_steps=2, kind="step", decay_steps=3, decay_rate=0.5)
+    assert [warm(t) for t in range(8)] == [0.5, 1, 1, 1, 1, 0.5, 0.5, 0.5]
+    floored = Schedule(1.0, kind="step", decay_steps=1, decay_rate=0.1,
+                       min_learning_rate=0.05)
+    assert [floored(t) for t in range(4)] == [1.0, 0.1, 0.05, 0.05]
+
+
+def test_cosine_runs_from_the_rate_to_the_minimum_and_stays() -> None:
+    schedule = Schedule(0.1, kind="cosine", decay_steps=10, min_learning_rate=0.01)
+    assert schedule(0) == 0.1
+    assert schedule(5) == pytest.approx(0.055, rel=1e-12)  # half-way: the mean
+    assert schedule(10) == pytest.approx(0.01, rel=1e-12)
+    assert schedule(11) == schedule(10**6) == pytest.approx(0.01, rel=1e-12)
+    rates = [schedule(t) for t in range(12)]
+    assert (np.diff(rates[:11]) < 0).all()  # strictly down to the end
+    assert Schedule(0.1, kind="cosine", decay_steps=4)(4) == 0.0  # default minimum 0
+    warm = Schedule(0.1, warmup_steps=3, kind="cosine", decay_steps=10)
+    assert [warm(t) for t in range(4)] == pytest.approx([0.1 / 3, 0.2 / 3, 0.1, 0.1])
+    assert warm(3 + 10) == 0.0
+    assert warm(3 + 5) == pytest.approx(0.05 * (1 + math.cos(math.pi / 2)))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"kind": "linear"}, ValueError, "kind"),
+    ({"kind": "cosine"}, ValueError, "decay_steps"),
+    ({"kind": "step", "decay_steps": 0}, ValueError, "decay_steps"),
+    ({"kind": "step", "decay_steps": 2.0}, TypeError, "decay_steps"),
+    ({"warmup_steps": -1}, ValueError, "warmup_steps"),
+    ({"kind": "step", "decay_steps": 2, "decay_rate": 1.0}, ValueError, "decay_rate"),
+    ({"kind": "step", "decay_steps": 2, "decay_rate": 0.0}, ValueError, "decay_rate"),
+    ({"kind": "cosine", "decay_steps": 2, "min_learning_rate": 0.1}, ValueError,
+     "min_learning_rate"),
+    ({"kind": "cosine", "decay_steps": 2, "min_learning_rate": -0.01}, ValueError,
+     "min_learning_rate"),
+])
+def test_bad_schedules(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        Schedule(0.1, **kwargs)
+
+
+def test_schedule_rejects_a_negative_update() -> None:
+    with pytest.raises(ValueError, match="update"):
+        Schedule(0.1)(-1)
+
+
+def test_optimizers_step_at_the_scheduled_rate() -> None:
+    schedule = Schedule(0.4, warmup_steps=4)
+    params = np.zeros(3, np.float32)
+    sgd = SGD(schedule)
+    assert sgd.learning_rate == 0.4 and sgd.schedule is schedule
+    for update, expected in [(0, -0.1), (1, -0.3), (3, -0.7)]:
+        sgd.step(params, np.ones(3, np.float32), update=update)
+        np.testing.assert_allclose(params, expected, rtol=1e-6)
+    # Adagrad on a schedule takes exactly the step of Adagrad at that update's rate.
+    rng = np.random.default_rng(5)
+    grads = [rng.standard_normal(50).astype(np.float32) for _ in range(6)]
+    scheduled = Adagrad(50, Schedule(0.1, kind="step", decay_steps=2, decay_rate=0.5))
+    a = np.ones(50, np.float32)
+    b = a.copy()
+    fixed = [Adagrad(50, lr) for lr in (0.1, 0.1, 0.05, 0.05, 0.025, 0.025)]
+    for t, g in enumerate(grads):
+        fixed[t].accum[:] = scheduled.accum  # the same history before this step
+        scheduled.step(a, g, update=t)
+        fixed[t].step(b, g)
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_scheduled_step_needs_its_update_number() -> None:
+    params, grad = np.zeros(2, np.float32), np.ones(2, np.float32)
+    for opt in (SGD(Schedule(0.1, warmup_steps=2)),
+                Adagrad(2, Schedule(0.1, kind="cosine", decay_steps=3))):
+        with pytest.raises(ValueError, match="update="):
+            opt.step(params, grad)
+    revising = AdaRevision(2, Schedule(0.1, warmup_steps=2))
+    with pytest.raises(ValueError, match="update="):
+        revising.step(params, grad, version=0, fetched=0)
+    revising.step(params, grad, version=0, fetched=0, update=0)
+    np.testing.assert_allclose(params, -0.05, rtol=1e-5)  # lr/2 * g/sqrt(g^2)
+    # A constant schedule keeps working without a count, as before schedules existed.
+    SGD(0.1).step(params, grad)
+
+
+def test_factories_take_a_schedule() -> None:
+    schedule = Schedule(0.3, warmup_steps=3)
+    assert make_optimizer(True, schedule, 4).schedule is schedule
+    assert make_optimizer(False, schedule, 4).schedule is schedule
+    for update in ("adagrad", "sgd", "adarevision"):
+        opt = optimizer_for(update, schedule, 4)
+        assert opt.schedule is schedule and opt.rate(0) == pytest.approx(0.1)

@@ -22,7 +22,15 @@ Sections and keys, with their defaults:
                  "hogwild", learning_rate = 0.02, update = "adagrad" | "sgd" |
                  "adarevision" (the update rule; `adagrad = true/false` is the older
                  spelling of "adagrad"/"sgd"; "adarevision" is Downpour's shards only),
-                 n_fetch = 1, n_push = 1, warm_start_steps = 0
+                 n_fetch = 1, n_push = 1, warm_start_steps = 0 (Downpour: replica 0 trains
+                 alone first; not the learning-rate warmup below)
+                 The learning-rate schedule (every algorithm but Sandblaster, which has no
+                 learning rate; see SCHEDULES below): warmup_steps = 0 (linear warmup from
+                 learning_rate / warmup_steps up to learning_rate), schedule = "constant" |
+                 "step" | "cosine" (after the warmup), decay_steps (step: updates between
+                 two decays; cosine: updates from learning_rate down to the minimum;
+                 required by both), decay_rate = 0.1 (step only: the factor at each
+                 decay), min_learning_rate = 0.0 (step and cosine: the rate's floor)
                  Downpour only: fetch = "own_pushes" | "asynchronous" | "overlapped" (what
                  a replica's fetch waits for; FETCHES below)
                  Synchronous SGD only: backup_workers = 0 (each step takes the first
@@ -95,6 +103,16 @@ least one update stale); "overlapped", the push and the fetch of one step move w
 next step computes, as the paper's fetch and push threads (at least two updates stale).
 On the RMA transport the later ones make a step cheaper; on shared memory a replica's push
 is applied before its fetch anyway (docs/downpour.md, "Fetch")."""
+SCHEDULES = ("constant", "step", "cosine")
+"""optimizer.schedule: the learning rate after the warmup (distbelief.model.optimizers.
+Schedule). Its steps are the updates the optimizer applies, counted where they are applied:
+sgd, sync and model-parallel sgd, the run's steps; averaging and EASGD, each replica's local
+steps; Hogwild, the steps of all replicas together (as they published them); Downpour, the
+gradients (pushes) each shard has applied, its own count, kept in its checkpoint."""
+SCHEDULE_KEYS = ("warmup_steps", "schedule", "decay_steps", "decay_rate", "min_learning_rate")
+"""[optimizer] keys of the learning-rate schedule; at their defaults (no warmup, constant)
+they are left out of the config hash, so adding them did not change the hash of earlier
+runs."""
 ALGORITHM_KEYS = {a.name: a.own_keys for a in registry.ALGORITHMS if a.own_keys}
 """[optimizer] keys that only one algorithm reads: setting one for another algorithm is an
 error, and they are left out of the other algorithms' config hash (so adding them did not
@@ -137,6 +155,11 @@ class OptimizerConfig:
     n_fetch: int = 1
     n_push: int = 1
     warm_start_steps: int = 0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    decay_steps: int | None = None
+    decay_rate: float | None = None
+    min_learning_rate: float | None = None
     m: int = 10
     work_unit_size: int = 0
     push_every_units: int = 4
@@ -291,6 +314,11 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "n_fetch": (_int(1), 1),
         "n_push": (_int(1), 1),
         "warm_start_steps": (_int(0), 0),
+        "warmup_steps": (_int(0), 0),
+        "schedule": (_choice(SCHEDULES), "constant"),
+        "decay_steps": (_int(1), None),
+        "decay_rate": (_float(0.0, strict=True, maximum=1.0), None),
+        "min_learning_rate": (_float(0.0), None),
         "m": (_int(1), 10),
         "work_unit_size": (_int(0), 0),
         "push_every_units": (_int(1), 4),
@@ -478,6 +506,7 @@ def config_from_dict(raw: dict, source: Path | None = None,
     values = {section: _section_values(raw, section, where) for section in SECTIONS}
     _check_not_implemented(values, where)
     _resolve_update(values["optimizer"], raw.get("optimizer", {}), where)
+    _resolve_schedule(values["optimizer"], raw.get("optimizer", {}), where)
     _resolve_ps_shards(values, where)
     _check_consistency(values, where)
 
@@ -522,6 +551,64 @@ def _resolve_update(opt: dict, given: dict, where: str) -> None:
             if opt["algorithm"] != algorithm and key in given:
                 raise ConfigError(f"{where}: optimizer.{key} applies only to algorithm = "
                                   f"{_show(algorithm)}, not {_show(opt['algorithm'])}")
+
+
+def _resolve_schedule(opt: dict, given: dict, where: str) -> None:
+    """Check the learning-rate schedule's keys against each other and the algorithm, and
+    fill in the defaults that only step or cosine have (decay_rate, min_learning_rate)."""
+    keys = [key for key in SCHEDULE_KEYS if key in given]
+    if opt["algorithm"] == "sandblaster" and keys:
+        raise ConfigError(f"{where}: optimizer.{keys[0]} = {_show(opt[keys[0]])}, but "
+                          "algorithm = \"sandblaster\" has no learning rate (L-BFGS takes "
+                          "its step length from a line search): leave out "
+                          f"{', '.join('optimizer.' + k for k in SCHEDULE_KEYS)}")
+    kind = opt["schedule"]
+    if kind == "constant":
+        for key in ("decay_steps", "decay_rate", "min_learning_rate"):
+            if key in given:
+                raise ConfigError(f"{where}: optimizer.{key} = {_show(opt[key])} applies to "
+                                  "optimizer.schedule = \"step\" or \"cosine\", but the "
+                                  "schedule is \"constant\" (the default)")
+        return
+    if opt["decay_steps"] is None:
+        horizon = ("updates between two decays of the rate" if kind == "step" else
+                   "updates over which the rate falls from learning_rate to "
+                   "min_learning_rate")
+        raise ConfigError(f"{where}: optimizer.schedule = {_show(kind)} needs "
+                          f"optimizer.decay_steps, an integer >= 1: the {horizon} (counted "
+                          "after the warmup; see docs/configuration.md, \"Learning-rate "
+                          "schedules\", for what an update is in each algorithm)")
+    if kind == "cosine" and opt["decay_rate"] is not None:
+        raise ConfigError(f"{where}: optimizer.decay_rate = {_show(opt['decay_rate'])} "
+                          "applies to optimizer.schedule = \"step\"; a cosine schedule ends "
+                          "at optimizer.min_learning_rate")
+    if kind == "step":
+        if opt["decay_rate"] is None:
+            opt["decay_rate"] = 0.1
+        elif opt["decay_rate"] >= 1.0:
+            raise ConfigError(f"{where}: optimizer.decay_rate = {_show(opt['decay_rate'])} "
+                              "is invalid; expected a number > 0 and < 1 (the factor the "
+                              "rate is multiplied by every decay_steps updates)")
+    if opt["min_learning_rate"] is None:
+        opt["min_learning_rate"] = 0.0
+    elif opt["min_learning_rate"] >= opt["learning_rate"]:
+        raise ConfigError(f"{where}: optimizer.min_learning_rate = "
+                          f"{_show(opt['min_learning_rate'])} must be below "
+                          f"optimizer.learning_rate = {_show(opt['learning_rate'])}")
+
+
+def build_schedule(config: Config) -> Any:
+    """The learning-rate Schedule of `config.optimizer` (distbelief.model.optimizers), which
+    the optimizers take in place of a fixed rate: make_optimizer(..., build_schedule(c),
+    ...). A constant one when no schedule is configured."""
+    from distbelief.model.optimizers import Schedule
+
+    opt = config.optimizer
+    if opt.schedule == "constant":
+        return Schedule(opt.learning_rate, opt.warmup_steps)
+    return Schedule(opt.learning_rate, opt.warmup_steps, opt.schedule, opt.decay_steps,
+                    opt.decay_rate if opt.decay_rate is not None else 0.1,
+                    opt.min_learning_rate or 0.0)
 
 
 def needs_shards(algorithm: str, optimizer: dict[str, Any]) -> bool:
@@ -674,6 +761,11 @@ def hashed_settings(config: Config) -> dict[str, Any]:
         dropped.add("update")  # `adagrad` says it, as it did before `update` existed
     if config.optimizer.fetch == "own_pushes":
         dropped.add("fetch")  # the default, as before the key existed
+    # The schedule's keys at their defaults (or unset), as before they existed.
+    defaults = {"warmup_steps": 0, "schedule": "constant", "decay_steps": None,
+                "decay_rate": None, "min_learning_rate": None}
+    dropped.update(key for key, default in defaults.items()
+                   if getattr(config.optimizer, key) == default)
     out["optimizer"] = {k: v for k, v in out["optimizer"].items() if k not in dropped}
     out["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
     if config.data.in_memory:  # the default, as before the keys existed

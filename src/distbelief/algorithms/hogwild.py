@@ -88,7 +88,7 @@ from distbelief.algorithms.common import (
     starting_checkpoint,
     train_shard,
 )
-from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.config import Config, build_schedule, config_hash, hashed_settings
 from distbelief.errors import ConfigError
 from distbelief.model.layout import DTYPE
 from distbelief.model.optimizers import make_optimizer
@@ -300,7 +300,7 @@ def _setup_replica(config: Config, info: Any, network: Any, shared: SharedState,
     """This rank's replica; rank 0 also fills the segment (initial or restored values)."""
     opt = config.optimizer
     shard = train_shard(config, info, rank, replicas)
-    optimizer = make_optimizer(opt.adagrad, opt.learning_rate, network.layout.size)
+    optimizer = make_optimizer(opt.adagrad, build_schedule(config), network.layout.size)
     found = ckpt.verify(path) if path is not None else None
     for name, view in shared.state.items():
         setattr(optimizer, name, view)  # the optimizer works on the shared arrays
@@ -334,7 +334,9 @@ def _step(network: Any, shared: SharedState, replica: Replica, grad: np.ndarray,
     x, y = replica.shard.next_batch(batch_size)
     loss = network.loss_and_grad(shared.params, x, y, grad)
     replica.faults.poison(replica.steps + 1, grad)
-    replica.optimizer.step(shared.params, grad)
+    # The schedule counts the updates of every replica, as they published them (a plain
+    # racy read, as everything here: an update or two behind at most).
+    replica.optimizer.step(shared.params, grad, update=int(shared.words[:, STEPS].sum()))
     replica.steps += 1
     replica.samples += len(y)
     replica.loss_sum += float(loss)
@@ -489,7 +491,8 @@ class Leader:
             self.shared.sync()
             self._wait_for_all(DONE, 1)
             steps, samples = self.totals()
-            self.recorder.log(steps, samples, self.recent_loss())
+            self.recorder.log(steps, samples, self.recent_loss(),
+                              learning_rate=self.replica.optimizer.rate(max(steps - 1, 0)))
             if reason != "diverged":
                 if reason not in StopSignals.NAMES:
                     self._evaluate(steps, samples)
@@ -529,7 +532,8 @@ class Leader:
                       or self._signal(now))
             if now >= next_log or reason:
                 recent = self.recent_loss()
-                self.recorder.log(steps, samples, recent)
+                self.recorder.log(steps, samples, recent,
+                                  learning_rate=replica.optimizer.rate(max(steps - 1, 0)))
                 next_log = now + LOG_EVERY_SECONDS
                 if not math.isfinite(recent):
                     if math.isnan(recent) and not self._any_loss():

@@ -54,7 +54,7 @@ from distbelief.algorithms.common import (
     train_shard,
     watched_run,
 )
-from distbelief.config import Config, config_hash
+from distbelief.config import Config, build_schedule, config_hash
 from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records.console import say
@@ -124,7 +124,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     eval_set, shard = agree(comm, setup)
     params = model.init_params(config.run.seed)
     opt = config.optimizer
-    optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)
+    optimizer = make_optimizer(opt.adagrad, build_schedule(config), params.size)
     recorder = None
     if rank0:
         say(stream, f"distbelief: sgd, {network.layout.size:,d} parameters over "
@@ -188,7 +188,7 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
             raise TrainingDiverged(f"training diverged: the loss is {loss} at step "
                                    f"{step + 1}; lower optimizer.learning_rate (now "
                                    f"{config.optimizer.learning_rate:g})")
-        optimizer.step(params, grad)
+        optimizer.step(params, grad, update=step)
         step += 1
         if faults:
             faults.after_step(step, 0.0)
@@ -204,7 +204,8 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
             decision[:] = STOP_CODE_OF[reason], now >= next_eval
             if now >= next_log or reason:
                 recent, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
-                recorder.log(step, step * batch_size, recent)
+                recorder.log(step, step * batch_size, recent,
+                             learning_rate=optimizer.rate(step - 1))
                 next_log = now + LOG_EVERY_SECONDS
             recorder.progress(step, step * batch_size, recent)
         polled_bcast(comm, decision, ranks=model.partner_ranks)

@@ -44,7 +44,7 @@ from distbelief.algorithms.common import (
     starting_checkpoint,
     train_shard,
 )
-from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.config import Config, build_schedule, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import (
@@ -78,7 +78,7 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
     shard = train_shard(config, info, 0, 1)
     params = network.init_params(config.run.seed)
     opt = config.optimizer
-    optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)
+    optimizer = make_optimizer(opt.adagrad, build_schedule(config), params.size)
     state = TrainState()
     resume_point = None
     if start_from is not None:
@@ -138,7 +138,7 @@ def _train_loop(config: Config, network: Any, shard: Any, optimizer: Any,
     while not reason:
         x, y = shard.next_batch(batch_size)
         loss_sum += network.loss_and_grad(params, x, y, grad)
-        optimizer.step(params, grad)
+        optimizer.step(params, grad, update=step)
         step += 1
         samples += len(y)
         loss_count += 1
@@ -147,7 +147,8 @@ def _train_loop(config: Config, network: Any, shard: Any, optimizer: Any,
         if now >= next_log or reason:
             recent_loss = loss_sum / loss_count
             loss_sum, loss_count = 0.0, 0
-            recorder.log(step, samples, recent_loss)
+            recorder.log(step, samples, recent_loss,
+                         learning_rate=optimizer.rate(max(step - 1, 0)))
             next_log = now + LOG_EVERY_SECONDS
             if not math.isfinite(recent_loss):
                 _diverged(recorder, step, samples, recent_loss, config)

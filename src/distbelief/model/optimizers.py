@@ -1,10 +1,17 @@
 """Optimizers that update a flat float32 parameter vector in place: Adagrad, plain SGD, and
-AdaRevision (Adagrad that revises its steps for the updates a stale gradient missed).
+AdaRevision (Adagrad that revises its steps for the updates a stale gradient missed), and
+the learning-rate `Schedule` they step with.
 
 They work on any 1-D float32 array, so a parameter-server shard runs one on its own range
 of the parameter vector, and a single process runs one on the whole vector. The update
 itself is one fused pass in the compiled kernels (distbelief.model.kernels). Each optimizer's
 state is a dict of named float32 arrays, which checkpoints save and load back.
+
+The learning rate is a pure function of the update count (`Schedule`: linear warmup, then
+constant, step or cosine decay). An optimizer does not count its updates itself: whoever
+applies the update knows how many came before it (a trainer its step, a parameter-server
+shard the gradients it has applied, both kept in checkpoints), so `step(..., update=n)`
+takes it, and a resumed run steps at the same rates as an unbroken one.
 """
 
 from __future__ import annotations
@@ -25,6 +32,116 @@ def _check_learning_rate(learning_rate: object) -> float:
     return float(learning_rate)
 
 
+def _check_count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+SCHEDULES = ("constant", "step", "cosine")
+"""Schedule kinds: the rate after the warmup."""
+
+
+class Schedule:
+    """The learning rate of update number `t` (t updates were applied before it), a pure
+    function of t:
+
+        warmup   t < warmup_steps:  learning_rate * (t + 1) / warmup_steps
+        then, with s = t - warmup_steps (updates since the warmup ended):
+        constant learning_rate
+        step     max(min_learning_rate, learning_rate * decay_rate ** (s // decay_steps))
+        cosine   min_learning_rate + (learning_rate - min_learning_rate)
+                   * (1 + cos(pi * min(s, decay_steps) / decay_steps)) / 2
+                 (learning_rate at s = 0, min_learning_rate from s = decay_steps on)
+
+    The warmup's first update runs at learning_rate / warmup_steps, its last at
+    learning_rate, so the warmup joins the decay without a jump. A constant schedule
+    without warmup is the plain fixed rate (`Schedule(lr)`).
+    """
+
+    def __init__(self, learning_rate: float, warmup_steps: int = 0, kind: str = "constant",
+                 decay_steps: int | None = None, decay_rate: float = 0.1,
+                 min_learning_rate: float = 0.0) -> None:
+        self.learning_rate = _check_learning_rate(learning_rate)
+        self.warmup_steps = _check_count("warmup_steps", warmup_steps, 0)
+        if kind not in SCHEDULES:
+            raise ValueError(f"kind must be one of {', '.join(SCHEDULES)}, got {kind!r}")
+        self.kind = kind
+        if kind == "constant":
+            self.decay_steps = None
+        elif decay_steps is None:
+            raise ValueError(f"a {kind} schedule needs decay_steps")
+        else:
+            self.decay_steps = _check_count("decay_steps", decay_steps, 1)
+        if isinstance(decay_rate, bool) or not isinstance(
+                decay_rate, (int, float, np.integer, np.floating)) \
+                or not 0 < decay_rate < 1:
+            raise ValueError(f"decay_rate must be a number in (0, 1), got {decay_rate!r}")
+        self.decay_rate = float(decay_rate)
+        if isinstance(min_learning_rate, bool) or not isinstance(
+                min_learning_rate, (int, float, np.integer, np.floating)) \
+                or not 0 <= min_learning_rate < self.learning_rate:
+            raise ValueError(f"min_learning_rate must be a number >= 0 and below "
+                             f"learning_rate {self.learning_rate:g}, got {min_learning_rate!r}")
+        self.min_learning_rate = float(min_learning_rate)
+
+    @property
+    def constant(self) -> bool:
+        """Whether every update gets learning_rate (no warmup, no decay)."""
+        return self.kind == "constant" and self.warmup_steps == 0
+
+    def __call__(self, update: int) -> float:
+        """The learning rate of update number `update` (0 for the first)."""
+        t = _check_count("update", update, 0)
+        if t < self.warmup_steps:
+            return self.learning_rate * (t + 1) / self.warmup_steps
+        s = t - self.warmup_steps
+        if self.kind == "step":
+            return max(self.min_learning_rate,
+                       self.learning_rate * self.decay_rate ** (s // self.decay_steps))
+        if self.kind == "cosine":
+            progress = min(s, self.decay_steps) / self.decay_steps
+            return self.min_learning_rate + (self.learning_rate - self.min_learning_rate) \
+                * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.learning_rate
+
+    def __repr__(self) -> str:
+        return (f"Schedule(learning_rate={self.learning_rate!r}, "
+                f"warmup_steps={self.warmup_steps}, kind={self.kind!r}, "
+                f"decay_steps={self.decay_steps}, decay_rate={self.decay_rate!r}, "
+                f"min_learning_rate={self.min_learning_rate!r})")
+
+
+def _schedule(learning_rate: float | Schedule) -> Schedule:
+    """A Schedule as given, or the constant one of a plain rate (checked)."""
+    if isinstance(learning_rate, Schedule):
+        return learning_rate
+    return Schedule(learning_rate)
+
+
+class _Scheduled:
+    """What every optimizer shares: its schedule, and the rate of one update."""
+
+    schedule: Schedule
+
+    @property
+    def learning_rate(self) -> float:
+        """The schedule's peak rate (the configured optimizer.learning_rate)."""
+        return self.schedule.learning_rate
+
+    def rate(self, update: int | None) -> float:
+        """The rate of update number `update`; None is allowed only on a constant schedule
+        (callers that never had a count keep working)."""
+        if update is None:
+            if not self.schedule.constant:
+                raise ValueError("this optimizer follows a learning-rate schedule: step() "
+                                 "needs update= (the number of updates applied before)")
+            return self.schedule.learning_rate
+        return self.schedule(update)
+
+
 def _check_size(size: object) -> int:
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
         raise TypeError(f"size must be an integer, got {type(size).__name__}")
@@ -41,16 +158,17 @@ def _check_state_keys(name: str, state: object, expected: set[str]) -> None:
                          f"got {sorted(map(str, state))}")
 
 
-class Adagrad:
+class Adagrad(_Scheduled):
     """Adagrad as in the DistBelief paper and torch.optim.Adagrad with default arguments.
 
-    Per parameter: accum += g**2; param -= learning_rate * g / (sqrt(accum) + eps).
-    accum starts at zero; no learning-rate decay, no weight decay.
+    Per parameter: accum += g**2; param -= lr * g / (sqrt(accum) + eps), lr the schedule's
+    rate for this update (`learning_rate`: a number, or a Schedule). accum starts at zero;
+    no weight decay.
     """
 
-    def __init__(self, size: int, learning_rate: float, eps: float = 1e-10) -> None:
+    def __init__(self, size: int, learning_rate: float | Schedule, eps: float = 1e-10) -> None:
         self.size = _check_size(size)
-        self.learning_rate = _check_learning_rate(learning_rate)
+        self.schedule = _schedule(learning_rate)
         if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
             raise TypeError(f"eps must be a number, got {type(eps).__name__}")
         if not math.isfinite(eps) or eps < 0:
@@ -59,10 +177,11 @@ class Adagrad:
         self.accum = np.zeros(self.size, np.float32)
 
     def step(self, params: np.ndarray, grad: np.ndarray,
-             copy: np.ndarray | None = None) -> None:
+             copy: np.ndarray | None = None, *, update: int | None = None) -> None:
         """Update params (1-D float32, length size) in place with grad, one fused pass;
-        with `copy`, also store the new params there in the same pass."""
-        kernels.adagrad_update(params, self.accum, grad, self.learning_rate, self.eps, copy)
+        with `copy`, also store the new params there in the same pass. `update`: the
+        number of updates applied before this one (the schedule's position)."""
+        kernels.adagrad_update(params, self.accum, grad, self.rate(update), self.eps, copy)
 
     def state(self) -> dict[str, np.ndarray]:
         """The live state arrays (not copies): {"accum": sum of squared gradients}."""
@@ -83,17 +202,18 @@ class Adagrad:
         np.copyto(self.accum, accum, casting="same_kind")
 
 
-class SGD:
-    """Plain SGD at a fixed learning rate: param -= learning_rate * g. It has no state."""
+class SGD(_Scheduled):
+    """Plain SGD: param -= lr * g, lr the schedule's rate for this update (`learning_rate`:
+    a number, or a Schedule). It has no state."""
 
-    def __init__(self, learning_rate: float) -> None:
-        self.learning_rate = _check_learning_rate(learning_rate)
+    def __init__(self, learning_rate: float | Schedule) -> None:
+        self.schedule = _schedule(learning_rate)
 
     def step(self, params: np.ndarray, grad: np.ndarray,
-             copy: np.ndarray | None = None) -> None:
+             copy: np.ndarray | None = None, *, update: int | None = None) -> None:
         """Update params (1-D float32) in place with grad of the same length; with `copy`,
-        also store the new params there in the same pass."""
-        kernels.sgd_update(params, grad, self.learning_rate, copy)
+        also store the new params there in the same pass. `update` as Adagrad.step's."""
+        kernels.sgd_update(params, grad, self.rate(update), copy)
 
     def state(self) -> dict[str, np.ndarray]:
         """SGD keeps no state: an empty dict."""
@@ -111,7 +231,7 @@ Each costs one float32 vector of the slice in memory (in the shared segment on t
 transport), none on the wire."""
 
 
-class AdaRevision:
+class AdaRevision(_Scheduled):
     """AdaRevision: McMahan and Streeter, "Delay-Tolerant Algorithms for Asynchronous
     Distributed Online Learning", NIPS 2014, Algorithm 2 (AdaptiveRevision), per coordinate.
 
@@ -142,10 +262,10 @@ class AdaRevision:
 
     revises = True  # step() needs version= and fetched= (distbelief.ps shards check this)
 
-    def __init__(self, size: int, learning_rate: float, eps: float = 1e-10,
+    def __init__(self, size: int, learning_rate: float | Schedule, eps: float = 1e-10,
                  history: int = HISTORY) -> None:
         self.size = _check_size(size)
-        self.learning_rate = _check_learning_rate(learning_rate)
+        self.schedule = _schedule(learning_rate)
         if isinstance(eps, bool) or not isinstance(eps, (int, float, np.integer, np.floating)):
             raise TypeError(f"eps must be a number, got {type(eps).__name__}")
         # eps > 0: eta_old of a coordinate with no gradient yet is lr / eps, finite, and
@@ -174,12 +294,15 @@ class AdaRevision:
         return getattr(self, self._slot_name(version % self.history))
 
     def step(self, params: np.ndarray, grad: np.ndarray, copy: np.ndarray | None = None, *,
-             version: int, fetched: int) -> None:
+             version: int, fetched: int, update: int | None = None) -> None:
         """Apply `grad` as update number version + 1 (`version` updates were applied
         before it), computed on the parameters of version `fetched`; params (1-D float32,
         length size) in place, with `copy` also stored there. A fetch older than the
         history is taken as the oldest version kept (self.capped counts them); a fetch
-        newer than `version` as `version` (no delay)."""
+        newer than `version` as `version` (no delay). `update`: the schedule's position,
+        as Adagrad.step's (the revision of the backlog uses this update's rate for both
+        eta_old and eta: the rule assumes one rate)."""
+        lr = self.rate(update)
         if version < 0:
             raise ValueError(f"version must be non-negative, got {version}")
         fetched = min(int(fetched), int(version))
@@ -189,7 +312,7 @@ class AdaRevision:
         self.updates += 1
         self.backlog_versions += version - fetched
         kernels.adarevision_update(params, self.gsum, self.z, self.zmax, self._slot(fetched),
-                                   grad, self.learning_rate, self.eps, copy)
+                                   grad, lr, self.eps, copy)
         self.record_version(version + 1)
 
     def record_version(self, version: int) -> None:
@@ -247,8 +370,10 @@ class AdaRevision:
 UPDATES = ("adagrad", "sgd", "adarevision")
 
 
-def optimizer_for(update: str, learning_rate: float, size: int) -> Adagrad | SGD | AdaRevision:
-    """The optimizer config.optimizer.update names, over `size` parameters."""
+def optimizer_for(update: str, learning_rate: float | Schedule,
+                  size: int) -> Adagrad | SGD | AdaRevision:
+    """The optimizer config.optimizer.update names, over `size` parameters, at a fixed
+    rate or on a Schedule (config.build_schedule)."""
     if update == "adarevision":
         return AdaRevision(size, learning_rate)
     if update not in UPDATES:
@@ -256,8 +381,10 @@ def optimizer_for(update: str, learning_rate: float, size: int) -> Adagrad | SGD
     return make_optimizer(update == "adagrad", learning_rate, size)
 
 
-def make_optimizer(adagrad: bool, learning_rate: float, size: int) -> Adagrad | SGD:
-    """Adagrad over `size` parameters if adagrad, else SGD (which needs no size)."""
+def make_optimizer(adagrad: bool, learning_rate: float | Schedule,
+                   size: int) -> Adagrad | SGD:
+    """Adagrad over `size` parameters if adagrad, else SGD (which needs no size); at a
+    fixed rate or on a Schedule."""
     if not isinstance(adagrad, (bool, np.bool_)):
         raise TypeError(f"adagrad must be True or False, got {type(adagrad).__name__}")
     if adagrad:

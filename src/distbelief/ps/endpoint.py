@@ -49,13 +49,15 @@ VERSION, APPLIED = 0, 1
 
 class Optimizer(Protocol):
     """What a shard needs from distbelief.model.optimizers (optimizer_for's Adagrad, SGD or
-    AdaRevision): an in-place update of its slice, and its state for checkpoints. An
-    optimizer with `revises = True` (AdaRevision) takes step(..., version=, fetched=):
+    AdaRevision): an in-place update of its slice, and its state for checkpoints. Every
+    step gets update=, the gradients (pushes) the shard had applied before this one over
+    the whole run, earlier jobs included: the learning-rate schedule's position. An
+    optimizer with `revises = True` (AdaRevision) also takes version= and fetched=:
     the shard's version before the update and the version the gradient's parameters
     were pulled at."""
 
     def step(self, params: np.ndarray, grad: np.ndarray,
-             copy: np.ndarray | None = None) -> None: ...
+             copy: np.ndarray | None = None, *, update: int | None = None) -> None: ...
 
     def state(self) -> dict[str, np.ndarray]: ...
 

@@ -106,7 +106,8 @@ class ParameterServerShard(_Endpoint):
     """
 
     def __init__(self, comm: MPI.Comm, windows: _ShardWindows, topology: Topology,
-                 size: int, optimizer: Optimizer, initial: np.ndarray | None):
+                 size: int, optimizer: Optimizer, initial: np.ndarray | None,
+                 gradients_before: int = 0):
         super().__init__(comm, windows, topology, size)
         self.rank = topology.world_rank
         self.start, self.stop = self.ranges[self.rank]
@@ -149,6 +150,7 @@ class ParameterServerShard(_Endpoint):
         self._fetched_sum = 0  # the versions the pushes of the current take had pulled
         self._taken = 0
         self._pushes_taken = 0
+        self._gradients_before = gradients_before  # applied in earlier jobs (checkpoint)
         self._publishes = 0
         self._unpublished = False  # a publish waits for a free buffer
         self._finished = False
@@ -171,6 +173,12 @@ class ParameterServerShard(_Endpoint):
     def version(self) -> int:
         """Updates applied to this shard's parameters so far."""
         return self._taken
+
+    @property
+    def gradients_applied(self) -> int:
+        """Gradients (pushes) this slice has applied over the whole run, earlier jobs
+        included: the position of the learning-rate schedule, kept in checkpoints."""
+        return self._gradients_before + self._pushes_taken
 
     @property
     def finished(self) -> bool:
@@ -319,15 +327,17 @@ class ParameterServerShard(_Endpoint):
                              windows.slot(k))
             win.Flush(self.rank)
             self._states[k, 0] = 0
+        update = self.gradients_applied  # the schedule's position: pushes before these
         self._taken += 1
         self._pushes_taken += len(full)
         if getattr(self._optimizer, "revises", False):
             # A take sums its pushes into one gradient, revised as one: the mean of the
             # versions they had pulled (the paper's rule when they pulled one version).
             self._optimizer.step(self._master, self._grad, version=self._taken - 1,
-                                 fetched=min(self._taken - 1, round(fetched / len(full))))
+                                 fetched=min(self._taken - 1, round(fetched / len(full))),
+                                 update=update)
         else:
-            self._optimizer.step(self._master, self._grad)
+            self._optimizer.step(self._master, self._grad, update=update)
         self._value[0] = self._taken
         fetch_op(win, self._value, self._scratch, self.rank, VERSION_NOW * COUNTER_BYTES,
                  MPI.REPLACE)

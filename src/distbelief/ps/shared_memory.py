@@ -10,6 +10,7 @@ Win.Allocate_shared over the node communicator (= the world), a segment per shar
 on other ranks); every rank maps every segment (Win.Shared_query). Shard s's segment:
 
     [0:64) header, int64 slots: VERSION 0 | APPLIED 1 | SERVING 2 (1 once the shard polls)
+           | BEFORE 3 (gradients applied in earlier jobs: the schedule's count goes on)
     [64:..) per client c (non-shard world rank S + c): PULLED, FINISHED (int64; pulls
            made so far, published with each push and at finish)
     then, each 64-byte aligned: the run control block (distbelief.ps.run_control; used on
@@ -34,6 +35,8 @@ target's progress (0.5 s behind a sleeping target), so it is not used.
 | run control block   | client, with a push or exchange: read, add      | exclusive |
 | (shard 0)           | shard 0: read_run_control (load)                | shared    |
 |                     | shard 0: add_run_control (load, store)          | exclusive |
+| BEFORE              | shard: initialisation (store)                   | exclusive |
+|                     | client push: the schedule's count (load)        | exclusive |
 | SERVING             | shard: first serve_once (store 1)               | exclusive |
 |                     | client, before its first access (load)          | shared    |
 | PULLED[c],          | client c only, with a push and at finish: store | exclusive |
@@ -106,6 +109,7 @@ from distbelief.runtime.nodes import node_communicator
 from distbelief.runtime.topology import Topology
 
 SERVING = 2  # int64 slot in a shared segment's header: 1 once the shard has polled
+BEFORE = 3  # int64 slot: gradients the slice applied in earlier jobs (set at start)
 # int64 slots of each client in a shared segment, written by that client only
 PULLED, FINISHED = 0, 1
 CLIENT_SLOTS = 2
@@ -306,7 +310,8 @@ class SharedMemoryShard(ParameterServerShard):
     checkpoints. Same interface as ParameterServerShard."""
 
     def __init__(self, comm: MPI.Comm, segments: _SharedSegments, topology: Topology,
-                 size: int, optimizer: Optimizer, initial: np.ndarray | None):
+                 size: int, optimizer: Optimizer, initial: np.ndarray | None,
+                 gradients_before: int = 0):
         _Endpoint.__init__(self, comm, segments, topology, size)  # none of the RMA set-up
         self.rank = topology.world_rank
         self.start, self.stop = self.ranges[self.rank]
@@ -316,6 +321,7 @@ class SharedMemoryShard(ParameterServerShard):
         self.stats = ShardStats(transport="shared")
         with segments.lock(self.rank, exclusive=True) as seg:
             seg.header[:] = 0
+            seg.header[BEFORE] = gradients_before
             seg.clients[:] = 0
             seg.control[:] = 0
             seg.params[:] = 0 if initial is None else initial[self.start : self.stop]
@@ -331,6 +337,12 @@ class SharedMemoryShard(ParameterServerShard):
         """Updates applied to this shard's parameters so far (read under the lock)."""
         with self._lock(exclusive=False) as seg:
             return int(seg.header[VERSION])
+
+    @property
+    def gradients_applied(self) -> int:
+        """As ParameterServerShard.gradients_applied (read under the lock)."""
+        with self._lock(exclusive=False) as seg:
+            return int(seg.header[BEFORE] + seg.header[APPLIED])
 
     def parameters(self) -> np.ndarray:
         """A copy of this shard's current parameters, under the shared lock."""
@@ -488,6 +500,7 @@ class SharedMemoryClient(ParameterClient):
         if self._touched[shard]:
             low = self.ranges[shard][0]
             version = int(seg.header[VERSION])
+            update = int(seg.header[BEFORE] + seg.header[APPLIED])  # the schedule's count
             self._taken[shard, 0] = version
             for start, stop, optimizer in self._pieces[shard]:
                 copy_to = None if out is None else out[start:stop]
@@ -495,10 +508,10 @@ class SharedMemoryClient(ParameterClient):
                     # AdaRevision: revised for the updates since this client's last pull
                     optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
                                    copy_to, version=version,
-                                   fetched=int(self.pulled_versions[shard]))
+                                   fetched=int(self.pulled_versions[shard]), update=update)
                 else:
                     optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
-                                   copy_to)
+                                   copy_to, update=update)
             whole = self._optimizers[shard]
             if getattr(whole, "revises", False):
                 # A partitioned replica's pieces recorded only their slices of the new

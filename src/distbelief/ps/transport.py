@@ -40,6 +40,7 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
                           initial: np.ndarray | None = None,
                           transport: str | None = None,
                           control_replicas: int = 0,
+                          gradients_before: int = 0,
                           ) -> ParameterServerShard | ParameterClient:
     """Create the parameter server: a ParameterServerShard on shard ranks, a
     ParameterClient on every other rank (replicas and the coordinator).
@@ -54,6 +55,9 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
     or "rma" (None: $DISTBELIEF_PS_TRANSPORT, else "auto"; see requested_transport).
     `control_replicas` > 0 reserves Downpour's run control block (distbelief.ps.run_control)
     for that many replicas on shard 0 (every shard's windows have the same layout).
+    `gradients_before`: on a shard, the gradients its slice had applied in earlier jobs
+    (its checkpoint says), where the count its optimizer steps with (`update=`, the
+    learning-rate schedule's position) continues.
     Returns once every shard has published its initial parameters.
     """
     requested = requested_transport(transport)
@@ -82,7 +86,8 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
         if topology.is_shard:
             endpoint = SharedMemoryShard(comm, segments, topology, size,
                                          optimizer(ranges[topology.world_rank][1]
-                                                   - ranges[topology.world_rank][0]), initial)
+                                                   - ranges[topology.world_rank][0]), initial,
+                                         gradients_before)
         comm.Barrier()  # every shard has initialised its segment
         if not topology.is_shard:
             endpoint = SharedMemoryClient(comm, segments, topology, size, optimizer)
@@ -94,7 +99,7 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
     # Local set-up: a shard publishes its initial parameters under its own lock.
     if topology.is_shard:
         endpoint = ParameterServerShard(comm, windows, topology, size,
-                                        optimizer(local_count), initial)
+                                        optimizer(local_count), initial, gradients_before)
     else:
         # One probe, as _open_shared's: does the shards' optimizer need the fetch version?
         endpoint = ParameterClient(comm, windows, topology, size,

@@ -659,6 +659,21 @@ class Checkpoint:
         params = out.pop("params")
         return params, {n.removeprefix("optimizer/"): a for n, a in out.items()}
 
+    def shard_counters(self, start: int, stop: int) -> list[dict[str, int]]:
+        """The counters of the shard parts that overlap [start, stop) (one, when the shard
+        count is the checkpoint's), in the order of the manifest."""
+        found = []
+        for shard in self.manifest["shards"]:
+            if max(start, shard["start"]) < min(stop, shard["stop"]):
+                path = self.path / shard["part"]
+                with self._open_part(path, "shard", shard["index"]) as f:
+                    try:
+                        found.append({k: int(v) for k, v in f["counters"].attrs.items()})
+                    except _H5_ERRORS as exc:
+                        raise CheckpointError(f"checkpoint part {path}: cannot read: "
+                                              f"{_first_line(exc)}") from exc
+        return found
+
     def read_state(self, with_optimizer: bool = True
                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """The full parameter vector and (unless not `with_optimizer`) optimizer state."""

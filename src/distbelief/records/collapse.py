@@ -23,7 +23,8 @@ MIN_LINES = 5
 """Training lines a window needs before it can be judged (they come every ~0.5 s)."""
 CAUSES = ("a learning rate too high for the model or for this many replicas (their "
           "asynchronous updates add up: try a lower optimizer.learning_rate), or a run "
-          "that needs a warm start (optimizer.warm_start_steps) or a learning-rate warmup")
+          "that needs a warm start (optimizer.warm_start_steps) or a learning-rate warmup "
+          "(optimizer.warmup_steps)")
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ from distbelief.algorithms.common import (
     train_shard,
     watched_run,
 )
-from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.config import Config, build_schedule, config_hash, hashed_settings
 from distbelief.errors import ConfigError, DataError
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
@@ -172,7 +172,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     opt = config.optimizer
     params = network.init_params(config.run.seed)  # the same on every rank (same seed)
     replica = Replica(comm, network, train_shard(config, info, rank, size), params,
-                      make_optimizer(opt.adagrad, opt.learning_rate, params.size),
+                      make_optimizer(opt.adagrad, build_schedule(config), params.size),
                       others=tuple(r for r in range(size) if r != rank))
     found = agree(comm, lambda: _restore(path, chosen, replica))
     recorder = None
@@ -234,7 +234,7 @@ def _loop(config: Config, replica: Replica, eval_set: Any, recorder: RunRecorder
         for _ in range(steps):
             x, y = replica.shard.next_batch(batch_size)
             losses[0] += replica.network.loss_and_grad(replica.params, x, y, grad)
-            replica.optimizer.step(replica.params, grad)
+            replica.optimizer.step(replica.params, grad, update=replica.local_steps)
             replica.local_steps += 1
             if faults:
                 faults.after_step(replica.local_steps, 0.0)
@@ -264,7 +264,8 @@ def _loop(config: Config, replica: Replica, eval_set: Any, recorder: RunRecorder
             if (now >= next_log or reason) and pending_count:
                 recent = pending_loss / pending_count
                 pending_loss, pending_count = 0.0, 0
-                recorder.log(step, samples, recent)
+                recorder.log(step, samples, recent, learning_rate=replica.optimizer.rate(
+                    max(replica.local_steps - 1, 0)))
                 next_log = now + LOG_EVERY_SECONDS
             recorder.progress(step, samples, recent)
         if reason:

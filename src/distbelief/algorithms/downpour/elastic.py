@@ -43,7 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.downpour.replica import Replica
-from distbelief.config import Config, OptimizerConfig
+from distbelief.config import Config, build_schedule
 from distbelief.errors import ConfigError
 from distbelief.model.optimizers import make_optimizer
 
@@ -54,8 +54,9 @@ class CenterUpdate:
     the optimizers of distbelief.model.optimizers (step, state, load_state)."""
 
     def step(self, params: np.ndarray, delta: np.ndarray,
-             copy: np.ndarray | None = None) -> None:
-        """params += delta in place; with `copy`, also store the result there."""
+             copy: np.ndarray | None = None, *, update: int | None = None) -> None:
+        """params += delta in place; with `copy`, also store the result there. No rate, so
+        `update` (the shard's count) changes nothing."""
         np.add(params, delta, out=params)
         if copy is not None:
             np.copyto(copy, params)
@@ -85,11 +86,12 @@ class ElasticReplica(Replica):
     (module docstring). Its run control (claims, commands, checkpoints, the end) is
     Downpour's, one exchange per block."""
 
-    def __init__(self, run: Any, network: Any, fetch: str,
-                 opt: OptimizerConfig):
+    def __init__(self, run: Any, network: Any, fetch: str, config: Config):
         super().__init__(run, network, fetch)
+        opt = config.optimizer
         self.alpha = float(opt.elastic_alpha)
-        self.local_optimizer = make_optimizer(opt.adagrad, opt.learning_rate,
+        # Its schedule runs on this replica's local steps (self.t, resumed with it).
+        self.local_optimizer = make_optimizer(opt.adagrad, build_schedule(config),
                                               self.params.size)
         self.center = np.zeros_like(self.params)
         self.pushed = np.zeros_like(self.params)  # e, never the gradient itself
@@ -107,7 +109,7 @@ class ElasticReplica(Replica):
             if self.faults:
                 self.faults.poison(self.t, self.grad)
             if self._usable(loss):
-                self.local_optimizer.step(self.params, self.grad)
+                self.local_optimizer.step(self.params, self.grad, update=self.t - 1)
             else:
                 self._drop()  # a non-finite gradient is not applied (counted, as Downpour)
             if math.isfinite(loss):
@@ -159,5 +161,5 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     config = downpour_settings(config)
     return downpour.train(config, comm, stream, resume=resume,
                           replica_role=lambda run, network, fetch: ElasticReplica(
-                              run, network, fetch, config.optimizer),
+                              run, network, fetch, config),
                           shard_update=lambda size: CenterUpdate())

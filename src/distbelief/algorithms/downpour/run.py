@@ -22,7 +22,7 @@ from distbelief.algorithms.common import (
     train_shard,
 )
 from distbelief.algorithms.downpour.plan import SWEEP_S, DownpourPlan, plan_run
-from distbelief.config import Config
+from distbelief.config import Config, build_schedule
 from distbelief.model.layout import balanced_ranges
 from distbelief.model.optimizers import optimizer_for
 from distbelief.ps import run_control as rc
@@ -120,7 +120,8 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     endpoint = open_parameter_server(
         comm, topology, network.layout.size,
         lambda n: start.optimizer if start.optimizer is not None else shard_update(n),
-        initial, control_replicas=plan.num_replicas)
+        initial, control_replicas=plan.num_replicas,
+        gradients_before=start.gradients_before)
     if isinstance(endpoint, ParameterServerShard):
         # A replica killed mid-push is written off as soon as its process is seen gone; a
         # live one is waited for as long as a live rank may go without a heartbeat.
@@ -157,6 +158,7 @@ class Start:
     params: np.ndarray | None = None  # a shard's slice
     optimizer: Any = None  # a shard's optimizer with its state loaded
     local_steps: int = 0  # a replica's steps before (decides its fetch schedule)
+    gradients_before: int = 0  # a shard's: gradients its slice applied (the schedule's count)
 
     @property
     def base(self) -> int:
@@ -183,6 +185,7 @@ def _read_start(config: Config, plan: DownpourPlan, network: Any, info: Any, loc
             start.params, state = found.read_range(*start.shard_range)
             start.optimizer = shard_update(start.params.size)
             start.optimizer.load_state(state)
+            start.gradients_before = _gradients_before(found, *start.shard_range)
         elif topology.is_replica:
             _restore_replica(found, plan, local, info, start)
     except (ValueError, TypeError) as exc:
@@ -217,10 +220,20 @@ def _restore_replica(found: ckpt.Checkpoint, plan: DownpourPlan, data: Any, info
                          "position": 0})
 
 
+def _gradients_before(found: ckpt.Checkpoint, start: int, stop: int) -> int:
+    """The gradients a shard's slice [start, stop) had applied when `found` was written:
+    its part's count, exact when the shard count is the checkpoint's; on another shard
+    count, the largest count of the parts it overlaps (their counts differ only by the
+    pushes that touched some shards and not others). A checkpoint from before the count
+    was kept has none: 0 (its configuration had no schedule, so nothing depends on it)."""
+    counts = [c.get("gradients_applied", 0) for c in found.shard_counters(start, stop)]
+    return max(counts, default=0)
+
+
 def shard_optimizer(config: Config, size: int) -> Any:
-    """The configured update rule for a shard of `size` parameters (optimizer.update)."""
-    opt = config.optimizer
-    return optimizer_for(opt.update, opt.learning_rate, size)
+    """The configured update rule for a shard of `size` parameters (optimizer.update), on
+    the configured learning-rate schedule (stepped with the shard's gradient count)."""
+    return optimizer_for(config.optimizer.update, build_schedule(config), size)
 
 
 def shard_lost_message(shard: int, how: str) -> str:

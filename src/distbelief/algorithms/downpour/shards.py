@@ -127,7 +127,8 @@ class _ShardRole:
             return {"diverged": f"shard {shard.rank} holds non-finite values at step "
                                 f"{meta.step}; not checkpointed"}
         counters = {"version": shard.version, "pushes": shard.stats.pushes,
-                    "folds": shard.stats.folds}
+                    "folds": shard.stats.folds,
+                    "gradients_applied": shard.gradients_applied}
         return _part_report(lambda: [ckpt.write_shard_part(
             partial, meta, shard.rank, shard.start, shard.stop, params, state, counters)])
 

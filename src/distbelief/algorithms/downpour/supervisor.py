@@ -315,8 +315,11 @@ class Supervisor(_ShardRole):
         since = max(self.logged_steps, self.base)
         self.loss = (self.loss_total - self.logged_loss_total) / (self.steps - since)
         self.logged_steps, self.logged_loss_total = self.steps, self.loss_total
+        rate = getattr(self.shard.optimizer, "rate", None)  # EASGD's center has none
+        extra = {} if rate is None else {
+            "learning_rate": rate(max(self.shard.gradients_applied - 1, 0))}
         self.recorder.log(self.steps, self.steps * self.plan.batch_size, self.loss,
-                          version=self.shard.version)
+                          version=self.shard.version, **extra)
         if not math.isfinite(self.loss) and self.reason is None:
             self._stop(rc.STOP_DIVERGED, "diverged")
 

@@ -60,7 +60,7 @@ from distbelief.algorithms.common import (
     train_shard,
     watched_run,
 )
-from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.config import Config, build_schedule, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, accuracy_text, target_text
@@ -104,7 +104,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     shard = train_shard(config, info, rank, replicas)
     params = network.init_params(config.run.seed)
     opt = config.optimizer
-    optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)
+    optimizer = make_optimizer(opt.adagrad, build_schedule(config), params.size)
     state = {"step": 0, "samples": 0}
     resume_point = None
     if start_path is not None:
@@ -263,7 +263,7 @@ class _Run:
                                        f"{step + 1}; lower optimizer.learning_rate (now "
                                        f"{config.optimizer.learning_rate:g})")
             mean_grad *= np.float32(1.0 / self.replicas)
-            self.optimizer.step(self.params, mean_grad)
+            self.optimizer.step(self.params, mean_grad, update=step)
             step, samples = step + 1, samples + batch * self.replicas
             self.state["step"], self.state["samples"] = step, samples
             loss_sum, loss_count = loss_sum + loss, loss_count + 1
@@ -271,7 +271,8 @@ class _Run:
             if self.recorder is not None:
                 if now >= next_log or reason:
                     self.recent_loss, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
-                    self.recorder.log(step, samples, self.recent_loss)
+                    self.recorder.log(step, samples, self.recent_loss,
+                                      learning_rate=self.optimizer.rate(step - 1))
                     next_log = now + LOG_EVERY_SECONDS
                 self.recorder.progress(step, samples, self.recent_loss)
             if reason:

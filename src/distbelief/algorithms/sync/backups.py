@@ -59,7 +59,7 @@ from distbelief.algorithms.common import (
     watched_run,
 )
 from distbelief.algorithms.sync.allreduce import write_checkpoint
-from distbelief.config import Config, config_hash
+from distbelief.config import Config, build_schedule, config_hash
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import (
@@ -130,7 +130,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                 return None
             params = network.init_params(config.run.seed)
             opt = config.optimizer
-            optimizer = make_optimizer(opt.adagrad, opt.learning_rate, params.size)
+            optimizer = make_optimizer(opt.adagrad, build_schedule(config), params.size)
             server = _Server(config, comm, network, params, optimizer,
                              info, peers, watchdog.current(), stream)
             if found is not None:
@@ -303,7 +303,7 @@ class _Server:
                                        f"optimizer.learning_rate (now "
                                        f"{config.optimizer.learning_rate:g})")
             total *= np.float32(1.0 / taken)
-            self.optimizer.step(self.params, total)
+            self.optimizer.step(self.params, total, update=self.state["step"])
             self.state["step"] += 1
             self.state["samples"] += batch * taken
             step, samples = self.state["step"], self.state["samples"]
@@ -315,7 +315,8 @@ class _Server:
                 self._send_params(stop=0)  # evaluates and checkpoints
             if now >= next_log or reason:
                 recent, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
-                recorder.log(step, samples, recent, dropped=self.dropped - dropped_logged)
+                recorder.log(step, samples, recent, dropped=self.dropped - dropped_logged,
+                             learning_rate=self.optimizer.rate(step - 1))
                 dropped_logged = self.dropped
                 next_log = now + LOG_EVERY_SECONDS
             recorder.progress(step, samples, recent)
