@@ -63,7 +63,7 @@ Sections and keys, with their defaults:
                  another this long says which and what for / aborts the job; 0 = never),
                  owner_timeout_seconds = 120 (a run owning out_dir on another host whose
                  heartbeat is older than this is taken for dead; 0 = never; see
-                 distbelief.runtime.ownership), collapse_window_seconds = 60 (a training
+                 distbelief.runtime.ownership), collapse_window_seconds = 30 (a training
                  loss at chance for this long, or non-finite, is reported as a collapse),
                  stop_on_collapse = false (true: a collapse ends the run, exit status 4)
 
@@ -198,7 +198,7 @@ class RunConfig:
     stall_warn_seconds: float = 60.0
     stall_abort_seconds: float = 600.0
     owner_timeout_seconds: float = 120.0
-    collapse_window_seconds: float = 60.0
+    collapse_window_seconds: float = 30.0
     stop_on_collapse: bool = False
 
 
@@ -353,7 +353,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "stall_warn_seconds": (_float(0.0), 60.0),
         "stall_abort_seconds": (_float(0.0), 600.0),
         "owner_timeout_seconds": (_float(0.0), 120.0),
-        "collapse_window_seconds": (_float(0.0, strict=True), 60.0),
+        "collapse_window_seconds": (_float(0.0, strict=True), 30.0),
         "stop_on_collapse": (_bool(), False),
     },
 }
@@ -712,6 +712,24 @@ def check_data_fits(config: Config) -> None:
     if config.run.eval_samples > rows:
         raise DataError(f"run.eval_samples = {config.run.eval_samples} is larger than the "
                         f"{rows} {split} samples in {info.path}")
+    _check_eval_set_fits(config, info, split, rows)
+
+
+def _check_eval_set_fits(config: Config, info: Any, split: str, rows: int) -> None:
+    """A streamed run (data.in_memory = false) holds its evaluation set in memory as
+    float32: refuse one larger than data.stream_memory_mb, naming the eval_samples that fits,
+    rather than run out of memory at the first evaluation."""
+    if config.data.in_memory:
+        return
+    row_bytes = 4 * math.prod(info.input_shape)
+    budget = config.data.stream_memory_mb << 20
+    used = min(rows, config.run.eval_samples or rows)
+    if used * row_bytes > budget:
+        raise DataError(f"{info.path}: the {split} set evaluations use ({used:,d} rows, "
+                        f"{used * row_bytes / 2**20:,.0f} MB as float32) is larger than "
+                        f"data.stream_memory_mb = {config.data.stream_memory_mb}: set "
+                        f"run.eval_samples = {budget // row_bytes} or fewer (an "
+                        f"evaluation holds its rows in memory)")
 
 
 def build_network(config: Config, info: Any) -> Any:

@@ -135,7 +135,6 @@ def final_test(config: Config, summary: dict[str, Any],
     as they are. Call it on the rank that wrote the summary, after the trainer returned."""
     if summary.get("eval_split") != "validation":
         return summary
-    from distbelief.data.hdf5 import load_split
     from distbelief.records.export import read_trained
     from distbelief.records.metrics import write_json_atomic
 
@@ -149,12 +148,10 @@ def final_test(config: Config, summary: dict[str, Any],
         write_json_atomic(out_dir / SUMMARY_FILE, summary)
         return summary
     info, _ = open_data(config)
-    x, y = load_split(info, "test")
-    loss, accuracy = trained.network().evaluate(trained.params, x, y,
-                                                batch_size=EVAL_BATCH_SIZE)
+    loss, accuracy, rows = evaluate_split(trained.network(), trained.params, info, "test")
     step = trained.source.get("step")
-    summary = {**summary, "final_test_accuracy": float(accuracy), "final_test_loss": float(loss),
-               "test_step": step, "test_samples": len(y)}
+    summary = {**summary, "final_test_accuracy": accuracy, "final_test_loss": loss,
+               "test_step": step, "test_samples": rows}
     line = {"kind": "test", "time": summary.get("wall_seconds"), "step": step,
             "samples": trained.source.get("samples"), "test_accuracy": float(accuracy),
             "test_loss": float(loss)}
@@ -162,8 +159,32 @@ def final_test(config: Config, summary: dict[str, Any],
         f.write(json.dumps(line) + "\n")
     write_json_atomic(out_dir / SUMMARY_FILE, summary)
     say(stream, f"distbelief: test set, evaluated once at the end: accuracy {accuracy:.4f}, "
-                f"loss {loss:.4f} ({len(y):,d} samples, checkpoint of step {step:,d})")
+                f"loss {loss:.4f} ({rows:,d} samples, checkpoint of step {step:,d})")
     return summary
+
+
+EVAL_BLOCK_BYTES = 64 << 20
+"""evaluate_split reads this much of a split at a time (as float32), so a test set larger
+than memory is evaluated too."""
+
+
+def evaluate_split(network: Any, params: np.ndarray, info: Any,
+                   split: str) -> tuple[float, float, int]:
+    """(loss, accuracy, rows) of `params` on the whole of `split`, read from the file in
+    blocks of whole evaluation batches."""
+    from distbelief.data.hdf5 import read_rows, to_float
+
+    rows = {"test": info.n_test, "validation": info.n_val, "train": info.n_train}[split]
+    row_bytes = 4 * int(np.prod(info.input_shape))
+    block = max(1, EVAL_BLOCK_BYTES // (row_bytes * EVAL_BATCH_SIZE)) * EVAL_BATCH_SIZE
+    loss_sum = correct = 0.0
+    for start in range(0, rows, block):
+        x, y = read_rows(info, split, start, min(rows, start + block))
+        loss, accuracy = network.evaluate(params, to_float(x, info.scale), y,
+                                          batch_size=EVAL_BATCH_SIZE)
+        loss_sum += float(loss) * len(y)
+        correct += float(accuracy) * len(y)
+    return loss_sum / rows, correct / rows, rows
 
 
 @dataclass(frozen=True)
