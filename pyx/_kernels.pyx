@@ -223,6 +223,89 @@ def sgd_update(float[::1] params,            # IN/OUT (P,)
             _sgd_copy(&params[0], &grad[0], &copy[0], size, lr)
 
 
+cdef inline void _momentum(float_rp params, float_rp buf, cfloat_rp grad, float_rp copy,
+                           Py_ssize_t size, float lr, float mu, bint nesterov) noexcept nogil:
+    # SGD with momentum in torch.optim.SGD's order (dampening 0): buf = buf * mu + g;
+    # the step is buf, or g + mu * buf (Nesterov); params += -lr * step. buf starts at
+    # zero, so the first update is torch's buf = g.
+    cdef Py_ssize_t i
+    cdef float g, b, d, p
+    cdef float neg_lr = -lr
+    for i in range(size):
+        g = grad[i]
+        b = buf[i] * mu + g
+        buf[i] = b
+        d = g + mu * b if nesterov else b
+        p = params[i] + neg_lr * d
+        params[i] = p
+        if copy != NULL:
+            copy[i] = p
+
+
+cdef inline void _adam(float_rp params, float_rp m, float_rp v, cfloat_rp grad,
+                       float_rp copy, Py_ssize_t size, float step_size, float w1,
+                       bint low_weight, float beta2, float w2, float bc2_sqrt,
+                       float eps) noexcept nogil:
+    # Adam in torch.optim.Adam's order (single-tensor path, no weight decay): m moves
+    # toward g by lerp weight w1 = 1 - beta1 (torch's lerp formula for its weight's side
+    # of 0.5), v = v * beta2 + w2 * g * g with w2 = 1 - beta2, then
+    # params += (-step_size * m) / (sqrt(v) / bc2_sqrt + eps), step_size = lr / bc1.
+    cdef Py_ssize_t i
+    cdef float g, mm, vv, p
+    cdef float neg_step = -step_size
+    cdef float one = 1.0
+    for i in range(size):
+        g = grad[i]
+        mm = m[i]
+        mm = mm + w1 * (g - mm) if low_weight else g - (g - mm) * (one - w1)
+        m[i] = mm
+        vv = v[i] * beta2 + w2 * g * g
+        v[i] = vv
+        p = params[i] + neg_step * mm / (sqrtf(vv) / bc2_sqrt + eps)
+        params[i] = p
+        if copy != NULL:
+            copy[i] = p
+
+
+def momentum_update(float[::1] params,       # IN/OUT (P,)
+                    float[::1] buf,          # IN/OUT (P,) the momentum buffer
+                    const float[::1] grad,   # IN (P,)
+                    float lr,
+                    float mu,
+                    bint nesterov,
+                    float[::1] copy=None):   # OUT (P,) or None: the new params again
+    cdef Py_ssize_t size = params.shape[0]
+    cdef float* out = NULL
+    if size == 0:
+        return
+    if copy is not None:
+        out = &copy[0]
+    with nogil:
+        _momentum(&params[0], &buf[0], &grad[0], out, size, lr, mu, nesterov)
+
+
+def adam_update(float[::1] params,           # IN/OUT (P,)
+                float[::1] m,                # IN/OUT (P,) first moment
+                float[::1] v,                # IN/OUT (P,) second moment
+                const float[::1] grad,       # IN (P,)
+                float step_size,             # lr / (1 - beta1 ** t)
+                float w1,                    # 1 - beta1
+                float beta2,
+                float w2,                    # 1 - beta2
+                float bc2_sqrt,              # sqrt(1 - beta2 ** t)
+                float eps,
+                float[::1] copy=None):       # OUT (P,) or None: the new params again
+    cdef Py_ssize_t size = params.shape[0]
+    cdef float* out = NULL
+    if size == 0:
+        return
+    if copy is not None:
+        out = &copy[0]
+    with nogil:
+        _adam(&params[0], &m[0], &v[0], &grad[0], out, size, step_size, w1, w1 < 0.5,
+              beta2, w2, bc2_sqrt, eps)
+
+
 # ---------------------------------------------------------------------------------------
 # Bias + activation and its derivative: one pass over an (N, U) batch.
 

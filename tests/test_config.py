@@ -164,7 +164,7 @@ def test_unknown_key_far_from_any_has_no_suggestion_but_lists_valid_keys() -> No
     ("optimizer.n_push", "0", "an integer >= 1"),
     ("optimizer.warm_start_steps", "-5", "an integer >= 0"),
     ("cluster.ps_shards", "-1", "an integer >= 0"),
-    ("optimizer.update", '"adam"', "one of 'adagrad', 'sgd', 'adarevision'"),
+    ("optimizer.update", '"rmsprop"', "one of 'adagrad', 'sgd', 'adarevision', 'momentum', 'adam'"),
     ("optimizer.backup_workers", "-1", "an integer >= 0"),
     ("optimizer.average_every", "0", "an integer >= 1"),
     ("optimizer.elastic_alpha", "1.5", "a number > 0 and <= 1"),
@@ -574,3 +574,34 @@ def test_the_schedule_is_in_the_hash_and_its_defaults_are_not() -> None:
                          hashed_settings(config)) == [
         "optimizer.decay_steps: null -> 1000", "optimizer.min_learning_rate: null -> 0.0",
         'optimizer.schedule: null -> "cosine"', "optimizer.warmup_steps: null -> 100"]
+
+
+MOMENTUM_RAW = {"model": {"layers": [{"type": "dense", "units": 4, "activation": "softmax"}]},
+       "data": {"path": "d.h5"}, "run": {"max_steps": 1}}
+
+
+def _optimizer_config(**optimizer):
+    return config_from_dict({**MOMENTUM_RAW, "optimizer": optimizer})
+
+
+def test_the_settings_belong_to_their_rule_and_hash_only_with_it():
+    with pytest.raises(ConfigError, match='optimizer.momentum applies only to update = '
+                                          '"momentum"'):
+        _optimizer_config(update="adam", momentum=0.5)
+    with pytest.raises(ConfigError, match="optimizer.beta2 applies only"):
+        _optimizer_config(beta2=0.99)
+    with pytest.raises(ConfigError, match="sandblaster"):
+        _optimizer_config(algorithm="sandblaster", update="momentum")
+    with pytest.raises(ConfigError, match=r"optimizer\.beta1"):
+        _optimizer_config(update="adam", beta1=1.0)
+    sgd, momentum = _optimizer_config(update="sgd"), _optimizer_config(update="momentum")
+    assert config_hash(sgd) != config_hash(momentum)
+    assert "momentum" not in hashed_settings(sgd)["optimizer"]
+    assert hashed_settings(momentum)["optimizer"]["momentum"] == 0.9
+    nesterov = _optimizer_config(update="momentum", nesterov=True)
+    assert config_hash(nesterov) != config_hash(momentum)
+    adam, adam_b2 = _optimizer_config(update="adam"), _optimizer_config(update="adam", beta2=0.99)
+    assert config_hash(adam) != config_hash(adam_b2)
+    # Adagrad's hash has none of the new keys: earlier runs' checkpoints still resume.
+    assert not {"momentum", "nesterov", "beta1", "beta2", "update"} & set(
+        hashed_settings(_optimizer_config())["optimizer"])

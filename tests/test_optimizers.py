@@ -1,4 +1,4 @@
-"""Adagrad and SGD: same updates as torch.optim with default arguments, on any 1-D float32
+"""Adagrad, SGD, SGD with momentum and Adam: same updates as torch.optim, on any 1-D float32
 slice, and state that round-trips through state()/load_state(); the learning-rate
 Schedule's values and the optimizers stepping on it."""
 
@@ -12,7 +12,9 @@ import pytest
 from distbelief.model.optimizers import (
     SGD,
     Adagrad,
+    Adam,
     AdaRevision,
+    Momentum,
     Schedule,
     make_optimizer,
     optimizer_for,
@@ -299,3 +301,103 @@ def test_factories_take_a_schedule() -> None:
     for update in ("adagrad", "sgd", "adarevision"):
         opt = optimizer_for(update, schedule, 4)
         assert opt.schedule is schedule and opt.rate(0) == pytest.approx(0.1)
+
+
+# -- SGD with momentum and Adam ------------------------------------------------------
+
+def _numpy_momentum(params, grads, lr, mu, nesterov):
+    p, buf = params.astype(np.float64), np.zeros(len(params))
+    for g in grads:
+        buf = mu * buf + g
+        p -= lr * (g + mu * buf if nesterov else buf)
+    return p
+
+
+def _numpy_adam(params, grads, lr, b1, b2, eps):
+    p, m, v = params.astype(np.float64), np.zeros(len(params)), np.zeros(len(params))
+    for t, g in enumerate(grads, 1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p -= lr / (1 - b1 ** t) * m / (np.sqrt(v) / np.sqrt(1 - b2 ** t) + eps)
+    return p
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_follows_its_rule(nesterov):
+    rng = np.random.default_rng(3)
+    params0 = rng.standard_normal(777).astype(np.float32)
+    grads = _gradients(rng, 777, steps=20)
+    opt = Momentum(777, 0.01, momentum=0.9, nesterov=nesterov)
+    params, copy = params0.copy(), np.empty_like(params0)
+    for t, g in enumerate(grads):
+        opt.step(params, g, copy, update=t)
+    assert np.array_equal(params, copy)
+    np.testing.assert_allclose(params, _numpy_momentum(params0, grads, 0.01, 0.9, nesterov),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.9)])  # both sides of torch's lerp
+def test_adam_follows_its_rule(betas):
+    rng = np.random.default_rng(4)
+    params0 = rng.standard_normal(1001).astype(np.float32)
+    grads = _gradients(rng, 1001, steps=20)
+    opt = Adam(1001, 1e-3, *betas)
+    params = params0.copy()
+    for t, g in enumerate(grads):
+        opt.step(params, g, update=t)
+    np.testing.assert_allclose(params, _numpy_adam(params0, grads, 1e-3, *betas, 1e-8),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_matches_torch(torch, nesterov):
+    rng = np.random.default_rng(5)
+    params0 = rng.standard_normal(4099).astype(np.float32)
+    grads = _gradients(rng, 4099, steps=10)
+    expected, state = _torch_steps(torch, torch.optim.SGD, params0, grads, lr=0.01,
+                                   momentum=0.9, nesterov=nesterov)
+    opt = Momentum(4099, 0.01, 0.9, nesterov)
+    params = params0.copy()
+    for t, g in enumerate(grads):
+        opt.step(params, g, update=t)
+    np.testing.assert_allclose(opt.buf, state["momentum_buffer"].numpy(), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(params, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_adam_matches_torch(torch):
+    rng = np.random.default_rng(6)
+    params0 = rng.standard_normal(4099).astype(np.float32)
+    grads = _gradients(rng, 4099, steps=10)
+    expected, state = _torch_steps(torch, torch.optim.Adam, params0, grads, lr=1e-3)
+    opt = Adam(4099, 1e-3)
+    params = params0.copy()
+    for t, g in enumerate(grads):
+        opt.step(params, g, update=t)
+    # m averages gradients of up to ~100 that cancel: float32 rounding of those, ~1e-5.
+    np.testing.assert_allclose(opt.exp_avg, state["exp_avg"].numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(opt.exp_avg_sq, state["exp_avg_sq"].numpy(), rtol=1e-5)
+    # Where v is tiny (gradients of 1e-3 and exact zeros), m / sqrt(v) magnifies the ulps
+    # torch's FMAs save: within 0.1% of one step (lr) of each other.
+    np.testing.assert_allclose(params, expected, rtol=1e-6, atol=1e-3 * 1e-3)
+    assert opt.eps == torch.optim.Adam([torch.zeros(1)]).defaults["eps"]
+
+
+def test_state_round_trips_and_bad_state_is_refused():
+    for opt in (Momentum(5, 0.1), Adam(5, 0.1)):
+        for t in range(3):
+            opt.step(np.ones(5, np.float32), np.arange(5, dtype=np.float32), update=t)
+        saved = {k: v.copy() for k, v in opt.state().items()}
+        fresh = type(opt)(5, 0.1)
+        fresh.load_state(saved)
+        for k, v in fresh.state().items():
+            assert np.array_equal(v, saved[k]) and np.any(v != 0)
+        with pytest.raises(ValueError, match="must have"):
+            fresh.load_state({k: v[:3] for k, v in saved.items()})
+        with pytest.raises(ValueError, match="finite"):
+            fresh.load_state({k: np.full(5, np.nan, np.float32) for k in saved})
+    with pytest.raises(ValueError, match="needs update="):
+        Adam(5, 0.1).step(np.ones(5, np.float32), np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="momentum"):
+        Momentum(5, 0.1, momentum=1.0)
+    assert isinstance(optimizer_for("adam", 0.1, 5, beta1=0.8), Adam)

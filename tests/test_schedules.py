@@ -192,3 +192,45 @@ def test_a_checkpoint_of_another_schedule_is_refused_naming_the_change(
         train_sgd(sgd_dir, out, *SCHEDULE, "optimizer.warmup_steps=80")
     with pytest.raises(ckpt.CheckpointMismatch, match=r'optimizer\.schedule: "cosine" -> null'):
         train_sgd(sgd_dir, out, "optimizer.warmup_steps=50")
+
+
+# -- SGD with momentum and Adam in runs ------------------------------------------
+
+@pytest.mark.parametrize("update", ["momentum", "adam"])
+def test_sgd_resumed_is_bit_identical(sgd_dir, tmp_path, update):
+    rule = [f'optimizer.update="{update}"', "optimizer.learning_rate=0.01"]
+    straight = train_sgd(sgd_dir, tmp_path / "a", *rule)
+    train_sgd(sgd_dir, tmp_path / "b", *rule, "run.max_steps=90")
+    resumed = train_sgd(sgd_dir, tmp_path / "b", *rule)
+    assert straight["steps"] == resumed["steps"] == 200
+    (pa, sa), (pb, sb) = newest(tmp_path / "a").read_state(), newest(tmp_path / "b").read_state()
+    assert np.array_equal(pa, pb) and sa.keys() == sb.keys() and sa
+    assert all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("update, transport", [("adam", "rma"), ("momentum", "shared")])
+def test_downpour_shards_resume_adam_and_momentum_exactly(mpi_dir, tmp_path, update,
+                                                          transport):
+    rule = [f'optimizer.update="{update}"', "optimizer.learning_rate=0.01",
+            "run.checkpoint_every_seconds=0", "cluster.ps_shards=2"]
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    train_mpi(3, mpi_dir, straight, *rule, "run.max_steps=300", transport=transport)
+    train_mpi(3, mpi_dir, halves, *rule, "run.max_steps=150", transport=transport)
+    summary = train_mpi(3, mpi_dir, halves, *rule, "run.max_steps=300", transport=transport)
+    assert summary["final_test_accuracy"] > 0.5
+    (pa, sa), (pb, sb) = newest(straight).read_state(), newest(halves).read_state()
+    assert np.array_equal(pa, pb) and sa.keys() == sb.keys() and sa
+    assert all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("algorithm, n, overrides", [
+    ("sync", 3, ["cluster.ps_shards=1", "optimizer.backup_workers=1"]),
+    ("averaging", 2, ["cluster.ps_shards=0", "optimizer.average_every=5"]),
+    ("hogwild", 2, ["cluster.ps_shards=0"]),
+    ("averaging", 3, ["cluster.ps_shards=1", "optimizer.elastic_alpha=0.5"]),
+])
+def test_every_algorithm_trains_with_adam(mpi_dir, tmp_path, algorithm, n, overrides):
+    summary = train_mpi(n, mpi_dir, tmp_path / "out", f'optimizer.algorithm="{algorithm}"',
+                        *overrides, 'optimizer.update="adam"', "optimizer.learning_rate=0.003",
+                        "run.max_steps=600")
+    assert summary["final_test_accuracy"] > 0.5

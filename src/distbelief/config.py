@@ -20,8 +20,10 @@ Sections and keys, with their defaults:
                  test set is evaluated once, at the end)
     [optimizer]  algorithm = "sgd" | "downpour" | "sandblaster" | "sync" | "averaging" |
                  "hogwild", learning_rate = 0.02, update = "adagrad" | "sgd" |
-                 "adarevision" (the update rule; `adagrad = true/false` is the older
-                 spelling of "adagrad"/"sgd"; "adarevision" is Downpour's shards only),
+                 "adarevision" | "momentum" | "adam" (the update rule; `adagrad =
+                 true/false` is the older spelling of "adagrad"/"sgd"; "adarevision" is
+                 Downpour's shards only), momentum = 0.9, nesterov = false (update =
+                 "momentum"), beta1 = 0.9, beta2 = 0.999 (update = "adam"),
                  n_fetch = 1, n_push = 1, warm_start_steps = 0 (Downpour: replica 0 trains
                  alone first; not the learning-rate warmup below)
                  The learning-rate schedule (every algorithm but Sandblaster, which has no
@@ -91,7 +93,10 @@ from distbelief.errors import ConfigError, DataError
 ALGORITHMS = registry.names()
 """optimizer.algorithm: the names in distbelief.algorithms.registry."""
 NOT_IMPLEMENTED_ALGORITHMS: tuple[str, ...] = ()
-UPDATES = ("adagrad", "sgd", "adarevision")
+UPDATES = ("adagrad", "sgd", "adarevision", "momentum", "adam")
+UPDATE_KEYS = {"momentum": ("momentum", "nesterov"), "adam": ("beta1", "beta2")}
+"""[optimizer] keys that only one update rule reads: an error with another rule, and left
+out of the config hash unless the rule uses them."""
 """optimizer.update: the rule that applies a gradient. "adagrad" and "sgd" are also
 spelled `adagrad = true/false`; "adarevision" (delay-tolerant Adagrad) runs on Downpour's
 shards, where the delay is known."""
@@ -155,6 +160,10 @@ class OptimizerConfig:
     n_fetch: int = 1
     n_push: int = 1
     warm_start_steps: int = 0
+    momentum: float = 0.9
+    nesterov: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.999
     warmup_steps: int = 0
     schedule: str = "constant"
     decay_steps: int | None = None
@@ -314,6 +323,10 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "n_fetch": (_int(1), 1),
         "n_push": (_int(1), 1),
         "warm_start_steps": (_int(0), 0),
+        "momentum": (_float(0.0, maximum=0.999), 0.9),
+        "nesterov": (_bool(), False),
+        "beta1": (_float(0.0, maximum=0.999), 0.9),
+        "beta2": (_float(0.0, maximum=0.99999), 0.999),
         "warmup_steps": (_int(0), 0),
         "schedule": (_choice(SCHEDULES), "constant"),
         "decay_steps": (_int(1), None),
@@ -542,6 +555,15 @@ def _resolve_update(opt: dict, given: dict, where: str) -> None:
         raise ConfigError(f"{where}: optimizer.adagrad = {_show(opt['adagrad'])} contradicts "
                           f"optimizer.update = {_show(opt['update'])}; give only update")
     opt["adagrad"] = opt["update"] == "adagrad"
+    for rule, keys in UPDATE_KEYS.items():
+        for key in keys:
+            if key in given and opt["update"] != rule:
+                raise ConfigError(f"{where}: optimizer.{key} applies only to update = "
+                                  f"{_show(rule)}, not {_show(opt['update'])}")
+    if opt["algorithm"] == "sandblaster" and opt["update"] in UPDATE_KEYS:
+        raise ConfigError(f"{where}: optimizer.update = {_show(opt['update'])}, but "
+                          "algorithm = \"sandblaster\" has no update rule (L-BFGS steps by "
+                          "its line search)")
     if opt["update"] == "adarevision" and opt["algorithm"] != "downpour":
         raise ConfigError(f"{where}: optimizer.update = \"adarevision\" runs on Downpour's "
                           f"parameter-server shards, which know each push's delay; with "
@@ -609,6 +631,16 @@ def build_schedule(config: Config) -> Any:
     return Schedule(opt.learning_rate, opt.warmup_steps, opt.schedule, opt.decay_steps,
                     opt.decay_rate if opt.decay_rate is not None else 0.1,
                     opt.min_learning_rate or 0.0)
+
+
+def build_optimizer(config: Config, size: int) -> Any:
+    """The optimizer config.optimizer.update names over `size` parameters, on the run's
+    schedule, with its own settings (distbelief.model.optimizers.optimizer_for)."""
+    from distbelief.model.optimizers import optimizer_for
+
+    opt = config.optimizer
+    hyper = {key: getattr(opt, key) for key in UPDATE_KEYS.get(opt.update, ())}
+    return optimizer_for(opt.update, build_schedule(config), size, **hyper)
 
 
 def needs_shards(algorithm: str, optimizer: dict[str, Any]) -> bool:
@@ -775,8 +807,11 @@ def hashed_settings(config: Config) -> dict[str, Any]:
     for owner, keys in ALGORITHM_KEYS.items():
         if owner != algorithm:
             dropped.update(keys)
-    if config.optimizer.update != "adarevision":
+    if config.optimizer.update in ("adagrad", "sgd"):
         dropped.add("update")  # `adagrad` says it, as it did before `update` existed
+    for rule, keys in UPDATE_KEYS.items():
+        if config.optimizer.update != rule:
+            dropped.update(keys)
     if config.optimizer.fetch == "own_pushes":
         dropped.add("fetch")  # the default, as before the key existed
     # The schedule's keys at their defaults (or unset), as before they existed.

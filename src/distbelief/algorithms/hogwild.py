@@ -88,10 +88,9 @@ from distbelief.algorithms.common import (
     starting_checkpoint,
     train_shard,
 )
-from distbelief.config import Config, build_schedule, config_hash, hashed_settings
+from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.errors import ConfigError
 from distbelief.model.layout import DTYPE
-from distbelief.model.optimizers import make_optimizer
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, accuracy_text, target_text
@@ -217,7 +216,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                                                        rank, replicas))
     path = comm.bcast(str(start_from.path) if start_from is not None else None, root=0)
     opt = config.optimizer
-    probe = make_optimizer(opt.adagrad, opt.learning_rate, 1)
+    probe = build_optimizer(config, 1)
     shared = SharedState(comm, network.layout.size, sorted(probe.state()))
     agree(comm, lambda: _fill_segment(config, network, shared, path) if rank == 0 else None)
     replica = agree(comm, lambda: _setup_replica(config, info, network, shared, path, rank,
@@ -298,9 +297,8 @@ def _fill_segment(config: Config, network: Any, shared: SharedState,
 def _setup_replica(config: Config, info: Any, network: Any, shared: SharedState,
                    path: str | None, rank: int, replicas: int) -> Replica:
     """This rank's replica; rank 0 also fills the segment (initial or restored values)."""
-    opt = config.optimizer
     shard = train_shard(config, info, rank, replicas)
-    optimizer = make_optimizer(opt.adagrad, build_schedule(config), network.layout.size)
+    optimizer = build_optimizer(config, network.layout.size)
     found = ckpt.verify(path) if path is not None else None
     for name, view in shared.state.items():
         setattr(optimizer, name, view)  # the optimizer works on the shared arrays

@@ -54,7 +54,7 @@ from distbelief.algorithms.common import (
     train_shard,
     watched_run,
 )
-from distbelief.config import Config, build_schedule, config_hash
+from distbelief.config import Config, build_optimizer, config_hash
 from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records.console import say
@@ -102,7 +102,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     configuration raises ConfigError on every rank. Always starts fresh: `resume` =
     "require" (train --resume) is a ConfigError, as this path writes no checkpoints.
     """
-    from distbelief.model.optimizers import make_optimizer
 
     if resume == "require":
         raise ConfigError("--resume: a single replica with cluster.partitions > 1 writes no "
@@ -123,8 +122,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
 
     eval_set, shard = agree(comm, setup)
     params = model.init_params(config.run.seed)
-    opt = config.optimizer
-    optimizer = make_optimizer(opt.adagrad, build_schedule(config), params.size)
+    optimizer = build_optimizer(config, params.size)
     recorder = None
     if rank0:
         say(stream, f"distbelief: sgd, {network.layout.size:,d} parameters over "

@@ -44,7 +44,7 @@ from distbelief.algorithms.common import (
     starting_checkpoint,
     train_shard,
 )
-from distbelief.config import Config, build_schedule, config_hash, hashed_settings
+from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import (
@@ -65,7 +65,6 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
     records.metrics, records.checkpoint) and progress lines to `stream` (None for
     silence). `resume` is one of RESUME_MODES.
     """
-    from distbelief.model.optimizers import make_optimizer
 
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
@@ -77,8 +76,7 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
     eval_set = load_eval_set(config, info)
     shard = train_shard(config, info, 0, 1)
     params = network.init_params(config.run.seed)
-    opt = config.optimizer
-    optimizer = make_optimizer(opt.adagrad, build_schedule(config), params.size)
+    optimizer = build_optimizer(config, params.size)
     state = TrainState()
     resume_point = None
     if start_from is not None:

@@ -202,6 +202,51 @@ def sgd_update(params: np.ndarray, grad: np.ndarray, lr: float,
     _kernels.sgd_update(params, grad, lr, copy)
 
 
+def momentum_update(params: np.ndarray, buf: np.ndarray, grad: np.ndarray, lr: float,
+                    momentum: float, nesterov: bool = False,
+                    copy: np.ndarray | None = None) -> None:
+    """SGD with momentum, one fused pass, as torch.optim.SGD(momentum=, nesterov=) with no
+    dampening: buf = momentum * buf + grad; params -= lr * (buf, or grad + momentum * buf
+    with Nesterov); with `copy`, copy[:] = the new params in the same pass."""
+    _check_float32("params", params, 1, writeable=True)
+    _check_float32("buf", buf, 1, writeable=True)
+    _check_float32("grad", grad, 1)
+    _check_shape("buf", buf, params.shape)
+    _check_shape("grad", grad, params.shape)
+    lr = _check_real("lr", lr)
+    momentum = _check_real("momentum", momentum)
+    _check_no_overlap("params", params, {"buf": buf, "grad": grad})
+    _check_no_overlap("buf", buf, {"grad": grad})
+    _check_copy(copy, params, {"params": params, "buf": buf, "grad": grad})
+    _kernels.momentum_update(params, buf, grad, lr, momentum, bool(nesterov), copy)
+
+
+def adam_update(params: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray,
+                lr: float, beta1: float, beta2: float, eps: float, t: int,
+                copy: np.ndarray | None = None) -> None:
+    """Adam's update number `t` (1 for the first), one fused pass, as torch.optim.Adam
+    with no weight decay: m += (1 - beta1) * (grad - m); v = beta2 * v + (1 - beta2) *
+    grad**2; params -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps);
+    with `copy`, copy[:] = the new params in the same pass."""
+    _check_float32("params", params, 1, writeable=True)
+    for name, a in (("m", m), ("v", v)):
+        _check_float32(name, a, 1, writeable=True)
+        _check_shape(name, a, params.shape)
+    _check_float32("grad", grad, 1)
+    _check_shape("grad", grad, params.shape)
+    lr, beta1, beta2, eps = (_check_real(n, x) for n, x in
+                             (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps)))
+    t = _check_positive_int("t", t)
+    _check_no_overlap("params", params, {"m": m, "v": v, "grad": grad})
+    _check_no_overlap("m", m, {"v": v, "grad": grad})
+    _check_no_overlap("v", v, {"grad": grad})
+    _check_copy(copy, params, {"params": params, "m": m, "v": v, "grad": grad})
+    step_size = lr / (1.0 - beta1 ** t)
+    bc2_sqrt = math.sqrt(1.0 - beta2 ** t)
+    _kernels.adam_update(params, m, v, grad, step_size, 1.0 - beta1, beta2, 1.0 - beta2,
+                         bc2_sqrt, eps, copy)
+
+
 def _check_copy(copy: np.ndarray | None, params: np.ndarray,
                 others: dict[str, np.ndarray]) -> None:
     if copy is None:

@@ -1,6 +1,6 @@
-"""Optimizers that update a flat float32 parameter vector in place: Adagrad, plain SGD, and
-AdaRevision (Adagrad that revises its steps for the updates a stale gradient missed), and
-the learning-rate `Schedule` they step with.
+"""Optimizers that update a flat float32 parameter vector in place: Adagrad, plain SGD,
+AdaRevision (Adagrad that revises its steps for the updates a stale gradient missed), SGD
+with momentum and Adam, and the learning-rate `Schedule` they step with.
 
 They work on any 1-D float32 array, so a parameter-server shard runs one on its own range
 of the parameter vector, and a single process runs one on the whole vector. The update
@@ -17,6 +17,7 @@ takes it, and a resumed run steps at the same rates as an unbroken one.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -367,17 +368,115 @@ class AdaRevision(_Scheduled):
             np.copyto(getattr(self, self._slot_name(k)), self.gsum)
 
 
-UPDATES = ("adagrad", "sgd", "adarevision")
+def _check_fraction(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
+    return float(value)
 
 
-def optimizer_for(update: str, learning_rate: float | Schedule,
-                  size: int) -> Adagrad | SGD | AdaRevision:
+def _load_arrays(name: str, optimizer: object, state: dict[str, np.ndarray],
+                 names: set[str]) -> None:
+    """Check `state` holds finite float arrays of the optimizer's size under `names`, and
+    copy them into the optimizer's attributes of those names."""
+    _check_state_keys(name, state, names)
+    size = optimizer.size  # type: ignore[attr-defined]
+    for key in sorted(names):
+        value = state[key]
+        if not isinstance(value, np.ndarray) or not np.issubdtype(value.dtype, np.floating):
+            raise TypeError(f"{name} state {key!r} must be a floating-point numpy array")
+        if value.shape != (size,):
+            raise ValueError(f"{name} state {key!r} must have shape ({size},), "
+                             f"got {value.shape}")
+        if not np.all(np.isfinite(value)):
+            raise ValueError(f"{name} state {key!r} must be finite")
+    for key in sorted(names):
+        np.copyto(getattr(optimizer, key), state[key], casting="same_kind")
+
+
+class Momentum(_Scheduled):
+    """SGD with momentum, as torch.optim.SGD(lr, momentum, nesterov) with no dampening or
+    weight decay: buf = momentum * buf + g; param -= lr * buf (Nesterov: lr * (g + momentum
+    * buf)). buf starts at zero, so the first update is torch's (buf = g)."""
+
+    def __init__(self, size: int, learning_rate: float | Schedule, momentum: float = 0.9,
+                 nesterov: bool = False) -> None:
+        self.size = _check_size(size)
+        self.schedule = _schedule(learning_rate)
+        self.momentum = _check_fraction("momentum", momentum)
+        self.nesterov = bool(nesterov)
+        self.buf = np.zeros(self.size, np.float32)
+
+    def step(self, params: np.ndarray, grad: np.ndarray,
+             copy: np.ndarray | None = None, *, update: int | None = None) -> None:
+        """As Adagrad.step."""
+        kernels.momentum_update(params, self.buf, grad, self.rate(update), self.momentum,
+                                self.nesterov, copy)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The live state arrays (not copies): {"buf": the momentum buffer}."""
+        return {"buf": self.buf}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore state saved by state(); checks shape and values, copies."""
+        _load_arrays("Momentum", self, state, {"buf"})
+
+
+class Adam(_Scheduled):
+    """Adam (Kingma and Ba 2015), as torch.optim.Adam with no weight decay or amsgrad:
+    m and v are the moving averages of g and g**2, bias-corrected by the update's number.
+    It needs that number: step(update=n) is update n + 1 of the run (a parameter-server
+    shard counts the gradients it applied, a trainer its steps, both in checkpoints)."""
+
+    def __init__(self, size: int, learning_rate: float | Schedule, beta1: float = 0.9,
+                 beta2: float = 0.999, eps: float = 1e-8) -> None:
+        self.size = _check_size(size)
+        self.schedule = _schedule(learning_rate)
+        self.beta1 = _check_fraction("beta1", beta1)
+        self.beta2 = _check_fraction("beta2", beta2)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) \
+                or not math.isfinite(eps) or eps <= 0:
+            raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+        self.eps = float(eps)
+        self.exp_avg = np.zeros(self.size, np.float32)
+        self.exp_avg_sq = np.zeros(self.size, np.float32)
+
+    def step(self, params: np.ndarray, grad: np.ndarray,
+             copy: np.ndarray | None = None, *, update: int | None = None) -> None:
+        """As Adagrad.step, but `update` is required (the bias correction counts it)."""
+        if update is None:
+            raise ValueError("Adam.step needs update= (the number of updates applied "
+                             "before): its bias correction counts them")
+        kernels.adam_update(params, self.exp_avg, self.exp_avg_sq, grad, self.rate(update),
+                            self.beta1, self.beta2, self.eps, update + 1, copy)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The live state arrays (not copies): the moving averages exp_avg, exp_avg_sq."""
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore state saved by state(); checks shapes and values, copies."""
+        _load_arrays("Adam", self, state, {"exp_avg", "exp_avg_sq"})
+        if np.any(self.exp_avg_sq < 0):
+            raise ValueError("Adam state 'exp_avg_sq' must be non-negative")
+
+
+UPDATES = ("adagrad", "sgd", "adarevision", "momentum", "adam")
+
+
+def optimizer_for(update: str, learning_rate: float | Schedule, size: int,
+                  **hyper: Any) -> Adagrad | SGD | AdaRevision | Momentum | Adam:
     """The optimizer config.optimizer.update names, over `size` parameters, at a fixed
-    rate or on a Schedule (config.build_schedule)."""
-    if update == "adarevision":
-        return AdaRevision(size, learning_rate)
+    rate or on a Schedule (config.build_schedule); `hyper`: its own settings (momentum,
+    nesterov; beta1, beta2)."""
     if update not in UPDATES:
         raise ValueError(f"update must be one of {', '.join(UPDATES)}, got {update!r}")
+    if update == "adarevision":
+        return AdaRevision(size, learning_rate, **hyper)
+    if update == "momentum":
+        return Momentum(size, learning_rate, **hyper)
+    if update == "adam":
+        return Adam(size, learning_rate, **hyper)
     return make_optimizer(update == "adagrad", learning_rate, size)
 
 

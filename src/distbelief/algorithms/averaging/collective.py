@@ -63,7 +63,7 @@ from distbelief.algorithms.common import (
     train_shard,
     watched_run,
 )
-from distbelief.config import Config, build_schedule, config_hash, hashed_settings
+from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.errors import ConfigError, DataError
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
@@ -151,7 +151,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     any rank's UserError in the set-up is raised on every rank (agreement.agree). A lost
     replica ends the job (module docstring).
     """
-    from distbelief.model.optimizers import make_optimizer
 
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
@@ -172,7 +171,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     opt = config.optimizer
     params = network.init_params(config.run.seed)  # the same on every rank (same seed)
     replica = Replica(comm, network, train_shard(config, info, rank, size), params,
-                      make_optimizer(opt.adagrad, build_schedule(config), params.size),
+                      build_optimizer(config, params.size),
                       others=tuple(r for r in range(size) if r != rank))
     found = agree(comm, lambda: _restore(path, chosen, replica))
     recorder = None

@@ -43,9 +43,8 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.downpour.replica import Replica
-from distbelief.config import Config, build_schedule
+from distbelief.config import Config, build_optimizer
 from distbelief.errors import ConfigError
-from distbelief.model.optimizers import make_optimizer
 
 
 class CenterUpdate:
@@ -91,8 +90,7 @@ class ElasticReplica(Replica):
         opt = config.optimizer
         self.alpha = float(opt.elastic_alpha)
         # Its schedule runs on this replica's local steps (self.t, resumed with it).
-        self.local_optimizer = make_optimizer(opt.adagrad, build_schedule(config),
-                                              self.params.size)
+        self.local_optimizer = build_optimizer(config, self.params.size)
         self.center = np.zeros_like(self.params)
         self.pushed = np.zeros_like(self.params)  # e, never the gradient itself
 

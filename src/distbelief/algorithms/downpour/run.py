@@ -22,9 +22,8 @@ from distbelief.algorithms.common import (
     train_shard,
 )
 from distbelief.algorithms.downpour.plan import SWEEP_S, DownpourPlan, plan_run
-from distbelief.config import Config, build_schedule
+from distbelief.config import Config, build_optimizer
 from distbelief.model.layout import balanced_ranges
-from distbelief.model.optimizers import optimizer_for
 from distbelief.ps import run_control as rc
 from distbelief.ps.rma_client import ParameterClient
 from distbelief.ps.rma_shard import GIVE_UP_S, ParameterServerShard
@@ -233,7 +232,7 @@ def _gradients_before(found: ckpt.Checkpoint, start: int, stop: int) -> int:
 def shard_optimizer(config: Config, size: int) -> Any:
     """The configured update rule for a shard of `size` parameters (optimizer.update), on
     the configured learning-rate schedule (stepped with the shard's gradient count)."""
-    return optimizer_for(config.optimizer.update, build_schedule(config), size)
+    return build_optimizer(config, size)
 
 
 def shard_lost_message(shard: int, how: str) -> str:

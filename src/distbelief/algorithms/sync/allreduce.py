@@ -60,7 +60,7 @@ from distbelief.algorithms.common import (
     train_shard,
     watched_run,
 )
-from distbelief.config import Config, build_schedule, config_hash, hashed_settings
+from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, accuracy_text, target_text
@@ -83,7 +83,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
           resume: str = "auto") -> dict[str, Any] | None:
     """Synchronous SGD over the ranks of `comm`, all replicas; the summary on rank 0,
     None elsewhere. Collective over `comm`."""
-    from distbelief.model.optimizers import make_optimizer
 
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
@@ -103,8 +102,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     eval_set = _eval_slice(load_eval_set(config, info), rank, replicas)
     shard = train_shard(config, info, rank, replicas)
     params = network.init_params(config.run.seed)
-    opt = config.optimizer
-    optimizer = make_optimizer(opt.adagrad, build_schedule(config), params.size)
+    optimizer = build_optimizer(config, params.size)
     state = {"step": 0, "samples": 0}
     resume_point = None
     if start_path is not None:

@@ -59,7 +59,7 @@ from distbelief.algorithms.common import (
     watched_run,
 )
 from distbelief.algorithms.sync.allreduce import write_checkpoint
-from distbelief.config import Config, build_schedule, config_hash
+from distbelief.config import Config, build_optimizer, config_hash
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import (
@@ -93,7 +93,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
           resume: str = "auto") -> dict[str, Any] | None:
     """Synchronous SGD with backup workers over `comm` (rank 0 the shard, the others
     replicas); the summary on rank 0, None elsewhere. Collective over `comm`."""
-    from distbelief.model.optimizers import make_optimizer
 
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
@@ -130,7 +129,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                 return None
             params = network.init_params(config.run.seed)
             opt = config.optimizer
-            optimizer = make_optimizer(opt.adagrad, build_schedule(config), params.size)
+            optimizer = build_optimizer(config, params.size)
             server = _Server(config, comm, network, params, optimizer,
                              info, peers, watchdog.current(), stream)
             if found is not None:
