@@ -215,3 +215,20 @@ def test_a_streamed_run_refuses_an_evaluation_set_larger_than_its_memory(synthet
     with pytest.raises(DataError, match=r"run.eval_samples = 256 or fewer"):
         load_config(folder / "c.toml")
     assert load_config(folder / "c.toml", ["run.eval_samples=256"]).run.eval_samples == 256
+
+
+def test_a_streamed_downpour_run_holds_out_its_validation_rows(synthetic_folder):
+    config = small_config_text(32, data={"validation": 0.1, "in_memory": False,
+                                         "stream_memory_mb": 4}, run={"max_steps": 600})
+    folder = synthetic_folder("streamval", {"c.toml": config})
+    out = folder / "runs" / "c"
+    proc = run_mpi(3, ["-m", "distbelief", "train", folder / "c.toml"], cwd=folder,
+                   timeout=180)
+    summary, _ = finished(proc, out)
+    assert summary["eval_split"] == "validation" and summary["eval_samples"] == 400
+    assert summary["final_val_accuracy"] > 0.4 and summary["final_test_accuracy"] > 0.4
+    from distbelief.data.stream import StreamingTrainShard
+
+    info = with_validation(open_dataset(folder / "synth.h5"), 0.1)
+    shards = [StreamingTrainShard(info, r, 2, memory_bytes=4 << 20) for r in range(2)]
+    assert max(stop for s in shards for _, stop in s.blocks) == 3600
