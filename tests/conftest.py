@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -99,6 +100,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.torch)
         if any(name in fixtures for name in SYSTEM_FIXTURES):
             item.add_marker(pytest.mark.system)
+
+
+SHM_REPORT = "DISTBELIEF_SHM_REPORT"
+"""A file: each test that leaves new files in /dev/shm appends a line naming them there
+(finding which tests leave segments behind; CI's shm_check says only that some did)."""
+
+
+@pytest.fixture(autouse=True)
+def _shm_report(request: pytest.FixtureRequest) -> Iterator[None]:
+    report = os.environ.get(SHM_REPORT)
+    if not report:
+        yield
+        return
+    before = set(os.listdir("/dev/shm"))
+    yield
+    deadline = time.monotonic() + 3.0  # a guardian may still be removing them
+    while True:
+        left = sorted(set(os.listdir("/dev/shm")) - before)
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if left:
+        with open(report, "a", encoding="utf-8") as f:
+            f.write(f"{request.node.nodeid}: {' '.join(left)}\n")
 
 
 # -- which MPI launches the MPI tests -------------------------------------------------------

@@ -10,6 +10,7 @@ import numpy as np
 from ps_common import open_server, parser, say
 
 from distbelief.ps.rma_shard import ParameterServerShard
+from distbelief.runtime import guardian
 
 
 class Boom(RuntimeError):
@@ -42,4 +43,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Boom:
+        # What distbelief's own excepthook does before MPI_Abort (cli.main): leave a
+        # cleaner behind for this node's shared-memory segments.
+        guardian.clean_up_after_abort()
+        raise

@@ -85,13 +85,14 @@ def run_guarded(argv: Sequence[str]) -> int:
         signal.signal(number, lambda signum, frame: _relay(worker, signum))
     launcher = os.getppid()
     timed_out = _init_timed_out(started, bound)
+    segments = SharedSegments(worker.pid, keeper=keeps_the_node_clean())
     if timed_out:
         print(f"distbelief: rank {launcher_rank() or '?'}: MPI_Init did not return within "
               f"{bound:g} s (a rank of the job failed to start, see its error; or a node "
               f"cannot be reached); ending this rank ({INIT_TIMEOUT_ENV} sets the bound)",
               file=sys.stderr, flush=True)
+        segments.note()  # what the worker mapped inside MPI_Init, before it is killed
         _kill_worker(worker)
-    segments = SharedSegments(worker.pid)
     segments.note()  # what MPI_Init mapped, before a first poll a second from now
     status = _wait_while_launcher_lives(worker, launcher, segments.note)
     removed = segments.remove_orphaned()
@@ -201,18 +202,42 @@ class SharedSegments:
     MPICH and Open MPI unlink their node's segments in MPI_Finalize; a rank killed by a
     signal, or a survivor that must skip MPI_Finalize after a death, never does, and the
     files hold the node's memory until reboot. Each guardian outlives its worker, so the
-    last one of the node to finish finds no process mapping them and removes them. Only
-    files this worker mapped are ever touched (never another job's), and only when no
-    process maps them. A job killed as a whole, guardians included, leaves them: that is
-    the site's per-job cleanup (docs/checkpoints-and-reliability.md)."""
+    last one of the node to finish finds no process mapping them and removes them. A
+    launcher that ends a job kills every guardian too (hydra SIGKILLs the whole job when
+    one rank dies of a signal), so the guardian of the node's first rank (`keeper`)
+    also tells a cleaner outside the job's process groups what its worker maps; the
+    cleaner acts once that guardian is gone (clean_after_job). Only files this worker
+    mapped are ever touched (never another job's), and only when no process maps them.
+    A node whose every process of the job, cleaner included, is killed keeps them: that
+    is the site's per-job cleanup (docs/checkpoints-and-reliability.md)."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, keeper: bool = False):
         self.pid = pid
         self.seen: set[str] = set()
+        self.keeper = keeper
+        self._cleaner: int | None = None  # the pipe to this node's cleaner
+        self._started = False
 
     def note(self) -> None:
         """Remember what the worker maps now (called every LAUNCHER_CHECK_S)."""
-        self.seen |= shm_files_mapped_by(self.pid)
+        new = shm_files_mapped_by(self.pid) - self.seen
+        if not new:
+            return
+        self.seen |= new
+        if self.keeper:
+            self._tell_cleaner(new)
+
+    def _tell_cleaner(self, paths: set[str]) -> None:
+        if self._cleaner is None and not self._started:
+            self._started = True
+            self._cleaner = start_cleaner()
+        if self._cleaner is None:
+            return
+        try:
+            os.write(self._cleaner, "".join(f"{path}\n" for path in sorted(paths)).encode())
+        except OSError:  # the cleaner is gone: the guardian still cleans what it can
+            os.close(self._cleaner)
+            self._cleaner = None
 
     def remove_orphaned(self) -> list[str]:
         """Remove the remembered files that still exist and that no live process maps;
@@ -265,6 +290,62 @@ def clean_up_after_abort() -> None:
                          stderr=subprocess.DEVNULL, close_fds=True)
     except OSError:
         pass  # no cleaner: the files stay, as before
+
+
+def keeps_the_node_clean(environ: dict[str, str] | os._Environ = os.environ) -> bool:
+    """Whether this rank's guardian starts its node's cleaner: the node's first rank, as
+    the launcher numbers them (hydra: MPI_LOCALRANKID, Open MPI: OMPI_COMM_WORLD_LOCAL_RANK,
+    srun: SLURM_LOCALID); every rank when the launcher says nothing."""
+    for name in LOCAL_RANK_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value.isdigit():
+            return value == "0"
+    return True
+
+
+LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+CLEANER_POLL_S = 2.0
+"""How often a cleaner looks whether the job's files are still mapped, once its guardian
+is gone (a look reads every process's maps: not more often)."""
+CLEANER_GIVE_UP_S = 24 * 3600.0
+"""A cleaner whose files are still mapped this long after its guardian went leaves them."""
+FINALIZE_GRACE_S = 1.0
+"""Files found unmapped are removed only if they are still there this much later: a rank
+in MPI_Finalize unmaps its segment just before it unlinks it itself."""
+
+
+def start_cleaner() -> int | None:
+    """Start a cleaner (clean_after_job) in a session of its own, which the launcher's kill
+    of the job does not reach; returns the pipe it reads paths from (it acts once the
+    pipe's write end is closed: when this process ends, however it ends), or None."""
+    read, write = os.pipe()
+    code = "from distbelief.runtime.guardian import clean_after_job; clean_after_job()"
+    try:
+        subprocess.Popen([sys.executable, "-c", code], stdin=read, start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         close_fds=True)
+    except OSError:
+        os.close(write)
+        return None
+    finally:
+        os.close(read)
+    return write
+
+
+def clean_after_job() -> None:
+    """A node's cleaner: read /dev/shm paths from stdin until its guardian is gone (end of
+    file), then wait until no process maps them and remove those still there."""
+    paths = {line.strip() for line in sys.stdin if line.strip().startswith(SHM_DIR + "/")}
+    deadline = time.monotonic() + CLEANER_GIVE_UP_S
+    while time.monotonic() < deadline:
+        left = {path for path in paths if os.path.exists(path)}
+        if not left:
+            return
+        if not mapped_by_anyone() & left:
+            time.sleep(FINALIZE_GRACE_S)
+            remove_unmapped(left)
+            return
+        time.sleep(CLEANER_POLL_S)
 
 
 def remove_when_unmapped(paths: Sequence[str], timeout: float) -> None:
