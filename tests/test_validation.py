@@ -232,3 +232,16 @@ def test_a_streamed_downpour_run_holds_out_its_validation_rows(synthetic_folder)
     info = with_validation(open_dataset(folder / "synth.h5"), 0.1)
     shards = [StreamingTrainShard(info, r, 2, memory_bytes=4 << 20) for r in range(2)]
     assert max(stop for s in shards for _, stop in s.blocks) == 3600
+
+
+def test_a_run_without_checkpoints_says_its_test_set_was_not_evaluated(synthetic_folder):
+    config = small_config_text(32, data={"validation": 0.1}, optimizer={"algorithm": "sgd"},
+                               cluster={"partitions": 2, "ps_shards": None},
+                               run={"max_steps": 100})
+    folder = synthetic_folder("partval", {"c.toml": config})
+    out = folder / "runs" / "c"
+    proc = run_mpi(2, ["-m", "distbelief", "train", folder / "c.toml"], cwd=folder)
+    summary, _ = finished(proc, out)
+    assert summary["final_test_accuracy"] is None and summary["final_val_accuracy"] > 0
+    assert "no checkpoint" in summary["test_not_evaluated"]
+    assert "the test set was not evaluated" in proc.stdout

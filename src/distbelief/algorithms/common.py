@@ -140,9 +140,12 @@ def final_test(config: Config, summary: dict[str, Any],
 
     out_dir = Path(config.run.out_dir)
     try:
+        if ckpt.find_latest(ckpt.checkpoint_root(out_dir)) == (None, []):
+            raise UserError("the run wrote no checkpoint to evaluate (model-parallel sgd "
+                            "writes none yet)")
         trained = read_trained(out_dir, data=config.data.path)
     except UserError as exc:
-        why = f"no checkpoint to evaluate ({exc})"
+        why = str(exc)
         say(stream, f"distbelief: the test set was not evaluated: {why}")
         summary = {**summary, "test_not_evaluated": why}
         write_json_atomic(out_dir / SUMMARY_FILE, summary)
