@@ -19,25 +19,14 @@ The ratio printed is torch's time over ours (above 1: ours is faster).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
+from bench_adagrad import median_seconds
 
 from distbelief.model.optimizers import Adam, Momentum
 
 BYTES = {"momentum": 20, "adam": 28}
-
-
-def median_seconds(run: Callable[[], None], repeats: int) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def torch_step(torch, opt_class, params: np.ndarray, grad: np.ndarray,
@@ -79,7 +68,7 @@ def main() -> None:
         copy_len = size * BYTES[name] // 2 // 4
         src = rng.standard_normal(copy_len, dtype=np.float32)
         dst = np.empty_like(src)
-        bound = median_seconds(lambda: np.copyto(dst, src), repeats)
+        bound = median_seconds(lambda d=dst, s=src: np.copyto(d, s), repeats)
         t_ours = median_seconds(ours(mine), repeats)
         gbs = size * BYTES[name] / t_ours / 1e9
         print(f"{name:<9} distbelief {t_ours * 1e3:8.2f} ms  {gbs:6.2f} GB/s  "
