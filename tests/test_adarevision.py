@@ -151,7 +151,7 @@ def test_kernel_and_factory_validate():
     with pytest.raises(ValueError, match="shape"):
         kernels.adarevision_update(p, s, z, zm, f, np.zeros(3, np.float32), 0.1)
     with pytest.raises(ValueError, match="update"):
-        optimizer_for("adam", 0.1, 4)
+        optimizer_for("rmsprop", 0.1, 4)
     assert isinstance(optimizer_for("adarevision", 0.1, 4), AdaRevision)
     assert isinstance(optimizer_for("adagrad", 0.1, 4), Adagrad)
 
