@@ -116,9 +116,51 @@ def test_a_heartbeat_goes_silent_when_its_rank_stops(tmp_path: Path) -> None:
     beating.stop()
     assert not (folder / "rank-1").exists()
     time.sleep(0.7)
+    # A death takes two answered readings after the timeout, an interval (50 ms) apart.
+    assert not watcher.stopped(1)
+    time.sleep(0.06)
     assert watcher.stopped(1) and watcher.silent_for(1) > 0.5
     watcher.stop()
     assert not folder.parent.exists(), "the last rank removes the job's folder"
+
+
+def test_a_file_server_that_stops_answering_writes_nobody_off(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    folder = tmp_path / ".heartbeats" / "job"
+    watcher, beating = Heartbeats(folder, 0, 0.5), Heartbeats(folder, 1, 0.5)
+    beating.start()
+    assert watcher.silent_for(1) == 0.0
+    real = Path.read_bytes
+
+    def failing(path: Path) -> bytes:
+        if path.name == "rank-1":
+            raise OSError(5, "Input/output error")  # a metadata server failing over
+        return real(path)
+
+    monkeypatch.setattr(Path, "read_bytes", failing)
+    deadline = time.monotonic() + 1.5  # three timeouts without an answer
+    while time.monotonic() < deadline:
+        assert not watcher.stopped(1)
+        time.sleep(0.02)
+    monkeypatch.setattr(Path, "read_bytes", real)
+    time.sleep(0.06)
+    assert not watcher.stopped(1) and watcher.silent_for(1) < 0.1  # it beat all along
+    beating.stop()
+
+
+def test_a_watcher_reads_a_file_at_most_once_per_interval(tmp_path: Path,
+                                                          monkeypatch) -> None:
+    folder = tmp_path / ".heartbeats" / "job"
+    watcher, beating = Heartbeats(folder, 0, 10.0), Heartbeats(folder, 1, 10.0)
+    beating.start()
+    reads = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda path: reads.append(path) or real(path))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2.5:  # asked thousands of times, every 1 s interval
+        watcher.stopped(1)
+    assert 2 <= len(reads) <= 4, len(reads)
+    beating.stop()
 
 
 # -- the watchdog, in one process -----------------------------------------------------------------

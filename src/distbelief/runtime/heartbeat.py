@@ -16,6 +16,15 @@ timeout does not. The folder is per job (a token rank 0 draws), so two jobs neve
 each other's beats; each rank removes its file at a clean end, and the last one the folder.
 A rank whose file a watcher has never seen (a folder that is not shared) is never taken
 for dead by it: no news is not bad news there.
+
+What the file system is asked: a watcher reads a rank's file at most once per beat
+interval, however often it is asked (the watchdog's thread, the shards' polls and the
+sweeps ask many times a second; the beat cannot change faster). A death takes two
+readings that the file system answered, both after the timeout and an interval apart,
+that show no new beat (a missing file is an answer: the rank ended). A read that fails
+(EIO, ESTALE, a metadata server failing over) is no reading at all, so a file server that
+stops answering for longer than the timeout writes nobody off: once it answers again, a
+live rank's next beat comes within an interval, before the second stale reading.
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ class Heartbeats:
         self.interval_s = interval_for(timeout_s)
         self._count = 0
         self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last beat, when it changed)
+        self._read_at: dict[int, float] = {}  # rank -> when its file was last read
+        self._stale: dict[int, tuple[int, float]] = {}  # rank -> (stale readings, last one)
         self._lock = threading.Lock()  # the watch is read by the main and watchdog threads
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -94,19 +105,37 @@ class Heartbeats:
 
     def silent_for(self, rank: int, now: float | None = None) -> float:
         """Seconds since `rank`'s beat last changed, as this rank saw it (0.0 if its file
-        has never been seen here). Local: one small file read."""
+        has never been seen here). Reads the file at most once per interval."""
         now = time.monotonic() if now is None else now
-        try:
-            beat = self.path(rank).read_bytes()
-        except OSError:
-            beat = None
         with self._lock:
+            due = now - self._read_at.get(rank, -float("inf")) >= self.interval_s
+        beat, answered = None, False
+        if due:
+            try:
+                beat, answered = self.path(rank).read_bytes(), True
+            except FileNotFoundError:
+                answered = True  # the file system answered: there is no beat
+            except OSError:
+                pass  # no answer: no reading
+        with self._lock:
+            if due:
+                self._read_at[rank] = now
             seen = self._seen.get(rank)
             if beat and (seen is None or seen[0] != beat):
                 self._seen[rank] = (beat, now)
+                self._stale.pop(rank, None)
                 return 0.0
-            return 0.0 if seen is None else now - seen[1]
+            if seen is None:
+                return 0.0
+            silent = now - seen[1]
+            count, last = self._stale.get(rank, (0, -float("inf")))
+            if answered and silent > self.timeout_s and now - last >= self.interval_s:
+                self._stale[rank] = (count + 1, now)
+            return silent
 
     def stopped(self, rank: int) -> bool:
-        """`rank`'s heartbeat has not changed for timeout_s (it died, or froze)."""
-        return self.silent_for(rank) > self.timeout_s
+        """`rank`'s heartbeat has not changed for timeout_s (it died, or froze), in two
+        readings the file system answered, an interval apart."""
+        silent = self.silent_for(rank)
+        with self._lock:
+            return silent > self.timeout_s and self._stale.get(rank, (0, 0.0))[0] >= 2
