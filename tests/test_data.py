@@ -13,6 +13,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from conftest import run_cli
 
 from distbelief.data import converters as datasets
 from distbelief.data.hdf5 import DatasetInfo, DatasetWriter, TrainShard, load_test, open_dataset
@@ -615,3 +616,28 @@ def test_synthetic_bad_arguments(tmp_path: Path, kwargs: dict, message: str) -> 
         datasets.make_synthetic(out, **{**args, **kwargs})
     assert not out.exists()
 
+
+
+def test_metadata_only_reads_no_label(valid_file: Path, monkeypatch) -> None:
+    from distbelief.data import hdf5
+
+    read = []
+    real = hdf5._check_labels
+    monkeypatch.setattr(hdf5, "_check_labels", lambda *a: read.append(a[2]) or real(*a))
+    assert open_dataset(valid_file, labels=False) == open_dataset(valid_file)
+    assert read == ["train/y", "test/y"]  # the second call's only
+
+
+def test_a_bad_label_passes_the_metadata_check_and_stops_the_run(valid_file: Path,
+                                                                tmp_path: Path) -> None:
+    with h5py.File(valid_file, "a") as f:
+        _set_label("train", 10)(f)
+    (tmp_path / "c.toml").write_text(
+        f'[model]\nlayers = [{{ type = "dense", units = 10, activation = "softmax" }}]\n'
+        f'[data]\npath = "{valid_file}"\nbatch_size = 8\n[run]\nmax_steps = 5\n')
+    from distbelief.config import load_config
+
+    load_config(tmp_path / "c.toml")  # the metadata fit
+    proc = run_cli(["train", tmp_path / "c.toml"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "/train/y has label 10 outside [0, 10)" in proc.stderr

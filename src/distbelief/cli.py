@@ -718,7 +718,7 @@ def cmd_costmodel(args: argparse.Namespace) -> int:
     else:
         from distbelief.data.hdf5 import open_dataset
 
-        network = build_network(config, open_dataset(config.data.path))
+        network = build_network(config, open_dataset(config.data.path, labels=False))
     link = Link(args.bandwidth * 1e9, args.latency * 1e-6)
     batch = args.batch or config.data.batch_size
     try:

@@ -721,7 +721,9 @@ def check_data_fits(config: Config) -> None:
     """
     from distbelief.data.hdf5 import open_dataset, with_validation
 
-    info = with_validation(open_dataset(config.data.path), config.data.validation)
+    # Metadata only: the trainer reads and checks the labels (once per rank, not twice).
+    info = with_validation(open_dataset(config.data.path, labels=False),
+                           config.data.validation)
     network = build_network(config, info)
     if config.cluster.partitions > 1:
         from distbelief.model.partition import (

@@ -171,9 +171,10 @@ def _check_labels(path: Path, y: h5py.Dataset, name: str, num_classes: int) -> N
             raise DataError(f"{path}: /{name} has label {bad} outside [0, {num_classes})")
 
 
-def _check_split(path: Path, f: h5py.File, split: str,
-                 num_classes: int) -> tuple[int, tuple[int, ...], str, float]:
-    """Validate /split/x and /split/y; return (rows, input_shape, stored_dtype, scale)."""
+def _check_split(path: Path, f: h5py.File, split: str, num_classes: int,
+                 labels: bool = True) -> tuple[int, tuple[int, ...], str, float]:
+    """Validate /split/x and /split/y (with `labels`, every label's range too); return
+    (rows, input_shape, stored_dtype, scale)."""
     x = _get_dataset(path, f, f"{split}/x")
     y = _get_dataset(path, f, f"{split}/y")
     if x.ndim < 2:
@@ -188,28 +189,30 @@ def _check_split(path: Path, f: h5py.File, split: str,
     if min(x.shape[1:]) == 0:
         raise DataError(f"{path}: /{split}/x has an empty input shape {x.shape[1:]}")
     dtype, scale = _x_scale(path, x, f"{split}/x")
-    _check_labels(path, y, f"{split}/y", num_classes)
+    if labels:
+        _check_labels(path, y, f"{split}/y", num_classes)
     return x.shape[0], tuple(int(d) for d in x.shape[1:]), dtype, scale
 
 
-def open_dataset(path: str | os.PathLike) -> DatasetInfo:
+def open_dataset(path: str | os.PathLike, labels: bool = True) -> DatasetInfo:
     """Validate a dataset file and describe it. Raises DataError naming the problem.
 
-    Checks the structure, shapes, dtypes and attributes, and reads every label (not x).
-    Corrupt x bytes are caught later, when a shard or the test set reads them (chunk
-    checksums).
+    Checks the structure, shapes, dtypes and attributes, and with `labels` reads every
+    label (not x) to check its range; without, the metadata only (what describing the
+    file needs: the command line's checks before a run, a model's input shape). Corrupt x
+    bytes are caught later, when a shard or the test set reads them (chunk checksums).
     """
     path = Path(path)
     with open_h5(path) as f:
         try:
-            return _describe(path, f)
+            return _describe(path, f, labels)
         except DataError:
             raise
         except H5_ERRORS as exc:
             raise DataError(f"{path}: corrupt HDF5 file: {first_line(exc)}") from exc
 
 
-def _describe(path: Path, f: h5py.File) -> DatasetInfo:
+def _describe(path: Path, f: h5py.File, labels: bool = True) -> DatasetInfo:
     fmt = _attr_text(f.attrs.get("format", ""))
     if fmt != FORMAT_NAME:
         raise DataError(f"{path}: not a distbelief dataset (root attribute 'format' is "
@@ -221,8 +224,9 @@ def _describe(path: Path, f: h5py.File) -> DatasetInfo:
     num_classes = _attr_int(path, f.attrs, "num_classes")
     if num_classes < 2:
         raise DataError(f"{path}: num_classes is {num_classes}, need at least 2")
-    n_train, train_shape, train_dtype, train_scale = _check_split(path, f, "train", num_classes)
-    n_test, test_shape, test_dtype, test_scale = _check_split(path, f, "test", num_classes)
+    n_train, train_shape, train_dtype, train_scale = _check_split(path, f, "train", num_classes,
+                                                                labels)
+    n_test, test_shape, test_dtype, test_scale = _check_split(path, f, "test", num_classes, labels)
     if train_shape != test_shape:
         raise DataError(f"{path}: train inputs have shape {train_shape} but test inputs "
                         f"have {test_shape}")
@@ -231,7 +235,7 @@ def _describe(path: Path, f: h5py.File) -> DatasetInfo:
                         f"x is {test_dtype} with scale {test_scale}")
     n_val = 0
     if "val" in f:
-        n_val, val_shape, val_dtype, val_scale = _check_split(path, f, "val", num_classes)
+        n_val, val_shape, val_dtype, val_scale = _check_split(path, f, "val", num_classes, labels)
         if (val_shape, val_dtype, val_scale) != (train_shape, train_dtype, train_scale):
             raise DataError(f"{path}: /val x is {val_dtype} {val_shape} with scale "
                             f"{val_scale} but train x is {train_dtype} {train_shape} with "
