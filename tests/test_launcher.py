@@ -181,3 +181,18 @@ def test_the_ranks_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
         proc.communicate()
+
+
+@pytest.mark.parametrize("environ, bound", [
+    ({"PMI_SIZE": "4"}, 120.4),
+    ({"PMI_SIZE": "1000"}, 220.0),  # a thousand ranks starting from a parallel file system
+    ({"OMPI_COMM_WORLD_SIZE": "64", "DISTBELIEF_INIT_TIMEOUT": "30"}, 30.0),
+])
+def test_the_mpi_init_bound_grows_with_the_job(monkeypatch, environ, bound):
+    from distbelief.runtime import guardian
+
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "DISTBELIEF_INIT_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert guardian.init_timeout() == pytest.approx(bound)

@@ -19,8 +19,8 @@ twice, which is harmless: a stop request is a stop request, and a SIGINT arrivin
 within a second counts as one Ctrl-C, see distbelief.algorithms.common.note_interrupt). The worker dies with its
 guardian (PR_SET_PDEATHSIG), so a launcher that kills the job leaves nothing behind.
 
-MPI_Init is bounded (INIT_TIMEOUT_ENV, 120 s by default): a worker that dies before
-MPI_Init (it cannot even start) leaves the other ranks waiting in MPI_Init for ever under
+MPI_Init is bounded (INIT_TIMEOUT_ENV; by default 120 s and 0.1 s per rank of the job):
+a worker that dies before MPI_Init (it cannot even start) leaves the other ranks waiting in MPI_Init for ever under
 `-disable-auto-cleanup` (hydra only notifies them, and the stall watchdog starts after
 MPI_Init), and under Open MPI's `--enable-recovery` too (seen); the default launch would
 end the job. The worker cannot bound its own
@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from distbelief.errors import ConfigError
-from distbelief.runtime.launcher import launcher_rank
+from distbelief.runtime.launcher import launcher_rank, launcher_size
 
 WORKER_ENV = "DISTBELIEF_GUARDIAN_PID"
 """Set in the worker's environment: its guardian's process id."""
@@ -54,6 +54,10 @@ and once it returned."""
 INIT_TIMEOUT_ENV = "DISTBELIEF_INIT_TIMEOUT"
 """Seconds a guardian waits for its worker's MPI_Init (default INIT_TIMEOUT_S)."""
 INIT_TIMEOUT_S = 120.0
+INIT_TIMEOUT_PER_RANK_S = 0.1
+"""The default bound grows with the job: each rank waits in MPI_Init for the last one to
+arrive, and on a thousand ranks starting Python from a parallel file system the last
+arrives minutes after the first (issue 32): 220 s at 1,000 ranks."""
 LAUNCHER_CHECK_S = 1.0
 """How often a guardian looks whether the launcher's process that started it is gone."""
 
@@ -115,11 +119,12 @@ def run_guarded(argv: Sequence[str]) -> int:
 
 
 def init_timeout() -> float:
-    """The bound on MPI_Init from INIT_TIMEOUT_ENV, or INIT_TIMEOUT_S; a bad value is an
-    error on every rank alike (they share the environment)."""
+    """The bound on MPI_Init from INIT_TIMEOUT_ENV, or else INIT_TIMEOUT_S plus
+    INIT_TIMEOUT_PER_RANK_S for each rank of the job (the launcher's count); a bad value is
+    an error on every rank alike (they share the environment)."""
     text = os.environ.get(INIT_TIMEOUT_ENV, "")
     if not text:
-        return INIT_TIMEOUT_S
+        return INIT_TIMEOUT_S + INIT_TIMEOUT_PER_RANK_S * launcher_size()
     try:
         value = float(text)
     except ValueError:
