@@ -19,7 +19,8 @@ Sections and keys, with their defaults:
                  spelling of "adagrad"/"sgd"; "adarevision" is Downpour's shards only),
                  n_fetch = 1, n_push = 1, warm_start_steps = 0
                  Downpour only: fetch = "own_pushes" | "asynchronous" | "overlapped" (what
-                 a replica's fetch waits for; FETCHES below)
+                 a replica's fetch waits for; FETCHES below), push_dtype = "float32" |
+                 "bfloat16" (what a push carries; PUSH_DTYPES below)
                  Synchronous SGD only: backup_workers = 0 (each step takes the first
                  R - k gradients and drops the late ones; k > 0 goes through the shards)
                  Averaging only: average_every = 10 (local steps between averages),
@@ -88,6 +89,14 @@ least one update stale); "overlapped", the push and the fetch of one step move w
 next step computes, as the paper's fetch and push threads (at least two updates stale).
 On the RMA transport the later ones make a step cheaper; on shared memory a replica's push
 is applied before its fetch anyway (docs/downpour.md, "Fetch")."""
+PUSH_DTYPES = ("float32", "bfloat16")
+"""optimizer.push_dtype (Downpour): the number format of a replica's pushed gradient.
+"bfloat16" rounds each gradient to bfloat16 (round to nearest even) before it is pushed,
+and the shards widen it back and fold in float32 (the optimizer and its state unchanged).
+On the RMA transport the push slots hold bfloat16, halving the bytes a push Puts; on the
+shared-memory transport (one node) the gradient is rounded the same way and folded from
+the replica's float32 memory, so a run trains the same numbers on one node as across
+nodes. Hashed when not "float32" (docs/downpour.md, "Narrowed pushes")."""
 ALGORITHM_KEYS = {a.name: a.own_keys for a in registry.ALGORITHMS if a.own_keys}
 """[optimizer] keys that only one algorithm reads: setting one for another algorithm is an
 error, and they are left out of the other algorithms' config hash (so adding them did not
@@ -123,6 +132,7 @@ class OptimizerConfig:
     adagrad: bool = True
     update: str = "adagrad"
     fetch: str = "own_pushes"
+    push_dtype: str = "float32"
     backup_workers: int = 0
     average_every: int = 10
     elastic_alpha: float | None = None
@@ -274,6 +284,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "adagrad": (_bool(), True),
         "update": (_choice(UPDATES), None),
         "fetch": (_choice(FETCHES), "own_pushes"),
+        "push_dtype": (_choice(PUSH_DTYPES), "float32"),
         "backup_workers": (_int(0), 0),
         "average_every": (_int(1), 10),
         "elastic_alpha": (_float(0.0, strict=True, maximum=1.0), None),
@@ -660,6 +671,8 @@ def hashed_settings(config: Config) -> dict[str, Any]:
         dropped.add("update")  # `adagrad` says it, as it did before `update` existed
     if config.optimizer.fetch == "own_pushes":
         dropped.add("fetch")  # the default, as before the key existed
+    if config.optimizer.push_dtype == "float32":
+        dropped.add("push_dtype")  # the default, as before the key existed
     out["optimizer"] = {k: v for k, v in out["optimizer"].items() if k not in dropped}
     out["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
     if config.data.in_memory:  # the default, as before the keys existed
