@@ -148,7 +148,10 @@ def _window_info() -> MPI.Info:
     """What each MPI needs to do the atomics as network atomics (docs/rma-protocol.md):
     Open MPI's osc/ucx takes no accumulate lock for count-1 atomics of one predefined
     type with `acc_single_intrinsic`; MPICH is told the only ops used and that no
-    ordering between accumulates is needed (every dependent one waits for a Flush)."""
+    ordering between accumulates is needed (every dependent one waits for a Flush).
+    MPICH's `disable_shm_accumulate` stays unset (false): set, every atomic on one node
+    waits for the target's progress engine, 80-90x fewer per second against a polling
+    shard (benchmarks/RMA_NOTES.md section 13)."""
     info = MPI.Info.Create()
     info.Set("accumulate_ops", "same_op_no_op")
     info.Set("accumulate_ordering", "none")
