@@ -53,7 +53,11 @@ exception on any rank aborts the job):
     by seed in turn (the order alternating), medians and their ratios, with the bytes
     each pushed and pulled per sample. `--round-pulls` adds a third run whose replicas
     round every pulled parameter vector to bfloat16 (the numbers a narrowed pull would
-    give, not its speed: nothing narrower moves).
+    give, not its speed: nothing narrower moves). Then, as (e), inside one replica
+    process against one shard (2 ranks, RMA): `--blocks` x `--block` read-your-writes
+    Downpour steps alternating between a float32 and a bfloat16 parameter server opened
+    side by side, and the median ratio of adjacent blocks' times, which holds still on
+    a busy machine where the separate runs do not.
 
 The machine is shared: each row shows the load average just before it was measured, and
 the figures to quote are the best rounds (throughput) taken when the load was lowest.
@@ -117,6 +121,68 @@ def round_pulls() -> None:
         return versions
 
     ParameterClient.pull = rounded
+
+
+def push_dtype_interleaved_worker(args: argparse.Namespace) -> None:
+    """(h): rank 0 serves a float32 and a bfloat16 parameter server side by side, rank 1
+    alternates blocks of Downpour steps (push_pull_own) on the one and the other."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from distbelief.algorithms.common import open_data
+    from distbelief.config import PUSH_DTYPES, load_config
+    from distbelief.data.hdf5 import TrainShard
+    from distbelief.model.optimizers import make_optimizer
+    from distbelief.ps.rma_shard import ParameterServerShard
+    from distbelief.ps.transport import open_parameter_server
+    from distbelief.runtime.backoff import PacedBackoff
+    from distbelief.runtime.threads import set_blas_threads
+    from distbelief.runtime.topology import Topology
+
+    set_blas_threads(1)
+    config = load_config(CONFIG, [f'data.path="{args.data.resolve()}"'])
+    info, network = open_data(config)
+    world = MPI.COMM_WORLD
+    topology = Topology(world.Get_size(), world.Get_rank(), 1)
+    lr = config.optimizer.learning_rate
+    initial = network.init_params(0)
+    servers = {dtype: open_parameter_server(world, topology, initial.size,
+                                            lambda n: make_optimizer(True, lr, n), initial,
+                                            transport="rma", push_dtype=dtype)
+               for dtype in PUSH_DTYPES}
+    if isinstance(servers["float32"], ParameterServerShard):
+        backoff = PacedBackoff()
+        while not all(shard.finished for shard in servers.values()):
+            traffic = [shard.serve_once() for shard in servers.values() if not shard.finished]
+            backoff.reset() if any(traffic) else backoff.wait()
+        for shard in servers.values():
+            shard.free()
+        return
+    data = TrainShard(info, seed=0)
+    params = {dtype: initial.copy() for dtype in servers}
+    grad = np.zeros_like(initial)
+    times: dict[str, list[float]] = {dtype: [] for dtype in servers}
+    in_transport: dict[str, list[float]] = {dtype: [] for dtype in servers}
+    for _ in range(args.blocks):
+        for dtype, client in servers.items():
+            t0, transport = time.perf_counter(), 0.0
+            for _ in range(args.block):
+                x, y = data.next_batch(BATCH)
+                network.loss_and_grad(params[dtype], x, y, grad)
+                t1 = time.perf_counter()
+                client.push_pull_own(grad, params[dtype])
+                transport += time.perf_counter() - t1
+            times[dtype].append((time.perf_counter() - t0) / args.block)
+            in_transport[dtype].append(transport / args.block)
+    for client in servers.values():  # both finished before the collective frees
+        client.finish()
+    for client in servers.values():
+        client.free()
+    ratios = [b / f for f, b in zip(times["float32"], times["bfloat16"], strict=True)]
+    print(json.dumps({dtype: statistics.median(t) for dtype, t in times.items()}
+                     | {f"{dtype} transport": statistics.median(t)
+                        for dtype, t in in_transport.items()}
+                     | {"ratio": statistics.median(ratios)}))
 
 
 def interleaved_worker(args: argparse.Namespace) -> None:
@@ -456,13 +522,34 @@ def samples_to_target(run: dict) -> int | None:
 
 
 def section_push_dtype(args: argparse.Namespace) -> None:
-    """(h) bfloat16 pushes against float32 pushes, RMA, time and samples to the target."""
+    """(h) bfloat16 pushes against float32 pushes, RMA: time and samples to the target
+    (none with --seeds 0), then the interleaved step times."""
     kinds = [("float32", False), ("bfloat16", False)]
     if args.round_pulls:
         kinds.append(("bfloat16", True))
     print(f"\n(h) push_dtype: time and samples to {args.target}, RMA transport, 1 shard + "
           f"{args.replicas} replica(s), eval every {args.eval_every} s, {args.seeds} seed(s) "
           "in turn, medians")
+    if args.seeds >= 1:
+        push_dtype_to_target(args, kinds)
+    print(f"  interleaved, 1 shard + 1 replica, {args.blocks} x {args.block} steps of each, "
+          "ms/step (of which in push_pull_own), bfloat16 / float32 as the median ratio of "
+          "adjacent blocks:")
+    for label, env in (("RMA on one node", {}),
+                       ("RMA through the network module (MPIR_CVAR_NOLOCAL=1)", NOLOCAL)):
+        before = load()
+        cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", __file__,
+               "--push-dtype-interleaved-worker", "--data", str(args.data),
+               "--blocks", str(args.blocks), "--block", str(args.block)]
+        r = run_json(cmd, 600, {**os.environ, **env})
+        print(f"    {label}: float32 {r['float32'] * 1e3:.3f} "
+              f"({r['float32 transport'] * 1e3:.3f}), bfloat16 {r['bfloat16'] * 1e3:.3f} "
+              f"({r['bfloat16 transport'] * 1e3:.3f}), ratio {r['ratio']:.3f} ({before})",
+              flush=True)
+
+
+def push_dtype_to_target(args: argparse.Namespace, kinds: list[tuple[str, bool]]) -> None:
+    """(h), first part: each kind of run seed by seed, the order alternating."""
     runs: dict[tuple[str, bool], list[dict]] = {kind: [] for kind in kinds}
     loads = []
     for seed in range(args.seeds):
@@ -535,11 +622,16 @@ def main() -> None:
     p.add_argument("--n-push", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--fetch", default="own_pushes", help=argparse.SUPPRESS)
     p.add_argument("--interleaved-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--push-dtype-interleaved-worker", action="store_true",
+                   help=argparse.SUPPRESS)
     p.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--push-dtype", default="float32", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.interleaved_worker:
         interleaved_worker(args)
+        return
+    if args.push_dtype_interleaved_worker:
+        push_dtype_interleaved_worker(args)
         return
     if args.worker:
         args.threads = int(args.threads)
