@@ -48,6 +48,16 @@ exception on any rank aborts the job):
     transport, samples/s per replica with Open MPI's osc/ucx forced onto UCX's
     shared-memory transports (the component InfiniBand clusters use) against
     `--mca osc ^ucx` (osc/sm or osc/rdma), interleaved rounds, best kept, as a ratio.
+(h) push-dtype (issue 28): time and samples to the target with optimizer.push_dtype =
+    "bfloat16" against "float32", RMA transport, 1 shard + `--replicas` replica(s), seed
+    by seed in turn (the order alternating), medians and their ratios, with the bytes
+    each pushed and pulled per sample. `--round-pulls` adds a third run whose replicas
+    round every pulled parameter vector to bfloat16 (the numbers a narrowed pull would
+    give, not its speed: nothing narrower moves). Then, as (e), inside one replica
+    process against one shard (2 ranks, RMA): `--blocks` x `--block` read-your-writes
+    Downpour steps alternating between a float32 and a bfloat16 parameter server opened
+    side by side, and the median ratio of adjacent blocks' times, which holds still on
+    a busy machine where the separate runs do not.
 
 The machine is shared: each row shows the load average just before it was measured, and
 the figures to quote are the best rounds (throughput) taken when the load was lowest.
@@ -87,11 +97,92 @@ def downpour_worker(args: argparse.Namespace) -> None:
                  f"run.threads={args.threads}", f"run.seed={args.seed}",
                  f"run.max_steps={args.steps}", f"run.max_seconds={args.max_seconds}",
                  f"run.target_accuracy={args.target}", f"run.eval_every_seconds={args.eval_every}",
-                 f"optimizer.n_fetch={args.n_fetch}", f"optimizer.n_push={args.n_push}"]
+                 f"optimizer.n_fetch={args.n_fetch}", f"optimizer.n_push={args.n_push}",
+                 f'optimizer.push_dtype="{args.push_dtype}"']
     config = load_config(CONFIG, overrides + [f'optimizer.fetch="{args.fetch}"'])
+    if args.round_pulls:
+        round_pulls()
     summary = downpour.train(config, MPI.COMM_WORLD, stream=None)
     if summary is not None:
         print(json.dumps(summary))
+
+
+def round_pulls() -> None:
+    """(h) --round-pulls: every RMA pull rounds what it read to bfloat16, as a pull of
+    bfloat16 parameters would give them (the read-your-writes fetch reads only by pull)."""
+    from distbelief.model import kernels
+    from distbelief.ps.rma_client import ParameterClient
+
+    pull = ParameterClient.pull
+
+    def rounded(self, out):
+        versions = pull(self, out)
+        kernels.bf16_round(out, out)
+        return versions
+
+    ParameterClient.pull = rounded
+
+
+def push_dtype_interleaved_worker(args: argparse.Namespace) -> None:
+    """(h): rank 0 serves a float32 and a bfloat16 parameter server side by side, rank 1
+    alternates blocks of Downpour steps (push_pull_own) on the one and the other."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from distbelief.algorithms.common import open_data
+    from distbelief.config import PUSH_DTYPES, load_config
+    from distbelief.data.hdf5 import TrainShard
+    from distbelief.model.optimizers import make_optimizer
+    from distbelief.ps.rma_shard import ParameterServerShard
+    from distbelief.ps.transport import open_parameter_server
+    from distbelief.runtime.backoff import PacedBackoff
+    from distbelief.runtime.threads import set_blas_threads
+    from distbelief.runtime.topology import Topology
+
+    set_blas_threads(1)
+    config = load_config(CONFIG, [f'data.path="{args.data.resolve()}"'])
+    info, network = open_data(config)
+    world = MPI.COMM_WORLD
+    topology = Topology(world.Get_size(), world.Get_rank(), 1)
+    lr = config.optimizer.learning_rate
+    initial = network.init_params(0)
+    servers = {dtype: open_parameter_server(world, topology, initial.size,
+                                            lambda n: make_optimizer(True, lr, n), initial,
+                                            transport="rma", push_dtype=dtype)
+               for dtype in PUSH_DTYPES}
+    if isinstance(servers["float32"], ParameterServerShard):
+        backoff = PacedBackoff()
+        while not all(shard.finished for shard in servers.values()):
+            traffic = [shard.serve_once() for shard in servers.values() if not shard.finished]
+            backoff.reset() if any(traffic) else backoff.wait()
+        for shard in servers.values():
+            shard.free()
+        return
+    data = TrainShard(info, seed=0)
+    params = {dtype: initial.copy() for dtype in servers}
+    grad = np.zeros_like(initial)
+    times: dict[str, list[float]] = {dtype: [] for dtype in servers}
+    in_transport: dict[str, list[float]] = {dtype: [] for dtype in servers}
+    for _ in range(args.blocks):
+        for dtype, client in servers.items():
+            t0, transport = time.perf_counter(), 0.0
+            for _ in range(args.block):
+                x, y = data.next_batch(BATCH)
+                network.loss_and_grad(params[dtype], x, y, grad)
+                t1 = time.perf_counter()
+                client.push_pull_own(grad, params[dtype])
+                transport += time.perf_counter() - t1
+            times[dtype].append((time.perf_counter() - t0) / args.block)
+            in_transport[dtype].append(transport / args.block)
+    for client in servers.values():  # both finished before the collective frees
+        client.finish()
+    for client in servers.values():
+        client.free()
+    ratios = [b / f for f, b in zip(times["float32"], times["bfloat16"], strict=True)]
+    print(json.dumps({dtype: statistics.median(t) for dtype, t in times.items()}
+                     | {f"{dtype} transport": statistics.median(t)
+                        for dtype, t in in_transport.items()}
+                     | {"ratio": statistics.median(ratios)}))
 
 
 def interleaved_worker(args: argparse.Namespace) -> None:
@@ -172,7 +263,8 @@ def downpour_run(args: argparse.Namespace, ranks: int = 2, threads: int = 1, see
                  steps: int = 0, target: float = 0.99, n_fetch: int = 1, n_push: int = 1,
                  fetch: str = "own_pushes", eval_every: float = 1000.0,
                  transport: str = "auto", extra_env: dict | None = None,
-                 launcher: tuple[str, ...] = ()) -> dict:
+                 launcher: tuple[str, ...] = (), push_dtype: str = "float32",
+                 round_pulls: bool = False) -> dict:
     """One Downpour run; `transport` goes to the parameter server through
     $DISTBELIEF_PS_TRANSPORT ("auto": shared memory here, one node; "rma": the multi-node
     path); `extra_env` and `launcher` (mpiexec options) for the multi-node rows."""
@@ -183,7 +275,8 @@ def downpour_run(args: argparse.Namespace, ranks: int = 2, threads: int = 1, see
                "--worker", "--data", str(args.data), "--out", out, "--threads", str(threads),
                "--seed", str(seed), "--steps", str(steps), "--target", str(target),
                "--n-fetch", str(n_fetch), "--n-push", str(n_push),
-               "--eval-every", str(eval_every), "--max-seconds", str(args.max_seconds)]
+               "--eval-every", str(eval_every), "--max-seconds", str(args.max_seconds),
+               "--push-dtype", push_dtype] + (["--round-pulls"] if round_pulls else [])
         return run_json(cmd + ["--fetch", fetch],
                         args.max_seconds + 300, env)
 
@@ -416,12 +509,99 @@ def section_osc(args: argparse.Namespace) -> None:
     print(f"  (loads at round starts: {', '.join(f'{x:.1f}' for x in loads)})")
 
 
+def replica_rate(run: dict) -> float:
+    """Mean samples/s per replica (its steps over its training wall time)."""
+    return statistics.mean(r["samples_per_second"] for r in run["replicas"])
+
+
+def samples_to_target(run: dict) -> int | None:
+    """Samples trained, over all replicas, when the evaluation that reached the target
+    was taken (None: not reached)."""
+    step = run["target_reached_step"]
+    return None if step is None else step * BATCH
+
+
+def section_push_dtype(args: argparse.Namespace) -> None:
+    """(h) bfloat16 pushes against float32 pushes, RMA: time and samples to the target
+    (none with --seeds 0), then the interleaved step times."""
+    kinds = [("float32", False), ("bfloat16", False)]
+    if args.round_pulls:
+        kinds.append(("bfloat16", True))
+    print(f"\n(h) push_dtype: time and samples to {args.target}, RMA transport, 1 shard + "
+          f"{args.replicas} replica(s), eval every {args.eval_every} s, {args.seeds} seed(s) "
+          "in turn, medians")
+    if args.seeds >= 1:
+        push_dtype_to_target(args, kinds)
+    print(f"  interleaved, 1 shard + 1 replica, {args.blocks} x {args.block} steps of each, "
+          "ms/step (of which in push_pull_own), bfloat16 / float32 as the median ratio of "
+          "adjacent blocks:")
+    for label, env in (("RMA on one node", {}),
+                       ("RMA through the network module (MPIR_CVAR_NOLOCAL=1)", NOLOCAL)):
+        before = load()
+        cmd = ["mpiexec", "-n", "2", sys.executable, "-m", "mpi4py", __file__,
+               "--push-dtype-interleaved-worker", "--data", str(args.data),
+               "--blocks", str(args.blocks), "--block", str(args.block)]
+        r = run_json(cmd, 600, {**os.environ, **env})
+        print(f"    {label}: float32 {r['float32'] * 1e3:.3f} "
+              f"({r['float32 transport'] * 1e3:.3f}), bfloat16 {r['bfloat16'] * 1e3:.3f} "
+              f"({r['bfloat16 transport'] * 1e3:.3f}), ratio {r['ratio']:.3f} ({before})",
+              flush=True)
+
+
+def push_dtype_to_target(args: argparse.Namespace, kinds: list[tuple[str, bool]]) -> None:
+    """(h), first part: each kind of run seed by seed, the order alternating."""
+    runs: dict[tuple[str, bool], list[dict]] = {kind: [] for kind in kinds}
+    loads = []
+    for seed in range(args.seeds):
+        loads.append(os.getloadavg()[0])
+        order = kinds if seed % 2 == 0 else kinds[::-1]  # neither always runs first
+        for push_dtype, rounded in order:
+            runs[(push_dtype, rounded)].append(downpour_run(
+                args, ranks=1 + args.replicas, seed=seed, target=args.target,
+                eval_every=args.eval_every, transport="rma", push_dtype=push_dtype,
+                round_pulls=rounded))
+    base = runs[kinds[0]]
+    t_base = median_or_none([r["time_to_target"] for r in base])
+    n_base = median_or_none([samples_to_target(r) for r in base])
+    rate_base = statistics.median(replica_rate(r) for r in base)
+    print(f"  {'pushes':<26} {'time (s)':>9} {'ratio':>6} {'samples':>9} {'ratio':>6} "
+          f"{'samples/s':>9} {'ratio':>6} {'sent B/sample':>13} {'received B/sample':>17}"
+          "   per seed: time, samples")
+    for (push_dtype, rounded), got in runs.items():
+        t = median_or_none([r["time_to_target"] for r in got])
+        n = median_or_none([samples_to_target(r) for r in got])
+        rate = statistics.median(replica_rate(r) for r in got)
+        sent = statistics.median(r["bytes_sent"] / r["samples"] for r in got)
+        received = statistics.median(r["bytes_received"] / r["samples"] for r in got)
+        name = push_dtype + (", pulls rounded" if rounded else "")
+        seeds = "; ".join(f"{fmt(r['time_to_target'])} {fmt(samples_to_target(r), ',.0f')}"
+                          for r in got)
+        print(f"  {name:<26} {fmt(t):>9} {ratio(t, t_base):>6} {fmt(n, ',.0f'):>9} "
+              f"{ratio(n, n_base):>6} {rate:>9,.0f} {ratio(rate, rate_base):>6} "
+              f"{sent:>13,.0f} {received:>17,.0f}   ({seeds})", flush=True)
+    # Each seed's runs ran back to back, so their ratio sees nearly one load: the median
+    # of those ratios holds still while the machine's load moves.
+    for kind, got in list(runs.items())[1:]:
+        paired = {what: [None if a is None or b is None else b / a
+                         for a, b in zip(map(pick, base), map(pick, got), strict=True)]
+                  for what, pick in (("time", lambda r: r["time_to_target"]),
+                                     ("samples", samples_to_target),
+                                     ("samples/s", replica_rate))}
+        print(f"  {kind[0]}{', pulls rounded' if kind[1] else ''} / float32, median of the "
+              f"per-seed ratios: " + ", ".join(
+                  f"{what} {fmt(median_or_none([x for x in got if x is not None]), '.2f')}"
+                  f" ({', '.join(fmt(x, '.2f') for x in got)})"
+                  for what, got in paired.items()))
+    print(f"  (loads at seed starts: {', '.join(f'{x:.1f}' for x in loads)})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=REPO / "data" / "fashion_mnist.h5")
     p.add_argument("--only", choices=["target", "throughput", "replicas", "bandwidth", "osc",
-                                      "interleaved", "transports", "transport-target"])
+                                      "interleaved", "transports", "transport-target",
+                                      "push-dtype"])
     p.add_argument("--threads", default="1,2", help="(a): thread counts")
     p.add_argument("--seeds", type=int, default=1, help="(a): seeds, median reported")
     p.add_argument("--steps", type=int, default=4000, help="(b), (c): steps per run")
@@ -431,6 +611,9 @@ def main() -> None:
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--blocks", type=int, default=60, help="(e): blocks of each kind")
     p.add_argument("--block", type=int, default=30, help="(e): steps per block")
+    p.add_argument("--replicas", type=int, default=1, help="(h): replicas")
+    p.add_argument("--round-pulls", action="store_true",
+                   help="(h): also a run with every pull rounded to bfloat16")
     # worker options
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -439,10 +622,16 @@ def main() -> None:
     p.add_argument("--n-push", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--fetch", default="own_pushes", help=argparse.SUPPRESS)
     p.add_argument("--interleaved-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--push-dtype-interleaved-worker", action="store_true",
+                   help=argparse.SUPPRESS)
     p.add_argument("--transport", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--push-dtype", default="float32", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.interleaved_worker:
         interleaved_worker(args)
+        return
+    if args.push_dtype_interleaved_worker:
+        push_dtype_interleaved_worker(args)
         return
     if args.worker:
         args.threads = int(args.threads)
@@ -470,6 +659,8 @@ def main() -> None:
         section_osc(args)
     if args.only in (None, "transports", "transport-target"):
         section_transport_target(args)
+    if args.only in (None, "push-dtype"):
+        section_push_dtype(args)
 
 
 if __name__ == "__main__":

@@ -469,6 +469,38 @@ def test_keys_of_one_algorithm_are_refused_for_another() -> None:
     assert "optimizer.fetch" in message and "'overlapped'" in message
 
 
+@pytest.mark.parametrize("algorithm, more", [
+    ("sandblaster", ()), ("sync", ()), ("sync", ("optimizer.backup_workers=1",)),
+    ("averaging", ()), ("averaging", ("optimizer.elastic_alpha=0.5",)), ("hogwild", ()),
+    ("sgd", ())])
+def test_push_dtype_is_refused_outside_downpour(algorithm: str, more: tuple[str, ...]) -> None:
+    # Only Downpour's replicas push gradients to shards; EASGD's pushes are elastic
+    # differences and Sandblaster's go point to point: one clear error for each.
+    message = schema_error(VALID, (f'optimizer.algorithm="{algorithm}"',
+                                   'optimizer.push_dtype="bfloat16"', *more))
+    assert message.count("optimizer.push_dtype") == 1
+    assert 'optimizer.push_dtype applies only to algorithm = "downpour"' in message
+
+
+def test_push_dtype_values_and_hash() -> None:
+    def config(*overrides: str):
+        return config_from_dict(apply_overrides(raw_config(), [
+            'optimizer.algorithm="downpour"', *overrides]), Path("/cfg/exp.toml"))
+
+    assert config().optimizer.push_dtype == "float32"
+    assert config('optimizer.push_dtype="bfloat16"').optimizer.push_dtype == "bfloat16"
+    message = schema_error(VALID, ('optimizer.algorithm="downpour"',
+                                   'optimizer.push_dtype="float16"'))
+    assert "optimizer.push_dtype" in message and "'bfloat16'" in message
+    # float32, given or not, leaves the hash as it was before the key existed; bfloat16
+    # changes what is trained, so a run cannot resume under the other setting
+    assert config_hash(config('optimizer.push_dtype="float32"')) == config_hash(config())
+    assert "push_dtype" not in hashed_settings(config())["optimizer"]
+    narrowed = config('optimizer.push_dtype="bfloat16"')
+    assert hashed_settings(narrowed)["optimizer"]["push_dtype"] == "bfloat16"
+    assert config_hash(narrowed) != config_hash(config())
+
+
 def test_ps_shards_defaults_to_what_the_algorithm_needs() -> None:
     assert _optimizer(['optimizer.algorithm="downpour"'])[1].ps_shards == 1
     assert _optimizer([])[1].ps_shards == 1  # sgd ignores it; as before

@@ -80,8 +80,26 @@ def check_downpour_summary(summary: dict, n: int, shards: int) -> None:
     assert combined["samples"] == pushes * shards
     assert combined["max"] == max(r["staleness"]["max"] for r in replicas)
     assert all(key in summary for key in REQUIRED_SUMMARY_KEYS)
+    check_bytes(summary)
     if simulated_test_nodes():  # ranks on several nodes share no memory
         assert {s["transport"] for s in summary["shards"]} == {"rma"}
+
+
+def check_bytes(summary: dict) -> None:
+    """bytes_sent and bytes_received, per replica and in total, agree with the pushes and
+    pulls made: every push carries every parameter (bfloat16 over RMA: 2 bytes each), every
+    pull brings every parameter back (float32)."""
+    params, replicas = summary["num_params"], summary["replicas"]
+    rma = summary["shards"][0]["transport"] == "rma"
+    width = 2 if rma and summary["push_dtype"] == "bfloat16" else 4
+    for r in replicas:
+        assert r["bytes_sent"] == r["pushes"] * params * width, r
+        # whole pulls; a read-your-writes fetch may pull again (refetches), an overlapped
+        # one is counted both when its pull is issued and when it is adopted
+        pulls, rest = divmod(r["bytes_received"], params * 4)
+        assert rest == 0 and 1 <= pulls <= r["fetches"] + r["refetches"], r
+    assert summary["bytes_sent"] == sum(r["bytes_sent"] for r in replicas)
+    assert summary["bytes_received"] == sum(r["bytes_received"] for r in replicas)
 
 
 def check_metrics(lines: list[dict], summary: dict) -> None:
@@ -173,6 +191,41 @@ def test_fetch_settings_keep_counts_exact(data_dir, tmp_path, fetch, transport, 
             # push completes a step later. (Staleness counts the updates applied between
             # the pull and the push's claim of a slot, issue 28: 0.42 and 0.86 seen.)
             assert stale > 0, summary["staleness"]
+
+
+@pytest.mark.parametrize("transport", ["shared", pytest.param("rma", marks=pytest.mark.nodes)])
+@pytest.mark.parametrize("n, shards, extra", [
+    (2, 1, []),
+    (5, 2, ["optimizer.n_fetch=2", "optimizer.n_push=3", 'optimizer.fetch="overlapped"']),
+])
+@pytest.mark.both_mpis
+def test_bfloat16_pushes_train_with_exact_counts_and_half_the_bytes(data_dir, tmp_path, n,
+                                                                     shards, extra, transport):
+    # The same run with float32 and with bfloat16 pushes: both learn, both keep the push
+    # counts exact, and over RMA the bfloat16 pushes moved half the bytes per push (on
+    # shared memory the gradient is rounded but folded from float32 memory).
+    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
+    summaries = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        proc = downpour(n, data_dir, out, f"cluster.ps_shards={shards}", "run.max_steps=401",
+                        f'optimizer.push_dtype="{dtype}"', *extra, env=env)
+        summary, lines = finished(proc, out)
+        assert summary["steps"] == 401 and summary["stop_reason"] == "max_steps"
+        assert summary["push_dtype"] == dtype
+        check_downpour_summary(summary, n, shards)
+        check_metrics(lines, summary)
+        # learned (chance is 0.25; 3 overlapped replicas pushing every 3 steps are several
+        # updates stale: see test_fetch_settings_keep_counts_exact)
+        assert summary["final_test_accuracy"] > (0.5 if n == 2 else 0.35)
+        summaries[dtype] = summary
+    per_push = {dtype: s["bytes_sent"] / sum(r["pushes"] for r in s["replicas"])
+                for dtype, s in summaries.items()}
+    narrowed = summaries["bfloat16"]["shards"][0]["transport"] == "rma"
+    assert per_push["bfloat16"] == per_push["float32"] / (2 if narrowed else 1)
+    assert per_push["float32"] == summaries["float32"]["num_params"] * 4
+    config = json.loads((tmp_path / "bfloat16" / "config.json").read_text())
+    assert config["optimizer"]["push_dtype"] == "bfloat16"
 
 
 @pytest.mark.parametrize("transport", ["shared", "rma"])

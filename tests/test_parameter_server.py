@@ -215,13 +215,18 @@ def test_staleness_counts_updates_since_pull(n, shards, extra, transport):
 
 @pytest.mark.both_mpis
 @pytest.mark.nodes
+@pytest.mark.parametrize("push_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("n, shards, size", [(2, 1, 1000), (3, 2, 1001)])
-def test_rma_census_float_data_moves_only_by_put_and_get(n, shards, size):
+def test_rma_census_float_data_moves_only_by_put_and_get(n, shards, size, push_dtype):
     # Every one-sided call is recorded: an accumulate of anything but one int64 fails the
     # job, and so does any step whose calls differ from docs/rma-protocol.md's table.
-    proc = mpi4py_job(n, "rma_census.py", "--shards", shards, "--size", size)
+    # bfloat16 pushes make the same calls, their Put of MPI_UINT16_T, and the parameters
+    # pulled after them hold the pushes rounded to bfloat16 (checked in the program).
+    proc = mpi4py_job(n, "rma_census.py", "--shards", shards, "--size", size,
+                      "--push-dtype", push_dtype)
     assert_ok(proc)
     assert proc.stdout.count("census ok") == n
+    assert proc.stdout.count(f"({push_dtype} pushes)") == n
     for step in ("pull", "push", "push with a run control exchange", "finish",
                  "idle shard poll", "shard poll folding one push"):
         assert f"census {step}:" in proc.stdout

@@ -34,7 +34,8 @@ Sections and keys, with their defaults:
                  required by both), decay_rate = 0.1 (step only: the factor at each
                  decay), min_learning_rate = 0.0 (step and cosine: the rate's floor)
                  Downpour only: fetch = "own_pushes" | "asynchronous" | "overlapped" (what
-                 a replica's fetch waits for; FETCHES below)
+                 a replica's fetch waits for; FETCHES below), push_dtype = "float32" |
+                 "bfloat16" (what a push carries; PUSH_DTYPES below)
                  Synchronous SGD only: backup_workers = 0 (each step takes the first
                  R - k gradients and drops the late ones; k > 0 goes through the shards)
                  Averaging only: average_every = 10 (local steps between averages),
@@ -118,6 +119,14 @@ SCHEDULE_KEYS = ("warmup_steps", "schedule", "decay_steps", "decay_rate", "min_l
 """[optimizer] keys of the learning-rate schedule; at their defaults (no warmup, constant)
 they are left out of the config hash, so adding them did not change the hash of earlier
 runs."""
+PUSH_DTYPES = ("float32", "bfloat16")
+"""optimizer.push_dtype (Downpour): the number format of a replica's pushed gradient.
+"bfloat16" rounds each gradient to bfloat16 (round to nearest even) before it is pushed,
+and the shards widen it back and fold in float32 (the optimizer and its state unchanged).
+On the RMA transport the push slots hold bfloat16, halving the bytes a push Puts; on the
+shared-memory transport (one node) the gradient is rounded the same way and folded from
+the replica's float32 memory, so a run trains the same numbers on one node as across
+nodes. Hashed when not "float32" (docs/downpour.md, "Narrowed pushes")."""
 ALGORITHM_KEYS = {a.name: a.own_keys for a in registry.ALGORITHMS if a.own_keys}
 """[optimizer] keys that only one algorithm reads: setting one for another algorithm is an
 error, and they are left out of the other algorithms' config hash (so adding them did not
@@ -154,6 +163,7 @@ class OptimizerConfig:
     adagrad: bool = True
     update: str = "adagrad"
     fetch: str = "own_pushes"
+    push_dtype: str = "float32"
     backup_workers: int = 0
     average_every: int = 10
     elastic_alpha: float | None = None
@@ -317,6 +327,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "adagrad": (_bool(), True),
         "update": (_choice(UPDATES), None),
         "fetch": (_choice(FETCHES), "own_pushes"),
+        "push_dtype": (_choice(PUSH_DTYPES), "float32"),
         "backup_workers": (_int(0), 0),
         "average_every": (_int(1), 10),
         "elastic_alpha": (_float(0.0, strict=True, maximum=1.0), None),
@@ -821,6 +832,8 @@ def hashed_settings(config: Config) -> dict[str, Any]:
                 "decay_rate": None, "min_learning_rate": None}
     dropped.update(key for key, default in defaults.items()
                    if getattr(config.optimizer, key) == default)
+    if config.optimizer.push_dtype == "float32":
+        dropped.add("push_dtype")  # the default, as before the key existed
     out["optimizer"] = {k: v for k, v in out["optimizer"].items() if k not in dropped}
     out["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
     if config.data.in_memory:  # the default, as before the keys existed

@@ -12,6 +12,8 @@ Get. Then the calls of single steps are counted against docs/rma-protocol.md's t
 - shard 0's snapshot of the other shard's slice (2 shards).
 
 1 replica (world size = shards + 1); the census is exact only where nobody else moves.
+With --push-dtype bfloat16 the pushes Put bfloat16 bits (MPI_UINT16_T, half the bytes)
+and the parameters pulled after them hold each push rounded to bfloat16, widened exactly.
 """
 
 from __future__ import annotations
@@ -94,9 +96,12 @@ def wait_folded(client: ParameterClient, params: np.ndarray) -> None:
     client.catch_up(params)
 
 
-def replica(client: ParameterClient, log: list, size: int, shards: int) -> None:
+def replica(client: ParameterClient, log: list, size: int, shards: int,
+            push_dtype: str) -> None:
     params = np.empty(size, dtype=np.float32)
-    grad = np.full(size, 1 / 64, dtype=np.float32)
+    # Not a bfloat16 value: a bfloat16 push carries 1/64, a float32 one all of it.
+    grad = np.full(size, (1 + 2**-10) / 64, dtype=np.float32)
+    pushed = np.float32(1 / 64) if push_dtype == "bfloat16" else grad[0]
     mark = len(log)
     client.pull(params)
     per = {("Fetch_and_op", "NO_OP"): 2, ("Fetch_and_op", "REPLACE"): 2,
@@ -118,6 +123,12 @@ def replica(client: ParameterClient, log: list, size: int, shards: int) -> None:
         ("Fetch_and_op", "NO_OP"): shards + 6 + 1, ("Fetch_and_op", "SUM"): 2,
         ("Accumulate", "SUM"): 2, ("Put", "-"): shards})
     wait_folded(client, params)
+    # SGD at rate 0.5 from zeros, two pushes folded
+    want = np.float32(0) - np.float32(0.5) * pushed - np.float32(0.5) * pushed
+    check(np.all(params == want), f"{push_dtype} pushes: pulled {params[:3]}, want {want}")
+    width = 2 if push_dtype == "bfloat16" else 4
+    check(client.bytes_sent == 2 * size * width, f"bytes_sent {client.bytes_sent}, want "
+          f"{2 * size * width}")
     mark = len(log)
     client.finish()
     expect("finish", tally(log, mark), {("Accumulate", "SUM"): shards})
@@ -136,12 +147,19 @@ def shard_polls(shard: ParameterServerShard, log: list, world: int) -> tuple[Cou
         elif not traffic and shard.stats.pushes == pushes:
             idle = calls
         time.sleep(1e-4)
+    if idle is None:
+        # On a loaded machine every poll may have seen traffic (shard 0's snapshot delays
+        # its first polls); once every client has finished, a poll is idle.
+        mark = len(log)
+        shard.serve_once()
+        idle = tally(log, mark)
     check(fold is not None and idle is not None, "no folding poll or no idle poll seen")
     return fold, idle
 
 
 def main() -> None:
     p = parser(__doc__)
+    p.add_argument("--push-dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args()
     world = MPI.COMM_WORLD.Get_size()
     check(world == args.shards + 1, "the census runs with exactly one replica")
@@ -149,7 +167,8 @@ def main() -> None:
     # With Downpour's run control block on shard 0, for the exchange.
     endpoint = open_parameter_server(MPI.COMM_WORLD, topology, args.size,
                                      lambda n: make_optimizer(False, 0.5, n),
-                                     transport="rma", control_replicas=1)
+                                     transport="rma", control_replicas=1,
+                                     push_dtype=args.push_dtype)
     log: list[tuple[str, str, int, str]] = []
     windows = endpoint._live()
     windows.accum = RecordingWindow(windows.accum, log)
@@ -171,16 +190,19 @@ def main() -> None:
             ("Fetch_and_op", "NO_OP"): 2 + slots + world, ("Compare_and_swap", "CAS"): 1,
             ("Fetch_and_op", "REPLACE"): 3})
     else:
-        replica(endpoint, log, args.size, args.shards)
+        replica(endpoint, log, args.size, args.shards, args.push_dtype)
+        puts = {dtype for name, dtype, _, _ in log if name == "Put"}
+        want = {"bfloat16": "MPI_UINT16_T", "float32": "MPI_FLOAT"}[args.push_dtype]
+        check(puts == {want}, f"pushes Put {puts}, want {want}")
     for name, dtype, count, op in log:
         if name in ACCUMULATE_FAMILY:
             check(dtype in ("MPI_INT64_T", "MPI_LONG") and count == 1,
                   f"{name}({op}) moved {count} x {dtype}: only count-1 int64 atomics allowed")
         else:
             check(name in DATA_CALLS, f"unexpected one-sided call {name}")
-    float_moves = sum(1 for name, dtype, _, _ in log if dtype == "MPI_FLOAT")
+    float_moves = sum(1 for name, dtype, _, _ in log if dtype in ("MPI_FLOAT", "MPI_UINT16_T"))
     say(f"rank {topology.world_rank}: census ok, {len(log)} calls, {float_moves} of float data "
-        "all by Put/Get")
+        f"all by Put/Get ({args.push_dtype} pushes)")
     endpoint.free()
 
 

@@ -60,7 +60,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
               one_process_trainer="distbelief.algorithms.sgd:train"),
     Algorithm("downpour", "distbelief.algorithms.downpour:train",
               "Downpour SGD against a sharded parameter server",
-              own_keys=("fetch",), shards="always"),
+              own_keys=("fetch", "push_dtype"), shards="always"),
     Algorithm("sandblaster", "distbelief.algorithms.sandblaster.roles:train",
               "Sandblaster L-BFGS", shards="always", coordinators=1),
     Algorithm("sync", "distbelief.algorithms.sync:train",

@@ -245,6 +245,50 @@ def adam_update(params: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarr
     bc2_sqrt = math.sqrt(1.0 - beta2 ** t)
     _kernels.adam_update(params, m, v, grad, step_size, 1.0 - beta1, beta2, 1.0 - beta2,
                          bc2_sqrt, eps, copy)
+# ---------------------------------------------------------------------------------------
+# bfloat16 (narrowed pushes): stored as its 16 bits in uint16, numpy having no bfloat16.
+
+def _check_bf16(name: str, a: object, writeable: bool = False) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.dtype != np.uint16:
+        raise TypeError(f"{name} must have dtype uint16 (bfloat16 bits), got {a.dtype}")
+    if a.ndim != 1 or not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be 1-D and C-contiguous, got shape {a.shape}")
+    if writeable and not a.flags.writeable:
+        raise ValueError(f"{name} is an output and must be writeable")
+    return a
+
+
+def bf16_narrow(src: np.ndarray, out: np.ndarray) -> None:
+    """out[:] = src rounded to bfloat16, as uint16 bits: round to nearest, ties to even;
+    values beyond bfloat16's range round to infinity; a NaN stays a quiet NaN of the same
+    sign. 1-D, equal length; src float32, out uint16."""
+    _check_float32("src", src, 1)
+    _check_bf16("out", out, writeable=True)
+    _check_shape("out", out, src.shape)
+    _check_no_overlap("out", out, {"src": src})
+    _kernels.bf16_narrow(src, out)
+
+
+def bf16_widen(src: np.ndarray, out: np.ndarray, accumulate: bool = False) -> None:
+    """out[:] = src (bfloat16 bits, uint16) as float32, exactly; with `accumulate`,
+    out += it instead. 1-D, equal length."""
+    _check_bf16("src", src)
+    _check_float32("out", out, 1, writeable=True)
+    _check_shape("out", out, src.shape)
+    _check_no_overlap("out", out, {"src": src})
+    _kernels.bf16_widen(src, out, bool(accumulate))
+
+
+def bf16_round(src: np.ndarray, out: np.ndarray) -> None:
+    """out[:] = src rounded to bfloat16's precision (bf16_narrow, then widened), float32
+    in and out; `out` may be `src` itself."""
+    _check_float32("src", src, 1)
+    _check_float32("out", out, 1, writeable=True)
+    _check_shape("out", out, src.shape)
+    _check_no_overlap("out", out, {"src": src}, may_be=("src",))
+    _kernels.bf16_round(src, out)
 
 
 def _check_copy(copy: np.ndarray | None, params: np.ndarray,

@@ -8,6 +8,16 @@ operations, and a read of VERSION_NOW for staleness, ride in the same round); (2
 the gradient into it; (3) mark it FULL (Compare_and_swap). Each round is completed by
 Flush. A pull is rma_windows.PublishedReader's registered read.
 
+NARROWED PUSHES. With push_dtype "bfloat16" (optimizer.push_dtype) the client rounds each
+piece of the gradient to bfloat16 into a buffer of its own just before its Put, which
+then moves half the bytes; the shard widens it back (rma_shard). The buffer is reused at
+the next push only after that push's Put completed (every call completes the previous
+one's transfers first).
+
+BYTES. `bytes_sent` counts the gradient data this client Put, `bytes_received` the
+parameter data it Got (the 8-byte counters, headers and atomics are not counted: tens of
+bytes a step against megabytes).
+
 READ-YOUR-WRITES. `catch_up()` pulls again until the pulled buffers' FOLDED count of this
 client's pushes reaches the pushes it made, waiting only for the shards (polling the
 8-byte FOLDED_HINT in between).
@@ -23,6 +33,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from distbelief.model import kernels
 from distbelief.model.layout import DTYPE
 from distbelief.ps.endpoint import (
     CONTROL_SHARD,
@@ -34,7 +45,6 @@ from distbelief.ps.endpoint import (
 )
 from distbelief.ps.rma_windows import (
     DONE,
-    FLOAT_BYTES,
     VERSION_NOW,
     PublishedReader,
     _complete,
@@ -63,6 +73,11 @@ class ParameterClient(_Endpoint):
     def __init__(self, comm: MPI.Comm, windows: _ShardWindows, topology: Topology,
                  size: int, send_fetched: bool = False):
         super().__init__(comm, windows, topology, size)
+        self.bytes_sent = 0
+        # bfloat16 pushes: the narrowed gradient, Put from here (rma_windows.PUSH_BYTES;
+        # shared memory's segments name no push_dtype: SharedMemoryClient rounds itself)
+        self._narrowed = (np.zeros(size, dtype=np.uint16)
+                          if getattr(windows, "push_dtype", "float32") == "bfloat16" else None)
         shards = topology.ps_shards
         # Pushes always carry the version they were computed on, in their FULL mark:
         # AdaRevision's shards use it. (`send_fetched` is kept for the interface.)
@@ -135,6 +150,11 @@ class ParameterClient(_Endpoint):
         self._segments = segments
         self._touched = np.array([bool(s) for s in segments])
 
+    @property
+    def bytes_received(self) -> int:
+        """Parameter data pulled so far, in bytes (see BYTES above)."""
+        return self._reader.bytes_received
+
     def _check_vector(self, vector: np.ndarray, what: str) -> None:
         if vector.dtype != DTYPE or vector.shape != (self.size,) or not vector.flags.c_contiguous:
             raise ValueError(f"{what} must be a contiguous float32 vector of {self.size} "
@@ -199,14 +219,22 @@ class ParameterClient(_Endpoint):
                         backoff.wait()
 
     def _issue_push_data(self, win: MPI.Win, grad: np.ndarray) -> None:
-        """A push's second round: Put each shard's segments of `grad` into its slot."""
+        """A push's second round: Put each shard's segments of `grad` into its slot (as
+        bfloat16 with a narrowed push, each segment rounded just before its Put)."""
         windows = self._live()
+        narrowed, width = self._narrowed, windows.push_bytes
         for shard in self._pulled_shards():
             low, high = self.ranges[shard]
             base = windows.slot_offset(int(self._slot[shard]), high - low)
             for start, stop in self._segments[shard]:
-                win.Put([grad[start:stop], MPI.FLOAT], shard,
-                        (base + (start - low) * FLOAT_BYTES, stop - start, MPI.FLOAT))
+                target = (base + (start - low) * width, stop - start)
+                if narrowed is None:
+                    win.Put([grad[start:stop], MPI.FLOAT], shard, (*target, MPI.FLOAT))
+                else:
+                    kernels.bf16_narrow(grad[start:stop], narrowed[start:stop])
+                    win.Put([narrowed[start:stop], MPI.UINT16_T], shard,
+                            (*target, MPI.UINT16_T))
+                self.bytes_sent += (stop - start) * width
         self._maybe_hang(CONTROL_SHARD, "its slot claimed and its data issued on shard")
 
     def _issue_push_done(self, win: MPI.Win) -> None:

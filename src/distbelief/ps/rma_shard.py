@@ -9,7 +9,8 @@ the slot FULL (Compare_and_swap id -> FULL with the version it pulled). On every
 shard reads the slot states, sums every FULL slot into one update (plain loads: nobody
 writes a FULL slot), frees them, applies the sum with its optimizer and publishes. No
 push waits for another, so a slow or dead replica delays nobody: its claim only holds
-its slot. Each push is folded exactly once (FULL is set once, freed once). A gone
+its slot. Slots of bfloat16 pushes (optimizer.push_dtype) are widened to float32 as they
+are summed (distbelief.model.kernels.bf16_widen), so the optimizer sees float32 as ever. Each push is folded exactly once (FULL is set once, freed once). A gone
 client's unfilled claim is written off and its slot quarantined (QUARANTINE_S), through
 `watch_clients`. Staleness: the client reads VERSION_NOW with its claim; staleness =
 updates applied before its push - the version it pulled.
@@ -41,6 +42,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
+from distbelief.model import kernels
 from distbelief.model.layout import DTYPE
 from distbelief.ps import run_control as rc
 from distbelief.ps.endpoint import (
@@ -119,7 +121,9 @@ class ParameterServerShard(_Endpoint):
         self._control = accum[HEADER_BYTES : HEADER_BYTES + windows.control_bytes].view(np.int64)
         # Views for the shard's own loads and stores (legal only where the protocol says
         # no RMA access can be concurrent: a FULL slot, an unregistered old buffer).
-        self._slots = [accum[o : o + count * FLOAT_BYTES].view(DTYPE)
+        self._narrowed = windows.push_dtype == "bfloat16"
+        slot_dtype = np.uint16 if self._narrowed else DTYPE
+        self._slots = [accum[o : o + count * windows.push_bytes].view(slot_dtype)
                        for o in (windows.slot_offset(k, count) for k in range(windows.slots))]
         self._buffers = []
         for b in range(BUFFERS):
@@ -313,9 +317,14 @@ class ParameterServerShard(_Endpoint):
         t0 = time.perf_counter()
         win = windows.accum
         win.Sync()
-        np.copyto(self._grad, self._slots[full[0]])
-        for k in full[1:]:
-            self._grad += self._slots[k]
+        if self._narrowed:  # bfloat16 slots, widened exactly and summed in float32
+            kernels.bf16_widen(self._slots[full[0]], self._grad)
+            for k in full[1:]:
+                kernels.bf16_widen(self._slots[k], self._grad, accumulate=True)
+        else:
+            np.copyto(self._grad, self._slots[full[0]])
+            for k in full[1:]:
+                self._grad += self._slots[k]
         win.Sync()
         fetched = 0
         for k in full:

@@ -13,7 +13,8 @@ Windows (per shard; size 0 on every other rank), allocated with Win.Allocate ove
 private duplicate of the world communicator, displacement unit 1 byte, int64 slots:
 
     ACCUM  [0:64) DONE, VERSION_NOW | run control block (shard 0's is used) |
-           SLOT[K] states | K push slots of the slice (float32)
+           SLOT[K] states | K push slots of the slice (float32, or bfloat16 bits with
+           optimizer.push_dtype = "bfloat16": PUSH_BYTES)
     PARAMS [0:64) NEWEST, PULLS | READING[world size] | FOLDED_HINT[clients] |
            BUFFERS published buffers, each [VERSION, APPLIED, FOLDED[clients]] + slice
 
@@ -55,6 +56,9 @@ from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, _aligned
 from distbelief.runtime import watchdog
 
 FLOAT_BYTES = DTYPE().itemsize
+PUSH_BYTES = {"float32": FLOAT_BYTES, "bfloat16": 2}
+"""Bytes per element of a push slot, by optimizer.push_dtype: a bfloat16 push is the
+upper half of each float32 (distbelief.model.kernels.bf16_narrow), Put as MPI.UINT16_T."""
 # int64 slots of the ACCUM header and of the PARAMS header
 DONE, VERSION_NOW = 0, 1
 NEWEST, PULLS = 0, 1
@@ -144,7 +148,10 @@ def _window_info() -> MPI.Info:
     """What each MPI needs to do the atomics as network atomics (docs/rma-protocol.md):
     Open MPI's osc/ucx takes no accumulate lock for count-1 atomics of one predefined
     type with `acc_single_intrinsic`; MPICH is told the only ops used and that no
-    ordering between accumulates is needed (every dependent one waits for a Flush)."""
+    ordering between accumulates is needed (every dependent one waits for a Flush).
+    MPICH's `disable_shm_accumulate` stays unset (false): set, every atomic on one node
+    waits for the target's progress engine, 80-90x fewer per second against a polling
+    shard (benchmarks/RMA_NOTES.md section 13)."""
     info = MPI.Info.Create()
     info.Set("accumulate_ops", "same_op_no_op")
     info.Set("accumulate_ordering", "none")
@@ -158,8 +165,10 @@ class _ShardWindows:
     """The two windows of every shard, allocated and freed collectively in one order."""
 
     def __init__(self, comm: MPI.Comm, local_count: int, control_bytes: int = 0,
-                 clients: int = 0):
+                 clients: int = 0, push_dtype: str = "float32"):
         self.control_bytes = control_bytes
+        self.push_dtype = push_dtype
+        self.push_bytes = PUSH_BYTES[push_dtype]
         self.clients = clients
         self.readers = comm.Get_size()
         self.slots = push_slots(clients)
@@ -193,9 +202,9 @@ class _ShardWindows:
         return self.slot_states + k * COUNTER_BYTES
 
     def slot_offset(self, k: int, count: int) -> int:
-        """Byte offset of push slot k's float32 data on a shard of `count` parameters
-        (windows are the same size on every rank but a shard's: 0)."""
-        return self.slot_data + k * _aligned(count * FLOAT_BYTES)
+        """Byte offset of push slot k's data (push_bytes per element) on a shard of
+        `count` parameters (windows are the same size on every rank but a shard's: 0)."""
+        return self.slot_data + k * _aligned(count * self.push_bytes)
 
     def reader(self, rank: int) -> int:
         """Byte offset of READING[rank]."""
@@ -235,6 +244,7 @@ class PublishedReader:
         self.registration = np.zeros((shards, 1), dtype=np.int64)
         self.previous = np.zeros((shards, 1), dtype=np.int64)
         self.registered: list[int] = []  # shards where READING[me] may be set
+        self.bytes_received = 0  # parameter data Got so far (headers not counted)
         self._one = np.ones(1, dtype=np.int64)
         self._zero = np.zeros(1, dtype=np.int64)
 
@@ -285,6 +295,7 @@ class PublishedReader:
             for start, stop in segments[s]:
                 win.Get([out[start:stop], MPI.FLOAT], s,
                         (data + (start - low) * FLOAT_BYTES, stop - start, MPI.FLOAT))
+                self.bytes_received += (stop - start) * FLOAT_BYTES
 
     def issue_deregister(self) -> None:
         """READING[me] = 0 on every shard registered on (once its Gets completed)."""

@@ -84,6 +84,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.errors import ConfigError
+from distbelief.model import kernels
 from distbelief.model.layout import DTYPE
 from distbelief.ps import run_control as rc
 from distbelief.ps.endpoint import (
@@ -433,8 +434,14 @@ class SharedMemoryClient(ParameterClient):
     shard 0 for a control exchange)."""
 
     def __init__(self, comm: MPI.Comm, segments: _SharedSegments, topology: Topology,
-                 size: int, optimizer: OptimizerFactory):
+                 size: int, optimizer: OptimizerFactory, push_dtype: str = "float32"):
         super().__init__(comm, segments, topology, size)
+        # optimizer.push_dtype = "bfloat16": each push is rounded to bfloat16 here, as the
+        # RMA transport's pushes are, and folded from this float32 copy (one node moves no
+        # bytes over a wire, so nothing is narrowed in memory): the same numbers train.
+        self._rounded = (np.zeros(size, dtype=np.float32) if push_dtype == "bfloat16"
+                         else None)
+        self._received = 0
         self._slot = topology.world_rank - topology.ps_shards
         self._pulls = 0  # pulls made (each reads every shard), published under EXCLUSIVE
         # One optimizer per shard, working on that shard's state arrays (a copy of what
@@ -485,11 +492,27 @@ class SharedMemoryClient(ParameterClient):
             pieces.append(folders)
         return pieces
 
+    @property
+    def bytes_received(self) -> int:
+        """Parameter data copied out of the shards' segments so far, in bytes."""
+        return self._received
+
+    def _rounded_to_push_dtype(self, grad: np.ndarray) -> np.ndarray:
+        """`grad` as this client pushes it: itself, or (bfloat16 pushes) its pieces
+        rounded to bfloat16 in a copy."""
+        if self._rounded is None:
+            return grad
+        for pieces in self._pieces:
+            for start, stop, _ in pieces:
+                kernels.bf16_round(grad[start:stop], self._rounded[start:stop])
+        return self._rounded
+
     def _read(self, seg: _Segment, shard: int, out: np.ndarray) -> None:
         """Copy this client's pieces of a segment's parameters, and its version."""
         low = self.ranges[shard][0]
         for start, stop, _ in self._pieces[shard]:
             np.copyto(out[start:stop], seg.params[start - low : stop - low])
+            self._received += (stop - start) * DTYPE().itemsize
         self._headers[shard] = seg.header[VERSION], seg.header[APPLIED]
 
     def _fold(self, seg: _Segment, shard: int, grad: np.ndarray,
@@ -504,6 +527,10 @@ class SharedMemoryClient(ParameterClient):
             self._taken[shard, 0] = version
             for start, stop, optimizer in self._pieces[shard]:
                 copy_to = None if out is None else out[start:stop]
+                # the gradient folded in, the new values copied out (float32 both ways)
+                self.bytes_sent += (stop - start) * DTYPE().itemsize
+                if out is not None:
+                    self._received += (stop - start) * DTYPE().itemsize
                 if getattr(optimizer, "revises", False):
                     # AdaRevision: revised for the updates since this client's last pull
                     optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
@@ -553,6 +580,7 @@ class SharedMemoryClient(ParameterClient):
         self._check_vector(grad, "gradient")
         segments = self._check_open()
         self._wait_served(self._pushed_to(control))
+        grad = self._rounded_to_push_dtype(grad)
         for shard in self._pushed_to(control):
             with segments.lock(shard, exclusive=True) as seg:
                 self._fold(seg, shard, grad, control)
@@ -567,6 +595,7 @@ class SharedMemoryClient(ParameterClient):
         self._check_vector(out, "pull buffer")
         segments = self._check_open()
         self._wait_served(self._pushed_to(control))
+        grad = self._rounded_to_push_dtype(grad)
         self._pulls += 1  # published by the folds below, with this pull
         for shard in self._pushed_to(control):
             with segments.lock(shard, exclusive=True) as seg:

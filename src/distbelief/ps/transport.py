@@ -19,7 +19,7 @@ from distbelief.ps import run_control as rc
 from distbelief.ps.endpoint import TRANSPORT_ENV, TRANSPORTS, OptimizerFactory
 from distbelief.ps.rma_client import ParameterClient
 from distbelief.ps.rma_shard import ParameterServerShard
-from distbelief.ps.rma_windows import _ShardWindows
+from distbelief.ps.rma_windows import PUSH_BYTES, _ShardWindows
 from distbelief.ps.shared_memory import SharedMemoryClient, SharedMemoryShard, _open_shared
 from distbelief.runtime.topology import Topology
 
@@ -41,6 +41,7 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
                           transport: str | None = None,
                           control_replicas: int = 0,
                           gradients_before: int = 0,
+                          push_dtype: str = "float32",
                           ) -> ParameterServerShard | ParameterClient:
     """Create the parameter server: a ParameterServerShard on shard ranks, a
     ParameterClient on every other rank (replicas and the coordinator).
@@ -58,9 +59,15 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
     `gradients_before`: on a shard, the gradients its slice had applied in earlier jobs
     (its checkpoint says), where the count its optimizer steps with (`update=`, the
     learning-rate schedule's position) continues.
+    `push_dtype` (optimizer.push_dtype, rma_windows.PUSH_BYTES): "bfloat16" rounds each
+    pushed gradient to bfloat16; over RMA the push slots hold bfloat16 (half the bytes
+    Put), on shared memory the client folds the rounded float32 gradient.
     Returns once every shard has published its initial parameters.
     """
     requested = requested_transport(transport)
+    if push_dtype not in PUSH_BYTES:
+        raise ConfigError(f"push_dtype {push_dtype!r} must be one of "
+                          f"{', '.join(PUSH_BYTES)}")
     if size < topology.ps_shards:
         raise ConfigError(f"cannot shard {size} parameters over {topology.ps_shards} "
                           f"parameter-server shards; use at most {size} shards")
@@ -90,12 +97,14 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
                                          gradients_before)
         comm.Barrier()  # every shard has initialised its segment
         if not topology.is_shard:
-            endpoint = SharedMemoryClient(comm, segments, topology, size, optimizer)
+            endpoint = SharedMemoryClient(comm, segments, topology, size, optimizer,
+                                          push_dtype)
         return endpoint
     index = topology.shard_index
     local_count = 0 if index is None else ranges[index][1] - ranges[index][0]
     windows = _ShardWindows(comm, local_count, rc.block_bytes(control_replicas),
-                            clients=topology.world_size - topology.ps_shards)
+                            clients=topology.world_size - topology.ps_shards,
+                            push_dtype=push_dtype)
     # Local set-up: a shard publishes its initial parameters under its own lock.
     if topology.is_shard:
         endpoint = ParameterServerShard(comm, windows, topology, size,

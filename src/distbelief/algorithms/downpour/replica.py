@@ -52,7 +52,9 @@ def make_replica(run: Any, network: Any, fetch: str) -> Any:
 class ReplicaStats:
     """What one replica did. Times are wall seconds; `train_seconds` runs from its first
     claim to its finish (warm-start waiting excluded), `rma_seconds` is the part of it
-    spent in pushes and pulls."""
+    spent in pushes and pulls. `bytes_sent` and `bytes_received`: the gradient data its
+    pushes moved to the shards and the parameter data its fetches moved back, over the
+    transport (ps.rma_client's BYTES; the names every algorithm reports, issue 33)."""
 
     replica: int
     rank: int
@@ -67,6 +69,8 @@ class ReplicaStats:
     bad_gradients: int = 0
     started_at_step: int = 0
     checkpoint_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
     staleness: StalenessStats = field(default_factory=StalenessStats)
 
     def to_dict(self) -> dict[str, Any]:
@@ -440,6 +444,8 @@ class Replica:
                 backoff.wait()
 
     def stats(self) -> dict[str, Any]:
+        self.stats_.bytes_sent = int(self.client.bytes_sent)
+        self.stats_.bytes_received = int(self.client.bytes_received)
         return {"role": "replica", **self.stats_.to_dict()}
 
 

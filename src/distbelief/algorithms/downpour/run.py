@@ -120,7 +120,8 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
         comm, topology, network.layout.size,
         lambda n: start.optimizer if start.optimizer is not None else shard_update(n),
         initial, control_replicas=plan.num_replicas,
-        gradients_before=start.gradients_before)
+        gradients_before=start.gradients_before,
+        push_dtype=config.optimizer.push_dtype)
     if isinstance(endpoint, ParameterServerShard):
         # A replica killed mid-push is written off as soon as its process is seen gone; a
         # live one is waited for as long as a live rank may go without a heartbeat.

@@ -557,6 +557,10 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "checkpoints_written": sup.checkpoints, "checkpoint_seconds": sup.checkpoint_seconds,
         "lost_replicas": [asdict(lost) for _, lost in sorted(sup.lost.items())],
         "staleness": _combined_staleness(replicas),
+        "push_dtype": config.optimizer.push_dtype,
+        # every replica rank's, summed (each also in its `replicas` entry)
+        "bytes_sent": sum(r["bytes_sent"] for r in replicas),
+        "bytes_received": sum(r["bytes_received"] for r in replicas),
         "replicas": replicas, "shards": sup.shard_stats,
     }
 
