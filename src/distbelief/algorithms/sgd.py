@@ -32,18 +32,13 @@ from typing import IO, Any
 import numpy as np
 
 from distbelief.algorithms.common import (
-    RESUME_MODES,
     StopRules,
     StopSignals,
     TrainingDiverged,
     evaluate,
-    load_eval_set,
-    open_data,
-    prepare_run_dir,
-    run_recorder,
-    starting_checkpoint,
     train_shard,
 )
+from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
@@ -51,8 +46,6 @@ from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
     ResumePoint,
     RunRecorder,
-    accuracy_text,
-    target_text,
 )
 from distbelief.runtime.threads import apply_thread_setting
 
@@ -66,26 +59,22 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
     silence). `resume` is one of RESUME_MODES.
     """
 
-    if resume not in RESUME_MODES:
-        raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
     apply_thread_setting(config.run.threads)
-    info, network = open_data(config)
+    session = RunSession("sgd", config, None, stream, resume)
+    info, network = session.info, session.network
     # Before config.json is rewritten: a refused resume leaves the run folder as it was.
-    start_from = starting_checkpoint(config, network.layout, resume, stream)
-    out_dir = prepare_run_dir(config)
-    eval_set = load_eval_set(config, info)
+    session.choose_checkpoint()
+    start_from = session.found
+    eval_set = session.load_eval_set()
     shard = train_shard(config, info, 0, 1)
     params = network.init_params(config.run.seed)
     optimizer = build_optimizer(config, params.size)
     state = TrainState()
-    resume_point = None
     if start_from is not None:
-        resume_point = restore(start_from, params, optimizer, shard, state)
-    say(stream, f"distbelief: sgd, {network.layout.size:,d} parameters, data "
-                   f"{info.path} ({info.n_train} train / {len(eval_set[1])} eval samples), "
-                   f"out {out_dir}\n{network.describe()}")
+        restore(start_from, params, optimizer, shard, state)
+    session.describe_run(f"{network.layout.size:,d} parameters", len(eval_set[1]))
 
-    recorder = run_recorder(config, info, stream, resume=resume_point)
+    recorder = session.open_recorder()
     saver = Checkpointer(config, network.layout, params, optimizer, shard, recorder, stream,
                          last_step=state.step if start_from is not None else None)
     # Overflow in a diverging run is reported once, as TrainingDiverged, not as a stream of
@@ -94,14 +83,7 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
         reason = _train_loop(config, network, shard, optimizer, params, eval_set, recorder,
                              saver, signals, state)
         saver.save(state)
-        summary = recorder.finish({
-            "algorithm": "sgd", "stop_reason": reason, "config_hash": config_hash(config),
-            "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
-            "resumed_from": str(start_from.path) if start_from is not None else None,
-            "checkpoint": str(saver.last_path) if saver.last_path else None,
-        })
-    say(stream, _summary_line(summary, out_dir))
-    return summary
+        return session.finish(reason, checkpoint=saver.last_path)
 
 
 @dataclass
@@ -248,10 +230,3 @@ def _diverged(recorder: RunRecorder, step: int, samples: int, loss: float,
     raise TrainingDiverged(f"training diverged: the loss is {loss} at step {step}; "
                            f"lower optimizer.learning_rate "
                            f"(now {config.optimizer.learning_rate:g})")
-
-
-def _summary_line(summary: dict[str, Any], out_dir: Path) -> str:
-    text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['steps']} steps, "
-            f"{summary['wall_seconds']:.1f}s; {accuracy_text(summary)}")
-    return f"{text}{target_text(summary)}\nresults in {out_dir}"
-
