@@ -185,15 +185,18 @@ class RunSession:
     def finish(self, reason: str, extras: dict[str, Any] | None = None,
                checkpoint: str | Path | None = None, *, eval_samples: int | None = None,
                steps_note: str = "", note: str = "", steps: int | None = None,
-               recorder: RunRecorder | None = None) -> dict[str, Any] | None:
+               recorder: RunRecorder | None = None,
+               closing_line: bool = True) -> dict[str, Any] | None:
         """On the reporting rank: summary.json written (the shared keys, then `extras`)
-        and the closing line printed ("stopped (reason) after N steps`steps_note`, T s;
-        accuracy`note`", the target, where the results are); returns the summary. None
-        on the other ranks."""
+        and, with `closing_line`, the closing line printed ("stopped (reason) after N
+        steps`steps_note`, T s; accuracy`note`", the target, where the results are);
+        returns the summary. None on the other ranks."""
         recorder = recorder or self.recorder
         if recorder is None:
             return None
         summary = recorder.finish(self.summary(reason, extras, checkpoint, eval_samples))
+        if not closing_line:
+            return summary
         self.say(f"distbelief: stopped ({reason}) after "
                  f"{summary['steps'] if steps is None else steps} steps{steps_note}, "
                  f"{summary['wall_seconds']:.1f}s; {accuracy_text(summary)}{note}"
