@@ -143,12 +143,15 @@ class RunSession:
         if self.reporting:
             say(self.stream, text)
 
-    def describe_run(self, what: str, eval_samples: int, notes: str = "",
-                     model: str = "") -> None:
-        """The opening line: the algorithm, `what` runs it, the data and the run folder,
-        then the network (and `model`, a partitioned network's own description)."""
+    def describe_run(self, what: str, eval_samples: int, notes: str = "", model: str = "",
+                     sep: str = ", ") -> None:
+        """The opening line, on the reporting rank: the algorithm, `what` runs it, the
+        data and the run folder, `notes`, then the network (and `model`, a partitioned
+        network's own description)."""
+        if not self.reporting:
+            return
         info = self.info
-        self.say(f"distbelief: {self.algorithm}, {what}, data {info.path} ({info.n_train} "
+        self.say(f"distbelief: {self.algorithm}, {what}{sep}data {info.path} ({info.n_train} "
                  f"train / {eval_samples} eval samples), out {self.out_dir}{notes}\n"
                  f"{self.network.describe()}" + (f"\n{model}" if model else ""))
 
