@@ -39,20 +39,12 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import (
-    EVAL_BATCH_SIZE,
-    STOP_CODE_OF,
-    STOP_CODES,
-    StopRules,
-    StopSignals,
-    TrainingDiverged,
-    train_shard,
-)
+from distbelief.algorithms.common import EVAL_BATCH_SIZE, STOP_CODE_OF, STOP_CODES, StopSignals
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer
 from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork
-from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder
+from distbelief.records.metrics import LOG_EVERY_SECONDS
 from distbelief.runtime.agreement import agree, polled_bcast
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
@@ -102,19 +94,19 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                           "\"downpour\" (which checkpoints) or start without --resume")
     check_rank_count(config, comm.Get_size())
     session = RunSession("sgd", config, comm, stream, resume)
-    info, network = session.info, session.network
+    network = session.network
     model = PartitionedNetwork(network, comm)
     set_blas_threads(config.run.threads or 1)
     session.start_fresh()  # nothing here can be resumed
     eval_set, shard = agree(comm, lambda: (session.load_eval_set(),
-                                           train_shard(config, info, 0, 1)))
+                                           session.train_shard(0, 1)))
     params = model.init_params(config.run.seed)
     optimizer = build_optimizer(config, params.size)
     session.describe_run(f"{network.layout.size:,d} parameters over {comm.Get_size()} "
                          f"partitions (this one {model.local_size:,d})", len(eval_set[1]),
                          "; checkpoints are not written for partitioned runs",
                          model.describe(), sep="; ")
-    recorder = session.open_recorder()
+    session.open_recorder()
 
     def describe(rank: int) -> str:
         return f"rank {rank} (partition {rank})"
@@ -123,8 +115,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     # A lost partition: one replica over P ranks, nothing goes on without it. No
     # checkpoint is written for partitioned runs, so nothing is left half written either.
     with session.watched(describe) as (signals, _):
-        reason, step = _loop(config, model, shard, optimizer, params, eval_set, recorder,
-                             signals)
+        reason, step = _loop(session, model, shard, optimizer, params, eval_set, signals)
     traffic = traffic_totals(model)
     if traffic is None:
         return None
@@ -133,11 +124,11 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                                f"partitions")
 
 
-def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
-          params: np.ndarray, eval_set: tuple, recorder: RunRecorder | None,
-          signals: StopSignals) -> tuple[str, int]:
+def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer: Any,
+          params: np.ndarray, eval_set: tuple, signals: StopSignals) -> tuple[str, int]:
     """The lockstep loop; returns (why it stopped, steps). Collective over model.comm."""
-    comm, rules = model.comm, StopRules.from_config(config)
+    config, recorder = session.config, session.recorder
+    comm, rules = model.comm, session.rules
     batch_size, eval_every = config.data.batch_size, config.run.eval_every_seconds
     grad = np.zeros_like(params)
     decision = np.zeros(2, dtype=np.int32)  # stop code, evaluate now
@@ -156,11 +147,7 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
         x, y = shard.next_batch(batch_size)
         loss = model.loss_and_grad(params, x, y, grad)
         if not math.isfinite(loss):  # the same loss on every partition: all stop here
-            if recorder:
-                recorder.finish({"algorithm": "sgd", "stop_reason": "diverged"})
-            raise TrainingDiverged(f"training diverged: the loss is {loss} at step "
-                                   f"{step + 1}; lower optimizer.learning_rate (now "
-                                   f"{config.optimizer.learning_rate:g})")
+            raise session.diverged(f"{loss} at step {step + 1}")
         optimizer.step(params, grad, update=step)
         step += 1
         if faults:

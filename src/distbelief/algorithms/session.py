@@ -6,6 +6,8 @@ how a trainer uses it.
     session = RunSession("sync", config, comm, stream, resume)   resume checked, data open
     session.choose_checkpoint(replicas=R, kind="synchronous")   agreed; path on every rank
     session.load_eval_set()                  the evaluation set (validation, else test)
+    session.train_shard(replica, replicas)   a replica's part of the training set
+    session.rules, session.diverged(loss)    the stop rules; the error a diverged run raises
     session.open_recorder()                  the reporting rank's RunRecorder
     with session.watched(describe) as (signals, peers): ...   watchdog, signals, abort
     session.finish(reason, extras, checkpoint=...)   summary.json and the closing line
@@ -23,6 +25,7 @@ import numpy as np
 
 from distbelief.algorithms.common import (
     RESUME_MODES,
+    StopRules,
     StopSignals,
     TrainingDiverged,
     check_replica_count,
@@ -32,6 +35,7 @@ from distbelief.algorithms.common import (
     run_recorder,
     start_over,
     starting_checkpoint,
+    train_shard,
     watched_run,
 )
 from distbelief.config import Config, config_hash
@@ -58,6 +62,7 @@ class RunSession:
         self.stream, self.resume = stream, resume
         self.rank = comm.Get_rank() if comm is not None else 0
         self.info, self.network = open_data(config)
+        self.rules = StopRules.from_config(config)
         self.found: ckpt.Checkpoint | None = None  # on the reporting rank
         self.start_path: str | None = None  # on every rank
         self.eval_set: tuple[np.ndarray, np.ndarray] | None = None
@@ -119,6 +124,10 @@ class RunSession:
             self.found = ckpt.Checkpoint(Path(self.start_path),
                                          ckpt.read_manifest(Path(self.start_path)))
         return self.found
+
+    def train_shard(self, replica: int, replicas: int) -> Any:
+        """Replica `replica`'s part of the training set, of `replicas` (common.train_shard)."""
+        return train_shard(self.config, self.info, replica, replicas)
 
     def load_eval_set(self) -> tuple[np.ndarray, np.ndarray]:
         """The samples every evaluation uses (common.load_eval_set), kept for the summary."""

@@ -46,15 +46,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import (
-    EVAL_BATCH_SIZE,
-    STOP_CODE_OF,
-    STOP_CODES,
-    StopRules,
-    StopSignals,
-    TrainingDiverged,
-    train_shard,
-)
+from distbelief.algorithms.common import EVAL_BATCH_SIZE, STOP_CODE_OF, STOP_CODES, StopSignals
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.errors import ConfigError, DataError
@@ -152,7 +144,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     eval_set = agree(comm, lambda: session.load_eval_set() if rank == 0 else None)
     opt = config.optimizer
     params = network.init_params(config.run.seed)  # the same on every rank (same seed)
-    replica = Replica(comm, network, train_shard(config, info, rank, size), params,
+    replica = Replica(comm, network, session.train_shard(rank, size), params,
                       build_optimizer(config, params.size),
                       others=tuple(r for r in range(size) if r != rank))
     found = agree(comm, lambda: _restore(path, session.found, replica))
@@ -165,7 +157,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     with session.watched(describe_rank,
                          lambda lost, peers: _stop_for_lost(comm, peers, lost, saver)
                          ) as (signals, _):
-        reason = _loop(config, replica, eval_set, recorder, saver, signals)
+        reason = _loop(session, replica, eval_set, saver, signals)
         saver.save()
     return session.finish(reason, {
         "replicas": size, "average_every": opt.average_every,
@@ -173,11 +165,12 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         saver.last_path, steps_note=f" ({replica.averages} averages)")
 
 
-def _loop(config: Config, replica: Replica, eval_set: Any, recorder: RunRecorder | None,
-          saver: Saver, signals: StopSignals) -> str:
+def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
+          signals: StopSignals) -> str:
     """Blocks of local steps, each ending with an average; returns why the run stopped.
     Collective over replica.comm."""
-    rules, size = StopRules.from_config(config), replica.size
+    config, recorder = session.config, session.recorder
+    rules, size = session.rules, replica.size
     tau, batch_size = config.optimizer.average_every, config.data.batch_size
     eval_every = config.run.eval_every_seconds
     local_budget = -(-rules.max_steps // size) if rules.max_steps else 0
@@ -218,11 +211,7 @@ def _loop(config: Config, replica: Replica, eval_set: Any, recorder: RunRecorder
         if losses[1]:
             pending_loss, pending_count = pending_loss + losses[0], pending_count + losses[1]
         if not math.isfinite(losses[0]):  # the same sum on every rank: all stop here
-            if recorder is not None:
-                recorder.finish({"algorithm": "averaging", "stop_reason": "diverged"})
-            raise TrainingDiverged(f"training diverged: the loss is {losses[0]} at step "
-                                   f"{step}; lower optimizer.learning_rate (now "
-                                   f"{config.optimizer.learning_rate:g})")
+            raise session.diverged(f"{losses[0]} at step {step}")
         reason = STOP_CODES[int(flags[0])]
         if recorder is not None:
             now = time.monotonic()

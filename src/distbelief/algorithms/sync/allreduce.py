@@ -43,15 +43,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import (
-    EVAL_BATCH_SIZE,
-    STOP_CODE_OF,
-    STOP_CODES,
-    StopRules,
-    StopSignals,
-    TrainingDiverged,
-    train_shard,
-)
+from distbelief.algorithms.common import EVAL_BATCH_SIZE, STOP_CODE_OF, STOP_CODES, StopSignals
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
@@ -80,11 +72,11 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     session = RunSession("sync", config, comm, stream, resume)
     rank, replicas = comm.Get_rank(), comm.Get_size()
     set_blas_threads(config.run.threads or 1)
-    info, network = session.info, session.network
+    network = session.network
     start_path = session.choose_checkpoint(replicas, "synchronous",
                                            why=" (their data positions)")
     eval_set = _eval_slice(session.load_eval_set(), rank, replicas)
-    shard = train_shard(config, info, rank, replicas)
+    shard = session.train_shard(rank, replicas)
     params = network.init_params(config.run.seed)
     optimizer = build_optimizer(config, params.size)
     state = {"step": 0, "samples": 0}
@@ -92,9 +84,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         restore(Path(start_path), rank, params, optimizer, shard, state)
     session.describe_run(f"{replicas} replicas (allreduce, no backup workers), "
                          f"{network.layout.size:,d} parameters", eval_set[2])
-    recorder = session.open_recorder()
-    run = _Run(config, comm, network, shard, optimizer, params, eval_set, recorder, state,
-               stream)
+    session.open_recorder()
+    run = _Run(session, comm, shard, optimizer, params, eval_set, state)
 
     def describe(r: int) -> str:
         return f"replica {r} (rank {r})"
@@ -164,12 +155,12 @@ def write_checkpoint(config: Config, layout: Any, params: np.ndarray, optimizer:
 class _Run:
     """One replica's side of the lockstep loop, its evaluations and checkpoints."""
 
-    def __init__(self, config: Config, comm: MPI.Comm, network: Any, shard: Any,
-                 optimizer: Any, params: np.ndarray, eval_set: tuple, recorder: Any,
-                 state: dict[str, int], stream: IO[str] | None):
-        self.config, self.comm, self.network, self.shard = config, comm, network, shard
+    def __init__(self, session: RunSession, comm: MPI.Comm, shard: Any, optimizer: Any,
+                 params: np.ndarray, eval_set: tuple, state: dict[str, int]):
+        self.session, self.config, self.comm = session, session.config, comm
+        self.network, self.shard = session.network, shard
         self.optimizer, self.params, self.eval_set = optimizer, params, eval_set
-        self.recorder, self.state, self.stream = recorder, state, stream
+        self.recorder, self.state, self.stream = session.recorder, state, session.stream
         self.rank, self.replicas = comm.Get_rank(), comm.Get_size()
         self.others = [r for r in range(self.replicas) if r != self.rank]
         self.last_path: str | None = None
@@ -181,7 +172,7 @@ class _Run:
     def loop(self, signals: StopSignals) -> str:
         """Train until a stop rule fires; returns why. Collective over the replicas."""
         config, comm, n = self.config, self.comm, self.params.size
-        rules = StopRules.from_config(config)
+        rules = self.session.rules
         batch = config.data.batch_size
         run = config.run
         # Named buffers for the collectives (they must outlive each non-blocking call).
@@ -224,11 +215,7 @@ class _Run:
                      "the step's gradient allreduce", self.others)
             loss = float(total[n]) / self.replicas
             if not math.isfinite(loss):  # the same sum everywhere: every replica stops
-                if self.recorder is not None:
-                    self.recorder.finish({"algorithm": "sync", "stop_reason": "diverged"})
-                raise TrainingDiverged(f"training diverged: the loss is {loss} at step "
-                                       f"{step + 1}; lower optimizer.learning_rate (now "
-                                       f"{config.optimizer.learning_rate:g})")
+                raise self.session.diverged(f"{loss} at step {step + 1}")
             mean_grad *= np.float32(1.0 / self.replicas)
             self.optimizer.step(self.params, mean_grad, update=step)
             step, samples = step + 1, samples + batch * self.replicas
