@@ -50,17 +50,20 @@ class RunSession:
     checkpoint it starts from, its evaluation set and (on the reporting rank) its recorder.
 
     `comm` is None for a one-process trainer; with a communicator, the methods that say
-    so are collective over it. The reporting rank (rank 0 of `comm`) writes the run
-    folder, the metrics and the summary, and prints to `stream`.
+    so are collective over it. The reporting rank (`reporting_rank` of `comm`, rank 0
+    unless the trainer's plan names another) writes the run folder, the metrics and the
+    summary, and prints to `stream`.
     """
 
     def __init__(self, algorithm: str, config: Config, comm: Any = None,
-                 stream: IO[str] | None = sys.stdout, resume: str = "auto"):
+                 stream: IO[str] | None = sys.stdout, resume: str = "auto",
+                 reporting_rank: int = 0):
         if resume not in RESUME_MODES:
             raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
         self.algorithm, self.config, self.comm = algorithm, config, comm
         self.stream, self.resume = stream, resume
         self.rank = comm.Get_rank() if comm is not None else 0
+        self.reporting_rank = reporting_rank
         self.info, self.network = open_data(config)
         self.rules = StopRules.from_config(config)
         self.found: ckpt.Checkpoint | None = None  # on the reporting rank
@@ -70,7 +73,7 @@ class RunSession:
 
     @property
     def reporting(self) -> bool:
-        return self.rank == 0
+        return self.rank == self.reporting_rank
 
     @property
     def out_dir(self) -> Path:
@@ -103,7 +106,8 @@ class RunSession:
 
         self.found = self._agreed(setup)
         path = str(self.found.path) if self.found is not None else None
-        self.start_path = path if self.comm is None else self.comm.bcast(path, root=0)
+        self.start_path = path if self.comm is None else self.comm.bcast(
+            path, root=self.reporting_rank)
         return self.start_path
 
     def start_fresh(self) -> None:
