@@ -16,8 +16,8 @@ resumes from the newest valid checkpoint in its out_dir (see
 training time so far and the data position, so a resumed run computes bit for bit what an
 uninterrupted one would.
 
-The set-up every trainer shares (run folder, data, evaluation set, stop rules and signals,
-the checkpoint to start from) is in algorithms/common.py.
+The lifecycle every trainer shares (run folder, data, evaluation set, the checkpoint to
+start from, the recorder, the summary) is the run skeleton's (algorithms/session.py).
 """
 
 from __future__ import annotations
