@@ -1,16 +1,8 @@
-"""The run skeleton: one RunSession owns the lifecycle every trainer shares, so a trainer's
-`train` composes it with what is its own (its plan and rank roles, its loop, what its
-checkpoints hold, its summary's extras). docs/architecture.md ("The run skeleton") shows
-how a trainer uses it.
-
-    session = RunSession("sync", config, comm, stream, resume)   resume checked, data open
-    session.choose_checkpoint(replicas=R, kind="synchronous")   agreed; path on every rank
-    session.load_eval_set()                  the evaluation set (validation, else test)
-    session.train_shard(replica, replicas)   a replica's part of the training set
-    session.rules, session.diverged(loss)    the stop rules; the error a diverged run raises
-    session.open_recorder()                  the reporting rank's RunRecorder
-    with session.watched(describe) as (signals, peers): ...   watchdog, signals, abort
-    session.finish(reason, extras, checkpoint=...)   summary.json and the closing line
+"""The run skeleton: RunSession owns the lifecycle every trainer shares (the checkpoint to
+start from and the run folder, the evaluation set, the recorder, the watched frame and the
+abort on a lost rank, the summary), so a trainer's `train` composes it with what is its
+own: its plan and roles, its loop, its checkpoints, its summary's extras. Its steps, and
+which trainer uses which: docs/architecture.md, "The run skeleton".
 """
 
 from __future__ import annotations
