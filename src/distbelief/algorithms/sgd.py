@@ -49,6 +49,9 @@ from distbelief.records.metrics import (
 )
 from distbelief.runtime.threads import apply_thread_setting
 
+# What the command line and the tests use from here.
+__all__ = ["StopRules", "TrainingDiverged", "train"]
+
 
 def train(config: Config, stream: IO[str] | None = sys.stdout,
           resume: str = "auto") -> dict[str, Any]:
@@ -80,8 +83,7 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
     # Overflow in a diverging run is reported once, as TrainingDiverged, not as a stream of
     # numpy warnings.
     with recorder, np.errstate(over="ignore", invalid="ignore"), StopSignals() as signals:
-        reason = _train_loop(config, network, shard, optimizer, params, eval_set, recorder,
-                             saver, signals, state)
+        reason = _train_loop(session, shard, optimizer, params, saver, signals, state)
         saver.save(state)
         return session.finish(reason, checkpoint=saver.last_path)
 
@@ -94,14 +96,13 @@ class TrainState:
     samples: int = 0
 
 
-def _train_loop(config: Config, network: Any, shard: Any, optimizer: Any,
-                params: np.ndarray, eval_set: tuple[np.ndarray, np.ndarray],
-                recorder: RunRecorder, saver: Checkpointer, signals: StopSignals,
-                state: TrainState) -> str:
+def _train_loop(session: RunSession, shard: Any, optimizer: Any, params: np.ndarray,
+                saver: Checkpointer, signals: StopSignals, state: TrainState) -> str:
     """The hot loop; returns why it stopped. The recorder has the last step's evaluation,
     except after a signal, when stopping promptly matters more. `state` is kept current
     at every checkpoint and on return."""
-    rules = StopRules.from_config(config)
+    config, network, rules = session.config, session.network, session.rules
+    eval_set, recorder = session.eval_set, session.recorder
     batch_size = config.data.batch_size
     eval_every = config.run.eval_every_seconds
     grad = np.zeros_like(params)
@@ -131,7 +132,7 @@ def _train_loop(config: Config, network: Any, shard: Any, optimizer: Any,
                          learning_rate=optimizer.rate(max(step - 1, 0)))
             next_log = now + LOG_EVERY_SECONDS
             if not math.isfinite(recent_loss):
-                _diverged(recorder, step, samples, recent_loss, config)
+                raise session.diverged(f"{recent_loss} at step {step}")
         if reason:
             break
         if now >= next_eval:
@@ -147,7 +148,7 @@ def _train_loop(config: Config, network: Any, shard: Any, optimizer: Any,
             next_eval = clock() + eval_every
         if now >= next_save_time or step >= next_save_step:
             if not math.isfinite(loss_sum):  # never checkpoint parameters that diverged
-                _diverged(recorder, step, samples, loss_sum, config)
+                raise session.diverged(f"{loss_sum} at step {step}")
             state.step, state.samples = step, samples
             saver.save(state)
             next_save_time, next_save_step = saver.schedule(step, clock())
@@ -222,11 +223,3 @@ def restore(found: ckpt.Checkpoint, params: np.ndarray, optimizer: Any, shard: A
                                    f"{exc}") from exc
     state.step, state.samples = found.step, found.samples
     return ResumePoint(found.step, found.samples, found.wall_seconds, found.path.name)
-
-
-def _diverged(recorder: RunRecorder, step: int, samples: int, loss: float,
-              config: Config) -> None:
-    recorder.finish({"algorithm": "sgd", "stop_reason": "diverged"})
-    raise TrainingDiverged(f"training diverged: the loss is {loss} at step {step}; "
-                           f"lower optimizer.learning_rate "
-                           f"(now {config.optimizer.learning_rate:g})")
