@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ps", ("distbelief.ps",)),
     ("config", ("distbelief.config",)),
     ("records", ("distbelief.records",)),
+    ("skeleton", ("distbelief.algorithms.common", "distbelief.algorithms.session")),
     ("algorithms", ("distbelief.algorithms",)),
     ("compare", ("distbelief.compare",)),
     ("api", ("distbelief", "distbelief.api")),
@@ -142,7 +143,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-SHARED_BY_ALGORITHMS = ("distbelief.algorithms.common", "distbelief.algorithms.registry")
+SHARED_BY_ALGORITHMS = ("distbelief.algorithms.common", "distbelief.algorithms.session",
+                        "distbelief.algorithms.registry")
 """The modules of the algorithms layer that every algorithm may import."""
 
 PRIVATE_IMPORTS_ALLOWED = {

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from distbelief import __version__
@@ -276,6 +276,23 @@ def _algorithm_list() -> str:
     return ", ".join(named[:-1]) + " and " + named[-1]
 
 
+def _command(commands: Any, name: str, summary: str, description: str,
+             func: Callable[[argparse.Namespace], int] | None = None) -> Any:
+    """A subcommand that `func` runs: `summary` in the list of commands, `description`
+    (its paragraphs and examples kept as written) in its --help."""
+    parser = commands.add_parser(name, help=summary, description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    if func is not None:
+        parser.set_defaults(func=func)
+    return parser
+
+
+def _json_option(parser: Any, what: str = "") -> None:
+    """--json: print `what` as one JSON object, for scripts."""
+    parser.add_argument("--json", action="store_true",
+                        help=f"print {what + ' as ' if what else ''}one JSON object, for scripts")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="DistBelief (Dean et al., NIPS 2012) on MPI. Algorithms "
@@ -285,10 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'distbelief COMMAND --help' for each command's options and examples.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    raw = argparse.RawDescriptionHelpFormatter
+    raw = argparse.RawDescriptionHelpFormatter  # the prepare kinds' descriptions
 
-    train = commands.add_parser("train", help="train a model from a TOML configuration",
-                                description=TRAIN_HELP, formatter_class=raw)
+    train = _command(commands, "train", "train a model from a TOML configuration",
+                     TRAIN_HELP, cmd_train)
     train.add_argument("config", metavar="CONFIG", help="the TOML configuration file")
     train.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
                        dest="overrides",
@@ -304,20 +321,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start over: move the previous run's checkpoints, metrics, "
                             "summary and config in run.out_dir to a previous-<time>/ folder "
                             "there (nothing is deleted)")
-    train.set_defaults(func=cmd_train)
 
-    report = commands.add_parser("report", help="plot the curves of one or more runs",
-                                 description=REPORT_HELP, formatter_class=raw)
+    report = _command(commands, "report", "plot the curves of one or more runs",
+                      REPORT_HELP, cmd_report)
     report.add_argument("run_dirs", metavar="RUN_DIR", nargs="+",
                         help="a run's output folder (holding metrics.jsonl)")
     report.add_argument("--out", metavar="DIR", default=None,
                         help="folder for the PNG files (default: the run's folder; for "
                              "several runs, compare-A+B beside the first)")
-    report.set_defaults(func=cmd_report)
 
-    compare = commands.add_parser("compare", help="train one configuration with several "
-                                  "algorithms and compare them (table, figures)",
-                                  description=COMPARE_HELP, formatter_class=raw)
+    compare = _command(commands, "compare", "train one configuration with several "
+                       "algorithms and compare them (table, figures)", COMPARE_HELP,
+                       cmd_compare)
     compare.add_argument("config", metavar="CONFIG", help="the base TOML configuration")
     compare.add_argument("--algorithm", metavar="NAME[:SECTION.KEY=VALUE,...]",
                          action="append", required=True, dest="algorithms",
@@ -348,25 +363,19 @@ def build_parser() -> argparse.ArgumentParser:
                               "run.max_seconds)")
     compare.add_argument("--out", metavar="DIR", default=None,
                          help="the comparison's folder (default: comparisons/<config name>)")
-    compare.set_defaults(func=cmd_compare)
 
-    status = commands.add_parser("status", help="say whether a run is alive, where, and "
-                                 "how far it got", description=STATUS_HELP,
-                                 formatter_class=raw)
+    status = _command(commands, "status", "say whether a run is alive, where, and "
+                      "how far it got", STATUS_HELP, cmd_status)
     status.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
-    status.add_argument("--json", action="store_true",
-                        help="print the same as one JSON object, for scripts")
-    status.set_defaults(func=cmd_status)
+    _json_option(status, "the same")
 
-    inspect = commands.add_parser("inspect", help="show what a checkpoint holds and whether "
-                                  "it is valid", description=INSPECT_HELP, formatter_class=raw)
+    inspect = _command(commands, "inspect", "show what a checkpoint holds and whether "
+                       "it is valid", INSPECT_HELP, cmd_inspect)
     inspect.add_argument("path", metavar="CHECKPOINT_OR_RUN_DIR",
                          help="a checkpoint folder, a checkpoints/ folder or a run.out_dir")
-    inspect.set_defaults(func=cmd_inspect)
 
-    cost = commands.add_parser("costmodel", help="predict the step time of a model split "
-                               "over P partitions", description=COSTMODEL_HELP,
-                               formatter_class=raw)
+    cost = _command(commands, "costmodel", "predict the step time of a model split "
+                    "over P partitions", COSTMODEL_HELP, cmd_costmodel)
     cost.add_argument("config", metavar="CONFIG", help="the TOML configuration file")
     cost.add_argument("--partitions", metavar="P,P,...", type=_positive_ints,
                       default=(1, 2, 4, 8), help="partition counts (default: 1,2,4,8)")
@@ -384,11 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="input shape instead of the data file's (needs --classes)")
     cost.add_argument("--classes", metavar="K", type=_positive_int, default=None,
                       help="number of classes instead of the data file's")
-    cost.set_defaults(func=cmd_costmodel)
 
-    evaluate = commands.add_parser("evaluate", help="print a trained model's loss and "
-                                   "accuracy on a dataset file", description=EVALUATE_HELP,
-                                   formatter_class=raw)
+    evaluate = _command(commands, "evaluate", "print a trained model's loss and "
+                        "accuracy on a dataset file", EVALUATE_HELP, cmd_evaluate)
     evaluate.add_argument("path", metavar="RUN_DIR|CHECKPOINT",
                           help="a run folder, a checkpoint folder or an export file")
     evaluate.add_argument("--data", metavar="FILE", default=None,
@@ -396,13 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", choices=("test", "validation", "train"), default="test",
                           help="which part of the file: test, validation (the run's "
                                "held-out rows or /val) or train (default: %(default)s)")
-    evaluate.add_argument("--json", action="store_true",
-                          help="print one JSON object, for scripts")
-    evaluate.set_defaults(func=cmd_evaluate)
+    _json_option(evaluate)
 
-    export = commands.add_parser("export", help="write a trained model's weights as named "
-                                 "arrays (HDF5 or safetensors)", description=EXPORT_HELP,
-                                 formatter_class=raw)
+    export = _command(commands, "export", "write a trained model's weights as named "
+                      "arrays (HDF5 or safetensors)", EXPORT_HELP, cmd_export)
     export.add_argument("path", metavar="RUN_DIR|CHECKPOINT",
                         help="a run folder or a checkpoint folder")
     export.add_argument("--out", metavar="FILE", required=True, help="the file to write")
@@ -412,10 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--with-optimizer", action="store_true",
                         help="also write the optimizer state (Adagrad's accumulators), "
                              "named optimizer.<state>.layers.<i>.weight, ...")
-    export.set_defaults(func=cmd_export)
 
-    prepare = commands.add_parser("prepare", help="write a dataset as HDF5",
-                                  description=PREPARE_HELP, formatter_class=raw)
+    prepare = _command(commands, "prepare", "write a dataset as HDF5", PREPARE_HELP)
     kinds = prepare.add_subparsers(dest="dataset", required=True, metavar="DATASET")
     fashion = kinds.add_parser(
         "fashion-mnist", help="convert the Fashion-MNIST IDX files",
@@ -488,12 +490,16 @@ def _positive_ints(text: str) -> tuple[int, ...]:
     return tuple(_positive_int(part) for part in text.split(","))
 
 
-def _seeds(text: str) -> tuple[int, ...]:
+def _comma_ints(text: str, example: str) -> tuple[int, ...]:
     try:
-        seeds = tuple(int(part) for part in text.split(","))
+        return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 0,1,2, "
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like {example}, "
                                          f"got {text!r}") from None
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    seeds = _comma_ints(text, "0,1,2")
     if min(seeds) < 0:
         raise argparse.ArgumentTypeError(f"seeds must be 0 or more, got {text!r}")
     return seeds
@@ -514,11 +520,7 @@ def _positive_float(text: str) -> float:
 
 
 def _shape(text: str) -> tuple[int, ...]:
-    try:
-        shape = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 28,28,1, "
-                                         f"got {text!r}") from None
+    shape = _comma_ints(text, "28,28,1")
     if len(shape) not in (1, 3) or min(shape) < 1:
         raise argparse.ArgumentTypeError(f"expected H,W,C or F of positive integers, "
                                          f"got {text!r}")

@@ -75,25 +75,19 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.common import (
-    RESUME_MODES,
     StopRules,
     StopSignals,
     TrainingDiverged,
-    check_replica_count,
     evaluate,
-    load_eval_set,
-    open_data,
-    prepare_run_dir,
-    run_recorder,
-    starting_checkpoint,
     train_shard,
 )
+from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.errors import ConfigError
 from distbelief.model.layout import DTYPE
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, accuracy_text, target_text
+from distbelief.records.metrics import LOG_EVERY_SECONDS
 from distbelief.runtime import guardian
 from distbelief.runtime.agreement import agree
 from distbelief.runtime.faults import Faults
@@ -200,8 +194,6 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     Collective over `comm`: the node check, the set-up (agreed), the window allocation,
     and at the end the window's free (skipped after a lost replica).
     """
-    if resume not in RESUME_MODES:
-        raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
     if config.cluster.partitions != 1:  # the same on every rank: no collective needed
         raise ConfigError(f"optimizer.algorithm = \"hogwild\" runs one whole model replica "
                           f"per rank, but cluster.partitions = {config.cluster.partitions}; "
@@ -210,11 +202,9 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     check_one_node(comm)
     apply_thread_setting(config.run.threads)
     rank, replicas = comm.Get_rank(), comm.Get_size()
-    info, network = open_data(config)
-    stream = stream if rank == 0 else None
-    start_from = agree(comm, lambda: _choose_checkpoint(config, network, resume, stream,
-                                                       rank, replicas))
-    path = comm.bcast(str(start_from.path) if start_from is not None else None, root=0)
+    session = RunSession(ALGORITHM, config, comm, stream if rank == 0 else None, resume)
+    info, network = session.info, session.network
+    path = session.choose_checkpoint(replicas, "Hogwild", why=" (their data positions)")
     opt = config.optimizer
     probe = build_optimizer(config, 1)
     shared = SharedState(comm, network.layout.size, sorted(probe.state()))
@@ -223,8 +213,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                                                  replicas))
     peers = Peers.gather(comm)
     # Rank 0's recorder (its clock) and evaluation set are ready before anybody trains.
-    leader = agree(comm, lambda: Leader(config, network, info, shared, replica, peers,
-                                        stream, start_from) if rank == 0 else None)
+    leader = agree(comm, lambda: Leader(session, shared, replica, peers) if rank == 0
+                   else None)
     with np.errstate(over="ignore", invalid="ignore"), StopSignals() as signals:
         comm.Barrier()  # every replica's words are set before anybody trains
         if leader is not None:
@@ -265,17 +255,6 @@ def _ranks_text(ranks: list[int]) -> str:
     if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"ranks {ranks[0]}..{ranks[-1]}"
     return f"rank{'s' * (len(ranks) > 1)} {','.join(map(str, ranks))}"
-
-
-def _choose_checkpoint(config: Config, network: Any, resume: str, stream: IO[str] | None,
-                       rank: int, replicas: int) -> ckpt.Checkpoint | None:
-    """Rank 0: the run folder and the checkpoint to start from (None elsewhere)."""
-    if rank != 0:
-        return None
-    found = starting_checkpoint(config, network.layout, resume, stream)
-    prepare_run_dir(config)
-    check_replica_count(found, replicas, "Hogwild", why=" (their data positions)")
-    return found
 
 
 def _fill_segment(config: Config, network: Any, shared: SharedState,
@@ -417,15 +396,16 @@ def _check_leader(peers: Peers, world: MPI.Comm) -> None:
 class Leader:
     """Rank 0: replica 0, plus the recorder, the stop rules, liveness and checkpoints."""
 
-    def __init__(self, config: Config, network: Any, info: Any, shared: SharedState,
-                 replica: Replica, peers: Peers, stream: IO[str] | None,
-                 start_from: ckpt.Checkpoint | None):
-        self.config, self.network, self.shared = config, network, shared
-        self.replica, self.peers, self.stream = replica, peers, stream
+    def __init__(self, session: RunSession, shared: SharedState, replica: Replica,
+                 peers: Peers):
+        config, network, start_from = session.config, session.network, session.found
+        self.session, self.config, self.network, self.shared = (session, config, network,
+                                                                shared)
+        self.replica, self.peers, self.stream = replica, peers, session.stream
         self.signals = StopSignals()  # replaced by the installed one in run()
         self.start_from = start_from
         self.num_replicas = shared.words.shape[0]
-        self.eval_set = load_eval_set(config, info)
+        self.eval_set = session.load_eval_set()
         self.rules = StopRules.from_config(config)
         self.lost: dict[int, dict[str, Any]] = {}
         self.last_saved = start_from.step if start_from is not None else None
@@ -442,19 +422,15 @@ class Leader:
         # Steps and samples of replicas lost before the checkpoint this run starts from:
         # counted in its totals, though no replica part holds them.
         self.offset = (0, 0)
-        resume_point = None
         if start_from is not None:
             parts = [start_from.read_replica(i).counters
                      for i in range(self.num_replicas) if start_from.has_replica(i)]
             self.offset = (start_from.step - sum(p["steps"] for p in parts),
                            start_from.samples - sum(p["samples"] for p in parts))
-            resume_point = ResumePoint(start_from.step, start_from.samples,
-                                       start_from.wall_seconds, start_from.path.name)
-        self.recorder = run_recorder(config, info, stream, resume=resume_point)
-        say(stream, f"distbelief: hogwild, {self.num_replicas} replica(s) on one node, "
-                    f"{network.layout.size:,d} parameters in one shared segment, data "
-                    f"{info.path} ({info.n_train} train / {len(self.eval_set[1])} eval "
-                    f"samples), out {run.out_dir}\n{network.describe()}")
+        self.recorder = session.open_recorder()
+        session.describe_run(f"{self.num_replicas} replica(s) on one node, "
+                             f"{network.layout.size:,d} parameters in one shared segment",
+                             len(self.eval_set[1]))
 
     # -- counters -------------------------------------------------------------------------
 
@@ -495,12 +471,13 @@ class Leader:
                 if reason not in StopSignals.NAMES:
                     self._evaluate(steps, samples)
                 self.save(steps, samples)
-            summary = self.recorder.finish(self._summary_extra(reason))
+            summary = self.session.finish(
+                reason, self._summary_extras(), self.last_path,
+                steps_note=f" of {self.num_replicas} replica(s)",
+                closing_line=reason != "diverged")
         teardown = TEARDOWN_LEAVE if self.lost else TEARDOWN_FREE
         self.shared.control[TEARDOWN] = teardown
         self.shared.sync()
-        if reason != "diverged":
-            say(self.stream, _summary_line(summary, self.config.run.out_dir))
         return summary, reason, teardown
 
     def _loop(self) -> str:
@@ -678,27 +655,12 @@ class Leader:
                                 seconds=seconds, path=path.name)
         say(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
 
-    def _summary_extra(self, reason: str) -> dict[str, Any]:
+    def _summary_extras(self) -> dict[str, Any]:
         words = self.shared.words
         replicas = [{"replica": i, "steps": int(words[i, STEPS]),
                      "samples": int(words[i, SAMPLES])}
                     for i in range(self.num_replicas) if i not in self.lost]
-        start = self.start_from
-        return {
-            "algorithm": ALGORITHM, "stop_reason": reason,
-            "config_hash": config_hash(self.config),
-            "num_params": int(self.network.layout.size),
-            "eval_samples": len(self.eval_set[1]), "num_replicas": self.num_replicas,
-            "replicas": replicas, "lost_replicas": list(self.lost.values()),
-            "resumed_from": str(start.path) if start is not None else None,
-            "resumed_at_step": start.step if start is not None else None,
-            "checkpoint": str(self.last_path) if self.last_path else None,
-        }
-
-
-def _summary_line(summary: dict[str, Any], out_dir: Path) -> str:
-    text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['steps']} steps "
-            f"of {summary['num_replicas']} replica(s), {summary['wall_seconds']:.1f}s; "
-            f"{accuracy_text(summary)}")
-    return f"{text}{target_text(summary)}\nresults in {out_dir}"
-
+        start = self.session.found
+        return {"num_replicas": self.num_replicas, "replicas": replicas,
+                "lost_replicas": list(self.lost.values()),
+                "resumed_at_step": start.step if start is not None else None}

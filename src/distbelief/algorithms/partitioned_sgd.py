@@ -39,27 +39,12 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import (
-    EVAL_BATCH_SIZE,
-    STOP_CODE_OF,
-    STOP_CODES,
-    StopRules,
-    StopSignals,
-    TrainingDiverged,
-    load_eval_set,
-    open_data,
-    prepare_run_dir,
-    run_recorder,
-    start_over,
-    train_shard,
-    watched_run,
-)
-from distbelief.config import Config, build_optimizer, config_hash
+from distbelief.algorithms.common import EVAL_BATCH_SIZE, STOP_CODE_OF, STOP_CODES, StopSignals
+from distbelief.algorithms.session import RunSession
+from distbelief.config import Config, build_optimizer
 from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork
-from distbelief.records.console import say
-from distbelief.records.metrics import LOG_EVERY_SECONDS, RunRecorder, accuracy_text, target_text
-from distbelief.runtime import watchdog
+from distbelief.records.metrics import LOG_EVERY_SECONDS
 from distbelief.runtime.agreement import agree, polled_bcast
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
@@ -108,61 +93,42 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                           "checkpoints, so it cannot resume; use optimizer.algorithm = "
                           "\"downpour\" (which checkpoints) or start without --resume")
     check_rank_count(config, comm.Get_size())
-    info, network = open_data(config)
+    session = RunSession("sgd", config, comm, stream, resume)
+    network = session.network
     model = PartitionedNetwork(network, comm)
     set_blas_threads(config.run.threads or 1)
-    rank0 = comm.Get_rank() == 0
-
-    def setup() -> tuple:
-        if rank0:
-            start_over(config.run.out_dir, resume, stream)  # nothing here can be resumed
-            prepare_run_dir(config)
-        return (load_eval_set(config, info),
-                train_shard(config, info, 0, 1))
-
-    eval_set, shard = agree(comm, setup)
+    session.start_fresh()  # nothing here can be resumed
+    eval_set, shard = agree(comm, lambda: (session.load_eval_set(),
+                                           session.train_shard(0, 1)))
     params = model.init_params(config.run.seed)
     optimizer = build_optimizer(config, params.size)
-    recorder = None
-    if rank0:
-        say(stream, f"distbelief: sgd, {network.layout.size:,d} parameters over "
-                       f"{comm.Get_size()} partitions (this one {model.local_size:,d}); data "
-                       f"{info.path} ({info.n_train} train / {len(eval_set[1])} eval "
-                       f"samples), out {config.run.out_dir}; checkpoints are not written "
-                       f"for partitioned runs\n{network.describe()}\n{model.describe()}")
-        recorder = run_recorder(config, info, stream)
+    session.describe_run(f"{network.layout.size:,d} parameters over {comm.Get_size()} "
+                         f"partitions (this one {model.local_size:,d})", len(eval_set[1]),
+                         "; checkpoints are not written for partitioned runs",
+                         model.describe(), sep="; ")
+    session.open_recorder()
+
     def describe(rank: int) -> str:
         return f"rank {rank} (partition {rank})"
 
     # Rank 0 acts on a stop signal, at the end of a step; the others must not die of it.
-    with watched_run(comm, describe, config.run) as (signals, _):
-        try:
-            reason, step = _loop(config, model, shard, optimizer, params, eval_set, recorder,
-                                 signals)
-        except watchdog.RankLost as lost:
-            # One replica over P ranks: nothing goes on without a partition. No checkpoint
-            # is written for partitioned runs, so nothing is left half written either.
-            watchdog.abort_and_leave(comm, watchdog.lost_message(describe, lost))
+    # A lost partition: one replica over P ranks, nothing goes on without it. No
+    # checkpoint is written for partitioned runs, so nothing is left half written either.
+    with session.watched(describe) as (signals, _):
+        reason, step = _loop(session, model, shard, optimizer, params, eval_set, signals)
     traffic = traffic_totals(model)
-    if not rank0:
+    if traffic is None:
         return None
-    summary = recorder.finish({
-        "algorithm": "sgd", "stop_reason": reason, "config_hash": config_hash(config),
-        "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
-        "resumed_from": None, "checkpoint": None, "model_parallel": traffic})
-    say(stream, f"distbelief: stopped ({reason}) after {step} steps, "
-                   f"{summary['wall_seconds']:.1f}s; {accuracy_text(summary)}; "
-                   f"{traffic['total_bytes_per_step']:,d} bytes/step between partitions"
-                   f"{target_text(summary)}\n"
-                   f"results in {config.run.out_dir}")
-    return summary
+    return session.finish(reason, {"model_parallel": traffic}, steps=step,
+                          note=f"; {traffic['total_bytes_per_step']:,d} bytes/step between "
+                               f"partitions")
 
 
-def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
-          params: np.ndarray, eval_set: tuple, recorder: RunRecorder | None,
-          signals: StopSignals) -> tuple[str, int]:
+def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer: Any,
+          params: np.ndarray, eval_set: tuple, signals: StopSignals) -> tuple[str, int]:
     """The lockstep loop; returns (why it stopped, steps). Collective over model.comm."""
-    comm, rules = model.comm, StopRules.from_config(config)
+    config, recorder = session.config, session.recorder
+    comm, rules = model.comm, session.rules
     batch_size, eval_every = config.data.batch_size, config.run.eval_every_seconds
     grad = np.zeros_like(params)
     decision = np.zeros(2, dtype=np.int32)  # stop code, evaluate now
@@ -181,11 +147,7 @@ def _loop(config: Config, model: PartitionedNetwork, shard: Any, optimizer: Any,
         x, y = shard.next_batch(batch_size)
         loss = model.loss_and_grad(params, x, y, grad)
         if not math.isfinite(loss):  # the same loss on every partition: all stop here
-            if recorder:
-                recorder.finish({"algorithm": "sgd", "stop_reason": "diverged"})
-            raise TrainingDiverged(f"training diverged: the loss is {loss} at step "
-                                   f"{step + 1}; lower optimizer.learning_rate (now "
-                                   f"{config.optimizer.learning_rate:g})")
+            raise session.diverged(f"{loss} at step {step + 1}")
         optimizer.step(params, grad, update=step)
         step += 1
         if faults:

@@ -16,8 +16,8 @@ resumes from the newest valid checkpoint in its out_dir (see
 training time so far and the data position, so a resumed run computes bit for bit what an
 uninterrupted one would.
 
-The set-up every trainer shares (run folder, data, evaluation set, stop rules and signals,
-the checkpoint to start from) is in algorithms/common.py.
+The lifecycle every trainer shares (run folder, data, evaluation set, the checkpoint to
+start from, the recorder, the summary) is the run skeleton's (algorithms/session.py).
 """
 
 from __future__ import annotations
@@ -32,18 +32,13 @@ from typing import IO, Any
 import numpy as np
 
 from distbelief.algorithms.common import (
-    RESUME_MODES,
     StopRules,
     StopSignals,
     TrainingDiverged,
     evaluate,
-    load_eval_set,
-    open_data,
-    prepare_run_dir,
-    run_recorder,
-    starting_checkpoint,
     train_shard,
 )
+from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
@@ -51,10 +46,11 @@ from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
     ResumePoint,
     RunRecorder,
-    accuracy_text,
-    target_text,
 )
 from distbelief.runtime.threads import apply_thread_setting
+
+# What the command line and the tests use from here.
+__all__ = ["StopRules", "TrainingDiverged", "train"]
 
 
 def train(config: Config, stream: IO[str] | None = sys.stdout,
@@ -66,42 +62,30 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
     silence). `resume` is one of RESUME_MODES.
     """
 
-    if resume not in RESUME_MODES:
-        raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
     apply_thread_setting(config.run.threads)
-    info, network = open_data(config)
+    session = RunSession("sgd", config, None, stream, resume)
+    info, network = session.info, session.network
     # Before config.json is rewritten: a refused resume leaves the run folder as it was.
-    start_from = starting_checkpoint(config, network.layout, resume, stream)
-    out_dir = prepare_run_dir(config)
-    eval_set = load_eval_set(config, info)
+    session.choose_checkpoint()
+    start_from = session.found
+    eval_set = session.load_eval_set()
     shard = train_shard(config, info, 0, 1)
     params = network.init_params(config.run.seed)
     optimizer = build_optimizer(config, params.size)
     state = TrainState()
-    resume_point = None
     if start_from is not None:
-        resume_point = restore(start_from, params, optimizer, shard, state)
-    say(stream, f"distbelief: sgd, {network.layout.size:,d} parameters, data "
-                   f"{info.path} ({info.n_train} train / {len(eval_set[1])} eval samples), "
-                   f"out {out_dir}\n{network.describe()}")
+        restore(start_from, params, optimizer, shard, state)
+    session.describe_run(f"{network.layout.size:,d} parameters", len(eval_set[1]))
 
-    recorder = run_recorder(config, info, stream, resume=resume_point)
+    recorder = session.open_recorder()
     saver = Checkpointer(config, network.layout, params, optimizer, shard, recorder, stream,
                          last_step=state.step if start_from is not None else None)
     # Overflow in a diverging run is reported once, as TrainingDiverged, not as a stream of
     # numpy warnings.
     with recorder, np.errstate(over="ignore", invalid="ignore"), StopSignals() as signals:
-        reason = _train_loop(config, network, shard, optimizer, params, eval_set, recorder,
-                             saver, signals, state)
+        reason = _train_loop(session, shard, optimizer, params, saver, signals, state)
         saver.save(state)
-        summary = recorder.finish({
-            "algorithm": "sgd", "stop_reason": reason, "config_hash": config_hash(config),
-            "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
-            "resumed_from": str(start_from.path) if start_from is not None else None,
-            "checkpoint": str(saver.last_path) if saver.last_path else None,
-        })
-    say(stream, _summary_line(summary, out_dir))
-    return summary
+        return session.finish(reason, checkpoint=saver.last_path)
 
 
 @dataclass
@@ -112,14 +96,13 @@ class TrainState:
     samples: int = 0
 
 
-def _train_loop(config: Config, network: Any, shard: Any, optimizer: Any,
-                params: np.ndarray, eval_set: tuple[np.ndarray, np.ndarray],
-                recorder: RunRecorder, saver: Checkpointer, signals: StopSignals,
-                state: TrainState) -> str:
+def _train_loop(session: RunSession, shard: Any, optimizer: Any, params: np.ndarray,
+                saver: Checkpointer, signals: StopSignals, state: TrainState) -> str:
     """The hot loop; returns why it stopped. The recorder has the last step's evaluation,
     except after a signal, when stopping promptly matters more. `state` is kept current
     at every checkpoint and on return."""
-    rules = StopRules.from_config(config)
+    config, network, rules = session.config, session.network, session.rules
+    eval_set, recorder = session.eval_set, session.recorder
     batch_size = config.data.batch_size
     eval_every = config.run.eval_every_seconds
     grad = np.zeros_like(params)
@@ -149,7 +132,7 @@ def _train_loop(config: Config, network: Any, shard: Any, optimizer: Any,
                          learning_rate=optimizer.rate(max(step - 1, 0)))
             next_log = now + LOG_EVERY_SECONDS
             if not math.isfinite(recent_loss):
-                _diverged(recorder, step, samples, recent_loss, config)
+                raise session.diverged(f"{recent_loss} at step {step}")
         if reason:
             break
         if now >= next_eval:
@@ -165,7 +148,7 @@ def _train_loop(config: Config, network: Any, shard: Any, optimizer: Any,
             next_eval = clock() + eval_every
         if now >= next_save_time or step >= next_save_step:
             if not math.isfinite(loss_sum):  # never checkpoint parameters that diverged
-                _diverged(recorder, step, samples, loss_sum, config)
+                raise session.diverged(f"{loss_sum} at step {step}")
             state.step, state.samples = step, samples
             saver.save(state)
             next_save_time, next_save_step = saver.schedule(step, clock())
@@ -240,18 +223,3 @@ def restore(found: ckpt.Checkpoint, params: np.ndarray, optimizer: Any, shard: A
                                    f"{exc}") from exc
     state.step, state.samples = found.step, found.samples
     return ResumePoint(found.step, found.samples, found.wall_seconds, found.path.name)
-
-
-def _diverged(recorder: RunRecorder, step: int, samples: int, loss: float,
-              config: Config) -> None:
-    recorder.finish({"algorithm": "sgd", "stop_reason": "diverged"})
-    raise TrainingDiverged(f"training diverged: the loss is {loss} at step {step}; "
-                           f"lower optimizer.learning_rate "
-                           f"(now {config.optimizer.learning_rate:g})")
-
-
-def _summary_line(summary: dict[str, Any], out_dir: Path) -> str:
-    text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['steps']} steps, "
-            f"{summary['wall_seconds']:.1f}s; {accuracy_text(summary)}")
-    return f"{text}{target_text(summary)}\nresults in {out_dir}"
-

@@ -147,16 +147,9 @@ def adagrad_update(params: np.ndarray, accum: np.ndarray, grad: np.ndarray,
     1-D arrays of equal length. Same rule and eps as torch.optim.Adagrad (no initial
     accumulator value, no decay).
     """
-    _check_float32("params", params, 1, writeable=True)
-    _check_float32("accum", accum, 1, writeable=True)
-    _check_float32("grad", grad, 1)
-    _check_shape("accum", accum, params.shape)
-    _check_shape("grad", grad, params.shape)
+    _check_update(params, {"accum": accum}, grad, copy)
     lr = _check_real("lr", lr)
     eps = _check_real("eps", eps)
-    _check_no_overlap("params", params, {"accum": accum, "grad": grad})
-    _check_no_overlap("accum", accum, {"grad": grad})
-    _check_copy(copy, params, {"params": params, "accum": accum, "grad": grad})
     _kernels.adagrad_update(params, accum, grad, lr, eps, copy)
 
 
@@ -168,24 +161,12 @@ def adarevision_update(params: np.ndarray, gsum: np.ndarray, z: np.ndarray,
     revised step; gsum += grad; with `copy`, copy[:] = the new params in the same pass.
     1-D float32 arrays of equal length; eps > 0. With fetched == gsum it is adagrad_update
     with accum = z, to the bit."""
-    _check_float32("params", params, 1, writeable=True)
-    for name, array in (("gsum", gsum), ("z", z), ("zmax", zmax)):
-        _check_float32(name, array, 1, writeable=True)
-        _check_shape(name, array, params.shape)
-    _check_float32("fetched", fetched, 1)
-    _check_float32("grad", grad, 1)
-    _check_shape("fetched", fetched, params.shape)
-    _check_shape("grad", grad, params.shape)
+    _check_update(params, {"gsum": gsum, "z": z, "zmax": zmax}, grad, copy,
+                  {"fetched": fetched})
     lr = _check_real("lr", lr)
     eps = _check_real("eps", eps)
     if eps <= 0:
         raise ValueError(f"eps must be positive, got {eps}")
-    inputs = {"params": params, "gsum": gsum, "z": z, "zmax": zmax, "fetched": fetched,
-              "grad": grad}
-    for name in ("params", "gsum", "z", "zmax"):
-        _check_no_overlap(name, inputs[name],
-                          {k: v for k, v in inputs.items() if k != name})
-    _check_copy(copy, params, inputs)
     _kernels.adarevision_update(params, gsum, z, zmax, fetched, grad, lr, eps, copy)
 
 
@@ -193,12 +174,8 @@ def sgd_update(params: np.ndarray, grad: np.ndarray, lr: float,
                copy: np.ndarray | None = None) -> None:
     """params -= lr * grad (1-D, equal length), one pass; with `copy`, copy[:] = the new
     params in the same pass."""
-    _check_float32("params", params, 1, writeable=True)
-    _check_float32("grad", grad, 1)
-    _check_shape("grad", grad, params.shape)
+    _check_update(params, {}, grad, copy)
     lr = _check_real("lr", lr)
-    _check_no_overlap("params", params, {"grad": grad})
-    _check_copy(copy, params, {"params": params, "grad": grad})
     _kernels.sgd_update(params, grad, lr, copy)
 
 
@@ -208,16 +185,9 @@ def momentum_update(params: np.ndarray, buf: np.ndarray, grad: np.ndarray, lr: f
     """SGD with momentum, one fused pass, as torch.optim.SGD(momentum=, nesterov=) with no
     dampening: buf = momentum * buf + grad; params -= lr * (buf, or grad + momentum * buf
     with Nesterov); with `copy`, copy[:] = the new params in the same pass."""
-    _check_float32("params", params, 1, writeable=True)
-    _check_float32("buf", buf, 1, writeable=True)
-    _check_float32("grad", grad, 1)
-    _check_shape("buf", buf, params.shape)
-    _check_shape("grad", grad, params.shape)
+    _check_update(params, {"buf": buf}, grad, copy)
     lr = _check_real("lr", lr)
     momentum = _check_real("momentum", momentum)
-    _check_no_overlap("params", params, {"buf": buf, "grad": grad})
-    _check_no_overlap("buf", buf, {"grad": grad})
-    _check_copy(copy, params, {"params": params, "buf": buf, "grad": grad})
     _kernels.momentum_update(params, buf, grad, lr, momentum, bool(nesterov), copy)
 
 
@@ -228,19 +198,10 @@ def adam_update(params: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarr
     with no weight decay: m += (1 - beta1) * (grad - m); v = beta2 * v + (1 - beta2) *
     grad**2; params -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps);
     with `copy`, copy[:] = the new params in the same pass."""
-    _check_float32("params", params, 1, writeable=True)
-    for name, a in (("m", m), ("v", v)):
-        _check_float32(name, a, 1, writeable=True)
-        _check_shape(name, a, params.shape)
-    _check_float32("grad", grad, 1)
-    _check_shape("grad", grad, params.shape)
+    _check_update(params, {"m": m, "v": v}, grad, copy)
     lr, beta1, beta2, eps = (_check_real(n, x) for n, x in
                              (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps)))
     t = _check_positive_int("t", t)
-    _check_no_overlap("params", params, {"m": m, "v": v, "grad": grad})
-    _check_no_overlap("m", m, {"v": v, "grad": grad})
-    _check_no_overlap("v", v, {"grad": grad})
-    _check_copy(copy, params, {"params": params, "m": m, "v": v, "grad": grad})
     step_size = lr / (1.0 - beta1 ** t)
     bc2_sqrt = math.sqrt(1.0 - beta2 ** t)
     _kernels.adam_update(params, m, v, grad, step_size, 1.0 - beta1, beta2, 1.0 - beta2,
@@ -289,6 +250,26 @@ def bf16_round(src: np.ndarray, out: np.ndarray) -> None:
     _check_shape("out", out, src.shape)
     _check_no_overlap("out", out, {"src": src}, may_be=("src",))
     _kernels.bf16_round(src, out)
+
+
+def _check_update(params: np.ndarray, states: dict[str, np.ndarray], grad: np.ndarray,
+                  copy: np.ndarray | None, inputs: dict[str, np.ndarray] | None = None) -> None:
+    """What every fused update checks: `params` and its `states` (written in place) and
+    `grad` and other `inputs` (read) are 1-D float32 arrays of one length; no written
+    array overlaps another array; `copy`, if given, overlaps none."""
+    _check_float32("params", params, 1, writeable=True)
+    for name, array in states.items():
+        _check_float32(name, array, 1, writeable=True)
+        _check_shape(name, array, params.shape)
+    read = {**(inputs or {}), "grad": grad}
+    for name, array in read.items():
+        _check_float32(name, array, 1)
+        _check_shape(name, array, params.shape)
+    arrays = {"params": params, **states, **read}
+    names = list(arrays)
+    for i, name in enumerate(names[:1 + len(states)]):
+        _check_no_overlap(name, arrays[name], {k: arrays[k] for k in names[i + 1:]})
+    _check_copy(copy, params, arrays)
 
 
 def _check_copy(copy: np.ndarray | None, params: np.ndarray,

@@ -46,33 +46,15 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import (
-    EVAL_BATCH_SIZE,
-    RESUME_MODES,
-    STOP_CODE_OF,
-    STOP_CODES,
-    StopRules,
-    StopSignals,
-    TrainingDiverged,
-    check_replica_count,
-    load_eval_set,
-    open_data,
-    prepare_run_dir,
-    run_recorder,
-    starting_checkpoint,
-    train_shard,
-    watched_run,
-)
+from distbelief.algorithms.common import EVAL_BATCH_SIZE, STOP_CODE_OF, STOP_CODES, StopSignals
+from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.errors import ConfigError, DataError
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
-    ResumePoint,
     RunRecorder,
-    accuracy_text,
-    target_text,
 )
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import agree, polled_bcast, wait_all
@@ -152,66 +134,43 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     replica ends the job (module docstring).
     """
 
-    if resume not in RESUME_MODES:
-        raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
-    info, network = open_data(config)
+    session = RunSession("averaging", config, comm, stream, resume)
+    info, network = session.info, session.network
     size, rank = comm.Get_size(), comm.Get_rank()
     check_job(config, size, info.n_train)
     set_blas_threads(config.run.threads or 1)
-
-    def setup() -> tuple[Any, Any]:
-        if rank != 0:
-            return None, None
-        chosen = starting_checkpoint(config, network.layout, resume, stream)
-        prepare_run_dir(config)
-        return load_eval_set(config, info), chosen
-
-    eval_set, chosen = agree(comm, setup)
-    path = comm.bcast(str(chosen.path) if chosen is not None else None, root=0)
+    path = session.choose_checkpoint(size, "averaging",
+                                     why=" and each replica's optimizer state is its own")
+    eval_set = agree(comm, lambda: session.load_eval_set() if rank == 0 else None)
     opt = config.optimizer
     params = network.init_params(config.run.seed)  # the same on every rank (same seed)
-    replica = Replica(comm, network, train_shard(config, info, rank, size), params,
+    replica = Replica(comm, network, session.train_shard(rank, size), params,
                       build_optimizer(config, params.size),
                       others=tuple(r for r in range(size) if r != rank))
-    found = agree(comm, lambda: _restore(path, chosen, replica))
-    recorder = None
+    found = agree(comm, lambda: _restore(path, session.found, replica))
     if rank == 0:
-        say(stream, f"distbelief: averaging, {size} replica(s), average every "
-                       f"{opt.average_every} steps, {network.layout.size:,d} parameters, "
-                       f"data {info.path} ({info.n_train} train / {len(eval_set[1])} eval "
-                       f"samples), out {config.run.out_dir}\n{network.describe()}")
-        resume_point = None if found is None else ResumePoint(
-            found.step, found.samples, found.wall_seconds, found.path.name)
-        recorder = run_recorder(config, info, stream, resume=resume_point)
+        session.describe_run(f"{size} replica(s), average every {opt.average_every} steps, "
+                             f"{network.layout.size:,d} parameters", len(eval_set[1]))
+    recorder = session.open_recorder()
     saver = Saver(config, replica, recorder, stream,
                   last_step=found.step if found is not None else None)
-    with watched_run(comm, describe_rank, config.run) as (signals, peers):
-        try:
-            reason = _loop(config, replica, eval_set, recorder, saver, signals)
-            saver.save()
-        except watchdog.RankLost as lost:
-            _stop_for_lost(comm, peers, lost, saver)
-    if recorder is None:
-        return None
-    summary = recorder.finish({
-        "algorithm": "averaging", "stop_reason": reason, "config_hash": config_hash(config),
-        "num_params": int(network.layout.size), "eval_samples": len(eval_set[1]),
+    with session.watched(describe_rank,
+                         lambda lost, peers: _stop_for_lost(comm, peers, lost, saver)
+                         ) as (signals, _):
+        reason = _loop(session, replica, eval_set, saver, signals)
+        saver.save()
+    return session.finish(reason, {
         "replicas": size, "average_every": opt.average_every,
-        "averages": replica.averages, "average_seconds": replica.average_seconds,
-        "resumed_from": str(found.path) if found is not None else None,
-        "checkpoint": str(saver.last_path) if saver.last_path else None})
-    say(stream, f"distbelief: stopped ({reason}) after {summary['steps']} steps "
-                   f"({replica.averages} averages), {summary['wall_seconds']:.1f}s; "
-                   f"{accuracy_text(summary)}"
-                   f"{target_text(summary)}\nresults in {config.run.out_dir}")
-    return summary
+        "averages": replica.averages, "average_seconds": replica.average_seconds},
+        saver.last_path, steps_note=f" ({replica.averages} averages)")
 
 
-def _loop(config: Config, replica: Replica, eval_set: Any, recorder: RunRecorder | None,
-          saver: Saver, signals: StopSignals) -> str:
+def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
+          signals: StopSignals) -> str:
     """Blocks of local steps, each ending with an average; returns why the run stopped.
     Collective over replica.comm."""
-    rules, size = StopRules.from_config(config), replica.size
+    config, recorder = session.config, session.recorder
+    rules, size = session.rules, replica.size
     tau, batch_size = config.optimizer.average_every, config.data.batch_size
     eval_every = config.run.eval_every_seconds
     local_budget = -(-rules.max_steps // size) if rules.max_steps else 0
@@ -252,11 +211,7 @@ def _loop(config: Config, replica: Replica, eval_set: Any, recorder: RunRecorder
         if losses[1]:
             pending_loss, pending_count = pending_loss + losses[0], pending_count + losses[1]
         if not math.isfinite(losses[0]):  # the same sum on every rank: all stop here
-            if recorder is not None:
-                recorder.finish({"algorithm": "averaging", "stop_reason": "diverged"})
-            raise TrainingDiverged(f"training diverged: the loss is {losses[0]} at step "
-                                   f"{step}; lower optimizer.learning_rate (now "
-                                   f"{config.optimizer.learning_rate:g})")
+            raise session.diverged(f"{losses[0]} at step {step}")
         reason = STOP_CODES[int(flags[0])]
         if recorder is not None:
             now = time.monotonic()
@@ -372,8 +327,6 @@ def _restore(path: str | None, chosen: ckpt.Checkpoint | None,
         return None
     found = chosen if chosen is not None else ckpt.Checkpoint(Path(path),
                                                               ckpt.read_manifest(path))
-    check_replica_count(found, replica.size, "averaging",
-                        why=" and each replica's optimizer state is its own")
     try:
         params, _ = found.read_state(with_optimizer=False)
         np.copyto(replica.params, params)

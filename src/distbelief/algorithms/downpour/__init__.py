@@ -24,13 +24,14 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import RESUME_MODES, StopSignals, open_data
+from distbelief.algorithms.common import StopSignals
 from distbelief.algorithms.downpour.plan import grant, plan_run
 from distbelief.algorithms.downpour.replica import make_replica
 from distbelief.algorithms.downpour.run import OpenRun, open_run, shard_lost_message
 from distbelief.algorithms.downpour.shards import _ShardRole
 from distbelief.algorithms.downpour.supervisor import Supervisor
-from distbelief.config import Config
+from distbelief.algorithms.session import RunSession
+from distbelief.config import Config, run_name
 from distbelief.runtime import watchdog
 from distbelief.runtime.liveness import Peers
 from distbelief.runtime.threads import set_blas_threads
@@ -71,9 +72,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     variants that reuse Downpour's machinery (EASGD: distbelief.algorithms.downpour.elastic)
     pass their own.
     """
-    if resume not in RESUME_MODES:
-        raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
-    info, network = open_data(config)
+    session = RunSession(run_name(config), config, comm, stream, resume)
+    info, network = session.info, session.network
     # Validated before the handlers go in: a bad configuration fails at once.
     topology = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train).topology
     set_blas_threads((config.run.threads or 1) if topology.is_replica else 1)
@@ -91,8 +91,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         with watchdog.watching(guard), _closing(peers):
             try:
                 with guard.waiting("the other ranks to set the run up", others):
-                    run = open_run(config, comm, resume, stream, signals, info, network,
-                                   peers, shard_update)
+                    run = open_run(config, comm, resume, stream, signals, peers,
+                                   shard_update, session)
                 with np.errstate(over="ignore", invalid="ignore"):
                     role = _make_role(run, config, network, info, stream,
                                       replica_role)

@@ -13,16 +13,10 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import (
-    StopSignals,
-    load_eval_set,
-    open_data,
-    prepare_run_dir,
-    starting_checkpoint,
-    train_shard,
-)
+from distbelief.algorithms.common import StopSignals
 from distbelief.algorithms.downpour.plan import SWEEP_S, DownpourPlan, plan_run
-from distbelief.config import Config, build_optimizer
+from distbelief.algorithms.session import RunSession
+from distbelief.config import Config, build_optimizer, run_name
 from distbelief.model.layout import balanced_ranges
 from distbelief.ps import run_control as rc
 from distbelief.ps.rma_client import ParameterClient
@@ -53,6 +47,7 @@ class OpenRun:
     messages: MPI.Comm
     signals: StopSignals
     world: MPI.Comm
+    session: RunSession
     _next_shard_check: float = 0.0
     _usr1_checked: int = 0
 
@@ -83,29 +78,33 @@ class OpenRun:
 
 
 def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None,
-             signals: StopSignals, info: Any = None, network: Any = None,
-             peers: Peers | None = None,
-             shard_update: Callable[[int], Any] | None = None) -> OpenRun:
+             signals: StopSignals, peers: Peers | None = None,
+             shard_update: Callable[[int], Any] | None = None,
+             session: RunSession | None = None) -> OpenRun:
     """Set up a Downpour run on every rank of `comm` (train's first half; tests use it to
     look at a resumed run's starting state).
 
-    Collective over `comm`: validates without communicating, then the local set-up and
-    rank 0's choice of checkpoint (agreed: any rank's UserError is raised on every rank),
-    a bcast of the checkpoint's path, each rank's read of its piece (agreed), an
+    Collective over `comm`: validates without communicating, then rank 0's choice of
+    checkpoint and a bcast of its path (RunSession.choose_checkpoint), the local set-up
+    (agreed: any rank's UserError is raised on every rank), each rank's read of its
+    piece (agreed), an
     allgather of every rank's identity, open_parameter_server with the restored slices
     and optimizer state and the run control block, the role communicators, and a
     Comm.Dup for the final statistics. `shard_update(size)` makes a shard's update rule
-    (None: the configured optimizer, shard_optimizer).
+    (None: the configured optimizer, shard_optimizer). `session`: the run's RunSession
+    (None: one is opened here).
     """
     if shard_update is None:
         shard_update = lambda size: shard_optimizer(config, size)
-    if info is None or network is None:
-        info, network = open_data(config)
+    if session is None:
+        session = RunSession(run_name(config), config, comm, stream, resume)
+    info, network = session.info, session.network
     plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train)
     topology = plan.topology
-    local = agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
-    chosen = local[1] if topology.world_rank == 0 else None
-    path = comm.bcast(str(chosen.path) if chosen is not None else None, root=0)
+    # Before config.json is rewritten: a refused resume leaves the run folder as it was.
+    path = session.choose_checkpoint()
+    chosen = session.found
+    local = agree(comm, lambda: _local_setup(session, plan))
     start = agree(comm, lambda: _read_start(config, plan, network, info, local, path, chosen,
                                              stream, shard_update))
     if peers is None:
@@ -131,21 +130,17 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     communicators = split_communicators(comm, topology)
     messages = comm.Dup()
     return OpenRun(plan, local, start, endpoint, communicators, peers, messages, signals,
-                   comm)
+                   comm, session)
 
 
-def _local_setup(config: Config, plan: DownpourPlan, info: Any, network: Any, resume: str,
-                 stream: IO[str] | None) -> Any:
+def _local_setup(session: RunSession, plan: DownpourPlan) -> Any:
     """What this rank needs before training: a replica its part of the training set; rank 0
-    the checkpoint to start from (before config.json is rewritten, so a refused resume
-    leaves the run folder as it was), the run folder and the evaluation set. Local."""
+    the evaluation set and the checkpoint it chose. Local."""
     topology = plan.topology
     if topology.is_replica:
-        return train_shard(config, info, topology.replica_index, plan.num_replicas)
+        return session.train_shard(topology.replica_index, plan.num_replicas)
     if topology.world_rank == 0:
-        chosen = starting_checkpoint(config, network.layout, resume, stream)
-        prepare_run_dir(config)
-        return load_eval_set(config, info), chosen
+        return session.load_eval_set(), session.found
     return None
 
 

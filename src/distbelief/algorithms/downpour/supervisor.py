@@ -16,7 +16,7 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import StopRules, evaluate, run_recorder
+from distbelief.algorithms.common import StopRules, evaluate
 from distbelief.algorithms.downpour.plan import (
     CONTROL_POLL_S,
     LEAVE_GRACE_S,
@@ -40,7 +40,7 @@ from distbelief.ps.run_control import ControlView
 from distbelief.ps.stats import STALENESS_BINS
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, accuracy_text, target_text
+from distbelief.records.metrics import LOG_EVERY_SECONDS, accuracy_text, target_text
 from distbelief.runtime import launcher, watchdog
 from distbelief.runtime.agreement import WAIT_SLEEP_S
 from distbelief.runtime.backoff import Backoff
@@ -118,13 +118,8 @@ class Supervisor(_ShardRole):
         self.last_checkpoint: str | None = None
         self.checkpoints = 0
         say(stream, _header(config, plan, network, info, len(eval_set[1])))
-        resume = None
-        if start.checkpoint is not None:
-            found = start.checkpoint
-            resume = ResumePoint(found.step, found.samples, found.wall_seconds,
-                                 found.path.name)
         # The clock starts once every rank is ready (open_parameter_server's barrier).
-        self.recorder = run_recorder(config, info, stream, resume=resume)
+        self.recorder = run.session.open_recorder()
         now = time.monotonic()
         self.next_log = now + LOG_EVERY_SECONDS
         self.next_eval = now + run_config.eval_every_seconds

@@ -17,17 +17,9 @@ import sys
 import time
 from typing import IO, Any
 
-import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import (
-    StopSignals,
-    TrainingDiverged,
-    load_eval_set,
-    open_data,
-    prepare_run_dir,
-    starting_checkpoint,
-)
+from distbelief.algorithms.common import TrainingDiverged
 from distbelief.algorithms.sandblaster.coordinator import Coordinator
 from distbelief.algorithms.sandblaster.plan import (
     TAG_STATS,
@@ -46,6 +38,7 @@ from distbelief.algorithms.sandblaster.replica import (
     encode_answer,
 )
 from distbelief.algorithms.sandblaster.shards import ShardServer
+from distbelief.algorithms.session import RunSession
 from distbelief.config import Config
 from distbelief.data.hdf5 import read_rows
 from distbelief.model.partitioned_network import PartitionedNetwork
@@ -53,7 +46,6 @@ from distbelief.ps.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime import guardian, watchdog
 from distbelief.runtime.agreement import agree, wait_for_everyone
-from distbelief.runtime.liveness import Peers
 from distbelief.runtime.threads import set_blas_threads
 from distbelief.runtime.topology import Communicators, split_communicators
 
@@ -77,29 +69,15 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     distbelief.algorithms.common.RESUME_MODES ("auto", "require", "fresh").
     """
     role = start(config, comm, stream, resume)
-    # Collective (node_split, an allgather): every rank's identity, and on several nodes
-    # every rank beats in out_dir (distbelief.runtime.heartbeat) until the end.
-    peers = Peers.gather(comm, config.run.out_dir, config.run.heartbeat_timeout_seconds)
-    describe = role.plan.topology.describe_rank
-    guard = watchdog.Watchdog(comm.Get_rank(), describe, config.run.stall_warn_seconds,
-                              config.run.stall_abort_seconds,
-                              lambda message: watchdog.abort_job(comm, message), peers.gone)
-    role.peers = peers
     # Every rank catches SIGTERM/SIGUSR1 (the launcher forwards them to all): only the
     # coordinator acts on it, at the end of the iteration, with a checkpoint and the usual
-    # collective stop; the other ranks must simply not die of it.
-    with (np.errstate(over="ignore", invalid="ignore"), StopSignals() as signals,
-          watchdog.watching(guard)):
-        try:
-            role.signals = signals
-            role.run()
-            summary = finish(comm, role)
-        except watchdog.RankLost as lost:
-            # A shard or the coordinator (a lost replica is written off: docs/
-            # sandblaster.md, "Lost replicas"): nothing goes on without it. End the job with a message.
-            watchdog.abort_and_leave(comm, watchdog.lost_message(describe, lost))
-        finally:
-            peers.close()
+    # collective stop; the other ranks must simply not die of it. A lost shard or
+    # coordinator ends the job (a lost replica is written off: docs/sandblaster.md, "Lost
+    # replicas").
+    with role.session.watched(role.plan.topology.describe_rank) as (signals, peers):
+        role.peers, role.signals = peers, signals
+        role.run()
+        summary = finish(comm, role)
     if summary["stop_reason"] == "diverged":
         raise TrainingDiverged("training diverged: the loss became non-finite")
     return summary if isinstance(role, Coordinator) else None
@@ -108,20 +86,21 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
 def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
           resume: str = "auto", splits: list[list[int]] | None = None) -> Any:
     """Validate, set up and build this rank's role (ShardServer, Coordinator or Replica).
-    Collective over `comm` (two set-up agreements around a bcast of the checkpoint to
-    resume from, and topology.split_communicators); call `role.run()` and `finish` next.
+    Collective over `comm` (the session's agreed choice of the checkpoint to resume
+    from, broadcast from the coordinator; two set-up agreements around
+    topology.split_communicators); call `role.run()` and `finish` next.
     `splits`: with partitions, per layer the P+1 block boundaries (None: balanced, what
     the command line uses; tests pass unequal ones)."""
-    info, network = open_data(config)
+    session = RunSession("sandblaster", config, comm, stream, resume)
+    info, network = session.info, session.network
     plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train,
                     network.layout.size)
     pieces = all_pieces(network, plan.partitions, splits)  # pure: the same error everywhere
     set_blas_threads(config.run.threads or 1)
     topology = plan.topology
-    local = agree(comm, lambda: _local_setup(config, plan, info, network, resume, stream))
-    found = local if topology.role == "coordinator" else None
-    path = comm.bcast(None if found is None else str(found.path),
-                      root=topology.coordinator_rank)
+    session.reporting_rank = topology.coordinator_rank
+    path = session.choose_checkpoint()
+    local = agree(comm, lambda: _replica_data(session) if topology.is_replica else None)
     communicators = split_communicators(comm, topology)
     role: Any
     if topology.is_shard:
@@ -129,29 +108,23 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     else:
         agree(comm, lambda: None)
         if topology.role == "coordinator":
-            role = Coordinator(comm, config, plan, network, info, stream, found)
+            role = Coordinator(comm, config, plan, network, info, stream, session.found)
         elif plan.partitions == 1:
             role = Replica(comm, config, plan, network, *local, pieces=pieces[0])
         else:
             team = communicators.partition
             model = PartitionedNetwork(network, team, splits)
             role = Replica(comm, config, plan, model, *local, pieces=model.pieces, team=team)
-    role.communicators = communicators
+    role.communicators, role.session = communicators, session
     return role
 
 
-def _local_setup(config: Config, plan: SandblasterPlan, info: Any, network: Any,
-                 resume: str, stream: IO[str] | None) -> Any:
-    """A replica's training rows and evaluation set; on the coordinator the checkpoint to
-    resume from (or None) and the run folder. Local."""
-    if plan.topology.is_replica:
-        x, y = read_rows(info, "train", 0, info.n_train)  # every replica may get any unit
-        return x, y, load_eval_set(config, info), info.scale
-    if plan.topology.role == "coordinator":
-        found = starting_checkpoint(config, network.layout, resume, stream)
-        prepare_run_dir(config)
-        return found
-    return None
+def _replica_data(session: RunSession) -> tuple:
+    """A replica's training rows (every replica may get any unit), its evaluation set and
+    the data's scale. Local."""
+    info = session.info
+    x, y = read_rows(info, "train", 0, info.n_train)
+    return x, y, session.load_eval_set(), info.scale
 
 
 def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,

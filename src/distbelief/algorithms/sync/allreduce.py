@@ -43,29 +43,14 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import (
-    EVAL_BATCH_SIZE,
-    RESUME_MODES,
-    STOP_CODE_OF,
-    STOP_CODES,
-    StopRules,
-    StopSignals,
-    TrainingDiverged,
-    check_replica_count,
-    load_eval_set,
-    open_data,
-    prepare_run_dir,
-    run_recorder,
-    starting_checkpoint,
-    train_shard,
-    watched_run,
-)
+from distbelief.algorithms.common import EVAL_BATCH_SIZE, STOP_CODE_OF, STOP_CODES, StopSignals
+from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint, accuracy_text, target_text
+from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint
 from distbelief.runtime import watchdog
-from distbelief.runtime.agreement import agree, wait_all
+from distbelief.runtime.agreement import wait_all
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
@@ -84,65 +69,40 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     """Synchronous SGD over the ranks of `comm`, all replicas; the summary on rank 0,
     None elsewhere. Collective over `comm`."""
 
-    if resume not in RESUME_MODES:
-        raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
+    session = RunSession("sync", config, comm, stream, resume)
     rank, replicas = comm.Get_rank(), comm.Get_size()
     set_blas_threads(config.run.threads or 1)
-    info, network = open_data(config)
-
-    def setup() -> str | None:
-        if rank != 0:
-            return None
-        found = starting_checkpoint(config, network.layout, resume, stream)
-        check_replica_count(found, replicas, "synchronous", why=" (their data positions)")
-        prepare_run_dir(config)
-        return None if found is None else str(found.path)
-
-    start_path = comm.bcast(agree(comm, setup), root=0)
-    eval_set = _eval_slice(load_eval_set(config, info), rank, replicas)
-    shard = train_shard(config, info, rank, replicas)
+    network = session.network
+    start_path = session.choose_checkpoint(replicas, "synchronous",
+                                           why=" (their data positions)")
+    eval_set = _eval_slice(session.load_eval_set(), rank, replicas)
+    shard = session.train_shard(rank, replicas)
     params = network.init_params(config.run.seed)
     optimizer = build_optimizer(config, params.size)
     state = {"step": 0, "samples": 0}
-    resume_point = None
     if start_path is not None:
-        resume_point = restore(Path(start_path), rank, params, optimizer, shard, state)
-    recorder = None
-    if rank == 0:
-        say(stream, f"distbelief: sync, {replicas} replicas (allreduce, no backup "
-                    f"workers), {network.layout.size:,d} parameters, data {info.path} "
-                    f"({info.n_train} train / {eval_set[2]} eval samples), out "
-                    f"{config.run.out_dir}\n{network.describe()}")
-        recorder = run_recorder(config, info, stream, resume=resume_point)
-    run = _Run(config, comm, network, shard, optimizer, params, eval_set, recorder, state,
-               stream)
+        restore(Path(start_path), rank, params, optimizer, shard, state)
+    session.describe_run(f"{replicas} replicas (allreduce, no backup workers), "
+                         f"{network.layout.size:,d} parameters", eval_set[2])
+    session.open_recorder()
+    run = _Run(session, comm, shard, optimizer, params, eval_set, state)
 
     def describe(r: int) -> str:
         return f"replica {r} (rank {r})"
 
-    with watched_run(comm, describe, config.run) as (signals, _):
-        try:
-            reason = run.loop(signals)
-            run.checkpoint(final=True)
-            identical = run.replicas_identical()
-        except watchdog.RankLost as lost:
-            if rank != min(r for r in range(replicas) if r != lost.rank):
-                time.sleep(1.0)  # the lowest survivor speaks for all: one line, not R - 1
-            watchdog.abort_and_leave(comm, lost_replica_line(lost.rank))
-            raise
-    if recorder is None:
-        return None
-    summary = recorder.finish({
-        "algorithm": "sync", "stop_reason": reason, "config_hash": config_hash(config),
-        "num_params": int(network.layout.size), "eval_samples": eval_set[2],
+    def on_lost(lost: watchdog.RankLost, peers: Any) -> None:
+        if rank != min(r for r in range(replicas) if r != lost.rank):
+            time.sleep(1.0)  # the lowest survivor speaks for all: one line, not R - 1
+        watchdog.abort_and_leave(comm, lost_replica_line(lost.rank))
+
+    with session.watched(describe, on_lost) as (signals, _):
+        reason = run.loop(signals)
+        run.checkpoint(final=True)
+        identical = run.replicas_identical()
+    return session.finish(reason, {
         "replicas": replicas, "backup_workers": 0, "dropped_gradients": 0,
-        "replicas_identical": identical,
-        "resumed_from": start_path, "checkpoint": run.last_path})
-    say(stream, f"distbelief: stopped ({reason}) after {summary['steps']} steps, "
-                f"{summary['wall_seconds']:.1f}s; {accuracy_text(summary)}; replicas identical: "
-                f"{'yes' if identical else 'NO'}{target_text(summary)}\n"
-                f"results in {config.run.out_dir}")
-    return summary
+        "replicas_identical": identical}, run.last_path, eval_samples=eval_set[2],
+        note=f"; replicas identical: {'yes' if identical else 'NO'}")
 
 
 def _eval_slice(eval_set: tuple[np.ndarray, np.ndarray], rank: int,
@@ -195,12 +155,12 @@ def write_checkpoint(config: Config, layout: Any, params: np.ndarray, optimizer:
 class _Run:
     """One replica's side of the lockstep loop, its evaluations and checkpoints."""
 
-    def __init__(self, config: Config, comm: MPI.Comm, network: Any, shard: Any,
-                 optimizer: Any, params: np.ndarray, eval_set: tuple, recorder: Any,
-                 state: dict[str, int], stream: IO[str] | None):
-        self.config, self.comm, self.network, self.shard = config, comm, network, shard
+    def __init__(self, session: RunSession, comm: MPI.Comm, shard: Any, optimizer: Any,
+                 params: np.ndarray, eval_set: tuple, state: dict[str, int]):
+        self.session, self.config, self.comm = session, session.config, comm
+        self.network, self.shard = session.network, shard
         self.optimizer, self.params, self.eval_set = optimizer, params, eval_set
-        self.recorder, self.state, self.stream = recorder, state, stream
+        self.recorder, self.state, self.stream = session.recorder, state, session.stream
         self.rank, self.replicas = comm.Get_rank(), comm.Get_size()
         self.others = [r for r in range(self.replicas) if r != self.rank]
         self.last_path: str | None = None
@@ -212,7 +172,7 @@ class _Run:
     def loop(self, signals: StopSignals) -> str:
         """Train until a stop rule fires; returns why. Collective over the replicas."""
         config, comm, n = self.config, self.comm, self.params.size
-        rules = StopRules.from_config(config)
+        rules = self.session.rules
         batch = config.data.batch_size
         run = config.run
         # Named buffers for the collectives (they must outlive each non-blocking call).
@@ -255,11 +215,7 @@ class _Run:
                      "the step's gradient allreduce", self.others)
             loss = float(total[n]) / self.replicas
             if not math.isfinite(loss):  # the same sum everywhere: every replica stops
-                if self.recorder is not None:
-                    self.recorder.finish({"algorithm": "sync", "stop_reason": "diverged"})
-                raise TrainingDiverged(f"training diverged: the loss is {loss} at step "
-                                       f"{step + 1}; lower optimizer.learning_rate (now "
-                                       f"{config.optimizer.learning_rate:g})")
+                raise self.session.diverged(f"{loss} at step {step + 1}")
             mean_grad *= np.float32(1.0 / self.replicas)
             self.optimizer.step(self.params, mean_grad, update=step)
             step, samples = step + 1, samples + batch * self.replicas

@@ -37,40 +37,24 @@ from __future__ import annotations
 import math
 import sys
 import time
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import (
-    RESUME_MODES,
-    StopRules,
-    StopSignals,
-    TrainingDiverged,
-    check_replica_count,
-    evaluate,
-    load_eval_set,
-    open_data,
-    prepare_run_dir,
-    run_recorder,
-    starting_checkpoint,
-    train_shard,
-    watched_run,
-)
+from distbelief.algorithms.common import StopRules, StopSignals, evaluate, train_shard
+from distbelief.algorithms.session import RunSession
 from distbelief.algorithms.sync.allreduce import write_checkpoint
-from distbelief.config import Config, build_optimizer, config_hash
+from distbelief.config import Config, build_optimizer
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
     ResumePoint,
     RunRecorder,
-    accuracy_text,
-    target_text,
 )
 from distbelief.runtime import guardian, launcher, watchdog
-from distbelief.runtime.agreement import agree, wait_all
+from distbelief.runtime.agreement import wait_all
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
@@ -94,56 +78,39 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     """Synchronous SGD with backup workers over `comm` (rank 0 the shard, the others
     replicas); the summary on rank 0, None elsewhere. Collective over `comm`."""
 
-    if resume not in RESUME_MODES:
-        raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
+    session = RunSession("sync", config, comm, stream, resume)
     rank, replicas = comm.Get_rank(), comm.Get_size() - 1
     set_blas_threads((config.run.threads or 1) if rank else 1)
-    info, network = open_data(config)
-
-    def setup() -> str | None:
-        if rank != SHARD:
-            return None
-        found = starting_checkpoint(config, network.layout, resume, stream)
-        check_replica_count(found, replicas, "synchronous", extra_ranks=1,
-                            why=" (their data positions)")
-        prepare_run_dir(config)
-        return None if found is None else str(found.path)
-
-    start_path = comm.bcast(agree(comm, setup), root=0)
-    found = None if start_path is None else ckpt.Checkpoint(
-        Path(start_path), ckpt.read_manifest(Path(start_path)))
+    info, network = session.info, session.network
+    session.choose_checkpoint(replicas, "synchronous", extra_ranks=1,
+                              why=" (their data positions)")
+    found = session.start_checkpoint()
 
     def describe(r: int) -> str:
         return "the parameter-server shard (rank 0)" if r == SHARD else \
             f"replica {r - 1} (rank {r})"
 
-    with watched_run(comm, describe, config.run) as (signals, peers):
-        try:
-            if rank != SHARD:
-                shard = train_shard(config, info, rank - 1, replicas)
-                if found is not None and found.has_replica(rank - 1):
-                    shard.load_state(found.read_replica(rank - 1).data_state)
-                lost = _replica_loop(config, comm, network, shard) == STOP_AFTER_A_LOSS
-                if lost or peers.gone_among(range(comm.Get_size())):
-                    guardian.skip_mpi_finalize()  # MPI_Finalize would wait for the dead
-                return None
-            params = network.init_params(config.run.seed)
-            opt = config.optimizer
-            optimizer = build_optimizer(config, params.size)
-            server = _Server(config, comm, network, params, optimizer,
-                             info, peers, watchdog.current(), stream)
-            if found is not None:
-                server.restore(found)
-            say(stream, f"distbelief: sync, {replicas} replicas + 1 parameter-server shard, "
-                        f"backup_workers = {opt.backup_workers} (each step takes the first "
-                        f"{server.quorum} gradients), {network.layout.size:,d} parameters, "
-                        f"data {info.path} ({info.n_train} train / "
-                        f"{len(server.eval_set[1])} eval samples), out "
-                        f"{config.run.out_dir}\n{network.describe()}")
-            return server.run(signals, start_path)
-        except watchdog.RankLost as lost:  # a replica lost its shard: nothing goes on
-            watchdog.abort_and_leave(comm, watchdog.lost_message(describe, lost))
-            raise
+    # A replica that lost its shard: nothing goes on (the session's abort).
+    with session.watched(describe) as (signals, peers):
+        if rank != SHARD:
+            shard = train_shard(config, info, rank - 1, replicas)
+            if found is not None and found.has_replica(rank - 1):
+                shard.load_state(found.read_replica(rank - 1).data_state)
+            lost = _replica_loop(config, comm, network, shard) == STOP_AFTER_A_LOSS
+            if lost or peers.gone_among(range(comm.Get_size())):
+                guardian.skip_mpi_finalize()  # MPI_Finalize would wait for the dead
+            return None
+        params = network.init_params(config.run.seed)
+        opt = config.optimizer
+        optimizer = build_optimizer(config, params.size)
+        server = _Server(session, comm, params, optimizer, peers, watchdog.current())
+        if found is not None:
+            server.restore(found)
+        session.describe_run(f"{replicas} replicas + 1 parameter-server shard, "
+                             f"backup_workers = {opt.backup_workers} (each step takes the "
+                             f"first {server.quorum} gradients), {network.layout.size:,d} "
+                             f"parameters", len(server.eval_set[1]))
+        return server.run(signals)
 
 
 # ------------------------------------------------------------------------------------------
@@ -209,12 +176,13 @@ class _Server:
     """The shard: takes the first R - k gradients of each step, applies their mean, sends
     the parameters out, drops the late gradients; evaluates, logs and checkpoints."""
 
-    def __init__(self, config: Config, comm: MPI.Comm, network: Any, params: np.ndarray,
-                 optimizer: Any, info: Any, peers: Any, guard: watchdog.Watchdog,
-                 stream: IO[str] | None):
-        self.config, self.comm, self.network = config, comm, network
+    def __init__(self, session: RunSession, comm: MPI.Comm, params: np.ndarray,
+                 optimizer: Any, peers: Any, guard: watchdog.Watchdog):
+        config = session.config
+        self.session, self.config, self.comm, self.network = (session, config, comm,
+                                                              session.network)
         self.params, self.optimizer, self.peers, self.guard = params, optimizer, peers, guard
-        self.stream = stream
+        self.stream = session.stream
         self.replicas = comm.Get_size() - 1
         self.k = config.optimizer.backup_workers
         self.quorum = self.replicas - self.k
@@ -235,8 +203,7 @@ class _Server:
         self.last_death = -math.inf
         self.notice_delay = NOTICE_DELAY_S + (
             config.run.heartbeat_timeout_seconds if peers.heartbeats is not None else 0.0)
-        self.info = info
-        self.eval_set = load_eval_set(config, info)
+        self.eval_set = session.load_eval_set()
 
     def restore(self, found: ckpt.Checkpoint) -> None:
         saved, optimizer_state = found.read_state()
@@ -256,11 +223,10 @@ class _Server:
 
     # -- the loop
 
-    def run(self, signals: StopSignals, start_path: str | None) -> dict[str, Any]:
+    def run(self, signals: StopSignals) -> dict[str, Any]:
         config = self.config
         run, rules = config.run, StopRules.from_config(config)
-        self.recorder = recorder = run_recorder(config, self.info, self.stream,
-                                                resume=self.resume_point)
+        self.recorder = recorder = self.session.open_recorder(self.resume_point)
         n, batch = self.params.size, config.data.batch_size
         total, incoming = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
         head = np.zeros(5, dtype=np.float64)
@@ -296,11 +262,7 @@ class _Server:
             loss = step_loss / taken
             if not math.isfinite(loss):
                 self._stop_replicas()
-                recorder.finish({"algorithm": "sync", "stop_reason": "diverged"})
-                raise TrainingDiverged(f"training diverged: the loss is {loss} at step "
-                                       f"{self.state['step'] + 1}; lower "
-                                       f"optimizer.learning_rate (now "
-                                       f"{config.optimizer.learning_rate:g})")
+                raise self.session.diverged(f"{loss} at step {self.state['step'] + 1}")
             total *= np.float32(1.0 / taken)
             self.optimizer.step(self.params, total, update=self.state["step"])
             self.state["step"] += 1
@@ -340,20 +302,13 @@ class _Server:
         self.checkpoint()
         if self.lost:
             guardian.skip_mpi_finalize()  # MPI_Finalize would wait for the dead
-        summary = recorder.finish({
-            "algorithm": "sync", "stop_reason": reason, "config_hash": config_hash(config),
-            "num_params": int(self.network.layout.size),
-            "eval_samples": len(self.eval_set[1]), "replicas": self.replicas,
-            "backup_workers": self.k, "dropped_gradients": self.dropped,
+        return self.session.finish(reason, {
+            "replicas": self.replicas, "backup_workers": self.k,
+            "dropped_gradients": self.dropped,
             "lost_replicas": [{"replica": r - 1, "ranks": [r], "step": s, "why": self._why(r)}
-                              for r, s in sorted(self.lost.items())],
-            "resumed_from": start_path, "checkpoint": self.last_path})
-        say(self.stream, f"distbelief: stopped ({reason}) after {summary['steps']} steps, "
-                         f"{summary['wall_seconds']:.1f}s; {accuracy_text(summary)}; "
-                         f"{self.dropped:,d} late gradients dropped, "
-                         f"{len(self.lost)} replica(s) lost{target_text(summary)}\n"
-                         f"results in {config.run.out_dir}")
-        return summary
+                              for r, s in sorted(self.lost.items())]}, self.last_path,
+            note=f"; {self.dropped:,d} late gradients dropped, {len(self.lost)} replica(s) "
+                 f"lost")
 
     def _signal(self, signals: StopSignals) -> str | None:
         """The signal that stops the run, if one arrived: a SIGTERM or Ctrl-C at once; a
