@@ -31,12 +31,12 @@ from helpers.sandblaster import (
 
 from distbelief.algorithms.sandblaster import lbfgs
 from distbelief.algorithms.sandblaster.roles import BatchRows
+from distbelief.algorithms.sandblaster.vector_shard import VectorShard
 from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD, WorkUnitTable
 from distbelief.config import apply_overrides, config_from_dict
 from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
 from distbelief.model.network import Network
-from distbelief.ps.vector_shard import VectorShard
 from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS
 from distbelief.runtime.faults import ENV as FAULTS
 

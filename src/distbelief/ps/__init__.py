@@ -6,6 +6,7 @@ rma_windows (the windows, the calls allowed on each location, the registered rea
 published parameters; why each is legal: docs/rma-protocol.md), rma_shard (the fold and
 publish), rma_client (push, pull, catch_up); shared_memory (the transport for a job on one node: clients update the shard's
 segment directly), transport (which transport a job uses: open_parameter_server),
-run_control (Downpour's run control block on shard 0: step claims, reports, commands),
-vector_shard (one shard's slice of the Sandblaster L-BFGS vectors).
+run_control (Downpour's run control block on shard 0: step claims, reports, commands;
+it stays here because the transports carry it in shard 0's windows). Sandblaster's
+vectors live with it: distbelief.algorithms.sandblaster.vector_shard.
 """

@@ -1,7 +1,7 @@
 """L-BFGS driven by scalars only: the coordinator's side of Sandblaster.
 
 The vectors (parameters x, gradient g, search direction d, history pairs s_i, y_i) live
-elsewhere, sliced over parameter-server shards (distbelief.ps.vector_shard.VectorShard); this
+elsewhere, sliced over parameter-server shards (distbelief.algorithms.sandblaster.vector_shard.VectorShard); this
 module sees only dot products and sends only coefficients, so what crosses the network
 per iteration is O(m) numbers, whatever the parameter count.
 

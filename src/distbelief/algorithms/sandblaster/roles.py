@@ -38,11 +38,11 @@ from distbelief.algorithms.sandblaster.replica import (
     encode_answer,
 )
 from distbelief.algorithms.sandblaster.shards import ShardServer
+from distbelief.algorithms.sandblaster.vector_shard import VectorShard
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config
 from distbelief.data.hdf5 import read_rows
 from distbelief.model.partitioned_network import PartitionedNetwork
-from distbelief.ps.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime import guardian, watchdog
 from distbelief.runtime.agreement import agree, wait_for_everyone

@@ -1,5 +1,5 @@
 """Sandblaster's shards (ShardServer): the command loop over this shard's vectors
-(distbelief.ps.vector_shard), answering the coordinator's commands with partial dot
+(vector_shard), answering the coordinator's commands with partial dot
 products, the replicas' fetches with the trial point, and summing their pushes.
 docs/sandblaster.md, "Design" (shards, the order of a trial), says how.
 """
@@ -24,7 +24,7 @@ from distbelief.algorithms.sandblaster.plan import (
     poll_backoff,
     shard_segments,
 )
-from distbelief.ps.vector_shard import VectorShard
+from distbelief.algorithms.sandblaster.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import wait_all
