@@ -40,6 +40,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -201,3 +202,41 @@ class Faults:
 
 def _say(text: str) -> None:
     print(f"distbelief: {text}", file=sys.stderr, flush=True)
+
+
+class StepFaults:
+    """What a replica's step loop injects, behind one seam (step_faults): the poisoned
+    gradient, the delays, kills and raises after a step, and the hang or kill armed for
+    the next push. A loop calls after_gradient and after_step whether or not a fault is
+    armed; without one they do nothing."""
+
+    def __init__(self, faults: Faults, client: Any):
+        self.faults, self.client = faults, client
+
+    def after_gradient(self, step: int, grad: np.ndarray) -> None:
+        self.faults.poison(step, grad)
+
+    def after_step(self, step: int, started: float) -> None:
+        """`started`: time.perf_counter() when the step began."""
+        self.faults.after_step(step, time.perf_counter() - started)
+        if self.faults.hang_due(step):
+            self.client.hang_in_next_push(self.faults)
+        if self.faults.kill_in_push_due(step):
+            self.client.kill_in_next_push(self.faults)
+
+
+class _NoStepFaults:
+    def after_gradient(self, step: int, grad: np.ndarray) -> None:
+        pass
+
+    def after_step(self, step: int, started: float) -> None:
+        pass
+
+
+NO_STEP_FAULTS = _NoStepFaults()
+
+
+def step_faults(faults: Faults, client: Any) -> StepFaults | _NoStepFaults:
+    """The seam a replica's step loop calls: StepFaults when `faults` arms any, else one
+    that does nothing (a test-only feature costs a run two empty calls a step)."""
+    return StepFaults(faults, client) if faults else NO_STEP_FAULTS

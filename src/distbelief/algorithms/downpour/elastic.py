@@ -99,23 +99,15 @@ class ElasticReplica(Replica):
         next claim; returns the steps that claim was granted."""
         loss_sum, done = 0.0, 0
         while done < steps and not self.stopping:
-            t0 = time.perf_counter()
-            x, y = self.data.next_batch(self.plan.batch_size)
-            loss = self.network.loss_and_grad(self.params, x, y, self.grad)
-            self.t += 1
+            loss, started = self._compute_step()
             done += 1
-            if self.faults:
-                self.faults.poison(self.t, self.grad)
             if self._usable(loss):
                 self.local_optimizer.step(self.params, self.grad, update=self.t - 1)
             else:
                 self._drop()  # a non-finite gradient is not applied (counted, as Downpour)
             if math.isfinite(loss):
                 loss_sum += loss
-            if self.faults:
-                self.faults.after_step(self.t, time.perf_counter() - t0)
-                if self.faults.kill_in_push_due(self.t):
-                    self.client.kill_in_next_push(self.faults)
+            self.injected.after_step(self.t, started)
         self._exchange_elastic(self.control.set(self.plan.n_push, done, loss_sum))
         self.stats_.steps += done
         self.stats_.samples += done * self.plan.batch_size

@@ -30,7 +30,7 @@ from distbelief.ps.stats import StalenessStats
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import polled_bcast, wait_all
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.faults import Faults
+from distbelief.runtime.faults import Faults, step_faults
 from distbelief.runtime.watchdog import RankLost
 
 
@@ -122,6 +122,7 @@ class Replica:
         self.acked = 0  # the last checkpoint request this replica paused for
         self.bad_in_a_row = 0
         self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.runtime.faults)
+        self.injected = step_faults(self.faults, self.client)  # a no-op without faults
 
     # -- the loop
 
@@ -187,13 +188,8 @@ class Replica:
             if self.t % plan.n_fetch == 0 and not self.fresh:
                 self._pull()
             self.fresh = False
-            t0 = time.perf_counter()
-            x, y = self.data.next_batch(plan.batch_size)
-            loss = self.network.loss_and_grad(self.params, x, y, self.grad)
-            self.t += 1
+            loss, started = self._compute_step()
             done += 1
-            if self.faults:
-                self.faults.poison(self.t, self.grad)
             if self._usable(loss):
                 if self.pushed is not self.grad:
                     self.pushed += self.grad
@@ -201,16 +197,21 @@ class Replica:
                 self._drop()
             if math.isfinite(loss):
                 loss_sum += loss
-            if self.faults:
-                self.faults.after_step(self.t, time.perf_counter() - t0)
-                if self.faults.hang_due(self.t):
-                    self.client.hang_in_next_push(self.faults)
-                if self.faults.kill_in_push_due(self.t):
-                    self.client.kill_in_next_push(self.faults)
+            self.injected.after_step(self.t, started)
         self._push(self.control.set(plan.n_push, done, loss_sum))
         self.stats_.steps += done
         self.stats_.samples += done * plan.batch_size
         return self._granted_after_exchange()
+
+    def _compute_step(self) -> tuple[float, float]:
+        """One step: the next batch's gradient into self.grad; (its loss, the time the step
+        began)."""
+        started = time.perf_counter()
+        x, y = self.data.next_batch(self.plan.batch_size)
+        loss = self.network.loss_and_grad(self.params, x, y, self.grad)
+        self.t += 1
+        self.injected.after_gradient(self.t, self.grad)
+        return loss, started
 
     def _granted_after_exchange(self) -> int:
         """After an exchange: the steps granted, once shard 0's commands are obeyed (0 when
