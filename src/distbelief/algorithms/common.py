@@ -150,7 +150,11 @@ def final_test(config: Config, summary: dict[str, Any],
         summary = {**summary, "test_not_evaluated": why}
         write_json_atomic(out_dir / SUMMARY_FILE, summary)
         return summary
-    info, _ = open_data(config)
+    from distbelief.data.hdf5 import open_dataset, with_validation
+
+    # The metadata only: the run checked the labels already.
+    info = with_validation(open_dataset(config.data.path, labels=False),
+                           config.data.validation)
     loss, accuracy, rows = evaluate_split(trained.network(), trained.params, info, "test")
     step = trained.source.get("step")
     summary = {**summary, "final_test_accuracy": accuracy, "final_test_loss": loss,
