@@ -145,7 +145,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 SHARED_BY_ALGORITHMS = ("distbelief.algorithms.common", "distbelief.algorithms.session",
-                        "distbelief.algorithms.registry")
+                        "distbelief.algorithms.checkpointer", "distbelief.algorithms.registry")
 """The modules of the algorithms layer that every algorithm may import."""
 
 PRIVATE_IMPORTS_ALLOWED = {
