@@ -206,9 +206,8 @@ EVALUATE_HELP = """\
 Print the loss and accuracy of a trained model on a dataset file: by default the newest
 valid checkpoint of RUN_DIR on the run's own test set, which gives the run's
 final_test_accuracy (when the run evaluated its whole test set: run.eval_samples = 0).
-Works for every algorithm, shard count and partition count (but a single replica over
-partitions, algorithm "sgd" with cluster.partitions > 1, writes no checkpoints yet), in
-one process, without mpiexec: run it on a login node. A checkpoint folder or a
+Works for every algorithm, shard count and partition count, in one process, without
+mpiexec: run it on a login node. A checkpoint folder or a
 `distbelief export` file works too. A damaged newest checkpoint is named on stderr and
 the one before it used. --split validation reads the run's validation split: the rows
 of /train it held out (data.validation), or the file's /val; --split train reads all of

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -27,9 +28,19 @@ class TrainState:
     samples: int = 0
 
 
+def schedule(every_seconds: float, every_steps: int, step: int,
+             now: float) -> tuple[float, float]:
+    """(monotonic time, step) of the next periodic checkpoint; inf when off. Steps are
+    multiples of `every_steps`, also after a resume from another step. Pure."""
+    at_time = now + every_seconds if every_seconds else math.inf
+    at_step = (step // every_steps + 1) * every_steps if every_steps else math.inf
+    return at_time, at_step
+
+
 class Checkpointer:
-    """When and what the single-process trainer checkpoints: one shard part (the whole
-    vector and the optimizer state) and one replica part (the data position)."""
+    """When and what a one-replica run checkpoints: one shard part (the whole vector and
+    the optimizer state: `params`, `optimizer.state()`) and one replica part (the data
+    position). A partitioned run gives whole-model buffers it gathers into before save."""
 
     def __init__(self, config: Config, layout: Any, params: np.ndarray, optimizer: Any,
                  shard: Any, recorder: RunRecorder, stream: IO[str] | None,
@@ -47,12 +58,8 @@ class Checkpointer:
         self.last_path: Path | None = None
 
     def schedule(self, step: int, now: float) -> tuple[float, float]:
-        """(monotonic time, step) of the next periodic checkpoint; inf when off. Steps are
-        multiples of checkpoint_every_steps, also after a resume from another step."""
-        at_time = now + self.every_seconds if self.every_seconds else math.inf
-        at_step = (step // self.every_steps + 1) * self.every_steps if self.every_steps \
-            else math.inf
-        return at_time, at_step
+        """(monotonic time, step) of the next periodic checkpoint (`schedule`)."""
+        return schedule(self.every_seconds, self.every_steps, step, now)
 
     def save(self, state: TrainState) -> Path | None:
         """Checkpoint the current state, unless this step is checkpointed already."""
@@ -77,13 +84,15 @@ class Checkpointer:
 
 
 def restore(found: ckpt.Checkpoint, params: np.ndarray, optimizer: Any, shard: Any,
-            state: TrainState) -> ResumePoint:
-    """Load a verified, compatible single-process checkpoint into the run's objects."""
+            state: TrainState,
+            select: Callable[[np.ndarray], np.ndarray] = lambda whole: whole) -> ResumePoint:
+    """Load a verified, compatible one-replica checkpoint into the run's objects; `select`
+    takes this rank's part of each whole-model array (a partition's pieces)."""
     saved, optimizer_state = found.read_state()
-    np.copyto(params, saved)
+    np.copyto(params, select(saved))
     replica = found.read_replica(0)
     try:
-        optimizer.load_state(optimizer_state)
+        optimizer.load_state({name: select(array) for name, array in optimizer_state.items()})
         shard.load_state(replica.data_state)
     except (ValueError, TypeError) as exc:
         raise ckpt.CheckpointError(f"checkpoint {found.path} cannot be resumed here: "
