@@ -33,6 +33,14 @@ written, rank 0's wall time from the agreed round to the committed checkpoint): 
     python benchmarks/bench_checkpoint.py                  # 100M parameters, then Downpour
     python benchmarks/bench_checkpoint.py --params 10000000 --dir /scratch/me
     python benchmarks/bench_checkpoint.py --only downpour --ranks 3 --every 1
+    python benchmarks/bench_checkpoint.py --only replicas --dir /lustre/me
+
+Replicas (section 3): the part of a checkpoint that one rank writes for R replicas (each
+a data position and a few counters; Downpour's shard 0, sync's and Hogwild's writer),
+as one replicas.h5 with a group per replica against the earlier one file per replica
+(each created, fsynced, re-read for its sha256 and renamed), commit included, for R =
+10, 100 and 1,000; the ratio is files / one part. On a parallel file system each file
+costs metadata-server round trips, so run it there with --dir to see the cluster's figure.
 """
 
 from __future__ import annotations
@@ -111,8 +119,9 @@ def describe(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("write", "downpour"), default=None,
-                        help="run one section: the 100M write/load, or Downpour's overhead")
+    parser.add_argument("--only", choices=("write", "downpour", "replicas"), default=None,
+                        help="run one section: the 100M write/load, Downpour's overhead, "
+                             "or the replicas' part at R = 10-1,000")
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=None,
@@ -126,10 +135,53 @@ def main() -> None:
                         help="Downpour: interleaved runs with and without checkpoints")
     parser.add_argument("--data", type=Path, default=REPO / "data" / "fashion_mnist.h5")
     args = parser.parse_args()
-    if args.only != "downpour":
+    if args.only in (None, "write"):
         bench_write_load(args)
-    if args.only != "write":
+    if args.only in (None, "downpour"):
         bench_downpour(args)
+    if args.only in (None, "replicas"):
+        bench_replicas(args)
+
+
+def replicas_commit(root: Path, step: int, replicas: int, together: bool) -> float:
+    """Seconds to write R replicas' states (one part, or a file each) and commit."""
+    layout = ParamLayout([(0, "weights", (16,))])
+    params = np.zeros(16, dtype=np.float32)
+    settings = {"bench": 1}
+    meta = ckpt.CheckpointMeta(step, step, 0.0, settings_hash(settings))
+    began = time.perf_counter()
+    partial = ckpt.prepare(root, step)
+    records = [ckpt.write_shard_part(partial, meta, 0, 0, 16, params, {})]
+    states = [ckpt.ReplicaState(r, {"local_steps": step}, {"epoch": 0, "position": r},
+                                None, {}) for r in range(replicas)]
+    if together:
+        records.append(ckpt.write_replicas_part(partial, meta, states))
+    else:
+        records += [ckpt.write_replica_part(partial, meta, s.index, s.data_state, None,
+                                            s.counters) for s in states]
+    ckpt.commit(root, meta, settings=settings, algorithm="downpour", layout=layout,
+                shard_ranges=[(0, 16)], optimizer_state=[], parts=records,
+                num_replicas=replicas, keep=2)
+    return time.perf_counter() - began
+
+
+def bench_replicas(args: argparse.Namespace) -> None:
+    work = Path(tempfile.mkdtemp(prefix="bench_checkpoint-", dir=args.dir))
+    print(f"replicas' part, in {work}; load average {os.getloadavg()[0]:.2f}")
+    try:
+        step = 0
+        for replicas in (10, 100, 1000):
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(args.rounds):
+                for together in (False, True):  # alternated, so drift hits both
+                    step += 1
+                    times[together].append(replicas_commit(work / "checkpoints", step,
+                                                           replicas, together))
+            one, files = (statistics.median(times[t]) for t in (True, False))
+            print(f"R = {replicas:5d}: one part {one * 1e3:8.1f} ms   a file each "
+                  f"{files * 1e3:8.1f} ms   ratio {files / one:6.1f}x")
+    finally:
+        shutil.rmtree(work)
 
 
 def bench_write_load(args: argparse.Namespace) -> None:

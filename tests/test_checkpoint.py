@@ -72,6 +72,44 @@ def test_round_trip_with_several_shards_and_replicas(root: Path) -> None:
         assert {k: int(v) for k, v in f["counters"].attrs.items()} == {"version": 13}
 
 
+def test_every_replica_in_one_part_when_one_rank_writes_them_all(root: Path) -> None:
+    # 200 replicas (two lost): one replicas.h5 with a group each, so a commit creates,
+    # syncs and hashes 1 file for them rather than 198, and each reads back as its own.
+    params, accum = state_for(5)
+    meta = ckpt.CheckpointMeta(5, 20, 2.5, HASH)
+    partial = ckpt.prepare(root, 5)
+    rng = np.random.default_rng(3)
+    kept = [i for i in range(200) if i not in (7, 150)]
+    states = [ckpt.ReplicaState(i, {"local_steps": 10 * i}, {"epoch": 1, "position": i},
+                                rng.bit_generator.state if i == 9 else None,
+                                {"pending": np.full(2, i, np.float32)} if i == 9 else {})
+              for i in kept]
+    records = [ckpt.write_shard_part(partial, meta, 0, 0, LAYOUT.size, params,
+                                     {"accum": accum}),
+               ckpt.write_replicas_part(partial, meta, states)]
+    path = ckpt.commit(root, meta, settings=SETTINGS, algorithm="downpour", layout=LAYOUT,
+                       shard_ranges=[(0, LAYOUT.size)], optimizer_state=["accum"],
+                       parts=records, num_replicas=200, keep=3, lost_replicas=[7, 150])
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "replicas.h5",
+                                                      "shard-0000.h5"]
+    found = ckpt.verify(path)
+    assert found.num_replicas == 200 and not found.has_replica(7) and found.has_replica(8)
+    for i in (0, 8, 199):
+        replica = found.read_replica(i)
+        assert replica.counters == {"local_steps": 10 * i}
+        assert replica.data_state == {"epoch": 1, "position": i}
+        assert replica.rng_state is None and replica.arrays == {}
+    nine = found.read_replica(9)
+    assert nine.rng_state == rng.bit_generator.state
+    assert np.array_equal(nine.arrays["pending"], np.full(2, 9, np.float32))
+    with pytest.raises(ckpt.CheckpointError, match="has no replica 150"):
+        found.read_replica(150)
+    # A part that is not what the manifest says is refused by name, as a replica file's is.
+    os.truncate(path / "replicas.h5", 100)
+    with pytest.raises(ckpt.CheckpointError, match="replicas.h5"):
+        ckpt.verify(path)
+
+
 def test_manifest_records_everything_the_brief_asks_for(root: Path) -> None:
     path = save(root, 30, shards=2)
     manifest = json.loads((path / "manifest.json").read_text())

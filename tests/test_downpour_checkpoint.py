@@ -362,8 +362,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
         flip_bytes(broken / f"shard-{shards - 1:04d}.h5")
         reason = "fails its sha256 checksum"
     else:
-        os.truncate(broken / "replica-0001.h5", 100)
-        reason = "replica-0001.h5 is 100 bytes"
+        os.truncate(broken / "replicas.h5", 100)  # shard 0 writes every replica's there
+        reason = "replicas.h5 is 100 bytes"
     proc = downpour(n, data_dir, out, *shape(n, shards), "run.max_steps=400")
     summary = succeeded(proc, n, out)
     assert f"warning: checkpoint {broken} is damaged" in proc.stdout and reason in proc.stdout

@@ -637,13 +637,15 @@ class Leader:
         records = [ckpt.write_shard_part(partial, meta, 0, 0, size, self.shared.params,
                                          self.shared.state, {"step": steps,
                                                              "samples": samples})]
+        states = []
         for i in range(self.num_replicas):
             if i in self.lost:
                 continue
             words = self.shared.words[i]
             data = {k: int(words[DATA_AT + j]) for j, k in enumerate(DATA_KEYS)}
             counters = {"steps": int(words[STEPS]), "samples": int(words[SAMPLES])}
-            records.append(ckpt.write_replica_part(partial, meta, i, data, None, counters))
+            states.append(ckpt.ReplicaState(i, counters, data, None, {}))
+        records.append(ckpt.write_replicas_part(partial, meta, states))
         path = ckpt.commit(root, meta, settings=hashed_settings(config), algorithm=ALGORITHM,
                            layout=self.network.layout, shard_ranges=[(0, size)],
                            optimizer_state=list(self.shared.state), parts=records,

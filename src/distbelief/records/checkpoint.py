@@ -8,7 +8,9 @@ FORMAT (version 1)
             manifest.json
             shard-0000.h5           one per parameter-server shard: its slice of the vector
             shard-0001.h5 ...
-            replica-0000.h5         one per model replica: data position, RNG, counters
+            replicas.h5             every model replica's data position, RNG, counters,
+                                    when one rank writes them all (a row per replica)
+            replica-0000.h5         or one file per model replica (its own rank writes it)
         ckpt-0000002000.partial/    being written (or left by a killed run: never loaded)
         ckpt-0000000500.deleting/   an old checkpoint being removed (retention)
         ckpt-0000001800.damaged/    failed verification at a resume; set aside, not deleted
@@ -27,11 +29,19 @@ replica-NNNN.h5:
     /rng                 attribute `state_json`: a numpy bit generator's state, as JSON
                          (present only when the replica has an RNG of its own)
     /arrays/<name>       any further arrays of the replica
+replicas.h5 (tables, so its size and write time grow with R by bytes, not by objects):
+    attributes  format, version, kind = "replicas", index = 0, step, config_hash
+    /index               int64 (R,)        the replicas, row by row
+    /counters, /data     int64 (R, K)      the integer attributes of a replica-NNNN.h5's
+                                            groups, one column per name (attribute `keys`:
+                                            the names, JSON)
+    /replica-NNNN/rng, /replica-NNNN/arrays/<name>   only for a replica that has them
 
 manifest.json: format, version, step, samples, wall_seconds (training time so far),
 created (UTC, for people), config_hash, config (the hashed settings, so a refused resume
 can say what changed), algorithm, num_params, layout (ParamLayout.to_records()),
-optimizer_state (names), shards [{index, start, stop, part}], replicas [{index, part}],
+optimizer_state (names), shards [{index, start, stop, part}], replicas [{index, part,
+and in replicas.h5 its row}],
 parts {name: {size, sha256}}, and manifest_sha256 over all the other fields (canonical
 JSON), so a flipped digit in the step cannot pass as valid.
 
@@ -46,6 +56,8 @@ WRITING (the order every rank follows; no MPI in this module)
                                                    params, optimizer_state, counters)
     each replica leader: record = write_replica_part(partial, meta, index, data_state,
                                                      rng_state, counters)
+      (or one rank for all: record = write_replicas_part(partial, meta, states): one
+       file to create, sync and hash whatever the replica count)
       -- the committer gathers every PartRecord (gather; a writer that failed sends
          None, and then the committer does not commit: the .partial is cleaned later) --
     committer:           commit(root, meta, settings=..., layout=..., shard_ranges=...,
@@ -139,6 +151,15 @@ def shard_part_name(index: int) -> str:
 
 def replica_part_name(index: int) -> str:
     return f"replica-{index:04d}.h5"
+
+
+REPLICAS_PART = "replicas.h5"
+"""The part holding every replica's state when one rank writes them all."""
+
+
+def replica_group_name(index: int) -> str:
+    """Replica `index`'s group of extras (RNG, arrays) in REPLICAS_PART."""
+    return f"replica-{index:04d}"
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
@@ -254,15 +275,58 @@ def write_replica_part(partial: str | Path, meta: CheckpointMeta, index: int,
     `bit_generator.state`), counters, and any further arrays. No communication."""
     def fill(f: h5py.File) -> None:
         _part_attrs(f, "replica", index, meta)
-        _int_attrs(f.create_group("counters"), counters or {})
-        _int_attrs(f.create_group("data"), data_state)
-        if rng_state is not None:
-            f.create_group("rng").attrs["state_json"] = json.dumps(rng_state, sort_keys=True)
-        group = f.create_group("arrays")
-        for name in sorted(arrays or {}):
-            group.create_dataset(name, data=arrays[name])
+        _fill_replica(f, ReplicaState(index, dict(counters or {}), dict(data_state),
+                                      rng_state, dict(arrays or {})))
 
     return _write_part(Path(partial), replica_part_name(index), fill)
+
+
+def write_replicas_part(partial: str | Path, meta: CheckpointMeta,
+                        states: Sequence[ReplicaState]) -> PartRecord:
+    """Write every replica's state into one part, replicas.h5 (a table row per replica),
+    for a rank that writes them all: one file and a few datasets to create, sync and hash,
+    not R files. Every state has the same counter and data names. No communication."""
+    tables = {what: _table(states, what) for what in ("counters", "data_state")}
+
+    def fill(f: h5py.File) -> None:
+        _part_attrs(f, "replicas", 0, meta)
+        f.create_dataset("index", data=np.array([s.index for s in states], dtype=np.int64))
+        for what, name in (("counters", "counters"), ("data_state", "data")):
+            keys, rows = tables[what]
+            f.create_dataset(name, data=rows).attrs["keys"] = json.dumps(keys)
+        for state in states:
+            if state.rng_state is not None or state.arrays:
+                _fill_extras(f.create_group(replica_group_name(state.index)), state)
+
+    return _write_part(Path(partial), REPLICAS_PART, fill)
+
+
+def _table(states: Sequence[ReplicaState], what: str) -> tuple[list[str], np.ndarray]:
+    """(names, an int64 row per state) of the states' `what` dicts, which must agree."""
+    keys = sorted(getattr(states[0], what)) if states else []
+    rows = np.zeros((len(states), len(keys)), dtype=np.int64)
+    for row, state in enumerate(states):
+        values = getattr(state, what)
+        if sorted(values) != keys:
+            raise ValueError(f"replica {state.index}'s {what} names {sorted(values)}, "
+                             f"replica {states[0].index}'s {keys}")
+        rows[row] = [int(values[k]) for k in keys]
+    return keys, rows
+
+
+def _fill_replica(group: h5py.Group, state: ReplicaState) -> None:
+    _int_attrs(group.create_group("counters"), state.counters)
+    _int_attrs(group.create_group("data"), state.data_state)
+    _fill_extras(group, state)
+
+
+def _fill_extras(group: h5py.Group, state: ReplicaState) -> None:
+    if state.rng_state is not None:
+        group.create_group("rng").attrs["state_json"] = json.dumps(state.rng_state,
+                                                                   sort_keys=True)
+    arrays = group.create_group("arrays")
+    for name in sorted(state.arrays):
+        arrays.create_dataset(name, data=state.arrays[name])
 
 
 def _check_vector(values: np.ndarray, length: int, what: str) -> None:
@@ -373,7 +437,11 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
     _check_tiling(ranges, 0, layout.size)
     lost = sorted({int(r) for r in lost_replicas})
     kept = [i for i in range(num_replicas) if i not in lost]
-    records = _check_parts(partial, len(ranges), kept, parts)
+    together = any(r.name == REPLICAS_PART for r in parts)
+    records = _check_parts(partial, len(ranges), kept, parts, together)
+    replicas = ([{"index": i, "part": REPLICAS_PART, "row": row}
+                 for row, i in enumerate(kept)] if together
+                else [{"index": i, "part": replica_part_name(i)} for i in kept])
     manifest = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "step": int(meta.step),
         "samples": int(meta.samples), "wall_seconds": float(meta.wall_seconds),
@@ -383,7 +451,7 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
         "optimizer_state": sorted(optimizer_state),
         "shards": [{"index": i, "start": a, "stop": b, "part": shard_part_name(i)}
                    for i, (a, b) in enumerate(ranges)],
-        "replicas": [{"index": i, "part": replica_part_name(i)} for i in kept],
+        "replicas": replicas,
         "lost_replicas": lost,
         "parts": {r.name: {"size": r.size, "sha256": r.sha256} for r in records},
     }
@@ -403,11 +471,12 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
 
 
 def _check_parts(partial: Path, num_shards: int, replicas: Sequence[int],
-                 parts: Sequence[PartRecord]) -> list[PartRecord]:
-    """Every expected part reported once and on disk at its reported size."""
+                 parts: Sequence[PartRecord], together: bool = False) -> list[PartRecord]:
+    """Every expected part reported once and on disk at its reported size (the replicas'
+    in one REPLICAS_PART when `together`, and it then exists even with none kept)."""
     by_name = {r.name: r for r in parts}
     expected = ([shard_part_name(i) for i in range(num_shards)]
-                + [replica_part_name(i) for i in replicas])
+                + ([REPLICAS_PART] if together else [replica_part_name(i) for i in replicas]))
     if len(by_name) != len(parts) or set(by_name) != set(expected):
         raise CheckpointError(f"checkpoint {partial}: writers reported parts "
                               f"{sorted(by_name)}, expected {expected}")
@@ -701,7 +770,10 @@ class Checkpoint:
         if index not in entries:
             raise CheckpointError(f"checkpoint {self.path} has no replica {index} "
                                   f"(it has {len(entries)})")
-        path = self.path / entries[index]["part"]
+        entry = entries[index]
+        path = self.path / entry["part"]
+        if "row" in entry:  # a row of REPLICAS_PART
+            return self._read_replica_row(path, index, int(entry["row"]))
         with self._open_part(path, "replica", index) as f:
             try:
                 rng = f.get("rng")
@@ -714,6 +786,28 @@ class Checkpoint:
             except (*_H5_ERRORS, json.JSONDecodeError) as exc:
                 raise CheckpointError(f"checkpoint part {path}: cannot read: "
                                       f"{_first_line(exc)}") from exc
+
+    def _read_replica_row(self, path: Path, index: int, row: int) -> ReplicaState:
+        with self._open_part(path, "replicas", 0) as f:
+            try:
+                if int(f["index"][row]) != index:
+                    raise CheckpointError(f"checkpoint part {path}: row {row} holds replica "
+                                          f"{int(f['index'][row])}, the manifest says {index}")
+
+                def row_of(name: str) -> dict[str, int]:
+                    keys = json.loads(f[name].attrs["keys"])
+                    return {k: int(v) for k, v in zip(keys, f[name][row], strict=True)}
+
+                extras = f.get(replica_group_name(index))
+                rng = extras.get("rng") if extras is not None else None
+                return ReplicaState(
+                    index=index, counters=row_of("counters"), data_state=row_of("data"),
+                    rng_state=json.loads(rng.attrs["state_json"]) if rng is not None else None,
+                    arrays=({k: v[()] for k, v in extras["arrays"].items()}
+                            if extras is not None else {}))
+            except (*_H5_ERRORS, json.JSONDecodeError, ValueError, IndexError) as exc:
+                raise CheckpointError(f"checkpoint part {path}: cannot read replica "
+                                      f"{index}: {_first_line(exc)}") from exc
 
     def _open_part(self, path: Path, kind: str, index: int) -> h5py.File:
         """Open a part and check that its header is the one the manifest promises."""
@@ -899,7 +993,8 @@ def describe(report: Inspection, max_arrays: int = 12) -> str:
     lines += [f"    shard {s['index']}: [{s['start']:,d}, {s['stop']:,d})  {s['part']}"
               for s in m["shards"]]
     lines.append(f"  replicas: {len(m['replicas'])}")
-    lines += [f"    replica {r['index']}: {r['part']}" for r in m["replicas"]]
+    lines += [f"    replica {r['index']}: {r['part']}" + (f" row {r['row']}" if "row" in r else "")
+              for r in m["replicas"]]
     if m.get("lost_replicas"):
         lines.append(f"  lost replicas (no part; a resume starts them afresh): "
                      f"{', '.join(str(r) for r in m['lost_replicas'])}")

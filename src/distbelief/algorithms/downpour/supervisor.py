@@ -394,9 +394,9 @@ class Supervisor(_ShardRole):
         mine = super()._write_parts(partial, meta)
         if "records" not in mine:
             return mine
-        replicas = _part_report(lambda: [
-            ckpt.write_replica_part(partial, meta, r, state, counters={"local_steps": steps})
-            for r, (state, steps) in self._replica_positions().items()])
+        replicas = _part_report(lambda: [ckpt.write_replicas_part(partial, meta, [
+            ckpt.ReplicaState(r, {"local_steps": steps}, state, None, {})
+            for r, (state, steps) in self._replica_positions().items()])])
         if "records" not in replicas:
             return replicas
         return {"records": mine["records"] + replicas["records"]}

@@ -135,7 +135,7 @@ def write_checkpoint(config: Config, layout: Any, params: np.ndarray, optimizer:
                      data_states: dict[int, dict], state: dict[str, int], wall: float,
                      num_replicas: int, lost: tuple[int, ...] = ()) -> Path:
     """Commit a checkpoint of a sync run from its one writer: the whole vector and the
-    optimizer state as shard part 0, one replica part per replica in `data_states`. No
+    optimizer state as shard part 0, every replica of `data_states` in one part. No
     communication."""
     meta = ckpt.CheckpointMeta(state["step"], state["samples"], wall, config_hash(config))
     root = ckpt.checkpoint_root(config.run.out_dir)
@@ -143,8 +143,8 @@ def write_checkpoint(config: Config, layout: Any, params: np.ndarray, optimizer:
     counters = {"step": state["step"], "samples": state["samples"]}
     records = [ckpt.write_shard_part(partial, meta, 0, 0, layout.size, params,
                                      optimizer.state(), counters)]
-    records += [ckpt.write_replica_part(partial, meta, r, data_states[r], None, counters)
-                for r in sorted(data_states)]
+    records.append(ckpt.write_replicas_part(partial, meta, [
+        ckpt.ReplicaState(r, counters, data_states[r], None, {}) for r in sorted(data_states)]))
     return ckpt.commit(root, meta, settings=hashed_settings(config), algorithm="sync",
                        layout=layout, shard_ranges=[(0, layout.size)],
                        optimizer_state=list(optimizer.state()), parts=records,
