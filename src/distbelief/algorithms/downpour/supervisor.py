@@ -581,13 +581,14 @@ def _header(config: Config, plan: DownpourPlan, network: Any, info: Any,
     return (f"distbelief: {name}, {network.layout.size:,d} parameters; "
             f"{plan.topology.describe()}; n_fetch {opt.n_fetch}, n_push {opt.n_push}, "
             f"warm start {opt.warm_start_steps} steps, "
-            f"{'Adagrad' if opt.adagrad else 'SGD'} lr {opt.learning_rate:g}; data "
+            f"update {opt.update}, lr {opt.learning_rate:g}; data "
             f"{info.path} ({info.n_train} train / {eval_samples} eval samples), out "
             f"{config.run.out_dir}\n{network.describe()}")
 
 
 def _summary_line(summary: dict[str, Any], config: Config) -> str:
-    rates = ", ".join(f"{r['samples_per_second'] or 0:.0f}" for r in summary["replicas"])
+    rates = ", ".join(f"{r['samples_per_second'] or 0:.0f}" for r in summary["replicas"]
+                      if not r.get("partition"))  # a replica's partitions train its samples
     text = (f"distbelief: stopped ({summary['stop_reason']}) after {summary['steps']} steps "
             f"in total, {summary['wall_seconds']:.1f}s; {accuracy_text(summary)}; samples/s "
             f"per replica: {rates}; staleness mean {summary['staleness']['mean']:.2f} max "
