@@ -103,6 +103,7 @@ class Coordinator:
         topology = plan.topology
         self.shards = list(topology.shard_ranks)
         self.replicas = [topology.replica_ranks(r)[0] for r in range(plan.num_replicas)]
+        self.replica_of = {rank: r for r, rank in enumerate(self.replicas)}  # O(1) lookups
         self.all_replica_ranks = range(topology.first_replica_rank, topology.world_size)
         self.units = plan.units
         self.rules = StopRules.from_config(config)
@@ -516,7 +517,7 @@ class Coordinator:
         self.traffic.replica_bytes += status.Get_count(MPI.BYTE)
         self.traffic.replica_messages += 1
         trial, units, loss, result = self.comm.recv(source=rank, tag=TAG_REQUEST)
-        replica = self.replicas.index(rank)
+        replica = self.replica_of[rank]
         if replica in self.lost:
             # Its partner died after it asked (or before it was found): nothing of it
             # counts; tell it to stop.
@@ -545,7 +546,7 @@ class Coordinator:
         """Answer `rank` with `decision` and a task, or park it when there is no task and
         nothing to tell (it is answered when work comes). `free`: it holds no uncommitted
         units, so it may take an evaluation (which must not delay a pending push)."""
-        replica = self.replicas.index(rank)
+        replica = self.replica_of[rank]
         task: tuple | None = None
         if self.stopping:
             task = self._stop_task()
