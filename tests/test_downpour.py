@@ -94,10 +94,10 @@ def check_bytes(summary: dict) -> None:
     width = 2 if rma and summary["push_dtype"] == "bfloat16" else 4
     for r in replicas:
         assert r["bytes_sent"] == r["pushes"] * params * width, r
-        # whole pulls; a read-your-writes fetch may pull again (refetches), an overlapped
-        # one is counted both when its pull is issued and when it is adopted
+        # whole pulls: every fetch (an overlapped one counted when issued), and the pulls
+        # again of a read-your-writes fetch (refetches)
         pulls, rest = divmod(r["bytes_received"], params * 4)
-        assert rest == 0 and 1 <= pulls <= r["fetches"] + r["refetches"], r
+        assert rest == 0 and 1 <= pulls == r["fetches"] + r["refetches"], r
     assert summary["bytes_sent"] == sum(r["bytes_sent"] for r in replicas)
     assert summary["bytes_received"] == sum(r["bytes_received"] for r in replicas)
 

@@ -308,12 +308,13 @@ class Replica:
     def _pull(self) -> None:
         t0 = time.perf_counter()
         if self.fetch == "overlapped" and self.client.pull_in_flight:
-            self._settle_pushes()  # the pull issued with the last push is this fetch
+            # The pull issued with the last push is this fetch, counted when issued.
+            self._settle_pushes()
         else:
             self.client.pull(self.params)
             self._catch_up()
+            self.stats_.fetches += 1
         self.stats_.rma_seconds += time.perf_counter() - t0
-        self.stats_.fetches += 1
 
     def _catch_up(self) -> None:
         """Read-your-writes (see train's fetch_own_pushes): pull again until the
