@@ -651,9 +651,50 @@ def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
     trainer = algorithm.load_trainer(config.cluster.partitions, vars(config.optimizer))
     if algorithm.in_one_process(config.cluster.partitions):
         summary = trainer(config, resume=resume)
+        if summary is not None:
+            summary = _with_peak_memory(config, summary, [_own_peak("the one process")])
     else:
         summary = trainer(config, comm, resume=resume)
+        summary = _gather_peak_memory(config, algorithm, comm, summary)
     return None if summary is None else final_test(config, summary, sys.stdout)
+
+
+def _own_peak(role: str) -> dict[str, Any]:
+    from distbelief.runtime.memory import rank_figure
+
+    return rank_figure(0, role)
+
+
+def _gather_peak_memory(config: Any, algorithm: Any, comm: Any,
+                        summary: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Every rank's peak RSS, named by its role, into the summary on the rank that wrote
+    it (point-to-point, waiting a bounded time: runtime.memory.gather_peak_rss)."""
+    from distbelief.runtime.memory import gather_peak_rss
+    from distbelief.runtime.topology import Topology
+
+    shards = config.cluster.ps_shards if algorithm.needs_shards(vars(config.optimizer)) else 0
+    topology = Topology(comm.Get_size(), comm.Get_rank(), shards, config.cluster.partitions,
+                        coordinator=algorithm.coordinators > 0)
+    writer = topology.coordinator_rank if topology.coordinator else 0
+    role = topology.describe_rank(topology.world_rank).partition("(")[2].rstrip(")")
+    lost = [rank for entry in (summary or {}).get("lost_replicas", [])
+            if isinstance(entry, dict) for rank in entry.get("ranks", [])]
+    figures = gather_peak_rss(comm, writer, role, skip=lost)
+    if summary is None or figures is None:
+        return summary
+    return _with_peak_memory(config, summary, figures)
+
+
+def _with_peak_memory(config: Any, summary: dict[str, Any],
+                      figures: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json rewritten with `peak_rss` (each rank's figure) and the largest."""
+    from distbelief.records.metrics import SUMMARY_FILE, write_json_atomic
+
+    largest = max(figures, key=lambda figure: figure["peak_rss_mb"])
+    summary = {**summary, "peak_rss": figures,
+               "peak_rss_largest": {"role": largest["role"], "mb": largest["peak_rss_mb"]}}
+    write_json_atomic(config.run.out_dir / SUMMARY_FILE, summary)
+    return summary
 
 
 def _resume_mode(args: argparse.Namespace) -> str:

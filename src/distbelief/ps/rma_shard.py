@@ -53,6 +53,7 @@ from distbelief.ps.endpoint import (
     Optimizer,
     _Endpoint,
     _waiting_backoff,
+    own_slice,
     saved_state,
 )
 from distbelief.ps.rma_windows import (
@@ -160,7 +161,7 @@ class ParameterServerShard(_Endpoint):
         self._finished = False
         self.stats = ShardStats()
         if initial is not None:
-            self._master[:] = initial[self.start : self.stop]
+            self._master[:] = own_slice(initial, self.start, self.stop)
         # Window memory comes uninitialised: zero all of it with plain stores before any
         # client can access it (open_parameter_server's barrier follows), write the first
         # publish into buffer 0, and Win.Sync so that later RMA sees them.

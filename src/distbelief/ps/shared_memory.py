@@ -98,6 +98,7 @@ from distbelief.ps.endpoint import (
     OptimizerFactory,
     _aligned,
     _Endpoint,
+    own_slice,
     saved_state,
 )
 from distbelief.ps.rma_client import ParameterClient
@@ -325,7 +326,7 @@ class SharedMemoryShard(ParameterServerShard):
             seg.header[BEFORE] = gradients_before
             seg.clients[:] = 0
             seg.control[:] = 0
-            seg.params[:] = 0 if initial is None else initial[self.start : self.stop]
+            seg.params[:] = 0 if initial is None else own_slice(initial, self.start, self.stop)
             for name, value in optimizer.state().items():
                 np.copyto(seg.state[name], value)
             _bind_state(optimizer, seg.state)

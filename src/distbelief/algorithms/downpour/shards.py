@@ -167,12 +167,16 @@ class _ShardRole:
         shard = self.shard
         counts = [stop - start for start, stop in shard.ranges]
         displs = [start for start, _ in shard.ranges]
-        out = np.zeros(shard.size, dtype=np.float32) if self.comm.Get_rank() == 0 else None
+        out = self._final_buffer() if self.comm.Get_rank() == 0 else None
         wait_for_everyone(self.comm)
         self.comm.Gatherv([shard.parameters(), MPI.FLOAT],
                           [out, counts, displs, MPI.FLOAT] if out is not None else None,
                           root=0)
         return out
+
+    def _final_buffer(self) -> np.ndarray:
+        """Shard 0: where the final parameter vector is gathered."""
+        return np.zeros(self.shard.size, dtype=np.float32)
 
     def _before_final_checkpoint(self, all_stats: list | None, final: np.ndarray | None) -> None:
         """Shard 0: the replicas' statistics and the final evaluation."""
