@@ -346,8 +346,9 @@ class SharedMemoryShard(ParameterServerShard):
         with self._lock(exclusive=False) as seg:
             return int(seg.header[BEFORE] + seg.header[APPLIED])
 
-    def parameters(self) -> np.ndarray:
-        """A copy of this shard's current parameters, under the shared lock."""
+    def parameters(self, copy: bool = True) -> np.ndarray:
+        """A copy of this shard's current parameters, under the shared lock (always a
+        copy: clients write the segment; `copy` is ParameterServerShard's signature)."""
         with self._lock(exclusive=False) as seg:
             return seg.params.copy()
 

@@ -116,6 +116,7 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
         initial, control_replicas=plan.num_replicas,
         gradients_before=start.gradients_before,
         push_dtype=config.optimizer.push_dtype)
+    start.params = None  # the shard's slice lives in the endpoint now, not twice
     if isinstance(endpoint, ParameterServerShard):
         # A replica killed mid-push is written off as soon as its process is seen gone; a
         # live one is waited for as long as a live rank may go without a heartbeat.
