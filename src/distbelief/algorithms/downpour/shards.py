@@ -169,7 +169,7 @@ class _ShardRole:
         displs = [start for start, _ in shard.ranges]
         out = self._final_buffer() if self.comm.Get_rank() == 0 else None
         wait_for_everyone(self.comm)
-        self.comm.Gatherv([shard.parameters(), MPI.FLOAT],
+        self.comm.Gatherv([shard.parameters(copy=False), MPI.FLOAT],
                           [out, counts, displs, MPI.FLOAT] if out is not None else None,
                           root=0)
         return out
