@@ -174,3 +174,109 @@ def test_node_memory_falls_back_to_memavailable(tmp_path):
 def test_a_bad_node_memory_is_refused_in_words(text):
     with pytest.raises(ConfigError, match="positive number"):
         memory.parse_size(text)
+
+
+# -- the prediction and the refusal before launch ------------------------------------------
+
+SPEECH = ((440,), [{"type": "dense", "units": 2560, "activation": "sigmoid"}] * 4
+          + [{"type": "dense", "units": 8192, "activation": "softmax"}], 8192)
+
+
+def test_the_memory_model_knows_the_transport_constants():
+    from distbelief.algorithms.common import EVAL_BATCH_SIZE
+    from distbelief.model import memory_model
+    from distbelief.ps import rma_windows
+
+    assert memory_model.PUBLISH_BUFFERS == rma_windows.BUFFERS
+    assert memory_model.MAX_PUSH_SLOTS == rma_windows.MAX_PUSH_SLOTS
+    assert memory_model.EVAL_BATCH == EVAL_BATCH_SIZE
+    for clients in (1, 2, 3, 4, 9):
+        assert memory_model.push_slots(clients) == rma_windows.push_slots(clients)
+
+
+def test_the_rma_shard_formula_in_slices():
+    from distbelief.model.memory_model import BASE_BYTES, Workload, predict_memory
+
+    net = Network(*SPEECH)
+    n = -(-net.layout.size // 2)
+    for replicas, slots in ((1, 2), (2, 4), (4, 8), (16, 8)):
+        roles = predict_memory(net, 2, replicas, 1, Workload(transport="rma"))
+        shard = next(r for r in roles if r.role == "shard")
+        # master + Adagrad + 4 publish buffers + push slots, whatever the replica count
+        assert shard.bytes - BASE_BYTES == 4 * n * (1 + 1 + 4 + slots)
+        assert roles[0].role == "shard 0" and roles[0].bytes > shard.bytes  # it evaluates
+    shared = predict_memory(net, 2, 4, 1, Workload(transport="shared"))
+    assert next(r for r in shared if r.role == "shard").bytes - BASE_BYTES == 4 * n * 2
+
+
+def test_partitions_and_shards_shrink_the_ranks_that_need_most():
+    from distbelief.model.memory_model import Workload, largest, predict_memory
+
+    net = Network(*SPEECH)
+    work = Workload(transport="rma")
+    replica = [largest([r for r in predict_memory(net, 1, 1, p, work)
+                        if r.role.startswith("replica")]).bytes for p in (1, 2, 4)]
+    assert replica[0] > replica[1] > replica[2]
+    shard = [next(r for r in predict_memory(net, s, 2, 1, work) if r.role == "shard 0").bytes
+             for s in (1, 2, 4)]
+    assert shard[0] > shard[1] > shard[2]
+
+
+def _speech_folder(synthetic_folder, small_config, name, units=512):
+    """Two sigmoid layers of `units` over 64 features, 64 classes (4096 units: 17M
+    parameters, a shard 0 of about 0.9 GB over RMA)."""
+    text = small_config(hidden=None, classes=64).replace(
+        '[model]\nlayers = [', "[model]\nlayers = [" + ", ".join(
+            f'{{ type = "dense", units = {units}, activation = "sigmoid" }}'
+            for _ in range(2)) + ", ")
+    return synthetic_folder(name, {"synth.toml": text}, num_classes=64, input_shape=(64,))
+
+
+def test_a_layout_that_does_not_fit_is_refused_on_every_rank(synthetic_folder, small_config,
+                                                             tmp_path):
+    from conftest import _env, every_rank_exited
+    from helpers import exit_statuses
+
+    folder = _speech_folder(synthetic_folder, small_config, "refuse", units=4096)
+    out = tmp_path / "out"
+    env = {**_env(), "DISTBELIEF_NODE_MEMORY": "1G", "DISTBELIEF_PS_TRANSPORT": "rma"}
+    proc = run_mpi(3, [Path(__file__).parent / "mpi_programs" / "cli_exit_status.py", "train",
+                       folder / "synth.toml", *set_args(f'run.out_dir="{out}"',
+                                                        "cluster.ps_shards=1")],
+                   cwd=folder, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert every_rank_exited(exit_statuses(proc), 3, 2), proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if "distbelief: error:" in line]
+    assert len(errors) == 1, proc.stderr
+    assert "needs" in errors[0] and "which has 1.00 GB ($DISTBELIEF_NODE_MEMORY)" in errors[0]
+    assert "The largest role is shard 0" in errors[0]
+    assert "A layout that fits: " in errors[0] and "mpiexec -n" in errors[0]
+    assert not (out / "summary.json").exists() and not (out / "checkpoints").exists()
+
+
+def test_the_same_layout_runs_when_the_node_is_big_enough(synthetic_folder, small_config,
+                                                          tmp_path):
+    from conftest import _env
+
+    folder = _speech_folder(synthetic_folder, small_config, "fits")
+    out = tmp_path / "out"
+    env = {**_env(), "DISTBELIEF_NODE_MEMORY": "64G"}
+    proc = run_mpi(3, ["-m", "distbelief", "train", folder / "synth.toml",
+                       *set_args(f'run.out_dir="{out}"', "run.max_steps=5")],
+                   cwd=folder, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_suggested_layout_fits_and_the_refused_one_does_not():
+    from distbelief.algorithms.memory_plan import Layout, block_nodes, fits, suggest_layout
+    from distbelief.model.memory_model import Workload
+
+    net = Network(*SPEECH)
+    work = Workload(transport="rma", train_rows=20000, row_bytes=440 * 4 + 8, eval_rows=2000)
+    node = 1200 << 20
+    current = Layout(1, 2, 1)
+    assert not fits(net, current, work, node, per_node=3)
+    better = suggest_layout(net, current, work, node, per_node=3, nodes=1)
+    assert better is not None and fits(net, better, work, node, per_node=3)
+    assert better.ranks % 3 == 0 or better.ranks == 3
+    assert len(block_nodes(7, 3)) == 7 and block_nodes(7, 3)[-1] == 2

@@ -649,6 +649,8 @@ def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
 
     algorithm = registry.get(config.optimizer.algorithm)
     trainer = algorithm.load_trainer(config.cluster.partitions, vars(config.optimizer))
+    _check_memory(config, None if algorithm.in_one_process(config.cluster.partitions)
+                  else comm)
     if algorithm.in_one_process(config.cluster.partitions):
         summary = trainer(config, resume=resume)
         if summary is not None:
@@ -657,6 +659,30 @@ def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
         summary = trainer(config, comm, resume=resume)
         summary = _gather_peak_memory(config, algorithm, comm, summary)
     return None if summary is None else final_test(config, summary, sys.stdout)
+
+
+def _check_memory(config: Any, comm: Any) -> None:
+    """Refuse, on every rank at once, a layout whose predicted memory exceeds a node's
+    (distbelief.algorithms.memory_plan). Collective over `comm` when there is one (the
+    node split, then an agreement); nothing is set up or written before it."""
+    from distbelief.algorithms.memory_plan import check_memory
+    from distbelief.config import build_network
+    from distbelief.data.hdf5 import open_dataset, with_validation
+
+    def check(node_of: list[int], node: int) -> None:
+        info = with_validation(open_dataset(config.data.path, labels=False),
+                               config.data.validation)
+        check_memory(config, info, build_network(config, info),
+                     1 if comm is None else comm.Get_size(), node_of, node)
+
+    if comm is None:
+        check([0], 0)
+        return
+    from distbelief.runtime.agreement import agree
+    from distbelief.runtime.nodes import node_split
+
+    nodes = node_split(comm)
+    agree(comm, lambda: check(list(nodes.node_of), nodes.node_of[nodes.me]))
 
 
 def _own_peak(role: str) -> dict[str, Any]:
