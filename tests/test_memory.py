@@ -141,6 +141,27 @@ def test_every_rank_of_a_downpour_run_reports_its_peak_rss(synthetic_folder, sma
                                            "mb": largest["peak_rss_mb"]}
 
 
+@pytest.mark.parametrize("n, overrides, roles", [
+    (4, ['optimizer.algorithm="sandblaster"', "data.batch_size=400", "run.max_steps=2"],
+     ["shard 0", "coordinator", "replica 0", "replica 1"]),
+    (2, ['optimizer.algorithm="sgd"', "cluster.partitions=2"],
+     ["replica 0, partition 0", "replica 0, partition 1"]),
+    (2, ['optimizer.algorithm="sync"'], ["replica 0", "replica 1"]),
+    (2, ['optimizer.algorithm="hogwild"'], ["replica 0", "replica 1"]),
+])
+def test_other_algorithms_report_every_ranks_peak_rss(synthetic_folder, small_config,
+                                                      tmp_path, n, overrides, roles):
+    folder = synthetic_folder("memalg", {"synth.toml": small_config()})
+    out = tmp_path / "out"
+    proc = run_mpi(n, ["-m", "distbelief", "train", folder / "synth.toml",
+                       *set_args(f'run.out_dir="{out}"', "run.max_steps=20", *overrides)],
+                   cwd=folder)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert [f["role"] for f in summary["peak_rss"]] == roles
+    assert all(f["peak_rss_mb"] > 10 for f in summary["peak_rss"])
+
+
 def test_peak_rss_grows_with_what_the_process_touches():
     before = memory.peak_rss_bytes()
     block = np.ones(64 << 20, dtype=np.uint8)  # 64 MB, touched

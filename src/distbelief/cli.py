@@ -55,6 +55,12 @@ then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks, "san
 on ps_shards + 1 + replicas x P ranks. See `distbelief costmodel` for how many partitions
 pay off.
 
+Before anything is set up, every rank's memory is predicted for its role, and a layout
+whose ranks on one node need more than that node has is refused on every rank (exit 2),
+naming the largest role and a layout that fits. A node has what its SLURM allocation
+says (--mem, --mem-per-cpu), else its MemAvailable; DISTBELIEF_NODE_MEMORY=64G overrides.
+summary.json records every rank's peak memory (peak_rss).
+
 optimizer.algorithm = "averaging" makes every rank a replica (cluster.ps_shards = 0) that
 trains on its own part of the data and averages its parameters with the others every
 optimizer.average_every steps; a lost replica stops it with one line. With

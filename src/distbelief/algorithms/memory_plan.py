@@ -160,7 +160,8 @@ def refusal(network: Any, layout: Layout, work: Workload, node_of: list[int], no
             f"{bytes_needed / GB:.2f} GB on node {node} ({node_of.count(node)} rank(s)), "
             f"which has {node_bytes / GB:.2f} GB ({source}). The largest role is "
             f"{big.role}: {big.bytes / GB:.2f} GB per rank ({parts} GB). {advice}. Each "
-            f"role's prediction: distbelief costmodel CONFIG --memory; "
+            f"role's prediction: distbelief costmodel CONFIG --layouts "
+            f"{layout.shards}:{layout.replicas}:{layout.partitions}; "
             f"DISTBELIEF_NODE_MEMORY=SIZE overrides the node's figure")
 
 
