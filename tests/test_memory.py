@@ -146,8 +146,8 @@ def test_every_rank_of_a_downpour_run_reports_its_peak_rss(synthetic_folder, sma
      ["shard 0", "coordinator", "replica 0", "replica 1"]),
     (2, ['optimizer.algorithm="sgd"', "cluster.partitions=2"],
      ["replica 0, partition 0", "replica 0, partition 1"]),
-    (2, ['optimizer.algorithm="sync"'], ["replica 0", "replica 1"]),
-    (2, ['optimizer.algorithm="hogwild"'], ["replica 0", "replica 1"]),
+    (2, ['optimizer.algorithm="sync"', "cluster.ps_shards=0"], ["replica 0", "replica 1"]),
+    (2, ['optimizer.algorithm="hogwild"', "cluster.ps_shards=0"], ["replica 0", "replica 1"]),
 ])
 def test_other_algorithms_report_every_ranks_peak_rss(synthetic_folder, small_config,
                                                       tmp_path, n, overrides, roles):
