@@ -1,4 +1,5 @@
-"""Predicted step time of one model replica split over P partitions, before submitting a job.
+"""Predicted step time of one model replica split over P partitions, and of Downpour with
+S shards x R replicas of P partitions, before submitting a job.
 
     from distbelief.model.cost_model import Link, predict
     p = predict(network, partitions=8, batch=64, flops=50e9, link=Link(12.5e9, 2e-6))
@@ -32,9 +33,17 @@ The step time is the sum over layers of forward and backward, the speedup is T(1
 Compute and communication are added, not overlapped: the implementation overlaps a
 layer's messages with the work that needs no remote input (model_parallel.py), so this
 is an upper bound on the step time when `flops` is right. `flops` is what one partition
-sustains on these kernels (not the machine's peak): benchmarks/bench_model_parallel.py
-measures it on this machine. Data loading, the optimizer and Downpour's traffic to the
-parameter server are not included.
+sustains on these kernels (not the machine's peak): `distbelief costmodel --measure`
+(model/calibrate.py) times it on this machine. Two optional terms make narrow partitions
+dear, as the paper's speech curve needs: a per-message processor cost (Link.message,
+times the peers a partition exchanges with) and a GEMM rate that falls on narrow blocks
+(block_efficiency's half_width). Data loading is not included.
+
+DATA PARALLELISM. predict_layout adds Downpour's parameter server to a partitioned
+replica: each step's push and pull, every shard's fold of every replica's gradient and its
+link, and ranks sharing cores (its docstring has the terms). docs/model-parallelism.md,
+"Cost model", has both models, the parameters of the paper's shape and the
+predicted-against-measured table.
 """
 
 from __future__ import annotations
