@@ -21,7 +21,6 @@ from distbelief.model.memory_model import (
     predict_memory,
 )
 from distbelief.runtime.memory import node_memory_bytes
-from distbelief.runtime.topology import validate_rank_count
 
 GB = 2**30
 
@@ -54,6 +53,9 @@ def layout_of(config: Config, world_size: int) -> Layout:
     partitions = config.cluster.partitions
     extra = algorithm.coordinators
     if world_size > 1 or shards or extra:
+        # Imported here: runtime.topology starts MPI, which a one-process run never does.
+        from distbelief.runtime.topology import validate_rank_count
+
         validate_rank_count(world_size, shards, partitions, extra > 0)  # its words first
     return Layout(shards, max(1, (world_size - shards - extra) // partitions), partitions, extra)
 

@@ -112,19 +112,27 @@ def gather_peak_rss(comm: Any, writer: int, role: str, skip: Iterable[int] = (),
     returned, a rank may be gone (a lost replica), so the writer waits at most `wait_s`
     for each figure and leaves out the ranks in `skip` (known lost) and any that does not
     send in time. Each sender waits at most `wait_s` for its small send to complete."""
+    from mpi4py import MPI
+
     mine = rank_figure(comm.Get_rank(), role)
     deadline = time.monotonic() + wait_s
     if comm.Get_rank() != writer:
-        request = comm.isend(mine, dest=writer, tag=MEMORY_TAG)
-        while not request.Test() and time.monotonic() < deadline:
-            time.sleep(1e-3)
+        try:
+            request = comm.isend(mine, dest=writer, tag=MEMORY_TAG)
+            while not request.Test() and time.monotonic() < deadline:
+                time.sleep(1e-3)
+        except MPI.Exception:  # the writer is gone: its summary is lost anyway
+            pass
         return None
     figures = [mine]
     waiting = set(range(comm.Get_size())) - {writer} - set(skip)
     while waiting and time.monotonic() < deadline:
         for rank in sorted(waiting):
-            if comm.iprobe(source=rank, tag=MEMORY_TAG):
-                figures.append(comm.recv(source=rank, tag=MEMORY_TAG))
+            try:
+                if comm.iprobe(source=rank, tag=MEMORY_TAG):
+                    figures.append(comm.recv(source=rank, tag=MEMORY_TAG))
+                    waiting.discard(rank)
+            except MPI.Exception:  # a rank that died: left out
                 waiting.discard(rank)
         if waiting:
             time.sleep(1e-3)
