@@ -45,19 +45,18 @@ class Layout:
         return f"{shards}{self.replicas} replica(s){parts}"
 
 
-def layout_of(config: Config, world_size: int) -> Layout:
+def layout_of(config: Config, world_size: int) -> Layout | None:
     """The layout `world_size` ranks give this configuration (no shards for the algorithms
-    that keep none). Pure."""
+    that keep none); None when they do not make one, which the trainer's own checks then
+    report in their words. Pure."""
     algorithm = registry.get(config.optimizer.algorithm)
     shards = config.cluster.ps_shards if algorithm.needs_shards(vars(config.optimizer)) else 0
     partitions = config.cluster.partitions
     extra = algorithm.coordinators
-    if world_size > 1 or shards or extra:
-        # Imported here: runtime.topology starts MPI, which a one-process run never does.
-        from distbelief.runtime.topology import validate_rank_count
-
-        validate_rank_count(world_size, shards, partitions, extra > 0)  # its words first
-    return Layout(shards, max(1, (world_size - shards - extra) // partitions), partitions, extra)
+    left = world_size - shards - extra
+    if left < partitions or left % partitions:
+        return None
+    return Layout(shards, left // partitions, partitions, extra)
 
 
 def workload(config: Config, info: Any, transport: str) -> Workload:
@@ -181,6 +180,8 @@ def check_memory(config: Config, info: Any, network: Any, world_size: int,
     transport = "shared" if requested == "shared" or (requested == "auto" and one_node) \
         else "rma"
     layout = layout_of(config, world_size)
+    if layout is None:
+        return
     message = refusal(network, layout, workload(config, info, transport), node_of, node,
                       node_bytes, source)
     if message is not None:
