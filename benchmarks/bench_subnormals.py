@@ -11,6 +11,12 @@ printed ratio is the median step time kept / flushed, with the number of subnorm
 in each mode's gradient.
 
     python benchmarks/bench_subnormals.py                 # about 2 minutes
+    python benchmarks/bench_subnormals.py --data speech.h5  # batches from a data file
+
+With --data, the saturating steps and the timed one draw batches from the file's first
+4,096 training rows (a speech-shaped file: `distbelief prepare synthetic --out speech.h5
+--train 20000 --test 2000 --shape 440 --classes 8192`, whose labels come from a teacher
+network, so the model saturates as it does in training; random labels saturate less).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # after the thread count
 
+from distbelief.data.hdf5 import open_dataset, read_rows
 from distbelief.model import kernels
 from distbelief.model.network import Network
 from distbelief.model.optimizers import Adagrad
@@ -48,22 +55,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--saturate", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--data", help="a speech-shaped dataset file to draw batches from")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     network = Network((440,), LAYERS, 8192)
     params = network.init_params(0)
     grad = np.zeros_like(params)
-    x = rng.random((128, 440), dtype=np.float32)
-    y = rng.integers(0, 8192, 128).astype(np.int32)
+    if args.data:
+        info = open_dataset(args.data)
+        x_stored, y_all = read_rows(info, "train", 0, 4096)
+        pool = (x_stored.astype(np.float32) * np.float32(info.scale)).reshape(-1, 440), y_all
+    else:
+        pool = (rng.random((4096, 440), dtype=np.float32),
+                rng.integers(0, 8192, 4096).astype(np.int32))
+
+    def batch() -> tuple[np.ndarray, np.ndarray]:
+        at = int(rng.integers(0, len(pool[1]) - 128))
+        return pool[0][at:at + 128], pool[1][at:at + 128]
+
+    x, y = batch()
     kernels.flush_subnormals(False)
     optimizer = Adagrad(params.size, 0.02)
     fresh = step_seconds(network, params, x, y, grad)
     for _ in range(args.saturate):  # a new batch each step, as training draws them
-        xs = rng.random((128, 440), dtype=np.float32)
-        ys = rng.integers(0, 8192, 128).astype(np.int32)
+        xs, ys = batch()
         loss = network.loss_and_grad(params, xs, ys, grad)
         optimizer.step(params, grad)
-    print(f"speech model, {params.size:,d} parameters, batch 128, 1 BLAS thread; after "
+    print(f"speech model, {params.size:,d} parameters, batch 128, 1 BLAS thread, "
+          f"{'data ' + args.data if args.data else 'random data'}; after "
           f"{args.saturate} Adagrad steps at lr 0.02: loss {loss:.2f}, load average "
           f"{os.getloadavg()[0]:.2f}")
     times: dict[bool, list[float]] = {False: [], True: []}

@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ps", ("distbelief.ps",)),
     ("config", ("distbelief.config",)),
     ("records", ("distbelief.records",)),
-    ("skeleton", ("distbelief.algorithms.common", "distbelief.algorithms.session")),
+    ("skeleton", ("distbelief.algorithms.common", "distbelief.algorithms.session",
+                  "distbelief.algorithms.checkpointer")),
     ("algorithms", ("distbelief.algorithms",)),
     ("compare", ("distbelief.compare",)),
     ("api", ("distbelief", "distbelief.api")),
@@ -144,7 +145,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 SHARED_BY_ALGORITHMS = ("distbelief.algorithms.common", "distbelief.algorithms.session",
-                        "distbelief.algorithms.registry")
+                        "distbelief.algorithms.checkpointer", "distbelief.algorithms.registry")
 """The modules of the algorithms layer that every algorithm may import."""
 
 PRIVATE_IMPORTS_ALLOWED = {

@@ -26,6 +26,7 @@ from distbelief.model.partition import (
     partition_pieces,
     split_units,
 )
+from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
 from distbelief.runtime.faults import ENV as FAULTS
 
@@ -418,7 +419,59 @@ def test_partitioned_sgd_divergence_and_resume_exit_2_on_every_rank(data_dir, tm
     resume = run_mpi(2, [PROGRAMS / "cli_exit_status.py", *train_args(
         data_dir, tmp_path / "other", "cluster.partitions=2"), "--resume"], timeout=TIMEOUT)
     assert exit_statuses(resume) == [2, 2], resume.stdout + resume.stderr
-    assert "writes no checkpoints, so it cannot resume" in resume.stderr
+    assert "train --resume: there is no checkpoint in" in resume.stderr
+
+
+@pytest.mark.both_mpis
+@pytest.mark.parametrize("update", ["adagrad", "adam"])
+def test_partitioned_sgd_resumes_as_if_never_stopped(data_dir, tmp_path, update):
+    # 3 partitions, stopped at step 60 (checkpoint), resumed to 100: the same parameters
+    # and optimizer state as one uninterrupted 100-step run, bit for bit.
+    sets = ("cluster.partitions=3", f'optimizer.update="{update}"',
+            "optimizer.learning_rate=0.01")
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    finished(run_mpi(3, ["-m", "distbelief", *train_args(data_dir, whole, *sets)],
+                     timeout=TIMEOUT), whole)
+    first = finished(run_mpi(3, ["-m", "distbelief", *train_args(
+        data_dir, cut, *sets, "run.max_steps=60")], timeout=TIMEOUT), cut)
+    assert first["checkpoint"] and first["steps"] == 60
+    proc = run_mpi(3, ["-m", "distbelief", *train_args(data_dir, cut, *sets), "--resume"],
+                   timeout=TIMEOUT)
+    second = finished(proc, cut)
+    assert second["resumed_from"] and "at step 60," in proc.stdout and second["steps"] == 100
+    a = ckpt.find_latest(ckpt.checkpoint_root(whole))[0]
+    b = ckpt.find_latest(ckpt.checkpoint_root(cut))[0]
+    assert a.step == b.step == 100
+    (pa, sa), (pb, sb) = a.read_state(), b.read_state()
+    assert np.array_equal(pa, pb)
+    assert sorted(sa) == sorted(sb) and sa
+    for name in sa:
+        assert np.array_equal(sa[name], sb[name]), name
+    assert second["final_test_accuracy"] == json.loads(
+        (whole / "summary.json").read_text())["final_test_accuracy"]
+
+
+def test_a_partitioned_checkpoint_resumes_at_another_partition_count(data_dir, tmp_path,
+                                                                     single_process):
+    # A partitioned run's checkpoint holds the whole model, as a one-process run's does: a
+    # P = 2 run stopped at step 50 finishes in one process (and the reverse), matching
+    # the single-process run to float rounding.
+    out = tmp_path / "out"
+    finished(run_mpi(2, ["-m", "distbelief", *train_args(
+        data_dir, out, "cluster.partitions=2", "run.max_steps=50")], timeout=TIMEOUT), out)
+    proc = run_cli(train_args(data_dir, out), timeout=TIMEOUT)
+    summary = finished(proc, out)
+    assert "at step 50," in proc.stdout and summary["steps"] == 100
+    assert summary["final_test_loss"] == pytest.approx(single_process["final_test_loss"],
+                                                       rel=1e-4)
+    back = tmp_path / "back"
+    finished(run_cli(train_args(data_dir, back, "run.max_steps=50"), timeout=TIMEOUT), back)
+    proc = run_mpi(3, ["-m", "distbelief", *train_args(data_dir, back, "cluster.partitions=3")],
+                   timeout=TIMEOUT)
+    summary = finished(proc, back)
+    assert "at step 50," in proc.stdout and summary["steps"] == 100
+    assert summary["final_test_loss"] == pytest.approx(single_process["final_test_loss"],
+                                                       rel=1e-4)
 
 
 def test_bad_gradients_on_one_partition_stop_the_whole_replica_together(data_dir, tmp_path):

@@ -202,19 +202,21 @@ heartbeat_timeout_seconds = 5
 
 
 @pytest.mark.nodes  # the partitions on two simulated nodes: found by heartbeat, not /proc
+@pytest.mark.parametrize("every", [0, 100], ids=["between-checkpoints", "in-a-checkpoint"])
 def test_a_lost_partition_of_partitioned_sgd_ends_the_run_with_one_line(
-        data_dir: Path, tmp_path: Path) -> None:
+        data_dir: Path, tmp_path: Path, every: int) -> None:
     # One replica over 2 ranks cannot go on without one: rank 1 dies after step 200, rank 0
-    # finds it gone in its next wait on it and aborts the job with one line. Partitioned
-    # runs write no checkpoint, so nothing is left half written: no summary, and
-    # metrics.jsonl whole lines only.
+    # finds it gone in its next wait on it (the step's exchange, or with checkpoints every
+    # 100 steps the Gatherv of step 200's checkpoint) and aborts the job with one line.
+    # Nothing is left half written: no summary, metrics.jsonl whole lines only, and only
+    # committed checkpoints, from which a rerun resumes.
     (data_dir / "sgd.toml").write_text(SGD)
     out = tmp_path / "out"
     t0 = time.monotonic()
     env = {**_env(), FAULTS: "kill:1:200"}
-    proc = run_mpi(2, [PROGRAM, "train", data_dir / "sgd.toml", "--set",
-                       f'run.out_dir="{out}"'], timeout=TIMEOUT, env=env,
-                   launcher_options=survive_a_death())
+    sets = ["--set", f'run.out_dir="{out}"', "--set", f"run.checkpoint_every_steps={every}"]
+    proc = run_mpi(2, [PROGRAM, "train", data_dir / "sgd.toml", *sets], timeout=TIMEOUT,
+                   env=env, launcher_options=survive_a_death())
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0 and elapsed < 40, (proc.returncode, elapsed)
     lines = [line for line in proc.stderr.splitlines() if "is gone while" in line]
@@ -222,7 +224,15 @@ def test_a_lost_partition_of_partitioned_sgd_ends_the_run_with_one_line(
     assert "Run the same command again" in lines[0]
     assert not (out / "summary.json").exists()
     assert read_metrics(out / "metrics.jsonl")  # whole lines, readable
-    assert not list(out.glob("**/*.partial*")) and not (out / "checkpoints").exists()
+    assert not list(out.glob("**/*.partial*"))
+    saved = [step for step, _ in ckpt.list_checkpoints(ckpt.checkpoint_root(out))]
+    assert saved == ([100] if every else []), saved
+    if every:
+        proc = run_mpi(2, [PROGRAM, "train", data_dir / "sgd.toml", *sets, "--set",
+                           "run.max_seconds=0", "--set", "run.max_steps=150"],
+                       timeout=TIMEOUT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "at step 100," in proc.stdout
 
 
 def sigusr1_after_a_death(data_dir: Path, out: Path, logged: tuple[str, ...],

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, run_mpi, simulated_nodes_launch
+from conftest import REPO, _env, mpi_under_test, run_mpi, simulated_nodes_launch
 from helpers import DELAY, exit_statuses, fault_config, set_args
 
 from distbelief.data.converters import make_synthetic
@@ -28,6 +28,7 @@ from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.faults import ENV as FAULTS
 from distbelief.runtime.heartbeat import Heartbeats
 from distbelief.runtime.nodes import _colors, simulated_nodes
+from distbelief.runtime.topology import spread_order
 from distbelief.runtime.watchdog import GONE_GRACE_S, RankLost, Watchdog, watching
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
@@ -54,6 +55,16 @@ def test_simulated_nodes_narrow_mpis_split() -> None:
     assert _colors([0, 1, 0, 1, 0], 2) == [0, 1, 0, 1, 0]  # hydra's fake hosts agree
     assert _colors([0, 0, 0, 3, 3, 3], 3) == [0, 1, 2, 3, 4, 5]  # never wider than MPI's
     assert _colors([0, 1, 0, 1], 1) == [0, 1, 0, 1]
+
+
+def test_shards_are_dealt_round_robin_over_the_nodes() -> None:
+    # node_of[r]: world rank r's node. Shards first, then the rest in world order.
+    assert spread_order([0, 0, 0, 1, 1, 1], 2) == [0, 3, 1, 2, 4, 5]  # srun's blocks
+    assert spread_order([0, 0, 0, 0, 1, 1, 1, 1], 3) == [0, 4, 1, 2, 3, 5, 6, 7]
+    assert spread_order([0, 0, 0, 1], 3) == [0, 3, 1, 2]  # node 1 has no second rank
+    assert spread_order([0, 1, 0, 1, 0], 2) == [0, 1, 2, 3, 4]  # already spread
+    assert spread_order([0, 0, 0], 2) == [0, 1, 2]  # one node
+    assert spread_order([0, 0, 1, 1], 0) == [0, 1, 2, 3]  # no shards
 
 
 # -- the split under MPI -----------------------------------------------------------------------
@@ -283,3 +294,31 @@ def test_a_killed_shard_on_another_node_ends_the_job_and_a_rerun_resumes(
     assert f"at step {saved[0]}," in proc.stdout
     assert summary_of(out)["steps"] == saved[0] + 200
 
+
+
+@pytest.mark.parametrize("placement, shard_1", [("spread", "node 1 (MPI rank 3)"),
+                                                ("ranks", "node 0 (MPI rank 1)")])
+def test_shards_land_on_distinct_nodes_under_block_placement(
+        data_dir: Path, tmp_path: Path, placement: str, shard_1: str) -> None:
+    # srun's default: ranks 0-2 on the first node, 3-5 on the second (hydra's -ppn 3).
+    # Spread, shard 1 is the second node's first rank; "ranks" keeps world ranks 0 and 1.
+    if mpi_under_test() == "openmpi":
+        pytest.skip("PRRTE has no fake hosts; the pure test above covers the order")
+    out = tmp_path / "out"
+    env = {**_env()}
+    env.pop("DISTBELIEF_TEST_NODES", None)
+    env.pop("DISTBELIEF_SIMULATED_NODES", None)
+    args = ["train", data_dir / "mlp.toml",
+            *set_args(f'run.out_dir="{out}"', "cluster.ps_shards=2", "run.max_steps=300",
+                      f'cluster.shard_placement="{placement}"')]
+    proc = run_mpi(6, [PROGRAMS / "cli_exit_status.py", *args], timeout=TIMEOUT, env=env,
+                   launcher_options=("-launcher", "fork", "-hosts", "h1,h2", "-ppn", "3"),
+                   cwd=data_dir)
+    assert exit_statuses(proc) == [0] * 6, proc.stdout + proc.stderr[-3000:]
+    where = [line for line in proc.stdout.splitlines() if "shard 0: node 0" in line]
+    assert where == [f"distbelief: 2 nodes; shard 0: node 0 (MPI rank 0), shard 1: {shard_1}"
+                     + (" (distbelief's rank r below is the job's: shard s is rank s)"
+                        if placement == "spread" else "")], proc.stdout[-3000:]
+    summary = summary_of(out)
+    assert [s["transport"] for s in summary["shards"]] == ["rma", "rma"]
+    assert summary["steps"] == 300 and summary["lost_replicas"] == []

@@ -226,9 +226,8 @@ EVALUATE_HELP = """\
 Print the loss and accuracy of a trained model on a dataset file: by default the newest
 valid checkpoint of RUN_DIR on the run's own test set, which gives the run's
 final_test_accuracy (when the run evaluated its whole test set: run.eval_samples = 0).
-Works for every algorithm, shard count and partition count (but a single replica over
-partitions, algorithm "sgd" with cluster.partitions > 1, writes no checkpoints yet), in
-one process, without mpiexec: run it on a login node. A checkpoint folder or a
+Works for every algorithm, shard count and partition count, in one process, without
+mpiexec: run it on a login node. A checkpoint folder or a
 `distbelief export` file works too. A damaged newest checkpoint is named on stderr and
 the one before it used. --split validation reads the run's validation split: the rows
 of /train it held out (data.validation), or the file's /val; --split train reads all of
@@ -653,10 +652,28 @@ def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
             from distbelief.model.kernels import flush_subnormals
 
             flush_subnormals(False)
-        return _dispatch(config, comm, resume)
+        # Not freed at the end: MPI_Comm_free is collective, and a lost rank never comes.
+        return _dispatch(config, _place_shards(config, comm), resume)
     finally:
         if owner is not None:
             owner.release()
+
+
+def _place_shards(config: Any, comm: Any) -> Any:
+    """The job's communicator, with the shards on distinct nodes (cluster.shard_placement,
+    distbelief.runtime.topology); `comm` itself on one node or without shards. Collective
+    over `comm`; rank 0 says where the shards are when there are several nodes."""
+    shards = config.cluster.ps_shards
+    if comm is None or comm.Get_size() == 1 or shards == 0:
+        return comm
+    from distbelief.runtime.topology import describe_shard_nodes, place_shards
+
+    job, nodes = place_shards(comm, shards, config.cluster.shard_placement)
+    if nodes.count > 1 and comm.Get_rank() == 0:
+        print(f"distbelief: {nodes.count} nodes; {describe_shard_nodes(job, shards, nodes)}"
+              + (" (distbelief's rank r below is the job's: shard s is rank s)"
+                 if job is not comm else ""), flush=True)
+    return job
 
 
 def _claim_run_dir(config: Any, comm: Any) -> Any:

@@ -132,6 +132,9 @@ ALGORITHM_KEYS = {a.name: a.own_keys for a in registry.ALGORITHMS if a.own_keys}
 error, and they are left out of the other algorithms' config hash (so adding them did not
 change the hash of earlier runs)."""
 LINE_SEARCHES = ("wolfe", "armijo")
+SHARD_PLACEMENTS = ("spread", "ranks")
+"""cluster.shard_placement: shards dealt round-robin over the nodes, or at world ranks
+0..S-1 as the job script placed them (distbelief.runtime.topology)."""
 SANDBLASTER_KEYS = ("m", "work_unit_size", "push_every_units", "backup_copies", "line_search",
                     "wolfe_c1", "wolfe_c2", "max_line_search", "gradient_tolerance")
 """[optimizer] keys only Sandblaster reads; left out of other algorithms' config hash, so
@@ -194,6 +197,7 @@ class OptimizerConfig:
 class ClusterConfig:
     ps_shards: int = 1
     partitions: int = 1
+    shard_placement: str = "spread"
 
 
 @dataclass(frozen=True)
@@ -356,6 +360,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
     "cluster": {
         "ps_shards": (_int(0), None),
         "partitions": (_int(1), 1),
+        "shard_placement": (_choice(SHARD_PLACEMENTS), "spread"),
     },
     "run": {
         "max_steps": (_int(0), 0),

@@ -141,8 +141,7 @@ def final_test(config: Config, summary: dict[str, Any],
     out_dir = Path(config.run.out_dir)
     try:
         if ckpt.find_latest(ckpt.checkpoint_root(out_dir)) == (None, []):
-            raise UserError("the run wrote no checkpoint to evaluate (model-parallel sgd "
-                            "writes none yet)")
+            raise UserError("the run wrote no checkpoint to evaluate")
         trained = read_trained(out_dir, data=config.data.path)
     except UserError as exc:
         why = str(exc)

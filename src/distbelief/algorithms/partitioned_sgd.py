@@ -11,8 +11,12 @@ decisions that depend on a clock (max_seconds, when to evaluate) are rank 0's, b
 each step (one 8-byte Ibcast among ranks that are in lockstep already). Rank 0 owns the
 run folder (config.json, metrics.jsonl, summary.json) as in trainer.py, and records the
 bytes each layer sends per step, summed over the partitions, once as a "partitions"
-line in metrics.jsonl and in summary.json. Checkpoints are not written for partitioned
-runs yet (said at start).
+line in metrics.jsonl and in summary.json. Checkpoints are single-process sgd's (algorithms/
+checkpointer.py): when one is due (rank 0's clock, in the same broadcast), every rank
+sends its pieces of the parameters and of the optimizer state to rank 0 (a Gatherv per
+array), which writes the whole vector. So a partitioned run resumes at any P, or in one
+process, and `evaluate` and `export` read it as any sgd run's; every rank reads its pieces
+back from the checkpoint on resume. The data position is the same on every rank.
 
 DOWNPOUR (`algorithm = "downpour"`, S + R x P ranks; the class is in downpour/replica.py,
 which sends the lead's decisions by runtime.agreement.polled_bcast): `PartitionedReplica`
@@ -34,17 +38,20 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 import numpy as np
 from mpi4py import MPI
 
+from distbelief.algorithms.checkpointer import Checkpointer, TrainState, restore, schedule
 from distbelief.algorithms.common import EVAL_BATCH_SIZE, STOP_CODE_OF, STOP_CODES, StopSignals
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer
 from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records.metrics import LOG_EVERY_SECONDS
+from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import agree, polled_bcast
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
@@ -84,58 +91,117 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     None elsewhere. Collective over `comm` (every rank calls it with the same config).
 
     Validates the rank count and the partitioning first, without communicating, so a bad
-    configuration raises ConfigError on every rank. Always starts fresh: `resume` =
-    "require" (train --resume) is a ConfigError, as this path writes no checkpoints.
+    configuration raises ConfigError on every rank. Resumes from the newest checkpoint as
+    single-process sgd does (`resume` is one of RESUME_MODES).
     """
 
-    if resume == "require":
-        raise ConfigError("--resume: a single replica with cluster.partitions > 1 writes no "
-                          "checkpoints, so it cannot resume; use optimizer.algorithm = "
-                          "\"downpour\" (which checkpoints) or start without --resume")
     check_rank_count(config, comm.Get_size())
     session = RunSession("sgd", config, comm, stream, resume)
     network = session.network
     model = PartitionedNetwork(network, comm)
     set_blas_threads(config.run.threads or 1)
-    session.start_fresh()  # nothing here can be resumed
+    session.choose_checkpoint()
     eval_set, shard = agree(comm, lambda: (session.load_eval_set(),
                                            session.train_shard(0, 1)))
     params = model.init_params(config.run.seed)
     optimizer = build_optimizer(config, params.size)
+    state = TrainState()
+    found = session.start_checkpoint()
+    if found is not None:
+        agree(comm, lambda: restore(found, params, optimizer, shard, state,
+                                    select=model.local_params))
     session.describe_run(f"{network.layout.size:,d} parameters over {comm.Get_size()} "
                          f"partitions (this one {model.local_size:,d})", len(eval_set[1]),
-                         "; checkpoints are not written for partitioned runs",
-                         model.describe(), sep="; ")
-    session.open_recorder()
+                         model=model.describe(), sep="; ")
+    recorder = session.open_recorder()
+    whole = WholeState(model, optimizer)
+    saver = (Checkpointer(config, network.layout, whole.params, whole, shard, recorder,
+                          stream, last_step=state.step if found is not None else None)
+             if recorder else None)
 
     def describe(rank: int) -> str:
         return f"rank {rank} (partition {rank})"
 
     # Rank 0 acts on a stop signal, at the end of a step; the others must not die of it.
-    # A lost partition: one replica over P ranks, nothing goes on without it. No
-    # checkpoint is written for partitioned runs, so nothing is left half written either.
+    # A lost partition: one replica over P ranks, nothing goes on without it. A checkpoint
+    # commits atomically on rank 0, so a death while one is written leaves nothing half done.
     with session.watched(describe) as (signals, _):
-        reason, step = _loop(session, model, shard, optimizer, params, eval_set, signals)
+        reason = _loop(session, model, shard, optimizer, params, signals, state,
+                       lambda: whole.save(params, saver, state))
+        whole.save(params, saver, state)
     traffic = traffic_totals(model)
     if traffic is None:
         return None
-    return session.finish(reason, {"model_parallel": traffic}, steps=step,
+    return session.finish(reason, {"model_parallel": traffic}, steps=state.step,
+                          checkpoint=saver.last_path,
                           note=f"; {traffic['total_bytes_per_step']:,d} bytes/step between "
                                f"partitions")
 
 
+class WholeState:
+    """The whole model's parameters and optimizer state, gathered from the partitions onto
+    rank 0 for a checkpoint (on the other ranks: empty)."""
+
+    def __init__(self, model: PartitionedNetwork, optimizer: Any):
+        self.model, self.optimizer = model, optimizer
+        comm = model.comm
+        self.root = comm.Get_rank() == 0
+        pieces = [model.plan.pieces(p) for p in range(comm.Get_size())]
+        self.counts = [sum(b - a for a, b in mine) for mine in pieces]
+        self.order = np.concatenate([np.arange(a, b) for mine in pieces for a, b in mine])
+        size = model.network.layout.size
+        if self.root and (len(self.order) != size
+                          or not np.array_equal(np.sort(self.order), np.arange(size))):
+            raise RuntimeError("the partitions' pieces do not tile the parameter vector")
+        names = list(optimizer.state())
+        self.params = np.zeros(size if self.root else 0, dtype=np.float32)
+        self._state = {name: np.zeros(size if self.root else 0, dtype=np.float32)
+                       for name in names}
+        self._received = np.zeros(size if self.root else 0, dtype=np.float32)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The gathered optimizer state (Checkpointer reads it as an optimizer's)."""
+        return self._state
+
+    def gather(self, local: np.ndarray, whole: np.ndarray) -> None:
+        """`local` (this partition's pieces back to back) into `whole` on rank 0.
+        Collective over the model's communicator (one Gatherv)."""
+        target = [self._received, self.counts, MPI.FLOAT] if self.root else None
+        self.model.comm.Gatherv(np.ascontiguousarray(local, dtype=np.float32), target, root=0)
+        if self.root:
+            whole[self.order] = self._received
+
+    def save(self, params: np.ndarray, saver: Checkpointer | None, state: TrainState) -> None:
+        """Gather everything and checkpoint `state` on rank 0. Collective; a partner dead
+        meanwhile ends the job (the watchdog's thread: a Gatherv cannot be polled)."""
+        with watchdog.current().waiting("the partitions' pieces for a checkpoint",
+                                        ranks=self.model.partner_ranks):
+            self.gather(params, self.params)
+            for name, local in self.optimizer.state().items():
+                self.gather(local, self._state[name])
+        if saver is not None:
+            saver.save(state)
+
+
 def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer: Any,
-          params: np.ndarray, eval_set: tuple, signals: StopSignals) -> tuple[str, int]:
-    """The lockstep loop; returns (why it stopped, steps). Collective over model.comm."""
+          params: np.ndarray, signals: StopSignals, state: TrainState,
+          checkpoint: Callable[[], None]) -> str:
+    """The lockstep loop; returns why it stopped, with `state` at the last step. Rank 0
+    decides each step whether to stop, evaluate or checkpoint (`checkpoint()`, collective).
+    Collective over model.comm."""
     config, recorder = session.config, session.recorder
-    comm, rules = model.comm, session.rules
+    comm, rules, eval_set = model.comm, session.rules, session.eval_set
     batch_size, eval_every = config.data.batch_size, config.run.eval_every_seconds
+    run = config.run
     grad = np.zeros_like(params)
-    decision = np.zeros(2, dtype=np.int32)  # stop code, evaluate now
+    decision = np.zeros(3, dtype=np.int32)  # stop code, evaluate now, checkpoint now
     start = recorder.start if recorder else time.monotonic()
-    next_log, next_eval = start + LOG_EVERY_SECONDS, start + eval_every
-    step, loss_sum, loss_count, recent = 0, 0.0, 0, math.nan
-    faults = Faults.for_rank(MPI.COMM_WORLD.Get_rank())  # test-only: AT counts steps
+    now = time.monotonic()
+    next_log, next_eval = now + LOG_EVERY_SECONDS, now + eval_every
+    step, loss_sum, loss_count, recent = state.step, 0.0, 0, math.nan
+    save_at = schedule(run.checkpoint_every_seconds, run.checkpoint_every_steps, step,
+                       now)
+    faults = Faults.for_rank(comm.Get_rank())  # test-only: AT counts steps
 
     def evaluate() -> float:
         test_loss, accuracy = model.evaluate(params, *eval_set, batch_size=EVAL_BATCH_SIZE)
@@ -143,6 +209,12 @@ def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer:
             recorder.log_eval(step, step * batch_size, recent, accuracy, test_loss)
         return accuracy
 
+    # A resumed run whose budget is already spent trains no further step.
+    if recorder:
+        decision[0] = STOP_CODE_OF[rules.budget_spent(step, now - start, recorder.collapsed)]
+    polled_bcast(comm, decision, ranks=model.partner_ranks)
+    if decision[0]:
+        return STOP_CODES[int(decision[0])]
     while True:
         x, y = shard.next_batch(batch_size)
         loss = model.loss_and_grad(params, x, y, grad)
@@ -150,6 +222,7 @@ def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer:
             raise session.diverged(f"{loss} at step {step + 1}")
         optimizer.step(params, grad, update=step)
         step += 1
+        state.step, state.samples = step, step * batch_size
         if faults:
             faults.after_step(step, 0.0)
         loss_sum, loss_count = loss_sum + loss, loss_count + 1
@@ -161,7 +234,8 @@ def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer:
             now = time.monotonic()
             reason = (rules.budget_spent(step, now - start, recorder.collapsed)
                       or signals.received)
-            decision[:] = STOP_CODE_OF[reason], now >= next_eval
+            decision[:] = STOP_CODE_OF[reason], now >= next_eval, \
+                now >= save_at[0] or step >= save_at[1]
             if now >= next_log or reason:
                 recent, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
                 recorder.log(step, step * batch_size, recent,
@@ -173,10 +247,15 @@ def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer:
         if reason:
             if reason not in StopSignals.NAMES:  # on a signal, stop promptly
                 evaluate()
-            return reason, step
+            return reason
         if decision[1]:
             if recorder and loss_count:
                 recent = loss_sum / loss_count
             if rules.target_reached(evaluate()):
-                return "target_accuracy", step
+                return "target_accuracy"
             next_eval = time.monotonic() + eval_every
+        if decision[2]:
+            checkpoint()
+            save_at = schedule(run.checkpoint_every_seconds,
+                               run.checkpoint_every_steps, step, time.monotonic())
+

@@ -151,10 +151,9 @@ def find_checkpoint(path: Path) -> tuple[ckpt.Checkpoint, list[tuple[Path, str]]
         if damaged:
             raise ckpt.CheckpointError(f"{path} holds no valid checkpoint: "
                                        f"{'; '.join(why for _, why in damaged)}")
-        raise ckpt.CheckpointError(f"{path} holds no checkpoint (looked for {root}/ckpt-*; "
-                                   "a single replica over partitions, algorithm sgd with "
-                                   "cluster.partitions > 1, writes none yet): give a run "
-                                   "folder, a checkpoint folder or an export file")
+        raise ckpt.CheckpointError(f"{path} holds no checkpoint (looked for {root}/ckpt-*): "
+                                   "give a run folder, a checkpoint folder or an export "
+                                   "file")
     return found, damaged
 
 

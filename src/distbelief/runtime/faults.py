@@ -2,8 +2,9 @@
 step, so that the tests can check what every other rank does about it.
 
 Set the environment variable DISTBELIEF_FAULTS to one or more faults, separated by commas
-or spaces, each ACTION:RANK:AT[:ARG]. RANK is a world rank, or `*` for every rank the
-fault applies to. AT counts what the rank does: a Downpour replica its local steps, a
+or spaces, each ACTION:RANK:AT[:ARG]. RANK is a rank of the job (the MPI rank, except
+where cluster.shard_placement reorders them: then shard s is rank s), or `*` for every
+rank the fault applies to. AT counts what the rank does: a Downpour replica its local steps, a
 Sandblaster replica its work units, a Downpour shard the updates it has folded, a
 Sandblaster shard the pushes it has received, Sandblaster's coordinator its iterations.
 

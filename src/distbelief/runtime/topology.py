@@ -12,6 +12,14 @@ coordinator else 0). S = 0 for the algorithms that keep no parameters on shards 
 without backup workers, averaging without EASGD, hogwild): every rank is a replica. Shard s is world rank s, which is also its rank in every window
 created over the world communicator.
 
+These are ranks of the job's communicator, which `place_shards` builds from the MPI
+world so that the shards sit on distinct nodes (cluster.shard_placement = "spread", the
+default): shard s is the first unused rank of node s % N, dealt round-robin, and every
+other rank keeps its world order. srun's default block placement would otherwise put every
+shard on the first node, whose network card would then carry every replica's pushes and
+pulls. With "ranks", the job's ranks are the world's, for job scripts that place the
+shards themselves. On one node the two are the same.
+
 `Topology` and `validate_rank_count` are pure: they take integers and never communicate,
 so every rank raises the same `ConfigError` before the first collective when the rank
 count does not fit. `split_communicators` is the one collective step that builds the
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from distbelief.errors import ConfigError
+from distbelief.runtime.nodes import Nodes, node_split
 
 ROLE_SHARD = "shard"
 ROLE_COORDINATOR = "coordinator"
@@ -203,3 +212,43 @@ def world_ranks(comm: MPI.Comm, ranks: Sequence[int]) -> list[int]:
     finally:
         group.Free()
         world.Free()
+
+
+
+def spread_order(node_of: Sequence[int], ps_shards: int) -> list[int]:
+    """World ranks in the job's order: `ps_shards` shards dealt round-robin over the nodes
+    (shard s is the next unused rank of node s % N, skipping a node with none left), then
+    every other rank in world order. Pure; `node_of[r]` is world rank r's node."""
+    queues = [[r for r, n in enumerate(node_of) if n == node]
+              for node in range(max(node_of, default=-1) + 1)]
+    shards: list[int] = []
+    node = 0
+    while len(shards) < min(ps_shards, len(node_of)):
+        if queues[node]:
+            shards.append(queues[node].pop(0))
+        node = (node + 1) % len(queues)
+    taken = set(shards)
+    return shards + [r for r in range(len(node_of)) if r not in taken]
+
+
+def place_shards(world: MPI.Comm, ps_shards: int, placement: str = "spread",
+                 ) -> tuple[MPI.Comm, Nodes]:
+    """The job's communicator: `world` with the shards spread over the nodes (placement
+    "spread", see the module docstring; "ranks" keeps the world's order), and the world's
+    node split. Collective over `world` (node_split, then a Comm.Split when the order
+    changes). The caller frees a new communicator."""
+    nodes = node_split(world)
+    order = (spread_order(nodes.node_of, ps_shards) if placement == "spread"
+             else list(range(world.Get_size())))
+    if order == list(range(world.Get_size())):
+        return world, nodes
+    return world.Split(0, key=order.index(world.Get_rank())), nodes
+
+
+def describe_shard_nodes(job: MPI.Comm, ps_shards: int, nodes: Nodes) -> str:
+    """'shard 0: node 0 (MPI rank 0), shard 1: node 1 (MPI rank 16)', for the job's log:
+    which node holds which shard (shard s is the job's rank s). `nodes` is the world's
+    split (place_shards'). Local."""
+    world = world_ranks(job, list(range(ps_shards)))
+    return ", ".join(f"shard {s}: node {nodes.node_of[w]} (MPI rank {w})"
+                     for s, w in enumerate(world))

@@ -94,9 +94,11 @@ class Supervisor(_ShardRole):
         self.lost_mask = np.zeros(replicas, dtype=bool)  # the same, for whole-array tests
         self.dead_ranks: set[int] = set()
         self.death_times: list[float] = []  # when sweeps found ranks newly gone
-        # SIGUSR1 counts by source (replica index, or "shards": their max in the rounds):
-        # (count, when it was last seen); and new ones waiting for their meaning.
-        self.usr1_seen: dict[Any, tuple[int, float]] = {}
+        # SIGUSR1 counts by source (each replica, then the shards' max in the rounds), as
+        # last read (every source is read at each poll, at `usr1_read_at`); and new ones
+        # waiting for their meaning. Arrays, so a poll costs O(1) Python work in R.
+        self.usr1_seen = np.zeros(replicas + 1, dtype=np.int64)
+        self.usr1_read_at = -math.inf
         self.usr1_pending: list[tuple[float, float]] = []  # (previous report, first seen)
         self._notices = launcher.sends_death_notices()  # else every SIGUSR1 is a stop
         self.warm_released = False
@@ -179,8 +181,7 @@ class Supervisor(_ShardRole):
         self.beats[moved] = rows[moved, rc.BEAT]
         self.beat_times[moved] = now
         term = max(int(rows[:, rc.TERM].max(initial=0)), self._shard_signals[0])
-        usr1 = {r: int(count) for r, count in enumerate(rows[:, rc.USR1])}
-        usr1["shards"] = self._shard_signals[1]
+        usr1 = np.append(rows[:, rc.USR1], self._shard_signals[1])
         self._on_signals(term, usr1, now)
         for replica in np.flatnonzero(rows[:, rc.GAVE_UP]):
             if int(replica) not in self.lost:
@@ -212,7 +213,7 @@ class Supervisor(_ShardRole):
     def _on_round(self, result: np.ndarray) -> None:
         self._shard_signals = (int(result[ROUND_TERM]), int(result[ROUND_USR1]))
 
-    def _on_signals(self, term: int, usr1: dict[Any, int], now: float) -> None:
+    def _on_signals(self, term: int, usr1: np.ndarray, now: float) -> None:
         """Stop on a SIGTERM; on a SIGUSR1 unless it is the launcher's notice of a death:
         a source's new SIGUSR1 is a notice if a rank was found gone since that source's
         previous report (see SIGNALS in the module docstring)."""
@@ -221,11 +222,9 @@ class Supervisor(_ShardRole):
         if term > self._terms_seen:
             self._terms_seen = term
             self._stop(rc.STOP_SIGNAL, "SIGTERM")
-        for source, count in usr1.items():
-            seen, when = self.usr1_seen.get(source, (0, -math.inf))
-            if count > seen:
-                self.usr1_pending.append((when, now))
-            self.usr1_seen[source] = (count, now)
+        new = int(np.count_nonzero(usr1 > self.usr1_seen))  # sources with a new SIGUSR1
+        self.usr1_pending += [(self.usr1_read_at, now)] * new
+        self.usr1_seen, self.usr1_read_at = usr1, now
         if not self.usr1_pending:
             return
         self._sweep(now)

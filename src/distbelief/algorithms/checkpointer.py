@@ -1,0 +1,101 @@
+"""Checkpoints of a run whose one replica holds the whole state (`algorithm = "sgd"`):
+when to write them, what they hold (the whole vector and the optimizer state as one shard
+part, the data position as one replica part), and how a run resumes from one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from distbelief.config import Config, config_hash, hashed_settings
+from distbelief.records import checkpoint as ckpt
+from distbelief.records.console import say
+from distbelief.records.metrics import ResumePoint, RunRecorder
+
+
+@dataclass
+class TrainState:
+    """The loop's counters, kept outside it so checkpoints and the summary can read them."""
+
+    step: int = 0
+    samples: int = 0
+
+
+def schedule(every_seconds: float, every_steps: int, step: int,
+             now: float) -> tuple[float, float]:
+    """(monotonic time, step) of the next periodic checkpoint; inf when off. Steps are
+    multiples of `every_steps`, also after a resume from another step. Pure."""
+    at_time = now + every_seconds if every_seconds else math.inf
+    at_step = (step // every_steps + 1) * every_steps if every_steps else math.inf
+    return at_time, at_step
+
+
+class Checkpointer:
+    """When and what a one-replica run checkpoints: one shard part (the whole vector and
+    the optimizer state: `params`, `optimizer.state()`) and one replica part (the data
+    position). A partitioned run gives whole-model buffers it gathers into before save."""
+
+    def __init__(self, config: Config, layout: Any, params: np.ndarray, optimizer: Any,
+                 shard: Any, recorder: RunRecorder, stream: IO[str] | None,
+                 last_step: int | None = None):
+        run = config.run
+        self.root = ckpt.checkpoint_root(run.out_dir)
+        self.every_seconds, self.every_steps = run.checkpoint_every_seconds, \
+            run.checkpoint_every_steps
+        self.keep = run.keep_checkpoints
+        self.settings = hashed_settings(config)
+        self.config_hash = config_hash(config)
+        self.layout, self.params, self.optimizer, self.shard = layout, params, optimizer, shard
+        self.recorder, self.stream = recorder, stream
+        self.last_step = last_step  # the step of the checkpoint this run started from
+        self.last_path: Path | None = None
+
+    def schedule(self, step: int, now: float) -> tuple[float, float]:
+        """(monotonic time, step) of the next periodic checkpoint (`schedule`)."""
+        return schedule(self.every_seconds, self.every_steps, step, now)
+
+    def save(self, state: TrainState) -> Path | None:
+        """Checkpoint the current state, unless this step is checkpointed already."""
+        if state.step == self.last_step:
+            return None
+        began = time.monotonic()
+        meta = ckpt.CheckpointMeta(state.step, state.samples, self.recorder.elapsed(),
+                                   self.config_hash)
+        counters = {"step": state.step, "samples": state.samples}
+        path = ckpt.save_local(
+            self.root, meta, settings=self.settings, algorithm="sgd", layout=self.layout,
+            params=self.params, optimizer_state=self.optimizer.state(),
+            data_state=self.shard.state(), counters=counters, keep=self.keep)
+        seconds = time.monotonic() - began
+        self.last_step, self.last_path = state.step, path
+        # Timed at the state it holds, so that a run resumed from it, which continues
+        # from that time, keeps the times in metrics.jsonl increasing.
+        self.recorder.log_event("checkpoint", state.step, state.samples, at=meta.wall_seconds,
+                                seconds=seconds, path=path.name)
+        say(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
+        return path
+
+
+def restore(found: ckpt.Checkpoint, params: np.ndarray, optimizer: Any, shard: Any,
+            state: TrainState,
+            select: Callable[[np.ndarray], np.ndarray] = lambda whole: whole) -> ResumePoint:
+    """Load a verified, compatible one-replica checkpoint into the run's objects; `select`
+    takes this rank's part of each whole-model array (a partition's pieces)."""
+    saved, optimizer_state = found.read_state()
+    np.copyto(params, select(saved))
+    replica = found.read_replica(0)
+    try:
+        optimizer.load_state({name: select(array) for name, array in optimizer_state.items()})
+        shard.load_state(replica.data_state)
+    except (ValueError, TypeError) as exc:
+        raise ckpt.CheckpointError(f"checkpoint {found.path} cannot be resumed here: "
+                                   f"{exc}") from exc
+    state.step, state.samples = found.step, found.samples
+    return ResumePoint(found.step, found.samples, found.wall_seconds, found.path.name)
