@@ -301,3 +301,20 @@ def test_the_suggested_layout_fits_and_the_refused_one_does_not():
     assert better is not None and fits(net, better, work, node, per_node=3)
     assert better.ranks % 3 == 0 or better.ranks == 3
     assert len(block_nodes(7, 3)) == 7 and block_nodes(7, 3)[-1] == 2
+
+
+def test_each_node_is_checked_with_its_own_ranks():
+    from distbelief.algorithms.memory_plan import Layout, refusal
+    from distbelief.model.memory_model import Workload, predict_memory
+
+    net = Network(*SPEECH)
+    work = Workload(transport="rma")
+    layout = Layout(2, 2, 1)  # ranks: shard 0, shard 1, replica 0, replica 1
+    roles = predict_memory(net, 2, 2, 1, work)
+    shard0, shard, replica = (r.bytes for r in roles)
+    node_of = [0, 1, 0, 1]  # the shards spread over two nodes
+    between = shard + replica + (shard0 - shard) // 2  # node 1 fits, node 0 does not
+    assert refusal(net, layout, work, node_of, 1, between, "test") is None
+    message = refusal(net, layout, work, node_of, 0, between, "test")
+    assert message is not None and "on node 0 (2 rank(s))" in message
+    assert f"needs {(shard0 + replica) / 2**30:.2f} GB" in message
