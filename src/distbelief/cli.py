@@ -55,6 +55,12 @@ then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks, "san
 on ps_shards + 1 + replicas x P ranks. See `distbelief costmodel` for how many partitions
 pay off.
 
+Before anything is set up, every rank's memory is predicted for its role, and a layout
+whose ranks on one node need more than that node has is refused on every rank (exit 2),
+naming the largest role and a layout that fits. A node has what its SLURM allocation
+says (--mem, --mem-per-cpu), else its MemAvailable; DISTBELIEF_NODE_MEMORY=64G overrides.
+summary.json records every rank's peak memory (peak_rss).
+
 optimizer.algorithm = "averaging" makes every rank a replica (cluster.ps_shards = 0) that
 trains on its own part of the data and averages its parameters with the others every
 optimizer.average_every steps; a lost replica stops it with one line. With
@@ -188,18 +194,32 @@ examples:
 """
 
 COSTMODEL_HELP = """\
-Predict the training step time of one model replica of a configuration split over P
-partitions (cluster.partitions), before submitting the job: per-partition floating-point
-work, bytes exchanged per step, and a link's bandwidth and latency give the step time and
-the speedup over one partition (see distbelief.model.cost_model for the model and what it
-leaves out). --gflops is what one partition sustains on these kernels, not its peak:
-benchmarks/bench_model_parallel.py measures it. The data file is only read for its input
-shape and class count; give --input-shape and --classes to model a network without one.
+Predict, before submitting a job, how fast a configuration trains and how much memory each
+rank needs:
+
+- model parallelism (--partitions): the step time of one replica split over P ranks, from
+  each partition's floating-point work and the activations that cross partitions;
+- data parallelism (--layouts S:R:P): Downpour's step time and throughput with S
+  parameter-server shards, R replicas and P partitions each, counting each replica's push
+  and pull, each shard's fold of every replica's gradient and its link, and the memory of
+  every rank (the formulas: docs/performance.md, "Memory per rank");
+- a plan (--plan --nodes N --cores C --memory M --bandwidth B): the layouts of up to N x C
+  ranks (one per core) that fit nodes of M bytes, fastest first.
+
+The machine figures come from options (--gflops, --bandwidth, ...) or, with --measure,
+from timing this machine: a training step of the model, its widest GEMM at full and
+narrow width, a Put and Get of the parameters through an MPI window (run it under
+`mpiexec -n 2` to time one between two processes), and the Adagrad fold. The model and
+what it leaves out: docs/model-parallelism.md, "Cost model". The data file is read only
+for its shapes; give --input-shape and --classes to model a network without one.
 
 examples:
   distbelief costmodel configs/fashion_mnist_local.toml --partitions 1,2,4,8
   distbelief costmodel configs/paper_speech_42m.toml --input-shape 440 --classes 8192 \\
-      --partitions 1,2,4,8 --gflops 100 --bandwidth 12.5 --latency 2
+      --partitions 1,2,4,8,16 --gflops 100 --bandwidth 1.25 --latency 50 \\
+      --message-us 300 --half-width 1024          # the paper's Figure 3 shape
+  mpiexec -n 2 python -m distbelief costmodel CONFIG --measure --layouts 1:1:1,2:1:1,1:2:1
+  distbelief costmodel CONFIG --plan --nodes 8 --cores 16 --memory 64G --bandwidth 12.5
 """
 
 EVALUATE_HELP = """\
@@ -373,19 +393,52 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", metavar="CHECKPOINT_OR_RUN_DIR",
                          help="a checkpoint folder, a checkpoints/ folder or a run.out_dir")
 
-    cost = _command(commands, "costmodel", "predict the step time of a model split "
-                    "over P partitions", COSTMODEL_HELP, cmd_costmodel)
+    cost = _command(commands, "costmodel", "predict step time, throughput and memory per "
+                    "rank for shards x replicas x partitions, or plan a layout",
+                    COSTMODEL_HELP, cmd_costmodel)
     cost.add_argument("config", metavar="CONFIG", help="the TOML configuration file")
     cost.add_argument("--partitions", metavar="P,P,...", type=_positive_ints,
-                      default=(1, 2, 4, 8), help="partition counts (default: 1,2,4,8)")
+                      default=(1, 2, 4, 8), help="partition counts of one replica "
+                      "(default: 1,2,4,8)")
+    cost.add_argument("--layouts", metavar="S:R:P,...", type=_layouts, default=(),
+                      help="Downpour layouts to predict: S shards, R replicas, P partitions "
+                           "each (S = 0: one replica without shards)")
+    cost.add_argument("--plan", action="store_true",
+                      help="suggest the fastest layouts that fit --nodes nodes of --cores "
+                           "ranks and --memory bytes each")
+    cost.add_argument("--nodes", metavar="N", type=_positive_int, default=1,
+                      help="nodes for --plan (default: %(default)s)")
+    cost.add_argument("--cores", metavar="C", type=_positive_int, default=None,
+                      help="cores per node: one rank each for --plan; with --layouts, "
+                           "ranks beyond this share the cores (default: no sharing; "
+                           "with --measure, this machine's count)")
+    cost.add_argument("--memory", metavar="SIZE", default=None,
+                      help="memory per node (64G, 512M): layouts that need more are marked "
+                           "(--layouts) or left out (--plan)")
+    cost.add_argument("--measure", action="store_true",
+                      help="time this machine instead of --gflops, --bandwidth, --latency, "
+                           "--fold-rate and --half-width")
     cost.add_argument("--gflops", type=_positive_float, default=10.0,
-                      help="sustained GFLOP/s of one partition (default: %(default)s, about "
-                           "one core of the 2-core development machine on the local kernel)")
+                      help="sustained GFLOP/s of one rank on whole layers (default: "
+                           "%(default)s; --measure times it)")
     cost.add_argument("--bandwidth", metavar="GB/S", type=_positive_float, default=12.5,
-                      help="link bandwidth per partition, each way, in GB/s (default: "
-                           "%(default)s, 100 Gb/s InfiniBand EDR)")
+                      help="link bandwidth per rank, each way, in GB/s (default: "
+                           "%(default)s, 100 Gb/s InfiniBand EDR); with --plan, per node, "
+                           "shared by its ranks")
     cost.add_argument("--latency", metavar="US", type=float, default=2.0,
-                      help="latency per message, in microseconds (default: %(default)s)")
+                      help="latency per exchange, in microseconds (default: %(default)s)")
+    cost.add_argument("--message-us", metavar="US", type=float, default=0.0,
+                      help="processor time per message, paid one after another, in "
+                           "microseconds (default: %(default)s)")
+    cost.add_argument("--half-width", metavar="UNITS", type=float, default=0.0,
+                      help="a layer block this many units wide computes at half the rate "
+                           "of a wide one (default: %(default)s, no penalty)")
+    cost.add_argument("--fold-rate", metavar="GPARAM/S", type=_positive_float, default=1.2,
+                      help="parameters per second (x 1e9) a shard's Adagrad folds "
+                           "(default: %(default)s)")
+    cost.add_argument("--transport", choices=("rma", "shared"), default="rma",
+                      help="parameter-server transport for --layouts and --plan (default: "
+                           "%(default)s; shared: every rank on one node)")
     cost.add_argument("--batch", metavar="N", type=_positive_int, default=None,
                       help="batch size (default: the configuration's data.batch_size)")
     cost.add_argument("--input-shape", metavar="H,W,C", type=_shape, default=None,
@@ -666,11 +719,78 @@ def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
 
     algorithm = registry.get(config.optimizer.algorithm)
     trainer = algorithm.load_trainer(config.cluster.partitions, vars(config.optimizer))
+    _check_memory(config, None if algorithm.in_one_process(config.cluster.partitions)
+                  else comm)
     if algorithm.in_one_process(config.cluster.partitions):
         summary = trainer(config, resume=resume)
+        if summary is not None:
+            summary = _with_peak_memory(config, summary, [_own_peak("the one process")])
     else:
         summary = trainer(config, comm, resume=resume)
+        summary = _gather_peak_memory(config, algorithm, comm, summary)
     return None if summary is None else final_test(config, summary, sys.stdout)
+
+
+def _check_memory(config: Any, comm: Any) -> None:
+    """Refuse, on every rank at once, a layout whose predicted memory exceeds a node's
+    (distbelief.algorithms.memory_plan). Collective over `comm` when there is one (the
+    node split, then an agreement); nothing is set up or written before it."""
+    from distbelief.algorithms.memory_plan import check_memory
+    from distbelief.config import build_network
+    from distbelief.data.hdf5 import open_dataset, with_validation
+
+    def check(node_of: list[int], node: int) -> None:
+        info = with_validation(open_dataset(config.data.path, labels=False),
+                               config.data.validation)
+        check_memory(config, info, build_network(config, info),
+                     1 if comm is None else comm.Get_size(), node_of, node)
+
+    if comm is None:
+        check([0], 0)
+        return
+    from distbelief.runtime.agreement import agree
+    from distbelief.runtime.nodes import node_split
+
+    nodes = node_split(comm)
+    agree(comm, lambda: check(list(nodes.node_of), nodes.node_of[nodes.me]))
+
+
+def _own_peak(role: str) -> dict[str, Any]:
+    from distbelief.runtime.memory import rank_figure
+
+    return rank_figure(0, role)
+
+
+def _gather_peak_memory(config: Any, algorithm: Any, comm: Any,
+                        summary: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Every rank's peak RSS, named by its role, into the summary on the rank that wrote
+    it (point-to-point, waiting a bounded time: runtime.memory.gather_peak_rss)."""
+    from distbelief.runtime.memory import gather_peak_rss
+    from distbelief.runtime.topology import Topology
+
+    shards = config.cluster.ps_shards if algorithm.needs_shards(vars(config.optimizer)) else 0
+    topology = Topology(comm.Get_size(), comm.Get_rank(), shards, config.cluster.partitions,
+                        coordinator=algorithm.coordinators > 0)
+    writer = topology.coordinator_rank if topology.coordinator else 0
+    role = topology.describe_rank(topology.world_rank).partition("(")[2].rstrip(")")
+    lost = [rank for entry in (summary or {}).get("lost_replicas", [])
+            if isinstance(entry, dict) for rank in entry.get("ranks", [])]
+    figures = gather_peak_rss(comm, writer, role, skip=lost)
+    if summary is None or figures is None:
+        return summary
+    return _with_peak_memory(config, summary, figures)
+
+
+def _with_peak_memory(config: Any, summary: dict[str, Any],
+                      figures: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json rewritten with `peak_rss` (each rank's figure) and the largest."""
+    from distbelief.records.metrics import SUMMARY_FILE, write_json_atomic
+
+    largest = max(figures, key=lambda figure: figure["peak_rss_mb"])
+    summary = {**summary, "peak_rss": figures,
+               "peak_rss_largest": {"role": largest["role"], "mb": largest["peak_rss_mb"]}}
+    write_json_atomic(config.run.out_dir / SUMMARY_FILE, summary)
+    return summary
 
 
 def _resume_mode(args: argparse.Namespace) -> str:
@@ -722,32 +842,164 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layouts(text: str) -> tuple[tuple[int, int, int], ...]:
+    """'1:2:1,2:2:1' as ((S, R, P), ...)."""
+    out = []
+    for part in text.split(","):
+        try:
+            s_, r_, p_ = (int(v) for v in part.split(":"))
+        except ValueError:
+            s_ = r_ = p_ = -1
+        if s_ < 0 or r_ < 1 or p_ < 1:
+            raise argparse.ArgumentTypeError(f"{part!r}: expected S:R:P, S >= 0 shards, "
+                                             f"R >= 1 replicas, P >= 1 partitions")
+        out.append((s_, r_, p_))
+    return tuple(out)
+
+
 def cmd_costmodel(args: argparse.Namespace) -> int:
     from distbelief.config import build_network, load_config
-    from distbelief.model.cost_model import Link, format_table, predict
+    from distbelief.model.cost_model import Link, Machine, format_table, predict
     from distbelief.model.network import Network
 
     config = load_config(args.config, check_data=False)
     if (args.input_shape is None) != (args.classes is None):
         raise ConfigError("give --input-shape and --classes together, or neither (then "
                           "the data file's are used)")
+    info = None
     if args.input_shape is not None:
         network = Network(args.input_shape, [dict(layer) for layer in config.model.layers],
                           args.classes)
     else:
         from distbelief.data.hdf5 import open_dataset
 
-        network = build_network(config, open_dataset(config.data.path, labels=False))
-    link = Link(args.bandwidth * 1e9, args.latency * 1e-6)
+        info = open_dataset(config.data.path, labels=False)
+        network = build_network(config, info)
     batch = args.batch or config.data.batch_size
+    cores = args.cores
+    if args.measure:
+        from distbelief.model.calibrate import measure
+
+        measured = measure(network, batch)
+        cores = cores or os.cpu_count() or 1
+        machine = measured.machine(args.message_us * 1e-6, cores)
+        figures = measured.describe()
+    else:
+        machine = Machine(args.gflops * 1e9, Link(args.bandwidth * 1e9, args.latency * 1e-6,
+                                                  args.message_us * 1e-6),
+                          args.fold_rate * 1e9, args.half_width, cores or 0)
+        figures = (f"per rank {args.gflops:g} GFLOP/s, link {args.bandwidth:g} GB/s, "
+                   f"{args.latency:g} us + {args.message_us:g} us per message, fold "
+                   f"{args.fold_rate:g} Gparam/s")
+    if _rank() != 0:
+        return 0
+    print(f"{network.layout.size:,d} parameters, batch {batch}; {figures}"
+          + (f"; half-speed block {machine.half_width:g} units" if machine.half_width
+             and not args.measure else ""))
+    node_bytes = _node_bytes(args.memory)
+    if args.plan:
+        return _print_plan(args, config, info, network, batch, machine, node_bytes)
+    if args.layouts:
+        _print_layouts(args, config, info, network, batch, machine, node_bytes)
+        return 0
     try:
-        predictions = [predict(network, p, batch, args.gflops * 1e9, link)
-                       for p in args.partitions]
+        predictions = [predict(network, p, batch, machine.flops, machine.link,
+                               machine.half_width) for p in args.partitions]
     except ValueError as e:
         raise ConfigError(f"--partitions: {e}") from e
-    print(f"{network.layout.size:,d} parameters, batch {batch}; per partition "
-          f"{args.gflops:g} GFLOP/s, link {args.bandwidth:g} GB/s, {args.latency:g} us")
     print(format_table(predictions))
+    return 0
+
+
+def _node_bytes(text: str | None) -> int | None:
+    from distbelief.runtime.memory import parse_size
+
+    return None if text is None else parse_size(text)
+
+
+def _workload(config: Any, info: Any, transport: str) -> Any:
+    from distbelief.algorithms.memory_plan import workload
+    from distbelief.model.memory_model import Workload
+
+    if info is None:  # no data file: the batch and the optimizer, no data or eval set
+        base = workload(config, _NoData(), transport)
+        return Workload(**{**vars(base), "train_rows": 0, "eval_rows": 0})
+    return workload(config, info, transport)
+
+
+class _NoData:
+    stored_dtype, input_shape, n_train, n_test = "float32", (1,), 0, 0
+
+
+def _print_layouts(args: argparse.Namespace, config: Any, info: Any, network: Any,
+                   batch: int, machine: Any, node_bytes: int | None) -> None:
+    from distbelief.model.cost_model import format_layouts, predict_layout
+    from distbelief.model.memory_model import format_memory, largest, predict_memory
+
+    work = _workload(config, info, args.transport)
+    predictions, memory, tables = [], [], []
+    for shards, replicas, partitions in args.layouts:
+        predictions.append(predict_layout(network, shards, replicas, partitions, batch,
+                                          machine, args.transport))
+        roles = predict_memory(network, shards, replicas, partitions, work)
+        total = sum(r.bytes * r.count for r in roles)
+        big = largest(roles)
+        mark = "" if node_bytes is None else (" fits" if total <= node_bytes
+                                              else " does not fit")
+        memory.append(f"{big.role} {big.bytes / 2**20:,.0f} MB, all {total / 2**20:,.0f} MB"
+                      f"{mark}")
+        tables.append(f"{shards} x {replicas} x {partitions} ({args.transport}):\n"
+                      + format_memory(roles))
+    print(format_layouts(predictions, memory))
+    print("\nmemory per rank (MB; one node holds them all" +
+          ("" if node_bytes is None else f", {node_bytes / 2**30:.1f} GB") + "):")
+    print("\n\n".join(tables))
+
+
+def _print_plan(args: argparse.Namespace, config: Any, info: Any, network: Any, batch: int,
+                machine: Any, node_bytes: int | None) -> int:
+    from dataclasses import replace
+
+    from distbelief.algorithms.memory_plan import Layout, fits
+    from distbelief.model.cost_model import format_layouts, predict_layout
+    from distbelief.model.partition import split_units
+
+    if args.cores is None or node_bytes is None:
+        raise ConfigError("--plan needs --cores (ranks per node) and --memory (bytes per "
+                          "node), as well as --nodes and --bandwidth")
+    per_node = args.cores
+    ranks = args.nodes * per_node
+    transport = "shared" if args.nodes == 1 and args.transport == "shared" else "rma"
+    work = _workload(config, info, transport)
+    # One rank per core: the node's link is shared by its ranks, no cores are shared.
+    link = replace(machine.link, bandwidth=machine.link.bandwidth / per_node)
+    machine = replace(machine, link=link, cores=0)
+    widest = max(split_units(layer) for layer in network.layers)
+    found = []
+    for shards in range(1, max(2, ranks // 2 + 1)):
+        for partitions in range(1, min(widest, ranks - shards) + 1):
+            replicas = (ranks - shards) // partitions
+            if replicas < 1:
+                continue
+            layout = Layout(shards, replicas, partitions)
+            if not fits(network, layout, work, node_bytes, per_node):
+                continue
+            found.append(predict_layout(network, shards, replicas, partitions, batch,
+                                        machine, transport))
+    if not found:
+        print(f"no layout of {ranks} ranks fits nodes of {node_bytes / 2**30:.1f} GB: "
+              f"use more nodes or nodes with more memory")
+        return 1
+    found.sort(key=lambda p: -p.samples_per_second)
+    best = found[0]
+    print(f"plan for {args.nodes} node(s) x {per_node} ranks, {node_bytes / 2**30:.1f} GB and "
+          f"{args.bandwidth:g} GB/s each ({transport} transport); the fastest layouts that "
+          f"fit:")
+    print(format_layouts(found[:8]))
+    print(f"suggested: {best.shards} shard(s) + {best.replicas} replica(s) x "
+          f"{best.partitions} partition(s) = {best.shards + best.replicas * best.partitions}"
+          f" ranks: --set cluster.ps_shards={best.shards} --set cluster.partitions="
+          f"{best.partitions}")
     return 0
 
 

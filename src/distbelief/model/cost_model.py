@@ -1,4 +1,5 @@
-"""Predicted step time of one model replica split over P partitions, before submitting a job.
+"""Predicted step time of one model replica split over P partitions, and of Downpour with
+S shards x R replicas of P partitions, before submitting a job.
 
     from distbelief.model.cost_model import Link, predict
     p = predict(network, partitions=8, batch=64, flops=50e9, link=Link(12.5e9, 2e-6))
@@ -32,9 +33,17 @@ The step time is the sum over layers of forward and backward, the speedup is T(1
 Compute and communication are added, not overlapped: the implementation overlaps a
 layer's messages with the work that needs no remote input (model_parallel.py), so this
 is an upper bound on the step time when `flops` is right. `flops` is what one partition
-sustains on these kernels (not the machine's peak): benchmarks/bench_model_parallel.py
-measures it on this machine. Data loading, the optimizer and Downpour's traffic to the
-parameter server are not included.
+sustains on these kernels (not the machine's peak): `distbelief costmodel --measure`
+(model/calibrate.py) times it on this machine. Two optional terms make narrow partitions
+dear, as the paper's speech curve needs: a per-message processor cost (Link.message,
+times the peers a partition exchanges with) and a GEMM rate that falls on narrow blocks
+(block_efficiency's half_width). Data loading is not included.
+
+DATA PARALLELISM. predict_layout adds Downpour's parameter server to a partitioned
+replica: each step's push and pull, every shard's fold of every replica's gradient and its
+link, and ranks sharing cores (its docstring has the terms). docs/model-parallelism.md,
+"Cost model", has both models, the parameters of the paper's shape and the
+predicted-against-measured table.
 """
 
 from __future__ import annotations
@@ -50,15 +59,28 @@ BYTES_PER_VALUE = 4
 
 @dataclass(frozen=True)
 class Link:
-    """A partition's network link: bytes per second each way, seconds per message."""
+    """A partition's network link: bytes per second each way, seconds of latency per
+    exchange (a layer's messages are posted together, so their latencies overlap), and
+    `message` seconds of processor time per message (posting, matching and completing
+    it, paid one after another: what grows with the number of peers)."""
 
     bandwidth: float
     latency: float
+    message: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0 or not self.latency >= 0:
-            raise ValueError(f"need bandwidth > 0 and latency >= 0, got {self.bandwidth}, "
-                             f"{self.latency}")
+        if not self.bandwidth > 0 or not self.latency >= 0 or not self.message >= 0:
+            raise ValueError(f"need bandwidth > 0, latency >= 0 and message >= 0, got "
+                             f"{self.bandwidth}, {self.latency}, {self.message}")
+
+
+def block_efficiency(width: float, full: float, half_width: float) -> float:
+    """The rate of a layer's GEMM on a block `width` units wide against the whole layer's
+    (`full` units), when a block of `half_width` units runs at half a wide block's rate:
+    w / (w + h), relative to the whole layer's. 1 with half_width = 0 (no penalty)."""
+    if half_width <= 0 or width <= 0:
+        return 1.0
+    return (width / (width + half_width)) / (full / (full + half_width))
 
 
 @dataclass(frozen=True)
@@ -126,23 +148,29 @@ def exchanged_values(layers: list[Layer], splits: list[list[int]], index: int
 
 
 def step_time(layers: list[Layer], partitions: int, batch: int, flops: float,
-              link: Link) -> tuple[float, float, float, int, float]:
+              link: Link, half_width: float = 0.0) -> tuple[float, float, float, int, float]:
     """(step, compute, communication seconds, bytes per step, largest partition's flops)
-    on the critical path; see the module docstring."""
+    on the critical path; see the module docstring. `half_width`: block_efficiency's."""
     splits = [balanced_splits(split_units(layer), partitions) for layer in layers]
     compute = comm = 0.0
     moved = 0
     per_partition = [0.0] * partitions
     for i, layer in enumerate(layers):
-        work = [layer_work(layer, splits[i][p], splits[i][p + 1], batch, i == 0)
-                for p in range(partitions)]
-        for p, (forward, backward) in enumerate(work):
+        full = split_units(layer)
+        work = []
+        for p in range(partitions):
+            forward, backward = layer_work(layer, splits[i][p], splits[i][p + 1], batch,
+                                           i == 0)
             per_partition[p] += forward + backward
+            # Narrow blocks run slower: as if they had more work at the full rate.
+            slow = block_efficiency(splits[i][p + 1] - splits[i][p], full, half_width)
+            work.append((forward / slow, backward / slow) if slow > 0 else (0.0, 0.0))
         received, sent, peers = exchanged_values(layers, splits, i)
         moved += 2 * sum(received) * batch * BYTES_PER_VALUE
         # Forward and backward each pay the message cost; the work is split between them.
-        wires = [link.latency + batch * BYTES_PER_VALUE * max(received[p], sent[p])
-                 / link.bandwidth if peers[p] else 0.0 for p in range(partitions)]
+        wires = [link.latency + peers[p] * link.message + batch * BYTES_PER_VALUE
+                 * max(received[p], sent[p]) / link.bandwidth if peers[p] else 0.0
+                 for p in range(partitions)]
         for direction in (0, 1):  # forward, backward
             slowest = max(range(partitions),
                           key=lambda p: work[p][direction] / flops + wires[p])
@@ -150,16 +178,18 @@ def step_time(layers: list[Layer], partitions: int, batch: int, flops: float,
             comm += wires[slowest]
     if partitions > 1:
         rounds = 2 * math.ceil(math.log2(partitions))
-        comm += 3 * rounds * (link.latency + batch * BYTES_PER_VALUE / link.bandwidth)
+        comm += 3 * rounds * (link.latency + link.message
+                              + batch * BYTES_PER_VALUE / link.bandwidth)
         moved += 3 * partitions * batch * BYTES_PER_VALUE
     return compute + comm, compute, comm, moved, max(per_partition)
 
 
 def predict(network: object, partitions: int, batch: int, flops: float,
-            link: Link) -> Prediction:
+            link: Link, half_width: float = 0.0) -> Prediction:
     """The predicted step time and speedup over one partition of `network` (a
     distbelief.model.network.Network; only its layer geometry is read) split over `partitions`
-    ranks, each sustaining `flops` FLOP/s and talking over `link`."""
+    ranks, each sustaining `flops` FLOP/s on whole layers (less on narrow blocks:
+    `half_width`, block_efficiency) and talking over `link`."""
     if partitions < 1 or batch < 1 or not flops > 0:
         raise ValueError(f"need partitions >= 1, batch >= 1, flops > 0; got {partitions}, "
                          f"{batch}, {flops}")
@@ -168,8 +198,9 @@ def predict(network: object, partitions: int, batch: int, flops: float,
     if partitions > widest:
         raise ValueError(f"{partitions} partitions: the widest layer splits into at most "
                          f"{widest} blocks")
-    single = step_time(layers, 1, batch, flops, link)[0]
-    total, compute, comm, moved, largest = step_time(layers, partitions, batch, flops, link)
+    single = step_time(layers, 1, batch, flops, link, half_width)[0]
+    total, compute, comm, moved, largest = step_time(layers, partitions, batch, flops, link,
+                                                     half_width)
     return Prediction(partitions, total, compute, comm, moved, single / total, largest)
 
 
@@ -182,4 +213,99 @@ def format_table(predictions: list[Prediction]) -> str:
         lines.append(f"{p.partitions:>10d} {p.step_seconds * 1e3:>10.2f} "
                      f"{p.compute_seconds * 1e3:>11.2f} {p.communication_seconds * 1e3:>9.2f} "
                      f"{p.bytes_per_step / 1e6:>9.2f} {p.speedup:>7.2f}x")
+    return "\n".join(lines)
+
+
+# -- data parallelism: S shards x R replicas x P partitions ------------------------------
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What one rank has: `flops` FLOP/s on whole layers (narrow blocks: `half_width`),
+    a `link` (bandwidth each way, latency, per-message cost), a shard's `fold_rate`
+    (parameters per second its update rule folds: one pass over parameters, state and
+    gradient) and `cores` processors shared by the ranks that compute (0: one each)."""
+
+    flops: float
+    link: Link
+    fold_rate: float = 1.2e9
+    half_width: float = 0.0
+    cores: int = 0
+
+
+@dataclass(frozen=True)
+class LayoutPrediction:
+    """One layout's prediction. `step_seconds`: a replica's step (compute, push and pull,
+    or the shards' pace when they are slower); `samples_per_second`: all replicas."""
+
+    shards: int
+    replicas: int
+    partitions: int
+    compute_seconds: float
+    exchange_seconds: float
+    shard_seconds: float
+    step_seconds: float
+    samples_per_second: float
+    bottleneck: str
+
+
+def predict_layout(network: object, shards: int, replicas: int, partitions: int, batch: int,
+                   machine: Machine, transport: str = "rma") -> LayoutPrediction:
+    """Downpour's step time and throughput for S shards x R replicas x P partitions (S = 0:
+    one replica alone, no parameter server, applying its own update: compute plus one fold
+    of its N/P parameters).
+
+        compute   the partitioned step (predict), slowed by R*P / cores when more ranks
+                  compute than there are cores
+        exchange  each partition's push and pull of its 4N/P bytes: 2 (latency + S
+                  messages + 4N/P / bandwidth); on shared memory two copies at the link's
+                  bandwidth and the fold of the whole vector by the replica itself
+        shards    per round of one step of every replica, a shard folds R gradients of
+                  its slice n = N/S (R n / fold_rate) and moves 2 R 4n bytes through its
+                  link; on shared memory the folds of one slice wait for each other (its
+                  lock), so the same R n / fold_rate
+        step      max(compute + exchange, shards); throughput R B / step
+    """
+    link = machine.link
+    size = network.layout.size
+    busy = replicas * partitions
+    slowdown = busy / machine.cores if machine.cores and busy > machine.cores else 1.0
+    compute = predict(network, partitions, batch, machine.flops, link,
+                      machine.half_width).step_seconds * slowdown
+    if shards == 0:  # the replica applies its own update: one fold of its parameters
+        step = compute + network.layout.size / partitions / machine.fold_rate
+        return LayoutPrediction(0, replicas, partitions, compute, 0.0, 0.0, step,
+                                replicas * batch / step, "compute")
+    moved = BYTES_PER_VALUE * size / partitions
+    if transport == "shared":
+        exchange = 2 * moved / link.bandwidth + size / partitions / machine.fold_rate
+    else:
+        exchange = 2 * (link.latency + shards * link.message + moved / link.bandwidth)
+    exchange *= slowdown
+    slice_ = size / shards
+    fold = replicas * slice_ / machine.fold_rate
+    wire = 0.0 if transport == "shared" else 2 * replicas * BYTES_PER_VALUE * slice_ \
+        / link.bandwidth
+    shard = max(fold, wire)
+    step = max(compute + exchange, shard)
+    if step == shard:
+        bottleneck = "shard fold" if fold >= wire else "shard link"
+    else:
+        bottleneck = "compute" if compute >= exchange else "push/pull"
+    return LayoutPrediction(shards, replicas, partitions, compute, exchange, shard, step,
+                            replicas * batch / step, bottleneck)
+
+
+def format_layouts(predictions: list[LayoutPrediction], memory: list[str] | None = None
+                   ) -> str:
+    """The layouts as an aligned table (and each one's memory column, if given)."""
+    header = (f"{'S x R x P':>11} {'ranks':>5} {'step ms':>8} {'compute':>8} {'push+pull':>9} "
+              f"{'shards':>7} {'samples/s':>10}  {'bound by':<10}")
+    lines = [header + ("  memory" if memory else "")]
+    for i, p in enumerate(predictions):
+        lines.append(f"{f'{p.shards} x {p.replicas} x {p.partitions}':>11} "
+                     f"{p.shards + p.replicas * p.partitions:>5} {p.step_seconds * 1e3:>8.1f} "
+                     f"{p.compute_seconds * 1e3:>8.1f} {p.exchange_seconds * 1e3:>9.1f} "
+                     f"{p.shard_seconds * 1e3:>7.1f} {p.samples_per_second:>10.0f}  "
+                     f"{p.bottleneck:<10}" + (f"  {memory[i]}" if memory else ""))
     return "\n".join(lines)

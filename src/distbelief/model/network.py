@@ -75,6 +75,37 @@ class Network:
             layer.init_params(rng, weights, bias)
         return params
 
+    def init_slice(self, seed: int, start: int, stop: int) -> np.ndarray:
+        """`init_params(seed)[start:stop]`, bit for bit, without building the whole vector:
+        what a parameter-server shard needs for its slice (at 1.7B parameters the whole
+        vector is 6.8 GB).
+
+        init_params draws each layer's weights in turn from one PCG64 stream of float32
+        values (numpy draws two per 64-bit output, the low half first, carrying the high
+        half over to the next call), and sets biases to 0. So the value at stream position
+        k is reached by advancing a fresh PCG64(seed) k // 2 outputs and, for odd k,
+        drawing one value to discard; tests/test_memory.py checks the equality."""
+        if not 0 <= start <= stop <= self.layout.size:
+            raise ValueError(f"slice [{start}, {stop}) outside the {self.layout.size} "
+                             f"parameters")
+        out = np.zeros(stop - start, dtype=DTYPE)
+        drawn = 0  # float32 values init_params draws before this layer's weights
+        no_bias = np.zeros(0, dtype=DTYPE)
+        for i, layer in enumerate(self.layers):
+            if not layer.num_params or isinstance(layer, Pool | Lcn):
+                continue
+            entry = self.layout.entry(i, "weights")
+            lo, hi = max(start, entry.offset), min(stop, entry.stop)
+            if lo < hi:
+                position = drawn + lo - entry.offset
+                rng = np.random.Generator(np.random.PCG64(seed))
+                rng.bit_generator.advance(position // 2)
+                if position % 2:
+                    rng.random(1, dtype=DTYPE)
+                layer.init_params(rng, out[lo - start : hi - start], no_bias)
+            drawn += entry.size
+        return out
+
     def _views(self, flat: np.ndarray, what: str) -> list[tuple[np.ndarray, np.ndarray]]:
         """(weights, bias) views of `flat` for each layer; checks dtype, shape, contiguity."""
         cached = self._view_cache.get(what)

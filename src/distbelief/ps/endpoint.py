@@ -126,3 +126,9 @@ TRANSPORTS = ("auto", "shared", "rma")
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // HEADER_BYTES) * HEADER_BYTES
+
+
+def own_slice(initial: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """A shard's initial values: `initial` itself when it is already the slice [start,
+    stop) (a lean start), else that slice of the full vector."""
+    return initial if initial.size == stop - start else initial[start:stop]

@@ -53,6 +53,7 @@ from distbelief.ps.endpoint import (
     Optimizer,
     _Endpoint,
     _waiting_backoff,
+    own_slice,
     saved_state,
 )
 from distbelief.ps.rma_windows import (
@@ -133,7 +134,9 @@ class ParameterServerShard(_Endpoint):
                 params[head + windows.buffer_header_bytes :][: count * FLOAT_BYTES].view(DTYPE)))
         self._optimizer = optimizer
         self._master = np.zeros(count, dtype=DTYPE)  # the parameters; private to this rank
-        self._grad = np.zeros(count, dtype=DTYPE)  # the gradient batch being applied
+        # The gradient batch being applied: summed in place in the first FULL slot taken
+        # (float32 slots), or widened from bfloat16 slots into its own buffer.
+        self._grad = np.zeros(count if self._narrowed else 0, dtype=DTYPE)
         self._reader = PublishedReader(windows, self.rank, topology.ps_shards, None)
         self._states = np.zeros((windows.slots, 1), dtype=np.int64)  # SLOT as last read
         self._claimed_since: dict[int, tuple[int, float]] = {}  # slot: (state, first seen)
@@ -160,7 +163,7 @@ class ParameterServerShard(_Endpoint):
         self._finished = False
         self.stats = ShardStats()
         if initial is not None:
-            self._master[:] = initial[self.start : self.stop]
+            self._master[:] = own_slice(initial, self.start, self.stop)
         # Window memory comes uninitialised: zero all of it with plain stores before any
         # client can access it (open_parameter_server's barrier follows), write the first
         # publish into buffer 0, and Win.Sync so that later RMA sees them.
@@ -194,9 +197,15 @@ class ParameterServerShard(_Endpoint):
         """The optimizer of this shard's slice (its state goes into checkpoints)."""
         return self._optimizer
 
-    def parameters(self) -> np.ndarray:
-        """A copy of this shard's current parameters (for checkpoints). Local."""
-        return self._master.copy()
+    def parameters(self, copy: bool = True) -> np.ndarray:
+        """A copy of this shard's current parameters (for checkpoints). Local. With
+        `copy=False`, the parameters themselves, read-only, valid until this shard serves
+        again (a checkpoint written between two polls needs no second slice)."""
+        if copy:
+            return self._master.copy()
+        view = self._master.view()
+        view.flags.writeable = False
+        return view
 
     def checkpoint_state(self) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
         """Copies of the parameters and of the optimizer state, and the version, taken
@@ -305,11 +314,14 @@ class ParameterServerShard(_Endpoint):
         return self._fold_full()
 
     def _fold_full(self) -> int:
-        """Take every FULL push slot (as last read): sum their data into _grad by plain
-        loads, free them (Compare_and_swap FULL -> 0), apply the sum with the optimizer
-        as one update and publish. Loads are legal: the client completed its Put (Flush)
-        before it marked the slot FULL, and nobody writes a FULL slot until the shard
-        frees it; Win.Sync orders the loads after that (unified model)."""
+        """Take every FULL push slot (as last read): sum their data by plain loads (into
+        the first of them with plain stores; bfloat16 slots are widened into _grad), apply
+        the sum with the optimizer as one update, then free the slots (Compare_and_swap
+        FULL -> 0) and publish. Loads and stores are legal: the client completed its Put
+        (Flush) before it marked the slot FULL, and nobody accesses a FULL slot until the
+        shard frees it; Win.Sync orders them after the mark and before the free (unified
+        model). Summing in a slot spares the shard a slice-sized buffer (docs/performance.md,
+        "Memory per rank"); the slots stay FULL for the update's pass over the slice."""
         windows = self._live()
         full = [k for k in range(windows.slots) if slot_is_full(int(self._states[k, 0]))]
         if not full:
@@ -318,35 +330,35 @@ class ParameterServerShard(_Endpoint):
         win = windows.accum
         win.Sync()
         if self._narrowed:  # bfloat16 slots, widened exactly and summed in float32
-            kernels.bf16_widen(self._slots[full[0]], self._grad)
+            grad = self._grad
+            kernels.bf16_widen(self._slots[full[0]], grad)
             for k in full[1:]:
-                kernels.bf16_widen(self._slots[k], self._grad, accumulate=True)
+                kernels.bf16_widen(self._slots[k], grad, accumulate=True)
         else:
-            np.copyto(self._grad, self._slots[full[0]])
+            grad = self._slots[full[0]]
             for k in full[1:]:
-                self._grad += self._slots[k]
-        win.Sync()
-        fetched = 0
-        for k in full:
-            state = int(self._states[k, 0])
-            self._folded[slot_client(state)] += 1
-            fetched += slot_fetched(state)
-            self._value[0] = state
-            compare_and_swap(win, self._zero, self._value, self._scratch, self.rank,
-                             windows.slot(k))
-            win.Flush(self.rank)
-            self._states[k, 0] = 0
+                grad += self._slots[k]
+        fetched = sum(slot_fetched(int(self._states[k, 0])) for k in full)
         update = self.gradients_applied  # the schedule's position: pushes before these
         self._taken += 1
         self._pushes_taken += len(full)
         if getattr(self._optimizer, "revises", False):
             # A take sums its pushes into one gradient, revised as one: the mean of the
             # versions they had pulled (the paper's rule when they pulled one version).
-            self._optimizer.step(self._master, self._grad, version=self._taken - 1,
+            self._optimizer.step(self._master, grad, version=self._taken - 1,
                                  fetched=min(self._taken - 1, round(fetched / len(full))),
                                  update=update)
         else:
-            self._optimizer.step(self._master, self._grad, update=update)
+            self._optimizer.step(self._master, grad, update=update)
+        win.Sync()
+        for k in full:
+            state = int(self._states[k, 0])
+            self._folded[slot_client(state)] += 1
+            self._value[0] = state
+            compare_and_swap(win, self._zero, self._value, self._scratch, self.rank,
+                             windows.slot(k))
+            win.Flush(self.rank)
+            self._states[k, 0] = 0
         self._value[0] = self._taken
         fetch_op(win, self._value, self._scratch, self.rank, VERSION_NOW * COUNTER_BYTES,
                  MPI.REPLACE)

@@ -98,6 +98,7 @@ from distbelief.ps.endpoint import (
     OptimizerFactory,
     _aligned,
     _Endpoint,
+    own_slice,
     saved_state,
 )
 from distbelief.ps.rma_client import ParameterClient
@@ -325,7 +326,7 @@ class SharedMemoryShard(ParameterServerShard):
             seg.header[BEFORE] = gradients_before
             seg.clients[:] = 0
             seg.control[:] = 0
-            seg.params[:] = 0 if initial is None else initial[self.start : self.stop]
+            seg.params[:] = 0 if initial is None else own_slice(initial, self.start, self.stop)
             for name, value in optimizer.state().items():
                 np.copyto(seg.state[name], value)
             _bind_state(optimizer, seg.state)
@@ -345,8 +346,9 @@ class SharedMemoryShard(ParameterServerShard):
         with self._lock(exclusive=False) as seg:
             return int(seg.header[BEFORE] + seg.header[APPLIED])
 
-    def parameters(self) -> np.ndarray:
-        """A copy of this shard's current parameters, under the shared lock."""
+    def parameters(self, copy: bool = True) -> np.ndarray:
+        """A copy of this shard's current parameters, under the shared lock (always a
+        copy: clients write the segment; `copy` is ParameterServerShard's signature)."""
         with self._lock(exclusive=False) as seg:
             return seg.params.copy()
 

@@ -52,7 +52,8 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
     `optimizer(n)` builds the optimizer for a slice of n parameters (on shards; on the
     shared transport also on clients, once per shard, and once with n = 1 on every rank
     to see whether its state can be shared); `initial` is the full initial parameter
-    vector (each shard copies its slice; None means zeros). `transport`: "auto", "shared"
+    vector (each shard copies its slice) or, on a shard, its slice alone (what a lean
+    start builds: Network.init_slice); None means zeros. `transport`: "auto", "shared"
     or "rma" (None: $DISTBELIEF_PS_TRANSPORT, else "auto"; see requested_transport).
     `control_replicas` > 0 reserves Downpour's run control block (distbelief.ps.run_control)
     for that many replicas on shard 0 (every shard's windows have the same layout).
@@ -74,14 +75,17 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
     if comm_world.Get_size() != topology.world_size:
         raise ConfigError(f"topology is for {topology.world_size} ranks, the communicator "
                           f"has {comm_world.Get_size()}")
-    if initial is not None and (initial.shape != (size,) or initial.dtype != DTYPE):
-        raise ValueError(f"initial parameters must be float32 of shape ({size},), got "
-                         f"{initial.dtype} {initial.shape}")
+    ranges = balanced_ranges(size, topology.ps_shards)
+    if initial is not None:
+        own = ranges[topology.shard_index] if topology.is_shard else (0, size)
+        if initial.dtype != DTYPE or initial.shape not in ((size,), (own[1] - own[0],)):
+            raise ValueError(f"initial parameters must be float32 of shape ({size},) or, on "
+                             f"a shard, its slice's ({own[1] - own[0]},); got "
+                             f"{initial.dtype} {initial.shape}")
     # The collective part, identical on every rank whatever its role: a private
     # communicator (our windows and barrier never mix with the caller's traffic), then the
     # windows in one fixed order (size 0 off the shards).
     comm = comm_world.Dup()
-    ranges = balanced_ranges(size, topology.ps_shards)
     try:
         segments = _open_shared(comm, topology, ranges, optimizer, requested,
                                 rc.block_bytes(control_replicas))

@@ -121,9 +121,9 @@ class _ShardRole:
         """Write this shard's part: {"records": [[name, size, sha256], ...]}, {"error": ...}
         or {"diverged": ...}."""
         shard = self.shard
-        params, state = shard.parameters(), saved_state(shard.optimizer)
-        if not (np.isfinite(params).all() and all(np.isfinite(v).all()
-                                                  for v in state.values())):
+        # Written before this shard serves again: its own parameters, not a copy.
+        params, state = shard.parameters(copy=False), saved_state(shard.optimizer)
+        if not (_all_finite(params) and all(_all_finite(v) for v in state.values())):
             return {"diverged": f"shard {shard.rank} holds non-finite values at step "
                                 f"{meta.step}; not checkpointed"}
         counters = {"version": shard.version, "pushes": shard.stats.pushes,
@@ -167,12 +167,16 @@ class _ShardRole:
         shard = self.shard
         counts = [stop - start for start, stop in shard.ranges]
         displs = [start for start, _ in shard.ranges]
-        out = np.zeros(shard.size, dtype=np.float32) if self.comm.Get_rank() == 0 else None
+        out = self._final_buffer() if self.comm.Get_rank() == 0 else None
         wait_for_everyone(self.comm)
-        self.comm.Gatherv([shard.parameters(), MPI.FLOAT],
+        self.comm.Gatherv([shard.parameters(copy=False), MPI.FLOAT],
                           [out, counts, displs, MPI.FLOAT] if out is not None else None,
                           root=0)
         return out
+
+    def _final_buffer(self) -> np.ndarray:
+        """Shard 0: where the final parameter vector is gathered."""
+        return np.zeros(self.shard.size, dtype=np.float32)
 
     def _before_final_checkpoint(self, all_stats: list | None, final: np.ndarray | None) -> None:
         """Shard 0: the replicas' statistics and the final evaluation."""
@@ -195,6 +199,11 @@ class _ShardRole:
             # on shared memory, where each client folds its own pushes).
             stats["adarevision"] = revision()
         return stats
+
+
+def _all_finite(values: np.ndarray, block: int = 1 << 20) -> bool:
+    """np.isfinite(values).all() in blocks: no slice-sized temporary on a shard."""
+    return all(np.isfinite(values[i : i + block]).all() for i in range(0, values.size, block))
 
 
 def _part_report(write: Any) -> dict[str, Any]:

@@ -467,6 +467,11 @@ class Supervisor(_ShardRole):
 
     # -- the end
 
+    def _final_buffer(self) -> np.ndarray:
+        """The evaluation snapshot's buffer, free by now (the last evaluation was recorded
+        when the loop ended): one full vector on shard 0, not two."""
+        return self.snapshot
+
     def _before_final_checkpoint(self, all_stats: list | None, final: np.ndarray | None) -> None:
         self.shard_stats = [s for s in all_stats if s["role"] == "shard"]
         self._wait_for_replica_stats()

@@ -133,7 +133,7 @@ def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,
     Local (reads the checkpoint's overlapping parts)."""
     index = plan.topology.world_rank
     start_, stop_ = network.layout.shard_ranges(plan.topology.ps_shards)[index]
-    store = VectorShard(network.init_params(config.run.seed)[start_:stop_], start_,
+    store = VectorShard(network.init_slice(config.run.seed, start_, stop_), start_,
                         plan.options.m)
     if checkpoint is not None:
         params, state = ckpt.verify(checkpoint).read_range(start_, stop_)

@@ -1,0 +1,188 @@
+"""Will this job fit? Each rank's predicted memory (distbelief.model.memory_model) for the
+configured layout, against what its node offers (distbelief.runtime.memory), checked by
+`train` before anything is set up; a layout that needs more is refused on every rank at
+once, naming the largest role and a layout that fits. `distbelief costmodel` prints the
+same prediction. docs/performance.md, "Memory per rank".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from distbelief.algorithms import registry
+from distbelief.config import Config, build_optimizer
+from distbelief.errors import ConfigError
+from distbelief.model.memory_model import (
+    RoleMemory,
+    Workload,
+    largest,
+    predict_memory,
+)
+from distbelief.runtime.memory import node_memory_bytes
+
+GB = 2**30
+
+
+@dataclass(frozen=True)
+class Layout:
+    """S parameter-server shards, R replicas of P partitions each (and `extra` ranks: a
+    coordinator)."""
+
+    shards: int
+    replicas: int
+    partitions: int
+    extra: int = 0
+
+    @property
+    def ranks(self) -> int:
+        return self.shards + self.extra + self.replicas * self.partitions
+
+    def describe(self) -> str:
+        shards = f"{self.shards} shard(s) + " if self.shards else ""
+        parts = f" x {self.partitions} partitions" if self.partitions > 1 else ""
+        return f"{shards}{self.replicas} replica(s){parts}"
+
+
+def layout_of(config: Config, world_size: int) -> Layout | None:
+    """The layout `world_size` ranks give this configuration (no shards for the algorithms
+    that keep none); None when they do not make one, which the trainer's own checks then
+    report in their words. Pure."""
+    algorithm = registry.get(config.optimizer.algorithm)
+    shards = config.cluster.ps_shards if algorithm.needs_shards(vars(config.optimizer)) else 0
+    partitions = config.cluster.partitions
+    extra = algorithm.coordinators
+    left = world_size - shards - extra
+    if left < partitions or left % partitions:
+        return None
+    return Layout(shards, left // partitions, partitions, extra)
+
+
+def workload(config: Config, info: Any, transport: str) -> Workload:
+    """What the configuration puts in memory besides the layout."""
+    opt = config.optimizer
+    state = len(build_optimizer(config, 1).state())
+    row_bytes = 4 if info.stored_dtype != "uint8" else 1
+    per_row = row_bytes * max(1, _prod(info.input_shape)) + 8
+    rows = info.n_train if config.data.in_memory else (config.data.stream_memory_mb << 20) // per_row
+    eval_rows = config.run.eval_samples or info.n_test
+    return Workload(batch=config.data.batch_size, state_arrays=state, transport=transport,
+                    push_bytes=2 if opt.push_dtype == "bfloat16" else 4, n_push=opt.n_push,
+                    overlapped=opt.fetch == "overlapped", train_rows=rows, row_bytes=per_row,
+                    eval_rows=min(eval_rows, info.n_test or eval_rows))
+
+
+def _prod(shape: Any) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def rank_roles(roles: list[RoleMemory]) -> list[RoleMemory]:
+    """One entry per world rank, in rank order (shards first, then replicas)."""
+    return [role for role in roles for _ in range(role.count)]
+
+
+def node_need(roles: list[RoleMemory], node_of: list[int]) -> dict[int, int]:
+    """Bytes each node needs, its ranks' predictions summed."""
+    need: dict[int, int] = {}
+    for role, node in zip(rank_roles(roles), node_of, strict=False):
+        need[node] = need.get(node, 0) + role.bytes
+    return need
+
+
+def block_nodes(ranks: int, per_node: int) -> list[int]:
+    """Node of each rank when ranks fill nodes in order (srun's and mpiexec's default)."""
+    return [r // max(per_node, 1) for r in range(ranks)]
+
+
+def fits(network: Any, layout: Layout, work: Workload, node_bytes: int,
+         per_node: int) -> bool:
+    roles = predict_memory(network, layout.shards, layout.replicas, layout.partitions, work)
+    return max(node_need(roles, block_nodes(layout.ranks, per_node)).values()) <= node_bytes
+
+
+def suggest_layout(network: Any, current: Layout, work: Workload, node_bytes: int,
+                   per_node: int, nodes: int) -> Layout | None:
+    """A layout that fits nodes of `node_bytes`, `per_node` ranks each: first one of the
+    same number of ranks (more shards make each slice smaller, more partitions each
+    replica), else one on more nodes; the most replicas first, then the fewest shards.
+    None when nothing on up to 8x the nodes fits."""
+    widest = _widest(network)
+    for node_count in range(nodes, 8 * nodes + 1):
+        ranks = current.ranks if node_count == nodes else per_node * node_count
+        shard_counts = [0] if not current.shards else sorted(
+            {s for s in (*range(1, 17), *(2**k for k in range(5, 20))) if s < ranks})
+        candidates = []
+        for shards in shard_counts:
+            left = ranks - shards - current.extra
+            for partitions in (p for p in range(1, min(left, widest, 64) + 1)
+                               if left % p == 0):
+                layout = Layout(shards, left // partitions, partitions, current.extra)
+                if fits(network, layout, work, node_bytes, per_node):
+                    candidates.append(layout)
+        if candidates:
+            return max(candidates, key=lambda c: (c.replicas, -c.shards, -c.partitions))
+    return None
+
+
+def _widest(network: Any) -> int:
+    from distbelief.model.partition import split_units
+
+    return max(split_units(layer) for layer in network.layers)
+
+
+def refusal(network: Any, layout: Layout, work: Workload, node_of: list[int], node: int,
+            node_bytes: int, source: str) -> str | None:
+    """The error when node `node` of this job (its ranks: node_of) needs more than its
+    `node_bytes`; None when it fits."""
+    roles = predict_memory(network, layout.shards, layout.replicas, layout.partitions, work)
+    bytes_needed = node_need(roles, node_of).get(node, 0)
+    if bytes_needed <= node_bytes:
+        return None
+    big = largest(roles)
+    parts = ", ".join(f"{name} {size / GB:.2f}" for name, size in
+                      sorted(big.parts.items(), key=lambda item: -item[1])[:3])
+    nodes = max(node_of) + 1
+    per_node = max(node_of.count(n) for n in range(nodes))
+    better = suggest_layout(network, layout, work, node_bytes, per_node, nodes)
+    if better is None:
+        advice = ("No layout on up to 8 times the nodes fits: use nodes with more memory "
+                  "or a smaller model")
+    else:
+        more = -(-better.ranks // per_node)
+        where = f" on {more} nodes of {per_node} ranks" if more > nodes else ""
+        advice = (f"A layout that fits: {better.describe()}, {better.ranks} ranks{where} "
+                  f"(--set cluster.ps_shards={better.shards} --set cluster.partitions="
+                  f"{better.partitions}, mpiexec -n {better.ranks})")
+    return (f"this layout ({layout.describe()}, {work.transport} transport) needs "
+            f"{bytes_needed / GB:.2f} GB on node {node} ({node_of.count(node)} rank(s)), "
+            f"which has {node_bytes / GB:.2f} GB ({source}). The largest role is "
+            f"{big.role}: {big.bytes / GB:.2f} GB per rank ({parts} GB). {advice}. Each "
+            f"role's prediction: distbelief costmodel CONFIG --layouts "
+            f"{layout.shards}:{layout.replicas}:{layout.partitions}; "
+            f"DISTBELIEF_NODE_MEMORY=SIZE overrides the node's figure")
+
+
+def check_memory(config: Config, info: Any, network: Any, world_size: int,
+                 node_of: list[int], node: int,
+                 environ: dict[str, str] | None = None) -> None:
+    """ConfigError when node `node` (this rank's) would need more memory than it has.
+    Pure but for reading this node's memory figure; the caller makes every rank agree."""
+    node_bytes, source = node_memory_bytes(environ)
+    if node_bytes is None:
+        return
+    requested = (environ if environ is not None else os.environ).get(
+        "DISTBELIEF_PS_TRANSPORT", "") or "auto"
+    one_node = max(node_of) == 0
+    transport = "shared" if requested == "shared" or (requested == "auto" and one_node) \
+        else "rma"
+    layout = layout_of(config, world_size)
+    if layout is None:
+        return
+    message = refusal(network, layout, workload(config, info, transport), node_of, node,
+                      node_bytes, source)
+    if message is not None:
+        raise ConfigError(message)

@@ -1,0 +1,171 @@
+"""Predicted memory of every rank of a job, before it starts: a formula per role in the
+parameters N, a shard's slice n = N / S, the batch B and the activations. Pure arithmetic
+on the network's geometry; `distbelief costmodel` prints it and `train` refuses a layout
+that needs more than a node has (docs/performance.md, "Memory per rank", has the formulas
+next to what was measured, and where the bytes go).
+
+Bytes of float32 values, per role (s = the optimizer's state arrays per parameter:
+Adagrad 1, SGD 0; K = push slots = min(2 x clients, 8); b = bytes per pushed value, 4 or
+2 with push_dtype = "bfloat16"; A(B) = activations of a batch of B; D = a replica's part of
+the training data; BASE = the interpreter, numpy, h5py and MPI, about 90 MB):
+
+    RMA shard          4n (1 + s + 4) + K n b + BASE      master, state, 4 publish buffers,
+                                                        push slots (MPI window memory)
+    shared-memory shard 4n (1 + s) + BASE                parameters and state, in the segment
+    shard 0, besides   4N + A_eval + eval set            the evaluation snapshot
+    replica            4N_p (2 + extras) + A(B)/P + D + BASE   parameters and gradient (N_p =
+                                                        its partition's share, N / P)
+    one process        4N (2 + s) + A(B) + D + BASE
+
+extras: 1 with n_push > 1 (the summed push), 2 more with fetch = "overlapped" (a second
+parameters and gradient in flight), 1/2 for bfloat16 pushes over RMA (the narrowed copy), 1
+for bfloat16 pushes on shared memory (the rounded copy). On one node with the shared-memory
+transport a replica's resident set also counts the shard segments it maps (shared pages,
+held once by the node), so its peak RSS is larger than its line here; the node's total is
+the sum of the lines.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+BYTES = 4
+BASE_BYTES = 90 << 20
+"""A rank's resident set with a tiny model: 69 MB for one process, 73-90 MB for the ranks
+of a Downpour job (measured, docs/performance.md)."""
+PUBLISH_BUFFERS = 4  # ps.rma_windows.BUFFERS (tests/test_memory.py checks they agree)
+MAX_PUSH_SLOTS = 8   # ps.rma_windows.MAX_PUSH_SLOTS
+EVAL_BATCH = 1000    # algorithms.common.EVAL_BATCH_SIZE
+STATE_ARRAYS = {"adagrad": 1, "sgd": 0, "momentum": 1, "adam": 2}
+"""Optimizer state arrays per parameter, by optimizer.update (others: 1)."""
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """One kind of rank: its name, how many ranks play it, the bytes each needs, and the
+    parts that make them up (bytes, by name)."""
+
+    role: str
+    count: int
+    bytes: int
+    parts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What besides the layout decides memory: the batch, the optimizer's state arrays,
+    the transport ("rma" or "shared"), pushes (dtype bytes, n_push, overlapped fetch), the
+    training data (rows, bytes per row) and the evaluation set (rows)."""
+
+    batch: int = 128
+    state_arrays: int = 1
+    transport: str = "rma"
+    push_bytes: int = 4
+    n_push: int = 1
+    overlapped: bool = False
+    train_rows: int = 0
+    row_bytes: int = 0
+    eval_rows: int = 0
+
+
+def activation_bytes(network: object, batch: int, backward: bool = True) -> int:
+    """Bytes of a batch's activations: the flat input, every layer's output and (for
+    training) its gradient, as Network keeps them."""
+    layers = list(network.layers)
+    outputs = sum(layer.out_size for layer in layers)
+    saved = sum(getattr(layer, "saved_per_output", 0) * layer.out_size for layer in layers)
+    inputs = math.prod(network.input_shape)
+    return BYTES * batch * (inputs + outputs * (2 if backward else 1) + saved)
+
+
+def push_slots(clients: int) -> int:
+    return max(1, min(2 * clients, MAX_PUSH_SLOTS))
+
+
+def shard_memory(num_params: int, shards: int, clients: int, work: Workload) -> RoleMemory:
+    """A parameter-server shard of a Downpour (or EASGD) job, without shard 0's extras."""
+    n = math.ceil(num_params / shards)
+    parts = {"parameters": BYTES * n, "optimizer state": BYTES * n * work.state_arrays}
+    if work.transport == "rma":
+        parts["publish buffers"] = BYTES * n * PUBLISH_BUFFERS
+        parts["push slots"] = push_slots(clients) * n * work.push_bytes
+    parts["process"] = BASE_BYTES
+    return RoleMemory("shard", shards, sum(parts.values()), parts)
+
+
+def replica_memory(network: object, partitions: int, work: Workload,
+                   replicas: int = 1) -> RoleMemory:
+    """A replica's rank (one partition of it when partitions > 1)."""
+    n = math.ceil(network.layout.size / partitions)
+    copies = 2 + (work.n_push > 1) + (2 if work.overlapped else 0)
+    parts = {"parameters and gradient": BYTES * n * copies}
+    if work.push_bytes == 2:
+        parts["bfloat16 push copy"] = n * (2 if work.transport == "rma" else BYTES)
+    parts["activations"] = math.ceil(activation_bytes(network, work.batch) / partitions)
+    parts["training data"] = math.ceil(work.train_rows / max(replicas, 1)) * work.row_bytes
+    parts["process"] = BASE_BYTES
+    return RoleMemory("replica" if partitions == 1 else "replica partition",
+                      replicas * partitions, sum(parts.values()), parts)
+
+
+def evaluation_memory(network: object, work: Workload) -> dict[str, int]:
+    """What the rank that evaluates holds besides its role: a parameter snapshot, the
+    evaluation set and a forward pass of EVAL_BATCH rows."""
+    return {"evaluation snapshot": BYTES * network.layout.size,
+            "evaluation set": work.eval_rows * work.row_bytes,
+            "evaluation activations": activation_bytes(network, min(EVAL_BATCH, max(
+                work.eval_rows, 1)), backward=False)}
+
+
+def predict_memory(network: object, shards: int, replicas: int, partitions: int,
+                   work: Workload) -> list[RoleMemory]:
+    """Each role's memory for S shards x R replicas x P partitions (S = 0: no shards, one
+    process when R = P = 1): shard 0 first (it evaluates), then the other shards, then the
+    replicas' ranks."""
+    if shards == 0 and replicas * partitions == 1:
+        n = network.layout.size
+        parts = {"parameters and gradient": BYTES * n * 2,
+                 "optimizer state": BYTES * n * work.state_arrays,
+                 "activations": activation_bytes(network, work.batch),
+                 "training data": work.train_rows * work.row_bytes,
+                 **evaluation_memory(network, work), "process": BASE_BYTES}
+        parts.pop("evaluation snapshot")
+        return [RoleMemory("the one process", 1, sum(parts.values()), parts)]
+    roles = []
+    replica = replica_memory(network, partitions, work, replicas)
+    if shards:
+        shard = shard_memory(network.layout.size, shards, replicas * partitions, work)
+        first = {**shard.parts, **evaluation_memory(network, work)}
+        roles.append(RoleMemory("shard 0", 1, sum(first.values()), first))
+        if shards > 1:
+            roles.append(RoleMemory("shard", shards - 1, shard.bytes, shard.parts))
+        roles.append(replica)
+    else:  # replica 0 evaluates
+        first = {**replica.parts, **evaluation_memory(network, work)}
+        first.pop("evaluation snapshot")
+        roles.append(RoleMemory("replica 0", 1, sum(first.values()), first))
+        if replica.count > 1:
+            roles.append(RoleMemory(replica.role, replica.count - 1, replica.bytes,
+                                    replica.parts))
+    return roles
+
+
+def largest(roles: list[RoleMemory]) -> RoleMemory:
+    return max(roles, key=lambda role: role.bytes)
+
+
+def total_bytes(roles: list[RoleMemory]) -> int:
+    return sum(role.bytes * role.count for role in roles)
+
+
+def format_memory(roles: list[RoleMemory]) -> str:
+    """The roles as an aligned table, MB per rank and its largest parts."""
+    lines = [f"{'role':<18} {'ranks':>5} {'MB/rank':>8}  parts (MB)"]
+    for role in roles:
+        parts = ", ".join(f"{name} {size / 2**20:.0f}" for name, size in role.parts.items()
+                          if size >= 2**20)
+        lines.append(f"{role.role:<18} {role.count:>5} {role.bytes / 2**20:>8.0f}  {parts}")
+    lines.append(f"{'all ranks':<18} {sum(r.count for r in roles):>5} "
+                 f"{total_bytes(roles) / 2**20:>8.0f}")
+    return "\n".join(lines)
