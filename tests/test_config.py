@@ -637,3 +637,11 @@ def test_the_settings_belong_to_their_rule_and_hash_only_with_it():
     # Adagrad's hash has none of the new keys: earlier runs' checkpoints still resume.
     assert not {"momentum", "nesterov", "beta1", "beta2", "update"} & set(
         hashed_settings(_optimizer_config())["optimizer"])
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_configuration_is_valid(path: Path) -> None:
+    # Settings only: the data files are made by `distbelief prepare` (each file says how).
+    config = load_config(path, check_data=False)
+    assert config.model.layers and config.data.batch_size > 0
