@@ -28,7 +28,7 @@ from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.faults import ENV as FAULTS
 from distbelief.runtime.heartbeat import Heartbeats
 from distbelief.runtime.nodes import _colors, simulated_nodes
-from distbelief.runtime.topology import spread_order
+from distbelief.runtime.placement import spread_order
 from distbelief.runtime.watchdog import GONE_GRACE_S, RankLost, Watchdog, watching
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
