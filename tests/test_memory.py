@@ -289,7 +289,13 @@ def test_the_same_layout_runs_when_the_node_is_big_enough(synthetic_folder, smal
 
 
 def test_the_suggested_layout_fits_and_the_refused_one_does_not():
-    from distbelief.algorithms.memory_plan import Layout, block_nodes, fits, suggest_layout
+    from distbelief.algorithms.memory_plan import (
+        Layout,
+        block_nodes,
+        fits,
+        placed_nodes,
+        suggest_layout,
+    )
     from distbelief.model.memory_model import Workload
 
     net = Network(*SPEECH)
@@ -301,6 +307,9 @@ def test_the_suggested_layout_fits_and_the_refused_one_does_not():
     assert better is not None and fits(net, better, work, node, per_node=3)
     assert better.ranks % 3 == 0 or better.ranks == 3
     assert len(block_nodes(7, 3)) == 7 and block_nodes(7, 3)[-1] == 2
+    # The shards (the job's first ranks) spread over the nodes, as train places them.
+    assert placed_nodes(7, 3, 2) == [0, 1, 0, 0, 1, 1, 2]
+    assert placed_nodes(6, 3, 0) == block_nodes(6, 3)
 
 
 def test_each_node_is_checked_with_its_own_ranks():

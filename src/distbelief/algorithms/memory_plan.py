@@ -21,6 +21,7 @@ from distbelief.model.memory_model import (
     predict_memory,
 )
 from distbelief.runtime.memory import node_memory_bytes
+from distbelief.runtime.placement import spread_order
 
 GB = 2**30
 
@@ -98,10 +99,21 @@ def block_nodes(ranks: int, per_node: int) -> list[int]:
     return [r // max(per_node, 1) for r in range(ranks)]
 
 
+def placed_nodes(ranks: int, per_node: int, shards: int) -> list[int]:
+    """Node of each of the job's ranks (shards first) when the launcher fills nodes in
+    order and the shards are then dealt round-robin over them (cluster.shard_placement
+    = "spread", the default: distbelief.runtime.placement)."""
+    block = block_nodes(ranks, per_node)
+    return [block[world] for world in spread_order(block, shards)]
+
+
 def fits(network: Any, layout: Layout, work: Workload, node_bytes: int,
          per_node: int) -> bool:
+    """Whether every node of `layout`, `per_node` ranks each with the shards spread over
+    them, needs at most `node_bytes`."""
     roles = predict_memory(network, layout.shards, layout.replicas, layout.partitions, work)
-    return max(node_need(roles, block_nodes(layout.ranks, per_node)).values()) <= node_bytes
+    node_of = placed_nodes(layout.ranks, per_node, layout.shards)
+    return max(node_need(roles, node_of).values()) <= node_bytes
 
 
 def suggest_layout(network: Any, current: Layout, work: Workload, node_bytes: int,
