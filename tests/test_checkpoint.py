@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import h5py
 import numpy as np
 import pytest
-from conftest import run_cli, small_config_text
+from conftest import run_cli, run_mpi, small_config_text
 from helpers import flip_bytes
 from helpers.checkpoint import HASH, LAYOUT, PHASES, SETTINGS, break_commit, save, state_for
 
@@ -827,3 +827,30 @@ def test_a_checkpoint_of_another_replica_count_says_how_to_resume_it() -> None:
         "checkpoint runs/x/checkpoints/ckpt-0000000100 was written by 3 synchronous "
         "replica(s) (their data positions), so it resumes on 4 ranks (mpiexec -n 4), not 3; "
         "or pass --fresh to start over")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("damaged", [None, "shard-0002.h5"])
+def test_the_ranks_of_a_job_verify_a_checkpoint_together(tmp_path: Path, ranks: int,
+                                                          damaged: str | None) -> None:
+    # Every part of the newest checkpoint is hashed once, by one rank (part i by rank
+    # i mod N), not every byte by rank 0; a damaged part, whichever rank finds it, sends
+    # every rank to the previous checkpoint with the same reason.
+    program = Path(__file__).parent / "mpi_programs" / "verify_spread.py"
+    proc = run_mpi(ranks, [program, tmp_path / "ckpts", *([damaged] if damaged else [])],
+                   timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [line["rank"] for line in lines] == list(range(ranks))
+    newest = [name for line in lines for name in line["hashed"]
+              if name.startswith("ckpt-0000000020/")]
+    parts = ["replicas.h5"] + [f"shard-{i:04d}.h5" for i in range(4)]
+    assert sorted(newest) == [f"ckpt-0000000020/{p}" for p in parts]  # each once
+    for line in lines:
+        assert len([n for n in line["hashed"] if n.startswith("ckpt-0000000020/")]) in (
+            len(parts) // ranks, -(-len(parts) // ranks))
+    assert {line["step"] for line in lines} == {10 if damaged else 20}
+    reasons = {tuple(line["damaged"]) for line in lines}
+    assert len(reasons) == 1  # the same verdict everywhere
+    if damaged:
+        assert f"{damaged} fails its sha256 checksum" in reasons.pop()[0]

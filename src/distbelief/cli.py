@@ -701,10 +701,14 @@ def _finished_run(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
     """The summary of a finished run that this rerun leaves untouched, on rank 0 ({} on the
     other ranks); None when there is training to do. Collective over `comm` (rank 0
     decides: distbelief.algorithms.common.finished_run)."""
-    from distbelief.algorithms.common import finished_run
+    from distbelief.algorithms.common import finished_run, latest_checkpoint
+    from distbelief.records.checkpoint import checkpoint_root
 
     rank = 0 if comm is None else comm.Get_rank()
-    summary = finished_run(config, resume, sys.stdout) if rank == 0 else None
+    # Verified by every rank, each its share of the parts (latest_checkpoint).
+    latest = None if resume == "fresh" else latest_checkpoint(
+        checkpoint_root(config.run.out_dir), comm)
+    summary = finished_run(config, resume, sys.stdout, latest) if rank == 0 else None
     if comm is None or comm.Get_size() == 1:
         return summary
     from distbelief.runtime.agreement import bcast_after_barrier

@@ -328,22 +328,55 @@ def interrupted_by_user() -> bool:
 
 
 
+def latest_checkpoint(root: Path, comm: Any = None
+                      ) -> tuple[ckpt.Checkpoint | None, list[tuple[Path, str]]]:
+    """ckpt.find_latest. With a communicator of several ranks, collectively and spread:
+    rank 0 lists the candidates; each rank hashes its share of a candidate's parts (part i
+    on rank i mod size) and the verdicts are allgathered, so no rank reads every byte and
+    every rank returns the same answer. Collective over `comm`."""
+    if comm is None or comm.Get_size() == 1:
+        return ckpt.find_latest(root)
+    from distbelief.runtime.agreement import wait_for_everyone
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    listed = [path for _, path in ckpt.list_checkpoints(root)] if rank == 0 else None
+    candidates = comm.bcast(listed, root=0)
+
+    def check(path: Path) -> ckpt.Checkpoint:
+        manifest, problem = None, None
+        try:
+            manifest = ckpt.read_manifest(path)
+            ckpt.verify(path, parts=sorted(manifest["parts"])[rank::size])
+        except ckpt.CheckpointError as exc:
+            problem = str(exc)
+        wait_for_everyone(comm)  # ranks hash different amounts: wait without spinning
+        problems = list(dict.fromkeys(p for p in comm.allgather(problem) if p is not None))
+        if problems:
+            raise ckpt.CheckpointError("; ".join(problems))
+        return ckpt.Checkpoint(path, manifest)
+
+    return ckpt.find_latest(root, check, candidates)
+
+
 def starting_checkpoint(config: Config, layout: Any, resume: str,
-                        stream: IO[str] | None) -> ckpt.Checkpoint | None:
+                        stream: IO[str] | None,
+                        latest: tuple[ckpt.Checkpoint | None, list[tuple[Path, str]]]
+                        | None = None) -> ckpt.Checkpoint | None:
     """The checkpoint a run starts from, or None for a fresh start (see RESUME_MODES).
 
     Damaged checkpoints newer than the one chosen are reported and renamed to .damaged
     (kept, never loaded); leftovers of a killed commit are removed. A checkpoint of another
     model or configuration is refused (CheckpointMismatch) rather than overwritten, and so
     is a folder whose checkpoints are all damaged. Call it on the committer only (rank 0),
-    before any writer starts.
+    before any writer starts; `latest` is what latest_checkpoint found, when the ranks
+    verified the checkpoints together.
     """
     out_dir = config.run.out_dir
     root = ckpt.checkpoint_root(out_dir)
     if resume == "fresh":
         start_over(out_dir, resume, stream)
         return None
-    found, damaged = ckpt.find_latest(root)
+    found, damaged = latest if latest is not None else ckpt.find_latest(root)
     for _, problem in damaged:
         say(stream, f"distbelief: warning: {problem}")
     if found is None:
@@ -376,7 +409,9 @@ def starting_checkpoint(config: Config, layout: Any, resume: str,
     return found
 
 
-def finished_run(config: Config, resume: str, stream: IO[str] | None) -> dict[str, Any] | None:
+def finished_run(config: Config, resume: str, stream: IO[str] | None,
+                 latest: tuple[ckpt.Checkpoint | None, list[tuple[Path, str]]] | None = None,
+                 ) -> dict[str, Any] | None:
     """The summary of the finished run in run.out_dir that this config would only resume to
     stop at once, else None. A finished run is one whose newest checkpoint was written
     under this config's settings and has used its budget (run.max_steps, run.max_seconds),
@@ -388,7 +423,7 @@ def finished_run(config: Config, resume: str, stream: IO[str] | None) -> dict[st
     if resume == "fresh":
         return None
     out_dir = Path(config.run.out_dir)
-    found, _ = ckpt.find_latest(ckpt.checkpoint_root(out_dir))
+    found, _ = latest if latest is not None else ckpt.find_latest(ckpt.checkpoint_root(out_dir))
     if found is None or found.manifest.get("config_hash") != config_hash(config):
         return None
     try:

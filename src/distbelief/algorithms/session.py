@@ -21,6 +21,7 @@ from distbelief.algorithms.common import (
     StopSignals,
     TrainingDiverged,
     check_replica_count,
+    latest_checkpoint,
     load_eval_set,
     open_data,
     prepare_run_dir,
@@ -86,11 +87,15 @@ class RunSession:
         prepares the run folder: a refused resume leaves the folder as it was. Collective
         (agreed, so a UserError there is raised on every rank, then a bcast of the path)."""
 
+        # Every rank hashes its share of each candidate's parts (latest_checkpoint).
+        latest = None if self.resume == "fresh" else latest_checkpoint(
+            ckpt.checkpoint_root(self.out_dir), self.comm)
+
         def setup() -> ckpt.Checkpoint | None:
             if not self.reporting:
                 return None
             found = starting_checkpoint(self.config, self.network.layout, self.resume,
-                                        self.stream)
+                                        self.stream, latest)
             if replicas is not None:
                 check_replica_count(found, replicas, kind, extra_ranks, why)
             prepare_run_dir(self.config)

@@ -861,16 +861,23 @@ def verify(path: str | Path, parts: Collection[str] | None = None) -> Checkpoint
     return Checkpoint(report.path, report.manifest)
 
 
-def find_latest(root: str | Path) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+def find_latest(root: str | Path, check: Callable[[Path], Checkpoint] | None = None,
+                candidates: Sequence[Path] | None = None,
+                ) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
     """The newest committed checkpoint that verifies (None if there is none), and the
     newer ones that failed, each with what is wrong with it (newest first).
 
-    .partial and .deleting folders are never considered.
+    .partial and .deleting folders are never considered. `check` verifies one (`verify`
+    by default; an MPI run spreads the parts over its ranks), `candidates` are the folders
+    to try, newest first (by default list_checkpoints(root)'s).
     """
+    check = check or verify
+    if candidates is None:
+        candidates = [path for _, path in list_checkpoints(root)]
     damaged = []
-    for _, path in list_checkpoints(root):
+    for path in candidates:
         try:
-            return verify(path), damaged
+            return check(path), damaged
         except CheckpointError as exc:
             damaged.append((path, str(exc)))
     return None, damaged

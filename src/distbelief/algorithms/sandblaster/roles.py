@@ -136,7 +136,9 @@ def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,
     store = VectorShard(network.init_slice(config.run.seed, start_, stop_), start_,
                         plan.options.m)
     if checkpoint is not None:
-        params, state = ckpt.verify(checkpoint).read_range(start_, stop_)
+        # The ranks verified its parts together when it was chosen (latest_checkpoint):
+        # the manifest is checked here, not every byte again.
+        params, state = ckpt.verify(checkpoint, parts=()).read_range(start_, stop_)
         store.load_checkpoint(params, state)
     return ShardServer(comm, plan, store, pieces)
 
