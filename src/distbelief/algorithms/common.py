@@ -491,6 +491,24 @@ def watched_run(comm: Any, describe: Callable[[int], str],
             peers.close()
 
 
+@dataclass
+class WireBytes:
+    """The bytes one replica put on the wire and took off it, counted where it calls the
+    transport or the collective: the payload handed in and received back (an all-reduce's
+    own traffic depends on the MPI's algorithm; docs/comparing-algorithms.md, "Bytes on
+    the wire")."""
+
+    sent: int = 0
+    received: int = 0
+
+    def add(self, sent: int = 0, received: int = 0) -> None:
+        self.sent += int(sent)
+        self.received += int(received)
+
+    def pair(self) -> tuple[int, int]:
+        return self.sent, self.received
+
+
 def traffic_summary(traffic: list[tuple[int, int]]) -> dict[str, Any]:
     """The summary's bytes on the wire from each replica's (bytes sent, bytes received),
     in replica order: the totals and each replica's (records.metrics adds them per sample

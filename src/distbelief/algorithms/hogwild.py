@@ -79,6 +79,7 @@ from distbelief.algorithms.common import (
     StopSignals,
     TrainingDiverged,
     evaluate,
+    traffic_summary,
     train_shard,
 )
 from distbelief.algorithms.session import RunSession
@@ -660,7 +661,12 @@ class Leader:
         replicas = [{"replica": i, "steps": int(words[i, STEPS]),
                      "samples": int(words[i, SAMPLES])}
                     for i in range(self.num_replicas) if i not in self.lost]
+        # No network: each step reads the shared parameters for its gradient and writes
+        # its update into them, in place; those are the bytes counted (float32 each).
+        vector = 4 * int(self.shared.params.size)
+        traffic = [(r["steps"] * vector, r["steps"] * vector) for r in replicas]
         start = self.session.found
         return {"num_replicas": self.num_replicas, "replicas": replicas,
                 "lost_replicas": list(self.lost.values()),
-                "resumed_at_step": start.step if start is not None else None}
+                "resumed_at_step": start.step if start is not None else None,
+                **traffic_summary(traffic)}

@@ -56,6 +56,7 @@ from distbelief.algorithms.common import (
     STOP_CODE_OF,
     STOP_CODES,
     StopSignals,
+    WireBytes,
     traffic_summary,
 )
 from distbelief.algorithms.session import RunSession
@@ -127,8 +128,7 @@ class Replica:
     average_seconds: float = 0.0
     others: tuple[int, ...] = field(default=())
     outer: Any = None  # Variant.outer: applied to each average
-    bytes_sent: int = 0  # what this rank handed the rounds' collectives, and got back
-    bytes_received: int = 0
+    wire: WireBytes = field(default_factory=WireBytes)  # this replica's bytes on the wire
 
     @property
     def size(self) -> int:
@@ -137,6 +137,12 @@ class Replica:
     @property
     def rank(self) -> int:
         return self.comm.Get_rank()
+
+    def wire_so_far(self) -> dict[str, int]:
+        """metrics.jsonl's bytes so far, over all replicas: this rank's times R (each
+        round, every replica hands the collective the same payload)."""
+        return {"bytes_sent": self.wire.sent * self.size,
+                "bytes_received": self.wire.received * self.size}
 
     def average(self, losses: np.ndarray, flags: np.ndarray) -> None:
         """Average the parameters over the replicas in place, sum `losses` and take the
@@ -152,8 +158,7 @@ class Replica:
                     self.comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)]
         wait_all(requests, "the other replicas' parameters for the average", self.others)
         payload = self.params.nbytes + losses.nbytes + flags.nbytes
-        self.bytes_sent += payload
-        self.bytes_received += payload
+        self.wire.add(payload, payload)
         self.params *= np.float32(1.0 / self.size)
         if self.outer is not None:
             self.outer.apply(self.params)
@@ -206,7 +211,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         reason = _loop(session, replica, eval_set, saver, signals)
         saver.save()
         # Every replica's own count (the same in lockstep, but counted where it was spent).
-        traffic = comm.gather((replica.bytes_sent, replica.bytes_received), root=0)
+        traffic = comm.gather(replica.wire.pair(), root=0)
     extras: dict[str, Any] = {
         "replicas": size, "average_every": opt.average_every,
         "averages": replica.averages, "average_seconds": replica.average_seconds}
@@ -272,7 +277,7 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
                 recent = pending_loss / pending_count
                 pending_loss, pending_count = 0.0, 0
                 recorder.log(step, samples, recent, learning_rate=replica.optimizer.rate(
-                    max(replica.local_steps - 1, 0)))
+                    max(replica.local_steps - 1, 0)), **replica.wire_so_far())
                 next_log = now + LOG_EVERY_SECONDS
             recorder.progress(step, samples, recent)
         if reason:
@@ -298,7 +303,8 @@ def _evaluate(replica: Replica, eval_set: Any, recorder: RunRecorder, step: int,
     x, y = eval_set
     loss, accuracy = replica.network.evaluate(replica.params, x, y,
                                               batch_size=EVAL_BATCH_SIZE)
-    recorder.log_eval(step, samples, recent, float(accuracy), float(loss))
+    recorder.log_eval(step, samples, recent, float(accuracy), float(loss),
+                      **replica.wire_so_far())
     return float(accuracy)
 
 
