@@ -264,7 +264,10 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
             flags[0] = max(flags[0], STOP_CODE_OF[spent])
             flags[1] = now >= next_eval
             flags[2] = now >= next_save_time or step >= next_save_step
+        moved = sum(replica.wire.pair())
         replica.average(losses, flags)
+        if faults:
+            faults.after_transfer(sum(replica.wire.pair()) - moved)
         samples = step * batch_size
         if losses[1]:
             pending_loss, pending_count = pending_loss + losses[0], pending_count + losses[1]

@@ -225,6 +225,9 @@ class _Run:
                       comm.Iallreduce(flags, decided, op=MPI.MAX)],
                      "the step's gradient allreduce", self.others)
             self.wire.add(send.nbytes + flags.nbytes, total.nbytes + decided.nbytes)
+            if faults:
+                faults.after_transfer(send.nbytes + flags.nbytes + total.nbytes
+                                      + decided.nbytes)
             loss = float(total[n]) / self.replicas
             if not math.isfinite(loss):  # the same sum everywhere: every replica stops
                 raise self.session.diverged(f"{loss} at step {step + 1}")
