@@ -32,7 +32,8 @@ from distbelief.config import (
 )
 from distbelief.data.hdf5 import TrainShard, open_dataset
 from distbelief.errors import ConfigError
-from distbelief.model.optimizers import make_optimizer
+from distbelief.model import kernels
+from distbelief.model.optimizers import Momentum, make_optimizer
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.faults import ENV as FAULTS
 
@@ -58,10 +59,12 @@ def train_job(n: int, data_dir: Path, out: Path, *overrides: str, faults: str = 
 
 
 def reference_diloco(data_dir: Path, replicas: int, rounds: int, lr: float = 0.7,
-                     momentum: float = 0.9) -> np.ndarray:
+                     momentum: float = 0.9, narrow: bool = False) -> np.ndarray:
     """DiLoCo in one process: R replicas from theta, H Adagrad steps each on its own part
     of the data (its Adagrad state kept across rounds), then Nesterov on the mean delta,
-    torch's form: buf = m buf + d; theta -= lr (d + m buf). Returns theta."""
+    torch's form: buf = m buf + d; theta -= lr (d + m buf). With `narrow` (one replica),
+    the delta rounded to bfloat16 first and the outer step in float32, as a shard folds a
+    narrowed push. Returns theta."""
     config = load_config(data_dir / "synth.toml", [])
     info = open_dataset(data_dir / "synth.h5")
     network = build_network(config, info)
@@ -71,6 +74,7 @@ def reference_diloco(data_dir: Path, replicas: int, rounds: int, lr: float = 0.7
                   for _ in range(replicas)]
     shards = [TrainShard(info, r, replicas, config.run.seed) for r in range(replicas)]
     grad = np.zeros(theta.size, np.float32)
+    outer = Momentum(theta.size, lr, momentum, nesterov=True)
     for _ in range(rounds):
         finals = []
         for optimizer, shard in zip(optimizers, shards, strict=True):
@@ -80,6 +84,13 @@ def reference_diloco(data_dir: Path, replicas: int, rounds: int, lr: float = 0.7
                 network.loss_and_grad(x, xs, ys, grad)
                 optimizer.step(x, grad)
             finals.append(x.astype(np.float64))
+        if narrow:  # float32 all through, as the replica and the shard compute it
+            delta32 = theta.astype(np.float32) - finals[0].astype(np.float32)
+            kernels.bf16_round(delta32, delta32)
+            theta32 = theta.astype(np.float32)
+            outer.step(theta32, delta32)
+            theta = theta32.astype(np.float64)
+            continue
         delta = theta - np.mean(finals, axis=0)
         buf = momentum * buf + delta
         theta = theta - lr * (delta + momentum * buf)
@@ -142,11 +153,14 @@ def test_the_configuration_names_its_keys_and_refuses_what_does_not_apply() -> N
     with pytest.raises(ConfigError, match="outer_update = \"adam\" is invalid"):
         config_from_dict(raw_config(outer_update="adam"))
     # push_dtype belongs to Downpour and DiLoCo both, and is hashed for each when narrowed.
-    for algorithm in ("downpour", "diloco"):
+    for algorithm, more in (("downpour", {}), ("diloco", {"asynchronous": True})):
         narrow = config_from_dict({**raw_config(), "optimizer": {
-            "algorithm": algorithm, "push_dtype": "bfloat16"}})
-        wide = config_from_dict({**raw_config(), "optimizer": {"algorithm": algorithm}})
+            "algorithm": algorithm, "push_dtype": "bfloat16", **more}})
+        wide = config_from_dict({**raw_config(), "optimizer": {"algorithm": algorithm,
+                                                               **more}})
         assert config_hash(narrow) != config_hash(wide)
+    with pytest.raises(ConfigError, match="the synchronous form .* sums float32"):
+        config_from_dict(raw_config(push_dtype="bfloat16"))
     with pytest.raises(ConfigError, match="push_dtype applies only to algorithm = "
                                           "\"downpour\" or \"diloco\""):
         config_from_dict({**raw_config(), "optimizer": {"algorithm": "sync",
@@ -240,6 +254,24 @@ def test_one_asynchronous_replica_is_the_synchronous_reference(data_dir: Path,
     num_params = summary["num_params"]
     assert replica["bytes_sent"] == rounds * 4 * num_params
     assert replica["bytes_received"] >= (rounds + 1) * 4 * num_params
+
+
+def test_narrowed_deltas_put_half_the_bytes_and_fold_in_float32(data_dir: Path,
+                                                                tmp_path: Path) -> None:
+    """push_dtype = "bfloat16" over RMA: each delta is rounded to bfloat16 and Put as 2
+    bytes a value; the shard widens it and steps its float32 Nesterov (the reference)."""
+    rounds, out = 6, tmp_path / "out"
+    proc = train_job(2, data_dir, out, "optimizer.asynchronous=true",
+                     'optimizer.push_dtype="bfloat16"', f"run.max_steps={H * rounds}",
+                     env={"DISTBELIEF_PS_TRANSPORT": "rma"})
+    assert exit_statuses(proc) == [0, 0], proc.stderr[-3000:]
+    want = reference_diloco(data_dir, 1, rounds, narrow=True)
+    np.testing.assert_allclose(final_params(out), want, rtol=1e-4, atol=1e-5)
+    wide = reference_diloco(data_dir, 1, rounds)
+    assert not np.allclose(want, wide, rtol=1e-6, atol=1e-7)  # the rounding shows
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["push_dtype"] == "bfloat16"
+    assert summary["replicas"][0]["bytes_sent"] == rounds * 2 * summary["num_params"]
 
 
 @pytest.mark.both_mpis

@@ -610,6 +610,13 @@ def _resolve_update(opt: dict, given: dict, where: str) -> None:
                                  if key in keys)
             raise ConfigError(f"{where}: optimizer.{key} applies only to algorithm = "
                               f"{owners}, not {_show(opt['algorithm'])}")
+    if opt["algorithm"] == "diloco" and not opt["asynchronous"] \
+            and opt["push_dtype"] != "float32":
+        raise ConfigError(f"{where}: optimizer.push_dtype = {_show(opt['push_dtype'])} "
+                          "narrows the deltas asynchronous DiLoCo pushes to its shards; the "
+                          "synchronous form (asynchronous = false) sums float32 parameters "
+                          "in an all-reduce: set optimizer.asynchronous = true, or leave "
+                          "push_dtype out")
     if opt["algorithm"] == "diloco" and opt["outer_update"] != "nesterov" \
             and "outer_momentum" in given:
         raise ConfigError(f"{where}: optimizer.outer_momentum applies only to outer_update "
