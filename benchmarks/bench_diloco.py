@@ -7,7 +7,8 @@ command line, the kinds of one seed and replica count run one after the other.
     python benchmarks/bench_diloco.py --data data/fashion_mnist.h5
     python benchmarks/bench_diloco.py --data FILE --replicas 2 3 --seeds 0 1 \\
         --kinds downpour sync diloco diloco_async --inner-steps 50
-    python benchmarks/bench_diloco.py --data FILE --link 125e6     # a 1 Gbit/s network
+    python benchmarks/bench_diloco.py --data FILE --links 0 1e9 2.5e8 --replicas 2 \
+        --seeds 0 --kinds downpour sync diloco --figure slow_network.png
 
 Kinds (R replicas):
   downpour             1 shard + R replicas, n_fetch = n_push = 1
@@ -18,9 +19,10 @@ Kinds (R replicas):
   diloco_async_m05     the same with outer_momentum = 0.5
   diloco_async_rma     diloco_async_m05 over the RMA transport (the multi-node one)
   diloco_async_bf16    the same with push_dtype = "bfloat16": deltas narrowed on the wire
---link RATE simulates a network of RATE bytes/s for every run (DISTBELIEF_FAULTS
-link:*:0:RATEB/s: each replica sleeps its bytes sent + received over RATE, right after
-each transfer; runtime/faults.py).
+--links RATE ... runs everything once per simulated network of RATE bytes/s (0: none;
+DISTBELIEF_FAULTS link:*:0:RATEB/s: each replica sleeps its bytes sent + received over
+RATE, right after each transfer; runtime/faults.py); --figure draws the median time to
+the target against the rate, one line per kind (R = the first --replicas).
 
 Prints each run, then per replica count the medians over seeds and, seed by seed, each
 kind's ratio to Downpour's (and to sync's) of the same seed, which ran just before it: bytes
@@ -47,7 +49,7 @@ KINDS = ("downpour", "sync", "diloco", "diloco_async", "diloco_async_m05",
 
 
 def command(kind: str, replicas: int, args: argparse.Namespace, out: Path,
-            seed: int) -> tuple[list[str], dict[str, str]]:
+            seed: int, link: float) -> tuple[list[str], dict[str, str]]:
     """The command line of one run and its extra environment."""
     sets = [f'data.path="{args.data.resolve()}"', f'run.out_dir="{out}"',
             f"run.seed={seed}", f"run.target_accuracy={args.target}",
@@ -74,19 +76,20 @@ def command(kind: str, replicas: int, args: argparse.Namespace, out: Path,
             env["DISTBELIEF_PS_TRANSPORT"] = "rma"
         if kind == "diloco_async_bf16":
             sets += ['optimizer.push_dtype="bfloat16"']
-    if args.link:
-        env["DISTBELIEF_FAULTS"] = f"link:*:0:{args.link:g}B/s"
+    if link:
+        env["DISTBELIEF_FAULTS"] = f"link:*:0:{link:g}B/s"
     train = [sys.executable, "-m", "distbelief", "train", str(CONFIG), "--fresh",
              *(arg for s in sets for arg in ("--set", s))]
     return ["mpiexec", "-n", str(ranks), *train], env
 
 
-def run_one(kind: str, replicas: int, args: argparse.Namespace, seed: int) -> dict:
+def run_one(kind: str, replicas: int, args: argparse.Namespace, seed: int,
+            link: float = 0.0) -> dict:
     """One run's figures: seconds and samples to the target (None if missed), bytes sent
     and received per sample, final accuracy."""
     with tempfile.TemporaryDirectory(prefix=f"bench-{kind}-") as folder:
         out = Path(folder)
-        cmd, extra = command(kind, replicas, args, out, seed)
+        cmd, extra = command(kind, replicas, args, out, seed, link)
         env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", **extra}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                               timeout=args.max_seconds + 180, check=False)
@@ -107,7 +110,8 @@ def run_one(kind: str, replicas: int, args: argparse.Namespace, seed: int) -> di
     shown = "-" if result["seconds"] is None else f"{result['seconds']:.1f}s"
     samples = "-" if result["samples"] is None else f"{result['samples']:,d}"
     stale = "" if result["staleness"] is None else f", staleness {result['staleness']:.2f}"
-    print(f"  {kind:18s} R={replicas} seed {seed}: {shown} and {samples} samples to "
+    where = f" link {link:g} B/s" if link else ""
+    print(f"  {kind:18s} R={replicas} seed {seed}{where}: {shown} and {samples} samples to "
           f"{args.target:g}; {result['sent']:,.0f} B sent, {result['received']:,.0f} B "
           f"received per sample; final {result['final']:.4f}{stale}; load {load:.1f}",
           flush=True)
@@ -138,19 +142,30 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.88)
     parser.add_argument("--max-seconds", type=float, default=150.0)
     parser.add_argument("--eval-every", type=float, default=1.0)
-    parser.add_argument("--link", type=float, default=0.0,
-                        help="simulated network rate in bytes/s (0: none)")
+    parser.add_argument("--links", type=float, nargs="+", default=[0.0],
+                        help="simulated network rates in bytes/s (0: none)")
+    parser.add_argument("--figure", type=Path, default=None)
     args = parser.parse_args()
-    link = f", simulated link {args.link:g} B/s" if args.link else ""
-    print(f"bench_diloco: target {args.target:g}, H = {args.inner_steps}{link}; "
-          f"{CONFIG.name}, threads 1", flush=True)
-    results: dict[tuple[str, int, int], dict] = {}
+    print(f"bench_diloco: target {args.target:g}, H = {args.inner_steps}; {CONFIG.name}, "
+          f"threads 1", flush=True)
+    everything: dict[float, dict[tuple[str, int, int], dict]] = {}
+    for link in args.links:
+        results = everything[link] = {}
+        for replicas in args.replicas:
+            for seed in args.seeds:
+                for kind in args.kinds:
+                    results[kind, replicas, seed] = run_one(kind, replicas, args, seed, link)
+    for link, results in everything.items():
+        report(args, results, link)
+    if args.figure is not None:
+        plot(args, everything, args.figure)
+
+
+def report(args: argparse.Namespace, results: dict[tuple[str, int, int], dict],
+           link: float) -> None:
+    where = f", simulated link {link:g} B/s" if link else ""
     for replicas in args.replicas:
-        for seed in args.seeds:
-            for kind in args.kinds:
-                results[kind, replicas, seed] = run_one(kind, replicas, args, seed)
-    for replicas in args.replicas:
-        print(f"\nR = {replicas}: medians over seeds {args.seeds}")
+        print(f"\nR = {replicas}{where}: medians over seeds {args.seeds}")
         print(f"  {'kind':18s} {'time (s)':>10s} {'samples':>14s} {'B sent/sample':>14s} "
               f"{'final':>7s}   vs downpour: bytes, samples, time   vs sync: bytes, "
               f"samples, time")
@@ -169,6 +184,45 @@ def main() -> None:
                                          ("seconds", ".2f"))]
                 line += f"   {', '.join(parts):>32s}"
             print(line)
+
+
+def plot(args: argparse.Namespace, everything: dict[float, dict], path: Path) -> None:
+    """Median time to the target against the simulated link rate, one line per kind; a
+    kind that missed the target at a rate is drawn at --max-seconds with an open marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    replicas = args.replicas[0]
+    rates = sorted((r for r in everything if r), reverse=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    for kind in args.kinds:
+        xs, ys, missed = [], [], []
+        for rate in rates:
+            times = [everything[rate][kind, replicas, s]["seconds"] for s in args.seeds]
+            kept = [t for t in times if t is not None]
+            if kept:
+                xs.append(rate * 8 / 1e9)
+                ys.append(statistics.median(kept))
+            else:
+                missed.append(rate * 8 / 1e9)
+        line, = ax.plot(xs, ys, marker="o", label=kind)
+        if missed:
+            ax.plot(missed, [args.max_seconds] * len(missed), marker="o",
+                    linestyle="none", markerfacecolor="none", color=line.get_color(),
+                    label=f"{kind}: missed {args.target:g} within {args.max_seconds:g} s")
+    ax.set_xscale("log")
+    ax.set_xlabel("simulated network per replica (Gbit/s, log scale)")
+    ax.set_ylabel(f"time to {args.target:g} test accuracy (s)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.suptitle(f"Time to {args.target:g} against the network, {replicas} replicas, "
+                 f"reference MLP\n(median of seeds {args.seeds}; H = {args.inner_steps})",
+                 fontsize="medium")
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
