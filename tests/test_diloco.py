@@ -35,6 +35,7 @@ from distbelief.errors import ConfigError
 from distbelief.model import kernels
 from distbelief.model.optimizers import Momentum, make_optimizer
 from distbelief.records import checkpoint as ckpt
+from distbelief.records.report import THROUGHPUT_FIGURE, load_run, plot_runs
 from distbelief.runtime.faults import ENV as FAULTS
 
 TIMEOUT = 150
@@ -254,6 +255,10 @@ def test_one_asynchronous_replica_is_the_synchronous_reference(data_dir: Path,
     num_params = summary["num_params"]
     assert replica["bytes_sent"] == rounds * 4 * num_params
     assert replica["bytes_received"] >= (rounds + 1) * 4 * num_params
+    # distbelief report draws Downpour's per-replica figures for it.
+    pytest.importorskip("matplotlib")
+    written = plot_runs([load_run(out)], tmp_path / "report")
+    assert THROUGHPUT_FIGURE in [path.name for path in written]
 
 
 def test_narrowed_deltas_put_half_the_bytes_and_fold_in_float32(data_dir: Path,
