@@ -63,9 +63,10 @@ def reference_diloco(data_dir: Path, replicas: int, rounds: int, lr: float = 0.7
                      momentum: float = 0.9, narrow: bool = False) -> np.ndarray:
     """DiLoCo in one process: R replicas from theta, H Adagrad steps each on its own part
     of the data (its Adagrad state kept across rounds), then Nesterov on the mean delta,
-    torch's form: buf = m buf + d; theta -= lr (d + m buf). With `narrow` (one replica),
-    the delta rounded to bfloat16 first and the outer step in float32, as a shard folds a
-    narrowed push. Returns theta."""
+    torch's form: buf = m buf + d; theta -= lr (d + m buf). With `narrow`, float32 all
+    through: each replica's delta rounded to bfloat16, their mean summed in replica order
+    times 1/R, the outer step, as a shard folds a narrowed push (R = 1) or the
+    synchronous form averages all-gathered deltas. Returns theta."""
     config = load_config(data_dir / "synth.toml", [])
     info = open_dataset(data_dir / "synth.h5")
     network = build_network(config, info)
@@ -86,10 +87,15 @@ def reference_diloco(data_dir: Path, replicas: int, rounds: int, lr: float = 0.7
                 optimizer.step(x, grad)
             finals.append(x.astype(np.float64))
         if narrow:  # float32 all through, as the replica and the shard compute it
-            delta32 = theta.astype(np.float32) - finals[0].astype(np.float32)
-            kernels.bf16_round(delta32, delta32)
             theta32 = theta.astype(np.float32)
-            outer.step(theta32, delta32)
+            mean = np.zeros_like(theta32)
+            for x in finals:
+                delta32 = theta32 - x.astype(np.float32)
+                kernels.bf16_round(delta32, delta32)
+                mean += delta32
+            if replicas > 1:
+                mean *= np.float32(1.0 / replicas)
+            outer.step(theta32, mean)
             theta = theta32.astype(np.float64)
             continue
         delta = theta - np.mean(finals, axis=0)
@@ -154,14 +160,12 @@ def test_the_configuration_names_its_keys_and_refuses_what_does_not_apply() -> N
     with pytest.raises(ConfigError, match="outer_update = \"adam\" is invalid"):
         config_from_dict(raw_config(outer_update="adam"))
     # push_dtype belongs to Downpour and DiLoCo both, and is hashed for each when narrowed.
-    for algorithm, more in (("downpour", {}), ("diloco", {"asynchronous": True})):
+    for algorithm, more in (("downpour", {}), ("diloco", {}), ("diloco", {"asynchronous": True})):
         narrow = config_from_dict({**raw_config(), "optimizer": {
             "algorithm": algorithm, "push_dtype": "bfloat16", **more}})
         wide = config_from_dict({**raw_config(), "optimizer": {"algorithm": algorithm,
                                                                **more}})
         assert config_hash(narrow) != config_hash(wide)
-    with pytest.raises(ConfigError, match="the synchronous form .* sums float32"):
-        config_from_dict(raw_config(push_dtype="bfloat16"))
     with pytest.raises(ConfigError, match="push_dtype applies only to algorithm = "
                                           "\"downpour\" or \"diloco\""):
         config_from_dict({**raw_config(), "optimizer": {"algorithm": "sync",
@@ -202,6 +206,25 @@ def test_synchronous_diloco_matches_the_reference(data_dir: Path, tmp_path: Path
     assert summary["bytes_received"] == summary["bytes_sent"] == replicas * rounds * per_round
     assert summary["bytes_sent_per_sample"] == pytest.approx(
         summary["bytes_sent"] / summary["samples"])
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_synchronous_narrowed_deltas_are_all_gathered_and_averaged_in_float32(
+        data_dir: Path, tmp_path: Path, replicas: int) -> None:
+    rounds, out = 5, tmp_path / "out"
+    proc = train_job(replicas, data_dir, out, 'optimizer.push_dtype="bfloat16"',
+                     f"run.max_steps={replicas * H * rounds}")
+    assert exit_statuses(proc) == [0] * replicas, proc.stderr[-3000:]
+    want = reference_diloco(data_dir, replicas, rounds, narrow=True)
+    np.testing.assert_allclose(final_params(out), want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(want, reference_diloco(data_dir, replicas, rounds),
+                           rtol=1e-6, atol=1e-7)  # the rounding shows
+    summary = json.loads((out / "summary.json").read_text())
+    small = 2 * 8 + 3 * 4
+    n = summary["num_params"]
+    for entry in summary["replica_bytes"]:  # 2 bytes a value out, R x 2 back
+        assert entry["bytes_sent"] == rounds * (2 * n + small)
+        assert entry["bytes_received"] == rounds * (replicas * 2 * n + small)
 
 
 def test_a_resumed_synchronous_run_continues_exactly(data_dir: Path, tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ Sections and keys, with their defaults:
                  asynchronous = false (true: each replica's delta is applied on the
                  shards as it lands, ps_shards >= 1; false: the deltas of all replicas
                  are averaged each round by a collective), push_dtype (as Downpour's:
-                 "bfloat16" narrows the deltas on the wire)
+                 "bfloat16" narrows the deltas on the wire, in both forms)
                  Sandblaster L-BFGS only (algorithms.sandblaster.roles; no learning rate):
                  m = 10 (history pairs), work_unit_size = 0 (examples per work unit;
                  0 = automatic), push_every_units = 4, backup_copies = 2 (copies of a
@@ -610,13 +610,6 @@ def _resolve_update(opt: dict, given: dict, where: str) -> None:
                                  if key in keys)
             raise ConfigError(f"{where}: optimizer.{key} applies only to algorithm = "
                               f"{owners}, not {_show(opt['algorithm'])}")
-    if opt["algorithm"] == "diloco" and not opt["asynchronous"] \
-            and opt["push_dtype"] != "float32":
-        raise ConfigError(f"{where}: optimizer.push_dtype = {_show(opt['push_dtype'])} "
-                          "narrows the deltas asynchronous DiLoCo pushes to its shards; the "
-                          "synchronous form (asynchronous = false) sums float32 parameters "
-                          "in an all-reduce: set optimizer.asynchronous = true, or leave "
-                          "push_dtype out")
     if opt["algorithm"] == "diloco" and opt["outer_update"] != "nesterov" \
             and "outer_momentum" in given:
         raise ConfigError(f"{where}: optimizer.outer_momentum applies only to outer_update "

@@ -17,6 +17,11 @@ the bytes and the collective are averaging's, and the outer step (OuterStep) fol
 With outer_update = "sgd" and outer_learning_rate = 1 a round is exactly parameter
 averaging's average (theta - (theta - mean) = mean, up to float rounding).
 
+With push_dtype = "bfloat16" the round carries the deltas themselves instead, each
+rounded to bfloat16 and all-gathered (an all-reduce cannot sum bfloat16), then widened and
+averaged in float32 in rank order on every rank (collective.Replica._average_narrowed):
+half the bytes sent, R/2 times the bytes of an all-reduce received.
+
 Checkpoints are averaging's, taken right after a round (every replica holds theta), with
 the outer optimizer's state (the Nesterov buffer) in the parameter part. A lost replica
 stops the run with one line (collective.py); asynchronous DiLoCo (downpour/diloco.py)
@@ -56,8 +61,13 @@ class OuterStep:
         """`average` (the mean of the replicas' parameters) becomes the new theta: the
         outer optimizer steps theta with delta = theta - average. In place."""
         np.subtract(self.theta, average, out=self.delta)
-        self.optimizer.step(self.theta, self.delta, update=self.rounds)
-        np.copyto(average, self.theta)
+        self.apply_delta(self.delta, average)
+
+    def apply_delta(self, delta: np.ndarray, out: np.ndarray) -> None:
+        """The outer optimizer steps theta with `delta` (the replicas' mean delta); the new
+        theta is copied to `out` (the replica's parameters)."""
+        self.optimizer.step(self.theta, delta, update=self.rounds)
+        np.copyto(out, self.theta)
         self.rounds += 1
 
     def state(self) -> dict[str, np.ndarray]:
@@ -97,6 +107,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     config = collective_settings(config)
     variant = collective.Variant(
         name="diloco", outer=lambda params: OuterStep(config, params),
+        narrow=config.optimizer.push_dtype == "bfloat16",
         survivor="asynchronous DiLoCo, optimizer.asynchronous = true,",
         what="synchronous DiLoCo")
     return collective.train(config, comm, stream, resume, variant=variant)
