@@ -15,6 +15,7 @@ Kinds (R replicas):
   sync                 R ranks, one all-reduce of the gradient per step
   diloco               R ranks, synchronous DiLoCo (H = --inner-steps, outer Nesterov 0.7,
                        momentum 0.9: the configuration's defaults)
+  diloco_bf16          the same with push_dtype = "bfloat16" (deltas all-gathered narrowed)
   diloco_async         1 shard + R replicas, asynchronous DiLoCo, the same outer settings
   diloco_async_m05     the same with outer_momentum = 0.5
   diloco_async_rma     diloco_async_m05 over the RMA transport (the multi-node one)
@@ -44,7 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "fashion_mnist_mlp.toml"
-KINDS = ("downpour", "sync", "diloco", "diloco_async", "diloco_async_m05",
+KINDS = ("downpour", "sync", "diloco", "diloco_bf16", "diloco_async", "diloco_async_m05",
          "diloco_async_rma", "diloco_async_bf16")
 
 
@@ -65,7 +66,7 @@ def command(kind: str, replicas: int, args: argparse.Namespace, out: Path,
         sets += ['optimizer.algorithm="sync"', "cluster.ps_shards=0"]
     else:
         sets += ['optimizer.algorithm="diloco"', f"optimizer.inner_steps={args.inner_steps}"]
-        if kind == "diloco":
+        if kind in ("diloco", "diloco_bf16"):
             sets += ["cluster.ps_shards=0"]
         else:
             sets += ["optimizer.asynchronous=true", "cluster.ps_shards=1"]
@@ -74,7 +75,7 @@ def command(kind: str, replicas: int, args: argparse.Namespace, out: Path,
             sets += ["optimizer.outer_momentum=0.5"]
         if kind in ("diloco_async_rma", "diloco_async_bf16"):
             env["DISTBELIEF_PS_TRANSPORT"] = "rma"
-        if kind == "diloco_async_bf16":
+        if kind in ("diloco_bf16", "diloco_async_bf16"):
             sets += ['optimizer.push_dtype="bfloat16"']
     if link:
         env["DISTBELIEF_FAULTS"] = f"link:*:0:{link:g}B/s"
