@@ -16,9 +16,10 @@ Kinds (R replicas):
   diloco               R ranks, synchronous DiLoCo (H = --inner-steps, outer Nesterov 0.7,
                        momentum 0.9: the configuration's defaults)
   diloco_bf16          the same with push_dtype = "bfloat16" (deltas all-gathered narrowed)
-  diloco_async         1 shard + R replicas, asynchronous DiLoCo, the same outer settings
-  diloco_async_m05     the same with outer_momentum = 0.5
-  diloco_async_rma     diloco_async_m05 over the RMA transport (the multi-node one)
+  diloco_async         1 shard + R replicas, asynchronous DiLoCo (outer Nesterov 0.7 / R per
+                       delta, momentum 0.5: the asynchronous form's default)
+  diloco_async_m09     the same with outer_momentum = 0.9, the synchronous form's
+  diloco_async_rma     diloco_async over the RMA transport (the multi-node one)
   diloco_async_bf16    the same with push_dtype = "bfloat16": deltas narrowed on the wire
 --links RATE ... runs everything once per simulated network of RATE bytes/s (0: none;
 DISTBELIEF_FAULTS link:*:0:RATEB/s: each replica sleeps its bytes sent + received over
@@ -45,7 +46,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "fashion_mnist_mlp.toml"
-KINDS = ("downpour", "sync", "diloco", "diloco_bf16", "diloco_async", "diloco_async_m05",
+KINDS = ("downpour", "sync", "diloco", "diloco_bf16", "diloco_async", "diloco_async_m09",
          "diloco_async_rma", "diloco_async_bf16")
 
 
@@ -71,8 +72,8 @@ def command(kind: str, replicas: int, args: argparse.Namespace, out: Path,
         else:
             sets += ["optimizer.asynchronous=true", "cluster.ps_shards=1"]
             ranks += 1
-        if kind in ("diloco_async_m05", "diloco_async_rma", "diloco_async_bf16"):
-            sets += ["optimizer.outer_momentum=0.5"]
+        if kind == "diloco_async_m09":
+            sets += ["optimizer.outer_momentum=0.9"]
         if kind in ("diloco_async_rma", "diloco_async_bf16"):
             env["DISTBELIEF_PS_TRANSPORT"] = "rma"
         if kind in ("diloco_bf16", "diloco_async_bf16"):
@@ -138,7 +139,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--kinds", nargs="+", choices=KINDS,
-                        default=["downpour", "sync", "diloco", "diloco_async_m05"])
+                        default=["downpour", "sync", "diloco", "diloco_async"])
     parser.add_argument("--inner-steps", type=int, default=50)
     parser.add_argument("--target", type=float, default=0.88)
     parser.add_argument("--max-seconds", type=float, default=150.0)

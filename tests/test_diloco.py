@@ -147,7 +147,11 @@ def test_the_configuration_names_its_keys_and_refuses_what_does_not_apply() -> N
     assert (opt.inner_steps, opt.outer_update, opt.outer_learning_rate, opt.outer_momentum,
             opt.asynchronous) == (50, "nesterov", 0.7, 0.9, False)
     assert config.cluster.ps_shards == 0
-    assert config_from_dict(raw_config(asynchronous=True)).cluster.ps_shards == 1
+    asynchronous = config_from_dict(raw_config(asynchronous=True))
+    assert asynchronous.cluster.ps_shards == 1
+    assert asynchronous.optimizer.outer_momentum == 0.5  # its own default
+    assert config_from_dict(raw_config(asynchronous=True, outer_momentum=0.8)
+                            ).optimizer.outer_momentum == 0.8
     with pytest.raises(ConfigError, match="outer_momentum applies only to outer_update"):
         config_from_dict(raw_config(outer_update="sgd", outer_momentum=0.5))
     with pytest.raises(ConfigError, match="inner_steps applies only to algorithm = "
@@ -262,13 +266,15 @@ def test_one_asynchronous_replica_is_the_synchronous_reference(data_dir: Path,
                                                                tmp_path: Path,
                                                                transport: str) -> None:
     """1 shard + 1 replica: the replica's delta lands on the shard's outer Nesterov with
-    nothing in between, so it is the synchronous algorithm at R = 1."""
+    nothing in between, so it is the synchronous algorithm at R = 1 (at the asynchronous
+    form's default momentum, 0.5)."""
     rounds, out = 6, tmp_path / "out"
     proc = train_job(2, data_dir, out, "optimizer.asynchronous=true",
                      f"run.max_steps={H * rounds}",
                      env={"DISTBELIEF_PS_TRANSPORT": transport})
     assert exit_statuses(proc) == [0, 0], proc.stderr[-3000:]
-    np.testing.assert_allclose(final_params(out), reference_diloco(data_dir, 1, rounds),
+    np.testing.assert_allclose(final_params(out),
+                               reference_diloco(data_dir, 1, rounds, momentum=0.5),
                                rtol=1e-4, atol=1e-5)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["algorithm"] == "diloco" and summary["asynchronous"] is True
@@ -293,9 +299,9 @@ def test_narrowed_deltas_put_half_the_bytes_and_fold_in_float32(data_dir: Path,
                      'optimizer.push_dtype="bfloat16"', f"run.max_steps={H * rounds}",
                      env={"DISTBELIEF_PS_TRANSPORT": "rma"})
     assert exit_statuses(proc) == [0, 0], proc.stderr[-3000:]
-    want = reference_diloco(data_dir, 1, rounds, narrow=True)
+    want = reference_diloco(data_dir, 1, rounds, momentum=0.5, narrow=True)
     np.testing.assert_allclose(final_params(out), want, rtol=1e-4, atol=1e-5)
-    wide = reference_diloco(data_dir, 1, rounds)
+    wide = reference_diloco(data_dir, 1, rounds, momentum=0.5)
     assert not np.allclose(want, wide, rtol=1e-6, atol=1e-7)  # the rounding shows
     summary = json.loads((out / "summary.json").read_text())
     assert summary["push_dtype"] == "bfloat16"

@@ -43,7 +43,8 @@ Sections and keys, with their defaults:
                  DiLoCo only (docs/diloco.md): inner_steps = 50 (H: local steps with
                  optimizer.update between two outer steps), outer_update = "nesterov" |
                  "sgd" (the outer optimizer, applied to the replicas' deltas),
-                 outer_learning_rate = 0.7, outer_momentum = 0.9 (nesterov only),
+                 outer_learning_rate = 0.7, outer_momentum (nesterov only; unset: 0.9
+                 synchronous, the paper's, 0.5 asynchronous: OUTER_MOMENTUM below),
                  asynchronous = false (true: each replica's delta is applied on the
                  shards as it lands, ps_shards >= 1; false: the deltas of all replicas
                  are averaged each round by a collective), push_dtype (as Downpour's:
@@ -140,6 +141,11 @@ ALGORITHM_KEYS = {a.name: a.own_keys for a in registry.ALGORITHMS if a.own_keys}
 belong to more than one, as push_dtype to Downpour and DiLoCo): setting one for another
 algorithm is an error, and they are left out of the other algorithms' config hash (so
 adding them did not change the hash of earlier runs)."""
+OUTER_MOMENTUM = {False: 0.9, True: 0.5}
+"""optimizer.outer_momentum when unset, by optimizer.asynchronous: the paper's 0.9 for the
+synchronous form; 0.5 for the asynchronous one, where staleness adds momentum of its own
+(Mitliagkas et al. 2016) and 0.9 missed 88% on the reference MLP in 4 runs of 4 (one
+collapsed; docs/performance.md, DiLoCo)."""
 OUTER_UPDATES = ("nesterov", "sgd")
 """optimizer.outer_update (DiLoCo): the outer optimizer that applies the replicas' deltas
 (the fetched parameters minus the local ones after inner_steps) to the global parameters:
@@ -184,7 +190,7 @@ class OptimizerConfig:
     inner_steps: int = 50
     outer_update: str = "nesterov"
     outer_learning_rate: float = 0.7
-    outer_momentum: float = 0.9
+    outer_momentum: float = 0.9  # resolved: 0.9 synchronous, 0.5 asynchronous (unset)
     asynchronous: bool = False
     n_fetch: int = 1
     n_push: int = 1
@@ -353,7 +359,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "inner_steps": (_int(1), 50),
         "outer_update": (_choice(OUTER_UPDATES), "nesterov"),
         "outer_learning_rate": (_float(0.0, strict=True, maximum=10.0), 0.7),
-        "outer_momentum": (_float(0.0, maximum=0.999), 0.9),
+        "outer_momentum": (_float(0.0, maximum=0.999), None),
         "asynchronous": (_bool(), False),
         "n_fetch": (_int(1), 1),
         "n_push": (_int(1), 1),
@@ -610,6 +616,8 @@ def _resolve_update(opt: dict, given: dict, where: str) -> None:
                                  if key in keys)
             raise ConfigError(f"{where}: optimizer.{key} applies only to algorithm = "
                               f"{owners}, not {_show(opt['algorithm'])}")
+    if opt["outer_momentum"] is None:
+        opt["outer_momentum"] = OUTER_MOMENTUM[bool(opt["asynchronous"])]
     if opt["algorithm"] == "diloco" and opt["outer_update"] != "nesterov" \
             and "outer_momentum" in given:
         raise ConfigError(f"{where}: optimizer.outer_momentum applies only to outer_update "
