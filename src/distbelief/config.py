@@ -144,8 +144,8 @@ adding them did not change the hash of earlier runs)."""
 OUTER_MOMENTUM = {False: 0.9, True: 0.5}
 """optimizer.outer_momentum when unset, by optimizer.asynchronous: the paper's 0.9 for the
 synchronous form; 0.5 for the asynchronous one, where staleness adds momentum of its own
-(Mitliagkas et al. 2016) and 0.9 missed 88% on the reference MLP in 4 runs of 4 (one
-collapsed; docs/performance.md, DiLoCo)."""
+(Mitliagkas et al. 2016) and 0.9 missed 88% on the reference MLP in 4 runs of 4 (two
+fell to 0.52 and 0.22; docs/performance.md, DiLoCo)."""
 OUTER_UPDATES = ("nesterov", "sgd")
 """optimizer.outer_update (DiLoCo): the outer optimizer that applies the replicas' deltas
 (the fetched parameters minus the local ones after inner_steps) to the global parameters:
