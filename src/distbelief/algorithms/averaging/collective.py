@@ -178,7 +178,6 @@ class Replica:
         self.averages += 1
         self.average_seconds += time.perf_counter() - t0
 
-
     def _average_narrowed(self, losses: np.ndarray, flags: np.ndarray) -> None:
         """The outer step's round with bfloat16 deltas: this replica's delta (theta minus
         its parameters) rounded to bfloat16 and all-gathered (2 bytes a value out, 2 R
