@@ -21,6 +21,10 @@ Kinds (R replicas):
   diloco_async_m09     the same with outer_momentum = 0.9, the synchronous form's
   diloco_async_rma     diloco_async over the RMA transport (the multi-node one)
   diloco_async_bf16    the same with push_dtype = "bfloat16": deltas narrowed on the wire
+--steps N trains every run exactly N steps (all replicas together) with no target, so the
+final accuracies compare at equal work: the accuracy cost of bfloat16 deltas, say (the
+synchronous form is deterministic for a seed; samples to a target jump with the 1 s
+evaluation grid).
 --links RATE ... runs everything once per simulated network of RATE bytes/s (0: none;
 DISTBELIEF_FAULTS link:*:0:RATEB/s: each replica sleeps its bytes sent + received over
 RATE, right after each transfer; runtime/faults.py); --figure draws the median time to
@@ -53,9 +57,12 @@ KINDS = ("downpour", "sync", "diloco", "diloco_bf16", "diloco_async", "diloco_as
 def command(kind: str, replicas: int, args: argparse.Namespace, out: Path,
             seed: int, link: float) -> tuple[list[str], dict[str, str]]:
     """The command line of one run and its extra environment."""
+    # --steps: a target no run reaches (the configuration file's would stop it early).
+    stop = [f"run.max_steps={args.steps}", "run.target_accuracy=1.0"] if args.steps else \
+        [f"run.target_accuracy={args.target}"]
     sets = [f'data.path="{args.data.resolve()}"', f'run.out_dir="{out}"',
-            f"run.seed={seed}", f"run.target_accuracy={args.target}",
-            f"run.max_seconds={args.max_seconds}", "run.threads=1",
+            f"run.seed={seed}", *stop, f"run.max_seconds={args.max_seconds}",
+            "run.threads=1",
             f"run.eval_every_seconds={args.eval_every}",
             "run.checkpoint_every_seconds=0"]
     env: dict[str, str] = {}
@@ -147,6 +154,9 @@ def main() -> None:
     parser.add_argument("--links", type=float, nargs="+", default=[0.0],
                         help="simulated network rates in bytes/s (0: none)")
     parser.add_argument("--figure", type=Path, default=None)
+    parser.add_argument("--steps", type=int, default=0,
+                        help="train exactly this many steps (all replicas) and compare the "
+                             "final accuracy, instead of stopping at --target")
     args = parser.parse_args()
     print(f"bench_diloco: target {args.target:g}, H = {args.inner_steps}; {CONFIG.name}, "
           f"threads 1", flush=True)
