@@ -210,6 +210,11 @@ def test_synchronous_diloco_matches_the_reference(data_dir: Path, tmp_path: Path
     assert summary["bytes_received"] == summary["bytes_sent"] == replicas * rounds * per_round
     assert summary["bytes_sent_per_sample"] == pytest.approx(
         summary["bytes_sent"] / summary["samples"])
+    # metrics.jsonl's lines carry the bytes so far; the last, after the last round, all.
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [line for line in lines if line["kind"] in ("train", "eval")]
+    assert logged and all("bytes_sent" in line for line in logged)
+    assert logged[-1]["bytes_sent"] == summary["bytes_sent"]
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
