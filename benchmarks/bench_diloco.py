@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -154,6 +155,9 @@ def main() -> None:
     parser.add_argument("--links", type=float, nargs="+", default=[0.0],
                         help="simulated network rates in bytes/s (0: none)")
     parser.add_argument("--figure", type=Path, default=None)
+    parser.add_argument("--from-log", type=Path, default=None,
+                        help="no runs: read an earlier run's printed lines (its other "
+                             "options given again) and report and draw them")
     parser.add_argument("--steps", type=int, default=0,
                         help="train exactly this many steps (all replicas) and compare the "
                              "final accuracy, instead of stopping at --target")
@@ -161,7 +165,10 @@ def main() -> None:
     print(f"bench_diloco: target {args.target:g}, H = {args.inner_steps}; {CONFIG.name}, "
           f"threads 1", flush=True)
     everything: dict[float, dict[tuple[str, int, int], dict]] = {}
-    for link in args.links:
+    if args.from_log is not None:
+        everything = read_log(args.from_log)
+        args.links = sorted(everything)
+    for link in args.links if args.from_log is None else ():
         results = everything[link] = {}
         for replicas in args.replicas:
             for seed in args.seeds:
@@ -171,6 +178,26 @@ def main() -> None:
         report(args, results, link)
     if args.figure is not None:
         plot(args, everything, args.figure)
+
+
+LINE = re.compile(r"^  (\S+)\s+R=(\d+) seed (\d+)(?: link (\S+) B/s)?: (\S+?)s? and "
+                  r"(\S+) samples to \S+; (\S+) B sent, (\S+) B received per sample; "
+                  r"final ([0-9.]+)")
+
+
+def read_log(path: Path) -> dict[float, dict[tuple[str, int, int], dict]]:
+    """The runs an earlier bench printed, as run_one returned them."""
+    everything: dict[float, dict[tuple[str, int, int], dict]] = {}
+    for text in path.read_text().splitlines():
+        match = LINE.match(text)
+        if match is None:
+            continue
+        kind, replicas, seed, link, seconds, samples, sent, received, final = match.groups()
+        number = lambda s: None if s == "-" else float(s.replace(",", ""))
+        everything.setdefault(float(link or 0), {})[kind, int(replicas), int(seed)] = {
+            "seconds": number(seconds), "samples": number(samples), "sent": number(sent),
+            "received": number(received), "final": float(final), "staleness": None}
+    return everything
 
 
 def report(args: argparse.Namespace, results: dict[tuple[str, int, int], dict],
@@ -209,6 +236,7 @@ def plot(args: argparse.Namespace, everything: dict[float, dict], path: Path) ->
     replicas = args.replicas[0]
     rates = sorted((r for r in everything if r), reverse=True)
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    markers = dict(zip(args.kinds, "xs^vD+*"))
     for kind in args.kinds:
         xs, ys, missed = [], [], []
         for rate in rates:
@@ -221,18 +249,28 @@ def plot(args: argparse.Namespace, everything: dict[float, dict], path: Path) ->
                 missed.append(rate * 8 / 1e9)
         line, = ax.plot(xs, ys, marker="o", label=kind)
         if missed:
-            ax.plot(missed, [args.max_seconds] * len(missed), marker="o",
-                    linestyle="none", markerfacecolor="none", color=line.get_color(),
+            ax.plot(missed, [args.max_seconds] * len(missed), marker=markers[kind],
+                    markersize=9, linestyle="none", markerfacecolor="none",
+                    color=line.get_color(),
                     label=f"{kind}: missed {args.target:g} within {args.max_seconds:g} s")
+        free = [everything[0.0][kind, replicas, s]["seconds"] for s in args.seeds] \
+            if 0.0 in everything else []
+        free = [t for t in free if t is not None]
+        if free:
+            ax.axhline(statistics.median(free), color=line.get_color(), linestyle=":",
+                       linewidth=1)
     ax.set_xscale("log")
+    ticks = [rate * 8 / 1e9 for rate in rates]
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("simulated network per replica (Gbit/s, log scale)")
     ax.set_ylabel(f"time to {args.target:g} test accuracy (s)")
     ax.set_ylim(bottom=0)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
     fig.suptitle(f"Time to {args.target:g} against the network, {replicas} replicas, "
-                 f"reference MLP\n(median of seeds {args.seeds}; H = {args.inner_steps})",
-                 fontsize="medium")
+                 f"reference MLP\n(median of seeds {args.seeds}; H = {args.inner_steps}; "
+                 f"dotted: no simulated link)", fontsize="medium")
     fig.savefig(path, dpi=100)
     print(f"wrote {path}")
 
