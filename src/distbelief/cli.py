@@ -62,6 +62,13 @@ optimizer.elastic_alpha set it is EASGD: a center variable on the ps_shards shar
 model that is evaluated and checkpointed), each replica and the center pulled toward each
 other every average_every steps, and a lost replica does not stop the run.
 
+optimizer.algorithm = "diloco" runs DiLoCo (docs/diloco.md): each replica trains
+optimizer.inner_steps local steps, then the replicas' deltas go to an outer optimizer
+(outer_update "nesterov" or "sgd", outer_learning_rate, outer_momentum). By default every
+rank is a replica and the deltas are averaged each round (an allreduce; a lost replica
+stops it with one line); with optimizer.asynchronous = true the outer optimizer runs on the
+ps_shards shards, each delta applied as it lands, and a lost replica does not stop the run.
+
 Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
 or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1
 (SLURM's time limit, sbatch --signal=USR1@120): the current step finishes, a checkpoint is
