@@ -40,7 +40,8 @@ def specs(*texts: str) -> list[plan.AlgorithmSpec]:
 def test_plan_expands_the_lists_and_counts_the_ranks(config: Path) -> None:
     grid = plan.Grid(specs("sgd", "downpour", "sandblaster", "sync",
                            "sync:optimizer.backup_workers=1",
-                           "averaging:optimizer.elastic_alpha=0.5", "hogwild"),
+                           "averaging:optimizer.elastic_alpha=0.5", "hogwild", "diloco",
+                           "diloco:optimizer.asynchronous=true"),
                      replicas=(1, 3), seeds=(0, 1), learning_rates=(0.01, 0.02),
                      max_seconds=30, target_accuracy=0.7)
     runs = plan.plan_runs(config, grid)
@@ -55,9 +56,12 @@ def test_plan_expands_the_lists_and_counts_the_ranks(config: Path) -> None:
         ("averaging:optimizer.elastic_alpha=0.5", 1): 2,  # EASGD's center on a shard
         ("averaging:optimizer.elastic_alpha=0.5", 3): 4,
         ("hogwild", 1): 1, ("hogwild", 3): 3,
+        ("diloco", 1): 1, ("diloco", 3): 3,               # synchronous: no shard
+        ("diloco:optimizer.asynchronous=true", 1): 2,     # the outer optimizer on a shard
+        ("diloco:optimizer.asynchronous=true", 3): 4,
     }
     # 2 learning rates x 2 seeds at each point; sgd once per point, not per replica count.
-    assert len(runs) == 4 * (1 + 6 * 2)
+    assert len(runs) == 4 * (1 + 8 * 2)
     assert len({r.folder for r in runs}) == len(runs)
     assert [r.uses_launcher for r in runs if r.name == "sgd"] == [False] * 4
     one = next(r for r in runs if r.algorithm.startswith("sync:") and r.replicas == 3
