@@ -40,7 +40,8 @@ def specs(*texts: str) -> list[plan.AlgorithmSpec]:
 def test_plan_expands_the_lists_and_counts_the_ranks(config: Path) -> None:
     grid = plan.Grid(specs("sgd", "downpour", "sandblaster", "sync",
                            "sync:optimizer.backup_workers=1",
-                           "averaging:optimizer.elastic_alpha=0.5", "hogwild"),
+                           "averaging:optimizer.elastic_alpha=0.5", "hogwild", "diloco",
+                           "diloco:optimizer.asynchronous=true"),
                      replicas=(1, 3), seeds=(0, 1), learning_rates=(0.01, 0.02),
                      max_seconds=30, target_accuracy=0.7)
     runs = plan.plan_runs(config, grid)
@@ -55,9 +56,12 @@ def test_plan_expands_the_lists_and_counts_the_ranks(config: Path) -> None:
         ("averaging:optimizer.elastic_alpha=0.5", 1): 2,  # EASGD's center on a shard
         ("averaging:optimizer.elastic_alpha=0.5", 3): 4,
         ("hogwild", 1): 1, ("hogwild", 3): 3,
+        ("diloco", 1): 1, ("diloco", 3): 3,               # synchronous: no shard
+        ("diloco:optimizer.asynchronous=true", 1): 2,     # the outer optimizer on a shard
+        ("diloco:optimizer.asynchronous=true", 3): 4,
     }
     # 2 learning rates x 2 seeds at each point; sgd once per point, not per replica count.
-    assert len(runs) == 4 * (1 + 6 * 2)
+    assert len(runs) == 4 * (1 + 8 * 2)
     assert len({r.folder for r in runs}) == len(runs)
     assert [r.uses_launcher for r in runs if r.name == "sgd"] == [False] * 4
     one = next(r for r in runs if r.algorithm.startswith("sync:") and r.replicas == 3
@@ -122,7 +126,8 @@ def test_bad_input_is_one_line_before_any_run(config: Path, tmp_path: Path) -> N
 
 
 def fake_run(out: Path, run: plan.PlannedRun, state: str, time_to_target: float | None,
-             final: float | None, records: list, key: str = "test_accuracy") -> None:
+             final: float | None, records: list, key: str = "test_accuracy",
+             bytes_per_sample: float | None = None) -> None:
     folder = out / running.RUNS_DIR / run.folder
     folder.mkdir(parents=True)
     evals = [(1.0, 0.5, 1000)]
@@ -135,7 +140,9 @@ def fake_run(out: Path, run: plan.PlannedRun, state: str, time_to_target: float 
     if state == "finished":
         (folder / "summary.json").write_text(json.dumps({
             "target_accuracy": 0.88, "time_to_target": time_to_target,
-            "final_test_accuracy": final, "wall_seconds": 60.0}))
+            "final_test_accuracy": final, "wall_seconds": 60.0,
+            **({"bytes_sent": 1000 * bytes_per_sample, "bytes_received": 0,
+                "bytes_sent_per_sample": bytes_per_sample} if bytes_per_sample else {})}))
     records.append({"folder": run.folder, "state": state, "exit_status": 0
                     if state == "finished" else 1})
 
@@ -176,6 +183,47 @@ def test_table_median_spread_failed_and_unreached(config: Path, tmp_path: Path) 
     pytest.importorskip("matplotlib")
     for png in results.plot(tmp_path, results.group_results(collected), 0.88, "exp.toml"):
         assert png.stat().st_size > 10_000
+
+
+def test_bytes_sent_are_in_the_table_and_drawn_against_accuracy(
+        config: Path, tmp_path: Path, monkeypatch) -> None:
+    """summary.json's bytes sent per sample go to the table (median over seeds) and runs.csv;
+    the bytes figure puts each evaluation at its samples times that rate, on a log axis,
+    and names a group whose runs reported no bytes."""
+    grid = plan.Grid(specs("downpour", "sync"), replicas=(2,), seeds=(0, 1))
+    runs = plan.plan_runs(config, grid, check=False)
+    records: list = []
+    for run, rate in zip(runs, (100.0, 300.0, None, None), strict=True):
+        fake_run(tmp_path, run, "finished", 20.0, 0.9, records, bytes_per_sample=rate)
+    (tmp_path / running.STATE_FILE).write_text(json.dumps({"runs": records}))
+    collected = results.collect(tmp_path, runs)
+    assert collected[0].bytes_curve == [(1000 * 100.0, 0.5), (20000 * 100.0, 0.9)]
+    assert collected[2].bytes_curve is None
+    rows = results.table_rows(results.group_results(collected))
+    assert rows[0]["bytes_sent_per_sample_median"] == 200.0
+    assert rows[1]["bytes_sent_per_sample_median"] is None
+    text = results.format_table(rows, 0.88)
+    assert "bytes sent/sample" in text.splitlines()[0] and "200 [100-300]" in text
+    paths = results.write_tables(tmp_path, collected, rows)
+    with paths[1].open() as f:
+        assert [row["bytes_sent_per_sample"] for row in csv.DictReader(f)] == [
+            "100.0", "300.0", "", ""]
+    pytest.importorskip("matplotlib")
+    drawn: dict[str, Any] = {}
+
+    def keep_axes(plt: Any, fig: Any, ax: Any, path: Path, title: str) -> Path:
+        _, labels = ax.get_legend_handles_labels()
+        drawn[path.name] = (ax.get_xscale(), labels, [line.get_xdata() for line in ax.lines])
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(results, "_save", keep_axes)
+    results.plot(tmp_path, results.group_results(collected), 0.88, "exp.toml")
+    scale, labels, xs = drawn[results.BYTES_FIGURE]
+    assert scale == "log"
+    assert any(label.startswith("downpour") and "200 B/sample" in label for label in labels)
+    assert any(label.startswith("sync") and "no bytes reported" in label for label in labels)
+    assert list(xs[0]) == [0.1, 2.0]  # MB
 
 
 def test_the_figures_show_every_run_and_say_when_none_reached_the_target(

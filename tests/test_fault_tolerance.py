@@ -91,9 +91,21 @@ def test_faults_parse_and_apply_to_their_rank_only() -> None:
     assert not Faults.for_rank(1, {})
 
 
+def test_a_simulated_link_sleeps_the_bytes_over_its_rate() -> None:
+    assert parse("link:*:0:125e6B/s") == [Fault("link", None, 0, bytes_per_second=125e6)]
+    link = Faults.for_rank(0, {FAULTS: "link:*:0:1e6B/s"})
+    began = time.monotonic()
+    link.after_transfer(150_000)  # 0.15 s at 1 MB/s
+    assert 0.15 <= time.monotonic() - began < 1.0
+    began = time.monotonic()
+    Faults.for_rank(0, {FAULTS: "delay:*:0:2x"}).after_transfer(10**9)  # no link: no sleep
+    assert time.monotonic() - began < 0.1
+
+
 @pytest.mark.parametrize("text", ["explode:1:2", "kill:x:1", "kill:1", "delay:1:0:0.5x",
                                   "delay:1:0:3", "pause:1:0:2x", "poison:-1:3",
-                                  "linger:1:0:2x", "linger:1:0"])
+                                  "linger:1:0:2x", "linger:1:0", "link:1:0:5s",
+                                  "link:1:0:0B/s"])
 def test_a_bad_fault_is_one_clear_error(text: str) -> None:
     with pytest.raises(ConfigError, match=f"DISTBELIEF_FAULTS: cannot read '{text}'"):
         parse(text)

@@ -75,6 +75,14 @@ def test_replicas_share_max_steps_exactly_learn_and_resume(data_dir: Path, tmp_p
     assert [r["steps"] for r in summary["replicas"]] == [
         1501 // n + (i < 1501 % n) for i in range(n)]
     assert summary["samples"] == 1501 * 32
+    # No network: each step reads the shared parameters and writes its update into them.
+    vector = 4 * summary["num_params"]
+    assert [e["bytes_sent"] for e in summary["replica_bytes"]] == [
+        r["steps"] * vector for r in summary["replicas"]]
+    assert summary["bytes_sent"] == summary["bytes_received"] == 1501 * vector
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [line for line in lines if line["kind"] in ("train", "eval")]
+    assert logged and all(line["bytes_sent"] == line["step"] * vector for line in logged)
     assert summary["final_test_accuracy"] >= 0.7  # one replica alone: ~0.8 (measured)
     final = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
     assert final.step == 1501 and final.num_replicas == n

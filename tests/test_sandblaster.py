@@ -30,6 +30,7 @@ from helpers.sandblaster import (
 )
 
 from distbelief.algorithms.sandblaster import lbfgs
+from distbelief.algorithms.sandblaster.plan import HEADER
 from distbelief.algorithms.sandblaster.roles import BatchRows
 from distbelief.algorithms.sandblaster.vector_shard import VectorShard
 from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD, WorkUnitTable
@@ -396,6 +397,14 @@ def test_coordinator_traffic_is_o_of_m_not_of_the_parameters(data_dir: Path,
     replica_small = runs["small3"][0]["coordinator_traffic"]["replica_bytes"]
     replica_big = runs["big3"][0]["coordinator_traffic"]["replica_bytes"]
     assert replica_big < 2 * replica_small  # units and decisions, never gradients
+    # The vectors are the replicas': each push sends, each fetch receives, the parameters
+    # plus a HEADER of 4 floats per shard (2 shards here).
+    summary = runs["big3"][0]
+    vector = 4 * (summary["num_params"] + 2 * HEADER)
+    for replica in summary["replicas"]:
+        assert replica["bytes_sent"] == replica["pushes"] * vector > 0, replica
+        assert replica["bytes_received"] == replica["fetches"] * vector > 0, replica
+    assert summary["bytes_sent"] == sum(r["bytes_sent"] for r in summary["replicas"])
 
 
 # -- configuration errors --------------------------------------------------------------------

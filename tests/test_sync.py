@@ -93,6 +93,16 @@ def test_replicas_stay_identical_and_compute_the_reference_steps(
     assert summary["steps"] == 60 and summary["samples"] == 60 * 32 * replicas
     assert summary["replicas_identical"] is True  # SHA-256 of every replica's state
     assert summary["final_test_accuracy"] is not None
+    # Bytes on the wire: each step's all-reduces take [gradient, loss] (float32) and three
+    # int32 decisions from every replica and give as much back; each evaluation 16 bytes.
+    n, per_step = summary["num_params"], 4 * (summary["num_params"] + 1) + 12
+    for entry in summary["replica_bytes"]:
+        evaluations, rest = divmod(entry["bytes_sent"] - 60 * per_step, 16)
+        assert rest == 0 and evaluations >= 1, (entry, n)
+        assert entry["bytes_received"] == entry["bytes_sent"]
+    assert summary["bytes_sent"] == sum(e["bytes_sent"] for e in summary["replica_bytes"])
+    assert summary["bytes_sent_per_sample"] == pytest.approx(
+        summary["bytes_sent"] / summary["samples"])
     expected = reference(data_dir, replicas, 60)
     if replicas == 2:  # a + b == b + a: the same bits as the reference
         np.testing.assert_array_equal(final_params(out), expected)
@@ -119,6 +129,15 @@ def test_backup_workers_take_the_first_gradients_and_count_the_dropped(
     # Every step takes 2 of the 3 gradients: the third arrives late and is dropped.
     assert summary["samples"] == 150 * 2 * 32
     assert 140 <= summary["dropped_gradients"] <= 150
+    # Bytes, counted by the shard: a gradient and its 5-value header from each replica per
+    # gradient it sent, the parameters and a 2-value header to it per step.
+    gradient = 4 * summary["num_params"] + 5 * 8
+    assert len(summary["replica_bytes"]) == 3
+    sent = [e["bytes_sent"] for e in summary["replica_bytes"]]
+    assert all(b % gradient == 0 for b in sent), sent
+    assert sum(sent) >= 300 * gradient
+    assert all(e["bytes_received"] >= 150 * 4 * summary["num_params"]
+               for e in summary["replica_bytes"])
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = sum(line.get("dropped", 0) for line in lines if line["kind"] == "train")
     assert 0 < logged <= summary["dropped_gradients"]

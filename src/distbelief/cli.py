@@ -68,6 +68,13 @@ optimizer.elastic_alpha set it is EASGD: a center variable on the ps_shards shar
 model that is evaluated and checkpointed), each replica and the center pulled toward each
 other every average_every steps, and a lost replica does not stop the run.
 
+optimizer.algorithm = "diloco" runs DiLoCo (docs/diloco.md): each replica trains
+optimizer.inner_steps local steps, then the replicas' deltas go to an outer optimizer
+(outer_update "nesterov" or "sgd", outer_learning_rate, outer_momentum). By default every
+rank is a replica and the deltas are averaged each round (an allreduce; a lost replica
+stops it with one line); with optimizer.asynchronous = true the outer optimizer runs on the
+ps_shards shards, each delta applied as it lands, and a lost replica does not stop the run.
+
 Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
 or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1
 (SLURM's time limit, sbatch --signal=USR1@120): the current step finishes, a checkpoint is
@@ -124,9 +131,10 @@ examples:
 COMPARE_HELP = """\
 Train one configuration with several algorithms, one run after another, and compare them
 as Dean et al. 2012 did (Figures 4 and 5): a table of the time and training samples to
-the target accuracy and the final accuracy (median and [min-max] over the seeds), and two
-figures: test accuracy against wall time, one curve per algorithm, and time to the target
-against the cores (MPI ranks) a run used, one line per algorithm.
+the target accuracy and the final accuracy (median and [min-max] over the seeds), and
+figures: test accuracy against wall time, one curve per algorithm, time to the target
+against the cores (MPI ranks) a run used, one line per algorithm, and test accuracy
+against the bytes the replicas sent.
 
 --algorithm NAME[:SECTION.KEY=VALUE,...] (repeatable) gives an algorithm and the settings
 only its runs get, e.g. sync:optimizer.backup_workers=1 or
@@ -155,7 +163,9 @@ slurm/compare.sbatch requeues the job). A second Ctrl-C kills the run at once. A
 fails does not change the exit status: the table counts it. One comparison at a time
 owns DIR.
 Writes DIR/table.csv, DIR/runs.csv, DIR/accuracy_vs_time.png and
-DIR/time_to_target_vs_cores.png (needs matplotlib: pip install 'distbelief[plot]').
+DIR/time_to_target_vs_cores.png and DIR/accuracy_vs_bytes_sent.png (needs matplotlib:
+pip install 'distbelief[plot]'). The table and runs.csv also give the bytes the replicas
+sent per sample trained (summary.json's bytes_sent_per_sample).
 
 examples:
   distbelief compare configs/fashion_mnist_mlp.toml --algorithm sgd --algorithm downpour \\

@@ -19,7 +19,7 @@ Sections and keys, with their defaults:
                  group: then evaluations and stop rules use the validation split and the
                  test set is evaluated once, at the end)
     [optimizer]  algorithm = "sgd" | "downpour" | "sandblaster" | "sync" | "averaging" |
-                 "hogwild", learning_rate = 0.02, update = "adagrad" | "sgd" |
+                 "hogwild" | "diloco", learning_rate = 0.02, update = "adagrad" | "sgd" |
                  "adarevision" | "momentum" | "adam" (the update rule; `adagrad =
                  true/false` is the older spelling of "adagrad"/"sgd"; "adarevision" is
                  Downpour's shards only), momentum = 0.9, nesterov = false (update =
@@ -40,6 +40,15 @@ Sections and keys, with their defaults:
                  R - k gradients and drops the late ones; k > 0 goes through the shards)
                  Averaging only: average_every = 10 (local steps between averages),
                  elastic_alpha (unset; set, it is EASGD's moving rate, on the shards)
+                 DiLoCo only (docs/diloco.md): inner_steps = 50 (H: local steps with
+                 optimizer.update between two outer steps), outer_update = "nesterov" |
+                 "sgd" (the outer optimizer, applied to the replicas' deltas),
+                 outer_learning_rate = 0.7, outer_momentum (nesterov only; unset: 0.9
+                 synchronous, the paper's, 0.5 asynchronous: OUTER_MOMENTUM below),
+                 asynchronous = false (true: each replica's delta is applied on the
+                 shards as it lands, ps_shards >= 1; false: the deltas of all replicas
+                 are averaged each round by a collective), push_dtype (as Downpour's:
+                 "bfloat16" narrows the deltas on the wire, in both forms)
                  Sandblaster L-BFGS only (algorithms.sandblaster.roles; no learning rate):
                  m = 10 (history pairs), work_unit_size = 0 (examples per work unit;
                  0 = automatic), push_every_units = 4, backup_copies = 2 (copies of a
@@ -128,9 +137,20 @@ shared-memory transport (one node) the gradient is rounded the same way and fold
 the replica's float32 memory, so a run trains the same numbers on one node as across
 nodes. Hashed when not "float32" (docs/downpour.md, "Narrowed pushes")."""
 ALGORITHM_KEYS = {a.name: a.own_keys for a in registry.ALGORITHMS if a.own_keys}
-"""[optimizer] keys that only one algorithm reads: setting one for another algorithm is an
-error, and they are left out of the other algorithms' config hash (so adding them did not
-change the hash of earlier runs)."""
+"""[optimizer] keys that only some algorithms read (each algorithm's `own_keys`; a key may
+belong to more than one, as push_dtype to Downpour and DiLoCo): setting one for another
+algorithm is an error, and they are left out of the other algorithms' config hash (so
+adding them did not change the hash of earlier runs)."""
+OUTER_MOMENTUM = {False: 0.9, True: 0.5}
+"""optimizer.outer_momentum when unset, by optimizer.asynchronous: the paper's 0.9 for the
+synchronous form; 0.5 for the asynchronous one, where staleness adds momentum of its own
+(Mitliagkas et al. 2016) and 0.9 missed 88% on the reference MLP in 4 runs of 4 (two
+fell to 0.52 and 0.22; docs/performance.md, DiLoCo)."""
+OUTER_UPDATES = ("nesterov", "sgd")
+"""optimizer.outer_update (DiLoCo): the outer optimizer that applies the replicas' deltas
+(the fetched parameters minus the local ones after inner_steps) to the global parameters:
+"nesterov", SGD with Nesterov momentum outer_momentum (the paper's choice), or plain "sgd"
+(with outer_learning_rate = 1 that is parameter averaging)."""
 LINE_SEARCHES = ("wolfe", "armijo")
 SHARD_PLACEMENTS = ("spread", "ranks")
 """cluster.shard_placement: shards dealt round-robin over the nodes, or at world ranks
@@ -170,6 +190,11 @@ class OptimizerConfig:
     backup_workers: int = 0
     average_every: int = 10
     elastic_alpha: float | None = None
+    inner_steps: int = 50
+    outer_update: str = "nesterov"
+    outer_learning_rate: float = 0.7
+    outer_momentum: float = 0.9  # resolved: 0.9 synchronous, 0.5 asynchronous (unset)
+    asynchronous: bool = False
     n_fetch: int = 1
     n_push: int = 1
     warm_start_steps: int = 0
@@ -335,6 +360,11 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "backup_workers": (_int(0), 0),
         "average_every": (_int(1), 10),
         "elastic_alpha": (_float(0.0, strict=True, maximum=1.0), None),
+        "inner_steps": (_int(1), 50),
+        "outer_update": (_choice(OUTER_UPDATES), "nesterov"),
+        "outer_learning_rate": (_float(0.0, strict=True, maximum=10.0), 0.7),
+        "outer_momentum": (_float(0.0, maximum=0.999), None),
+        "asynchronous": (_bool(), False),
         "n_fetch": (_int(1), 1),
         "n_push": (_int(1), 1),
         "warm_start_steps": (_int(0), 0),
@@ -584,11 +614,19 @@ def _resolve_update(opt: dict, given: dict, where: str) -> None:
         raise ConfigError(f"{where}: optimizer.update = \"adarevision\" runs on Downpour's "
                           f"parameter-server shards, which know each push's delay; with "
                           f"algorithm = {_show(opt['algorithm'])} use \"adagrad\" or \"sgd\"")
-    for algorithm, keys in ALGORITHM_KEYS.items():
-        for key in keys:
-            if opt["algorithm"] != algorithm and key in given:
-                raise ConfigError(f"{where}: optimizer.{key} applies only to algorithm = "
-                                  f"{_show(algorithm)}, not {_show(opt['algorithm'])}")
+    own = ALGORITHM_KEYS.get(opt["algorithm"], ())
+    for key in sorted({key for keys in ALGORITHM_KEYS.values() for key in keys}):
+        if key in given and key not in own:
+            owners = " or ".join(_show(a) for a, keys in ALGORITHM_KEYS.items()
+                                 if key in keys)
+            raise ConfigError(f"{where}: optimizer.{key} applies only to algorithm = "
+                              f"{owners}, not {_show(opt['algorithm'])}")
+    if opt["outer_momentum"] is None:
+        opt["outer_momentum"] = OUTER_MOMENTUM[bool(opt["asynchronous"])]
+    if opt["algorithm"] == "diloco" and opt["outer_update"] != "nesterov" \
+            and "outer_momentum" in given:
+        raise ConfigError(f"{where}: optimizer.outer_momentum applies only to outer_update "
+                          f"= \"nesterov\", not {_show(opt['outer_update'])}")
 
 
 def _resolve_schedule(opt: dict, given: dict, where: str) -> None:
@@ -649,6 +687,22 @@ def build_schedule(config: Config) -> Any:
                     opt.min_learning_rate or 0.0)
 
 
+def build_outer_optimizer(config: Config, size: int, weight: float = 1.0) -> Any:
+    """DiLoCo's outer optimizer over `size` parameters (a shard's slice, or the whole
+    vector): optimizer.outer_update at optimizer.outer_learning_rate times `weight`, a
+    constant rate (the learning-rate schedule is the inner optimizer's). Its step(params,
+    delta) takes the delta, the parameters a round started from minus the replica's, as
+    its gradient. The asynchronous form weighs each replica's delta 1/R (R replicas), so
+    that R deltas landing move the parameters as one synchronous round's average does."""
+    from distbelief.model.optimizers import SGD, Momentum
+
+    opt = config.optimizer
+    rate = opt.outer_learning_rate * weight
+    if opt.outer_update == "nesterov":
+        return Momentum(size, rate, opt.outer_momentum, nesterov=True)
+    return SGD(rate)
+
+
 def build_optimizer(config: Config, size: int) -> Any:
     """The optimizer config.optimizer.update names over `size` parameters, on the run's
     schedule, with its own settings (distbelief.model.optimizers.optimizer_for)."""
@@ -689,6 +743,8 @@ def _shard_reason(opt: dict) -> str:
     if opt["algorithm"] == "averaging":
         return (" without elastic_alpha" if opt["elastic_alpha"] is None
                 else f" with elastic_alpha = {opt['elastic_alpha']:g}")
+    if opt["algorithm"] == "diloco":
+        return f" with asynchronous = {_show(opt['asynchronous'])}"
     return ""
 
 
@@ -825,6 +881,9 @@ def hashed_settings(config: Config) -> dict[str, Any]:
     for owner, keys in ALGORITHM_KEYS.items():
         if owner != algorithm:
             dropped.update(keys)
+    dropped.difference_update(ALGORITHM_KEYS.get(algorithm, ()))
+    if algorithm == "diloco" and config.optimizer.outer_update != "nesterov":
+        dropped.add("outer_momentum")  # not read
     if config.optimizer.update in ("adagrad", "sgd"):
         dropped.add("update")  # `adagrad` says it, as it did before `update` existed
     for rule, keys in UPDATE_KEYS.items():

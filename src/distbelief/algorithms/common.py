@@ -523,3 +523,32 @@ def watched_run(comm: Any, describe: Callable[[int], str],
             yield signals, peers
         finally:
             peers.close()
+
+
+@dataclass
+class WireBytes:
+    """The bytes one replica put on the wire and took off it, counted where it calls the
+    transport or the collective: the payload handed in and received back (an all-reduce's
+    own traffic depends on the MPI's algorithm; docs/comparing-algorithms.md, "Bytes on
+    the wire")."""
+
+    sent: int = 0
+    received: int = 0
+
+    def add(self, sent: int = 0, received: int = 0) -> None:
+        self.sent += int(sent)
+        self.received += int(received)
+
+    def pair(self) -> tuple[int, int]:
+        return self.sent, self.received
+
+
+def traffic_summary(traffic: list[tuple[int, int]]) -> dict[str, Any]:
+    """The summary's bytes on the wire from each replica's (bytes sent, bytes received),
+    in replica order: the totals and each replica's (records.metrics adds them per sample
+    trained). What counts as sent is each algorithm's to say (docs/comparing-algorithms.md,
+    "Bytes on the wire"): the payload it hands the transport or the collective."""
+    sent, received = sum(int(t[0]) for t in traffic), sum(int(t[1]) for t in traffic)
+    return {"bytes_sent": sent, "bytes_received": received,
+            "replica_bytes": [{"replica": i, "bytes_sent": int(s), "bytes_received": int(r)}
+                              for i, (s, r) in enumerate(traffic)]}

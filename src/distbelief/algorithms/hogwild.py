@@ -79,6 +79,7 @@ from distbelief.algorithms.common import (
     StopSignals,
     TrainingDiverged,
     evaluate,
+    traffic_summary,
     train_shard,
 )
 from distbelief.algorithms.session import RunSession
@@ -466,7 +467,8 @@ class Leader:
             self._wait_for_all(DONE, 1)
             steps, samples = self.totals()
             self.recorder.log(steps, samples, self.recent_loss(),
-                              learning_rate=self.replica.optimizer.rate(max(steps - 1, 0)))
+                              learning_rate=self.replica.optimizer.rate(max(steps - 1, 0)),
+                              **self._wire(steps))
             if reason != "diverged":
                 if reason not in StopSignals.NAMES:
                     self._evaluate(steps, samples)
@@ -508,7 +510,8 @@ class Leader:
             if now >= next_log or reason:
                 recent = self.recent_loss()
                 self.recorder.log(steps, samples, recent,
-                                  learning_rate=replica.optimizer.rate(max(steps - 1, 0)))
+                                  learning_rate=replica.optimizer.rate(max(steps - 1, 0)),
+                                  **self._wire(steps))
                 next_log = now + LOG_EVERY_SECONDS
                 if not math.isfinite(recent):
                     if math.isnan(recent) and not self._any_loss():
@@ -567,7 +570,7 @@ class Leader:
         params = self.shared.params.copy()
         test_loss, accuracy = evaluate(self.network, params, self.eval_set)
         self.recorder.log_eval(steps, samples, self.recent_loss() if recent is None
-                               else recent, accuracy, test_loss)
+                               else recent, accuracy, test_loss, **self._wire(steps))
         return accuracy
 
     # -- liveness -------------------------------------------------------------------------
@@ -657,12 +660,23 @@ class Leader:
                                 seconds=seconds, path=path.name)
         say(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
 
+    def _wire(self, steps: int) -> dict[str, int]:
+        """metrics.jsonl's bytes so far (as _summary_extras counts them): every step reads
+        the shared vector and writes its update into it."""
+        vector = 4 * int(self.shared.params.size)
+        return {"bytes_sent": steps * vector, "bytes_received": steps * vector}
+
     def _summary_extras(self) -> dict[str, Any]:
         words = self.shared.words
         replicas = [{"replica": i, "steps": int(words[i, STEPS]),
                      "samples": int(words[i, SAMPLES])}
                     for i in range(self.num_replicas) if i not in self.lost]
+        # No network: each step reads the shared parameters for its gradient and writes
+        # its update into them, in place; those are the bytes counted (float32 each).
+        vector = 4 * int(self.shared.params.size)
+        traffic = [(r["steps"] * vector, r["steps"] * vector) for r in replicas]
         start = self.session.found
         return {"num_replicas": self.num_replicas, "replicas": replicas,
                 "lost_replicas": list(self.lost.values()),
-                "resumed_at_step": start.step if start is not None else None}
+                "resumed_at_step": start.step if start is not None else None,
+                **traffic_summary(traffic)}

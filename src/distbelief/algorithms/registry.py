@@ -72,6 +72,13 @@ ALGORITHMS: tuple[Algorithm, ...] = (
               shard_trainer="distbelief.algorithms.downpour.elastic:train"),
     Algorithm("hogwild", "distbelief.algorithms.hogwild:train",
               "lock-free shared parameters on one node"),
+    Algorithm("diloco", "distbelief.algorithms.averaging.diloco:train",
+              "DiLoCo: inner_steps local steps, then an outer optimizer on the replicas' "
+              "deltas; optimizer.asynchronous applies each delta on the shards",
+              own_keys=("inner_steps", "outer_update", "outer_learning_rate",
+                        "outer_momentum", "asynchronous", "push_dtype"),
+              shards="asynchronous",
+              shard_trainer="distbelief.algorithms.downpour.diloco:train"),
 )
 """Every algorithm, one line each: a new one is a folder under algorithms/ and a line here."""
 

@@ -11,6 +11,9 @@ style of Dean et al. 2012.
     time_to_target_vs_cores.png   median time to the target against the ranks a run
                                   used, one line per algorithm, bars from the fastest to
                                   the slowest seed (the paper's Figure 5)
+    accuracy_vs_bytes_sent.png    test accuracy against the bytes the replicas sent
+                                  (summary.json's bytes_sent, issue 33), log scale: what
+                                  a slow network pays for each algorithm's accuracy
 
 Only the runs of the current plan are read; a run that failed (or never ran) counts in
 its group's `failed` column and draws nothing.
@@ -34,6 +37,7 @@ TABLE_CSV = "table.csv"
 RUNS_CSV = "runs.csv"
 ACCURACY_FIGURE = "accuracy_vs_time.png"
 SCALING_FIGURE = "time_to_target_vs_cores.png"
+BYTES_FIGURE = "accuracy_vs_bytes_sent.png"
 
 
 @dataclass
@@ -50,6 +54,10 @@ class RunResult:
     wall_seconds: float | None
     curve: list[tuple[float, float]]  # (time, accuracy) of each evaluation (eval_accuracy)
     split: str = "test"               # what the evaluations ran on: test, or validation
+    bytes_sent: int | None = None     # over all replicas (summary.json), None if unreported
+    bytes_received: int | None = None
+    bytes_sent_per_sample: float | None = None
+    bytes_curve: list[tuple[float, float]] | None = None  # (bytes sent, accuracy)
 
 
 def collect(out_dir: str | Path, runs: Sequence[PlannedRun]) -> list[RunResult]:
@@ -65,6 +73,7 @@ def collect(out_dir: str | Path, runs: Sequence[PlannedRun]) -> list[RunResult]:
         target = summary.get("target_accuracy")
         hit = next((e for e in evals if target is not None
                     and eval_accuracy(e) >= target), None)
+        per_sample = summary.get("bytes_sent_per_sample")
         results.append(RunResult(
             run, state, record.get("exit_status"), target,
             summary.get("time_to_target"),
@@ -72,8 +81,22 @@ def collect(out_dir: str | Path, runs: Sequence[PlannedRun]) -> list[RunResult]:
             else None,
             summary.get("final_test_accuracy"), summary.get("wall_seconds"),
             [(e["time"], eval_accuracy(e)) for e in evals],
-            "validation" if any("val_accuracy" in e for e in evals) else "test"))
+            "validation" if any("val_accuracy" in e for e in evals) else "test",
+            summary.get("bytes_sent"), summary.get("bytes_received"), per_sample,
+            _bytes_curve(evals, per_sample)))
     return results
+
+
+def _bytes_curve(evals: list[dict[str, Any]],
+                 per_sample: float | None) -> list[tuple[float, float]] | None:
+    """(bytes sent, accuracy) of each evaluation: the bytes its metrics line logged, or
+    where it logged none (Downpour's shards count them only at the end), its samples times
+    the run's bytes sent per sample (each step or round of a run moves the same payload)."""
+    if per_sample is None and not any("bytes_sent" in e for e in evals):
+        return None
+    return [(float(e["bytes_sent"]) if "bytes_sent" in e else e["samples"] * per_sample,
+             eval_accuracy(e)) for e in evals
+            if "bytes_sent" in e or per_sample is not None]
 
 
 def _evals(run_dir: Path) -> list[dict[str, Any]]:
@@ -134,7 +157,8 @@ TABLE_COLUMNS = ("algorithm", "replicas", "ranks", "learning_rate", "seeds", "re
                  "failed", "time_to_target_median", "time_to_target_min",
                  "time_to_target_max", "samples_to_target_median", "samples_to_target_min",
                  "samples_to_target_max", "final_accuracy_median", "final_accuracy_min",
-                 "final_accuracy_max")
+                 "final_accuracy_max", "bytes_sent_per_sample_median",
+                 "bytes_sent_per_sample_min", "bytes_sent_per_sample_max")
 
 
 def table_rows(groups: Sequence[Group]) -> list[dict[str, Any]]:
@@ -150,7 +174,9 @@ def table_rows(groups: Sequence[Group]) -> list[dict[str, Any]]:
                 ("samples_to_target", [r.samples_to_target for r in g.reached
                                        if r.samples_to_target is not None]),
                 ("final_accuracy", [r.final_accuracy for r in g.finished
-                                    if r.final_accuracy is not None])):
+                                    if r.final_accuracy is not None]),
+                ("bytes_sent_per_sample", [r.bytes_sent_per_sample for r in g.finished
+                                           if r.bytes_sent_per_sample is not None])):
             stats = spread(values) or (None, None, None)
             for suffix, value in zip(("median", "min", "max"), stats):
                 row[f"{name}_{suffix}"] = value
@@ -167,7 +193,8 @@ def format_table(rows: Sequence[dict[str, Any]], target: float | None) -> str:
     names = [_row_name(row) for row in rows]
     width = max([len("algorithm"), *map(len, names)])
     header = (f"{'algorithm':<{width}} {'ranks':>5}{lr_head} {'reached':>8} {'failed':>6}  "
-              f"{'time ' + to + ' (s)':<22} {'samples ' + to:<26} final accuracy")
+              f"{'time ' + to + ' (s)':<22} {'samples ' + to:<26} {'final accuracy':<24} "
+              f"bytes sent/sample")
     lines = [header]
     for row, name in zip(rows, names):
         lr = ""
@@ -178,7 +205,8 @@ def format_table(rows: Sequence[dict[str, Any]], target: float | None) -> str:
             f"{name:<{width}} {row['ranks']:>5}{lr} {row['reached']:>4}/{row['seeds']:<3} "
             f"{row['failed']:>6}  {_cell(row, 'time_to_target', '.1f'):<22} "
             f"{_cell(row, 'samples_to_target', ',.0f'):<26} "
-            f"{_cell(row, 'final_accuracy', '.4f')}".rstrip())
+            f"{_cell(row, 'final_accuracy', '.4f'):<24} "
+            f"{_cell(row, 'bytes_sent_per_sample', ',.0f')}".rstrip())
     lines.append("median over the seeds [min-max]; times and samples over the seeds that "
                  "reached the target")
     return "\n".join(lines)
@@ -207,13 +235,17 @@ def write_tables(out_dir: str | Path, results: Sequence[RunResult],
     per_run = out / RUNS_CSV
     columns = ("algorithm", "replicas", "ranks", "learning_rate", "seed", "state",
                "exit_status", "time_to_target", "samples_to_target", "final_accuracy",
-               "wall_seconds", "run_dir", "log")
+               "wall_seconds", "bytes_sent", "bytes_received", "bytes_sent_per_sample",
+               "run_dir", "log")
     _write_csv(per_run, columns, [{
         "algorithm": r.run.algorithm, "replicas": r.run.replicas, "ranks": r.run.ranks,
         "learning_rate": r.run.learning_rate, "seed": r.run.seed, "state": r.state,
         "exit_status": r.exit_status, "time_to_target": r.time_to_target,
         "samples_to_target": r.samples_to_target, "final_accuracy": r.final_accuracy,
-        "wall_seconds": r.wall_seconds, "run_dir": f"{RUNS_DIR}/{r.run.folder}",
+        "wall_seconds": r.wall_seconds, "bytes_sent": r.bytes_sent,
+        "bytes_received": r.bytes_received,
+        "bytes_sent_per_sample": r.bytes_sent_per_sample,
+        "run_dir": f"{RUNS_DIR}/{r.run.folder}",
         "log": f"{LOGS_DIR}/{r.run.folder}.log"} for r in results])
     return [table, per_run]
 
@@ -234,11 +266,12 @@ def _write_csv(path: Path, columns: Sequence[str], rows: Sequence[dict[str, Any]
 
 def plot(out_dir: str | Path, groups: Sequence[Group], target: float | None,
          title: str) -> list[Path]:
-    """Both figures into out_dir; returns their paths."""
+    """The three figures into out_dir; returns their paths."""
     plt = import_pyplot()
     out = Path(out_dir)
     return [_plot_accuracy(plt, groups, target, title, out / ACCURACY_FIGURE),
-            _plot_scaling(plt, groups, target, title, out / SCALING_FIGURE)]
+            _plot_scaling(plt, groups, target, title, out / SCALING_FIGURE),
+            _plot_bytes(plt, groups, target, title, out / BYTES_FIGURE)]
 
 
 def _group_label(g: Group, show_lr: bool) -> str:
@@ -287,6 +320,50 @@ def _plot_accuracy(plt: Any, groups: Sequence[Group], target: float | None, titl
 
 
 LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _plot_bytes(plt: Any, groups: Sequence[Group], target: float | None, title: str,
+                path: Path) -> Path:
+    """Accuracy against the bytes the replicas sent, log scale (the algorithms differ by
+    orders of magnitude), in MB; a group whose runs report no bytes says so in the legend."""
+    fig, ax = plt.subplots(figsize=(7, 5), layout="constrained")
+    show_lr = len({g.learning_rate for g in groups}) > 1
+    colors = _algorithm_colors(plt, groups)
+    drawn: dict[str, int] = {}
+    any_curve = False
+    for g in groups:
+        style = LINE_STYLES[drawn.get(g.algorithm, 0) % len(LINE_STYLES)]
+        drawn[g.algorithm] = drawn.get(g.algorithm, 0) + 1
+        curves = [[(b / 1e6, y) for b, y in r.bytes_curve if b > 0]
+                  for r in g.results if r.bytes_curve]
+        curves = [c for c in curves if c]
+        label = _group_label(g, show_lr)
+        rates = [r.bytes_sent_per_sample for r in g.finished
+                 if r.bytes_sent_per_sample is not None]
+        if rates:
+            label += f", {statistics.median(rates):,.0f} B/sample"
+        for k, curve in enumerate(curves):
+            xs, ys = zip(*curve)
+            ax.plot(xs, ys, color=colors[g.algorithm], linestyle=style, linewidth=1.2,
+                    alpha=0.85, marker="." if len(curve) < 50 else None,
+                    label=label if k == 0 else None)
+            any_curve = True
+        if not curves:
+            ax.plot([], [], color=colors[g.algorithm], linestyle=style,
+                    label=f"{label} (no bytes reported)")
+    ylabel = f"{_split(groups)} accuracy"
+    if target is not None:
+        ax.axhline(target, color="gray", linestyle=":", linewidth=1,
+                   label=f"target {target:g}")
+        floor = accuracy_axis_floor(groups, target)
+        ax.set_ylim(floor, min(1.0, target + 0.03))
+        ylabel += f" (axis from {floor:g})"
+    if any_curve:
+        ax.set_xscale("log")
+    ax.set_xlabel("bytes sent by all replicas (MB, log scale)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    return _save(plt, fig, ax, path, f"Test accuracy against bytes sent\n{title}")
 
 ZOOM_BELOW_TARGET = 0.1
 """With a target, the accuracy figure's axis starts this far below it (the runs differ near

@@ -260,6 +260,11 @@ class RunRecorder:
             "samples_per_second": self._samples / wall if wall > 0 else None,
         }
         out.update(extra or {})
+        # Bytes on the wire per sample trained, for every trainer that reports its bytes.
+        samples = out.get("samples")
+        for key in ("bytes_sent", "bytes_received"):
+            if out.get(key) is not None:
+                out[f"{key}_per_sample"] = out[key] / samples if samples else None
         return out
 
     def finish(self, summary: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -9,8 +9,8 @@ Three PNG figures, every run on each (legend: the run folder's name):
                              each L-BFGS iterate on its batch, and its legend says so
 a table with one line per run (`summary_table`), which the command prints, and
 metrics.csv, every run's training and evaluation lines as one table. When at
-least one run is a Downpour or EASGD run (summary.json with algorithm "downpour" or
-"easgd"), two more:
+least one run is a Downpour, EASGD or asynchronous DiLoCo run (summary.json with
+algorithm "downpour", "easgd" or "diloco" and a list of replicas), two more:
     staleness_histogram.png  share of pushes by staleness (updates the shard applied
                              between a replica's fetch and its push), one bar group per run;
                              not drawn when every push had staleness 0 (one replica)
@@ -256,8 +256,10 @@ THROUGHPUT_FIGURE = "replica_throughput.png"
 
 def _is_downpour(run: Run) -> bool:
     s = run.summary or {}
-    # EASGD runs on Downpour's shards and replicas: the same figures.
-    return s.get("algorithm") in ("downpour", "easgd") and isinstance(s.get("replicas"), list)
+    # EASGD and asynchronous DiLoCo run on Downpour's shards and replicas: the same
+    # figures (synchronous DiLoCo's `replicas` is a count, not a list).
+    return s.get("algorithm") in ("downpour", "easgd", "diloco") \
+        and isinstance(s.get("replicas"), list)
 
 
 def _bar_offsets(n_runs: int) -> tuple[list[float], float]:

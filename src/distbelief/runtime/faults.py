@@ -27,6 +27,10 @@ Sandblaster shard the pushes it has received, Sandblaster's coordinator its iter
                           its Unlock)
     noinit:RANK:0         the rank's worker exits with status 1 before MPI_Init (a rank that
                           cannot start: a missing library, a full disk); AT is unused
+    link:RANK:0:125e6B/s  a slow network, simulated: every byte the rank's replica sends or
+                          receives through the transport or a collective (summary.json's
+                          bytes_sent + bytes_received) costs 1/125e6 s, slept right after
+                          the transfer (no overlap with compute); AT is unused
 
 Nothing but the tests and the benchmarks sets it; a real run never should, and the rank
 prints what it does when a fault fires.
@@ -49,7 +53,7 @@ from distbelief.errors import ConfigError
 
 ENV = "DISTBELIEF_FAULTS"
 ACTIONS = ("kill", "raise", "poison", "delay", "hang", "killpush", "pause", "linger",
-           "noinit")
+           "noinit", "link")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class Fault:
     from_then_on: bool = False  # poison: every step from `at` on
     factor: float = 1.0  # delay: a step takes this many times its compute time
     extra_seconds: float = 0.0  # delay: and this much longer
+    bytes_per_second: float = 0.0  # link: the simulated network's rate
 
     def applies_to(self, rank: int) -> bool:
         return self.rank is None or self.rank == rank
@@ -83,7 +88,7 @@ def _parse_one(item: str) -> Fault:
     action, *fields = item.split(":")
     if action not in ACTIONS:
         raise ValueError(f"unknown action {action!r}")
-    timed = ("delay", "pause", "linger")
+    timed = ("delay", "pause", "linger", "link")
     if len(fields) != (3 if action in timed else 2):
         raise ValueError("wrong number of fields")
     rank = None if fields[0] == "*" else _non_negative(fields[0], "RANK")
@@ -93,6 +98,10 @@ def _parse_one(item: str) -> Fault:
     if action not in timed:
         return Fault(action, rank, at, from_then_on)
     arg = fields[2]
+    if action == "link":
+        if not arg.endswith("B/s"):
+            raise ValueError("a link's rate is BYTESB/s, e.g. 125e6B/s")
+        return Fault(action, rank, at, bytes_per_second=_positive_float(arg[:-3]))
     if action == "delay" and arg.endswith("x") and _positive_float(arg[:-1]) >= 1:
         return Fault(action, rank, at, factor=float(arg[:-1]))
     if arg.endswith("s"):
@@ -157,6 +166,13 @@ class Faults:
         if self._firing("kill", step):
             self.kill(f"at {what} {step}")
 
+    def after_transfer(self, nbytes: int) -> None:
+        """Called after the rank moved `nbytes` through the transport or a collective:
+        sleep what a link armed with `link` takes to carry them."""
+        seconds = sum(nbytes / f.bytes_per_second for f in self.faults if f.action == "link")
+        if seconds > 0:
+            time.sleep(seconds)
+
     def after_updates(self, count: int) -> None:
         """Called by a shard between polls with the updates it has folded so far (a count
         that may jump): raise or kill once it reaches a fault's AT."""
@@ -213,6 +229,7 @@ class StepFaults:
 
     def __init__(self, faults: Faults, client: Any):
         self.faults, self.client = faults, client
+        self.moved = 0  # bytes through the client at the last step's end (link faults)
 
     def after_gradient(self, step: int, grad: np.ndarray) -> None:
         self.faults.poison(step, grad)
@@ -220,6 +237,9 @@ class StepFaults:
     def after_step(self, step: int, started: float) -> None:
         """`started`: time.perf_counter() when the step began."""
         self.faults.after_step(step, time.perf_counter() - started)
+        moved = int(self.client.bytes_sent) + int(self.client.bytes_received)
+        self.faults.after_transfer(moved - self.moved)  # the pushes and pulls since
+        self.moved = moved
         if self.faults.hang_due(step):
             self.client.hang_in_next_push(self.faults)
         if self.faults.kill_in_push_due(step):

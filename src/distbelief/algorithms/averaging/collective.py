@@ -32,6 +32,10 @@ asks the liveness machinery (runtime.liveness: /proc on this node, heartbeats on
 about every other replica, and once one is gone the lowest live rank ends the job with one
 line naming it (the others leave the abort to it) and exit status 1. The last checkpoint
 survives; EASGD (elastic_alpha set) is the variant that goes on without a lost replica.
+
+Synchronous DiLoCo (averaging.diloco) is this trainer with an OUTER step after each
+average (a `Variant`): the round's average is handed to an outer optimizer, whose result
+every replica continues from, and whose state the checkpoints keep.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -46,10 +51,18 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import EVAL_BATCH_SIZE, STOP_CODE_OF, STOP_CODES, StopSignals
+from distbelief.algorithms.common import (
+    EVAL_BATCH_SIZE,
+    STOP_CODE_OF,
+    STOP_CODES,
+    StopSignals,
+    WireBytes,
+    traffic_summary,
+)
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.errors import ConfigError, DataError
+from distbelief.model import kernels
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import (
@@ -61,6 +74,23 @@ from distbelief.runtime.agreement import agree, polled_bcast, wait_all
 from distbelief.runtime.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
+
+@dataclass(frozen=True)
+class Variant:
+    """What a trainer built on this collective changes: its name (the run's, the
+    checkpoints', the summary's), how it is described, and an outer step applied to each
+    round's average (averaging.diloco's OuterStep; None: the average is the result).
+    `survivor` names the form that goes on without a lost replica."""
+
+    name: str = "averaging"
+    outer: Callable[[np.ndarray], Any] | None = None  # makes the outer step from the start
+    narrow: bool = False  # with `outer`: deltas all-gathered as bfloat16 (Replica.average)
+    survivor: str = "EASGD, optimizer.elastic_alpha,"
+    what: str = "parameter averaging"
+
+
+AVERAGING = Variant()
+
 OPTIMIZER_PREFIX = "optimizer."  # a replica part's arrays that hold its optimizer state
 LOST_ABORT_WAIT_S = 5.0  # how long a rank that is not the lowest live one leaves the abort
 
@@ -68,14 +98,15 @@ LOST_ABORT_WAIT_S = 5.0  # how long a rank that is not the lowest live one leave
 def check_job(config: Config, world_size: int, n_train: int) -> None:
     """The job fits collective averaging: every rank a replica of one rank, each with at
     least a batch of rows. Pure, so every rank raises the same error before communicating."""
-    cluster = config.cluster
+    cluster, name = config.cluster, config.optimizer.algorithm
     if cluster.ps_shards != 0:
-        raise ConfigError(f"optimizer.algorithm = \"averaging\" without elastic_alpha keeps "
+        other = ("optimizer.asynchronous = true for asynchronous DiLoCo" if name == "diloco"
+                 else "optimizer.elastic_alpha for EASGD")
+        raise ConfigError(f"optimizer.algorithm = \"{name}\" in its collective form keeps "
                           f"no parameters on shards, but cluster.ps_shards = "
-                          f"{cluster.ps_shards}; set ps_shards = 0, or set "
-                          f"optimizer.elastic_alpha for EASGD")
+                          f"{cluster.ps_shards}; set ps_shards = 0, or set {other}")
     if cluster.partitions != 1:
-        raise ConfigError(f"optimizer.algorithm = \"averaging\" runs replicas of one rank "
+        raise ConfigError(f"optimizer.algorithm = \"{name}\" runs replicas of one rank "
                           f"each; cluster.partitions = {cluster.partitions} is not supported")
     smallest = n_train // world_size
     if config.data.batch_size > smallest:
@@ -98,6 +129,16 @@ class Replica:
     averages: int = 0
     average_seconds: float = 0.0
     others: tuple[int, ...] = field(default=())
+    outer: Any = None  # Variant.outer: applied to each average
+    narrow: bool = False  # Variant.narrow
+    wire: WireBytes = field(default_factory=WireBytes)  # this replica's bytes on the wire
+
+    def __post_init__(self) -> None:
+        if self.narrow:  # the narrowed round's buffers, named for the nonblocking calls
+            n = self.params.size
+            self._delta = np.zeros(n, dtype=np.float32)
+            self._mine = np.zeros(n, dtype=np.uint16)
+            self._gathered = np.zeros((self.size, n), dtype=np.uint16)
 
     @property
     def size(self) -> int:
@@ -107,15 +148,55 @@ class Replica:
     def rank(self) -> int:
         return self.comm.Get_rank()
 
+    def wire_so_far(self) -> dict[str, int]:
+        """metrics.jsonl's bytes so far, over all replicas: this rank's times R (each
+        round, every replica hands the collective the same payload)."""
+        return {"bytes_sent": self.wire.sent * self.size,
+                "bytes_received": self.wire.received * self.size}
+
     def average(self, losses: np.ndarray, flags: np.ndarray) -> None:
         """Average the parameters over the replicas in place, sum `losses` and take the
-        MAX of `flags`, in one polled round. Collective over comm (three Iallreduces)."""
+        MAX of `flags`, in one polled round, then apply the outer step if there is one.
+        Collective over comm (three Iallreduces).
+
+        The bytes counted are each collective's payload, what this rank hands in and
+        receives back (an all-reduce's own traffic depends on the MPI's algorithm: a ring
+        moves 2 (R-1)/R of it each way)."""
+        if self.narrow:
+            self._average_narrowed(losses, flags)
+            return
         t0 = time.perf_counter()
         requests = [self.comm.Iallreduce(MPI.IN_PLACE, self.params, op=MPI.SUM),
                     self.comm.Iallreduce(MPI.IN_PLACE, losses, op=MPI.SUM),
                     self.comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)]
         wait_all(requests, "the other replicas' parameters for the average", self.others)
+        payload = self.params.nbytes + losses.nbytes + flags.nbytes
+        self.wire.add(payload, payload)
         self.params *= np.float32(1.0 / self.size)
+        if self.outer is not None:
+            self.outer.apply(self.params)
+        self.averages += 1
+        self.average_seconds += time.perf_counter() - t0
+
+    def _average_narrowed(self, losses: np.ndarray, flags: np.ndarray) -> None:
+        """The outer step's round with bfloat16 deltas: this replica's delta (theta minus
+        its parameters) rounded to bfloat16 and all-gathered (2 bytes a value out, 2 R
+        back: an all-reduce cannot sum bfloat16), then widened and averaged in float32 in
+        rank order, the same sum on every rank, and the outer step; `losses` and `flags`
+        as in average. Collective over comm (an Iallgather and two Iallreduces)."""
+        t0 = time.perf_counter()
+        np.subtract(self.outer.theta, self.params, out=self._delta)
+        kernels.bf16_narrow(self._delta, self._mine)
+        requests = [self.comm.Iallgather(self._mine, self._gathered),
+                    self.comm.Iallreduce(MPI.IN_PLACE, losses, op=MPI.SUM),
+                    self.comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)]
+        wait_all(requests, "the other replicas' deltas for the outer step", self.others)
+        small = losses.nbytes + flags.nbytes
+        self.wire.add(self._mine.nbytes + small, self._gathered.nbytes + small)
+        for r in range(self.size):
+            kernels.bf16_widen(self._gathered[r], self._delta, accumulate=r > 0)
+        self._delta *= np.float32(1.0 / self.size)
+        self.outer.apply_delta(self._delta, self.params)
         self.averages += 1
         self.average_seconds += time.perf_counter() - t0
 
@@ -125,44 +206,57 @@ def describe_rank(rank: int) -> str:
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any] | None:
+          resume: str = "auto", variant: Variant = AVERAGING) -> dict[str, Any] | None:
     """Train with periodic parameter averaging on the ranks of `comm`; the summary on rank
     0, None elsewhere. Collective over `comm` (every rank calls it with the same config).
 
     Validates the job first without communicating (ConfigError/DataError on every rank);
     any rank's UserError in the set-up is raised on every rank (agreement.agree). A lost
-    replica ends the job (module docstring).
+    replica ends the job (module docstring). `variant`: what a trainer built on this one
+    changes (synchronous DiLoCo's outer step).
     """
 
-    session = RunSession("averaging", config, comm, stream, resume)
+    session = RunSession(variant.name, config, comm, stream, resume)
     info, network = session.info, session.network
     size, rank = comm.Get_size(), comm.Get_rank()
     check_job(config, size, info.n_train)
     set_blas_threads(config.run.threads or 1)
-    path = session.choose_checkpoint(size, "averaging",
+    path = session.choose_checkpoint(size, variant.name,
                                      why=" and each replica's optimizer state is its own")
     eval_set = agree(comm, lambda: session.load_eval_set() if rank == 0 else None)
     opt = config.optimizer
     params = network.init_params(config.run.seed)  # the same on every rank (same seed)
+    outer = variant.outer(params) if variant.outer is not None else None
     replica = Replica(comm, network, session.train_shard(rank, size), params,
                       build_optimizer(config, params.size),
-                      others=tuple(r for r in range(size) if r != rank))
+                      others=tuple(r for r in range(size) if r != rank), outer=outer,
+                      narrow=variant.narrow and outer is not None)
     found = agree(comm, lambda: _restore(path, session.found, replica))
     if rank == 0:
-        session.describe_run(f"{size} replica(s), average every {opt.average_every} steps, "
+        what = (f"{outer.describe()}, inner steps {opt.average_every}" if outer is not None
+                else f"average every {opt.average_every} steps")
+        session.describe_run(f"{size} replica(s), {what}, "
                              f"{network.layout.size:,d} parameters", len(eval_set[1]))
     recorder = session.open_recorder()
     saver = Saver(config, replica, recorder, stream,
-                  last_step=found.step if found is not None else None)
+                  last_step=found.step if found is not None else None, name=variant.name)
     with session.watched(describe_rank,
-                         lambda lost, peers: _stop_for_lost(comm, peers, lost, saver)
+                         lambda lost, peers: _stop_for_lost(comm, peers, lost, saver,
+                                                            variant)
                          ) as (signals, _):
         reason = _loop(session, replica, eval_set, saver, signals)
         saver.save()
-    return session.finish(reason, {
+        # Every replica's own count (the same in lockstep, but counted where it was spent).
+        traffic = comm.gather(replica.wire.pair(), root=0)
+    extras: dict[str, Any] = {
         "replicas": size, "average_every": opt.average_every,
-        "averages": replica.averages, "average_seconds": replica.average_seconds},
-        saver.last_path, steps_note=f" ({replica.averages} averages)")
+        "averages": replica.averages, "average_seconds": replica.average_seconds}
+    if outer is not None:
+        extras.update(outer.summary())
+    if rank == 0:
+        extras.update(traffic_summary(traffic))
+    return session.finish(reason, extras, saver.last_path,
+                          steps_note=f" ({replica.averages} averages)")
 
 
 def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
@@ -206,7 +300,10 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
             flags[0] = max(flags[0], STOP_CODE_OF[spent])
             flags[1] = now >= next_eval
             flags[2] = now >= next_save_time or step >= next_save_step
+        moved = sum(replica.wire.pair())
         replica.average(losses, flags)
+        if faults:
+            faults.after_transfer(sum(replica.wire.pair()) - moved)
         samples = step * batch_size
         if losses[1]:
             pending_loss, pending_count = pending_loss + losses[0], pending_count + losses[1]
@@ -219,7 +316,7 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
                 recent = pending_loss / pending_count
                 pending_loss, pending_count = 0.0, 0
                 recorder.log(step, samples, recent, learning_rate=replica.optimizer.rate(
-                    max(replica.local_steps - 1, 0)))
+                    max(replica.local_steps - 1, 0)), **replica.wire_so_far())
                 next_log = now + LOG_EVERY_SECONDS
             recorder.progress(step, samples, recent)
         if reason:
@@ -245,7 +342,8 @@ def _evaluate(replica: Replica, eval_set: Any, recorder: RunRecorder, step: int,
     x, y = eval_set
     loss, accuracy = replica.network.evaluate(replica.params, x, y,
                                               batch_size=EVAL_BATCH_SIZE)
-    recorder.log_eval(step, samples, recent, float(accuracy), float(loss))
+    recorder.log_eval(step, samples, recent, float(accuracy), float(loss),
+                      **replica.wire_so_far())
     return float(accuracy)
 
 
@@ -258,7 +356,8 @@ class Saver:
     parameters): rank 0 the parameters, each replica its own part. Collective."""
 
     def __init__(self, config: Config, replica: Replica, recorder: RunRecorder | None,
-                 stream: IO[str] | None, last_step: int | None):
+                 stream: IO[str] | None, last_step: int | None, name: str = "averaging"):
+        self.name = name
         run = config.run
         self.root = ckpt.checkpoint_root(run.out_dir)
         self.every_seconds, self.every_steps = run.checkpoint_every_seconds, \
@@ -310,11 +409,12 @@ class Saver:
                 records: list[ckpt.PartRecord]) -> Path:
         replica = self.replica
         size = replica.params.size
-        shard = ckpt.write_shard_part(partial, meta, 0, 0, size, replica.params, {},
+        outer = replica.outer.state() if replica.outer is not None else {}
+        shard = ckpt.write_shard_part(partial, meta, 0, 0, size, replica.params, outer,
                                       {"step": meta.step})
-        return ckpt.commit(self.root, meta, settings=self.settings, algorithm="averaging",
+        return ckpt.commit(self.root, meta, settings=self.settings, algorithm=self.name,
                            layout=replica.network.layout, shard_ranges=[(0, size)],
-                           optimizer_state=[], parts=[shard, *records],
+                           optimizer_state=list(outer), parts=[shard, *records],
                            num_replicas=replica.size, keep=self.keep)
 
 
@@ -328,8 +428,10 @@ def _restore(path: str | None, chosen: ckpt.Checkpoint | None,
     found = chosen if chosen is not None else ckpt.Checkpoint(Path(path),
                                                               ckpt.read_manifest(path))
     try:
-        params, _ = found.read_state(with_optimizer=False)
+        params, outer = found.read_state(with_optimizer=replica.outer is not None)
         np.copyto(replica.params, params)
+        if replica.outer is not None:
+            replica.outer.load(replica.params, outer)
         saved = found.read_replica(replica.rank)
         replica.shard.load_state(saved.data_state)
         replica.optimizer.load_state({name[len(OPTIMIZER_PREFIX):]: value
@@ -346,22 +448,25 @@ def _restore(path: str | None, chosen: ckpt.Checkpoint | None,
 # A lost replica
 
 
-def lost_replica_message(rank: int, how: str, last_step: int | None) -> str:
+def lost_replica_message(rank: int, how: str, last_step: int | None,
+                         variant: Variant = AVERAGING) -> str:
     """The one line that ends a collective averaging run whose replica `rank` died."""
     survives = (f"the last checkpoint (step {last_step}) survives it: run the same command "
                 f"again to resume from it" if last_step is not None else
                 "no checkpoint was written yet, so a rerun starts over")
-    return (f"replica {rank} (rank {rank}) is gone{how}: parameter averaging needs every "
-            f"replica in each average, so the run stops; {survives} (EASGD, "
-            f"optimizer.elastic_alpha, goes on without a lost replica)")
+    return (f"replica {rank} (rank {rank}) is gone{how}: {variant.what} needs every "
+            f"replica in each average, so the run stops; {survives} ({variant.survivor} "
+            f"goes on without a lost replica)")
 
 
-def _stop_for_lost(comm: MPI.Comm, peers: Any, lost: watchdog.RankLost, saver: Saver) -> None:
+def _stop_for_lost(comm: MPI.Comm, peers: Any, lost: watchdog.RankLost, saver: Saver,
+                   variant: Variant = AVERAGING) -> None:
     """End the job for a lost replica: the lowest live rank prints the line and aborts; the
     others give it LOST_ABORT_WAIT_S to do so, then abort themselves. Never returns."""
     size = comm.Get_size()
     live = [r for r in range(size) if r == comm.Get_rank() or not peers.gone(r)]
-    message = lost_replica_message(lost.rank, peers.how_gone(lost.rank), saver.last_step)
+    message = lost_replica_message(lost.rank, peers.how_gone(lost.rank), saver.last_step,
+                                   variant)
     if live and live[0] != comm.Get_rank():
         time.sleep(LOST_ABORT_WAIT_S)  # the lowest live rank aborts the job meanwhile
     watchdog.abort_and_leave(comm, message)

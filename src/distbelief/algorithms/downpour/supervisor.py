@@ -557,11 +557,22 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "lost_replicas": [asdict(lost) for _, lost in sorted(sup.lost.items())],
         "staleness": _combined_staleness(replicas),
         "push_dtype": config.optimizer.push_dtype,
+        **_diloco_settings(config),
         # every replica rank's, summed (each also in its `replicas` entry)
         "bytes_sent": sum(r["bytes_sent"] for r in replicas),
         "bytes_received": sum(r["bytes_received"] for r in replicas),
         "replicas": replicas, "shards": sup.shard_stats,
     }
+
+
+def _diloco_settings(config: Config) -> dict[str, Any]:
+    """Asynchronous DiLoCo's settings (algorithms.downpour.diloco), for its summary."""
+    opt = config.optimizer
+    if opt.algorithm != "diloco":
+        return {}
+    return {"asynchronous": True, "inner_steps": opt.inner_steps,
+            "outer_update": opt.outer_update, "outer_learning_rate": opt.outer_learning_rate,
+            "outer_momentum": opt.outer_momentum if opt.outer_update == "nesterov" else None}
 
 
 def _combined_staleness(replicas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -583,6 +594,9 @@ def _header(config: Config, plan: DownpourPlan, network: Any, info: Any,
     opt = config.optimizer
     name = "downpour" if opt.elastic_alpha is None else \
         f"averaging (EASGD, elastic_alpha {opt.elastic_alpha:g}, every {opt.average_every} steps)"
+    if opt.algorithm == "diloco":
+        name = (f"diloco (asynchronous, outer {opt.outer_update} lr "
+                f"{opt.outer_learning_rate:g}, inner steps {opt.inner_steps})")
     return (f"distbelief: {name}, {network.layout.size:,d} parameters; "
             f"{plan.topology.describe()}; n_fetch {opt.n_fetch}, n_push {opt.n_push}, "
             f"warm start {opt.warm_start_steps} steps, "

@@ -634,6 +634,10 @@ class Coordinator:
             "lost_replicas": [asdict(lost) for _, lost in sorted(self.lost.items())],
             "restarted_evaluations": self.restarted_evaluations,
             "replicas": replicas, "shards": [s for s in all_stats if s["role"] == "shard"],
+            # Every replica rank's vectors to and from the shards (each in its `replicas`
+            # entry); the coordinator's scalars are coordinator_traffic.
+            "bytes_sent": sum(r.get("bytes_sent", 0) for r in replicas),
+            "bytes_received": sum(r.get("bytes_received", 0) for r in replicas),
         }
         summary = self.recorder.finish(extras)
         say(self.stream, _summary_line(summary, self.config))

@@ -54,6 +54,8 @@ class ReplicaStats:
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     cpu_seconds: float = 0.0  # this process's CPU time in run(): the work, whatever the load
+    bytes_sent: int = 0      # gradient sums pushed to the shards (headers included)
+    bytes_received: int = 0  # trial points and snapshots fetched from them
 
 
 DECISIONS = (HOLD, COMMIT, DROP)
@@ -229,6 +231,7 @@ class Replica:
             requests.append(self.comm.isend(kind, dest=shard, tag=TAG_FETCH))
         wait_all(requests, f"the {kind} from the shards", [s for s, _, _ in self.links])
         self.stats_.fetches += 1
+        self.stats_.bytes_received += sum(buf.nbytes for buf in self.recv)
         current = all(int(buf[:1].view(np.int32)[0]) == ident for buf in self.recv)
         current = self._all_agree(current)
         self.stats_.comm_seconds += time.perf_counter() - t0
@@ -281,6 +284,7 @@ class Replica:
         wait_all(requests, "the shards to take this replica's push",
                  [s for s, _, _ in self.links])
         self.stats_.pushes += 1
+        self.stats_.bytes_sent += sum(buf.nbytes for buf in self.send)
         self.stats_.comm_seconds += time.perf_counter() - t0
 
     def _evaluate(self, snapshot: int) -> tuple:

@@ -43,7 +43,14 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import EVAL_BATCH_SIZE, STOP_CODE_OF, STOP_CODES, StopSignals
+from distbelief.algorithms.common import (
+    EVAL_BATCH_SIZE,
+    STOP_CODE_OF,
+    STOP_CODES,
+    StopSignals,
+    WireBytes,
+    traffic_summary,
+)
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
@@ -99,9 +106,12 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         reason = run.loop(signals)
         run.checkpoint(final=True)
         identical = run.replicas_identical()
+        traffic = comm.gather(run.wire.pair(), root=0)
     return session.finish(reason, {
         "replicas": replicas, "backup_workers": 0, "dropped_gradients": 0,
-        "replicas_identical": identical}, run.last_path, eval_samples=eval_set[2],
+        "replicas_identical": identical,
+        **(traffic_summary(traffic) if rank == 0 else {})}, run.last_path,
+        eval_samples=eval_set[2],
         note=f"; replicas identical: {'yes' if identical else 'NO'}")
 
 
@@ -166,6 +176,7 @@ class _Run:
         self.last_path: str | None = None
         self.last_saved = state["step"] if state["step"] else None
         self.recent_loss = math.nan
+        self.wire = WireBytes()  # this replica's, for summary.json
 
     # -- the loop
 
@@ -213,6 +224,10 @@ class _Run:
             wait_all([comm.Iallreduce(send, total, op=MPI.SUM),
                       comm.Iallreduce(flags, decided, op=MPI.MAX)],
                      "the step's gradient allreduce", self.others)
+            self.wire.add(send.nbytes + flags.nbytes, total.nbytes + decided.nbytes)
+            if faults:
+                faults.after_transfer(send.nbytes + flags.nbytes + total.nbytes
+                                      + decided.nbytes)
             loss = float(total[n]) / self.replicas
             if not math.isfinite(loss):  # the same sum everywhere: every replica stops
                 raise self.session.diverged(f"{loss} at step {step + 1}")
@@ -226,7 +241,8 @@ class _Run:
                 if now >= next_log or reason:
                     self.recent_loss, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
                     self.recorder.log(step, samples, self.recent_loss,
-                                      learning_rate=self.optimizer.rate(step - 1))
+                                      learning_rate=self.optimizer.rate(step - 1),
+                                      **self.wire_so_far())
                     next_log = now + LOG_EVERY_SECONDS
                 self.recorder.progress(step, samples, self.recent_loss)
             if reason:
@@ -243,6 +259,12 @@ class _Run:
                 self.checkpoint()
                 next_save = time.monotonic() + save_every_s
 
+    def wire_so_far(self) -> dict[str, int]:
+        """metrics.jsonl's bytes so far, over all replicas: this rank's times R (every
+        replica hands each collective the same payload in lockstep)."""
+        return {"bytes_sent": self.wire.sent * self.replicas,
+                "bytes_received": self.wire.received * self.replicas}
+
     # -- collective pieces
 
     def evaluate(self) -> float:
@@ -256,10 +278,12 @@ class _Run:
         summed = np.zeros_like(part)
         wait_all([self.comm.Iallreduce(part, summed, op=MPI.SUM)], "an evaluation",
                  self.others)
+        self.wire.add(part.nbytes, summed.nbytes)
         test_loss, accuracy = summed[0] / total, summed[1] / total
         if self.recorder is not None:
             self.recorder.log_eval(self.state["step"], self.state["samples"],
-                                   self.recent_loss, float(accuracy), float(test_loss))
+                                   self.recent_loss, float(accuracy), float(test_loss),
+                                   **self.wire_so_far())
         return float(accuracy)
 
     def checkpoint(self, final: bool = False) -> None:

@@ -42,7 +42,14 @@ from typing import IO, Any
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.algorithms.common import StopRules, StopSignals, evaluate, train_shard
+from distbelief.algorithms.common import (
+    StopRules,
+    StopSignals,
+    WireBytes,
+    evaluate,
+    traffic_summary,
+    train_shard,
+)
 from distbelief.algorithms.session import RunSession
 from distbelief.algorithms.sync.allreduce import write_checkpoint
 from distbelief.config import Config, build_optimizer
@@ -198,6 +205,9 @@ class _Server:
         self.last_saved: int | None = None
         self.recorder: RunRecorder | None = None
         self.received: dict[int, int] = {}  # rank -> gradients received from it
+        # rank -> that replica's bytes, counted here where the messages are sent and
+        # received: what it sent is what this shard received from it, and the reverse.
+        self.wire = {rank: WireBytes() for rank in self.live}
         self.notices = launcher.sends_death_notices()  # else every SIGUSR1 is a stop
         self.usr1_seen, self.usr1_first = 0, None  # SIGUSR1s counted, a new one's sight
         self.last_death = -math.inf
@@ -305,6 +315,7 @@ class _Server:
         return self.session.finish(reason, {
             "replicas": self.replicas, "backup_workers": self.k,
             "dropped_gradients": self.dropped,
+            **traffic_summary([self.wire[rank].pair() for rank in sorted(self.wire)]),
             "lost_replicas": [{"replica": r - 1, "ranks": [r], "step": s, "why": self._why(r)}
                               for r, s in sorted(self.lost.items())]}, self.last_path,
             note=f"; {self.dropped:,d} late gradients dropped, {len(self.lost)} replica(s) "
@@ -349,7 +360,9 @@ class _Server:
                 if len(pending) >= MAX_PARAMS_IN_FLIGHT:
                     continue
             self.sending.append((self.comm.Isend(head, rank, TAG_DOWN_HEAD), head))
+            self.wire[rank].add(received=head.nbytes)
             if snapshot is not None:
+                self.wire[rank].add(received=snapshot.nbytes)
                 request = self.comm.Isend(snapshot, rank, TAG_PARAMS)
                 self.sending.append((request, snapshot))
                 self.params_in_flight[rank].append(request)
@@ -372,6 +385,7 @@ class _Server:
             self._check_quorum()
             return None
         self.received[source] = self.received.get(source, 0) + 1
+        self.wire[source].add(sent=head.nbytes + grad.nbytes)
         self.data_states[source - 1] = {
             "seed": self.config.run.seed, "rank": source - 1, "num_ranks": self.replicas,
             "n": int(head[3]), "epoch": int(head[1]), "position": int(head[2])}
