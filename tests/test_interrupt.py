@@ -143,11 +143,11 @@ def test_metrics_without_a_checkpoint_are_moved_aside_not_overwritten(
         return run_mpi(2, ["-m", "distbelief", *args], timeout=90)
 
     assert run().returncode == 0
-    if launcher == "alone":  # a run whose checkpoints were lost (or never written)
-        for path in (out / "checkpoints").iterdir():
-            for part in sorted(path.rglob("*"), reverse=True):
-                part.unlink() if part.is_file() else part.rmdir()
-            path.rmdir()
+    # A run whose checkpoints were lost (or never written: killed before the first one).
+    for path in (out / "checkpoints").iterdir():
+        for part in sorted(path.rglob("*"), reverse=True):
+            part.unlink() if part.is_file() else part.rmdir()
+        path.rmdir()
     before = (out / "metrics.jsonl").read_bytes(), (out / "summary.json").read_bytes()
     proc = run()
     assert proc.returncode == 0, proc.stderr
