@@ -33,7 +33,6 @@ fresh inner optimizer state (as EASGD's replicas, downpour/elastic.py).
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import time
 from typing import IO, Any
@@ -66,21 +65,7 @@ class DilocoReplica(Replica):
     def _train_block(self, steps: int) -> int:
         """Train `steps` granted local steps from theta, then push the delta with the next
         claim and pull; returns the steps that claim was granted."""
-        loss_sum, done = 0.0, 0
-        while done < steps and not self.stopping:
-            loss, started = self._compute_step()
-            done += 1
-            if self._usable(loss):
-                self.local_optimizer.step(self.params, self.grad, update=self.t - 1)
-            else:
-                self._drop()  # a non-finite gradient is not applied (counted, as Downpour)
-            if math.isfinite(loss):
-                loss_sum += loss
-            self.injected.after_step(self.t, started)
-        self._exchange_delta(self.control.set(self.plan.n_push, done, loss_sum))
-        self.stats_.steps += done
-        self.stats_.samples += done * self.plan.batch_size
-        return self._granted_after_exchange()
+        return self._train_locally(steps, self._exchange_delta)
 
     def _exchange_delta(self, control: Any) -> None:
         """Push theta - x_i with the control exchange, then pull the parameters once the

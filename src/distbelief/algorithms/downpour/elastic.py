@@ -34,7 +34,6 @@ the paper's analysis starts them anywhere).
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import time
 from typing import IO, Any
@@ -97,21 +96,7 @@ class ElasticReplica(Replica):
     def _train_block(self, steps: int) -> int:
         """Train `steps` granted local steps on x_i, then the elastic exchange with the
         next claim; returns the steps that claim was granted."""
-        loss_sum, done = 0.0, 0
-        while done < steps and not self.stopping:
-            loss, started = self._compute_step()
-            done += 1
-            if self._usable(loss):
-                self.local_optimizer.step(self.params, self.grad, update=self.t - 1)
-            else:
-                self._drop()  # a non-finite gradient is not applied (counted, as Downpour)
-            if math.isfinite(loss):
-                loss_sum += loss
-            self.injected.after_step(self.t, started)
-        self._exchange_elastic(self.control.set(self.plan.n_push, done, loss_sum))
-        self.stats_.steps += done
-        self.stats_.samples += done * self.plan.batch_size
-        return self._granted_after_exchange()
+        return self._train_locally(steps, self._exchange_elastic)
 
     def _exchange_elastic(self, control: Any) -> None:
         """Read x~ (with this replica's own earlier pushes in it), move x_i toward it and

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -201,6 +202,26 @@ class Replica:
         self._push(self.control.set(plan.n_push, done, loss_sum))
         self.stats_.steps += done
         self.stats_.samples += done * plan.batch_size
+        return self._granted_after_exchange()
+
+    def _train_locally(self, steps: int, exchange: Callable[[Any], None]) -> int:
+        """Compute `steps` granted steps, each applied here by `self.local_optimizer` (a
+        replica with an optimizer of its own: EASGD, DiLoCo), then `exchange` the block
+        with the next claim's control; returns the steps that claim was granted."""
+        loss_sum, done = 0.0, 0
+        while done < steps and not self.stopping:
+            loss, started = self._compute_step()
+            done += 1
+            if self._usable(loss):
+                self.local_optimizer.step(self.params, self.grad, update=self.t - 1)
+            else:
+                self._drop()  # a non-finite gradient is not applied (counted, as Downpour)
+            if math.isfinite(loss):
+                loss_sum += loss
+            self.injected.after_step(self.t, started)
+        exchange(self.control.set(self.plan.n_push, done, loss_sum))
+        self.stats_.steps += done
+        self.stats_.samples += done * self.plan.batch_size
         return self._granted_after_exchange()
 
     def _compute_step(self) -> tuple[float, float]:
