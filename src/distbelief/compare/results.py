@@ -306,13 +306,7 @@ def _plot_accuracy(plt: Any, groups: Sequence[Group], target: float | None, titl
         if not curves:  # keep the failed group in the legend
             ax.plot([], [], color=colors[g.algorithm], linestyle=style,
                     label=f"{label} (no curve)")
-    ylabel = f"{_split(groups)} accuracy"
-    if target is not None:
-        ax.axhline(target, color="gray", linestyle=":", linewidth=1,
-                   label=f"target {target:g}")
-        floor = accuracy_axis_floor(groups, target)
-        ax.set_ylim(floor, min(1.0, target + 0.03))
-        ylabel += f" (axis from {floor:g})"
+    ylabel = _accuracy_axis(ax, groups, target)
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
@@ -320,6 +314,19 @@ def _plot_accuracy(plt: Any, groups: Sequence[Group], target: float | None, titl
 
 
 LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _accuracy_axis(ax: Any, groups: Sequence[Group], target: float | None) -> str:
+    """With a target, its line and the accuracy axis from accuracy_axis_floor to just above
+    it; returns the axis's label."""
+    ylabel = f"{_split(groups)} accuracy"
+    if target is not None:
+        ax.axhline(target, color="gray", linestyle=":", linewidth=1,
+                   label=f"target {target:g}")
+        floor = accuracy_axis_floor(groups, target)
+        ax.set_ylim(floor, min(1.0, target + 0.03))
+        ylabel += f" (axis from {floor:g})"
+    return ylabel
 
 
 def _plot_bytes(plt: Any, groups: Sequence[Group], target: float | None, title: str,
@@ -351,13 +358,7 @@ def _plot_bytes(plt: Any, groups: Sequence[Group], target: float | None, title: 
         if not curves:
             ax.plot([], [], color=colors[g.algorithm], linestyle=style,
                     label=f"{label} (no bytes reported)")
-    ylabel = f"{_split(groups)} accuracy"
-    if target is not None:
-        ax.axhline(target, color="gray", linestyle=":", linewidth=1,
-                   label=f"target {target:g}")
-        floor = accuracy_axis_floor(groups, target)
-        ax.set_ylim(floor, min(1.0, target + 0.03))
-        ylabel += f" (axis from {floor:g})"
+    ylabel = _accuracy_axis(ax, groups, target)
     if any_curve:
         ax.set_xscale("log")
     ax.set_xlabel("bytes sent by all replicas (MB, log scale)")
