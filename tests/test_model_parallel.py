@@ -226,17 +226,20 @@ def test_partitioned_sgd_target_stop_names_the_reaching_evaluation(data_dir, tmp
 
 
 @pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
+@pytest.mark.parametrize("transport", ["shared", "rma"])
 @pytest.mark.parametrize("shards, partitions", [(2, 2), (1, 3)])
 def test_downpour_one_partitioned_replica_is_sequential_sgd(data_dir, tmp_path,
                                                             single_process, shards,
-                                                            partitions):
+                                                            partitions, transport):
     # S shards + 1 replica x P partitions: each partition pulls and pushes only its own
     # pieces (with 2 shards they straddle the shard boundary); with read-your-writes that
-    # is exactly the single-process run.
+    # is exactly the single-process run. On RMA the partitions' pushes land in slots of
+    # their own that a shard's fold sums (a slot must not keep another's values).
     out = tmp_path / "out"
     proc = run_mpi(shards + partitions, ["-m", "distbelief", *train_args(
         data_dir, out, 'optimizer.algorithm="downpour"', f"cluster.ps_shards={shards}",
-        f"cluster.partitions={partitions}")], timeout=TIMEOUT)
+        f"cluster.partitions={partitions}")], timeout=TIMEOUT,
+        env={**_env(), "DISTBELIEF_PS_TRANSPORT": transport})
     summary = finished(proc, out)
     assert summary["steps"] == 100
     assert summary["final_test_loss"] == pytest.approx(single_process["final_test_loss"],

@@ -350,6 +350,11 @@ class ParameterServerShard(_Endpoint):
                                  update=update)
         else:
             self._optimizer.step(self._master, grad, update=update)
+        if not self._narrowed and len(full) > 1:
+            # The first slot now holds the other pushes' values too. A client restricted to
+            # its pieces (a model partition) Puts only those, and relies on the rest of its
+            # own slots staying zero: clear the sum before the slot is freed.
+            grad.fill(0)
         win.Sync()
         for k in full:
             state = int(self._states[k, 0])
