@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -286,6 +287,10 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
         extra, env = simulated_nodes_launch(nodes, env)
         launcher_options = (*extra, *launcher_options)
     cmd = [*mpiexec(n, *launcher_options), sys.executable, *map(str, args)]
+    # cli_exit_status.py also leaves each rank's status in a file here: Open MPI's launcher
+    # lost a surviving rank's last line of output, after a death, once in a while.
+    exit_dir = tempfile.mkdtemp(prefix="distbelief-exit-")
+    env = {**env, EXIT_DIR: exit_dir}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=cwd, env=env, start_new_session=True)
     try:
@@ -295,7 +300,15 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
         out, err = proc.communicate()
         pytest.fail(f"MPI job timed out after {timeout}s (deadlock?): {cmd}\n"
                     f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    finished = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    finished.exit_files = {int(name.removeprefix("rank-")): int(Path(exit_dir, name).read_text())
+                           for name in os.listdir(exit_dir) if name.startswith("rank-")}
+    shutil.rmtree(exit_dir, ignore_errors=True)
+    return finished
+
+
+EXIT_DIR = "DISTBELIEF_TEST_EXIT_DIR"
+"""Where tests/mpi_programs/cli_exit_status.py writes each rank's exit status (run_mpi)."""
 
 
 def start_in_background(cmd: list[str], log: Path) -> subprocess.Popen:
