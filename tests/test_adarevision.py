@@ -206,12 +206,17 @@ def test_downpour_with_adarevision_trains(data_dir, tmp_path, transport, n, shar
     assert (state["zmax"] >= state["z"]).all() and (state["zmax"] > 0).any()
     if summary["shards"][0]["transport"] == "rma":
         # The shard folds every push: each take revised for the versions its pushes had
-        # pulled. Its mean backlog is a mean of the pushes' staleness, so it cannot exceed
-        # the largest staleness (a push that sent no fetch version would read as version 0).
+        # pulled, measured when it folds. The replicas' staleness is read when they claim a
+        # slot, and other folds may land before this one, so it is no bound on the backlog
+        # (CI saw 1.02 against a largest staleness of 1). The history is: an older fetch is
+        # capped to the oldest version kept, and counted. A push that sent no fetch version
+        # would read as version 0, so nearly every update would be capped; a replica held
+        # off the cores for 8 folds caps a few.
         for shard in summary["shards"]:
             stats = shard["adarevision"]
             assert stats["updates"] == shard["version"] > 0
-            assert 0 <= stats["backlog_mean"] <= summary["staleness"]["max"]
+            assert 0 <= stats["backlog_mean"] <= HISTORY - 1
+            assert stats["capped"] < stats["updates"] / 2
 
 
 @pytest.mark.both_mpis
