@@ -16,7 +16,15 @@ import pytest
 from conftest import run_cli
 
 from distbelief.data import converters as datasets
-from distbelief.data.hdf5 import DatasetInfo, DatasetWriter, TrainShard, load_test, open_dataset
+from distbelief.data.hdf5 import (
+    DatasetInfo,
+    DatasetWriter,
+    TrainShard,
+    bytes_read,
+    load_test,
+    open_dataset,
+    read_rows,
+)
 from distbelief.errors import DataError
 
 # ---------------------------------------------------------------------------------------
@@ -529,6 +537,26 @@ def test_load_test(indexed: DatasetInfo) -> None:
     for bad in (0, -1, 2.0):
         with pytest.raises(ValueError, match="test limit"):
             load_test(indexed, limit=bad)
+
+
+def test_bytes_read_counts_what_was_read(indexed: DatasetInfo) -> None:
+    """bytes_read() grows by exactly the stored bytes of each read: x float32 (3 values a
+    row) and y int32 as stored, whatever the reader then converts them to."""
+    row = 3 * 4 + 4
+    before = bytes_read()
+    x, y = read_rows(indexed, "train", 5, 12)
+    assert len(x) == 7 and bytes_read() - before == 7 * row == x.nbytes + y.nbytes
+    before = bytes_read()
+    TrainShard(indexed, rank=1, num_ranks=3)                 # rows 8..15
+    assert bytes_read() - before == 8 * row
+    before = bytes_read()
+    load_test(indexed, limit=3)
+    assert bytes_read() - before == 3 * row
+    before = bytes_read()
+    open_dataset(indexed.path, labels=False)                 # metadata only
+    assert bytes_read() == before
+    open_dataset(indexed.path)                               # every label of both splits
+    assert bytes_read() - before == (23 + 7) * 4
 
 
 def test_file_replaced_after_open(indexed: DatasetInfo, tmp_path: Path) -> None:

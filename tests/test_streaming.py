@@ -18,7 +18,7 @@ from distbelief.algorithms.sgd import train
 from distbelief.config import config_from_dict, config_hash
 from distbelief.data import stream
 from distbelief.data.converters import make_synthetic
-from distbelief.data.hdf5 import TrainShard, open_dataset, to_float
+from distbelief.data.hdf5 import TrainShard, bytes_read, open_dataset, to_float
 from distbelief.data.stream import StreamingTrainShard
 from distbelief.errors import DataError
 from distbelief.records import checkpoint as ckpt
@@ -57,6 +57,23 @@ def test_rows_and_block_edges(data_dir: Path, small_reads) -> None:
     largest = max(sum(hi - lo for lo, hi in w) for w in windows)
     assert 3 * largest * 144 <= 2 * MB
     assert sum(len(w) for w in windows) == len(shard.blocks) and len(windows) > 1
+
+
+def test_bytes_read_counts_the_streamed_rows(data_dir: Path, small_reads) -> None:
+    """One epoch of a streamed shard reads its own rows (x uint8, y int32), counted by
+    bytes_read() though a prefetch thread read them, plus at most the two windows it reads
+    ahead: the file system sees about 1/3 of the set, not all of it."""
+    info = open_dataset(data_dir / "s.h5")
+    shard = StreamingTrainShard(info, 1, 3, seed=0, memory_bytes=MB)
+    row = 144 + 4
+    ahead = 2 * max(sum(hi - lo for lo, hi in w) for w in shard.windows(1))
+    before = bytes_read()
+    shard.next_batch(shard.n)
+    read = bytes_read() - before
+    shard.close()
+    assert shard.n * row <= read <= (shard.n + ahead) * row
+    assert read % row == 0 and bytes_read() - before <= (shard.n + ahead) * row
+    assert (shard.n + ahead) * row < info.n_train * row * 2 // 3
 
 
 @pytest.mark.parametrize("rank, ranks", [(0, 1), (2, 3)])

@@ -24,12 +24,17 @@ silent bad pixels. Readers accept files without either (e.g. written by hand wit
 attributes, every label's range) and returns a `DatasetInfo`. `TrainShard` holds one rank's
 contiguous block of training rows in memory, in the stored dtype, and serves minibatches.
 Every problem with a file is a `DataError` whose one-line message names the file.
+
+`bytes_read()` is how many bytes of rows and labels this process has read from dataset
+files (x and y as stored, array nbytes): the file system's load per rank, which should be
+that rank's share of the data, not the whole set (issue 32).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Self
@@ -57,6 +62,26 @@ CHUNK_BYTES = 256 * 1024
 H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
 # Labels are checked in blocks so that validating a file larger than memory stays cheap.
 LABEL_CHECK_ROWS = 1 << 20
+
+# Bytes of x and y this process has read from dataset files (bytes_read). A process-wide
+# tally on purpose: it measures what the process asked of the file system, whoever asked.
+# The lock: a streaming shard's prefetch thread adds to it too.
+_bytes_read = 0
+_bytes_read_lock = threading.Lock()
+
+
+def bytes_read() -> int:
+    """Bytes of rows and labels (x and y as stored: the nbytes of what was read) this
+    process has read from dataset files so far: shards, evaluation sets, label checks."""
+    return _bytes_read
+
+
+def count_read(*arrays: np.ndarray) -> None:
+    """Add the stored bytes of `arrays`, just read from a dataset file, to bytes_read()."""
+    global _bytes_read
+    n = sum(int(a.nbytes) for a in arrays)
+    with _bytes_read_lock:
+        _bytes_read += n
 
 
 @dataclass(frozen=True)
@@ -165,6 +190,7 @@ def _check_labels(path: Path, y: h5py.Dataset, name: str, num_classes: int) -> N
         raise DataError(f"{path}: /{name} has dtype {y.dtype}, expected integer labels")
     for start in range(0, y.shape[0], LABEL_CHECK_ROWS):
         block = y[start : start + LABEL_CHECK_ROWS]
+        count_read(block)
         low, high = int(block.min()), int(block.max())
         if low < 0 or high >= num_classes:
             bad = low if low < 0 else high
@@ -284,7 +310,9 @@ def read_rows(info: DatasetInfo, split: str, start: int,
                     or x.shape != (expected, *info.input_shape) or y.shape != (expected,)
                     or x.dtype.name != info.stored_dtype):
                 raise DataError(f"{info.path}: /{split} changed since the file was opened")
-            return x[start:stop], y[start:stop].astype(np.int32)
+            xs, ys = x[start:stop], y[start:stop]
+            count_read(xs, ys)
+            return xs, ys.astype(np.int32)
         except DataError:
             raise
         except H5_ERRORS as exc:

@@ -25,6 +25,7 @@ import numpy as np
 from distbelief.data.hdf5 import (
     H5_ERRORS,
     DatasetInfo,
+    count_read,
     first_line,
     open_h5,
     saved_position,
@@ -229,7 +230,9 @@ class _Reader:
         try:
             for lo, hi in blocks:
                 x.read_direct(xs, np.s_[lo:hi], np.s_[at:at + hi - lo])
-                ys[at:at + hi - lo] = y[lo:hi]
+                labels = y[lo:hi]
+                ys[at:at + hi - lo] = labels
+                count_read(xs[at:at + hi - lo], labels)
                 at += hi - lo
         except H5_ERRORS as exc:
             raise DataError(f"{shard.info.path}: cannot read training rows of /train/x "
