@@ -25,6 +25,7 @@ from helpers import DELAY, exit_statuses, fault_config, set_args
 from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
 from distbelief.records import checkpoint as ckpt
+from distbelief.runtime import counters
 from distbelief.runtime.faults import ENV as FAULTS
 from distbelief.runtime.heartbeat import Heartbeats
 from distbelief.runtime.nodes import _colors, simulated_nodes
@@ -172,10 +173,13 @@ def test_a_watcher_reads_a_file_at_most_once_per_interval(tmp_path: Path,
     reads = []
     real = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda path: reads.append(path) or real(path))
+    counted = counters.snapshot()["heartbeat_reads"]
     t0 = time.monotonic()
     while time.monotonic() - t0 < 2.5:  # asked thousands of times, every 1 s interval
         watcher.stopped(1)
     assert 2 <= len(reads) <= 4, len(reads)
+    # summary.json's control_plane counts exactly the reads that reached the file system
+    assert counters.snapshot()["heartbeat_reads"] - counted == len(reads)
     beating.stop()
 
 
@@ -327,3 +331,15 @@ def test_shards_land_on_distinct_nodes_under_block_placement(
     summary = summary_of(out)
     assert [s["transport"] for s in summary["shards"]] == ["rma", "rma"]
     assert summary["steps"] == 300 and summary["lost_replicas"] == []
+    # What each rank asked of the file system and of one-sided MPI (control_plane): on two
+    # nodes every rank beats; a replica Puts each push to both shards and Gets each fetch.
+    control = {c["rank"]: c for c in summary["control_plane"]}
+    assert sorted(control) == list(range(6))
+    assert all(c["heartbeat_writes"] >= 1 and c["seconds"] > 0 for c in control.values())
+    for replica in summary["replicas"]:
+        counts = control[replica["rank"]]
+        assert counts["rma_puts"] >= 2 * replica["pushes"] > 0, counts
+        assert counts["rma_gets"] >= replica["fetches"] > 0, counts
+        assert counts["data_bytes_read"] > 0, counts
+    # the final checkpoint: a part per shard, the replicas' table and the manifest
+    assert sum(c["checkpoint_files"] for c in control.values()) >= 4

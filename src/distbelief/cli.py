@@ -59,7 +59,8 @@ Before anything is set up, every rank's memory is predicted for its role, and a 
 whose ranks on one node need more than that node has is refused on every rank (exit 2),
 naming the largest role and a layout that fits. A node has what its SLURM allocation
 says (--mem, --mem-per-cpu), else its MemAvailable; DISTBELIEF_NODE_MEMORY=64G overrides.
-summary.json records every rank's peak memory (peak_rss).
+summary.json records every rank's peak memory (peak_rss) and what it asked of the file
+system and of MPI's one-sided operations (control_plane).
 
 optimizer.algorithm = "averaging" makes every rank a replica (cluster.ps_shards = 0) that
 trains on its own part of the data and averages its parameters with the others every
@@ -797,12 +798,18 @@ def _gather_peak_memory(config: Any, algorithm: Any, comm: Any,
 
 def _with_peak_memory(config: Any, summary: dict[str, Any],
                       figures: list[dict[str, Any]]) -> dict[str, Any]:
-    """summary.json rewritten with `peak_rss` (each rank's figure) and the largest."""
+    """summary.json rewritten with `peak_rss` (each rank's figure) and the largest, and
+    `control_plane`: each rank's counters of file and one-sided operations
+    (runtime.counters)."""
     from distbelief.records.metrics import SUMMARY_FILE, write_json_atomic
 
-    largest = max(figures, key=lambda figure: figure["peak_rss_mb"])
-    summary = {**summary, "peak_rss": figures,
-               "peak_rss_largest": {"role": largest["role"], "mb": largest["peak_rss_mb"]}}
+    peaks = [{k: v for k, v in figure.items() if k != "counters"} for figure in figures]
+    control = [{"rank": figure["rank"], "role": figure["role"], **figure["counters"]}
+               for figure in figures if "counters" in figure]
+    largest = max(peaks, key=lambda figure: figure["peak_rss_mb"])
+    summary = {**summary, "peak_rss": peaks,
+               "peak_rss_largest": {"role": largest["role"], "mb": largest["peak_rss_mb"]},
+               "control_plane": control}
     write_json_atomic(config.run.out_dir / SUMMARY_FILE, summary)
     return summary
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from distbelief.errors import DataError
 from distbelief.model.layout import balanced_ranges
+from distbelief.runtime import counters
 
 FORMAT_NAME = "distbelief-dataset"
 FORMAT_VERSION = 1
@@ -82,6 +83,7 @@ def count_read(*arrays: np.ndarray) -> None:
     n = sum(int(a.nbytes) for a in arrays)
     with _bytes_read_lock:
         _bytes_read += n
+    counters.add("data_bytes_read", n)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from mpi4py import MPI
 
 from distbelief.model.layout import DTYPE
 from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, _aligned
-from distbelief.runtime import watchdog
+from distbelief.runtime import counters, watchdog
 
 FLOAT_BYTES = DTYPE().itemsize
 PUSH_BYTES = {"float32": FLOAT_BYTES, "bfloat16": 2}
@@ -161,6 +161,43 @@ def _window_info() -> MPI.Info:
     return info
 
 
+class CountedWindow:
+    """An MPI.Win that counts its one-sided operations in runtime.counters (summary.json's
+    `control_plane`); every other attribute is the window's own."""
+
+    __slots__ = ("win",)
+
+    def __init__(self, win: MPI.Win):
+        self.win = win
+
+    def __getattr__(self, name: str):
+        return getattr(self.win, name)
+
+    def Fetch_and_op(self, *args) -> None:
+        counters.add("rma_atomics")
+        self.win.Fetch_and_op(*args)
+
+    def Compare_and_swap(self, *args) -> None:
+        counters.add("rma_atomics")
+        self.win.Compare_and_swap(*args)
+
+    def Accumulate(self, *args) -> None:
+        counters.add("rma_atomics")
+        self.win.Accumulate(*args)
+
+    def Get(self, *args) -> None:
+        counters.add("rma_gets")
+        self.win.Get(*args)
+
+    def Put(self, *args) -> None:
+        counters.add("rma_puts")
+        self.win.Put(*args)
+
+    def Flush(self, rank: int) -> None:
+        counters.add("rma_flushes")
+        self.win.Flush(rank)
+
+
 class _ShardWindows:
     """The two windows of every shard, allocated and freed collectively in one order."""
 
@@ -180,12 +217,12 @@ class _ShardWindows:
         self.buffers = self.folded_hint + _aligned(clients * COUNTER_BYTES)
         info = _window_info()
         try:
-            self.accum = MPI.Win.Allocate(
+            self.accum = CountedWindow(MPI.Win.Allocate(
                 self.slot_offset(self.slots, local_count) if local_count else 0, 1,
-                info, comm)
-            self.params = MPI.Win.Allocate(
+                info, comm))
+            self.params = CountedWindow(MPI.Win.Allocate(
                 self.buffer(BUFFERS, local_count) if local_count else 0, 1, info,
-                comm)
+                comm))
         finally:
             info.Free()
         for win in (self.accum, self.params):

@@ -105,6 +105,7 @@ import numpy as np
 
 from distbelief.errors import UserError
 from distbelief.model.layout import DTYPE, ParamLayout
+from distbelief.runtime import counters
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "manifest.json"
@@ -356,6 +357,7 @@ def _write_part(partial: Path, name: str, fill: Callable[[h5py.File], None]) -> 
         raise CheckpointError(f"checkpoint folder {partial} does not exist; the committer "
                               "calls prepare() before the writers start")
     tmp = partial / f".{name}.tmp"
+    counters.add("checkpoint_files")
     try:
         with h5py.File(tmp, "w", locking=False) as f:
             fill(f)
@@ -396,6 +398,7 @@ def _file_digest(path: Path) -> tuple[int, str]:
 
 def _write_file_atomic(folder: Path, name: str, data: bytes) -> None:
     tmp = folder / f".{name}.tmp"
+    counters.add("checkpoint_files")
     with tmp.open("wb") as f:
         f.write(data)
         f.flush()

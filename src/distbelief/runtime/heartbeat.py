@@ -33,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 
+from distbelief.runtime import counters
+
 FOLDER = ".heartbeats"
 """Under run.out_dir: one folder per job, named by its token."""
 
@@ -73,6 +75,7 @@ class Heartbeats:
 
     def _beat(self) -> None:
         self._count += 1
+        counters.add("heartbeat_writes")
         with open(self.path(self.rank), "w") as f:
             f.write(f"{self._count}\n")
 
@@ -111,6 +114,7 @@ class Heartbeats:
             due = now - self._read_at.get(rank, -float("inf")) >= self.interval_s
         beat, answered = None, False
         if due:
+            counters.add("heartbeat_reads")
             try:
                 beat, answered = self.path(rank).read_bytes(), True
             except FileNotFoundError:

@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from distbelief.errors import ConfigError
+from distbelief.runtime import counters
 
 NODE_MEMORY_ENV = "DISTBELIEF_NODE_MEMORY"
 MEMORY_TAG = 0x6D656D  # "mem": the end-of-run peak RSS messages
@@ -101,8 +102,10 @@ def node_memory_bytes(environ: Mapping[str, str] | None = None,
 
 
 def rank_figure(rank: int, role: str) -> dict[str, Any]:
-    """This process's line in summary.json's `peak_rss`. Local."""
-    return {"rank": rank, "role": role, "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1)}
+    """This process's line in summary.json's `peak_rss`, with its control-plane counters
+    (runtime.counters) under "counters". Local."""
+    return {"rank": rank, "role": role, "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
+            "counters": counters.snapshot()}
 
 
 def gather_peak_rss(comm: Any, writer: int, role: str, skip: Iterable[int] = (),
