@@ -118,7 +118,8 @@ def test_a_bad_simulated_node_count_is_one_error_on_every_rank(tmp_path: Path) -
 
 def test_a_heartbeat_goes_silent_when_its_rank_stops(tmp_path: Path) -> None:
     folder = tmp_path / ".heartbeats" / "job"
-    watcher, beating = Heartbeats(folder, 0, 0.5), Heartbeats(folder, 1, 0.5)
+    # reads_per_s high enough that the read period is the interval (the budget: below)
+    watcher, beating = Heartbeats(folder, 0, 0.5, reads_per_s=1000), Heartbeats(folder, 1, 0.5)
     watcher.start()
     beating.start()
     assert watcher.silent_for(1) == 0.0 and not watcher.stopped(1)
@@ -181,6 +182,29 @@ def test_a_watcher_reads_a_file_at_most_once_per_interval(tmp_path: Path,
     # summary.json's control_plane counts exactly the reads that reached the file system
     assert counters.snapshot()["heartbeat_reads"] - counted == len(reads)
     beating.stop()
+
+
+def test_a_watcher_of_many_ranks_keeps_to_its_read_budget(tmp_path: Path,
+                                                          monkeypatch) -> None:
+    # 40 ranks watched at 10 reads a second: each file is read once per 4 s, not once per
+    # 1 s interval, so the file system sees 10 reads a second from this rank, not 40.
+    folder = tmp_path / ".heartbeats" / "job"
+    folder.mkdir(parents=True)
+    for rank in range(1, 41):
+        (folder / f"rank-{rank}").write_text("1\n")
+    watcher = Heartbeats(folder, 0, 10.0, reads_per_s=10)
+    reads = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda path: reads.append(path.name) or real(path))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 6.0:  # a sweep of every rank, over and over
+        for rank in range(1, 41):
+            watcher.stopped(rank)
+        time.sleep(0.01)
+    assert watcher.read_period() == 4.0
+    assert max(reads.count(f"rank-{rank}") for rank in range(1, 41)) == 2, reads
+    assert len(reads) == 80, "40 at the start, 40 once the period has passed"
+    assert watcher.detection_s(40) == 10.0 + 3 * 4.0
 
 
 # -- the watchdog, in one process -----------------------------------------------------------------

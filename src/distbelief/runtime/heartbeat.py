@@ -17,11 +17,16 @@ each other's beats; each rank removes its file at a clean end, and the last one 
 A rank whose file a watcher has never seen (a folder that is not shared) is never taken
 for dead by it: no news is not bad news there.
 
-What the file system is asked: a watcher reads a rank's file at most once per beat
-interval, however often it is asked (the watchdog's thread, the shards' polls and the
-sweeps ask many times a second; the beat cannot change faster). A death takes two
-readings that the file system answered, both after the timeout and an interval apart,
-that show no new beat (a missing file is an answer: the rank ended). A read that fails
+What the file system is asked: a rank writes one small file per beat interval, and a
+watcher reads at most READS_PER_S files a second, whatever the rank count: each rank's
+file at most once per `read_period()`, the beat interval, or longer when more ranks are
+watched than READS_PER_S x interval (the sweeps of shard 0 and of the Sandblaster
+coordinator watch every replica; the waits of set-up and teardown every rank). So a rank
+asks the file system for at most 1 / interval + READS_PER_S operations a second, and a
+node for that times its ranks, at 4 ranks as at 1,000 (benchmarks/bench_control_plane.py).
+The price: a death among many watched ranks is found later, within `detection_s()`. A
+death takes two readings that the file system answered, both after the timeout and a
+read period apart, that show no new beat (a missing file is an answer: the rank ended). A read that fails
 (EIO, ESTALE, a metadata server failing over) is no reading at all, so a file server that
 stops answering for longer than the timeout writes nobody off: once it answers again, a
 live rank's next beat comes within an interval, before the second stale reading.
@@ -37,6 +42,12 @@ from distbelief.runtime import counters
 
 FOLDER = ".heartbeats"
 """Under run.out_dir: one folder per job, named by its token."""
+READS_PER_S = 10.0
+"""The most heartbeat files one rank reads a second: 1,000 ranks then ask a shared file
+system for about 11,000 operations a second, a tenth of what one Lustre metadata server
+serves (issue 32)."""
+WATCHED_WINDOW_S = 10.0
+"""A rank counts as watched for this long after it was last asked about."""
 
 
 def interval_for(timeout_s: float) -> float:
@@ -48,12 +59,15 @@ def interval_for(timeout_s: float) -> float:
 class Heartbeats:
     """This rank's heartbeat thread and its watch over the other ranks' beats."""
 
-    def __init__(self, folder: Path, rank: int, timeout_s: float):
+    def __init__(self, folder: Path, rank: int, timeout_s: float,
+                 reads_per_s: float = READS_PER_S):
         self.folder, self.rank, self.timeout_s = folder, rank, timeout_s
         self.interval_s = interval_for(timeout_s)
+        self.reads_per_s = reads_per_s
         self._count = 0
         self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last beat, when it changed)
         self._read_at: dict[int, float] = {}  # rank -> when its file was last read
+        self._asked: dict[int, float] = {}  # rank -> when it was last asked about
         self._stale: dict[int, tuple[int, float]] = {}  # rank -> (stale readings, last one)
         self._lock = threading.Lock()  # the watch is read by the main and watchdog threads
         self._stop = threading.Event()
@@ -106,12 +120,28 @@ class Heartbeats:
 
     # -- watching
 
-    def silent_for(self, rank: int, now: float | None = None) -> float:
-        """Seconds since `rank`'s beat last changed, as this rank saw it (0.0 if its file
-        has never been seen here). Reads the file at most once per interval."""
+    def read_period(self, now: float | None = None) -> float:
+        """How long this watcher leaves between two reads of one rank's file: the beat
+        interval, or the time READS_PER_S reads take to go round every rank asked about
+        in the last WATCHED_WINDOW_S."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            due = now - self._read_at.get(rank, -float("inf")) >= self.interval_s
+            watched = sum(1 for t in self._asked.values() if now - t < WATCHED_WINDOW_S)
+        return max(self.interval_s, watched / self.reads_per_s)
+
+    def detection_s(self, watched: int) -> float:
+        """The longest a death among `watched` ranks can go unnoticed: the timeout, then
+        two stale readings a read period apart, and one period to the first of them."""
+        return self.timeout_s + 3 * max(self.interval_s, watched / self.reads_per_s)
+
+    def silent_for(self, rank: int, now: float | None = None) -> float:
+        """Seconds since `rank`'s beat last changed, as this rank saw it (0.0 if its file
+        has never been seen here). Reads the file at most once per read_period()."""
+        now = time.monotonic() if now is None else now
+        period = self.read_period(now)
+        with self._lock:
+            self._asked[rank] = now
+            due = now - self._read_at.get(rank, -float("inf")) >= period
         beat, answered = None, False
         if due:
             counters.add("heartbeat_reads")
@@ -133,13 +163,13 @@ class Heartbeats:
                 return 0.0
             silent = now - seen[1]
             count, last = self._stale.get(rank, (0, -float("inf")))
-            if answered and silent > self.timeout_s and now - last >= self.interval_s:
+            if answered and silent > self.timeout_s and now - last >= period:
                 self._stale[rank] = (count + 1, now)
             return silent
 
     def stopped(self, rank: int) -> bool:
         """`rank`'s heartbeat has not changed for timeout_s (it died, or froze), in two
-        readings the file system answered, an interval apart."""
+        readings the file system answered, a read period apart."""
         silent = self.silent_for(rank)
         with self._lock:
             return silent > self.timeout_s and self._stale.get(rank, (0, 0.0))[0] >= 2

@@ -246,10 +246,12 @@ class Supervisor(_ShardRole):
 
     def _notice_delay(self) -> float:
         """How long a new SIGUSR1 waits for a rank to be found gone: NOTICE_DELAY_S, plus
-        the heartbeat timeout when ranks on other nodes are found by their heartbeat (else
-        hydra's notice of a death there would stop the run before the death is found)."""
-        beats = self.run_.peers.heartbeats
-        return NOTICE_DELAY_S + (beats.timeout_s + SWEEP_S if beats is not None else 0.0)
+        the heartbeats' detection bound when ranks on other nodes are found by their
+        heartbeat (else hydra's notice of a death there would stop the run before the death
+        is found)."""
+        beats, watched = self.run_.peers.heartbeats, self.plan.topology.world_size
+        return NOTICE_DELAY_S + (beats.detection_s(watched) + SWEEP_S if beats is not None
+                                 else 0.0)
 
     def _sweep(self, now: float, shards: bool = True) -> None:
         """Look for gone shards (fatal; not once the shards have ended the run together and

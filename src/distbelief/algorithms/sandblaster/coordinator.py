@@ -481,7 +481,8 @@ class Coordinator:
         self._sweep(force=True)
         delay = NOTICE_DELAY_S
         if self.peers is not None and self.peers.heartbeats is not None:
-            delay += self.peers.heartbeats.timeout_s + SWEEP_S
+            delay += (self.peers.heartbeats.detection_s(len(self.all_replica_ranks))
+                      + SWEEP_S)
         waiting = []
         for first in self.usr1_pending:
             if not self.notices:
