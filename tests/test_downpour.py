@@ -228,6 +228,23 @@ def test_bfloat16_pushes_train_with_exact_counts_and_half_the_bytes(data_dir, tm
     assert config["optimizer"]["push_dtype"] == "bfloat16"
 
 
+@pytest.mark.parametrize("n, shards, fetch", [(6, 2, "asynchronous"), (7, 3, "overlapped")])
+def test_replicas_contending_for_push_slots_on_several_shards_never_deadlock(
+        data_dir, tmp_path, n, shards, fetch):
+    # One push slot per shard (DISTBELIEF_FAULTS slots:*:1), more replicas than slots, as
+    # 24 replicas on 8 shards of MAX_PUSH_SLOTS are. A push that held one shard's slot
+    # while waiting for another's deadlocked against a push doing the reverse: the stall
+    # watchdog ended 32- and 64-rank runs. Claims now go up the shard order.
+    out = tmp_path / "out"
+    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": "rma", FAULTS: "slots:*:1"}
+    proc = downpour(n, data_dir, out, f"cluster.ps_shards={shards}", "run.max_steps=200",
+                    f'optimizer.fetch="{fetch}"', env=env, timeout=120)
+    summary, _ = finished(proc, out)
+    assert summary["steps"] == 200 and summary["lost_replicas"] == []
+    assert "stall:" not in proc.stderr, proc.stderr[-3000:]
+    assert all(r["steps"] > 0 for r in summary["replicas"])
+
+
 @pytest.mark.parametrize("transport", ["shared", "rma"])
 def test_one_replica_reads_its_own_pushes(data_dir, tmp_path, transport):
     # With read-your-writes fetches a lone replica never computes on stale parameters.

@@ -195,6 +195,7 @@ class ParameterClient(_Endpoint):
             control.issue(win, CONTROL_SHARD, HEADER_BYTES)
         first, backoff = True, Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
         guard = watchdog.current()
+        held: set[int] = set()
         with guard.waiting("a free push slot on the shards", tuple(pending)):
             while pending:
                 turn = {s: order.pop(0) for s, order in pending.items()}
@@ -213,10 +214,29 @@ class ParameterClient(_Endpoint):
                         self._marks[s, 0] = full_state(self._client,
                                                        int(self.pulled_versions[s]))
                         del pending[s]
+                        held.add(s)
                     elif not pending[s]:
                         pending[s] = self._candidates(s)
                         guard.check()
                         backoff.wait()
+                if pending:
+                    self._release_above(win, min(pending), held, pending)
+
+    def _release_above(self, win: MPI.Win, lowest: int, held: set[int],
+                       pending: dict[int, list[int]]) -> None:
+        """Give back the slots this push holds on shards above `lowest`, the lowest shard
+        it still waits for, and wait for them again. A push waiting for a shard then holds
+        slots of lower shards only, so no two pushes can each hold a slot the other waits
+        for: with more clients than slots (MAX_PUSH_SLOTS), 24 replicas on 8 shards
+        deadlocked without it (docs/rma-protocol.md, "Claims"). The release is the claim
+        undone (Compare_and_swap id -> 0: nothing was Put or marked), completed with the
+        next round, which includes its shard."""
+        for s in sorted(held):
+            if s > lowest:
+                compare_and_swap(win, self._free, self._mine, self._claim_results[s], s,
+                                 self._live().slot(self._slot[s]))
+                held.discard(s)
+                pending[s] = self._candidates(s)
 
     def _issue_push_data(self, win: MPI.Win, grad: np.ndarray) -> None:
         """A push's second round: Put each shard's segments of `grad` into its slot (as

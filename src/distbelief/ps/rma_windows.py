@@ -53,7 +53,7 @@ from mpi4py import MPI
 
 from distbelief.model.layout import DTYPE
 from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, _aligned
-from distbelief.runtime import counters, watchdog
+from distbelief.runtime import counters, faults, watchdog
 
 FLOAT_BYTES = DTYPE().itemsize
 PUSH_BYTES = {"float32": FLOAT_BYTES, "bfloat16": 2}
@@ -208,7 +208,7 @@ class _ShardWindows:
         self.push_bytes = PUSH_BYTES[push_dtype]
         self.clients = clients
         self.readers = comm.Get_size()
-        self.slots = push_slots(clients)
+        self.slots = faults.push_slots() or push_slots(clients)
         self.slot_states = HEADER_BYTES + _aligned(control_bytes)
         self.slot_data = self.slot_states + _aligned(self.slots * COUNTER_BYTES)
         self.reading = HEADER_BYTES

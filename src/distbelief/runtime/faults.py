@@ -31,6 +31,9 @@ Sandblaster shard the pushes it has received, Sandblaster's coordinator its iter
                           receives through the transport or a collective (summary.json's
                           bytes_sent + bytes_received) costs 1/125e6 s, slept right after
                           the transfer (no overlap with compute); AT is unused
+    slots:*:K             every RMA shard has K push slots (K >= 1), not two per replica
+                          up to MAX_PUSH_SLOTS: the contention of many replicas, with few;
+                          RANK must be * (the windows are allocated collectively)
 
 Nothing but the tests and the benchmarks sets it; a real run never should, and the rank
 prints what it does when a fault fires.
@@ -53,7 +56,7 @@ from distbelief.errors import ConfigError
 
 ENV = "DISTBELIEF_FAULTS"
 ACTIONS = ("kill", "raise", "poison", "delay", "hang", "killpush", "pause", "linger",
-           "noinit", "link")
+           "noinit", "link", "slots")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ def _parse_one(item: str) -> Fault:
     if len(fields) != (3 if action in timed else 2):
         raise ValueError("wrong number of fields")
     rank = None if fields[0] == "*" else _non_negative(fields[0], "RANK")
+    if action == "slots" and (rank is not None or fields[1] == "0"):
+        raise ValueError("slots applies to every rank (*) and needs K >= 1")
     at_text = fields[1]
     from_then_on = action == "poison" and at_text.endswith("+")
     at = _non_negative(at_text.removesuffix("+") if from_then_on else at_text, "AT")
@@ -107,6 +112,12 @@ def _parse_one(item: str) -> Fault:
     if arg.endswith("s"):
         return Fault(action, rank, at, extra_seconds=_positive_float(arg[:-1]))
     raise ValueError("a delay is Fx (F >= 1) or SECONDSs; a pause or linger is SECONDSs")
+
+
+def push_slots(environ: Mapping[str, str] | None = None) -> int | None:
+    """K of an armed `slots:*:K` fault, or None."""
+    text = (os.environ if environ is None else environ).get(ENV, "")
+    return next((f.at for f in parse(text) if f.action == "slots"), None)
 
 
 def _non_negative(text: str, what: str) -> int:
