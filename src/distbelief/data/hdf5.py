@@ -299,10 +299,36 @@ def read_rows(info: DatasetInfo, split: str, start: int,
     Re-checks the shapes against `info`, since the file may have been replaced since.
     "validation" reads the validation split (/val, or the held-out end of /train).
     """
+    return _read(info, split, np.s_[start:stop], f"rows {start}..{stop}")
+
+
+def read_rows_at(info: DatasetInfo, split: str,
+                 rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows `rows` (distinct indices, in any order) of /split, in that order, as read_rows
+    gives them: only those rows are read (a selection of points, not their whole span)."""
+    rows = np.asarray(rows, dtype=np.intp)
+    order = np.argsort(rows, kind="stable")
+    ascending = rows[order]
+    if len(ascending) and np.any(ascending[1:] == ascending[:-1]):
+        raise ValueError("read_rows_at: rows must be distinct")
+    x, y = _read(info, split, ascending, f"{len(rows)} rows")
+    back = np.empty_like(order)
+    back[order] = np.arange(len(order))
+    return x[back], y[back]
+
+
+def _read(info: DatasetInfo, split: str, where: Any,
+          what: str) -> tuple[np.ndarray, np.ndarray]:
+    """x[where], y[where] of /split (read_rows, read_rows_at: a slice, or ascending row
+    indices); `what` names the rows in an error."""
+    offset = 0
     if split == "validation" and info.held_out:
-        split, start, stop = "train", info.n_train + start, info.n_train + stop
+        split, offset = "train", info.n_train
     elif split == "validation":
         split = "val"
+    if offset:
+        where = (np.s_[where.start + offset:where.stop + offset] if isinstance(where, slice)
+                 else where + offset)
     expected = {"train": info.n_train + info.held_out, "test": info.n_test,
                 "val": info.n_val}[split]
     with open_h5(info.path) as f:
@@ -312,13 +338,17 @@ def read_rows(info: DatasetInfo, split: str, start: int,
                     or x.shape != (expected, *info.input_shape) or y.shape != (expected,)
                     or x.dtype.name != info.stored_dtype):
                 raise DataError(f"{info.path}: /{split} changed since the file was opened")
-            xs, ys = x[start:stop], y[start:stop]
+            if isinstance(where, slice) or len(where):
+                xs, ys = x[where], y[where]
+            else:  # h5py refuses an empty list of points
+                xs = np.empty((0, *info.input_shape), dtype=x.dtype)
+                ys = np.empty(0, dtype=y.dtype)
             count_read(xs, ys)
             return xs, ys.astype(np.int32)
         except DataError:
             raise
         except H5_ERRORS as exc:
-            raise DataError(f"{info.path}: cannot read rows {start}..{stop} of /{split}/x "
+            raise DataError(f"{info.path}: cannot read {what} of /{split}/x "
                             f"(corrupt file?): {first_line(exc)}") from exc
 
 

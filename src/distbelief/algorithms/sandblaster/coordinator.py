@@ -106,6 +106,7 @@ class Coordinator:
         self.replica_of = {rank: r for r, rank in enumerate(self.replicas)}  # O(1) lookups
         self.all_replica_ranks = range(topology.first_replica_rank, topology.world_size)
         self.units = plan.units
+        self.owners = plan.owners
         self.rules = StopRules.from_config(config)
         self.traffic = Traffic()
         self.table: WorkUnitTable | None = None
@@ -304,7 +305,8 @@ class Coordinator:
         late = (BACKUP_LATE_FACTOR * statistics.median(self.unit_seconds)
                 if len(self.unit_seconds) >= 4 else 0.0)
         self.table = WorkUnitTable(len(self.units), self.plan.push_every,
-                                   self.plan.backup_copies, backup_after=late)
+                                   self.plan.backup_copies, backup_after=late,
+                                   owners=self.owners)
         self.loss_sum = 0.0
         if self.step == 0 and self.trial_id == 1 and not self.eval_in_flight:
             self._schedule_evaluation()  # x0, while the first batch runs

@@ -38,10 +38,10 @@ from distbelief.algorithms.sandblaster.replica import (
     encode_answer,
 )
 from distbelief.algorithms.sandblaster.shards import ShardServer
+from distbelief.algorithms.sandblaster.unit_rows import UnitRows
 from distbelief.algorithms.sandblaster.vector_shard import VectorShard
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config
-from distbelief.data.hdf5 import read_rows
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime import guardian, watchdog
@@ -100,7 +100,7 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     topology = plan.topology
     session.reporting_rank = topology.coordinator_rank
     path = session.choose_checkpoint()
-    local = agree(comm, lambda: _replica_data(session) if topology.is_replica else None)
+    local = agree(comm, lambda: _replica_rows(session, plan) if topology.is_replica else None)
     communicators = split_communicators(comm, topology)
     role: Any
     if topology.is_shard:
@@ -110,21 +110,23 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         if topology.role == "coordinator":
             role = Coordinator(comm, config, plan, network, info, stream, session.found)
         elif plan.partitions == 1:
-            role = Replica(comm, config, plan, network, *local, pieces=pieces[0])
+            role = Replica(comm, config, plan, network, local, session.load_eval_set,
+                           pieces=pieces[0])
         else:
             team = communicators.partition
             model = PartitionedNetwork(network, team, splits)
-            role = Replica(comm, config, plan, model, *local, pieces=model.pieces, team=team)
+            role = Replica(comm, config, plan, model, local, session.load_eval_set,
+                           pieces=model.pieces, team=team)
     role.communicators, role.session = communicators, session
     return role
 
 
-def _replica_data(session: RunSession) -> tuple:
-    """A replica's training rows (every replica may get any unit), its evaluation set and
-    the data's scale. Local."""
-    info = session.info
-    x, y = read_rows(info, "train", 0, info.n_train)
-    return x, y, session.load_eval_set(), info.scale
+def _replica_rows(session: RunSession, plan: SandblasterPlan) -> UnitRows:
+    """A replica's training rows: its own block, read now; other replicas' units' rows
+    when it is given them. Local."""
+    blocks = plan.blocks
+    batches = BatchRows(plan.n_train, plan.batch_size, session.config.run.seed, blocks)
+    return UnitRows(session.info, batches, blocks[plan.topology.replica_index])
 
 
 def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,
