@@ -440,8 +440,8 @@ def test_each_replica_reads_its_own_rows_and_what_it_was_given(
     """Data by role (issue 32): a replica reads, from the dataset file, its own block of
     about 1/R of the training rows, the rows of the other replicas' units it was given
     (load balancing, backups), the labels every rank checks at start, and the evaluation
-    set only if it evaluated: nothing else. With a 10x slower replica, the others take
-    some of its units and read their rows."""
+    set only if it evaluated (and evaluations stay with one replica): nothing else. With
+    a 10x slower replica, the others take some of its units and read their rows."""
     config = write(tmp_path, "c.toml", toml(SOFTMAX, batch, work_unit_size=100).replace(
         'path = "synth.h5"', f'path = "{data_dir / "synth.h5"}"'))
     summary, _ = finished(train(replicas + 2, config, tmp_path / "out", "run.max_steps=4",
@@ -463,6 +463,8 @@ def test_each_replica_reads_its_own_rows_and_what_it_was_given(
         assert r["foreign_reads"] <= r["foreign_units"]
         assert r["foreign_bytes"] <= r["foreign_reads"] * 100 * row
         assert r["own_rows"] * row < n_train * row * 0.6  # not the whole set, as before
+    assert [r["evaluations"] > 0 for r in entries].count(True) == 1, entries
+    assert sum(r["evaluations"] for r in entries) >= 2  # x0's and the final one
     if slow:
         assert sum(r["foreign_units"] for r in entries if r["replica"] != 1) > 0, entries
 
