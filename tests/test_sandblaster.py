@@ -33,6 +33,7 @@ from helpers.sandblaster import (
 from distbelief.algorithms.sandblaster import lbfgs
 from distbelief.algorithms.sandblaster.plan import HEADER, owner_blocks, unit_owners
 from distbelief.algorithms.sandblaster.roles import BatchRows
+from distbelief.algorithms.sandblaster.unit_rows import UnitRows
 from distbelief.algorithms.sandblaster.vector_shard import VectorShard
 from distbelief.algorithms.sandblaster.work_units import (
     COMMIT,
@@ -43,6 +44,7 @@ from distbelief.algorithms.sandblaster.work_units import (
 )
 from distbelief.config import apply_overrides, config_from_dict
 from distbelief.data.converters import make_synthetic
+from distbelief.data.hdf5 import bytes_read, open_dataset, read_rows
 from distbelief.errors import ConfigError
 from distbelief.model.network import Network
 from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS
@@ -423,6 +425,39 @@ def test_a_ten_times_slower_replica_gets_fewer_units_and_backups(heavy_dir: Path
     assert sorted(units) == [0, 1, 2, 3, 4], units
     assert units[1] < min(u for r, u in units.items() if r != 1) / 2, units
     assert slow["backup_units_issued"] > 0
+
+
+def test_unit_rows_read_a_block_once_and_other_units_on_demand(tmp_path: Path) -> None:
+    """In-process: a replica's own units come from memory (no read), another's unit is
+    read once (exactly its rows) and then served from the cache."""
+    make_synthetic(tmp_path / "s.h5", n_train=120, n_test=10, input_shape=(5,),
+                   num_classes=3, seed=0)
+    info = open_dataset(tmp_path / "s.h5")
+    row, _, _ = stored_row_bytes(tmp_path / "s.h5")
+    for batch in (120, 60):
+        units = unit_ranges(batch, 10)
+        blocks = owner_blocks(units, unit_owners(len(units), 3), 3, 120, batch)
+        batches = BatchRows(120, batch, 1, blocks)
+        before = bytes_read()
+        rows = UnitRows(info, batches, blocks[1])
+        assert bytes_read() - before == 40 * row and (rows.lo, rows.hi) == (40, 80)
+        expected_x, expected_y = read_rows(info, "train", 0, 120)
+        p = blocks[1][0]
+        for k in range(2):
+            before = bytes_read()
+            x, y = rows.unit(k, p, p + 10)  # its own unit
+            assert bytes_read() == before
+            picked = batches.rows(k)[p:p + 10]
+            np.testing.assert_array_equal(x, expected_x[picked])
+            np.testing.assert_array_equal(y, expected_y[picked])
+            x, y = rows.unit(k, 0, 10)      # replica 0's first unit
+            np.testing.assert_array_equal(x, expected_x[batches.rows(k)[:10]])
+            again = bytes_read()
+            rows.unit(k, 0, 10)
+            assert bytes_read() == again    # cached
+        full = batch == 120
+        assert rows.foreign_units == 4 and rows.foreign_reads == (1 if full else 2)
+        assert rows.foreign_bytes == rows.foreign_reads * 10 * row
 
 
 def stored_row_bytes(path: Path) -> tuple[int, int, int]:
