@@ -573,6 +573,19 @@ def test_read_rows_at_reads_those_rows_in_their_order(indexed: DatasetInfo) -> N
         read_rows_at(indexed, "train", np.array([2, 2]))
 
 
+def test_a_shard_given_its_rows_reads_nothing(indexed: DatasetInfo) -> None:
+    """TrainShard(rows=...) (a partner partition's rows, partitioned_sgd): the same
+    batches as a shard that read them, no read; rows of another shape are refused."""
+    read = TrainShard(indexed, 1, 3, seed=4)
+    before = bytes_read()
+    given = TrainShard(indexed, 1, 3, seed=4, rows=read.stored_rows)
+    assert bytes_read() == before
+    np.testing.assert_array_equal(given.next_batch(5)[0], read.next_batch(5)[0])
+    x, y = read.stored_rows
+    with pytest.raises(ValueError, match="not rows 8..16"):
+        TrainShard(indexed, 1, 3, rows=(x[1:], y[1:]))
+
+
 def test_file_replaced_after_open(indexed: DatasetInfo, tmp_path: Path) -> None:
     other = write_indexed(tmp_path / "other.h5", n_train=30)
     shutil.copyfile(other.path, indexed.path)

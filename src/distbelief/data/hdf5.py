@@ -439,16 +439,31 @@ class TrainShard:
     (so such a batch may hold one row twice, from two different epochs).
     """
 
-    def __init__(self, info: DatasetInfo, rank: int = 0, num_ranks: int = 1, seed: int = 0):
+    def __init__(self, info: DatasetInfo, rank: int = 0, num_ranks: int = 1, seed: int = 0,
+                 rows: tuple[np.ndarray, np.ndarray] | None = None):
+        """`rows`: the shard's rows as `stored_rows` gives them, read by another process
+        (a partner partition's, partitioned_sgd), instead of read from the file here."""
         self.start, self.stop = shard_range(info, rank, num_ranks, seed)
         self.info = info
         self.rank, self.num_ranks, self.seed = int(rank), int(num_ranks), int(seed)
         self.n: int = self.stop - self.start
-        self._x, self._y = read_rows(info, "train", self.start, self.stop)
+        if rows is None:
+            rows = read_rows(info, "train", self.start, self.stop)
+        x, y = rows
+        if (x.shape != (self.n, *info.input_shape) or x.dtype.name != info.stored_dtype
+                or y.shape != (self.n,) or y.dtype != np.int32):
+            raise ValueError(f"rows of shapes {x.shape} {x.dtype}, {y.shape} {y.dtype} are "
+                             f"not rows {self.start}..{self.stop} of {info.path}")
+        self._x, self._y = x, y
         self.epoch = 0
         self.position = 0
         self._perm = _epoch_permutation(self.seed, self.rank, 0, self.n)
         self._batch_size = 0
+
+    @property
+    def stored_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The shard's rows as read: x in the stored dtype, y int32 (not to be modified)."""
+        return self._x, self._y
 
     def _ensure_buffers(self, batch_size: int) -> None:
         if batch_size == self._batch_size:
