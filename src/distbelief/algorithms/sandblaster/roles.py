@@ -45,7 +45,7 @@ from distbelief.config import Config
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime import guardian, watchdog
-from distbelief.runtime.agreement import agree, wait_for_everyone
+from distbelief.runtime.agreement import agree, polled_bcast, wait_for_everyone
 from distbelief.runtime.threads import set_blas_threads
 from distbelief.runtime.topology import Communicators, split_communicators
 
@@ -100,7 +100,9 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     topology = plan.topology
     session.reporting_rank = topology.coordinator_rank
     path = session.choose_checkpoint()
-    local = agree(comm, lambda: _replica_rows(session, plan) if topology.is_replica else None)
+    # With partitions, partition 0 reads the replica's rows and broadcasts them below.
+    local = agree(comm, lambda: _replica_rows(session, plan, topology.partition_index == 0)
+                  if topology.is_replica else None)
     communicators = split_communicators(comm, topology)
     role: Any
     if topology.is_shard:
@@ -115,18 +117,22 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         else:
             team = communicators.partition
             model = PartitionedNetwork(network, team, splits)
+            partners = [r for r in topology.replica_ranks(topology.replica_index)
+                        if r != topology.world_rank]
+            for array in (local.x, local.y):
+                polled_bcast(team, array, "partition 0's training rows", partners)
             role = Replica(comm, config, plan, model, local, session.load_eval_set,
                            pieces=model.pieces, team=team)
     role.communicators, role.session = communicators, session
     return role
 
 
-def _replica_rows(session: RunSession, plan: SandblasterPlan) -> UnitRows:
-    """A replica's training rows: its own block, read now; other replicas' units' rows
-    when it is given them. Local."""
+def _replica_rows(session: RunSession, plan: SandblasterPlan, read: bool) -> UnitRows:
+    """A replica's training rows: its own block, read now (`read`; else left to fill);
+    other replicas' units' rows when it is given them. Local."""
     blocks = plan.blocks
     batches = BatchRows(plan.n_train, plan.batch_size, session.config.run.seed, blocks)
-    return UnitRows(session.info, batches, blocks[plan.topology.replica_index])
+    return UnitRows(session.info, batches, blocks[plan.topology.replica_index], read)
 
 
 def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,

@@ -23,10 +23,17 @@ in the full batch the same units come back every iteration."""
 class UnitRows:
     """The stored x and int32 y of any unit's rows; its own block's from memory."""
 
-    def __init__(self, info: DatasetInfo, batches: BatchRows, block: Block):
+    def __init__(self, info: DatasetInfo, batches: BatchRows, block: Block,
+                 read: bool = True):
+        """`read` False: x and y are left to be filled (by a broadcast from partition 0
+        of the same replica: roles.start) instead of read from the file."""
         self.info, self.batches = info, batches
         _, _, self.lo, self.hi = block
-        self.x, self.y = read_rows(info, "train", self.lo, self.hi)
+        if read:
+            self.x, self.y = read_rows(info, "train", self.lo, self.hi)
+        else:
+            self.x = np.empty((self.hi - self.lo, *info.input_shape), dtype=info.stored_dtype)
+            self.y = np.empty(self.hi - self.lo, dtype=np.int32)
         self.cache_bytes = max(MIN_CACHE_BYTES, self.x.nbytes + self.y.nbytes)
         self._cache: OrderedDict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = \
             OrderedDict()
