@@ -272,9 +272,13 @@ def test_a_replicas_units_draw_only_from_its_own_rows(n_train: int, batch: int, 
     rows = BatchRows(n_train, batch, 5, blocks)
     for k in range(3):
         batch_rows = rows.rows(k)
+        fresh = BatchRows(n_train, batch, 5, blocks)  # computes only the blocks asked for
         for (start, stop), owner in zip(units, owners):
             _, _, lo, hi = blocks[owner]
             assert lo <= batch_rows[start:stop].min() and batch_rows[start:stop].max() < hi
+            np.testing.assert_array_equal(fresh.rows_at(k, start, stop),
+                                          batch_rows[start:stop])
+        np.testing.assert_array_equal(fresh.rows_at(k, 3, batch - 2), batch_rows[3:-2])
     if batch == n_train:
         np.testing.assert_array_equal(rows.rows(2), np.arange(n_train))
     p, q, lo, hi = owned[0]

@@ -181,18 +181,29 @@ class BatchRows:
                  blocks: list[Block] | None = None):
         self.n, self.batch_size, self.seed = n_train, batch_size, seed
         self.blocks = [(0, batch_size, 0, n_train)] if blocks is None else blocks
-        self._cache: tuple[int, np.ndarray] | None = None
+        self._k = -1
+        self._cache: dict[int, np.ndarray] = {}  # block -> its rows of batch self._k
 
     def rows(self, k: int) -> np.ndarray:
+        """The rows of batch k, position by position."""
+        return self.rows_at(k, 0, self.batch_size)
+
+    def rows_at(self, k: int, start: int, stop: int) -> np.ndarray:
+        """The rows at positions [start, stop) of batch k; only the blocks holding those
+        positions are computed (a replica's own unit: its own block's stream alone)."""
         if self.batch_size >= self.n:
-            return np.arange(self.n)
-        if self._cache is None or self._cache[0] != k:
-            out = np.empty(self.batch_size, dtype=np.intp)
-            for index, (p, q, lo, hi) in enumerate(self.blocks):
-                if q > p:
-                    out[p:q] = lo + self._stream(index, hi - lo, k * (q - p), q - p)
-            self._cache = (k, out)
-        return self._cache[1]
+            return np.arange(start, min(stop, self.n))
+        if k != self._k:
+            self._k, self._cache = k, {}
+        parts = []
+        for index, (p, q, lo, hi) in enumerate(self.blocks):
+            if q > p and p < stop and start < q:
+                rows = self._cache.get(index)
+                if rows is None:
+                    rows = self._cache[index] = lo + self._stream(index, hi - lo,
+                                                                  k * (q - p), q - p)
+                parts.append(rows[max(start, p) - p:min(stop, q) - p])
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.intp)
 
     def _stream(self, block: int, n: int, first: int, count: int) -> np.ndarray:
         """Positions [first, first + count) of block `block`'s stream over its n rows."""

@@ -44,7 +44,7 @@ class UnitRows:
 
     def unit(self, batch: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """x (stored dtype) and y of batch `batch`'s positions [start, stop)."""
-        rows = self.batches.rows(batch)[start:stop]
+        rows = self.batches.rows_at(batch, start, stop)
         if len(rows) and self.lo <= rows.min() and rows.max() < self.hi:
             return self.x[rows - self.lo], self.y[rows - self.lo]
         self.foreign_units += 1
