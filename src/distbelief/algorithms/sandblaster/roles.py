@@ -7,8 +7,9 @@ gradient in small work units. This module sets each rank's role up (`start`), ru
 
 The design (roles, communication, the order of a trial, checkpoints, lost replicas,
 stopping) is docs/sandblaster.md, "Design". The package's modules, each importing only
-those before it: plan (tags, back-off, SandblasterPlan, pieces and segments, BatchRows),
-shards (ShardServer), replica (Replica), coordinator (Coordinator, the summary), roles.
+those before it: plan (tags, back-off, SandblasterPlan, pieces and segments, unit owners
+and blocks, BatchRows), unit_rows (UnitRows: a replica's rows), shards (ShardServer),
+replica (Replica), coordinator (Coordinator, the summary), roles.
 """
 
 from __future__ import annotations
