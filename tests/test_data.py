@@ -24,6 +24,7 @@ from distbelief.data.hdf5 import (
     load_test,
     open_dataset,
     read_rows,
+    read_rows_at,
 )
 from distbelief.errors import DataError
 
@@ -557,6 +558,32 @@ def test_bytes_read_counts_what_was_read(indexed: DatasetInfo) -> None:
     assert bytes_read() == before
     open_dataset(indexed.path)                               # every label of both splits
     assert bytes_read() - before == (23 + 7) * 4
+
+
+def test_read_rows_at_reads_those_rows_in_their_order(indexed: DatasetInfo) -> None:
+    rows = np.array([17, 3, 9, 4])
+    before = bytes_read()
+    x, y = read_rows_at(indexed, "train", rows)
+    np.testing.assert_array_equal(row_ids(x), rows)
+    np.testing.assert_array_equal(y, rows % 5)
+    assert y.dtype == np.int32 and bytes_read() - before == 4 * (3 * 4 + 4)
+    x, y = read_rows_at(indexed, "train", np.array([], dtype=np.intp))
+    assert x.shape == (0, 3) and len(y) == 0
+    with pytest.raises(ValueError, match="distinct"):
+        read_rows_at(indexed, "train", np.array([2, 2]))
+
+
+def test_a_shard_given_its_rows_reads_nothing(indexed: DatasetInfo) -> None:
+    """TrainShard(rows=...) (a partner partition's rows, partitioned_sgd): the same
+    batches as a shard that read them, no read; rows of another shape are refused."""
+    read = TrainShard(indexed, 1, 3, seed=4)
+    before = bytes_read()
+    given = TrainShard(indexed, 1, 3, seed=4, rows=read.stored_rows)
+    assert bytes_read() == before
+    np.testing.assert_array_equal(given.next_batch(5)[0], read.next_batch(5)[0])
+    x, y = read.stored_rows
+    with pytest.raises(ValueError, match="not rows 8..16"):
+        TrainShard(indexed, 1, 3, rows=(x[1:], y[1:]))
 
 
 def test_file_replaced_after_open(indexed: DatasetInfo, tmp_path: Path) -> None:

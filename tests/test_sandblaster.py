@@ -12,6 +12,7 @@ import json
 import random
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 from conftest import _env, mpiexec, run_mpi
@@ -30,12 +31,20 @@ from helpers.sandblaster import (
 )
 
 from distbelief.algorithms.sandblaster import lbfgs
-from distbelief.algorithms.sandblaster.plan import HEADER
+from distbelief.algorithms.sandblaster.plan import HEADER, owner_blocks, unit_owners
 from distbelief.algorithms.sandblaster.roles import BatchRows
+from distbelief.algorithms.sandblaster.unit_rows import UnitRows
 from distbelief.algorithms.sandblaster.vector_shard import VectorShard
-from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD, WorkUnitTable
+from distbelief.algorithms.sandblaster.work_units import (
+    COMMIT,
+    DROP,
+    HOLD,
+    WorkUnitTable,
+    unit_ranges,
+)
 from distbelief.config import apply_overrides, config_from_dict
 from distbelief.data.converters import make_synthetic
+from distbelief.data.hdf5 import bytes_read, open_dataset, read_rows
 from distbelief.errors import ConfigError
 from distbelief.model.network import Network
 from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS
@@ -189,8 +198,9 @@ def test_work_units_commit_every_unit_exactly_once_under_random_schedules() -> N
     rng = random.Random(1)
     for trial in range(200):
         n_units, replicas = rng.randint(1, 30), rng.randint(1, 5)
+        owners = unit_owners(n_units, replicas) if trial % 2 else None
         table = WorkUnitTable(n_units, push_every=rng.randint(1, 4),
-                              backup_copies=rng.randint(1, 3))
+                              backup_copies=rng.randint(1, 3), owners=owners)
         pending = {r: [] for r in range(replicas)}
         working = {r: table.next_unit(r) for r in range(replicas)}
         committed = []
@@ -233,6 +243,50 @@ def test_batch_rows_cover_each_epoch_once() -> None:
     np.testing.assert_array_equal(BatchRows(10, 10, 0).rows(3), np.arange(10))
 
 
+def test_owned_units_come_first_and_the_rest_is_taken_from_the_back() -> None:
+    """Replica 0 owns units 0..2, replica 1 units 3..5: each gets its own in order; once
+    replica 0's are out it takes replica 1's last queued unit (counted as stolen)."""
+    table = WorkUnitTable(6, push_every=1, owners=unit_owners(6, 2))
+    assert table.owners == [0, 0, 0, 1, 1, 1]
+    assert [table.next_unit(0, now=1.0) for _ in range(3)] == [0, 1, 2]
+    assert table.next_unit(1, now=1.0) == 3 and table.stolen == 0
+    assert table.next_unit(0, now=1.0) == 5 and table.stolen == 1
+    assert table.next_unit(1, now=1.0) == 4 and table.tail
+    assert table.release(1) == [3, 4] and not table.tail     # replica 1 lost
+    assert table.next_unit(0, now=1.0) == 4 and table.stolen == 2  # from the back
+
+
+@pytest.mark.parametrize("n_train,batch,unit,replicas", [(100, 100, 7, 3), (100, 40, 7, 3),
+                                                         (1000, 999, 32, 4), (50, 20, 10, 4)])
+def test_a_replicas_units_draw_only_from_its_own_rows(n_train: int, batch: int, unit: int,
+                                                     replicas: int) -> None:
+    """Stratified batches: the rows of a replica's units lie in its own block of rows,
+    the blocks tile the set, and each block's stream visits each of its rows once an epoch
+    (the full batch is every row in order)."""
+    units = unit_ranges(batch, unit)
+    owners = unit_owners(len(units), replicas)
+    blocks = owner_blocks(units, owners, replicas, n_train, batch)
+    owned = [(p, q, lo, hi) for p, q, lo, hi in blocks if q > p]
+    assert [b[2] for b in owned[1:]] == [b[3] for b in owned[:-1]]
+    assert owned[0][2] == 0 and owned[-1][3] == n_train
+    rows = BatchRows(n_train, batch, 5, blocks)
+    for k in range(3):
+        batch_rows = rows.rows(k)
+        fresh = BatchRows(n_train, batch, 5, blocks)  # computes only the blocks asked for
+        for (start, stop), owner in zip(units, owners):
+            _, _, lo, hi = blocks[owner]
+            assert lo <= batch_rows[start:stop].min() and batch_rows[start:stop].max() < hi
+            np.testing.assert_array_equal(fresh.rows_at(k, start, stop),
+                                          batch_rows[start:stop])
+        np.testing.assert_array_equal(fresh.rows_at(k, 3, batch - 2), batch_rows[3:-2])
+    if batch == n_train:
+        np.testing.assert_array_equal(rows.rows(2), np.arange(n_train))
+    p, q, lo, hi = owned[0]
+    per_epoch = (hi - lo) // (q - p)  # whole batches within the block's first epoch
+    seen = np.concatenate([rows.rows(k)[p:q] for k in range(per_epoch)])
+    assert len(set(seen.tolist())) == len(seen)
+
+
 # -- end to end under MPI -------------------------------------------------------------------
 
 
@@ -262,7 +316,11 @@ def test_assembled_gradient_equals_the_single_process_gradient(
 
     net = network_for(data_dir / "synth.h5", MLP_LAYERS)
     x, y = training_set(data_dir / "synth.h5")
-    rows = BatchRows(len(y), min(batch, len(y)), 0).rows(0)
+    batch = min(batch, len(y))
+    units = unit_ranges(batch, 70)
+    owners = unit_owners(len(units), n - shards - 1)
+    rows = BatchRows(len(y), batch, 0,
+                     owner_blocks(units, owners, n - shards - 1, len(y), batch)).rows(0)
     grad = np.zeros(net.layout.size, dtype=np.float32)
     loss = net.loss_and_grad(net.init_params(0), x[rows], y[rows], grad)
     np.testing.assert_allclose(assembled, grad, rtol=2e-4, atol=2e-6 * np.abs(grad).max())
@@ -371,6 +429,83 @@ def test_a_ten_times_slower_replica_gets_fewer_units_and_backups(heavy_dir: Path
     assert sorted(units) == [0, 1, 2, 3, 4], units
     assert units[1] < min(u for r, u in units.items() if r != 1) / 2, units
     assert slow["backup_units_issued"] > 0
+
+
+def test_unit_rows_read_a_block_once_and_other_units_on_demand(tmp_path: Path) -> None:
+    """In-process: a replica's own units come from memory (no read), another's unit is
+    read once (exactly its rows) and then served from the cache."""
+    make_synthetic(tmp_path / "s.h5", n_train=120, n_test=10, input_shape=(5,),
+                   num_classes=3, seed=0)
+    info = open_dataset(tmp_path / "s.h5")
+    row, _, _ = stored_row_bytes(tmp_path / "s.h5")
+    for batch in (120, 60):
+        units = unit_ranges(batch, 10)
+        blocks = owner_blocks(units, unit_owners(len(units), 3), 3, 120, batch)
+        batches = BatchRows(120, batch, 1, blocks)
+        before = bytes_read()
+        rows = UnitRows(info, batches, blocks[1])
+        assert bytes_read() - before == 40 * row and (rows.lo, rows.hi) == (40, 80)
+        expected_x, expected_y = read_rows(info, "train", 0, 120)
+        p = blocks[1][0]
+        for k in range(2):
+            before = bytes_read()
+            x, y = rows.unit(k, p, p + 10)  # its own unit
+            assert bytes_read() == before
+            picked = batches.rows(k)[p:p + 10]
+            np.testing.assert_array_equal(x, expected_x[picked])
+            np.testing.assert_array_equal(y, expected_y[picked])
+            x, y = rows.unit(k, 0, 10)      # replica 0's first unit
+            np.testing.assert_array_equal(x, expected_x[batches.rows(k)[:10]])
+            again = bytes_read()
+            rows.unit(k, 0, 10)
+            assert bytes_read() == again    # cached
+        full = batch == 120
+        assert rows.foreign_units == 4 and rows.foreign_reads == (1 if full else 2)
+        assert rows.foreign_bytes == rows.foreign_reads * 10 * row
+
+
+def stored_row_bytes(path: Path) -> tuple[int, int, int]:
+    """(bytes of one stored training row, x and y; bytes of one stored label; test rows)."""
+    with h5py.File(path, "r") as f:
+        x, y = f["train/x"], f["train/y"]
+        row = int(np.prod(x.shape[1:])) * x.dtype.itemsize
+        return row + y.dtype.itemsize, y.dtype.itemsize, f["test/y"].shape[0]
+
+
+@pytest.mark.parametrize("replicas,batch,slow", [(2, 100000, False), (4, 100000, True),
+                                                 (4, 1000, False)])
+def test_each_replica_reads_its_own_rows_and_what_it_was_given(
+        data_dir: Path, tmp_path: Path, replicas: int, batch: int, slow: bool) -> None:
+    """Data by role (issue 32): a replica reads, from the dataset file, its own block of
+    about 1/R of the training rows, the rows of the other replicas' units it was given
+    (load balancing, backups), the labels every rank checks at start, and the evaluation
+    set only if it evaluated (and evaluations stay with one replica): nothing else. With
+    a 10x slower replica, the others take some of its units and read their rows."""
+    config = write(tmp_path, "c.toml", toml(SOFTMAX, batch, work_unit_size=100).replace(
+        'path = "synth.h5"', f'path = "{data_dir / "synth.h5"}"'))
+    summary, _ = finished(train(replicas + 2, config, tmp_path / "out", "run.max_steps=4",
+                                "run.eval_every_seconds=100",
+                                env=slow_env(1, 1) if slow else None), tmp_path / "out")
+    row, label, n_test = stored_row_bytes(data_dir / "synth.h5")
+    n_train = 3000
+    checked_labels = (n_train + n_test) * label
+    batch = min(batch, n_train)
+    units = unit_ranges(batch, 100)
+    blocks = owner_blocks(units, unit_owners(len(units), replicas), replicas, n_train, batch)
+    entries = sorted(summary["replicas"], key=lambda r: r["replica"])
+    assert [r["own_rows"] for r in entries] == [hi - lo for _, _, lo, hi in blocks]
+    assert sum(r["own_rows"] for r in entries) == n_train
+    for r in entries:
+        evaluated = n_test * row if r["evaluations"] else 0
+        assert r["data_bytes_read"] == (checked_labels + r["own_rows"] * row
+                                        + r["foreign_bytes"] + evaluated), r
+        assert r["foreign_reads"] <= r["foreign_units"]
+        assert r["foreign_bytes"] <= r["foreign_reads"] * 100 * row
+        assert r["own_rows"] * row < n_train * row * 0.6  # not the whole set, as before
+    assert [r["evaluations"] > 0 for r in entries].count(True) == 1, entries
+    assert sum(r["evaluations"] for r in entries) >= 2  # x0's and the final one
+    if slow:
+        assert sum(r["foreign_units"] for r in entries if r["replica"] != 1) > 0, entries
 
 
 def test_coordinator_traffic_is_o_of_m_not_of_the_parameters(data_dir: Path,

@@ -14,6 +14,7 @@ timeouts on tiny synthetic data:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,28 @@ def test_replicas_stay_identical_and_compute_the_reference_steps(
     assert exit_statuses(proc) == [0] * replicas, proc.stdout + proc.stderr[-3000:]
     assert "resuming from" in proc.stdout and summary_of(out)["steps"] == 100
     np.testing.assert_array_equal(final_params(out), reference(data_dir, replicas, 100))
+
+
+def test_each_replica_reads_its_shard_and_its_slice_of_the_evaluation_set(
+        data_dir: Path, tmp_path: Path) -> None:
+    """Data by role (issue 32): at 3 replicas, each rank reads from the file its third of
+    the training rows, its third of the test set (it evaluates only that), and the labels
+    every rank checks at start: nothing of the others' shares."""
+    from distbelief.data.hdf5 import bytes_read
+
+    before = bytes_read()
+    info = open_dataset(data_dir / "synth.h5")
+    labels = bytes_read() - before
+    row = int(np.prod(info.input_shape)) * np.dtype(info.stored_dtype).itemsize + 4
+    out = tmp_path / "out"
+    proc = run_mpi(3, [REPO / "tests" / "mpi_programs" / "rank_bytes_read.py", "train",
+                       data_dir / "sync.toml",
+                       *set_args(f'run.out_dir="{out}"', "run.max_steps=5")], timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    read = {int(m[1]): int(m[2])
+            for m in re.finditer(r"rank (\d+) bytes_read (\d+)", proc.stdout)}
+    assert read == {r: labels + (1000 + 200) * row for r in range(3)}, proc.stdout
+    assert summary_of(out)["eval_samples"] == 600
 
 
 def test_backup_workers_take_the_first_gradients_and_count_the_dropped(

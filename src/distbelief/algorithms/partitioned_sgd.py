@@ -85,6 +85,29 @@ def traffic_totals(model: PartitionedNetwork) -> dict[str, Any] | None:
             "total_bytes_per_step": int(total.sum() + loss)}
 
 
+def _partition_data(session: RunSession, comm: MPI.Comm) -> tuple[tuple, Any]:
+    """(evaluation set, training shard), the same on every partition: every partition
+    needs every row's x and y (the input layer is not split, the softmax's classes are).
+    In memory, partition 0 alone reads them from the file and broadcasts them (the file
+    system serves one copy per replica, not P); streamed, each partition reads its own
+    (a window-by-window exchange would be a protocol of its own). Collective over `comm`
+    (an agreement, then broadcasts)."""
+    lead = comm.Get_rank() == 0
+    if not session.config.data.in_memory or comm.Get_size() == 1:
+        return agree(comm, lambda: (session.load_eval_set(), session.train_shard(0, 1)))
+    mine = agree(comm, lambda: (*session.load_eval_set(), *session.train_shard(0, 1)
+                                .stored_rows) if lead else None)
+    layout = comm.bcast([(a.shape, a.dtype.str) for a in mine] if lead else None, root=0)
+    arrays = mine if lead else [np.empty(shape, dtype) for shape, dtype in layout]
+    for array in arrays:
+        polled_bcast(comm, array, "partition 0's training rows")
+    from distbelief.data.hdf5 import TrainShard
+
+    session.eval_set = (arrays[0], arrays[1])
+    shard = TrainShard(session.info, 0, 1, session.config.run.seed, rows=(arrays[2], arrays[3]))
+    return session.eval_set, shard
+
+
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
           resume: str = "auto") -> dict[str, Any] | None:
     """Train one replica split over the ranks of `comm`; returns the summary on rank 0,
@@ -101,8 +124,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     model = PartitionedNetwork(network, comm)
     set_blas_threads(config.run.threads or 1)
     session.choose_checkpoint()
-    eval_set, shard = agree(comm, lambda: (session.load_eval_set(),
-                                           session.train_shard(0, 1)))
+    eval_set, shard = _partition_data(session, comm)
     params = model.init_params(config.run.seed)
     optimizer = build_optimizer(config, params.size)
     state = TrainState()

@@ -299,10 +299,36 @@ def read_rows(info: DatasetInfo, split: str, start: int,
     Re-checks the shapes against `info`, since the file may have been replaced since.
     "validation" reads the validation split (/val, or the held-out end of /train).
     """
+    return _read(info, split, np.s_[start:stop], f"rows {start}..{stop}")
+
+
+def read_rows_at(info: DatasetInfo, split: str,
+                 rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows `rows` (distinct indices, in any order) of /split, in that order, as read_rows
+    gives them: only those rows are read (a selection of points, not their whole span)."""
+    rows = np.asarray(rows, dtype=np.intp)
+    order = np.argsort(rows, kind="stable")
+    ascending = rows[order]
+    if len(ascending) and np.any(ascending[1:] == ascending[:-1]):
+        raise ValueError("read_rows_at: rows must be distinct")
+    x, y = _read(info, split, ascending, f"{len(rows)} rows")
+    back = np.empty_like(order)
+    back[order] = np.arange(len(order))
+    return x[back], y[back]
+
+
+def _read(info: DatasetInfo, split: str, where: Any,
+          what: str) -> tuple[np.ndarray, np.ndarray]:
+    """x[where], y[where] of /split (read_rows, read_rows_at: a slice, or ascending row
+    indices); `what` names the rows in an error."""
+    offset = 0
     if split == "validation" and info.held_out:
-        split, start, stop = "train", info.n_train + start, info.n_train + stop
+        split, offset = "train", info.n_train
     elif split == "validation":
         split = "val"
+    if offset:
+        where = (np.s_[where.start + offset:where.stop + offset] if isinstance(where, slice)
+                 else where + offset)
     expected = {"train": info.n_train + info.held_out, "test": info.n_test,
                 "val": info.n_val}[split]
     with open_h5(info.path) as f:
@@ -312,13 +338,17 @@ def read_rows(info: DatasetInfo, split: str, start: int,
                     or x.shape != (expected, *info.input_shape) or y.shape != (expected,)
                     or x.dtype.name != info.stored_dtype):
                 raise DataError(f"{info.path}: /{split} changed since the file was opened")
-            xs, ys = x[start:stop], y[start:stop]
+            if isinstance(where, slice) or len(where):
+                xs, ys = x[where], y[where]
+            else:  # h5py refuses an empty list of points
+                xs = np.empty((0, *info.input_shape), dtype=x.dtype)
+                ys = np.empty(0, dtype=y.dtype)
             count_read(xs, ys)
             return xs, ys.astype(np.int32)
         except DataError:
             raise
         except H5_ERRORS as exc:
-            raise DataError(f"{info.path}: cannot read rows {start}..{stop} of /{split}/x "
+            raise DataError(f"{info.path}: cannot read {what} of /{split}/x "
                             f"(corrupt file?): {first_line(exc)}") from exc
 
 
@@ -409,16 +439,31 @@ class TrainShard:
     (so such a batch may hold one row twice, from two different epochs).
     """
 
-    def __init__(self, info: DatasetInfo, rank: int = 0, num_ranks: int = 1, seed: int = 0):
+    def __init__(self, info: DatasetInfo, rank: int = 0, num_ranks: int = 1, seed: int = 0,
+                 rows: tuple[np.ndarray, np.ndarray] | None = None):
+        """`rows`: the shard's rows as `stored_rows` gives them, read by another process
+        (a partner partition's, partitioned_sgd), instead of read from the file here."""
         self.start, self.stop = shard_range(info, rank, num_ranks, seed)
         self.info = info
         self.rank, self.num_ranks, self.seed = int(rank), int(num_ranks), int(seed)
         self.n: int = self.stop - self.start
-        self._x, self._y = read_rows(info, "train", self.start, self.stop)
+        if rows is None:
+            rows = read_rows(info, "train", self.start, self.stop)
+        x, y = rows
+        if (x.shape != (self.n, *info.input_shape) or x.dtype.name != info.stored_dtype
+                or y.shape != (self.n,) or y.dtype != np.int32):
+            raise ValueError(f"rows of shapes {x.shape} {x.dtype}, {y.shape} {y.dtype} are "
+                             f"not rows {self.start}..{self.stop} of {info.path}")
+        self._x, self._y = x, y
         self.epoch = 0
         self.position = 0
         self._perm = _epoch_permutation(self.seed, self.rank, 0, self.n)
         self._batch_size = 0
+
+    @property
+    def stored_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The shard's rows as read: x in the stored dtype, y int32 (not to be modified)."""
+        return self._x, self._y
 
     def _ensure_buffers(self, batch_size: int) -> None:
         if batch_size == self._batch_size:

@@ -106,6 +106,7 @@ class Coordinator:
         self.replica_of = {rank: r for r, rank in enumerate(self.replicas)}  # O(1) lookups
         self.all_replica_ranks = range(topology.first_replica_rank, topology.world_size)
         self.units = plan.units
+        self.owners = plan.owners
         self.rules = StopRules.from_config(config)
         self.traffic = Traffic()
         self.table: WorkUnitTable | None = None
@@ -132,6 +133,9 @@ class Coordinator:
         self.peers: Peers | None = None  # set by roles.train
         self.lost: dict[int, LostReplica] = {}
         self.eval_holder: int | None = None  # the replica evaluating eval_task's snapshot
+        # Replicas given an evaluation so far: they hold the evaluation set (a replica
+        # reads it at its first evaluation), so the next ones go to them while one lives.
+        self.evaluators: set[int] = set()
         self.committers: set[int] = set()  # replicas with units committed in this trial
         self.in_trial = False  # from begin_trial until the shards' finish answers
         self.broken = False  # this trial lost a replica with commits: run it again
@@ -304,7 +308,8 @@ class Coordinator:
         late = (BACKUP_LATE_FACTOR * statistics.median(self.unit_seconds)
                 if len(self.unit_seconds) >= 4 else 0.0)
         self.table = WorkUnitTable(len(self.units), self.plan.push_every,
-                                   self.plan.backup_copies, backup_after=late)
+                                   self.plan.backup_copies, backup_after=late,
+                                   owners=self.owners)
         self.loss_sum = 0.0
         if self.step == 0 and self.trial_id == 1 and not self.eval_in_flight:
             self._schedule_evaluation()  # x0, while the first batch runs
@@ -468,7 +473,21 @@ class Coordinator:
             if not self.peers.gone(lead):  # a partition is gone, not the lead: stop it
                 self._reply(lead, (DROP, self._stop_task(lost=True)))
         if self.parked and self.eval_task is not None:
-            self._give_task(self.parked.pop(0), HOLD)
+            self._give_task(self._parked_evaluator(), HOLD)
+
+    def _may_evaluate(self, replica: int) -> bool:
+        """Whether `replica` may take an evaluation: one that has evaluated before, or
+        any replica while none of those lives (so the evaluation set is read by as few
+        replicas as the losses allow)."""
+        return replica in self.evaluators or not (self.evaluators - self.lost.keys())
+
+    def _parked_evaluator(self) -> int:
+        """The parked rank to wake for an evaluation: a replica that may take it, else
+        the first parked (given a unit, or parked again, by _give_task)."""
+        for i, rank in enumerate(self.parked):
+            if self._may_evaluate(self.replica_of[rank]):
+                return self.parked.pop(i)
+        return self.parked.pop(0)
 
     def _signal_stop(self, now: float) -> str | None:
         """The signal that stops the run, if any: SIGTERM or SIGINT at once; SIGUSR1 unless
@@ -554,10 +573,11 @@ class Coordinator:
             self.stopped.add(rank)
             if self.leave:  # it ends once it has sent its statistics: not waited for
                 watchdog.current().write_off(self.plan.topology.replica_ranks(replica))
-        elif self.eval_task is not None and free:
+        elif self.eval_task is not None and free and self._may_evaluate(replica):
             task = ("evaluate", self.eval_task)
             self.eval_task = None
             self.eval_holder = replica
+            self.evaluators.add(replica)
         elif self.table is not None:
             unit = self.table.next_unit(replica)
             if unit is not None:
@@ -583,7 +603,7 @@ class Coordinator:
         self.snapshot_at[self.snapshot_id] = (self.step, self.samples)
         self.eval_in_flight = True
         if self.parked:
-            self._give_task(self.parked.pop(0), HOLD)
+            self._give_task(self._parked_evaluator(), HOLD)
 
     def _record_evaluation(self, snapshot: int, loss: float, accuracy: float) -> None:
         self.eval_in_flight = False

@@ -16,6 +16,7 @@ from distbelief.algorithms.sandblaster.lbfgs import LbfgsOptions
 from distbelief.algorithms.sandblaster.work_units import unit_ranges
 from distbelief.config import Config
 from distbelief.errors import ConfigError
+from distbelief.model.layout import balanced_ranges
 from distbelief.model.partition import partition_pieces
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.topology import Topology
@@ -74,6 +75,49 @@ class SandblasterPlan:
     def partitions(self) -> int:
         return self.topology.partitions
 
+    @property
+    def owners(self) -> list[int]:
+        """The replica each unit belongs to (unit_owners)."""
+        return unit_owners(len(self.units), self.num_replicas)
+
+    @property
+    def blocks(self) -> list[Block]:
+        """Each replica's block of batch positions and of training rows (owner_blocks)."""
+        return owner_blocks(self.units, self.owners, self.num_replicas, self.n_train,
+                            self.batch_size)
+
+
+Block = tuple[int, int, int, int]
+"""A replica's (first, stop) batch positions (those of the units it owns) and (first, stop)
+training rows (those its units' rows are drawn from)."""
+
+
+def unit_owners(n_units: int, num_replicas: int) -> list[int]:
+    """The replica each unit belongs to: balanced contiguous groups of units, so a replica
+    owns one block of batch positions, hence of rows (owner_blocks), and reads only those
+    at start. With fewer units than replicas, the last replicas own none. Pure."""
+    owners: list[int] = []
+    for replica, (a, b) in enumerate(balanced_ranges(n_units, min(n_units, num_replicas))):
+        owners += [replica] * (b - a)
+    return owners
+
+
+def owner_blocks(units: list[tuple[int, int]], owners: list[int], num_replicas: int,
+                 n_train: int, batch_size: int) -> list[Block]:
+    """Per replica, its owned units' batch positions [p, q) and the rows [n p / B, n q / B)
+    they are drawn from (BatchRows): the rows in proportion to the positions, so each
+    block of rows is read at the same pace, and in the full batch the positions are the
+    rows. A replica that owns no unit gets empty blocks. Pure."""
+    blocks = []
+    for replica in range(num_replicas):
+        mine = [units[u] for u, owner in enumerate(owners) if owner == replica]
+        if not mine:
+            blocks.append((0, 0, 0, 0))
+            continue
+        p, q = mine[0][0], mine[-1][1]
+        blocks.append((p, q, n_train * p // batch_size, n_train * q // batch_size))
+    return blocks
+
 
 Piece = tuple[int, int]
 
@@ -125,30 +169,57 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
 
 class BatchRows:
     """Which training rows make up batch k: all rows in order when the batch is the whole
-    set, else consecutive pieces of a stream of seeded per-epoch permutations (every
-    replica computes the same rows from (seed, k))."""
+    set, else, for each block (first, stop positions, first, stop rows) of `blocks`
+    (default: one block, the whole batch over the whole set), consecutive pieces of a
+    stream of seeded per-epoch permutations of the block's rows, at its positions of the
+    batch. Every replica computes the same rows from (seed, k). With one block per
+    replica (SandblasterPlan.blocks) the batch is stratified: a replica's units draw only
+    from its own rows, each block's share of the batch in proportion to its rows, and each
+    epoch of a block visits its rows once."""
 
-    def __init__(self, n_train: int, batch_size: int, seed: int):
+    def __init__(self, n_train: int, batch_size: int, seed: int,
+                 blocks: list[Block] | None = None):
         self.n, self.batch_size, self.seed = n_train, batch_size, seed
-        self._cache: tuple[int, np.ndarray] | None = None
+        self.blocks = [(0, batch_size, 0, n_train)] if blocks is None else blocks
+        self._k = -1
+        self._cache: dict[int, np.ndarray] = {}  # block -> its rows of batch self._k
 
     def rows(self, k: int) -> np.ndarray:
-        if self.batch_size >= self.n:
-            return np.arange(self.n)
-        if self._cache is None or self._cache[0] != k:
-            first = k * self.batch_size
-            positions = np.arange(first, first + self.batch_size)
-            epochs, offsets = np.divmod(positions, self.n)
-            out = np.empty(self.batch_size, dtype=np.intp)
-            for epoch in np.unique(epochs):
-                mask = epochs == epoch
-                out[mask] = self._permutation(int(epoch))[offsets[mask]]
-            self._cache = (k, out)
-        return self._cache[1]
+        """The rows of batch k, position by position."""
+        return self.rows_at(k, 0, self.batch_size)
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        seq = np.random.SeedSequence(self.seed, spawn_key=(epoch,))
-        return np.random.default_rng(seq).permutation(self.n)
+    def rows_at(self, k: int, start: int, stop: int) -> np.ndarray:
+        """The rows at positions [start, stop) of batch k; only the blocks holding those
+        positions are computed (a replica's own unit: its own block's stream alone)."""
+        if self.batch_size >= self.n:
+            return np.arange(start, min(stop, self.n))
+        if k != self._k:
+            self._k, self._cache = k, {}
+        parts = []
+        for index, (p, q, lo, hi) in enumerate(self.blocks):
+            if q > p and p < stop and start < q:
+                rows = self._cache.get(index)
+                if rows is None:
+                    rows = self._cache[index] = lo + self._stream(index, hi - lo,
+                                                                  k * (q - p), q - p)
+                parts.append(rows[max(start, p) - p:min(stop, q) - p])
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.intp)
+
+    def _stream(self, block: int, n: int, first: int, count: int) -> np.ndarray:
+        """Positions [first, first + count) of block `block`'s stream over its n rows."""
+        positions = np.arange(first, first + count)
+        epochs, offsets = np.divmod(positions, n)
+        out = np.empty(count, dtype=np.intp)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            out[mask] = self._permutation(block, int(epoch), n)[offsets[mask]]
+        return out
+
+    def _permutation(self, block: int, epoch: int, n: int) -> np.ndarray:
+        # One block keys by the epoch alone: the batches of one replica's runs as before.
+        key = (epoch,) if len(self.blocks) == 1 else (epoch, block)
+        seq = np.random.SeedSequence(self.seed, spawn_key=key)
+        return np.random.default_rng(seq).permutation(n)
 
 
 def poll_backoff() -> Backoff:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,15 +23,15 @@ from distbelief.algorithms.sandblaster.plan import (
     TAG_PUSH,
     TAG_REQUEST,
     TAG_TASK,
-    BatchRows,
     Piece,
     SandblasterPlan,
     poll_backoff,
     shard_segments,
 )
+from distbelief.algorithms.sandblaster.unit_rows import UnitRows
 from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD
 from distbelief.config import Config
-from distbelief.data.hdf5 import to_float
+from distbelief.data.hdf5 import bytes_read, to_float
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import wait_all
@@ -56,6 +57,11 @@ class ReplicaStats:
     cpu_seconds: float = 0.0  # this process's CPU time in run(): the work, whatever the load
     bytes_sent: int = 0      # gradient sums pushed to the shards (headers included)
     bytes_received: int = 0  # trial points and snapshots fetched from them
+    data_bytes_read: int = 0  # x and y bytes this process read from the dataset file
+    own_rows: int = 0        # rows of its own block (read at start)
+    foreign_units: int = 0   # units of other replicas' blocks it computed rows of
+    foreign_reads: int = 0   # ... whose rows it read from the file (not cached)
+    foreign_bytes: int = 0   # x and y bytes of those reads
 
 
 DECISIONS = (HOLD, COMMIT, DROP)
@@ -93,16 +99,18 @@ class Replica:
     vector here is this partition's own pieces (`pieces`) back to back."""
 
     def __init__(self, comm: MPI.Comm, config: Config, plan: SandblasterPlan, model: Any,
-                 x: np.ndarray, y: np.ndarray, eval_set: tuple[np.ndarray, np.ndarray],
-                 scale: float, pieces: list[Piece], team: MPI.Comm | None = None):
+                 rows: UnitRows, load_eval: Callable[[], tuple[np.ndarray, np.ndarray]],
+                 pieces: list[Piece], team: MPI.Comm | None = None):
         self.comm, self.plan, self.model = comm, plan, model
-        self.x, self.y, self.eval_set, self.scale = x, y, eval_set, scale
+        # The evaluation set is read when this replica is first given an evaluation: a
+        # replica that never evaluates never reads it.
+        self.rows, self.load_eval, self.scale = rows, load_eval, rows.info.scale
+        self.eval_set: tuple[np.ndarray, np.ndarray] | None = None
         topology = plan.topology
         self.coordinator = topology.coordinator_rank
         self.team = team if team is not None and team.Get_size() > 1 else None
         self.partition = topology.partition_index
         self.lead = self.partition == 0
-        self.batches = BatchRows(plan.n_train, plan.batch_size, config.run.seed)
         if (any(a >= b for a, b in pieces)
                 or any(b > c for (_, b), (c, _) in itertools.pairwise(pieces))):
             raise ValueError(f"pieces must be non-empty, ascending and disjoint: {pieces}")
@@ -251,10 +259,10 @@ class Replica:
             self.stats_.abandoned += 1
             return
         t0 = time.perf_counter()
-        rows = self.batches.rows(batch)[start:stop]
-        x = to_float(self.x[rows], self.scale)
+        stored, y = self.rows.unit(batch, start, stop)
+        x = to_float(stored, self.scale)
         n = stop - start
-        loss = self.model.loss_and_grad(self.params, x, self.y[rows], self.grad)
+        loss = self.model.loss_and_grad(self.params, x, y, self.grad)
         self.grad *= np.float32(n)  # mean -> sum, so units of any size add up
         self.pending += self.grad
         self.pending_loss += loss * n
@@ -294,11 +302,18 @@ class Replica:
             # The coordinator takes a new snapshot only after this result: cannot happen.
             raise RuntimeError(f"replica {self.stats_.replica}: snapshot {snapshot} was "
                                "replaced before it was evaluated (protocol error)")
+        if self.eval_set is None:
+            self.eval_set = self.load_eval()
         loss, accuracy = self.model.evaluate(self.params, *self.eval_set, batch_size=1000)
         self.stats_.evaluations += 1
         return (snapshot, float(loss), float(accuracy))
 
     def stats(self) -> dict[str, Any]:
+        self.stats_.data_bytes_read = bytes_read()
+        self.stats_.own_rows = self.rows.hi - self.rows.lo
+        self.stats_.foreign_units = self.rows.foreign_units
+        self.stats_.foreign_reads = self.rows.foreign_reads
+        self.stats_.foreign_bytes = self.rows.foreign_bytes
         out = {"role": "replica", **asdict(self.stats_)}
         if self.team is not None:
             out["model_parallel"] = self.model.traffic.per_step()

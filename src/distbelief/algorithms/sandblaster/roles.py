@@ -7,8 +7,9 @@ gradient in small work units. This module sets each rank's role up (`start`), ru
 
 The design (roles, communication, the order of a trial, checkpoints, lost replicas,
 stopping) is docs/sandblaster.md, "Design". The package's modules, each importing only
-those before it: plan (tags, back-off, SandblasterPlan, pieces and segments, BatchRows),
-shards (ShardServer), replica (Replica), coordinator (Coordinator, the summary), roles.
+those before it: plan (tags, back-off, SandblasterPlan, pieces and segments, unit owners
+and blocks, BatchRows), unit_rows (UnitRows: a replica's rows), shards (ShardServer),
+replica (Replica), coordinator (Coordinator, the summary), roles.
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ from distbelief.algorithms.sandblaster.replica import (
     encode_answer,
 )
 from distbelief.algorithms.sandblaster.shards import ShardServer
+from distbelief.algorithms.sandblaster.unit_rows import UnitRows
 from distbelief.algorithms.sandblaster.vector_shard import VectorShard
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config
-from distbelief.data.hdf5 import read_rows
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime import guardian, watchdog
-from distbelief.runtime.agreement import agree, wait_for_everyone
+from distbelief.runtime.agreement import agree, polled_bcast, wait_for_everyone
 from distbelief.runtime.threads import set_blas_threads
 from distbelief.runtime.topology import Communicators, split_communicators
 
@@ -100,7 +101,9 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     topology = plan.topology
     session.reporting_rank = topology.coordinator_rank
     path = session.choose_checkpoint()
-    local = agree(comm, lambda: _replica_data(session) if topology.is_replica else None)
+    # With partitions, partition 0 reads the replica's rows and broadcasts them below.
+    local = agree(comm, lambda: _replica_rows(session, plan, topology.partition_index == 0)
+                  if topology.is_replica else None)
     communicators = split_communicators(comm, topology)
     role: Any
     if topology.is_shard:
@@ -110,21 +113,27 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         if topology.role == "coordinator":
             role = Coordinator(comm, config, plan, network, info, stream, session.found)
         elif plan.partitions == 1:
-            role = Replica(comm, config, plan, network, *local, pieces=pieces[0])
+            role = Replica(comm, config, plan, network, local, session.load_eval_set,
+                           pieces=pieces[0])
         else:
             team = communicators.partition
             model = PartitionedNetwork(network, team, splits)
-            role = Replica(comm, config, plan, model, *local, pieces=model.pieces, team=team)
+            partners = [r for r in topology.replica_ranks(topology.replica_index)
+                        if r != topology.world_rank]
+            for array in (local.x, local.y):
+                polled_bcast(team, array, "partition 0's training rows", partners)
+            role = Replica(comm, config, plan, model, local, session.load_eval_set,
+                           pieces=model.pieces, team=team)
     role.communicators, role.session = communicators, session
     return role
 
 
-def _replica_data(session: RunSession) -> tuple:
-    """A replica's training rows (every replica may get any unit), its evaluation set and
-    the data's scale. Local."""
-    info = session.info
-    x, y = read_rows(info, "train", 0, info.n_train)
-    return x, y, session.load_eval_set(), info.scale
+def _replica_rows(session: RunSession, plan: SandblasterPlan, read: bool) -> UnitRows:
+    """A replica's training rows: its own block, read now (`read`; else left to fill);
+    other replicas' units' rows when it is given them. Local."""
+    blocks = plan.blocks
+    batches = BatchRows(plan.n_train, plan.batch_size, session.config.run.seed, blocks)
+    return UnitRows(session.info, batches, blocks[plan.topology.replica_index], read)
 
 
 def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,

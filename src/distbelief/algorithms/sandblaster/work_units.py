@@ -3,13 +3,18 @@ counts. Pure bookkeeping on the coordinator (no communication, no vectors).
 
 A batch of B examples is cut into units of `work_unit_size` consecutive batch positions.
 Replicas ask for a unit when they are free (`next_unit`), so a fast replica does more of
-them (dynamic load balancing). When the queue is empty, a replica that asks gets a
-BACKUP copy of a unit that is still uncommitted, held by fewer than `backup_copies`
-replicas (the least-copied, longest-outstanding first), as MapReduce's backup tasks, once
-its newest copy has been out for `backup_after` seconds (the coordinator passes 1.5 x the
-median time replicas took per unit lately; `unit_seconds` collects them): a unit that is
-merely in progress at normal speed is not worth a copy, which on an oversubscribed node
-would only take CPU from the replicas finishing the batch. A replica that gets nothing
+them (dynamic load balancing). Each unit belongs to a replica (`owners`: contiguous
+groups, plan.unit_owners), whose rows it is drawn from and which holds those rows in
+memory; a replica gets its own queued units first, then, once they are all out, the last
+queued unit of the replica with the most left (it reads that unit's rows from the file:
+the price of balancing the load, paid only by what is moved). When the queues are empty,
+a replica that asks gets a BACKUP copy of a unit that is still uncommitted, held by fewer
+than `backup_copies` replicas (the least-copied, longest-outstanding first), as
+MapReduce's backup tasks, once its newest copy has been out for `backup_after` seconds
+(the coordinator passes 1.5 x the median time replicas took per unit lately;
+`unit_seconds` collects them): a unit that is merely in progress at normal speed is not
+worth a copy, which on an oversubscribed node would only take CPU from the replicas
+finishing the batch. A replica that gets nothing
 waits (parked by the coordinator) and asks again when a unit becomes late.
 
 EXACTLY ONCE. A replica sums the gradients of the units it computed and, with its next
@@ -83,14 +88,23 @@ class WorkUnitTable:
     """The units of one evaluation: queued, held (by which replicas), committed."""
 
     def __init__(self, n_units: int, push_every: int = 4, backup_copies: int = 2,
-                 backup_after: float = 0.0):
+                 backup_after: float = 0.0, owners: list[int] | None = None):
         if n_units < 1 or push_every < 1 or backup_copies < 1:
             raise ValueError("n_units, push_every and backup_copies must be positive")
+        self.shared = owners is None  # one queue, every replica's: no owners
+        owners = [0] * n_units if owners is None else list(owners)
+        if len(owners) != n_units:
+            raise ValueError(f"owners names {len(owners)} units, expected {n_units}")
         self.n_units, self.push_every, self.backup_copies = n_units, push_every, backup_copies
         self.backup_after = backup_after
         self.issued_at: dict[tuple[int, int], float] = {}  # (unit, replica) -> when
         self.unit_seconds: list[float] = []  # issue to report, of each reported unit
-        self.queue: deque[int] = deque(range(n_units))
+        self.owners = owners
+        self.queues: dict[int, deque[int]] = {}  # owner -> its queued units, in order
+        for unit, owner in enumerate(owners):
+            self.queues.setdefault(owner, deque()).append(unit)
+        self.n_queued = n_units
+        self.stolen = 0  # units handed to a replica other than their owner, first copies
         self.holders: list[set[int]] = [set() for _ in range(n_units)]
         self.first_issued = [0.0] * n_units
         self.committed = [False] * n_units
@@ -104,13 +118,31 @@ class WorkUnitTable:
     @property
     def tail(self) -> bool:
         """Every unit has been handed out at least once."""
-        return not self.queue
+        return not self.n_queued
+
+    def _queued_for(self, replica: int) -> int | None:
+        """The next queued unit for `replica`: its own first, else the last one of the
+        replica with the most queued (the end its owner reaches last); None if none."""
+        if not self.n_queued:
+            return None
+        self.n_queued -= 1
+        own = self.queues[0] if self.shared else self.queues.get(replica)
+        if own:
+            return own.popleft()
+        self.stolen += 1
+        return max(self.queues.values(), key=len).pop()
+
+    def _requeue(self, unit: int) -> None:
+        """`unit` back to the front of its owner's queue."""
+        self.queues[self.owners[unit]].appendleft(unit)
+        self.n_queued += 1
 
     def next_unit(self, replica: int, now: float | None = None) -> int | None:
-        """A unit for `replica` (queued first, else a late unit's backup copy), or None."""
+        """A unit for `replica` (queued first, its own before others', else a late unit's
+        backup copy), or None."""
         now = time.monotonic() if now is None else now
-        if self.queue:
-            unit = self.queue.popleft()
+        unit = self._queued_for(replica)
+        if unit is not None:
             if not self.first_issued[unit]:
                 self.first_issued[unit] = now
         else:
@@ -147,7 +179,8 @@ class WorkUnitTable:
                 holders.discard(replica)
                 if not self.committed[unit] and not holders:
                     back.append(unit)
-        self.queue.extendleft(reversed(back))
+        for unit in reversed(back):
+            self._requeue(unit)
         return back
 
     def settle(self, replica: int, units: list[int], now: float | None = None) -> str:
@@ -164,9 +197,9 @@ class WorkUnitTable:
             for u in units:
                 self.holders[u].discard(replica)
                 if not self.committed[u] and not self.holders[u]:
-                    self.queue.appendleft(u)
+                    self._requeue(u)
             return DROP
-        if len(units) < self.push_every and self.queue:
+        if len(units) < self.push_every and not self.tail:
             return HOLD
         for u in units:
             self.committed[u] = True

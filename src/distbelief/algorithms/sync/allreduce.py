@@ -49,6 +49,7 @@ from distbelief.algorithms.common import (
     STOP_CODES,
     StopSignals,
     WireBytes,
+    eval_split,
     traffic_summary,
 )
 from distbelief.algorithms.session import RunSession
@@ -82,7 +83,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     network = session.network
     start_path = session.choose_checkpoint(replicas, "synchronous",
                                            why=" (their data positions)")
-    eval_set = _eval_slice(session.load_eval_set(), rank, replicas)
+    eval_set = _eval_slice(session, rank, replicas)
     shard = session.train_shard(rank, replicas)
     params = network.init_params(config.run.seed)
     optimizer = build_optimizer(config, params.size)
@@ -115,13 +116,20 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         note=f"; replicas identical: {'yes' if identical else 'NO'}")
 
 
-def _eval_slice(eval_set: tuple[np.ndarray, np.ndarray], rank: int,
+def _eval_slice(session: RunSession, rank: int,
                 replicas: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """This replica's contiguous 1/R of the evaluation set, and the whole set's size."""
-    x, y = eval_set
-    bounds = np.linspace(0, len(y), replicas + 1).astype(int)
-    lo, hi = bounds[rank], bounds[rank + 1]
-    return x[lo:hi], y[lo:hi], len(y)
+    """This replica's contiguous 1/R of the evaluation set (the first run.eval_samples of
+    the split, or all), read alone: the file system serves each rank its share, not the
+    whole set; and the whole set's size."""
+    from distbelief.data.hdf5 import read_rows, to_float
+
+    info = session.info
+    split = eval_split(info)
+    total = {"test": info.n_test, "validation": info.n_val}[split]
+    total = min(total, session.config.run.eval_samples or total)
+    bounds = np.linspace(0, total, replicas + 1).astype(int)
+    x, y = read_rows(info, split, int(bounds[rank]), int(bounds[rank + 1]))
+    return to_float(x, info.scale), y, total
 
 
 def restore(path: Path, rank: int, params: np.ndarray, optimizer: Any, shard: Any,
