@@ -24,9 +24,11 @@ distbelief.runtime.counters), `shards` and `replicas`. Printed, per rank count:
   ckpt pause s           a replica's pause per checkpoint, mean over replicas
   rma ops per step       a replica's one-sided operations (atomics, Gets, Puts, Flushes)
                          per step it trained, mean over replicas
+  ... per shard          the same divided by the shards (a step talks to each shard)
   rma ops/s, shard 0     one-sided operations shard 0 issued (its polls of its own
                          counters) per second
   shard 0 us per poll    shard 0's CPU time per poll (folds, run control, supervision)
+  shard 0 us per push    shard 0's CPU time per push it folded
   shard 0 busy           shard 0's CPU time / wall time
 
 and the growth exponent b of a fit figure ~ ranks^b (0: constant; 1: linear), with the
@@ -128,8 +130,11 @@ def figures(summary: dict, per_node: int) -> dict[str, float]:
         "ckpt pause s": mean([r["checkpoint_seconds"] / checkpoints for r in replicas]),
         "rma ops per step": mean([sum(control[r["rank"]][k] for k in RMA_OPS) / r["steps"]
                                   for r in replicas]),
+        "... per shard": mean([sum(control[r["rank"]][k] for k in RMA_OPS) / r["steps"]
+                               for r in replicas]) / len(summary["shards"]),
         "rma ops/s, shard 0": sum(c0[k] for k in RMA_OPS) / c0["seconds"],
         "shard 0 us per poll": 1e6 * shard0["cpu_s"] / max(shard0["polls"], 1),
+        "shard 0 us per push": 1e6 * shard0["cpu_s"] / max(shard0["pushes"], 1),
         "shard 0 busy": shard0["cpu_s"] / max(shard0["wall_s"], 1e-9),
     }
 

@@ -187,7 +187,8 @@ def test_a_watcher_reads_a_file_at_most_once_per_interval(tmp_path: Path,
 def test_a_watcher_of_many_ranks_keeps_to_its_read_budget(tmp_path: Path,
                                                           monkeypatch) -> None:
     # 40 ranks watched at 10 reads a second: each file is read once per 4 s, not once per
-    # 1 s interval, so the file system sees 10 reads a second from this rank, not 40.
+    # 1 s interval, so the file system sees 10 reads a second from this rank, not 40;
+    # the first look at each is spread over 4 s too.
     folder = tmp_path / ".heartbeats" / "job"
     folder.mkdir(parents=True)
     for rank in range(1, 41):
@@ -202,8 +203,10 @@ def test_a_watcher_of_many_ranks_keeps_to_its_read_budget(tmp_path: Path,
             watcher.stopped(rank)
         time.sleep(0.01)
     assert watcher.read_period() == 4.0
-    assert max(reads.count(f"rank-{rank}") for rank in range(1, 41)) == 2, reads
-    assert len(reads) == 80, "40 at the start, 40 once the period has passed"
+    assert max(reads.count(f"rank-{rank}") for rank in range(1, 41)) <= 2, reads
+    assert all(f"rank-{rank}" in reads for rank in range(1, 41)), "each is read in 4 s"
+    # 10 a second and a second's worth to start with: not 40 at once, nor 240 in 6 s
+    assert len(reads) <= 10 + 10 * 6 + 1, len(reads)
     assert watcher.detection_s(40) == 10.0 + 3 * 4.0
 
 

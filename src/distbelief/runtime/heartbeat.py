@@ -68,6 +68,9 @@ class Heartbeats:
         self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last beat, when it changed)
         self._read_at: dict[int, float] = {}  # rank -> when its file was last read
         self._asked: dict[int, float] = {}  # rank -> when it was last asked about
+        # A token bucket of reads (READS_PER_S, a second's worth at most): the first
+        # look at every rank, at set-up, is spread out too, not one burst of R reads.
+        self._tokens, self._filled_at = reads_per_s, time.monotonic()
         self._stale: dict[int, tuple[int, float]] = {}  # rank -> (stale readings, last one)
         self._lock = threading.Lock()  # the watch is read by the main and watchdog threads
         self._stop = threading.Event()
@@ -129,6 +132,16 @@ class Heartbeats:
             watched = sum(1 for t in self._asked.values() if now - t < WATCHED_WINDOW_S)
         return max(self.interval_s, watched / self.reads_per_s)
 
+    def _take_token(self, now: float) -> bool:
+        """Whether the read budget allows a read now (and spend it). Under the lock."""
+        self._tokens = min(self.reads_per_s,
+                           self._tokens + (now - self._filled_at) * self.reads_per_s)
+        self._filled_at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
     def detection_s(self, watched: int) -> float:
         """The longest a death among `watched` ranks can go unnoticed: the timeout, then
         two stale readings a read period apart, and one period to the first of them."""
@@ -141,7 +154,8 @@ class Heartbeats:
         period = self.read_period(now)
         with self._lock:
             self._asked[rank] = now
-            due = now - self._read_at.get(rank, -float("inf")) >= period
+            due = (now - self._read_at.get(rank, -float("inf")) >= period
+                   and self._take_token(now))
         beat, answered = None, False
         if due:
             counters.add("heartbeat_reads")
