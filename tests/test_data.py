@@ -13,7 +13,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli, run_mpi
+from helpers import exit_statuses
 
 from distbelief.data import converters as datasets
 from distbelief.data.hdf5 import (
@@ -681,6 +682,44 @@ def test_metadata_only_reads_no_label(valid_file: Path, monkeypatch) -> None:
     monkeypatch.setattr(hdf5, "_check_labels", lambda *a: read.append(a[2]) or real(*a))
     assert open_dataset(valid_file, labels=False) == open_dataset(valid_file)
     assert read == ["train/y", "test/y"]  # the second call's only
+
+
+def test_ranks_check_the_labels_in_parts_and_each_reads_only_its_own(
+        valid_file: Path) -> None:
+    from distbelief.data import hdf5
+
+    with h5py.File(valid_file, "a") as f:
+        f["train/y"][45] = 10  # in the last third of 50 rows: rows 33-49
+    with h5py.File(valid_file, "r") as f:
+        itemsize = f["train/y"].dtype.itemsize
+    before = hdf5.bytes_read()
+    open_dataset(valid_file, part=(0, 3))
+    # rows 0-15 of 50 training labels and 0-5 of 20 test labels: a third of each
+    assert hdf5.bytes_read() - before == (16 + 6) * itemsize
+    open_dataset(valid_file, part=(1, 3))
+    with pytest.raises(DataError, match="/train/y has label 10 outside"):
+        open_dataset(valid_file, part=(2, 3))
+    with pytest.raises(DataError, match="/train/y has label 10 outside"):
+        open_dataset(valid_file)
+    with pytest.raises(ValueError, match="part"):
+        open_dataset(valid_file, part=(3, 3))
+
+
+def test_a_bad_label_in_one_ranks_part_stops_every_rank(valid_file: Path,
+                                                        tmp_path: Path) -> None:
+    # Three sync ranks check a third of the labels each: only rank 2's part holds the bad
+    # one, and every rank exits 2 with the one message.
+    with h5py.File(valid_file, "a") as f:
+        f["train/y"][45] = 10
+    (tmp_path / "c.toml").write_text(
+        f'[model]\nlayers = [{{ type = "dense", units = 10, activation = "softmax" }}]\n'
+        f'[data]\npath = "{valid_file}"\nbatch_size = 8\n[optimizer]\nalgorithm = "sync"\n'
+        f'[run]\nmax_steps = 5\nout_dir = "{tmp_path / "out"}"\n')
+    proc = run_mpi(3, [REPO / "tests" / "mpi_programs" / "cli_exit_status.py", "train",
+                       tmp_path / "c.toml"],
+                   timeout=120, cwd=tmp_path)
+    assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr[-3000:]
+    assert proc.stderr.count("/train/y has label 10 outside [0, 10)") == 1, proc.stderr
 
 
 def test_a_bad_label_passes_the_metadata_check_and_stops_the_run(valid_file: Path,

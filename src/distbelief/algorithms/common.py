@@ -70,11 +70,13 @@ def prepare_run_dir(config: Config) -> Path:
     return out_dir
 
 
-def open_data(config: Config) -> tuple[Any, Any]:
-    """(DatasetInfo, Network) for the config: the data file opened, the model built on it."""
+def open_data(config: Config, part: tuple[int, int] = (0, 1)) -> tuple[Any, Any]:
+    """(DatasetInfo, Network) for the config: the data file opened, the model built on it.
+    `part` = (i, k): check only the i-th of k parts of the labels (data.hdf5.open_dataset;
+    the k ranks that share the check must agree on its verdict)."""
     from distbelief.data.hdf5 import open_dataset, with_validation
 
-    info = with_validation(open_dataset(config.data.path), config.data.validation)
+    info = with_validation(open_dataset(config.data.path, part=part), config.data.validation)
     return info, build_network(config, info)
 
 

@@ -42,8 +42,9 @@ class RunSession:
     """One run of one trainer on this rank: its configuration, data, network, the
     checkpoint it starts from, its evaluation set and (on the reporting rank) its recorder.
 
-    `comm` is None for a one-process trainer; with a communicator, the methods that say
-    so are collective over it. The reporting rank (`reporting_rank` of `comm`, rank 0
+    `comm` is None for a one-process trainer; with a communicator, the constructor (the
+    ranks check the data file's labels together) and the methods that say so are
+    collective over it. The reporting rank (`reporting_rank` of `comm`, rank 0
     unless the trainer's plan names another) writes the run folder, the metrics and the
     summary, and prints to `stream`.
     """
@@ -57,7 +58,11 @@ class RunSession:
         self.stream, self.resume = stream, resume
         self.rank = comm.Get_rank() if comm is not None else 0
         self.reporting_rank = reporting_rank
-        self.info, self.network = open_data(config)
+        # The ranks check the labels together, each its part, and agree (collective): a
+        # rank reads 1/N of them, not all (at 1,000 ranks, every rank reading every label
+        # was the largest read at start).
+        part = (self.rank, comm.Get_size()) if comm is not None else (0, 1)
+        self.info, self.network = self._agreed(lambda: open_data(config, part))
         self.rules = StopRules.from_config(config)
         self.found: ckpt.Checkpoint | None = None  # on the reporting rank
         self.start_path: str | None = None  # on every rank

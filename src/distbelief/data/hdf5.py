@@ -186,12 +186,16 @@ def _x_scale(path: Path, x: h5py.Dataset, name: str) -> tuple[str, float]:
     return dtype, scale
 
 
-def _check_labels(path: Path, y: h5py.Dataset, name: str, num_classes: int) -> None:
-    """Every label in [0, num_classes); read in blocks, so big files stay cheap."""
+def _check_labels(path: Path, y: h5py.Dataset, name: str, num_classes: int,
+                  part: tuple[int, int] = (0, 1)) -> None:
+    """Every label in [0, num_classes), or those of `part` = (i, k), the i-th of k
+    contiguous near-equal parts of the rows; read in blocks, so big files stay cheap."""
     if not np.issubdtype(y.dtype, np.integer):
         raise DataError(f"{path}: /{name} has dtype {y.dtype}, expected integer labels")
-    for start in range(0, y.shape[0], LABEL_CHECK_ROWS):
-        block = y[start : start + LABEL_CHECK_ROWS]
+    i, k = part
+    first, stop = y.shape[0] * i // k, y.shape[0] * (i + 1) // k
+    for start in range(first, stop, LABEL_CHECK_ROWS):
+        block = y[start : min(stop, start + LABEL_CHECK_ROWS)]
         count_read(block)
         low, high = int(block.min()), int(block.max())
         if low < 0 or high >= num_classes:
@@ -200,9 +204,10 @@ def _check_labels(path: Path, y: h5py.Dataset, name: str, num_classes: int) -> N
 
 
 def _check_split(path: Path, f: h5py.File, split: str, num_classes: int,
-                 labels: bool = True) -> tuple[int, tuple[int, ...], str, float]:
-    """Validate /split/x and /split/y (with `labels`, every label's range too); return
-    (rows, input_shape, stored_dtype, scale)."""
+                 labels: bool = True, part: tuple[int, int] = (0, 1),
+                 ) -> tuple[int, tuple[int, ...], str, float]:
+    """Validate /split/x and /split/y (with `labels`, the range of every label of `part`
+    too); return (rows, input_shape, stored_dtype, scale)."""
     x = _get_dataset(path, f, f"{split}/x")
     y = _get_dataset(path, f, f"{split}/y")
     if x.ndim < 2:
@@ -218,29 +223,37 @@ def _check_split(path: Path, f: h5py.File, split: str, num_classes: int,
         raise DataError(f"{path}: /{split}/x has an empty input shape {x.shape[1:]}")
     dtype, scale = _x_scale(path, x, f"{split}/x")
     if labels:
-        _check_labels(path, y, f"{split}/y", num_classes)
+        _check_labels(path, y, f"{split}/y", num_classes, part)
     return x.shape[0], tuple(int(d) for d in x.shape[1:]), dtype, scale
 
 
-def open_dataset(path: str | os.PathLike, labels: bool = True) -> DatasetInfo:
+def open_dataset(path: str | os.PathLike, labels: bool = True,
+                 part: tuple[int, int] = (0, 1)) -> DatasetInfo:
     """Validate a dataset file and describe it. Raises DataError naming the problem.
 
     Checks the structure, shapes, dtypes and attributes, and with `labels` reads every
     label (not x) to check its range; without, the metadata only (what describing the
-    file needs: the command line's checks before a run, a model's input shape). Corrupt x
-    bytes are caught later, when a shard or the test set reads them (chunk checksums).
+    file needs: the command line's checks before a run, a model's input shape). `part` =
+    (i, k): read and check only the i-th of k parts of each split's labels, so that k
+    ranks check a file together, each reading 1/k of the labels (they must then agree on
+    the verdict). Corrupt x bytes are caught later, when a shard or the test set reads
+    them (chunk checksums).
     """
     path = Path(path)
+    i, k = part
+    if not 0 <= i < k:
+        raise ValueError(f"part must be (i, k) with 0 <= i < k, got {part!r}")
     with open_h5(path) as f:
         try:
-            return _describe(path, f, labels)
+            return _describe(path, f, labels, part)
         except DataError:
             raise
         except H5_ERRORS as exc:
             raise DataError(f"{path}: corrupt HDF5 file: {first_line(exc)}") from exc
 
 
-def _describe(path: Path, f: h5py.File, labels: bool = True) -> DatasetInfo:
+def _describe(path: Path, f: h5py.File, labels: bool = True,
+              part: tuple[int, int] = (0, 1)) -> DatasetInfo:
     fmt = _attr_text(f.attrs.get("format", ""))
     if fmt != FORMAT_NAME:
         raise DataError(f"{path}: not a distbelief dataset (root attribute 'format' is "
@@ -253,8 +266,9 @@ def _describe(path: Path, f: h5py.File, labels: bool = True) -> DatasetInfo:
     if num_classes < 2:
         raise DataError(f"{path}: num_classes is {num_classes}, need at least 2")
     n_train, train_shape, train_dtype, train_scale = _check_split(path, f, "train", num_classes,
-                                                                labels)
-    n_test, test_shape, test_dtype, test_scale = _check_split(path, f, "test", num_classes, labels)
+                                                                labels, part)
+    n_test, test_shape, test_dtype, test_scale = _check_split(path, f, "test", num_classes,
+                                                            labels, part)
     if train_shape != test_shape:
         raise DataError(f"{path}: train inputs have shape {train_shape} but test inputs "
                         f"have {test_shape}")
@@ -263,7 +277,8 @@ def _describe(path: Path, f: h5py.File, labels: bool = True) -> DatasetInfo:
                         f"x is {test_dtype} with scale {test_scale}")
     n_val = 0
     if "val" in f:
-        n_val, val_shape, val_dtype, val_scale = _check_split(path, f, "val", num_classes, labels)
+        n_val, val_shape, val_dtype, val_scale = _check_split(path, f, "val", num_classes,
+                                                              labels, part)
         if (val_shape, val_dtype, val_scale) != (train_shape, train_dtype, train_scale):
             raise DataError(f"{path}: /val x is {val_dtype} {val_shape} with scale "
                             f"{val_scale} but train x is {train_dtype} {train_shape} with "
