@@ -478,7 +478,7 @@ def test_each_replica_reads_its_own_rows_and_what_it_was_given(
         data_dir: Path, tmp_path: Path, replicas: int, batch: int, slow: bool) -> None:
     """Data by role (issue 32): a replica reads, from the dataset file, its own block of
     about 1/R of the training rows, the rows of the other replicas' units it was given
-    (load balancing, backups), the labels every rank checks at start, and the evaluation
+    (load balancing, backups), its part of the labels the ranks check at start, and the evaluation
     set only if it evaluated (and evaluations stay with one replica): nothing else. With
     a 10x slower replica, the others take some of its units and read their rows."""
     config = write(tmp_path, "c.toml", toml(SOFTMAX, batch, work_unit_size=100).replace(
@@ -488,7 +488,10 @@ def test_each_replica_reads_its_own_rows_and_what_it_was_given(
                                 env=slow_env(1, 1) if slow else None), tmp_path / "out")
     row, label, n_test = stored_row_bytes(data_dir / "synth.h5")
     n_train = 3000
-    checked_labels = (n_train + n_test) * label
+    ranks = replicas + 2
+
+    def checked_labels(rank: int) -> int:  # the rank's part of the labels checked at start
+        return sum(n * (rank + 1) // ranks - n * rank // ranks for n in (n_train, n_test)) * label
     batch = min(batch, n_train)
     units = unit_ranges(batch, 100)
     blocks = owner_blocks(units, unit_owners(len(units), replicas), replicas, n_train, batch)
@@ -497,7 +500,7 @@ def test_each_replica_reads_its_own_rows_and_what_it_was_given(
     assert sum(r["own_rows"] for r in entries) == n_train
     for r in entries:
         evaluated = n_test * row if r["evaluations"] else 0
-        assert r["data_bytes_read"] == (checked_labels + r["own_rows"] * row
+        assert r["data_bytes_read"] == (checked_labels(r["rank"]) + r["own_rows"] * row
                                         + r["foreign_bytes"] + evaluated), r
         assert r["foreign_reads"] <= r["foreign_units"]
         assert r["foreign_bytes"] <= r["foreign_reads"] * 100 * row
