@@ -303,6 +303,17 @@ def test_downpour_two_replicas_of_two_partitions_reach_the_target(data_dir, tmp_
         assert sum(r["model_parallel"]["forward"]) > 0
     # Every partition's pushes reached the shard the evaluations read.
     assert summary["shards"][0]["pushes"] == sum(r["pushes"] for r in replicas)
+    # Partition 0 read its replica's rows and sent them to partition 1, which read from
+    # the file only its part of the labels the ranks check at start (data by role).
+    from distbelief.data.hdf5 import bytes_read, open_dataset
+
+    control = {c["rank"]: c for c in summary["control_plane"]}
+    for r in replicas:
+        before = bytes_read()
+        open_dataset(data_dir / "synth.h5", part=(r["rank"], 5))
+        labels = bytes_read() - before
+        read = control[r["rank"]]["data_bytes_read"]
+        assert read == labels if r["partition"] == 1 else read > 10 * labels, (r, read)
 
 
 def exit_statuses(proc: subprocess.CompletedProcess) -> list[int]:

@@ -124,6 +124,7 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
                                ended=peers.ended)
     # The shards' communicator (rounds, checkpoints) and each replica's partitions'.
     communicators = split_communicators(comm, topology)
+    local = _share_partition_rows(config, plan, info, local, start, communicators.partition)
     messages = comm.Dup()
     return OpenRun(plan, local, start, endpoint, communicators, peers, messages, signals,
                    comm, session)
@@ -144,11 +145,54 @@ def _local_setup(session: RunSession, plan: DownpourPlan) -> Any:
     """What this rank needs before training: a replica its part of the training set; rank 0
     the evaluation set and the checkpoint it chose. Local."""
     topology = plan.topology
+    if _rows_from_lead(session.config, topology):
+        return None  # _share_partition_rows: partition 0 reads the replica's rows
     if topology.is_replica:
         return session.train_shard(topology.replica_index, plan.num_replicas)
     if topology.world_rank == 0:
         return session.load_eval_set(), session.found
     return None
+
+
+def _rows_from_lead(config: Config, topology: Any) -> bool:
+    """Whether this rank takes its replica's training rows from its partition 0 instead
+    of the file: a partition other than 0 of a replica split over P > 1 ranks, with the
+    data in memory (streamed, each partition reads its own windows)."""
+    return (topology.is_replica and topology.partitions > 1
+            and topology.partition_index > 0 and config.data.in_memory)
+
+
+def _share_partition_rows(config: Config, plan: DownpourPlan, info: Any, local: Any,
+                          start: Start, partition: MPI.Comm) -> Any:
+    """A replica split over P partitions reads its block of rows from the file once:
+    partition 0 read it (_local_setup) and restored its position from the checkpoint;
+    it broadcasts the rows, the position and the local steps, and the others build the
+    same TrainShard from them (every partition needs every row's x and y: the input
+    layer is not split, the softmax's classes are). Returns this rank's training data.
+    Collective over the replica's partition communicator; other ranks return `local`."""
+    topology = plan.topology
+    if not (topology.is_replica and topology.partitions > 1 and config.data.in_memory):
+        return local
+    from distbelief.data.hdf5 import TrainShard, shard_range
+    from distbelief.runtime.agreement import polled_bcast
+
+    index, seed = topology.replica_index, config.run.seed
+    if local is not None:  # partition 0
+        x, y = local.stored_rows
+        state = local.state()
+        meta = np.array([state["epoch"], state["position"], start.local_steps], np.int64)
+    else:
+        lo, hi = shard_range(info, index, plan.num_replicas, seed)
+        x = np.empty((hi - lo, *info.input_shape), dtype=info.stored_dtype)
+        y, meta = np.empty(hi - lo, dtype=np.int32), np.empty(3, dtype=np.int64)
+    for array in (meta, x, y):
+        polled_bcast(partition, array, "partition 0's training rows")
+    if local is not None:
+        return local
+    shard = TrainShard(info, index, plan.num_replicas, seed, rows=(x, y))
+    shard.load_state({**shard.state(), "epoch": int(meta[0]), "position": int(meta[1])})
+    start.local_steps = int(meta[2])
+    return shard
 
 
 @dataclass
@@ -188,7 +232,7 @@ def _read_start(config: Config, plan: DownpourPlan, network: Any, info: Any, loc
             start.optimizer = shard_update(start.params.size)
             start.optimizer.load_state(state)
             start.gradients_before = _gradients_before(found, *start.shard_range)
-        elif topology.is_replica:
+        elif topology.is_replica and local is not None:  # else its lead's (below)
             _restore_replica(found, plan, local, info, start)
     except (ValueError, TypeError) as exc:
         raise ckpt.CheckpointError(f"checkpoint {found.path} cannot be resumed here: "
