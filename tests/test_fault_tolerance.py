@@ -40,7 +40,7 @@ from helpers import DELAY, exit_statuses, fault_config, set_args
 from distbelief.errors import ConfigError
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.faults import ENV as FAULTS
-from distbelief.runtime.faults import Fault, Faults, parse
+from distbelief.runtime.faults import Fault, Faults, parse, push_slots
 from distbelief.runtime.watchdog import RankLost, Watchdog, current, watching
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
@@ -102,10 +102,16 @@ def test_a_simulated_link_sleeps_the_bytes_over_its_rate() -> None:
     assert time.monotonic() - began < 0.1
 
 
+def test_a_slots_fault_sets_every_shards_push_slots() -> None:
+    assert parse("slots:*:3") == [Fault("slots", None, 3)]
+    assert push_slots({FAULTS: "delay:*:0:2x slots:*:2"}) == 2
+    assert push_slots({FAULTS: "delay:*:0:2x"}) is None and push_slots({}) is None
+
+
 @pytest.mark.parametrize("text", ["explode:1:2", "kill:x:1", "kill:1", "delay:1:0:0.5x",
                                   "delay:1:0:3", "pause:1:0:2x", "poison:-1:3",
                                   "linger:1:0:2x", "linger:1:0", "link:1:0:5s",
-                                  "link:1:0:0B/s"])
+                                  "link:1:0:0B/s", "slots:1:2", "slots:*:0"])
 def test_a_bad_fault_is_one_clear_error(text: str) -> None:
     with pytest.raises(ConfigError, match=f"DISTBELIEF_FAULTS: cannot read '{text}'"):
         parse(text)
