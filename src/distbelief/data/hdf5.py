@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Self
@@ -64,26 +63,18 @@ H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
 # Labels are checked in blocks so that validating a file larger than memory stays cheap.
 LABEL_CHECK_ROWS = 1 << 20
 
-# Bytes of x and y this process has read from dataset files (bytes_read). A process-wide
-# tally on purpose: it measures what the process asked of the file system, whoever asked.
-# The lock: a streaming shard's prefetch thread adds to it too.
-_bytes_read = 0
-_bytes_read_lock = threading.Lock()
-
-
 def bytes_read() -> int:
     """Bytes of rows and labels (x and y as stored: the nbytes of what was read) this
-    process has read from dataset files so far: shards, evaluation sets, label checks."""
-    return _bytes_read
+    process has read from dataset files so far: shards, evaluation sets, label checks.
+    Process-wide on purpose: what the process asked of the file system, whoever asked
+    (summary.json's control_plane reports the same counter, data_bytes_read)."""
+    return counters.count("data_bytes_read")
 
 
 def count_read(*arrays: np.ndarray) -> None:
-    """Add the stored bytes of `arrays`, just read from a dataset file, to bytes_read()."""
-    global _bytes_read
-    n = sum(int(a.nbytes) for a in arrays)
-    with _bytes_read_lock:
-        _bytes_read += n
-    counters.add("data_bytes_read", n)
+    """Add the stored bytes of `arrays`, just read from a dataset file, to bytes_read()
+    (thread-safe: a streaming shard's prefetch thread reads too)."""
+    counters.add("data_bytes_read", sum(int(a.nbytes) for a in arrays))
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,12 @@ def add(name: str, n: int = 1) -> None:
         _counts[name] += n
 
 
+def count(name: str) -> int:
+    """One counter's value now."""
+    with _lock:
+        return _counts[name]
+
+
 def seconds() -> float:
     """Seconds since this process started counting (when this module was imported)."""
     return time.monotonic() - _started
