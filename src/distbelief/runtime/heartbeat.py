@@ -68,6 +68,9 @@ class Heartbeats:
         self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (last beat, when it changed)
         self._read_at: dict[int, float] = {}  # rank -> when its file was last read
         self._asked: dict[int, float] = {}  # rank -> when it was last asked about
+        # How many ranks were asked about lately, counted at most once per interval (a
+        # sweep asks about every rank: counting on every ask would cost O(R) each time).
+        self._watched, self._counted_at = 0, -float("inf")
         # A token bucket of reads (READS_PER_S, a second's worth at most): the first
         # look at every rank, at set-up, is spread out too, not one burst of R reads.
         self._tokens, self._filled_at = reads_per_s, time.monotonic()
@@ -129,8 +132,11 @@ class Heartbeats:
         in the last WATCHED_WINDOW_S."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            watched = sum(1 for t in self._asked.values() if now - t < WATCHED_WINDOW_S)
-        return max(self.interval_s, watched / self.reads_per_s)
+            if now - self._counted_at >= self.interval_s:
+                self._asked = {r: t for r, t in self._asked.items()
+                               if now - t < WATCHED_WINDOW_S}
+                self._watched, self._counted_at = len(self._asked), now
+            return max(self.interval_s, self._watched / self.reads_per_s)
 
     def _take_token(self, now: float) -> bool:
         """Whether the read budget allows a read now (and spend it). Under the lock."""
@@ -151,9 +157,10 @@ class Heartbeats:
         """Seconds since `rank`'s beat last changed, as this rank saw it (0.0 if its file
         has never been seen here). Reads the file at most once per read_period()."""
         now = time.monotonic() if now is None else now
-        period = self.read_period(now)
         with self._lock:
             self._asked[rank] = now
+        period = self.read_period(now)
+        with self._lock:
             due = (now - self._read_at.get(rank, -float("inf")) >= period
                    and self._take_token(now))
         beat, answered = None, False
