@@ -31,6 +31,9 @@ Sandblaster shard the pushes it has received, Sandblaster's coordinator its iter
                           receives through the transport or a collective (summary.json's
                           bytes_sent + bytes_received) costs 1/125e6 s, slept right after
                           the transfer (no overlap with compute); AT is unused
+    slowwrite:RANK:AT:2s  a Downpour shard's checkpoint parts, from the AT-th checkpoint on
+                          (counted from 0), take 2 s longer to write (a slow file system):
+                          slept in the thread that writes them
     slots:*:K             every RMA shard has K push slots (K >= 1), not two per replica
                           up to MAX_PUSH_SLOTS: the contention of many replicas, with few;
                           RANK must be * (the windows are allocated collectively)
@@ -56,7 +59,7 @@ from distbelief.errors import ConfigError
 
 ENV = "DISTBELIEF_FAULTS"
 ACTIONS = ("kill", "raise", "poison", "delay", "hang", "killpush", "pause", "linger",
-           "noinit", "link", "slots")
+           "noinit", "link", "slots", "slowwrite")
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ def _parse_one(item: str) -> Fault:
     action, *fields = item.split(":")
     if action not in ACTIONS:
         raise ValueError(f"unknown action {action!r}")
-    timed = ("delay", "pause", "linger", "link")
+    timed = ("delay", "pause", "linger", "link", "slowwrite")
     if len(fields) != (3 if action in timed else 2):
         raise ValueError("wrong number of fields")
     rank = None if fields[0] == "*" else _non_negative(fields[0], "RANK")
@@ -192,6 +195,14 @@ class Faults:
                                f"updates ({ENV})")
         if any(f.action == "kill" and count >= f.at for f in self.faults):
             self.kill(f"after {count} updates")
+
+    def before_checkpoint_write(self, index: int) -> None:
+        """Called by a shard's writer thread before it writes its part of its `index`-th
+        checkpoint (from 0): sleep as `slowwrite` says."""
+        seconds = sum(f.extra_seconds for f in self.faults
+                      if f.action == "slowwrite" and index >= f.at)
+        if seconds > 0:
+            time.sleep(seconds)
 
     def hang_due(self, step: int) -> bool:
         """Whether the rank is to stop responding after `step` (the caller decides where)."""
