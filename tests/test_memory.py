@@ -228,6 +228,12 @@ def test_the_rma_shard_formula_in_slices():
         assert roles[0].role == "shard 0" and roles[0].bytes > shard.bytes  # it evaluates
     shared = predict_memory(net, 2, 4, 1, Workload(transport="shared"))
     assert next(r for r in shared if r.role == "shard").bytes - BASE_BYTES == 4 * n * 2
+    # Periodic checkpoints: parameters and state copied, written after the release.
+    for transport in ("rma", "shared"):
+        plain, copying = (next(r for r in predict_memory(net, 2, 4, 1, Workload(
+            transport=transport, checkpoint_copy=copy)) if r.role == "shard")
+            for copy in (False, True))
+        assert copying.bytes - plain.bytes == copying.parts["checkpoint copy"] == 4 * n * 2
 
 
 def test_partitions_and_shards_shrink_the_ranks_that_need_most():

@@ -68,10 +68,14 @@ def workload(config: Config, info: Any, transport: str) -> Workload:
     per_row = row_bytes * max(1, _prod(info.input_shape)) + 8
     rows = info.n_train if config.data.in_memory else (config.data.stream_memory_mb << 20) // per_row
     eval_rows = config.run.eval_samples or info.n_test
+    run = config.run
+    copies = run.checkpoint_in_background and bool(run.checkpoint_every_seconds
+                                                    or run.checkpoint_every_steps)
     return Workload(batch=config.data.batch_size, state_arrays=state, transport=transport,
                     push_bytes=2 if opt.push_dtype == "bfloat16" else 4, n_push=opt.n_push,
                     overlapped=opt.fetch == "overlapped", train_rows=rows, row_bytes=per_row,
-                    eval_rows=min(eval_rows, info.n_test or eval_rows))
+                    eval_rows=min(eval_rows, info.n_test or eval_rows),
+                    checkpoint_copy=copies)
 
 
 def _prod(shape: Any) -> int:

@@ -12,6 +12,8 @@ the training data; BASE = the interpreter, numpy, h5py and MPI, about 90 MB):
     RMA shard          4n (1 + s + 4) + K n b + BASE      master, state, 4 publish buffers,
                                                         push slots (MPI window memory)
     shared-memory shard 4n (1 + s) + BASE                parameters and state, in the segment
+    either, besides    4n (1 + s)                        with periodic checkpoints: the copy
+                                                        written in the background
     shard 0, besides   4N + A_eval + eval set            the evaluation snapshot
     replica            4N_p (2 + extras) + A(B)/P + D + BASE   parameters and gradient (N_p =
                                                         its partition's share, N / P)
@@ -56,7 +58,8 @@ class RoleMemory:
 class Workload:
     """What besides the layout decides memory: the batch, the optimizer's state arrays,
     the transport ("rma" or "shared"), pushes (dtype bytes, n_push, overlapped fetch), the
-    training data (rows, bytes per row) and the evaluation set (rows)."""
+    training data (rows, bytes per row), the evaluation set (rows), and whether shards
+    copy their state for periodic checkpoints."""
 
     batch: int = 128
     state_arrays: int = 1
@@ -67,6 +70,7 @@ class Workload:
     train_rows: int = 0
     row_bytes: int = 0
     eval_rows: int = 0
+    checkpoint_copy: bool = False
 
 
 def activation_bytes(network: object, batch: int, backward: bool = True) -> int:
@@ -90,6 +94,8 @@ def shard_memory(num_params: int, shards: int, clients: int, work: Workload) -> 
     if work.transport == "rma":
         parts["publish buffers"] = BYTES * n * PUBLISH_BUFFERS
         parts["push slots"] = push_slots(clients) * n * work.push_bytes
+    if work.checkpoint_copy:
+        parts["checkpoint copy"] = BYTES * n * (1 + work.state_arrays)
     parts["process"] = BASE_BYTES
     return RoleMemory("shard", shards, sum(parts.values()), parts)
 
