@@ -466,11 +466,14 @@ def test_a_diverging_run_never_checkpoints_non_finite_values(data_dir: Path,
     # 400 of them in a row per replica keep the run going long enough for checkpoints to be
     # taken mid-divergence, and keep_checkpoints keeps them all to be read. (With 100, 2
     # runs in 4 under load took only one mid-run checkpoint, once the Put/Get transport
-    # made the bad steps faster: 2026-11-27.)
+    # made the bad steps faster: 2026-11-27.) Since the shards write in the background,
+    # training goes on while a checkpoint is written, so a 1 ms delay per step makes the
+    # run last long enough for several to be written (without it: 0.2 s, 1-2 mid-run).
     out = tmp_path / "out"
     proc = downpour(3, data_dir, out, "optimizer.adagrad=false", "optimizer.learning_rate=1e30",
                     "run.max_steps=0", "run.max_seconds=60", "run.checkpoint_every_steps=1",
-                    "run.max_bad_gradients_in_a_row=400", "run.keep_checkpoints=1000")
+                    "run.max_bad_gradients_in_a_row=400", "run.keep_checkpoints=1000",
+                    env={**_env(), FAULTS: "delay:*:0:0.001s"})
     assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr
     assert "training diverged" in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -484,6 +487,67 @@ def test_a_diverging_run_never_checkpoints_non_finite_values(data_dir: Path,
         assert np.isfinite(params).all() and np.isfinite(state["accum"] if state else 0).all()
         # Taken after the run diverged, not before: the weights have blown up.
         assert np.abs(params).max() > 1e20, (step, np.abs(params).max())
+
+
+SLOW_WRITE_S = 1.5
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_the_replicas_train_while_the_shards_write(data_dir: Path, tmp_path: Path,
+                                                   background: bool) -> None:
+    # Every shard's parts take SLOW_WRITE_S longer to write (a slow file system). In the
+    # background the replicas pause only while the shards copy their state, and train on
+    # while the copies are written; with run.checkpoint_in_background = false they wait
+    # the writes out.
+    out = tmp_path / "out"
+    env = {**_env(), FAULTS: f"slowwrite:*:0:{SLOW_WRITE_S}s"}
+    summary = succeeded(downpour(
+        4, data_dir, out, "cluster.ps_shards=2", "run.max_steps=0", "run.max_seconds=6",
+        "run.checkpoint_every_seconds=1",
+        f"run.checkpoint_in_background={str(background).lower()}", env=env), 4, out)
+    lines = metrics(out)
+    marks = [x for x in lines if x["kind"] == "checkpoint"]
+    periodic = marks[:-1]  # the last one is the final checkpoint, after training
+    assert periodic, marks
+    assert all(m["write_seconds"] >= SLOW_WRITE_S for m in marks), marks
+    pauses = [r["checkpoint_seconds"] / len(periodic) for r in summary["replicas"]]
+    if background:
+        assert all(p < SLOW_WRITE_S / 2 for p in pauses), (pauses, marks)
+        for mark in periodic:
+            # Training lines logged while it was written, past its step, come before it.
+            before = [x["step"] for x in lines[:lines.index(mark)] if x["kind"] == "train"]
+            assert before and max(before) > mark["step"], (mark, before[-3:])
+    else:
+        assert all(p >= SLOW_WRITE_S for p in pauses), (pauses, marks)
+    assert committed_steps(out)[0] == summary["steps"]
+    assert ckpt.list_leftovers(ckpt.checkpoint_root(out)) == []
+
+
+def test_a_job_killed_while_a_checkpoint_is_written_resumes_from_the_one_before(
+        data_dir: Path, tmp_path: Path) -> None:
+    # The first checkpoint is written at once; the second one's parts take 60 s, and the
+    # whole job is SIGKILLed while they are written (the replicas training meanwhile).
+    out, log = tmp_path / "out", tmp_path / "log"
+    env = {**_env(), FAULTS: "slowwrite:*:1:60s"}
+    proc = launch(3, data_dir, out, log, "run.max_steps=0", "run.max_seconds=60",
+                  "run.checkpoint_every_seconds=0.3", env=env)
+    root, deadline = ckpt.checkpoint_root(out), time.monotonic() + 60
+    try:
+        while not (ckpt.list_checkpoints(root) and list(root.glob("*.partial"))):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "no checkpoint being written"
+            time.sleep(0.05)
+        time.sleep(0.5)  # training goes on meanwhile
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    saved = committed_steps(out)
+    assert len(saved) == 1, saved
+    ckpt.verify(root / ckpt.checkpoint_name(saved[0]))  # whole: every part's sha256 holds
+    assert ckpt.list_leftovers(root), "the .partial of the checkpoint being written"
+    summary = succeeded(downpour(3, data_dir, out, f"run.max_steps={saved[0] + 100}"), 3, out)
+    check_resumed(summary, out, saved[0], saved[0] + 100)
+    assert ckpt.list_leftovers(root) == []
 
 
 def test_a_checkpoint_that_cannot_be_written_ends_the_run_on_every_rank(

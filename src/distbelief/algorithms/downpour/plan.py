@@ -55,9 +55,10 @@ LEAVING_TAG = 8
 """Tag of a client rank's message to rank 0 that it leaves (TEARDOWN_LEAVE), sent once its
 last epoch on shard 0's windows has completed."""
 
-# The int64 flags of a shards' round, combined with MAX over the shards.
-ROUND_TERM, ROUND_USR1, ROUND_CHECKPOINT, ROUND_FINISHED = range(4)
-ROUND_WIDTH = 4
+# The int64 flags of a shards' round, combined with MAX over the shards. ROUND_WRITING: a
+# shard's writer thread is still writing its part of a checkpoint (0: all are done).
+ROUND_TERM, ROUND_USR1, ROUND_CHECKPOINT, ROUND_FINISHED, ROUND_WRITING = range(5)
+ROUND_WIDTH = 5
 
 
 class BadGradients(TrainingDiverged):

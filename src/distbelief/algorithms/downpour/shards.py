@@ -7,7 +7,9 @@ the package's (distbelief.algorithms.downpour).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +21,34 @@ from distbelief.algorithms.downpour.plan import (
     ROUND_FINISHED,
     ROUND_INTERVAL_S,
     ROUND_WIDTH,
+    ROUND_WRITING,
     Ending,
 )
 from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.ps.endpoint import saved_state
 from distbelief.records import checkpoint as ckpt
+from distbelief.runtime import watchdog
 from distbelief.runtime.agreement import (
+    WAIT_SLEEP_S,
     Rounds,
     bcast_after_barrier,
     gather_after_barrier,
     wait_for_everyone,
 )
-from distbelief.runtime.backoff import PacedBackoff
+from distbelief.runtime.backoff import Backoff, PacedBackoff
 from distbelief.runtime.faults import Faults
 
 # ------------------------------------------------------------------------------------------
 # Shards
+
+@dataclass
+class Writing:
+    """A checkpoint whose parts a shard's writer thread is writing: its meta, the
+    thread's future (the part report) and when the pause ended."""
+
+    meta: ckpt.CheckpointMeta
+    future: Future
+    began: float
 
 
 class _ShardRole:
@@ -48,9 +62,14 @@ class _ShardRole:
         self.signals = run.signals
         self.faults = Faults.for_rank(self.shard.rank)  # test-only (distbelief.runtime.faults)
         self.all_finished = False  # a round said every replica has finished or is lost
-        self.checkpoint_seconds = 0.0
+        self.checkpoint_seconds = 0.0  # the replicas' pauses: agreed round to release
+        self.write_seconds = 0.0  # the writes after the release, in the writer thread
         self.failure: str | None = None  # why a checkpoint could not be written
-        self.diverged = False  # a shard held non-finite values at a checkpoint
+        self.writing: Writing | None = None  # parts being written, not yet gathered
+        self.began, self.in_background = 0.0, False  # the newest checkpoint: start, mode
+        self.background = run.session.config.run.checkpoint_in_background
+        self.parts_written = 0  # checkpoints this shard has written its part of
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="distbelief-checkpoint")
 
     def run(self) -> None:
         self.shard.serve(PacedBackoff(), between=self._duties,
@@ -73,40 +92,57 @@ class _ShardRole:
         if result is None:
             return False
         self._on_round(result)
+        written = self.writing is not None and not result[ROUND_WRITING]
+        if written:
+            self._gather_parts()
         if result[ROUND_CHECKPOINT]:
-            self.checkpoint()
+            self.checkpoint(self.background)
         if result[ROUND_FINISHED]:
             self.all_finished = True
-        return bool(result[ROUND_CHECKPOINT])
+        return bool(result[ROUND_CHECKPOINT]) or written
 
     def _contribution(self) -> list[int]:
         counts = self.signals.counts
-        return [counts["SIGTERM"], counts["SIGUSR1"], 0, 0]
+        return [counts["SIGTERM"], counts["SIGUSR1"], 0, 0, int(self._still_writing())]
+
+    def _still_writing(self) -> bool:
+        return self.writing is not None and not self.writing.future.done()
 
     def _on_round(self, result: np.ndarray) -> None:
         """Shard 0 reads the shards' signals here."""
 
     # -- checkpoints (CHECKPOINTS in the package docstring)
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, background: bool = True) -> None:
         """Write a checkpoint of the whole run with the other shards, or nothing when shard
         0 decides there is nothing new. Collective over the shards: a polled barrier
-        (serving meanwhile), bcast, gather, bcast."""
-        began = time.monotonic()
+        (serving meanwhile), bcast, and later a gather.
+
+        The replicas are paused only while the shards fold what is pending and copy their
+        state; the files are written after the release, by each shard's writer thread,
+        and gathered for the commit once every shard's thread is done (a round says so:
+        `_poll_rounds`). With `background` False (the final checkpoint, where nobody pushes
+        any more, or run.checkpoint_in_background = false) the live arrays are written,
+        uncopied, with the replicas still paused, and gathered before this returns."""
+        self.began, self.in_background = time.monotonic(), background
         comm = self.comm
         wait_for_everyone(comm, serve=self.shard.serve_once)
         self._settle()
-        plan = bcast_after_barrier(comm, self._plan_checkpoint())
-        outcome: dict[str, Any] = {}
-        if plan is not None:
-            outcome = plan
-            if "meta" in plan:
-                meta = ckpt.CheckpointMeta(**plan["meta"])
-                reports = gather_after_barrier(comm, self._write_parts(Path(plan["partial"]),
-                                                                       meta))
-                outcome = bcast_after_barrier(comm, self._commit(meta, reports))
-        self.checkpoint_seconds += time.monotonic() - began
-        self._after_checkpoint(outcome, time.monotonic() - began)
+        plan = bcast_after_barrier(comm, self._plan_checkpoint()) or {}
+        if "meta" not in plan:
+            self._end_pause(plan)
+            return
+        meta = ckpt.CheckpointMeta(**plan["meta"])
+        write = self._part_writer(Path(plan["partial"]), meta, copy=background)
+        if background:
+            self._end_pause(plan)
+            self.writing = Writing(meta, self.writer.submit(write), time.monotonic())
+            return
+        done: Future = Future()  # written here, not serving: the arrays are the live ones
+        self.writing = Writing(meta, done, time.monotonic())
+        done.set_result(write())
+        self._gather_parts(now=True)
+        self._end_pause(plan)
 
     def _settle(self) -> None:
         """Every push counted has completed: fold all of it (poll until nothing is left)."""
@@ -117,31 +153,62 @@ class _ShardRole:
         """Shard 0: {"partial", "meta"} to write, {"error"}, or None for nothing new."""
         return None
 
-    def _write_parts(self, partial: Path, meta: ckpt.CheckpointMeta) -> dict[str, Any]:
-        """Write this shard's part: {"records": [[name, size, sha256], ...]}, {"error": ...}
-        or {"diverged": ...}."""
+    def _part_writer(self, partial: Path, meta: ckpt.CheckpointMeta,
+                     copy: bool) -> Callable[[], dict[str, Any]]:
+        """What writes this shard's part, for the writer thread: it returns {"records":
+        [[name, size, sha256], ...]}, {"error": ...} or {"diverged": ...}. With `copy`,
+        it writes copies taken now (the shard serves again before it writes); else the
+        live arrays, which must not change until it is done."""
         shard = self.shard
-        # Written before this shard serves again: its own parameters, not a copy.
-        params, state = shard.parameters(copy=False), saved_state(shard.optimizer)
-        if not (_all_finite(params) and all(_all_finite(v) for v in state.values())):
-            return {"diverged": f"shard {shard.rank} holds non-finite values at step "
-                                f"{meta.step}; not checkpointed"}
+        if copy:
+            params, state, _ = shard.checkpoint_state()
+        else:
+            params, state = shard.parameters(copy=False), saved_state(shard.optimizer)
         counters = {"version": shard.version, "pushes": shard.stats.pushes,
                     "folds": shard.stats.folds,
                     "gradients_applied": shard.gradients_applied}
-        return _part_report(lambda: [ckpt.write_shard_part(
-            partial, meta, shard.rank, shard.start, shard.stop, params, state, counters)])
+        index, self.parts_written = self.parts_written, self.parts_written + 1
 
-    def _commit(self, meta: ckpt.CheckpointMeta,
-                reports: list[dict[str, Any]] | None) -> dict[str, Any]:
-        """Shard 0: commit from every shard's report; the outcome every shard learns."""
-        return {}
+        def write() -> dict[str, Any]:
+            if self.faults:
+                self.faults.before_checkpoint_write(index)
+            if not (_all_finite(params) and all(_all_finite(v) for v in state.values())):
+                return {"diverged": f"shard {shard.rank} holds non-finite values at step "
+                                    f"{meta.step}; not checkpointed"}
+            return _part_report(lambda: [ckpt.write_shard_part(
+                partial, meta, shard.rank, shard.start, shard.stop, params, state,
+                counters)])
 
-    def _after_checkpoint(self, outcome: dict[str, Any], seconds: float) -> None:
-        if "diverged" in outcome:
-            self.diverged = True
-        elif "error" in outcome:
-            self.failure = outcome["error"]
+        return write
+
+    def _end_pause(self, plan: dict[str, Any]) -> None:
+        """The pause is over (the parts are copied, or written and committed, or nothing
+        is written): count it. Shard 0 releases the replicas."""
+        self.checkpoint_seconds += time.monotonic() - self.began
+
+    def _gather_parts(self, now: bool = False) -> None:
+        """Collective over the shards, once every shard's writer is done (or to wait for
+        it, `now`): gather the part reports to shard 0, which commits."""
+        writing = self.writing
+        self._wait_for(writing.future)
+        self.writing = None
+        self.write_seconds += time.monotonic() - writing.began
+        reports = gather_after_barrier(self.comm, writing.future.result())
+        self._commit_parts(writing.meta, reports, now)
+
+    def _wait_for(self, future: Future) -> None:
+        """Serve (or sleep) until this shard's own `future` is done."""
+        backoff = Backoff(*WAIT_SLEEP_S)
+        with watchdog.current().waiting("this shard's checkpoint writer"):
+            while not future.done():
+                if self.shard.serve_once():
+                    backoff.reset()
+                else:
+                    backoff.wait()
+
+    def _commit_parts(self, meta: ckpt.CheckpointMeta, reports: list[dict[str, Any]] | None,
+                      now: bool) -> None:
+        """Shard 0: commit from every shard's report (in its writer thread, or `now`)."""
 
     # -- the end
 
@@ -150,16 +217,24 @@ class _ShardRole:
         final slices to shard 0 (which evaluates them), the final checkpoint, shard 0's
         summary, and the teardown decision. Collective over the shards."""
         self._settle()
+        self._finish_writing()
         all_stats = gather_after_barrier(self.comm, self.stats())
         final = self._gather_parameters()
         self._before_final_checkpoint(all_stats, final)
-        self.checkpoint()  # the final one (skipped if its step is already checkpointed)
+        self.checkpoint(background=False)  # the final one (none if its step is written)
+        self.writer.shutdown()
         ending = bcast_after_barrier(self.comm, self._ending())
         ending.failure = ending.failure or self.failure
         self._announce(ending)
         if self.comm.Get_rank() != 0:
             ending.summary = None
         return ending
+
+    def _finish_writing(self) -> None:
+        """A checkpoint still being written is gathered and committed before the final
+        one. Collective over the shards (all of them hold one or none)."""
+        if self.writing is not None:
+            self._gather_parts(now=True)
 
     def _gather_parameters(self) -> np.ndarray | None:
         """The final parameter vector on shard 0 (None elsewhere). Collective over the
@@ -192,7 +267,8 @@ class _ShardRole:
         shard = self.shard
         stats = {"role": "shard", "rank": shard.rank, "version": shard.version,
                  "params": shard.stop - shard.start,
-                 "checkpoint_seconds": self.checkpoint_seconds, **asdict(shard.stats)}
+                 "checkpoint_seconds": self.checkpoint_seconds,
+                 "checkpoint_write_seconds": self.write_seconds, **asdict(shard.stats)}
         revision = getattr(shard.optimizer, "delay_stats", None)
         if revision is not None:
             # AdaRevision: the folds this shard's optimizer made (every one on RMA; none

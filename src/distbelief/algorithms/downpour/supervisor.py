@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -118,6 +119,11 @@ class Supervisor(_ShardRole):
                                                 run_config.checkpoint_every_steps)
         self.last_checkpoint_step = self.base if start.checkpoint is not None else None
         self.last_checkpoint: str | None = None
+        self.planned_step = self.last_checkpoint_step  # the newest step being written
+        self.snapshot_replicas: list[ckpt.ReplicaState] = []  # theirs, as of that step
+        self.snapshot_lost: list[int] = []  # the replicas lost by then (no state)
+        self.committing: Future | None = None  # a commit in the writer thread
+        self.pause_ended = 0.0  # when the newest checkpoint's pause ended
         self.checkpoints = 0
         say(stream, _header(config, plan, network, info, len(eval_set[1])))
         # The clock starts once every rank is ready (open_parameter_server's barrier).
@@ -145,6 +151,9 @@ class Supervisor(_ShardRole):
         busy = self._collect_stats()
         if self.pending is not None and self.pending[0].done():
             self._record_eval(*self.pending)
+            busy = True
+        if self.committing is not None and self.committing.done():
+            self._committed()
             busy = True
         if (now >= self._next_control or (self.awaiting and not self.ready)
                 or self.usr1_pending):
@@ -208,7 +217,7 @@ class Supervisor(_ShardRole):
         counts = self.signals.counts
         finished = not self.awaiting and self._replicas_done()
         return [counts["SIGTERM"], counts["SIGUSR1"], int(self.awaiting and self.ready),
-                int(finished)]
+                int(finished), int(self._still_writing())]
 
     def _on_round(self, result: np.ndarray) -> None:
         self._shard_signals = (int(result[ROUND_TERM]), int(result[ROUND_USR1]))
@@ -363,15 +372,20 @@ class Supervisor(_ShardRole):
 
     def _schedule_checkpoint(self, now: float) -> None:
         """The next periodic checkpoint: `every_seconds` from now, and the next multiple
-        of `every_steps` (also after a resume from another step); inf when off."""
+        of `every_steps` after the newest checkpoint's step (also after a resume from
+        another step), due at once if training passed it while that one was written; inf
+        when off."""
         self.next_checkpoint_time = now + self.every_seconds if self.every_seconds \
             else math.inf
-        self.next_checkpoint_step = ((self.steps // self.every_steps + 1) * self.every_steps
+        after = self.steps if self.planned_step is None else self.planned_step
+        self.next_checkpoint_step = ((after // self.every_steps + 1) * self.every_steps
                                      if self.every_steps else math.inf)
 
     def _checkpoint_due(self, now: float) -> bool:
         if self.stop_code or self._replicas_done():
             return False  # the checkpoint at the end follows
+        if self.writing is not None or self.committing is not None:
+            return False  # one at a time: the previous one is still being written
         return now >= self.next_checkpoint_time or self.steps >= self.next_checkpoint_step
 
     def _plan_checkpoint(self) -> dict[str, Any] | None:
@@ -380,7 +394,7 @@ class Supervisor(_ShardRole):
         self._read_control(time.monotonic())
         self._log_training()
         if self.stop_code == rc.STOP_DIVERGED or self.failure is not None \
-                or self.steps == self.last_checkpoint_step:
+                or self.steps == self.planned_step:
             return None
         meta = ckpt.CheckpointMeta(self.steps, self.steps * self.plan.batch_size,
                                    self.recorder.elapsed(), config_hash(self.config))
@@ -388,20 +402,30 @@ class Supervisor(_ShardRole):
             partial = ckpt.prepare(self.root, meta.step)
         except ckpt.CheckpointError as exc:
             return {"error": str(exc)}
+        # The replicas' positions as they published them when they paused or finished
+        # (lost replicas have none), taken now: they move on once released.
+        self.planned_step = meta.step
+        self.snapshot_lost = sorted(self.lost)
+        self.snapshot_replicas = [
+            ckpt.ReplicaState(r, {"local_steps": steps}, state, None, {})
+            for r, (state, steps) in self._replica_positions().items()]
         return {"partial": str(partial), "meta": asdict(meta)}
 
-    def _write_parts(self, partial: Path, meta: ckpt.CheckpointMeta) -> dict[str, Any]:
-        """Shard 0's slice and every replica's part (from the positions they published
-        when they paused or finished; lost replicas have none)."""
-        mine = super()._write_parts(partial, meta)
-        if "records" not in mine:
-            return mine
-        replicas = _part_report(lambda: [ckpt.write_replicas_part(partial, meta, [
-            ckpt.ReplicaState(r, {"local_steps": steps}, state, None, {})
-            for r, (state, steps) in self._replica_positions().items()])])
-        if "records" not in replicas:
-            return replicas
-        return {"records": mine["records"] + replicas["records"]}
+    def _part_writer(self, partial: Path, meta: ckpt.CheckpointMeta,
+                     copy: bool) -> Callable[[], dict[str, Any]]:
+        """Shard 0's slice, then the replicas' part (one table)."""
+        mine, replicas = super()._part_writer(partial, meta, copy), self.snapshot_replicas
+
+        def write() -> dict[str, Any]:
+            report = mine()
+            if "records" not in report:
+                return report
+            theirs = _part_report(lambda: [ckpt.write_replicas_part(partial, meta, replicas)])
+            if "records" not in theirs:
+                return theirs
+            return {"records": report["records"] + theirs["records"]}
+
+        return write
 
     def _replica_positions(self) -> dict[int, tuple[dict[str, int], int]]:
         """Replica index -> (TrainShard.state(), local steps) as published, for every
@@ -420,8 +444,43 @@ class Supervisor(_ShardRole):
             positions[r] = (state, int(row[rc.LOCAL_STEPS]))
         return positions
 
+    def _end_pause(self, plan: dict[str, Any]) -> None:
+        super()._end_pause(plan)
+        # The replicas were paused, and over RMA their news waits for this shard's
+        # progress: a silence while shard 0 itself was busy does not count against them
+        # (run.replica_timeout_seconds), however long the pause took.
+        self.beat_times[:] = time.monotonic()
+        self.pause_ended = time.monotonic()
+        if "error" in plan:
+            self._after_checkpoint(plan)
+        if self.awaiting:  # the replicas paused for it go on
+            self.shard.add_run_control(rc.RELEASE, 1)
+            self.awaiting = self.ready = False
+        if "meta" not in plan:
+            self._schedule_checkpoint(time.monotonic())
+
+    def _commit_parts(self, meta: ckpt.CheckpointMeta, reports: list[dict[str, Any]] | None,
+                      now: bool) -> None:
+        if now:
+            self._after_checkpoint(self._commit(meta, reports))
+        else:
+            self.committing = self.writer.submit(self._commit, meta, reports)
+
+    def _committed(self) -> None:
+        """The writer thread's commit is done: act on its outcome."""
+        future, self.committing = self.committing, None
+        self._after_checkpoint(future.result())
+
+    def _finish_writing(self) -> None:
+        super()._finish_writing()
+        if self.committing is not None:
+            self._wait_for(self.committing)
+            self._committed()
+
     def _commit(self, meta: ckpt.CheckpointMeta,
                 reports: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """Commit from every shard's report (in the writer thread, or at the end): the
+        outcome. Reads only what _plan_checkpoint fixed."""
         for kind in ("diverged", "error"):
             problems = [r[kind] for r in reports if kind in r]
             if problems:
@@ -434,27 +493,35 @@ class Supervisor(_ShardRole):
                 layout=self.network.layout, shard_ranges=self.shard.ranges,
                 optimizer_state=list(saved_state(self.shard.optimizer)), parts=records,
                 num_replicas=self.plan.num_replicas, keep=self.config.run.keep_checkpoints,
-                lost_replicas=sorted(self.lost))
+                lost_replicas=self.snapshot_lost)
         except ckpt.CheckpointError as exc:
             return {"error": str(exc)}
         return {"path": str(path), "step": meta.step, "samples": meta.samples,
                 "at": meta.wall_seconds}
 
-    def _after_checkpoint(self, outcome: dict[str, Any], seconds: float) -> None:
-        super()._after_checkpoint(outcome, seconds)
-        # The replicas were paused, and over RMA their news waits for this shard's
-        # progress: a silence while shard 0 itself was writing does not count against
-        # them (run.replica_timeout_seconds), however long the checkpoint took.
-        self.beat_times[:] = time.monotonic()
+    def _after_checkpoint(self, outcome: dict[str, Any]) -> None:
+        """A checkpoint's outcome: committed (logged), or why not (the run stops). The
+        next one is scheduled from now."""
+        if "error" in outcome:
+            self.failure = outcome["error"]
         if "path" in outcome:
             path = Path(outcome["path"])
             self.checkpoints += 1
             self.last_checkpoint_step, self.last_checkpoint = outcome["step"], str(path)
-            # Timed at the state it holds, so that a run resumed from it, which continues
-            # from that time, keeps the times in metrics.jsonl increasing.
+            # Timed when committed, later than the training lines logged while it was
+            # written: the times in metrics.jsonl keep increasing. A run resumed from it
+            # cuts it with them (their time is past the state's, `state_time`).
+            now = time.monotonic()
+            if self.in_background:  # the pause ended before the writes
+                pause, written = self.pause_ended - self.began, now - self.pause_ended
+                how = f"replicas paused {pause:.2f}s, written in {written:.2f}s meanwhile"
+            else:  # the pause ends after this commit
+                pause = written = now - self.began
+                how = f"{pause:.2f}s"
             self.recorder.log_event("checkpoint", outcome["step"], outcome["samples"],
-                                    at=outcome["at"], seconds=seconds, path=path.name)
-            say(self.stream, f"checkpoint {path} ({seconds:.2f}s)")
+                                    state_time=outcome["at"], seconds=pause,
+                                    write_seconds=written, path=path.name)
+            say(self.stream, f"checkpoint {path} ({how})")
         elif "diverged" in outcome or "error" in outcome:
             say(self.stream, f"distbelief: checkpoint not written: "
                                 f"{outcome.get('diverged') or outcome.get('error')}")
@@ -462,9 +529,6 @@ class Supervisor(_ShardRole):
             self._stop(rc.STOP_DIVERGED, "diverged")
         elif "error" in outcome:
             self._stop(rc.STOP_CHECKPOINT_FAILED, "checkpoint_failed")
-        if self.awaiting:  # the replicas paused for it go on
-            self.shard.add_run_control(rc.RELEASE, 1)
-            self.awaiting = self.ready = False
         self._schedule_checkpoint(time.monotonic())
 
     # -- the end
