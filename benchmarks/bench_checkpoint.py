@@ -27,8 +27,12 @@ completed in the time, median of --rounds interleaved pairs. Measured overhead a
 short interval = 1 - steps with / steps without. Every Downpour checkpoint pauses every
 rank (a global consistency point), so the overhead at the default interval is estimated
 from the measured pause per checkpoint (summary.json's checkpoint_seconds / checkpoints
-written, rank 0's wall time from the agreed round to the committed checkpoint): pause /
-(interval + pause). Needs data/fashion_mnist.h5 (`distbelief prepare fashion-mnist`).
+written, rank 0's wall time from the agreed round to the release, once the shards have
+copied their state): pause / (interval + pause). The writes that follow in the background
+are timed too (the markers' write_seconds, from the release to the commit). Needs
+data/fashion_mnist.h5 (`distbelief prepare fashion-mnist`); `--set` makes the model wider,
+so that the writes count, for example `--set 'model.layers=[{type="dense", units=4096,
+activation="relu"}, {type="dense", units=10, activation="softmax"}]'`.
 
     python benchmarks/bench_checkpoint.py                  # 100M parameters, then Downpour
     python benchmarks/bench_checkpoint.py --params 10000000 --dir /scratch/me
@@ -134,6 +138,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3,
                         help="Downpour: interleaved runs with and without checkpoints")
     parser.add_argument("--data", type=Path, default=REPO / "data" / "fashion_mnist.h5")
+    parser.add_argument("--set", dest="sets", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="Downpour: a further setting for train (repeatable), e.g. "
+                             "a wider model to make the writes count")
     args = parser.parse_args()
     if args.only in (None, "write"):
         bench_write_load(args)
@@ -233,8 +241,8 @@ def downpour_run(args: argparse.Namespace, out: Path, every: float) -> dict:
             "run.progress_every_seconds": 1000}
     cmd = ["mpiexec", "-n", str(args.ranks), sys.executable, "-m", "distbelief", "train",
            str(DOWNPOUR_CONFIG), "--fresh"]
-    for key, value in sets.items():
-        cmd += ["--set", f"{key}={value}"]
+    for setting in [f"{key}={value}" for key, value in sets.items()] + args.sets:
+        cmd += ["--set", setting]
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.seconds + 120,
                           env=env, check=False)
@@ -250,7 +258,7 @@ def bench_downpour(args: argparse.Namespace) -> None:
     print(f"\nDownpour, {args.ranks} ranks (1 shard, {args.ranks - 1} replicas), "
           f"{args.seconds:g} s per run, checkpoints every {args.every:g} s against none; "
           f"load average {os.getloadavg()[0]:.2f}")
-    steps_with, steps_without, pauses = [], [], []
+    steps_with, steps_without, pauses, writes = [], [], [], []
     try:
         for pair in range(args.pairs):
             without = downpour_run(args, work / "without", 0.0)
@@ -264,6 +272,8 @@ def bench_downpour(args: argparse.Namespace) -> None:
             final = final_marks[-1]["seconds"] if final_marks else 0.0
             if periodic > 0:
                 pauses.append((with_["checkpoint_seconds"] - final) / periodic)
+            writes += [m["write_seconds"] for m in _marks(work / "with")
+                       if m["step"] != with_["steps"] and "write_seconds" in m]
             print(f"  pair {pair}: {steps_without[-1]:7.1f} steps/s without, "
                   f"{steps_with[-1]:7.1f} with {periodic} checkpoints; "
                   f"load {os.getloadavg()[0]:.2f}")
@@ -278,6 +288,9 @@ def bench_downpour(args: argparse.Namespace) -> None:
           f"run.checkpoint_every_seconds = {interval:g} (the default), estimated as pause / "
           f"(interval + pause): {100 * pause / (interval + pause):.4f}% of training time "
           f"(target < 5%)")
+    if writes:
+        print(f"written after the release, in the background, median: "
+              f"{statistics.median(writes) * 1000:.1f} ms per checkpoint")
 
 
 def _marks(out: Path) -> list[dict]:
