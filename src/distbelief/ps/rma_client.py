@@ -57,7 +57,7 @@ from distbelief.ps.rma_windows import (
 from distbelief.ps.run_control import ControlExchange
 from distbelief.ps.stats import StalenessStats
 from distbelief.runtime import watchdog
-from distbelief.runtime.backoff import Backoff
+from distbelief.runtime.backoff import Backoff, LearnedBackoff
 from distbelief.runtime.topology import Topology
 
 
@@ -99,6 +99,11 @@ class ParameterClient(_Endpoint):
         self._slot = np.full(shards, -1, dtype=np.int64)  # slot claimed, per shard
         self._last_slot = np.full(shards, -1, dtype=np.int64)
         self._mine = np.array([self._client + 1], dtype=np.int64)  # a claim's value
+        # Waits for a fold: polls spaced by how long they last. (Not the waits for a free
+        # slot: a claim sleeps holding its slots on lower shards, so longer sleeps there
+        # lengthen everyone's wait, which lengthened the sleeps: with one slot per shard,
+        # 5 replicas took minutes for 200 steps.)
+        self._fold_wait = LearnedBackoff(min_sleep_s=20e-6, max_sleep_s=0.2e-3)
         self._free = np.zeros(1, dtype=np.int64)
         self._marks = np.zeros((shards, 1), dtype=np.int64)  # FULL values being written
         self._one = np.ones(1, dtype=np.int64)
@@ -441,29 +446,33 @@ class ParameterClient(_Endpoint):
         staleness = self.push(grad, control)
         return staleness, max(0, self.catch_up(out) - 1)
 
-    def catch_up(self, out: np.ndarray, backoff: Backoff | None = None) -> int:
+    def catch_up(self, out: np.ndarray) -> int:
         """Make the last pull contain this client's last push (read-your-writes): poll
         each behind shard's FOLDED_HINT for this client (8 bytes, Fetch_and_op NO_OP),
-        sleeping under `backoff`, and pull once it counts every push made; until the
-        pulled FOLDED does. Returns the number of pulls made (0 when the last pull had
-        it already).
+        sleeping as earlier such waits lasted (LearnedBackoff), and pull once it counts
+        every push made; until the pulled FOLDED does. Returns the number of pulls made
+        (0 when the last pull had it already).
 
         One-sided, to every shard. It waits only for the shards to fold, never for
         another client; with one replica, push + catch_up is exactly sequential SGD.
         """
         self.drain()
-        backoff = backoff or Backoff(min_sleep_s=20e-6, max_sleep_s=0.2e-3)
-        extra = 0
+        backoff, extra, waited = self._fold_wait, 0, False
         guard = watchdog.current()
         with guard.waiting("the shards to apply this client's push",
                            self.topology.shard_ranks):
             while (behind := self._behind()):
                 if not self._hints_reached(behind):
+                    if not waited:
+                        backoff.begin()
+                        waited = True
                     guard.check()
                     backoff.wait()
                     continue
                 self.pull(out)
                 extra += 1
+        if waited:
+            backoff.end()
         return extra
 
     def _behind(self) -> list[int]:

@@ -82,3 +82,39 @@ class PacedBackoff(Backoff):
             time.sleep(self.fast_sleep_s)
             return
         super().wait()
+
+
+@dataclass
+class LearnedBackoff(Backoff):
+    """Backoff for a wait that recurs, such as a client's wait for the shards to fold its
+    push or for a free push slot: its sleeps may grow to 1/`polls` of how long such waits
+    have lasted (a moving average), so a wait costs about log2 + `polls` polls however long
+    it is, where a fixed cap costs one poll per `max_sleep_s`. Short waits (typical /
+    `polls` under `max_sleep_s`) are spaced exactly as by Backoff; a long one wakes at most
+    1/`polls` of its length late. `longest_sleep_s` bounds any sleep.
+
+    Why: with R replicas on one shard a fold waits behind up to R others, so a fixed 0.2 ms
+    cap makes each waiting client poll R x fold time / 0.2 ms times, and every poll is an
+    atomic the shard's progress engine must answer (docs/performance.md, "The control
+    plane as the ranks grow").
+    """
+
+    polls: int = 8
+    longest_sleep_s: float = 20e-3
+    _typical: float = field(default=0.0, repr=False)
+    _began: float = field(default=0.0, repr=False)
+
+    def begin(self) -> None:
+        """A wait starts: sleeps start short again."""
+        self._began = time.perf_counter()
+        self.reset()
+
+    def end(self) -> None:
+        """The wait begun last is over: learn its length."""
+        took = time.perf_counter() - self._began
+        self._typical = took if not self._typical else 0.75 * self._typical + 0.25 * took
+
+    def wait(self) -> None:
+        cap = min(max(self.max_sleep_s, self._typical / self.polls), self.longest_sleep_s)
+        self._sleep = min(max(self._sleep * 2, self.min_sleep_s), cap)
+        time.sleep(self._sleep)
