@@ -14,6 +14,7 @@ from distbelief.config import Config
 from distbelief.errors import DataError, UserError
 from distbelief.ps import run_control as rc
 from distbelief.records import checkpoint as ckpt
+from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.topology import Topology
 
 WARM_START_POLL_S = (1e-3, 20e-3)
@@ -22,6 +23,18 @@ since each poll is an RMA epoch that shard 0 has to serve."""
 
 PAUSE_POLL_S = (0.2e-3, 5e-3)
 """Back-off bounds of a replica paused for a checkpoint or waiting for the teardown."""
+
+SHARD0_POLLS_PER_S = 20_000
+"""What waiting client ranks may ask of shard 0 together, in control exchanges a second
+(the warm start, a checkpoint pause, the teardown): each one's longest sleep is at least
+their count / SHARD0_POLLS_PER_S, so 1,000 paused replicas poll every 50 ms, not 5 ms."""
+
+
+def shard0_backoff(bounds: tuple[float, float], clients: int) -> Backoff:
+    """Back-off within `bounds` for a client polling shard 0, its longest sleep raised so
+    that `clients` of them stay within SHARD0_POLLS_PER_S."""
+    low, high = bounds
+    return Backoff(low, max(high, clients / SHARD0_POLLS_PER_S))
 
 ROUND_INTERVAL_S = 5e-3
 """Shortest time between two shards' rounds: the latency of a checkpoint once every

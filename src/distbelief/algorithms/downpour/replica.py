@@ -22,6 +22,7 @@ from distbelief.algorithms.downpour.plan import (
     WARM_START_POLL_S,
     Ending,
     grant,
+    shard0_backoff,
 )
 from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.model.partitioned_network import PartitionedNetwork
@@ -155,8 +156,8 @@ class Replica:
     def _wait_for_warm_start(self) -> None:
         """Poll shard 0 (control only, with back-off sleeps) until replica 0 has reported
         warm_start_steps steps, or the run is over already."""
-        backoff = Backoff(*WARM_START_POLL_S)
         plan = self.plan
+        backoff = shard0_backoff(WARM_START_POLL_S, plan.num_replicas)
         while not self.stopping:
             over = False
             if self.lead:
@@ -280,7 +281,7 @@ class Replica:
         self._settle_pushes()
         if self.lead:
             control = self._publish_position(acked=request)
-            backoff = Backoff(*PAUSE_POLL_S)
+            backoff = shard0_backoff(PAUSE_POLL_S, self.plan.num_replicas)
             guard = watchdog.current()
             with guard.waiting("shard 0 to write a checkpoint", (0,)):
                 while control.release < request and not control.stop and not control.lost:
@@ -438,7 +439,8 @@ class Replica:
         replica's slots (no heartbeat: a lost replica's stays silent), so a partition
         whose partner died needs no one. Returns (TEARDOWN, STOP, STOP_ARG)."""
         control = ControlExchange(None)
-        backoff = Backoff(*PAUSE_POLL_S)
+        topology = self.plan.topology
+        backoff = shard0_backoff(PAUSE_POLL_S, topology.world_size - len(topology.shard_ranks))
         guard = watchdog.current()
         self.client.exchange(control.set(claim=0))
         with guard.waiting("shard 0 to end the run", (0,)):
