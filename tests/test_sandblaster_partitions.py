@@ -29,8 +29,8 @@ from helpers.sandblaster import (
     write,
 )
 
+from distbelief.algorithms.sandblaster.replica import answer_slots
 from distbelief.algorithms.sandblaster.roles import (
-    ANSWER_SLOTS,
     BatchRows,
     decode_answer,
     encode_answer,
@@ -134,9 +134,9 @@ def test_shard_segments_cut_pieces_at_shard_boundaries_in_order() -> None:
 @pytest.mark.parametrize("answer", [
     ("hold", None), ("commit", None), ("drop", ("stop", 0, 0, 0)), ("drop", ("stop", 1, 1, 0)),
     ("commit", ("evaluate", 7)),
-    ("hold", ("unit", 12, 3, 41, 2870, 2940))])
+    ("hold", ("units", 12, 3, 41)), ("commit", ("units", 12, 3, 41, 40, 7, 2))])
 def test_answers_survive_the_broadcast_encoding(answer: tuple) -> None:
-    encoded = encode_answer(*answer, np.zeros(ANSWER_SLOTS, dtype=np.int64))
+    encoded = encode_answer(*answer, np.zeros(answer_slots(4), dtype=np.int64))
     assert decode_answer(encoded.copy()) == answer
 
 
