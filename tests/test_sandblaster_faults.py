@@ -96,6 +96,10 @@ CASES = [
     ("inside-a-push-2-shards", 5, ("cluster.ps_shards=2",), "killpush:3:30", [3]),
     ("partition-1", 6, ("cluster.partitions=2",), "kill:5:40", [4, 5]),
     ("partition-0", 6, ("cluster.partitions=2",), "kill:4:40", [4, 5]),
+    # Replica 0 (ranks 2, 3) relays trial points to replica 2 (ranks 6, 7), partition by
+    # partition: rank 7 finds its parent dead, rank 6 finds its parent gone once the lost
+    # replica's surviving partition has ended; both fall back to the shards.
+    ("partition-relay-parent", 8, ("cluster.partitions=2",), "kill:3:40", [2, 3]),
 ]
 NODES_CASES = {"batch-1-shard", "partition-1"}
 
@@ -122,6 +126,9 @@ def test_a_killed_sandblaster_replica_leaves_the_others_to_finish(
     assert [(x["replica"], x["ranks"]) for x in lost] == [(replica, ranks)], lost
     assert "is gone" in lost[0]["why"]
     assert all(r["replica"] != replica for r in summary["replicas"])
+    if name == "partition-relay-parent":
+        children = [r for r in summary["replicas"] if r["replica"] == 2]
+        assert [r["relay_fallbacks"] for r in children] == [1, 1], children
     events = [line for line in read_metrics(out / "metrics.jsonl")
               if line.get("kind") == "replica_lost"]
     assert [(e["replica"], e["ranks"]) for e in events] == [(replica, ranks)]

@@ -64,6 +64,7 @@ class ReplicaStats:
     relayed: int = 0         # trial point fetches of its relay children it answered
     relay_bytes: int = 0     # bytes of those answers
     relay_fallbacks: int = 0  # its relay parent was lost: it fetched from the shards after
+    relay_wait_seconds: float = 0.0  # waiting for the relay parent's answers
     data_bytes_read: int = 0  # x and y bytes this process read from the dataset file
     own_rows: int = 0        # rows of its own block (read at start)
     foreign_units: int = 0   # units of other replicas' blocks it computed rows of
@@ -335,6 +336,7 @@ class Replica:
             values = np.empty(HEADER + len(self.params), dtype=np.float32)
             receive = self.comm.Irecv([values, MPI.FLOAT], self.source, TAG_RELAY_PARAMS)
             ask = self.comm.isend(trial, dest=self.source, tag=TAG_RELAY_FETCH)
+            t0 = time.perf_counter()
             try:
                 wait_all([receive, ask], "the trial point from the relay parent",
                          [self.source])
@@ -348,6 +350,7 @@ class Replica:
                 self.source = None
                 self.stats_.relay_fallbacks += 1
                 return self._load_trial(trial)
+            self.stats_.relay_wait_seconds += time.perf_counter() - t0
             self.stats_.fetches += 1
             self.stats_.bytes_received += values.nbytes
         got = _ident(values)
