@@ -439,7 +439,9 @@ class Coordinator:
         for replica, ranks, gone in sweep_replicas(self.peers, self.plan.topology,
                                                    len(self.replicas), self.dead_ranks,
                                                    self.death_times, now):
-            if replica in self.lost:
+            if replica in self.ended:
+                # Lost already, or stopped: after a loss a stopped replica ends at once,
+                # which is no loss (relay parents stop after their children: a while).
                 continue
             if gone:
                 # Every rank found gone: a partition that saw its partner die may have

@@ -1,7 +1,9 @@
 """Sandblaster's replicas (Replica): ask the coordinator for a task, commit or drop the
-units done since, compute a unit's gradient or an evaluation; a partitioned replica
-shares each answer with its partners (encode_answer / decode_answer). Replicas and
-partitioned replicas in docs/sandblaster.md, "Design", say how.
+units done since, compute a grant of units' gradients or an evaluation; fetch each trial
+point from the relay parent (or the shards) and answer the relay children's fetches; a
+partitioned replica shares each answer with its partners (encode_answer / decode_answer).
+Replicas, the trial point down a tree and partitioned replicas in docs/sandblaster.md,
+"Design", say how.
 """
 
 from __future__ import annotations

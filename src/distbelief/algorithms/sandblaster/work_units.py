@@ -2,8 +2,9 @@
 counts. Pure bookkeeping on the coordinator (no communication, no vectors).
 
 A batch of B examples is cut into units of `work_unit_size` consecutive batch positions.
-Replicas ask for a unit when they are free (`next_unit`), so a fast replica does more of
-them (dynamic load balancing). Each unit belongs to a replica (`owners`: contiguous
+Replicas ask for units when they are free (`next_units`: up to a push's worth at once, one
+coordinator answer for all of them), so a fast replica does more of them (dynamic load
+balancing). Each unit belongs to a replica (`owners`: contiguous
 groups, plan.unit_owners), whose rows it is drawn from and which holds those rows in
 memory; a replica gets its own queued units first, then, once they are all out, the last
 queued unit of the replica with the most left (it reads that unit's rows from the file:
@@ -11,8 +12,8 @@ the price of balancing the load, paid only by what is moved). When the queues ar
 a replica that asks gets a BACKUP copy of a unit that is still uncommitted, held by fewer
 than `backup_copies` replicas (the least-copied, longest-outstanding first), as
 MapReduce's backup tasks, once its newest copy has been out for `backup_after` seconds
-(the coordinator passes 1.5 x the median time replicas took per unit lately;
-`unit_seconds` collects them): a unit that is merely in progress at normal speed is not
+(the coordinator passes 1.5 x the median time replicas took per grant lately, from its
+issue to the report of its last unit; `unit_seconds` collects them): a unit that is merely in progress at normal speed is not
 worth a copy, which on an oversubscribed node would only take CPU from the replicas
 finishing the batch. A replica that gets nothing
 waits (parked by the coordinator) and asks again when a unit becomes late.
@@ -104,7 +105,7 @@ class WorkUnitTable:
         self.n_units, self.push_every, self.backup_copies = n_units, push_every, backup_copies
         self.backup_after = backup_after
         self.issued_at: dict[tuple[int, int], float] = {}  # (unit, replica) -> when
-        self.unit_seconds: list[float] = []  # issue to report, of each reported unit
+        self.unit_seconds: list[float] = []  # issue to report, of each report
         self.owners = owners
         self.queues: dict[int, deque[int]] = {}  # owner -> its queued units, in order
         for unit, owner in enumerate(owners):
