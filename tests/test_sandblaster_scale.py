@@ -131,7 +131,9 @@ def test_the_shards_send_each_trial_point_to_at_most_the_fanout(runs: dict) -> N
 def test_bulk_grants_cut_the_coordinators_messages_per_unit(runs: dict) -> None:
     per_unit = {name: s["coordinator_traffic"]["replica_messages"] / s["units_issued"]
                 for name, s in runs.items()}
-    # One request and one answer per unit without bulk grants; per push_every (4) with.
+    # One request and one answer per unit without bulk grants; per grant of up to
+    # push_every (4) with, plus a wake-up, a last commit and a parking request per
+    # replica and evaluation whatever the grants (6 units per replica here at R = 5).
     assert per_unit["R5-push1"] >= 1.9, per_unit
-    assert per_unit["R5"] < 0.5 * per_unit["R5-push1"], per_unit
-    assert per_unit["R2"] < 0.5 * per_unit["R5-push1"], per_unit
+    assert per_unit["R5"] < 0.6 * per_unit["R5-push1"], per_unit
+    assert per_unit["R2"] < 0.45 * per_unit["R5-push1"], per_unit
