@@ -589,7 +589,7 @@ class Coordinator:
                 # after them, answering their fetches while it waits.
                 self.stop_waiting.add(replica)
                 if decision != HOLD:
-                    self._reply(rank, (decision, None))  # and it asks again
+                    self._reply(rank, (decision, None))  # it waits for its stop, unasked
                 return
             task = self._stop_task()
             self.stopped.add(rank)
@@ -611,6 +611,10 @@ class Coordinator:
             self.parked[rank] = None
             return
         self._reply(rank, (decision, task))
+        if task is None:
+            # Told to commit or drop with nothing to do next: it waits for its next answer
+            # without asking again (one message less per replica and evaluation).
+            self.parked[rank] = None
 
     def _end(self, replica: int) -> None:
         """`replica` is stopped or lost: its parent in the relay tree, if it waits to stop

@@ -204,14 +204,17 @@ class Replica:
             self.stats_.cpu_seconds += time.process_time() - cpu
 
     def _work(self) -> None:
-        result = None
+        result, ask = None, True
         while True:
-            decision, task = self._next_task(result)
+            decision, task = self._next_task(result, ask)
             result = None
             if decision == COMMIT:
                 self._push()
             if decision in (COMMIT, DROP):
                 self._clear()
+            # A commit or drop without a task: the coordinator has parked this replica
+            # already; its next answer comes without another request.
+            ask = task is not None
             if task is None:
                 continue
             if task[0] == "stop":
@@ -222,13 +225,15 @@ class Replica:
             else:
                 self._compute_units(*task[1:])
 
-    def _next_task(self, result: tuple | None) -> tuple[str, tuple | None]:
+    def _next_task(self, result: tuple | None,
+                   ask: bool = True) -> tuple[str, tuple | None]:
         """The coordinator's answer to this replica's next request (partition 0 asks,
-        reporting its pending units and `result`), on every partition."""
+        reporting its pending units and `result`; not when `ask` is False: it is parked),
+        on every partition."""
         answer = None
         if self.lead:
-            answer = self._ask((self.pending_trial, self.pending_units, self.pending_loss,
-                                result))
+            request = (self.pending_trial, self.pending_units, self.pending_loss, result)
+            answer = self._ask(request if ask else None)
         if self.team is None:
             return answer
         t0 = time.perf_counter()
@@ -249,10 +254,12 @@ class Replica:
                  "the other partitions of this replica", self.partners)
         return bool(self.agreed[0])
 
-    def _ask(self, request: tuple) -> tuple[str, tuple | None]:
-        """Send a request to the coordinator; wait (polling) for its answer."""
+    def _ask(self, request: tuple | None) -> tuple[str, tuple | None]:
+        """Send a request to the coordinator (None: none, it is parked); wait (polling)
+        for its answer, answering relay children meanwhile."""
         t0 = time.perf_counter()
-        self.comm.send(request, dest=self.coordinator, tag=TAG_REQUEST)
+        if request is not None:
+            self.comm.send(request, dest=self.coordinator, tag=TAG_REQUEST)
         backoff = poll_backoff()
         guard = watchdog.current()
         with guard.waiting("the coordinator's answer", (self.coordinator,)):
