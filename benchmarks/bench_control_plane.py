@@ -25,6 +25,9 @@ distbelief.runtime.counters), `shards` and `replicas`. Printed, per rank count:
   rma ops per step       a replica's one-sided operations (atomics, Gets, Puts, Flushes)
                          per step it trained, mean over replicas
   ... per shard          the same divided by the shards (a step talks to each shard)
+  claim retries per step a replica's claim turns past the first (every slot of a shard
+                         busy), per step: the part of the operations that is contention
+  fold polls per step    a replica's polls while it waits for its push to be folded
   rma ops/s, shard 0     one-sided operations shard 0 issued (its polls of its own
                          counters) per second
   shard 0 us per poll    shard 0's CPU time per poll (folds, run control, supervision)
@@ -132,6 +135,10 @@ def figures(summary: dict, per_node: int) -> dict[str, float]:
                                   for r in replicas]),
         "... per shard": mean([sum(control[r["rank"]][k] for k in RMA_OPS) / r["steps"]
                                for r in replicas]) / len(summary["shards"]),
+        "claim retries per step": mean([control[r["rank"]]["rma_claim_retries"] / r["steps"]
+                                        for r in replicas]),
+        "fold polls per step": mean([control[r["rank"]]["rma_fold_polls"] / r["steps"]
+                                     for r in replicas]),
         "rma ops/s, shard 0": sum(c0[k] for k in RMA_OPS) / c0["seconds"],
         "shard 0 us per poll": 1e6 * shard0["cpu_s"] / max(shard0["polls"], 1),
         "shard 0 us per push": 1e6 * shard0["cpu_s"] / max(shard0["pushes"], 1),

@@ -368,5 +368,9 @@ def test_shards_land_on_distinct_nodes_under_block_placement(
         assert counts["rma_puts"] >= 2 * replica["pushes"] > 0, counts
         assert counts["rma_gets"] >= replica["fetches"] > 0, counts
         assert counts["data_bytes_read"] > 0, counts
+        # A push's first claim turn is a Compare_and_swap and a read of VERSION_NOW on
+        # each of the 2 shards; a turn more, or a poll of FOLDED_HINT, at least one more.
+        assert counts["rma_atomics"] >= 4 * replica["pushes"] + counts["rma_claim_retries"] \
+            + counts["rma_fold_polls"], counts
     # the final checkpoint: a part per shard, the replicas' table and the manifest
     assert sum(c["checkpoint_files"] for c in control.values()) >= 4

@@ -56,7 +56,7 @@ from distbelief.ps.rma_windows import (
 )
 from distbelief.ps.run_control import ControlExchange
 from distbelief.ps.stats import StalenessStats
-from distbelief.runtime import watchdog
+from distbelief.runtime import counters, watchdog
 from distbelief.runtime.backoff import Backoff, LearnedBackoff
 from distbelief.runtime.topology import Topology
 
@@ -210,6 +210,8 @@ class ParameterClient(_Endpoint):
                 _complete(win, shards if first else list(turn))
                 for other, ranks in (also if first else ()):
                     _complete(other, ranks)
+                if not first:
+                    counters.add("rma_claim_retries")
                 first = False
                 for s, k in turn.items():
                     if self._claim_results[s, 0] == 0:
@@ -462,6 +464,7 @@ class ParameterClient(_Endpoint):
         with guard.waiting("the shards to apply this client's push",
                            self.topology.shard_ranks):
             while (behind := self._behind()):
+                counters.add("rma_fold_polls")
                 if not self._hints_reached(behind):
                     if not waited:
                         backoff.begin()

@@ -24,6 +24,8 @@ NAMES = (
     "rma_gets",           # Get (published buffers, headers)
     "rma_puts",           # Put (pushed gradients)
     "rma_flushes",        # Flush (completions: each drives the target's progress)
+    "rma_claim_retries",  # a push's claim turns past the first (a shard's slots all busy)
+    "rma_fold_polls",     # a client's polls of FOLDED_HINT while it waits for a fold
     "data_bytes_read",    # rows and labels read from the dataset file (data.hdf5)
 )
 
