@@ -443,13 +443,16 @@ def test_every_checkpoint_is_a_consistent_snapshot(data_dir: Path, tmp_path: Pat
     # Mid-run checkpoints too: the replicas' parts account for exactly the checkpoint's
     # global step (every step a replica computed was pushed and folded, none is missing
     # or counted twice), and each replica's data position is that of its step count.
+    # The shards write in the background while training goes on, one checkpoint at a
+    # time, so a multiple of 500 passed during a write is taken late or merged with the
+    # next: a delay per step leaves room for a few, and two mid-run ones are asked for.
     out = tmp_path / "out"
-    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
+    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport, FAULTS: STEP_DELAY}
     summary = succeeded(downpour(n, data_dir, out, *shape(n, shards), "run.max_steps=3000",
                                  "run.checkpoint_every_steps=500", "run.keep_checkpoints=10",
                                  f"optimizer.n_push={n_push}", env=env), n, out)
     saved = committed_steps(out)
-    assert len(saved) >= 5 and saved[0] == summary["steps"] == 3000
+    assert len(saved) >= 3 and saved[0] == summary["steps"] == 3000, saved
     for step in saved:
         found = ckpt.verify(ckpt.checkpoint_root(out) / ckpt.checkpoint_name(step))
         replicas = [found.read_replica(r) for r in range(n - shards)]
