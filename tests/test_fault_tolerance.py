@@ -177,12 +177,9 @@ def test_a_killed_replica_leaves_the_others_to_finish_the_run(
     # The killed rank's shared-memory segments, and the survivors' (which skip
     # MPI_Finalize after a death), are removed by the last guardian to leave.
     assert watch.seen and watch.left() == [], output[-3000:]
+    # Under Open MPI shard 0's exit line sometimes never reaches stdout (seen in CI at load
+    # 10-17); exit_statuses reads the status file each rank writes too, so it is checked.
     expected = [137 if r == victim else 0 for r in range(n)]
-    if mpi_under_test() == "openmpi" and "rank 0 exit" not in proc.stdout:
-        # Seen once in CI under Open MPI at load 10-17 (never at low load, 3 of 3): shard 0
-        # wrote the summary (checked below) but its guardian's exit line never arrived;
-        # its worker ends without MPI_Finalize after a loss. Unexplained, in the notes.
-        expected = expected[1:]
     assert exit_statuses(proc) == expected, output
     replica = victim - shards
     assert f"replica {replica} (rank {victim}) lost at step" in proc.stdout
