@@ -35,8 +35,12 @@ class Backoff:
 
     def wait(self) -> None:
         """Nothing was done: sleep, twice as long as last time (within the bounds)."""
-        self._sleep = min(max(self._sleep * 2, self.min_sleep_s), self.max_sleep_s)
+        self._sleep = min(max(self._sleep * 2, self.min_sleep_s), self._longest())
         time.sleep(self._sleep)
+
+    def _longest(self) -> float:
+        """The longest sleep now."""
+        return self.max_sleep_s
 
 
 @dataclass
@@ -114,7 +118,5 @@ class LearnedBackoff(Backoff):
         took = time.perf_counter() - self._began
         self._typical = took if not self._typical else 0.75 * self._typical + 0.25 * took
 
-    def wait(self) -> None:
-        cap = min(max(self.max_sleep_s, self._typical / self.polls), self.longest_sleep_s)
-        self._sleep = min(max(self._sleep * 2, self.min_sleep_s), cap)
-        time.sleep(self._sleep)
+    def _longest(self) -> float:
+        return min(max(self.max_sleep_s, self._typical / self.polls), self.longest_sleep_s)
