@@ -301,10 +301,31 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
         pytest.fail(f"MPI job timed out after {timeout}s (deadlock?): {cmd}\n"
                     f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     finished = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    finished.exit_files = {int(name.removeprefix("rank-")): int(Path(exit_dir, name).read_text())
-                           for name in os.listdir(exit_dir) if name.startswith("rank-")}
+    finished.exit_files = _exit_files(exit_dir, n)
     shutil.rmtree(exit_dir, ignore_errors=True)
     return finished
+
+
+EXIT_FILES_WAIT_S = 15.0
+
+
+def _exit_files(exit_dir: str, ranks: int) -> dict[int, int]:
+    """{rank: status} from the files cli_exit_status.py wrote in EXIT_DIR. Under Open MPI,
+    once a rank of the job has died (a status of 128 + signal), prterun returns as soon as
+    the last worker has left MPI, without waiting for the process it started (the
+    guardian, which goes on to write its file; the line it prints never arrives): measured,
+    a file came 0.5 s after prterun returned. Then wait up to EXIT_FILES_WAIT_S for all
+    `ranks` files."""
+    deadline = time.monotonic() + EXIT_FILES_WAIT_S
+    while True:
+        found = {int(name.removeprefix("rank-")): int(Path(exit_dir, name).read_text())
+                 for name in os.listdir(exit_dir)
+                 if name.startswith("rank-") and name.removeprefix("rank-").isdigit()}
+        died = any(status >= 128 for status in found.values())
+        if (len(found) >= ranks or not died or mpi_under_test() != "openmpi"
+                or time.monotonic() > deadline):
+            return found
+        time.sleep(0.05)
 
 
 EXIT_DIR = "DISTBELIEF_TEST_EXIT_DIR"
