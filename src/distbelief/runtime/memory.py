@@ -31,6 +31,20 @@ GATHER_WAIT_S = 10.0
 (they send them as soon as their trainer returns; teardown is collective, so they are
 close). A rank that does not send in time is left out of the summary, not waited for."""
 
+_written_off = False
+
+
+def written_off() -> None:
+    """This rank's replica is lost (another partition of it died): the writer leaves this
+    rank's figure out, and the ranks it would send to may have ended already. So
+    gather_peak_rss sends nothing from here. Seen on simulated nodes: a lost replica's
+    survivor that learnt of the death at the end of the run, once the writer had exited,
+    died of SIGSEGV in the isend (MPICH's UCX netmod attaching to the ended rank's
+    removed shared memory)."""
+    global _written_off
+    _written_off = True
+
+
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -120,6 +134,8 @@ def gather_peak_rss(comm: Any, writer: int, role: str, skip: Iterable[int] = (),
     mine = rank_figure(comm.Get_rank(), role)
     deadline = time.monotonic() + wait_s
     if comm.Get_rank() != writer:
+        if _written_off:
+            return None
         try:
             request = comm.isend(mine, dest=writer, tag=MEMORY_TAG)
             while not request.Test() and time.monotonic() < deadline:

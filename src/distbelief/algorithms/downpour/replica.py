@@ -29,7 +29,7 @@ from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.ps import run_control as rc
 from distbelief.ps.run_control import ControlExchange
 from distbelief.ps.stats import StalenessStats
-from distbelief.runtime import watchdog
+from distbelief.runtime import memory, watchdog
 from distbelief.runtime.agreement import polled_bcast, wait_all
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.faults import Faults, step_faults
@@ -150,6 +150,7 @@ class Replica:
         if lost.rank < self.plan.topology.ps_shards:
             raise lost
         self.lost = self.stopping = True
+        memory.written_off()  # nobody waits for its peak memory at the end
         if self.lead:
             self.client.exchange(self.control.publish(abandoned=1).set(claim=0))
 

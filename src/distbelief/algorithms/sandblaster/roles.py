@@ -45,7 +45,7 @@ from distbelief.algorithms.session import RunSession
 from distbelief.config import Config
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records import checkpoint as ckpt
-from distbelief.runtime import guardian, watchdog
+from distbelief.runtime import guardian, memory, watchdog
 from distbelief.runtime.agreement import agree, polled_bcast, wait_for_everyone
 from distbelief.runtime.threads import set_blas_threads
 from distbelief.runtime.topology import Communicators, split_communicators
@@ -186,7 +186,9 @@ def _finish_apart(comm: MPI.Comm, role: Any) -> dict[str, Any]:
     topology = role.plan.topology
     root = topology.coordinator_rank
     if not isinstance(role, Coordinator):
-        if not getattr(role, "lost", False):
+        if getattr(role, "lost", False):
+            memory.written_off()  # nor its peak memory: nobody waits for it
+        else:
             comm.send(role.stats(), dest=root, tag=TAG_STATS)
         return {"stop_reason": "diverged" if role.diverged else None}
     lost = set(role._lost_ranks())
