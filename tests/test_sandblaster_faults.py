@@ -96,8 +96,12 @@ CASES = [
     ("inside-a-push-2-shards", 5, ("cluster.ps_shards=2",), "killpush:3:30", [3]),
     ("partition-1", 6, ("cluster.partitions=2",), "kill:5:40", [4, 5]),
     ("partition-0", 6, ("cluster.partitions=2",), "kill:4:40", [4, 5]),
+    # Replica 0 (ranks 2, 3) relays trial points to replica 2 (ranks 6, 7), partition by
+    # partition: rank 7 finds its parent dead, rank 6 finds its parent gone once the lost
+    # replica's surviving partition has ended; both fall back to the shards.
+    ("partition-relay-parent", 8, ("cluster.partitions=2",), "kill:3:40", [2, 3]),
 ]
-NODES_CASES = {"batch-1-shard", "partition-1"}
+NODES_CASES = {"batch-1-shard", "partition-1", "partition-relay-parent"}
 
 
 @pytest.mark.parametrize(
@@ -122,6 +126,9 @@ def test_a_killed_sandblaster_replica_leaves_the_others_to_finish(
     assert [(x["replica"], x["ranks"]) for x in lost] == [(replica, ranks)], lost
     assert "is gone" in lost[0]["why"]
     assert all(r["replica"] != replica for r in summary["replicas"])
+    if name == "partition-relay-parent":
+        children = [r for r in summary["replicas"] if r["replica"] == 2]
+        assert [r["relay_fallbacks"] for r in children] == [1, 1], children
     events = [line for line in read_metrics(out / "metrics.jsonl")
               if line.get("kind") == "replica_lost"]
     assert [(e["replica"], e["ranks"]) for e in events] == [(replica, ranks)]
@@ -146,6 +153,32 @@ def test_a_rerun_after_a_lost_replica_resumes_with_every_replica(data_dir: Path,
     # The replica lost in the first run computes units again.
     assert [r["replica"] for r in resumed["replicas"]] == [0, 1, 2]
     assert all(r["units"] > 0 for r in resumed["replicas"]), resumed["replicas"]
+
+
+@pytest.mark.nodes
+def test_a_killed_relay_parent_leaves_its_children_to_fetch_from_the_shards(
+        data_dir: Path, tmp_path: Path) -> None:
+    """Six replicas: replica 1 (rank 3) relays trial points to replicas 4 and 5
+    (plan.relay_parent). Killed in the middle of the run, its children find it gone in
+    their next fetch and take the trial point from the shards; nothing waits for it.
+    (Rank 3 shares the coordinator's simulated node: a replica lost on another node is
+    found by heartbeat, and if the run ends before that the others' final barrier finds
+    it first and aborts, with or without the tree.)"""
+    out = tmp_path / "out"
+    proc = job(8, data_dir, out, faults="kill:3:60")
+    output = proc.stdout + proc.stderr[-3000:]
+    assert exit_statuses(proc) == [0, 0, 0, 137, 0, 0, 0, 0], output
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "max_steps" and summary["iterations"] == ITERATIONS
+    assert [x["replica"] for x in summary["lost_replicas"]] == [1], (
+        summary["lost_replicas"], output)
+    children = {r["replica"]: r for r in summary["replicas"]}
+    for child in (4, 5):
+        assert children[child]["relay_fallbacks"] == 1, children[child]
+        assert children[child]["shard_fetches"] > children[child]["evaluations"]
+    assert children[2]["relay_fallbacks"] == children[3]["relay_fallbacks"] == 0
+    clean = baseline_loss(8, data_dir, tmp_path, ())
+    assert abs(summary["final_loss"] - clean) <= 0.05 * clean, (summary["final_loss"], clean)
 
 
 # -- what cannot be survived: a lost shard or coordinator, a lost partition of sgd ----------

@@ -29,8 +29,9 @@ from helpers.sandblaster import (
     write,
 )
 
+from distbelief.algorithms.sandblaster.plan import RELAY_FANOUT
+from distbelief.algorithms.sandblaster.replica import answer_slots
 from distbelief.algorithms.sandblaster.roles import (
-    ANSWER_SLOTS,
     BatchRows,
     decode_answer,
     encode_answer,
@@ -134,9 +135,9 @@ def test_shard_segments_cut_pieces_at_shard_boundaries_in_order() -> None:
 @pytest.mark.parametrize("answer", [
     ("hold", None), ("commit", None), ("drop", ("stop", 0, 0, 0)), ("drop", ("stop", 1, 1, 0)),
     ("commit", ("evaluate", 7)),
-    ("hold", ("unit", 12, 3, 41, 2870, 2940))])
+    ("hold", ("units", 12, 3, 41)), ("commit", ("units", 12, 3, 41, 40, 7, 2))])
 def test_answers_survive_the_broadcast_encoding(answer: tuple) -> None:
-    encoded = encode_answer(*answer, np.zeros(ANSWER_SLOTS, dtype=np.int64))
+    encoded = encode_answer(*answer, np.zeros(answer_slots(4), dtype=np.int64))
     assert decode_answer(encoded.copy()) == answer
 
 
@@ -197,11 +198,12 @@ def test_partitioned_gradient_equals_the_single_process_gradient(
         assert slow[0]["units_committed"] < fast[0]["units_committed"]
 
 
-@pytest.mark.parametrize("n,shards,partitions", [(5, 2, 2), (8, 1, 3)])
+@pytest.mark.parametrize("n,shards,partitions", [(5, 2, 2), (8, 1, 3), (9, 2, 2)])
 def test_partitioned_convex_problem_converges_to_scipys_loss(
         flat_dir: Path, tmp_path: Path, n: int, shards: int, partitions: int) -> None:
-    """Softmax regression, its 4 classes split 2/2 (1 replica, 2 shards) or 2/1/1 (2
-    replicas, 1 shard): the same optimum as scipy's L-BFGS-B, as without partitions.
+    """Softmax regression, its 4 classes split 2/2 (1 replica, 2 shards; 3 replicas, 2
+    shards: replica 2 gets trial points from replica 0, partition by partition) or 2/1/1
+    (2 replicas, 1 shard): the same optimum as scipy's L-BFGS-B, as without partitions.
     Units of 1000 examples: every unit costs the partitions a few synchronisations, which
     on 2 oversubscribed cores cost milliseconds each, far more than these units' compute."""
     config = write(flat_dir, "convex.toml", toml(gradient_tolerance=1e-5, work_unit_size=1000))
@@ -222,6 +224,11 @@ def test_partitioned_convex_problem_converges_to_scipys_loss(
     evals = [m for m in metrics if m["kind"] == "eval"]
     assert evals and evals[-1]["step"] == summary["iterations"]
     assert summary["final_test_accuracy"] > 0.6
+    if replicas > RELAY_FANOUT:  # every partition of replica 2 relayed by replica 0's
+        entries = summary["replicas"]
+        assert all(e["relayed"] > 0 for e in entries if e["replica"] == 0), entries
+        assert all(e["shard_fetches"] == e["evaluations"] and e["units"] > 0
+                   for e in entries if e["replica"] == 2), entries
 
 
 def test_partition_zero_reads_the_replicas_rows_for_its_partners(flat_dir: Path,

@@ -27,6 +27,8 @@ from distbelief.algorithms.sandblaster.plan import (
     TAG_TASK,
     SandblasterPlan,
     poll_backoff,
+    relay_children,
+    relay_parent,
 )
 from distbelief.algorithms.sandblaster.work_units import (
     COMMIT,
@@ -113,9 +115,11 @@ class Coordinator:
         self.trial_id = 0
         self.batch = 0
         self.loss_sum = 0.0
-        self.parked: list[int] = []
+        self.parked: dict[int, None] = {}  # ranks waiting for work, in the order they asked
         self.stopping = False
         self.stopped: set[int] = set()
+        self.ended: set[int] = set()  # replicas stopped or lost
+        self.stop_waiting: set[int] = set()  # replicas whose stop waits for their children
         self.reason: str | None = None
         self.samples = 0
         self.evaluations: list[EvaluationRecord] = []
@@ -189,12 +193,10 @@ class Coordinator:
         if self.reason not in (*StopSignals.NAMES, "replicas_lost"):
             self._evaluate_now()  # the final parameters (on a signal, end soon: none)
         self.stopping = True
-        for rank in self.parked:
-            self._reply(rank, (HOLD, self._stop_task()))
-            self.stopped.add(rank)
-        self.parked = []
-        self._serve_until(lambda: self.stopped | {self.replicas[r] for r in self.lost}
-                          >= set(self.replicas), stopping=True)
+        parked, self.parked = self.parked, {}
+        for rank in parked:
+            self._give_task(rank, HOLD)
+        self._serve_until(lambda: len(self.ended) == len(self.replicas), stopping=True)
         self._command("stop", self.leave, self.reason == "diverged", self._lost_ranks())
 
     @property
@@ -313,7 +315,7 @@ class Coordinator:
         self.loss_sum = 0.0
         if self.step == 0 and self.trial_id == 1 and not self.eval_in_flight:
             self._schedule_evaluation()  # x0, while the first batch runs
-        parked, self.parked = self.parked, []
+        parked, self.parked = self.parked, {}
         for rank in parked:
             self._give_task(rank, HOLD)
         self._serve_until(lambda: self.table.complete or self.broken)
@@ -437,7 +439,9 @@ class Coordinator:
         for replica, ranks, gone in sweep_replicas(self.peers, self.plan.topology,
                                                    len(self.replicas), self.dead_ranks,
                                                    self.death_times, now):
-            if replica in self.lost:
+            if replica in self.ended:
+                # Lost already, or stopped: after a loss a stopped replica ends at once,
+                # which is no loss (relay parents stop after their children: a while).
                 continue
             if gone:
                 # Every rank found gone: a partition that saw its partner die may have
@@ -468,10 +472,12 @@ class Coordinator:
         if self.eval_holder == replica:  # its evaluation goes to another replica
             self.eval_holder = None
             self.eval_task = max(self.snapshot_at)
-        if lead in self.parked:
-            self.parked.remove(lead)
+        if lead in self.parked or replica in self.stop_waiting:
+            self.parked.pop(lead, None)
+            self.stop_waiting.discard(replica)
             if not self.peers.gone(lead):  # a partition is gone, not the lead: stop it
                 self._reply(lead, (DROP, self._stop_task(lost=True)))
+        self._end(replica)
         if self.parked and self.eval_task is not None:
             self._give_task(self._parked_evaluator(), HOLD)
 
@@ -484,10 +490,13 @@ class Coordinator:
     def _parked_evaluator(self) -> int:
         """The parked rank to wake for an evaluation: a replica that may take it, else
         the first parked (given a unit, or parked again, by _give_task)."""
-        for i, rank in enumerate(self.parked):
-            if self._may_evaluate(self.replica_of[rank]):
-                return self.parked.pop(i)
-        return self.parked.pop(0)
+        for replica in self.evaluators - self.lost.keys():
+            if self.replicas[replica] in self.parked:
+                del self.parked[self.replicas[replica]]
+                return self.replicas[replica]
+        rank = next(iter(self.parked))
+        del self.parked[rank]
+        return rank
 
     def _signal_stop(self, now: float) -> str | None:
         """The signal that stops the run, if any: SIGTERM or SIGINT at once; SIGUSR1 unless
@@ -521,11 +530,12 @@ class Coordinator:
     def _wake_parked(self) -> bool:
         """In the tail of a batch, give parked replicas the backups of units that have
         become late since they asked. Returns whether any got one."""
-        if self.table is None or not self.table.tail or not self.parked:
+        if (self.table is None or not self.table.tail or not self.parked
+                or not self.table.backup_due(time.monotonic())):
             return False
-        parked, self.parked = self.parked, []
+        parked, self.parked = self.parked, {}
         for rank in parked:
-            self._give_task(rank, HOLD)  # parks it again if nothing is late yet
+            self._give_task(rank, HOLD)  # parks it again if nothing is late for it
         return len(self.parked) < len(parked)
 
     def _serve_one(self) -> bool:
@@ -544,6 +554,7 @@ class Coordinator:
             self.unit_totals.discarded += len(units)
             if not self.peers.gone(rank):
                 self._reply(rank, (DROP, self._stop_task(lost=True)))
+            self._end(replica)
             return True
         if result is not None:
             self._record_evaluation(*result)
@@ -559,34 +570,61 @@ class Coordinator:
             decision = DROP  # its trial is over: every unit of it was committed already
             self.unit_totals.discarded += len(units)
             self.late_discarded += len(units)
-        self._give_task(rank, decision, free=not units or decision != HOLD)
+        held = len(units) if decision == HOLD else 0
+        self._give_task(rank, decision, free=not units or decision != HOLD, held=held)
         return True
 
-    def _give_task(self, rank: int, decision: str, free: bool = True) -> None:
+    def _give_task(self, rank: int, decision: str, free: bool = True, held: int = 0) -> None:
         """Answer `rank` with `decision` and a task, or park it when there is no task and
         nothing to tell (it is answered when work comes). `free`: it holds no uncommitted
-        units, so it may take an evaluation (which must not delay a pending push)."""
+        units, so it may take an evaluation (which must not delay a pending push). `held`:
+        the units it holds: it is granted up to push_every - held units at once (at least
+        one), so that one answer serves a whole push's worth."""
         replica = self.replica_of[rank]
         task: tuple | None = None
         if self.stopping:
+            if any(child not in self.ended for child in relay_children(replica,
+                                                                       len(self.replicas))):
+                # Its children may still fetch the trial point from it (relay): it stops
+                # after them, answering their fetches while it waits.
+                self.stop_waiting.add(replica)
+                if decision != HOLD:
+                    self._reply(rank, (decision, None))  # it waits for its stop, unasked
+                return
             task = self._stop_task()
             self.stopped.add(rank)
             if self.leave:  # it ends once it has sent its statistics: not waited for
                 watchdog.current().write_off(self.plan.topology.replica_ranks(replica))
+            self._reply(rank, (decision, task))
+            self._end(replica)
+            return
         elif self.eval_task is not None and free and self._may_evaluate(replica):
             task = ("evaluate", self.eval_task)
             self.eval_task = None
             self.eval_holder = replica
             self.evaluators.add(replica)
         elif self.table is not None:
-            unit = self.table.next_unit(replica)
-            if unit is not None:
-                start, stop = self.units[unit]
-                task = ("unit", self.trial_id, self.batch, unit, start, stop)
+            units = self.table.next_units(replica, max(1, self.plan.push_every - held))
+            if units:
+                task = ("units", self.trial_id, self.batch, *units)
         if task is None and decision == HOLD:
-            self.parked.append(rank)
+            self.parked[rank] = None
             return
         self._reply(rank, (decision, task))
+        if task is None:
+            # Told to commit or drop with nothing to do next: it waits for its next answer
+            # without asking again (one message less per replica and evaluation).
+            self.parked[rank] = None
+
+    def _end(self, replica: int) -> None:
+        """`replica` is stopped or lost: its parent in the relay tree, if it waits to stop
+        and this was its last running child, stops now."""
+        self.ended.add(replica)
+        parent = relay_parent(replica)
+        if (parent is not None and parent in self.stop_waiting
+                and all(c in self.ended for c in relay_children(parent, len(self.replicas)))):
+            self.stop_waiting.discard(parent)
+            self._give_task(self.replicas[parent], HOLD)
 
     def _reply(self, rank: int, message: tuple) -> None:
         self.comm.send(message, dest=rank, tag=TAG_TASK)

@@ -28,6 +28,10 @@ TAG_FINISHED, TAG_STATS = 208, 209
 (maybe never: a trial abandoned after a lost replica); a rank's statistics at the end of a
 run that lost a replica (point-to-point instead of a gather: a collective would wait for
 the dead)."""
+TAG_RELAY_FETCH, TAG_RELAY_PARAMS = 210, 211
+"""A replica's fetch of trial point `id` from its parent in
+the relay tree (a pickled int) and the answer ([header | its pieces], or the header alone
+with another id when that trial is over)."""
 HEADER = 4
 """float32 slots in front of every vector message, read as int32: [trial or snapshot id,
 units, partition, 0]."""
@@ -220,6 +224,24 @@ class BatchRows:
         key = (epoch,) if len(self.blocks) == 1 else (epoch, block)
         seq = np.random.SeedSequence(self.seed, spawn_key=key)
         return np.random.default_rng(seq).permutation(n)
+
+
+RELAY_FANOUT = 2
+"""Children per node of the relay tree over replicas: the shards serve trial points to
+replicas 0..RELAY_FANOUT-1 only, and every replica serves its RELAY_FANOUT children, so a
+shard sends O(RELAY_FANOUT) copies of its slice per trial whatever the number of replicas
+(docs/sandblaster.md, "The trial point down a tree")."""
+
+
+def relay_parent(replica: int) -> int | None:
+    """The replica that `replica` fetches trial points from; None: from the shards. Pure."""
+    return None if replica < RELAY_FANOUT else replica // RELAY_FANOUT - 1
+
+
+def relay_children(replica: int, num_replicas: int) -> range:
+    """The replicas that fetch trial points from `replica` (relay_parent's inverse). Pure."""
+    first = RELAY_FANOUT * (replica + 1)
+    return range(min(first, num_replicas), min(first + RELAY_FANOUT, num_replicas))
 
 
 def poll_backoff() -> Backoff:

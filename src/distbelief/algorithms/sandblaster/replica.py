@@ -1,7 +1,9 @@
 """Sandblaster's replicas (Replica): ask the coordinator for a task, commit or drop the
-units done since, compute a unit's gradient or an evaluation; a partitioned replica
-shares each answer with its partners (encode_answer / decode_answer). Replicas and
-partitioned replicas in docs/sandblaster.md, "Design", say how.
+units done since, compute a grant of units' gradients or an evaluation; fetch each trial
+point from the relay parent (or the shards) and answer the relay children's fetches; a
+partitioned replica shares each answer with its partners (encode_answer / decode_answer).
+Replicas, the trial point down a tree and partitioned replicas in docs/sandblaster.md,
+"Design", say how.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from distbelief.algorithms.sandblaster.plan import (
     TAG_FETCH,
     TAG_PARAMS,
     TAG_PUSH,
+    TAG_RELAY_FETCH,
+    TAG_RELAY_PARAMS,
     TAG_REQUEST,
     TAG_TASK,
     Piece,
     SandblasterPlan,
     poll_backoff,
+    relay_parent,
     shard_segments,
 )
 from distbelief.algorithms.sandblaster.unit_rows import UnitRows
@@ -56,7 +61,12 @@ class ReplicaStats:
     comm_seconds: float = 0.0
     cpu_seconds: float = 0.0  # this process's CPU time in run(): the work, whatever the load
     bytes_sent: int = 0      # gradient sums pushed to the shards (headers included)
-    bytes_received: int = 0  # trial points and snapshots fetched from them
+    bytes_received: int = 0  # trial points and snapshots fetched (shards or relay parent)
+    shard_fetches: int = 0   # fetches answered by the shards (the others: by the parent)
+    relayed: int = 0         # trial point fetches of its relay children it answered
+    relay_bytes: int = 0     # bytes of those answers
+    relay_fallbacks: int = 0  # its relay parent was lost: it fetched from the shards after
+    relay_wait_seconds: float = 0.0  # waiting for the relay parent's answers
     data_bytes_read: int = 0  # x and y bytes this process read from the dataset file
     own_rows: int = 0        # rows of its own block (read at start)
     foreign_units: int = 0   # units of other replicas' blocks it computed rows of
@@ -65,33 +75,50 @@ class ReplicaStats:
 
 
 DECISIONS = (HOLD, COMMIT, DROP)
-TASK_KINDS = (None, "stop", "evaluate", "unit")
+TASK_KINDS = (None, "stop", "evaluate", "units")
 ANSWER_SLOTS = 8
+"""The fewest int64s of an encoded answer; a grant of k units takes 5 + k
+(answer_slots)."""
+
+
+def answer_slots(push_every: int) -> int:
+    """int64s for any answer when at most `push_every` units are granted at once."""
+    return max(ANSWER_SLOTS, 5 + push_every)
 
 
 def encode_answer(decision: str, task: tuple | None, out: np.ndarray) -> np.ndarray:
     """The coordinator's answer (decision, task) as int64s, for partition 0 to broadcast:
-    [decision, task kind, task arguments...] (a unit's: trial, batch, unit, start, stop;
-    a stop's: leave, lost, diverged as 0 or 1)."""
+    [decision, task kind, task arguments...] (a grant of units': trial, batch, the number
+    of units, the units; a stop's: leave, lost, diverged as 0 or 1)."""
     out.fill(0)
     out[0] = DECISIONS.index(decision)
     out[1] = TASK_KINDS.index(None if task is None else task[0])
     if task is not None:
-        out[2:2 + len(task) - 1] = task[1:]
+        arguments = task[1:]
+        if task[0] == "units":
+            arguments = (*task[1:3], len(task) - 3, *task[3:])
+        if 2 + len(arguments) > len(out):
+            raise ValueError(f"{len(out)} slots cannot hold the answer {task}")
+        out[2:2 + len(arguments)] = arguments
     return out
 
 
 def decode_answer(values: np.ndarray) -> tuple[str, tuple | None]:
     """What `encode_answer` encoded."""
     kind = TASK_KINDS[int(values[1])]
-    arguments = {None: 0, "stop": 3, "evaluate": 1, "unit": 5}[kind]
+    if kind == "units":
+        units = [int(v) for v in values[5:5 + int(values[4])]]
+        return DECISIONS[int(values[0])], (kind, int(values[2]), int(values[3]), *units)
+    arguments = {None: 0, "stop": 3, "evaluate": 1}[kind]
     task = None if kind is None else (kind, *(int(v) for v in values[2:2 + arguments]))
     return DECISIONS[int(values[0])], task
 
 
 class Replica:
     """Ask for a task, commit or drop the pending sum, do the task; until told to stop.
-    Point-to-point with the coordinator (requests, tasks) and the shards (fetch, push).
+    Point-to-point with the coordinator (requests, tasks), the shards (fetch, push) and
+    the replicas next to it in the relay tree (trial points from its parent, to its
+    children: `_load_trial`, `_serve_children`).
 
     `model`: a Network (one rank per replica), or this partition's PartitionedNetwork over
     `team`, the replica's partition communicator: partition 0 then asks the coordinator
@@ -129,7 +156,17 @@ class Replica:
         self.recv = [np.empty(HEADER + size, dtype=np.float32) for _, _, size in self.links]
         self.send = [np.empty(HEADER + size, dtype=np.float32) for _, _, size in self.links]
         self.fetched: tuple[str, int] | None = None
-        self.answer = np.zeros(ANSWER_SLOTS, dtype=np.int64)
+        self.unit_ranges = plan.units
+        # The relay tree (plan.relay_parent): this partition's rank in the parent replica
+        # (None: the shards) and in the children; the latest trial point loaded, as
+        # [header | this partition's pieces], which the children are sent.
+        parent = relay_parent(topology.replica_index)
+        self.source = (None if parent is None
+                       else topology.replica_ranks(parent)[self.partition])
+        self.trial_buffer: np.ndarray | None = None
+        self.relay_sends: list[tuple[MPI.Request, np.ndarray, int]] = []  # (send, buf, to)
+        self.orphans: list[tuple[MPI.Request, np.ndarray]] = []  # with lost ranks, undone
+        self.answer = np.zeros(answer_slots(plan.push_every), dtype=np.int64)
         self.agreed = np.zeros(1, dtype=np.int32)
         self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank,
                                    self.partition)
@@ -167,14 +204,17 @@ class Replica:
             self.stats_.cpu_seconds += time.process_time() - cpu
 
     def _work(self) -> None:
-        result = None
+        result, ask = None, True
         while True:
-            decision, task = self._next_task(result)
+            decision, task = self._next_task(result, ask)
             result = None
             if decision == COMMIT:
                 self._push()
             if decision in (COMMIT, DROP):
                 self._clear()
+            # A commit or drop without a task: the coordinator has parked this replica
+            # already; its next answer comes without another request.
+            ask = task is not None
             if task is None:
                 continue
             if task[0] == "stop":
@@ -183,22 +223,24 @@ class Replica:
             if task[0] == "evaluate":
                 result = self._evaluate(*task[1:])
             else:
-                self._compute(*task[1:])
+                self._compute_units(*task[1:])
 
-    def _next_task(self, result: tuple | None) -> tuple[str, tuple | None]:
+    def _next_task(self, result: tuple | None,
+                   ask: bool = True) -> tuple[str, tuple | None]:
         """The coordinator's answer to this replica's next request (partition 0 asks,
-        reporting its pending units and `result`), on every partition."""
+        reporting its pending units and `result`; not when `ask` is False: it is parked),
+        on every partition."""
         answer = None
         if self.lead:
-            answer = self._ask((self.pending_trial, self.pending_units, self.pending_loss,
-                                result))
+            request = (self.pending_trial, self.pending_units, self.pending_loss, result)
+            answer = self._ask(request if ask else None)
         if self.team is None:
             return answer
         t0 = time.perf_counter()
         if self.lead:
             encode_answer(*answer, self.answer)
-        wait_all([self.team.Ibcast(self.answer, root=0)], "the answer from partition 0",
-                 self.partners)
+        self._wait_serving([self.team.Ibcast(self.answer, root=0)],
+                           "the answer from partition 0", self.partners)
         self.stats_.comm_seconds += time.perf_counter() - t0
         return decode_answer(self.answer)
 
@@ -212,52 +254,167 @@ class Replica:
                  "the other partitions of this replica", self.partners)
         return bool(self.agreed[0])
 
-    def _ask(self, request: tuple) -> tuple[str, tuple | None]:
-        """Send a request to the coordinator; wait (polling) for its answer."""
+    def _ask(self, request: tuple | None) -> tuple[str, tuple | None]:
+        """Send a request to the coordinator (None: none, it is parked); wait (polling)
+        for its answer, answering relay children meanwhile."""
         t0 = time.perf_counter()
-        self.comm.send(request, dest=self.coordinator, tag=TAG_REQUEST)
+        if request is not None:
+            self.comm.send(request, dest=self.coordinator, tag=TAG_REQUEST)
         backoff = poll_backoff()
         guard = watchdog.current()
         with guard.waiting("the coordinator's answer", (self.coordinator,)):
             while not self.comm.Iprobe(self.coordinator, TAG_TASK):
+                if self._serve_children():
+                    backoff.reset()
                 guard.check(lambda: self.comm.Iprobe(self.coordinator, TAG_TASK))
                 backoff.wait()
         answer = self.comm.recv(source=self.coordinator, tag=TAG_TASK)
         self.stats_.comm_seconds += time.perf_counter() - t0
         return answer
 
+    def _wait_serving(self, requests: list[MPI.Request], what: str, ranks: Any) -> None:
+        """wait_all, answering this rank's relay children meanwhile (a replica waiting for
+        its work must not keep its children waiting for the trial point)."""
+        backoff, guard = poll_backoff(), watchdog.current()
+        with guard.waiting(what, ranks):
+            while not MPI.Request.Testall(requests):
+                if self._serve_children():
+                    backoff.reset()
+                guard.check(lambda: MPI.Request.Testall(requests))
+                backoff.wait()
+
     def _fetch(self, kind: str, ident: int) -> bool:
-        """Fetch this partition's pieces of the trial point or snapshot `ident` from the
-        shards that hold them; False if a shard (any partition's) has moved on to another
-        one already (the task is stale). Agreed over the team when it fetched."""
+        """This partition's pieces of the trial point or snapshot `ident` in params: a
+        trial point from the relay parent (the shards for the tree's first replicas),
+        a snapshot from the shards; False if a shard (any partition's) has moved on to
+        another one already (the task is stale). Agreed over the team when it fetched."""
         if self.fetched == (kind, ident):
             return True
         t0 = time.perf_counter()
+        if kind == "trial":
+            current = self._load_trial(ident)
+            values = self.trial_buffer
+        else:
+            values = self._from_shards(kind)
+            current = _ident(values) == ident
+        current = self._all_agree(current)
+        self.stats_.comm_seconds += time.perf_counter() - t0
+        if not current:
+            self.fetched = None
+            return False
+        self.params[:] = values[HEADER:]
+        self.fetched = (kind, ident)
+        if kind == "trial":
+            self._serve_children()  # those that asked meanwhile, before this computes
+        return True
+
+    def _from_shards(self, kind: str) -> np.ndarray:
+        """This partition's pieces of the shards' current trial point or snapshot, as a
+        new [header | pieces] buffer; its id is -1 unless every shard had the same one.
+        Point-to-point with the shards holding them."""
         requests = [self.comm.Irecv([buf, MPI.FLOAT], shard, TAG_PARAMS)
                     for (shard, _, _), buf in zip(self.links, self.recv)]
         for shard, _, _ in self.links:
             requests.append(self.comm.isend(kind, dest=shard, tag=TAG_FETCH))
         wait_all(requests, f"the {kind} from the shards", [s for s, _, _ in self.links])
         self.stats_.fetches += 1
+        self.stats_.shard_fetches += 1
         self.stats_.bytes_received += sum(buf.nbytes for buf in self.recv)
-        current = all(int(buf[:1].view(np.int32)[0]) == ident for buf in self.recv)
-        current = self._all_agree(current)
-        self.stats_.comm_seconds += time.perf_counter() - t0
-        if not current:
-            self.fetched = None
-            return False
+        ids = {int(buf[:1].view(np.int32)[0]) for buf in self.recv}
+        out = np.empty(HEADER + len(self.params), dtype=np.float32)
+        out[:HEADER].view(np.int32)[:] = (ids.pop() if len(ids) == 1 else -1, 0,
+                                          self.partition, 0)
         for (_, offset, size), buf in zip(self.links, self.recv):
-            self.params[offset:offset + size] = buf[HEADER:]
-        self.fetched = (kind, ident)
-        return True
+            out[HEADER + offset:HEADER + offset + size] = buf[HEADER:]
+        return out
+
+    def _load_trial(self, trial: int) -> bool:
+        """This partition's pieces of trial point `trial` into trial_buffer, from the relay
+        parent or, for the tree's first replicas and after the parent was lost, from the
+        shards; False if that trial is over (the parent or a shard is on a later one).
+        Point-to-point with the parent or the shards; not agreed over the team (a relay
+        serves one partition)."""
+        have = -1 if self.trial_buffer is None else _ident(self.trial_buffer)
+        if have == trial:
+            return True
+        if have > trial:
+            return False  # trial ids grow: a later trial began, so `trial` is over
+        if self.source is None:
+            values = self._from_shards("trial")
+        else:
+            values = np.empty(HEADER + len(self.params), dtype=np.float32)
+            receive = self.comm.Irecv([values, MPI.FLOAT], self.source, TAG_RELAY_PARAMS)
+            ask = self.comm.isend(trial, dest=self.source, tag=TAG_RELAY_FETCH)
+            t0 = time.perf_counter()
+            try:
+                wait_all([receive, ask], "the trial point from the relay parent",
+                         [self.source])
+            except watchdog.RankLost as gone:
+                if gone.rank != self.source:
+                    raise
+                # The parent is lost: this partition fetches from the shards from now on
+                # (the coordinator goes on without that replica).
+                receive.Cancel()
+                self.orphans.append((receive, values))
+                self.source = None
+                self.stats_.relay_fallbacks += 1
+                return self._load_trial(trial)
+            self.stats_.relay_wait_seconds += time.perf_counter() - t0
+            self.stats_.fetches += 1
+            self.stats_.bytes_received += values.nbytes
+        got = _ident(values)
+        if got > have and HEADER + len(self.params) == len(values):
+            # (A later trial's point, whole, is kept too: the children will ask for it.)
+            self.trial_buffer = values  # a new buffer: sends of the old one may be in flight
+        return got == trial
+
+    def _serve_children(self) -> bool:
+        """Answer every trial point fetch of this rank's relay children waiting now: the
+        trial point asked for (loaded first if it is newer than the one here), or the
+        header alone, with another id, if that trial is over; then wait until they have
+        it (they wait for it, polling). Returns whether one was waiting. Point-to-point
+        with the children (and the parent or shards to load a newer trial point)."""
+        status = MPI.Status()
+        served = False
+        while self.comm.Iprobe(MPI.ANY_SOURCE, TAG_RELAY_FETCH, status):
+            child = status.Get_source()
+            trial = self.comm.recv(source=child, tag=TAG_RELAY_FETCH)
+            if self._load_trial(trial):
+                message = self.trial_buffer
+            else:
+                message = np.zeros(HEADER, dtype=np.float32)
+                message[:1].view(np.int32)[0] = -1
+            self.relay_sends.append((self.comm.Isend([message, MPI.FLOAT], child,
+                                                     TAG_RELAY_PARAMS), message, child))
+            self.stats_.relayed += 1
+            self.stats_.relay_bytes += message.nbytes
+            served = True
+        while self.relay_sends:
+            try:
+                wait_all([r for r, _, _ in self.relay_sends],
+                         "the relay children to take the trial point",
+                         [to for _, _, to in self.relay_sends])
+                self.relay_sends = []
+            except watchdog.RankLost as gone:
+                # A child is lost: its send is given up (never completed: kept, as the
+                # shards keep theirs), the others are waited for.
+                self.orphans += [(r, m) for r, m, to in self.relay_sends if to == gone.rank]
+                self.relay_sends = [(r, m, to) for r, m, to in self.relay_sends
+                                    if to != gone.rank]
+        return served
+
+    def _compute_units(self, trial: int, batch: int, *units: int) -> None:
+        """Compute the units granted together, one after another (`_compute`), answering
+        relay children between them."""
+        for done, unit in enumerate(units):
+            if not self._fetch("trial", trial):
+                self.stats_.abandoned += len(units) - done
+                return
+            self._compute(trial, batch, unit, *self.unit_ranges[unit])
+            self._serve_children()
 
     def _compute(self, trial: int, batch: int, unit: int, start: int, stop: int) -> None:
-        """Add one unit's gradient sum to the pending sum; nothing if its trial is over
-        already (the shards have begun another: the unit was committed by another replica,
-        and this one's next request simply reports nothing)."""
-        if not self._fetch("trial", trial):
-            self.stats_.abandoned += 1
-            return
+        """Add one unit's gradient sum to the pending sum (its trial point fetched)."""
         t0 = time.perf_counter()
         stored, y = self.rows.unit(batch, start, stop)
         x = to_float(stored, self.scale)
@@ -318,6 +475,11 @@ class Replica:
         if self.team is not None:
             out["model_parallel"] = self.model.traffic.per_step()
         return out
+
+
+def _ident(values: np.ndarray) -> int:
+    """The trial or snapshot id in the header of a vector message."""
+    return int(values[:1].view(np.int32)[0])
 
 
 def model_layout(model: Any) -> Any:

@@ -66,8 +66,11 @@ class ShardServer:
         self.signals = None  # set by train(); only the coordinator acts on signals
         self.running = True
         self.leave = self.diverged = False  # how the coordinator's "stop" ends the run
+        # trial_bytes: what the replicas' fetches of trial points cost this shard (the
+        # relay tree keeps it O(RELAY_FANOUT) per trial: plan.relay_parent).
         self.counts = {"commands": 0, "fetches": 0, "pushes": 0, "stale_pushes": 0,
-                       "lost_pushes": 0}
+                       "lost_pushes": 0, "trial_fetches": 0, "trial_bytes": 0,
+                       "snapshot_fetches": 0, "snapshot_bytes": 0}
         # Test-only (distbelief.runtime.faults): AT counts the pushes this shard received.
         self.faults = Faults.for_rank(topology.world_rank)
 
@@ -155,6 +158,8 @@ class ShardServer:
             self.sending.append((self.comm.Isend([msg, MPI.FLOAT], source, TAG_PARAMS), msg,
                                  source))
             self.counts["fetches"] += 1
+            self.counts[f"{kind}_fetches"] += 1
+            self.counts[f"{kind}_bytes"] += msg.nbytes
         elif tag == TAG_COMMAND and source == self.coordinator:
             op, args = self.comm.recv(source=source, tag=TAG_COMMAND)
             self.counts["commands"] += 1

@@ -2,8 +2,9 @@
 counts. Pure bookkeeping on the coordinator (no communication, no vectors).
 
 A batch of B examples is cut into units of `work_unit_size` consecutive batch positions.
-Replicas ask for a unit when they are free (`next_unit`), so a fast replica does more of
-them (dynamic load balancing). Each unit belongs to a replica (`owners`: contiguous
+Replicas ask for units when they are free (`next_units`: up to a push's worth at once, one
+coordinator answer for all of them), so a fast replica does more of them (dynamic load
+balancing). Each unit belongs to a replica (`owners`: contiguous
 groups, plan.unit_owners), whose rows it is drawn from and which holds those rows in
 memory; a replica gets its own queued units first, then, once they are all out, the last
 queued unit of the replica with the most left (it reads that unit's rows from the file:
@@ -11,8 +12,8 @@ the price of balancing the load, paid only by what is moved). When the queues ar
 a replica that asks gets a BACKUP copy of a unit that is still uncommitted, held by fewer
 than `backup_copies` replicas (the least-copied, longest-outstanding first), as
 MapReduce's backup tasks, once its newest copy has been out for `backup_after` seconds
-(the coordinator passes 1.5 x the median time replicas took per unit lately;
-`unit_seconds` collects them): a unit that is merely in progress at normal speed is not
+(the coordinator passes 1.5 x the median time replicas took per grant lately, from its
+issue to the report of its last unit; `unit_seconds` collects them): a unit that is merely in progress at normal speed is not
 worth a copy, which on an oversubscribed node would only take CPU from the replicas
 finishing the batch. A replica that gets nothing
 waits (parked by the coordinator) and asks again when a unit becomes late.
@@ -52,6 +53,7 @@ costs nothing but its held units, which `release` gives to the others.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -85,7 +87,12 @@ class UnitStats:
 
 
 class WorkUnitTable:
-    """The units of one evaluation: queued, held (by which replicas), committed."""
+    """The units of one evaluation: queued, held (by which replicas), committed.
+
+    Every operation costs O(1) per unit it hands out or settles, whatever the number of
+    replicas: the queues are deques, the owner with the most queued units is the top of a
+    heap, each replica's held units are a set, and the units that may get a backup copy
+    are kept by their number of copies, longest outstanding first (`copies`)."""
 
     def __init__(self, n_units: int, push_every: int = 4, backup_copies: int = 2,
                  backup_after: float = 0.0, owners: list[int] | None = None):
@@ -98,14 +105,22 @@ class WorkUnitTable:
         self.n_units, self.push_every, self.backup_copies = n_units, push_every, backup_copies
         self.backup_after = backup_after
         self.issued_at: dict[tuple[int, int], float] = {}  # (unit, replica) -> when
-        self.unit_seconds: list[float] = []  # issue to report, of each reported unit
+        self.unit_seconds: list[float] = []  # issue to report, of each report
         self.owners = owners
         self.queues: dict[int, deque[int]] = {}  # owner -> its queued units, in order
         for unit, owner in enumerate(owners):
             self.queues.setdefault(owner, deque()).append(unit)
+        # (-queued, owner), one entry per change of a queue's length; the top entry that
+        # matches its queue's length now is the owner with the most queued (lowest first).
+        self.longest = [(-len(q), owner) for owner, q in self.queues.items()]
+        heapq.heapify(self.longest)
         self.n_queued = n_units
         self.stolen = 0  # units handed to a replica other than their owner, first copies
         self.holders: list[set[int]] = [set() for _ in range(n_units)]
+        self.held: dict[int, set[int]] = {}  # replica -> the uncommitted units it holds
+        # copies[c]: the uncommitted units held by exactly c replicas (0 < c < backup
+        # copies), in the order they came to c: the candidates for a backup copy.
+        self.copies: list[dict[int, None]] = [{} for _ in range(backup_copies)]
         self.first_issued = [0.0] * n_units
         self.committed = [False] * n_units
         self.n_committed = 0
@@ -126,59 +141,94 @@ class WorkUnitTable:
         if not self.n_queued:
             return None
         self.n_queued -= 1
-        own = self.queues[0] if self.shared else self.queues.get(replica)
+        owner = 0 if self.shared else replica
+        own = self.queues.get(owner)
         if own:
-            return own.popleft()
-        self.stolen += 1
-        return max(self.queues.values(), key=len).pop()
+            unit = own.popleft()
+        else:
+            self.stolen += 1
+            while True:
+                length, owner = self.longest[0]
+                if -length == len(self.queues[owner]):
+                    break
+                heapq.heappop(self.longest)  # an old length of that queue
+            unit = self.queues[owner].pop()
+        heapq.heappush(self.longest, (-len(self.queues[owner]), owner))
+        return unit
 
     def _requeue(self, unit: int) -> None:
         """`unit` back to the front of its owner's queue."""
-        self.queues[self.owners[unit]].appendleft(unit)
+        owner = self.owners[unit]
+        self.queues[owner].appendleft(unit)
+        heapq.heappush(self.longest, (-len(self.queues[owner]), owner))
         self.n_queued += 1
+
+    def _hold(self, unit: int, replica: int, holds: bool) -> None:
+        """`replica` takes (`holds`) or gives up a copy of uncommitted `unit`."""
+        holders = self.holders[unit]
+        self.copies[min(len(holders), self.backup_copies - 1)].pop(unit, None)
+        if holds:
+            holders.add(replica)
+            self.held.setdefault(replica, set()).add(unit)
+        else:
+            holders.discard(replica)
+            self.held.get(replica, set()).discard(unit)
+        if 0 < len(holders) < self.backup_copies:
+            self.copies[len(holders)][unit] = None
 
     def next_unit(self, replica: int, now: float | None = None) -> int | None:
         """A unit for `replica` (queued first, its own before others', else a late unit's
         backup copy), or None."""
+        units = self.next_units(replica, 1, now)
+        return units[0] if units else None
+
+    def next_units(self, replica: int, k: int, now: float | None = None) -> list[int]:
+        """Up to `k` queued units for `replica` (its own before others'), or, when none is
+        queued, one late unit's backup copy; [] if there is nothing for it (a bulk grant:
+        one coordinator answer for several units)."""
         now = time.monotonic() if now is None else now
-        unit = self._queued_for(replica)
-        if unit is not None:
+        units = []
+        while len(units) < k:
+            unit = self._queued_for(replica)
+            if unit is None:
+                break
             if not self.first_issued[unit]:
                 self.first_issued[unit] = now
-        else:
+            units.append(unit)
+        if not units:
             unit = self._backup_for(replica, now)
             if unit is None:
-                return None
+                return []
             self.stats.backups_issued += 1
-        self.holders[unit].add(replica)
-        self.issued_at[(unit, replica)] = now
-        self.stats.issued += 1
-        return unit
+            units.append(unit)
+        for unit in units:
+            self._hold(unit, replica, True)
+            self.issued_at[(unit, replica)] = now
+        self.stats.issued += len(units)
+        return units
 
     def _backup_for(self, replica: int, now: float) -> int | None:
-        best, best_key = None, None
-        for unit in range(self.n_units):
-            holders = self.holders[unit]
-            if (self.committed[unit] or replica in holders
-                    or len(holders) >= self.backup_copies):
-                continue
-            newest = max((self.issued_at[(unit, r)] for r in holders), default=0.0)
-            if now - newest < self.backup_after:
-                continue  # its newest copy is not late yet
-            key = (len(holders), self.first_issued[unit])
-            if best_key is None or key < best_key:
-                best, best_key = unit, key
-        return best
+        """The least-copied, longest-outstanding uncommitted unit that `replica` does not
+        hold and whose newest copy is late; None if none. Looks past only the units this
+        replica holds and those not late yet."""
+        for level in self.copies[1:]:
+            for unit in level:
+                holders = self.holders[unit]
+                if replica in holders:
+                    continue
+                newest = max(self.issued_at[(unit, r)] for r in holders)
+                if now - newest >= self.backup_after:
+                    return unit
+        return None
 
     def release(self, replica: int) -> list[int]:
         """`replica` is lost: the units it holds and nobody has committed go back to the
         front of the queue unless another replica holds them too. Returns those units."""
         back = []
-        for unit, holders in enumerate(self.holders):
-            if replica in holders:
-                holders.discard(replica)
-                if not self.committed[unit] and not holders:
-                    back.append(unit)
+        for unit in sorted(self.held.pop(replica, ())):
+            self._hold(unit, replica, False)
+            if not self.holders[unit]:
+                back.append(unit)
         for unit in reversed(back):
             self._requeue(unit)
         return back
@@ -195,15 +245,32 @@ class WorkUnitTable:
         if any(self.committed[u] for u in units):
             self.stats.discarded += len(units)
             for u in units:
-                self.holders[u].discard(replica)
-                if not self.committed[u] and not self.holders[u]:
+                if self.committed[u]:
+                    continue
+                self._hold(u, replica, False)
+                if not self.holders[u]:
                     self._requeue(u)
             return DROP
         if len(units) < self.push_every and not self.tail:
             return HOLD
         for u in units:
             self.committed[u] = True
-            self.holders[u].clear()
+            holders = self.holders[u]
+            self.copies[min(len(holders), self.backup_copies - 1)].pop(u, None)
+            for r in holders:
+                self.held[r].discard(u)
+            holders.clear()
         self.n_committed += len(units)
         self.stats.committed_by[replica] = self.stats.committed_by.get(replica, 0) + len(units)
         return COMMIT
+
+    def backup_due(self, now: float) -> bool:
+        """Whether the longest-outstanding unit of some number of copies is late: a
+        replica that asks now may get its backup copy (O(backup_copies))."""
+        for level in self.copies[1:]:
+            for unit in level:
+                newest = max(self.issued_at[(unit, r)] for r in self.holders[unit])
+                if now - newest >= self.backup_after:
+                    return True
+                break
+        return False
