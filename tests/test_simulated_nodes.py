@@ -127,7 +127,7 @@ def test_a_heartbeat_goes_silent_when_its_rank_stops(tmp_path: Path) -> None:
     time.sleep(1.2)  # over twice the timeout, beating every 50 ms
     assert not watcher.stopped(1)
     beating.stop()
-    assert not (folder / "rank-1").exists()
+    assert not (folder / "node-1").exists(), "a node's writer removes its file at the end"
     time.sleep(0.7)
     # A death takes two answered readings after the timeout, an interval (50 ms) apart.
     assert not watcher.stopped(1)
@@ -146,7 +146,7 @@ def test_a_file_server_that_stops_answering_writes_nobody_off(tmp_path: Path,
     real = Path.read_bytes
 
     def failing(path: Path) -> bytes:
-        if path.name == "rank-1":
+        if path.name == "node-1":
             raise OSError(5, "Input/output error")  # a metadata server failing over
         return real(path)
 
@@ -186,13 +186,13 @@ def test_a_watcher_reads_a_file_at_most_once_per_interval(tmp_path: Path,
 
 def test_a_watcher_of_many_ranks_keeps_to_its_read_budget(tmp_path: Path,
                                                           monkeypatch) -> None:
-    # 40 ranks watched at 10 reads a second: each file is read once per 4 s, not once per
-    # 1 s interval, so the file system sees 10 reads a second from this rank, not 40;
-    # the first look at each is spread over 4 s too.
+    # 40 nodes watched at 10 reads a second: each node's file is read once per 4 s, not
+    # once per 1 s interval, so the file system sees 10 reads a second from this rank,
+    # not 40; the first look at each is spread over 4 s too.
     folder = tmp_path / ".heartbeats" / "job"
     folder.mkdir(parents=True)
-    for rank in range(1, 41):
-        (folder / f"rank-{rank}").write_text("1\n")
+    for node in range(1, 41):
+        (folder / f"node-{node}").write_text(f"{node} 1\n{node}\n")
     watcher = Heartbeats(folder, 0, 10.0, reads_per_s=10)
     reads = []
     real = Path.read_bytes
@@ -203,11 +203,52 @@ def test_a_watcher_of_many_ranks_keeps_to_its_read_budget(tmp_path: Path,
             watcher.stopped(rank)
         time.sleep(0.01)
     assert watcher.read_period() == 4.0
-    assert max(reads.count(f"rank-{rank}") for rank in range(1, 41)) <= 2, reads
-    assert all(f"rank-{rank}" in reads for rank in range(1, 41)), "each is read in 4 s"
+    assert max(reads.count(f"node-{node}") for node in range(1, 41)) <= 2, reads
+    assert all(f"node-{node}" in reads for node in range(1, 41)), "each is read in 4 s"
     # 10 a second and a second's worth to start with: not 40 at once, nor 240 in 6 s
     assert len(reads) <= 10 + 10 * 6 + 1, len(reads)
     assert watcher.detection_s(40) == 10.0 + 3 * 4.0
+
+
+def test_one_file_per_node_lists_its_live_ranks_and_passes_to_the_next_writer(
+        tmp_path: Path) -> None:
+    # Ranks 0, 1 on node 0 and 2, 3, 4 on node 1: node 1's file is written by rank 2 only,
+    # lists the ranks whose processes live, and a watcher on node 0 reads one file for
+    # all three (one read per read period, whatever the ranks asked about).
+    folder = tmp_path / ".heartbeats" / "job"
+    node_of = (0, 0, 1, 1, 1)
+    ended: set[int] = set()
+    ranks = {r: Heartbeats(folder, r, 0.5, node_of, reads_per_s=1000) for r in (0, 2, 3, 4)}
+    for beats in ranks.values():
+        beats.local_gone = ended.__contains__
+        beats.start()
+    assert sorted(p.name for p in folder.iterdir()) == ["node-0", "node-1"]
+    assert (folder / "node-1").read_text().split("\n")[1] == "2 3 4"
+    watcher = ranks[0]
+    assert all(watcher.silent_for(r) < 0.1 for r in (2, 3, 4))
+    assert not any(watcher.stopped(r) for r in (2, 3, 4))
+    # Rank 4 dies: its node's writer drops it from the list, and the watcher finds it
+    # gone after the timeout (two readings), while ranks 2 and 3 stay alive.
+    ranks.pop(4).stop()
+    ended.add(4)
+    deadline = time.monotonic() + 5.0
+    while not watcher.stopped(4) and time.monotonic() < deadline:
+        assert not watcher.stopped(2) and not watcher.stopped(3)
+        time.sleep(0.02)
+    assert watcher.stopped(4) and watcher.silent_for(4) > 0.5
+    # The writer, rank 2, ends: rank 3 takes over, so rank 3 is never taken for dead.
+    ranks.pop(2).stop()
+    ended.add(2)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        assert not watcher.stopped(3)
+        time.sleep(0.02)
+    assert (folder / "node-1").read_text().split("\n") == [
+        f"3 {ranks[3]._count}", "3", ""]
+    assert watcher.stopped(2)
+    for beats in ranks.values():
+        beats.stop()
+    assert not folder.parent.exists(), "the last writers remove the files and the folder"
 
 
 # -- the watchdog, in one process -----------------------------------------------------------------

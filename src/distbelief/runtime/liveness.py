@@ -13,8 +13,9 @@ ranks itself (distbelief.algorithms.downpour):
 - Ranks on other nodes cannot be looked at this way (with simulated nodes they could,
   and are not: the point is to take the other path); they are noticed by their
   heartbeat stopping (Downpour: a replica's BEAT in distbelief.ps.run_control for
-  `run.replica_timeout_seconds` when it is alive but stuck, and every rank's heartbeat
-  file for `run.heartbeat_timeout_seconds` when it died: distbelief.runtime.heartbeat).
+  `run.replica_timeout_seconds` when it is alive but stuck, and its node's heartbeat
+  file, which lists the node's live ranks, for `run.heartbeat_timeout_seconds` when it
+  died: distbelief.runtime.heartbeat).
 """
 
 from __future__ import annotations
@@ -55,15 +56,15 @@ class Peers:
                heartbeat_timeout_s: float = 0.0) -> Peers:
         """Collective over `comm` (node_split, then a bcast and an allgather): every rank's
         identity. With `heartbeat_dir` and a timeout, and ranks on more than one node,
-        every rank starts beating under heartbeat_dir (distbelief.runtime.heartbeat) before
-        the allgather, so every beat that can be seen exists once it returns; close() stops
-        it."""
+        each node's lowest rank starts beating under heartbeat_dir
+        (distbelief.runtime.heartbeat) before the allgather, so every node's file exists
+        once it returns; close() stops it."""
         nodes = node_split(comm)
         heartbeats = None
         if heartbeat_dir is not None and heartbeat_timeout_s > 0 and not nodes.single:
             token = comm.bcast(secrets.token_hex(6) if comm.Get_rank() == 0 else None, root=0)
             heartbeats = Heartbeats(Path(heartbeat_dir) / FOLDER / token, comm.Get_rank(),
-                                    heartbeat_timeout_s)
+                                    heartbeat_timeout_s, nodes.node_of)
             try:
                 heartbeats.start()
             except OSError as exc:  # never fatal: the others then never see it stop
@@ -73,8 +74,12 @@ class Peers:
         pid = os.getpid()
         mine = (socket.gethostname(), pid, _start_time(pid))
         everyone = comm.allgather(mine)
-        return cls(nodes, tuple(e[0] for e in everyone), tuple(e[1] for e in everyone),
-                   tuple(e[2] for e in everyone), comm.Get_rank(), heartbeats)
+        peers = cls(nodes, tuple(e[0] for e in everyone), tuple(e[1] for e in everyone),
+                    tuple(e[2] for e in everyone), comm.Get_rank(), heartbeats)
+        if heartbeats is not None:
+            # The node's writer lists the ranks of the node whose processes live (/proc).
+            heartbeats.local_gone = peers.gone
+        return peers
 
     def close(self) -> None:
         """Stop this rank's heartbeat (if any) and remove its file. Local."""
