@@ -17,8 +17,8 @@ import time
 from collections import Counter
 
 NAMES = (
-    "heartbeat_writes",   # this rank's beats (a file opened, written, closed)
-    "heartbeat_reads",    # other ranks' beat files opened and read
+    "heartbeat_writes",   # its node's file written as the node's writer (open, write, close)
+    "heartbeat_reads",    # other nodes' files opened and read, as its node's reader
     "checkpoint_files",   # checkpoint parts and manifests written (each fsynced, renamed)
     "rma_atomics",        # count-1 int64 Fetch_and_op, Compare_and_swap, Accumulate
     "rma_gets",           # Get (published buffers, headers)

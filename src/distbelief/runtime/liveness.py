@@ -56,21 +56,24 @@ class Peers:
                heartbeat_timeout_s: float = 0.0) -> Peers:
         """Collective over `comm` (node_split, then a bcast and an allgather): every rank's
         identity. With `heartbeat_dir` and a timeout, and ranks on more than one node,
-        each node's lowest rank starts beating under heartbeat_dir
+        every rank maps its node's table and starts beating under heartbeat_dir
         (distbelief.runtime.heartbeat) before the allgather, so every node's file exists
         once it returns; close() stops it."""
         nodes = node_split(comm)
         heartbeats = None
         if heartbeat_dir is not None and heartbeat_timeout_s > 0 and not nodes.single:
             token = comm.bcast(secrets.token_hex(6) if comm.Get_rank() == 0 else None, root=0)
-            heartbeats = Heartbeats(Path(heartbeat_dir) / FOLDER / token, comm.Get_rank(),
-                                    heartbeat_timeout_s, nodes.node_of)
+            table = node_table_path(token, nodes.node_of[nodes.me])
             try:
+                heartbeats = Heartbeats(Path(heartbeat_dir) / FOLDER / token, comm.Get_rank(),
+                                        heartbeat_timeout_s, nodes.node_of, table=table)
                 heartbeats.start()
             except OSError as exc:  # never fatal: the others then never see it stop
-                print(f"distbelief: rank {comm.Get_rank()}: cannot write its heartbeat in "
-                      f"{heartbeats.folder} ({exc.strerror or exc}); a death of this rank "
-                      f"is found by the stall watchdog only", file=sys.stderr, flush=True)
+                print(f"distbelief: rank {comm.Get_rank()}: cannot beat in "
+                      f"{Path(heartbeat_dir) / FOLDER} or share {table} "
+                      f"({exc.strerror or exc}); a death of this rank is found by the stall "
+                      f"watchdog only", file=sys.stderr, flush=True)
+                heartbeats = None
         pid = os.getpid()
         mine = (socket.gethostname(), pid, _start_time(pid))
         everyone = comm.allgather(mine)
@@ -79,6 +82,10 @@ class Peers:
         if heartbeats is not None:
             # The node's writer lists the ranks of the node whose processes live (/proc).
             heartbeats.local_gone = peers.gone
+            if comm.Get_rank() == min(nodes.ranks_on(nodes.node_of[nodes.me])):
+                # Every rank of the node mapped the table before the allgather: unlinked
+                # now, nothing is left in /dev/shm however the job ends.
+                table.unlink(missing_ok=True)
         return peers
 
     def close(self) -> None:
@@ -128,6 +135,14 @@ class Peers:
     def gone_among(self, ranks: range | list[int]) -> list[int]:
         """The ranks of `ranks` that are gone (see `gone`)."""
         return [rank for rank in ranks if self.gone(rank)]
+
+
+NODE_TABLE_DIR = Path("/dev/shm")
+
+
+def node_table_path(token: str, node: int) -> Path:
+    """Where the ranks of `node` share their heartbeat table (node-local memory)."""
+    return NODE_TABLE_DIR / f"distbelief-heartbeats-{token}-node{node}"
 
 
 def sweep_replicas(peers: Peers, topology: Topology, replicas: int, dead_ranks: set[int],
