@@ -116,8 +116,9 @@ def figures(summary: dict, per_node: int) -> dict[str, float]:
     fs = {r: (c["heartbeat_reads"] + c["heartbeat_writes"]) / c["seconds"]
           for r, c in control.items()}
     per_node_fs: dict[int, float] = {}
-    for rank, rate in fs.items():  # -ppn fills each fake host with consecutive ranks
-        per_node_fs[rank // per_node] = per_node_fs.get(rank // per_node, 0.0) + rate
+    for rank, rate in fs.items():  # -ppn fills each fake host with consecutive job ranks
+        node = control[rank].get("job_rank", rank) // per_node
+        per_node_fs[node] = per_node_fs.get(node, 0.0) + rate
     replicas = [r for r in summary["replicas"] if r["steps"] > 0]
     checkpoints = max(summary["checkpoints_written"], 1)
     shard0 = summary["shards"][0]

@@ -117,9 +117,13 @@ def node_memory_bytes(environ: Mapping[str, str] | None = None,
 
 def rank_figure(rank: int, role: str) -> dict[str, Any]:
     """This process's line in summary.json's `peak_rss`, with its control-plane counters
-    (runtime.counters) under "counters". Local."""
+    (runtime.counters) and its rank in the launcher's job (`job_rank`: the ranks may be
+    renumbered, cluster.shard_placement) under "counters". Local."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    job_rank = (mpi.COMM_WORLD.Get_rank()
+                if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() else 0)
     return {"rank": rank, "role": role, "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
-            "counters": counters.snapshot()}
+            "counters": {"job_rank": job_rank, **counters.snapshot()}}
 
 
 def gather_peak_rss(comm: Any, writer: int, role: str, skip: Iterable[int] = (),
