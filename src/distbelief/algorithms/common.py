@@ -515,7 +515,7 @@ def watched_run(comm: Any, describe: Callable[[int], str],
     signals (launchers forward them to all; the trainer decides who acts), numpy's
     overflow warnings off (a diverging run is reported once, as TrainingDiverged); the
     Peers are closed on the way out. Collective over `comm` on entry (watchdog.for_job: an
-    allgather of every rank's identity; on several nodes every rank beats in out_dir
+    allgather of every rank's identity; on several nodes each node beats in out_dir
     until the end, so a rank dying on another node is found within the heartbeat
     timeout). `run` is the [run] configuration, `describe(rank)` names a rank."""
     guard, peers = watchdog.for_job(comm, describe, run)
