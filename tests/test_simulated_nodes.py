@@ -176,6 +176,33 @@ def test_a_rank_dead_before_its_node_was_first_read_is_found(tmp_path: Path) -> 
         beats.stop()
 
 
+def test_a_writer_whose_first_beat_fails_keeps_stamping_and_beats_later(
+        tmp_path: Path, monkeypatch) -> None:
+    # Its mates must not take over and list the node without it (it would then be taken
+    # for dead), so it stamps from the start and writes once the file system answers.
+    folder = tmp_path / ".heartbeats" / "job"
+    real = Path.write_text
+
+    def failing(path: Path, text: str) -> int:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(Path, "write_text", failing)
+    writer = Heartbeats(folder, 0, 0.5, (0, 0, 1), table=tmp_path / "table-0")
+    mate = Heartbeats(folder, 1, 0.5, (0, 0, 1), table=tmp_path / "table-0")
+    assert isinstance(writer.start(), OSError)
+    mate.start()
+    time.sleep(0.3)
+    assert writer.writes() and not mate.writes()
+    monkeypatch.setattr(Path, "write_text", real)
+    deadline = time.monotonic() + 2.0
+    while not (folder / "node-0").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first, listed = (folder / "node-0").read_text().split("\n")[:2]
+    assert first.startswith("0 ") and listed == "0 1", (first, listed)
+    mate.stop()
+    writer.stop()
+
+
 def test_a_file_server_that_stops_answering_writes_nobody_off(tmp_path: Path,
                                                               monkeypatch) -> None:
     folder = tmp_path / ".heartbeats" / "job"

@@ -138,14 +138,21 @@ class Heartbeats:
 
     # -- beating and reading (the heartbeat thread)
 
-    def start(self) -> None:
+    def start(self) -> OSError | None:
         """Stamp and beat now (so a node's file exists once the caller's next collective
-        has completed), then from a thread. OSError if the folder cannot be written."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._tick(time.monotonic())
+        has completed), then from a thread, which stamps and tries again every beat
+        whatever this first write did; returns the error if it failed (a rank that
+        stopped stamping would be taken for dead once another rank of its node writes)."""
+        self.table.stamp[self.rank] = time.monotonic()
+        failed = None
+        try:
+            self._tick(time.monotonic())
+        except OSError as exc:
+            failed = exc
         self._thread = threading.Thread(target=self._run, name="distbelief-heartbeat",
                                         daemon=True)
         self._thread.start()
+        return failed
 
     def _fresh(self, rank: int, now: float) -> bool:
         return now - self.table.stamp[rank] < FRESH_INTERVALS * self.interval_s
@@ -165,8 +172,12 @@ class Heartbeats:
         alive = [r for r in self.mates
                  if r == self.rank or (not self.local_gone(r) and self._fresh(r, now))]
         counters.add("heartbeat_writes")
-        with open(self.path(self.node), "w") as f:
-            f.write(f"{self.rank} {self._count}\n{' '.join(map(str, alive))}\n")
+        text = f"{self.rank} {self._count}\n{' '.join(map(str, alive))}\n"
+        try:
+            self.path(self.node).write_text(text)
+        except FileNotFoundError:  # the folder is not there (yet): once more after mkdir
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.path(self.node).write_text(text)
         self._read_due(now)
 
     def _run(self) -> None:

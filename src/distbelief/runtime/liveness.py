@@ -64,16 +64,19 @@ class Peers:
         if heartbeat_dir is not None and heartbeat_timeout_s > 0 and not nodes.single:
             token = comm.bcast(secrets.token_hex(6) if comm.Get_rank() == 0 else None, root=0)
             table = node_table_path(token, nodes.node_of[nodes.me])
+            folder = Path(heartbeat_dir) / FOLDER / token
             try:
-                heartbeats = Heartbeats(Path(heartbeat_dir) / FOLDER / token, comm.Get_rank(),
-                                        heartbeat_timeout_s, nodes.node_of, table=table)
-                heartbeats.start()
-            except OSError as exc:  # never fatal: the others then never see it stop
-                print(f"distbelief: rank {comm.Get_rank()}: cannot beat in "
-                      f"{Path(heartbeat_dir) / FOLDER} or share {table} "
+                heartbeats = Heartbeats(folder, comm.Get_rank(), heartbeat_timeout_s,
+                                        nodes.node_of, table=table)
+            except OSError as exc:  # never fatal: this node's ranks are then never listed
+                print(f"distbelief: rank {comm.Get_rank()}: cannot share {table} "
                       f"({exc.strerror or exc}); a death of this rank is found by the stall "
                       f"watchdog only", file=sys.stderr, flush=True)
-                heartbeats = None
+            failed = heartbeats.start() if heartbeats is not None else None
+            if failed is not None:
+                print(f"distbelief: rank {comm.Get_rank()}: cannot write its node's "
+                      f"heartbeat in {folder} ({failed.strerror or failed}); it tries again "
+                      f"every beat", file=sys.stderr, flush=True)
         pid = os.getpid()
         mine = (socket.gethostname(), pid, _start_time(pid))
         everyone = comm.allgather(mine)
