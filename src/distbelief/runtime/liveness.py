@@ -92,7 +92,8 @@ class Peers:
         return peers
 
     def close(self) -> None:
-        """Stop this rank's heartbeat (if any) and remove its file. Local."""
+        """Stop this rank's heartbeat (if any); the node's last rank removes its file.
+        Local."""
         if self.heartbeats is not None:
             self.heartbeats.stop()
 
