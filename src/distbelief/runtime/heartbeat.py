@@ -112,7 +112,10 @@ class Heartbeats:
         self.folder, self.rank, self.timeout_s = folder, rank, timeout_s
         self.node_of = tuple(node_of)
         self.node = self.node_of[rank]
-        self.mates = [r for r, n in enumerate(self.node_of) if n == self.node]
+        self.ranks_on: dict[int, list[int]] = {}  # node -> its ranks
+        for r, n in enumerate(self.node_of):
+            self.ranks_on.setdefault(n, []).append(r)
+        self.mates = self.ranks_on[self.node]
         if table is None and len(self.mates) > 1:
             # Each rank would take itself for the writer, listing only itself.
             raise ValueError("the ranks of a node must share their table")
@@ -143,10 +146,9 @@ class Heartbeats:
         has completed), then from a thread, which stamps and tries again every beat
         whatever this first write did; returns the error if it failed (a rank that
         stopped stamping would be taken for dead once another rank of its node writes)."""
-        self.table.stamp[self.rank] = time.monotonic()
         failed = None
         try:
-            self._tick(time.monotonic())
+            self._tick(time.monotonic())  # stamps before anything that can fail
         except OSError as exc:
             failed = exc
         self._thread = threading.Thread(target=self._run, name="distbelief-heartbeat",
@@ -216,7 +218,7 @@ class Heartbeats:
                 # The node's ranks all lived when the job started (its file is there):
                 # one that was never listed is as if listed now, so that a rank that
                 # died before its node was first read is found too.
-                for rank in (r for r, n in enumerate(self.node_of) if n == node):
+                for rank in self.ranks_on[node]:
                     table.listed[rank] = table.listed[rank] or now
             self._content[node] = content
             for listed in _listed_ranks(content):
@@ -245,8 +247,7 @@ class Heartbeats:
 
     def _node_silent(self, node: int, now: float) -> bool:
         """No rank of `node` was listed anew for the timeout."""
-        listed = [self.table.listed[r] for r, n in enumerate(self.node_of)
-                  if n == node and self.table.listed[r]]
+        listed = [self.table.listed[r] for r in self.ranks_on[node] if self.table.listed[r]]
         return not listed or now - max(listed) > self.timeout_s
 
     # -- watching (any thread)
