@@ -162,10 +162,16 @@ def test_the_ranks_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (out / "metrics.jsonl").is_file():
+        deadline = time.monotonic() + 90
+        while (time.monotonic() < deadline and proc.poll() is None
+               and not (out / "metrics.jsonl").is_file()):
             time.sleep(0.1)
-        assert (out / "metrics.jsonl").is_file(), "the run never started"
+        if not (out / "metrics.jsonl").is_file():
+            state = "ended" if proc.poll() is not None else "still ran"
+            os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"the run never wrote its metrics (the job {state}, exit "
+                        f"{proc.returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}")
         ranks = _processes_naming(str(out))
         assert len(ranks) >= 6, ranks  # a guardian and a worker per rank
         launcher = [proc.pid] + [c for c in _children(proc.pid) if c not in ranks]
