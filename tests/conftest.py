@@ -12,11 +12,14 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
 import pytest
+
+from distbelief.runtime import stuck_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -294,7 +297,7 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=cwd, env=env, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = _communicate(proc, timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, err = proc.communicate()
@@ -304,6 +307,33 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
     finished.exit_files = _exit_files(exit_dir, n)
     shutil.rmtree(exit_dir, ignore_errors=True)
     return finished
+
+
+STUCK_LAUNCHER_S = 5.0
+
+
+def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """proc.communicate(timeout), but a launcher that has collected none of its exited
+    children for STUCK_LAUNCHER_S (seen with Open MPI 5.0.11's prterun after a lost shard's
+    abort: distbelief.runtime.stuck_launcher, which slurm/one_node.sbatch runs too) is
+    ended as the product ends it, with a warning, and the job's outcome read as usual."""
+    deadline = time.monotonic() + timeout
+    stuck_since = None
+    while True:
+        try:
+            return proc.communicate(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if now >= deadline:
+                raise
+            if not stuck_launcher.all_children_exited(proc.pid):
+                stuck_since = None
+                continue
+            stuck_since = now if stuck_since is None else stuck_since
+            if now - stuck_since >= STUCK_LAUNCHER_S:
+                warnings.warn(f"the launcher had collected none of its exited ranks for "
+                              f"{STUCK_LAUNCHER_S:g} s: ended ({proc.args[:3]})")
+                os.killpg(proc.pid, 9)
 
 
 EXIT_FILES_WAIT_S = 15.0

@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -262,7 +263,10 @@ def test_script_asks_slurm_for_signal_requeue_and_appending_log(name):
 ])
 def test_a_job_submitted_twice_is_refused_while_the_first_runs(data_dir, tmp_path, script,
                                                                ntasks, overrides):
-    first = Job(script, tmp_path, 1, data_dir / "synth.toml", f"run.max_steps={SGD_STEPS}")
+    # Long enough to outlive the second submission by far (SGD_STEPS took 1.3 s here, and
+    # the second job once came after the first had finished); SIGUSR1 ends it.
+    first = Job(script, tmp_path, 1, data_dir / "synth.toml",
+                f"run.max_steps={20 * SGD_STEPS}")
     proc = first.start()
     try:
         first.wait_for_training(proc)
@@ -306,3 +310,33 @@ def test_a_requeue_takes_over_from_its_instance_on_a_lost_node(data_dir, tmp_pat
     assert f"SLURM job {JOB_ID}'s restart 0 and this is restart 1" in job.text()
     assert job.summary()["steps"] == 50
     assert not (job.out / ownership.OWNER_FILE).exists()
+
+
+def test_a_launcher_stuck_after_its_ranks_ended_is_ended_by_the_script(data_dir, tmp_path):
+    # A stand-in mpiexec that says it is Open MPI's, starts a "rank" that ends at once and
+    # never collects it, then hangs (as prterun 5.0.11 did after a lost shard's abort): the
+    # script's watch ends it after DISTBELIEF_STUCK_LAUNCHER_SECONDS, and the job fails with
+    # the launcher's status instead of waiting out its time limit.
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "mpiexec").write_text(
+        f"#!{sys.executable}\n"
+        "import subprocess, sys, time\n"
+        "if '--version' in sys.argv:\n"
+        "    print('mpiexec (Open MPI) 5.0.11')\n"
+        "    sys.exit(0)\n"
+        "rank = subprocess.Popen([sys.executable, '-c', 'pass'])\n"
+        "time.sleep(600)\n")
+    (shims / "mpiexec").chmod(0o755)
+    job = Job("one_node", tmp_path, 2, data_dir / "synth.toml")
+    env = job.env(0, DISTBELIEF_STUCK_LAUNCHER_SECONDS="2")
+    env["PATH"] = os.pathsep.join([str(shims), env["PATH"]])
+    t0 = time.monotonic()
+    done = subprocess.run(["bash", str(SCRIPTS["one_node"]), *job.args], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT,
+                          check=False)
+    text = done.stdout + done.stderr
+    assert time.monotonic() - t0 < 60, text
+    assert "has not collected its ranks for 2 s after they all ended" in text, text
+    assert done.returncode == 137, text
+    assert "the run failed (exit status 137); not requeuing" in text, text

@@ -1,0 +1,91 @@
+"""A launcher that has stopped collecting its ranks: found, and ended.
+
+Open MPI 5.0.11's `prterun` (PRRTE 3.0.14), with `--enable-recovery`, once stayed for
+ever after a lost shard had ended the job: every rank had exited, and one of the processes
+it started stayed a zombie, never collected, because its main thread was blocked on a
+mutex inside an event callback (gdb, 2026-11-28; docs/checkpoints-and-reliability.md,
+"A launcher that never returns"). Nothing of the job was left to end it, so a batch job
+would have waited out its time limit.
+
+A launcher whose children have all exited but which has collected none of them for
+`grace_s` is in that state: a live launcher collects an exited child at once (SIGCHLD).
+`watch` ends such a launcher with SIGKILL, after one line on stderr. slurm/one_node.sbatch
+runs it beside mpiexec:
+
+    python3 -m distbelief.runtime.stuck_launcher PID [GRACE_S]
+
+and the tests' run_mpi asks `all_children_exited` between its reads of the job's output.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+GRACE_S = 30.0  # a launcher that collects nothing for this long is stuck
+POLL_S = 1.0
+
+
+def all_children_exited(pid: int, proc: Path = Path("/proc")) -> bool:
+    """True if process `pid` has children and every one has exited uncollected (a zombie);
+    False otherwise, or when this cannot be read."""
+    states = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and fields[1] == str(pid):
+            states.append(fields[0])
+    return bool(states) and all(state == "Z" for state in states)
+
+
+def watch(pid: int, grace_s: float = GRACE_S) -> bool:
+    """Until process `pid` ends: if all its children have exited and stayed uncollected for
+    `grace_s`, say so and kill it. True if it was killed."""
+    since = None
+    while _alive(pid):
+        now = time.monotonic()
+        if all_children_exited(pid):
+            since = now if since is None else since
+            if now - since >= grace_s:
+                print(f"distbelief: the launcher (pid {pid}) has not collected its ranks for "
+                      f"{grace_s:g} s after they all ended: it is stuck (seen with Open MPI "
+                      f"5.0.11's prterun); ending it", file=sys.stderr, flush=True)
+                os.kill(pid, signal.SIGKILL)
+                return True
+        else:
+            since = None
+        time.sleep(POLL_S)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) not in (1, 2) or not argv[0].isdigit():
+        print("usage: python3 -m distbelief.runtime.stuck_launcher PID [GRACE_S]\n"
+              "Ends process PID (an mpiexec) if it stops collecting its exited children for "
+              f"GRACE_S seconds (default {GRACE_S:g}).", file=sys.stderr)
+        return 2
+    grace = float(argv[1]) if len(argv) == 2 else GRACE_S
+    watch(int(argv[0]), grace)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
