@@ -21,7 +21,12 @@ distbelief.runtime.counters), `shards` and `replicas`. Printed, per rank count:
   data MB per rank       rows and labels read from the dataset file, mean over ranks
   data MB, worst rank    the same, the rank that reads most
   ckpt files per ckpt    checkpoint files written per checkpoint, all ranks together
-  ckpt pause s           a replica's pause per checkpoint, mean over replicas
+  ckpt pause s           a replica's pause per checkpoint it paused for (the periodic
+                         ones), mean over replicas
+  ckpt ack wait s        of which shard 0 waited, from its request until every replica
+                         had paused: the wait for the slowest replica to reach a step's end
+  replica step s         a replica's wall time per step, mean over replicas (how long
+                         the slowest takes to reach a step's end, under this load)
   rma ops per step       a replica's one-sided operations (atomics, Gets, Puts, Flushes)
                          per step it trained, mean over replicas
   ... per shard          the same divided by the shards (a step talks to each shard)
@@ -121,6 +126,7 @@ def figures(summary: dict, per_node: int) -> dict[str, float]:
         per_node_fs[node] = per_node_fs.get(node, 0.0) + rate
     replicas = [r for r in summary["replicas"] if r["steps"] > 0]
     checkpoints = max(summary["checkpoints_written"], 1)
+    requests = max(summary.get("checkpoint_requests", checkpoints), 1)  # what replicas pause for
     shard0 = summary["shards"][0]
     c0 = control[shard0["rank"]]
     return {
@@ -131,7 +137,9 @@ def figures(summary: dict, per_node: int) -> dict[str, float]:
         "data MB, worst rank": max(c["data_bytes_read"] / 1e6 for c in control.values()),
         "ckpt files per ckpt": sum(c["checkpoint_files"] for c in control.values())
         / checkpoints,
-        "ckpt pause s": mean([r["checkpoint_seconds"] / checkpoints for r in replicas]),
+        "ckpt pause s": mean([r["checkpoint_seconds"] / requests for r in replicas]),
+        "ckpt ack wait s": summary.get("checkpoint_ack_wait_seconds", math.nan) / requests,
+        "replica step s": mean([r["train_seconds"] / r["steps"] for r in replicas]),
         "rma ops per step": mean([sum(control[r["rank"]][k] for k in RMA_OPS) / r["steps"]
                                   for r in replicas]),
         "... per shard": mean([sum(control[r["rank"]][k] for k in RMA_OPS) / r["steps"]

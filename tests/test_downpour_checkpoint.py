@@ -514,6 +514,11 @@ def test_the_replicas_train_while_the_shards_write(data_dir: Path, tmp_path: Pat
     assert periodic, marks
     assert all(m["write_seconds"] >= SLOW_WRITE_S for m in marks), marks
     pauses = [r["checkpoint_seconds"] / len(periodic) for r in summary["replicas"]]
+    # Of a pause, the wait for every replica to reach its step's end is counted apart: the
+    # slow writes are not part of it.
+    assert summary["checkpoint_requests"] == len(periodic), (summary, marks)
+    ack_wait = summary["checkpoint_ack_wait_seconds"] / len(periodic)
+    assert 0 < ack_wait < SLOW_WRITE_S / 2, (ack_wait, pauses)
     if background:
         assert all(p < SLOW_WRITE_S / 2 for p in pauses), (pauses, marks)
         for mark in periodic:

@@ -107,6 +107,8 @@ class Supervisor(_ShardRole):
         self.requests = 0  # checkpoint requests made (the CHECKPOINT slot)
         self.awaiting = False  # a request is out: its checkpoint has not been written
         self.ready = False  # every replica has paused for it (or finished, or is lost)
+        self.requested_at = 0.0  # when the newest request went out
+        self.ack_wait_seconds = 0.0  # requests until every replica had paused, in all
         self.logged_steps = -1
         self.logged_loss_total = 0.0  # loss_total at the last training line
         self._next_control = 0.0
@@ -172,6 +174,7 @@ class Supervisor(_ShardRole):
             self.requests += 1
             self.shard.add_run_control(rc.CHECKPOINT, 1)
             self.awaiting, self.ready = True, False
+            self.requested_at = now
         self.recorder.progress(self.steps, self.steps * self.plan.batch_size, self.loss)
         return self._poll_rounds() or busy
 
@@ -207,6 +210,8 @@ class Supervisor(_ShardRole):
         if self.awaiting and not self.ready:
             self.ready = bool(np.all(self.lost_mask | (rows[:, rc.ACKED] >= self.requests)
                                      | (rows[:, rc.FINISHED] > 0)))
+            if self.ready:  # the part of a replica's pause spent waiting for the others
+                self.ack_wait_seconds += now - self.requested_at
 
     def _replicas_done(self) -> bool:
         if self.view is None:
@@ -620,6 +625,7 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "resumed_at_step": sup.base, "checkpoint": sup.last_checkpoint,
         "bad_gradients": sum(r["bad_gradients"] for r in replicas),
         "checkpoints_written": sup.checkpoints, "checkpoint_seconds": sup.checkpoint_seconds,
+        "checkpoint_requests": sup.requests, "checkpoint_ack_wait_seconds": sup.ack_wait_seconds,
         "lost_replicas": [asdict(lost) for _, lost in sorted(sup.lost.items())],
         "staleness": _combined_staleness(replicas),
         "push_dtype": config.optimizer.push_dtype,
