@@ -294,6 +294,7 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
     # lost a surviving rank's last line of output, after a death, once in a while.
     exit_dir = tempfile.mkdtemp(prefix="distbelief-exit-")
     env = {**env, EXIT_DIR: exit_dir}
+    launched = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=cwd, env=env, start_new_session=True)
     try:
@@ -304,7 +305,14 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
         pytest.fail(f"MPI job timed out after {timeout}s (deadlock?): {cmd}\n"
                     f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
     finished = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    returned = time.time()
     finished.exit_files = _exit_files(exit_dir, n)
+    # When each rank's status was written and the launcher returned, in seconds after the
+    # launch: where a slow job's time went (its ranks, or the launcher after them).
+    finished.timeline = {"launcher returned": returned - launched, **{
+        f"rank {name.removeprefix('rank-')} ended": Path(exit_dir, name).stat().st_mtime
+        - launched for name in sorted(os.listdir(exit_dir)) if name.startswith("rank-")
+        and not name.endswith(".tmp")}}
     shutil.rmtree(exit_dir, ignore_errors=True)
     return finished
 
