@@ -209,10 +209,27 @@ def test_the_memory_model_knows_the_transport_constants():
     from distbelief.ps import rma_windows
 
     assert memory_model.PUBLISH_BUFFERS == rma_windows.BUFFERS
-    assert memory_model.MAX_PUSH_SLOTS == rma_windows.MAX_PUSH_SLOTS
+    for name in ("PUSH_SLOTS_ANY_SIZE", "PUSH_SLOT_MEMORY", "MAX_PUSH_SLOTS"):
+        assert getattr(memory_model, name) == getattr(rma_windows, name), name
     assert memory_model.EVAL_BATCH == EVAL_BATCH_SIZE
-    for clients in (1, 2, 3, 4, 9):
-        assert memory_model.push_slots(clients) == rma_windows.push_slots(clients)
+    for clients in (1, 2, 3, 4, 9, 24, 1000):
+        for slot_bytes in (4, 4 << 10, 1 << 20, 4 << 20, 84 << 20):
+            assert memory_model.push_slots(clients, slot_bytes) == \
+                rma_windows.push_slots(clients, slot_bytes)
+
+
+@pytest.mark.parametrize("clients, slot_bytes, slots", [
+    (3, 4 << 10, 6),          # two per client
+    (24, 4 << 10, 48),        # small slices: two per client beyond 8 (no claim retries)
+    (1000, 4 << 10, 64),      # never more than a poll reads
+    (24, 4 << 20, 16),        # 64 MiB of 4 MiB slots
+    (24, 84 << 20, 8),        # large slices: 8 whatever their size
+    (2, 84 << 20, 4),
+])
+def test_push_slots_are_two_per_client_within_a_memory_budget(clients, slot_bytes, slots):
+    from distbelief.ps import rma_windows
+
+    assert rma_windows.push_slots(clients, slot_bytes) == slots
 
 
 def test_the_rma_shard_formula_in_slices():

@@ -29,7 +29,6 @@ from distbelief.model.optimizers import make_optimizer
 from distbelief.ps import run_control as rc
 from distbelief.ps.rma_client import ParameterClient
 from distbelief.ps.rma_shard import ParameterServerShard
-from distbelief.ps.rma_windows import push_slots
 from distbelief.ps.transport import open_parameter_server
 from distbelief.runtime.topology import Topology
 
@@ -188,7 +187,7 @@ def main() -> None:
                 ("Fetch_and_op", "REPLACE"): 2 * others + max(retries, 0),
                 ("Get", "-"): 2 * others})
         fold, idle = shard_polls(endpoint, log, world)
-        slots = push_slots(world - args.shards)
+        slots = windows.slots  # rma_windows.push_slots (tests/test_memory.py checks it)
         # A poll reads DONE, PULLS and every SLOT; a fold frees the slot, sets
         # VERSION_NOW, reads every READING, sets NEWEST and the client's FOLDED_HINT.
         expect("idle shard poll", idle, {("Fetch_and_op", "NO_OP"): 2 + slots})

@@ -5,8 +5,8 @@ that needs more than a node has (docs/performance.md, "Memory per rank", has the
 next to what was measured, and where the bytes go).
 
 Bytes of float32 values, per role (s = the optimizer's state arrays per parameter:
-Adagrad 1, SGD 0; K = push slots = min(2 x clients, 8); b = bytes per pushed value, 4 or
-2 with push_dtype = "bfloat16"; A(B) = activations of a batch of B; D = a replica's part of
+Adagrad 1, SGD 0; K = push slots = min(2 x clients, max(8, 64 MiB / (n b)), 64); b = bytes
+per pushed value, 4 or 2 with push_dtype = "bfloat16"; A(B) = activations of a batch of B; D = a replica's part of
 the training data; BASE = the interpreter, numpy, h5py and MPI, about 90 MB):
 
     RMA shard          4n (1 + s + 4) + K n b + BASE      master, state, 4 publish buffers,
@@ -37,7 +37,9 @@ BASE_BYTES = 90 << 20
 """A rank's resident set with a tiny model: 69 MB for one process, 73-90 MB for the ranks
 of a Downpour job (measured, docs/performance.md)."""
 PUBLISH_BUFFERS = 4  # ps.rma_windows.BUFFERS (tests/test_memory.py checks they agree)
-MAX_PUSH_SLOTS = 8   # ps.rma_windows.MAX_PUSH_SLOTS
+PUSH_SLOTS_ANY_SIZE = 8     # ps.rma_windows.PUSH_SLOTS_ANY_SIZE
+PUSH_SLOT_MEMORY = 64 << 20  # ps.rma_windows.PUSH_SLOT_MEMORY
+MAX_PUSH_SLOTS = 64          # ps.rma_windows.MAX_PUSH_SLOTS
 EVAL_BATCH = 1000    # algorithms.common.EVAL_BATCH_SIZE
 STATE_ARRAYS = {"adagrad": 1, "sgd": 0, "momentum": 1, "adam": 2}
 """Optimizer state arrays per parameter, by optimizer.update (others: 1)."""
@@ -83,8 +85,9 @@ def activation_bytes(network: object, batch: int, backward: bool = True) -> int:
     return BYTES * batch * (inputs + outputs * (2 if backward else 1) + saved)
 
 
-def push_slots(clients: int) -> int:
-    return max(1, min(2 * clients, MAX_PUSH_SLOTS))
+def push_slots(clients: int, slot_bytes: int) -> int:
+    fit = PUSH_SLOT_MEMORY // slot_bytes if slot_bytes > 0 else MAX_PUSH_SLOTS
+    return max(1, min(2 * clients, MAX_PUSH_SLOTS, max(PUSH_SLOTS_ANY_SIZE, fit)))
 
 
 def shard_memory(num_params: int, shards: int, clients: int, work: Workload) -> RoleMemory:
@@ -93,7 +96,7 @@ def shard_memory(num_params: int, shards: int, clients: int, work: Workload) -> 
     parts = {"parameters": BYTES * n, "optimizer state": BYTES * n * work.state_arrays}
     if work.transport == "rma":
         parts["publish buffers"] = BYTES * n * PUBLISH_BUFFERS
-        parts["push slots"] = push_slots(clients) * n * work.push_bytes
+        parts["push slots"] = push_slots(clients, n * work.push_bytes) * n * work.push_bytes
     if work.checkpoint_copy:
         parts["checkpoint copy"] = BYTES * n * (1 + work.state_arrays)
     parts["process"] = BASE_BYTES

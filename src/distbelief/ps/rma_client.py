@@ -234,8 +234,8 @@ class ParameterClient(_Endpoint):
         """Give back the slots this push holds on shards above `lowest`, the lowest shard
         it still waits for, and wait for them again. A push waiting for a shard then holds
         slots of lower shards only, so no two pushes can each hold a slot the other waits
-        for: with more clients than slots (MAX_PUSH_SLOTS), 24 replicas on 8 shards
-        deadlocked without it (docs/rma-protocol.md, "Claims"). The release is the claim
+        for: with more clients than slots (rma_windows.push_slots), 24 replicas on 8
+        shards of 8 slots deadlocked without it (docs/rma-protocol.md, "Claims"). The release is the claim
         undone (Compare_and_swap id -> 0: nothing was Put or marked), completed with the
         next round, which includes its shard."""
         for s in sorted(held):

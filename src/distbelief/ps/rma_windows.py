@@ -65,8 +65,13 @@ NEWEST, PULLS = 0, 1
 BUFFERS = 4
 """Published buffers per shard: the newest, and three the shard may write while readers
 still read older ones (an overlapped pull keeps its buffer registered for a step)."""
-MAX_PUSH_SLOTS = 8
-"""Push slots per shard at most, whatever the replica count (two per client below)."""
+PUSH_SLOTS_ANY_SIZE = 8
+"""Push slots a shard may have however large its slice (two per client up to this)."""
+PUSH_SLOT_MEMORY = 64 << 20
+"""More slots while they fit in this many bytes: replicas that outnumber the slots wait
+for one at every push (claim retries; docs/performance.md, the control plane)."""
+MAX_PUSH_SLOTS = 64
+"""Never more: a shard reads every slot's state at each poll."""
 CLIENT_BITS = 20
 CLIENT_MASK = (1 << CLIENT_BITS) - 1
 QUARANTINED = -1
@@ -75,10 +80,13 @@ after QUARANTINE_S (rma_shard)."""
 BUFFER_BITS = 8
 
 
-def push_slots(clients: int) -> int:
+def push_slots(clients: int, slot_bytes: int) -> int:
     """K: two per client (an overlapped push is in flight while the next one claims), at
-    most MAX_PUSH_SLOTS; clients beyond that share them (a claim retries)."""
-    return max(1, min(2 * clients, MAX_PUSH_SLOTS))
+    most PUSH_SLOTS_ANY_SIZE or as many slots of `slot_bytes` (a shard's slice as pushed)
+    as PUSH_SLOT_MEMORY holds, and never more than MAX_PUSH_SLOTS; clients beyond that
+    share them (a claim retries)."""
+    fit = PUSH_SLOT_MEMORY // slot_bytes if slot_bytes > 0 else MAX_PUSH_SLOTS
+    return max(1, min(2 * clients, MAX_PUSH_SLOTS, max(PUSH_SLOTS_ANY_SIZE, fit)))
 
 
 def full_state(client: int, fetched: int) -> int:
@@ -202,13 +210,16 @@ class _ShardWindows:
     """The two windows of every shard, allocated and freed collectively in one order."""
 
     def __init__(self, comm: MPI.Comm, local_count: int, control_bytes: int = 0,
-                 clients: int = 0, push_dtype: str = "float32"):
+                 clients: int = 0, push_dtype: str = "float32", largest_count: int = 0):
+        """`largest_count`: the largest shard's slice, which sets every shard's slot count
+        (all ranks must agree on it)."""
         self.control_bytes = control_bytes
         self.push_dtype = push_dtype
         self.push_bytes = PUSH_BYTES[push_dtype]
         self.clients = clients
         self.readers = comm.Get_size()
-        self.slots = faults.push_slots() or push_slots(clients)
+        self.slots = faults.push_slots() or push_slots(clients,
+                                                       largest_count * self.push_bytes)
         self.slot_states = HEADER_BYTES + _aligned(control_bytes)
         self.slot_data = self.slot_states + _aligned(self.slots * COUNTER_BYTES)
         self.reading = HEADER_BYTES

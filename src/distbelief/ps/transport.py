@@ -108,7 +108,8 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
     local_count = 0 if index is None else ranges[index][1] - ranges[index][0]
     windows = _ShardWindows(comm, local_count, rc.block_bytes(control_replicas),
                             clients=topology.world_size - topology.ps_shards,
-                            push_dtype=push_dtype)
+                            push_dtype=push_dtype,
+                            largest_count=max(stop - start for start, stop in ranges))
     # Local set-up: a shard publishes its initial parameters under its own lock.
     if topology.is_shard:
         endpoint = ParameterServerShard(comm, windows, topology, size,
