@@ -6,6 +6,7 @@ nodes' ranks by heartbeat files, as on a cluster), one shard per node.
 
     python benchmarks/bench_control_plane.py                      # 4, 8 and 16 ranks
     python benchmarks/bench_control_plane.py --ranks 16,32,64,128 # 16 cores or more
+    python benchmarks/bench_control_plane.py --one-node           # the same, one node
 
 Past about 8 ranks per core the RMA path starves (32 ranks on 2 cores: replicas waited
 over 60 s for a free push slot and the stall watchdog ended the run); such a run is left
@@ -82,9 +83,9 @@ def train(out: Path, data: Path, ranks: int, args: argparse.Namespace) -> dict |
             f"cluster.ps_shards={nodes}", "run.max_steps=0", f"run.max_seconds={args.seconds}",
             "run.target_accuracy=1.0", f"run.checkpoint_every_seconds={args.checkpoint_every}",
             "run.eval_every_seconds=1000"]
-    cmd = ["mpiexec", "-launcher", "fork", "-hosts", hosts, "-ppn", str(args.per_node),
-           "-n", str(ranks), sys.executable, "-m", "distbelief", "train", str(CONFIG),
-           "--fresh", *(arg for s in sets for arg in ("--set", s))]
+    placement = [] if args.one_node else ["-hosts", hosts, "-ppn", str(args.per_node)]
+    cmd = ["mpiexec", "-launcher", "fork", *placement, "-n", str(ranks), sys.executable,
+           "-m", "distbelief", "train", str(CONFIG), "--fresh", *(arg for s in sets for arg in ("--set", s))]
     # RMA on one node too, so that every rank count runs the transport clusters use.
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
            "DISTBELIEF_PS_TRANSPORT": "rma"}
@@ -172,6 +173,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="4,8,16",
                         help="rank counts, multiples of --per-node (default 4,8,16)")
     parser.add_argument("--per-node", type=int, default=4, help="ranks per simulated node")
+    parser.add_argument("--one-node", action="store_true",
+                        help="the same shards and replicas, all on one node (MPI's shared "
+                             "memory, no heartbeats): what the simulated nodes add")
     parser.add_argument("--seconds", type=float, default=15.0, help="training per run")
     parser.add_argument("--checkpoint-every", type=float, default=4.0,
                         help="seconds between checkpoints")
@@ -184,7 +188,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-control-", dir="/var/tmp") as tmp:
         data = args.data.resolve() if args.data else make_data(Path(tmp))
         print(f"Downpour on RMA, {CONFIG.name}, {args.seconds:g} s per run, simulated "
-              f"nodes of {args.per_node} ranks, a shard per node; {os.cpu_count()} cores")
+              f"nodes of {args.per_node} ranks, a shard per node"
+              f"{' (all on one node: --one-node)' if args.one_node else ''}; "
+              f"{os.cpu_count()} cores")
         summaries = {n: train(Path(tmp) / f"r{n}", data, n, args) for n in ranks}
     runs = {n: figures(summary, args.per_node) for n, summary in summaries.items() if summary}
     ranks = sorted(runs)
