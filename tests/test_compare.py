@@ -345,6 +345,33 @@ def test_a_hung_run_is_ended_and_the_comparison_goes_on(config: Path, tmp_path: 
         assert [row["state"] for row in csv.DictReader(f)] == ["timed out", "timed out"]
 
 
+def test_a_launcher_stuck_after_its_ranks_ended_is_ended_before_the_run_timeout(
+        config: Path, tmp_path: Path) -> None:
+    # A stand-in prterun that starts a rank which ends at once, never collects it, and
+    # hangs (distbelief.runtime.stuck_launcher): ended after the stuck-launcher grace (2 s
+    # here), not the run's 300 s timeout.
+    launcher = tmp_path / "stuck-mpiexec"
+    launcher.write_text(f"#!{sys.executable}\n"
+                        "import subprocess, sys, time\n"
+                        "rank = subprocess.Popen([sys.executable, '-c', 'pass'])\n"
+                        "print('started, rank ended', flush=True)\n"
+                        "time.sleep(600)\n")
+    launcher.chmod(0o755)
+    out = tmp_path / "cmp"
+    started = time.monotonic()
+    result = run_cli(["compare", config, "--algorithm", "downpour", "--replicas", "1",
+                      "--launcher", f"{launcher} {{n}}", "--run-timeout", "300", "--out", out],
+                     timeout=120, env={**_env(), "DISTBELIEF_STUCK_LAUNCHER_SECONDS": "2"})
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started < 60, result.stdout
+    log = (out / "logs" / "downpour-r1-seed0.log").read_text()
+    assert "started, rank ended" in log
+    assert "has not collected its ranks for 2 s after they all ended" in log, log
+    assert "has not collected its ranks" in result.stdout
+    state = json.loads((out / running.STATE_FILE).read_text())
+    assert [r["exit_status"] for r in state["runs"]] == [-9], state
+
+
 def test_each_run_may_take_its_budget_and_a_grace(config: Path) -> None:
     [run] = plan.plan_runs(config, plan.Grid(specs("sgd"), max_seconds=100), check=False)
     assert running.run_time_limit(config, run) == 100 + running.GRACE_S

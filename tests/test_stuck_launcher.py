@@ -106,3 +106,17 @@ def test_run_mpis_wait_ends_a_stuck_launcher_with_a_warning() -> None:
         assert time.monotonic() - t0 < 30
     finally:
         _end(stuck)
+
+
+def test_the_grace_comes_from_the_environment_and_a_bad_value_is_said(monkeypatch,
+                                                                      capsys) -> None:
+    monkeypatch.delenv(stuck_launcher.GRACE_ENV, raising=False)
+    assert stuck_launcher.grace_s() == stuck_launcher.GRACE_S
+    monkeypatch.setenv(stuck_launcher.GRACE_ENV, "2.5")
+    assert stuck_launcher.grace_s() == 2.5
+    assert capsys.readouterr().err == ""
+    for bad in ("soon", "0", "-3"):
+        monkeypatch.setenv(stuck_launcher.GRACE_ENV, bad)
+        assert stuck_launcher.grace_s() == stuck_launcher.GRACE_S
+        assert f"{stuck_launcher.GRACE_ENV}={bad!r} is not a positive number" in \
+            capsys.readouterr().err

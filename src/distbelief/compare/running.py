@@ -46,6 +46,7 @@ from distbelief.config import apply_overrides, read_toml
 from distbelief.errors import ConfigError
 from distbelief.records.console import say
 from distbelief.records.metrics import SUMMARY_FILE, write_json_atomic
+from distbelief.runtime import stuck_launcher
 
 STATE_FILE = "compare.json"
 RUNS_DIR = "runs"
@@ -253,6 +254,10 @@ def _launch(argv: list[str], log_path: Path, stream: IO[str] | None, stopper: St
             return 127, False
         stopper.child = child
         timer = _Deadline(child, limit)
+        stuck: list[str] = []  # a launcher stuck after its ranks ended is ended sooner
+        threading.Thread(target=stuck_launcher.watch,
+                         args=(child.pid, stuck_launcher.grace_s(), stuck.append),
+                         daemon=True).start()
         try:
             for line in child.stdout:
                 log.write(line)
@@ -262,6 +267,9 @@ def _launch(argv: list[str], log_path: Path, stream: IO[str] | None, stopper: St
         finally:
             timer.cancel()
             stopper.child = None
+        for message in stuck:
+            log.write(message + "\n")
+            say(stream, f"    {message}")
         if timer.fired:
             message = (f"distbelief: compare: the run was still going {limit:g} s after its "
                        f"start (its run.max_seconds and a grace): ended its processes")

@@ -8,13 +8,14 @@ mutex inside an event callback (gdb, 2026-11-28; docs/checkpoints-and-reliabilit
 would have waited out its time limit.
 
 A launcher whose children have all exited but which has collected none of them for
-`grace_s` is in that state: a live launcher collects an exited child at once (SIGCHLD).
-`watch` ends such a launcher with SIGKILL, after one line on stderr. slurm/one_node.sbatch
-runs it beside mpiexec:
+`grace_s` (GRACE_ENV, else 30 s) is in that state: a live launcher collects an exited
+child at once (SIGCHLD). `watch` ends such a launcher with SIGKILL, after one line.
+slurm/one_node.sbatch runs it beside mpiexec:
 
     python3 -m distbelief.runtime.stuck_launcher PID [GRACE_S]
 
-and the tests' run_mpi asks `all_children_exited` between its reads of the job's output.
+`distbelief compare` watches each run's launcher the same way, and the tests' run_mpi asks
+`all_children_exited` between its reads of the job's output.
 """
 
 from __future__ import annotations
@@ -23,10 +24,28 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 GRACE_S = 30.0  # a launcher that collects nothing for this long is stuck
+GRACE_ENV = "DISTBELIEF_STUCK_LAUNCHER_SECONDS"
 POLL_S = 1.0
+
+
+def grace_s() -> float:
+    """The grace: GRACE_ENV if set (a positive number), else GRACE_S."""
+    text = os.environ.get(GRACE_ENV)
+    if text is None:
+        return GRACE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value > 0:
+        return value
+    _to_stderr(f"distbelief: {GRACE_ENV}={text!r} is not a positive number of seconds; "
+               f"using {GRACE_S:g}")
+    return GRACE_S
 
 
 def all_children_exited(pid: int, proc: Path = Path("/proc")) -> bool:
@@ -46,18 +65,23 @@ def all_children_exited(pid: int, proc: Path = Path("/proc")) -> bool:
     return bool(states) and all(state == "Z" for state in states)
 
 
-def watch(pid: int, grace_s: float = GRACE_S) -> bool:
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def watch(pid: int, grace_s: float = GRACE_S,
+          report: Callable[[str], None] = _to_stderr) -> bool:
     """Until process `pid` ends: if all its children have exited and stayed uncollected for
-    `grace_s`, say so and kill it. True if it was killed."""
+    `grace_s`, `report` one line and kill it. True if it was killed."""
     since = None
     while _alive(pid):
         now = time.monotonic()
         if all_children_exited(pid):
             since = now if since is None else since
             if now - since >= grace_s:
-                print(f"distbelief: the launcher (pid {pid}) has not collected its ranks for "
-                      f"{grace_s:g} s after they all ended: it is stuck (seen with Open MPI "
-                      f"5.0.11's prterun); ending it", file=sys.stderr, flush=True)
+                report(f"distbelief: the launcher (pid {pid}) has not collected its ranks for "
+                       f"{grace_s:g} s after they all ended: it is stuck (seen with Open MPI "
+                       f"5.0.11's prterun); ending it")
                 os.kill(pid, signal.SIGKILL)
                 return True
         else:
@@ -80,9 +104,9 @@ def main(argv: list[str]) -> int:
     if len(argv) not in (1, 2) or not argv[0].isdigit():
         print("usage: python3 -m distbelief.runtime.stuck_launcher PID [GRACE_S]\n"
               "Ends process PID (an mpiexec) if it stops collecting its exited children for "
-              f"GRACE_S seconds (default {GRACE_S:g}).", file=sys.stderr)
+              f"GRACE_S seconds (default: {GRACE_ENV}, else {GRACE_S:g}).", file=sys.stderr)
         return 2
-    grace = float(argv[1]) if len(argv) == 2 else GRACE_S
+    grace = float(argv[1]) if len(argv) == 2 else grace_s()
     watch(int(argv[0]), grace)
     return 0
 
