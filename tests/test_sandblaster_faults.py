@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import _env, mpi_under_test, mpiexec, run_mpi, survive_a_death
+from conftest import _env, mpi_under_test, mpiexec, run_mpi, simulated_test_nodes, survive_a_death
 from helpers import exit_statuses
 
 from distbelief.algorithms.sandblaster.coordinator import NOTICE_SLACK_S
@@ -101,7 +101,9 @@ CASES = [
     # replica's surviving partition has ended; both fall back to the shards.
     ("partition-relay-parent", 8, ("cluster.partitions=2",), "kill:3:40", [2, 3]),
 ]
-NODES_CASES = {"batch-1-shard", "partition-1", "partition-relay-parent"}
+# "late": rank 2 (replica 0) is on the other simulated node from the coordinator, found by
+# heartbeat only; it dies near the end, and nobody is told how to end before it is found.
+NODES_CASES = {"batch-1-shard", "late", "partition-1", "partition-relay-parent"}
 
 
 @pytest.mark.parametrize(
@@ -136,7 +138,11 @@ def test_a_killed_sandblaster_replica_leaves_the_others_to_finish(
         # Its push reached shard 0 and not shard 1: that evaluation was run again.
         assert summary["restarted_evaluations"] >= 1, summary
     final = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
-    assert final.step == ITERATIONS and final.manifest["lost_replicas"] == [replica]
+    assert final.step == ITERATIONS
+    # A death near the end, on another node, is found by heartbeat after the last
+    # iteration's checkpoint, which then holds every unit it committed: no loss by then.
+    lost_by_then = [[replica]] + ([[]] if name == "late" and simulated_test_nodes() else [])
+    assert final.manifest["lost_replicas"] in lost_by_then, final.manifest["lost_replicas"]
     clean = baseline_loss(n, data_dir, tmp_path, overrides)
     assert abs(summary["final_loss"] - clean) <= 0.05 * clean, (summary["final_loss"], clean)
 
@@ -161,9 +167,8 @@ def test_a_killed_relay_parent_leaves_its_children_to_fetch_from_the_shards(
     """Six replicas: replica 1 (rank 3) relays trial points to replicas 4 and 5
     (plan.relay_parent). Killed in the middle of the run, its children find it gone in
     their next fetch and take the trial point from the shards; nothing waits for it.
-    (Rank 3 shares the coordinator's simulated node: a replica lost on another node is
-    found by heartbeat, and if the run ends before that the others' final barrier finds
-    it first and aborts, with or without the tree.)"""
+    (Rank 3 shares the coordinator's simulated node; a replica lost on another node near
+    the end is the "late" case of the test above.)"""
     out = tmp_path / "out"
     proc = job(8, data_dir, out, faults="kill:3:60")
     output = proc.stdout + proc.stderr[-3000:]

@@ -120,6 +120,11 @@ class Coordinator:
         self.stopped: set[int] = set()
         self.ended: set[int] = set()  # replicas stopped or lost
         self.stop_waiting: set[int] = set()  # replicas whose stop waits for their children
+        # Replicas that asked for their stop before every other had asked or was lost: a
+        # replica that died near the end (on another node: found only by heartbeat) must be
+        # known before anyone is told how to end (a collective end would wait for it).
+        self.stop_gate: set[int] = set()
+        self.gate_open = False  # every replica has asked or ended: stops are given
         self.reason: str | None = None
         self.samples = 0
         self.evaluations: list[EvaluationRecord] = []
@@ -419,7 +424,7 @@ class Coordinator:
             while not done():
                 if not stopping and len(self.lost) == len(self.replicas):
                     raise AllReplicasLost
-                if self._serve_one() or self._wake_parked():
+                if self._serve_one() or self._wake_parked() or self._open_stop_gate():
                     backoff.reset()
                 else:
                     self._sweep()
@@ -472,9 +477,10 @@ class Coordinator:
         if self.eval_holder == replica:  # its evaluation goes to another replica
             self.eval_holder = None
             self.eval_task = max(self.snapshot_at)
-        if lead in self.parked or replica in self.stop_waiting:
+        if lead in self.parked or replica in self.stop_waiting or replica in self.stop_gate:
             self.parked.pop(lead, None)
             self.stop_waiting.discard(replica)
+            self.stop_gate.discard(replica)
             if not self.peers.gone(lead):  # a partition is gone, not the lead: stop it
                 self._reply(lead, (DROP, self._stop_task(lost=True)))
         self._end(replica)
@@ -583,6 +589,12 @@ class Coordinator:
         replica = self.replica_of[rank]
         task: tuple | None = None
         if self.stopping:
+            if not self.gate_open:
+                self.stop_gate.add(replica)
+                if decision != HOLD:
+                    self._reply(rank, (decision, None))  # it waits for its stop, unasked
+                self._open_stop_gate()
+                return
             if any(child not in self.ended for child in relay_children(replica,
                                                                        len(self.replicas))):
                 # Its children may still fetch the trial point from it (relay): it stops
@@ -615,6 +627,19 @@ class Coordinator:
             # Told to commit or drop with nothing to do next: it waits for its next answer
             # without asking again (one message less per replica and evaluation).
             self.parked[rank] = None
+
+    def _open_stop_gate(self) -> bool:
+        """Once every replica has asked for its stop or ended (lost included), answer the
+        ones that asked, all with the same ending. Returns whether it did."""
+        if self.gate_open or not self.stop_gate or not all(
+                r in self.ended or r in self.stop_gate for r in range(len(self.replicas))):
+            return False
+        self.gate_open = True
+        gate, self.stop_gate = sorted(self.stop_gate), set()
+        for replica in gate:  # relay parents first: they wait for their children
+            if replica not in self.ended:
+                self._give_task(self.replicas[replica], HOLD)
+        return True
 
     def _end(self, replica: int) -> None:
         """`replica` is stopped or lost: its parent in the relay tree, if it waits to stop
