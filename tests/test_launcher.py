@@ -9,10 +9,20 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, mpiexec, run_mpi, small_config_text, survive_a_death
+from conftest import (
+    PMIX_LISTENER_FAILED,
+    REPO,
+    _env,
+    launcher_failed_to_start,
+    mpiexec,
+    run_mpi,
+    small_config_text,
+    survive_a_death,
+)
 from helpers import exit_statuses
 
 from distbelief.data.converters import make_synthetic
@@ -145,6 +155,27 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _start_training(cmd: list[str], env: dict[str, str], out: Path) -> subprocess.Popen:
+    """The job, once it has written metrics.jsonl (or ended, or 90 s passed); launched
+    again once if the launcher failed to start (conftest.PMIX_LISTENER_FAILED)."""
+    for attempt in (1, 2):
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        deadline = time.monotonic() + 90
+        while (time.monotonic() < deadline and proc.poll() is None
+               and not (out / "metrics.jsonl").is_file()):
+            time.sleep(0.1)
+        if attempt == 1 and proc.poll() is not None:
+            stdout, stderr = proc.communicate()
+            if launcher_failed_to_start(proc.returncode, stderr):
+                warnings.warn(f"the launcher failed to start ({PMIX_LISTENER_FAILED}); "
+                              "launched again")
+                continue
+            proc.stdout_text, proc.stderr_text = stdout, stderr
+        return proc
+    return proc
+
+
 @pytest.mark.both_mpis
 def test_the_ranks_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
     # mpiexec and its helpers (hydra's proxy; under Open MPI, prterun is both) die of
@@ -159,17 +190,14 @@ def test_the_ranks_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
            str(tmp_path / "run.toml"), "--set", f'run.out_dir="{out}"', "--set",
            "run.max_steps=0", "--set", "run.max_seconds=120"]
     env = {**_env(), FAULTS: "delay:*:0:0.002s"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = _start_training(cmd, env, out)
     try:
-        deadline = time.monotonic() + 90
-        while (time.monotonic() < deadline and proc.poll() is None
-               and not (out / "metrics.jsonl").is_file()):
-            time.sleep(0.1)
         if not (out / "metrics.jsonl").is_file():
             state = "ended" if proc.poll() is not None else "still ran"
             os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
             stdout, stderr = proc.communicate()
+            stdout = getattr(proc, "stdout_text", stdout)
+            stderr = getattr(proc, "stderr_text", stderr)
             pytest.fail(f"the run never wrote its metrics (the job {state}, exit "
                         f"{proc.returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}")
         ranks = _processes_naming(str(out))

@@ -120,3 +120,12 @@ def test_the_grace_comes_from_the_environment_and_a_bad_value_is_said(monkeypatc
         assert stuck_launcher.grace_s() == stuck_launcher.GRACE_S
         assert f"{stuck_launcher.GRACE_ENV}={bad!r} is not a positive number" in \
             capsys.readouterr().err
+
+
+def test_only_a_launcher_that_failed_with_pmix_listener_error_is_launched_again() -> None:
+    from conftest import PMIX_LISTENER_FAILED, launcher_failed_to_start
+
+    text = f"----\n{PMIX_LISTENER_FAILED}. We cannot\ncontinue.\n----\n"
+    assert launcher_failed_to_start(213, text)
+    assert not launcher_failed_to_start(0, text)  # it ran after all
+    assert not launcher_failed_to_start(1, "distbelief: error: bad config\n")
