@@ -8,7 +8,9 @@ jobs under timeouts, checked against a numpy reference; plus the pure pieces in-
   averaged delta); an exact resume; bytes on the wire in summary.json; a lost replica ends
   the run with one line;
 - asynchronous (shards + replicas): one replica is the synchronous reference at R = 1 on
-  both transports; 2 shards + 3 replicas train, and a killed replica does not stop them.
+  both transports; 2 shards + 3 replicas train, and a killed replica does not stop them;
+- delayed Nesterov (Async Local-SGD's outer rule): every R deltas make one Nesterov step on
+  their mean, however they are folded and across a resume; at R = 1 it is Nesterov.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from distbelief.config import (
 from distbelief.data.hdf5 import TrainShard, open_dataset
 from distbelief.errors import ConfigError
 from distbelief.model import kernels
-from distbelief.model.optimizers import Momentum, make_optimizer
+from distbelief.model.optimizers import DelayedNesterov, Momentum, make_optimizer
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.report import THROUGHPUT_FIGURE, load_run, plot_runs
 from distbelief.runtime.faults import ENV as FAULTS
@@ -137,8 +139,73 @@ def test_the_outer_step_is_nesterov_on_the_delta_and_sgd_at_rate_1_averages() ->
     plain.apply(average)
     np.testing.assert_allclose(average, expected, rtol=1e-6)  # parameter averaging
     # The asynchronous form's rule weighs a delta 1/R.
-    half = build_outer_optimizer(config_from_dict(raw_config(outer_update="sgd")), 40, 0.5)
+    half = build_outer_optimizer(config_from_dict(raw_config(outer_update="sgd")), 40, 2)
     assert half.rate(0) == pytest.approx(0.35)
+
+
+def test_delayed_nesterov_makes_one_nesterov_step_per_period_on_the_mean() -> None:
+    rng = np.random.default_rng(3)
+    size, period, lr, momentum = 50, 3, 0.7, 0.9
+    deltas = rng.standard_normal((2 * period, size)).astype(np.float32)
+    theta = rng.standard_normal(size).astype(np.float32)
+    delayed, nesterov = DelayedNesterov(size, lr, momentum, period), \
+        Momentum(size, lr, momentum, nesterov=True)
+    mine, want = theta.copy(), theta.copy()
+    for block in range(2):
+        for k in range(period):
+            before = mine.copy()
+            delayed.step(mine, deltas[block * period + k], update=block * period + k)
+            if k < period - 1:  # between milestones: the delta alone, at lr / period
+                np.testing.assert_allclose(
+                    mine, before - lr / period * deltas[block * period + k], rtol=1e-6)
+        nesterov.step(want, deltas[block * period:(block + 1) * period].mean(axis=0))
+        np.testing.assert_allclose(mine, want, rtol=1e-5, atol=1e-6)
+    assert not np.any(delayed.pending)
+    # Period 1 is Nesterov itself.
+    one, plain = DelayedNesterov(size, lr, momentum, 1), Momentum(size, lr, momentum,
+                                                                  nesterov=True)
+    a, b = theta.copy(), theta.copy()
+    for k, delta in enumerate(deltas):
+        one.step(a, delta, update=k)
+        plain.step(b, delta)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_nesterov_counts_folded_deltas_and_resumes_at_its_place() -> None:
+    """An RMA shard may sum several deltas into one step (pushes=k), and a resumed shard
+    knows only its count of deltas applied and the saved state: the milestones stay put
+    (a fold that ends on one is exact)."""
+    rng = np.random.default_rng(4)
+    size, period = 20, 4
+    deltas = rng.standard_normal((8, size)).astype(np.float32)
+    theta = rng.standard_normal(size).astype(np.float32)
+    one_by_one, folded = DelayedNesterov(size, 0.7, 0.9, period), \
+        DelayedNesterov(size, 0.7, 0.9, period)
+    a, b = theta.copy(), theta.copy()
+    for k, delta in enumerate(deltas):
+        one_by_one.step(a, delta, update=k)
+    folded.step(b, deltas[0] + deltas[1], update=0, pushes=2)
+    folded.step(b, deltas[2], update=2)
+    state = {key: value.copy() for key, value in folded.state().items()}
+    resumed = DelayedNesterov(size, 0.7, 0.9, period)
+    resumed.load_state(state)
+    copy = np.zeros_like(b)
+    resumed.step(b, deltas[3], update=3, copy=copy)  # the milestone: a block of 4 ends
+    np.testing.assert_array_equal(copy, b)
+    resumed.step(b, deltas[4], update=4)
+    resumed.step(b, deltas[5] + deltas[6] + deltas[7], update=5, pushes=3)  # ends at 8
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    # A fold that runs past a milestone puts all its deltas in the block that ends there.
+    past = DelayedNesterov(size, 0.7, 0.9, period)
+    c = theta.copy()
+    past.step(c, deltas[:3].sum(axis=0), update=0, pushes=3)
+    past.step(c, deltas[3] + deltas[4], update=3, pushes=2)
+    assert not np.any(past.pending)  # deltas[4] went into the first block's mean
+    assert set(state) == {"buf", "pending"} and np.any(state["pending"])
+    with pytest.raises(ValueError, match="needs update="):
+        resumed.step(b, deltas[0])
+    with pytest.raises(ValueError, match="period must be >= 1"):
+        DelayedNesterov(size, 0.7, 0.9, 0)
 
 
 def test_the_configuration_names_its_keys_and_refuses_what_does_not_apply() -> None:
@@ -181,6 +248,17 @@ def test_the_configuration_names_its_keys_and_refuses_what_does_not_apply() -> N
     assert config_hash(config_from_dict(raw_config(asynchronous=True))) != base
     sgd = config_from_dict(raw_config(outer_update="sgd"))
     assert "outer_momentum" not in json.dumps(ckpt_settings(sgd))
+    # Delayed Nesterov: asynchronous only, the full momentum 0.9 by default, hashed.
+    delayed = config_from_dict(raw_config(asynchronous=True, outer_update="delayed_nesterov"))
+    assert delayed.optimizer.outer_momentum == 0.9
+    assert config_hash(delayed) != config_hash(asynchronous)
+    assert ckpt_settings(config_from_dict(raw_config(
+        asynchronous=True, outer_update="delayed_nesterov", outer_momentum=0.8))
+        )["outer_momentum"] == 0.8
+    with pytest.raises(ConfigError, match="needs optimizer.asynchronous = true"):
+        config_from_dict(raw_config(outer_update="delayed_nesterov"))
+    assert isinstance(build_outer_optimizer(delayed, 10, 3), DelayedNesterov)
+    assert build_outer_optimizer(delayed, 10, 3).period == 3
 
 
 def ckpt_settings(config) -> dict:
@@ -311,6 +389,43 @@ def test_narrowed_deltas_put_half_the_bytes_and_fold_in_float32(data_dir: Path,
     summary = json.loads((out / "summary.json").read_text())
     assert summary["push_dtype"] == "bfloat16"
     assert summary["replicas"][0]["bytes_sent"] == rounds * 2 * summary["num_params"]
+
+
+@pytest.mark.parametrize("transport", ["shared", "rma"])
+def test_delayed_nesterov_at_one_replica_is_the_reference(data_dir: Path, tmp_path: Path,
+                                                          transport: str) -> None:
+    """At R = 1 the delayed rule's period is 1: Nesterov at momentum 0.9 on each delta,
+    the synchronous reference, on both transports."""
+    rounds, out = 6, tmp_path / "out"
+    proc = train_job(2, data_dir, out, "optimizer.asynchronous=true",
+                     'optimizer.outer_update="delayed_nesterov"', f"run.max_steps={H * rounds}",
+                     env={"DISTBELIEF_PS_TRANSPORT": transport})
+    assert exit_statuses(proc) == [0, 0], proc.stderr[-3000:]
+    np.testing.assert_allclose(final_params(out), reference_diloco(data_dir, 1, rounds),
+                               rtol=1e-4, atol=1e-5)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["outer_update"], summary["outer_momentum"]) == ("delayed_nesterov", 0.9)
+    assert "outer delayed_nesterov lr 0.7 momentum 0.9" in proc.stdout
+
+
+@pytest.mark.nodes
+def test_delayed_nesterov_trains_three_replicas_and_resumes(data_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """2 shards + 3 replicas on RMA: the shards step the delayed rule (period 3), checkpoint
+    both of its arrays, and a resume goes on from them."""
+    out, steps = tmp_path / "out", 1200
+    sets = ("optimizer.asynchronous=true", "cluster.ps_shards=2",
+            'optimizer.outer_update="delayed_nesterov"')
+    rma = {"DISTBELIEF_PS_TRANSPORT": "rma"}
+    proc = train_job(5, data_dir, out, *sets, f"run.max_steps={steps}", env=rma)
+    assert exit_statuses(proc) == [0] * 5, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_test_accuracy"] > 0.6, summary["final_test_accuracy"]
+    latest = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
+    assert sorted(latest.manifest["optimizer_state"]) == ["buf", "pending"]
+    proc = train_job(5, data_dir, out, *sets, f"run.max_steps={steps + 300}", env=rma)
+    assert exit_statuses(proc) == [0] * 5, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout
 
 
 @pytest.mark.both_mpis

@@ -74,7 +74,8 @@ optimizer.inner_steps local steps, then the replicas' deltas go to an outer opti
 (outer_update "nesterov" or "sgd", outer_learning_rate, outer_momentum). By default every
 rank is a replica and the deltas are averaged each round (an allreduce; a lost replica
 stops it with one line); with optimizer.asynchronous = true the outer optimizer runs on the
-ps_shards shards, each delta applied as it lands, and a lost replica does not stop the run.
+ps_shards shards, each delta applied as it lands, and a lost replica does not stop the run;
+there outer_update = "delayed_nesterov" moves the momentum once every R deltas.
 
 Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
 or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1

@@ -42,9 +42,10 @@ Sections and keys, with their defaults:
                  elastic_alpha (unset; set, it is EASGD's moving rate, on the shards)
                  DiLoCo only (docs/diloco.md): inner_steps = 50 (H: local steps with
                  optimizer.update between two outer steps), outer_update = "nesterov" |
-                 "sgd" (the outer optimizer, applied to the replicas' deltas),
-                 outer_learning_rate = 0.7, outer_momentum (nesterov only; unset: 0.9
-                 synchronous, the paper's, 0.5 asynchronous: OUTER_MOMENTUM below),
+                 "sgd" | "delayed_nesterov" (the outer optimizer, applied to the
+                 replicas' deltas; the last asynchronous only), outer_learning_rate =
+                 0.7, outer_momentum (the Nesterov rules only; unset: 0.9 synchronous,
+                 the paper's, 0.5 asynchronous: OUTER_MOMENTUM below, 0.9 delayed),
                  asynchronous = false (true: each replica's delta is applied on the
                  shards as it lands, ps_shards >= 1; false: the deltas of all replicas
                  are averaged each round by a collective), push_dtype (as Downpour's:
@@ -147,12 +148,17 @@ OUTER_MOMENTUM = {False: 0.9, True: 0.5}
 """optimizer.outer_momentum when unset, by optimizer.asynchronous: the paper's 0.9 for the
 synchronous form; 0.5 for the asynchronous one, where staleness adds momentum of its own
 (Mitliagkas et al. 2016) and 0.9 missed 88% on the reference MLP in 4 runs of 4 (two
-fell to 0.52 and 0.22; docs/performance.md, DiLoCo)."""
-OUTER_UPDATES = ("nesterov", "sgd")
+fell to 0.52 and 0.22; docs/performance.md, DiLoCo). outer_update = "delayed_nesterov"
+keeps 0.9: it is what that rule is for."""
+OUTER_UPDATES = ("nesterov", "sgd", "delayed_nesterov")
 """optimizer.outer_update (DiLoCo): the outer optimizer that applies the replicas' deltas
 (the fetched parameters minus the local ones after inner_steps) to the global parameters:
-"nesterov", SGD with Nesterov momentum outer_momentum (the paper's choice), or plain "sgd"
-(with outer_learning_rate = 1 that is parameter averaging)."""
+"nesterov", SGD with Nesterov momentum outer_momentum (the paper's choice), plain "sgd"
+(with outer_learning_rate = 1 that is parameter averaging), or "delayed_nesterov"
+(asynchronous only: Async Local-SGD's rule, whose momentum moves once every R deltas, on
+their mean; model.optimizers.DelayedNesterov)."""
+MOMENTUM_OUTER_UPDATES = ("nesterov", "delayed_nesterov")
+"""The outer updates that read optimizer.outer_momentum."""
 LINE_SEARCHES = ("wolfe", "armijo")
 SHARD_PLACEMENTS = ("spread", "ranks")
 """cluster.shard_placement: shards dealt round-robin over the nodes, or at world ranks
@@ -625,12 +631,19 @@ def _resolve_update(opt: dict, given: dict, where: str) -> None:
                                  if key in keys)
             raise ConfigError(f"{where}: optimizer.{key} applies only to algorithm = "
                               f"{owners}, not {_show(opt['algorithm'])}")
+    delayed = opt["outer_update"] == "delayed_nesterov"
     if opt["outer_momentum"] is None:
-        opt["outer_momentum"] = OUTER_MOMENTUM[bool(opt["asynchronous"])]
-    if opt["algorithm"] == "diloco" and opt["outer_update"] != "nesterov" \
+        opt["outer_momentum"] = 0.9 if delayed else OUTER_MOMENTUM[bool(opt["asynchronous"])]
+    if opt["algorithm"] == "diloco" and opt["outer_update"] not in MOMENTUM_OUTER_UPDATES \
             and "outer_momentum" in given:
         raise ConfigError(f"{where}: optimizer.outer_momentum applies only to outer_update "
-                          f"= \"nesterov\", not {_show(opt['outer_update'])}")
+                          f"= \"nesterov\" or \"delayed_nesterov\", not "
+                          f"{_show(opt['outer_update'])}")
+    if opt["algorithm"] == "diloco" and delayed and not opt["asynchronous"]:
+        raise ConfigError(f"{where}: optimizer.outer_update = \"delayed_nesterov\" is for "
+                          "deltas that land one at a time: it needs optimizer.asynchronous "
+                          "= true (the synchronous form steps once per round on the mean "
+                          "of all deltas, which is plain \"nesterov\")")
 
 
 def _resolve_schedule(opt: dict, given: dict, where: str) -> None:
@@ -691,20 +704,23 @@ def build_schedule(config: Config) -> Any:
                     opt.min_learning_rate or 0.0)
 
 
-def build_outer_optimizer(config: Config, size: int, weight: float = 1.0) -> Any:
+def build_outer_optimizer(config: Config, size: int, replicas: int = 1) -> Any:
     """DiLoCo's outer optimizer over `size` parameters (a shard's slice, or the whole
-    vector): optimizer.outer_update at optimizer.outer_learning_rate times `weight`, a
-    constant rate (the learning-rate schedule is the inner optimizer's). Its step(params,
-    delta) takes the delta, the parameters a round started from minus the replica's, as
-    its gradient. The asynchronous form weighs each replica's delta 1/R (R replicas), so
-    that R deltas landing move the parameters as one synchronous round's average does."""
-    from distbelief.model.optimizers import SGD, Momentum
+    vector): optimizer.outer_update at optimizer.outer_learning_rate, a constant rate (the
+    learning-rate schedule is the inner optimizer's). Its step(params, delta) takes the
+    delta, the parameters a round started from minus the replica's, as its gradient. The
+    asynchronous form (`replicas` = R) weighs each replica's delta 1/R, so that R deltas
+    landing move the parameters as one synchronous round's average does: "nesterov" and
+    "sgd" at rate / R, "delayed_nesterov" with its momentum moving every R deltas."""
+    from distbelief.model.optimizers import SGD, DelayedNesterov, Momentum
 
     opt = config.optimizer
-    rate = opt.outer_learning_rate * weight
+    rate = opt.outer_learning_rate
+    if opt.outer_update == "delayed_nesterov":
+        return DelayedNesterov(size, rate, opt.outer_momentum, period=replicas)
     if opt.outer_update == "nesterov":
-        return Momentum(size, rate, opt.outer_momentum, nesterov=True)
-    return SGD(rate)
+        return Momentum(size, rate / replicas, opt.outer_momentum, nesterov=True)
+    return SGD(rate / replicas)
 
 
 def build_optimizer(config: Config, size: int) -> Any:
@@ -886,7 +902,7 @@ def hashed_settings(config: Config) -> dict[str, Any]:
         if owner != algorithm:
             dropped.update(keys)
     dropped.difference_update(ALGORITHM_KEYS.get(algorithm, ()))
-    if algorithm == "diloco" and config.optimizer.outer_update != "nesterov":
+    if algorithm == "diloco" and config.optimizer.outer_update not in MOMENTUM_OUTER_UPDATES:
         dropped.add("outer_momentum")  # not read
     if config.optimizer.update in ("adagrad", "sgd"):
         dropped.add("update")  # `adagrad` says it, as it did before `update` existed

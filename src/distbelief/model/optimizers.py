@@ -422,6 +422,65 @@ class Momentum(_Scheduled):
         _load_arrays("Momentum", self, state, {"buf"})
 
 
+class DelayedNesterov:
+    """Delayed Nesterov momentum, the outer optimizer of asynchronous Local-SGD (Liu et al.
+    2024, "Asynchronous Local-SGD Training for Language Modeling", arXiv 2401.09135, its
+    "DN" rule), for deltas that land one at a time on a parameter server.
+
+    Each delta g moves the parameters at once, without momentum: param -= lr * g / period.
+    The momentum moves only every `period` deltas, on their mean:
+
+        pending += g                                 (every delta)
+        at every period-th delta:
+            buf = momentum * buf + pending / period
+            param -= lr * momentum * buf;  pending = 0
+
+    Over `period` deltas the parameters move by lr * (mean + momentum * buf): one Nesterov
+    step (Momentum(nesterov=True)) on their mean, so a stale delta never gets momentum of
+    its own. `update` (deltas applied before) and `pushes` (deltas summed into this grad,
+    on the RMA transport's folds) place the milestones, so a resumed shard keeps them; a
+    fold that runs past a milestone puts all its deltas in the block that ends there.
+    State: buf and pending. The rate is constant (no schedule)."""
+
+    counts_pushes = True
+    """A shard passes step(..., pushes=k) when one grad sums k deltas."""
+
+    def __init__(self, size: int, learning_rate: float, momentum: float,
+                 period: int) -> None:
+        self.size = _check_size(size)
+        self.learning_rate = _check_learning_rate(learning_rate)
+        self.momentum = _check_fraction("momentum", momentum)
+        self.period = _check_count("period", period, 1)
+        self.buf = np.zeros(self.size, np.float32)
+        self.pending = np.zeros(self.size, np.float32)
+
+    def step(self, params: np.ndarray, grad: np.ndarray, copy: np.ndarray | None = None,
+             *, update: int | None = None, pushes: int = 1) -> None:
+        """Apply grad, the sum of `pushes` deltas, after `update` deltas (required)."""
+        if update is None:
+            raise ValueError("DelayedNesterov.step needs update= (the deltas applied "
+                             "before): its momentum moves every period-th delta")
+        pushes = _check_count("pushes", pushes, 1)
+        params -= np.float32(self.learning_rate / self.period) * grad
+        self.pending += grad
+        if (update + pushes) // self.period > update // self.period:
+            self.buf *= np.float32(self.momentum)
+            self.buf += self.pending / np.float32(self.period)
+            params -= np.float32(self.learning_rate * self.momentum) * self.buf
+            self.pending.fill(0)
+        if copy is not None:
+            np.copyto(copy, params)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The live state arrays (not copies): the momentum buf, and pending, the sum of
+        the deltas since the momentum last moved."""
+        return {"buf": self.buf, "pending": self.pending}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore state saved by state(); checks shapes and values, copies."""
+        _load_arrays("DelayedNesterov", self, state, {"buf", "pending"})
+
+
 class Adam(_Scheduled):
     """Adam (Kingma and Ba 2015), as torch.optim.Adam with no weight decay or amsgrad:
     m and v are the moving averages of g and g**2, bias-corrected by the update's number.

@@ -348,6 +348,9 @@ class ParameterServerShard(_Endpoint):
             self._optimizer.step(self._master, grad, version=self._taken - 1,
                                  fetched=min(self._taken - 1, round(fetched / len(full))),
                                  update=update)
+        elif getattr(self._optimizer, "counts_pushes", False):
+            # DiLoCo's delayed Nesterov: its momentum moves every R deltas, counted here.
+            self._optimizer.step(self._master, grad, update=update, pushes=len(full))
         else:
             self._optimizer.step(self._master, grad, update=update)
         if not self._narrowed and len(full) > 1:

@@ -12,16 +12,13 @@ Replica i, every block of H = inner_steps local steps:
 and each shard applies what lands on its slice with the outer optimizer
 (config.build_outer_optimizer: Nesterov momentum or SGD at outer_learning_rate / R, R
 replicas: R deltas landing move the parameters as much as one synchronous round, whose
-outer step takes their average; unweighted, Nesterov at 0.7 diverged with 2 replicas), as
+outer step takes their average; unweighted, Nesterov at 0.7 diverged with 2 replicas; or
+Async Local-SGD's delayed Nesterov, whose momentum moves once every R deltas), as
 Downpour's shards apply a gradient: the outer step IS the shard's update rule, so neither
 transport changes. Deltas of two replicas that land between two folds of a shard are
 summed into one outer step (Downpour's accumulate), and the shards' version counters
 measure each delta's staleness (outer steps applied between its pull and its
 application), reported in summary.json as Downpour's is.
-
-Async Local-SGD's delayed Nesterov (momentum applied only every N deltas) is not
-implemented: the outer rule is the synchronous form's, applied per delta (docs/diloco.md
-says what that costs and where its defaults came from).
 
 Everything else is Downpour's (n_fetch = n_push = H, which config.json records): shards
 and their checkpoints (the outer optimizer's state included), shard 0's supervisor, run
@@ -102,9 +99,9 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                           "supported")
     config = downpour_settings(config)
     # Each delta weighs 1/R: R of them make one synchronous round's step (module docstring).
-    weight = 1.0 / max(comm.Get_size() - config.cluster.ps_shards, 1)
+    replicas = max(comm.Get_size() - config.cluster.ps_shards, 1)
     return downpour.train(config, comm, stream, resume=resume,
                           replica_role=lambda run, network, fetch: DilocoReplica(
                               run, network, fetch, config),
                           shard_update=lambda size: build_outer_optimizer(config, size,
-                                                                          weight))
+                                                                          replicas))

@@ -644,7 +644,7 @@ def _diloco_settings(config: Config) -> dict[str, Any]:
         return {}
     return {"asynchronous": True, "inner_steps": opt.inner_steps,
             "outer_update": opt.outer_update, "outer_learning_rate": opt.outer_learning_rate,
-            "outer_momentum": opt.outer_momentum if opt.outer_update == "nesterov" else None}
+            "outer_momentum": None if opt.outer_update == "sgd" else opt.outer_momentum}
 
 
 def _combined_staleness(replicas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -667,8 +667,9 @@ def _header(config: Config, plan: DownpourPlan, network: Any, info: Any,
     name = "downpour" if opt.elastic_alpha is None else \
         f"averaging (EASGD, elastic_alpha {opt.elastic_alpha:g}, every {opt.average_every} steps)"
     if opt.algorithm == "diloco":
+        momentum = "" if opt.outer_update == "sgd" else f" momentum {opt.outer_momentum:g}"
         name = (f"diloco (asynchronous, outer {opt.outer_update} lr "
-                f"{opt.outer_learning_rate:g}, inner steps {opt.inner_steps})")
+                f"{opt.outer_learning_rate:g}{momentum}, inner steps {opt.inner_steps})")
     return (f"distbelief: {name}, {network.layout.size:,d} parameters; "
             f"{plan.topology.describe()}; n_fetch {opt.n_fetch}, n_push {opt.n_push}, "
             f"warm start {opt.warm_start_steps} steps, "
