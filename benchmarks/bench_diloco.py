@@ -19,6 +19,8 @@ Kinds (R replicas):
   diloco_async         1 shard + R replicas, asynchronous DiLoCo (outer Nesterov 0.7 / R per
                        delta, momentum 0.5: the asynchronous form's default)
   diloco_async_m09     the same with outer_momentum = 0.9, the synchronous form's
+  diloco_async_dn      the same with outer_update = "delayed_nesterov" (Async Local-SGD's
+                       rule: momentum 0.9, moved once every R deltas on their mean)
   diloco_async_rma     diloco_async over the RMA transport (the multi-node one)
   diloco_async_bf16    the same with push_dtype = "bfloat16": deltas narrowed on the wire
 --steps N trains every run exactly N steps (all replicas together) with no target, so the
@@ -52,7 +54,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "fashion_mnist_mlp.toml"
 KINDS = ("downpour", "sync", "diloco", "diloco_bf16", "diloco_async", "diloco_async_m09",
-         "diloco_async_rma", "diloco_async_bf16")
+         "diloco_async_dn", "diloco_async_rma", "diloco_async_bf16")
 
 
 def command(kind: str, replicas: int, args: argparse.Namespace, out: Path,
@@ -82,6 +84,8 @@ def command(kind: str, replicas: int, args: argparse.Namespace, out: Path,
             ranks += 1
         if kind == "diloco_async_m09":
             sets += ["optimizer.outer_momentum=0.9"]
+        if kind == "diloco_async_dn":
+            sets += ['optimizer.outer_update="delayed_nesterov"']
         if kind in ("diloco_async_rma", "diloco_async_bf16"):
             env["DISTBELIEF_PS_TRANSPORT"] = "rma"
         if kind in ("diloco_bf16", "diloco_async_bf16"):
