@@ -48,6 +48,7 @@ predicted-against-measured table.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -147,11 +148,20 @@ def exchanged_values(layers: list[Layer], splits: list[list[int]], index: int
     return received, sent, peers
 
 
+@functools.lru_cache(maxsize=4096)  # a plan asks for every P up to its rank count
+def _split_geometry(layers: tuple[Layer, ...], partitions: int
+                    ) -> tuple[list[list[int]], list[tuple[list[int], list[int], list[int]]]]:
+    """Each layer's split over `partitions` and its exchanged_values: the same for every
+    machine figure, so a plan that prices a thousand layouts counts them once per P."""
+    splits = [balanced_splits(split_units(layer), partitions) for layer in layers]
+    return splits, [exchanged_values(list(layers), splits, i) for i in range(len(layers))]
+
+
 def step_time(layers: list[Layer], partitions: int, batch: int, flops: float,
               link: Link, half_width: float = 0.0) -> tuple[float, float, float, int, float]:
     """(step, compute, communication seconds, bytes per step, largest partition's flops)
     on the critical path; see the module docstring. `half_width`: block_efficiency's."""
-    splits = [balanced_splits(split_units(layer), partitions) for layer in layers]
+    splits, exchanges = _split_geometry(tuple(layers), partitions)
     compute = comm = 0.0
     moved = 0
     per_partition = [0.0] * partitions
@@ -165,7 +175,7 @@ def step_time(layers: list[Layer], partitions: int, batch: int, flops: float,
             # Narrow blocks run slower: as if they had more work at the full rate.
             slow = block_efficiency(splits[i][p + 1] - splits[i][p], full, half_width)
             work.append((forward / slow, backward / slow) if slow > 0 else (0.0, 0.0))
-        received, sent, peers = exchanged_values(layers, splits, i)
+        received, sent, peers = exchanges[i]
         moved += 2 * sum(received) * batch * BYTES_PER_VALUE
         # Forward and backward each pay the message cost; the work is split between them.
         wires = [link.latency + peers[p] * link.message + batch * BYTES_PER_VALUE
