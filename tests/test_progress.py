@@ -23,7 +23,7 @@ from conftest import (
 from helpers import finished
 
 from distbelief.data.arrays import write_dataset
-from distbelief.records.collapse import AT_CHANCE, CollapseWatch
+from distbelief.records.collapse import AT_CHANCE, EXPLODED, MIN_LINES, CollapseWatch
 from distbelief.records.metrics import (
     RunRecorder,
     budget_fraction,
@@ -105,6 +105,32 @@ def test_a_non_finite_loss_is_a_collapse_at_once_and_recovery_is_noted():
     _feed(watch, [2.4] * 10 + [0.5] * 10)
     summary = watch.summary()
     assert summary["kind"] == "at chance" and summary["recovered_at"] is not None
+
+
+def test_a_finite_explosion_is_reported_at_once_not_after_the_window():
+    """The issue's speech run: 9.06 at the start, then 41-77 (chance 9.01 for 8192 classes),
+    with a 300 s window. Reported on the fifth line, as an explosion."""
+    watch = CollapseWatch(num_classes=8192, window_seconds=300.0)
+    losses = [9.06, 9.09, 54.4, 41.0, 77.0, 60.0, 45.0] + [50.0] * 20
+    found = _feed(watch, losses)
+    assert [c.kind for c in found] == ["exploded"]
+    assert found[0].step == MIN_LINES - 1  # lines 0-4 average 38.1, over 2 x 9.01
+    assert found[0].time < 5.0 and found[0].loss >= EXPLODED * math.log(8192)
+    assert "exploded" in found[0].describe()
+    # It recovers when the recent lines fall below chance again.
+    _feed_more = [watch.add(100.0 + i, 100 + i, 3.0) for i in range(MIN_LINES)]
+    assert not any(_feed_more) and watch.summary()["recovered_at"] is not None
+
+
+def test_a_high_first_loss_that_falls_is_no_explosion():
+    """A badly scaled start (30 against chance 2.3) that learns is not an explosion: the
+    bar is twice the larger of chance and the first loss."""
+    watch = CollapseWatch(num_classes=10, window_seconds=60.0)
+    losses = [30.0, 28.0, 20.0, 12.0, 6.0] + [2.0 * math.exp(-i / 10) + 0.2 for i in range(40)]
+    assert _feed(watch, losses) == []
+    # Twice chance, held, from a start at chance is one.
+    watch = CollapseWatch(num_classes=10, window_seconds=60.0)
+    assert [c.kind for c in _feed(watch, [2.3] + [EXPLODED * 2.31] * MIN_LINES)] == ["exploded"]
 
 
 def _random_labels(folder, n=3000, features=16, classes=4):
