@@ -23,6 +23,9 @@ Kinds (R replicas):
                        rule: momentum 0.9, moved once every R deltas on their mean)
   diloco_async_rma     diloco_async over the RMA transport (the multi-node one)
   diloco_async_bf16    the same with push_dtype = "bfloat16": deltas narrowed on the wire
+  torchft_diloco       the peer: torchft's DiLoCo, the diloco kind's settings
+                       (benchmarks/diloco_torchft_peer.py, run by --torchft-python, a venv
+                       with torch and torchft: that file's docstring says how to make it)
 --steps N trains every run exactly N steps (all replicas together) with no target, so the
 final accuracies compare at equal work: the accuracy cost of bfloat16 deltas, say (the
 synchronous form is deterministic for a seed; samples to a target jump with the 1 s
@@ -33,7 +36,7 @@ RATE, right after each transfer; runtime/faults.py); --figure draws the median t
 the target against the rate, one line per kind (R = the first --replicas).
 
 Prints each run, then per replica count the medians over seeds and, seed by seed, each
-kind's ratio to Downpour's (and to sync's) of the same seed, which ran just before it: bytes
+kind's ratio to Downpour's (and to sync's and torchft's, when they ran) of the same seed: bytes
 sent per sample, samples to the target, time to the target. A run that misses the target
 has no samples or time to it (shown as -). `distbelief prepare fashion-mnist --out FILE`
 writes the data file.
@@ -54,12 +57,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "fashion_mnist_mlp.toml"
 KINDS = ("downpour", "sync", "diloco", "diloco_bf16", "diloco_async", "diloco_async_m09",
-         "diloco_async_dn", "diloco_async_rma", "diloco_async_bf16")
+         "diloco_async_dn", "diloco_async_rma", "diloco_async_bf16", "torchft_diloco")
+PEER = REPO / "benchmarks" / "diloco_torchft_peer.py"
 
 
 def command(kind: str, replicas: int, args: argparse.Namespace, out: Path,
             seed: int, link: float) -> tuple[list[str], dict[str, str]]:
     """The command line of one run and its extra environment."""
+    if kind == "torchft_diloco":
+        if not args.torchft_python.exists():
+            sys.exit(f"bench_diloco: {args.torchft_python} does not exist: make the venv "
+                     f"{PEER.name}'s docstring describes, or give --torchft-python")
+        return [str(args.torchft_python), str(PEER), "--data", str(args.data.resolve()),
+                "--replicas", str(replicas), "--seed", str(seed),
+                "--inner-steps", str(args.inner_steps), "--target", str(args.target),
+                "--eval-every", str(args.eval_every),
+                "--max-seconds", str(args.max_seconds)], {}
     # --steps: a target no run reaches (the configuration file's would stop it early).
     stop = [f"run.max_steps={args.steps}", "run.target_accuracy=1.0"] if args.steps else \
         [f"run.target_accuracy={args.target}"]
@@ -110,16 +123,10 @@ def run_one(kind: str, replicas: int, args: argparse.Namespace, seed: int,
         if proc.returncode != 0:
             sys.exit(f"{kind} R={replicas} seed {seed} failed ({proc.returncode}):\n"
                      f"{proc.stderr[-2000:]}")
-        summary = json.loads((out / "summary.json").read_text())
-        evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    hit = next((e for e in evals if e.get("kind") == "eval"
-                and e.get("test_accuracy", 0) >= args.target), None)
-    result = {"seconds": summary["time_to_target"],
-              "samples": hit["samples"] if hit is not None else None,
-              "sent": summary.get("bytes_sent_per_sample"),
-              "received": summary.get("bytes_received_per_sample"),
-              "final": summary["final_test_accuracy"],
-              "staleness": (summary.get("staleness") or {}).get("mean")}
+        if kind == "torchft_diloco":
+            result = peer_result(proc.stdout)
+        else:
+            result = run_result(out, args.target)
     load = os.getloadavg()[0]
     shown = "-" if result["seconds"] is None else f"{result['seconds']:.1f}s"
     samples = "-" if result["samples"] is None else f"{result['samples']:,d}"
@@ -130,6 +137,29 @@ def run_one(kind: str, replicas: int, args: argparse.Namespace, seed: int,
           f"received per sample; final {result['final']:.4f}{stale}; load {load:.1f}",
           flush=True)
     return result
+
+
+def run_result(out: Path, target: float) -> dict:
+    """A distbelief run's figures, from its summary.json and metrics.jsonl."""
+    summary = json.loads((out / "summary.json").read_text())
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    hit = next((e for e in evals if e.get("kind") == "eval"
+                and e.get("test_accuracy", 0) >= target), None)
+    return {"seconds": summary["time_to_target"],
+            "samples": hit["samples"] if hit is not None else None,
+            "sent": summary.get("bytes_sent_per_sample"),
+            "received": summary.get("bytes_received_per_sample"),
+            "final": summary["final_test_accuracy"],
+            "staleness": (summary.get("staleness") or {}).get("mean")}
+
+
+def peer_result(stdout: str) -> dict:
+    """The torchft peer's figures, from the JSON line it prints last (an all-reduce
+    receives what it sends)."""
+    peer = json.loads(stdout.strip().splitlines()[-1])
+    return {"seconds": peer["time_to_target"], "samples": peer["samples_to_target"],
+            "sent": peer["bytes_sent_per_sample"], "received": peer["bytes_sent_per_sample"],
+            "final": peer["final_test_accuracy"], "staleness": None}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -162,6 +192,10 @@ def main() -> None:
     parser.add_argument("--from-log", type=Path, default=None,
                         help="no runs: read an earlier run's printed lines (its other "
                              "options given again) and report and draw them")
+    parser.add_argument("--torchft-python", type=Path,
+                        default=REPO / ".venv-torchft" / "bin" / "python",
+                        help="the Python of a venv with torch and torchft, for the "
+                             "torchft_diloco kind")
     parser.add_argument("--steps", type=int, default=0,
                         help="train exactly this many steps (all replicas) and compare the "
                              "final accuracy, instead of stopping at --target")
@@ -209,20 +243,18 @@ def report(args: argparse.Namespace, results: dict[tuple[str, int, int], dict],
     where = f", simulated link {link:g} B/s" if link else ""
     for replicas in args.replicas:
         print(f"\nR = {replicas}{where}: medians over seeds {args.seeds}")
+        peers = [k for k in ("downpour", "sync", "torchft_diloco") if k in args.kinds]
         print(f"  {'kind':18s} {'time (s)':>10s} {'samples':>14s} {'B sent/sample':>14s} "
-              f"{'final':>7s}   vs downpour: bytes, samples, time   vs sync: bytes, "
-              f"samples, time")
+              f"{'final':>7s}" + "".join(f"   vs {k}: bytes, samples, time" for k in peers))
         for kind in args.kinds:
             rows = [results[kind, replicas, s] for s in args.seeds]
             line = (f"  {kind:18s} {show([r['seconds'] for r in rows], '.1f'):>10s} "
                     f"{show([r['samples'] for r in rows], ',.0f'):>14s} "
                     f"{show([r['sent'] for r in rows], ',.0f'):>14s} "
                     f"{show([r['final'] for r in rows], '.4f'):>7s}")
-            for peer in ("downpour", "sync"):
-                if peer not in args.kinds:
-                    continue
-                peers = [results[peer, replicas, s] for s in args.seeds]
-                parts = [show([ratio(r[k], p[k]) for r, p in zip(rows, peers)], spec)
+            for peer in peers:
+                theirs = [results[peer, replicas, s] for s in args.seeds]
+                parts = [show([ratio(r[k], p[k]) for r, p in zip(rows, theirs)], spec)
                          for k, spec in (("sent", ".4f"), ("samples", ".2f"),
                                          ("seconds", ".2f"))]
                 line += f"   {', '.join(parts):>32s}"
