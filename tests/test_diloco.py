@@ -171,6 +171,25 @@ def test_delayed_nesterov_makes_one_nesterov_step_per_period_on_the_mean() -> No
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_delayed_nesterov_in_blocks_is_the_same_step(monkeypatch) -> None:
+    """A shard's slice is updated in blocks (bounded temporaries): 7-value blocks over 50
+    values give the same parameters as one pass."""
+    from distbelief.model import optimizers
+
+    rng = np.random.default_rng(5)
+    deltas = rng.standard_normal((5, 50)).astype(np.float32)
+    theta = rng.standard_normal(50).astype(np.float32)
+    results = []
+    for block in (optimizers.BLOCK_VALUES, 7):
+        monkeypatch.setattr(optimizers, "BLOCK_VALUES", block)
+        rule, x = DelayedNesterov(50, 0.7, 0.9, 2), theta.copy()
+        for k, delta in enumerate(deltas):
+            rule.step(x, delta, update=k)
+        results.append(x)
+    np.testing.assert_array_equal(results[0], results[1])
+    assert not np.array_equal(results[0], theta)
+
+
 def test_delayed_nesterov_counts_folded_deltas_and_resumes_at_its_place() -> None:
     """An RMA shard may sum several deltas into one step (pushes=k), and a resumed shard
     knows only its count of deltas applied and the saved state: the milestones stay put

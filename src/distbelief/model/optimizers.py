@@ -422,6 +422,10 @@ class Momentum(_Scheduled):
         _load_arrays("Momentum", self, state, {"buf"})
 
 
+BLOCK_VALUES = 1 << 20
+"""Values DelayedNesterov updates per pass (4 MB of float32 temporaries at most)."""
+
+
 class DelayedNesterov:
     """Delayed Nesterov momentum, the outer optimizer of asynchronous Local-SGD (Liu et al.
     2024, "Asynchronous Local-SGD Training for Language Modeling", arXiv 2401.09135, its
@@ -461,13 +465,22 @@ class DelayedNesterov:
             raise ValueError("DelayedNesterov.step needs update= (the deltas applied "
                              "before): its momentum moves every period-th delta")
         pushes = _check_count("pushes", pushes, 1)
-        params -= np.float32(self.learning_rate / self.period) * grad
-        self.pending += grad
-        if (update + pushes) // self.period > update // self.period:
-            self.buf *= np.float32(self.momentum)
-            self.buf += self.pending / np.float32(self.period)
-            params -= np.float32(self.learning_rate * self.momentum) * self.buf
-            self.pending.fill(0)
+        milestone = (update + pushes) // self.period > update // self.period
+        each = np.float32(self.learning_rate / self.period)
+        mean, step = np.float32(1.0 / self.period), \
+            np.float32(self.learning_rate * self.momentum)
+        # In blocks: a shard's slice can be large, and numpy's temporaries are block-sized.
+        for lo in range(0, self.size, BLOCK_VALUES):
+            hi = min(lo + BLOCK_VALUES, self.size)
+            p, g, buf, pending = params[lo:hi], grad[lo:hi], self.buf[lo:hi], \
+                self.pending[lo:hi]
+            p -= each * g
+            pending += g
+            if milestone:
+                buf *= np.float32(self.momentum)
+                buf += mean * pending
+                p -= step * buf
+                pending.fill(0)
         if copy is not None:
             np.copyto(copy, params)
 
