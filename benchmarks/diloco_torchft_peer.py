@@ -15,7 +15,11 @@ since its last evaluation (evaluation time included, distbelief's cadence). When
 replica stops after round k + 1 (which replica 0 cannot finish before the others see
 the word), so the job ends without a timeout; past --max-seconds the same, without a
 target. Times count from the first inner step (the
-lighthouse and first quorum are set-up, as distbelief's start-up is). Prints one JSON
+lighthouse is set-up, as distbelief's start-up is; the first quorum, at the end of round
+1, is timed like every other). Every replica builds the same initial parameters from the
+seed, so the Manager runs with init_sync=False, which torchft's docstring asks for then:
+with its default, True, the other replicas replaced their parameters by one replica's (an
+HTTP checkpoint transfer) at the end of round 1, throwing their round's work away. Prints one JSON
 object: time_to_target (None if missed), samples_to_target (all replicas), rounds, final
 accuracy, and bytes_sent_per_sample (the all-reduce payload, 4 bytes a parameter per
 round, the figure distbelief's summary gives for its own DiLoCo).
@@ -67,7 +71,7 @@ def replica(index: int, args: argparse.Namespace, lighthouse: str, stop_round, r
         state_dict=lambda: {"model": model.state_dict()},
         replica_id=str(index), store_addr="localhost", store_port=store.port, rank=0,
         world_size=1, lighthouse_addr=lighthouse, port=0, use_async_quorum=False,
-        timeout=timedelta(seconds=60))
+        timeout=timedelta(seconds=60), init_sync=False)  # torchft's setting for seeded init
     steps = rounds = 0
     reached = samples = None
     accuracy = math.nan
