@@ -71,7 +71,7 @@ def command(kind: str, replicas: int, args: argparse.Namespace, out: Path,
         return [str(args.torchft_python), str(PEER), "--data", str(args.data.resolve()),
                 "--replicas", str(replicas), "--seed", str(seed),
                 "--inner-steps", str(args.inner_steps), "--target", str(args.target),
-                "--eval-every", str(args.eval_every),
+                "--eval-every", str(args.eval_every), "--steps", str(args.steps),
                 "--max-seconds", str(args.max_seconds)], {}
     # --steps: a target no run reaches (the configuration file's would stop it early).
     stop = [f"run.max_steps={args.steps}", "run.target_accuracy=1.0"] if args.steps else \

@@ -14,15 +14,19 @@ since its last evaluation (evaluation time included, distbelief's cadence). When
 --target at round k it says so through shared memory before its next inner step; every
 replica stops after round k + 1 (which replica 0 cannot finish before the others see
 the word), so the job ends without a timeout; past --max-seconds the same, without a
-target. Times count from the first inner step (the
+target. --steps N trains N steps instead (all replicas together, whole rounds, as
+distbelief's run.max_steps) with no target. Times count from the first inner step (the
 lighthouse is set-up, as distbelief's start-up is; the first quorum, at the end of round
-1, is timed like every other). Every replica builds the same initial parameters from the
-seed, so the Manager runs with init_sync=False, which torchft's docstring asks for then:
-with its default, True, the other replicas replaced their parameters by one replica's (an
-HTTP checkpoint transfer) at the end of round 1, throwing their round's work away. Prints one JSON
-object: time_to_target (None if missed), samples_to_target (all replicas), rounds, final
-accuracy, and bytes_sent_per_sample (the all-reduce payload, 4 bytes a parameter per
-round, the figure distbelief's summary gives for its own DiLoCo).
+1, is timed like every other).
+
+Every replica builds the same initial parameters from the seed, so the Manager runs with
+init_sync=False, which torchft's docstring asks for then: with its default, True, the
+other replicas replaced their parameters by one replica's (an HTTP checkpoint transfer) at
+the end of round 1, throwing their round's work away.
+
+Prints one JSON object: time_to_target (None if missed), samples_to_target (all
+replicas), rounds, final accuracy, and bytes_sent_per_sample (the all-reduce payload, 4
+bytes a parameter per round, the figure distbelief's summary gives for its own DiLoCo).
 
 Needs torch and torchft, which distbelief never depends on: a venv of their own,
 
@@ -91,7 +95,8 @@ def replica(index: int, args: argparse.Namespace, lighthouse: str, stop_round, r
                 now = time.perf_counter()
                 if 0 <= stop_round.value <= rounds:
                     break
-                if index == 0 and now - start > args.max_seconds and stop_round.value < 0:
+                if (index == 0 and now - start > args.max_seconds
+                        and not 0 <= stop_round.value <= rounds + 1):
                     stop_round.value = rounds + 1  # out of time: all end after the next round
                 if index == 0 and now - last_eval >= args.eval_every:
                     accuracy = evaluate(model, test_x, test_y)
@@ -122,13 +127,19 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.88)
     parser.add_argument("--eval-every", type=float, default=1.0)
     parser.add_argument("--max-seconds", type=float, default=150.0)
+    parser.add_argument("--steps", type=int, default=0,
+                        help="train this many steps (all replicas together, rounded up to "
+                             "whole rounds, as distbelief's run.max_steps) with no target")
     args = parser.parse_args()
+    rounds = math.ceil(args.steps / (args.replicas * args.inner_steps)) if args.steps else -1
+    if args.steps:
+        args.target = math.inf
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.replicas)
     context = mp.get_context("spawn")
     with context.Manager() as shared:
-        stop_round, result = context.Value("i", -1), shared.dict()
+        stop_round, result = context.Value("i", rounds), shared.dict()
         procs = [context.Process(target=replica, args=(i, args, lighthouse.address(),
                                                         stop_round, result))
                  for i in range(args.replicas)]
