@@ -24,6 +24,10 @@ init_sync=False, which torchft's docstring asks for then: with its default, True
 other replicas replaced their parameters by one replica's (an HTTP checkpoint transfer) at
 the end of round 1, throwing their round's work away.
 
+The lighthouse runs in this script's process. Ctrl-C, SIGTERM or the job's deadline
+(--max-seconds + 120 s) kill every replica; if the script itself is killed (SIGKILL, a
+caller's timeout), each replica sees its parent gone and exits within a second.
+
 Prints one JSON object: time_to_target (None if missed), samples_to_target (all
 replicas), rounds, final accuracy, and bytes_sent_per_sample (the all-reduce payload, 4
 bytes a parameter per round, the figure distbelief's summary gives for its own DiLoCo).
@@ -42,12 +46,28 @@ import argparse
 import json
 import math
 import multiprocessing as mp
+import os
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def exit_with_parent() -> None:
+    """End this replica within a second of the script's process going, however it went
+    (a SIGKILL included: the finally below that kills the replicas then never runs)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def replica(index: int, args: argparse.Namespace, lighthouse: str, stop_round, result) -> None:
@@ -59,6 +79,7 @@ def replica(index: int, args: argparse.Namespace, lighthouse: str, stop_round, r
     from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo
 
+    exit_with_parent()
     torch.set_num_threads(1)
     x, y = load_split(args.data, "train")
     test_x, test_y = load_split(args.data, "test") if index == 0 else (None, None)
@@ -106,7 +127,7 @@ def replica(index: int, args: argparse.Namespace, lighthouse: str, stop_round, r
                         samples = steps * args.batch_size * args.replicas
                         stop_round.value = rounds + 1
         if index == 0:
-            result.update({"time_to_target": reached, "samples_to_target": samples,
+            result.put({"time_to_target": reached, "samples_to_target": samples,
                            "rounds": rounds, "steps_per_replica": steps,
                            "final_test_accuracy": evaluate(model, test_x, test_y),
                            "seconds": time.perf_counter() - start})
@@ -131,6 +152,8 @@ def main() -> None:
                         help="train this many steps (all replicas together, rounded up to "
                              "whole rounds, as distbelief's run.max_steps) with no target")
     args = parser.parse_args()
+    # SIGTERM (kill, timeout) as Ctrl-C: the finally below ends the replicas and lighthouse.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     rounds = math.ceil(args.steps / (args.replicas * args.inner_steps)) if args.steps else -1
     if args.steps:
         args.target = math.inf
@@ -138,31 +161,30 @@ def main() -> None:
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.replicas)
     context = mp.get_context("spawn")
-    with context.Manager() as shared:
-        stop_round, result = context.Value("i", rounds), shared.dict()
-        procs = [context.Process(target=replica, args=(i, args, lighthouse.address(),
-                                                        stop_round, result))
-                 for i in range(args.replicas)]
+    # No multiprocessing Manager: its server process would outlive a killed script.
+    stop_round, result = context.Value("i", rounds), context.SimpleQueue()
+    procs = [context.Process(target=replica, args=(i, args, lighthouse.address(),
+                                                    stop_round, result))
+             for i in range(args.replicas)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + args.max_seconds + 120
+    try:
         for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + args.max_seconds + 120
-        try:
-            for proc in procs:
-                proc.join(max(1.0, deadline - time.monotonic()))
-        finally:
-            for proc in procs:  # a replica past its deadline, or Ctrl-C: end them all
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
-            lighthouse.shutdown()
-        failed = [p.exitcode for p in procs if p.exitcode != 0]
-        if failed or "rounds" not in result:
-            sys.exit(f"diloco_torchft_peer: replicas exited {[p.exitcode for p in procs]}")
-        num_params = 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
-        print(json.dumps({**dict(result), "replicas": args.replicas, "seed": args.seed,
-                          "bytes_sent_per_sample":
-                          4 * num_params / (args.inner_steps * args.batch_size)}))
-
+            proc.join(max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs:  # a replica past its deadline, SIGTERM or Ctrl-C: end them all
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        lighthouse.shutdown()
+    failed = [p.exitcode for p in procs if p.exitcode != 0]
+    if failed or result.empty():
+        sys.exit(f"diloco_torchft_peer: replicas exited {[p.exitcode for p in procs]}")
+    num_params = 784 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
+    print(json.dumps({**result.get(), "replicas": args.replicas, "seed": args.seed,
+                      "bytes_sent_per_sample":
+                      4 * num_params / (args.inner_steps * args.batch_size)}))
 
 if __name__ == "__main__":
     main()
