@@ -34,8 +34,9 @@ bytes a parameter per round, the figure distbelief's summary gives for its own D
 
 Needs torch and torchft, which distbelief never depends on: a venv of their own,
 
-    python3 -m venv .venv-torchft
-    .venv-torchft/bin/pip install torch==2.13.0 torchft==0.2.0 h5py numpy
+    python3 -m venv .venv-torchft       # .gitignore has it
+    .venv-torchft/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    .venv-torchft/bin/pip install torchft==0.2.0 h5py numpy
     .venv-torchft/bin/python benchmarks/diloco_torchft_peer.py --data data/fashion_mnist.h5 \\
         --replicas 2 --seed 0
 """
