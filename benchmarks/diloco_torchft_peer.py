@@ -100,7 +100,6 @@ def replica(index: int, args: argparse.Namespace, lighthouse: str, stop_round, r
         timeout=timedelta(seconds=60), init_sync=False)  # torchft's setting for seeded init
     steps = rounds = 0
     reached = samples = None
-    accuracy = math.nan
     try:
         with DiLoCo(manager, [model], inner, outer, sync_every=args.inner_steps):
             start = time.perf_counter()
@@ -129,9 +128,9 @@ def replica(index: int, args: argparse.Namespace, lighthouse: str, stop_round, r
                         stop_round.value = rounds + 1
         if index == 0:
             result.put({"time_to_target": reached, "samples_to_target": samples,
-                           "rounds": rounds, "steps_per_replica": steps,
-                           "final_test_accuracy": evaluate(model, test_x, test_y),
-                           "seconds": time.perf_counter() - start})
+                        "rounds": rounds, "steps_per_replica": steps,
+                        "final_test_accuracy": evaluate(model, test_x, test_y),
+                        "seconds": time.perf_counter() - start})
     finally:
         manager.shutdown(wait=False)
 
