@@ -425,7 +425,8 @@ def test_a_killed_replica_on_another_node_is_lost_by_its_heartbeat(data_dir: Pat
     proc = on_two_nodes(4, data_dir, out, "run.max_steps=3000",
                         "run.checkpoint_every_steps=1000", faults=f"kill:3:300 {DELAY}")
     output = proc.stdout + proc.stderr
-    assert exit_statuses(proc) == [0, 0, 0, 137], output[-3000:]
+    assert exit_statuses(proc) == [0, 0, 0, 137], (proc.returncode, proc.timeline,
+                                                    output[-3000:])
     summary = summary_of(out)
     assert [s["transport"] for s in summary["shards"]] == ["rma"]
     lost = summary["lost_replicas"]
