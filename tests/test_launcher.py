@@ -26,6 +26,7 @@ from conftest import (
 from helpers import exit_statuses
 
 from distbelief.data.converters import make_synthetic
+from distbelief.runtime import stuck_launcher
 from distbelief.runtime.faults import ENV as FAULTS
 from distbelief.runtime.launcher import (
     launcher_rank,
@@ -143,18 +144,6 @@ def _processes_naming(text: str) -> list[int]:
     return found
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
-
-
 def _start_training(cmd: list[str], env: dict[str, str], out: Path) -> subprocess.Popen:
     """The job, once it has written metrics.jsonl (or ended, or 90 s passed); launched
     again once if the launcher failed to start (conftest.PMIX_LISTENER_FAILED)."""
@@ -165,15 +154,13 @@ def _start_training(cmd: list[str], env: dict[str, str], out: Path) -> subproces
         while (time.monotonic() < deadline and proc.poll() is None
                and not (out / "metrics.jsonl").is_file()):
             time.sleep(0.1)
-        if attempt == 1 and proc.poll() is not None:
-            stdout, stderr = proc.communicate()
-            if launcher_failed_to_start(proc.returncode, stderr):
-                warnings.warn(f"the launcher failed to start ({PMIX_LISTENER_FAILED}); "
-                              "launched again")
-                continue
-            proc.stdout_text, proc.stderr_text = stdout, stderr
-        return proc
-    return proc
+        if proc.poll() is None:
+            return proc
+        proc.stdout_text, proc.stderr_text = proc.communicate()
+        if attempt == 2 or not launcher_failed_to_start(proc.returncode, proc.stderr_text):
+            return proc
+        warnings.warn(f"the launcher failed to start ({PMIX_LISTENER_FAILED}); launched again")
+    raise AssertionError("unreachable: the second launch always returns")
 
 
 @pytest.mark.both_mpis
@@ -202,7 +189,8 @@ def test_the_ranks_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
                         f"{proc.returncode}):\n{stdout[-2000:]}\n{stderr[-4000:]}")
         ranks = _processes_naming(str(out))
         assert len(ranks) >= 6, ranks  # a guardian and a worker per rank
-        launcher = [proc.pid] + [c for c in _children(proc.pid) if c not in ranks]
+        helpers = [c for c in stuck_launcher.children(proc.pid) if c not in ranks]
+        launcher = [proc.pid, *helpers]
         for pid in launcher:
             os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 15

@@ -62,7 +62,7 @@ def test_watch_ends_a_stuck_launcher_after_its_grace_and_leaves_a_busy_one() -> 
     stuck, busy = _launch(STUCK), _launch(BUSY)
     try:
         t0 = time.monotonic()
-        assert stuck_launcher.watch(stuck.pid, grace_s=1.0)
+        assert stuck_launcher.watch(stuck.pid, grace=1.0)
         assert stuck.wait(timeout=10) == -9
         assert time.monotonic() - t0 < 15
         # The busy one outlives a watch of 3 s: run the watcher as the script does, and

@@ -48,10 +48,10 @@ def grace_s() -> float:
     return GRACE_S
 
 
-def all_children_exited(pid: int, proc: Path = Path("/proc")) -> bool:
-    """True if process `pid` has children and every one has exited uncollected (a zombie);
-    False otherwise, or when this cannot be read."""
-    states = []
+def children(pid: int, proc: Path = Path("/proc")) -> dict[int, str]:
+    """{child's pid: its state letter (Z for exited, uncollected)} for process `pid`'s
+    children that could be read."""
+    found = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -61,7 +61,14 @@ def all_children_exited(pid: int, proc: Path = Path("/proc")) -> bool:
         except (OSError, IndexError):
             continue
         if len(fields) > 1 and fields[1] == str(pid):
-            states.append(fields[0])
+            found[int(entry.name)] = fields[0]
+    return found
+
+
+def all_children_exited(pid: int, proc: Path = Path("/proc")) -> bool:
+    """True if process `pid` has children and every one has exited uncollected (a zombie);
+    False otherwise, or when this cannot be read."""
+    states = children(pid, proc).values()
     return bool(states) and all(state == "Z" for state in states)
 
 
@@ -69,18 +76,18 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def watch(pid: int, grace_s: float = GRACE_S,
+def watch(pid: int, grace: float = GRACE_S,
           report: Callable[[str], None] = _to_stderr) -> bool:
     """Until process `pid` ends: if all its children have exited and stayed uncollected for
-    `grace_s`, `report` one line and kill it. True if it was killed."""
+    `grace` seconds, `report` one line and kill it. True if it was killed."""
     since = None
     while _alive(pid):
         now = time.monotonic()
         if all_children_exited(pid):
             since = now if since is None else since
-            if now - since >= grace_s:
+            if now - since >= grace:
                 report(f"distbelief: the launcher (pid {pid}) has not collected its ranks for "
-                       f"{grace_s:g} s after they all ended: it is stuck (seen with Open MPI "
+                       f"{grace:g} s after they all ended: it is stuck (seen with Open MPI "
                        f"5.0.11's prterun); ending it")
                 os.kill(pid, signal.SIGKILL)
                 return True
