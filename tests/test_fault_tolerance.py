@@ -149,6 +149,34 @@ def test_a_short_wait_is_not_a_stall_and_a_gone_rank_ends_a_polled_wait() -> Non
     assert dog.reports == []
 
 
+def test_an_mpi_call_that_never_returns_is_named_and_ends_the_job() -> None:
+    # Outside any declared wait (an atomic blocked on a lock a killed rank left held): the
+    # thread names the call after warn_s and aborts after abort_s; a quick call is nothing,
+    # and a call inside a declared wait is that wait's to report.
+    aborted: list[str] = []
+    dog = Watchdog(2, lambda rank: f"rank {rank}", warn_s=0.2, abort_s=0.6,
+                   abort=aborted.append)
+    with watching(dog):
+        dog.call_began("Fetch_and_op on a shard's window")
+        dog.call_ended()
+        time.sleep(0.3)
+        assert dog.reports == [] and aborted == []
+        with dog.waiting("a message", (1,)):
+            dog.call_began("Flush on a shard's window")
+            time.sleep(0.3)
+            dog.call_ended()
+        assert [r.split(" has ")[1][:6] for r in dog.reports] == ["waited"]
+        dog.call_began("Compare_and_swap on a shard's window")
+        time.sleep(1.0)
+        dog.call_ended()
+    assert len(dog.reports) == 2, dog.reports
+    assert dog.reports[1].startswith("stall: rank 2 has been inside one MPI call "
+                                     "(Compare_and_swap on a shard's window) for 0.")
+    assert "a rank killed inside one leaves held" in dog.reports[1]
+    assert len(aborted) == 1 and "aborting the job (run.stall_abort_seconds = 0.6)" \
+        in aborted[0] and "resume from the last checkpoint" in aborted[0]
+
+
 # -- a lost replica -----------------------------------------------------------------------------
 
 

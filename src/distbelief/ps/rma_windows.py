@@ -183,15 +183,15 @@ class CountedWindow:
 
     def Fetch_and_op(self, *args) -> None:
         counters.add("rma_atomics")
-        self.win.Fetch_and_op(*args)
+        self._watched(self.win.Fetch_and_op, "Fetch_and_op on a shard's window", args)
 
     def Compare_and_swap(self, *args) -> None:
         counters.add("rma_atomics")
-        self.win.Compare_and_swap(*args)
+        self._watched(self.win.Compare_and_swap, "Compare_and_swap on a shard's window", args)
 
     def Accumulate(self, *args) -> None:
         counters.add("rma_atomics")
-        self.win.Accumulate(*args)
+        self._watched(self.win.Accumulate, "Accumulate on a shard's window", args)
 
     def Get(self, *args) -> None:
         counters.add("rma_gets")
@@ -203,7 +203,19 @@ class CountedWindow:
 
     def Flush(self, rank: int) -> None:
         counters.add("rma_flushes")
-        self.win.Flush(rank)
+        self._watched(self.win.Flush, "Flush on a shard's window", (rank,))
+
+    @staticmethod
+    def _watched(call, name: str, args: tuple) -> None:
+        """`call(*args)` with the watchdog told it is inside MPI: an atomic that never
+        returns (a lock a killed rank left held, docs/rma-protocol.md) is named and, after
+        run.stall_abort_seconds, ends the job instead of hanging it."""
+        dog = watchdog.current()
+        dog.call_began(name)
+        try:
+            call(*args)
+        finally:
+            dog.call_ended()
 
 
 class _ShardWindows:

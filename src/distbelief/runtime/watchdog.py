@@ -66,6 +66,15 @@ class _Wait:
     warned: bool = False
 
 
+@dataclass
+class _Call:
+    """One MPI call in progress outside any declared wait (inside_mpi)."""
+
+    what: str
+    started: float
+    warned: bool = False
+
+
 class Watchdog:
     """Watches the waits of one rank (see the module docstring).
 
@@ -85,6 +94,7 @@ class Watchdog:
         self.abort, self.gone, self.on_lost = abort, gone, on_lost
         self._gone_since: dict[int, float] = {}  # the thread's view: rank -> found gone at
         self._waits: list[_Wait] = []
+        self._call: _Call | None = None  # the MPI call in progress (call_began)
         self.written_off: set[int] = set()  # gone ranks the caller has handled (write_off)
         self._next_check = 0.0
         self._stop = threading.Event()
@@ -132,6 +142,19 @@ class Watchdog:
         and shards after a lost replica): no wait raises or aborts for them any more."""
         self.written_off.update(ranks)
 
+    def call_began(self, what: str) -> None:
+        """The main thread enters one MPI call that should return at once (an atomic, a
+        Flush): if it stays inside for `warn_s` / `abort_s`, the thread says so / aborts
+        the job, even outside any declared wait. Seen: under MPICH on one node a rank
+        killed inside an atomic left the window's lock held, and every other rank's next
+        atomic on that window blocked for ever (docs/rma-protocol.md). Cheap: call
+        call_ended() after it."""
+        if self.warn_s or self.abort_s:
+            self._call = _Call(what, time.monotonic())
+
+    def call_ended(self) -> None:
+        self._call = None
+
     def progress(self) -> None:
         """The rank waited for has answered (a poll of a long wait got a reply): the
         innermost wait is not a stall, its clock starts again."""
@@ -156,10 +179,14 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(TICK_S):
             waits = self._waits
+            call = self._call
+            now = time.monotonic()
+            covered = bool(waits) and call is not None and waits[-1].started <= call.started
+            if call is not None and not covered and self._stuck_in_call(call, now):
+                return  # aborted
             if not waits:
                 continue
             wait = waits[-1]
-            now = time.monotonic()
             waited = now - wait.started
             if self._blocked_on_the_gone(wait, now):
                 return
@@ -172,6 +199,24 @@ class Watchdog:
                            f"{wait.what}{self._culprit(wait)}; aborting the job "
                            f"(run.stall_abort_seconds = {self.abort_s:g})")
                 return
+
+    def _stuck_in_call(self, call: _Call, now: float) -> bool:
+        """Warn about / abort for one MPI call that has not returned (no declared wait
+        covers it); True once the job is aborted."""
+        inside = now - call.started
+        why = (f"{self.describe(self.rank)} has been inside one MPI call ({call.what}) for "
+               f"{inside:.1f} s (if a rank of the job died: under MPICH, an atomic on a "
+               f"window in shared memory runs under that window's lock, which a rank killed "
+               f"inside one leaves held; docs/rma-protocol.md)")
+        if self.warn_s and inside >= self.warn_s and not call.warned:
+            call.warned = True
+            self._say(f"stall: {why}")
+        if self.abort_s and inside >= self.abort_s:
+            self.abort(f"stall: {why}; aborting the job (run.stall_abort_seconds = "
+                       f"{self.abort_s:g}). Run the same command again to resume from the "
+                       f"last checkpoint")
+            return True
+        return False
 
     def _blocked_on_the_gone(self, wait: _Wait, now: float) -> bool:
         """If a rank `wait` depends on has been gone for GONE_GRACE_S (and the wait goes
