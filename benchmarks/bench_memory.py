@@ -3,7 +3,8 @@ process's resident set split into private (RssAnon) and shared memory (RssShmem,
 windows and shared segments), and its proportional set size (Pss: shared pages divided
 among the processes that map them, so Pss summed over ranks is what the node holds).
 Prints each rank's maxima next to the peak RSS the run wrote in summary.json, and the
-prediction of distbelief.model.memory_model for the same layout.
+prediction of distbelief.model.memory_model that the run recorded beside it
+(`predicted_mb`).
 
     python benchmarks/bench_memory.py -n 3 CONFIG [--set KEY=VALUE ...] [--env NAME=VALUE]
 
@@ -113,12 +114,13 @@ def main() -> int:
     roles = {f["rank"]: f for f in summary.get("peak_rss", [])}
     mb = 2**20
     print(f"{'rank':>4} {'role':<12} {'summary peak':>12} {'max RSS':>8} {'anon':>7} "
-          f"{'shmem':>7} {'Pss':>7}  (MB)")
+          f"{'shmem':>7} {'Pss':>7} {'predicted':>9}  (MB)")
     for rank in sorted(peaks):
         p, f = peaks[rank], roles.get(rank, {})
+        predicted = f"{f['predicted_mb']:>9.0f}" if "predicted_mb" in f else f"{'-':>9}"
         print(f"{rank:>4} {f.get('role', '?'):<12} {f.get('peak_rss_mb', 0):>12.0f} "
               f"{p.get('VmRSS', 0) / mb:>8.0f} {p.get('RssAnon', 0) / mb:>7.0f} "
-              f"{p.get('RssShmem', 0) / mb:>7.0f} {p.get('Pss', 0) / mb:>7.0f}")
+              f"{p.get('RssShmem', 0) / mb:>7.0f} {p.get('Pss', 0) / mb:>7.0f} {predicted}")
     print(f"sum of Pss maxima: {sum(p.get('Pss', 0) for p in peaks.values()) / mb:.0f} MB; "
           f"steps {summary.get('steps')}, params {summary.get('num_params')}")
     return 0

@@ -4,6 +4,7 @@ RSS per rank in summary.json, the node's memory from the environment."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -121,6 +122,11 @@ def test_one_process_summary_has_its_peak_rss(synthetic_folder, small_config, tm
     (figure,) = summary["peak_rss"]
     assert figure["role"] == "the one process" and figure["peak_rss_mb"] > 10
     assert summary["peak_rss_largest"]["mb"] == figure["peak_rss_mb"]
+    # The memory model's figure beside it, and in the log: a formula far off fails.
+    assert 0.5 < figure["peak_rss_mb"] / figure["predicted_mb"] < 2, figure
+    assert re.search(r"^distbelief: peak memory, the largest of each role: the one process "
+                     r"[\d,]+ MB \(predicted [\d,]+\); every rank's in summary.json",
+                     proc.stdout, re.MULTILINE), proc.stdout
 
 
 def test_every_rank_of_a_downpour_run_reports_its_peak_rss(synthetic_folder, small_config,
@@ -139,6 +145,16 @@ def test_every_rank_of_a_downpour_run_reports_its_peak_rss(synthetic_folder, sma
     largest = max(figures, key=lambda f: f["peak_rss_mb"])
     assert summary["peak_rss_largest"] == {"role": largest["role"],
                                            "mb": largest["peak_rss_mb"]}
+    # Each rank's prediction beside its peak; shard 0 also holds the evaluation snapshot.
+    assert all(0.5 < f["peak_rss_mb"] / f["predicted_mb"] < 2 for f in figures), figures
+    assert figures[0]["predicted_mb"] > figures[1]["predicted_mb"]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("distbelief: peak memory")]
+    big = {kind: max((f for f in figures if f["role"].startswith(kind)),
+                     key=lambda f: f["peak_rss_mb"]) for kind in ("shard", "replica")}
+    assert line == ("distbelief: peak memory, the largest of each role: "
+                    + ", ".join(f"{f['role']} {f['peak_rss_mb']:,.0f} MB (predicted "
+                                f"{f['predicted_mb']:,.0f})" for f in big.values())
+                    + "; every rank's in summary.json (peak_rss)"), line
 
 
 @pytest.mark.parametrize("n, overrides, roles", [
@@ -160,6 +176,9 @@ def test_other_algorithms_report_every_ranks_peak_rss(synthetic_folder, small_co
     summary = json.loads((out / "summary.json").read_text())
     assert [f["role"] for f in summary["peak_rss"]] == roles
     assert all(f["peak_rss_mb"] > 10 for f in summary["peak_rss"])
+    # A coordinator's rank is not in the formulas: no prediction rather than a wrong one.
+    predicted = ["predicted_mb" in f for f in summary["peak_rss"]]
+    assert predicted == [not any("coordinator" in role for role in roles)] * n
 
 
 def test_peak_rss_grows_with_what_the_process_touches():

@@ -735,52 +735,57 @@ def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
 
     algorithm = registry.get(config.optimizer.algorithm)
     trainer = algorithm.load_trainer(config.cluster.partitions, vars(config.optimizer))
-    _check_memory(config, None if algorithm.in_one_process(config.cluster.partitions)
-                  else comm)
-    if algorithm.in_one_process(config.cluster.partitions):
+    one_process = algorithm.in_one_process(config.cluster.partitions)
+    predicted = _check_memory(config, None if one_process else comm)
+    if one_process:
         summary = trainer(config, resume=resume)
         if summary is not None:
-            summary = _with_peak_memory(config, summary, [_own_peak("the one process")])
+            summary = _with_peak_memory(config, summary,
+                                        [_own_peak("the one process", predicted)])
     else:
         summary = trainer(config, comm, resume=resume)
-        summary = _gather_peak_memory(config, algorithm, comm, summary)
+        summary = _gather_peak_memory(config, algorithm, comm, summary, predicted)
     return None if summary is None else final_test(config, summary, sys.stdout)
 
 
-def _check_memory(config: Any, comm: Any) -> None:
+def _check_memory(config: Any, comm: Any) -> int | None:
     """Refuse, on every rank at once, a layout whose predicted memory exceeds a node's
-    (distbelief.algorithms.memory_plan). Collective over `comm` when there is one (the
-    node split, then an agreement); nothing is set up or written before it."""
+    (distbelief.algorithms.memory_plan); else return this rank's predicted bytes (None
+    where the formulas do not say), for summary.json. Collective over `comm` when there is
+    one (the node split, then an agreement); nothing is set up or written before it."""
     from distbelief.algorithms.memory_plan import check_memory
     from distbelief.config import build_network
     from distbelief.data.hdf5 import open_dataset, with_validation
 
-    def check(node_of: list[int], node: int) -> None:
+    def check(node_of: list[int], node: int) -> Any:
         info = with_validation(open_dataset(config.data.path, labels=False),
                                config.data.validation)
-        check_memory(config, info, build_network(config, info),
-                     1 if comm is None else comm.Get_size(), node_of, node)
+        return check_memory(config, info, build_network(config, info),
+                            1 if comm is None else comm.Get_size(), node_of, node)
 
     if comm is None:
-        check([0], 0)
-        return
+        prediction = check([0], 0)
+        return None if prediction is None else prediction[0]
     from distbelief.runtime.agreement import agree
     from distbelief.runtime.nodes import node_split
 
     nodes = node_split(comm)
-    agree(comm, lambda: check(list(nodes.node_of), nodes.node_of[nodes.me]))
+    prediction = agree(comm, lambda: check(list(nodes.node_of), nodes.node_of[nodes.me]))
+    return None if prediction is None else prediction[comm.Get_rank()]
 
 
-def _own_peak(role: str) -> dict[str, Any]:
+def _own_peak(role: str, predicted: int | None) -> dict[str, Any]:
     from distbelief.runtime.memory import rank_figure
 
-    return rank_figure(0, role)
+    return rank_figure(0, role, predicted)
 
 
 def _gather_peak_memory(config: Any, algorithm: Any, comm: Any,
-                        summary: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Every rank's peak RSS, named by its role, into the summary on the rank that wrote
-    it (point-to-point, waiting a bounded time: runtime.memory.gather_peak_rss)."""
+                        summary: dict[str, Any] | None,
+                        predicted: int | None) -> dict[str, Any] | None:
+    """Every rank's peak RSS, named by its role, with its prediction (`predicted`: this
+    rank's bytes), into the summary on the rank that wrote it (point-to-point, waiting a
+    bounded time: runtime.memory.gather_peak_rss)."""
     from distbelief.runtime.memory import gather_peak_rss
     from distbelief.runtime.topology import Topology
 
@@ -791,7 +796,7 @@ def _gather_peak_memory(config: Any, algorithm: Any, comm: Any,
     role = topology.describe_rank(topology.world_rank).partition("(")[2].rstrip(")")
     lost = [rank for entry in (summary or {}).get("lost_replicas", [])
             if isinstance(entry, dict) for rank in entry.get("ranks", [])]
-    figures = gather_peak_rss(comm, writer, role, skip=lost)
+    figures = gather_peak_rss(comm, writer, role, skip=lost, predicted=predicted)
     if summary is None or figures is None:
         return summary
     return _with_peak_memory(config, summary, figures)
@@ -812,7 +817,26 @@ def _with_peak_memory(config: Any, summary: dict[str, Any],
                "peak_rss_largest": {"role": largest["role"], "mb": largest["peak_rss_mb"]},
                "control_plane": control}
     write_json_atomic(config.run.out_dir / SUMMARY_FILE, summary)
+    print(_peak_memory_line(peaks), flush=True)
     return summary
+
+
+def _peak_memory_line(peaks: list[dict[str, Any]]) -> str:
+    """The largest peak of each kind of rank (shard, replica, ...), with its prediction."""
+    import re
+
+    biggest: dict[str, dict[str, Any]] = {}
+    for figure in peaks:
+        kind = re.sub(r"\s*\d.*", "", figure["role"])
+        if kind not in biggest or figure["peak_rss_mb"] > biggest[kind]["peak_rss_mb"]:
+            biggest[kind] = figure
+    parts = []
+    for figure in biggest.values():
+        predicted = f" (predicted {figure['predicted_mb']:,.0f})" \
+            if "predicted_mb" in figure else ""
+        parts.append(f"{figure['role']} {figure['peak_rss_mb']:,.0f} MB{predicted}")
+    return (f"distbelief: peak memory, the largest of each role: {', '.join(parts)}; every "
+            "rank's in summary.json (peak_rss)")
 
 
 def _resume_mode(args: argparse.Namespace) -> str:

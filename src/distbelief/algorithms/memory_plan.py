@@ -187,12 +187,12 @@ def refusal(network: Any, layout: Layout, work: Workload, node_of: list[int], no
 
 def check_memory(config: Config, info: Any, network: Any, world_size: int,
                  node_of: list[int], node: int,
-                 environ: dict[str, str] | None = None) -> None:
-    """ConfigError when node `node` (this rank's) would need more memory than it has.
-    Pure but for reading this node's memory figure; the caller makes every rank agree."""
+                 environ: dict[str, str] | None = None) -> list[int] | None:
+    """ConfigError when node `node` (this rank's) would need more memory than it has; else
+    each rank's predicted bytes, in rank order (None when its ranks make no layout, or
+    have a coordinator, which the formulas do not place). Pure but for reading this
+    node's memory figure; the caller makes every rank agree."""
     node_bytes, source = node_memory_bytes(environ)
-    if node_bytes is None:
-        return
     requested = (environ if environ is not None else os.environ).get(
         "DISTBELIEF_PS_TRANSPORT", "") or "auto"
     one_node = max(node_of) == 0
@@ -200,8 +200,12 @@ def check_memory(config: Config, info: Any, network: Any, world_size: int,
         else "rma"
     layout = layout_of(config, world_size)
     if layout is None:
-        return
-    message = refusal(network, layout, workload(config, info, transport), node_of, node,
-                      node_bytes, source)
-    if message is not None:
-        raise ConfigError(message)
+        return None
+    work = workload(config, info, transport)
+    if node_bytes is not None:
+        message = refusal(network, layout, work, node_of, node, node_bytes, source)
+        if message is not None:
+            raise ConfigError(message)
+    roles = predict_memory(network, layout.shards, layout.replicas, layout.partitions, work)
+    per_rank = [role.bytes for role in rank_roles(roles)]
+    return None if layout.extra or len(per_rank) != world_size else per_rank

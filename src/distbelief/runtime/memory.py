@@ -115,27 +115,33 @@ def node_memory_bytes(environ: Mapping[str, str] | None = None,
     return None, "no figure for this node's memory"
 
 
-def rank_figure(rank: int, role: str) -> dict[str, Any]:
-    """This process's line in summary.json's `peak_rss`, with its control-plane counters
+def rank_figure(rank: int, role: str, predicted: int | None = None) -> dict[str, Any]:
+    """This process's line in summary.json's `peak_rss` (with `predicted_mb`, the memory
+    model's figure for it, when there is one), with its control-plane counters
     (runtime.counters) and its rank in the launcher's job (`job_rank`: the ranks may be
     renumbered, cluster.shard_placement) under "counters". Local."""
     mpi = sys.modules.get("mpi4py.MPI")
     job_rank = (mpi.COMM_WORLD.Get_rank()
                 if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() else 0)
-    return {"rank": rank, "role": role, "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
-            "counters": {"job_rank": job_rank, **counters.snapshot()}}
+    figure: dict[str, Any] = {"rank": rank, "role": role,
+                              "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1)}
+    if predicted is not None:
+        figure["predicted_mb"] = round(predicted / 2**20, 1)
+    return {**figure, "counters": {"job_rank": job_rank, **counters.snapshot()}}
 
 
 def gather_peak_rss(comm: Any, writer: int, role: str, skip: Iterable[int] = (),
-                    wait_s: float = GATHER_WAIT_S) -> list[dict[str, Any]] | None:
-    """Every rank's {"rank", "role", "peak_rss_mb"} on rank `writer` of `comm` (in rank
-    order), None on the others. Point-to-point, never a collective: after the trainer
+                    wait_s: float = GATHER_WAIT_S,
+                    predicted: int | None = None) -> list[dict[str, Any]] | None:
+    """Every rank's {"rank", "role", "peak_rss_mb"} (and "predicted_mb": `predicted`, this
+    rank's predicted bytes) on rank `writer` of `comm` (in rank order), None on the
+    others. Point-to-point, never a collective: after the trainer
     returned, a rank may be gone (a lost replica), so the writer waits at most `wait_s`
     for each figure and leaves out the ranks in `skip` (known lost) and any that does not
     send in time. Each sender waits at most `wait_s` for its small send to complete."""
     from mpi4py import MPI
 
-    mine = rank_figure(comm.Get_rank(), role)
+    mine = rank_figure(comm.Get_rank(), role, predicted)
     deadline = time.monotonic() + wait_s
     if comm.Get_rank() != writer:
         if _written_off:
