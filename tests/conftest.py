@@ -312,7 +312,7 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
         break
     finished = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     returned = time.time()
-    finished.exit_files = _exit_files(exit_dir, n)
+    finished.exit_files = _exit_files(exit_dir, n, proc.pid)
     # When each rank's status was written and the launcher returned, in seconds after the
     # launch: where a slow job's time went (its ranks, or the launcher after them).
     finished.timeline = {"launcher returned": returned - launched, **{
@@ -363,24 +363,43 @@ def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
 EXIT_FILES_WAIT_S = 15.0
 
 
-def _exit_files(exit_dir: str, ranks: int) -> dict[int, int]:
+def _exit_files(exit_dir: str, ranks: int, session: int) -> dict[int, int]:
     """{rank: status} from the files cli_exit_status.py wrote in EXIT_DIR. Once a rank of
     the job has died (a status of 128 + signal), the launcher may return before a
     survivor's guardian has written its file (the line it prints never arrives). Under Open
     MPI prterun returns as soon as the last worker has left MPI: measured, a file came
     0.5 s after prterun returned. Under MPICH on 2 simulated nodes, once in a CI run of
     1,334 tests, hydra returned with shard 0's line and file both missing, its worker's
-    last line ("results in") printed. Then wait up to EXIT_FILES_WAIT_S for all `ranks`
-    files; a rank that never ends still fails its test."""
+    last line ("results in") printed. So wait, up to EXIT_FILES_WAIT_S, for all `ranks`
+    files while a process of the job's `session` (the launcher's) lives: a job the
+    launcher aborted (its guardians killed, no files to come) costs no wait, and a rank
+    that never ends still fails its test."""
     deadline = time.monotonic() + EXIT_FILES_WAIT_S
     while True:
+        running = _session_alive(session)
         found = {int(name.removeprefix("rank-")): int(Path(exit_dir, name).read_text())
                  for name in os.listdir(exit_dir)
                  if name.startswith("rank-") and name.removeprefix("rank-").isdigit()}
         died = any(status >= 128 for status in found.values())
-        if len(found) >= ranks or not died or time.monotonic() > deadline:
+        if (len(found) >= ranks or not died or not running
+                or time.monotonic() > deadline):
             return found
         time.sleep(0.05)
+
+
+def _session_alive(session: int) -> bool:
+    """Whether a process of session `session` still runs (zombies do not count)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # "pid (comm) state ppid pgrp session ...": comm may hold spaces.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 3 and fields[3] == str(session) and fields[0] != "Z":
+            return True
+    return False
 
 
 EXIT_DIR = "DISTBELIEF_TEST_EXIT_DIR"
