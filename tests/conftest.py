@@ -389,17 +389,8 @@ def _exit_files(exit_dir: str, ranks: int, session: int) -> dict[int, int]:
 
 def _session_alive(session: int) -> bool:
     """Whether a process of session `session` still runs (zombies do not count)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            # "pid (comm) state ppid pgrp session ...": comm may hold spaces.
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 3 and fields[3] == str(session) and fields[0] != "Z":
-            return True
-    return False
+    return any(len(fields) > 3 and fields[3] == str(session) and fields[0] != "Z"
+               for _, fields in stuck_launcher.process_stats())
 
 
 EXIT_DIR = "DISTBELIEF_TEST_EXIT_DIR"

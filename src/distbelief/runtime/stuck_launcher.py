@@ -24,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 GRACE_S = 30.0  # a launcher that collects nothing for this long is stuck
@@ -48,10 +48,9 @@ def grace_s() -> float:
     return GRACE_S
 
 
-def children(pid: int, proc: Path = Path("/proc")) -> dict[int, str]:
-    """{child's pid: its state letter (Z for exited, uncollected)} for process `pid`'s
-    children that could be read."""
-    found = {}
+def process_stats(proc: Path = Path("/proc")) -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the command name: state, ppid, pgrp,
+    session, ...) for every process that could be read."""
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -60,9 +59,14 @@ def children(pid: int, proc: Path = Path("/proc")) -> dict[int, str]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if len(fields) > 1 and fields[1] == str(pid):
-            found[int(entry.name)] = fields[0]
-    return found
+        yield int(entry.name), fields
+
+
+def children(pid: int, proc: Path = Path("/proc")) -> dict[int, str]:
+    """{child's pid: its state letter (Z for exited, uncollected)} for process `pid`'s
+    children that could be read."""
+    return {child: fields[0] for child, fields in process_stats(proc)
+            if len(fields) > 1 and fields[1] == str(pid)}
 
 
 def all_children_exited(pid: int, proc: Path = Path("/proc")) -> bool:
