@@ -202,6 +202,8 @@ def test_a_signal_on_some_ranks_checkpoints_and_every_rank_exits_0(
     assert step > 0 and newest(out).step == step
     assert summary["checkpoint"].endswith(ckpt.checkpoint_name(step))
     assert f"stopped ({sig.name}) after {step} steps" in output
+    if sig == signal.SIGTERM:  # every rank got it; one of them says so, once
+        assert output.count("distbelief: SIGTERM received: stopping after this step") == 1
 
     # The rerun (a requeued job) continues from that step; max_steps counts the total.
     proc = run_mpi(n, ["-m", "distbelief", *train_args(data_dir, out, *shape(n, shards),

@@ -29,6 +29,7 @@ from conftest import (
 )
 from helpers import set_args
 
+from distbelief.algorithms.common import announces_signals
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
 
@@ -55,14 +56,17 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes(data_dir: Path, tmp_
                                                              launcher: str) -> None:
     out, log = tmp_path / "out", tmp_path / "log"
     budget = ["run.max_steps=0", "run.max_seconds=60"]
+    # A validation split: the test set is then evaluated at a run's end, never on a stop.
+    held_out = "data.validation=0.1"
     if launcher == "alone":
-        extra, n = SINGLE, 1
+        extra, n = [*SINGLE, held_out], 1
         cmd = [sys.executable, "-m", "distbelief", *train_args(data_dir, out, *extra, *budget)]
     else:
         n = int(launcher.split()[1][1:])
         extra = {"shards": ["cluster.ps_shards=2"],
                  "sandblaster": ['optimizer.algorithm="sandblaster"'],
                  "partitions": [*SINGLE, "cluster.partitions=3"]}.get(launcher.split()[-1], [])
+        extra = [*extra, held_out]
         cmd = [*mpiexec(n), sys.executable, str(PROGRAMS / "cli_exit_status.py"),
                *train_args(data_dir, out, *extra, *budget)]
     proc = start_in_background(cmd, log)
@@ -78,11 +82,20 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes(data_dir: Path, tmp_
     if n > 1:
         statuses = sorted(int(s) for s in re.findall(r"rank \d+ exit (\d+)", output))
         assert statuses == [130] * n, output
+    # One line for the job, from one rank, naming the signal; the closing line names it too.
+    assert output.count("distbelief: SIGINT received: stopping after this step") == 1, output
+    assert "distbelief: interrupted" not in output, output  # the old line, once per rank
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["stop_reason"] in ("SIGINT", "SIGTERM"), summary  # Downpour: SIGTERM
+    assert summary["stop_reason"] == "SIGINT", summary
+    assert "stopped (SIGINT)" in output, output
+    # The test set stays unseen: no figure printed, none in the records.
+    assert "test set, evaluated once" not in output and "test accuracy" not in output, output
+    assert "the test set was not evaluated: SIGINT interrupted the run" in output, output
+    assert summary["final_test_accuracy"] is None and "test_step" not in summary, summary
+    assert not [x for x in read_metrics(out / "metrics.jsonl") if x["kind"] == "test"]
     step = summary["steps"]
     if "partitions" in launcher:  # partitioned runs write no checkpoints: the summary only
-        assert step > 0 and summary["stop_reason"] == "SIGINT"
+        assert step > 0
         return
     found, _ = ckpt.find_latest(ckpt.checkpoint_root(out))
     assert step > 0 and found is not None and found.step == step
@@ -98,6 +111,10 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes(data_dir: Path, tmp_
         rerun.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == step + 100
+    # Ended by its own stop rule: now, and only now, the test set is evaluated, once.
+    assert summary["final_test_accuracy"] is not None and summary["test_step"] == step + 100
+    assert len([x for x in read_metrics(out / "metrics.jsonl") if x["kind"] == "test"]) == 1
+    assert rerun.stdout.count("test set, evaluated once at the end") == 1, rerun.stdout
 
 
 def test_a_second_ctrl_c_stops_at_once() -> None:
@@ -119,8 +136,16 @@ def test_a_second_ctrl_c_stops_at_once() -> None:
                           timeout=30, check=False)
     assert proc.returncode == 130, proc.stderr
     assert proc.stdout == "first: SIGINT 1\n"
-    assert "interrupted: stopping after this step" in proc.stderr
-    assert "interrupted again: stopping now" in proc.stderr
+    assert proc.stderr.count("SIGINT received: stopping after this step") == 1, proc.stderr
+    assert "SIGINT again: stopping now" in proc.stderr
+
+
+def test_only_the_first_rank_announces_a_signal() -> None:
+    """A launcher's signal reaches every rank: rank 0 (or a process without a launcher)
+    says so, the others keep quiet."""
+    assert announces_signals({}) and announces_signals({"PMI_RANK": "0"})
+    assert not announces_signals({"PMI_RANK": "2"})
+    assert not announces_signals({"OMPI_COMM_WORLD_RANK": "1"})
 
 
 # -- resuming is visible; nothing a run wrote is overwritten -------------------------------------

@@ -13,6 +13,7 @@ from another algorithm.
     evaluate(network, params, eval_set) -> (loss, accuracy)
     final_test(config, summary, stream)   a run with a validation split: the test set,
                                      evaluated once at the end, into summary.json
+                                     (not when a signal stopped it: SIGNAL_STOPS)
     starting_checkpoint(config, layout, resume, stream)   which checkpoint to resume from
     finished_run(config, resume, stream)   the summary of a finished run a rerun leaves be
     StopSignals()                    SIGTERM/SIGUSR1/SIGINT -> a flag the loop polls
@@ -47,6 +48,7 @@ from distbelief.records.metrics import (
     RunRecorder,
 )
 from distbelief.runtime import watchdog
+from distbelief.runtime.launcher import launcher_rank
 
 EVAL_BATCH_SIZE = 1000
 
@@ -55,6 +57,8 @@ STOP_CODES = {0: None, 1: "max_steps", 2: "max_seconds", 3: "SIGTERM", 4: "SIGUS
 """Why a run stops, as the int code a MAX-allreduce of the ranks' votes agrees on (the
 trainers whose ranks step in lockstep: partitioned sgd, sync, averaging); 0 goes on."""
 STOP_CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
+SIGNAL_STOPS = ("SIGTERM", "SIGUSR1", "SIGINT")
+"""The stop reasons of an interrupted run: a signal, not one of its own stop rules."""
 
 
 def prepare_run_dir(config: Config) -> Path:
@@ -134,8 +138,16 @@ def final_test(config: Config, summary: dict[str, Any],
     once, at the end, on the run's newest checkpoint (every trainer writes one when it
     stops), into summary.json (final_test_accuracy, final_test_loss, test_step) and
     metrics.jsonl (a "test" line); returns the summary. Other runs' summaries are returned
-    as they are. Call it on the rank that wrote the summary, after the trainer returned."""
+    as they are, and so are those of a run that a signal stopped: it is interrupted, not
+    over (a rerun resumes it), and a figure seen now would be a second look at the test
+    set later (SIGNAL_STOPS). Call it on the rank that wrote the summary, after the
+    trainer returned."""
     if summary.get("eval_split") != "validation":
+        return summary
+    if summary.get("stop_reason") in SIGNAL_STOPS:
+        say(stream, f"distbelief: the test set was not evaluated: {summary['stop_reason']} "
+                    f"interrupted the run (a rerun resumes it and evaluates it at its end; "
+                    f"`distbelief evaluate {config.run.out_dir}` does it on demand)")
         return summary
     from distbelief.records.export import read_trained
     from distbelief.records.metrics import write_json_atomic
@@ -252,6 +264,10 @@ class StopSignals:
     their own for it. mpiexec forwards a Ctrl-C to every rank as SIGINT. A second SIGINT
     ends the process at once (status 130), as an impatient user means it to; a checkpoint
     being written then is never half committed (distbelief.records.checkpoint commits atomically).
+
+    A first SIGINT or SIGTERM is said in one line, naming it, by the job's first rank only
+    (announce_stop). A SIGUSR1 is not: under hydra it may be the notice of a death, and the
+    trainer decides what it means; the closing line names whatever stopped the run.
     """
 
     NAMES = ("SIGTERM", "SIGUSR1", "SIGINT")
@@ -270,6 +286,9 @@ class StopSignals:
             note_interrupt(signum, frame)
             if _interrupts == before:
                 return  # the same Ctrl-C once more
+        elif name == "SIGTERM" and not self.counts["SIGTERM"]:
+            # Not SIGUSR1: under hydra it may be the notice of a death, no stop at all.
+            announce_stop(name)
         self._count(name)
 
     def _count(self, name: str) -> None:
@@ -318,10 +337,32 @@ def note_interrupt(signum: int = signal.SIGINT, frame: Any = None) -> None:
     if _interrupts == 1:
         _first_interrupt = time.monotonic()
     if _interrupts > 1:
-        os.write(2, b"distbelief: interrupted again: stopping now, without a checkpoint\n")
+        announce("distbelief: SIGINT again: stopping now, without a checkpoint")
         os._exit(INTERRUPTED_STATUS)
-    os.write(2, b"distbelief: interrupted: stopping after this step with a checkpoint "
-                b"(Ctrl-C again to stop at once)\n")
+    announce_stop("SIGINT")
+
+
+def announces_signals(environ: Any = os.environ) -> bool:
+    """Whether this process says, in one line, that a signal stops the run: the launcher's
+    rank 0, or a process started without a launcher. A launcher's signal reaches every
+    rank (mpiexec forwards a Ctrl-C to each, srun and slurmstepd signal every process of
+    the step), so one rank saying it is one line per job; the closing line names the
+    signal in any case."""
+    return launcher_rank(environ) in (None, "0")
+
+
+def announce(line: str) -> None:
+    """Write `line` to stderr on the rank that announces signals (announces_signals);
+    callable from a signal handler (one os.write, no buffered stream)."""
+    if announces_signals():
+        os.write(2, f"{line}\n".encode())
+
+
+def announce_stop(name: str) -> None:
+    """The one line that says signal `name` (SIGINT, SIGTERM) stops the run."""
+    again = " (Ctrl-C again to stop at once)" if name == "SIGINT" else ""
+    announce(f"distbelief: {name} received: stopping after this step with a checkpoint"
+             f"{again}")
 
 
 def interrupted_by_user() -> bool:

@@ -144,6 +144,8 @@ class Supervisor(_ShardRole):
         self._log_training()  # every replica has finished: the totals are final
         if self.reason is None:
             self.reason = "max_steps"
+        elif self.reason == "SIGTERM":  # a replica's count was read before our own SIGINT
+            self.reason = self._term_name()
 
     def _duties(self) -> bool:
         """Shard 0's duties between two polls; cheap unless one of them is due."""
@@ -235,7 +237,7 @@ class Supervisor(_ShardRole):
             return  # the run is ending: ranks leaving make hydra send SIGUSR1s
         if term > self._terms_seen:
             self._terms_seen = term
-            self._stop(rc.STOP_SIGNAL, "SIGTERM")
+            self._stop(rc.STOP_SIGNAL, self._term_name())
         new = int(np.count_nonzero(usr1 > self.usr1_seen))  # sources with a new SIGUSR1
         self.usr1_pending += [(self.usr1_read_at, now)] * new
         self.usr1_seen, self.usr1_read_at = usr1, now
@@ -255,6 +257,12 @@ class Supervisor(_ShardRole):
             else:
                 waiting.append((previous, first))
         self.usr1_pending = waiting
+
+    def _term_name(self) -> str:
+        """What the TERM counts stand for: a first SIGINT is counted as a SIGTERM (StopSignals),
+        so it is SIGINT when this rank had one. A Ctrl-C reaches every rank; a SIGINT sent
+        to one replica alone reads as SIGTERM."""
+        return "SIGINT" if self.signals.counts["SIGINT"] else "SIGTERM"
 
     # -- liveness
 
