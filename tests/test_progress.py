@@ -25,12 +25,17 @@ from helpers import finished
 from distbelief.data.arrays import write_dataset
 from distbelief.records.collapse import AT_CHANCE, EXPLODED, MIN_LINES, CollapseWatch
 from distbelief.records.metrics import (
+    TREND_MIN_EVALS,
     RunRecorder,
     budget_fraction,
     budget_text,
     duration_text,
+    next_stop,
     seconds_left,
+    target_seconds_left,
 )
+from distbelief.records.status import describe, run_status
+from distbelief.runtime import ownership
 
 # -- the budget and the ETA ------------------------------------------------------------------
 
@@ -50,8 +55,53 @@ def test_seconds_left_is_the_sooner_limit_at_the_step_rate():
 
 def test_durations_read_as_a_person_writes_them():
     assert [duration_text(s) for s in (4.4, 65, 3600 + 7 * 60 + 1)] == ["4s", "1m05s", "1h07m"]
-    assert budget_text(500, 5.0, 1000, 0, 100.0) == "  50% of budget, ETA 5s"
+    assert budget_text(500, 5.0, 1000, 0, 100.0) == "  50% of budget, ETA 5s (max_steps)"
+    assert budget_text(500, 5.0, 1000, 8.0, 100.0) == "  62% of budget, ETA 3s (max_seconds)"
     assert budget_text(500, 5.0, 0, 0, 100.0) == ""
+
+
+# Evaluations every second for 8 s, rising 0.01 a second from 0.51: the straight line
+# reaches 0.60 at t = 10, 0.70 at t = 20.
+RISING = [(float(t), 0.50 + 0.01 * t) for t in range(1, 9)]
+
+
+def test_the_target_eta_extrapolates_a_rising_trend():
+    assert target_seconds_left(RISING, 0.60, now=8.0) == pytest.approx(2.0)
+    assert target_seconds_left(RISING, 0.70, now=8.5) == pytest.approx(11.5)
+    # Noise of +-0.005 around the same line, and one evaluation far off: still about 12 s.
+    rng = np.random.default_rng(0)
+    noisy = [(t, a + rng.uniform(-0.005, 0.005)) for t, a in RISING]
+    noisy[5] = (noisy[5][0], 0.90)
+    assert target_seconds_left(noisy, 0.70, now=8.0) == pytest.approx(12.0, abs=2.0)
+    # Only the newest TREND_EVALS count: an early steep climb does not make it optimistic.
+    early = [(t / 10, 0.1 + t / 10) for t in range(1, 5)]  # +1.0 a second, t = 0.1..0.4
+    assert target_seconds_left(early + RISING, 0.70, now=8.0) == pytest.approx(12.0)
+
+
+def test_no_target_eta_without_a_rising_trend():
+    rng = np.random.default_rng(1)
+    flat = [(float(t), 0.70 + rng.normal(0, 0.01)) for t in range(1, 9)]
+    falling = [(t, 1.0 - a) for t, a in RISING]
+    assert target_seconds_left(flat, 0.88, now=8.0) is None  # noise around a level
+    assert target_seconds_left(falling, 0.88, now=8.0) is None
+    assert target_seconds_left(RISING[:TREND_MIN_EVALS - 1], 0.88, now=3.0) is None
+    assert target_seconds_left(RISING, 0.55, now=8.0) is None  # reached: it stops now
+    assert target_seconds_left([*RISING[:-1], (8.0, math.nan)], 0.70, now=8.0) \
+        == pytest.approx(12.0)  # a NaN evaluation is left out
+
+
+def test_the_eta_is_to_the_stop_rule_that_comes_first():
+    # The target at 0.60 comes in 2 s, before run.max_seconds = 300 (292 s left).
+    found = next_stop(400, 8.0, 0, 300.0, 50.0, 0.60, RISING)
+    assert found[0] == pytest.approx(2.0) and found[1] == "target 0.6 at the current trend"
+    # 0.70 in 12 s, but max_steps = 600 comes in 4 s at 50 steps a second.
+    assert next_stop(400, 8.0, 600, 300.0, 50.0, 0.70, RISING) == (4.0, "max_steps")
+    # Not rising: back to the budget, and nothing at all without one.
+    flat = [(t, 0.7) for t, _ in RISING]
+    assert next_stop(400, 8.0, 0, 300.0, 50.0, 0.88, flat) == (292.0, "max_seconds")
+    assert next_stop(400, 8.0, 0, 0.0, 50.0, 0.88, flat) is None
+    assert budget_text(400, 8.0, 0, 0.0, 50.0, 0.70, RISING) == \
+        "  ETA 12s (target 0.7 at the current trend)"
 
 
 def test_progress_lines_show_the_budget_and_eta(tmp_path):
@@ -61,9 +111,26 @@ def test_progress_lines_show_the_budget_and_eta(tmp_path):
     recorder.progress(250, 250 * 32, 0.5)
     line = stream.getvalue().strip()
     # 250 steps in about 10 s: 750 to go at ~25 steps/s, about 30 s.
-    found = re.search(r"(\d+)% of budget, ETA (\d+)s$", line)
+    found = re.search(r"(\d+)% of budget, ETA (\d+)s \(max_steps\)$", line)
     assert found, line
     assert int(found[1]) == 25 and 25 <= int(found[2]) <= 31
+    assert " samples/s (all replicas) " in line, line
+
+
+def test_progress_lines_count_down_to_a_target_that_comes_first(tmp_path):
+    stream = io.StringIO()
+    recorder = RunRecorder(tmp_path, progress_every_seconds=0.0, stream=stream,
+                           max_seconds=300.0, target_accuracy=0.9,
+                           start=time.monotonic() - 8.0)
+    for t, accuracy in RISING:  # evaluations logged t seconds into the run
+        recorder.start = time.monotonic() - t
+        recorder.log_eval(int(t * 50), int(t * 1600), 0.5, accuracy, 0.4)
+    recorder.start = time.monotonic() - 8.0
+    recorder.progress(400, 400 * 32, 0.5)
+    # 0.9 at the trend: t = 40, 32 s from now; max_seconds: 292 s.
+    found = re.search(r"\d+% of budget, ETA (\d+)s \(target 0.9 at the current trend\)$",
+                      stream.getvalue().strip())
+    assert found and 31 <= int(found[1]) <= 33, stream.getvalue()
 
 
 # -- collapse --------------------------------------------------------------------------------
@@ -177,6 +244,28 @@ def test_downpour_stops_on_a_collapse_on_every_rank(tmp_path, n):
 
 # -- status ----------------------------------------------------------------------------------
 
+def test_status_counts_down_to_the_target_at_the_trend(tmp_path):
+    """`status` on a live run (faked in process: this process owns the folder) whose
+    evaluations rise toward its target: the ETA is the target's, named; without a budget
+    too."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "owner.json").write_text(json.dumps(ownership.this_process()))
+    lines = [{"kind": kind, "time": t, "step": int(50 * t), "samples": int(1600 * t),
+              "loss": 0.5, **({"val_accuracy": a, "val_loss": 0.4} if kind == "eval" else {})}
+             for t, a in RISING for kind in ("train", "eval")]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    for run, spent in [({"max_seconds": 300, "target_accuracy": 0.7},
+                        "3% of run.max_seconds = 300"),
+                       ({"target_accuracy": 0.7}, "no run.max_steps or run.max_seconds")]:
+        (out / "config.json").write_text(json.dumps({"run": run}))
+        state = run_status(out)
+        assert state["budget"]["eta_rule"] == "target 0.7 at the current trend", state
+        assert state["budget"]["seconds_left"] == pytest.approx(12.0)
+        assert f"  budget:            {spent}; ETA 12s (target 0.7 at the current trend)" \
+            in describe(state).splitlines(), describe(state)
+
+
 def test_status_of_a_live_run_shows_its_budget_and_eta(synthetic_folder):
     config = small_config_text(32, optimizer={"algorithm": "sgd"}, cluster=None,
                                run={"max_steps": None, "max_seconds": 25})
@@ -196,4 +285,6 @@ def test_status_of_a_live_run_shows_its_budget_and_eta(synthetic_folder):
     budget = state["budget"]
     assert budget["max_seconds"] == 25 and 0 < budget["fraction"] < 1
     assert 0 < budget["seconds_left"] <= 25
-    assert re.search(r"budget: +\d+% of run.max_seconds = 25; ETA \d+s", text), text
+    assert re.search(r"budget: +\d+% of run.max_seconds = 25; ETA \d+s \(max_seconds\)",
+                     text), text
+    assert budget["eta_rule"] == "max_seconds"

@@ -37,8 +37,10 @@ the evaluation keys are named `final_val_accuracy`, `best_val_accuracy` and
 is evaluated at the end. The dict given to `finish` adds keys or overrides them.
 
 Given the run's budget (`max_steps`, `max_seconds`), progress lines say how much of it is
-spent and when it will be (ETA); given a CollapseWatch, a collapse is printed once when
-found and marked on every later progress line.
+spent, and their ETA counts down to the stop rule that will end the run first, named: a
+budget, or the target accuracy where the evaluations' trend rises toward it (next_stop).
+Given a CollapseWatch, a collapse is printed once when found and marked on every later
+progress line.
 
 Times come from time.monotonic(); pass `start` (a monotonic time) to count from an earlier
 moment than the recorder's creation.
@@ -58,6 +60,8 @@ import math
 import os
 import sys
 import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
@@ -118,6 +122,7 @@ class RunRecorder:
         self._best_accuracy: float | None = None
         self.time_to_target: float | None = None
         self._target_eval: dict[str, Any] | None = None  # the first eval at the target
+        self._trend: deque[tuple[float, float]] = deque(maxlen=TREND_EVALS)  # for the ETA
         self._next_progress = self.start + progress_every_seconds
         if resume is None:
             # A new run starts a new file: lines from an earlier run in the same folder
@@ -192,6 +197,7 @@ class RunRecorder:
         if accuracy is None:
             return
         self._last_eval = line
+        self._trend.append((float(line["time"]), accuracy))
         if self._best_accuracy is None or accuracy > self._best_accuracy:
             self._best_accuracy = accuracy
         if (self.target_accuracy is not None and self._target_eval is None
@@ -208,8 +214,9 @@ class RunRecorder:
                  test_accuracy: float | None = None) -> None:
         """Print a progress line if `progress_every_seconds` have passed since the last one.
 
-        samples/s is measured since the previous progress line; test accuracy defaults to
-        the last evaluation's.
+        samples/s is measured since the previous progress line, over the whole job (every
+        trainer passes the samples of all its replicas); test accuracy defaults to the last
+        evaluation's. The ETA counts down to the stop rule that comes first (next_stop).
         """
         now = time.monotonic()
         if now < self._next_progress or self.stream is None:
@@ -226,11 +233,12 @@ class RunRecorder:
         shown = f"{loss:.4f}" if math.isfinite(loss) else "-"
         elapsed = now - self.start
         step_rate = (step - self._rate_mark[1]) / max(now - self._rate_mark[0], 1e-9)
-        spent = budget_text(step, elapsed, self.max_steps, self.max_seconds, step_rate)
+        spent = budget_text(step, elapsed, self.max_steps, self.max_seconds, step_rate,
+                            self.target_accuracy, self._trend)
         warning = f"  [collapsed: {self.collapse.found.kind}]" if self.collapsed else ""
-        say(self.stream, f"step {step:>8d}  {rate:>9.0f} samples/s  loss {shown}  "
-                         f"{self._prefix} acc {accuracy}  elapsed {elapsed:.1f}s"
-                         f"{spent}{warning}")
+        say(self.stream, f"step {step:>8d}  {rate:>9.0f} samples/s (all replicas)  "
+                         f"loss {shown}  {self._prefix} acc {accuracy}  elapsed "
+                         f"{elapsed:.1f}s{spent}{warning}")
 
     def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """The summary of what was logged so far, updated with `extra`."""
@@ -331,12 +339,65 @@ def seconds_left(step: int, elapsed: float, max_steps: int, max_seconds: float,
                  step_rate: float) -> float | None:
     """When the budget will be spent, at `step_rate` steps a second: the sooner of the two
     limits; None without a budget (or a rate, for a step budget alone)."""
+    found = next_stop(step, elapsed, max_steps, max_seconds, step_rate)
+    return None if found is None else found[0]
+
+
+def next_stop(step: int, elapsed: float, max_steps: int, max_seconds: float,
+              step_rate: float, target: float | None = None,
+              evals: Sequence[tuple[float, float]] = ()) -> tuple[float, str] | None:
+    """(seconds left, which rule) for the stop rule that will end the run first: run.max_steps
+    at `step_rate` steps a second, run.max_seconds, or the target accuracy where the
+    evaluations' trend (`evals`: (time, accuracy) pairs, oldest first) is rising toward it
+    (target_seconds_left). None when no rule gives a time."""
     left = []
     if max_steps and step_rate > 0:
-        left.append(max(0.0, (max_steps - step) / step_rate))
+        left.append((max(0.0, (max_steps - step) / step_rate), "max_steps"))
     if max_seconds:
-        left.append(max(0.0, max_seconds - elapsed))
-    return min(left) if left else None
+        left.append((max(0.0, max_seconds - elapsed), "max_seconds"))
+    if target is not None:
+        trend = target_seconds_left(evals, target, elapsed)
+        if trend is not None:
+            left.append((trend, f"target {target:g} at the current trend"))
+    return min(left, key=lambda x: x[0]) if left else None
+
+
+TREND_EVALS = 8
+"""How many of the newest evaluations the target's trend is fitted on: the recent slope,
+since accuracy curves flatten as they rise."""
+TREND_MIN_EVALS = 4
+TREND_RISING = 0.75
+"""The share of the pairs of those evaluations that must rise for a trend to count: noise
+around a flat curve gives about half, and then no target ETA is given."""
+
+
+def target_seconds_left(evals: Sequence[tuple[float, float]], target: float,
+                        now: float) -> float | None:
+    """Seconds from `now` until the accuracy reaches `target`, extrapolating the straight
+    line through the newest TREND_EVALS evaluations ((time, accuracy), oldest first) with
+    a slope robust to noise (Theil-Sen: the median of the slopes of every pair). None when
+    there are fewer than TREND_MIN_EVALS, when fewer than TREND_RISING of the pairs rise
+    (not rising, or noise), or when the target is reached already (the run stops at that
+    evaluation: no forecast needed)."""
+    recent = [(float(t), float(a)) for t, a in list(evals)[-TREND_EVALS:]
+              if math.isfinite(t) and math.isfinite(a)]
+    if len(recent) < TREND_MIN_EVALS or recent[-1][1] >= target:
+        return None
+    slopes = [(a2 - a1) / (t2 - t1) for i, (t1, a1) in enumerate(recent)
+              for t2, a2 in recent[i + 1:] if t2 > t1]
+    if not slopes or sum(s > 0 for s in slopes) < TREND_RISING * len(slopes):
+        return None
+    slope = _median(slopes)
+    if slope <= 0:
+        return None
+    intercept = _median([a - slope * t for t, a in recent])
+    return max(0.0, (target - intercept) / slope - now)
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def duration_text(seconds: float) -> str:
@@ -350,14 +411,22 @@ def duration_text(seconds: float) -> str:
 
 
 def budget_text(step: int, elapsed: float, max_steps: int, max_seconds: float,
-                step_rate: float) -> str:
-    """"  12% of budget, ETA 3m05s" for a progress line, or "" without a budget."""
+                step_rate: float, target: float | None = None,
+                evals: Sequence[tuple[float, float]] = ()) -> str:
+    """"  12% of budget, ETA 3m05s (max_seconds)" for a progress line: the budget spent,
+    and the time to the stop rule that comes first (next_stop), named; "" when neither is
+    known."""
     fraction = budget_fraction(step, elapsed, max_steps, max_seconds)
-    if fraction is None:
-        return ""
-    left = seconds_left(step, elapsed, max_steps, max_seconds, step_rate)
-    eta = "" if left is None else f", ETA {duration_text(left)}"
-    return f"  {100 * fraction:.0f}% of budget{eta}"
+    found = next_stop(step, elapsed, max_steps, max_seconds, step_rate, target, evals)
+    parts = [] if fraction is None else [f"{100 * fraction:.0f}% of budget"]
+    if found is not None:
+        parts.append(eta_text(*found))
+    return f"  {', '.join(parts)}" if parts else ""
+
+
+def eta_text(seconds: float, rule: str) -> str:
+    """"ETA 3m05s (max_seconds)": the time left and the stop rule it counts down to."""
+    return f"ETA {duration_text(seconds)} ({rule})"
 
 
 def accuracy_text(summary: dict[str, Any]) -> str:
