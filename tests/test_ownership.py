@@ -30,6 +30,7 @@ from conftest import (
 from helpers import exit_statuses, set_args
 
 from distbelief.records.metrics import read_metrics
+from distbelief.records.status import describe, run_status
 from distbelief.runtime import ownership
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
@@ -325,6 +326,33 @@ def test_status_of_a_live_run_then_of_the_ended_run(data_dir: Path, tmp_path: Pa
     assert ended["stop_reason"] == "max_seconds"
     assert ended["last_step"] == ended["last_checkpoint"]["step"] == summary["steps"]
     assert run_cli(["status", out]).stdout.startswith(f"{out}: ended (max_seconds)")
+
+
+def test_status_says_the_last_sign_of_life_once_and_where_it_came_from(tmp_path: Path) -> None:
+    """A live run's two signs of life (the owner's heartbeat, refreshed every few seconds,
+    and metrics.jsonl, written every half second) are named apart, on one line, so they
+    never read as two answers to one question (in process, on a folder faked by hand)."""
+    out = tmp_path / "run"
+    now = time.time()
+    fake_owner(out, heartbeat=now - 4.0)  # this process: alive
+    (out / "metrics.jsonl").write_text('{"kind": "train", "time": 1.0, "step": 5, '
+                                       '"samples": 160, "loss": 1.0}\n')
+    os.utime(out / "metrics.jsonl", (now, now))
+    state = run_status(out)
+    assert state["alive"] and state["sign_of_life"] == "metrics.jsonl written"
+    assert state["last_sign_of_life"] == pytest.approx(now, abs=0.01)
+    assert state["heartbeat"] == pytest.approx(now - 4.0)
+    text = describe({**state, "checked_at": now})
+    assert text.count("heartbeat") == 1, text
+    assert "  last sign of life: 0s ago (metrics.jsonl written; owner heartbeat 4s ago)" \
+        in text.splitlines(), text
+    # Metrics older than the heartbeat (a run evaluating, or between two lines): the
+    # heartbeat is the last sign, and said once.
+    os.utime(out / "metrics.jsonl", (now - 30.0, now - 30.0))
+    state = run_status(out)
+    text = describe({**state, "checked_at": now})
+    assert text.splitlines()[-1] == "  last sign of life: 4s ago (owner heartbeat)", text
+    assert text.count("heartbeat") == 1, text
 
 
 def test_status_of_a_run_whose_owner_died(data_dir: Path, tmp_path: Path) -> None:

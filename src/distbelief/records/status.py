@@ -6,8 +6,10 @@ newest lines of metrics.jsonl give the last step and evaluation (a live run may 
 way through writing its last line: read_metrics drops it); checkpoints/ gives the newest
 committed checkpoint (by name, not verified: `distbelief inspect` verifies); summary.json
 says how a run that ended stopped. config.json's run.max_steps and run.max_seconds give how
-much of the budget is spent, and, while the run is alive, an ETA at its step rate since it
-last (re)started.
+much of the budget is spent, and, while the run is alive, an ETA to the stop rule that comes
+first (a budget at its step rate since it last (re)started, or its target accuracy at the
+evaluations' trend), named. The last sign of life is the newer of the owner's heartbeat and
+metrics.jsonl's last write, and says which it was.
 """
 
 from __future__ import annotations
@@ -45,12 +47,15 @@ def run_status(out_dir: str | Path) -> dict[str, Any]:
                                 out / ownership.OWNER_FILE, now)
         state["alive"] = why is None
         state["dead_because"] = why
-    signs = [owner.get("heartbeat")] if owner else []
+    # Two signs of life, on one clock (wall-clock UTC seconds): the owner's heartbeat,
+    # refreshed every few seconds (ownership.HEARTBEAT_S), and metrics.jsonl's last write,
+    # every half second while it trains. The newer is the last sign of life.
+    signs = {"owner heartbeat": owner.get("heartbeat") if owner else None}
     metrics_path = out / "metrics.jsonl"
     lines: list[dict[str, Any]] = []
     if metrics_path.exists():
         lines = read_metrics(metrics_path)
-        signs.append(metrics_path.stat().st_mtime)
+        signs["metrics.jsonl written"] = metrics_path.stat().st_mtime
     with_step = [x for x in lines if "step" in x]
     evals = [x for x in lines if x.get("kind") == "eval"]
     state["last_step"] = with_step[-1]["step"] if with_step else None
@@ -70,7 +75,11 @@ def run_status(out_dir: str | Path) -> dict[str, Any]:
         except (OSError, json.JSONDecodeError):
             summary = None  # being replaced right now (it is written atomically)
     state["stop_reason"] = summary.get("stop_reason") if summary else None
-    state["last_sign_of_life"] = max((s for s in signs if s), default=None)
+    known = {what: float(at) for what, at in signs.items() if at}
+    newest = max(known, key=known.__getitem__, default=None)
+    state["last_sign_of_life"] = known.get(newest) if newest else None
+    state["sign_of_life"] = newest
+    state["heartbeat"] = known.get("owner heartbeat")
     return state
 
 
@@ -87,11 +96,14 @@ def _run_config(out: Path) -> dict[str, Any]:
 def _budget(run: dict[str, Any], lines: list[dict[str, Any]],
             alive: bool) -> dict[str, Any] | None:
     """How much of run.max_steps / run.max_seconds the newest line has spent, and (alive)
-    the seconds left at the step rate since the run last started or resumed."""
-    from distbelief.records.metrics import budget_fraction, seconds_left
+    the seconds left to the stop rule that comes first (metrics.next_stop: a budget at the
+    step rate since the run last started or resumed, or the target at the evaluations'
+    trend), and which rule that is."""
+    from distbelief.records.metrics import budget_fraction, eval_accuracy, next_stop
 
     max_steps, max_seconds = int(run.get("max_steps") or 0), float(run.get("max_seconds") or 0)
-    if not lines or not (max_steps or max_seconds):
+    target = run.get("target_accuracy")
+    if not lines or not (max_steps or max_seconds or target is not None):
         return None
     last = lines[-1]
     since = [x for x in lines if x.get("kind") == "resume"] or lines[:1]
@@ -99,10 +111,14 @@ def _budget(run: dict[str, Any], lines: list[dict[str, Any]],
     spent = float(last.get("time", 0.0)) - float(first.get("time", 0.0))
     rate = (last["step"] - first["step"]) / spent if spent > 0 else 0.0
     elapsed = float(last.get("time", 0.0))
-    left = seconds_left(last["step"], elapsed, max_steps, max_seconds, rate) if alive else None
-    return {"max_steps": max_steps, "max_seconds": max_seconds,
+    evals = [(float(x["time"]), eval_accuracy(x)) for x in lines
+             if x.get("kind") == "eval" and "time" in x and eval_accuracy(x) is not None]
+    found = next_stop(last["step"], elapsed, max_steps, max_seconds, rate, target,
+                      evals) if alive else None
+    return {"max_steps": max_steps, "max_seconds": max_seconds, "target_accuracy": target,
             "fraction": budget_fraction(last["step"], elapsed, max_steps, max_seconds),
-            "seconds_left": left}
+            "seconds_left": None if found is None else found[0],
+            "eta_rule": None if found is None else found[1]}
 
 
 def _newest_checkpoint(root: Path) -> dict[str, Any] | None:
@@ -132,15 +148,16 @@ def _ago(then: float | None, now: float) -> str:
 
 def describe(state: dict[str, Any]) -> str:
     """The state as a few lines for a person."""
-    from distbelief.records.metrics import duration_text
+    from distbelief.records.metrics import eta_text
 
     now = state["checked_at"]
     owner = state["owner"]
+    # The heartbeat is said once, on the last line, beside the other sign of life.
     if state["alive"]:
-        head = f"running: {ownership.describe_owner(owner, now)}"
+        head = f"running: {ownership.describe_owner(owner, now, heartbeat=False)}"
     elif owner is not None:
-        head = (f"not running: its owner ({ownership.describe_owner(owner, now)}) is taken "
-                f"for dead: {state['dead_because']}; the next run takes over")
+        head = (f"not running: its owner ({ownership.describe_owner(owner, now, False)}) "
+                f"is taken for dead: {state['dead_because']}; the next run takes over")
     elif state["stop_reason"]:
         head = f"ended ({state['stop_reason']})"
     else:
@@ -162,11 +179,28 @@ def describe(state: dict[str, Any]) -> str:
             f"run.max_steps = {budget['max_steps']:,d}" if budget["max_steps"] else "",
             f"run.max_seconds = {budget['max_seconds']:g}" if budget["max_seconds"] else "")
             if text)
+        fraction = budget["fraction"]
+        spent = ("no run.max_steps or run.max_seconds" if fraction is None
+                 else f"{100 * fraction:.0f}% of {limits}")
         left = budget["seconds_left"]
-        eta = "" if left is None else f"; ETA {duration_text(left)}"
-        lines.append(f"  budget:            {100 * budget['fraction']:.0f}% of {limits}{eta}")
+        eta = "" if left is None else f"; {eta_text(left, budget['eta_rule'])}"
+        lines.append(f"  budget:            {spent}{eta}")
     ck = state["last_checkpoint"]
     lines.append(f"  last checkpoint:   {ck['path']} (step {ck['step']:,d}, written "
                  f"{_ago(ck['written_at'], now)})" if ck else "  last checkpoint:   none")
-    lines.append(f"  last sign of life: {_ago(state['last_sign_of_life'], now)}")
+    lines.append(f"  last sign of life: {_sign_of_life(state, now)}")
     return "\n".join(lines)
+
+
+def _sign_of_life(state: dict[str, Any], now: float) -> str:
+    """"0s ago (metrics.jsonl written; owner heartbeat 4s ago)": the newest sign, what it
+    was, and the owner's heartbeat when that is not it (it is refreshed only every few
+    seconds, so on a training run it is the older of the two)."""
+    newest, beat = state["last_sign_of_life"], state.get("heartbeat")
+    if newest is None:
+        return "never"
+    what = state.get("sign_of_life") or "owner heartbeat"
+    text = f"{_ago(newest, now)} ({what}"
+    if beat is not None and what != "owner heartbeat":
+        text += f"; owner heartbeat {_ago(beat, now)}"
+    return text + ")"

@@ -161,8 +161,10 @@ def is_dead(owner: dict[str, Any], me: dict[str, Any], timeout_s: float,
     return None
 
 
-def describe_owner(owner: dict[str, Any], now: float | None = None) -> str:
-    """'host H, process P, SLURM job J, running since T (heartbeat Ns ago)'."""
+def describe_owner(owner: dict[str, Any], now: float | None = None,
+                   heartbeat: bool = True) -> str:
+    """'host H, process P, SLURM job J, running since T (heartbeat Ns ago)'; without the
+    heartbeat when `heartbeat` is false (`status` says it beside the newer metrics)."""
     if not owner:
         return "an owner whose owner.json cannot be read"
     now = time.time() if now is None else now
@@ -173,8 +175,11 @@ def describe_owner(owner: dict[str, Any], now: float | None = None) -> str:
                      + (f" (restart {restart})" if restart else ""))
     since = time.strftime("%Y-%m-%d %H:%M:%S UTC",
                           time.gmtime(float(owner.get("started_at", 0.0))))
+    text = f"{', '.join(parts)}, running since {since}"
+    if not heartbeat:
+        return text
     beat = now - float(owner.get("heartbeat", 0.0))
-    return f"{', '.join(parts)}, running since {since} (heartbeat {beat:.0f}s ago)"
+    return f"{text} (heartbeat {beat:.0f}s ago)"
 
 
 def _write_private(out_dir: Path, record: dict[str, Any]) -> Path:
