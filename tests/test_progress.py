@@ -60,22 +60,23 @@ def test_durations_read_as_a_person_writes_them():
     assert budget_text(500, 5.0, 0, 0, 100.0) == ""
 
 
-# Evaluations every second for 8 s, rising 0.01 a second from 0.51: the straight line
-# reaches 0.60 at t = 10, 0.70 at t = 20.
-RISING = [(float(t), 0.50 + 0.01 * t) for t in range(1, 9)]
+# Evaluations every second for 8 s, 0.40 + 0.1 ln(t): a curve that flattens, as accuracy
+# does. It reaches 0.65 at t = e^2.5, 0.70 at t = e^3.
+RISING = [(float(t), 0.40 + 0.1 * math.log(t)) for t in range(1, 9)]
+TO_65, TO_70 = math.exp(2.5) - 8.0, math.exp(3.0) - 8.0  # seconds left at t = 8
 
 
 def test_the_target_eta_extrapolates_a_rising_trend():
-    assert target_seconds_left(RISING, 0.60, now=8.0) == pytest.approx(2.0)
-    assert target_seconds_left(RISING, 0.70, now=8.5) == pytest.approx(11.5)
-    # Noise of +-0.005 around the same line, and one evaluation far off: still about 12 s.
+    assert target_seconds_left(RISING, 0.65, now=8.0) == pytest.approx(TO_65)
+    assert target_seconds_left(RISING, 0.70, now=8.5) == pytest.approx(TO_70 - 0.5)
+    # Noise of +-0.005 around the same curve, and one evaluation far off: still about there.
     rng = np.random.default_rng(0)
     noisy = [(t, a + rng.uniform(-0.005, 0.005)) for t, a in RISING]
     noisy[5] = (noisy[5][0], 0.90)
-    assert target_seconds_left(noisy, 0.70, now=8.0) == pytest.approx(12.0, abs=2.0)
-    # Only the newest TREND_EVALS count: an early steep climb does not make it optimistic.
-    early = [(t / 10, 0.1 + t / 10) for t in range(1, 5)]  # +1.0 a second, t = 0.1..0.4
-    assert target_seconds_left(early + RISING, 0.70, now=8.0) == pytest.approx(12.0)
+    assert target_seconds_left(noisy, 0.70, now=8.0) == pytest.approx(TO_70, rel=0.2)
+    # Only the newest TREND_EVALS count: an early steep climb does not make it hopeful.
+    early = [(t / 10, t / 10) for t in range(1, 5)]  # +1.0 a second, t = 0.1..0.4
+    assert target_seconds_left(early + RISING, 0.70, now=8.0) == pytest.approx(TO_70)
 
 
 def test_no_target_eta_without_a_rising_trend():
@@ -86,14 +87,15 @@ def test_no_target_eta_without_a_rising_trend():
     assert target_seconds_left(falling, 0.88, now=8.0) is None
     assert target_seconds_left(RISING[:TREND_MIN_EVALS - 1], 0.88, now=3.0) is None
     assert target_seconds_left(RISING, 0.55, now=8.0) is None  # reached: it stops now
-    assert target_seconds_left([*RISING[:-1], (8.0, math.nan)], 0.70, now=8.0) \
-        == pytest.approx(12.0)  # a NaN evaluation is left out
+    assert target_seconds_left(RISING, 5.0, now=8.0) is None  # decades away: no forecast
+    assert target_seconds_left([*RISING[:-1], (8.0, math.nan)], 0.65, now=8.0) \
+        == pytest.approx(TO_65)  # a NaN evaluation is left out
 
 
 def test_the_eta_is_to_the_stop_rule_that_comes_first():
-    # The target at 0.60 comes in 2 s, before run.max_seconds = 300 (292 s left).
-    found = next_stop(400, 8.0, 0, 300.0, 50.0, 0.60, RISING)
-    assert found[0] == pytest.approx(2.0) and found[1] == "target 0.6 at the current trend"
+    # The target at 0.65 comes in 4 s, before run.max_seconds = 300 (292 s left).
+    found = next_stop(400, 8.0, 0, 300.0, 50.0, 0.65, RISING)
+    assert found[0] == pytest.approx(TO_65) and found[1] == "target 0.65 at the current trend"
     # 0.70 in 12 s, but max_steps = 600 comes in 4 s at 50 steps a second.
     assert next_stop(400, 8.0, 600, 300.0, 50.0, 0.70, RISING) == (4.0, "max_steps")
     # Not rising: back to the budget, and nothing at all without one.
@@ -101,7 +103,7 @@ def test_the_eta_is_to_the_stop_rule_that_comes_first():
     assert next_stop(400, 8.0, 0, 300.0, 50.0, 0.88, flat) == (292.0, "max_seconds")
     assert next_stop(400, 8.0, 0, 0.0, 50.0, 0.88, flat) is None
     assert budget_text(400, 8.0, 0, 0.0, 50.0, 0.70, RISING) == \
-        "  ETA 12s (target 0.7 at the current trend)"
+        f"  ETA {duration_text(TO_70)} (target 0.7 at the current trend)"
 
 
 def test_progress_lines_show_the_budget_and_eta(tmp_path):
@@ -120,17 +122,17 @@ def test_progress_lines_show_the_budget_and_eta(tmp_path):
 def test_progress_lines_count_down_to_a_target_that_comes_first(tmp_path):
     stream = io.StringIO()
     recorder = RunRecorder(tmp_path, progress_every_seconds=0.0, stream=stream,
-                           max_seconds=300.0, target_accuracy=0.9,
+                           max_seconds=300.0, target_accuracy=0.7,
                            start=time.monotonic() - 8.0)
     for t, accuracy in RISING:  # evaluations logged t seconds into the run
         recorder.start = time.monotonic() - t
         recorder.log_eval(int(t * 50), int(t * 1600), 0.5, accuracy, 0.4)
     recorder.start = time.monotonic() - 8.0
     recorder.progress(400, 400 * 32, 0.5)
-    # 0.9 at the trend: t = 40, 32 s from now; max_seconds: 292 s.
-    found = re.search(r"\d+% of budget, ETA (\d+)s \(target 0.9 at the current trend\)$",
+    # 0.7 at the trend: about 12 s from now; max_seconds: 292 s.
+    found = re.search(r"\d+% of budget, ETA (\d+)s \(target 0.7 at the current trend\)$",
                       stream.getvalue().strip())
-    assert found and 31 <= int(found[1]) <= 33, stream.getvalue()
+    assert found and abs(int(found[1]) - TO_70) <= 1, stream.getvalue()
 
 
 # -- collapse --------------------------------------------------------------------------------
@@ -261,9 +263,9 @@ def test_status_counts_down_to_the_target_at_the_trend(tmp_path):
         (out / "config.json").write_text(json.dumps({"run": run}))
         state = run_status(out)
         assert state["budget"]["eta_rule"] == "target 0.7 at the current trend", state
-        assert state["budget"]["seconds_left"] == pytest.approx(12.0)
-        assert f"  budget:            {spent}; ETA 12s (target 0.7 at the current trend)" \
-            in describe(state).splitlines(), describe(state)
+        assert state["budget"]["seconds_left"] == pytest.approx(TO_70)
+        assert f"  budget:            {spent}; ETA {duration_text(TO_70)} (target 0.7 at " \
+               f"the current trend)" in describe(state).splitlines(), describe(state)
 
 
 def test_status_of_a_live_run_shows_its_budget_and_eta(synthetic_folder):

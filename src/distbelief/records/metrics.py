@@ -363,35 +363,41 @@ def next_stop(step: int, elapsed: float, max_steps: int, max_seconds: float,
 
 
 TREND_EVALS = 8
-"""How many of the newest evaluations the target's trend is fitted on: the recent slope,
-since accuracy curves flatten as they rise."""
+"""How many of the newest evaluations the target's trend is fitted on."""
 TREND_MIN_EVALS = 4
 TREND_RISING = 0.75
 """The share of the pairs of those evaluations that must rise for a trend to count: noise
 around a flat curve gives about half, and then no target ETA is given."""
+LONGEST_ETA_S = 365 * 86400.0
+"""A target further off than this at the trend gets no forecast (the trend says nothing)."""
 
 
 def target_seconds_left(evals: Sequence[tuple[float, float]], target: float,
                         now: float) -> float | None:
-    """Seconds from `now` until the accuracy reaches `target`, extrapolating the straight
-    line through the newest TREND_EVALS evaluations ((time, accuracy), oldest first) with
-    a slope robust to noise (Theil-Sen: the median of the slopes of every pair). None when
-    there are fewer than TREND_MIN_EVALS, when fewer than TREND_RISING of the pairs rise
-    (not rising, or noise), or when the target is reached already (the run stops at that
-    evaluation: no forecast needed)."""
-    recent = [(float(t), float(a)) for t, a in list(evals)[-TREND_EVALS:]
-              if math.isfinite(t) and math.isfinite(a)]
+    """Seconds from `now` (seconds into the run) until the accuracy reaches `target`, from
+    the newest TREND_EVALS evaluations ((time, accuracy), oldest first): accuracy taken as
+    a straight line in the logarithm of the training time, whose slope is robust to noise
+    (Theil-Sen: the median of the slopes of every pair). Log time because accuracy curves
+    flatten: a straight line in time is far too hopeful early on (docs/configuration.md,
+    "Progress and the ETA"). None when there are fewer than TREND_MIN_EVALS, when fewer
+    than TREND_RISING of the pairs rise (not rising, or noise), or when the newest has
+    reached the target (the run stops there)."""
+    recent = [(math.log(t), float(a)) for t, a in list(evals)[-TREND_EVALS:]
+              if t > 0 and math.isfinite(t) and math.isfinite(a)]
     if len(recent) < TREND_MIN_EVALS or recent[-1][1] >= target:
         return None
-    slopes = [(a2 - a1) / (t2 - t1) for i, (t1, a1) in enumerate(recent)
-              for t2, a2 in recent[i + 1:] if t2 > t1]
+    slopes = [(a2 - a1) / (x2 - x1) for i, (x1, a1) in enumerate(recent)
+              for x2, a2 in recent[i + 1:] if x2 > x1]
     if not slopes or sum(s > 0 for s in slopes) < TREND_RISING * len(slopes):
         return None
     slope = _median(slopes)
     if slope <= 0:
         return None
-    intercept = _median([a - slope * t for t, a in recent])
-    return max(0.0, (target - intercept) / slope - now)
+    intercept = _median([a - slope * x for x, a in recent])
+    log_time = (target - intercept) / slope
+    if log_time > math.log(LONGEST_ETA_S + now):
+        return None
+    return max(0.0, math.exp(log_time) - now)
 
 
 def _median(values: Sequence[float]) -> float:
