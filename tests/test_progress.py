@@ -31,7 +31,6 @@ from distbelief.records.metrics import (
     budget_text,
     duration_text,
     next_stop,
-    seconds_left,
     target_seconds_left,
 )
 from distbelief.records.status import describe, run_status
@@ -46,11 +45,11 @@ def test_budget_fraction_is_the_limit_that_comes_first():
     assert budget_fraction(250, 10.0, 0, 0) is None
 
 
-def test_seconds_left_is_the_sooner_limit_at_the_step_rate():
-    assert seconds_left(250, 10.0, 1000, 0, step_rate=25.0) == 30.0
-    assert seconds_left(250, 10.0, 1000, 20.0, step_rate=25.0) == 10.0
-    assert seconds_left(250, 10.0, 1000, 0, step_rate=0.0) is None
-    assert seconds_left(250, 10.0, 0, 0, step_rate=25.0) is None
+def test_the_budget_left_is_the_sooner_limit_at_the_step_rate():
+    assert next_stop(250, 10.0, 1000, 0, step_rate=25.0) == (30.0, "max_steps")
+    assert next_stop(250, 10.0, 1000, 20.0, step_rate=25.0) == (10.0, "max_seconds")
+    assert next_stop(250, 10.0, 1000, 0, step_rate=0.0) is None
+    assert next_stop(250, 10.0, 0, 0, step_rate=25.0) is None
 
 
 def test_durations_read_as_a_person_writes_them():

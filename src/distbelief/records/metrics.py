@@ -335,14 +335,6 @@ def budget_fraction(step: int, elapsed: float, max_steps: int,
     return min(1.0, max(known)) if known else None
 
 
-def seconds_left(step: int, elapsed: float, max_steps: int, max_seconds: float,
-                 step_rate: float) -> float | None:
-    """When the budget will be spent, at `step_rate` steps a second: the sooner of the two
-    limits; None without a budget (or a rate, for a step budget alone)."""
-    found = next_stop(step, elapsed, max_steps, max_seconds, step_rate)
-    return None if found is None else found[0]
-
-
 def next_stop(step: int, elapsed: float, max_steps: int, max_seconds: float,
               step_rate: float, target: float | None = None,
               evals: Sequence[tuple[float, float]] = ()) -> tuple[float, str] | None:
