@@ -15,6 +15,7 @@ The tests of other files marked `nodes` run in this mode too under DISTBELIEF_TE
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from distbelief.runtime import counters
 from distbelief.runtime.faults import ENV as FAULTS
 from distbelief.runtime.heartbeat import Heartbeats
 from distbelief.runtime.nodes import _colors, simulated_nodes
+from distbelief.runtime.nodes import node_split as split_nodes  # node_split: a launch below
 from distbelief.runtime.placement import spread_order
 from distbelief.runtime.watchdog import GONE_GRACE_S, RankLost, Watchdog, watching
 
@@ -49,13 +51,75 @@ def test_simulated_nodes_reads_the_environment_and_refuses_nonsense() -> None:
             simulated_nodes({"DISTBELIEF_SIMULATED_NODES": bad})
 
 
-def test_simulated_nodes_narrow_mpis_split() -> None:
-    # MPI's nodes named by their first rank; the simulated split is rank % N.
-    assert _colors([0, 0, 0, 0, 0], 0) == [0, 0, 0, 0, 0]
-    assert _colors([0, 0, 0, 0, 0], 2) == [0, 1, 0, 1, 0]
-    assert _colors([0, 1, 0, 1, 0], 2) == [0, 1, 0, 1, 0]  # hydra's fake hosts agree
-    assert _colors([0, 0, 0, 3, 3, 3], 3) == [0, 1, 2, 3, 4, 5]  # never wider than MPI's
-    assert _colors([0, 1, 0, 1], 1) == [0, 1, 0, 1]
+ONE_HOST = ["here"] * 5
+
+
+def test_simulated_nodes_replace_mpis_split_of_one_machine() -> None:
+    # MPI's nodes named by their first rank; the simulated split is rank % N on each host.
+    assert _colors([0, 0, 0, 0, 0], ONE_HOST, 0) == [0, 0, 0, 0, 0]
+    assert _colors([0, 1, 2, 3, 4], ONE_HOST, 0) == [0, 1, 2, 3, 4]  # NOLOCAL, no setting
+    for nolocal in (False, True):  # MPIR_CVAR_NOLOCAL=1: one MPI node per rank
+        mpi = [0, 1, 2, 3, 4] if nolocal else [0, 0, 0, 0, 0]
+        assert _colors(mpi, ONE_HOST, 2) == [0, 1, 0, 1, 0]
+        assert _colors(mpi, ONE_HOST, 4) == [0, 1, 2, 3, 0]
+    assert _colors([0, 1, 0, 1, 0], ONE_HOST, 2) == [0, 1, 0, 1, 0]  # hydra's fake hosts agree
+    assert _colors([0, 1, 2, 3, 0], ONE_HOST, 2) == [0, 1, 0, 1, 0]  # N wins over 4 fake hosts
+
+
+def test_simulated_nodes_never_merge_real_machines() -> None:
+    hosts = ["a", "a", "a", "b", "b", "b"]
+    assert _colors([0, 0, 0, 3, 3, 3], hosts, 0) == [0, 0, 0, 1, 1, 1]
+    assert _colors([0, 0, 0, 3, 3, 3], hosts, 3) == [0, 1, 2, 3, 4, 5]
+    assert _colors([0, 0, 0, 3, 3, 3], hosts, 1) == [0, 0, 0, 1, 1, 1]
+    assert _colors([0, 1, 0, 1], ["a", "b", "a", "b"], 1) == [0, 1, 0, 1]  # srun -m cyclic
+
+
+class FakeComm:
+    """What node_split asks of a communicator, as rank `me` of a job whose ranks are on
+    MPI's nodes `mpi_node` (named by their first rank) and on `hosts`."""
+
+    def __init__(self, me: int, mpi_node: list[int], hosts: list[str]):
+        self.me, self.mpi_node, self.hosts = me, mpi_node, hosts
+
+    def Get_rank(self) -> int:
+        return self.me
+
+    def Split_type(self, kind: int, key: int) -> FakeComm:
+        return self  # its bcast below answers as this rank's MPI node would
+
+    def bcast(self, value: int, root: int) -> int:
+        return self.mpi_node[self.me]
+
+    def Free(self) -> None:
+        pass
+
+    def allgather(self, mine: tuple) -> list[tuple]:
+        assert mine[1] == socket.gethostname()
+        return list(zip(self.mpi_node, self.hosts))
+
+
+@pytest.mark.parametrize("n, mpi_node", [(5, [0, 0, 0, 0, 0]), (5, [0, 1, 2, 3, 4]),
+                                         (8, [0, 1, 2, 3, 0, 1, 2, 3])])
+@pytest.mark.parametrize("simulated", [2, 4])
+def test_node_split_gives_n_nodes_with_or_without_nolocal(n: int, mpi_node: list[int],
+                                                          simulated: int) -> None:
+    """One machine's ranks, on one MPI node, one each (MPIR_CVAR_NOLOCAL=1), or on hydra's
+    4 fake hosts: DISTBELIEF_SIMULATED_NODES=N is N nodes, rank r on node r % N."""
+    host = socket.gethostname()
+    env = {"DISTBELIEF_SIMULATED_NODES": str(simulated)}
+    for me in range(n):
+        nodes = split_nodes(FakeComm(me, mpi_node, [host] * n), env)
+        assert nodes.count == simulated and nodes.simulated == simulated
+        assert nodes.node_of == tuple(r % simulated for r in range(n))
+        assert nodes.me == me and not nodes.single and not nodes.shares_memory
+
+
+def test_shared_memory_stays_within_mpis_nodes() -> None:
+    host = socket.gethostname()
+    alone = split_nodes(FakeComm(0, [0, 1, 2], [host] * 3), {"DISTBELIEF_SIMULATED_NODES": "1"})
+    assert alone.single and not alone.shares_memory  # one node, but MPI shares nothing
+    together = split_nodes(FakeComm(2, [0, 0, 0], [host] * 3), {})
+    assert together.single and together.shares_memory
 
 
 def test_shards_are_dealt_round_robin_over_the_nodes() -> None:
@@ -71,8 +135,10 @@ def test_shards_are_dealt_round_robin_over_the_nodes() -> None:
 # -- the split under MPI -----------------------------------------------------------------------
 
 
-def node_split(n: int, hosts: str = "", nodes: str = "") -> dict:
+def node_split(n: int, hosts: str = "", nodes: str = "", nolocal: bool = False) -> dict:
     env = {**_env(), "DISTBELIEF_SIMULATED_NODES": nodes}
+    if nolocal:  # MPICH: one MPI node per rank (Open MPI ignores it: one MPI node)
+        env["MPIR_CVAR_NOLOCAL"] = "1"
     env.pop("DISTBELIEF_PS_TRANSPORT", None)
     options = ("-launcher", "fork", "-hosts", hosts) if hosts else ()
     env.pop("DISTBELIEF_TEST_NODES", None)  # this test sets the launch itself
@@ -87,11 +153,13 @@ def node_split(n: int, hosts: str = "", nodes: str = "") -> dict:
     (3, "", "2", [0, 1, 0], "rma"),                    # DISTBELIEF_SIMULATED_NODES alone
     (5, "h1,h2,h3", "", [0, 1, 2, 0, 1], "rma"),       # MPI's split of hydra's fake hosts
     (5, "h1,h2", "2", [0, 1, 0, 1, 0], "rma"),         # both, as the test mode runs
+    (5, "NOLOCAL", "2", [0, 1, 0, 1, 0], "rma"),       # MPIR_CVAR_NOLOCAL=1: still 2 nodes
 ])
 def test_the_node_split_decides_the_transport_and_liveness(
         n: int, hosts: str, nodes: str,
         node_of: list[int], transport: str) -> None:
-    found = node_split(n, hosts, nodes)
+    nolocal = hosts == "NOLOCAL"
+    found = node_split(n, "" if nolocal else hosts, nodes, nolocal)
     assert found["node_of"] == node_of
     assert found["transport"] == transport
     # Every rank runs on this machine, yet /proc is looked at only on rank 0's node.

@@ -8,7 +8,8 @@ and the script ask for a requeue; running the script again as the requeued job
 (SLURM_RESTART_COUNT=1) must resume from that checkpoint and stop at exactly max_steps,
 for the single-process trainer, Downpour and Sandblaster alike.
 Also: a failed run is never requeued and keeps its exit status, the requeue cap, SIGTERM,
-and every script passing `bash -n` and shellcheck (a `system` test: the package
+the scripts' one copy of that code (slurm/common.sh, found from sbatch's spool copy of a
+script), and every script passing `bash -n` and shellcheck (a `system` test: the package
 shellcheck).
 """
 
@@ -24,12 +25,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.slurm import JOB_ID, SCRIPTS, SHIMS, TIMEOUT, Job, kill_session
+from helpers.slurm import COMMON, JOB_ID, SCRIPTS, SHIMS, TIMEOUT, Job, kill_session
 
 from distbelief.runtime.faults import ENV as FAULTS
 
-COMMON_BEGIN = "# ---- Signals, requeue and exit status"
-COMMON_END = "# ---- End of the common part"
+FIND_BEGIN = "# ---- Find slurm/common.sh"
+FIND_END = "# ---- End of finding slurm/common.sh"
 
 # About 3 s of training each on a quiet machine (sgd; Downpour at 3 to 5 ranks): USR1, sent
 # once the first steps are logged (0.5 s in), comes well before the end. Downpour's toy
@@ -204,7 +205,7 @@ def test_missing_config_argument_is_a_usage_error(tmp_path):
 
 # -- the scripts themselves ---------------------------------------------------------------
 
-SHELL_FILES = [*SCRIPTS.values(), SHIMS / "scontrol"]  # the srun shim is Python
+SHELL_FILES = [*SCRIPTS.values(), COMMON, SHIMS / "scontrol"]  # the srun shim is Python
 
 
 @pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
@@ -216,26 +217,65 @@ def test_script_passes_bash_n(path):
 
 @pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
 def test_script_passes_shellcheck(path, shellcheck):
-    lint = subprocess.run([shellcheck, "--shell=bash", str(path)], capture_output=True,
+    # -x: follow the scripts' `. "$common"` into slurm/common.sh (its source= directive).
+    lint = subprocess.run([shellcheck, "-x", "--shell=bash", str(path)], capture_output=True,
                           text=True, timeout=60, check=False)
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
-def common_part(path: Path) -> str:
+def find_block(path: Path) -> str:
     text = path.read_text()
-    begin, end = text.find(COMMON_BEGIN), text.find(COMMON_END)
-    assert 0 <= begin < end, f"{path.name}: the common part's markers are missing"
+    begin, end = text.find(FIND_BEGIN), text.find(FIND_END)
+    assert 0 <= begin < end, f"{path.name}: the markers of its common.sh lookup are missing"
     return text[begin:end]
 
 
-def test_signal_handling_is_the_same_in_every_script():
-    """The scripts are self-contained (sbatch copies only the script); this keeps their
-    signal, requeue and exit-status logic from drifting apart."""
-    parts = {name: common_part(path) for name, path in SCRIPTS.items()}
-    first = next(iter(parts.values()))
-    assert "scontrol requeue" in first and "trap 'forward USR1' USR1" in first
-    for name, part in parts.items():
-        assert part == first, f"{name}.sbatch's common part differs"
+def test_the_signal_code_lives_once_in_common_sh():
+    """The signal, requeue and exit-status code is slurm/common.sh's alone; each script
+    only finds and sources it, with the same lookup."""
+    common = COMMON.read_text()
+    assert "trap 'forward USR1' USR1" in common and "scontrol requeue" in common
+    blocks = {name: find_block(path) for name, path in SCRIPTS.items()}
+    assert len(set(blocks.values())) == 1, "the scripts' common.sh lookups differ"
+    assert '. "$common"' in next(iter(blocks.values()))
+    for name, path in SCRIPTS.items():
+        text = path.read_text()
+        assert "trap " not in text and "finish() {" not in text, name
+        calls = re.findall(r"^finish ", text, flags=re.MULTILINE)
+        assert len(calls) == 1, f"{name}.sbatch must call finish PID once"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_common_sh_is_found_from_sbatchs_spool_copy(tmp_path, name):
+    """sbatch runs a copy of the script (slurmd's spool/job<id>/slurm_script), away from
+    common.sh: it is found through SLURM_SUBMIT_DIR (submitted from the repository) or
+    DISTBELIEF_SLURM_DIR, and otherwise the job ends at once saying how to fix it. Run
+    without arguments, a script that found common.sh stops at its usage line."""
+    spool = tmp_path / "spool" / "job4242"
+    spool.mkdir(parents=True)
+    copy = spool / "slurm_script"
+    copy.write_text(SCRIPTS[name].read_text())
+    elsewhere = tmp_path / "submitted_here"
+    elsewhere.mkdir()
+
+    def run(**env: str) -> subprocess.CompletedProcess:
+        environ = {k: v for k, v in os.environ.items()
+                   if not k.startswith("SLURM_") and k != "DISTBELIEF_SLURM_DIR"}
+        return subprocess.run(["bash", str(copy)], env={**environ, "SLURM_JOB_ID": JOB_ID,
+                                                        **env},
+                              cwd=elsewhere, capture_output=True, text=True, timeout=30,
+                              check=False)
+
+    repo = SCRIPTS[name].parent.parent
+    for found in (run(SLURM_SUBMIT_DIR=str(repo)),
+                  run(SLURM_SUBMIT_DIR=str(elsewhere), DISTBELIEF_SLURM_DIR=str(COMMON.parent))):
+        assert found.returncode == 2 and "usage: sbatch" in found.stderr, found.stderr
+    for lost in (run(SLURM_SUBMIT_DIR=str(elsewhere)),
+                 run(SLURM_SUBMIT_DIR=str(repo), DISTBELIEF_SLURM_DIR=str(elsewhere))):
+        assert lost.returncode == 2, lost.stderr
+        assert "common.sh not found" in lost.stderr and "DISTBELIEF_SLURM_DIR" in lost.stderr
+        assert "usage: sbatch" not in lost.stderr
+        assert lost.stderr.count("\n") == 1, lost.stderr  # one line, nothing else
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -249,9 +289,23 @@ def test_script_asks_slurm_for_signal_requeue_and_appending_log(name):
     assert len(margins) == 1 and margins[0] >= 60, directives
     assert "export HDF5_USE_FILE_LOCKING=FALSE" in text
     assert "# module load" in text
+    # --mem, with the command that prints the memory plan's figure beside it.
+    assert len([d for d in directives if re.fullmatch(r"--mem=\d+[KMGT]", d)]) == 1, directives
+    assert "#   distbelief costmodel CONFIG --layouts S:R:P" in text
     # #SBATCH lines after the first command are ignored by sbatch.
     first_command = re.search(r"^[^#\n]", text, flags=re.MULTILINE).start()
     assert text.rfind("#SBATCH") < first_command
+
+
+@pytest.mark.parametrize("name", ["multi_node", "compare"])
+def test_scripts_over_several_nodes_have_an_infiniband_section(name):
+    text = SCRIPTS[name].read_text()
+    section = text[text.index("# ---- InfiniBand"):]
+    section = section[:section.index("# ------")]
+    for setting in ("UCX_NET_DEVICES=", "UCX_TLS=", "MPIR_CVAR_CH4_NETMOD=ucx",
+                    "Open MPI 5: SRUN_MPI=pmix", "Open MPI 4.x"):
+        assert setting in section, setting
+    assert "Nothing here has run on InfiniBand" in section
 
 
 # -- one live run per run.out_dir (distbelief.runtime.ownership) -------------------------------------------

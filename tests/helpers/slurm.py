@@ -18,6 +18,7 @@ from conftest import REPO, _env
 from distbelief.records.checkpoint import checkpoint_root, find_latest
 
 SCRIPTS = {path.stem: path for path in sorted((REPO / "slurm").glob("*.sbatch"))}
+COMMON = REPO / "slurm" / "common.sh"  # what every script sources
 SHIMS = REPO / "tests" / "slurm_shims"
 JOB_ID = "4242"
 TIMEOUT = 120

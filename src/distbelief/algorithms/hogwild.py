@@ -240,8 +240,13 @@ def check_one_node(comm: MPI.Comm) -> None:
     the simulated one). Collective over `comm`."""
     nodes = node_split(comm)
     hosts = comm.allgather(MPI.Get_processor_name())
-    if nodes.single:
+    if nodes.shares_memory:
         return
+    if nodes.single:  # one simulated node that MPI splits finer
+        raise ConfigError(
+            "optimizer.algorithm = \"hogwild\" needs every rank in one shared-memory "
+            "segment, but MPI shares no memory between these ranks (MPIR_CVAR_NOLOCAL=1, or "
+            "hydra's -hosts); start them without it")
     groups = "; ".join(f"{_ranks_text(nodes.ranks_on(n))} on node {n} (host "
                        f"{hosts[nodes.ranks_on(n)[0]]})" for n in range(nodes.count))
     how = " (simulated)" if nodes.simulated else ""

@@ -290,7 +290,7 @@ def _open_shared(comm: MPI.Comm, topology: Topology, ranges: list[tuple[int, int
     names = _shareable_state(optimizer)
     why = None
     if node.Get_size() != comm.Get_size():
-        why = "the ranks are on more than one node"
+        why = "the ranks are on more than one node (or MPI shares no memory between them)"
     elif names is None:
         why = "the optimizer's state cannot live in shared memory"
     lock_fd = _lock_file(node) if why is None else None

@@ -3,22 +3,28 @@ uses (the parameter-server transport, liveness by /proc or by heartbeat, the sha
 communicator).
 
 MPI decides first: `Split_type(COMM_TYPE_SHARED)` groups the ranks that can share memory.
-Host names are not used: under MPICH's `mpiexec -launcher fork -hosts h1,h2,h3` every rank
+Host names are not used for that: under MPICH's `mpiexec -launcher fork -hosts h1,h2,h3` every rank
 runs on this machine with this host name, yet MPI puts each fake host on a node of its
 own and talks between them through its network module, and it is MPI's split that the
 transports and their failure modes follow.
 
-SIMULATED NODES. With DISTBELIEF_SIMULATED_NODES=N, MPI's split is narrowed further: rank
-r of the communicator is on simulated node r % N (the order in which hydra's `-hosts
-h1,...,hN` places ranks, so the two ways agree). Every decision above then goes as on N
-nodes: the RMA transport, heartbeats instead of /proc. To send MPI's own traffic through
-its network module as well, MPICH needs MPIR_CVAR_NOLOCAL=1 in the launcher's
-environment (or the fake hosts above); docs/cluster.md shows both.
+SIMULATED NODES. With DISTBELIEF_SIMULATED_NODES=N, the ranks of each machine (host name)
+are dealt over N simulated nodes, rank r of the communicator on node r % N (the order in
+which hydra's `-hosts h1,...,hN` places ranks, so the two ways agree), whatever MPI's split
+of that machine is: MPIR_CVAR_NOLOCAL=1 or hydra's fake hosts make it finer (one node per
+rank, or per fake host), and N nodes are N nodes either way. Ranks on different host
+names are never put on one node, so on a real cluster the setting only splits real nodes
+further. Every decision above then goes as on N nodes: the RMA transport, heartbeats
+instead of /proc. Shared memory is still only taken within one of MPI's nodes
+(`Nodes.shares_memory`, node_communicator). To send MPI's own traffic through its network
+module as well, MPICH needs MPIR_CVAR_NOLOCAL=1 in the launcher's environment (or the fake
+hosts above); docs/cluster.md shows both.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -51,6 +57,9 @@ class Nodes:
 
     node_of: tuple[int, ...]
     me: int
+    # MPI's own split (COMM_TYPE_SHARED), numbered the same way: the ranks that can share
+    # memory. node_of is this unless simulated.
+    mpi_node_of: tuple[int, ...]
     simulated: int = 0  # N of DISTBELIEF_SIMULATED_NODES, 0 if unset
 
     @property
@@ -61,6 +70,12 @@ class Nodes:
     def single(self) -> bool:
         """Every rank on one node (so shared memory can hold the parameter server)."""
         return self.count == 1
+
+    @property
+    def shares_memory(self) -> bool:
+        """Every rank on one node, and MPI can put one shared-memory window over them all
+        (not so on one simulated node under MPIR_CVAR_NOLOCAL=1 or fake hosts)."""
+        return self.single and len(set(self.mpi_node_of)) == 1
 
     def same_node(self, rank: int) -> bool:
         """`rank` is on this rank's node (its process can be looked at in /proc)."""
@@ -76,12 +91,19 @@ class Nodes:
         return f"{self.count} node{'s' * (self.count > 1)}{how}: {groups}"
 
 
-def _colors(mpi_node: list[int], simulated: int) -> list[int]:
-    """Node numbers 0.. (in order of first rank) from each rank's MPI node and, if
-    `simulated`, its simulated node rank % simulated. Pure."""
-    keys = [(node, rank % simulated if simulated else 0) for rank, node in enumerate(mpi_node)]
-    numbers: dict[tuple[int, int], int] = {}
+def _numbered(keys: list) -> list[int]:
+    """0, 1, ... for each distinct key, in order of first appearance. Pure."""
+    numbers: dict = {}
     return [numbers.setdefault(key, len(numbers)) for key in keys]
+
+
+def _colors(mpi_node: list[int], hosts: list[str], simulated: int) -> list[int]:
+    """Node numbers 0.. (in order of first rank) from each rank's MPI node and host name:
+    MPI's nodes, or with `simulated` N, rank % N within each host (module docstring).
+    Pure."""
+    if not simulated:
+        return _numbered(mpi_node)
+    return _numbered([(host, rank % simulated) for rank, host in enumerate(hosts)])
 
 
 def node_split(comm: MPI.Comm, environ: Mapping[str, str] | None = None) -> Nodes:
@@ -93,12 +115,18 @@ def node_split(comm: MPI.Comm, environ: Mapping[str, str] | None = None) -> Node
         leader = shared.bcast(comm.Get_rank(), root=0)  # names this MPI node
     finally:
         shared.Free()
-    return Nodes(tuple(_colors(comm.allgather(leader), simulated)), comm.Get_rank(), simulated)
+    everyone = comm.allgather((leader, socket.gethostname()))
+    mpi_node = [node for node, _ in everyone]
+    return Nodes(tuple(_colors(mpi_node, [host for _, host in everyone], simulated)),
+                 comm.Get_rank(), tuple(_numbered(mpi_node)), simulated)
 
 
 def node_communicator(comm: MPI.Comm, nodes: Nodes | None = None) -> MPI.Comm:
-    """The ranks of `comm` on this rank's node, in `comm`'s order (the caller frees it).
-    Collective over `comm` (node_split when `nodes` is None, then a Comm.Split)."""
+    """The ranks of `comm` on this rank's node that MPI can share memory between (all of
+    the node's but on a simulated node that MPI splits finer), in `comm`'s order (the
+    caller frees it). Collective over `comm` (node_split when `nodes` is None, then a
+    Comm.Split)."""
     if nodes is None:
         nodes = node_split(comm)
-    return comm.Split(nodes.node_of[nodes.me], key=comm.Get_rank())
+    both = _numbered(list(zip(nodes.node_of, nodes.mpi_node_of)))
+    return comm.Split(both[nodes.me], key=comm.Get_rank())
