@@ -21,9 +21,11 @@ import pytest
 from conftest import REPO, _env, run_mpi, survive_a_death
 from helpers import exit_statuses, set_args
 
+from distbelief.algorithms.averaging.collective import check_job
 from distbelief.algorithms.downpour.elastic import CenterUpdate, elastic_step
 from distbelief.config import build_network, load_config
 from distbelief.data.hdf5 import TrainShard, open_dataset
+from distbelief.errors import DataError
 from distbelief.model.optimizers import make_optimizer
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.report import THROUGHPUT_FIGURE, load_run, plot_runs
@@ -211,3 +213,14 @@ def test_easgd_trains_and_survives_a_killed_replica(data_dir: Path, tmp_path: Pa
     assert summary["stop_reason"] == "max_steps" and steps - TAU <= summary["steps"] <= steps
     assert [x["replica"] for x in summary["lost_replicas"]] == [1]
     assert summary["final_test_accuracy"] > 0.6, summary["final_test_accuracy"]
+
+
+def test_a_batch_larger_than_a_replicas_rows_names_the_validation_split(data_dir):
+    # Pure: the same error on every rank before any collective (issue 42: the count after
+    # the validation split was printed as the file's).
+    config = load_config(data_dir / "synth.toml", ["data.batch_size=1400",
+                                                   "data.validation=0.1"])
+    with pytest.raises(DataError, match=r"larger than the 1350 training rows each of the 2 "
+                       r"replicas gets, from the 2700 training rows after the validation "
+                       r"split \(data.validation = 0.1\) of the 3000 in \S+synth.h5;"):
+        check_job(config, 2, 2700, 300)

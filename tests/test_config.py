@@ -352,8 +352,15 @@ def test_bad_layer_spec_is_reported_with_its_key(tmp_path: Path, data_file: Path
 
 def test_batch_and_eval_sizes_must_fit_the_data(tmp_path: Path, data_file: Path) -> None:
     path = write_config(data_file.parent, VALID)
-    with pytest.raises(DataError, match="data.batch_size = 500 .* 200 training samples"):
+    with pytest.raises(DataError, match=r"data.batch_size = 500 is larger than the 200 "
+                       r"training rows in \S+synth.h5$"):
         load_config(path, ["data.batch_size=500"], cwd=tmp_path)
+    # After a validation split the count is not the file's: the message says which it is
+    # (issue 42: "324 rows in tiny.h5" for a file of 360 training rows).
+    with pytest.raises(DataError, match=r"data.batch_size = 190 is larger than the 180 "
+                       r"training rows after the validation split \(data.validation = 0.1\) "
+                       r"of the 200 in \S+synth.h5$"):
+        load_config(path, ["data.batch_size=190", "data.validation=0.1"], cwd=tmp_path)
     with pytest.raises(DataError, match="run.eval_samples = 51 .* 50 test samples"):
         load_config(path, ["run.eval_samples=51"], cwd=tmp_path)
 

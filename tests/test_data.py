@@ -26,6 +26,7 @@ from distbelief.data.hdf5 import (
     open_dataset,
     read_rows,
     read_rows_at,
+    with_validation,
 )
 from distbelief.errors import DataError
 
@@ -512,8 +513,12 @@ def test_state_of_another_shard_is_refused(indexed: DatasetInfo) -> None:
 
 
 def test_shard_argument_errors(indexed: DatasetInfo) -> None:
-    with pytest.raises(DataError, match="23 training rows cannot be split into 24 shards"):
+    with pytest.raises(DataError, match="23 training rows in .* cannot be split into 24 "):
         TrainShard(indexed, rank=0, num_ranks=24)
+    held = with_validation(indexed, 0.2)  # 18 rows trained on, 5 held out
+    with pytest.raises(DataError, match=r"the 18 training rows after the validation split "
+                       r"\(data.validation\) of the 23 in .* cannot be split into 19 shards"):
+        TrainShard(held, rank=0, num_ranks=19)
     for rank in (-1, 3, 1.0):
         with pytest.raises(ValueError, match="rank must be an integer in"):
             TrainShard(indexed, rank=rank, num_ranks=3)

@@ -444,8 +444,14 @@ def test_plan_validates_rank_count_and_data_without_communicating(data_dir):
     assert plan.num_replicas == 3 and plan.topology.replica_index == 2 and plan.n_push == 3
     with pytest.raises(ConfigError, match="leave 0 for model replicas"):
         plan_run(config_for(data_dir), world_size=1, world_rank=0, n_train=4000)
-    with pytest.raises(DataError, match="larger than the 1333 training rows"):
+    with pytest.raises(DataError, match=r"larger than the 1333 training rows each of the 3 "
+                       r"replicas gets, from the 4000 training rows in \S+synth.h5;"):
         plan_run(config_for(data_dir, "data.batch_size=1334"), 4, 0, n_train=4000)
+    with pytest.raises(DataError, match=r"larger than the 1200 training rows each of the 3 "
+                       r"replicas gets, from the 3600 training rows after the validation "
+                       r"split \(data.validation = 0.1\) of the 4000 in \S+synth.h5;"):
+        plan_run(config_for(data_dir, "data.batch_size=1334", "data.validation=0.1"), 4, 0,
+                 n_train=3600, held_out=400)
 
 
 def test_grants_add_up_to_max_steps_whatever_the_claim_order():

@@ -22,6 +22,7 @@ import distbelief
 from distbelief.data.converters import convert_idx, make_synthetic
 from distbelief.errors import UserError
 from distbelief.records import checkpoint as ckpt
+from distbelief.records import export
 from distbelief.records.export import TrainedModel, read_export, read_trained, write_export
 
 TIMEOUT = 180
@@ -266,9 +267,9 @@ def test_safetensors_reads_the_safetensors_export(dense_run: Path, tmp_path: Pat
 
     with safe_open(str(out), framework="numpy") as f:
         metadata = f.metadata()
-    assert json.loads(metadata["format"]) == "distbelief-export"
+    assert metadata["format"] == "distbelief-export"  # a plain string, not JSON text
     assert json.loads(metadata["input_shape"]) == [16]
-    assert json.loads(metadata["num_classes"]) == 4
+    assert metadata["num_classes"] == "4"
 
 
 @pytest.mark.parametrize("fmt", ["hdf5", "safetensors"])
@@ -449,7 +450,7 @@ def test_the_format_follows_the_extension_and_a_mismatch_is_refused(dense_run: P
     from safetensors import safe_open
 
     with safe_open(str(out), framework="numpy") as f:
-        assert json.loads(f.metadata()["format"]) == "distbelief-export"
+        assert f.metadata()["format"] == "distbelief-export"
     out = tmp_path / "guess.HDF5"
     assert run_cli(["export", dense_run, "--out", out]).returncode == 0
     with h5py.File(out) as f:
@@ -572,6 +573,34 @@ def test_write_and_read_keep_every_array_and_the_metadata(tmp_path: Path, fmt: s
         (model.layers, (7, 7, 3), 1 / 255, 5)
     assert dict(distbelief.Model(back).named_parameters())["layers.0.weight"].shape == \
         (3, 3, 27, 2)
+
+
+def safetensors_metadata(path: Path) -> dict[str, str]:
+    """The raw __metadata__ of a safetensors file, read as the format's spec says."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + length])["__metadata__"]
+
+
+def test_safetensors_metadata_holds_plain_strings_and_old_exports_still_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = random_model()
+    new = write_export(model, tmp_path / "new.safetensors", "safetensors")
+    meta = safetensors_metadata(new)
+    assert meta["format"] == "distbelief-export"  # once '"distbelief-export"' (issue 42)
+    assert (meta["version"], meta["num_classes"]) == ("1", "5")
+    assert json.loads(meta["layers"]) == model.layers
+    assert json.loads(meta["input_shape"]) == [7, 7, 3]
+    # An export written before the change: every value JSON text, the string quoted.
+    monkeypatch.setattr(export, "_encode_metadata",
+                        lambda metadata: {k: json.dumps(v) for k, v in metadata.items()})
+    old = write_export(model, tmp_path / "old.safetensors", "safetensors")
+    assert safetensors_metadata(old)["format"] == '"distbelief-export"'
+    for path in (new, old):
+        back = read_export(path)
+        assert (back.layers, back.input_shape, back.input_scale, back.num_classes) == \
+            (model.layers, (7, 7, 3), 1 / 255, 5), path
+        assert np.array_equal(back.params, model.params)
 
 
 def test_predict_takes_the_stored_arrays_and_refuses_others() -> None:

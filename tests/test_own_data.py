@@ -4,14 +4,18 @@ of .npy files or another HDF5 file; every mistake is one line that says what to 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
 
+from distbelief.algorithms.sgd import train
+from distbelief.config import load_config
 from distbelief.data import arrays, write_dataset
+from distbelief.data.converters import make_synthetic
 from distbelief.data.hdf5 import IMAGE_SCALE, load_split, open_dataset
 from distbelief.errors import DataError
 
@@ -197,3 +201,36 @@ def test_training_on_unconverted_arrays_points_to_the_converter(tmp_path: Path) 
     for name in ("raw.npz", "keras.h5"):
         with pytest.raises(DataError, match="distbelief prepare arrays"):
             open_dataset(tmp_path / name)
+
+
+FEATURES_CONFIG = REPO / "configs" / "features_7class.toml"
+
+
+def test_the_feature_vector_example_config_fits_its_data_and_learns(tmp_path: Path) -> None:
+    # configs/features_7class.toml (issue 42): flat features and 7 classes, the shipped
+    # example that is neither images nor 10 classes. Its data, as its own comment makes it
+    # (fewer rows), must fit its model, and a short run must beat chance widely.
+    text = FEATURES_CONFIG.read_text()
+    prepare = " ".join(line.lstrip("# ").rstrip("\\ ") for line in text.splitlines()
+                       if line.startswith(("# Data:", "#    ")))
+    shape, classes = re.search(r"--shape (\d+) --classes (\d+)", prepare).groups()
+    data = tmp_path / "features.h5"
+    make_synthetic(data, 3000, 500, (int(shape),), int(classes))
+    config = load_config(FEATURES_CONFIG, [f'data.path="{data}"',
+                                           f'run.out_dir="{tmp_path / "run"}"'])
+    assert int(classes) != 10 and open_dataset(data).input_shape == (int(shape),)
+    assert config.model.layers[-1]["units"] == int(classes)
+    assert config.optimizer.algorithm == "downpour" and config.data.validation > 0
+    # The page that points here gives the same commands.
+    page = (REPO / "docs" / "your-own-data.md").read_text()
+    assert "mpiexec -n 3 python -m distbelief train configs/features_7class.toml" in page
+    assert "--shape 54 --classes 7" in page and f"--shape {shape} --classes {classes}" in text
+    # The same model and data in one process (Downpour needs ranks; one replica of it is
+    # this sequential SGD): 300 steps.
+    sgd = load_config(FEATURES_CONFIG, [f'data.path="{data}"', 'optimizer.algorithm="sgd"',
+                                        "cluster.ps_shards=0", "run.max_steps=300",
+                                        "run.target_accuracy=0.99",
+                                        f'run.out_dir="{tmp_path / "sgd"}"'])
+    summary = train(sgd, stream=None)
+    assert summary["steps"] == 300
+    assert summary["final_val_accuracy"] > 3 / int(classes), summary  # chance: 1/7

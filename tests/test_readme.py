@@ -7,6 +7,8 @@ import re
 
 from conftest import REPO
 
+from distbelief.config import load_config
+
 README = (REPO / "README.md").read_text()
 CI = (REPO / ".ci" / "run").read_text()
 
@@ -57,3 +59,17 @@ def test_no_test_module_imports_torch_at_module_level():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             assert not any(re.match(r"torch(\.|$)", n) for n in names), path.name
+
+
+def test_quick_start_trains_two_replicas_so_the_report_shows_asynchrony():
+    # With 1 replica every push has staleness 0: no histogram, one throughput bar.
+    [command] = [c for c in _code_lines(_quick_start()) if "distbelief train" in c]
+    ranks, config_path = re.search(r"mpiexec -n (\d+) python -m distbelief train (\S+)",
+                                   command).groups()
+    config = load_config(REPO / config_path, check_data=False, cwd=REPO)
+    replicas = int(ranks) - config.cluster.ps_shards * config.cluster.partitions
+    assert config.optimizer.algorithm == "downpour" and replicas == 2
+    assert f"distbelief report {config.run.out_dir.relative_to(REPO)}" in command
+    # The config's own comment gives the same command.
+    assert f"# Run:  mpiexec -n {ranks} python -m distbelief train {config_path}" \
+        in (REPO / config_path).read_text()

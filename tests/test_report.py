@@ -66,6 +66,7 @@ def record_figures(plt, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
                         for a in fig.axes],
             "xticks": [t.get_text() for t in ax.get_xticklabels()],
             "xlim": ax.get_xlim(), "ylabel": ax.get_ylabel(),
+            "texts": [text.get_text() for text in ax.texts],
         })
         close(fig)
 
@@ -133,6 +134,19 @@ def test_staleness_axis_has_integer_bins_up_to_the_largest_seen(
     stale = next(f for f in figures if f["title"].startswith("Staleness"))
     assert stale["xticks"] == ["0", "1", "2", "3", "4"]  # not -0.4 .. 0.4, not up to 63
     assert stale["xlim"] == (-0.5, 4.5)
+
+
+def test_throughput_shows_each_replicas_rate_and_the_runs_total(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The README's quick start (1 shard, 2 replicas): a person reads both replicas' figures.
+    plt = pytest.importorskip("matplotlib.pyplot")
+    run = fake_downpour(tmp_path / "quick", [5, 30, 10], replicas=2)  # 100 and 101 samples/s
+    figures = record_figures(plt, monkeypatch)
+    make_report([run], tmp_path / "plots")
+    throughput = next(f for f in figures if f["title"].startswith("Training throughput"))
+    assert throughput["xticks"] == ["0", "1"]
+    assert throughput["texts"] == ["100", "101"]
+    assert throughput["legend"] == ["quick (total 201 samples/s over 2 replicas)"]
 
 
 def test_no_staleness_histogram_when_every_push_was_fresh(tmp_path: Path) -> None:

@@ -811,7 +811,7 @@ def check_data_fits(config: Config) -> None:
 
     Cheap: reads the file's metadata only and does not allocate parameters.
     """
-    from distbelief.data.hdf5 import open_dataset, with_validation
+    from distbelief.data.hdf5 import open_dataset, training_rows, with_validation
 
     # Metadata only: the trainer reads and checks the labels (once per rank, not twice).
     info = with_validation(open_dataset(config.data.path, labels=False),
@@ -832,8 +832,9 @@ def check_data_fits(config: Config) -> None:
             raise ConfigError(f"cluster.{e}") from e
     # Sandblaster's batch is the whole training set when batch_size is that large.
     if config.data.batch_size > info.n_train and config.optimizer.algorithm != "sandblaster":
+        rows = training_rows(info.n_train, info.held_out, info.path, config.data.validation)
         raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
-                        f"{info.n_train} training samples in {info.path}")
+                        f"{rows}")
     split, rows = ("validation", info.n_val) if info.n_val else ("test", info.n_test)
     if config.run.eval_samples > rows:
         raise DataError(f"run.eval_samples = {config.run.eval_samples} is larger than the "

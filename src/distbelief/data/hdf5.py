@@ -279,6 +279,18 @@ def _describe(path: Path, f: h5py.File, labels: bool = True,
                        scale=train_scale, n_val=n_val)
 
 
+def training_rows(n_train: int, held_out: int, path: str | Path,
+                  validation: float | None = None) -> str:
+    """The training rows an error message counts, in terms the user knows: '360 training
+    rows in tiny.h5', or after a validation split (`held_out` rows of /train) '324 training
+    rows after the validation split (data.validation = 0.1) of the 360 in tiny.h5'."""
+    if not held_out:
+        return f"{n_train} training rows in {path}"
+    setting = f"data.validation = {validation:g}" if validation else "data.validation"
+    return (f"{n_train} training rows after the validation split ({setting}) of the "
+            f"{n_train + held_out} in {path}")
+
+
 def with_validation(info: DatasetInfo, fraction: float) -> DatasetInfo:
     """`info` with the last round(fraction * n_train) rows of /train held out as the
     validation split (data.validation): they are never trained on. fraction 0 leaves
@@ -426,8 +438,8 @@ def shard_range(info: DatasetInfo, rank: int, num_ranks: int, seed: int) -> tupl
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if num_ranks > info.n_train:
-        raise DataError(f"{info.path}: {info.n_train} training rows cannot be split into "
-                        f"{num_ranks} shards")
+        raise DataError(f"the {training_rows(info.n_train, info.held_out, info.path)} "
+                        f"cannot be split into {num_ranks} shards")
     return balanced_ranges(info.n_train, num_ranks)[int(rank)]
 
 

@@ -26,8 +26,11 @@ where the weights came from: checkpoint path, step, samples, algorithm, config h
 SAFETENSORS FILE (https://huggingface.co/docs/safetensors): 8-byte little-endian header
 length, a JSON header, the raw little-endian float32 data. Tensors are named as above
 (optimizer state as optimizer.<state>.<name>); the header's __metadata__ holds the same
-keys as the HDF5 attributes, each value JSON text. This module writes and reads the format
-itself: it is small and fully specified, and a login node then needs no extra package.
+keys as the HDF5 attributes, all strings as the format requires: format as it is, the
+others as JSON text (numbers as their decimal text). Exports written before 2026-12 held
+format as JSON text too ('"distbelief-export"'); the reader takes both. This module writes
+and reads the format itself: it is small and fully specified, and a login node then needs
+no extra package.
 
 Files are written under a temporary name, fsynced and renamed into place; an existing
 file is never overwritten.
@@ -59,6 +62,8 @@ PARAM_NAMES = {"weights": "weight", "bias": "bias"}
 """Layout array name -> exported name (PyTorch's)."""
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one
+JSON_METADATA = ("version", "layers", "input_shape", "input_scale", "num_classes", "source")
+"""The metadata keys that are not strings: JSON text in a safetensors header."""
 
 
 class ExportError(UserError):
@@ -282,8 +287,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
         raise ExportError(not_one)
     try:
         header = json.loads(data[8:8 + length])
-        raw_meta = header.pop("__metadata__", {}) or {}
-        metadata = {key: json.loads(value) for key, value in raw_meta.items()}
+        metadata = _decode_metadata(header.pop("__metadata__", {}) or {})
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as exc:
         raise ExportError(f"{not_one} (its header does not parse: {exc})") from exc
     body = memoryview(data)[8 + length:]
@@ -302,6 +306,18 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
                               "inside the file")
         arrays[name] = np.frombuffer(body[begin:end], dtype="<f4").reshape(shape)
     return metadata, arrays
+
+
+def _decode_metadata(raw: Mapping[str, str]) -> dict[str, Any]:
+    """The inverse of `_encode_metadata`: JSON_METADATA keys parsed, other strings kept;
+    a JSON-quoted string (format in an export written before 2026-12) unquoted."""
+    metadata = {}
+    for key, value in raw.items():
+        if not isinstance(value, str):
+            raise TypeError(f"metadata {key} is {value!r}, not a string")
+        old_quoted = len(value) >= 2 and value[0] == value[-1] == '"'
+        metadata[key] = json.loads(value) if key in JSON_METADATA or old_quoted else value
+    return metadata
 
 
 # ---------------------------------------------------------------------------------------
@@ -382,9 +398,15 @@ def _write_hdf5(path: Path, metadata: Mapping[str, Any],
                 params.create_dataset(name, data=values)
 
 
+def _encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
+    """safetensors metadata holds strings only: a string as it is, anything else as JSON."""
+    return {key: value if isinstance(value, str) else json.dumps(value)
+            for key, value in metadata.items()}
+
+
 def _write_safetensors(path: Path, metadata: Mapping[str, Any],
                        arrays: Mapping[str, np.ndarray]) -> None:
-    header: dict[str, Any] = {"__metadata__": {k: json.dumps(v) for k, v in metadata.items()}}
+    header: dict[str, Any] = {"__metadata__": _encode_metadata(metadata)}
     offset = 0
     for name, values in arrays.items():
         size = values.size * 4

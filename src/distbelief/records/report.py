@@ -14,8 +14,9 @@ algorithm "downpour", "easgd" or "diloco" and a list of replicas), two more:
     staleness_histogram.png  share of pushes by staleness (updates the shard applied
                              between a replica's fetch and its push), one bar group per run;
                              not drawn when every push had staleness 0 (one replica)
-    replica_throughput.png   samples/s of each replica of each Downpour run, with the
-                             single-process runs' samples/s as horizontal reference lines
+    replica_throughput.png   samples/s of each replica of each Downpour run (on each bar;
+                             the run's total in the legend), with the single-process
+                             runs' samples/s as horizontal reference lines
 When at least one run is a Sandblaster L-BFGS run (training lines with `grad_norm`), two
 more, read from metrics.jsonl alone (so they work on a running job):
     sandblaster_iterations.png  per iteration: training loss, gradient norm, step size and
@@ -308,13 +309,20 @@ def _plot_staleness(plt: Any, runs: Sequence[Run], path: Path) -> Path:
 
 def _plot_throughput(plt: Any, runs: Sequence[Run], baselines: Sequence[Run],
                      path: Path) -> Path:
-    """Each replica's samples/s; single-process runs as reference lines."""
+    """Each replica's samples/s, written on its bar, and the run's total over its replicas
+    in the legend; single-process runs as reference lines."""
     fig, ax = _figure(plt)
     offsets, width = _bar_offsets(len(runs))
     for run, dx in zip(runs, offsets):
         replicas = run.summary["replicas"]
-        ax.bar([r.get("replica", i) + dx for i, r in enumerate(replicas)],
-               [r.get("samples_per_second") or 0 for r in replicas], width, label=run.name)
+        rates = [r.get("samples_per_second") or 0 for r in replicas]
+        label = run.name
+        if len(replicas) > 1:
+            label += f" (total {sum(rates):,.0f} samples/s over {len(replicas)} replicas)"
+        bars = ax.bar([r.get("replica", i) + dx for i, r in enumerate(replicas)],
+                      rates, width, label=label)
+        if len(replicas) <= 16:  # more would crowd the bars' labels into each other
+            ax.bar_label(bars, labels=[f"{rate:,.0f}" for rate in rates], fontsize="small")
     shown = list(runs)
     for run, style in zip(baselines, itertools.cycle(("--", ":", "-.", (0, (5, 1, 1, 1))))):
         rate = (run.summary or {}).get("samples_per_second")

@@ -61,6 +61,7 @@ from distbelief.algorithms.common import (
 )
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
+from distbelief.data.hdf5 import training_rows
 from distbelief.errors import ConfigError, DataError
 from distbelief.model import kernels
 from distbelief.records import checkpoint as ckpt
@@ -95,7 +96,7 @@ OPTIMIZER_PREFIX = "optimizer."  # a replica part's arrays that hold its optimiz
 LOST_ABORT_WAIT_S = 5.0  # how long a rank that is not the lowest live one leaves the abort
 
 
-def check_job(config: Config, world_size: int, n_train: int) -> None:
+def check_job(config: Config, world_size: int, n_train: int, held_out: int = 0) -> None:
     """The job fits collective averaging: every rank a replica of one rank, each with at
     least a batch of rows. Pure, so every rank raises the same error before communicating."""
     cluster, name = config.cluster, config.optimizer.algorithm
@@ -110,10 +111,10 @@ def check_job(config: Config, world_size: int, n_train: int) -> None:
                           f"each; cluster.partitions = {cluster.partitions} is not supported")
     smallest = n_train // world_size
     if config.data.batch_size > smallest:
+        rows = training_rows(n_train, held_out, config.data.path, config.data.validation)
         raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
-                        f"{smallest} training rows each of the {world_size} replicas gets "
-                        f"({n_train} rows in {config.data.path}); use a smaller batch or "
-                        f"fewer replicas")
+                        f"{smallest} training rows each of the {world_size} replicas gets, "
+                        f"from the {rows}; use a smaller batch or fewer replicas")
 
 
 @dataclass
@@ -219,7 +220,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     session = RunSession(variant.name, config, comm, stream, resume)
     info, network = session.info, session.network
     size, rank = comm.Get_size(), comm.Get_rank()
-    check_job(config, size, info.n_train)
+    check_job(config, size, info.n_train, info.held_out)
     set_blas_threads(config.run.threads or 1)
     path = session.choose_checkpoint(size, variant.name,
                                      why=" and each replica's optimizer state is its own")

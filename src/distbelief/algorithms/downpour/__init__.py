@@ -75,7 +75,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     session = RunSession(run_name(config), config, comm, stream, resume)
     info, network = session.info, session.network
     # Validated before the handlers go in: a bad configuration fails at once.
-    topology = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train).topology
+    topology = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train,
+                        info.held_out).topology
     set_blas_threads((config.run.threads or 1) if topology.is_replica else 1)
     # Handlers first: a signal that arrives during the set-up is counted and acted on
     # once training runs, instead of killing the rank (SIGUSR1's default action).

@@ -11,6 +11,7 @@ from typing import Any
 
 from distbelief.algorithms.common import TrainingDiverged
 from distbelief.config import Config
+from distbelief.data.hdf5 import training_rows
 from distbelief.errors import DataError, UserError
 from distbelief.ps import run_control as rc
 from distbelief.records import checkpoint as ckpt
@@ -106,17 +107,20 @@ class DownpourPlan:
         return self.topology.num_replicas
 
 
-def plan_run(config: Config, world_size: int, world_rank: int, n_train: int) -> DownpourPlan:
+def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
+             held_out: int = 0) -> DownpourPlan:
     """Check that the job fits the configuration and the data; pure (no communication),
-    so every rank raises the same ConfigError/DataError before the first collective."""
+    so every rank raises the same ConfigError/DataError before the first collective.
+    `n_train` rows are trained on, after `held_out` went to the validation split."""
     cluster, opt = config.cluster, config.optimizer
     topology = Topology(world_size, world_rank, cluster.ps_shards, cluster.partitions)
     smallest = n_train // topology.num_replicas  # balanced_ranges: sizes differ by <= 1
     if config.data.batch_size > smallest:
+        rows = training_rows(n_train, held_out, config.data.path, config.data.validation)
         raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
                         f"{smallest} training rows each of the {topology.num_replicas} "
-                        f"replicas gets ({n_train} rows in {config.data.path}); use a "
-                        f"smaller batch or fewer replicas")
+                        f"replicas gets, from the {rows}; use a smaller batch or fewer "
+                        f"replicas")
     return DownpourPlan(topology, config.data.batch_size, opt.n_fetch, opt.n_push,
                         opt.warm_start_steps, config.run.max_steps,
                         config.run.max_bad_gradients_in_a_row,

@@ -99,7 +99,7 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     if session is None:
         session = RunSession(run_name(config), config, comm, stream, resume)
     info, network = session.info, session.network
-    plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train)
+    plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train, info.held_out)
     topology = plan.topology
     # Before config.json is rewritten: a refused resume leaves the run folder as it was.
     path = session.choose_checkpoint()

@@ -15,6 +15,7 @@ import numpy as np
 from distbelief.algorithms.sandblaster.lbfgs import LbfgsOptions
 from distbelief.algorithms.sandblaster.work_units import unit_ranges
 from distbelief.config import Config
+from distbelief.data.hdf5 import training_rows
 from distbelief.errors import ConfigError
 from distbelief.model.layout import balanced_ranges
 from distbelief.model.partition import partition_pieces
@@ -145,9 +146,10 @@ def all_pieces(network: Any, partitions: int,
 
 
 def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
-             num_params: int) -> SandblasterPlan:
+             num_params: int, held_out: int = 0) -> SandblasterPlan:
     """Check that the job fits; pure, so every rank raises the same ConfigError before the
-    first collective."""
+    first collective. `n_train` rows are trained on, after `held_out` went to the
+    validation split."""
     opt, cluster = config.optimizer, config.cluster
     topology = Topology(world_size, world_rank, cluster.ps_shards, cluster.partitions,
                         coordinator=True)
@@ -159,9 +161,9 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
                                      math.ceil(batch / (AUTO_UNITS_PER_REPLICA
                                                         * topology.num_replicas)))
     if unit > batch:
+        rows = training_rows(n_train, held_out, config.data.path, config.data.validation)
         raise ConfigError(f"optimizer.work_unit_size = {unit} is larger than the batch of "
-                          f"{batch} examples (data.batch_size, at most the {n_train} "
-                          f"training rows)")
+                          f"{batch} examples (data.batch_size, at most the {rows})")
     options = LbfgsOptions(m=opt.m, c1=opt.wolfe_c1, c2=opt.wolfe_c2,
                            wolfe=opt.line_search == "wolfe",
                            max_line_search=opt.max_line_search,

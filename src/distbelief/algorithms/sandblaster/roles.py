@@ -95,7 +95,7 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     session = RunSession("sandblaster", config, comm, stream, resume)
     info, network = session.info, session.network
     plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train,
-                    network.layout.size)
+                    network.layout.size, info.held_out)
     pieces = all_pieces(network, plan.partitions, splits)  # pure: the same error everywhere
     set_blas_threads(config.run.threads or 1)
     topology = plan.topology
