@@ -163,7 +163,7 @@ PRIVATE_IMPORTS_ALLOWED = {
         ("distbelief.ps.shared_memory", "distbelief.ps.endpoint"),
         ("distbelief.ps.transport", "distbelief.ps.rma_windows"),
         ("distbelief.ps.transport", "distbelief.ps.shared_memory"),
-        ("distbelief.algorithms.downpour", "distbelief.algorithms.downpour.shards"),
+        ("distbelief.algorithms.downpour.trainer", "distbelief.algorithms.downpour.shards"),
         ("distbelief.algorithms.downpour.supervisor", "distbelief.algorithms.downpour.shards"),
     ]},
     # Flush-to-zero must be set before numpy loads its BLAS, whose threads inherit it; the

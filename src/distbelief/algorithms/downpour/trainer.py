@@ -1,18 +1,5 @@
-"""Downpour SGD (Dean et al., NIPS 2012): asynchronous model replicas around a sharded
-parameter server, over MPI one-sided communication. A replica that dies does not stop
-the others.
-
-    mpiexec -n N python -m distbelief train CONFIG      # [optimizer] algorithm = "downpour"
-
-The design, section by section (ROLES, REPLICAS, RUN CONTROL, SHARDS, SHARD 0, LOST
-REPLICAS, SIGNALS, CHECKPOINTS, NON-FINITE GRADIENTS, END OF THE RUN, METRICS, threads), is
-docs/downpour.md, "Design".
-
-MODULES (each imports only those before it; this one imports them all): plan (the
-constants, errors, DownpourPlan, grant, Ending), run (open_run, OpenRun, Start: the set-up
-and the restore), replica (Replica, PartitionedReplica, make_replica), shards (_ShardRole:
-what every shard does), supervisor (Supervisor: shard 0, and the summary); train is here.
-"""
+"""The downpour trainer, `train`; the design is the package docstring
+(distbelief.algorithms.downpour)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,32 @@
+"""Downpour SGD (Dean et al., NIPS 2012): asynchronous model replicas around a sharded
+parameter server, over MPI one-sided communication. A replica that dies does not stop
+the others.
+
+    mpiexec -n N python -m distbelief train CONFIG      # [optimizer] algorithm = "downpour"
+
+The design, section by section (ROLES, REPLICAS, RUN CONTROL, SHARDS, SHARD 0, LOST
+REPLICAS, SIGNALS, CHECKPOINTS, NON-FINITE GRADIENTS, END OF THE RUN, METRICS, threads), is
+docs/downpour.md, "Design".
+
+MODULES (each imports only those before it; trainer.py imports them all): plan (the
+constants, errors, DownpourPlan, grant, Ending), run (open_run, OpenRun, Start: the set-up
+and the restore), replica (Replica, PartitionedReplica, make_replica), shards (_ShardRole:
+what every shard does), supervisor (Supervisor: shard 0, and the summary), trainer
+(train), options (the [optimizer] keys Downpour owns).
+
+The trainer is trainer.py. This `__init__` imports nothing, so that config can read
+options.py (the [optimizer] keys this algorithm owns) without MPI; the trainer's names
+are still reached as `distbelief.algorithms.downpour.NAME`, imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__") or name == "trainer":  # not one of the trainer's names
+        raise AttributeError(name)
+    import distbelief.algorithms.downpour.trainer as trainer
+
+    return getattr(trainer, name)
