@@ -40,6 +40,6 @@ from typing import Any
 def __getattr__(name: str) -> Any:
     if name.startswith("__") or name == "trainer":  # not one of the trainer's names
         raise AttributeError(name)
-    import distbelief.algorithms.sync.trainer as trainer
+    from distbelief.algorithms.sync import trainer
 
     return getattr(trainer, name)
