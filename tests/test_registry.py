@@ -48,7 +48,8 @@ def test_only_sgd_trains_in_one_process_and_only_with_one_partition() -> None:
 
 def test_config_compare_and_help_read_the_registry() -> None:
     assert config.ALGORITHMS == registry.names()
-    assert config.ALGORITHM_KEYS["averaging"] == ("average_every", "elastic_alpha")
+    assert [k.name for k in config.algorithm_keys()["averaging"]] == ["average_every",
+                                                                  "elastic_alpha"]
     assert plan.parse_algorithm("hogwild").name == "hogwild"
     description = cli.build_parser().description
     for algorithm in registry.ALGORITHMS:
