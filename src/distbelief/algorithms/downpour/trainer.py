@@ -40,7 +40,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     """Run Downpour SGD on the ranks of `comm`; returns the run summary on rank 0, None
     on the other ranks.
 
-    What a replica's fetch waits for is `optimizer.fetch` (config.FETCHES; the default,
+    What a replica's fetch waits for is `optimizer.fetch` (options.FETCHES; the default,
     "own_pushes", makes one replica exactly sequential SGD). `resume` is one of common.RESUME_MODES ("auto": continue from a
     checkpoint in out_dir if there is one; "require"; "fresh").
 
