@@ -75,7 +75,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from distbelief.config import FETCHES
+from distbelief.algorithms.downpour.options import FETCHES
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "fashion_mnist_downpour.toml"
@@ -130,7 +130,8 @@ def push_dtype_interleaved_worker(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
     from distbelief.algorithms.common import open_data
-    from distbelief.config import PUSH_DTYPES, load_config
+    from distbelief.algorithms.downpour.options import PUSH_DTYPES
+    from distbelief.config import load_config
     from distbelief.data.hdf5 import TrainShard
     from distbelief.model.optimizers import make_optimizer
     from distbelief.ps.rma_shard import ParameterServerShard

@@ -49,7 +49,12 @@ def assert_user_error(result, *fragments: str) -> str:
 @pytest.mark.parametrize("args, expected", [
     (["--help"], ["train", "report", "status", "prepare", "inspect"]),
     (["train", "--help"], ["CONFIG", "--set", "examples:", "run.out_dir", "--resume", "--fresh",
-                           "SIGUSR1", "Ctrl-C", "distbelief status RUN_DIR"]),
+                           "SIGUSR1", "Ctrl-C", "distbelief status RUN_DIR",
+                           "distbelief help ALGORITHM", "sandblaster  Sandblaster L-BFGS"]),
+    (["help", "downpour"], ['optimizer.fetch = "own_pushes"', "optimizer.push_dtype",
+                            "docs/downpour.md", "Shared keys"]),
+    (["help", "optimizer"], ["optimizer.learning_rate = 0.02", "optimizer.schedule"]),
+    (["help"], ["diloco", "hogwild"]),
     (["status", "--help"], ["RUN_DIR", "--json", "login", "examples:"]),
     (["inspect", "--help"], ["CHECKPOINT_OR_RUN_DIR", "sha256", "examples:"]),
     (["report", "--help"], ["RUN_DIR", "--out", "examples:", "matplotlib"]),
@@ -62,6 +67,18 @@ def test_help(args: list[str], expected: list[str]) -> None:
     assert result.returncode == 0, result.stderr
     for text in expected:
         assert text in result.stdout
+
+
+def test_train_help_is_short() -> None:
+    """What train does, its flags and the algorithms; the keys are `distbelief help`'s."""
+    result = run_cli(["train", "--help"], timeout=60)
+    assert len(result.stdout.splitlines()) < 60, result.stdout
+    assert "optimizer.backup_workers" not in result.stdout
+
+
+def test_help_of_an_unknown_algorithm_suggests_the_closest() -> None:
+    assert_user_error(run_cli(["help", "dowpour"], timeout=60),
+                      "unknown algorithm 'dowpour'; did you mean 'downpour'?")
 
 
 def test_no_command_is_a_usage_error() -> None:

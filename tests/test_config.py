@@ -652,3 +652,121 @@ def test_every_shipped_configuration_is_valid(path: Path) -> None:
     # Settings only: the data files are made by `distbelief prepare` (each file says how).
     config = load_config(path, check_data=False)
     assert config.model.layers and config.data.batch_size > 0
+
+
+# -- [optimizer] as one flat list of keys, before each algorithm owned its own ----------------
+# The hashing of that time, frozen here (its key lists as they were), so that a change to
+# the declarations that moved a config hash, and with it every checkpoint's resume, fails.
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+FLAT_OPTIMIZER_KEYS = (
+    "algorithm", "learning_rate", "adagrad", "update", "fetch", "push_dtype", "backup_workers",
+    "average_every", "elastic_alpha", "inner_steps", "outer_update", "outer_learning_rate",
+    "outer_momentum", "asynchronous", "n_fetch", "n_push", "warm_start_steps", "momentum",
+    "nesterov", "beta1", "beta2", "warmup_steps", "schedule", "decay_steps", "decay_rate",
+    "min_learning_rate", "m", "work_unit_size", "push_every_units", "backup_copies",
+    "line_search", "wolfe_c1", "wolfe_c2", "max_line_search", "gradient_tolerance")
+FLAT_OWN_KEYS = {"downpour": ("fetch", "push_dtype"), "sync": ("backup_workers",),
+                 "averaging": ("average_every", "elastic_alpha"),
+                 "diloco": ("inner_steps", "outer_update", "outer_learning_rate",
+                            "outer_momentum", "asynchronous", "push_dtype")}
+FLAT_SANDBLASTER_KEYS = ("m", "work_unit_size", "push_every_units", "backup_copies",
+                         "line_search", "wolfe_c1", "wolfe_c2", "max_line_search",
+                         "gradient_tolerance")
+FLAT_SANDBLASTER_UNHASHED = ("work_unit_size", "push_every_units", "backup_copies",
+                             "gradient_tolerance")
+
+
+def flat_hash(config) -> str:
+    """config_hash as it was computed when [optimizer] was one flat dataclass."""
+    from distbelief.config import settings_hash
+
+    d = config.to_dict()
+    opt = {key: d["optimizer"][key] for key in FLAT_OPTIMIZER_KEYS}  # each old key is there
+    algorithm = opt["algorithm"]
+    dropped = set(FLAT_SANDBLASTER_UNHASHED if algorithm == "sandblaster"
+                  else FLAT_SANDBLASTER_KEYS)
+    for owner, keys in FLAT_OWN_KEYS.items():
+        if owner != algorithm:
+            dropped.update(keys)
+    dropped.difference_update(FLAT_OWN_KEYS.get(algorithm, ()))
+    if algorithm == "diloco" and opt["outer_update"] not in ("nesterov", "delayed_nesterov"):
+        dropped.add("outer_momentum")
+    if opt["update"] in ("adagrad", "sgd"):
+        dropped.add("update")
+    for rule, keys in {"momentum": ("momentum", "nesterov"), "adam": ("beta1", "beta2")}.items():
+        if opt["update"] != rule:
+            dropped.update(keys)
+    if opt["fetch"] == "own_pushes":
+        dropped.add("fetch")
+    defaults = {"warmup_steps": 0, "schedule": "constant", "decay_steps": None,
+                "decay_rate": None, "min_learning_rate": None}
+    dropped.update(key for key, default in defaults.items() if opt[key] == default)
+    if opt["push_dtype"] == "float32":
+        dropped.add("push_dtype")
+    out = {section: d[section] for section in ("model", "data")}
+    out["optimizer"] = {k: v for k, v in opt.items() if k not in dropped}
+    out["run"] = {"seed": d["run"]["seed"]}
+    if config.data.in_memory:
+        out["data"] = {k: v for k, v in out["data"].items()
+                       if k not in ("in_memory", "stream_memory_mb")}
+    if not config.data.validation:
+        out["data"].pop("validation", None)
+    return settings_hash(out)
+
+
+ALGORITHM_VARIANTS = [
+    [], ['optimizer.algorithm="downpour"', 'optimizer.fetch="overlapped"'],
+    ['optimizer.algorithm="downpour"', 'optimizer.push_dtype="bfloat16"',
+     'optimizer.update="adarevision"'],
+    ['optimizer.algorithm="sync"', "optimizer.backup_workers=1", "cluster.ps_shards=1"],
+    ['optimizer.algorithm="averaging"', "optimizer.elastic_alpha=0.5", "cluster.ps_shards=1"],
+    ['optimizer.algorithm="averaging"', "optimizer.average_every=4", "cluster.ps_shards=0"],
+    ['optimizer.algorithm="diloco"', 'optimizer.outer_update="sgd"', "cluster.ps_shards=0"],
+    ['optimizer.algorithm="diloco"', "optimizer.asynchronous=true", "cluster.ps_shards=1",
+     'optimizer.outer_update="delayed_nesterov"', 'optimizer.push_dtype="bfloat16"'],
+    ['optimizer.algorithm="sandblaster"', "optimizer.m=4", "optimizer.work_unit_size=64",
+     "cluster.ps_shards=1"],
+    ['optimizer.algorithm="hogwild"', "cluster.ps_shards=0", 'optimizer.update="adam"'],
+    ['optimizer.update="momentum"', 'optimizer.schedule="step"', "optimizer.decay_steps=10"],
+]
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_configuration_hashes_as_before_the_keys_had_owners(path: Path) -> None:
+    config = load_config(path, check_data=False)
+    assert config_hash(config) == flat_hash(config)
+
+
+@pytest.mark.parametrize("overrides", ALGORITHM_VARIANTS, ids=lambda o: " ".join(o) or "sgd")
+def test_each_algorithms_keys_hash_as_before_they_had_owners(overrides: list[str]) -> None:
+    config = load_config(CONFIGS / "fashion_mnist_mlp.toml", overrides, check_data=False)
+    assert config_hash(config) == flat_hash(config)
+
+
+def test_sandblasters_keys_are_still_ignored_by_the_other_algorithms() -> None:
+    """As before: a file written for Sandblaster also runs the others (compare does)."""
+    path = CONFIGS / "fashion_mnist_sandblaster.toml"
+    config = load_config(path, ['optimizer.algorithm="sgd"'], check_data=False)
+    assert config_hash(config) == flat_hash(config)
+
+
+def test_the_docs_key_tables_are_the_generated_ones() -> None:
+    """docs/configuration.md's [optimizer] tables are what `python -m distbelief.config
+    --docs` writes from the declarations: run it after changing a key."""
+    from distbelief.config import DOCS_BEGIN, docs_with_key_tables
+
+    page = (CONFIGS.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert DOCS_BEGIN in page
+    assert docs_with_key_tables(page) == page, "run: python -m distbelief.config --docs"
+    for key in ("learning_rate", "fetch", "backup_workers", "elastic_alpha", "inner_steps",
+                "wolfe_c1"):
+        assert f"| `optimizer.{key}` |" in page
+
+
+def test_no_branch_on_an_algorithms_name_is_left_in_config() -> None:
+    from distbelief import config
+
+    source = Path(config.__file__).read_text()
+    for name in ("sgd", "downpour", "sandblaster", "sync", "averaging", "hogwild", "diloco"):
+        assert f'== "{name}"' not in source and f'!= "{name}"' not in source

@@ -12,6 +12,7 @@ Serial and fast (parses the sources; imports nothing of distbelief).
 from __future__ import annotations
 
 import ast
+import fnmatch
 import re
 from pathlib import Path
 
@@ -23,9 +24,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # "distbelief" (the package's __init__) re-exports the public API (distbelief.api:
 # load_model), which stands on model, data and records, so it sits in the "api" layer,
 # above everything the trainers use and below the command line. The algorithms' registry
-# (names and "module:function" strings, importing nothing) sits low so config can read it.
+# (names and "module:function" strings, importing nothing) sits low so config can read it,
+# and so do the options: how a key is declared (distbelief.options) and each algorithm's
+# options module (a pattern: "*" stands for its package under algorithms/), which config
+# reads.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("distbelief.errors",)),
+    ("options", ("distbelief.options", "distbelief.algorithms.*.options")),
     ("registry", ("distbelief.algorithms.registry",)),
     ("runtime", ("distbelief.runtime",)),
     ("model", ("distbelief.model",)),
@@ -86,7 +91,7 @@ def layer_of(module: str) -> int | None:
     best: tuple[int, int] | None = None  # (prefix length, layer index)
     for index, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            matches = module == prefix or module.startswith(prefix + ".")
+            matches = fnmatch.fnmatchcase(module, prefix) or module.startswith(prefix + ".")
             if matches and (best is None or len(prefix) > best[0]):
                 best = (len(prefix), index)
     return None if best is None else best[1]
@@ -163,7 +168,7 @@ PRIVATE_IMPORTS_ALLOWED = {
         ("distbelief.ps.shared_memory", "distbelief.ps.endpoint"),
         ("distbelief.ps.transport", "distbelief.ps.rma_windows"),
         ("distbelief.ps.transport", "distbelief.ps.shared_memory"),
-        ("distbelief.algorithms.downpour", "distbelief.algorithms.downpour.shards"),
+        ("distbelief.algorithms.downpour.trainer", "distbelief.algorithms.downpour.shards"),
         ("distbelief.algorithms.downpour.supervisor", "distbelief.algorithms.downpour.shards"),
     ]},
     # Flush-to-zero must be set before numpy loads its BLAS, whose threads inherit it; the

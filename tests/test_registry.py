@@ -48,7 +48,8 @@ def test_only_sgd_trains_in_one_process_and_only_with_one_partition() -> None:
 
 def test_config_compare_and_help_read_the_registry() -> None:
     assert config.ALGORITHMS == registry.names()
-    assert config.ALGORITHM_KEYS["averaging"] == ("average_every", "elastic_alpha")
+    assert [k.name for k in config.algorithm_keys()["averaging"]] == ["average_every",
+                                                                  "elastic_alpha"]
     assert plan.parse_algorithm("hogwild").name == "hogwild"
     description = cli.build_parser().description
     for algorithm in registry.ALGORITHMS:
@@ -117,3 +118,54 @@ def test_a_new_algorithm_is_a_module_and_one_registry_line(synthetic_folder, sma
     assert summary["algorithm"] == "full_batch" and summary["steps"] == 25
     assert summary["stop_reason"] == "max_steps"
     assert summary["final_test_accuracy"] > 0.4  # 4 classes: chance is 0.25
+
+
+SCALED_LINE = registry.Algorithm(
+    "scaled_sgd", "helpers.scaled_sgd.trainer:train", "sgd at a scaled rate",
+    options="helpers.scaled_sgd.options:ScaledOptions", shards="ignored",
+    one_process_trainer="helpers.scaled_sgd.trainer:train")
+"""tests/helpers/scaled_sgd/'s registration line: an algorithm with two keys of its own."""
+
+
+def test_an_algorithm_with_keys_of_its_own_is_its_folder_and_one_registry_line(
+        monkeypatch, synthetic_folder, small_config, capsys, tmp_path) -> None:
+    """Registered in this process only, the algorithm's keys are in the schema (checked,
+    suggested, hashed), in --help, `distbelief help NAME` and the docs tables, and it
+    trains through the command line with them."""
+    monkeypatch.setattr(registry, "ALGORITHMS", (*registry.ALGORITHMS, SCALED_LINE))
+    folder = synthetic_folder("scaled", {"s.toml": small_config(
+        optimizer={"algorithm": "scaled_sgd", "learning_rate": 0.1, "rate_scale": 0.5},
+        cluster=None, run={"max_steps": 400})})
+    out = tmp_path / "out"
+    status = cli.main(["train", str(folder / "s.toml"), "--set", "optimizer.step_cap=30",
+                       "--set", f'run.out_dir="{out}"'])
+    assert status == 0, capsys.readouterr().err
+    assert json.loads((out / "summary.json").read_text())["steps"] == 30
+    recorded = json.loads((out / "config.json").read_text())["optimizer"]
+    assert recorded["learning_rate"] == pytest.approx(0.05)  # 0.1 x rate_scale
+    assert recorded["step_cap"] == 30
+
+    assert cli.main(["help", "scaled_sgd"]) == 0
+    shown = capsys.readouterr().out
+    assert "optimizer.rate_scale = 1" in shown and "optimizer.step_cap = 0" in shown
+    assert "the factor on optimizer.learning_rate" in shown
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "scaled_sgd   sgd at a scaled rate" in capsys.readouterr().out
+    tables = config.key_tables()
+    assert "| `optimizer.rate_scale` | 1 | the factor on optimizer.learning_rate |" in tables
+    assert "`optimizer.step_cap`" in tables
+
+    base = config.load_config(folder / "s.toml", check_data=False)
+    assert config.config_hash(base) != config.config_hash(config.load_config(
+        folder / "s.toml", ["optimizer.rate_scale=0.25"], check_data=False))
+    assert config.config_hash(base) == config.config_hash(config.load_config(
+        folder / "s.toml", ["optimizer.step_cap=5"], check_data=False))  # hashed="never"
+    assert cli.main(["train", str(folder / "s.toml"), "--set", "optimizer.rate_scal=2"]) == 2
+    assert "did you mean 'rate_scale'?" in capsys.readouterr().err
+    assert cli.main(["train", str(folder / "s.toml"), "--set", "optimizer.rate_scale=4",
+                     "--set", "optimizer.learning_rate=0.5"]) == 2
+    assert "takes the learning rate above 1" in capsys.readouterr().err  # its own check
+    assert cli.main(["train", str(folder / "s.toml"), "--set", 'optimizer.algorithm="sgd"']) == 2
+    assert 'optimizer.rate_scale applies only to algorithm = "scaled_sgd"' in \
+        capsys.readouterr().err

@@ -36,84 +36,55 @@ EVAL_BATCH_SIZE = 1000
 TRAIN_HELP = """\
 Train the model of a TOML configuration until one of its stop rules fires (run.max_steps,
 run.max_seconds, run.target_accuracy). The whole configuration, the data file included, is
-checked before training starts. Results go to run.out_dir (default runs/<config name>):
-config.json, metrics.jsonl (training and test curves) and summary.json. A relative
-data.path (in the file or from --set) is read from the config file's folder; a relative
-run.out_dir from the current one.
+checked first. Results go to run.out_dir (default runs/<config name>): config.json,
+metrics.jsonl and summary.json. A relative data.path is read from the config file's folder,
+a relative run.out_dir from the current one. Every key: docs/configuration.md.
 
-optimizer.algorithm = "sgd" trains in this one process; "downpour" runs Downpour SGD over
-MPI ranks (parameter-server shards and model replicas), launched with mpiexec;
-"sandblaster" runs Sandblaster L-BFGS over MPI ranks (shards, one coordinator, replicas);
-"sync" runs synchronous data-parallel SGD, every rank a replica, the gradients averaged
-each step (an allreduce); with optimizer.backup_workers = k it runs on 1 shard + R
-replicas and each step takes the first R - k gradients (k slow or lost replicas never
-hold it up);
-"hogwild" runs Hogwild (Niu et al. 2011): every rank a replica, all on one node, updating
-one shared parameter vector without locks (cluster.ps_shards = 0, partitions = 1).
-cluster.partitions = P splits each model replica over P ranks (model parallelism): "sgd"
-then runs on exactly P ranks, "downpour" on ps_shards + replicas x P ranks, "sandblaster"
-on ps_shards + 1 + replicas x P ranks. See `distbelief costmodel` for how many partitions
-pay off.
+algorithms (optimizer.algorithm; `distbelief help ALGORITHM` prints one's keys):
+{algorithms}
 
-Before anything is set up, every rank's memory is predicted for its role, and a layout
-whose ranks on one node need more than that node has is refused on every rank (exit 2),
-naming the largest role and a layout that fits. A node has what its SLURM allocation
-says (--mem, --mem-per-cpu), else its MemAvailable; DISTBELIEF_NODE_MEMORY=64G overrides.
-summary.json records every rank's peak memory (peak_rss) and what it asked of the file
-system and of MPI's one-sided operations (control_plane).
+Every algorithm but sgd runs over MPI ranks, started with mpiexec; cluster.partitions = P
+splits each replica over P ranks. A layout whose ranks need more memory than a node has is
+refused before anything starts.
 
-optimizer.algorithm = "averaging" makes every rank a replica (cluster.ps_shards = 0) that
-trains on its own part of the data and averages its parameters with the others every
-optimizer.average_every steps; a lost replica stops it with one line. With
-optimizer.elastic_alpha set it is EASGD: a center variable on the ps_shards shards (the
-model that is evaluated and checkpointed), each replica and the center pulled toward each
-other every average_every steps, and a lost replica does not stop the run.
-
-optimizer.algorithm = "diloco" runs DiLoCo (docs/diloco.md): each replica trains
-optimizer.inner_steps local steps, then the replicas' deltas go to an outer optimizer
-(outer_update "nesterov" or "sgd", outer_learning_rate, outer_momentum). By default every
-rank is a replica and the deltas are averaged each round (an allreduce; a lost replica
-stops it with one line); with optimizer.asynchronous = true the outer optimizer runs on the
-ps_shards shards, each delta applied as it lands, and a lost replica does not stop the run;
-there outer_update = "delayed_nesterov" moves the momentum once every R deltas.
-
-Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds (default 600)
-or run.checkpoint_every_steps, and whenever the run stops, also on SIGTERM or SIGUSR1
-(SLURM's time limit, sbatch --signal=USR1@120): the current step finishes, a checkpoint is
-written and the command exits 0. Ctrl-C does the same and exits 130; a second Ctrl-C stops
-at once. If run.out_dir holds a valid checkpoint of the same
-model and settings, training resumes from it, with or without --resume, so a requeued job
-simply continues; a damaged newest checkpoint is reported and the one before it used.
-Under Downpour every rank writes its part at an agreed point (a signal reaching any one
-rank, or mpiexec, stops them all) and a resumed run may use other replica and shard
-counts. A folder with a previous run's metrics but no checkpoint is moved aside, never
-overwritten.
-
-run.out_dir belongs to one live run at a time: a second train on it (--fresh included)
-is refused with one line naming the owner; `distbelief status RUN_DIR` says who that is.
-An owner that died (kill -9, a lost node, a requeued job's earlier instance) never blocks
-the next run (see run.owner_timeout_seconds).
+Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds and when the
+run stops, also on SIGTERM or SIGUSR1 (exit 0) and Ctrl-C (exit 130; a second one stops at
+once). A run.out_dir holding a checkpoint of the same settings resumes from it. One live
+run per run.out_dir: `distbelief status RUN_DIR` names its owner.
 
 examples:
   distbelief train configs/fashion_mnist_mlp.toml
   distbelief train configs/fashion_mnist_mlp.toml --set run.max_steps=20000 --resume
-  distbelief train configs/fashion_mnist_mlp.toml --set run.max_steps=500 \\
-      --set optimizer.learning_rate=0.01 --set run.out_dir=\\"runs/lr0.01\\"
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_downpour.toml
-  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_local.toml \\
-      --set cluster.partitions=2
-  mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sandblaster.toml
-  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_averaging.toml
   mpiexec -n 3 python -m distbelief train configs/fashion_mnist_averaging.toml \\
       --set optimizer.elastic_alpha=0.45
-  mpiexec -n 6 python -m distbelief train configs/fashion_mnist_sandblaster.toml \\
-      --set cluster.partitions=2
-  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_sync.toml
-  mpiexec -n 4 python -m distbelief train configs/fashion_mnist_sync.toml \\
-      --set optimizer.backup_workers=1
-  mpiexec -n 2 python -m distbelief train configs/fashion_mnist_mlp.toml \\
-      --set optimizer.algorithm=hogwild
+  distbelief help downpour
 """
+
+HELP_HELP = """\
+Print what an algorithm does and the [optimizer] keys it owns, with their defaults and
+what they do, from the declarations config reads; `optimizer` prints the keys every
+algorithm shares. docs/configuration.md has the same tables.
+
+examples:
+  distbelief help downpour
+  distbelief help optimizer
+"""
+
+
+def _algorithm_lines() -> str:
+    """The registry's algorithms, one entry each: the name and its summary."""
+    import textwrap
+
+    width = max(len(name) for name in registry.names())
+    return "\n".join(textwrap.fill(a.summary, 88, initial_indent=f"  {a.name:<{width}}  ",
+                                   subsequent_indent=" " * (width + 4))
+                     for a in registry.ALGORITHMS)
+
+
+def _train_help() -> str:
+    return TRAIN_HELP.format(algorithms=_algorithm_lines())
+
 
 REPORT_HELP = """\
 Plot one or more finished (or running) training runs: test accuracy against wall time,
@@ -336,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter  # the prepare kinds' descriptions
 
     train = _command(commands, "train", "train a model from a TOML configuration",
-                     TRAIN_HELP, cmd_train)
+                     _train_help(), cmd_train)
     train.add_argument("config", metavar="CONFIG", help="the TOML configuration file")
     train.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
                        dest="overrides",
@@ -352,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start over: move the previous run's checkpoints, metrics, "
                             "summary and config in run.out_dir to a previous-<time>/ folder "
                             "there (nothing is deleted)")
+
+    helper = _command(commands, "help", "print an algorithm's description and its "
+                      "[optimizer] keys", HELP_HELP, cmd_help)
+    helper.add_argument("algorithm", metavar="ALGORITHM", nargs="?", default=None,
+                        help=f"one of {', '.join(registry.names())}, or optimizer (the "
+                             "shared keys); none: the list of algorithms")
 
     report = _command(commands, "report", "plot the curves of one or more runs",
                       REPORT_HELP, cmd_report)
@@ -1064,6 +1041,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     state = run_status(args.run_dir)
     print(json.dumps(state, indent=2) if args.json else describe(state))
+    return 0
+
+
+def cmd_help(args: argparse.Namespace) -> int:
+    """`distbelief help [ALGORITHM]`: an algorithm's description and keys (config's)."""
+    from distbelief import config
+
+    if args.algorithm is None:
+        print("algorithms (optimizer.algorithm):\n" + _algorithm_lines())
+    elif args.algorithm == "optimizer":
+        print(config.describe_shared())
+    else:
+        print(config.describe_algorithm(args.algorithm))
     return 0
 
 

@@ -1,176 +1,77 @@
 """Run configuration: a TOML file read into validated, frozen dataclasses, one per section.
 
 Everything is checked before training starts, so a run never dies half-way on a typo:
-unknown sections and keys (with the closest valid name suggested), types and ranges, the
-settings that are not implemented yet, and, in `load_config`, that the data file opens and
-fits the model. Errors are `ConfigError`/`DataError` with one message naming `section.key`,
-the value given and what is allowed.
+unknown sections and keys (with the closest valid name suggested), types and ranges, and,
+in `load_config`, that the data file opens and fits the model. Errors are
+`ConfigError`/`DataError` with one message naming `section.key`, the value given and what
+is allowed.
 
     config = load_config("configs/fashion_mnist_mlp.toml", ["run.max_steps=100"])
     config.optimizer.learning_rate, config.run.out_dir, config.to_dict(), config_hash(config)
 
-Sections and keys, with their defaults:
-
-    [model]      layers (list of tables, required; checked by distbelief.model.network.Network)
-    [data]       path (required; relative to the config file's folder), batch_size = 64,
-                 in_memory = true, stream_memory_mb = 256 (data.in_memory = false: rows in
-                 memory per replica), validation = 0.0 (the fraction of /train held out as
-                 a validation split, its last rows; 0 = none, unless the file has a /val
-                 group: then evaluations and stop rules use the validation split and the
-                 test set is evaluated once, at the end)
-    [optimizer]  algorithm = "sgd" | "downpour" | "sandblaster" | "sync" | "averaging" |
-                 "hogwild" | "diloco", learning_rate = 0.02, update = "adagrad" | "sgd" |
-                 "adarevision" | "momentum" | "adam" (the update rule; `adagrad =
-                 true/false` is the older spelling of "adagrad"/"sgd"; "adarevision" is
-                 Downpour's shards only), momentum = 0.9, nesterov = false (update =
-                 "momentum"), beta1 = 0.9, beta2 = 0.999 (update = "adam"),
-                 n_fetch = 1, n_push = 1, warm_start_steps = 0 (Downpour: replica 0 trains
-                 alone first; not the learning-rate warmup below)
-                 The learning-rate schedule (every algorithm but Sandblaster, which has no
-                 learning rate; see SCHEDULES below): warmup_steps = 0 (linear warmup from
-                 learning_rate / warmup_steps up to learning_rate), schedule = "constant" |
-                 "step" | "cosine" (after the warmup), decay_steps (step: updates between
-                 two decays; cosine: updates from learning_rate down to the minimum;
-                 required by both), decay_rate = 0.1 (step only: the factor at each
-                 decay), min_learning_rate = 0.0 (step and cosine: the rate's floor)
-                 Downpour only: fetch = "own_pushes" | "asynchronous" | "overlapped" (what
-                 a replica's fetch waits for; FETCHES below), push_dtype = "float32" |
-                 "bfloat16" (what a push carries; PUSH_DTYPES below)
-                 Synchronous SGD only: backup_workers = 0 (each step takes the first
-                 R - k gradients and drops the late ones; k > 0 goes through the shards)
-                 Averaging only: average_every = 10 (local steps between averages),
-                 elastic_alpha (unset; set, it is EASGD's moving rate, on the shards)
-                 DiLoCo only (docs/diloco.md): inner_steps = 50 (H: local steps with
-                 optimizer.update between two outer steps), outer_update = "nesterov" |
-                 "sgd" | "delayed_nesterov" (the outer optimizer, applied to the
-                 replicas' deltas; the last asynchronous only), outer_learning_rate =
-                 0.7, outer_momentum (the Nesterov rules only; unset: 0.9 synchronous,
-                 the paper's, 0.5 asynchronous: OUTER_MOMENTUM below, 0.9 delayed),
-                 asynchronous = false (true: each replica's delta is applied on the
-                 shards as it lands, ps_shards >= 1; false: the deltas of all replicas
-                 are averaged each round by a collective), push_dtype (as Downpour's:
-                 "bfloat16" narrows the deltas on the wire, in both forms)
-                 Sandblaster L-BFGS only (algorithms.sandblaster.roles; no learning rate):
-                 m = 10 (history pairs), work_unit_size = 0 (examples per work unit;
-                 0 = automatic), push_every_units = 4, backup_copies = 2 (copies of a
-                 unit in flight at most, the original included), line_search = "wolfe" |
-                 "armijo", wolfe_c1 = 1e-4, wolfe_c2 = 0.9, max_line_search = 20,
-                 gradient_tolerance = 1e-6 (stop when the gradient norm is below)
-    [cluster]    ps_shards = 1 (0 for an algorithm that keeps no parameters on shards:
-                 sync without backup workers, averaging without elastic_alpha, hogwild),
-                 partitions = 1 (ranks per model replica: model parallelism)
-    [run]        max_steps = 0, max_seconds = 0 (0 = no limit), target_accuracy (unset),
-                 eval_every_seconds = 2.0, eval_samples = 0 (0 = whole test set), seed = 0,
-                 out_dir = "runs/<config file stem>" (relative to the current directory),
-                 threads = 0 (0 = BLAS default), progress_every_seconds = 2.0,
-                 checkpoint_every_seconds = 600 (0 = off), checkpoint_every_steps = 0
-                 (0 = off), keep_checkpoints = 3 (at least 2),
-                 checkpoint_in_background = true (Downpour's shards copy their state,
-                 release the replicas, then write; false: no copy, the replicas wait),
-                 max_bad_gradients_in_a_row = 10 (Downpour: a replica drops a non-finite
-                 gradient; this many in a row from one replica stop the run),
-                 replica_timeout_seconds = 300 (Downpour: a replica not heard from for this
-                 long is lost, the run goes on without it; 0 = never),
-                 heartbeat_timeout_seconds = 30 (Downpour, ranks on several nodes: a rank
-                 on another node whose heartbeat file in out_dir has not changed for this
-                 long is taken for dead; 0 = never; see distbelief.runtime.heartbeat),
-                 stall_warn_seconds = 60, stall_abort_seconds = 600 (a rank waiting on
-                 another this long says which and what for / aborts the job; 0 = never),
-                 owner_timeout_seconds = 120 (a run owning out_dir on another host whose
-                 heartbeat is older than this is taken for dead; 0 = never; see
-                 distbelief.runtime.ownership), collapse_window_seconds = 30 (a training
-                 loss at chance for this long, or non-finite, is reported as a collapse),
-                 stop_on_collapse = false (true: a collapse ends the run, exit status 4)
-
-Checkpoints (distbelief.records.checkpoint) go to out_dir/checkpoints; besides the periodic ones,
-a run always writes one when it stops (budget, target, SIGTERM/SIGUSR1), so it can be
-extended or resumed. `keep_checkpoints` >= 2 so that a damaged newest checkpoint always
-has a predecessor to fall back on.
+The keys, their defaults and meanings are docs/configuration.md. [optimizer] holds the
+shared keys (OptimizerConfig: learning rate, update rule, schedule) and the keys each
+algorithm owns, declared by its options dataclass (distbelief.options.Options, named by
+its registry line) and checked by it; `config.optimizer.<key>` reads either kind (another
+algorithm's key reads its default). docs/configuration.md's [optimizer] tables are written
+from these declarations (`python -m distbelief.config --docs`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
+import re
+import sys
 import tomllib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from distbelief.algorithms import registry
 from distbelief.errors import ConfigError, DataError
+from distbelief.options import (
+    Key,
+    Options,
+    Rule,
+    boolean,
+    choice,
+    integer,
+    keys,
+    number,
+    option,
+)
+from distbelief.options import (
+    text as text_rule,
+)
 
 ALGORITHMS = registry.names()
 """optimizer.algorithm: the names in distbelief.algorithms.registry."""
 NOT_IMPLEMENTED_ALGORITHMS: tuple[str, ...] = ()
 UPDATES = ("adagrad", "sgd", "adarevision", "momentum", "adam")
+"""optimizer.update: the rule that applies a gradient. "adagrad" and "sgd" are also
+spelled `adagrad = true/false`; "adarevision" (delay-tolerant Adagrad) runs on the shards
+of an algorithm whose options list it in `shard_updates` (Downpour's), where the delay is
+known."""
 UPDATE_KEYS = {"momentum": ("momentum", "nesterov"), "adam": ("beta1", "beta2")}
 """[optimizer] keys that only one update rule reads: an error with another rule, and left
 out of the config hash unless the rule uses them."""
-"""optimizer.update: the rule that applies a gradient. "adagrad" and "sgd" are also
-spelled `adagrad = true/false`; "adarevision" (delay-tolerant Adagrad) runs on Downpour's
-shards, where the delay is known."""
-FETCHES = ("own_pushes", "asynchronous", "overlapped")
-"""optimizer.fetch (Downpour): "own_pushes" (the default), a fetch waits until the shards
-have applied the replica's own last push, so one replica is sequential SGD; "asynchronous",
-the fetch rides on the push and returns what the shards had published (every gradient at
-least one update stale); "overlapped", the push and the fetch of one step move while the
-next step computes, as the paper's fetch and push threads (at least two updates stale).
-On the RMA transport the later ones make a step cheaper; on shared memory a replica's push
-is applied before its fetch anyway (docs/downpour.md, "Fetch")."""
 SCHEDULES = ("constant", "step", "cosine")
 """optimizer.schedule: the learning rate after the warmup (distbelief.model.optimizers.
-Schedule). Its steps are the updates the optimizer applies, counted where they are applied:
-sgd, sync and model-parallel sgd, the run's steps; averaging and EASGD, each replica's local
-steps; Hogwild, the steps of all replicas together (as they published them); Downpour, the
-gradients (pushes) each shard has applied, its own count, kept in its checkpoint."""
+Schedule). Its steps are the updates the optimizer applies, counted where they are applied
+(docs/configuration.md, "Learning-rate schedules")."""
 SCHEDULE_KEYS = ("warmup_steps", "schedule", "decay_steps", "decay_rate", "min_learning_rate")
 """[optimizer] keys of the learning-rate schedule; at their defaults (no warmup, constant)
 they are left out of the config hash, so adding them did not change the hash of earlier
 runs."""
-PUSH_DTYPES = ("float32", "bfloat16")
-"""optimizer.push_dtype (Downpour): the number format of a replica's pushed gradient.
-"bfloat16" rounds each gradient to bfloat16 (round to nearest even) before it is pushed,
-and the shards widen it back and fold in float32 (the optimizer and its state unchanged).
-On the RMA transport the push slots hold bfloat16, halving the bytes a push Puts; on the
-shared-memory transport (one node) the gradient is rounded the same way and folded from
-the replica's float32 memory, so a run trains the same numbers on one node as across
-nodes. Hashed when not "float32" (docs/downpour.md, "Narrowed pushes")."""
-ALGORITHM_KEYS = {a.name: a.own_keys for a in registry.ALGORITHMS if a.own_keys}
-"""[optimizer] keys that only some algorithms read (each algorithm's `own_keys`; a key may
-belong to more than one, as push_dtype to Downpour and DiLoCo): setting one for another
-algorithm is an error, and they are left out of the other algorithms' config hash (so
-adding them did not change the hash of earlier runs)."""
-OUTER_MOMENTUM = {False: 0.9, True: 0.5}
-"""optimizer.outer_momentum when unset, by optimizer.asynchronous: the paper's 0.9 for the
-synchronous form; 0.5 for the asynchronous one, where staleness adds momentum of its own
-(Mitliagkas et al. 2016) and 0.9 missed 88% on the reference MLP in 4 runs of 4 (two
-fell to 0.52 and 0.22; docs/performance.md, DiLoCo). outer_update = "delayed_nesterov"
-keeps 0.9: it is what that rule is for."""
-OUTER_UPDATES = ("nesterov", "sgd", "delayed_nesterov")
-"""optimizer.outer_update (DiLoCo): the outer optimizer that applies the replicas' deltas
-(the fetched parameters minus the local ones after inner_steps) to the global parameters:
-"nesterov", SGD with Nesterov momentum outer_momentum (the paper's choice), plain "sgd"
-(with outer_learning_rate = 1 that is parameter averaging), or "delayed_nesterov"
-(asynchronous only: Async Local-SGD's rule, whose momentum moves once every R deltas, on
-their mean; model.optimizers.DelayedNesterov)."""
-MOMENTUM_OUTER_UPDATES = ("nesterov", "delayed_nesterov")
-"""The outer updates that read optimizer.outer_momentum."""
-LINE_SEARCHES = ("wolfe", "armijo")
 SHARD_PLACEMENTS = ("spread", "ranks")
 """cluster.shard_placement: shards dealt round-robin over the nodes, or at world ranks
 0..S-1 as the job script placed them (distbelief.runtime.topology)."""
-SANDBLASTER_KEYS = ("m", "work_unit_size", "push_every_units", "backup_copies", "line_search",
-                    "wolfe_c1", "wolfe_c2", "max_line_search", "gradient_tolerance")
-"""[optimizer] keys only Sandblaster reads; left out of other algorithms' config hash, so
-adding them did not change the hash of existing runs (their checkpoints still resume)."""
-SANDBLASTER_UNHASHED = ("work_unit_size", "push_every_units", "backup_copies",
-                        "gradient_tolerance")
-"""Sandblaster keys that change how the batch gradient is computed or when the run stops,
-not what is trained: a resumed run may change them (like run.max_steps)."""
 
 
 @dataclass(frozen=True)
@@ -189,41 +90,112 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    algorithm: str = "sgd"
-    learning_rate: float = 0.02
-    adagrad: bool = True
-    update: str = "adagrad"
-    fetch: str = "own_pushes"
-    push_dtype: str = "float32"
-    backup_workers: int = 0
-    average_every: int = 10
-    elastic_alpha: float | None = None
-    inner_steps: int = 50
-    outer_update: str = "nesterov"
-    outer_learning_rate: float = 0.7
-    outer_momentum: float = 0.9  # resolved: 0.9 synchronous, 0.5 asynchronous (unset)
-    asynchronous: bool = False
-    n_fetch: int = 1
-    n_push: int = 1
-    warm_start_steps: int = 0
-    momentum: float = 0.9
-    nesterov: bool = False
-    beta1: float = 0.9
-    beta2: float = 0.999
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    decay_steps: int | None = None
-    decay_rate: float | None = None
-    min_learning_rate: float | None = None
-    m: int = 10
-    work_unit_size: int = 0
-    push_every_units: int = 4
-    backup_copies: int = 2
-    line_search: str = "wolfe"
-    wolfe_c1: float = 1e-4
-    wolfe_c2: float = 0.9
-    max_line_search: int = 20
-    gradient_tolerance: float = 1e-6
+    """[optimizer]'s shared keys. A loaded Config's optimizer is an instance of a subclass
+    that adds every registered algorithm's own keys (`optimizer_type`), so that
+    `config.optimizer.<key>` reads them as before the keys had owners."""
+
+    algorithm: str = option(
+        "sgd", choice(registry.names),
+        "the algorithm that trains; each has keys of its own (`distbelief help ALGORITHM`)")
+    learning_rate: float = option(
+        0.02, number(0.0, strict=True),
+        "Adagrad's gamma, or the SGD rate; with a warmup or schedule (below), the peak rate")
+    adagrad: bool = option(
+        True, boolean(),
+        "the older spelling of `update`: true is `\"adagrad\"`, false is `\"sgd\"`; giving "
+        "both, they must agree")
+    update: str = option(
+        None, choice(UPDATES),
+        "the rule that applies a gradient: `\"adagrad\"` (same rule and eps as "
+        "`torch.optim.Adagrad`), `\"sgd\"` (fixed rate), `\"adarevision\"` (Downpour's "
+        "shards only: Adagrad revised for each push's delay, McMahan and Streeter 2014; see "
+        "[downpour.md](downpour.md#adarevision-on-the-shards)), `\"momentum\"` (SGD with "
+        "momentum, as `torch.optim.SGD(momentum=, nesterov=)` without dampening) or "
+        "`\"adam\"` (as `torch.optim.Adam`, no weight decay; its bias correction counts the "
+        "updates where they are applied: a Downpour shard's applied gradients, a trainer's "
+        "steps, both kept in checkpoints). Every algorithm with a learning rate takes each "
+        "rule; on Downpour's shards the rule runs on each shard's slice",
+        shown='"adagrad"')
+    n_fetch: int = option(
+        1, integer(1), "Downpour: pull parameters every n_fetch steps")
+    n_push: int = option(
+        1, integer(1), "Downpour: push the summed gradient every n_push steps")
+    warm_start_steps: int = option(
+        0, integer(0), "Downpour: replica 0 trains alone this many steps first (the paper's "
+        "warm start; the rate is untouched, unlike `warmup_steps`)")
+    momentum: float = option(
+        0.9, number(0.0, maximum=0.999), "`update = \"momentum\"` only: the momentum (in "
+        "[0, 0.999]); in the config hash only with that rule")
+    nesterov: bool = option(
+        False, boolean(), "`update = \"momentum\"` only: Nesterov's form; in the config "
+        "hash only with that rule")
+    beta1: float = option(
+        0.9, number(0.0, maximum=0.999), "`update = \"adam\"` only: the first moving "
+        "average's rate (eps is torch's 1e-8); in the config hash only with that rule")
+    beta2: float = option(
+        0.999, number(0.0, maximum=0.99999), "`update = \"adam\"` only: the second moving "
+        "average's rate; in the config hash only with that rule")
+    warmup_steps: int = option(
+        0, integer(0), "linear learning-rate warmup: update t (from 0) runs at "
+        "`learning_rate` x (t + 1) / warmup_steps until the rate is reached; see "
+        "[Learning-rate schedules](#learning-rate-schedules). Not `warm_start_steps`",
+        hashed="unless default")
+    schedule: str = option(
+        "constant", choice(SCHEDULES), "the rate after the warmup: `\"constant\"`, "
+        "`\"step\"` (multiplied by `decay_rate` every `decay_steps` updates) or "
+        "`\"cosine\"` (half a cosine from `learning_rate` down to `min_learning_rate` over "
+        "`decay_steps` updates, then flat)", hashed="unless default")
+    decay_steps: int | None = option(
+        None, integer(1), "`\"step\"` and `\"cosine\"` (required by both): updates between "
+        "two decays / the length of the cosine, counted after the warmup",
+        hashed="unless default")
+    decay_rate: float | None = option(
+        None, number(0.0, strict=True, maximum=1.0), "`\"step\"` only: the factor at each "
+        "decay, 0 < r < 1", hashed="unless default", shown="0.1")
+    min_learning_rate: float | None = option(
+        None, number(0.0), "`\"step\"` and `\"cosine\"`: the floor of the rate, below "
+        "`learning_rate`", hashed="unless default", shown="0.0")
+
+
+def options_of(algorithm: str) -> type[Options]:
+    """The options dataclass of `algorithm`'s own [optimizer] keys (Options: none)."""
+    return registry.get(algorithm).load_options() or Options
+
+
+def own_options(optimizer: OptimizerConfig) -> Options:
+    """The chosen algorithm's own keys of a loaded [optimizer], as its options dataclass."""
+    cls = options_of(optimizer.algorithm)
+    return cls(**{key.name: getattr(optimizer, key.name) for key in keys(cls)})
+
+
+def algorithm_keys() -> dict[str, tuple[Key, ...]]:
+    """Every registered algorithm's own [optimizer] keys, by algorithm (those with any)."""
+    found = {a.name: keys(options_of(a.name)) for a in registry.ALGORITHMS}
+    return {name: own for name, own in found.items() if own}
+
+
+SHARED_OPTIMIZER_KEYS = keys(OptimizerConfig)
+
+
+def optimizer_type() -> type[OptimizerConfig]:
+    """OptimizerConfig with every registered algorithm's own keys added as fields (at
+    their defaults unless the chosen algorithm sets them)."""
+    return _optimizer_type(registry.ALGORITHMS)
+
+
+@functools.cache
+def _optimizer_type(algorithms: tuple[registry.Algorithm, ...]) -> type[OptimizerConfig]:
+    shared = {key.name for key in SHARED_OPTIMIZER_KEYS}
+    added: dict[str, Key] = {}
+    for own in algorithm_keys().values():
+        for key in own:
+            if key.name not in shared:
+                added.setdefault(key.name, key)  # a key two algorithms own: one field
+    fields = [(key.name, Any, dataclasses.field(default=key.default)) for key in added.values()]
+    made = dataclasses.make_dataclass("OptimizerConfig", fields, bases=(OptimizerConfig,),
+                                      frozen=True)
+    made.__module__ = __name__
+    return made
 
 
 @dataclass(frozen=True)
@@ -291,44 +263,9 @@ def _jsonable(value: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------
 # The schema: for each key, how to check a raw TOML value and what to say when it is wrong.
+# The rules are distbelief.options'; these names are the ones [run] and the others use.
 
-
-@dataclass(frozen=True)
-class Rule:
-    """Checks one key. `convert` returns the clean value or None when the value is wrong."""
-
-    convert: Callable[[Any], Any]
-    allowed: str
-
-
-def _int(minimum: int) -> Rule:
-    def convert(v: Any) -> Any:
-        # bool is an int in Python; `true` is never a count.
-        if isinstance(v, int) and not isinstance(v, bool) and v >= minimum:
-            return v
-        return None
-    return Rule(convert, f"an integer >= {minimum}")
-
-
-def _float(minimum: float, strict: bool = False, maximum: float | None = None) -> Rule:
-    def convert(v: Any) -> Any:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            return None
-        v = float(v)
-        if v < minimum or (strict and v == minimum) or (maximum is not None and v > maximum):
-            return None
-        return v
-    low = f"> {minimum:g}" if strict else f">= {minimum:g}"
-    high = f" and <= {maximum:g}" if maximum is not None else ""
-    return Rule(convert, f"a number {low}{high}")
-
-
-def _bool() -> Rule:
-    return Rule(lambda v: v if isinstance(v, bool) else None, "true or false")
-
-
-def _string() -> Rule:
-    return Rule(lambda v: v if isinstance(v, str) and v else None, "a non-empty string")
+_int, _float, _bool, _string, _choice = integer, number, boolean, text_rule, choice
 
 
 def _layers() -> Rule:
@@ -337,12 +274,6 @@ def _layers() -> Rule:
             return tuple(dict(layer) for layer in v)
         return None
     return Rule(convert, "a non-empty list of tables, e.g. [[model.layers]] blocks")
-
-
-def _choice(options: Iterable[str]) -> Rule:
-    options = tuple(options)
-    return Rule(lambda v: v if v in options else None,
-                "one of " + ", ".join(repr(o) for o in options))
 
 
 REQUIRED = object()
@@ -359,43 +290,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "stream_memory_mb": (_int(4), 256),
         "validation": (_float(0.0, maximum=0.5), 0.0),
     },
-    "optimizer": {
-        "algorithm": (_choice(ALGORITHMS + NOT_IMPLEMENTED_ALGORITHMS), "sgd"),
-        "learning_rate": (_float(0.0, strict=True), 0.02),
-        "adagrad": (_bool(), True),
-        "update": (_choice(UPDATES), None),
-        "fetch": (_choice(FETCHES), "own_pushes"),
-        "push_dtype": (_choice(PUSH_DTYPES), "float32"),
-        "backup_workers": (_int(0), 0),
-        "average_every": (_int(1), 10),
-        "elastic_alpha": (_float(0.0, strict=True, maximum=1.0), None),
-        "inner_steps": (_int(1), 50),
-        "outer_update": (_choice(OUTER_UPDATES), "nesterov"),
-        "outer_learning_rate": (_float(0.0, strict=True, maximum=10.0), 0.7),
-        "outer_momentum": (_float(0.0, maximum=0.999), None),
-        "asynchronous": (_bool(), False),
-        "n_fetch": (_int(1), 1),
-        "n_push": (_int(1), 1),
-        "warm_start_steps": (_int(0), 0),
-        "momentum": (_float(0.0, maximum=0.999), 0.9),
-        "nesterov": (_bool(), False),
-        "beta1": (_float(0.0, maximum=0.999), 0.9),
-        "beta2": (_float(0.0, maximum=0.99999), 0.999),
-        "warmup_steps": (_int(0), 0),
-        "schedule": (_choice(SCHEDULES), "constant"),
-        "decay_steps": (_int(1), None),
-        "decay_rate": (_float(0.0, strict=True, maximum=1.0), None),
-        "min_learning_rate": (_float(0.0), None),
-        "m": (_int(1), 10),
-        "work_unit_size": (_int(0), 0),
-        "push_every_units": (_int(1), 4),
-        "backup_copies": (_int(1), 2),
-        "line_search": (_choice(LINE_SEARCHES), "wolfe"),
-        "wolfe_c1": (_float(0.0, strict=True, maximum=0.5), 1e-4),
-        "wolfe_c2": (_float(0.0, strict=True, maximum=1.0), 0.9),
-        "max_line_search": (_int(1), 20),
-        "gradient_tolerance": (_float(0.0), 1e-6),
-    },
+    "optimizer": {key.name: (key.rule, key.default) for key in SHARED_OPTIMIZER_KEYS},
     "cluster": {
         "ps_shards": (_int(0), None),
         "partitions": (_int(1), 1),
@@ -429,6 +324,18 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
 SECTIONS = tuple(SCHEMA)
 
 
+def schema(section: str) -> dict[str, tuple[Rule, Any]]:
+    """The keys of one section: (rule, default) by name. [optimizer]'s are the shared
+    keys and every registered algorithm's own (which one may set is checked later)."""
+    if section != "optimizer":
+        return SCHEMA[section]
+    out = dict(SCHEMA[section])
+    for own in algorithm_keys().values():
+        for key in own:
+            out.setdefault(key.name, (key.rule, key.default))
+    return out
+
+
 def _did_you_mean(name: str, options: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else ""
@@ -444,9 +351,9 @@ def _check_names(raw: dict, where: str) -> None:
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: [{section}] must be a table of keys, "
                               f"got {table!r}")
+        valid = schema(section)
         for key in table:
-            if key not in SCHEMA[section]:
-                valid = SCHEMA[section]
+            if key not in valid:
                 raise ConfigError(f"{where}: unknown key '{section}.{key}'"
                                   f"{_did_you_mean(key, valid)} "
                                   f"(valid keys in [{section}]: {', '.join(valid)})")
@@ -456,7 +363,7 @@ def _section_values(raw: dict, section: str, where: str) -> dict[str, Any]:
     """The checked values of one section, defaults filled in (REQUIRED keys must be there)."""
     table = raw.get(section, {})
     values = {}
-    for key, (rule, default) in SCHEMA[section].items():
+    for key, (rule, default) in schema(section).items():
         if key not in table:
             if default is REQUIRED:
                 raise ConfigError(f"{where}: missing required key '{section}.{key}' "
@@ -510,12 +417,12 @@ def check_override(text: str) -> tuple[str, str, Any]:
         raise ConfigError(f"--set {text}: unknown section [{section}]"
                           f"{_did_you_mean(section, SECTIONS)} "
                           f"(valid sections: {', '.join(SECTIONS)})")
-    if key not in SCHEMA[section]:
-        valid = SCHEMA[section]
+    valid = schema(section)
+    if key not in valid:
         raise ConfigError(f"--set {text}: unknown key '{section}.{key}'"
                           f"{_did_you_mean(key, valid)} "
                           f"(valid keys in [{section}]: {', '.join(valid)})")
-    rule = SCHEMA[section][key][0]
+    rule = valid[key][0]
     if rule.convert(value) is None:
         raise ConfigError(f"--set {text}: {section}.{key} = {_show(value)} is invalid; "
                           f"expected {rule.allowed}")
@@ -574,8 +481,11 @@ def config_from_dict(raw: dict, source: Path | None = None,
     _check_names(raw, where)
     values = {section: _section_values(raw, section, where) for section in SECTIONS}
     _check_not_implemented(values, where)
-    _resolve_update(values["optimizer"], raw.get("optimizer", {}), where)
-    _resolve_schedule(values["optimizer"], raw.get("optimizer", {}), where)
+    given = raw.get("optimizer", {})
+    _resolve_update(values["optimizer"], given, where)
+    _check_owned_keys(values["optimizer"], given, where)
+    _resolve_schedule(values["optimizer"], given, where)
+    _check_algorithm_options(values, given, where)
     _resolve_ps_shards(values, where)
     _check_consistency(values, where)
 
@@ -589,7 +499,7 @@ def config_from_dict(raw: dict, source: Path | None = None,
     return Config(
         model=ModelConfig(**values["model"]),
         data=DataConfig(**data),
-        optimizer=OptimizerConfig(**values["optimizer"]),
+        optimizer=optimizer_type()(**values["optimizer"]),
         cluster=ClusterConfig(**values["cluster"]),
         run=RunConfig(**run),
         source=source.resolve() if source is not None else None,
@@ -604,56 +514,69 @@ def _check_not_implemented(values: dict, where: str) -> None:
 
 
 def _resolve_update(opt: dict, given: dict, where: str) -> None:
-    """optimizer.update from `adagrad` when it is not given; both given must agree."""
+    """optimizer.update from `adagrad` when it is not given; both given must agree; the
+    rule must be one the algorithm runs."""
     if opt["update"] is None:
         opt["update"] = "adagrad" if opt["adagrad"] else "sgd"
     elif "adagrad" in given and opt["adagrad"] != (opt["update"] == "adagrad"):
         raise ConfigError(f"{where}: optimizer.adagrad = {_show(opt['adagrad'])} contradicts "
                           f"optimizer.update = {_show(opt['update'])}; give only update")
     opt["adagrad"] = opt["update"] == "adagrad"
-    for rule, keys in UPDATE_KEYS.items():
-        for key in keys:
+    for rule, keys_of_rule in UPDATE_KEYS.items():
+        for key in keys_of_rule:
             if key in given and opt["update"] != rule:
                 raise ConfigError(f"{where}: optimizer.{key} applies only to update = "
                                   f"{_show(rule)}, not {_show(opt['update'])}")
-    if opt["algorithm"] == "sandblaster" and opt["update"] in UPDATE_KEYS:
+    algorithm, own = opt["algorithm"], options_of(opt["algorithm"])
+    if own.no_learning_rate and opt["update"] in UPDATE_KEYS:
         raise ConfigError(f"{where}: optimizer.update = {_show(opt['update'])}, but "
-                          "algorithm = \"sandblaster\" has no update rule (L-BFGS steps by "
-                          "its line search)")
-    if opt["update"] == "adarevision" and opt["algorithm"] != "downpour":
-        raise ConfigError(f"{where}: optimizer.update = \"adarevision\" runs on Downpour's "
-                          f"parameter-server shards, which know each push's delay; with "
-                          f"algorithm = {_show(opt['algorithm'])} use \"adagrad\" or \"sgd\"")
-    own = ALGORITHM_KEYS.get(opt["algorithm"], ())
-    for key in sorted({key for keys in ALGORITHM_KEYS.values() for key in keys}):
-        if key in given and key not in own:
-            owners = " or ".join(_show(a) for a, keys in ALGORITHM_KEYS.items()
-                                 if key in keys)
+                          f"algorithm = {_show(algorithm)} has no update rule "
+                          f"({own.no_learning_rate})")
+    runners = [a.name for a in registry.ALGORITHMS
+               if opt["update"] in options_of(a.name).shard_updates]
+    if runners and algorithm not in runners:
+        shards = " or ".join(f"{name.capitalize()}'s" for name in runners)
+        raise ConfigError(f"{where}: optimizer.update = {_show(opt['update'])} runs on "
+                          f"{shards} parameter-server shards, which know each push's "
+                          f"delay; with algorithm = {_show(algorithm)} use \"adagrad\" "
+                          "or \"sgd\"")
+
+
+def _check_owned_keys(opt: dict, given: dict, where: str) -> None:
+    """A key another algorithm owns, set for this one, is an error naming its owners."""
+    algorithm = opt["algorithm"]
+    mine = {key.name for key in keys(options_of(algorithm))}
+    owners: dict[str, list[str]] = {}
+    for name, own in algorithm_keys().items():
+        if not options_of(name).ignored_by_others:
+            for key in own:
+                owners.setdefault(key.name, []).append(name)
+    for key in sorted(owners):
+        if key in given and key not in mine and key not in SCHEMA["optimizer"]:
             raise ConfigError(f"{where}: optimizer.{key} applies only to algorithm = "
-                              f"{owners}, not {_show(opt['algorithm'])}")
-    delayed = opt["outer_update"] == "delayed_nesterov"
-    if opt["outer_momentum"] is None:
-        opt["outer_momentum"] = 0.9 if delayed else OUTER_MOMENTUM[bool(opt["asynchronous"])]
-    if opt["algorithm"] == "diloco" and opt["outer_update"] not in MOMENTUM_OUTER_UPDATES \
-            and "outer_momentum" in given:
-        raise ConfigError(f"{where}: optimizer.outer_momentum applies only to outer_update "
-                          f"= \"nesterov\" or \"delayed_nesterov\", not "
-                          f"{_show(opt['outer_update'])}")
-    if opt["algorithm"] == "diloco" and delayed and not opt["asynchronous"]:
-        raise ConfigError(f"{where}: optimizer.outer_update = \"delayed_nesterov\" is for "
-                          "deltas that land one at a time: it needs optimizer.asynchronous "
-                          "= true (the synchronous form steps once per round on the mean "
-                          "of all deltas, which is plain \"nesterov\")")
+                              f"{' or '.join(_show(a) for a in owners[key])}, not "
+                              f"{_show(algorithm)}")
+
+
+def _check_algorithm_options(values: dict, given: dict, where: str) -> None:
+    """The chosen algorithm checks its own keys (and resolves those whose default depends
+    on others): distbelief.options.Options.checked."""
+    opt = values["optimizer"]
+    cls = options_of(opt["algorithm"])
+    own = cls(**{key.name: opt[key.name] for key in keys(cls)})
+    opt.update(asdict(own.checked(given, values, where)))
 
 
 def _resolve_schedule(opt: dict, given: dict, where: str) -> None:
     """Check the learning-rate schedule's keys against each other and the algorithm, and
     fill in the defaults that only step or cosine have (decay_rate, min_learning_rate)."""
-    keys = [key for key in SCHEDULE_KEYS if key in given]
-    if opt["algorithm"] == "sandblaster" and keys:
-        raise ConfigError(f"{where}: optimizer.{keys[0]} = {_show(opt[keys[0]])}, but "
-                          "algorithm = \"sandblaster\" has no learning rate (L-BFGS takes "
-                          "its step length from a line search): leave out "
+    keys_given = [key for key in SCHEDULE_KEYS if key in given]
+    no_rate = options_of(opt["algorithm"]).no_learning_rate
+    if no_rate and keys_given:
+        raise ConfigError(f"{where}: optimizer.{keys_given[0]} = "
+                          f"{_show(opt[keys_given[0]])}, but algorithm = "
+                          f"{_show(opt['algorithm'])} has no learning rate ({no_rate}): "
+                          "leave out "
                           f"{', '.join('optimizer.' + k for k in SCHEDULE_KEYS)}")
     kind = opt["schedule"]
     if kind == "constant":
@@ -741,46 +664,34 @@ def needs_shards(algorithm: str, optimizer: dict[str, Any]) -> bool:
 
 def _resolve_ps_shards(values: dict, where: str) -> None:
     """cluster.ps_shards defaults to what the algorithm needs: at least one shard for the
-    algorithms that keep parameters there, none for those that do not (sgd ignores it)."""
+    algorithms that keep parameters there, none for those that do not (an algorithm whose
+    registry line says shards="ignored", as sgd's, takes any count and defaults to 1)."""
     opt, cluster = values["optimizer"], values["cluster"]
-    algorithm = opt["algorithm"]
-    shards = needs_shards(algorithm, opt)
+    algorithm = registry.get(opt["algorithm"])
+    shards, ignored = algorithm.needs_shards(opt), algorithm.shards == "ignored"
     if cluster["ps_shards"] is None:
-        cluster["ps_shards"] = 1 if shards or algorithm == "sgd" else 0
+        cluster["ps_shards"] = 1 if shards or ignored else 0
     elif shards and cluster["ps_shards"] == 0:
         raise ConfigError(f"{where}: cluster.ps_shards = 0, but algorithm = "
-                          f"{_show(algorithm)}{_shard_reason(opt)} keeps the parameters on "
-                          "parameter-server shards: give at least 1")
-    elif not shards and algorithm != "sgd" and cluster["ps_shards"] > 0:
+                          f"{_show(algorithm.name)}{_shard_reason(algorithm, opt)} keeps the "
+                          "parameters on parameter-server shards: give at least 1")
+    elif not shards and not ignored and cluster["ps_shards"] > 0:
         raise ConfigError(f"{where}: cluster.ps_shards = {cluster['ps_shards']}, but "
-                          f"algorithm = {_show(algorithm)}{_shard_reason(opt)} uses no "
-                          "parameter-server shard: set cluster.ps_shards = 0 or leave it out")
+                          f"algorithm = {_show(algorithm.name)}"
+                          f"{_shard_reason(algorithm, opt)} uses no parameter-server "
+                          "shard: set cluster.ps_shards = 0 or leave it out")
 
 
-def _shard_reason(opt: dict) -> str:
-    if opt["algorithm"] == "sync":
-        return f" with backup_workers = {opt['backup_workers']}"
-    if opt["algorithm"] == "averaging":
-        return (" without elastic_alpha" if opt["elastic_alpha"] is None
-                else f" with elastic_alpha = {opt['elastic_alpha']:g}")
-    if opt["algorithm"] == "diloco":
-        return f" with asynchronous = {_show(opt['asynchronous'])}"
-    return ""
+def _shard_reason(algorithm: registry.Algorithm, opt: dict) -> str:
+    """" with KEY = VALUE" (or " without KEY") when an optimizer key decides the shards."""
+    key = algorithm.shards
+    if key in ("always", "never", "ignored"):
+        return ""
+    return f" without {key}" if opt[key] is None else f" with {key} = {_show(opt[key])}"
 
 
 def _check_consistency(values: dict, where: str) -> None:
     run = values["run"]
-    opt = values["optimizer"]
-    if opt["algorithm"] == "sandblaster" and not opt["wolfe_c1"] < opt["wolfe_c2"]:
-        raise ConfigError(f"{where}: optimizer.wolfe_c1 = {opt['wolfe_c1']:g} must be smaller "
-                          f"than optimizer.wolfe_c2 = {opt['wolfe_c2']:g} (Wolfe conditions "
-                          "need 0 < c1 < c2 < 1)")
-    if opt["algorithm"] == "sandblaster" and opt["wolfe_c2"] >= 1.0:
-        raise ConfigError(f"{where}: optimizer.wolfe_c2 = {opt['wolfe_c2']:g} must be below 1")
-    if opt["algorithm"] == "sandblaster" and not values["data"]["in_memory"]:
-        raise ConfigError(f"{where}: data.in_memory = false streams each replica's own part "
-                          "of the training set, but a Sandblaster replica may be handed any "
-                          "work unit and reads the whole set; leave data.in_memory = true")
     if not run["max_steps"] and not run["max_seconds"] and run["target_accuracy"] is None:
         raise ConfigError(f"{where}: the run would never end: set at least one of "
                           "run.max_steps, run.max_seconds or run.target_accuracy")
@@ -831,7 +742,8 @@ def check_data_fits(config: Config) -> None:
         except ConfigError as e:
             raise ConfigError(f"cluster.{e}") from e
     # Sandblaster's batch is the whole training set when batch_size is that large.
-    if config.data.batch_size > info.n_train and config.optimizer.algorithm != "sandblaster":
+    whole_set = options_of(config.optimizer.algorithm).batch_may_exceed_data
+    if config.data.batch_size > info.n_train and not whole_set:
         rows = training_rows(info.n_train, info.held_out, info.path, config.data.validation)
         raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
                         f"{rows}")
@@ -885,40 +797,30 @@ fewer ranks, and a checkpoint must load on a different shard count (it is re-sli
 
 def run_name(config: Config) -> str:
     """The algorithm a run names itself by in its summary and report: the configured one,
-    or "easgd" for averaging with optimizer.elastic_alpha set (Downpour's machinery)."""
-    if config.optimizer.algorithm == "averaging" and config.optimizer.elastic_alpha is not None:
-        return "easgd"
-    return config.optimizer.algorithm
+    or what its options say (Options.run_name: "easgd" for averaging with elastic_alpha)."""
+    return own_options(config.optimizer).run_name() or config.optimizer.algorithm
 
 
 def hashed_settings(config: Config) -> dict[str, Any]:
     """The settings that decide the training trajectory, as a JSON-friendly nested dict:
     model, data, optimizer and run.seed. Checkpoint manifests store it so that a refused
-    resume can name the keys that changed."""
+    resume can name the keys that changed. Of [optimizer]: the shared keys and the chosen
+    algorithm's own, less those their declarations leave out (`hashed`, Options.unhashed),
+    so that adding a key left the hash of earlier runs alone."""
     d = config.to_dict()
     out = {section: d[section] for section in HASHED_SECTIONS}
-    algorithm = config.optimizer.algorithm
-    dropped = set(SANDBLASTER_UNHASHED if algorithm == "sandblaster" else SANDBLASTER_KEYS)
-    for owner, keys in ALGORITHM_KEYS.items():
-        if owner != algorithm:
-            dropped.update(keys)
-    dropped.difference_update(ALGORITHM_KEYS.get(algorithm, ()))
-    if algorithm == "diloco" and config.optimizer.outer_update not in MOMENTUM_OUTER_UPDATES:
-        dropped.add("outer_momentum")  # not read
-    if config.optimizer.update in ("adagrad", "sgd"):
+    opt = config.optimizer
+    own = own_options(opt)
+    mine = {key.name for key in keys(type(own))}
+    dropped = {key.name for keys_of in algorithm_keys().values() for key in keys_of} - mine
+    dropped |= own.unhashed()
+    dropped |= {key.name for key in SHARED_OPTIMIZER_KEYS
+                if key.hashed == "unless default" and getattr(opt, key.name) == key.default}
+    if opt.update in ("adagrad", "sgd"):
         dropped.add("update")  # `adagrad` says it, as it did before `update` existed
-    for rule, keys in UPDATE_KEYS.items():
-        if config.optimizer.update != rule:
-            dropped.update(keys)
-    if config.optimizer.fetch == "own_pushes":
-        dropped.add("fetch")  # the default, as before the key existed
-    # The schedule's keys at their defaults (or unset), as before they existed.
-    defaults = {"warmup_steps": 0, "schedule": "constant", "decay_steps": None,
-                "decay_rate": None, "min_learning_rate": None}
-    dropped.update(key for key, default in defaults.items()
-                   if getattr(config.optimizer, key) == default)
-    if config.optimizer.push_dtype == "float32":
-        dropped.add("push_dtype")  # the default, as before the key existed
+    for rule, keys_of_rule in UPDATE_KEYS.items():
+        if opt.update != rule:
+            dropped.update(keys_of_rule)
     out["optimizer"] = {k: v for k, v in out["optimizer"].items() if k not in dropped}
     out["run"] = {k: d["run"][k] for k in HASHED_RUN_KEYS}
     if config.data.in_memory:  # the default, as before the keys existed
@@ -960,3 +862,135 @@ def _short(value: Any, limit: int = 80) -> str:
     text = json.dumps(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
+
+
+# ---------------------------------------------------------------------------------------
+# The [optimizer] keys described: docs/configuration.md's tables and `distbelief help`.
+
+DOCS_BEGIN = ("<!-- [optimizer] keys: written by `python -m distbelief.config --docs` from "
+              "the declarations (config.OptimizerConfig, each algorithm's options.py); "
+              "edit those, not this -->")
+DOCS_END = "<!-- end of the generated [optimizer] keys -->"
+
+
+HASH_NOTES = {"unless default": "; in the config hash only when not the default",
+              "never": "; not in the config hash (a resumed run may change it)"}
+
+
+def _doc_default(key: Key) -> str:
+    shown = key.shown_default()
+    return f"`{shown}`" if shown.startswith('"') else shown
+
+
+def _doc_table(keys_of: Iterable[Key]) -> list[str]:
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key in keys_of:
+        meaning = key.help
+        if key.name == "algorithm":
+            meaning += ": " + ", ".join(f'`"{a.name}"` ({a.summary})'
+                                        for a in registry.ALGORITHMS)
+        meaning += HASH_NOTES.get(key.hashed, "")
+        lines.append(f"| `optimizer.{key.name}` | {_doc_default(key)} | "
+                     f"{meaning.replace('|', chr(92) + '|')} |")
+    return lines
+
+
+def key_tables() -> str:
+    """docs/configuration.md's [optimizer] tables (Markdown, between DOCS_BEGIN and
+    DOCS_END): the shared keys, then each algorithm's own, from their declarations."""
+    shared = ("Every algorithm reads these (Sandblaster, which has no learning rate, "
+              "refuses the schedule's):")
+    lines = [DOCS_BEGIN, "", shared, "", *_doc_table(SHARED_OPTIMIZER_KEYS)]
+    for name, own in algorithm_keys().items():
+        cls, algorithm = options_of(name), registry.get(name)
+        page = f"; [{cls.docs.removeprefix('docs/')}]({cls.docs.removeprefix('docs/')})" \
+            if cls.docs else ""
+        others = ("ignored by the other algorithms" if cls.ignored_by_others
+                  else "an error with another algorithm")
+        title = f'`algorithm = "{name}"` ({algorithm.summary}{page}); its own keys, {others}:'
+        lines += ["", title, "", *_doc_table(own)]
+    return "\n".join([*lines, "", DOCS_END])
+
+
+def docs_with_key_tables(page: str) -> str:
+    """`page` (docs/configuration.md's text) with its generated tables written anew."""
+    if page.count(DOCS_BEGIN) != 1 or page.count(DOCS_END) != 1:
+        raise ValueError("the page must hold the begin and end markers once each")
+    before, rest = page.split(DOCS_BEGIN)
+    return before + key_tables() + rest.split(DOCS_END, 1)[1]
+
+
+def _plain(markdown: str) -> str:
+    """Markdown as a terminal shows it: [text](link) is text, `code` is code."""
+    return re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", markdown).replace("`", "")
+
+
+def _wrapped(text: str, indent: str) -> str:
+    import textwrap
+
+    return textwrap.fill(_plain(text), width=88, initial_indent=indent,
+                         subsequent_indent=indent)
+
+
+def _key_lines(keys_of: Iterable[Key]) -> list[str]:
+    lines = []
+    for key in keys_of:
+        lines += [f"  optimizer.{key.name} = {key.shown_default()}  ({key.rule.allowed})",
+                  _wrapped(key.help, "      ")]
+    return lines
+
+
+def describe_algorithm(name: str) -> str:
+    """What `distbelief help NAME` prints: the algorithm, what it does, its own keys with
+    their defaults and help, and where to read more. ConfigError for an unknown name."""
+    if name not in registry.names():
+        raise ConfigError(f"unknown algorithm {name!r}{_did_you_mean(name, registry.names())} "
+                          f"(algorithms: {', '.join(registry.names())})")
+    algorithm, cls = registry.get(name), options_of(name)
+    lines = [f"{name}: {algorithm.summary}"]
+    if cls.description:
+        lines += ["", _wrapped(cls.description, "")]
+    own = keys(cls)
+    if own:
+        lines += ["", "[optimizer] keys of its own (in the file, or --set optimizer.KEY=VALUE):",
+                  *_key_lines(own)]
+    else:
+        lines += ["", "No [optimizer] keys of its own."]
+    shared = ", ".join(key.name for key in SHARED_OPTIMIZER_KEYS if key.name != "algorithm")
+    more = f"; {name}: {cls.docs}" if cls.docs else ""
+    lines += ["", _wrapped(f"Shared keys ({shared}): distbelief help optimizer. Every key: "
+                           f"docs/configuration.md{more}.", "")]
+    return "\n".join(lines)
+
+
+def describe_shared() -> str:
+    """What `distbelief help optimizer` prints: the keys every algorithm shares."""
+    return "\n".join(["[optimizer] keys every algorithm reads (docs/configuration.md):",
+                      *_key_lines(SHARED_OPTIMIZER_KEYS)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m distbelief.config --docs [PAGE]`: write the [optimizer] key tables into
+    PAGE (default docs/configuration.md); `--check` only says whether they are current."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m distbelief.config",
+                                     description=main.__doc__)
+    parser.add_argument("--docs", action="store_true", required=True)
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("page", nargs="?", default="docs/configuration.md")
+    args = parser.parse_args(argv)
+    page = Path(args.page)
+    old = page.read_text(encoding="utf-8")
+    new = docs_with_key_tables(old)
+    if args.check:
+        print(f"{page}: {'current' if new == old else 'out of date: run without --check'}")
+        return 0 if new == old else 1
+    if new != old:
+        page.write_text(new, encoding="utf-8")
+    print(f"{page}: [optimizer] key tables {'written' if new != old else 'already current'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,12 @@
 """The training algorithms by name: one `Algorithm` line each, read by the command line
-(`cli._train`), `compare`, config validation and the docs' list (tests/test_registry.py).
+(`cli._train`, `distbelief help`), `compare`, config validation and the docs' list
+(tests/test_registry.py).
 
 Trainers are named as "module:function" strings and imported only when a run asks for one,
-so loading one algorithm imports none of the others. This module imports nothing of
-distbelief, which lets `config` (below the algorithms in docs/architecture.md) read it.
+so loading one algorithm imports none of the others. An algorithm's own [optimizer] keys
+are an options dataclass in its package ("module:Class", distbelief.options.Options),
+which imports nothing of its trainer. This module imports nothing of distbelief, which lets
+`config` (below the algorithms in docs/architecture.md) read it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ class Algorithm:
     name: str                 # optimizer.algorithm
     trainer: str              # "module:function", called function(config, comm, resume=...)
     summary: str              # a few words for --help and the docs
-    own_keys: tuple[str, ...] = ()  # [optimizer] keys no other algorithm reads
-    shards: str = "never"     # "always", "never", or an optimizer key: shards when it is set
+    options: str | None = None
+    """"module:Class": the [optimizer] keys only this algorithm reads (an Options
+    dataclass, distbelief.options); None: it has none of its own."""
+    shards: str = "never"
+    """"always", "never", "ignored" (never, and cluster.ps_shards is not checked), or an
+    optimizer key: shards when it is set."""
     coordinators: int = 0     # ranks besides the shards and the replicas
     one_process_trainer: str | None = None
     """With cluster.partitions = 1: "module:function", called function(config,
@@ -33,13 +40,20 @@ class Algorithm:
 
     def needs_shards(self, optimizer: Mapping[str, Any]) -> bool:
         """Whether runs with these [optimizer] settings keep parameters on shards."""
-        if self.shards in ("always", "never"):
+        if self.shards in ("always", "never", "ignored"):
             return self.shards == "always"
         return bool(optimizer.get(self.shards))
 
     def in_one_process(self, partitions: int) -> bool:
         """Whether runs of `partitions` ranks per replica train in this process, no MPI."""
         return self.one_process_trainer is not None and partitions == 1
+
+    def load_options(self) -> type | None:
+        """The options dataclass of this algorithm's own keys (imported now), or None."""
+        if self.options is None:
+            return None
+        module, _, name = self.options.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     def load_trainer(self, partitions: int,
                      optimizer: Mapping[str, Any] | None = None) -> Callable[..., Any]:
@@ -56,27 +70,30 @@ class Algorithm:
 
 ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm("sgd", "distbelief.algorithms.partitioned_sgd:train",
-              "one process, the baseline",
+              "one process, the baseline", shards="ignored",
               one_process_trainer="distbelief.algorithms.sgd:train"),
-    Algorithm("downpour", "distbelief.algorithms.downpour:train",
+    Algorithm("downpour", "distbelief.algorithms.downpour.trainer:train",
               "Downpour SGD against a sharded parameter server",
-              own_keys=("fetch", "push_dtype"), shards="always"),
+              options="distbelief.algorithms.downpour.options:DownpourOptions",
+              shards="always"),
     Algorithm("sandblaster", "distbelief.algorithms.sandblaster.roles:train",
-              "Sandblaster L-BFGS", shards="always", coordinators=1),
-    Algorithm("sync", "distbelief.algorithms.sync:train",
+              "Sandblaster L-BFGS", shards="always", coordinators=1,
+              options="distbelief.algorithms.sandblaster.options:SandblasterOptions"),
+    Algorithm("sync", "distbelief.algorithms.sync.trainer:train",
               "synchronous data-parallel SGD, optionally with backup workers",
-              own_keys=("backup_workers",), shards="backup_workers"),
+              options="distbelief.algorithms.sync.options:SyncOptions",
+              shards="backup_workers"),
     Algorithm("averaging", "distbelief.algorithms.averaging.collective:train",
               "periodic parameter averaging, or EASGD with optimizer.elastic_alpha",
-              own_keys=("average_every", "elastic_alpha"), shards="elastic_alpha",
+              options="distbelief.algorithms.averaging.options:AveragingOptions",
+              shards="elastic_alpha",
               shard_trainer="distbelief.algorithms.downpour.elastic:train"),
     Algorithm("hogwild", "distbelief.algorithms.hogwild:train",
               "lock-free shared parameters on one node"),
     Algorithm("diloco", "distbelief.algorithms.averaging.diloco:train",
               "DiLoCo: inner_steps local steps, then an outer optimizer on the replicas' "
               "deltas; optimizer.asynchronous applies each delta on the shards",
-              own_keys=("inner_steps", "outer_update", "outer_learning_rate",
-                        "outer_momentum", "asynchronous", "push_dtype"),
+              options="distbelief.algorithms.averaging.options:DiLoCoOptions",
               shards="asynchronous",
               shard_trainer="distbelief.algorithms.downpour.diloco:train"),
 )

@@ -27,12 +27,12 @@ from distbelief.algorithms import registry
 from distbelief.config import (
     ALGORITHMS,
     NOT_IMPLEMENTED_ALGORITHMS,
-    SCHEMA,
     apply_overrides,
     check_override,
     load_config,
     needs_shards,
     read_toml,
+    schema,
 )
 from distbelief.errors import ConfigError
 
@@ -185,7 +185,7 @@ def _checked(table: dict, section: str, key: str, default: Any) -> Any:
     use it: a wrong one is the one-line error train would give, not a traceback."""
     if key not in table:
         return default
-    rule = SCHEMA[section][key][0]
+    rule = schema(section)[key][0]
     value = rule.convert(table[key])
     if value is None:
         raise ConfigError(f"{section}.{key} = {table[key]!r} is invalid; expected "

@@ -102,7 +102,7 @@ class Replica:
         plan, client = run.plan, run.endpoint
         self.run_, self.plan, self.client, self.network = run, plan, client, network
         self.data, self.base = run.local, run.start.base
-        self.fetch = fetch  # config.FETCHES: what a fetch waits for
+        self.fetch = fetch  # options.FETCHES: what a fetch waits for
         self.fetch_own_pushes = fetch == "own_pushes"
         topology = plan.topology
         self.index = topology.replica_index

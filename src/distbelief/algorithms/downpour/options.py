@@ -1,0 +1,44 @@
+"""The [optimizer] keys Downpour owns (read by config; imports nothing of the trainer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from distbelief.options import Options, choice, option
+
+FETCHES = ("own_pushes", "asynchronous", "overlapped")
+"""optimizer.fetch: what a replica's fetch waits for (docs/downpour.md, "Fetch")."""
+PUSH_DTYPES = ("float32", "bfloat16")
+"""optimizer.push_dtype: the number format of a replica's pushed gradient."""
+
+
+@dataclass(frozen=True)
+class DownpourOptions(Options):
+    description: ClassVar[str] = (
+        "Downpour SGD over MPI ranks: parameter-server shards (cluster.ps_shards) and "
+        "asynchronous model replicas, launched with mpiexec (S + R x P ranks with "
+        "cluster.partitions = P). A replica fetches the parameters every "
+        "optimizer.n_fetch steps and pushes its summed gradient every n_push steps; "
+        "optimizer.warm_start_steps lets replica 0 train alone first. A lost replica "
+        "does not stop the run.")
+    docs: ClassVar[str] = "docs/downpour.md"
+    shard_updates: ClassVar[tuple[str, ...]] = ("adarevision",)
+
+    fetch: str = option(
+        "own_pushes", choice(FETCHES),
+        "what a replica's fetch waits for: `\"own_pushes\"` (the shards have applied this "
+        "replica's last push: read-your-writes, so one replica is sequential SGD), "
+        "`\"asynchronous\"` (the fetch rides on the push and returns what the shards had "
+        "published: at least one update stale) or `\"overlapped\"` (push and fetch move "
+        "while the next step computes, as the paper's fetch and push threads: at least two "
+        "updates stale); see [Downpour](downpour.md#fetch-what-a-replicas-fetch-waits-for)",
+        hashed="unless default")
+    push_dtype: str = option(
+        "float32", choice(PUSH_DTYPES),
+        "`\"bfloat16\"` rounds each pushed gradient to bfloat16 (round to nearest even); "
+        "the shards widen it and fold in float32, the optimizer unchanged. Over RMA a push "
+        "then Puts half the bytes; on one node (shared memory) the gradient is rounded the "
+        "same way and nothing else changes "
+        "([Downpour](downpour.md#narrowed-pushes-optimizerpush_dtype))",
+        hashed="unless default")
