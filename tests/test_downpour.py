@@ -262,8 +262,40 @@ def timed_run(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("timed") / "out"
     t0 = time.perf_counter()
     proc = downpour(3, data_dir, out, "run.max_steps=0", "run.max_seconds=3",
-                    "optimizer.learning_rate=0.003")
+                    "optimizer.learning_rate=0.003", "run.tensorboard=true")
     return proc, out, time.perf_counter() - t0
+
+
+def test_tensorboard_events_hold_each_replicas_figures(timed_run):
+    """TensorBoard's reader finds, at the last step, each replica's throughput and
+    staleness and the staleness histograms, as summary.json has them; and the shards'
+    version on the training lines (records.tensorboard)."""
+    from tensorboard.backend.event_processing.event_accumulator import (
+        HISTOGRAMS,
+        SCALARS,
+        EventAccumulator,
+    )
+
+    proc, out, _ = timed_run
+    summary, lines = finished(proc, out)
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={SCALARS: 0,
+                                                                      HISTOGRAMS: 0})
+    events.Reload()
+    for replica in summary["replicas"]:
+        name = f"replica/{replica['replica']}"
+        for key, value in [("samples_per_second", replica["samples_per_second"]),
+                           ("staleness_mean", replica["staleness"]["mean"]),
+                           ("staleness_max", replica["staleness"]["max"])]:
+            (event,) = events.Scalars(f"{name}/{key}")
+            assert event.step == summary["steps"]
+            assert event.value == pytest.approx(value, rel=1e-6)
+        (histogram,) = events.Histograms(f"{name}/staleness")
+        assert list(histogram.histogram_value.bucket) == replica["staleness"]["histogram"]
+    (combined,) = events.Histograms("staleness")
+    assert combined.histogram_value.num == summary["staleness"]["samples"] > 0
+    train = [x for x in lines if x["kind"] == "train"]
+    assert [e.step for e in events.Scalars("train/version")] == [x["step"] for x in train]
+    assert [e.value for e in events.Scalars("train/version")] == [x["version"] for x in train]
 
 
 def test_time_stop_ends_every_rank(timed_run):

@@ -229,6 +229,7 @@ class RunConfig:
     owner_timeout_seconds: float = 120.0
     collapse_window_seconds: float = 30.0
     stop_on_collapse: bool = False
+    tensorboard: bool | None = None  # None: events when tensorboardX is installed
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "owner_timeout_seconds": (_float(0.0), 120.0),
         "collapse_window_seconds": (_float(0.0, strict=True), 30.0),
         "stop_on_collapse": (_bool(), False),
+        "tensorboard": (_bool(), None),
     },
 }
 SECTIONS = tuple(SCHEMA)

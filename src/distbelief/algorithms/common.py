@@ -18,6 +18,7 @@ from another algorithm.
     finished_run(config, resume, stream)   the summary of a finished run a rerun leaves be
     StopSignals()                    SIGTERM/SIGUSR1/SIGINT -> a flag the loop polls
     archive_previous_run(out_dir)    train --fresh: the previous run's files moved aside
+                                     (checkpoints, metrics, summary, config, tensorboard/)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import numpy as np
 from distbelief.config import Config, build_network, config_hash, hashed_settings
 from distbelief.errors import UserError
 from distbelief.records import checkpoint as ckpt
+from distbelief.records import tensorboard
 from distbelief.records.collapse import CollapseWatch
 from distbelief.records.console import say
 from distbelief.records.metrics import (
@@ -121,7 +123,8 @@ def run_recorder(config: Config, info: Any, stream: IO[str] | None,
                        target_accuracy=run.target_accuracy, start=start, resume=resume,
                        max_steps=run.max_steps, max_seconds=run.max_seconds,
                        eval_split=eval_split(info),
-                       collapse=CollapseWatch(info.num_classes, run.collapse_window_seconds))
+                       collapse=CollapseWatch(info.num_classes, run.collapse_window_seconds),
+                       tensorboard=run.tensorboard)
 
 
 def evaluate(network: Any, params: np.ndarray,
@@ -177,6 +180,7 @@ def final_test(config: Config, summary: dict[str, Any],
             "test_loss": float(loss)}
     with (out_dir / METRICS_FILE).open("a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
+    tensorboard.append_line(out_dir, config.run.tensorboard, line)
     write_json_atomic(out_dir / SUMMARY_FILE, summary)
     say(stream, f"distbelief: test set, evaluated once at the end: accuracy {accuracy:.4f}, "
                 f"loss {loss:.4f} ({rows:,d} samples, checkpoint of step {step:,d})")
@@ -526,11 +530,11 @@ def start_over(out_dir: str | Path, resume: str, stream: IO[str] | None) -> None
 
 
 ARCHIVED_NAMES = (ckpt.CHECKPOINTS_DIR, METRICS_FILE, DISCARDED_FILE, SUMMARY_FILE,
-                  "config.json")
+                  "config.json", tensorboard.TENSORBOARD_DIR)
 
 
 def archive_previous_run(out_dir: str | Path) -> Path | None:
-    """Move a previous run's files (checkpoints, metrics, summary, config) into
+    """Move a previous run's files (checkpoints, metrics, summary, config, events) into
     out_dir/previous-<UTC time>/; returns that folder, or None if there was nothing."""
     out_dir = Path(out_dir)
     present = [out_dir / name for name in ARCHIVED_NAMES if (out_dir / name).exists()]

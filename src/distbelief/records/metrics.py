@@ -51,6 +51,9 @@ lines the interrupted run wrote after it (they describe steps that are trained a
 metrics.discarded.jsonl, appends a `{"kind": "resume", ...}` line and carries on from the
 checkpoint's elapsed time, so `time` stays the run's total training time. The best and
 last evaluation and the time to target are read back from the kept lines.
+
+`tensorboard` (run.tensorboard; None: when tensorboardX is installed) also writes every
+line and the summary as TensorBoard events in out_dir/tensorboard/ (records.tensorboard).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from typing import IO, Any, Self
 from distbelief.errors import DataError
 from distbelief.records.collapse import CollapseWatch
 from distbelief.records.console import say
+from distbelief.records.tensorboard import open_events
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -100,7 +104,7 @@ class RunRecorder:
                  stream: IO[str] | None = sys.stdout, target_accuracy: float | None = None,
                  start: float | None = None, resume: ResumePoint | None = None, *,
                  max_steps: int = 0, max_seconds: float = 0.0, eval_split: str = "test",
-                 collapse: CollapseWatch | None = None):
+                 collapse: CollapseWatch | None = None, tensorboard: bool | None = False):
         if eval_split not in EVAL_SPLITS:
             raise ValueError(f"eval_split must be one of {EVAL_SPLITS}, got {eval_split!r}")
         self.out_dir = Path(out_dir)
@@ -124,6 +128,9 @@ class RunRecorder:
         self._target_eval: dict[str, Any] | None = None  # the first eval at the target
         self._trend: deque[tuple[float, float]] = deque(maxlen=TREND_EVALS)  # for the ETA
         self._next_progress = self.start + progress_every_seconds
+        # Every line also goes to TensorBoard (records.tensorboard) when asked for.
+        self._events = open_events(self.out_dir, tensorboard,
+                                   None if resume is None else resume.step, stream)
         if resume is None:
             # A new run starts a new file: lines from an earlier run in the same folder
             # would mix two runs in one curve.
@@ -282,12 +289,16 @@ class RunRecorder:
         if missing:
             raise ValueError(f"summary lacks {missing}")
         write_json_atomic(self.out_dir / SUMMARY_FILE, out)
+        if self._events is not None:
+            self._events.summary(out)
         self.close()
         return out
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+        if self._events is not None:
+            self._events.close()
 
     def _remember(self, step: int, samples: int, loss: float) -> None:
         self._step, self._samples, self._loss = step, samples, float(loss)
@@ -295,6 +306,8 @@ class RunRecorder:
     def _write(self, line: dict[str, Any]) -> None:
         self._file.write(json.dumps(finite_or_null(line), allow_nan=False) + "\n")
         self._file.flush()
+        if self._events is not None:
+            self._events.line(line)
 
     def __enter__(self) -> Self:
         return self
