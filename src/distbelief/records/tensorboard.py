@@ -127,7 +127,9 @@ class TensorBoardEvents:
             scalars["summary/staleness_mean"] = float(staleness["mean"])
             scalars["summary/staleness_max"] = float(staleness["max"])
             self._histogram("staleness", staleness, step)
-        for replica in summary.get("replicas") or []:
+        # Downpour's summary lists its replicas; the synchronous ones' count them.
+        replicas = summary.get("replicas")
+        for replica in replicas if isinstance(replicas, list) else []:
             name = replica_name(replica)
             for key in ("samples_per_second", "steps", "samples"):
                 if _is_number(replica.get(key)):
