@@ -64,7 +64,9 @@ Sections and keys, with their defaults:
                  out_dir = "runs/<config file stem>" (relative to the current directory),
                  threads = 0 (0 = BLAS default), progress_every_seconds = 2.0,
                  checkpoint_every_seconds = 600 (0 = off), checkpoint_every_steps = 0
-                 (0 = off), keep_checkpoints = 3 (at least 2),
+                 (0 = off), keep_checkpoints = 3 (at least 2), keep_best = true (also
+                 keep the model of the best evaluation, out_dir/checkpoints/best-<step>;
+                 every run evaluates during training: eval_every_seconds > 0),
                  checkpoint_in_background = true (Downpour's shards copy their state,
                  release the replicas, then write; false: no copy, the replicas wait),
                  max_bad_gradients_in_a_row = 10 (Downpour: a replica drops a non-finite
@@ -248,6 +250,7 @@ class RunConfig:
     checkpoint_every_seconds: float = 600.0
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 3
+    keep_best: bool = True
     checkpoint_in_background: bool = True
     max_bad_gradients_in_a_row: int = 10
     replica_timeout_seconds: float = 300.0
@@ -415,6 +418,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "checkpoint_every_seconds": (_float(0.0), 600.0),
         "checkpoint_every_steps": (_int(0), 0),
         "keep_checkpoints": (_int(2), 3),
+        "keep_best": (_bool(), True),
         "checkpoint_in_background": (_bool(), True),
         "max_bad_gradients_in_a_row": (_int(1), 10),
         "replica_timeout_seconds": (_float(0.0), 300.0),
