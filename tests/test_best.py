@@ -186,3 +186,29 @@ def test_a_crash_between_two_bests_leaves_the_newer(tmp_path: Path, data_dir: Pa
     found, _ = ckpt.find_best(keeper.root)
     assert found.path == newer and found.best["accuracy"] == 0.7
     assert BestKeeper(config, layout, "sgd").best["step"] == 30
+
+
+def test_a_damaged_best_is_named_and_the_last_read(peaked, tmp_path: Path) -> None:
+    import shutil
+
+    from helpers import flip_bytes
+
+    out, summary, _, _ = peaked
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    best = Path(summary["best"]["path"].replace(str(out), str(copy)))
+    flip_bytes(best / ckpt.shard_part_name(0))
+    with pytest.warns(UserWarning, match=f"skipped a damaged checkpoint: .*{best.name}"):
+        model = distbelief.load_model(copy)
+    assert (model.source["which"], model.source["step"]) == ("last", STEPS)
+    with pytest.raises(UserError, match="its best model is damaged"):
+        read_trained(copy, which="best")
+
+
+def test_a_target_stop_reports_the_figure_that_met_it() -> None:
+    from distbelief.records.metrics import accuracy_text
+
+    summary = {"stop_reason": "target_accuracy", "eval_split": "test",
+               "target_reached_accuracy": 0.8803, "final_test_accuracy": 0.8767}
+    assert accuracy_text(summary) == "test accuracy 0.8803"
+    assert accuracy_text({**summary, "stop_reason": "max_steps"}) == "test accuracy 0.8767"

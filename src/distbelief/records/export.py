@@ -170,10 +170,12 @@ def find_checkpoint(path: Path, which: str | None = None, with_optimizer: bool =
     if which == "best" and with_optimizer:
         raise ExportError(f"{path}: the best model holds no optimizer state (it is kept to "
                           "be used, not resumed); --which last reads the newest checkpoint's")
+    passed_over: list[tuple[Path, str]] = []
     if which == "best" or (which is None and not with_optimizer):
         best, damaged = ckpt.find_best(root)
         if best is not None:
             return best, damaged
+        passed_over = damaged  # a damaged best: named, and the last read instead
         if which == "best":
             why = (f"its best model is damaged: {'; '.join(w for _, w in damaged)}"
                    if damaged else "the run kept none (run.keep_best = false, a run from "
@@ -181,6 +183,7 @@ def find_checkpoint(path: Path, which: str | None = None, with_optimizer: bool =
             raise ckpt.CheckpointError(f"{path} has no best model ({root}/best-*): {why}; "
                                        "--which last reads its newest checkpoint")
     found, damaged = ckpt.find_latest(root)
+    damaged = passed_over + damaged
     if found is None:
         if damaged:
             raise ckpt.CheckpointError(f"{path} holds no valid checkpoint: "
