@@ -487,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--with-optimizer", action="store_true",
                         help="also write the optimizer state (Adagrad's accumulators), "
                              "named optimizer.<state>.layers.<i>.weight, ...")
-    _which_option(export)
+    _which_option(export, "; last with --with-optimizer: the best holds no optimizer "
+                          "state")
 
     prepare = _command(commands, "prepare", "write a dataset as HDF5", PREPARE_HELP)
     kinds = prepare.add_subparsers(dest="dataset", required=True, metavar="DATASET")
@@ -1097,11 +1098,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _which_option(parser: argparse.ArgumentParser) -> None:
+def _which_option(parser: argparse.ArgumentParser, note: str = "") -> None:
     parser.add_argument("--which", choices=("best", "last"), default=None,
                         help="of a run folder: best, the model of its best evaluation "
                              "(run.keep_best), or last, its newest checkpoint (default: "
-                             "best where the run kept one, else last)")
+                             f"best where the run kept one, else last{note})")
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
