@@ -69,7 +69,8 @@ evaluation that beats every earlier one, as best-<step>/: the same manifest and 
 (the whole vector; no optimizer state and no replica part: it is a model, not a point to
 resume from) plus a manifest key `best` (the evaluation: step, split, accuracy, loss). It
 is committed like a checkpoint (.partial, renamed once complete), and only then is the
-previous best removed (.deleting), so a crash leaves one best or two, never none. Its name
+previous best removed (.deleting), so a crash leaves one best or two, never none (but for
+a best of the same step, which a resumed run scored higher: the old one goes first). Its name
 is not ckpt-*, so `list_checkpoints`, `find_latest` (resume) and the pruning of old
 checkpoints never see it; `find_best` reads it.
 
