@@ -365,6 +365,19 @@ def test_target_accuracy_stops_the_run(data_dir, tmp_path):
             f"({hits[0]['test_accuracy']:.4f} at step {hits[0]['step']})") in line
     assert (f"final test accuracy {final['test_accuracy']:.4f}" in line) == \
         (final["test_accuracy"] != hits[0]["test_accuracy"])
+    # The line's headline figure is the one that met the target, not a later one.
+    assert f"; test accuracy {hits[0]['test_accuracy']:.4f};" in line
+    # Shard 0 kept the snapshot of its best evaluation (run.keep_best), and `evaluate`
+    # scores that model by default: the figure recorded for it, the whole test set.
+    best = summary["best"]
+    evals = [x for x in lines if x["kind"] == "eval"]
+    assert best["accuracy"] == max(x["test_accuracy"] for x in evals) >= 0.7
+    assert summary["last"]["step"] == summary["steps"]
+    scored = run_cli(["evaluate", out, "--json"])
+    assert scored.returncode == 0, scored.stderr
+    result = json.loads(scored.stdout)
+    assert (result["which"], result["step"]) == ("best", best["step"])
+    assert result["accuracy"] == pytest.approx(best["accuracy"], abs=1e-9)
     check_downpour_summary(summary, 4, 2)
 
 

@@ -173,7 +173,7 @@ def evaluate_json(*args: object) -> dict:
 
 
 def test_evaluate_gives_the_runs_own_final_figures(run: Path) -> None:
-    figures = evaluate_json(run)
+    figures = evaluate_json(run, "--which", "last")  # the newest; the best is test_best's
     final = summary(run)
     newest, _ = ckpt.find_latest(ckpt.checkpoint_root(run))
     assert figures["checkpoint"] == str(newest.path.resolve())
@@ -209,10 +209,10 @@ def test_evaluate_on_a_file_that_does_not_fit_is_one_error(dense_run: Path,
 @pytest.mark.parametrize("fmt", ["hdf5", "safetensors"])
 def test_export_and_load_round_trip(run: Path, tmp_path: Path, fmt: str) -> None:
     out = tmp_path / f"model.{fmt}"
-    proc = run_cli(["export", run, "--out", out, "--format", fmt])
+    proc = run_cli(["export", run, "--out", out, "--format", fmt, "--which", "last"])
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out}" in proc.stdout
-    from_run, from_file = distbelief.load_model(run), distbelief.load_model(out)
+    from_run, from_file = distbelief.load_model(run, which="last"), distbelief.load_model(out)
     newest, _ = ckpt.find_latest(ckpt.checkpoint_root(run))
     flat, _ = newest.read_state()
     ours = dict(from_run.named_parameters())
@@ -431,12 +431,12 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(
     (newest_step, newest), (step, _), *_ = ckpt.list_checkpoints(
         ckpt.checkpoint_root(copied_run))
     flip_bytes(newest / ckpt.shard_part_name(0))
-    proc = run_cli(["evaluate", copied_run, "--json"])
+    proc = run_cli(["evaluate", copied_run, "--json", "--which", "last"])
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["step"] == step < newest_step
     assert "skipped a damaged checkpoint" in proc.stderr and newest.name in proc.stderr
     with pytest.warns(UserWarning, match=f"skipped a damaged checkpoint: .*{newest.name}"):
-        model = distbelief.load_model(copied_run)
+        model = distbelief.load_model(copied_run, which="last")
     assert model.source["step"] == step
 
 
@@ -469,12 +469,12 @@ def test_a_damaged_checkpoint_is_one_clear_error(copied_run: Path, tmp_path: Pat
     checkpoints = [path for _, path in ckpt.list_checkpoints(ckpt.checkpoint_root(copied_run))]
     for path in checkpoints:
         flip_bytes(path / ckpt.shard_part_name(0))
-    line = one_error_line(run_cli(["evaluate", copied_run]), "holds no valid checkpoint",
-                          "sha256")
+    line = one_error_line(run_cli(["evaluate", copied_run, "--which", "last"]),
+                          "holds no valid checkpoint", "sha256")
     assert checkpoints[0].name in line
     one_error_line(run_cli(["evaluate", checkpoints[0]]), "is damaged", "sha256")
-    one_error_line(run_cli(["export", copied_run, "--out", tmp_path / "m.h5"]),
-                   "no valid checkpoint")
+    one_error_line(run_cli(["export", copied_run, "--out", tmp_path / "m.h5", "--which",
+                            "last"]), "no valid checkpoint")
     assert not (tmp_path / "m.h5").exists()
     with pytest.raises(UserError, match="damaged"):
         distbelief.load_model(checkpoints[0])

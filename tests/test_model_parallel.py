@@ -247,6 +247,15 @@ def test_partitioned_sgd_target_stop_names_the_reaching_evaluation(data_dir, tmp
     line = next(x for x in proc.stdout.splitlines() if x.startswith("distbelief: stopped"))
     assert f"reached 0.6 in {summary['time_to_target']:.1f}s " \
            f"({hit['test_accuracy']:.4f} at step {hit['step']})" in line
+    # The partitions gathered the best evaluation's vector for rank 0 (run.keep_best), and
+    # `evaluate` scores that model by default, at the figure recorded for it.
+    best = summary["best"]
+    assert best["accuracy"] == max(x["test_accuracy"] for x in evals)
+    scored = run_cli(["evaluate", out, "--json"], timeout=TIMEOUT)
+    assert scored.returncode == 0, scored.stderr
+    result = json.loads(scored.stdout)
+    assert (result["which"], result["step"]) == ("best", best["step"])
+    assert result["accuracy"] == pytest.approx(best["accuracy"], abs=1e-9)
 
 
 @pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)

@@ -158,9 +158,12 @@ def test_downpour_evaluates_on_validation_and_tests_at_the_end(synthetic_folder,
     summary, lines = finished(proc, out)
     assert summary["eval_split"] == "validation" and summary["final_val_accuracy"] > 0.4
     assert summary["final_test_accuracy"] is not None
-    assert summary["test_step"] == summary["steps"]
     evals = [x for x in lines if x["kind"] == "eval"]
     assert evals and all("val_accuracy" in x and "test_accuracy" not in x for x in evals)
+    # The test set scores the model the validation split chose: the best one.
+    assert summary["test_model"] == "best"
+    assert summary["test_step"] == summary["best"]["step"]
+    assert summary["best"]["accuracy"] == max(x["val_accuracy"] for x in evals)
     assert proc.stdout.count("test set, evaluated once") == 1
 
 

@@ -2,6 +2,7 @@
 
     import distbelief
     model = distbelief.load_model("runs/fashion_mnist_mlp")  # run folder, checkpoint, export
+    model = distbelief.load_model("runs/fashion_mnist_mlp", which="last")  # not the best
     probabilities = model.predict(x)      # x: the dataset file's stored array (uint8/float32)
     loss, accuracy = model.evaluate(x, y)
     for name, array in model.named_parameters(): ...
@@ -126,9 +127,12 @@ def _check_batch(batch_size: int) -> int:
     return int(batch_size)
 
 
-def load_model(path: str | Path, data: str | Path | None = None) -> Model:
-    """The trained model at `path`: a run folder (its newest valid checkpoint), a
-    checkpoint folder, or a file written by `distbelief export` (HDF5 or safetensors).
+def load_model(path: str | Path, data: str | Path | None = None,
+               which: str | None = None) -> Model:
+    """The trained model at `path`: a run folder (its best model, which run.keep_best
+    kept, else its newest valid checkpoint; `which="best"` or `"last"` chooses, and
+    `Model.source["which"]` says which it is), a checkpoint folder, or a file written by
+    `distbelief export` (HDF5 or safetensors).
 
     A checkpoint takes its input shape and scale from the run's data file; `data` names
     another dataset file when that one has moved. Never starts MPI. A damaged or unknown
@@ -136,7 +140,7 @@ def load_model(path: str | Path, data: str | Path | None = None) -> Model:
     newer checkpoint of a run folder that was passed over is a warning (and in
     `Model.source["skipped"]`).
     """
-    trained = read_trained(path, data=data)
+    trained = read_trained(path, data=data, which=which)
     for skipped in trained.source.get("skipped", []):
         warnings.warn(f"skipped a damaged checkpoint: {skipped}", stacklevel=2)
     return Model(trained)

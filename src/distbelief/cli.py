@@ -206,9 +206,11 @@ examples:
 """
 
 EVALUATE_HELP = """\
-Print the loss and accuracy of a trained model on a dataset file: by default the newest
-valid checkpoint of RUN_DIR on the run's own test set, which gives the run's
-final_test_accuracy (when the run evaluated its whole test set: run.eval_samples = 0).
+Print the loss and accuracy of a trained model on a dataset file: by default the best
+model of RUN_DIR (the best evaluation's, kept by run.keep_best; else its newest valid
+checkpoint) on the run's own test set. --which last scores the newest checkpoint, which
+gives a test-split run's final_test_accuracy (when the run evaluated its whole test set:
+run.eval_samples = 0).
 Works for every algorithm, shard count and partition count, in one process, without
 mpiexec: run it on a login node. A checkpoint folder or a
 `distbelief export` file works too. A damaged newest checkpoint is named on stderr and
@@ -219,12 +221,14 @@ of /train it held out (data.validation), or the file's /val; --split train reads
 examples:
   distbelief evaluate runs/fashion_mnist_mlp
   distbelief evaluate runs/fashion_mnist_mlp --split validation
+  distbelief evaluate runs/fashion_mnist_mlp --which last
   distbelief evaluate runs/fashion_mnist_mlp --data data/other.h5 --split train --json
   distbelief evaluate model.safetensors --data data/fashion_mnist.h5
 """
 
 EXPORT_HELP = """\
-Write a trained model (the newest valid checkpoint of RUN_DIR, or a checkpoint folder) as
+Write a trained model (RUN_DIR's best model, kept by run.keep_best, else its newest valid
+checkpoint: --which chooses; or a checkpoint folder) as
 named per-layer float32 arrays, with the layer specification, the input shape and scale
 and the class count as metadata: an HDF5 file that plain h5py reads, or a safetensors file
 that safetensors.numpy / safetensors.torch read. Dense layers are named and shaped as
@@ -232,11 +236,13 @@ PyTorch's nn.Linear (layers.<i>.weight (out, in), layers.<i>.bias), so a ModuleL
 Linear layers load_state_dict()s them; docs/using-a-trained-model.md gives the shapes of
 locally connected layers and a numpy forward. The format is the one FILE's extension
 names (.h5, .safetensors) unless --format says. Optimizer state is left out unless
---with-optimizer. An existing file is never overwritten.
+--with-optimizer, which reads the newest checkpoint (the best holds no optimizer state).
+An existing file is never overwritten.
 
 examples:
   distbelief export runs/fashion_mnist_mlp --out mlp.h5
   distbelief export runs/fashion_mnist_mlp --out mlp.safetensors
+  distbelief export runs/fashion_mnist_mlp --which last --out last.h5
   distbelief export runs/fashion_mnist_mlp/checkpoints/ckpt-0000004000 --out mlp.h5 \\
       --with-optimizer
 """
@@ -444,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", choices=("test", "validation", "train"), default="test",
                           help="which part of the file: test, validation (the run's "
                                "held-out rows or /val) or train (default: %(default)s)")
+    _which_option(evaluate)
     _json_option(evaluate)
 
     export = _command(commands, "export", "write a trained model's weights as named "
@@ -457,6 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--with-optimizer", action="store_true",
                         help="also write the optimizer state (Adagrad's accumulators), "
                              "named optimizer.<state>.layers.<i>.weight, ...")
+    _which_option(export, "; last with --with-optimizer: the best holds no optimizer "
+                          "state")
 
     prepare = _command(commands, "prepare", "write a dataset as HDF5", PREPARE_HELP)
     kinds = prepare.add_subparsers(dest="dataset", required=True, metavar="DATASET")
@@ -1079,6 +1088,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _which_option(parser: argparse.ArgumentParser, note: str = "") -> None:
+    parser.add_argument("--which", choices=("best", "last"), default=None,
+                        help="of a run folder: best, the model of its best evaluation "
+                             "(run.keep_best), or last, its newest checkpoint (default: "
+                             f"best where the run kept one, else last{note})")
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
@@ -1086,7 +1102,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from distbelief.errors import DataError
     from distbelief.records.export import read_trained
 
-    trained = read_trained(args.path, data=args.data)
+    trained = read_trained(args.path, data=args.data, which=args.which)
     for skipped in trained.source.get("skipped", []):
         print(f"{PROG}: skipped a damaged checkpoint: {skipped}", file=sys.stderr)
     data = args.data or trained.source.get("data")
@@ -1110,14 +1126,20 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
                                                 batch_size=EVAL_BATCH_SIZE)
     result = {"loss": loss, "accuracy": accuracy, "data": str(info.path),
               "split": args.split, "samples": len(y), "model": str(args.path),
-              "checkpoint": trained.source.get("path"), "step": trained.source.get("step")}
+              "checkpoint": trained.source.get("path"), "step": trained.source.get("step"),
+              "which": trained.source.get("which"),
+              "kept_for": trained.source.get("evaluation")}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    origin = f"; checkpoint {result['checkpoint']}" if result["checkpoint"] else ""
+    which = f" ({result['which']})" if result["which"] else ""
+    origin = f"; checkpoint{which} {result['checkpoint']}" if result["checkpoint"] else ""
     step = f", step {result['step']:,d}" if result["step"] is not None else ""
+    kept = result["kept_for"]
+    why = (f", kept for its {kept.get('split', 'test')} accuracy {kept['accuracy']:.4f}"
+           if kept else "")
     print(f"loss {loss:.4f}, accuracy {accuracy:.4f} on {info.path} /{args.split} "
-          f"({len(y):,d} samples); model {args.path}{origin}{step}")
+          f"({len(y):,d} samples); model {args.path}{origin}{step}{why}")
     return 0
 
 
@@ -1125,7 +1147,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from distbelief.records.export import export_format, read_trained, write_export
 
     fmt = export_format(args.out, args.format)  # before the checkpoint is read
-    trained = read_trained(args.path, with_optimizer=args.with_optimizer)
+    trained = read_trained(args.path, with_optimizer=args.with_optimizer, which=args.which)
     for skipped in trained.source.get("skipped", []):
         print(f"{PROG}: skipped a damaged checkpoint: {skipped}", file=sys.stderr)
     path = write_export(trained, args.out, fmt)
@@ -1134,8 +1156,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         state = f", optimizer state {state}"
     elif args.with_optimizer:
         state = ", no optimizer state: plain SGD keeps none"
+    which = f" ({trained.source['which']})" if trained.source.get("which") else ""
     print(f"wrote {path} ({fmt}; {len(trained.layers)} layers{state}) from "
-          f"{trained.source.get('path', args.path)}")
+          f"{trained.source.get('path', args.path)}{which}")
     return 0
 
 

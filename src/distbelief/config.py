@@ -220,6 +220,7 @@ class RunConfig:
     checkpoint_every_seconds: float = 600.0
     checkpoint_every_steps: int = 0
     keep_checkpoints: int = 3
+    keep_best: bool = True
     checkpoint_in_background: bool = True
     max_bad_gradients_in_a_row: int = 10
     replica_timeout_seconds: float = 300.0
@@ -311,6 +312,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "checkpoint_every_seconds": (_float(0.0), 600.0),
         "checkpoint_every_steps": (_int(0), 0),
         "keep_checkpoints": (_int(2), 3),
+        "keep_best": (_bool(), True),
         "checkpoint_in_background": (_bool(), True),
         "max_bad_gradients_in_a_row": (_int(1), 10),
         "replica_timeout_seconds": (_float(0.0), 300.0),

@@ -1,6 +1,10 @@
 """Checkpoints of a run whose one replica holds the whole state (`algorithm = "sgd"`):
 when to write them, what they hold (the whole vector and the optimizer state as one shard
 part, the data position as one replica part), and how a run resumes from one.
+
+BestKeeper keeps every trainer's best model (run.keep_best): the recorder hands it each
+evaluation with the parameters it scored, and it writes them (records.checkpoint.save_best)
+when they beat every earlier evaluation of the run, a resumed run's included.
 """
 
 from __future__ import annotations
@@ -99,3 +103,43 @@ def restore(found: ckpt.Checkpoint, params: np.ndarray, optimizer: Any, shard: A
                                    f"{exc}") from exc
     state.step, state.samples = found.step, found.samples
     return ResumePoint(found.step, found.samples, found.wall_seconds, found.path.name)
+
+
+class BestKeeper:
+    """The run's best model: offered each evaluation (its metrics line) with the
+    parameters it scored, it keeps them as best-<step> when their accuracy beats the best
+    so far, which a resumed run reads back from the best on disk. Runs on the rank that
+    evaluates and records (it holds the whole vector then); no communication."""
+
+    def __init__(self, config: Config, layout: Any, algorithm: str):
+        self.root = ckpt.checkpoint_root(config.run.out_dir)
+        self.settings = hashed_settings(config)
+        self.config_hash = config_hash(config)
+        self.layout, self.algorithm = layout, algorithm
+        found, _ = ckpt.find_best(self.root)
+        # A best of another configuration (the run was refused or started over) counts not.
+        self.best = (found.best if found is not None
+                     and found.manifest["config_hash"] == self.config_hash else None)
+        self.path: Path | None = found.path if self.best is not None else None
+
+    def offer(self, evaluation: dict[str, Any], params: np.ndarray) -> Path | None:
+        """Keep `params` if `evaluation` (step, samples, time, split, accuracy, loss) is the
+        best so far; returns the folder written, or None."""
+        if self.best is not None and evaluation["accuracy"] <= self.best["accuracy"]:
+            return None
+        if params.shape != (self.layout.size,):
+            raise ValueError(f"a best model is the whole vector ({self.layout.size}), got "
+                             f"{params.shape}: offer it from the rank that holds it")
+        meta = ckpt.CheckpointMeta(int(evaluation["step"]), int(evaluation["samples"]),
+                                   float(evaluation["time"]), self.config_hash)
+        self.path = ckpt.save_best(self.root, meta, settings=self.settings,
+                                   algorithm=self.algorithm, layout=self.layout,
+                                   params=params, evaluation=evaluation)
+        self.best = dict(evaluation)
+        return self.path
+
+    def summary(self) -> dict[str, Any] | None:
+        """summary.json's `best`: the folder, and the evaluation that kept it."""
+        if self.best is None:
+            return None
+        return {**self.best, "path": str(self.path)}

@@ -138,8 +138,9 @@ def evaluate(network: Any, params: np.ndarray,
 def final_test(config: Config, summary: dict[str, Any],
                stream: IO[str] | None) -> dict[str, Any]:
     """A run that evaluated a validation split during training: its test set, evaluated
-    once, at the end, on the run's newest checkpoint (every trainer writes one when it
-    stops), into summary.json (final_test_accuracy, final_test_loss, test_step) and
+    once, at the end, on the run's best model (the best validation figure's: model
+    selection on the validation split, which is what it is for), else on its newest
+    checkpoint (every trainer writes one when it stops), into summary.json (final_test_accuracy, final_test_loss, test_step) and
     metrics.jsonl (a "test" line); returns the summary. Other runs' summaries are returned
     as they are, and so are those of a run that a signal stopped: it is interrupted, not
     over (a rerun resumes it), and a figure seen now would be a second look at the test
@@ -174,7 +175,8 @@ def final_test(config: Config, summary: dict[str, Any],
     loss, accuracy, rows = evaluate_split(trained.network(), trained.params, info, "test")
     step = trained.source.get("step")
     summary = {**summary, "final_test_accuracy": accuracy, "final_test_loss": loss,
-               "test_step": step, "test_samples": rows}
+               "test_step": step, "test_samples": rows,
+               "test_model": trained.source.get("which", "last")}
     line = {"kind": "test", "time": summary.get("wall_seconds"), "step": step,
             "samples": trained.source.get("samples"), "test_accuracy": float(accuracy),
             "test_loss": float(loss)}
@@ -183,8 +185,14 @@ def final_test(config: Config, summary: dict[str, Any],
     tensorboard.append_line(out_dir, config.run.tensorboard, line)
     write_json_atomic(out_dir / SUMMARY_FILE, summary)
     say(stream, f"distbelief: test set, evaluated once at the end: accuracy {accuracy:.4f}, "
-                f"loss {loss:.4f} ({rows:,d} samples, checkpoint of step {step:,d})")
+                f"loss {loss:.4f} ({rows:,d} samples, {which_text(trained.source)} of step "
+                f"{step:,d})")
     return summary
+
+
+def which_text(source: dict[str, Any]) -> str:
+    """"the best model" or "the last checkpoint", as records.export.read_trained chose."""
+    return "the best model" if source.get("which") == "best" else "the last checkpoint"
 
 
 EVAL_BLOCK_BYTES = 64 << 20

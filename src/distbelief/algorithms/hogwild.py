@@ -575,7 +575,8 @@ class Leader:
         params = self.shared.params.copy()
         test_loss, accuracy = evaluate(self.network, params, self.eval_set)
         self.recorder.log_eval(steps, samples, self.recent_loss() if recent is None
-                               else recent, accuracy, test_loss, **self._wire(steps))
+                               else recent, accuracy, test_loss, params=params,
+                               **self._wire(steps))
         return accuracy
 
     # -- liveness -------------------------------------------------------------------------

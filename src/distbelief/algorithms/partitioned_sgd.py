@@ -149,7 +149,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     # commits atomically on rank 0, so a death while one is written leaves nothing half done.
     with session.watched(describe) as (signals, _):
         reason = _loop(session, model, shard, optimizer, params, signals, state,
-                       lambda: whole.save(params, saver, state))
+                       lambda: whole.save(params, saver, state), whole)
         whole.save(params, saver, state)
     traffic = traffic_totals(model)
     if traffic is None:
@@ -193,6 +193,13 @@ class WholeState:
         if self.root:
             whole[self.order] = self._received
 
+    def gather_params(self, params: np.ndarray) -> np.ndarray:
+        """The whole parameter vector on rank 0 (empty elsewhere). Collective, as save."""
+        with watchdog.current().waiting("the partitions' pieces for the best model",
+                                        ranks=self.model.partner_ranks):
+            self.gather(params, self.params)
+        return self.params
+
     def save(self, params: np.ndarray, saver: Checkpointer | None, state: TrainState) -> None:
         """Gather everything and checkpoint `state` on rank 0. Collective; a partner dead
         meanwhile ends the job (the watchdog's thread: a Gatherv cannot be polled)."""
@@ -207,10 +214,12 @@ class WholeState:
 
 def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer: Any,
           params: np.ndarray, signals: StopSignals, state: TrainState,
-          checkpoint: Callable[[], None]) -> str:
+          checkpoint: Callable[[], None], whole: WholeState) -> str:
     """The lockstep loop; returns why it stopped, with `state` at the last step. Rank 0
     decides each step whether to stop, evaluate or checkpoint (`checkpoint()`, collective).
-    Collective over model.comm."""
+    An evaluation that beats the run's best (every partition gets the same accuracy) also
+    gathers the whole vector for rank 0's best keeper (run.keep_best). Collective over
+    model.comm."""
     config, recorder = session.config, session.recorder
     comm, rules, eval_set = model.comm, session.rules, session.eval_set
     batch_size, eval_every = config.data.batch_size, config.run.eval_every_seconds
@@ -224,11 +233,21 @@ def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer:
     save_at = schedule(run.checkpoint_every_seconds, run.checkpoint_every_steps, step,
                        now)
     faults = Faults.for_rank(comm.Get_rank())  # test-only: AT counts steps
+    # The best figure so far, rank 0's (a resumed run's from its best model), on every rank.
+    keeper = recorder.best_keeper if recorder else None
+    best = np.array([-np.inf if keeper is None or keeper.best is None
+                     else keeper.best["accuracy"]])
+    polled_bcast(comm, best, ranks=model.partner_ranks)
 
     def evaluate() -> float:
         test_loss, accuracy = model.evaluate(params, *eval_set, batch_size=EVAL_BATCH_SIZE)
+        whole_params = None
+        if run.keep_best and accuracy > best[0]:  # the same verdict on every partition
+            best[0] = accuracy
+            whole_params = whole.gather_params(params)
         if recorder:
-            recorder.log_eval(step, step * batch_size, recent, accuracy, test_loss)
+            recorder.log_eval(step, step * batch_size, recent, accuracy, test_loss,
+                              params=whole_params)
         return accuracy
 
     # A resumed run whose budget is already spent trains no further step.

@@ -15,6 +15,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from distbelief.algorithms.checkpointer import BestKeeper
 from distbelief.algorithms.common import (
     RESUME_MODES,
     StopRules,
@@ -34,7 +35,13 @@ from distbelief.algorithms.common import (
 from distbelief.config import Config, config_hash
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.records.metrics import ResumePoint, RunRecorder, accuracy_text, target_text
+from distbelief.records.metrics import (
+    ResumePoint,
+    RunRecorder,
+    accuracy_text,
+    best_last_text,
+    target_text,
+)
 from distbelief.runtime import watchdog
 
 
@@ -152,6 +159,9 @@ class RunSession:
         if self.reporting:
             self.recorder = run_recorder(self.config, self.info, self.stream,
                                          resume=resume or self.resume_point())
+            if self.config.run.keep_best:  # kept where the trainer logs the evaluated vector
+                self.recorder.best_keeper = BestKeeper(self.config, self.network.layout,
+                                                       self.config.optimizer.algorithm)
         return self.recorder
 
     def say(self, text: str) -> None:
@@ -218,7 +228,7 @@ class RunSession:
         self.say(f"distbelief: stopped ({reason}) after "
                  f"{summary['steps'] if steps is None else steps} steps{steps_note}, "
                  f"{summary['wall_seconds']:.1f}s; {accuracy_text(summary)}{note}"
-                 f"{target_text(summary)}\nresults in {self.out_dir}")
+                 f"{target_text(summary)}\n{_models_line(summary)}results in {self.out_dir}")
         return summary
 
     def diverged(self, loss_text: str, recorder: RunRecorder | None = None) -> TrainingDiverged:
@@ -230,3 +240,10 @@ class RunSession:
         return TrainingDiverged(f"training diverged: the loss is {loss_text}; lower "
                                 f"optimizer.learning_rate (now "
                                 f"{self.config.optimizer.learning_rate:g})")
+
+
+def _models_line(summary: dict[str, Any]) -> str:
+    """The closing lines' best and last models (records.metrics.best_last_text) with its
+    newline, or "" when the run left none."""
+    text = best_last_text(summary)
+    return f"distbelief: {text}\n" if text else ""

@@ -126,7 +126,7 @@ def _train_loop(session: RunSession, shard: Any, optimizer: Any, params: np.ndar
             if loss_count:
                 recent_loss = loss_sum / loss_count  # fresher than the last logged mean
             test_loss, accuracy = evaluate(network, params, eval_set)
-            recorder.log_eval(step, samples, recent_loss, accuracy, test_loss)
+            recorder.log_eval(step, samples, recent_loss, accuracy, test_loss, params=params)
             if rules.target_reached(accuracy):
                 state.step, state.samples = step, samples
                 return "target_accuracy"
@@ -143,5 +143,5 @@ def _train_loop(session: RunSession, shard: Any, optimizer: Any, params: np.ndar
     state.step, state.samples = step, samples
     if reason not in StopSignals.NAMES:
         test_loss, accuracy = evaluate(network, params, eval_set)
-        recorder.log_eval(step, samples, recent_loss, accuracy, test_loss)
+        recorder.log_eval(step, samples, recent_loss, accuracy, test_loss, params=params)
     return reason

@@ -14,6 +14,7 @@ FORMAT (version 1)
         ckpt-0000002000.partial/    being written (or left by a killed run: never loaded)
         ckpt-0000000500.deleting/   an old checkpoint being removed (retention)
         ckpt-0000001800.damaged/    failed verification at a resume; set aside, not deleted
+        best-0000001200/            the model with the best evaluation so far (run.keep_best)
 
 shard-NNNN.h5 (plain datasets and attributes; `h5ls -r`, `h5dump -A` read them):
     attributes  format = "distbelief-checkpoint-part", version = 1, kind = "shard",
@@ -62,6 +63,16 @@ WRITING (the order every rank follows; no MPI in this module)
          None, and then the committer does not commit: the .partial is cleaned later) --
     committer:           commit(root, meta, settings=..., layout=..., shard_ranges=...,
                                 parts=records, num_replicas=R, keep=N)
+
+THE BEST (run.keep_best): `save_best` writes the parameters an evaluation scored, at each
+evaluation that beats every earlier one, as best-<step>/: the same manifest and shard part
+(the whole vector; no optimizer state and no replica part: it is a model, not a point to
+resume from) plus a manifest key `best` (the evaluation: step, split, accuracy, loss). It
+is committed like a checkpoint (.partial, renamed once complete), and only then is the
+previous best removed (.deleting), so a crash leaves one best or two, never none (but for
+a best of the same step, which a resumed run scored higher: the old one goes first). Its name
+is not ckpt-*, so `list_checkpoints`, `find_latest` (resume) and the pruning of old
+checkpoints never see it; `find_best` reads it.
 
 `save_local` is this sequence in one process; distbelief.algorithms.downpour spreads it over the
 ranks of an MPI job (its CHECKPOINTS section: the agreement, then these steps).
@@ -118,7 +129,8 @@ DAMAGED_SUFFIX = ".damaged"
 MIN_KEEP = 2
 
 _COMMITTED = re.compile(r"^ckpt-(\d+)$")
-_LEFTOVER = re.compile(r"^ckpt-\d+(\.partial|\.deleting)$")
+_BEST = re.compile(r"^best-(\d+)$")
+_LEFTOVER = re.compile(r"^(ckpt|best)-\d+(\.partial|\.deleting)$")
 _HASH_BLOCK = 16 << 20
 # What h5py raises for a damaged file (see distbelief.data.hdf5.H5_ERRORS).
 _H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
@@ -144,6 +156,11 @@ def checkpoint_root(out_dir: str | Path) -> Path:
 def checkpoint_name(step: int) -> str:
     """ckpt-<step, zero-padded to 10 digits>; longer steps simply get more digits."""
     return f"ckpt-{step:010d}"
+
+
+def best_name(step: int) -> str:
+    """best-<step, zero-padded to 10 digits>: the folder of the best model (save_best)."""
+    return f"best-{step:010d}"
 
 
 def shard_part_name(index: int) -> str:
@@ -174,6 +191,17 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         match = _COMMITTED.match(path.name)
         if match and path.is_dir():
             found.append((int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def list_best(root: str | Path) -> list[tuple[int, Path]]:
+    """Committed best-model folders (by name; not verified) as (step, path), newest first:
+    one, or two when a run was killed between writing a new best and removing the old."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _BEST.match(p.name)) and p.is_dir()]
     return sorted(found, reverse=True)
 
 
@@ -220,14 +248,15 @@ def clean_leftovers(root: str | Path) -> list[Path]:
     return removed
 
 
-def prepare(root: str | Path, step: int) -> Path:
-    """Create an empty ckpt-<step>.partial/ for the writers (committer only, before them).
+def prepare(root: str | Path, step: int, name: str | None = None) -> Path:
+    """Create an empty ckpt-<step>.partial/ (or `name`.partial) for the writers (committer
+    only, before them).
 
     A .partial of the same step from a killed run is removed first. Raises
     CheckpointError if the checkpoint exists already (its step was committed).
     """
     root = Path(root)
-    final = root / checkpoint_name(step)
+    final = root / (name or checkpoint_name(step))
     if final.exists():
         raise CheckpointError(f"checkpoint {final} exists already; a step is checkpointed "
                               "once")
@@ -418,15 +447,17 @@ def fsync_dir(path: Path) -> None:
 def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any],
            algorithm: str, layout: ParamLayout, shard_ranges: Sequence[tuple[int, int]],
            optimizer_state: Sequence[str], parts: Sequence[PartRecord], num_replicas: int,
-           keep: int, lost_replicas: Sequence[int] = ()) -> Path:
-    """Publish ckpt-<step> (committer only, after every writer has returned its record).
+           keep: int, lost_replicas: Sequence[int] = (),
+           best: Mapping[str, Any] | None = None) -> Path:
+    """Publish ckpt-<step> (committer only, after every writer has returned its record);
+    with `best` (an evaluation), best-<step> instead (save_best).
 
     `settings` is distbelief.config.hashed_settings(config); its hash must be
     meta.config_hash. `shard_ranges` must tile the layout's vector; `parts` holds one
     record per shard and per replica, except the `lost_replicas` (Downpour replicas that
     died: they have no part, and a resume starts them on a fresh pass). Checks the parts,
     writes the manifest, renames the folder, fsyncs the parent, then keeps only the newest
-    `keep` checkpoints. Returns the committed folder.
+    `keep` checkpoints (a best: removes the older bests). Returns the committed folder.
     """
     from distbelief.config import settings_hash
 
@@ -435,7 +466,8 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
         raise ValueError(f"keep must be at least {MIN_KEEP}, got {keep}")
     if settings_hash(dict(settings)) != meta.config_hash:
         raise ValueError("meta.config_hash is not the hash of `settings`")
-    partial = root / (checkpoint_name(meta.step) + PARTIAL_SUFFIX)
+    name = checkpoint_name(meta.step) if best is None else best_name(meta.step)
+    partial = root / (name + PARTIAL_SUFFIX)
     ranges = [(int(a), int(b)) for a, b in shard_ranges]
     _check_tiling(ranges, 0, layout.size)
     lost = sorted({int(r) for r in lost_replicas})
@@ -457,6 +489,7 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
         "replicas": replicas,
         "lost_replicas": lost,
         "parts": {r.name: {"size": r.size, "sha256": r.sha256} for r in records},
+        **({"best": dict(best)} if best is not None else {}),
     }
     manifest["manifest_sha256"] = _manifest_digest(manifest)
     try:
@@ -466,7 +499,10 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
         raise CheckpointError(f"cannot commit checkpoint {partial}: "
                               f"{exc.strerror or exc}") from exc
     try:
-        _prune(root, keep)
+        if best is None:
+            _prune(root, keep)
+        else:
+            _remove([path for _, path in list_best(root) if path != final], root)
     except OSError as exc:
         raise CheckpointError(f"committed {final}, but could not remove an old checkpoint: "
                               f"{exc.strerror or exc}") from exc
@@ -518,14 +554,17 @@ def _prune(root: Path, keep: int) -> list[Path]:
     """Delete committed checkpoints beyond the newest `keep`, oldest first. Each is renamed
     to .deleting first, so a crash half-way through never leaves a damaged checkpoint
     under a committed name."""
-    removed = []
-    for _, path in reversed(list_checkpoints(root)[keep:]):
+    return _remove([path for _, path in reversed(list_checkpoints(root)[keep:])], root)
+
+
+def _remove(paths: Sequence[Path], root: Path) -> list[Path]:
+    """Delete committed folders, each renamed to .deleting first."""
+    for path in paths:
         doomed = path.with_name(path.name + DELETING_SUFFIX)
         os.rename(path, doomed)
         fsync_dir(root)
         shutil.rmtree(doomed)
-        removed.append(path)
-    return removed
+    return list(paths)
 
 
 # ---------------------------------------------------------------------------------------
@@ -676,6 +715,11 @@ class Checkpoint:
     @property
     def wall_seconds(self) -> float:
         return float(self.manifest["wall_seconds"])
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        """The evaluation that made this the run's best model (save_best), else None."""
+        return self.manifest.get("best")
 
     @property
     def num_replicas(self) -> int:
@@ -958,6 +1002,30 @@ def save_local(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str,
                   parts=records, num_replicas=1, keep=keep)
 
 
+def save_best(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any],
+              algorithm: str, layout: ParamLayout, params: np.ndarray,
+              evaluation: Mapping[str, Any]) -> Path:
+    """Keep `params`, which `evaluation` scored (its step, split, accuracy, loss), as the
+    run's best model: best-<step>/, committed, then the previous best removed (see THE
+    BEST above). One process, no communication: the rank that evaluated holds the whole
+    vector."""
+    root = Path(root)
+    final = root / best_name(meta.step)
+    if final.exists():  # a resumed run scored this step again, higher: moved aside first
+        _remove([final], root)
+    partial = prepare(root, meta.step, best_name(meta.step))
+    record = write_shard_part(partial, meta, 0, 0, layout.size, params, {})
+    return commit(root, meta, settings=settings, algorithm=algorithm, layout=layout,
+                  shard_ranges=[(0, layout.size)], optimizer_state=[], parts=[record],
+                  num_replicas=0, keep=MIN_KEEP, best=evaluation)
+
+
+def find_best(root: str | Path) -> tuple[Checkpoint | None, list[tuple[Path, str]]]:
+    """The run's best model (the newest best-* folder that verifies: a newer best is
+    always a higher one), or None, and the newer ones that failed verification."""
+    return find_latest(root, candidates=[path for _, path in list_best(root)])
+
+
 # ---------------------------------------------------------------------------------------
 # Inspecting (the `distbelief inspect` command)
 
@@ -970,10 +1038,11 @@ def inspect_path(path: str | Path) -> list[Inspection]:
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
     if (path / MANIFEST).exists() or _COMMITTED.match(path.name) or \
-            path.name.endswith(PARTIAL_SUFFIX):
+            _BEST.match(path.name) or path.name.endswith(PARTIAL_SUFFIX):
         return [inspect_checkpoint(path)]
     root = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
-    folders = [p for _, p in list_checkpoints(root)] + list_leftovers(root)
+    folders = ([p for _, p in list_checkpoints(root)] + [p for _, p in list_best(root)]
+               + list_leftovers(root))
     if not folders:
         raise CheckpointError(f"{path} holds no checkpoint (looked for {root}/ckpt-*)")
     return [inspect_checkpoint(p) for p in folders]
@@ -990,6 +1059,10 @@ def describe(report: Inspection, max_arrays: int = 12) -> str:
     lines.append(f"  step {m['step']:,d}, {m['samples']:,d} samples, "
                  f"{m['wall_seconds']:.1f}s of training, written {m.get('created', '?')}, "
                  f"algorithm {m['algorithm']}")
+    if m.get("best"):
+        lines.append(f"  the run's best model: {m['best'].get('split', 'test')} accuracy "
+                     f"{m['best']['accuracy']:.4f} at step {m['best']['step']:,d} "
+                     f"(holds no optimizer state; a run never resumes from it)")
     lines.append(f"  config hash {m['config_hash']}")
     lines.append(f"  layout: {len(m['layout'])} arrays, {m['num_params']:,d} parameters; "
                  f"optimizer state: {', '.join(m['optimizer_state']) or 'none'}")

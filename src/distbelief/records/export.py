@@ -115,28 +115,46 @@ def array_name(layer: int, name: str) -> str:
 # Reading: a run folder, a checkpoint or an export
 
 
-def read_trained(path: str | Path, data: str | Path | None = None,
-                 with_optimizer: bool = False) -> TrainedModel:
-    """The trained model at `path`: a run folder (its newest valid checkpoint), a
-    checkpoint folder, or an export file (HDF5 or safetensors).
+WHICH = ("best", "last")
+"""Which model of a run folder: the best evaluation's (run.keep_best), or the newest
+checkpoint."""
 
-    A checkpoint does not record the input shape and scale: they come from the run's data
-    file (the manifest's data.path), or from `data` when given. Any problem is one
-    UserError naming the file and what is wrong.
+
+def read_trained(path: str | Path, data: str | Path | None = None,
+                 with_optimizer: bool = False, which: str | None = None) -> TrainedModel:
+    """The trained model at `path`: a run folder (its best model, else its newest valid
+    checkpoint; `which` = "best" or "last" chooses), a checkpoint folder, or an export
+    file (HDF5 or safetensors).
+
+    The best model holds no optimizer state, so `with_optimizer` reads the last unless
+    `which` says "best" (refused). A checkpoint does not record the input shape and scale:
+    they come from the run's data file (the manifest's data.path), or from `data` when
+    given. Any problem is one UserError naming the file and what is wrong.
     """
     path = Path(path)
+    if which is not None and which not in WHICH:
+        raise UserError(f"which must be one of {', '.join(WHICH)}, got {which!r}")
     if not path.exists():
         raise UserError(f"{path} does not exist")
     if path.is_file():
+        _no_which(path, which)
         model = read_export(path)
         if with_optimizer and not model.optimizer_state:
             raise ExportError(f"{path} holds no optimizer state; export it from the run's "
                               "checkpoint with --with-optimizer")
         return model if with_optimizer else _without_optimizer(model)
-    found, skipped = find_checkpoint(path)
+    found, skipped = find_checkpoint(path, which, with_optimizer)
     model = from_checkpoint(found, data, with_optimizer)
     model.source["skipped"] = [f"{p}: {why}" for p, why in skipped]
+    if found.path != path:  # chosen in a run folder, not given
+        model.source["which"] = "best" if found.best else "last"
     return model
+
+
+def _no_which(path: Path, which: str | None) -> None:
+    if which is not None:
+        raise UserError(f"{path} is one model: --which {which} (which=) chooses between a "
+                        "run folder's best and last; give the run folder instead")
 
 
 def _without_optimizer(model: TrainedModel) -> TrainedModel:
@@ -144,14 +162,33 @@ def _without_optimizer(model: TrainedModel) -> TrainedModel:
     return model
 
 
-def find_checkpoint(path: Path) -> tuple[ckpt.Checkpoint, list[tuple[Path, str]]]:
-    """The checkpoint at `path` (verified), or the newest valid one of a run folder or a
-    checkpoints folder, with the newer damaged ones that were passed over."""
-    if (path / ckpt.MANIFEST).exists() or path.name.startswith("ckpt-"):
+def find_checkpoint(path: Path, which: str | None = None, with_optimizer: bool = False
+                    ) -> tuple[ckpt.Checkpoint, list[tuple[Path, str]]]:
+    """The checkpoint at `path` (verified), or of a run folder or a checkpoints folder its
+    best model (`which` "best", or None and one was kept and `with_optimizer` is not asked)
+    or its newest valid checkpoint ("last"), with the newer damaged ones passed over."""
+    if (path / ckpt.MANIFEST).exists() or path.name.startswith(("ckpt-", "best-")):
+        _no_which(path, which)
         return ckpt.verify(path), []
     root = ckpt.checkpoint_root(path)
     root = root if root.is_dir() else path
+    if which == "best" and with_optimizer:
+        raise ExportError(f"{path}: the best model holds no optimizer state (it is kept to "
+                          "be used, not resumed); --which last reads the newest checkpoint's")
+    passed_over: list[tuple[Path, str]] = []
+    if which == "best" or (which is None and not with_optimizer):
+        best, damaged = ckpt.find_best(root)
+        if best is not None:
+            return best, damaged
+        passed_over = damaged  # a damaged best: named, and the last read instead
+        if which == "best":
+            why = (f"its best model is damaged: {'; '.join(w for _, w in damaged)}"
+                   if damaged else "the run kept none (run.keep_best = false, a run from "
+                   "before keep_best, or one that ended before its first evaluation)")
+            raise ckpt.CheckpointError(f"{path} has no best model ({root}/best-*): {why}; "
+                                       "--which last reads its newest checkpoint")
     found, damaged = ckpt.find_latest(root)
+    damaged = passed_over + damaged
     if found is None:
         if damaged:
             raise ckpt.CheckpointError(f"{path} holds no valid checkpoint: "
@@ -177,7 +214,7 @@ def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
                         f"{info.path} (input {shape}, {info.num_classes} classes): "
                         f"{exc}") from exc
     params, state = found.read_state(with_optimizer)
-    source = {"kind": "checkpoint", "path": str(found.path.resolve()), "step": found.step,
+    source = {"kind": "checkpoint", "evaluation": found.best, "path": str(found.path.resolve()), "step": found.step,
               "samples": found.samples, "algorithm": found.manifest["algorithm"],
               "config_hash": found.manifest["config_hash"], "data": str(info.path),
               "validation": found.manifest["config"]["data"].get("validation", 0.0)}

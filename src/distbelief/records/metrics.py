@@ -6,7 +6,9 @@ run, in the process that owns the run's output folder:
     recorder = RunRecorder(out_dir, progress_every_seconds=2.0, target_accuracy=0.88)
     recorder.log(step, samples, loss, **extra)       # a training line; call every ~0.5 s,
                                                      # not every step (loss: recent mean)
-    recorder.log_eval(step, samples, loss, accuracy, eval_loss, **extra)
+    recorder.log_eval(step, samples, loss, accuracy, eval_loss, params=p, **extra)
+                                                     # params: what was scored, offered to
+                                                     # the run's best keeper (run.keep_best)
     recorder.progress(step, samples, loss)           # cheap to call every step: prints a
                                                      # line only every progress_every_seconds
     recorder.log_event("checkpoint", step, samples, **extra)   # a marker line
@@ -34,7 +36,11 @@ which may be another one and fall below the target),
 distbelief.records.collapse found), filled from what was logged; with a validation split
 the evaluation keys are named `final_val_accuracy`, `best_val_accuracy` and
 `final_val_loss`, and `final_test_accuracy`/`final_test_loss` stay null until the test set
-is evaluated at the end. The dict given to `finish` adds keys or overrides them.
+is evaluated at the end. The dict given to `finish` adds keys or overrides them. `best` (the model run.keep_best
+kept: its folder, step, split, accuracy, loss; null when none was) and `last` (the newest
+checkpoint, `checkpoint`: its folder, step, and accuracy when the last evaluation scored
+that step) name the two models a run leaves; `distbelief evaluate` reads the best by
+default.
 
 Given the run's budget (`max_steps`, `max_seconds`), progress lines say how much of it is
 spent, and their ETA counts down to the stop rule that will end the run first, named: a
@@ -112,6 +118,9 @@ class RunRecorder:
         self.eval_split = eval_split
         self._prefix = EVAL_PREFIX[eval_split]
         self.collapse = collapse
+        # Set by the trainer's set-up (algorithms.checkpointer.BestKeeper): offered each
+        # evaluation given with its parameters.
+        self.best_keeper: Any = None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.progress_every_seconds = progress_every_seconds
         self.stream = stream
@@ -188,9 +197,10 @@ class RunRecorder:
                      "samples": samples, **extra})
 
     def log_eval(self, step: int, samples: int, loss: float, accuracy: float,
-                 eval_loss: float, **extra: Any) -> None:
+                 eval_loss: float, params: Any = None, **extra: Any) -> None:
         """Append an evaluation line (on the eval split: test_ or val_ keys); notes the
-        first time the target accuracy is reached."""
+        first time the target accuracy is reached. `params`, the vector evaluated, goes to
+        the best keeper, which keeps it if it is the best so far."""
         self._remember(step, samples, loss)
         now = self.elapsed()
         line = {"kind": "eval", "time": now, "step": step, "samples": samples,
@@ -198,6 +208,10 @@ class RunRecorder:
                 f"{self._prefix}_loss": float(eval_loss), **extra}
         self._write(line)
         self._note_eval(line)
+        if params is not None and self.best_keeper is not None:
+            self.best_keeper.offer({"step": int(step), "samples": int(samples), "time": now,
+                                    "split": self.eval_split, "accuracy": float(accuracy),
+                                    "loss": float(eval_loss)}, params)
 
     def _note_eval(self, line: dict[str, Any]) -> None:
         accuracy = eval_accuracy(line)
@@ -275,6 +289,8 @@ class RunRecorder:
             "samples_per_second": self._samples / wall if wall > 0 else None,
         }
         out.update(extra or {})
+        out["best"] = None if self.best_keeper is None else self.best_keeper.summary()
+        out["last"] = last_checkpoint(out.get("checkpoint"), last, p)
         # Bytes on the wire per sample trained, for every trainer that reports its bytes.
         samples = out.get("samples")
         for key in ("bytes_sent", "bytes_received"):
@@ -440,11 +456,29 @@ def eta_text(seconds: float, rule: str) -> str:
     return f"ETA {duration_text(seconds)} ({rule})"
 
 
+def last_checkpoint(path: str | None, last_eval: dict[str, Any],
+                    prefix: str) -> dict[str, Any] | None:
+    """summary.json's `last`: the newest checkpoint's folder and step (from its name), and
+    the last evaluation's accuracy when it scored that step."""
+    if not path:
+        return None
+    _, _, number = Path(path).name.partition("-")
+    step = int(number) if number.isdigit() else None
+    scored = step is not None and last_eval.get("step") == step
+    return {"path": str(path), "step": step,
+            "accuracy": last_eval.get(f"{prefix}_accuracy") if scored else None}
+
+
 def accuracy_text(summary: dict[str, Any]) -> str:
     """"test accuracy 0.8812" (or "validation accuracy ...") for a trainer's closing line:
-    the final evaluation's, "-" when there was none (a signal before the first)."""
+    the final evaluation's, "-" when there was none (a signal before the first); for a
+    run its target stopped, the evaluation that met the target (a later one can be lower:
+    target_text gives it)."""
     p = EVAL_PREFIX.get(summary.get("eval_split", "test"), "test")
     accuracy = summary.get(f"final_{p}_accuracy")
+    if summary.get("stop_reason") == "target_accuracy" and \
+            summary.get("target_reached_accuracy") is not None:
+        accuracy = summary["target_reached_accuracy"]
     shown = "-" if accuracy is None else f"{accuracy:.4f}"
     return f"{'validation' if p == 'val' else 'test'} accuracy {shown}"
 
@@ -466,6 +500,23 @@ def target_text(summary: dict[str, Any]) -> str:
     if final is not None and final != hit:
         text += f"; final test accuracy {final:.4f}"
     return text
+
+
+def best_last_text(summary: dict[str, Any]) -> str:
+    """The closing line's models: "best: step 4,305, test accuracy 0.8803 (FOLDER); last:
+    step 4,400 (FOLDER)", with the last one's accuracy when an evaluation scored it;
+    "" when the run left no checkpoint."""
+    best, last = summary.get("best"), summary.get("last")
+    parts = []
+    if best:
+        parts.append(f"best: step {best['step']:,d}, {best.get('split', 'test')} accuracy "
+                     f"{best['accuracy']:.4f} ({best['path']})")
+    if last:
+        step = "?" if last.get("step") is None else f"{last['step']:,d}"
+        scored = "" if last.get("accuracy") is None else \
+            f", {summary.get('eval_split', 'test')} accuracy {last['accuracy']:.4f}"
+        parts.append(f"last: step {step}{scored} ({last['path']})")
+    return "; ".join(parts)
 
 
 def finite_or_null(value: Any) -> Any:

@@ -4,7 +4,8 @@ Meant for a login node: no MPI, no lock, nothing written. The owner file
 (distbelief.runtime.ownership) says whether a run holds the folder, where and since when; the
 newest lines of metrics.jsonl give the last step and evaluation (a live run may be half
 way through writing its last line: read_metrics drops it); checkpoints/ gives the newest
-committed checkpoint (by name, not verified: `distbelief inspect` verifies); summary.json
+committed checkpoint (by name, not verified: `distbelief inspect` verifies) and the best
+model (run.keep_best) with the figure its manifest records; summary.json
 says how a run that ended stopped. config.json's run.max_steps and run.max_seconds give how
 much of the budget is spent, and, while the run is alive, an ETA to the stop rule that comes
 first (a budget at its step rate since it last (re)started, or its target accuracy at the
@@ -56,7 +57,8 @@ def run_status(out_dir: str | Path) -> dict[str, Any]:
     if metrics_path.exists():
         lines = read_metrics(metrics_path)
         signs["metrics.jsonl written"] = metrics_path.stat().st_mtime
-    with_step = [x for x in lines if "step" in x]
+    # The "test" line is the model the test set scored, the best's step: not the last.
+    with_step = [x for x in lines if "step" in x and x.get("kind") != "test"]
     evals = [x for x in lines if x.get("kind") == "eval"]
     state["last_step"] = with_step[-1]["step"] if with_step else None
     state["last_samples"] = with_step[-1].get("samples") if with_step else None
@@ -67,6 +69,7 @@ def run_status(out_dir: str | Path) -> dict[str, Any]:
                           if evals else None)
     state["budget"] = _budget(run_config, with_step, state["alive"])
     state["last_checkpoint"] = _newest_checkpoint(out / CHECKPOINTS_DIR)
+    state["best_checkpoint"] = _best_checkpoint(out / CHECKPOINTS_DIR)
     summary_path = out / "summary.json"
     summary = None
     if summary_path.exists():
@@ -75,6 +78,10 @@ def run_status(out_dir: str | Path) -> dict[str, Any]:
         except (OSError, json.JSONDecodeError):
             summary = None  # being replaced right now (it is written atomically)
     state["stop_reason"] = summary.get("stop_reason") if summary else None
+    state["target_met"] = ({"accuracy": summary.get("target_reached_accuracy"),
+                            "step": summary.get("target_reached_step"),
+                            "target": summary.get("target_accuracy")}
+                           if summary and summary.get("reached_target") else None)
     known = {what: float(at) for what, at in signs.items() if at}
     newest = max(known, key=known.__getitem__, default=None)
     state["last_sign_of_life"] = known.get(newest) if newest else None
@@ -135,6 +142,24 @@ def _newest_checkpoint(root: Path) -> dict[str, Any] | None:
     return {"step": step, "path": str(path), "written_at": path.stat().st_mtime}
 
 
+def _best_checkpoint(root: Path) -> dict[str, Any] | None:
+    """The newest best-* folder (run.keep_best) and the evaluation its manifest records
+    (read, not verified)."""
+    if not root.is_dir():
+        return None
+    found = [(int(p.name[5:]), p) for p in root.iterdir()
+             if p.name.startswith("best-") and p.name[5:].isdigit() and p.is_dir()]
+    if not found:
+        return None
+    step, path = max(found)
+    try:
+        best = json.loads((path / "manifest.json").read_text(encoding="utf-8"))["best"]
+        accuracy, split = float(best["accuracy"]), str(best.get("split", "test"))
+    except (OSError, ValueError, KeyError, TypeError):
+        accuracy, split = None, None
+    return {"step": step, "path": str(path), "accuracy": accuracy, "split": split}
+
+
 def _ago(then: float | None, now: float) -> str:
     if then is None:
         return "never"
@@ -160,6 +185,10 @@ def describe(state: dict[str, Any]) -> str:
                 f"is taken for dead: {state['dead_because']}; the next run takes over")
     elif state["stop_reason"]:
         head = f"ended ({state['stop_reason']})"
+        met = state.get("target_met")
+        if state["stop_reason"] == "target_accuracy" and met and met["accuracy"] is not None:
+            head += (f": {met['accuracy']:.4f} at step {met['step']:,d} met the target "
+                     f"{met['target']:g}")
     else:
         head = "not running (no owner, no summary: the run was killed, or has not started)"
     lines = [f"{state['run_dir']}: {head}"]
@@ -186,6 +215,11 @@ def describe(state: dict[str, Any]) -> str:
         eta = "" if left is None else f"; {eta_text(left, budget['eta_rule'])}"
         lines.append(f"  budget:            {spent}{eta}")
     ck = state["last_checkpoint"]
+    best = state.get("best_checkpoint")
+    if best:
+        figure = ("" if best["accuracy"] is None
+                  else f", {best['split']} accuracy {best['accuracy']:.4f}")
+        lines.append(f"  best checkpoint:   {best['path']} (step {best['step']:,d}{figure})")
     lines.append(f"  last checkpoint:   {ck['path']} (step {ck['step']:,d}, written "
                  f"{_ago(ck['written_at'], now)})" if ck else "  last checkpoint:   none")
     lines.append(f"  last sign of life: {_sign_of_life(state, now)}")

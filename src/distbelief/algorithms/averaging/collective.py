@@ -344,7 +344,7 @@ def _evaluate(replica: Replica, eval_set: Any, recorder: RunRecorder, step: int,
     loss, accuracy = replica.network.evaluate(replica.params, x, y,
                                               batch_size=EVAL_BATCH_SIZE)
     recorder.log_eval(step, samples, recent, float(accuracy), float(loss),
-                      **replica.wire_so_far())
+                      params=replica.params, **replica.wire_so_far())
     return float(accuracy)
 
 

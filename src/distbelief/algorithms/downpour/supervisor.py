@@ -41,7 +41,12 @@ from distbelief.ps.run_control import ControlView
 from distbelief.ps.stats import STALENESS_BINS
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.records.metrics import LOG_EVERY_SECONDS, accuracy_text, target_text
+from distbelief.records.metrics import (
+    LOG_EVERY_SECONDS,
+    accuracy_text,
+    best_last_text,
+    target_text,
+)
 from distbelief.runtime import launcher, watchdog
 from distbelief.runtime.agreement import WAIT_SLEEP_S
 from distbelief.runtime.backoff import Backoff
@@ -376,7 +381,7 @@ class Supervisor(_ShardRole):
         self.evaluations += 1
         self.eval_seconds += seconds
         self.recorder.log_eval(steps, steps * self.plan.batch_size, self.loss, accuracy,
-                               test_loss)
+                               test_loss, params=self.snapshot)
         if self.reason is None and self.rules.target_reached(accuracy):
             self._stop(rc.STOP_RULE, "target_accuracy")
         self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
@@ -560,7 +565,8 @@ class Supervisor(_ShardRole):
             test_loss, accuracy = evaluate(self.network, final, self.eval_set)
             self.evaluations += 1
             self.eval_seconds += time.perf_counter() - t0
-            self.recorder.log_eval(self.steps, samples, self.loss, accuracy, test_loss)
+            self.recorder.log_eval(self.steps, samples, self.loss, accuracy, test_loss,
+                                   params=final)
 
     def _wait_for_replica_stats(self) -> None:
         """Every replica that finished sends its statistics; wait for them (sleeping),
@@ -696,4 +702,6 @@ def _summary_line(summary: dict[str, Any], config: Config) -> str:
     if summary["lost_replicas"]:
         text += f"; replicas lost: {', '.join(str(r['replica']) for r in summary['lost_replicas'])}"
     text += target_text(summary)
+    models = best_last_text(summary)
+    text += f"\ndistbelief: {models}" if models else ""
     return f"{text}\nresults in {config.run.out_dir}"

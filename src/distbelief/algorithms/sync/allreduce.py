@@ -291,7 +291,7 @@ class _Run:
         if self.recorder is not None:
             self.recorder.log_eval(self.state["step"], self.state["samples"],
                                    self.recent_loss, float(accuracy), float(test_loss),
-                                   **self.wire_so_far())
+                                   params=self.params, **self.wire_so_far())
         return float(accuracy)
 
     def checkpoint(self, final: bool = False) -> None:

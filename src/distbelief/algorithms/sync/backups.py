@@ -295,7 +295,8 @@ class _Server:
                 break
             if now >= next_eval:
                 test_loss, accuracy = evaluate(self.network, self.params, self.eval_set)
-                recorder.log_eval(step, samples, recent, accuracy, test_loss)
+                recorder.log_eval(step, samples, recent, accuracy, test_loss,
+                                  params=self.params)
                 if rules.target_reached(accuracy):
                     reason = "target_accuracy"
                     break
@@ -308,7 +309,7 @@ class _Server:
         if reason not in StopSignals.NAMES and reason != "target_accuracy":
             test_loss, accuracy = evaluate(self.network, self.params, self.eval_set)
             recorder.log_eval(self.state["step"], self.state["samples"], recent, accuracy,
-                              test_loss)
+                              test_loss, params=self.params)
         self.checkpoint()
         if self.lost:
             guardian.skip_mpi_finalize()  # MPI_Finalize would wait for the dead
