@@ -132,7 +132,8 @@ def test_the_final_test_line_is_in_the_events(resumed_run) -> None:
     (test_line,) = [x for x in lines if x["kind"] == "test"][-1:]
     events = read_events(out / TENSORBOARD_DIR)
     steps, accuracy = scalars(events, "test/test_accuracy")
-    assert steps[-1] == test_line["step"] == 800
+    # The test set scores the best model (run.keep_best), so its line is at the best's step.
+    assert steps[-1] == test_line["step"] == summary["test_step"] == summary["best"]["step"]
     assert accuracy[-1] == np.float32(summary["final_test_accuracy"])
 
 
