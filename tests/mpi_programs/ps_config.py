@@ -12,6 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.errors import EXIT_USER_ERROR, ConfigError
+from distbelief.model.optimizers import SGD
 from distbelief.ps.transport import open_parameter_server
 from distbelief.runtime.topology import Topology
 
@@ -26,7 +27,7 @@ def main() -> None:
     rank = world.Get_rank()
     try:
         topology = Topology(world.Get_size(), rank, args.shards, args.partitions)
-        endpoint = open_parameter_server(world, topology, args.size, lambda n: None,
+        endpoint = open_parameter_server(world, topology, args.size, lambda n: SGD(1.0),
                                          np.zeros(args.size, dtype=np.float32))
     except ConfigError as err:
         print(f"rank {rank}: ConfigError: {err}", flush=True)

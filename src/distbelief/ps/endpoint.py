@@ -1,4 +1,4 @@
-"""What both parameter-server transports share: the shard's optimizer interface, the
+"""What both parameter-server transports share: the shard's update rule (a ShardRule), the
 endpoint base class, the header constants, and the transport names.
 
 The flat float32 parameter vector of `size` elements is split into S contiguous balanced
@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.model.layout import balanced_ranges
+from distbelief.model.optimizers import ShardRule
 from distbelief.runtime import watchdog
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.topology import Topology
@@ -47,29 +48,14 @@ CONTROL_SHARD = 0  # holds Downpour's run control block (distbelief.ps.run_contr
 VERSION, APPLIED = 0, 1
 
 
-class Optimizer(Protocol):
-    """What a shard needs from distbelief.model.optimizers (optimizer_for's Adagrad, SGD or
-    AdaRevision): an in-place update of its slice, and its state for checkpoints. Every
-    step gets update=, the gradients (pushes) the shard had applied before this one over
-    the whole run, earlier jobs included: the learning-rate schedule's position. An
-    optimizer with `revises = True` (AdaRevision) also takes version= and fetched=:
-    the shard's version before the update and the version the gradient's parameters
-    were pulled at."""
-
-    def step(self, params: np.ndarray, grad: np.ndarray,
-             copy: np.ndarray | None = None, *, update: int | None = None) -> None: ...
-
-    def state(self) -> dict[str, np.ndarray]: ...
+RuleFactory = Callable[[int], ShardRule]
+"""Slice length -> the update rule for that slice (distbelief.model.optimizers.ShardRule:
+an optimizer_for optimizer, or another rule such as EASGD's center update)."""
 
 
-OptimizerFactory = Callable[[int], Optimizer]  # slice length -> optimizer for that slice
-
-
-def saved_state(optimizer: Optimizer) -> dict[str, np.ndarray]:
-    """The live state arrays a checkpoint keeps: `saved_state()` where the optimizer has
-    one (AdaRevision leaves its history of gradient sums out), else all of `state()`."""
-    saved = getattr(optimizer, "saved_state", None)
-    return saved() if saved is not None else optimizer.state()
+def saved_state(rule: ShardRule) -> dict[str, np.ndarray]:
+    """The live state arrays a checkpoint keeps (ShardRule.saved_state)."""
+    return rule.saved_state()
 
 
 class _Windows(Protocol):

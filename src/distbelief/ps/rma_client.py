@@ -71,7 +71,7 @@ class ParameterClient(_Endpoint):
     """
 
     def __init__(self, comm: MPI.Comm, windows: _ShardWindows, topology: Topology,
-                 size: int, send_fetched: bool = False):
+                 size: int):
         super().__init__(comm, windows, topology, size)
         self.bytes_sent = 0
         # bfloat16 pushes: the narrowed gradient, Put from here (rma_windows.PUSH_BYTES;
@@ -79,9 +79,8 @@ class ParameterClient(_Endpoint):
         self._narrowed = (np.zeros(size, dtype=np.uint16)
                           if getattr(windows, "push_dtype", "float32") == "bfloat16" else None)
         shards = topology.ps_shards
-        # Pushes always carry the version they were computed on, in their FULL mark:
-        # AdaRevision's shards use it. (`send_fetched` is kept for the interface.)
-        del send_fetched
+        # Pushes always carry the version they were computed on, in their FULL mark
+        # (StepInfo.fetched on the shard).
         self._client = topology.world_rank - shards  # its id in SLOT and FOLDED
         self._reader = PublishedReader(windows, topology.world_rank, shards, self._client)
         self.pulled_versions = np.zeros(shards, dtype=np.int64)

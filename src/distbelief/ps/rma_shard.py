@@ -44,13 +44,13 @@ from mpi4py import MPI
 
 from distbelief.model import kernels
 from distbelief.model.layout import DTYPE
+from distbelief.model.optimizers import ShardRule, StepInfo
 from distbelief.ps import run_control as rc
 from distbelief.ps.endpoint import (
     APPLIED,
     COUNTER_BYTES,
     HEADER_BYTES,
     VERSION,
-    Optimizer,
     _Endpoint,
     _waiting_backoff,
     own_slice,
@@ -109,7 +109,7 @@ class ParameterServerShard(_Endpoint):
     """
 
     def __init__(self, comm: MPI.Comm, windows: _ShardWindows, topology: Topology,
-                 size: int, optimizer: Optimizer, initial: np.ndarray | None,
+                 size: int, optimizer: ShardRule, initial: np.ndarray | None,
                  gradients_before: int = 0):
         super().__init__(comm, windows, topology, size)
         self.rank = topology.world_rank
@@ -193,8 +193,8 @@ class ParameterServerShard(_Endpoint):
         return self._finished
 
     @property
-    def optimizer(self) -> Optimizer:
-        """The optimizer of this shard's slice (its state goes into checkpoints)."""
+    def optimizer(self) -> ShardRule:
+        """The update rule of this shard's slice (its state goes into checkpoints)."""
         return self._optimizer
 
     def parameters(self, copy: bool = True) -> np.ndarray:
@@ -338,21 +338,15 @@ class ParameterServerShard(_Endpoint):
             grad = self._slots[full[0]]
             for k in full[1:]:
                 grad += self._slots[k]
+        # A take sums its pushes into one gradient, applied as one update: it was pulled
+        # at the mean of their versions (the paper's rule when they pulled one version).
         fetched = sum(slot_fetched(int(self._states[k, 0])) for k in full)
-        update = self.gradients_applied  # the schedule's position: pushes before these
+        info = StepInfo(update=self.gradients_applied, version=self._taken,
+                        fetched=min(self._taken, round(fetched / len(full))),
+                        pushes=len(full))
         self._taken += 1
         self._pushes_taken += len(full)
-        if getattr(self._optimizer, "revises", False):
-            # A take sums its pushes into one gradient, revised as one: the mean of the
-            # versions they had pulled (the paper's rule when they pulled one version).
-            self._optimizer.step(self._master, grad, version=self._taken - 1,
-                                 fetched=min(self._taken - 1, round(fetched / len(full))),
-                                 update=update)
-        elif getattr(self._optimizer, "counts_pushes", False):
-            # DiLoCo's delayed Nesterov: its momentum moves every R deltas, counted here.
-            self._optimizer.step(self._master, grad, update=update, pushes=len(full))
-        else:
-            self._optimizer.step(self._master, grad, update=update)
+        self._optimizer.apply(self._master, grad, info)
         if not self._narrowed and len(full) > 1:
             # The first slot now holds the other pushes' values too. A client restricted to
             # its pieces (a model partition) Puts only those, and relies on the rest of its

@@ -86,6 +86,7 @@ from mpi4py import MPI
 from distbelief.errors import ConfigError
 from distbelief.model import kernels
 from distbelief.model.layout import DTYPE
+from distbelief.model.optimizers import ShardRule, StepInfo
 from distbelief.ps import run_control as rc
 from distbelief.ps.endpoint import (
     APPLIED,
@@ -94,8 +95,7 @@ from distbelief.ps.endpoint import (
     HEADER_BYTES,
     TRANSPORT_ENV,
     VERSION,
-    Optimizer,
-    OptimizerFactory,
+    RuleFactory,
     _aligned,
     _Endpoint,
     own_slice,
@@ -154,21 +154,19 @@ def _segment_views(buffer: MPI.buffer, count: int, clients: int, names: list[str
         params=arrays[0], state=dict(zip(names, arrays[1:], strict=True)))
 
 
-def _shareable_state(optimizer: OptimizerFactory) -> list[str] | None:
+def _shareable_state(optimizer: RuleFactory) -> list[str] | None:
     """The names of the optimizer's state arrays if they can live in shared memory (each
     float32 and held in the attribute of its name, so a client's copy of the optimizer can
     be pointed at the shard's arrays); None otherwise."""
     probe = optimizer(1)
-    state = probe.state() if hasattr(probe, "state") and hasattr(probe, "step") else None
-    if not isinstance(state, dict):
-        return None
+    state = probe.state()
     for name, value in state.items():
         if getattr(probe, name, None) is not value or value.dtype != DTYPE:
             return None
     return sorted(state)
 
 
-def _bind_state(optimizer: Optimizer, state: dict[str, np.ndarray]) -> None:
+def _bind_state(optimizer: ShardRule, state: dict[str, np.ndarray]) -> None:
     """Make `optimizer` work on the shared arrays `state` (see _shareable_state)."""
     for name, view in state.items():
         setattr(optimizer, name, view)
@@ -279,7 +277,7 @@ class _SharedSegments:
 
 
 def _open_shared(comm: MPI.Comm, topology: Topology, ranges: list[tuple[int, int]],
-                 optimizer: OptimizerFactory, requested: str,
+                 optimizer: RuleFactory, requested: str,
                  control_bytes: int) -> _SharedSegments | None:
     """The shared segments if the shared transport can be used, else None (use RMA).
     Collective over `comm`; every rank reaches the same answer (all ranks on one node or
@@ -312,7 +310,7 @@ class SharedMemoryShard(ParameterServerShard):
     checkpoints. Same interface as ParameterServerShard."""
 
     def __init__(self, comm: MPI.Comm, segments: _SharedSegments, topology: Topology,
-                 size: int, optimizer: Optimizer, initial: np.ndarray | None,
+                 size: int, optimizer: ShardRule, initial: np.ndarray | None,
                  gradients_before: int = 0):
         _Endpoint.__init__(self, comm, segments, topology, size)  # none of the RMA set-up
         self.rank = topology.world_rank
@@ -436,7 +434,7 @@ class SharedMemoryClient(ParameterClient):
     shard 0 for a control exchange)."""
 
     def __init__(self, comm: MPI.Comm, segments: _SharedSegments, topology: Topology,
-                 size: int, optimizer: OptimizerFactory, push_dtype: str = "float32"):
+                 size: int, optimizer: RuleFactory, push_dtype: str = "float32"):
         super().__init__(comm, segments, topology, size)
         # optimizer.push_dtype = "bfloat16": each push is rounded to bfloat16 here, as the
         # RMA transport's pushes are, and folded from this float32 copy (one node moves no
@@ -476,7 +474,7 @@ class SharedMemoryClient(ParameterClient):
         super().restrict_to(pieces)
         self._pieces = self._piece_folders()
 
-    def _piece_folders(self) -> list[list[tuple[int, int, Optimizer]]]:
+    def _piece_folders(self) -> list[list[tuple[int, int, ShardRule]]]:
         """Per shard: (start, stop) of each piece in the vector and an optimizer working
         on the piece's part of the shard's state (the whole range: the shard's own)."""
         pieces = []
@@ -527,22 +525,19 @@ class SharedMemoryClient(ParameterClient):
             version = int(seg.header[VERSION])
             update = int(seg.header[BEFORE] + seg.header[APPLIED])  # the schedule's count
             self._taken[shard, 0] = version
-            for start, stop, optimizer in self._pieces[shard]:
+            # AdaRevision revises for the updates since this client's last pull.
+            info = StepInfo(update=update, version=version,
+                            fetched=int(self.pulled_versions[shard]))
+            for start, stop, rule in self._pieces[shard]:
                 copy_to = None if out is None else out[start:stop]
                 # the gradient folded in, the new values copied out (float32 both ways)
                 self.bytes_sent += (stop - start) * DTYPE().itemsize
                 if out is not None:
                     self._received += (stop - start) * DTYPE().itemsize
-                if getattr(optimizer, "revises", False):
-                    # AdaRevision: revised for the updates since this client's last pull
-                    optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
-                                   copy_to, version=version,
-                                   fetched=int(self.pulled_versions[shard]), update=update)
-                else:
-                    optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
-                                   copy_to, update=update)
+                rule.apply(seg.params[start - low : stop - low], grad[start:stop], info,
+                           copy_to)
             whole = self._optimizers[shard]
-            if getattr(whole, "revises", False):
+            if whole.revises:
                 # A partitioned replica's pieces recorded only their slices of the new
                 # version's gradient sum; the rest did not change in this version.
                 whole.record_version(version + 1)

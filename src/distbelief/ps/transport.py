@@ -16,7 +16,7 @@ from mpi4py import MPI
 from distbelief.errors import ConfigError
 from distbelief.model.layout import DTYPE, balanced_ranges
 from distbelief.ps import run_control as rc
-from distbelief.ps.endpoint import TRANSPORT_ENV, TRANSPORTS, OptimizerFactory
+from distbelief.ps.endpoint import TRANSPORT_ENV, TRANSPORTS, RuleFactory
 from distbelief.ps.rma_client import ParameterClient
 from distbelief.ps.rma_shard import ParameterServerShard
 from distbelief.ps.rma_windows import PUSH_BYTES, _ShardWindows
@@ -36,7 +36,7 @@ def requested_transport(transport: str | None = None) -> str:
 
 
 def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
-                          optimizer: OptimizerFactory,
+                          optimizer: RuleFactory,
                           initial: np.ndarray | None = None,
                           transport: str | None = None,
                           control_replicas: int = 0,
@@ -115,9 +115,7 @@ def open_parameter_server(comm_world: MPI.Comm, topology: Topology, size: int,
         endpoint = ParameterServerShard(comm, windows, topology, size,
                                         optimizer(local_count), initial, gradients_before)
     else:
-        # One probe, as _open_shared's: does the shards' optimizer need the fetch version?
-        endpoint = ParameterClient(comm, windows, topology, size,
-                                   send_fetched=bool(getattr(optimizer(1), "revises", False)))
+        endpoint = ParameterClient(comm, windows, topology, size)
     # Collective again: every shard has published before any client can pull.
     comm.Barrier()
     return endpoint
