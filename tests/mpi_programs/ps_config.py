@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from distbelief.errors import EXIT_USER_ERROR, ConfigError
 from distbelief.model.optimizers import ShardRule
+from distbelief.ps.endpoint import ServerSpec
 from distbelief.ps.transport import open_parameter_server
 from distbelief.runtime.topology import Topology
 
@@ -35,8 +36,8 @@ def main() -> None:
     rank = world.Get_rank()
     try:
         topology = Topology(world.Get_size(), rank, args.shards, args.partitions)
-        endpoint = open_parameter_server(world, topology, args.size, lambda n: CopiedState(),
-                                         np.zeros(args.size, dtype=np.float32))
+        endpoint = open_parameter_server(world, ServerSpec(
+            topology, args.size, lambda n: CopiedState(), np.zeros(args.size, dtype=np.float32)))
     except ConfigError as err:
         print(f"rank {rank}: ConfigError: {err}", flush=True)
         sys.exit(EXIT_USER_ERROR)
