@@ -152,13 +152,6 @@ PRIVATE_IMPORTS_ALLOWED = {
     # A compiled extension: a private module, not a name (so "importer, module").
     ("distbelief.model.kernels", "distbelief.model._kernels"):
         "the compiled kernels behind their validating wrapper",
-    # Downpour's shard role, which the supervisor subclasses (issue 41's composition for
-    # shard 0 replaces the subclass).
-    **{(importer, source): "the supervisor's base class, until composition replaces it"
-       for importer, source in [
-           ("distbelief.algorithms.downpour", "distbelief.algorithms.downpour.shards"),
-           ("distbelief.algorithms.downpour.supervisor", "distbelief.algorithms.downpour.shards"),
-       ]},
     # Flush-to-zero must be set before numpy loads its BLAS, whose threads inherit it; the
     # validating wrapper (model.kernels) imports numpy, so the command line goes direct.
     ("distbelief.cli", "distbelief.model._kernels"):

@@ -10,7 +10,7 @@ docs/downpour.md, "Design".
 
 MODULES (each imports only those before it; this one imports them all): plan (the
 constants, errors, DownpourPlan, grant, Ending), run (open_run, OpenRun, Start: the set-up
-and the restore), replica (Replica, PartitionedReplica, make_replica), shards (_ShardRole:
+and the restore), replica (Replica, PartitionedReplica, make_replica), shards (ShardRole:
 what every shard does), supervisor (Supervisor: shard 0, and the summary); train is here.
 """
 
@@ -28,7 +28,7 @@ from distbelief.algorithms.common import StopSignals
 from distbelief.algorithms.downpour.plan import grant, plan_run
 from distbelief.algorithms.downpour.replica import make_replica
 from distbelief.algorithms.downpour.run import OpenRun, open_run, shard_lost_message
-from distbelief.algorithms.downpour.shards import _ShardRole
+from distbelief.algorithms.downpour.shards import ShardRole
 from distbelief.algorithms.downpour.supervisor import Supervisor
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, run_name
@@ -131,4 +131,4 @@ def _make_role(run: OpenRun, config: Config, network: Any, info: Any,
         return replica_role(run, network, config.optimizer.fetch)
     if topology.world_rank == 0:
         return Supervisor(run, config, network, info, stream)
-    return _ShardRole(run)
+    return ShardRole(run)
