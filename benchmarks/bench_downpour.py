@@ -111,16 +111,16 @@ def round_pulls() -> None:
     """(h) --round-pulls: every RMA pull rounds what it read to bfloat16, as a pull of
     bfloat16 parameters would give them (the read-your-writes fetch reads only by pull)."""
     from distbelief.model import kernels
-    from distbelief.ps.rma_client import ParameterClient
+    from distbelief.ps.rma_client import RmaClient
 
-    pull = ParameterClient.pull
+    pull = RmaClient.pull
 
     def rounded(self, out):
         versions = pull(self, out)
         kernels.bf16_round(out, out)
         return versions
 
-    ParameterClient.pull = rounded
+    RmaClient.pull = rounded
 
 
 def push_dtype_interleaved_worker(args: argparse.Namespace) -> None:
@@ -134,7 +134,7 @@ def push_dtype_interleaved_worker(args: argparse.Namespace) -> None:
     from distbelief.config import load_config
     from distbelief.data.hdf5 import TrainShard
     from distbelief.model.optimizers import make_optimizer
-    from distbelief.ps.rma_shard import ParameterServerShard
+    from distbelief.ps.endpoint import ParameterServerShard, ServerSpec
     from distbelief.ps.transport import open_parameter_server
     from distbelief.runtime.backoff import PacedBackoff
     from distbelief.runtime.threads import set_blas_threads
@@ -147,9 +147,9 @@ def push_dtype_interleaved_worker(args: argparse.Namespace) -> None:
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
     lr = config.optimizer.learning_rate
     initial = network.init_params(0)
-    servers = {dtype: open_parameter_server(world, topology, initial.size,
-                                            lambda n: make_optimizer(True, lr, n), initial,
-                                            transport="rma", push_dtype=dtype)
+    servers = {dtype: open_parameter_server(world, ServerSpec(
+                   topology, initial.size, lambda n: make_optimizer(True, lr, n), initial,
+                   push_dtype=dtype), transport="rma")
                for dtype in PUSH_DTYPES}
     if isinstance(servers["float32"], ParameterServerShard):
         backoff = PacedBackoff()
@@ -195,7 +195,7 @@ def interleaved_worker(args: argparse.Namespace) -> None:
     from distbelief.config import load_config
     from distbelief.data.hdf5 import TrainShard
     from distbelief.model.optimizers import make_optimizer
-    from distbelief.ps.rma_shard import ParameterServerShard
+    from distbelief.ps.endpoint import ParameterServerShard, ServerSpec
     from distbelief.ps.transport import open_parameter_server
     from distbelief.runtime.backoff import PacedBackoff
     from distbelief.runtime.threads import set_blas_threads
@@ -208,9 +208,9 @@ def interleaved_worker(args: argparse.Namespace) -> None:
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
     lr = config.optimizer.learning_rate
     initial = network.init_params(0)
-    endpoint = open_parameter_server(world, topology, initial.size,
-                                     lambda n: make_optimizer(True, lr, n), initial,
-                                     transport=args.transport)
+    endpoint = open_parameter_server(world, ServerSpec(
+        topology, initial.size, lambda n: make_optimizer(True, lr, n), initial),
+        transport=args.transport)
     if isinstance(endpoint, ParameterServerShard):
         endpoint.serve(PacedBackoff())
         endpoint.free()

@@ -141,12 +141,13 @@ def progress_run(poll: str, sleep: str, seconds: float, compute: int, pull: str,
     Collective over COMM_WORLD. Returns the summary on rank 0, None elsewhere.
     """
     MPI = _mpi()
-    from distbelief.ps.rma_shard import ParameterServerShard
+    from distbelief.ps.endpoint import ParameterServerShard, ServerSpec
     from distbelief.ps.transport import open_parameter_server
     from distbelief.runtime.topology import Topology
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
-    endpoint = open_parameter_server(world, topology, size, _adagrad, transport=transport)
+    endpoint = open_parameter_server(world, ServerSpec(topology, size, _adagrad),
+                                     transport=transport)
     mine = {"pushes": 0, "steps_s": 0.0}
     if isinstance(endpoint, ParameterServerShard):
         poller = Poller(world, poll, sleep)
@@ -202,12 +203,13 @@ def client_rates(seconds: float, transport: str) -> dict[str, float]:
     the shard on its default Backoff (on "shared" a push includes the Adagrad step, which
     the replica does itself). Collective over COMM_WORLD; meaningful on rank 1."""
     MPI = _mpi()
-    from distbelief.ps.rma_shard import ParameterServerShard
+    from distbelief.ps.endpoint import ParameterServerShard, ServerSpec
     from distbelief.ps.transport import open_parameter_server
     from distbelief.runtime.topology import Topology
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
-    endpoint = open_parameter_server(world, topology, N_PARAMS, _adagrad, transport=transport)
+    endpoint = open_parameter_server(world, ServerSpec(topology, N_PARAMS, _adagrad),
+                                     transport=transport)
     rates: dict[str, float] = {}
     if isinstance(endpoint, ParameterServerShard):
         endpoint.serve()

@@ -3,7 +3,7 @@ does it do to the count-1 int64 atomics the RMA transport makes?
 
     mpiexec -n 3 python -m mpi4py benchmarks/probe_shm_accumulate.py
 
-Rank 0 holds a window made with the transport's own info (ps/rma_windows._window_info)
+Rank 0 holds a window made with the transport's own info (ps/rma_windows.window_info)
 and polls it as a shard does (a Flush on itself, then a 0.1 ms sleep); the other ranks
 do Fetch_and_op(SUM) + Flush on it for 2 s. Once without the hint, once with
 `disable_shm_accumulate = true`; prints the window's info as MPI reports it and the
@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.ps.rma_windows import _window_info
+from distbelief.ps.rma_windows import window_info
 
 SECONDS = 2.0
 
@@ -25,7 +25,7 @@ SECONDS = 2.0
 def main() -> None:
     comm = MPI.COMM_WORLD
     for hint in (None, "true"):
-        info = _window_info()
+        info = window_info()
         if hint is not None:
             info.Set("disable_shm_accumulate", hint)
         win = MPI.Win.Allocate(4096 if comm.rank == 0 else 0, 1, info, comm)

@@ -157,20 +157,6 @@ PRIVATE_IMPORTS_ALLOWED = {
     # A compiled extension: a private module, not a name (so "importer, module").
     ("distbelief.model.kernels", "distbelief.model._kernels"):
         "the compiled kernels behind their validating wrapper",
-    # The transports' private helpers: the transport rewrite (the wire-path issue, in
-    # progress) gives them an interface; renaming them here would collide with it.
-    **{(importer, source): "ps/ transport rewrite in progress" for importer, source in [
-        ("distbelief.ps.rma_client", "distbelief.ps.endpoint"),
-        ("distbelief.ps.rma_client", "distbelief.ps.rma_windows"),
-        ("distbelief.ps.rma_shard", "distbelief.ps.endpoint"),
-        ("distbelief.ps.rma_shard", "distbelief.ps.rma_windows"),
-        ("distbelief.ps.rma_windows", "distbelief.ps.endpoint"),
-        ("distbelief.ps.shared_memory", "distbelief.ps.endpoint"),
-        ("distbelief.ps.transport", "distbelief.ps.rma_windows"),
-        ("distbelief.ps.transport", "distbelief.ps.shared_memory"),
-        ("distbelief.algorithms.downpour.trainer", "distbelief.algorithms.downpour.shards"),
-        ("distbelief.algorithms.downpour.supervisor", "distbelief.algorithms.downpour.shards"),
-    ]},
     # Flush-to-zero must be set before numpy loads its BLAS, whose threads inherit it; the
     # validating wrapper (model.kernels) imports numpy, so the command line goes direct.
     ("distbelief.cli", "distbelief.model._kernels"):

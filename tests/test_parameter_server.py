@@ -238,8 +238,8 @@ def test_rma_census_float_data_moves_only_by_put_and_get(n, shards, size, push_d
     (4, ["--shards", 1, "--partitions", 2], "not a multiple of partitions=2", None),
     (3, ["--shards", 2, "--size", 1], "cannot shard 1 parameters over 2", None),
     (3, ["--shards", 1], "must be one of auto, shared, rma", "infiniband"),
-    # Agreed on every rank, after the communicator split: this program's optimizer
-    # factory returns None, whose state cannot be shared.
+    # Agreed on every rank, after the communicator split: this program's update rule
+    # keeps its state in a copy, which cannot be shared.
     (3, ["--shards", 1], "requested (DISTBELIEF_PS_TRANSPORT=shared) but the optimizer",
      "shared"),
 ])

@@ -19,7 +19,7 @@ from mpi4py import MPI
 from distbelief.algorithms.common import StopSignals
 from distbelief.algorithms.downpour import open_run
 from distbelief.config import load_config
-from distbelief.ps.rma_client import ParameterClient
+from distbelief.ps.endpoint import ParameterClient
 from distbelief.ps.run_control import TEARDOWN_FREE
 
 

@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.model.optimizers import make_optimizer
+from distbelief.ps.endpoint import ServerSpec
 from distbelief.ps.transport import open_parameter_server
 from distbelief.runtime.liveness import Peers
 from distbelief.runtime.topology import Topology
@@ -18,9 +19,9 @@ if __name__ == "__main__":
     world = MPI.COMM_WORLD
     peers = Peers.gather(world)
     topology = Topology(world.Get_size(), world.Get_rank(), ps_shards=1)
-    endpoint = open_parameter_server(world, topology, 64,
-                                     lambda n: make_optimizer(True, 0.1, n),
-                                     np.zeros(64, dtype=np.float32))
+    endpoint = open_parameter_server(world, ServerSpec(topology, 64,
+                                                      lambda n: make_optimizer(True, 0.1, n),
+                                                      np.zeros(64, dtype=np.float32)))
     transport = world.bcast(getattr(getattr(endpoint, "stats", None), "transport", None))
     if world.Get_rank() == 0:
         on_my_node = [r for r in range(world.Get_size()) if peers.on_this_node(r)]

@@ -9,7 +9,7 @@ the abort.
 import numpy as np
 from ps_common import open_server, parser, say
 
-from distbelief.ps.rma_shard import ParameterServerShard
+from distbelief.ps.endpoint import ParameterServerShard
 from distbelief.runtime import guardian
 
 

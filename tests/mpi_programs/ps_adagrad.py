@@ -11,7 +11,7 @@ import numpy as np
 from ps_common import check, open_server, parser, say
 
 from distbelief.model.optimizers import make_optimizer
-from distbelief.ps.rma_shard import ParameterServerShard
+from distbelief.ps.endpoint import ParameterServerShard
 
 
 def gradients(count: int, size: int) -> list[np.ndarray]:

@@ -13,8 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.model.optimizers import make_optimizer
-from distbelief.ps.rma_client import ParameterClient
-from distbelief.ps.rma_shard import ParameterServerShard
+from distbelief.ps.endpoint import ParameterClient, ParameterServerShard, ServerSpec
 from distbelief.ps.transport import open_parameter_server
 from distbelief.runtime.topology import Topology
 
@@ -47,9 +46,9 @@ def open_server(args: argparse.Namespace, initial: np.ndarray | None = None
     topology = Topology(world.Get_size(), world.Get_rank(), args.shards,
                         coordinator=args.coordinator)
     transport = None if args.transport == "auto" else args.transport
-    endpoint = open_parameter_server(world, topology, args.size,
-                                     lambda n: make_optimizer(args.adagrad, args.lr, n),
-                                     initial, transport=transport)
+    endpoint = open_parameter_server(world, ServerSpec(
+        topology, args.size, lambda n: make_optimizer(args.adagrad, args.lr, n), initial),
+        transport=transport)
     return topology, endpoint
 
 

@@ -12,8 +12,18 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.errors import EXIT_USER_ERROR, ConfigError
+from distbelief.model.optimizers import ShardRule
+from distbelief.ps.endpoint import ServerSpec
 from distbelief.ps.transport import open_parameter_server
 from distbelief.runtime.topology import Topology
+
+
+class CopiedState(ShardRule):
+    """An update rule whose state is a fresh copy, held in no attribute of its name: it
+    cannot live in shared memory (the "shared" transport refuses it on every rank)."""
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {"copy": np.zeros(1, dtype=np.float32)}
 
 
 def main() -> None:
@@ -26,8 +36,8 @@ def main() -> None:
     rank = world.Get_rank()
     try:
         topology = Topology(world.Get_size(), rank, args.shards, args.partitions)
-        endpoint = open_parameter_server(world, topology, args.size, lambda n: None,
-                                         np.zeros(args.size, dtype=np.float32))
+        endpoint = open_parameter_server(world, ServerSpec(
+            topology, args.size, lambda n: CopiedState(), np.zeros(args.size, dtype=np.float32)))
     except ConfigError as err:
         print(f"rank {rank}: ConfigError: {err}", flush=True)
         sys.exit(EXIT_USER_ERROR)

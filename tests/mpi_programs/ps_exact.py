@@ -9,7 +9,7 @@ float32 arithmetic is exact in any order of accumulation and folding.
 import numpy as np
 from ps_common import check, open_server, parser, say
 
-from distbelief.ps.rma_shard import ParameterServerShard
+from distbelief.ps.endpoint import ParameterServerShard
 
 
 def gradient(replica: int, step: int, size: int) -> np.ndarray:

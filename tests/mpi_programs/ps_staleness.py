@@ -13,8 +13,7 @@ import numpy as np
 from mpi4py import MPI
 from ps_common import check, open_server, parser, say
 
-from distbelief.ps.rma_client import ParameterClient
-from distbelief.ps.rma_shard import ParameterServerShard
+from distbelief.ps.endpoint import ParameterClient, ParameterServerShard
 from distbelief.runtime.topology import split_communicators
 
 

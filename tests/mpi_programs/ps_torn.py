@@ -22,7 +22,7 @@ from mpi4py import MPI
 from ps_common import check, open_server, parser, say
 
 from distbelief.ps import rma_windows
-from distbelief.ps.rma_shard import ParameterServerShard
+from distbelief.ps.endpoint import ParameterServerShard
 
 
 def serve_set(shard: ParameterServerShard) -> None:

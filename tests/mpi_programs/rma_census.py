@@ -27,8 +27,7 @@ from ps_common import check, parser, say
 
 from distbelief.model.optimizers import make_optimizer
 from distbelief.ps import run_control as rc
-from distbelief.ps.rma_client import ParameterClient
-from distbelief.ps.rma_shard import ParameterServerShard
+from distbelief.ps.endpoint import ParameterClient, ParameterServerShard, ServerSpec
 from distbelief.ps.transport import open_parameter_server
 from distbelief.runtime.topology import Topology
 
@@ -164,10 +163,9 @@ def main() -> None:
     check(world == args.shards + 1, "the census runs with exactly one replica")
     topology = Topology(world, MPI.COMM_WORLD.Get_rank(), args.shards)
     # With Downpour's run control block on shard 0, for the exchange.
-    endpoint = open_parameter_server(MPI.COMM_WORLD, topology, args.size,
-                                     lambda n: make_optimizer(False, 0.5, n),
-                                     transport="rma", control_replicas=1,
-                                     push_dtype=args.push_dtype)
+    endpoint = open_parameter_server(MPI.COMM_WORLD, ServerSpec(
+        topology, args.size, lambda n: make_optimizer(False, 0.5, n), control_replicas=1,
+        push_dtype=args.push_dtype), transport="rma")
     log: list[tuple[str, str, int, str]] = []
     windows = endpoint._live()
     windows.accum = RecordingWindow(windows.accum, log)

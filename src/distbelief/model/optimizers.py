@@ -12,12 +12,19 @@ constant, step or cosine decay). An optimizer does not count its updates itself:
 applies the update knows how many came before it (a trainer its step, a parameter-server
 shard the gradients it has applied, both kept in checkpoints), so `step(..., update=n)`
 takes it, and a resumed run steps at the same rates as an unbroken one.
+
+A parameter-server shard applies every rule through one declared interface, `ShardRule`:
+`apply(params, grad, StepInfo)`, the StepInfo holding all the shard knows of the update
+(its count, the shard's version, the version the gradient was computed on, the pushes
+summed in it); each rule reads the fields it needs, and `revises` declares the one
+capability a transport must know of.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -122,8 +129,65 @@ def _schedule(learning_rate: float | Schedule) -> Schedule:
     return Schedule(learning_rate)
 
 
-class _Scheduled:
-    """What every optimizer shares: its schedule, and the rate of one update."""
+@dataclass(frozen=True)
+class StepInfo:
+    """What a parameter-server shard knows of one update, given to ShardRule.apply. Both
+    transports fill every field; a rule reads those it needs."""
+
+    update: int
+    """Gradients (pushes) the slice had applied before this update over the whole run,
+    earlier jobs included: the learning-rate schedule's position (step's update=)."""
+    version: int
+    """Updates the shard had applied before this one (a fold of several pushes is one)."""
+    fetched: int
+    """The version the gradient's parameters were pulled at (at most `version`; a fold of
+    several pushes gives the mean of theirs). AdaRevision revises for the difference."""
+    pushes: int = 1
+    """Pushes summed into this gradient (the RMA transport folds every full slot at once;
+    on shared memory each push is its own update). DelayedNesterov counts them."""
+
+
+class ShardRule:
+    """The update rule of a parameter-server shard's slice: every optimizer here, and any
+    other rule a shard applies (EASGD's center update). Subclasses define step() and
+    state(); a shard calls only what is declared here, never probes for more.
+
+    `apply` is how a shard applies one update: by default step(params, grad, copy,
+    update=info.update); a rule that needs more of StepInfo overrides it."""
+
+    revises: ClassVar[bool] = False
+    """True for a rule that keeps state per version (AdaRevision's gradient sums): a
+    transport that applies one update in pieces (a shared-memory client restricted to a
+    model partition) calls record_version(version + 1) on the whole slice's rule after
+    the pieces, so the versions the pieces did not touch are kept too."""
+
+    def step(self, params: np.ndarray, grad: np.ndarray, copy: np.ndarray | None = None, *,
+             update: int | None = None) -> None:
+        """Update params in place with grad (with `copy`, store the new params there too)."""
+        raise NotImplementedError
+
+    def apply(self, params: np.ndarray, grad: np.ndarray, info: StepInfo,
+              copy: np.ndarray | None = None) -> None:
+        """Apply `grad` to `params` in place as the update `info` describes (with `copy`,
+        also store the new params there, in the same pass)."""
+        self.step(params, grad, copy, update=info.update)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The live state arrays (not copies), by name."""
+        raise NotImplementedError
+
+    def saved_state(self) -> dict[str, np.ndarray]:
+        """The live state arrays a checkpoint keeps: all of state() unless a rule keeps
+        some that a resumed run rebuilds (AdaRevision's history)."""
+        return self.state()
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore state saved by saved_state(); checks shapes and values, copies."""
+        raise NotImplementedError
+
+
+class _Scheduled(ShardRule):
+    """What every optimizer on a schedule shares: the schedule, and the rate of one update."""
 
     schedule: Schedule
 
@@ -261,7 +325,7 @@ class AdaRevision(_Scheduled):
     the version fetched.
     """
 
-    revises = True  # step() needs version= and fetched= (distbelief.ps shards check this)
+    revises = True  # keeps a gradient sum per version (ShardRule.revises)
 
     def __init__(self, size: int, learning_rate: float | Schedule, eps: float = 1e-10,
                  history: int = HISTORY) -> None:
@@ -315,6 +379,12 @@ class AdaRevision(_Scheduled):
         kernels.adarevision_update(params, self.gsum, self.z, self.zmax, self._slot(fetched),
                                    grad, lr, self.eps, copy)
         self.record_version(version + 1)
+
+    def apply(self, params: np.ndarray, grad: np.ndarray, info: StepInfo,
+              copy: np.ndarray | None = None) -> None:
+        """step() with the shard's version and the version the gradient was pulled at."""
+        self.step(params, grad, copy, version=info.version, fetched=info.fetched,
+                  update=info.update)
 
     def record_version(self, version: int) -> None:
         """Keep gsum as the gradient sum of `version` (its history slot). step does it for
@@ -426,7 +496,7 @@ BLOCK_VALUES = 1 << 20
 """Values DelayedNesterov updates per pass (4 MB of float32 temporaries at most)."""
 
 
-class DelayedNesterov:
+class DelayedNesterov(ShardRule):
     """Delayed Nesterov momentum, the outer optimizer of asynchronous Local-SGD (Liu et al.
     2024, "Asynchronous Local-SGD Training for Language Modeling", arXiv 2401.09135, its
     "DN" rule), for deltas that land one at a time on a parameter server.
@@ -445,9 +515,6 @@ class DelayedNesterov:
     on the RMA transport's folds) place the milestones, so a resumed shard keeps them; a
     fold that runs past a milestone puts all its deltas in the block that ends there.
     State: buf and pending. The rate is constant (no schedule)."""
-
-    counts_pushes = True
-    """A shard passes step(..., pushes=k) when one grad sums k deltas."""
 
     def __init__(self, size: int, learning_rate: float, momentum: float,
                  period: int) -> None:
@@ -483,6 +550,11 @@ class DelayedNesterov:
                 pending.fill(0)
         if copy is not None:
             np.copyto(copy, params)
+
+    def apply(self, params: np.ndarray, grad: np.ndarray, info: StepInfo,
+              copy: np.ndarray | None = None) -> None:
+        """step() with the pushes the grad sums (StepInfo.pushes)."""
+        self.step(params, grad, copy, update=info.update, pushes=info.pushes)
 
     def state(self) -> dict[str, np.ndarray]:
         """The live state arrays (not copies): the momentum buf, and pending, the sum of

@@ -34,66 +34,70 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.model import kernels
-from distbelief.model.layout import DTYPE
+from distbelief.model.layout import balanced_ranges
 from distbelief.ps.endpoint import (
     CONTROL_SHARD,
     COUNTER_BYTES,
     HEADER_BYTES,
-    VERSION,
-    _Endpoint,
-    _waiting_backoff,
+    OpenWindows,
+    ParameterClient,
+    PullLedger,
+    PushFaults,
+    check_vector,
+    waiting_backoff,
 )
 from distbelief.ps.rma_windows import (
     DONE,
     VERSION_NOW,
     PublishedReader,
-    _complete,
-    _ShardWindows,
+    ShardWindows,
     add,
     compare_and_swap,
+    complete,
     fetch_op,
     full_state,
 )
 from distbelief.ps.run_control import ControlExchange
-from distbelief.ps.stats import StalenessStats
 from distbelief.runtime import counters, watchdog
 from distbelief.runtime.backoff import Backoff, LearnedBackoff
 from distbelief.runtime.topology import Topology
 
 
-class ParameterClient(_Endpoint):
-    """A replica's (or the coordinator's) handle on all shards: pull, push, finish.
+class RmaClient(ParameterClient):
+    """A replica's (or the coordinator's) handle on all shards over RMA: pull, push,
+    finish.
 
-    Created by `open_parameter_server` on every non-shard rank. pull, push and finish are
+    Created by rma.open_rma on every non-shard rank. pull, push and finish are
     one-sided, targeting every shard (each round issued to all shards before one Flush
     per shard, so transfers to several shards overlap); free is collective over the
     world communicator.
     """
 
-    def __init__(self, comm: MPI.Comm, windows: _ShardWindows, topology: Topology,
-                 size: int, send_fetched: bool = False):
-        super().__init__(comm, windows, topology, size)
+    def __init__(self, comm: MPI.Comm, windows: ShardWindows, topology: Topology,
+                 size: int):
+        self.topology, self.size = topology, size
+        self.ranges = balanced_ranges(size, topology.ps_shards)
+        self._open = OpenWindows(comm, windows)
         self.bytes_sent = 0
-        # bfloat16 pushes: the narrowed gradient, Put from here (rma_windows.PUSH_BYTES;
-        # shared memory's segments name no push_dtype: SharedMemoryClient rounds itself)
+        # bfloat16 pushes: the narrowed gradient, Put from here (rma_windows.PUSH_BYTES)
         self._narrowed = (np.zeros(size, dtype=np.uint16)
-                          if getattr(windows, "push_dtype", "float32") == "bfloat16" else None)
+                          if windows.push_dtype == "bfloat16" else None)
         shards = topology.ps_shards
-        # Pushes always carry the version they were computed on, in their FULL mark:
-        # AdaRevision's shards use it. (`send_fetched` is kept for the interface.)
-        del send_fetched
+        # Pushes always carry the version they were computed on, in their FULL mark
+        # (StepInfo.fetched on the shard).
         self._client = topology.world_rank - shards  # its id in SLOT and FOLDED
         self._reader = PublishedReader(windows, topology.world_rank, shards, self._client)
-        self.pulled_versions = np.zeros(shards, dtype=np.int64)
-        self.applied_pushes = np.zeros(shards, dtype=np.int64)
-        self.staleness = StalenessStats()
+        # What this client transfers, per shard (all of its range unless restrict_to),
+        # and what it saw of the shards.
+        self._ledger = PullLedger(self.ranges)
+        self.pulled_versions = self._ledger.pulled_versions
+        self.applied_pushes = self._ledger.applied_pushes
+        self.staleness = self._ledger.staleness
         self._finished = False
-        self._headers = np.zeros((shards, 2), dtype=np.int64)  # VERSION, APPLIED pulled
         self._folded_read = np.zeros((shards, 1), dtype=np.int64)  # FOLDED[me] pulled
         self._folded = np.zeros(shards, dtype=np.int64)  # FOLDED as last pulled
         self._pushes_made = np.zeros(shards, dtype=np.int64)  # marked FULL, per shard
         self._hints = np.zeros((shards, 1), dtype=np.int64)
-        self._taken = np.zeros((shards, 1), dtype=np.int64)
         self._claim_results = np.zeros((shards, 1), dtype=np.int64)
         self._mark_results = np.zeros((shards, 1), dtype=np.int64)  # disjoint: both in flight
         self._slot = np.full(shards, -1, dtype=np.int64)  # slot claimed, per shard
@@ -107,38 +111,28 @@ class ParameterClient(_Endpoint):
         self._free = np.zeros(1, dtype=np.int64)
         self._marks = np.zeros((shards, 1), dtype=np.int64)  # FULL values being written
         self._one = np.ones(1, dtype=np.int64)
-        # What this client transfers, per shard: all of its range unless restrict_to.
-        self._segments = [[r] for r in self.ranges]
-        self._touched = np.ones(shards, dtype=bool)
         # push_pull_overlapped: a push whose data, and a pull whose Get, were issued but
         # not completed (they complete in the next call, or drain); a caller that
         # alternates pull buffers reads pull_in_flight
         self._in_flight = False
         self.pull_in_flight = False
         self._pull_out: np.ndarray | None = None
-        self._hang: Any = None  # test-only: what to do in the next push (Faults.hang or .kill)
-        self._linger_s = 0.0  # test-only: seconds to hold each exchange's epoch open
+        self._faults = PushFaults()  # test-only
 
     def hang_in_next_push(self, faults: Any) -> None:
-        """TEST-ONLY (distbelief.runtime.faults "hang"): the next push stops responding for ever
-        while it holds its locks on the shards, as a replica that froze mid-push."""
-        self._hang = faults.hang
+        """As ParameterClient.hang_in_next_push: it holds its claimed slots."""
+        self._faults.hang = faults.hang
 
     def kill_in_next_push(self, faults: Any) -> None:
-        """TEST-ONLY (distbelief.runtime.faults "killpush"): the next push kills its process
-        (SIGKILL) once its operations are issued, before they complete, as a replica whose
-        node crashed mid-push."""
-        self._hang = faults.kill
+        """As ParameterClient.kill_in_next_push: once its operations are issued, before
+        they complete, as a replica whose node crashed mid-push."""
+        self._faults.hang = faults.kill
 
     def linger_in_exchanges(self, seconds: float) -> None:
         """TEST-ONLY (distbelief.runtime.faults "linger"): from now on every exchange flushes
         its operations to shard 0 (they are applied there) and holds its epoch open
         `seconds` longer before the Unlock, as a rank descheduled just before it."""
-        self._linger_s = seconds
-
-    def _maybe_hang(self, shard: int, doing: str = "holding the lock on shard") -> None:
-        if self._hang is not None:
-            self._hang(f"in a push, {doing} {shard}")
+        self._faults.linger_s = seconds
 
     def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
         """From now on pull and push only `pieces`, [start, stop) ranges of the vector (a
@@ -146,33 +140,27 @@ class ParameterClient(_Endpoint):
         them are not touched: no transfer, no pull or push counted there, no staleness
         sample (epochs are still opened on every shard, so a control exchange with shard
         0 stays legal). Local; call it before the first pull."""
-        segments: list[list[tuple[int, int]]] = [[] for _ in self.ranges]
-        for shard, (low, high) in enumerate(self.ranges):
-            for start, stop in sorted(pieces):
-                start, stop = max(start, low), min(stop, high)
-                if start < stop:
-                    segments[shard].append((start, stop))
-        self._segments = segments
-        self._touched = np.array([bool(s) for s in segments])
+        self._ledger.restrict_to(pieces)
 
     @property
     def bytes_received(self) -> int:
         """Parameter data pulled so far, in bytes (see BYTES above)."""
         return self._reader.bytes_received
 
-    def _check_vector(self, vector: np.ndarray, what: str) -> None:
-        if vector.dtype != DTYPE or vector.shape != (self.size,) or not vector.flags.c_contiguous:
-            raise ValueError(f"{what} must be a contiguous float32 vector of {self.size} "
-                             f"elements, got {vector.dtype} {vector.shape}")
+    def _live(self) -> ShardWindows:
+        return self._open.live()
 
-    def _check_open(self) -> _ShardWindows:
+    def _check_vector(self, vector: np.ndarray, what: str) -> None:
+        check_vector(vector, self.size, what)
+
+    def _check_open(self) -> ShardWindows:
         windows = self._live()
         if self._finished:
             raise RuntimeError("this client already called finish()")
         return windows
 
     def _pulled_shards(self) -> list[int]:
-        return [s for s in self.topology.shard_ranks if self._touched[s]]
+        return self._ledger.touched_shards()
 
     def _candidates(self, shard: int) -> list[int]:
         """Slots to try on `shard`, in order: the client's two home slots (the other one
@@ -194,7 +182,7 @@ class ParameterClient(_Endpoint):
         shards = self.topology.shard_ranks
         pending = {s: self._candidates(s) for s in self._pulled_shards()}
         for s in pending:
-            fetch_op(win, None, self._taken[s], s, VERSION_NOW * COUNTER_BYTES,
+            fetch_op(win, None, self._ledger.taken[s], s, VERSION_NOW * COUNTER_BYTES,
                      MPI.NO_OP)
         if control is not None:
             control.issue(win, CONTROL_SHARD, HEADER_BYTES)
@@ -207,9 +195,9 @@ class ParameterClient(_Endpoint):
                 for s, k in turn.items():
                     compare_and_swap(win, self._mine, self._free, self._claim_results[s], s,
                                      self._live().slot(k))
-                _complete(win, shards if first else list(turn))
+                complete(win, shards if first else list(turn))
                 for other, ranks in (also if first else ()):
-                    _complete(other, ranks)
+                    complete(other, ranks)
                 if not first:
                     counters.add("rma_claim_retries")
                 first = False
@@ -253,7 +241,7 @@ class ParameterClient(_Endpoint):
         for shard in self._pulled_shards():
             low, high = self.ranges[shard]
             base = windows.slot_offset(int(self._slot[shard]), high - low)
-            for start, stop in self._segments[shard]:
+            for start, stop in self._ledger.segments[shard]:
                 target = (base + (start - low) * width, stop - start)
                 if narrowed is None:
                     win.Put([grad[start:stop], MPI.FLOAT], shard, (*target, MPI.FLOAT))
@@ -262,7 +250,7 @@ class ParameterClient(_Endpoint):
                     win.Put([narrowed[start:stop], MPI.UINT16_T], shard,
                             (*target, MPI.UINT16_T))
                 self.bytes_sent += (stop - start) * width
-        self._maybe_hang(CONTROL_SHARD, "its slot claimed and its data issued on shard")
+        self._faults.in_push(f"its slot claimed and its data issued on shard {CONTROL_SHARD}")
 
     def _issue_push_done(self, win: MPI.Win) -> None:
         """A push's third round, once its data has completed at every shard:
@@ -283,18 +271,12 @@ class ParameterClient(_Endpoint):
                       "client's push (taken for gone)", file=sys.stderr, flush=True)
 
     def _pulled(self) -> np.ndarray:
-        self.pulled_versions[:] = self._headers[:, VERSION]
-        self.applied_pushes[:] = self._headers[:, 1]
         self._folded[:] = self._folded_read[:, 0]
-        return self.pulled_versions.copy()
+        return self._ledger.pulled()
 
     def _pushed(self) -> np.ndarray:
-        # Staleness: updates the shard had applied when the push claimed its slot, after
-        # the version its gradient was computed on.
-        touched = self._touched
-        staleness = self._taken[:, 0] - self.pulled_versions
-        self.staleness.add(staleness[touched])
-        return staleness
+        # Staleness: `taken` is VERSION_NOW as the push's claim read it.
+        return self._ledger.pushed()
 
     def pull(self, out: np.ndarray) -> np.ndarray:
         """Fetch all parameters into `out`; returns each shard's version (int64, one per
@@ -303,8 +285,8 @@ class ParameterClient(_Endpoint):
         self._check_vector(out, "pull buffer")
         self._check_open()
         self.drain()
-        self._reader.read(self._pulled_shards(), self._segments, self.ranges, out,
-                          self._headers, self._folded_read, count_pull=True)
+        self._reader.read(self._pulled_shards(), self._ledger.segments, self.ranges, out,
+                          self._ledger.headers, self._folded_read, count_pull=True)
         return self._pulled()
 
     def push(self, grad: np.ndarray, control: ControlExchange | None = None) -> np.ndarray:
@@ -320,9 +302,9 @@ class ParameterClient(_Endpoint):
         self._claim(win, control)
         staleness = self._pushed()
         self._issue_push_data(win, grad)
-        _complete(win, self._pulled_shards())
+        complete(win, self._pulled_shards())
         self._issue_push_done(win)
-        _complete(win, self._pulled_shards())
+        complete(win, self._pulled_shards())
         self._note_push_done()
         return staleness
 
@@ -342,11 +324,11 @@ class ParameterClient(_Endpoint):
         self._claim(accum, control)
         staleness = self._pushed()
         self._issue_push_data(accum, grad)
-        _complete(accum, pulled)
+        complete(accum, pulled)
         self._issue_push_done(accum)
         self._reader.issue_newest(pulled, count_pull=True)
-        _complete(accum, pulled)
-        _complete(params, pulled)
+        complete(accum, pulled)
+        complete(params, pulled)
         self._note_push_done()
         self._finish_read(out)
         return staleness, self._pulled()
@@ -356,12 +338,12 @@ class ParameterClient(_Endpoint):
         deregister."""
         params, pulled = self._live().params, self._pulled_shards()
         self._reader.register(pulled)
-        self._reader.issue_get(pulled, self._segments, self.ranges, out, self._headers,
+        self._reader.issue_get(pulled, self._ledger.segments, self.ranges, out, self._ledger.headers,
                           self._folded_read)
-        _complete(params, pulled)
+        complete(params, pulled)
         registered = list(self._reader.registered)
         self._reader.issue_deregister()
-        _complete(params, registered)
+        complete(params, registered)
         self._reader.deregistered()
 
     def push_pull_overlapped(self, grad: np.ndarray, out: np.ndarray | None,
@@ -400,7 +382,7 @@ class ParameterClient(_Endpoint):
         self._issue_push_data(accum, grad)
         if out is not None:
             self._reader.register(pulled)
-            self._reader.issue_get(pulled, self._segments, self.ranges, out, self._headers,
+            self._reader.issue_get(pulled, self._ledger.segments, self.ranges, out, self._ledger.headers,
                           self._folded_read)
             self._pull_out = out
         self._in_flight, self.pull_in_flight = True, out is not None
@@ -416,16 +398,16 @@ class ParameterClient(_Endpoint):
             return False
         windows = self._live()
         pulled = self._pulled_shards()
-        _complete(windows.accum, pulled)
-        _complete(windows.params, pulled)
+        complete(windows.accum, pulled)
+        complete(windows.params, pulled)
         self._issue_push_done(windows.accum)
         pull = self.pull_in_flight
         registered = list(self._reader.registered)
         self._reader.issue_deregister()
         self.pull_in_flight = False
         if not issue_next:
-            _complete(windows.accum, pulled)
-            _complete(windows.params, registered)
+            complete(windows.accum, pulled)
+            complete(windows.params, registered)
             self._note_push_done()
             self._reader.deregistered()
             self._in_flight = False
@@ -489,7 +471,7 @@ class ParameterClient(_Endpoint):
         for s in behind:
             fetch_op(windows.params, None, self._hints[s], s, windows.hint(self._client),
                      MPI.NO_OP)
-        _complete(windows.params, behind)
+        complete(windows.params, behind)
         return all(self._hints[s, 0] >= self._pushes_made[s] for s in behind)
 
     def exchange(self, control: ControlExchange) -> None:
@@ -498,9 +480,9 @@ class ParameterClient(_Endpoint):
         win = self._check_open().accum
         self.drain()
         control.issue(win, CONTROL_SHARD, HEADER_BYTES)
-        _complete(win, (CONTROL_SHARD,))
-        if self._linger_s:
-            time.sleep(self._linger_s)
+        complete(win, (CONTROL_SHARD,))
+        if self._faults.linger_s:
+            time.sleep(self._faults.linger_s)
 
     def finish(self) -> None:
         """Tell every shard that this rank will push no more. One-sided: a count-1 Accumulate(SUM)
@@ -511,7 +493,7 @@ class ParameterClient(_Endpoint):
         self.drain()
         for shard in self.topology.shard_ranks:
             add(win, self._one, shard, DONE * COUNTER_BYTES)
-        _complete(win, self.topology.shard_ranks)
+        complete(win, self.topology.shard_ranks)
         self._finished = True
 
     def free(self) -> None:
@@ -519,4 +501,4 @@ class ParameterClient(_Endpoint):
         not spinning) and free the windows. Collective over the world communicator (with
         every shard's free())."""
         self.finish()
-        self._free_all(_waiting_backoff())
+        self._open.free(waiting_backoff())

@@ -43,18 +43,21 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.model import kernels
-from distbelief.model.layout import DTYPE
+from distbelief.model.layout import DTYPE, balanced_ranges
+from distbelief.model.optimizers import ShardRule, StepInfo
 from distbelief.ps import run_control as rc
 from distbelief.ps.endpoint import (
     APPLIED,
     COUNTER_BYTES,
+    GIVE_UP_S,
     HEADER_BYTES,
     VERSION,
-    Optimizer,
-    _Endpoint,
-    _waiting_backoff,
+    OpenWindows,
+    ParameterServerShard,
     own_slice,
     saved_state,
+    serve_polls,
+    waiting_backoff,
 )
 from distbelief.ps.rma_windows import (
     BUFFER_BITS,
@@ -66,10 +69,10 @@ from distbelief.ps.rma_windows import (
     QUARANTINED,
     VERSION_NOW,
     PublishedReader,
-    _complete,
-    _ShardWindows,
+    ShardWindows,
     add,
     compare_and_swap,
+    complete,
     fetch_op,
     newest_buffer,
     slot_client,
@@ -81,11 +84,9 @@ from distbelief.ps.stats import ShardStats
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.topology import Topology
 
-GIVE_UP_S = 2.0
-"""The default bound a shard is told for a client that shows no sign of life (Downpour
-passes its heartbeat timeout to `watch_clients`). Since issue 28 no fold waits for any
-push, so the bound only validates `watch_clients`' argument; a gone client's claim is
-quarantined after GONE_CHECK_S."""
+# GIVE_UP_S (endpoint): since issue 28 no fold waits for any push, so on this transport
+# the bound only validates `watch_clients`' argument; a gone client's claim is
+# quarantined after GONE_CHECK_S.
 GONE_CHECK_S = 0.02
 """How long a push slot must stay claimed, or a buffer registered, before the shard asks
 whether its client is gone (a healthy push or read takes milliseconds)."""
@@ -100,18 +101,21 @@ reused only after this long, so a process that wakes with a Put still in flight 
 slot nobody's, and the pool loses at most two slots per such client for that time."""
 
 
-class ParameterServerShard(_Endpoint):
-    """One shard: owns parameters [start, stop) and folds pushed gradients into them.
+class RmaShard(ParameterServerShard):
+    """One shard on the RMA transport: owns parameters [start, stop) and folds pushed
+    gradients into them.
 
-    Created by `open_parameter_server` on shard ranks. Its methods communicate only with
-    its own windows (one-sided, target itself), except `snapshot()` (reads the other
-    shards' published buffers) and `free()`, which is collective.
+    Created by rma.open_rma on shard ranks. Its methods communicate only with its own
+    windows (one-sided, target itself), except `snapshot()` (reads the other shards'
+    published buffers) and `free()`, which is collective.
     """
 
-    def __init__(self, comm: MPI.Comm, windows: _ShardWindows, topology: Topology,
-                 size: int, optimizer: Optimizer, initial: np.ndarray | None,
+    def __init__(self, comm: MPI.Comm, windows: ShardWindows, topology: Topology,
+                 size: int, optimizer: ShardRule, initial: np.ndarray | None,
                  gradients_before: int = 0):
-        super().__init__(comm, windows, topology, size)
+        self.topology, self.size = topology, size
+        self.ranges = balanced_ranges(size, topology.ps_shards)
+        self._open = OpenWindows(comm, windows)
         self.rank = topology.world_rank
         self.start, self.stop = self.ranges[self.rank]
         self.num_clients = topology.world_size - topology.ps_shards
@@ -176,6 +180,9 @@ class ParameterServerShard(_Endpoint):
         for win in (windows.accum, windows.params):
             win.Sync()
 
+    def _live(self) -> ShardWindows:
+        return self._open.live()
+
     @property
     def version(self) -> int:
         """Updates applied to this shard's parameters so far."""
@@ -193,8 +200,8 @@ class ParameterServerShard(_Endpoint):
         return self._finished
 
     @property
-    def optimizer(self) -> Optimizer:
-        """The optimizer of this shard's slice (its state goes into checkpoints)."""
+    def optimizer(self) -> ShardRule:
+        """The update rule of this shard's slice (its state goes into checkpoints)."""
         return self._optimizer
 
     def parameters(self, copy: bool = True) -> np.ndarray:
@@ -269,7 +276,7 @@ class ParameterServerShard(_Endpoint):
         for slot in range(self._control.size):
             fetch_op(win, None, ints[slot], self.rank, HEADER_BYTES + slot * COUNTER_BYTES,
                      MPI.NO_OP)
-        _complete(win, (self.rank,))
+        complete(win, (self.rank,))
         return rc.ControlView.from_block(ints[:, 0])
 
     def add_run_control(self, slot: int, value: int) -> None:
@@ -283,7 +290,7 @@ class ParameterServerShard(_Endpoint):
         # Named: an origin buffer must live until the Flush completes the operation.
         addend = np.array([value], dtype=np.int64)
         add(win, addend, self.rank, HEADER_BYTES + slot * COUNTER_BYTES)
-        _complete(win, (self.rank,))
+        complete(win, (self.rank,))
 
     def snapshot(self, out: np.ndarray) -> np.ndarray:
         """The whole current parameter vector into `out` (float32, the full size): this
@@ -338,21 +345,15 @@ class ParameterServerShard(_Endpoint):
             grad = self._slots[full[0]]
             for k in full[1:]:
                 grad += self._slots[k]
+        # A take sums its pushes into one gradient, applied as one update: it was pulled
+        # at the mean of their versions (the paper's rule when they pulled one version).
         fetched = sum(slot_fetched(int(self._states[k, 0])) for k in full)
-        update = self.gradients_applied  # the schedule's position: pushes before these
+        info = StepInfo(update=self.gradients_applied, version=self._taken,
+                        fetched=min(self._taken, round(fetched / len(full))),
+                        pushes=len(full))
         self._taken += 1
         self._pushes_taken += len(full)
-        if getattr(self._optimizer, "revises", False):
-            # A take sums its pushes into one gradient, revised as one: the mean of the
-            # versions they had pulled (the paper's rule when they pulled one version).
-            self._optimizer.step(self._master, grad, version=self._taken - 1,
-                                 fetched=min(self._taken - 1, round(fetched / len(full))),
-                                 update=update)
-        elif getattr(self._optimizer, "counts_pushes", False):
-            # DiLoCo's delayed Nesterov: its momentum moves every R deltas, counted here.
-            self._optimizer.step(self._master, grad, update=update, pushes=len(full))
-        else:
-            self._optimizer.step(self._master, grad, update=update)
+        self._optimizer.apply(self._master, grad, info)
         if not self._narrowed and len(full) > 1:
             # The first slot now holds the other pushes' values too. A client restricted to
             # its pieces (a model partition) Puts only those, and relies on the rest of its
@@ -537,19 +538,7 @@ class ParameterServerShard(_Endpoint):
         short, since the clients' operations wait while it runs); True counts as traffic.
         One-sided on its own windows, plus whatever `between` does.
         """
-        backoff = backoff or Backoff()
-        c0, t0 = time.process_time(), time.perf_counter()
-        while not (until() if until is not None else self._finished):
-            traffic = self.serve_once()
-            if between is not None:
-                traffic = between() or traffic
-            if traffic:
-                backoff.reset()
-            else:
-                backoff.wait()
-        self.stats.cpu_s += time.process_time() - c0
-        self.stats.wall_s += time.perf_counter() - t0
-        return self.stats
+        return serve_polls(self, backoff or Backoff(), between, until)
 
     def free(self) -> None:
         """Serve until every client has finished, then free the windows.
@@ -557,7 +546,7 @@ class ParameterServerShard(_Endpoint):
         Collective over the world communicator (with every client's free()).
         """
         self.serve()
-        self._free_all(_waiting_backoff())
+        self._open.free(waiting_backoff())
 
 
 def _asked_at_most_every(gone: Callable[[int], bool],

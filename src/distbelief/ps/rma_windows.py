@@ -52,7 +52,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.model.layout import DTYPE
-from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, _aligned
+from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, aligned
 from distbelief.runtime import counters, faults, watchdog
 
 FLOAT_BYTES = DTYPE().itemsize
@@ -111,7 +111,7 @@ def newest_buffer(newest: int) -> int:
     return newest & ((1 << BUFFER_BITS) - 1)
 
 
-def _complete(win: MPI.Win, ranks: Sequence[int]) -> None:
+def complete(win: MPI.Win, ranks: Sequence[int]) -> None:
     """Complete every operation this rank issued on `win` to `ranks`, at the origin and at
     the targets (Win.Flush inside the Lock_all epoch every rank holds for the windows'
     life). Declared to the stall watchdog: a flush that never returns means a target is
@@ -152,7 +152,7 @@ def compare_and_swap(win: MPI.Win, new: np.ndarray, compare: np.ndarray,
     win.Compare_and_swap(_int64(new), _int64(compare), _int64(result), target, slot_bytes)
 
 
-def _window_info() -> MPI.Info:
+def window_info() -> MPI.Info:
     """What each MPI needs to do the atomics as network atomics (docs/rma-protocol.md):
     Open MPI's osc/ucx takes no accumulate lock for count-1 atomics of one predefined
     type with `acc_single_intrinsic`; MPICH is told the only ops used and that no
@@ -218,7 +218,7 @@ class CountedWindow:
             dog.call_ended()
 
 
-class _ShardWindows:
+class ShardWindows:
     """The two windows of every shard, allocated and freed collectively in one order."""
 
     def __init__(self, comm: MPI.Comm, local_count: int, control_bytes: int = 0,
@@ -232,13 +232,13 @@ class _ShardWindows:
         self.readers = comm.Get_size()
         self.slots = faults.push_slots() or push_slots(clients,
                                                        largest_count * self.push_bytes)
-        self.slot_states = HEADER_BYTES + _aligned(control_bytes)
-        self.slot_data = self.slot_states + _aligned(self.slots * COUNTER_BYTES)
+        self.slot_states = HEADER_BYTES + aligned(control_bytes)
+        self.slot_data = self.slot_states + aligned(self.slots * COUNTER_BYTES)
         self.reading = HEADER_BYTES
-        self.folded_hint = self.reading + _aligned(self.readers * COUNTER_BYTES)
-        self.buffer_header_bytes = _aligned((2 + clients) * COUNTER_BYTES)
-        self.buffers = self.folded_hint + _aligned(clients * COUNTER_BYTES)
-        info = _window_info()
+        self.folded_hint = self.reading + aligned(self.readers * COUNTER_BYTES)
+        self.buffer_header_bytes = aligned((2 + clients) * COUNTER_BYTES)
+        self.buffers = self.folded_hint + aligned(clients * COUNTER_BYTES)
+        info = window_info()
         try:
             self.accum = CountedWindow(MPI.Win.Allocate(
                 self.slot_offset(self.slots, local_count) if local_count else 0, 1,
@@ -264,7 +264,7 @@ class _ShardWindows:
     def slot_offset(self, k: int, count: int) -> int:
         """Byte offset of push slot k's data (push_bytes per element) on a shard of
         `count` parameters (windows are the same size on every rank but a shard's: 0)."""
-        return self.slot_data + k * _aligned(count * self.push_bytes)
+        return self.slot_data + k * aligned(count * self.push_bytes)
 
     def reader(self, rank: int) -> int:
         """Byte offset of READING[rank]."""
@@ -277,7 +277,7 @@ class _ShardWindows:
     def buffer(self, b: int, count: int) -> int:
         """Byte offset of published buffer b's header on a shard of `count` parameters;
         its slice follows the header."""
-        return self.buffers + b * (self.buffer_header_bytes + _aligned(count * FLOAT_BYTES))
+        return self.buffers + b * (self.buffer_header_bytes + aligned(count * FLOAT_BYTES))
 
     def free(self) -> None:
         """Collective over the window communicator, same order on every rank."""
@@ -295,7 +295,7 @@ class PublishedReader:
     registered on it, so what a Get reads is one whole publish (docs/rma-protocol.md).
     One-sided, to the shards read; count-1 int64 atomics and Gets only."""
 
-    def __init__(self, windows: _ShardWindows, rank: int, shards: int, client: int | None):
+    def __init__(self, windows: ShardWindows, rank: int, shards: int, client: int | None):
         self.windows = windows
         self.rank = rank
         self.client = client  # its FOLDED slot in a buffer header, if it pushes
@@ -328,10 +328,10 @@ class PublishedReader:
                          self.windows.reader(self.rank), MPI.REPLACE)
                 if s not in self.registered:
                     self.registered.append(s)
-            _complete(win, pending)
+            complete(win, pending)
             for s in pending:
                 fetch_op(win, None, self.checked[s], s, NEWEST * COUNTER_BYTES, MPI.NO_OP)
-            _complete(win, pending)
+            complete(win, pending)
             moved = [s for s in pending if newest_buffer(int(self.checked[s, 0]))
                      != newest_buffer(int(self.newest[s, 0]))]
             for s in moved:
@@ -373,11 +373,11 @@ class PublishedReader:
         """A whole registered read of `shards`: five rounds, each completed by Flush."""
         win = self.windows.params
         self.issue_newest(shards, count_pull)
-        _complete(win, shards)
+        complete(win, shards)
         self.register(shards)
         self.issue_get(shards, segments, ranges, out, headers, folded)
-        _complete(win, shards)
+        complete(win, shards)
         registered = list(self.registered)
         self.issue_deregister()
-        _complete(win, registered)
+        complete(win, registered)
         self.deregistered()

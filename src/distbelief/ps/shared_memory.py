@@ -79,30 +79,38 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from distbelief.errors import ConfigError
 from distbelief.model import kernels
-from distbelief.model.layout import DTYPE
+from distbelief.model.layout import DTYPE, balanced_ranges
+from distbelief.model.optimizers import ShardRule, StepInfo
 from distbelief.ps import run_control as rc
 from distbelief.ps.endpoint import (
     APPLIED,
     CONTROL_SHARD,
     COUNTER_BYTES,
+    GIVE_UP_S,
     HEADER_BYTES,
     TRANSPORT_ENV,
     VERSION,
-    Optimizer,
-    OptimizerFactory,
-    _aligned,
-    _Endpoint,
+    OpenWindows,
+    ParameterClient,
+    ParameterServerShard,
+    PullLedger,
+    PushFaults,
+    RuleFactory,
+    ServerSpec,
+    aligned,
+    check_vector,
     own_slice,
     saved_state,
+    serve_polls,
+    waiting_backoff,
 )
-from distbelief.ps.rma_client import ParameterClient
-from distbelief.ps.rma_shard import ParameterServerShard
 from distbelief.ps.run_control import ControlExchange, ControlView
 from distbelief.ps.stats import ShardStats
 from distbelief.runtime import watchdog
@@ -122,9 +130,9 @@ sparse; a 0.5 ms cap cost ~8% of a core, measured (benchmarks/RMA_NOTES.md secti
 
 
 def _segment_bytes(count: int, clients: int, state_arrays: int, control_bytes: int) -> int:
-    slots = _aligned(clients * CLIENT_SLOTS * COUNTER_BYTES)
-    return (HEADER_BYTES + slots + _aligned(control_bytes)
-            + (1 + state_arrays) * _aligned(count * DTYPE().itemsize))
+    slots = aligned(clients * CLIENT_SLOTS * COUNTER_BYTES)
+    return (HEADER_BYTES + slots + aligned(control_bytes)
+            + (1 + state_arrays) * aligned(count * DTYPE().itemsize))
 
 
 @dataclass
@@ -141,9 +149,9 @@ class _Segment:
 def _segment_views(buffer: MPI.buffer, count: int, clients: int, names: list[str],
                    control_bytes: int) -> _Segment:
     raw = np.frombuffer(buffer, dtype=np.uint8)
-    control = HEADER_BYTES + _aligned(clients * CLIENT_SLOTS * COUNTER_BYTES)
-    offset = control + _aligned(control_bytes)
-    data = _aligned(count * DTYPE().itemsize)
+    control = HEADER_BYTES + aligned(clients * CLIENT_SLOTS * COUNTER_BYTES)
+    offset = control + aligned(control_bytes)
+    data = aligned(count * DTYPE().itemsize)
     arrays = [raw[offset + i * data : offset + i * data + count * DTYPE().itemsize].view(DTYPE)
               for i in range(1 + len(names))]
     return _Segment(
@@ -154,21 +162,19 @@ def _segment_views(buffer: MPI.buffer, count: int, clients: int, names: list[str
         params=arrays[0], state=dict(zip(names, arrays[1:], strict=True)))
 
 
-def _shareable_state(optimizer: OptimizerFactory) -> list[str] | None:
+def _shareable_state(optimizer: RuleFactory) -> list[str] | None:
     """The names of the optimizer's state arrays if they can live in shared memory (each
     float32 and held in the attribute of its name, so a client's copy of the optimizer can
     be pointed at the shard's arrays); None otherwise."""
     probe = optimizer(1)
-    state = probe.state() if hasattr(probe, "state") and hasattr(probe, "step") else None
-    if not isinstance(state, dict):
-        return None
+    state = probe.state()
     for name, value in state.items():
         if getattr(probe, name, None) is not value or value.dtype != DTYPE:
             return None
     return sorted(state)
 
 
-def _bind_state(optimizer: Optimizer, state: dict[str, np.ndarray]) -> None:
+def _bind_state(optimizer: ShardRule, state: dict[str, np.ndarray]) -> None:
     """Make `optimizer` work on the shared arrays `state` (see _shareable_state)."""
     for name, view in state.items():
         setattr(optimizer, name, view)
@@ -204,7 +210,7 @@ def _lock_file(node: MPI.Comm) -> int | None:
     return fd
 
 
-class _SharedSegments:
+class SharedSegments:
     """Every shard's segment in one Win.Allocate_shared window over the node communicator,
     and the lock file whose byte s is segment s's reader-writer lock.
 
@@ -278,16 +284,12 @@ class _SharedSegments:
         self.node.Free()
 
 
-def _open_shared(comm: MPI.Comm, topology: Topology, ranges: list[tuple[int, int]],
-                 optimizer: OptimizerFactory, requested: str,
-                 control_bytes: int) -> _SharedSegments | None:
-    """The shared segments if the shared transport can be used, else None (use RMA).
+def _open_segments(comm: MPI.Comm, spec: ServerSpec, required: bool) -> SharedSegments | None:
+    """The shared segments if the shared transport can be used, else None (use another).
     Collective over `comm`; every rank reaches the same answer (all ranks on one node or
-    not, the same optimizer factory, one lock file for all)."""
-    if requested == "rma":
-        return None
+    not, the same rule factory, one lock file for all)."""
     node = node_communicator(comm)  # MPI's node, or a simulated one (runtime.nodes)
-    names = _shareable_state(optimizer)
+    names = _shareable_state(spec.rule)
     why = None
     if node.Get_size() != comm.Get_size():
         why = "the ranks are on more than one node (or MPI shares no memory between them)"
@@ -297,24 +299,51 @@ def _open_shared(comm: MPI.Comm, topology: Topology, ranges: list[tuple[int, int
     if why is None and lock_fd is None:
         why = "no lock file could be created in /dev/shm or the temporary folder"
     if why is None:
-        return _SharedSegments(node, lock_fd, topology, ranges, names, control_bytes)
+        return SharedSegments(node, lock_fd, spec.topology, spec.ranges, names,
+                              spec.control_bytes)
     node.Free()
-    if requested == "shared":
+    if required:
         raise ConfigError(f"the shared-memory parameter server was requested "
                           f"({TRANSPORT_ENV}=shared) but {why}")
     return None
+
+
+def open_shared_memory(comm: MPI.Comm, spec: ServerSpec,
+                       required: bool) -> ParameterServerShard | ParameterClient | None:
+    """The shared-memory transport's opener (transport.OPENERS["shared"]): a
+    SharedMemoryShard on shard ranks, a SharedMemoryClient on the others, or None on
+    every rank when this transport cannot serve the job (ranks on several nodes, a rule
+    whose state cannot be shared, no lock file); ConfigError instead when `required`.
+    Collective over `comm`; returns once every shard has initialised its segment."""
+    segments = _open_segments(comm, spec, required)
+    if segments is None:
+        return None
+    topology, ranges = spec.topology, spec.ranges
+    endpoint: ParameterServerShard | ParameterClient
+    if topology.is_shard:
+        start, stop = ranges[topology.world_rank]
+        endpoint = SharedMemoryShard(comm, segments, topology, spec.size,
+                                     spec.rule(stop - start), spec.initial,
+                                     spec.gradients_before)
+    comm.Barrier()  # every shard has initialised its segment
+    if not topology.is_shard:
+        endpoint = SharedMemoryClient(comm, segments, topology, spec.size, spec.rule,
+                                      spec.push_dtype)
+    return endpoint
 
 
 class SharedMemoryShard(ParameterServerShard):
     """A shard on the shared-memory transport: its parameters and optimizer state live in
     its segment, its clients fold their gradients into them and read them directly, and
     the shard watches (finish, statistics), runs shard 0's duties and serves snapshots and
-    checkpoints. Same interface as ParameterServerShard."""
+    checkpoints."""
 
-    def __init__(self, comm: MPI.Comm, segments: _SharedSegments, topology: Topology,
-                 size: int, optimizer: Optimizer, initial: np.ndarray | None,
+    def __init__(self, comm: MPI.Comm, segments: SharedSegments, topology: Topology,
+                 size: int, optimizer: ShardRule, initial: np.ndarray | None,
                  gradients_before: int = 0):
-        _Endpoint.__init__(self, comm, segments, topology, size)  # none of the RMA set-up
+        self.topology, self.size = topology, size
+        self.ranges = balanced_ranges(size, topology.ps_shards)
+        self._open = OpenWindows(comm, segments)
         self.rank = topology.world_rank
         self.start, self.stop = self.ranges[self.rank]
         self.num_clients = topology.world_size - topology.ps_shards
@@ -332,7 +361,22 @@ class SharedMemoryShard(ParameterServerShard):
             _bind_state(optimizer, seg.state)
 
     def _lock(self, exclusive: bool, shard: int | None = None):
-        return self._live().lock(self.rank if shard is None else shard, exclusive)
+        return self._open.live().lock(self.rank if shard is None else shard, exclusive)
+
+    @property
+    def finished(self) -> bool:
+        """True once every client has called finish() (its pushes were applied then)."""
+        return self._finished
+
+    @property
+    def optimizer(self) -> ShardRule:
+        """The update rule of this shard's slice, working on the segment's state."""
+        return self._optimizer
+
+    def watch_clients(self, gone: Callable[[int], bool], give_up_s: float = GIVE_UP_S,
+                      ended: Callable[[int], bool] | None = None) -> None:
+        """Nothing to watch here: a client holds nothing but a segment's lock, which the
+        kernel releases when its process dies. Local."""
 
     @property
     def version(self) -> int:
@@ -424,20 +468,35 @@ class SharedMemoryShard(ParameterServerShard):
               until: Callable[[], bool] | None = None) -> ShardStats:
         """As ParameterServerShard.serve, but always with the sparse SHARED_POLL_S back-off
         (`backoff`, tuned for RMA clients, is not needed: no client waits for a poll)."""
-        return super().serve(Backoff(*SHARED_POLL_S), between, until)
+        return serve_polls(self, Backoff(*SHARED_POLL_S), between, until)
+
+    def free(self) -> None:
+        """Serve until every client has finished, then free the segments. Collective over
+        the world communicator (with every client's free())."""
+        self.serve()
+        self._open.free(waiting_backoff())
 
 
 class SharedMemoryClient(ParameterClient):
     """A client on the shared-memory transport: a push folds the gradient into every
     shard's segment with the shard's optimizer, under the segment's exclusive lock, and
     returns when it is applied; a pull copies every segment's parameters under its shared
-    lock. No shard takes part. Same interface as ParameterClient, restrict_to included
-    (only the pieces are folded and copied; shards without any are not touched, except
-    shard 0 for a control exchange)."""
+    lock. No shard takes part. restrict_to: only the pieces are folded and copied; shards
+    without any are not touched, except shard 0 for a control exchange."""
 
-    def __init__(self, comm: MPI.Comm, segments: _SharedSegments, topology: Topology,
-                 size: int, optimizer: OptimizerFactory, push_dtype: str = "float32"):
-        super().__init__(comm, segments, topology, size)
+    def __init__(self, comm: MPI.Comm, segments: SharedSegments, topology: Topology,
+                 size: int, optimizer: RuleFactory, push_dtype: str = "float32"):
+        self.topology, self.size = topology, size
+        self.ranges = balanced_ranges(size, topology.ps_shards)
+        self._open = OpenWindows(comm, segments)
+        self._ledger = PullLedger(self.ranges)
+        self.pulled_versions = self._ledger.pulled_versions
+        self.applied_pushes = self._ledger.applied_pushes
+        self.staleness = self._ledger.staleness
+        self.bytes_sent = 0
+        self.pull_in_flight = False  # nothing is ever left in flight here
+        self._finished = False
+        self._faults = PushFaults()  # test-only
         # optimizer.push_dtype = "bfloat16": each push is rounded to bfloat16 here, as the
         # RMA transport's pushes are, and folded from this float32 copy (one node moves no
         # bytes over a wire, so nothing is narrowed in memory): the same numbers train.
@@ -456,6 +515,28 @@ class SharedMemoryClient(ParameterClient):
         self._pieces = self._piece_folders()
         self._served = np.zeros(len(self.ranges), dtype=bool)
 
+    def hang_in_next_push(self, faults: Any) -> None:
+        """As ParameterClient.hang_in_next_push: it holds a segment's exclusive lock."""
+        self._faults.hang = faults.hang
+
+    def kill_in_next_push(self, faults: Any) -> None:
+        """As ParameterClient.kill_in_next_push: holding a segment's exclusive lock."""
+        self._faults.hang = faults.kill
+
+    def linger_in_exchanges(self, seconds: float) -> None:
+        """Nothing to linger in: an exchange here holds no epoch (a lock is held only for
+        the exchange's own loads and stores)."""
+        self._faults.linger_s = seconds
+
+    def _check_vector(self, vector: np.ndarray, what: str) -> None:
+        check_vector(vector, self.size, what)
+
+    def _check_open(self) -> SharedSegments:
+        segments = self._open.live()
+        if self._finished:
+            raise RuntimeError("this client already called finish()")
+        return segments
+
     def _wait_served(self, shards: Sequence[int]) -> None:
         """Before the first access to a shard: wait, sleeping, until it has polled once."""
         backoff = Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
@@ -465,7 +546,7 @@ class SharedMemoryClient(ParameterClient):
                 continue
             with guard.waiting(f"shard {shard} to start serving", (shard,)):
                 while not self._served[shard]:
-                    with self._live().lock(shard, exclusive=False) as seg:
+                    with self._open.live().lock(shard, exclusive=False) as seg:
                         self._served[shard] = bool(seg.header[SERVING])
                     if not self._served[shard]:
                         guard.check()
@@ -473,17 +554,17 @@ class SharedMemoryClient(ParameterClient):
 
     def restrict_to(self, pieces: Sequence[tuple[int, int]]) -> None:
         """As ParameterClient.restrict_to."""
-        super().restrict_to(pieces)
+        self._ledger.restrict_to(pieces)
         self._pieces = self._piece_folders()
 
-    def _piece_folders(self) -> list[list[tuple[int, int, Optimizer]]]:
+    def _piece_folders(self) -> list[list[tuple[int, int, ShardRule]]]:
         """Per shard: (start, stop) of each piece in the vector and an optimizer working
         on the piece's part of the shard's state (the whole range: the shard's own)."""
         pieces = []
-        segments = self._live()
+        segments = self._open.live()
         for shard, (low, high) in enumerate(self.ranges):
             folders = []
-            for start, stop in self._segments[shard]:
+            for start, stop in self._ledger.segments[shard]:
                 if (start, stop) == (low, high):
                     folders.append((start, stop, self._optimizers[shard]))
                     continue
@@ -515,41 +596,38 @@ class SharedMemoryClient(ParameterClient):
         for start, stop, _ in self._pieces[shard]:
             np.copyto(out[start:stop], seg.params[start - low : stop - low])
             self._received += (stop - start) * DTYPE().itemsize
-        self._headers[shard] = seg.header[VERSION], seg.header[APPLIED]
+        self._ledger.headers[shard] = seg.header[VERSION], seg.header[APPLIED]
 
     def _fold(self, seg: _Segment, shard: int, grad: np.ndarray,
               control: ControlExchange | None, out: np.ndarray | None = None) -> None:
         """Apply this client's pieces of `grad` as the shard's next update (with `out`, also
         copy the new values of its pieces there, in the same pass), and the control
         operations on shard 0 (exclusive lock held)."""
-        if self._touched[shard]:
+        if self._ledger.touched[shard]:
             low = self.ranges[shard][0]
             version = int(seg.header[VERSION])
             update = int(seg.header[BEFORE] + seg.header[APPLIED])  # the schedule's count
-            self._taken[shard, 0] = version
-            for start, stop, optimizer in self._pieces[shard]:
+            self._ledger.taken[shard, 0] = version
+            # AdaRevision revises for the updates since this client's last pull.
+            info = StepInfo(update=update, version=version,
+                            fetched=int(self.pulled_versions[shard]))
+            for start, stop, rule in self._pieces[shard]:
                 copy_to = None if out is None else out[start:stop]
                 # the gradient folded in, the new values copied out (float32 both ways)
                 self.bytes_sent += (stop - start) * DTYPE().itemsize
                 if out is not None:
                     self._received += (stop - start) * DTYPE().itemsize
-                if getattr(optimizer, "revises", False):
-                    # AdaRevision: revised for the updates since this client's last pull
-                    optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
-                                   copy_to, version=version,
-                                   fetched=int(self.pulled_versions[shard]), update=update)
-                else:
-                    optimizer.step(seg.params[start - low : stop - low], grad[start:stop],
-                                   copy_to, update=update)
+                rule.apply(seg.params[start - low : stop - low], grad[start:stop], info,
+                           copy_to)
             whole = self._optimizers[shard]
-            if getattr(whole, "revises", False):
+            if whole.revises:
                 # A partitioned replica's pieces recorded only their slices of the new
                 # version's gradient sum; the rest did not change in this version.
                 whole.record_version(version + 1)
             seg.header[VERSION] = version + 1
             seg.header[APPLIED] += 1
             seg.clients[self._slot, PULLED] = self._pulls
-            self._maybe_hang(shard)
+            self._faults.in_push(f"holding the lock on shard {shard}")
         if control is not None and shard == CONTROL_SHARD:
             control.apply(seg.control)
 
@@ -558,24 +636,24 @@ class SharedMemoryClient(ParameterClient):
         caller's nonblocking operations (a partitioned replica's messages to its partners,
         a replica's statistics to rank 0) advance only while their ranks are inside MPI.
         One Iprobe on the private communicator (where nothing is ever sent), ~1 us."""
-        self._comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+        self._open.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
 
     def _pushed_to(self, control: ControlExchange | None) -> list[int]:
         """The shards a push locks: those it touches, and shard 0 for a control exchange."""
         return [shard for shard in self.topology.shard_ranks
-                if self._touched[shard] or (control is not None and shard == CONTROL_SHARD)]
+                if self._ledger.touched[shard] or (control is not None and shard == CONTROL_SHARD)]
 
     def pull(self, out: np.ndarray) -> np.ndarray:
         """As ParameterClient.pull: every shard's slice is one consistent snapshot."""
         self._check_vector(out, "pull buffer")
         segments = self._check_open()
-        self._wait_served([int(s) for s in np.flatnonzero(self._touched)])
-        for shard in np.flatnonzero(self._touched):
+        self._wait_served([int(s) for s in np.flatnonzero(self._ledger.touched)])
+        for shard in np.flatnonzero(self._ledger.touched):
             with segments.lock(int(shard), exclusive=False) as seg:
                 self._read(seg, int(shard), out)
         self._pulls += 1
         self._progress()
-        return self._pulled()
+        return self._ledger.pulled()
 
     def push(self, grad: np.ndarray, control: ControlExchange | None = None) -> np.ndarray:
         """As ParameterClient.push, but the gradient is applied when it returns."""
@@ -587,7 +665,7 @@ class SharedMemoryClient(ParameterClient):
             with segments.lock(shard, exclusive=True) as seg:
                 self._fold(seg, shard, grad, control)
         self._progress()
-        return self._pushed()
+        return self._ledger.pushed()
 
     def push_pull(self, grad: np.ndarray, out: np.ndarray,
                   control: ControlExchange | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -602,10 +680,10 @@ class SharedMemoryClient(ParameterClient):
         for shard in self._pushed_to(control):
             with segments.lock(shard, exclusive=True) as seg:
                 self._fold(seg, shard, grad, control, out)
-                if self._touched[shard]:
-                    self._headers[shard] = seg.header[VERSION], seg.header[APPLIED]
+                if self._ledger.touched[shard]:
+                    self._ledger.headers[shard] = seg.header[VERSION], seg.header[APPLIED]
         self._progress()
-        return self._pushed(), self._pulled()
+        return self._ledger.pushed(), self._ledger.pulled()
 
     def push_pull_own(self, grad: np.ndarray, out: np.ndarray,
                       control: ControlExchange | None = None) -> tuple[np.ndarray, int]:
@@ -622,6 +700,15 @@ class SharedMemoryClient(ParameterClient):
         if out is None:
             return self.push(grad, control), False
         return self.push_pull(grad, out, control)[0], True
+
+    def drain(self) -> bool:
+        """Nothing is left in flight on this transport: False."""
+        return False
+
+    def catch_up(self, out: np.ndarray) -> int:
+        """0: a push returns once applied, so a pull after it always holds it (and
+        push_pull's copy is made right after the fold). Local."""
+        return 0
 
     def exchange(self, control: ControlExchange) -> None:
         """Only the control operations, under shard 0's exclusive lock."""
@@ -641,3 +728,9 @@ class SharedMemoryClient(ParameterClient):
                 seg.clients[self._slot, PULLED] = self._pulls
                 seg.clients[self._slot, FINISHED] = 1
         self._finished = True
+
+    def free(self) -> None:
+        """finish() if not yet done, then free the segments. Collective over the world
+        communicator (with every shard's free())."""
+        self.finish()
+        self._open.free(waiting_backoff())

@@ -10,7 +10,7 @@ docs/downpour.md, "Design".
 
 MODULES (each imports only those before it; trainer.py imports them all): plan (the
 constants, errors, DownpourPlan, grant, Ending), run (open_run, OpenRun, Start: the set-up
-and the restore), replica (Replica, PartitionedReplica, make_replica), shards (_ShardRole:
+and the restore), replica (Replica, PartitionedReplica, make_replica), shards (ShardRole:
 what every shard does), supervisor (Supervisor: shard 0, and the summary), trainer
 (train), options (the [optimizer] keys Downpour owns).
 

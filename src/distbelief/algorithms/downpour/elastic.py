@@ -44,12 +44,12 @@ from mpi4py import MPI
 from distbelief.algorithms.downpour.replica import Replica
 from distbelief.config import Config, build_optimizer
 from distbelief.errors import ConfigError
+from distbelief.model.optimizers import ShardRule
 
 
-class CenterUpdate:
+class CenterUpdate(ShardRule):
     """The shard-side rule of EASGD: the center variable takes what replicas pushed as a
-    plain sum, x~ += delta (the elastic differences e). Stateless; the same interface as
-    the optimizers of distbelief.model.optimizers (step, state, load_state)."""
+    plain sum, x~ += delta (the elastic differences e). Stateless."""
 
     def step(self, params: np.ndarray, delta: np.ndarray,
              copy: np.ndarray | None = None, *, update: int | None = None) -> None:

@@ -19,8 +19,7 @@ from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, run_name
 from distbelief.model.layout import balanced_ranges
 from distbelief.ps import run_control as rc
-from distbelief.ps.rma_client import ParameterClient
-from distbelief.ps.rma_shard import GIVE_UP_S, ParameterServerShard
+from distbelief.ps.endpoint import GIVE_UP_S, ParameterClient, ParameterServerShard, ServerSpec
 from distbelief.ps.transport import open_parameter_server
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
@@ -110,12 +109,12 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     if peers is None:
         peers = Peers.gather(comm)
     initial = shard_initial(network, config.run.seed, plan, start) if topology.is_shard else None
-    endpoint = open_parameter_server(
-        comm, topology, network.layout.size,
+    endpoint = open_parameter_server(comm, ServerSpec(
+        topology, network.layout.size,
         lambda n: start.optimizer if start.optimizer is not None else shard_update(n),
         initial, control_replicas=plan.num_replicas,
         gradients_before=start.gradients_before,
-        push_dtype=config.optimizer.push_dtype)
+        push_dtype=config.optimizer.push_dtype))
     start.params = None  # the shard's slice lives in the endpoint now, not twice
     if isinstance(endpoint, ParameterServerShard):
         # A replica killed mid-push is written off as soon as its process is seen gone; a

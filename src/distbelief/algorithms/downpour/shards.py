@@ -1,4 +1,4 @@
-"""What every Downpour parameter-server shard does (_ShardRole): serve, take part in the
+"""What every Downpour parameter-server shard does (ShardRole): serve, take part in the
 shards' rounds, write its part of each checkpoint, and end the run with the others.
 Shard 0 does more (supervisor.Supervisor). "The module docstring" in the code below is
 the package's (distbelief.algorithms.downpour).
@@ -51,7 +51,7 @@ class Writing:
     began: float
 
 
-class _ShardRole:
+class ShardRole:
     """What every shard does: serve, take part in the shards' rounds, write checkpoints
     and end the run together (collectives over the shards' communicator only)."""
 
@@ -175,7 +175,7 @@ class _ShardRole:
             if not (_all_finite(params) and all(_all_finite(v) for v in state.values())):
                 return {"diverged": f"shard {shard.rank} holds non-finite values at step "
                                     f"{meta.step}; not checkpointed"}
-            return _part_report(lambda: [ckpt.write_shard_part(
+            return part_report(lambda: [ckpt.write_shard_part(
                 partial, meta, shard.rank, shard.start, shard.stop, params, state,
                 counters)])
 
@@ -282,7 +282,7 @@ def _all_finite(values: np.ndarray, block: int = 1 << 20) -> bool:
     return all(np.isfinite(values[i : i + block]).all() for i in range(0, values.size, block))
 
 
-def _part_report(write: Any) -> dict[str, Any]:
+def part_report(write: Any) -> dict[str, Any]:
     """Run a part writer; its records, or the CheckpointError's message."""
     try:
         records = write()

@@ -32,7 +32,7 @@ from distbelief.algorithms.downpour.plan import (
     Ending,
 )
 from distbelief.algorithms.downpour.run import OpenRun
-from distbelief.algorithms.downpour.shards import _part_report, _ShardRole
+from distbelief.algorithms.downpour.shards import ShardRole, part_report
 from distbelief.config import Config, config_hash, hashed_settings, run_name
 from distbelief.model.layout import balanced_ranges
 from distbelief.ps import run_control as rc
@@ -64,7 +64,7 @@ class LostReplica:
     at_seconds: float
 
 
-class Supervisor(_ShardRole):
+class Supervisor(ShardRole):
     """Shard 0: serves its slice like every shard and, between polls, runs the run: the
     control block, training lines, evaluations (in a thread, on snapshots), stop rules,
     progress lines, lost replicas, and the checkpoints (it asks for them, commits them,
@@ -438,7 +438,7 @@ class Supervisor(_ShardRole):
             report = mine()
             if "records" not in report:
                 return report
-            theirs = _part_report(lambda: [ckpt.write_replicas_part(partial, meta, replicas)])
+            theirs = part_report(lambda: [ckpt.write_replicas_part(partial, meta, replicas)])
             if "records" not in theirs:
                 return theirs
             return {"records": report["records"] + theirs["records"]}

@@ -15,7 +15,7 @@ from distbelief.algorithms.common import StopSignals
 from distbelief.algorithms.downpour.plan import grant, plan_run
 from distbelief.algorithms.downpour.replica import make_replica
 from distbelief.algorithms.downpour.run import OpenRun, open_run, shard_lost_message
-from distbelief.algorithms.downpour.shards import _ShardRole
+from distbelief.algorithms.downpour.shards import ShardRole
 from distbelief.algorithms.downpour.supervisor import Supervisor
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, run_name
@@ -119,4 +119,4 @@ def _make_role(run: OpenRun, config: Config, network: Any, info: Any,
         return replica_role(run, network, config.optimizer.fetch)
     if topology.world_rank == 0:
         return Supervisor(run, config, network, info, stream)
-    return _ShardRole(run)
+    return ShardRole(run)
