@@ -613,7 +613,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Several ranks: start MPI before anything can fail, so errors are reported once and
     # an unhandled exception aborts the job.
     comm = start_mpi() if several else None
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides, open_data=False)  # launch opens it
     summary = launch.train(config, comm, _resume_mode(args))
     outcome = os.environ.get(OUTCOME_ENV)
     if summary is not None and outcome:

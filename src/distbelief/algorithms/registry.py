@@ -1,5 +1,6 @@
-"""The training algorithms by name: one `Algorithm` line each, read by the command line
-(`cli._train`), `compare`, config validation and the docs' list (tests/test_registry.py).
+"""The training algorithms by name: one `Algorithm` line each, read by the run's launch
+(`algorithms.launch`), `compare`, config validation and the docs' list
+(tests/test_registry.py).
 
 Trainers are named as "module:function" strings and imported only when a run asks for one,
 so loading one algorithm imports none of the others. This module imports nothing of
@@ -19,14 +20,14 @@ class Algorithm:
     """What the rest of the package needs to know about one algorithm."""
 
     name: str                 # optimizer.algorithm
-    trainer: str              # "module:function", called function(config, comm, resume=...)
+    trainer: str              # "module:function": function(config, comm, resume=, setup=)
     summary: str              # a few words for --help and the docs
     own_keys: tuple[str, ...] = ()  # [optimizer] keys no other algorithm reads
     shards: str = "never"     # "always", "never", or an optimizer key: shards when it is set
     coordinators: int = 0     # ranks besides the shards and the replicas
     one_process_trainer: str | None = None
     """With cluster.partitions = 1: "module:function", called function(config,
-    resume=...) in this process, without MPI."""
+    resume=..., setup=...) in this process, without MPI (setup: session.RunSetup)."""
     shard_trainer: str | None = None
     """With settings that need shards (`needs_shards`): "module:function", called as
     `trainer` is, in its place."""
