@@ -705,6 +705,7 @@ def _layouts(text: str) -> tuple[tuple[int, int, int], ...]:
 
 
 def cmd_costmodel(args: argparse.Namespace) -> int:
+    from distbelief.algorithms.memory_plan import print_layouts, print_plan
     from distbelief.config import build_network, load_config
     from distbelief.model.cost_model import Link, Machine, format_table, predict
     from distbelief.model.network import Network
@@ -745,9 +746,11 @@ def cmd_costmodel(args: argparse.Namespace) -> int:
              and not args.measure else ""))
     node_bytes = _node_bytes(args.memory)
     if args.plan:
-        return _print_plan(args, config, info, network, batch, machine, node_bytes)
+        return print_plan(args.nodes, args.cores, args.bandwidth, args.transport, config,
+                          info, network, batch, machine, node_bytes)
     if args.layouts:
-        _print_layouts(args, config, info, network, batch, machine, node_bytes)
+        print_layouts(args.layouts, args.transport, config, info, network, batch, machine,
+                      node_bytes)
         return 0
     try:
         predictions = [predict(network, p, batch, machine.flops, machine.link,
@@ -762,92 +765,6 @@ def _node_bytes(text: str | None) -> int | None:
     from distbelief.runtime.memory import parse_size
 
     return None if text is None else parse_size(text)
-
-
-def _workload(config: Any, info: Any, transport: str) -> Any:
-    from distbelief.algorithms.memory_plan import workload
-    from distbelief.model.memory_model import Workload
-
-    if info is None:  # no data file: the batch and the optimizer, no data or eval set
-        base = workload(config, _NoData(), transport)
-        return Workload(**{**vars(base), "train_rows": 0, "eval_rows": 0})
-    return workload(config, info, transport)
-
-
-class _NoData:
-    stored_dtype, input_shape, n_train, n_test = "float32", (1,), 0, 0
-
-
-def _print_layouts(args: argparse.Namespace, config: Any, info: Any, network: Any,
-                   batch: int, machine: Any, node_bytes: int | None) -> None:
-    from distbelief.model.cost_model import format_layouts, predict_layout
-    from distbelief.model.memory_model import format_memory, largest, predict_memory
-
-    work = _workload(config, info, args.transport)
-    predictions, memory, tables = [], [], []
-    for shards, replicas, partitions in args.layouts:
-        predictions.append(predict_layout(network, shards, replicas, partitions, batch,
-                                          machine, args.transport))
-        roles = predict_memory(network, shards, replicas, partitions, work)
-        total = sum(r.bytes * r.count for r in roles)
-        big = largest(roles)
-        mark = "" if node_bytes is None else (" fits" if total <= node_bytes
-                                              else " does not fit")
-        memory.append(f"{big.role} {big.bytes / 2**20:,.0f} MB, all {total / 2**20:,.0f} MB"
-                      f"{mark}")
-        tables.append(f"{shards} x {replicas} x {partitions} ({args.transport}):\n"
-                      + format_memory(roles))
-    print(format_layouts(predictions, memory))
-    print("\nmemory per rank (MB; one node holds them all" +
-          ("" if node_bytes is None else f", {node_bytes / 2**30:.1f} GB") + "):")
-    print("\n\n".join(tables))
-
-
-def _print_plan(args: argparse.Namespace, config: Any, info: Any, network: Any, batch: int,
-                machine: Any, node_bytes: int | None) -> int:
-    from dataclasses import replace
-
-    from distbelief.algorithms.memory_plan import Layout, fits
-    from distbelief.model.cost_model import format_layouts, predict_layout
-    from distbelief.model.partition import split_units
-
-    if args.cores is None or node_bytes is None:
-        raise ConfigError("--plan needs --cores (ranks per node) and --memory (bytes per "
-                          "node), as well as --nodes and --bandwidth")
-    per_node = args.cores
-    ranks = args.nodes * per_node
-    transport = "shared" if args.nodes == 1 and args.transport == "shared" else "rma"
-    work = _workload(config, info, transport)
-    # One rank per core: the node's link is shared by its ranks, no cores are shared.
-    link = replace(machine.link, bandwidth=machine.link.bandwidth / per_node)
-    machine = replace(machine, link=link, cores=0)
-    widest = max(split_units(layer) for layer in network.layers)
-    found = []
-    for shards in range(1, max(2, ranks // 2 + 1)):
-        for partitions in range(1, min(widest, ranks - shards) + 1):
-            replicas = (ranks - shards) // partitions
-            if replicas < 1:
-                continue
-            layout = Layout(shards, replicas, partitions)
-            if not fits(network, layout, work, node_bytes, per_node):
-                continue
-            found.append(predict_layout(network, shards, replicas, partitions, batch,
-                                        machine, transport))
-    if not found:
-        print(f"no layout of {ranks} ranks fits nodes of {node_bytes / 2**30:.1f} GB: "
-              f"use more nodes or nodes with more memory")
-        return 1
-    found.sort(key=lambda p: -p.samples_per_second)
-    best = found[0]
-    print(f"plan for {args.nodes} node(s) x {per_node} ranks, {node_bytes / 2**30:.1f} GB and "
-          f"{args.bandwidth:g} GB/s each ({transport} transport); the fastest layouts that "
-          f"fit:")
-    print(format_layouts(found[:8]))
-    print(f"suggested: {best.shards} shard(s) + {best.replicas} replica(s) x "
-          f"{best.partitions} partition(s) = {best.shards + best.replicas * best.partitions}"
-          f" ranks: --set cluster.ps_shards={best.shards} --set cluster.partitions="
-          f"{best.partitions}")
-    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
