@@ -646,47 +646,11 @@ def _resume_mode(args: argparse.Namespace) -> str:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from distbelief.compare import compare
 
-    from distbelief.compare import plan, results, running
-    from distbelief.records.report import import_pyplot
-    from distbelief.runtime.ownership import claim
-
-    import_pyplot()  # fail on a missing matplotlib before the first run, not after the last
-    if args.target is not None and args.target > 1:
-        raise ConfigError(f"--target {args.target:g}: an accuracy, between 0 and 1")
-    specs = list({spec.label: spec for spec in map(plan.parse_algorithm,
-                                                    args.algorithms)}.values())
-    launcher_template = args.launcher or running.DEFAULT_LAUNCHER
-    running.check_launcher(launcher_template)
-    grid = plan.Grid(specs, args.replicas, args.seeds, args.learning_rates,
-                     args.max_seconds, args.target, args.overrides)
-    runs = plan.plan_runs(args.config, grid)
-    out = Path(args.out if args.out is not None
-               else Path("comparisons") / Path(args.config).stem).resolve()
-    owner = claim(out)
-    try:
-        print(f"distbelief compare: {len(runs)} runs of {args.config} into {out}", flush=True)
-        stopped_by = running.run_comparison(args.config, runs, out, launcher_template,
-                                            run_timeout=args.run_timeout)
-        collected = results.collect(out, runs)
-        groups = results.group_results(collected)
-        rows = results.table_rows(groups)
-        target = next((r.target for r in collected if r.target is not None), args.target)
-        print(results.format_table(rows, target))
-        written = results.write_tables(out, collected, rows)
-        written += results.plot(out, groups, target, Path(args.config).name)
-    finally:
-        owner.release()
-    for path in written:
-        print(f"wrote {path}")
-    if stopped_by is not None:
-        done = sum(r.state == "finished" for r in collected)
-        print(f"{PROG}: compare stopped by {signal.Signals(stopped_by).name} with {done} of "
-              f"{len(runs)} runs finished; run the same command again to resume",
-              file=sys.stderr)
-        return 130 if stopped_by == signal.SIGINT else 0
-    return 0
+    return compare(args.config, args.algorithms, args.replicas, args.seeds,
+                   args.learning_rates, args.max_seconds, args.target, args.overrides,
+                   args.launcher, args.run_timeout, args.out)
 
 
 def _layouts(text: str) -> tuple[tuple[int, int, int], ...]:
