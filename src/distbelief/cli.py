@@ -844,43 +844,11 @@ def cmd_prepare_fashion_mnist(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_arrays(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from distbelief.data.arrays import convert_arrays
 
-    from distbelief.data.arrays import load_npy, pick_names, read_source, write_dataset
-    from distbelief.errors import DataError
-
-    out = Path(args.out)
-    if out.exists():
-        raise DataError(f"{out} exists: distbelief never overwrites a dataset; remove it or "
-                        "choose another --out")
-
-    def convert(x: Any, y: Any, x_test: Any, y_test: Any, source: str) -> None:
-        def report(done: int, total: int) -> None:
-            print(f"distbelief prepare: {done:,d} of {total:,d} rows", flush=True)
-
-        info = write_dataset(out, x, y, x_test, y_test, test_fraction=args.test_fraction,
-                             num_classes=args.classes, scale=args.scale,
-                             shuffle=args.shuffle, seed=args.seed, source=source,
-                             progress=report)
-        print(f"wrote {out}: {info.n_train:,d} training and {info.n_test:,d} test rows of "
-              f"shape {info.input_shape}, {info.num_classes} classes, stored as "
-              f"{info.stored_dtype}")
-
-    names = (args.x, args.y, args.x_test, args.y_test)
-    if args.source is None:
-        if args.x is None or args.y is None:
-            raise DataError("give an .npz or HDF5 file as SOURCE, or two .npy files with "
-                            "--x X.npy --y Y.npy (see distbelief prepare arrays --help)")
-        if (args.x_test is None) != (args.y_test is None):
-            raise DataError("give both --x-test and --y-test, or neither")
-        arrays = [None if name is None else load_npy(name) for name in names]
-        convert(*arrays, source=f"numpy files {', '.join(n for n in names if n)}")
-        return 0
-    with read_source(args.source) as found:
-        chosen = pick_names(Path(args.source), list(found), *names)
-        arrays = [None if name is None else found[name] for name in chosen]
-        convert(*arrays, source=f"{Path(args.source).resolve()}: "
-                                f"{', '.join(n for n in chosen if n)}")
+    convert_arrays(args.source, args.out, args.x, args.y, args.x_test, args.y_test,
+                   test_fraction=args.test_fraction, classes=args.classes, scale=args.scale,
+                   shuffle=args.shuffle, seed=args.seed)
     return 0
 
 
