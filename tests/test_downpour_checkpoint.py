@@ -241,8 +241,17 @@ def test_one_replica_resumed_is_bit_identical_to_an_uninterrupted_run(
     assert succeeded(proc, first[0], straight)["steps"] == 300
     proc = downpour(first[0], data_dir, halves, *shape(*first), "run.max_steps=150", *extra)
     assert succeeded(proc, first[0], halves)["steps"] == 150
+    resumed_from = newest(halves)
     proc = downpour(second[0], data_dir, halves, *shape(*second), "run.max_steps=300", *extra)
-    check_resumed(succeeded(proc, second[0], halves), halves, 150, 300)
+    summary = succeeded(proc, second[0], halves)
+    check_resumed(summary, halves, 150, 300)
+    # The launch set the run up once: each rank opened the data file once, and the job
+    # hashed each part of the checkpoint it resumed from once (each rank its share).
+    control = summary["control_plane"]
+    assert len(control) == second[0]
+    assert [rank["dataset_opens"] for rank in control] == [1] * second[0]
+    assert sum(rank["checkpoint_parts_hashed"] for rank in control) == len(
+        resumed_from.manifest["parts"])
     step_a, params_a, accum_a = final_state(straight)
     step_b, params_b, accum_b = final_state(halves)
     assert step_a == step_b == 300

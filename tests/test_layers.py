@@ -23,11 +23,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module belongs to the entry with the longest prefix of its dotted name.
 # "distbelief" (the package's __init__) re-exports the public API (distbelief.api:
 # load_model), which stands on model, data and records, so it sits in the "api" layer,
-# above everything the trainers use and below the command line. The algorithms' registry
-# (names and "module:function" strings, importing nothing) sits low so config can read it,
-# and so do the options: how a key is declared (distbelief.options) and each algorithm's
-# options module (a pattern: "*" stands for its package under algorithms/), which config
-# reads.
+# above everything the trainers use and below the command line. The launch sets a run up
+# for any trainer (imported by name, through the registry), above them all. The
+# algorithms' registry (names and "module:function" strings, importing nothing) sits low
+# so config can read it, and so do the options: how a key is declared
+# (distbelief.options) and each algorithm's options module (a pattern: "*" stands for its
+# package under algorithms/), which config reads.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("distbelief.errors",)),
     ("options", ("distbelief.options", "distbelief.algorithms.*.options")),
@@ -41,6 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("skeleton", ("distbelief.algorithms.common", "distbelief.algorithms.session",
                   "distbelief.algorithms.checkpointer")),
     ("algorithms", ("distbelief.algorithms",)),
+    ("launch", ("distbelief.algorithms.launch",)),
     ("compare", ("distbelief.compare",)),
     ("api", ("distbelief", "distbelief.api")),
     ("cli", ("distbelief.cli", "distbelief.__main__")),
@@ -150,8 +152,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 SHARED_BY_ALGORITHMS = ("distbelief.algorithms.common", "distbelief.algorithms.session",
-                        "distbelief.algorithms.checkpointer", "distbelief.algorithms.registry")
-"""The modules of the algorithms layer that every algorithm may import."""
+                        "distbelief.algorithms.checkpointer", "distbelief.algorithms.registry",
+                        "distbelief.algorithms.launch")
+"""The modules of the algorithms layer that every algorithm may import, and the launch
+(a layer above them), which sets a run up for whichever trainer the registry names."""
 
 PRIVATE_IMPORTS_ALLOWED = {
     # A compiled extension: a private module, not a name (so "importer, module").

@@ -22,15 +22,17 @@ HELPERS = Path(__file__).resolve().parent / "helpers"
 
 
 @pytest.mark.parametrize("algorithm", registry.ALGORITHMS, ids=registry.names())
-def test_each_trainer_exists_and_takes_a_config_and_resume(algorithm) -> None:
+def test_each_trainer_exists_and_takes_a_config_resume_and_setup(algorithm) -> None:
+    # algorithms.launch calls trainer(config, [comm,] resume=..., setup=RunSetup).
     for partitions in (1, 2):
         trainer = algorithm.load_trainer(partitions)
         parameters = inspect.signature(trainer).parameters
-        assert next(iter(parameters)) == "config" and "resume" in parameters
+        assert next(iter(parameters)) == "config"
+        assert "resume" in parameters and "setup" in parameters
         assert ("comm" in parameters) != algorithm.in_one_process(partitions)
     if algorithm.shard_trainer is not None:
         trainer = algorithm.load_trainer(1, {algorithm.shards: 1})
-        assert "comm" in inspect.signature(trainer).parameters
+        assert {"comm", "setup"} <= set(inspect.signature(trainer).parameters)
 
 
 def test_averaging_with_elastic_alpha_is_easgd_on_downpours_machinery() -> None:

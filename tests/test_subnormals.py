@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import _env
 
-from distbelief import cli
+from distbelief.algorithms import launch
 from distbelief.config import config_from_dict
 from distbelief.data.converters import make_synthetic
 from distbelief.model import kernels
@@ -21,6 +21,7 @@ from distbelief.model import kernels
 GEMM = """
 import sys
 from distbelief import cli
+from distbelief.algorithms import launch
 if sys.argv[1] == "cli":
     cli._flush_subnormals_from_the_start()
 import numpy as np
@@ -70,9 +71,9 @@ def test_run_flush_subnormals_false_turns_it_off_for_the_training(tmp_path: Path
     before = kernels.flushes_subnormals()
     try:
         kernels.flush_subnormals(True)
-        cli._train(config(True), None, "auto")
+        launch.train(config(True), None, "auto")
         assert kernels.flushes_subnormals()
-        cli._train(config(False), None, "auto")
+        launch.train(config(False), None, "auto")
         assert not kernels.flushes_subnormals()
     finally:
         kernels.flush_subnormals(before)

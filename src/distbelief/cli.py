@@ -18,16 +18,14 @@ import argparse
 import os
 import signal
 import sys
-import threading
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from distbelief import __version__
-from distbelief.algorithms import registry
+from distbelief.algorithms import launch, registry
 from distbelief.errors import EXIT_USER_ERROR, ConfigError, UserError
 from distbelief.runtime import guardian, launcher
+from distbelief.runtime.guardian import start_mpi
 
 PROG = "distbelief"
 EVAL_BATCH_SIZE = 1000
@@ -601,8 +599,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Several ranks: start MPI before anything can fail, so errors are reported once and
     # an unhandled exception aborts the job.
     comm = start_mpi() if several else None
-    config = load_config(args.config, args.overrides)
-    summary = _train(config, comm, _resume_mode(args))
+    config = load_config(args.config, args.overrides, open_data=False)  # launch opens it
+    summary = launch.train(config, comm, _resume_mode(args))
     outcome = os.environ.get(OUTCOME_ENV)
     if summary is not None and outcome:
         from distbelief.records.metrics import write_json_atomic
@@ -628,250 +626,17 @@ launcher's exit status is not 0 once a rank was lost, even when the others finis
 run (or stopped it cleanly for a requeue)."""
 
 
-def _train(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
-    """Claim run.out_dir, dispatch to the configured trainer, give the folder back after
-    the trainer's last write; the summary on the rank that wrote it."""
-    algorithm = config.optimizer.algorithm
-    if algorithm not in registry.names():
-        raise ConfigError(f"optimizer.algorithm = {algorithm!r} has no trainer")
-    one_process = registry.get(algorithm).in_one_process(config.cluster.partitions)
-    if one_process and comm is not None and comm.Get_size() > 1:
-        raise ConfigError(f"optimizer.algorithm = \"{algorithm}\" trains in one process, but "
-                          f"{comm.Get_size()} MPI ranks were started; run it without "
-                          f"mpiexec, or use algorithm = \"downpour\"")
-    if comm is None and not one_process:
-        comm = start_mpi()
-    owner = _claim_run_dir(config, comm)
-    try:
-        finished = _finished_run(config, comm, resume)
-        if finished is not None:
-            return finished or None  # the old summary on rank 0, None elsewhere
-        if not config.run.flush_subnormals:
-            from distbelief.model.kernels import flush_subnormals
-
-            flush_subnormals(False)
-        # Not freed at the end: MPI_Comm_free is collective, and a lost rank never comes.
-        return _dispatch(config, _place_shards(config, comm), resume)
-    finally:
-        if owner is not None:
-            owner.release()
-
-
-def _place_shards(config: Any, comm: Any) -> Any:
-    """The job's communicator, with the shards on distinct nodes (cluster.shard_placement,
-    distbelief.runtime.topology); `comm` itself on one node or without shards. Collective
-    over `comm`; rank 0 says where the shards are when there are several nodes."""
-    shards = config.cluster.ps_shards
-    if comm is None or comm.Get_size() == 1 or shards == 0:
-        return comm
-    from distbelief.runtime.topology import describe_shard_nodes, place_shards
-
-    job, nodes = place_shards(comm, shards, config.cluster.shard_placement)
-    if nodes.count > 1 and comm.Get_rank() == 0:
-        print(f"distbelief: {nodes.count} nodes; {describe_shard_nodes(job, shards, nodes)}"
-              + (" (distbelief's rank r below is the job's: shard s is rank s)"
-                 if job is not comm else ""), flush=True)
-    return job
-
-
-def _claim_run_dir(config: Any, comm: Any) -> Any:
-    """Make this run the one live owner of run.out_dir (distbelief.runtime.ownership), before
-    anything is written there. With several ranks rank 0 claims and a refusal is raised
-    on every rank (collective over `comm`: agreement.agree). The Ownership on the rank
-    that holds it, None elsewhere."""
-    from distbelief.runtime.ownership import claim
-
-    def claim_here() -> Any:
-        owner = claim(config.run.out_dir, config.run.owner_timeout_seconds)
-        if owner.took_over:
-            print(f"distbelief: took run.out_dir over from a run taken for dead: "
-                  f"{owner.took_over}", flush=True)
-        return owner
-
-    if comm is None or comm.Get_size() == 1:
-        return claim_here()
-    from distbelief.runtime.agreement import agree
-
-    return agree(comm, lambda: claim_here() if comm.Get_rank() == 0 else None)
-
-
-def _finished_run(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
-    """The summary of a finished run that this rerun leaves untouched, on rank 0 ({} on the
-    other ranks); None when there is training to do. Collective over `comm` (rank 0
-    decides: distbelief.algorithms.common.finished_run)."""
-    from distbelief.algorithms.common import finished_run, latest_checkpoint
-    from distbelief.records.checkpoint import checkpoint_root
-
-    rank = 0 if comm is None else comm.Get_rank()
-    # Verified by every rank, each its share of the parts (latest_checkpoint).
-    latest = None if resume == "fresh" else latest_checkpoint(
-        checkpoint_root(config.run.out_dir), comm)
-    summary = finished_run(config, resume, sys.stdout, latest) if rank == 0 else None
-    if comm is None or comm.Get_size() == 1:
-        return summary
-    from distbelief.runtime.agreement import bcast_after_barrier
-
-    done = bcast_after_barrier(comm, summary is not None)
-    return (summary if rank == 0 else {}) if done else None
-
-
-def _dispatch(config: Any, comm: Any, resume: str) -> dict[str, Any] | None:
-    """Run the configured trainer (distbelief.algorithms.registry names it)."""
-    from distbelief.algorithms.common import final_test
-
-    algorithm = registry.get(config.optimizer.algorithm)
-    trainer = algorithm.load_trainer(config.cluster.partitions, vars(config.optimizer))
-    one_process = algorithm.in_one_process(config.cluster.partitions)
-    predicted = _check_memory(config, None if one_process else comm)
-    if one_process:
-        summary = trainer(config, resume=resume)
-        if summary is not None:
-            summary = _with_peak_memory(config, summary,
-                                        [_own_peak("the one process", predicted)])
-    else:
-        summary = trainer(config, comm, resume=resume)
-        summary = _gather_peak_memory(config, algorithm, comm, summary, predicted)
-    return None if summary is None else final_test(config, summary, sys.stdout)
-
-
-def _check_memory(config: Any, comm: Any) -> int | None:
-    """Refuse, on every rank at once, a layout whose predicted memory exceeds a node's
-    (distbelief.algorithms.memory_plan); else return this rank's predicted bytes (None
-    where the formulas do not say), for summary.json. Collective over `comm` when there is
-    one (the node split, then an agreement); nothing is set up or written before it."""
-    from distbelief.algorithms.memory_plan import check_memory
-    from distbelief.config import build_network
-    from distbelief.data.hdf5 import open_dataset, with_validation
-
-    def check(node_of: list[int], node: int) -> Any:
-        info = with_validation(open_dataset(config.data.path, labels=False),
-                               config.data.validation)
-        return check_memory(config, info, build_network(config, info),
-                            1 if comm is None else comm.Get_size(), node_of, node)
-
-    if comm is None:
-        prediction = check([0], 0)
-        return None if prediction is None else prediction[0]
-    from distbelief.runtime.agreement import agree
-    from distbelief.runtime.nodes import node_split
-
-    nodes = node_split(comm)
-    prediction = agree(comm, lambda: check(list(nodes.node_of), nodes.node_of[nodes.me]))
-    return None if prediction is None else prediction[comm.Get_rank()]
-
-
-def _own_peak(role: str, predicted: int | None) -> dict[str, Any]:
-    from distbelief.runtime.memory import rank_figure
-
-    return rank_figure(0, role, predicted)
-
-
-def _gather_peak_memory(config: Any, algorithm: Any, comm: Any,
-                        summary: dict[str, Any] | None,
-                        predicted: int | None) -> dict[str, Any] | None:
-    """Every rank's peak RSS, named by its role, with its prediction (`predicted`: this
-    rank's bytes), into the summary on the rank that wrote it (point-to-point, waiting a
-    bounded time: runtime.memory.gather_peak_rss)."""
-    from distbelief.runtime.memory import gather_peak_rss
-    from distbelief.runtime.topology import Topology
-
-    shards = config.cluster.ps_shards if algorithm.needs_shards(vars(config.optimizer)) else 0
-    topology = Topology(comm.Get_size(), comm.Get_rank(), shards, config.cluster.partitions,
-                        coordinator=algorithm.coordinators > 0)
-    writer = topology.coordinator_rank if topology.coordinator else 0
-    role = topology.describe_rank(topology.world_rank).partition("(")[2].rstrip(")")
-    lost = [rank for entry in (summary or {}).get("lost_replicas", [])
-            if isinstance(entry, dict) for rank in entry.get("ranks", [])]
-    figures = gather_peak_rss(comm, writer, role, skip=lost, predicted=predicted)
-    if summary is None or figures is None:
-        return summary
-    return _with_peak_memory(config, summary, figures)
-
-
-def _with_peak_memory(config: Any, summary: dict[str, Any],
-                      figures: list[dict[str, Any]]) -> dict[str, Any]:
-    """summary.json rewritten with `peak_rss` (each rank's figure) and the largest, and
-    `control_plane`: each rank's counters of file and one-sided operations
-    (runtime.counters)."""
-    from distbelief.records.metrics import SUMMARY_FILE, write_json_atomic
-
-    peaks = [{k: v for k, v in figure.items() if k != "counters"} for figure in figures]
-    control = [{"rank": figure["rank"], "role": figure["role"], **figure["counters"]}
-               for figure in figures if "counters" in figure]
-    largest = max(peaks, key=lambda figure: figure["peak_rss_mb"])
-    summary = {**summary, "peak_rss": peaks,
-               "peak_rss_largest": {"role": largest["role"], "mb": largest["peak_rss_mb"]},
-               "control_plane": control}
-    write_json_atomic(config.run.out_dir / SUMMARY_FILE, summary)
-    print(_peak_memory_line(peaks), flush=True)
-    return summary
-
-
-def _peak_memory_line(peaks: list[dict[str, Any]]) -> str:
-    """The largest peak of each kind of rank (shard, replica, ...), with its prediction."""
-    import re
-
-    biggest: dict[str, dict[str, Any]] = {}
-    for figure in peaks:
-        kind = re.sub(r"\s*\d.*", "", figure["role"])
-        if kind not in biggest or figure["peak_rss_mb"] > biggest[kind]["peak_rss_mb"]:
-            biggest[kind] = figure
-    parts = []
-    for figure in biggest.values():
-        predicted = f" (predicted {figure['predicted_mb']:,.0f})" \
-            if "predicted_mb" in figure else ""
-        parts.append(f"{figure['role']} {figure['peak_rss_mb']:,.0f} MB{predicted}")
-    return (f"distbelief: peak memory, the largest of each role: {', '.join(parts)}; every "
-            "rank's in summary.json (peak_rss)")
-
-
 def _resume_mode(args: argparse.Namespace) -> str:
     """train's --resume / --fresh as a distbelief.algorithms.common.RESUME_MODES value."""
     return "require" if args.resume else "fresh" if args.fresh else "auto"
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from distbelief.compare import compare
 
-    from distbelief.compare import plan, results, running
-    from distbelief.records.report import import_pyplot
-    from distbelief.runtime.ownership import claim
-
-    import_pyplot()  # fail on a missing matplotlib before the first run, not after the last
-    if args.target is not None and args.target > 1:
-        raise ConfigError(f"--target {args.target:g}: an accuracy, between 0 and 1")
-    specs = list({spec.label: spec for spec in map(plan.parse_algorithm,
-                                                    args.algorithms)}.values())
-    launcher_template = args.launcher or running.DEFAULT_LAUNCHER
-    running.check_launcher(launcher_template)
-    grid = plan.Grid(specs, args.replicas, args.seeds, args.learning_rates,
-                     args.max_seconds, args.target, args.overrides)
-    runs = plan.plan_runs(args.config, grid)
-    out = Path(args.out if args.out is not None
-               else Path("comparisons") / Path(args.config).stem).resolve()
-    owner = claim(out)
-    try:
-        print(f"distbelief compare: {len(runs)} runs of {args.config} into {out}", flush=True)
-        stopped_by = running.run_comparison(args.config, runs, out, launcher_template,
-                                            run_timeout=args.run_timeout)
-        collected = results.collect(out, runs)
-        groups = results.group_results(collected)
-        rows = results.table_rows(groups)
-        target = next((r.target for r in collected if r.target is not None), args.target)
-        print(results.format_table(rows, target))
-        written = results.write_tables(out, collected, rows)
-        written += results.plot(out, groups, target, Path(args.config).name)
-    finally:
-        owner.release()
-    for path in written:
-        print(f"wrote {path}")
-    if stopped_by is not None:
-        done = sum(r.state == "finished" for r in collected)
-        print(f"{PROG}: compare stopped by {signal.Signals(stopped_by).name} with {done} of "
-              f"{len(runs)} runs finished; run the same command again to resume",
-              file=sys.stderr)
-        return 130 if stopped_by == signal.SIGINT else 0
-    return 0
+    return compare(args.config, args.algorithms, args.replicas, args.seeds,
+                   args.learning_rates, args.max_seconds, args.target, args.overrides,
+                   args.launcher, args.run_timeout, args.out)
 
 
 def _layouts(text: str) -> tuple[tuple[int, int, int], ...]:
@@ -890,6 +655,7 @@ def _layouts(text: str) -> tuple[tuple[int, int, int], ...]:
 
 
 def cmd_costmodel(args: argparse.Namespace) -> int:
+    from distbelief.algorithms.memory_plan import print_layouts, print_plan
     from distbelief.config import build_network, load_config
     from distbelief.model.cost_model import Link, Machine, format_table, predict
     from distbelief.model.network import Network
@@ -930,9 +696,11 @@ def cmd_costmodel(args: argparse.Namespace) -> int:
              and not args.measure else ""))
     node_bytes = _node_bytes(args.memory)
     if args.plan:
-        return _print_plan(args, config, info, network, batch, machine, node_bytes)
+        return print_plan(args.nodes, args.cores, args.bandwidth, args.transport, config,
+                          info, network, batch, machine, node_bytes)
     if args.layouts:
-        _print_layouts(args, config, info, network, batch, machine, node_bytes)
+        print_layouts(args.layouts, args.transport, config, info, network, batch, machine,
+                      node_bytes)
         return 0
     try:
         predictions = [predict(network, p, batch, machine.flops, machine.link,
@@ -947,92 +715,6 @@ def _node_bytes(text: str | None) -> int | None:
     from distbelief.runtime.memory import parse_size
 
     return None if text is None else parse_size(text)
-
-
-def _workload(config: Any, info: Any, transport: str) -> Any:
-    from distbelief.algorithms.memory_plan import workload
-    from distbelief.model.memory_model import Workload
-
-    if info is None:  # no data file: the batch and the optimizer, no data or eval set
-        base = workload(config, _NoData(), transport)
-        return Workload(**{**vars(base), "train_rows": 0, "eval_rows": 0})
-    return workload(config, info, transport)
-
-
-class _NoData:
-    stored_dtype, input_shape, n_train, n_test = "float32", (1,), 0, 0
-
-
-def _print_layouts(args: argparse.Namespace, config: Any, info: Any, network: Any,
-                   batch: int, machine: Any, node_bytes: int | None) -> None:
-    from distbelief.model.cost_model import format_layouts, predict_layout
-    from distbelief.model.memory_model import format_memory, largest, predict_memory
-
-    work = _workload(config, info, args.transport)
-    predictions, memory, tables = [], [], []
-    for shards, replicas, partitions in args.layouts:
-        predictions.append(predict_layout(network, shards, replicas, partitions, batch,
-                                          machine, args.transport))
-        roles = predict_memory(network, shards, replicas, partitions, work)
-        total = sum(r.bytes * r.count for r in roles)
-        big = largest(roles)
-        mark = "" if node_bytes is None else (" fits" if total <= node_bytes
-                                              else " does not fit")
-        memory.append(f"{big.role} {big.bytes / 2**20:,.0f} MB, all {total / 2**20:,.0f} MB"
-                      f"{mark}")
-        tables.append(f"{shards} x {replicas} x {partitions} ({args.transport}):\n"
-                      + format_memory(roles))
-    print(format_layouts(predictions, memory))
-    print("\nmemory per rank (MB; one node holds them all" +
-          ("" if node_bytes is None else f", {node_bytes / 2**30:.1f} GB") + "):")
-    print("\n\n".join(tables))
-
-
-def _print_plan(args: argparse.Namespace, config: Any, info: Any, network: Any, batch: int,
-                machine: Any, node_bytes: int | None) -> int:
-    from dataclasses import replace
-
-    from distbelief.algorithms.memory_plan import Layout, fits
-    from distbelief.model.cost_model import format_layouts, predict_layout
-    from distbelief.model.partition import split_units
-
-    if args.cores is None or node_bytes is None:
-        raise ConfigError("--plan needs --cores (ranks per node) and --memory (bytes per "
-                          "node), as well as --nodes and --bandwidth")
-    per_node = args.cores
-    ranks = args.nodes * per_node
-    transport = "shared" if args.nodes == 1 and args.transport == "shared" else "rma"
-    work = _workload(config, info, transport)
-    # One rank per core: the node's link is shared by its ranks, no cores are shared.
-    link = replace(machine.link, bandwidth=machine.link.bandwidth / per_node)
-    machine = replace(machine, link=link, cores=0)
-    widest = max(split_units(layer) for layer in network.layers)
-    found = []
-    for shards in range(1, max(2, ranks // 2 + 1)):
-        for partitions in range(1, min(widest, ranks - shards) + 1):
-            replicas = (ranks - shards) // partitions
-            if replicas < 1:
-                continue
-            layout = Layout(shards, replicas, partitions)
-            if not fits(network, layout, work, node_bytes, per_node):
-                continue
-            found.append(predict_layout(network, shards, replicas, partitions, batch,
-                                        machine, transport))
-    if not found:
-        print(f"no layout of {ranks} ranks fits nodes of {node_bytes / 2**30:.1f} GB: "
-              f"use more nodes or nodes with more memory")
-        return 1
-    found.sort(key=lambda p: -p.samples_per_second)
-    best = found[0]
-    print(f"plan for {args.nodes} node(s) x {per_node} ranks, {node_bytes / 2**30:.1f} GB and "
-          f"{args.bandwidth:g} GB/s each ({transport} transport); the fastest layouts that "
-          f"fit:")
-    print(format_layouts(found[:8]))
-    print(f"suggested: {best.shards} shard(s) + {best.replicas} replica(s) x "
-          f"{best.partitions} partition(s) = {best.shards + best.replicas * best.partitions}"
-          f" ranks: --set cluster.ps_shards={best.shards} --set cluster.partitions="
-          f"{best.partitions}")
-    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -1175,43 +857,11 @@ def cmd_prepare_fashion_mnist(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare_arrays(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from distbelief.data.arrays import convert_arrays
 
-    from distbelief.data.arrays import load_npy, pick_names, read_source, write_dataset
-    from distbelief.errors import DataError
-
-    out = Path(args.out)
-    if out.exists():
-        raise DataError(f"{out} exists: distbelief never overwrites a dataset; remove it or "
-                        "choose another --out")
-
-    def convert(x: Any, y: Any, x_test: Any, y_test: Any, source: str) -> None:
-        def report(done: int, total: int) -> None:
-            print(f"distbelief prepare: {done:,d} of {total:,d} rows", flush=True)
-
-        info = write_dataset(out, x, y, x_test, y_test, test_fraction=args.test_fraction,
-                             num_classes=args.classes, scale=args.scale,
-                             shuffle=args.shuffle, seed=args.seed, source=source,
-                             progress=report)
-        print(f"wrote {out}: {info.n_train:,d} training and {info.n_test:,d} test rows of "
-              f"shape {info.input_shape}, {info.num_classes} classes, stored as "
-              f"{info.stored_dtype}")
-
-    names = (args.x, args.y, args.x_test, args.y_test)
-    if args.source is None:
-        if args.x is None or args.y is None:
-            raise DataError("give an .npz or HDF5 file as SOURCE, or two .npy files with "
-                            "--x X.npy --y Y.npy (see distbelief prepare arrays --help)")
-        if (args.x_test is None) != (args.y_test is None):
-            raise DataError("give both --x-test and --y-test, or neither")
-        arrays = [None if name is None else load_npy(name) for name in names]
-        convert(*arrays, source=f"numpy files {', '.join(n for n in names if n)}")
-        return 0
-    with read_source(args.source) as found:
-        chosen = pick_names(Path(args.source), list(found), *names)
-        arrays = [None if name is None else found[name] for name in chosen]
-        convert(*arrays, source=f"{Path(args.source).resolve()}: "
-                                f"{', '.join(n for n in chosen if n)}")
+    convert_arrays(args.source, args.out, args.x, args.y, args.x_test, args.y_test,
+                   test_fraction=args.test_fraction, classes=args.classes, scale=args.scale,
+                   shuffle=args.shuffle, seed=args.seed)
     return 0
 
 
@@ -1236,35 +886,6 @@ def launched_with_several_ranks() -> bool:
     if "mpi4py.MPI" in sys.modules:
         return True  # e.g. `python -m mpi4py -m distbelief`: MPI is up already
     return launcher.launcher_size() > 1
-
-
-def start_mpi() -> Any:
-    """Initialise MPI; returns COMM_WORLD. With several ranks, make any unhandled exception
-    (main thread or not) print its traceback and abort the whole job."""
-    # Open MPI without InfiniBand: no osc/ucx error line per rank and window (the user's
-    # own OMPI_MCA_osc wins; distbelief.runtime.launcher.quiet_osc_ucx says why).
-    launcher.quiet_osc_ucx()
-    guardian.mpi_init_begins()  # the guardian bounds MPI_Init (distbelief.runtime.guardian)
-    from mpi4py import MPI
-
-    guardian.mpi_init_returned()
-    world = MPI.COMM_WORLD
-    if world.Get_size() > 1:
-        def abort_job(exc_type: type, exc: BaseException, tb: Any) -> None:
-            # The cause first, in one line: when the launcher tears the job down it may cut
-            # the tail of the traceback (seen with hydra under load).
-            name = getattr(exc_type, "__name__", str(exc_type))
-            print(f"distbelief: rank {world.Get_rank()} failed, aborting the job: "
-                  f"{name}: {exc}", file=sys.stderr)
-            traceback.print_exception(exc_type, exc, tb)
-            sys.stderr.flush()
-            guardian.clean_up_after_abort()
-            time.sleep(0.2)  # let the launcher forward the output before Abort kills it
-            world.Abort(1)
-
-        sys.excepthook = abort_job
-        threading.excepthook = lambda a: abort_job(a.exc_type, a.exc_value, a.exc_traceback)
-    return world
 
 
 def _rank() -> int:

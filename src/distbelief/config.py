@@ -702,9 +702,10 @@ def _check_consistency(values: dict, where: str) -> None:
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = (), check_data: bool = True,
-                cwd: Path | None = None) -> Config:
+                cwd: Path | None = None, open_data: bool = True) -> Config:
     """Read, override and validate a config file; with `check_data`, also that the data
-    file opens and fits the model (see `check_data_fits`)."""
+    file exists and, with `open_data` too, that it opens and fits the model (see
+    `check_data_fits`; `train` leaves that to algorithms.launch, which opens it once)."""
     source = Path(path)
     raw = apply_overrides(read_toml(source), overrides)
     config = config_from_dict(raw, source, cwd)
@@ -717,21 +718,27 @@ def load_config(path: str | Path, overrides: Iterable[str] = (), check_data: boo
                             f"{source.resolve().parent}; give an absolute path, or make the "
                             "file with `distbelief prepare`: fashion-mnist, synthetic, or "
                             "arrays for your own .npz, .npy or HDF5 arrays)")
-        check_data_fits(config)
+        if open_data:
+            check_data_fits(config)
     return config
 
 
-def check_data_fits(config: Config) -> None:
-    """Open the data file and build the model on it; DataError/ConfigError if they do not fit.
+def check_data_fits(config: Config, info: Any = None, network: Any = None) -> None:
+    """Open the data file and build the model on it (or take `info` and `network`, the
+    file already opened and the model built); DataError/ConfigError if they do not fit.
 
     Cheap: reads the file's metadata only and does not allocate parameters.
     """
-    from distbelief.data.hdf5 import open_dataset, training_rows, with_validation
+    from distbelief.data.hdf5 import training_rows
 
-    # Metadata only: the trainer reads and checks the labels (once per rank, not twice).
-    info = with_validation(open_dataset(config.data.path, labels=False),
-                           config.data.validation)
-    network = build_network(config, info)
+    if info is None:
+        from distbelief.data.hdf5 import open_dataset, with_validation
+
+        # Metadata only: the trainer reads and checks the labels (once per rank, not twice).
+        info = with_validation(open_dataset(config.data.path, labels=False),
+                               config.data.validation)
+    if network is None:
+        network = build_network(config, info)
     if config.cluster.partitions > 1:
         from distbelief.model.partition import (
             balanced_splits,

@@ -12,15 +12,17 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.common import evaluate
-from distbelief.algorithms.session import RunSession
+from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config
 from distbelief.runtime.agreement import polled_bcast, wait_all
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any] | None:
-    """Collective over `comm`; the summary on rank 0, None elsewhere."""
-    session = RunSession(config.optimizer.algorithm, config, comm, stream, resume)
+          resume: str = "auto", setup: RunSetup | None = None) -> dict[str, Any] | None:
+    """Collective over `comm`; the summary on rank 0, None elsewhere. `setup`: what the
+    launch found (the data, the network, the checkpoints)."""
+    session = RunSession(config.optimizer.algorithm, config, comm, stream, resume,
+                         setup=setup)
     info, network, rules = session.info, session.network, session.rules
     session.start_fresh()  # no checkpoints: nothing to resume
     shard = session.train_shard(comm.Get_rank(), comm.Get_size())

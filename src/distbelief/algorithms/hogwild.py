@@ -82,7 +82,7 @@ from distbelief.algorithms.common import (
     traffic_summary,
     train_shard,
 )
-from distbelief.algorithms.session import RunSession
+from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.errors import ConfigError
 from distbelief.model.layout import DTYPE
@@ -189,7 +189,7 @@ class Replica:
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any] | None:
+          resume: str = "auto", setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Train with Hogwild on every rank of `comm`; the summary on rank 0, None elsewhere.
 
     Collective over `comm`: the node check, the set-up (agreed), the window allocation,
@@ -203,7 +203,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     check_one_node(comm)
     apply_thread_setting(config.run.threads)
     rank, replicas = comm.Get_rank(), comm.Get_size()
-    session = RunSession(ALGORITHM, config, comm, stream if rank == 0 else None, resume)
+    session = RunSession(ALGORITHM, config, comm, stream if rank == 0 else None, resume,
+                         setup=setup)
     info, network = session.info, session.network
     path = session.choose_checkpoint(replicas, "Hogwild", why=" (their data positions)")
     opt = config.optimizer

@@ -2,7 +2,8 @@
 configured layout, against what its node offers (distbelief.runtime.memory), checked by
 `train` before anything is set up; a layout that needs more is refused on every rank at
 once, naming the largest role and a layout that fits. `distbelief costmodel` prints the
-same prediction. docs/performance.md, "Memory per rank".
+same prediction (print_layouts) and plans a layout (print_plan). docs/performance.md,
+"Memory per rank".
 """
 
 from __future__ import annotations
@@ -209,3 +210,90 @@ def check_memory(config: Config, info: Any, network: Any, world_size: int,
     roles = predict_memory(network, layout.shards, layout.replicas, layout.partitions, work)
     per_rank = [role.bytes for role in rank_roles(roles)]
     return None if layout.extra or len(per_rank) != world_size else per_rank
+
+
+def costmodel_workload(config: Config, info: Any, transport: str) -> Workload:
+    """`workload`, also for a network given without its data file (info None)."""
+    if info is None:  # no data file: the batch and the optimizer, no data or eval set
+        base = workload(config, _NoData(), transport)
+        return Workload(**{**vars(base), "train_rows": 0, "eval_rows": 0})
+    return workload(config, info, transport)
+
+
+class _NoData:
+    stored_dtype, input_shape, n_train, n_test = "float32", (1,), 0, 0
+
+
+def print_layouts(layouts: Any, transport: str, config: Config, info: Any, network: Any,
+                  batch: int, machine: Any, node_bytes: int | None) -> None:
+    """`distbelief costmodel --layouts`: each S:R:P layout's step time and memory."""
+    from distbelief.model.cost_model import format_layouts, predict_layout
+    from distbelief.model.memory_model import format_memory
+
+    work = costmodel_workload(config, info, transport)
+    predictions, memory, tables = [], [], []
+    for shards, replicas, partitions in layouts:
+        predictions.append(predict_layout(network, shards, replicas, partitions, batch,
+                                          machine, transport))
+        roles = predict_memory(network, shards, replicas, partitions, work)
+        total = sum(r.bytes * r.count for r in roles)
+        big = largest(roles)
+        mark = "" if node_bytes is None else (" fits" if total <= node_bytes
+                                              else " does not fit")
+        memory.append(f"{big.role} {big.bytes / 2**20:,.0f} MB, all {total / 2**20:,.0f} MB"
+                      f"{mark}")
+        tables.append(f"{shards} x {replicas} x {partitions} ({transport}):\n"
+                      + format_memory(roles))
+    print(format_layouts(predictions, memory))
+    print("\nmemory per rank (MB; one node holds them all" +
+          ("" if node_bytes is None else f", {node_bytes / 2**30:.1f} GB") + "):")
+    print("\n\n".join(tables))
+
+
+def print_plan(nodes: int, cores: int | None, bandwidth: float, transport: str,
+               config: Config, info: Any, network: Any, batch: int, machine: Any,
+               node_bytes: int | None) -> int:
+    """`distbelief costmodel --plan`: the fastest layouts of `nodes` x `cores` ranks that
+    fit nodes of `node_bytes`; the exit status (1: none fits)."""
+    from dataclasses import replace
+
+    from distbelief.model.cost_model import format_layouts, predict_layout
+    from distbelief.model.partition import split_units
+
+    if cores is None or node_bytes is None:
+        raise ConfigError("--plan needs --cores (ranks per node) and --memory (bytes per "
+                          "node), as well as --nodes and --bandwidth")
+    per_node = cores
+    ranks = nodes * per_node
+    transport = "shared" if nodes == 1 and transport == "shared" else "rma"
+    work = costmodel_workload(config, info, transport)
+    # One rank per core: the node's link is shared by its ranks, no cores are shared.
+    link = replace(machine.link, bandwidth=machine.link.bandwidth / per_node)
+    machine = replace(machine, link=link, cores=0)
+    widest = max(split_units(layer) for layer in network.layers)
+    found = []
+    for shards in range(1, max(2, ranks // 2 + 1)):
+        for partitions in range(1, min(widest, ranks - shards) + 1):
+            replicas = (ranks - shards) // partitions
+            if replicas < 1:
+                continue
+            layout = Layout(shards, replicas, partitions)
+            if not fits(network, layout, work, node_bytes, per_node):
+                continue
+            found.append(predict_layout(network, shards, replicas, partitions, batch,
+                                        machine, transport))
+    if not found:
+        print(f"no layout of {ranks} ranks fits nodes of {node_bytes / 2**30:.1f} GB: "
+              f"use more nodes or nodes with more memory")
+        return 1
+    found.sort(key=lambda p: -p.samples_per_second)
+    best = found[0]
+    print(f"plan for {nodes} node(s) x {per_node} ranks, {node_bytes / 2**30:.1f} GB and "
+          f"{bandwidth:g} GB/s each ({transport} transport); the fastest layouts that "
+          f"fit:")
+    print(format_layouts(found[:8]))
+    print(f"suggested: {best.shards} shard(s) + {best.replicas} replica(s) x "
+          f"{best.partitions} partition(s) = {best.shards + best.replicas * best.partitions}"
+          f" ranks: --set cluster.ps_shards={best.shards} --set cluster.partitions="
+          f"{best.partitions}")
+    return 0

@@ -46,7 +46,7 @@ from mpi4py import MPI
 
 from distbelief.algorithms.checkpointer import Checkpointer, TrainState, restore, schedule
 from distbelief.algorithms.common import EVAL_BATCH_SIZE, STOP_CODE_OF, STOP_CODES, StopSignals
-from distbelief.algorithms.session import RunSession
+from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config, build_optimizer
 from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork
@@ -109,7 +109,7 @@ def _partition_data(session: RunSession, comm: MPI.Comm) -> tuple[tuple, Any]:
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any] | None:
+          resume: str = "auto", setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Train one replica split over the ranks of `comm`; returns the summary on rank 0,
     None elsewhere. Collective over `comm` (every rank calls it with the same config).
 
@@ -119,7 +119,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     """
 
     check_rank_count(config, comm.Get_size())
-    session = RunSession("sgd", config, comm, stream, resume)
+    session = RunSession("sgd", config, comm, stream, resume, setup=setup)
     network = session.network
     model = PartitionedNetwork(network, comm)
     set_blas_threads(config.run.threads or 1)

@@ -1,5 +1,5 @@
-"""The training algorithms by name: one `Algorithm` line each, read by the command line
-(`cli._train`, `distbelief help`), `compare`, config validation and the docs' list
+"""The training algorithms by name: one `Algorithm` line each, read by the run's launch
+(`algorithms.launch`), `distbelief help`, `compare`, config validation and the docs' list
 (tests/test_registry.py).
 
 Trainers are named as "module:function" strings and imported only when a run asks for one,
@@ -22,7 +22,7 @@ class Algorithm:
     """What the rest of the package needs to know about one algorithm."""
 
     name: str                 # optimizer.algorithm
-    trainer: str              # "module:function", called function(config, comm, resume=...)
+    trainer: str              # "module:function": function(config, comm, resume=, setup=)
     summary: str              # a few words for --help and the docs
     options: str | None = None
     """"module:Class": the [optimizer] keys only this algorithm reads (an Options
@@ -33,7 +33,7 @@ class Algorithm:
     coordinators: int = 0     # ranks besides the shards and the replicas
     one_process_trainer: str | None = None
     """With cluster.partitions = 1: "module:function", called function(config,
-    resume=...) in this process, without MPI."""
+    resume=..., setup=...) in this process, without MPI (setup: session.RunSetup)."""
     shard_trainer: str | None = None
     """With settings that need shards (`needs_shards`): "module:function", called as
     `trainer` is, in its place."""

@@ -1,8 +1,10 @@
 """The run skeleton: RunSession owns the lifecycle every trainer shares (the checkpoint to
 start from and the run folder, the evaluation set, the recorder, the watched frame and the
 abort on a lost rank, the summary), so a trainer's `train` composes it with what is its
-own: its plan and roles, its loop, its checkpoints, its summary's extras. Its steps, and
-which trainer uses which: docs/architecture.md, "The run skeleton".
+own: its plan and roles, its loop, its checkpoints, its summary's extras. What the launch
+(algorithms.launch) found once for the whole run comes in a RunSetup, so the session does
+not find it again. Its steps, and which trainer uses which: docs/architecture.md, "The
+run skeleton".
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -45,31 +48,48 @@ from distbelief.records.metrics import (
 from distbelief.runtime import watchdog
 
 
+@dataclass
+class RunSetup:
+    """What algorithms.launch found once for a run, on every rank, for its trainer: the
+    data file's description (its labels checked) and the network built on it, what
+    common.latest_checkpoint found in run.out_dir (None with --fresh) and this rank's
+    Topology in the job (None for one process, or where the ranks make no layout)."""
+
+    info: Any
+    network: Any
+    latest: tuple[ckpt.Checkpoint | None, list[tuple[Path, str]]] | None = None
+    topology: Any = None
+
+
 class RunSession:
     """One run of one trainer on this rank: its configuration, data, network, the
     checkpoint it starts from, its evaluation set and (on the reporting rank) its recorder.
 
     `comm` is None for a one-process trainer; with a communicator, the constructor (the
-    ranks check the data file's labels together) and the methods that say so are
-    collective over it. The reporting rank (`reporting_rank` of `comm`, rank 0
+    ranks check the data file's labels together, unless `setup` brings them) and the
+    methods that say so are collective over it. The reporting rank (`reporting_rank` of `comm`, rank 0
     unless the trainer's plan names another) writes the run folder, the metrics and the
     summary, and prints to `stream`.
     """
 
     def __init__(self, algorithm: str, config: Config, comm: Any = None,
                  stream: IO[str] | None = sys.stdout, resume: str = "auto",
-                 reporting_rank: int = 0):
+                 reporting_rank: int = 0, setup: RunSetup | None = None):
         if resume not in RESUME_MODES:
             raise ValueError(f"resume must be one of {RESUME_MODES}, got {resume!r}")
         self.algorithm, self.config, self.comm = algorithm, config, comm
         self.stream, self.resume = stream, resume
         self.rank = comm.Get_rank() if comm is not None else 0
         self.reporting_rank = reporting_rank
-        # The ranks check the labels together, each its part, and agree (collective): a
-        # rank reads 1/N of them, not all (at 1,000 ranks, every rank reading every label
-        # was the largest read at start).
-        part = (self.rank, comm.Get_size()) if comm is not None else (0, 1)
-        self.info, self.network = self._agreed(lambda: open_data(config, part))
+        self.setup = setup
+        if setup is not None:
+            self.info, self.network = setup.info, setup.network
+        else:
+            # The ranks check the labels together, each its part, and agree (collective):
+            # a rank reads 1/N of them, not all (at 1,000 ranks, every rank reading every
+            # label was the largest read at start).
+            part = (self.rank, comm.Get_size()) if comm is not None else (0, 1)
+            self.info, self.network = self._agreed(lambda: open_data(config, part))
         self.rules = StopRules.from_config(config)
         self.found: ckpt.Checkpoint | None = None  # on the reporting rank
         self.start_path: str | None = None  # on every rank
@@ -99,9 +119,14 @@ class RunSession:
         prepares the run folder: a refused resume leaves the folder as it was. Collective
         (agreed, so a UserError there is raised on every rank, then a bcast of the path)."""
 
-        # Every rank hashes its share of each candidate's parts (latest_checkpoint).
-        latest = None if self.resume == "fresh" else latest_checkpoint(
-            ckpt.checkpoint_root(self.out_dir), self.comm)
+        # Every rank hashes its share of each candidate's parts (latest_checkpoint), once
+        # a run: the launch's setup brings what it found.
+        if self.resume == "fresh":
+            latest = None
+        elif self.setup is not None and self.setup.latest is not None:
+            latest = self.setup.latest
+        else:
+            latest = latest_checkpoint(ckpt.checkpoint_root(self.out_dir), self.comm)
 
         def setup() -> ckpt.Checkpoint | None:
             if not self.reporting:

@@ -37,7 +37,7 @@ from distbelief.algorithms.common import (
     evaluate,
     train_shard,
 )
-from distbelief.algorithms.session import RunSession
+from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config, build_optimizer
 from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
@@ -49,16 +49,17 @@ __all__ = ["StopRules", "TrainingDiverged", "train"]
 
 
 def train(config: Config, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any]:
+          resume: str = "auto", setup: RunSetup | None = None) -> dict[str, Any]:
     """Train one model in this process until a stop rule fires; returns the run summary.
 
     Writes config.json, metrics.jsonl, summary.json and checkpoints to run.out_dir (see
     records.metrics, records.checkpoint) and progress lines to `stream` (None for
-    silence). `resume` is one of RESUME_MODES.
+    silence). `resume` is one of RESUME_MODES; `setup`: what algorithms.launch found (None:
+    the session finds it).
     """
 
     apply_thread_setting(config.run.threads)
-    session = RunSession("sgd", config, None, stream, resume)
+    session = RunSession("sgd", config, None, stream, resume, setup=setup)
     info, network = session.info, session.network
     # Before config.json is rewritten: a refused resume leaves the run folder as it was.
     session.choose_checkpoint()

@@ -312,3 +312,44 @@ def _labels(values: np.ndarray, split: str, num_classes: int | None) -> np.ndarr
     if num_classes is not None and values.size and values.max() >= num_classes:
         raise DataError(f"{split} has label {int(values.max())}, outside [0, {num_classes})")
     return values.astype(np.int32)
+
+
+def convert_arrays(source: str | None, out_path: str, x_name: str | None, y_name: str | None,
+                   x_test: str | None, y_test: str | None, *, test_fraction: float | None,
+                   classes: int | None, scale: float | None, shuffle: bool,
+                   seed: int) -> None:
+    """`distbelief prepare arrays`: the arrays of `source` (an .npz or HDF5 file; None:
+    the .npy files the names give) written as a dataset at `out_path`, with progress
+    lines on stdout. Never overwrites a file."""
+    out = Path(out_path)
+    if out.exists():
+        raise DataError(f"{out} exists: distbelief never overwrites a dataset; remove it or "
+                        "choose another --out")
+
+    def convert(x: Any, y: Any, x_test: Any, y_test: Any, source: str) -> None:
+        def report(done: int, total: int) -> None:
+            print(f"distbelief prepare: {done:,d} of {total:,d} rows", flush=True)
+
+        info = write_dataset(out, x, y, x_test, y_test, test_fraction=test_fraction,
+                             num_classes=classes, scale=scale,
+                             shuffle=shuffle, seed=seed, source=source,
+                             progress=report)
+        print(f"wrote {out}: {info.n_train:,d} training and {info.n_test:,d} test rows of "
+              f"shape {info.input_shape}, {info.num_classes} classes, stored as "
+              f"{info.stored_dtype}")
+
+    names = (x_name, y_name, x_test, y_test)
+    if source is None:
+        if x_name is None or y_name is None:
+            raise DataError("give an .npz or HDF5 file as SOURCE, or two .npy files with "
+                            "--x X.npy --y Y.npy (see distbelief prepare arrays --help)")
+        if (x_test is None) != (y_test is None):
+            raise DataError("give both --x-test and --y-test, or neither")
+        arrays = [None if name is None else load_npy(name) for name in names]
+        convert(*arrays, source=f"numpy files {', '.join(n for n in names if n)}")
+        return
+    with read_source(source) as found:
+        chosen = pick_names(Path(source), list(found), *names)
+        arrays = [None if name is None else found[name] for name in chosen]
+        convert(*arrays, source=f"{Path(source).resolve()}: "
+                                f"{', '.join(n for n in chosen if n)}")

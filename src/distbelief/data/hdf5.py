@@ -234,6 +234,7 @@ def open_dataset(path: str | os.PathLike, labels: bool = True,
     i, k = part
     if not 0 <= i < k:
         raise ValueError(f"part must be (i, k) with 0 <= i < k, got {part!r}")
+    counters.add("dataset_opens")
     with open_h5(path) as f:
         try:
             return _describe(path, f, labels, part)

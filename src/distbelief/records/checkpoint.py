@@ -642,6 +642,7 @@ def inspect_checkpoint(path: str | Path, parts: Collection[str] | None = None) -
             # Hashing a file of the wrong size would only confirm what the size says.
             if status.found_size == status.size:
                 status.found_size, status.found_sha256 = _file_digest(part)
+                counters.add("checkpoint_parts_hashed")
         report.parts.append(status)
         if (problem := status.problem()) is not None:
             report.problems.append(problem)

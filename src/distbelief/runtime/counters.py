@@ -27,6 +27,8 @@ NAMES = (
     "rma_claim_retries",  # a push's claim turns past the first (a shard's slots all busy)
     "rma_fold_polls",     # a client's polls of FOLDED_HINT while it waits for a fold
     "data_bytes_read",    # rows and labels read from the dataset file (data.hdf5)
+    "dataset_opens",      # the dataset file opened and described (data.hdf5.open_dataset)
+    "checkpoint_parts_hashed",  # checkpoint parts whose sha256 was checked (verifying)
 )
 
 _counts: Counter[str] = Counter()

@@ -39,11 +39,14 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from distbelief.errors import ConfigError
-from distbelief.runtime.launcher import launcher_rank, launcher_size
+from distbelief.runtime.launcher import launcher_rank, launcher_size, quiet_osc_ucx
 
 WORKER_ENV = "DISTBELIEF_GUARDIAN_PID"
 """Set in the worker's environment: its guardian's process id."""
@@ -156,6 +159,35 @@ def mpi_init_begins() -> None:
 def mpi_init_returned() -> None:
     """In the worker, once MPI_Init returned: stop the guardian's clock (and close)."""
     _tell_guardian(b"1", close=True)
+
+
+def start_mpi() -> Any:
+    """Initialise MPI; returns COMM_WORLD. With several ranks, make any unhandled exception
+    (main thread or not) print its traceback and abort the whole job."""
+    # Open MPI without InfiniBand: no osc/ucx error line per rank and window (the user's
+    # own OMPI_MCA_osc wins; distbelief.runtime.launcher.quiet_osc_ucx says why).
+    quiet_osc_ucx()
+    mpi_init_begins()  # the guardian bounds MPI_Init (the module docstring)
+    from mpi4py import MPI
+
+    mpi_init_returned()
+    world = MPI.COMM_WORLD
+    if world.Get_size() > 1:
+        def abort_job(exc_type: type, exc: BaseException, tb: Any) -> None:
+            # The cause first, in one line: when the launcher tears the job down it may cut
+            # the tail of the traceback (seen with hydra under load).
+            name = getattr(exc_type, "__name__", str(exc_type))
+            print(f"distbelief: rank {world.Get_rank()} failed, aborting the job: "
+                  f"{name}: {exc}", file=sys.stderr)
+            traceback.print_exception(exc_type, exc, tb)
+            sys.stderr.flush()
+            clean_up_after_abort()
+            time.sleep(0.2)  # let the launcher forward the output before Abort kills it
+            world.Abort(1)
+
+        sys.excepthook = abort_job
+        threading.excepthook = lambda a: abort_job(a.exc_type, a.exc_value, a.exc_traceback)
+    return world
 
 
 def _tell_guardian(byte: bytes, close: bool) -> None:

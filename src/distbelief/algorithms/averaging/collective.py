@@ -59,7 +59,7 @@ from distbelief.algorithms.common import (
     WireBytes,
     traffic_summary,
 )
-from distbelief.algorithms.session import RunSession
+from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.data.hdf5 import training_rows
 from distbelief.errors import ConfigError, DataError
@@ -207,7 +207,8 @@ def describe_rank(rank: int) -> str:
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto", variant: Variant = AVERAGING) -> dict[str, Any] | None:
+          resume: str = "auto", variant: Variant = AVERAGING,
+          setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Train with periodic parameter averaging on the ranks of `comm`; the summary on rank
     0, None elsewhere. Collective over `comm` (every rank calls it with the same config).
 
@@ -217,7 +218,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     changes (synchronous DiLoCo's outer step).
     """
 
-    session = RunSession(variant.name, config, comm, stream, resume)
+    session = RunSession(variant.name, config, comm, stream, resume, setup=setup)
     info, network = session.info, session.network
     size, rank = comm.Get_size(), comm.Get_rank()
     check_job(config, size, info.n_train, info.held_out)

@@ -38,6 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.averaging import collective
+from distbelief.algorithms.session import RunSetup
 from distbelief.config import Config, build_outer_optimizer
 
 
@@ -100,7 +101,7 @@ def collective_settings(config: Config) -> Config:
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any] | None:
+          resume: str = "auto", setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Run synchronous DiLoCo on the ranks of `comm` (every rank a replica); the summary on
     rank 0, None elsewhere. Collective over `comm`, as collective.train (whose errors it
     raises)."""
@@ -110,4 +111,4 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
         narrow=config.optimizer.push_dtype == "bfloat16",
         survivor="asynchronous DiLoCo, optimizer.asynchronous = true,",
         what="synchronous DiLoCo")
-    return collective.train(config, comm, stream, resume, variant=variant)
+    return collective.train(config, comm, stream, resume, variant=variant, setup=setup)

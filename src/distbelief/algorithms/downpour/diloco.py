@@ -38,6 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.downpour.replica import Replica
+from distbelief.algorithms.session import RunSetup
 from distbelief.config import Config, build_optimizer, build_outer_optimizer
 from distbelief.errors import ConfigError
 
@@ -87,7 +88,7 @@ def downpour_settings(config: Config) -> Config:
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any] | None:
+          resume: str = "auto", setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Run asynchronous DiLoCo on the ranks of `comm` (ps_shards shards, the others
     replicas); the summary on rank 0, None elsewhere. Collective over `comm` for the
     set-up, then as Downpour (algorithms.downpour.train, whose errors it raises)."""
@@ -104,4 +105,5 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                           replica_role=lambda run, network, fetch: DilocoReplica(
                               run, network, fetch, config),
                           shard_update=lambda size: build_outer_optimizer(config, size,
-                                                                          replicas))
+                                                                          replicas),
+                          setup=setup)

@@ -42,6 +42,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.downpour.replica import Replica
+from distbelief.algorithms.session import RunSetup
 from distbelief.config import Config, build_optimizer
 from distbelief.errors import ConfigError
 from distbelief.model.optimizers import ShardRule
@@ -123,7 +124,7 @@ def downpour_settings(config: Config) -> Config:
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any] | None:
+          resume: str = "auto", setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Run asynchronous EASGD on the ranks of `comm` (ps_shards shards, the others
     replicas); the summary on rank 0, None elsewhere. Collective over `comm` for the
     set-up, then as Downpour (algorithms.downpour.train, whose errors it raises)."""
@@ -137,4 +138,4 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     return downpour.train(config, comm, stream, resume=resume,
                           replica_role=lambda run, network, fetch: ElasticReplica(
                               run, network, fetch, config),
-                          shard_update=lambda size: CenterUpdate())
+                          shard_update=lambda size: CenterUpdate(), setup=setup)

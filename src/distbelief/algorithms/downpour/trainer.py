@@ -17,7 +17,7 @@ from distbelief.algorithms.downpour.replica import make_replica
 from distbelief.algorithms.downpour.run import OpenRun, open_run, shard_lost_message
 from distbelief.algorithms.downpour.shards import ShardRole
 from distbelief.algorithms.downpour.supervisor import Supervisor
-from distbelief.algorithms.session import RunSession
+from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config, run_name
 from distbelief.runtime import watchdog
 from distbelief.runtime.liveness import Peers
@@ -36,7 +36,8 @@ __all__ = ["OpenRun", "grant", "open_run", "plan_run", "train"]
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
           resume: str = "auto",
           replica_role: Callable[..., Any] = make_replica,
-          shard_update: Callable[[int], Any] | None = None) -> dict[str, Any] | None:
+          shard_update: Callable[[int], Any] | None = None,
+          setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Run Downpour SGD on the ranks of `comm`; returns the run summary on rank 0, None
     on the other ranks.
 
@@ -59,7 +60,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     variants that reuse Downpour's machinery (EASGD: distbelief.algorithms.downpour.elastic)
     pass their own.
     """
-    session = RunSession(run_name(config), config, comm, stream, resume)
+    session = RunSession(run_name(config), config, comm, stream, resume, setup=setup)
     info, network = session.info, session.network
     # Validated before the handlers go in: a bad configuration fails at once.
     topology = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train,

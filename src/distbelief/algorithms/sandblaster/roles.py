@@ -41,7 +41,7 @@ from distbelief.algorithms.sandblaster.replica import (
 from distbelief.algorithms.sandblaster.shards import ShardServer
 from distbelief.algorithms.sandblaster.unit_rows import UnitRows
 from distbelief.algorithms.sandblaster.vector_shard import VectorShard
-from distbelief.algorithms.session import RunSession
+from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records import checkpoint as ckpt
@@ -59,7 +59,7 @@ __all__ = ["ANSWER_SLOTS", "BatchRows", "Coordinator", "Replica", "ShardServer",
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any] | None:
+          resume: str = "auto", setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Run Sandblaster L-BFGS on the ranks of `comm`; returns the summary on the
     coordinator, None elsewhere.
 
@@ -69,7 +69,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     gather. Raises TrainingDiverged on every rank if the loss became non-finite. `resume`:
     distbelief.algorithms.common.RESUME_MODES ("auto", "require", "fresh").
     """
-    role = start(config, comm, stream, resume)
+    role = start(config, comm, stream, resume, setup=setup)
     # Every rank catches SIGTERM/SIGUSR1 (the launcher forwards them to all): only the
     # coordinator acts on it, at the end of the iteration, with a checkpoint and the usual
     # collective stop; the other ranks must simply not die of it. A lost shard or
@@ -85,14 +85,15 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
 
 
 def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto", splits: list[list[int]] | None = None) -> Any:
+          resume: str = "auto", splits: list[list[int]] | None = None,
+          setup: RunSetup | None = None) -> Any:
     """Validate, set up and build this rank's role (ShardServer, Coordinator or Replica).
     Collective over `comm` (the session's agreed choice of the checkpoint to resume
     from, broadcast from the coordinator; two set-up agreements around
     topology.split_communicators); call `role.run()` and `finish` next.
     `splits`: with partitions, per layer the P+1 block boundaries (None: balanced, what
     the command line uses; tests pass unequal ones)."""
-    session = RunSession("sandblaster", config, comm, stream, resume)
+    session = RunSession("sandblaster", config, comm, stream, resume, setup=setup)
     info, network = session.info, session.network
     plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train,
                     network.layout.size, info.held_out)

@@ -52,7 +52,7 @@ from distbelief.algorithms.common import (
     eval_split,
     traffic_summary,
 )
-from distbelief.algorithms.session import RunSession
+from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config, build_optimizer, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
@@ -73,11 +73,11 @@ def lost_replica_line(rank: int) -> str:
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any] | None:
+          resume: str = "auto", setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Synchronous SGD over the ranks of `comm`, all replicas; the summary on rank 0,
     None elsewhere. Collective over `comm`."""
 
-    session = RunSession("sync", config, comm, stream, resume)
+    session = RunSession("sync", config, comm, stream, resume, setup=setup)
     rank, replicas = comm.Get_rank(), comm.Get_size()
     set_blas_threads(config.run.threads or 1)
     network = session.network

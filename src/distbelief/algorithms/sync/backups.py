@@ -50,7 +50,7 @@ from distbelief.algorithms.common import (
     traffic_summary,
     train_shard,
 )
-from distbelief.algorithms.session import RunSession
+from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.algorithms.sync.allreduce import write_checkpoint
 from distbelief.config import Config, build_optimizer
 from distbelief.records import checkpoint as ckpt
@@ -81,11 +81,11 @@ Downpour and Sandblaster use."""
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any] | None:
+          resume: str = "auto", setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Synchronous SGD with backup workers over `comm` (rank 0 the shard, the others
     replicas); the summary on rank 0, None elsewhere. Collective over `comm`."""
 
-    session = RunSession("sync", config, comm, stream, resume)
+    session = RunSession("sync", config, comm, stream, resume, setup=setup)
     rank, replicas = comm.Get_rank(), comm.Get_size() - 1
     set_blas_threads((config.run.threads or 1) if rank else 1)
     info, network = session.info, session.network

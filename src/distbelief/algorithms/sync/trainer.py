@@ -8,6 +8,7 @@ from typing import IO, Any
 
 from mpi4py import MPI
 
+from distbelief.algorithms.session import RunSetup
 from distbelief.config import Config
 from distbelief.errors import ConfigError
 
@@ -40,14 +41,14 @@ def check_configuration(config: Config, world_size: int) -> int:
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto") -> dict[str, Any] | None:
+          resume: str = "auto", setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Train with synchronous SGD over the ranks of `comm`; the summary on the rank that
     wrote it (rank 0), None elsewhere. Collective over `comm`."""
     check_configuration(config, comm.Get_size())
     if config.optimizer.backup_workers:
         from distbelief.algorithms.sync import backups
 
-        return backups.train(config, comm, stream, resume)
+        return backups.train(config, comm, stream, resume, setup)
     from distbelief.algorithms.sync import allreduce
 
-    return allreduce.train(config, comm, stream, resume)
+    return allreduce.train(config, comm, stream, resume, setup)
