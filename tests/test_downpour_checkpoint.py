@@ -246,12 +246,15 @@ def test_one_replica_resumed_is_bit_identical_to_an_uninterrupted_run(
     summary = succeeded(proc, second[0], halves)
     check_resumed(summary, halves, 150, 300)
     # The launch set the run up once: each rank opened the data file once, and the job
-    # hashed each part of the checkpoint it resumed from once (each rank its share).
+    # hashed each part of the checkpoint it resumed from once (each rank its share), and
+    # shard 0 the kept best's part (run.keep_best: it must verify before it is trusted).
     control = summary["control_plane"]
     assert len(control) == second[0]
     assert [rank["dataset_opens"] for rank in control] == [1] * second[0]
+    best, _ = ckpt.find_best(ckpt.checkpoint_root(halves))
+    best_parts = 0 if best is None else len(best.manifest["parts"])
     assert sum(rank["checkpoint_parts_hashed"] for rank in control) == len(
-        resumed_from.manifest["parts"])
+        resumed_from.manifest["parts"]) + best_parts
     step_a, params_a, accum_a = final_state(straight)
     step_b, params_b, accum_b = final_state(halves)
     assert step_a == step_b == 300
