@@ -8,7 +8,9 @@ timeouts on tiny synthetic data:
   are counted as dropped;
 - a killed replica without backup workers ends the job with one line and a non-zero
   status, never a hang; with a backup worker the run goes on without it;
-- configurations that cannot work are refused with one line naming the numbers.
+- configurations that cannot work are refused with one line naming the numbers;
+- the step's stop decision (StopDecision, which averaging and partitioned sgd share)
+  decodes what it encoded, and a MAX over the ranks' votes keeps the highest stop code.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 from conftest import REPO, _env, run_mpi, survive_a_death
 from helpers import exit_statuses, set_args
 
+from distbelief.algorithms.common import STOP_CODES, StopDecision
 from distbelief.algorithms.sync import check_configuration
 from distbelief.config import build_network, load_config
 from distbelief.data.hdf5 import TrainShard, open_dataset
@@ -210,3 +213,24 @@ def test_a_refused_configuration_exits_2_on_every_rank(data_dir: Path,
     proc = job(3, data_dir, tmp_path / "out", "optimizer.backup_workers=2")
     assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr[-3000:]
     assert proc.stderr.count("backup_workers = 2 needs more replicas") >= 1
+
+
+def test_a_stop_decision_decodes_what_it_encoded_and_a_max_keeps_the_highest_vote() -> None:
+    decision = StopDecision()
+    assert (decision.reason, decision.eval_due, decision.save_due) == (None, False, False)
+    for reason in STOP_CODES.values():
+        for eval_due, save_due in ((False, True), (True, False)):
+            decision.encode(reason, eval_due, save_due)
+            assert (decision.reason, decision.eval_due, decision.save_due) == (
+                reason, eval_due, save_due)
+    # Rank 0's clock votes max_seconds and evaluate; another rank got a SIGTERM.
+    votes = [StopDecision(), StopDecision()]
+    votes[0].encode("max_seconds", eval_due=True)
+    votes[1].encode()
+    votes[1].merge("SIGTERM")
+    votes[1].merge(None)  # no signal changes nothing
+    agreed = StopDecision()
+    agreed.flags[:] = np.maximum(votes[0].flags, votes[1].flags)  # what MPI.MAX gives
+    assert (agreed.reason, agreed.eval_due, agreed.save_due) == ("SIGTERM", True, False)
+    votes[1].merge("max_steps")  # a lower code does not replace a higher one
+    assert votes[1].reason == "SIGTERM"

@@ -17,6 +17,8 @@ from another algorithm.
     starting_checkpoint(config, layout, resume, stream)   which checkpoint to resume from
     finished_run(config, resume, stream)   the summary of a finished run a rerun leaves be
     StopSignals()                    SIGTERM/SIGUSR1/SIGINT -> a flag the loop polls
+    StopDecision()                   a lockstep step's stop / evaluate / checkpoint flags,
+                                     encoded before the ranks agree, decoded after
     archive_previous_run(out_dir)    train --fresh: the previous run's files moved aside
                                      (checkpoints, metrics, summary, config, tensorboard/)
 """
@@ -61,6 +63,42 @@ trainers whose ranks step in lockstep: partitioned sgd, sync, averaging); 0 goes
 STOP_CODE_OF = {reason: code for code, reason in STOP_CODES.items()}
 SIGNAL_STOPS = ("SIGTERM", "SIGUSR1", "SIGINT")
 """The stop reasons of an interrupted run: a signal, not one of its own stop rules."""
+
+
+class StopDecision:
+    """A lockstep step's decision as the three int32 flags its ranks agree on: the stop
+    code (STOP_CODES), evaluate now, checkpoint now. One encoding and one decoding for the
+    trainers that agree each step (partitioned sgd, sync, averaging); the collective is
+    each loop's own (a MAX-allreduce of `flags`, or a bcast from the clock's rank), and
+    the properties read the agreed flags after it. No communication."""
+
+    def __init__(self) -> None:
+        self.flags = np.zeros(3, dtype=np.int32)
+
+    def encode(self, reason: str | None = None, eval_due: bool = False,
+               save_due: bool = False) -> np.ndarray:
+        """This rank's vote: `reason` (a STOP_CODES reason, None goes on) and the two
+        due flags, written into `flags` (returned, the collective's buffer)."""
+        self.flags[:] = STOP_CODE_OF[reason], eval_due, save_due
+        return self.flags
+
+    def merge(self, reason: str | None) -> None:
+        """Raise the stop code to `reason`'s if that is higher, as a MAX-allreduce of the
+        two votes would (None changes nothing)."""
+        self.flags[0] = max(self.flags[0], STOP_CODE_OF[reason])
+
+    @property
+    def reason(self) -> str | None:
+        """Why the run stops (a STOP_CODES reason), None to go on."""
+        return STOP_CODES[int(self.flags[0])]
+
+    @property
+    def eval_due(self) -> bool:
+        return bool(self.flags[1])
+
+    @property
+    def save_due(self) -> bool:
+        return bool(self.flags[2])
 
 
 def prepare_run_dir(config: Config) -> Path:

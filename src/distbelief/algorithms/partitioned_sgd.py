@@ -45,7 +45,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.checkpointer import Checkpointer, TrainState, restore, schedule
-from distbelief.algorithms.common import EVAL_BATCH_SIZE, STOP_CODE_OF, STOP_CODES, StopSignals
+from distbelief.algorithms.common import EVAL_BATCH_SIZE, StopDecision, StopSignals
 from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config, build_optimizer
 from distbelief.errors import ConfigError
@@ -225,7 +225,7 @@ def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer:
     batch_size, eval_every = config.data.batch_size, config.run.eval_every_seconds
     run = config.run
     grad = np.zeros_like(params)
-    decision = np.zeros(3, dtype=np.int32)  # stop code, evaluate now, checkpoint now
+    decision = StopDecision()  # rank 0's, broadcast each step
     start = recorder.start if recorder else time.monotonic()
     now = time.monotonic()
     next_log, next_eval = now + LOG_EVERY_SECONDS, now + eval_every
@@ -252,10 +252,10 @@ def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer:
 
     # A resumed run whose budget is already spent trains no further step.
     if recorder:
-        decision[0] = STOP_CODE_OF[rules.budget_spent(step, now - start, recorder.collapsed)]
-    polled_bcast(comm, decision, ranks=model.partner_ranks)
-    if decision[0]:
-        return STOP_CODES[int(decision[0])]
+        decision.encode(rules.budget_spent(step, now - start, recorder.collapsed))
+    polled_bcast(comm, decision.flags, ranks=model.partner_ranks)
+    if decision.reason:
+        return decision.reason
     while True:
         x, y = shard.next_batch(batch_size)
         loss = model.loss_and_grad(params, x, y, grad)
@@ -275,27 +275,27 @@ def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer:
             now = time.monotonic()
             reason = (rules.budget_spent(step, now - start, recorder.collapsed)
                       or signals.received)
-            decision[:] = STOP_CODE_OF[reason], now >= next_eval, \
-                now >= save_at[0] or step >= save_at[1]
+            decision.encode(reason, now >= next_eval,
+                            now >= save_at[0] or step >= save_at[1])
             if now >= next_log or reason:
                 recent, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
                 recorder.log(step, step * batch_size, recent,
                              learning_rate=optimizer.rate(step - 1))
                 next_log = now + LOG_EVERY_SECONDS
             recorder.progress(step, step * batch_size, recent)
-        polled_bcast(comm, decision, ranks=model.partner_ranks)
-        reason = STOP_CODES[int(decision[0])]
+        polled_bcast(comm, decision.flags, ranks=model.partner_ranks)
+        reason = decision.reason
         if reason:
             if reason not in StopSignals.NAMES:  # on a signal, stop promptly
                 evaluate()
             return reason
-        if decision[1]:
+        if decision.eval_due:
             if recorder and loss_count:
                 recent = loss_sum / loss_count
             if rules.target_reached(evaluate()):
                 return "target_accuracy"
             next_eval = time.monotonic() + eval_every
-        if decision[2]:
+        if decision.save_due:
             checkpoint()
             save_at = schedule(run.checkpoint_every_seconds,
                                run.checkpoint_every_steps, step, time.monotonic())

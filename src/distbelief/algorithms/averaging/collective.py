@@ -53,8 +53,7 @@ from mpi4py import MPI
 
 from distbelief.algorithms.common import (
     EVAL_BATCH_SIZE,
-    STOP_CODE_OF,
-    STOP_CODES,
+    StopDecision,
     StopSignals,
     WireBytes,
     traffic_summary,
@@ -272,7 +271,7 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
     local_budget = -(-rules.max_steps // size) if rules.max_steps else 0
     grad = np.zeros_like(replica.params)
     losses = np.zeros(2, dtype=np.float64)  # this block's loss sum and step count
-    flags = np.zeros(3, dtype=np.int32)  # stop code, evaluate now, checkpoint now
+    decision = StopDecision()  # MAX-allreduced with the average
     verdict = np.zeros(1, dtype=np.int32)
     now = time.monotonic()
     next_log, next_eval = now + LOG_EVERY_SECONDS, now + eval_every
@@ -294,16 +293,16 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
                 faults.after_step(replica.local_steps, 0.0)
         losses[1] = steps
         step = replica.local_steps * size
-        flags[:] = 0
-        flags[0] = STOP_CODE_OF[signals.received]
-        if recorder is not None:
+        if recorder is not None:  # rank 0 owns the clock
             now = time.monotonic()
             spent = rules.budget_spent(step, now - recorder.start, recorder.collapsed)
-            flags[0] = max(flags[0], STOP_CODE_OF[spent])
-            flags[1] = now >= next_eval
-            flags[2] = now >= next_save_time or step >= next_save_step
+            decision.encode(spent, now >= next_eval,
+                            now >= next_save_time or step >= next_save_step)
+        else:
+            decision.encode()
+        decision.merge(signals.received)
         moved = sum(replica.wire.pair())
-        replica.average(losses, flags)
+        replica.average(losses, decision.flags)
         if faults:
             faults.after_transfer(sum(replica.wire.pair()) - moved)
         samples = step * batch_size
@@ -311,7 +310,7 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
             pending_loss, pending_count = pending_loss + losses[0], pending_count + losses[1]
         if not math.isfinite(losses[0]):  # the same sum on every rank: all stop here
             raise session.diverged(f"{losses[0]} at step {step}")
-        reason = STOP_CODES[int(flags[0])]
+        reason = decision.reason
         if recorder is not None:
             now = time.monotonic()
             if (now >= next_log or reason) and pending_count:
@@ -325,7 +324,7 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
             if reason not in StopSignals.NAMES and recorder is not None:
                 _evaluate(replica, eval_set, recorder, step, samples, recent)
             return reason
-        if flags[1]:
+        if decision.eval_due:
             if recorder is not None:
                 accuracy = _evaluate(replica, eval_set, recorder, step, samples, recent)
                 verdict[0] = rules.target_reached(accuracy)
@@ -333,7 +332,7 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
             if verdict[0]:
                 return "target_accuracy"
             next_eval = time.monotonic() + eval_every
-        if flags[2]:
+        if decision.save_due:
             saver.save()
             next_save_time, next_save_step = saver.schedule(step, time.monotonic())
 

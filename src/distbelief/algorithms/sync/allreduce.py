@@ -45,8 +45,7 @@ from mpi4py import MPI
 
 from distbelief.algorithms.common import (
     EVAL_BATCH_SIZE,
-    STOP_CODE_OF,
-    STOP_CODES,
+    StopDecision,
     StopSignals,
     WireBytes,
     eval_split,
@@ -197,7 +196,7 @@ class _Run:
         # Named buffers for the collectives (they must outlive each non-blocking call).
         send = np.zeros(n + 1, dtype=np.float32)  # [gradient, loss]
         total = np.zeros_like(send)
-        flags, decided = np.zeros(3, dtype=np.int32), np.zeros(3, dtype=np.int32)
+        vote, decided = StopDecision(), StopDecision()  # this rank's, and the MAX of all
         grad, mean_grad = send[:n], total[:n]
         faults = Faults.for_rank(MPI.COMM_WORLD.Get_rank())  # test-only
         start = self.recorder.start if self.recorder else time.monotonic()
@@ -217,25 +216,25 @@ class _Run:
             send[n] = self.network.loss_and_grad(self.params, x, y, grad)
             if faults:
                 faults.after_step(step + 1, time.monotonic() - began)
-            flags[:] = 0
             now = time.monotonic()
             if self.recorder is not None:  # rank 0 owns the clock
                 spent = rules.budget_spent(step + 1, now - start, self.recorder.collapsed)
-                flags[0] = STOP_CODE_OF[spent]
-                flags[1] = now >= next_eval
                 every = run.checkpoint_every_steps
-                flags[2] = now >= next_save or bool(every and (step + 1) % every == 0)
+                vote.encode(spent, now >= next_eval,
+                            now >= next_save or bool(every and (step + 1) % every == 0))
             elif rules.max_steps and step + 1 >= rules.max_steps:
-                flags[0] = STOP_CODE_OF["max_steps"]
-            if signals.received:
-                flags[0] = max(flags[0], STOP_CODE_OF[signals.received])
+                vote.encode("max_steps")
+            else:
+                vote.encode()
+            vote.merge(signals.received)
             wait_all([comm.Iallreduce(send, total, op=MPI.SUM),
-                      comm.Iallreduce(flags, decided, op=MPI.MAX)],
+                      comm.Iallreduce(vote.flags, decided.flags, op=MPI.MAX)],
                      "the step's gradient allreduce", self.others)
-            self.wire.add(send.nbytes + flags.nbytes, total.nbytes + decided.nbytes)
+            self.wire.add(send.nbytes + vote.flags.nbytes,
+                          total.nbytes + decided.flags.nbytes)
             if faults:
-                faults.after_transfer(send.nbytes + flags.nbytes + total.nbytes
-                                      + decided.nbytes)
+                faults.after_transfer(send.nbytes + vote.flags.nbytes + total.nbytes
+                                      + decided.flags.nbytes)
             loss = float(total[n]) / self.replicas
             if not math.isfinite(loss):  # the same sum everywhere: every replica stops
                 raise self.session.diverged(f"{loss} at step {step + 1}")
@@ -244,7 +243,7 @@ class _Run:
             step, samples = step + 1, samples + batch * self.replicas
             self.state["step"], self.state["samples"] = step, samples
             loss_sum, loss_count = loss_sum + loss, loss_count + 1
-            reason = STOP_CODES[int(decided[0])]
+            reason = decided.reason
             if self.recorder is not None:
                 if now >= next_log or reason:
                     self.recent_loss, loss_sum, loss_count = loss_sum / loss_count, 0.0, 0
@@ -257,13 +256,13 @@ class _Run:
                 if reason not in StopSignals.NAMES:  # on a signal, stop promptly
                     self.evaluate()
                 return reason
-            if decided[1]:
+            if decided.eval_due:
                 if loss_count:
                     self.recent_loss = loss_sum / loss_count
                 if rules.target_reached(self.evaluate()):
                     return "target_accuracy"
                 next_eval = time.monotonic() + run.eval_every_seconds
-            if decided[2]:
+            if decided.save_due:
                 self.checkpoint()
                 next_save = time.monotonic() + save_every_s
 
