@@ -212,3 +212,27 @@ def test_a_target_stop_reports_the_figure_that_met_it() -> None:
                "target_reached_accuracy": 0.8803, "final_test_accuracy": 0.8767}
     assert accuracy_text(summary) == "test accuracy 0.8803"
     assert accuracy_text({**summary, "stop_reason": "max_steps"}) == "test accuracy 0.8767"
+
+
+def test_a_best_that_cannot_be_written_is_said_once_and_the_run_goes_on(
+        data_dir: Path, tmp_path: Path) -> None:
+    # Only the evaluating rank writes a best, so a failure there must not raise: the other
+    # ranks would wait for it. The run goes on keeping none, and says why once.
+    from distbelief.config import build_network
+    from distbelief.data.hdf5 import open_dataset
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoints").write_text("a file where the checkpoints folder should be\n")
+    config = make_config(data_dir, out)
+    network = build_network(config, open_dataset(config.data.path, labels=False))
+    stream = io.StringIO()
+    keeper = BestKeeper(config, network.layout, "sgd", stream)
+    evaluation = {"step": 5, "samples": 50, "time": 1.0, "split": "test", "accuracy": 0.5,
+                  "loss": 1.0}
+    params = np.zeros(network.layout.size, np.float32)
+    assert keeper.offer(evaluation, params) is None
+    assert keeper.offer({**evaluation, "step": 9, "accuracy": 0.9}, params) is None
+    said = [line for line in stream.getvalue().splitlines() if "best checkpoint" in line]
+    assert len(said) == 1 and "not written" in said[0], stream.getvalue()
+    assert keeper.failed and keeper.summary() is None

@@ -111,8 +111,11 @@ class BestKeeper:
     so far, which a resumed run reads back from the best on disk. Runs on the rank that
     evaluates and records (it holds the whole vector then); no communication."""
 
-    def __init__(self, config: Config, layout: Any, algorithm: str):
+    def __init__(self, config: Config, layout: Any, algorithm: str,
+                 stream: IO[str] | None = None):
         self.root = ckpt.checkpoint_root(config.run.out_dir)
+        self.stream = stream
+        self.failed: str | None = None  # why a best could not be written; none kept since
         self.settings = hashed_settings(config)
         self.config_hash = config_hash(config)
         self.layout, self.algorithm = layout, algorithm
@@ -125,16 +128,25 @@ class BestKeeper:
     def offer(self, evaluation: dict[str, Any], params: np.ndarray) -> Path | None:
         """Keep `params` if `evaluation` (step, samples, time, split, accuracy, loss) is the
         best so far; returns the folder written, or None."""
-        if self.best is not None and evaluation["accuracy"] <= self.best["accuracy"]:
+        if self.failed or (self.best is not None
+                           and evaluation["accuracy"] <= self.best["accuracy"]):
             return None
         if params.shape != (self.layout.size,):
             raise ValueError(f"a best model is the whole vector ({self.layout.size}), got "
                              f"{params.shape}: offer it from the rank that holds it")
         meta = ckpt.CheckpointMeta(int(evaluation["step"]), int(evaluation["samples"]),
                                    float(evaluation["time"]), self.config_hash)
-        self.path = ckpt.save_best(self.root, meta, settings=self.settings,
-                                   algorithm=self.algorithm, layout=self.layout,
-                                   params=params, evaluation=evaluation)
+        try:
+            self.path = ckpt.save_best(self.root, meta, settings=self.settings,
+                                       algorithm=self.algorithm, layout=self.layout,
+                                       params=params, evaluation=evaluation)
+        except (ckpt.CheckpointError, OSError) as exc:
+            # Only this rank writes a best: raising here would leave the others waiting.
+            # The run goes on, and the periodic checkpoints decide whether it can.
+            self.failed = str(exc)
+            say(self.stream, f"distbelief: best checkpoint not written: {exc}; the run goes "
+                             "on keeping no best (summary.json: best_not_kept)")
+            return None
         self.best = dict(evaluation)
         return self.path
 

@@ -186,7 +186,8 @@ class RunSession:
                                          resume=resume or self.resume_point())
             if self.config.run.keep_best:  # kept where the trainer logs the evaluated vector
                 self.recorder.best_keeper = BestKeeper(self.config, self.network.layout,
-                                                       self.config.optimizer.algorithm)
+                                                       self.config.optimizer.algorithm,
+                                                       self.stream)
         return self.recorder
 
     def say(self, text: str) -> None:

@@ -290,6 +290,8 @@ class RunRecorder:
         }
         out.update(extra or {})
         out["best"] = None if self.best_keeper is None else self.best_keeper.summary()
+        if self.best_keeper is not None and self.best_keeper.failed:
+            out["best_not_kept"] = self.best_keeper.failed
         out["last"] = last_checkpoint(out.get("checkpoint"), last, p)
         # Bytes on the wire per sample trained, for every trainer that reports its bytes.
         samples = out.get("samples")
