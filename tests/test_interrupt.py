@@ -112,7 +112,14 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes(data_dir: Path, tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == step + 100
     # Ended by its own stop rule: now, and only now, the test set is evaluated, once.
-    assert summary["final_test_accuracy"] is not None and summary["test_step"] == step + 100
+    # It scores the best model the run kept (run.keep_best), at the best's step; the last
+    # where the run kept none (Sandblaster keeps no best).
+    assert summary["final_test_accuracy"] is not None
+    if summary["best"] is None:
+        assert summary["test_model"] == "last" and summary["test_step"] == step + 100
+    else:
+        assert summary["test_model"] == "best"
+        assert summary["test_step"] == summary["best"]["step"] <= step + 100
     assert len([x for x in read_metrics(out / "metrics.jsonl") if x["kind"] == "test"]) == 1
     assert rerun.stdout.count("test set, evaluated once at the end") == 1, rerun.stdout
 
