@@ -21,7 +21,6 @@ from distbelief.model import kernels
 GEMM = """
 import sys
 from distbelief import cli
-from distbelief.algorithms import launch
 if sys.argv[1] == "cli":
     cli._flush_subnormals_from_the_start()
 import numpy as np

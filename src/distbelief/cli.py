@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from distbelief import __version__
-from distbelief.algorithms import launch, registry
+from distbelief.algorithms import registry
 from distbelief.errors import EXIT_USER_ERROR, ConfigError, UserError
 from distbelief.runtime import guardian, launcher
 from distbelief.runtime.guardian import start_mpi
@@ -600,6 +600,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # an unhandled exception aborts the job.
     comm = start_mpi() if several else None
     config = load_config(args.config, args.overrides, open_data=False)  # launch opens it
+    from distbelief.algorithms import launch  # numpy: after the subnormal mode is set
+
     summary = launch.train(config, comm, _resume_mode(args))
     outcome = os.environ.get(OUTCOME_ENV)
     if summary is not None and outcome:
