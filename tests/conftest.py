@@ -130,6 +130,17 @@ def _shm_report(request: pytest.FixtureRequest) -> Iterator[None]:
             f.write(f"{request.node.nodeid}: {' '.join(left)}\n")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """A failed test's report ends with the machine's load and its busiest processes, so a
+    failure on a starved machine says so (helpers.processes.machine_load)."""
+    report = yield
+    if report.failed and call.when == "call":
+        from helpers.processes import machine_load
+        report.sections.append(("machine at the failure", machine_load()))
+    return report
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The test process itself starts MPI when a test module imports mpi4py.MPI, and an
     Open MPI singleton leaves its 16 MB sm_segment file in /dev/shm at exit (seen: one per
@@ -225,6 +236,7 @@ def _env(threads: int = 1) -> dict[str, str]:
     env["OPENBLAS_NUM_THREADS"] = str(threads)
     env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a timed-out job's workers print their stacks
     env.update(OPENMPI_ENV)  # only Open MPI reads them
     return env
 
@@ -273,6 +285,12 @@ def simulated_nodes_launch(nodes: int, env: dict[str, str]) -> tuple[tuple[str, 
     return ("-launcher", "fork", "-hosts", hosts), env
 
 
+def _job_tree(launcher: int) -> Any:
+    """helpers.processes.JobTree(launcher), imported here: helpers imports this module."""
+    from helpers.processes import JobTree
+    return JobTree(launcher)
+
+
 def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = None,
             env: dict[str, str] | None = None,
             launcher_options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -298,13 +316,19 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
         launched = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=cwd, env=env, start_new_session=True)
+        tree = _job_tree(proc.pid)
         try:
-            out, err = _communicate(proc, timeout)
+            out, err = _communicate(proc, timeout, tree)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            where = tree.describe()
+            tree.dump_python_stacks()
+            tree.kill()
             out, err = proc.communicate()
+            ended = sorted(name for name in os.listdir(exit_dir) if name.startswith("rank-"))
             pytest.fail(f"MPI job timed out after {timeout}s (deadlock?): {cmd}\n"
-                        f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+                        f"statuses written: {ended or 'none'}; still running:\n{where}\n"
+                        f"stdout:\n{out[-3000:]}\nstderr (the workers' stacks last):\n"
+                        f"{err[-12000:]}")
         if attempt == 1 and launcher_failed_to_start(proc.returncode, err):
             warnings.warn(f"the launcher failed to start ({PMIX_LISTENER_FAILED}); "
                           f"launched again ({cmd[:3]})")
@@ -312,7 +336,12 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
         break
     finished = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     returned = time.time()
-    finished.exit_files = _exit_files(exit_dir, n, proc.pid)
+    finished.exit_files = _exit_files(exit_dir, n, tree)
+    left = tree.describe()
+    if left:
+        # A rank that outlives its launcher would spin for ever on these 2 cores.
+        warnings.warn(f"processes of the job outlived its launcher; killed:\n{left}")
+        tree.kill()
     # When each rank's status was written and the launcher returned, in seconds after the
     # launch: where a slow job's time went (its ranks, or the launcher after them).
     finished.timeline = {"launcher returned": returned - launched, **{
@@ -336,7 +365,7 @@ def launcher_failed_to_start(status: int | None, stderr: str) -> bool:
 STUCK_LAUNCHER_S = 5.0
 
 
-def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+def _communicate(proc: subprocess.Popen, timeout: float, tree: Any) -> tuple[str, str]:
     """proc.communicate(timeout), but a launcher that has collected none of its exited
     children for STUCK_LAUNCHER_S (seen with Open MPI 5.0.11's prterun after a lost shard's
     abort: distbelief.runtime.stuck_launcher, which slurm/one_node.sbatch runs too) is
@@ -344,8 +373,9 @@ def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     deadline = time.monotonic() + timeout
     stuck_since = None
     while True:
+        tree.sample()  # the ranks have sessions of their own: remembered to be found later
         try:
-            return proc.communicate(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+            return proc.communicate(timeout=min(0.25, max(deadline - time.monotonic(), 0.01)))
         except subprocess.TimeoutExpired:
             now = time.monotonic()
             if now >= deadline:
@@ -357,13 +387,13 @@ def _communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
             if now - stuck_since >= STUCK_LAUNCHER_S:
                 warnings.warn(f"the launcher had collected none of its exited ranks for "
                               f"{STUCK_LAUNCHER_S:g} s: ended ({proc.args[:3]})")
-                os.killpg(proc.pid, 9)
+                tree.kill()
 
 
 EXIT_FILES_WAIT_S = 15.0
 
 
-def _exit_files(exit_dir: str, ranks: int, session: int) -> dict[int, int]:
+def _exit_files(exit_dir: str, ranks: int, tree: Any) -> dict[int, int]:
     """{rank: status} from the files cli_exit_status.py wrote in EXIT_DIR. Once a rank of
     the job has died (a status of 128 + signal), the launcher may return before a
     survivor's guardian has written its file (the line it prints never arrives). Under Open
@@ -371,12 +401,13 @@ def _exit_files(exit_dir: str, ranks: int, session: int) -> dict[int, int]:
     0.5 s after prterun returned. Under MPICH on 2 simulated nodes, once in a CI run of
     1,334 tests, hydra returned with shard 0's line and file both missing, its worker's
     last line ("results in") printed. So wait, up to EXIT_FILES_WAIT_S, for all `ranks`
-    files while a process of the job's `session` (the launcher's) lives: a job the
-    launcher aborted (its guardians killed, no files to come) costs no wait, and a rank
-    that never ends still fails its test."""
+    files while a process of the job's `tree` lives (each rank has a session of its own,
+    so the launcher's session does not find them): a job the launcher aborted (its
+    guardians killed, no files to come) costs no wait, and a rank that never ends still
+    fails its test."""
     deadline = time.monotonic() + EXIT_FILES_WAIT_S
     while True:
-        running = _session_alive(session)
+        running = bool(tree.alive())
         found = {int(name.removeprefix("rank-")): int(Path(exit_dir, name).read_text())
                  for name in os.listdir(exit_dir)
                  if name.startswith("rank-") and name.removeprefix("rank-").isdigit()}
@@ -385,12 +416,6 @@ def _exit_files(exit_dir: str, ranks: int, session: int) -> dict[int, int]:
                 or time.monotonic() > deadline):
             return found
         time.sleep(0.05)
-
-
-def _session_alive(session: int) -> bool:
-    """Whether a process of session `session` still runs (zombies do not count)."""
-    return any(len(fields) > 3 and fields[3] == str(session) and fields[0] != "Z"
-               for _, fields in stuck_launcher.process_stats())
 
 
 EXIT_DIR = "DISTBELIEF_TEST_EXIT_DIR"
@@ -417,12 +442,14 @@ def wait_for_training(proc: subprocess.Popen, out: Path, log: Path) -> None:
 
 
 def wait_or_kill(proc: subprocess.Popen, timeout: float = 60) -> int:
-    """PROC's exit status; if it has not ended within TIMEOUT s, its process group is
-    killed and the test fails."""
+    """PROC's exit status; if it has not ended within TIMEOUT s, it and every process it
+    started are killed and the test fails."""
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
+        tree = _job_tree(proc.pid)
+        tree.sample()
+        tree.kill()
         proc.wait()
         pytest.fail(f"{proc.args} did not end within {timeout} s")
 

@@ -20,6 +20,7 @@ from conftest import (
     launcher_failed_to_start,
     mpiexec,
     run_mpi,
+    simulated_nodes_launch,
     small_config_text,
     survive_a_death,
 )
@@ -218,3 +219,25 @@ def test_the_mpi_init_bound_grows_with_the_job(monkeypatch, environ, bound):
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     assert guardian.init_timeout() == pytest.approx(bound)
+
+
+@pytest.mark.both_mpis
+def test_a_timed_out_job_is_ended_whole_and_its_ranks_stacks_are_shown(tmp_path: Path) -> None:
+    # Hydra's proxies and ranks each call setsid, so a timeout that killed mpiexec's process
+    # group left the ranks alive (CI at stop 47: a hung job's ranks spun on, and the next
+    # four tests crawled). run_mpi follows the job's process tree and ends all of it, and
+    # each rank prints its Python stack first, which names where it hung.
+    program = tmp_path / "hang.py"
+    program.write_text("from mpi4py import MPI\nimport time\n\n"
+                       "def hang_here():\n    time.sleep(600)\n\n"
+                       "MPI.COMM_WORLD.Barrier()\nprint('in', flush=True)\nhang_here()\n")
+    launch, env = simulated_nodes_launch(2, _env())
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_mpi(3, [program], timeout=10, env=env, launcher_options=launch)
+    message = str(failed.value)
+    assert "timed out after 10s" in message
+    assert message.count("in hang_here") == 3, message[-4000:]  # each rank's stack
+    deadline = time.monotonic() + 10
+    while _processes_naming(str(program)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _processes_naming(str(program))
