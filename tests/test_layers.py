@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("launch", ("distbelief.algorithms.launch",)),
     ("compare", ("distbelief.compare",)),
     ("api", ("distbelief", "distbelief.api")),
-    ("cli", ("distbelief.cli", "distbelief.__main__")),
+    ("cli", ("distbelief.cli", "distbelief.cli_help", "distbelief.__main__")),
 ]
 
 

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from distbelief import __version__
+from distbelief import __version__, cli_help
 from distbelief.algorithms import registry
 from distbelief.errors import EXIT_USER_ERROR, ConfigError, UserError
 from distbelief.runtime import guardian, launcher
@@ -30,44 +30,6 @@ from distbelief.runtime.guardian import start_mpi
 PROG = "distbelief"
 EVAL_BATCH_SIZE = 1000
 """Rows per forward pass in `evaluate`: the trainers' (algorithms.common.EVAL_BATCH_SIZE)."""
-
-TRAIN_HELP = """\
-Train the model of a TOML configuration until one of its stop rules fires (run.max_steps,
-run.max_seconds, run.target_accuracy). The whole configuration, the data file included, is
-checked first. Results go to run.out_dir (default runs/<config name>): config.json,
-metrics.jsonl and summary.json. A relative data.path is read from the config file's folder,
-a relative run.out_dir from the current one. Every key: docs/configuration.md.
-
-algorithms (optimizer.algorithm; `distbelief help ALGORITHM` prints one's keys):
-{algorithms}
-
-Every algorithm but sgd runs over MPI ranks, started with mpiexec; cluster.partitions = P
-splits each replica over P ranks. A layout whose ranks need more memory than a node has is
-refused before anything starts.
-
-Checkpoints go to run.out_dir/checkpoints every run.checkpoint_every_seconds and when the
-run stops, also on SIGTERM or SIGUSR1 (exit 0) and Ctrl-C (exit 130; a second one stops at
-once). A run.out_dir holding a checkpoint of the same settings resumes from it. One live
-run per run.out_dir: `distbelief status RUN_DIR` names its owner.
-
-examples:
-  distbelief train configs/fashion_mnist_mlp.toml
-  distbelief train configs/fashion_mnist_mlp.toml --set run.max_steps=20000 --resume
-  mpiexec -n 4 python -m distbelief train configs/fashion_mnist_downpour.toml
-  mpiexec -n 3 python -m distbelief train configs/fashion_mnist_averaging.toml \\
-      --set optimizer.elastic_alpha=0.45
-  distbelief help downpour
-"""
-
-HELP_HELP = """\
-Print what an algorithm does and the [optimizer] keys it owns, with their defaults and
-what they do, from the declarations config reads; `optimizer` prints the keys every
-algorithm shares. docs/configuration.md has the same tables.
-
-examples:
-  distbelief help downpour
-  distbelief help optimizer
-"""
 
 
 def _algorithm_lines() -> str:
@@ -81,199 +43,7 @@ def _algorithm_lines() -> str:
 
 
 def _train_help() -> str:
-    return TRAIN_HELP.format(algorithms=_algorithm_lines())
-
-
-REPORT_HELP = """\
-Plot one or more finished (or running) training runs: test accuracy against wall time,
-test accuracy against training samples, and training loss against samples (the mean over
-each 0.5 s of steps); for Downpour runs also the staleness histogram and the replicas'
-throughput, for Sandblaster runs its iterations and work units. Several runs share each
-figure, labelled by their folder names. The PNG files go into the run's own folder, or,
-for several runs, into a compare-A+B folder beside the first; --out chooses another.
-Needs matplotlib (pip install 'distbelief[plot]').
-
-examples:
-  distbelief report runs/fashion_mnist_mlp          # writes runs/fashion_mnist_mlp/*.png
-  distbelief report runs/sgd runs/downpour          # writes runs/compare-sgd+downpour/*.png
-  distbelief report runs/sgd runs/downpour --out plots/
-"""
-
-COMPARE_HELP = """\
-Train one configuration with several algorithms, one run after another, and compare them
-as Dean et al. 2012 did (Figures 4 and 5): a table of the time and training samples to
-the target accuracy and the final accuracy (median and [min-max] over the seeds), and
-figures: test accuracy against wall time, one curve per algorithm, time to the target
-against the cores (MPI ranks) a run used, one line per algorithm, and test accuracy
-against the bytes the replicas sent.
-
---algorithm NAME[:SECTION.KEY=VALUE,...] (repeatable) gives an algorithm and the settings
-only its runs get, e.g. sync:optimizer.backup_workers=1 or
-sandblaster:data.batch_size=6000. Every algorithm runs at every --replicas count (sgd
-runs once: it is one process), every --learning-rates value and every --seeds value.
---max-seconds and --target set run.max_seconds and run.target_accuracy for all runs.
-With a validation split (data.validation in CONFIG, or --set data.validation=0.1), the
-target, the time to it and the curves use validation accuracy, and the final accuracy is
-each run's test accuracy, evaluated once at its end.
-
-Each run is `distbelief train`, started as LAUNCHER python -m distbelief train CONFIG
---set ... with LAUNCHER's {n} replaced by the run's rank count: ps_shards + replicas x
-partitions, one more for Sandblaster's coordinator; algorithms that keep no parameters
-on shards run with cluster.ps_shards = 0; "sgd" runs without a launcher. Its output is
-shown indented as it comes and kept in DIR/logs/; its folder DIR/runs/NAME is an ordinary
-run.out_dir (`distbelief report DIR/runs/NAME` works). A run that fails (non-zero exit) is
-shown as FAILED, counted in the table's "failed" column, and the comparison goes on.
-
-Run the same command again to resume: runs that finished with the same settings are not
-run again, an interrupted one continues from its checkpoint, one whose settings changed
-starts over (train --fresh: the old files are moved aside). Ctrl-C (or SIGTERM, SIGUSR1:
-SLURM's time limit) is passed to the current run as SIGUSR1, which every launcher passes
-to the ranks: the run checkpoints and stops, no other run starts, the table of what
-finished is written, and compare exits 130 after Ctrl-C, 0 after SIGTERM or SIGUSR1 (so
-slurm/compare.sbatch requeues the job). A second Ctrl-C kills the run at once. A run that
-fails does not change the exit status: the table counts it. One comparison at a time
-owns DIR.
-Writes DIR/table.csv, DIR/runs.csv, DIR/accuracy_vs_time.png and
-DIR/time_to_target_vs_cores.png and DIR/accuracy_vs_bytes_sent.png (needs matplotlib:
-pip install 'distbelief[plot]'). The table and runs.csv also give the bytes the replicas
-sent per sample trained (summary.json's bytes_sent_per_sample).
-
-examples:
-  distbelief compare configs/fashion_mnist_mlp.toml --algorithm sgd --algorithm downpour \\
-      --algorithm sandblaster:data.batch_size=6000 --replicas 2 --target 0.88 \\
-      --max-seconds 120 --out comparisons/fashion_mnist
-  distbelief compare configs/fashion_mnist_mlp.toml --algorithm downpour \\
-      --algorithm sync:optimizer.backup_workers=1 --replicas 1,2,4 --seeds 0,1,2 \\
-      --learning-rates 0.01,0.02
-  # inside an sbatch allocation (see slurm/compare.sbatch):
-  distbelief compare configs/fashion_mnist_mlp.toml --algorithm downpour --replicas 4,8,16 \\
-      --launcher "srun --mpi=pmix -n {n}"
-"""
-
-INSPECT_HELP = """\
-Show what a checkpoint holds: step, samples, training time, config hash, the parameter
-layout, the shards and their ranges, and every part file with its size and whether its
-sha256 checksum matches. Given a run folder (or its checkpoints/ folder), shows every
-checkpoint there, newest first, and any leftovers of an interrupted commit. Exit status 0
-when the checkpoint (or, for a folder, the newest one) is valid, 1 when it is not.
-
-examples:
-  distbelief inspect runs/fashion_mnist_mlp
-  distbelief inspect runs/fashion_mnist_mlp/checkpoints/ckpt-0000004000
-"""
-
-STATUS_HELP = """\
-Say what the run in RUN_DIR is doing, from its files alone (no MPI: run it on a login
-node): whether a run owns the folder and where (host, process, SLURM job, since when), its
-last step, last evaluation and last checkpoint, and when it last showed a sign of life
-(its heartbeat or its newest metrics line). A run on another host whose heartbeat is older
-than run.owner_timeout_seconds is reported as taken for dead. Nothing is written.
-
-examples:
-  distbelief status runs/fashion_mnist_mlp
-  distbelief status runs/fashion_mnist_mlp --json
-"""
-
-COSTMODEL_HELP = """\
-Predict, before submitting a job, how fast a configuration trains and how much memory each
-rank needs:
-
-- model parallelism (--partitions): the step time of one replica split over P ranks, from
-  each partition's floating-point work and the activations that cross partitions;
-- data parallelism (--layouts S:R:P): Downpour's step time and throughput with S
-  parameter-server shards, R replicas and P partitions each, counting each replica's push
-  and pull, each shard's fold of every replica's gradient and its link, and the memory of
-  every rank (the formulas: docs/performance.md, "Memory per rank");
-- a plan (--plan --nodes N --cores C --memory M --bandwidth B): the layouts of up to N x C
-  ranks (one per core) that fit nodes of M bytes, fastest first.
-
-The machine figures come from options (--gflops, --bandwidth, ...) or, with --measure,
-from timing this machine: a training step of the model, its widest GEMM at full and
-narrow width, a Put and Get of the parameters through an MPI window (run it under
-`mpiexec -n 2` to time one between two processes), and the Adagrad fold. The model and
-what it leaves out: docs/model-parallelism.md, "Cost model". The data file is read only
-for its shapes; give --input-shape and --classes to model a network without one.
-
-examples:
-  distbelief costmodel configs/fashion_mnist_local.toml --partitions 1,2,4,8
-  distbelief costmodel configs/paper_speech_42m.toml --input-shape 440 --classes 8192 \\
-      --partitions 1,2,4,8,16 --gflops 100 --bandwidth 1.25 --latency 50 \\
-      --message-us 300 --half-width 1024          # the paper's Figure 3 shape
-  mpiexec -n 2 python -m distbelief costmodel CONFIG --measure --layouts 1:1:1,2:1:1,1:2:1
-  distbelief costmodel CONFIG --plan --nodes 8 --cores 16 --memory 64G --bandwidth 12.5
-"""
-
-EVALUATE_HELP = """\
-Print the loss and accuracy of a trained model on a dataset file: by default the best
-model of RUN_DIR (the best evaluation's, kept by run.keep_best; else its newest valid
-checkpoint) on the run's own test set. --which last scores the newest checkpoint, which
-gives a test-split run's final_test_accuracy (when the run evaluated its whole test set:
-run.eval_samples = 0).
-Works for every algorithm, shard count and partition count, in one process, without
-mpiexec: run it on a login node. A checkpoint folder or a
-`distbelief export` file works too. A damaged newest checkpoint is named on stderr and
-the one before it used. --split validation reads the run's validation split: the rows
-of /train it held out (data.validation), or the file's /val; --split train reads all of
-/train, held-out rows included.
-
-examples:
-  distbelief evaluate runs/fashion_mnist_mlp
-  distbelief evaluate runs/fashion_mnist_mlp --split validation
-  distbelief evaluate runs/fashion_mnist_mlp --which last
-  distbelief evaluate runs/fashion_mnist_mlp --data data/other.h5 --split train --json
-  distbelief evaluate model.safetensors --data data/fashion_mnist.h5
-"""
-
-EXPORT_HELP = """\
-Write a trained model (RUN_DIR's best model, kept by run.keep_best, else its newest valid
-checkpoint: --which chooses; or a checkpoint folder) as
-named per-layer float32 arrays, with the layer specification, the input shape and scale
-and the class count as metadata: an HDF5 file that plain h5py reads, or a safetensors file
-that safetensors.numpy / safetensors.torch read. Dense layers are named and shaped as
-PyTorch's nn.Linear (layers.<i>.weight (out, in), layers.<i>.bias), so a ModuleList of
-Linear layers load_state_dict()s them; docs/using-a-trained-model.md gives the shapes of
-locally connected layers and a numpy forward. The format is the one FILE's extension
-names (.h5, .safetensors) unless --format says. Optimizer state is left out unless
---with-optimizer, which reads the newest checkpoint (the best holds no optimizer state).
-An existing file is never overwritten.
-
-examples:
-  distbelief export runs/fashion_mnist_mlp --out mlp.h5
-  distbelief export runs/fashion_mnist_mlp --out mlp.safetensors
-  distbelief export runs/fashion_mnist_mlp --which last --out last.h5
-  distbelief export runs/fashion_mnist_mlp/checkpoints/ckpt-0000004000 --out mlp.h5 \\
-      --with-optimizer
-"""
-
-PREPARE_HELP = """\
-Write a dataset in distbelief's HDF5 format (/train/x, /train/y, /test/x, /test/y).
-
-examples:
-  distbelief prepare fashion-mnist
-  distbelief prepare fashion-mnist --src ~/Downloads/fashion --out data/fashion_mnist.h5
-  distbelief prepare synthetic --out data/synth.h5 --train 50000 --test 5000 \\
-      --shape 28,28,1 --classes 10
-  distbelief prepare arrays mnist.npz --out data/mnist.h5      (your own data)
-"""
-
-
-ARRAYS_HELP = """\
-Convert your own arrays into distbelief's dataset format: an .npz archive, a pair of .npy
-files, or datasets of another HDF5 file (Keras- or scikit-learn-style names such as
-x_train, y_train, x_test, y_test are found by themselves; other names are given with --x,
---y, --x-test, --y-test). Inputs are (N, *input_shape): (N, F) features or (N, H, W, C)
-images; labels are class indices 0..K-1. uint8 inputs are kept as bytes (scale 1/255),
-other numbers are stored as float32. .npy files and HDF5 datasets are read in blocks, so
-they may be larger than memory; an .npz archive is read into memory. From Python:
-distbelief.data.write_dataset. More: docs/your-own-data.md.
-
-examples:
-  distbelief prepare arrays mnist.npz --out data/mnist.h5
-  distbelief prepare arrays --x features.npy --y labels.npy --test-fraction 0.1 \\
-      --out data/mine.h5
-  distbelief prepare arrays recordings.h5 --x train/X --y train/labels \\
-      --x-test eval/X --y-test eval/labels --out data/speech.h5
-"""
+    return cli_help.TRAIN_HELP.format(algorithms=_algorithm_lines())
 
 
 def _algorithm_list() -> str:
@@ -329,13 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "there (nothing is deleted)")
 
     helper = _command(commands, "help", "print an algorithm's description and its "
-                      "[optimizer] keys", HELP_HELP, cmd_help)
+                      "[optimizer] keys", cli_help.HELP_HELP, cmd_help)
     helper.add_argument("algorithm", metavar="ALGORITHM", nargs="?", default=None,
                         help=f"one of {', '.join(registry.names())}, or optimizer (the "
                              "shared keys); none: the list of algorithms")
 
     report = _command(commands, "report", "plot the curves of one or more runs",
-                      REPORT_HELP, cmd_report)
+                      cli_help.REPORT_HELP, cmd_report)
     report.add_argument("run_dirs", metavar="RUN_DIR", nargs="+",
                         help="a run's output folder (holding metrics.jsonl)")
     report.add_argument("--out", metavar="DIR", default=None,
@@ -343,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "several runs, compare-A+B beside the first)")
 
     compare = _command(commands, "compare", "train one configuration with several "
-                       "algorithms and compare them (table, figures)", COMPARE_HELP,
+                       "algorithms and compare them (table, figures)", cli_help.COMPARE_HELP,
                        cmd_compare)
     compare.add_argument("config", metavar="CONFIG", help="the base TOML configuration")
     compare.add_argument("--algorithm", metavar="NAME[:SECTION.KEY=VALUE,...]",
@@ -377,18 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the comparison's folder (default: comparisons/<config name>)")
 
     status = _command(commands, "status", "say whether a run is alive, where, and "
-                      "how far it got", STATUS_HELP, cmd_status)
+                      "how far it got", cli_help.STATUS_HELP, cmd_status)
     status.add_argument("run_dir", metavar="RUN_DIR", help="a run's output folder")
     _json_option(status, "the same")
 
     inspect = _command(commands, "inspect", "show what a checkpoint holds and whether "
-                       "it is valid", INSPECT_HELP, cmd_inspect)
+                       "it is valid", cli_help.INSPECT_HELP, cmd_inspect)
     inspect.add_argument("path", metavar="CHECKPOINT_OR_RUN_DIR",
                          help="a checkpoint folder, a checkpoints/ folder or a run.out_dir")
 
     cost = _command(commands, "costmodel", "predict step time, throughput and memory per "
                     "rank for shards x replicas x partitions, or plan a layout",
-                    COSTMODEL_HELP, cmd_costmodel)
+                    cli_help.COSTMODEL_HELP, cmd_costmodel)
     cost.add_argument("config", metavar="CONFIG", help="the TOML configuration file")
     cost.add_argument("--partitions", metavar="P,P,...", type=_positive_ints,
                       default=(1, 2, 4, 8), help="partition counts of one replica "
@@ -440,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="number of classes instead of the data file's")
 
     evaluate = _command(commands, "evaluate", "print a trained model's loss and "
-                        "accuracy on a dataset file", EVALUATE_HELP, cmd_evaluate)
+                        "accuracy on a dataset file", cli_help.EVALUATE_HELP, cmd_evaluate)
     evaluate.add_argument("path", metavar="RUN_DIR|CHECKPOINT",
                           help="a run folder, a checkpoint folder or an export file")
     evaluate.add_argument("--data", metavar="FILE", default=None,
@@ -452,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     _json_option(evaluate)
 
     export = _command(commands, "export", "write a trained model's weights as named "
-                      "arrays (HDF5 or safetensors)", EXPORT_HELP, cmd_export)
+                      "arrays (HDF5 or safetensors)", cli_help.EXPORT_HELP, cmd_export)
     export.add_argument("path", metavar="RUN_DIR|CHECKPOINT",
                         help="a run folder or a checkpoint folder")
     export.add_argument("--out", metavar="FILE", required=True, help="the file to write")
@@ -465,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     _which_option(export, "; last with --with-optimizer: the best holds no optimizer "
                           "state")
 
-    prepare = _command(commands, "prepare", "write a dataset as HDF5", PREPARE_HELP)
+    prepare = _command(commands, "prepare", "write a dataset as HDF5", cli_help.PREPARE_HELP)
     kinds = prepare.add_subparsers(dest="dataset", required=True, metavar="DATASET")
     fashion = kinds.add_parser(
         "fashion-mnist", help="convert the Fashion-MNIST IDX files",
@@ -497,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     arrays = kinds.add_parser(
         "arrays", help="convert your own arrays (.npz, .npy pairs, another HDF5 file)",
-        description=ARRAYS_HELP, formatter_class=raw)
+        description=cli_help.ARRAYS_HELP, formatter_class=raw)
     arrays.add_argument("source", metavar="SOURCE", nargs="?",
                         help="an .npz or HDF5 file holding the arrays (leave it out to give "
                              ".npy files to --x and --y)")
