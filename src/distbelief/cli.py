@@ -352,7 +352,7 @@ def _shape(text: str) -> tuple[int, ...]:
 def cmd_train(args: argparse.Namespace) -> int:
     from distbelief.config import load_config
 
-    several = launched_with_several_ranks()
+    several = launcher.launched_with_several_ranks()
     if several and "mpi4py.MPI" not in sys.modules and not guardian.is_worker():
         # This process is what the launcher started: it becomes the rank's guardian and
         # the same command runs as its worker (distbelief.runtime.guardian says why).
@@ -461,7 +461,7 @@ def cmd_costmodel(args: argparse.Namespace) -> int:
         figures = (f"per rank {args.gflops:g} GFLOP/s, link {args.bandwidth:g} GB/s, "
                    f"{args.latency:g} us + {args.message_us:g} us per message, fold "
                    f"{args.fold_rate:g} Gparam/s")
-    if _rank() != 0:
+    if launcher.world_rank() != 0:
         return 0
     print(f"{network.layout.size:,d} parameters, batch {batch}; {figures}"
           + (f"; half-speed block {machine.half_width:g} units" if machine.half_width
@@ -646,28 +646,6 @@ def cmd_prepare_synthetic(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------
-# MPI
-
-
-def launched_with_several_ranks() -> bool:
-    """True when an MPI launcher (MPICH/Slurm PMI, Open MPI) started more than one rank.
-
-    Read from the launcher's environment so that a plain run never starts MPI.
-    """
-    if "mpi4py.MPI" in sys.modules:
-        return True  # e.g. `python -m mpi4py -m distbelief`: MPI is up already
-    return launcher.launcher_size() > 1
-
-
-def _rank() -> int:
-    """This process's rank in COMM_WORLD, 0 when MPI was never started."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
-        return 0
-    return mpi.COMM_WORLD.Get_rank()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     _flush_subnormals_from_the_start()
@@ -699,7 +677,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        if _rank() == 0:
+        if launcher.world_rank() == 0:
             message = " ".join(str(e).split("\n"))
             print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR

@@ -14,6 +14,7 @@ Each launcher names the rank and the job size in its own variables:
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
@@ -53,6 +54,24 @@ def launcher_size(environ: Mapping[str, str] = os.environ) -> int:
         if value.isdigit() and int(value) > 0:
             return int(value)
     return 1
+
+
+def launched_with_several_ranks() -> bool:
+    """True when an MPI launcher (MPICH/Slurm PMI, Open MPI) started more than one rank.
+
+    Read from the launcher's environment so that a plain run never starts MPI.
+    """
+    if "mpi4py.MPI" in sys.modules:
+        return True  # e.g. `python -m mpi4py -m distbelief`: MPI is up already
+    return launcher_size() > 1
+
+
+def world_rank() -> int:
+    """This process's rank in COMM_WORLD, 0 when MPI was never started."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return 0
+    return mpi.COMM_WORLD.Get_rank()
 
 
 def quiet_osc_ucx(environ: MutableMapping[str, str] = os.environ,
