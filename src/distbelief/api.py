@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from distbelief.data.hdf5 import to_float
+from distbelief.data.hdf5 import load_split, open_dataset, to_float, with_validation
 from distbelief.errors import DataError
 from distbelief.records.export import TrainedModel, read_trained
 
@@ -144,3 +144,33 @@ def load_model(path: str | Path, data: str | Path | None = None,
     for skipped in trained.source.get("skipped", []):
         warnings.warn(f"skipped a damaged checkpoint: {skipped}", stacklevel=2)
     return Model(trained)
+
+
+def evaluate_split(path: str | Path, trained: TrainedModel, data: str | Path | None,
+                   split: str) -> dict[str, Any]:
+    """`distbelief evaluate`: the loss and accuracy of `trained` (read from `path`) on
+    `split` ("test", "validation" or "train") of the dataset file `data`, by default the
+    one it was trained on; with where the figures came from, as --json prints them."""
+    file = data or trained.source.get("data")
+    if file is None:
+        raise DataError(f"{path} names no dataset file: give one with --data FILE")
+    try:
+        info = open_dataset(file)
+    except DataError as exc:
+        if data:
+            raise
+        raise DataError(f"{exc} (the data file the model was trained on); give another "
+                        "with --data FILE") from exc
+    if info.input_shape != trained.input_shape or info.num_classes != trained.num_classes:
+        raise DataError(f"{info.path} holds inputs {info.input_shape} in {info.num_classes} "
+                        f"classes, the model takes {trained.input_shape} in "
+                        f"{trained.num_classes}")
+    if split == "validation":  # the run's held-out rows, or the file's /val
+        info = with_validation(info, trained.source.get("validation") or 0.0)
+    x, y = load_split(info, split)  # scaled by the file's own scale, as in training
+    loss, accuracy = trained.network().evaluate(trained.params, x, y, batch_size=BATCH_SIZE)
+    return {"loss": loss, "accuracy": accuracy, "data": str(info.path),
+            "split": split, "samples": len(y), "model": str(path),
+            "checkpoint": trained.source.get("path"), "step": trained.source.get("step"),
+            "which": trained.source.get("which"),
+            "kept_for": trained.source.get("evaluation")}

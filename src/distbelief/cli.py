@@ -28,8 +28,6 @@ from distbelief.runtime import guardian, launcher
 from distbelief.runtime.guardian import start_mpi
 
 PROG = "distbelief"
-EVAL_BATCH_SIZE = 1000
-"""Rows per forward pass in `evaluate`: the trainers' (algorithms.common.EVAL_BATCH_SIZE)."""
 
 
 def _algorithm_lines() -> str:
@@ -552,37 +550,13 @@ def _which_option(parser: argparse.ArgumentParser, note: str = "") -> None:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
-    from distbelief.data.hdf5 import load_split, open_dataset, with_validation
-    from distbelief.errors import DataError
+    from distbelief.api import evaluate_split
     from distbelief.records.export import read_trained
 
     trained = read_trained(args.path, data=args.data, which=args.which)
     for skipped in trained.source.get("skipped", []):
         print(f"{PROG}: skipped a damaged checkpoint: {skipped}", file=sys.stderr)
-    data = args.data or trained.source.get("data")
-    if data is None:
-        raise DataError(f"{args.path} names no dataset file: give one with --data FILE")
-    try:
-        info = open_dataset(data)
-    except DataError as exc:
-        if args.data:
-            raise
-        raise DataError(f"{exc} (the data file the model was trained on); give another "
-                        "with --data FILE") from exc
-    if info.input_shape != trained.input_shape or info.num_classes != trained.num_classes:
-        raise DataError(f"{info.path} holds inputs {info.input_shape} in {info.num_classes} "
-                        f"classes, the model takes {trained.input_shape} in "
-                        f"{trained.num_classes}")
-    if args.split == "validation":  # the run's held-out rows, or the file's /val
-        info = with_validation(info, trained.source.get("validation") or 0.0)
-    x, y = load_split(info, args.split)  # scaled by the file's own scale, as in training
-    loss, accuracy = trained.network().evaluate(trained.params, x, y,
-                                                batch_size=EVAL_BATCH_SIZE)
-    result = {"loss": loss, "accuracy": accuracy, "data": str(info.path),
-              "split": args.split, "samples": len(y), "model": str(args.path),
-              "checkpoint": trained.source.get("path"), "step": trained.source.get("step"),
-              "which": trained.source.get("which"),
-              "kept_for": trained.source.get("evaluation")}
+    result = evaluate_split(args.path, trained, args.data, args.split)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -592,8 +566,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     kept = result["kept_for"]
     why = (f", kept for its {kept.get('split', 'test')} accuracy {kept['accuracy']:.4f}"
            if kept else "")
-    print(f"loss {loss:.4f}, accuracy {accuracy:.4f} on {info.path} /{args.split} "
-          f"({len(y):,d} samples); model {args.path}{origin}{step}{why}")
+    print(f"loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f} on {result['data']} "
+          f"/{args.split} ({result['samples']:,d} samples); model {args.path}{origin}{step}{why}")
     return 0
 
 
