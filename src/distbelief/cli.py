@@ -23,7 +23,7 @@ from typing import Any
 
 from distbelief import __version__, cli_help
 from distbelief.algorithms import registry
-from distbelief.errors import EXIT_USER_ERROR, ConfigError, UserError
+from distbelief.errors import EXIT_USER_ERROR, UserError
 from distbelief.runtime import guardian, launcher
 from distbelief.runtime.guardian import start_mpi
 
@@ -425,66 +425,15 @@ def _layouts(text: str) -> tuple[tuple[int, int, int], ...]:
 
 
 def cmd_costmodel(args: argparse.Namespace) -> int:
-    from distbelief.algorithms.memory_plan import print_layouts, print_plan
-    from distbelief.config import build_network, load_config
-    from distbelief.model.cost_model import Link, Machine, format_table, predict
-    from distbelief.model.network import Network
+    from distbelief.algorithms.memory_plan import costmodel
 
-    config = load_config(args.config, check_data=False)
-    if (args.input_shape is None) != (args.classes is None):
-        raise ConfigError("give --input-shape and --classes together, or neither (then "
-                          "the data file's are used)")
-    info = None
-    if args.input_shape is not None:
-        network = Network(args.input_shape, [dict(layer) for layer in config.model.layers],
-                          args.classes)
-    else:
-        from distbelief.data.hdf5 import open_dataset
-
-        info = open_dataset(config.data.path, labels=False)
-        network = build_network(config, info)
-    batch = args.batch or config.data.batch_size
-    cores = args.cores
-    if args.measure:
-        from distbelief.model.calibrate import measure
-
-        measured = measure(network, batch)
-        cores = cores or os.cpu_count() or 1
-        machine = measured.machine(args.message_us * 1e-6, cores)
-        figures = measured.describe()
-    else:
-        machine = Machine(args.gflops * 1e9, Link(args.bandwidth * 1e9, args.latency * 1e-6,
-                                                  args.message_us * 1e-6),
-                          args.fold_rate * 1e9, args.half_width, cores or 0)
-        figures = (f"per rank {args.gflops:g} GFLOP/s, link {args.bandwidth:g} GB/s, "
-                   f"{args.latency:g} us + {args.message_us:g} us per message, fold "
-                   f"{args.fold_rate:g} Gparam/s")
-    if launcher.world_rank() != 0:
-        return 0
-    print(f"{network.layout.size:,d} parameters, batch {batch}; {figures}"
-          + (f"; half-speed block {machine.half_width:g} units" if machine.half_width
-             and not args.measure else ""))
-    node_bytes = _node_bytes(args.memory)
-    if args.plan:
-        return print_plan(args.nodes, args.cores, args.bandwidth, args.transport, config,
-                          info, network, batch, machine, node_bytes)
-    if args.layouts:
-        print_layouts(args.layouts, args.transport, config, info, network, batch, machine,
-                      node_bytes)
-        return 0
-    try:
-        predictions = [predict(network, p, batch, machine.flops, machine.link,
-                               machine.half_width) for p in args.partitions]
-    except ValueError as e:
-        raise ConfigError(f"--partitions: {e}") from e
-    print(format_table(predictions))
-    return 0
-
-
-def _node_bytes(text: str | None) -> int | None:
-    from distbelief.runtime.memory import parse_size
-
-    return None if text is None else parse_size(text)
+    return costmodel(args.config, partitions=args.partitions, layouts=args.layouts,
+                     plan=args.plan, nodes=args.nodes, cores=args.cores, memory=args.memory,
+                     measure=args.measure, gflops=args.gflops, bandwidth=args.bandwidth,
+                     latency=args.latency, message_us=args.message_us,
+                     half_width=args.half_width, fold_rate=args.fold_rate,
+                     transport=args.transport, batch=args.batch,
+                     input_shape=args.input_shape, classes=args.classes)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

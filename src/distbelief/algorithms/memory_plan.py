@@ -9,6 +9,7 @@ same prediction (print_layouts) and plans a layout (print_plan). docs/performanc
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from distbelief.model.memory_model import (
     largest,
     predict_memory,
 )
+from distbelief.runtime.launcher import world_rank
 from distbelief.runtime.memory import node_memory_bytes
 from distbelief.runtime.placement import spread_order
 
@@ -297,3 +299,69 @@ def print_plan(nodes: int, cores: int | None, bandwidth: float, transport: str,
           f" ranks: --set cluster.ps_shards={best.shards} --set cluster.partitions="
           f"{best.partitions}")
     return 0
+
+
+def costmodel(config_path: str, *, partitions: Sequence[int],
+              layouts: Sequence[tuple[int, int, int]], plan: bool, nodes: int,
+              cores: int | None, memory: str | None, measure: bool, gflops: float,
+              bandwidth: float, latency: float, message_us: float, half_width: float,
+              fold_rate: float, transport: str, batch: int | None,
+              input_shape: tuple[int, ...] | None, classes: int | None) -> int:
+    """`distbelief costmodel` (its --help says what each argument is): print the
+    predictions for the configuration at `config_path`; the exit status (print_plan's).
+    With --measure under mpiexec, collective over COMM_WORLD (the Put and Get timed
+    between two processes); rank 0 prints."""
+    from distbelief.config import build_network, load_config
+    from distbelief.model.cost_model import Link, Machine, format_table, predict
+    from distbelief.model.network import Network
+
+    config = load_config(config_path, check_data=False)
+    if (input_shape is None) != (classes is None):
+        raise ConfigError("give --input-shape and --classes together, or neither (then "
+                          "the data file's are used)")
+    info = None
+    if input_shape is not None:
+        network = Network(input_shape, [dict(layer) for layer in config.model.layers], classes)
+    else:
+        from distbelief.data.hdf5 import open_dataset
+
+        info = open_dataset(config.data.path, labels=False)
+        network = build_network(config, info)
+    batch = batch or config.data.batch_size
+    if measure:
+        from distbelief.model import calibrate
+
+        measured = calibrate.measure(network, batch)
+        machine = measured.machine(message_us * 1e-6, cores or os.cpu_count() or 1)
+        figures = measured.describe()
+    else:
+        machine = Machine(gflops * 1e9, Link(bandwidth * 1e9, latency * 1e-6, message_us * 1e-6),
+                          fold_rate * 1e9, half_width, cores or 0)
+        figures = (f"per rank {gflops:g} GFLOP/s, link {bandwidth:g} GB/s, "
+                   f"{latency:g} us + {message_us:g} us per message, fold "
+                   f"{fold_rate:g} Gparam/s")
+    if world_rank() != 0:
+        return 0
+    print(f"{network.layout.size:,d} parameters, batch {batch}; {figures}"
+          + (f"; half-speed block {machine.half_width:g} units" if machine.half_width
+             and not measure else ""))
+    node_bytes = _node_bytes(memory)
+    if plan:
+        return print_plan(nodes, cores, bandwidth, transport, config, info, network, batch,
+                          machine, node_bytes)
+    if layouts:
+        print_layouts(layouts, transport, config, info, network, batch, machine, node_bytes)
+        return 0
+    try:
+        predictions = [predict(network, p, batch, machine.flops, machine.link,
+                               machine.half_width) for p in partitions]
+    except ValueError as e:
+        raise ConfigError(f"--partitions: {e}") from e
+    print(format_table(predictions))
+    return 0
+
+
+def _node_bytes(text: str | None) -> int | None:
+    from distbelief.runtime.memory import parse_size
+
+    return None if text is None else parse_size(text)
