@@ -370,30 +370,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides, open_data=False)  # launch opens it
     from distbelief.algorithms import launch  # numpy: after the subnormal mode is set
 
-    summary = launch.train(config, comm, _resume_mode(args))
-    outcome = os.environ.get(OUTCOME_ENV)
-    if summary is not None and outcome:
-        from distbelief.records.metrics import write_json_atomic
-
-        write_json_atomic(outcome, {"stop_reason": summary["stop_reason"],
-                                    "lost_replicas": len(summary.get("lost_replicas", []))})
-    from distbelief.algorithms.common import (
-        COLLAPSED_STATUS,
-        INTERRUPTED_STATUS,
-        interrupted_by_user,
-    )
-
-    # Ctrl-C stopped the run cleanly (checkpoint and summary written): say so in the status.
-    if interrupted_by_user():
-        return INTERRUPTED_STATUS
-    return COLLAPSED_STATUS if summary and summary.get("stop_reason") == "collapse" else 0
-
-
-OUTCOME_ENV = "DISTBELIEF_OUTCOME_FILE"
-"""If set, the rank that writes summary.json also writes there, when the run ends without
-an error, {"stop_reason": ..., "lost_replicas": N}: the slurm/ scripts read it, because a
-launcher's exit status is not 0 once a rank was lost, even when the others finished the
-run (or stopped it cleanly for a requeue)."""
+    return launch.run(config, comm, _resume_mode(args))
 
 
 def _resume_mode(args: argparse.Namespace) -> str:

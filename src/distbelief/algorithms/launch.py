@@ -9,6 +9,7 @@ once. `distbelief train` parses its arguments and calls this; so can a Python ca
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from distbelief.algorithms.session import RunSetup
 from distbelief.config import Config
 from distbelief.errors import ConfigError
 
-__all__ = ["train"]
+__all__ = ["run", "train"]
 
 
 def train(config: Config, comm: Any = None, resume: str = "auto",
@@ -59,6 +60,36 @@ def train(config: Config, comm: Any = None, resume: str = "auto",
     finally:
         if owner is not None:
             owner.release()
+
+
+OUTCOME_ENV = "DISTBELIEF_OUTCOME_FILE"
+"""If set, the rank that writes summary.json also writes there, when the run ends without
+an error, {"stop_reason": ..., "lost_replicas": N}: the slurm/ scripts read it, because a
+launcher's exit status is not 0 once a rank was lost, even when the others finished the
+run (or stopped it cleanly for a requeue)."""
+
+
+def run(config: Config, comm: Any = None, resume: str = "auto") -> int:
+    """`distbelief train`: `train`, then the outcome file (OUTCOME_ENV) and the process's
+    exit status: 130 after a Ctrl-C that stopped the run cleanly, 4 after a collapse,
+    else 0. Collective over `comm`, as `train` is."""
+    summary = train(config, comm, resume)
+    outcome = os.environ.get(OUTCOME_ENV)
+    if summary is not None and outcome:
+        from distbelief.records.metrics import write_json_atomic
+
+        write_json_atomic(outcome, {"stop_reason": summary["stop_reason"],
+                                    "lost_replicas": len(summary.get("lost_replicas", []))})
+    from distbelief.algorithms.common import (
+        COLLAPSED_STATUS,
+        INTERRUPTED_STATUS,
+        interrupted_by_user,
+    )
+
+    # Ctrl-C stopped the run cleanly (checkpoint and summary written): say so in the status.
+    if interrupted_by_user():
+        return INTERRUPTED_STATUS
+    return COLLAPSED_STATUS if summary and summary.get("stop_reason") == "collapse" else 0
 
 
 def _algorithm(config: Config) -> registry.Algorithm:
