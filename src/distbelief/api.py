@@ -10,6 +10,7 @@
 These names are a contract that users' scripts rely on: `load_model`, `Model` (`predict`,
 `evaluate`, `named_parameters`, `layers`, `input_shape`, `input_scale`, `num_classes`,
 `source`) and `Evaluation` (`loss`, `accuracy`). Change them only by adding.
+`evaluate_split` is `distbelief evaluate`'s: a split of a dataset file, scored.
 
 Nothing below this module imports mpi4py: the model, data and records layers are MPI-free
 (only model.partitioned_network and the ps, runtime and algorithms layers use MPI), so

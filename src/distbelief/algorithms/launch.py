@@ -4,7 +4,8 @@ shards, checks that the layout fits the nodes' memory, runs the configured train
 (algorithms.registry names it) on what it found, and adds every rank's peak memory to the
 summary. The trainer's RunSession receives that set-up (session.RunSetup) instead of
 finding it again, so a resumed run opens the data file and hashes each checkpoint part
-once. `distbelief train` parses its arguments and calls this; so can a Python caller.
+once. `distbelief train` parses its arguments and calls `run`: `train`, then the exit
+status and the outcome file the slurm/ scripts read; a Python caller can call either.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Will this job fit? Each rank's predicted memory (distbelief.model.memory_model) for the
 configured layout, against what its node offers (distbelief.runtime.memory), checked by
 `train` before anything is set up; a layout that needs more is refused on every rank at
-once, naming the largest role and a layout that fits. `distbelief costmodel` prints the
-same prediction (print_layouts) and plans a layout (print_plan). docs/performance.md,
-"Memory per rank".
+once, naming the largest role and a layout that fits. `distbelief costmodel` (costmodel)
+prints the same prediction with the step time (print_layouts) and plans a layout
+(print_plan). docs/performance.md, "Memory per rank".
 """
 
 from __future__ import annotations

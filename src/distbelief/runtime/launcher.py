@@ -1,6 +1,7 @@
 """What the MPI launcher tells a process through its environment, read before MPI starts
 (so that a plain run never starts MPI), for MPICH's Hydra, SLURM's srun and Open MPI's
 mpirun (PRRTE) alike; and the Open MPI settings the command line defaults before MPI_Init.
+Once MPI is up, world_rank reads this process's rank from mpi4py instead.
 
 Each launcher names the rank and the job size in its own variables:
 
