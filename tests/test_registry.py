@@ -40,7 +40,7 @@ def test_averaging_with_elastic_alpha_is_easgd_on_downpours_machinery() -> None:
     assert averaging.load_trainer(1, {"elastic_alpha": None}).__module__ == \
         "distbelief.algorithms.averaging.collective"
     assert averaging.load_trainer(1, {"elastic_alpha": 0.5}).__module__ == \
-        "distbelief.algorithms.downpour.elastic"
+        "distbelief.algorithms.averaging.elastic"
 
 
 def test_only_sgd_trains_in_one_process_and_only_with_one_partition() -> None:

@@ -87,7 +87,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
               "periodic parameter averaging, or EASGD with optimizer.elastic_alpha",
               options="distbelief.algorithms.averaging.options:AveragingOptions",
               shards="elastic_alpha",
-              shard_trainer="distbelief.algorithms.downpour.elastic:train"),
+              shard_trainer="distbelief.algorithms.averaging.elastic:train"),
     Algorithm("hogwild", "distbelief.algorithms.hogwild:train",
               "lock-free shared parameters on one node"),
     Algorithm("diloco", "distbelief.algorithms.averaging.diloco:train",

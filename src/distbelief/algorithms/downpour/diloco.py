@@ -24,7 +24,7 @@ Everything else is Downpour's (n_fetch = n_push = H, which config.json records):
 and their checkpoints (the outer optimizer's state included), shard 0's supervisor, run
 control (max_steps counts total steps), a lost replica written off while the others go
 on. A resumed run starts every replica from the checkpointed global parameters with a
-fresh inner optimizer state (as EASGD's replicas, downpour/elastic.py).
+fresh inner optimizer state (as EASGD's replicas, averaging/elastic.py).
 """
 
 from __future__ import annotations

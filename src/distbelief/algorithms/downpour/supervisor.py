@@ -626,7 +626,7 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
     replicas = sorted(sup.replica_stats.values(), key=lambda s: (s["replica"], s["rank"]))
     resumed = sup.resumed_from
     return {
-        # "averaging" for EASGD, which runs on this machinery (algorithms.downpour.elastic)
+        # "averaging" for EASGD, which runs on this machinery (algorithms.averaging.elastic)
         "algorithm": run_name(config), "stop_reason": sup.reason,
         "config_hash": config_hash(config), "num_params": int(sup.network.layout.size),
         "eval_samples": len(sup.eval_set[1]), "world_size": plan.topology.world_size,

@@ -57,7 +57,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
 
     `replica_role(run, network, fetch)` makes a replica rank's role and
     `shard_update(size)` a shard's update rule (default: optimizer.update's); the
-    variants that reuse Downpour's machinery (EASGD: distbelief.algorithms.downpour.elastic)
+    variants that reuse Downpour's machinery (EASGD: distbelief.algorithms.averaging.elastic)
     pass their own.
     """
     session = RunSession(run_name(config), config, comm, stream, resume, setup=setup)
