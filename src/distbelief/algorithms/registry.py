@@ -90,12 +90,12 @@ ALGORITHMS: tuple[Algorithm, ...] = (
               shard_trainer="distbelief.algorithms.averaging.elastic:train"),
     Algorithm("hogwild", "distbelief.algorithms.hogwild:train",
               "lock-free shared parameters on one node"),
-    Algorithm("diloco", "distbelief.algorithms.averaging.diloco:train",
+    Algorithm("diloco", "distbelief.algorithms.diloco.synchronous:train",
               "DiLoCo: inner_steps local steps, then an outer optimizer on the replicas' "
               "deltas; optimizer.asynchronous applies each delta on the shards",
-              options="distbelief.algorithms.averaging.options:DiLoCoOptions",
+              options="distbelief.algorithms.diloco.options:DiLoCoOptions",
               shards="asynchronous",
-              shard_trainer="distbelief.algorithms.downpour.diloco:train"),
+              shard_trainer="distbelief.algorithms.diloco.asynchronous:train"),
 )
 """Every algorithm, one line each: a new one is a folder under algorithms/ and a line here."""
 

@@ -652,7 +652,7 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
 
 
 def _diloco_settings(config: Config) -> dict[str, Any]:
-    """Asynchronous DiLoCo's settings (algorithms.downpour.diloco), for its summary."""
+    """Asynchronous DiLoCo's settings (algorithms.diloco.asynchronous), for its summary."""
     opt = config.optimizer
     if opt.algorithm != "diloco":
         return {}
