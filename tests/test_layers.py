@@ -255,6 +255,13 @@ def test_what_an_algorithm_builds_on_is_one_way() -> None:
     assert not cycles(graph), f"BUILDS_ON goes both ways: {cycles(graph)}"
 
 
+def test_every_builds_on_pair_is_still_made() -> None:
+    made = {(algorithm_of(module), algorithm_of(target))
+            for module, targets in import_graph(SRC).items() for target in targets}
+    stale = [pair for pair in BUILDS_ON if pair not in made]
+    assert not stale, f"remove these from BUILDS_ON: {stale}"
+
+
 def test_no_private_name_is_imported_from_another_module() -> None:
     found = [f"{a} imports {b}.{name}" for a, b, name in private_imports(SRC)
              if not allowed(a, b, name)]
