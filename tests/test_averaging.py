@@ -22,7 +22,7 @@ from conftest import REPO, _env, run_mpi, survive_a_death
 from helpers import exit_statuses, set_args
 
 from distbelief.algorithms.averaging.collective import check_job
-from distbelief.algorithms.downpour.elastic import CenterUpdate, elastic_step
+from distbelief.algorithms.averaging.elastic import CenterUpdate, elastic_step
 from distbelief.config import build_network, load_config
 from distbelief.data.hdf5 import TrainShard, open_dataset
 from distbelief.errors import DataError

@@ -24,7 +24,7 @@ import pytest
 from conftest import _env, run_mpi, survive_a_death
 from helpers import DELAY, exit_statuses, set_args
 
-from distbelief.algorithms.averaging.diloco import OuterStep
+from distbelief.algorithms.diloco.synchronous import OuterStep
 from distbelief.config import (
     build_network,
     build_outer_optimizer,

@@ -1,8 +1,8 @@
 """The package's layering (docs/architecture.md), checked by reading the imports with `ast`.
 
 Lower layers never import higher ones, and no module imports itself back through others.
-No algorithm imports another (what two share lives in algorithms/common.py or runtime/),
-and no module imports another's _private name (PRIVATE_IMPORTS_ALLOWED says which still do).
+No algorithm imports another (what two share lives in algorithms/common.py or runtime/)
+unless it is built on the other's public machinery (BUILDS_ON, one way), and no module imports another's _private name (PRIVATE_IMPORTS_ALLOWED says which still do).
 Imports inside functions count as much as those at the top: a lazy import is still a
 dependency, and hiding a climb inside a function is how cycles creep back in.
 
@@ -168,6 +168,17 @@ PRIVATE_IMPORTS_ALLOWED = {
 }
 """(importer, source) pairs that may still import a _private name, each with why."""
 
+BUILDS_ON = {
+    ("distbelief.algorithms.averaging", "distbelief.algorithms.downpour"):
+        "EASGD: a replica role and a shard rule on Downpour's machinery",
+    ("distbelief.algorithms.diloco", "distbelief.algorithms.downpour"):
+        "asynchronous DiLoCo: a replica role and the outer optimizer on Downpour's shards",
+    ("distbelief.algorithms.diloco", "distbelief.algorithms.averaging"):
+        "synchronous DiLoCo: the averaging collective with an outer step",
+}
+"""(algorithm, base) pairs where one algorithm is built on another's public machinery and
+so imports it, each with why. One way only: a base never imports what is built on it."""
+
 
 def algorithm_of(module: str) -> str | None:
     """The algorithm a module of the algorithms layer belongs to (its package or module
@@ -186,7 +197,7 @@ def sideways(graph: dict[str, set[str]]) -> list[str]:
         mine = algorithm_of(module)
         for target in sorted(targets):
             theirs = algorithm_of(target)
-            if mine and theirs and mine != theirs:
+            if mine and theirs and mine != theirs and (mine, theirs) not in BUILDS_ON:
                 found.append(f"{module} imports {target}, another algorithm's")
     return found
 
@@ -234,6 +245,21 @@ def test_no_algorithm_imports_another() -> None:
     found = sideways(import_graph(SRC))
     assert not found, ("move what two algorithms share down (algorithms/common.py, "
                        "runtime/):\n" + "\n".join(found))
+
+
+def test_what_an_algorithm_builds_on_is_one_way() -> None:
+    # A base may build on a third (diloco -> averaging -> downpour); no loop.
+    graph: dict[str, set[str]] = {}
+    for algorithm, base in BUILDS_ON:
+        graph.setdefault(algorithm, set()).add(base)
+    assert not cycles(graph), f"BUILDS_ON goes both ways: {cycles(graph)}"
+
+
+def test_every_builds_on_pair_is_still_made() -> None:
+    made = {(algorithm_of(module), algorithm_of(target))
+            for module, targets in import_graph(SRC).items() for target in targets}
+    stale = [pair for pair in BUILDS_ON if pair not in made]
+    assert not stale, f"remove these from BUILDS_ON: {stale}"
 
 
 def test_no_private_name_is_imported_from_another_module() -> None:

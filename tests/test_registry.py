@@ -35,12 +35,20 @@ def test_each_trainer_exists_and_takes_a_config_resume_and_setup(algorithm) -> N
         assert {"comm", "setup"} <= set(inspect.signature(trainer).parameters)
 
 
+def test_a_declared_shard_rule_is_made_from_the_config_and_a_size() -> None:
+    declared = [a for a in registry.ALGORITHMS if a.shard_rule is not None]
+    assert [a.name for a in declared] == ["diloco"]
+    for algorithm in declared:
+        parameters = list(inspect.signature(algorithm.load_shard_rule()).parameters)
+        assert parameters[:2] == ["config", "size"]
+
+
 def test_averaging_with_elastic_alpha_is_easgd_on_downpours_machinery() -> None:
     averaging = registry.get("averaging")
     assert averaging.load_trainer(1, {"elastic_alpha": None}).__module__ == \
         "distbelief.algorithms.averaging.collective"
     assert averaging.load_trainer(1, {"elastic_alpha": 0.5}).__module__ == \
-        "distbelief.algorithms.downpour.elastic"
+        "distbelief.algorithms.averaging.elastic"
 
 
 def test_only_sgd_trains_in_one_process_and_only_with_one_partition() -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distbelief.algorithms import registry
-from distbelief.config import Config, build_optimizer, build_outer_optimizer
+from distbelief.config import Config, build_optimizer
 from distbelief.errors import ConfigError
 from distbelief.model.memory_model import (
     RoleMemory,
@@ -66,10 +66,10 @@ def layout_of(config: Config, world_size: int) -> Layout | None:
 def workload(config: Config, info: Any, transport: str) -> Workload:
     """What the configuration puts in memory besides the layout."""
     opt = config.optimizer
-    # The shards' state arrays: asynchronous DiLoCo's shards run the outer optimizer.
-    shard_rule = build_outer_optimizer(config, 1) if opt.algorithm == "diloco" \
-        else build_optimizer(config, 1)
-    state = len(shard_rule.state())
+    # The shards' state arrays: those of the rule the algorithm says its shards run
+    # (asynchronous DiLoCo's: the outer optimizer), else optimizer.update's.
+    build_rule = registry.get(opt.algorithm).load_shard_rule() or build_optimizer
+    state = len(build_rule(config, 1).state())
     row_bytes = 4 if info.stored_dtype != "uint8" else 1
     per_row = row_bytes * max(1, _prod(info.input_shape)) + 8
     rows = info.n_train if config.data.in_memory else (config.data.stream_memory_mb << 20) // per_row

@@ -31,6 +31,13 @@ class Algorithm:
     """"always", "never", "ignored" (never, and cluster.ps_shards is not checked), or an
     optimizer key: shards when it is set."""
     coordinators: int = 0     # ranks besides the shards and the replicas
+    one_replica: bool = False
+    """True: it trains one replica (over cluster.partitions ranks), so a replica count
+    does not apply to it (compare runs it once per grid point, not per count)."""
+    shard_rule: str | None = None
+    """"module:function", function(config, size): the update rule its shards apply, where
+    it is not optimizer.update's (config.build_optimizer); the memory plan counts its
+    state arrays."""
     one_process_trainer: str | None = None
     """With cluster.partitions = 1: "module:function", called function(config,
     resume=..., setup=...) in this process, without MPI (setup: session.RunSetup)."""
@@ -50,10 +57,12 @@ class Algorithm:
 
     def load_options(self) -> type | None:
         """The options dataclass of this algorithm's own keys (imported now), or None."""
-        if self.options is None:
-            return None
-        module, _, name = self.options.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return None if self.options is None else _load(self.options)
+
+    def load_shard_rule(self) -> Callable[..., Any] | None:
+        """The function that makes its shards' update rule (imported now); None where it is
+        optimizer.update's."""
+        return None if self.shard_rule is None else _load(self.shard_rule)
 
     def load_trainer(self, partitions: int,
                      optimizer: Mapping[str, Any] | None = None) -> Callable[..., Any]:
@@ -64,13 +73,18 @@ class Algorithm:
             name = self.one_process_trainer
         elif self.shard_trainer is not None and self.needs_shards(optimizer or {}):
             name = self.shard_trainer
-        module, _, function = name.partition(":")
-        return getattr(importlib.import_module(module), function)
+        return _load(name)
+
+
+def _load(name: str) -> Any:
+    """What "module:name" names, its module imported now."""
+    module, _, attribute = name.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm("sgd", "distbelief.algorithms.partitioned_sgd:train",
-              "one process, the baseline", shards="ignored",
+              "one process, the baseline", shards="ignored", one_replica=True,
               one_process_trainer="distbelief.algorithms.sgd:train"),
     Algorithm("downpour", "distbelief.algorithms.downpour.trainer:train",
               "Downpour SGD against a sharded parameter server",
@@ -87,15 +101,16 @@ ALGORITHMS: tuple[Algorithm, ...] = (
               "periodic parameter averaging, or EASGD with optimizer.elastic_alpha",
               options="distbelief.algorithms.averaging.options:AveragingOptions",
               shards="elastic_alpha",
-              shard_trainer="distbelief.algorithms.downpour.elastic:train"),
+              shard_trainer="distbelief.algorithms.averaging.elastic:train"),
     Algorithm("hogwild", "distbelief.algorithms.hogwild:train",
               "lock-free shared parameters on one node"),
-    Algorithm("diloco", "distbelief.algorithms.averaging.diloco:train",
+    Algorithm("diloco", "distbelief.algorithms.diloco.synchronous:train",
               "DiLoCo: inner_steps local steps, then an outer optimizer on the replicas' "
               "deltas; optimizer.asynchronous applies each delta on the shards",
-              options="distbelief.algorithms.averaging.options:DiLoCoOptions",
+              options="distbelief.algorithms.diloco.options:DiLoCoOptions",
               shards="asynchronous",
-              shard_trainer="distbelief.algorithms.downpour.diloco:train"),
+              shard_trainer="distbelief.algorithms.diloco.asynchronous:train",
+              shard_rule="distbelief.config:build_outer_optimizer"),
 )
 """Every algorithm, one line each: a new one is a folder under algorithms/ and a line here."""
 

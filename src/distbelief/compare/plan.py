@@ -94,7 +94,8 @@ class PlannedRun:
     def describe(self) -> str:
         lr = "" if self.learning_rate is None else f", lr {self.learning_rate:g}"
         plural = "s" if self.replicas != 1 else ""
-        replicas = "" if self.name == "sgd" else f", {self.replicas} replica{plural}"
+        one = registry.get(self.name).one_replica
+        replicas = "" if one else f", {self.replicas} replica{plural}"
         return (f"{self.algorithm}{replicas}{lr}, seed {self.seed} "
                 f"({self.ranks} rank{'s' if self.ranks != 1 else ''})")
 
@@ -131,7 +132,8 @@ def plan_runs(config_path: str | Path, grid: Grid, check: bool = True) -> list[P
         cluster = raw.get("cluster", {})
         partitions = _checked(cluster, "cluster", "partitions", 1)
         shards = _shard_count(spec, optimizer, cluster)
-        replica_counts = (1,) if spec.name == "sgd" else tuple(dict.fromkeys(grid.replicas))
+        algorithm = registry.get(spec.name)
+        replica_counts = (1,) if algorithm.one_replica else tuple(dict.fromkeys(grid.replicas))
         rates: Sequence[float | None] = tuple(dict.fromkeys(grid.learning_rates)) or (None,)
         for replicas in replica_counts:
             ranks = _rank_count(spec.name, replicas, partitions, shards)
@@ -140,7 +142,7 @@ def plan_runs(config_path: str | Path, grid: Grid, check: bool = True) -> list[P
                     settings = _run_settings(spec, shards, seed, rate, grid)
                     runs.append(PlannedRun(
                         spec.label, spec.name, replicas, seed, rate, ranks,
-                        uses_launcher=spec.name != "sgd" or partitions > 1,
+                        uses_launcher=not algorithm.in_one_process(partitions),
                         folder=_folder_name(spec, replicas, rate, seed),
                         overrides=tuple(settings)))
     _check_unique_folders(runs)
@@ -170,10 +172,8 @@ def _shard_count(spec: AlgorithmSpec, optimizer: dict, cluster: dict) -> int:
     own = [o for o in spec.overrides if o.replace(" ", "").startswith("cluster.ps_shards=")]
     if own:
         return _checked(cluster, "cluster", "ps_shards", 0)
-    if spec.name == "sgd":
-        return 0
-    rule = registry.get(spec.name).shards  # "always", "never" or an optimizer key
-    settings = ({} if rule in ("always", "never")
+    rule = registry.get(spec.name).shards  # "always", "never", "ignored" or an optimizer key
+    settings = ({} if rule in ("always", "never", "ignored")
                 else {rule: _checked(optimizer, "optimizer", rule, None)})
     if needs_shards(spec.name, settings):
         return max(1, _checked(cluster, "cluster", "ps_shards", 1))
@@ -194,8 +194,6 @@ def _checked(table: dict, section: str, key: str, default: Any) -> Any:
 
 
 def _rank_count(name: str, replicas: int, partitions: int, shards: int) -> int:
-    if name == "sgd":
-        return partitions
     return shards + registry.get(name).coordinators + replicas * partitions
 
 
@@ -204,7 +202,7 @@ def _run_settings(spec: AlgorithmSpec, shards: int, seed: int, rate: float | Non
     """The run's --set overrides: the comparison's, the grid point's, then the
     algorithm's own (which win)."""
     settings = [*grid.overrides, f"optimizer.algorithm={json.dumps(spec.name)}"]
-    if spec.name != "sgd":
+    if registry.get(spec.name).shards != "ignored":  # else train does not check it
         settings.append(f"cluster.ps_shards={shards}")
     settings.append(f"run.seed={seed}")
     if rate is not None:
@@ -220,7 +218,7 @@ def _folder_name(spec: AlgorithmSpec, replicas: int, rate: float | None, seed: i
     """A readable folder name: sync+backup_workers=1-r2-lr0.01-seed0."""
     label = spec.name + "".join(f"+{o.split('.', 1)[1]}" for o in spec.overrides)
     label = re.sub(r"[^A-Za-z0-9._=+-]+", "_", label.replace(" ", ""))
-    parts = [label] + ([] if spec.name == "sgd" else [f"r{replicas}"])
+    parts = [label] + ([] if registry.get(spec.name).one_replica else [f"r{replicas}"])
     if rate is not None:
         parts.append(f"lr{rate:g}")
     parts.append(f"seed{seed}")

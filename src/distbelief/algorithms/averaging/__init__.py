@@ -4,7 +4,7 @@ in two forms chosen by `optimizer.elastic_alpha` (the registry's line picks the 
     unset  collective.py: every rank a replica (cluster.ps_shards = 0); replicas train
            locally and every `average_every` steps their parameters are averaged with a
            polled Iallreduce. A lost replica stops the run (one line, exit 1).
-    set    downpour/elastic.py: asynchronous EASGD (Zhang, Choromanska, LeCun 2015), a
+    set    elastic.py: asynchronous EASGD (Zhang, Choromanska, LeCun 2015), a
            replica role on Downpour's machinery, the center variable on the
            parameter-server shards (ps_shards >= 1). A lost replica does not stop the others.
 

@@ -33,7 +33,7 @@ about every other replica, and once one is gone the lowest live rank ends the jo
 line naming it (the others leave the abort to it) and exit status 1. The last checkpoint
 survives; EASGD (elastic_alpha set) is the variant that goes on without a lost replica.
 
-Synchronous DiLoCo (averaging.diloco) is this trainer with an OUTER step after each
+Synchronous DiLoCo (diloco.synchronous) is this trainer with an OUTER step after each
 average (a `Variant`): the round's average is handed to an outer optimizer, whose result
 every replica continues from, and whose state the checkpoints keep.
 """
@@ -79,7 +79,7 @@ from distbelief.runtime.threads import set_blas_threads
 class Variant:
     """What a trainer built on this collective changes: its name (the run's, the
     checkpoints', the summary's), how it is described, and an outer step applied to each
-    round's average (averaging.diloco's OuterStep; None: the average is the result).
+    round's average (diloco.synchronous's OuterStep; None: the average is the result).
     `survivor` names the form that goes on without a lost replica."""
 
     name: str = "averaging"

@@ -33,6 +33,7 @@ from distbelief.algorithms.downpour.plan import (
 )
 from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.algorithms.downpour.shards import ShardRole, part_report
+from distbelief.algorithms.downpour.variant import DOWNPOUR, Variant
 from distbelief.config import Config, config_hash, hashed_settings, run_name
 from distbelief.model.layout import balanced_ranges
 from distbelief.ps import run_control as rc
@@ -76,9 +77,10 @@ class Supervisor(ShardRole):
     """
 
     def __init__(self, run: OpenRun, config: Config, network: Any, info: Any,
-                 stream: IO[str] | None):
+                 stream: IO[str] | None, variant: Variant = DOWNPOUR):
         super().__init__(run)
         self.config, self.network, self.info, self.stream = config, network, info, stream
+        self.variant = variant  # the algorithm built on this machinery, if not Downpour
         eval_set, start = run.local[0], run.start
         self.eval_set = eval_set
         plan = self.plan
@@ -132,7 +134,7 @@ class Supervisor(ShardRole):
         self.committing: Future | None = None  # a commit in the writer thread
         self.pause_ended = 0.0  # when the newest checkpoint's pause ended
         self.checkpoints = 0
-        say(stream, _header(config, plan, network, info, len(eval_set[1])))
+        say(stream, _header(config, plan, network, info, len(eval_set[1]), variant.name))
         # The clock starts once every rank is ready (open_parameter_server's barrier).
         self.recorder = run.session.open_recorder()
         now = time.monotonic()
@@ -626,7 +628,7 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
     replicas = sorted(sup.replica_stats.values(), key=lambda s: (s["replica"], s["rank"]))
     resumed = sup.resumed_from
     return {
-        # "averaging" for EASGD, which runs on this machinery (algorithms.downpour.elastic)
+        # "averaging" for EASGD, which runs on this machinery (algorithms.averaging.elastic)
         "algorithm": run_name(config), "stop_reason": sup.reason,
         "config_hash": config_hash(config), "num_params": int(sup.network.layout.size),
         "eval_samples": len(sup.eval_set[1]), "world_size": plan.topology.world_size,
@@ -643,22 +645,12 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "lost_replicas": [asdict(lost) for _, lost in sorted(sup.lost.items())],
         "staleness": _combined_staleness(replicas),
         "push_dtype": config.optimizer.push_dtype,
-        **_diloco_settings(config),
+        **sup.variant.summary,
         # every replica rank's, summed (each also in its `replicas` entry)
         "bytes_sent": sum(r["bytes_sent"] for r in replicas),
         "bytes_received": sum(r["bytes_received"] for r in replicas),
         "replicas": replicas, "shards": sup.shard_stats,
     }
-
-
-def _diloco_settings(config: Config) -> dict[str, Any]:
-    """Asynchronous DiLoCo's settings (algorithms.downpour.diloco), for its summary."""
-    opt = config.optimizer
-    if opt.algorithm != "diloco":
-        return {}
-    return {"asynchronous": True, "inner_steps": opt.inner_steps,
-            "outer_update": opt.outer_update, "outer_learning_rate": opt.outer_learning_rate,
-            "outer_momentum": None if opt.outer_update == "sgd" else opt.outer_momentum}
 
 
 def _combined_staleness(replicas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -676,14 +668,8 @@ def _combined_staleness(replicas: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _header(config: Config, plan: DownpourPlan, network: Any, info: Any,
-            eval_samples: int) -> str:
+            eval_samples: int, name: str) -> str:
     opt = config.optimizer
-    name = "downpour" if opt.elastic_alpha is None else \
-        f"averaging (EASGD, elastic_alpha {opt.elastic_alpha:g}, every {opt.average_every} steps)"
-    if opt.algorithm == "diloco":
-        momentum = "" if opt.outer_update == "sgd" else f" momentum {opt.outer_momentum:g}"
-        name = (f"diloco (asynchronous, outer {opt.outer_update} lr "
-                f"{opt.outer_learning_rate:g}{momentum}, inner steps {opt.inner_steps})")
     return (f"distbelief: {name}, {network.layout.size:,d} parameters; "
             f"{plan.topology.describe()}; n_fetch {opt.n_fetch}, n_push {opt.n_push}, "
             f"warm start {opt.warm_start_steps} steps, "

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -13,10 +13,10 @@ from mpi4py import MPI
 
 from distbelief.algorithms.common import StopSignals
 from distbelief.algorithms.downpour.plan import grant, plan_run
-from distbelief.algorithms.downpour.replica import make_replica
 from distbelief.algorithms.downpour.run import OpenRun, open_run, shard_lost_message
 from distbelief.algorithms.downpour.shards import ShardRole
 from distbelief.algorithms.downpour.supervisor import Supervisor
+from distbelief.algorithms.downpour.variant import DOWNPOUR, Variant
 from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config, run_name
 from distbelief.runtime import watchdog
@@ -26,7 +26,7 @@ from distbelief.runtime.topology import Topology
 from distbelief.runtime.watchdog import RankLost, abort_job
 
 # What the command line, the tests and the benchmarks use from here.
-__all__ = ["OpenRun", "grant", "open_run", "plan_run", "train"]
+__all__ = ["OpenRun", "Variant", "grant", "open_run", "plan_run", "train"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -34,9 +34,7 @@ __all__ = ["OpenRun", "grant", "open_run", "plan_run", "train"]
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
-          resume: str = "auto",
-          replica_role: Callable[..., Any] = make_replica,
-          shard_update: Callable[[int], Any] | None = None,
+          resume: str = "auto", variant: Variant = DOWNPOUR,
           setup: RunSetup | None = None) -> dict[str, Any] | None:
     """Run Downpour SGD on the ranks of `comm`; returns the run summary on rank 0, None
     on the other ranks.
@@ -55,10 +53,9 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     BadGradients or CheckpointError (RunFailed off the shards) on every live rank when
     the run failed.
 
-    `replica_role(run, network, fetch)` makes a replica rank's role and
-    `shard_update(size)` a shard's update rule (default: optimizer.update's); the
-    variants that reuse Downpour's machinery (EASGD: distbelief.algorithms.downpour.elastic)
-    pass their own.
+    `variant` is what an algorithm built on Downpour's machinery (EASGD, asynchronous
+    DiLoCo) supplies in Downpour's place: a replica's role, the shards' update rule, the
+    run's name and its own summary keys (variant.Variant).
     """
     session = RunSession(run_name(config), config, comm, stream, resume, setup=setup)
     info, network = session.info, session.network
@@ -81,10 +78,9 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             try:
                 with guard.waiting("the other ranks to set the run up", others):
                     run = open_run(config, comm, resume, stream, signals, peers,
-                                   shard_update, session)
+                                   variant.shard_update, session)
                 with np.errstate(over="ignore", invalid="ignore"):
-                    role = _make_role(run, config, network, info, stream,
-                                      replica_role)
+                    role = _make_role(run, config, network, info, stream, variant)
                     role.run()
                     ending = role.finish()
                 run.close(ending.teardown)
@@ -113,11 +109,10 @@ def _closing(peers: Peers) -> Iterator[None]:
 
 
 def _make_role(run: OpenRun, config: Config, network: Any, info: Any,
-               stream: IO[str] | None,
-               replica_role: Callable[..., Any] = make_replica) -> Any:
+               stream: IO[str] | None, variant: Variant = DOWNPOUR) -> Any:
     topology = run.plan.topology
     if topology.is_replica:  # partitioned when partitions > 1
-        return replica_role(run, network, config.optimizer.fetch)
+        return variant.replica_role(run, network, config.optimizer.fetch)
     if topology.world_rank == 0:
-        return Supervisor(run, config, network, info, stream)
+        return Supervisor(run, config, network, info, stream, variant)
     return ShardRole(run)

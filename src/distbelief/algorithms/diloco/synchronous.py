@@ -1,6 +1,6 @@
 """Synchronous DiLoCo (`algorithm = "diloco"`, `asynchronous = false`, ps_shards = 0):
 Douillard et al. (2023), "DiLoCo: Distributed Low-Communication Training of Language
-Models", arXiv 2311.08105, Algorithm 1, on the averaging collective (collective.py).
+Models", arXiv 2311.08105, Algorithm 1, on the averaging collective (averaging/collective.py).
 
 Every rank is a replica; all start each round from the same global parameters theta.
 A round:
@@ -24,7 +24,7 @@ half the bytes sent, R/2 times the bytes of an all-reduce received.
 
 Checkpoints are averaging's, taken right after a round (every replica holds theta), with
 the outer optimizer's state (the Nesterov buffer) in the parameter part. A lost replica
-stops the run with one line (collective.py); asynchronous DiLoCo (downpour/diloco.py)
+stops the run with one line (collective.py); asynchronous DiLoCo (asynchronous.py)
 goes on without it.
 """
 

@@ -135,7 +135,10 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                           f"cluster.partitions = {config.cluster.partitions} is not "
                           "supported")
     config = downpour_settings(config)
-    return downpour.train(config, comm, stream, resume=resume,
-                          replica_role=lambda run, network, fetch: ElasticReplica(
-                              run, network, fetch, config),
-                          shard_update=lambda size: CenterUpdate(), setup=setup)
+    opt = config.optimizer
+    variant = downpour.Variant(
+        replica_role=lambda run, network, fetch: ElasticReplica(run, network, fetch, config),
+        shard_update=lambda size: CenterUpdate(),
+        name=f"averaging (EASGD, elastic_alpha {opt.elastic_alpha:g}, "
+             f"every {opt.average_every} steps)")
+    return downpour.train(config, comm, stream, resume=resume, variant=variant, setup=setup)

@@ -24,7 +24,7 @@ Everything else is Downpour's (n_fetch = n_push = H, which config.json records):
 and their checkpoints (the outer optimizer's state included), shard 0's supervisor, run
 control (max_steps counts total steps), a lost replica written off while the others go
 on. A resumed run starts every replica from the checkpointed global parameters with a
-fresh inner optimizer state (as EASGD's replicas, downpour/elastic.py).
+fresh inner optimizer state (as EASGD's replicas, averaging/elastic.py).
 """
 
 from __future__ import annotations
@@ -101,9 +101,17 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     config = downpour_settings(config)
     # Each delta weighs 1/R: R of them make one synchronous round's step (module docstring).
     replicas = max(comm.Get_size() - config.cluster.ps_shards, 1)
-    return downpour.train(config, comm, stream, resume=resume,
-                          replica_role=lambda run, network, fetch: DilocoReplica(
-                              run, network, fetch, config),
-                          shard_update=lambda size: build_outer_optimizer(config, size,
-                                                                          replicas),
-                          setup=setup)
+    opt = config.optimizer
+    momentum = None if opt.outer_update == "sgd" else opt.outer_momentum
+    variant = downpour.Variant(
+        replica_role=lambda run, network, fetch: DilocoReplica(run, network, fetch, config),
+        shard_update=lambda size: build_outer_optimizer(config, size, replicas),
+        name=(f"diloco (asynchronous, outer {opt.outer_update} lr "
+              f"{opt.outer_learning_rate:g}"
+              + ("" if momentum is None else f" momentum {momentum:g}")
+              + f", inner steps {opt.inner_steps})"),
+        summary={"asynchronous": True, "inner_steps": opt.inner_steps,
+                 "outer_update": opt.outer_update,
+                 "outer_learning_rate": opt.outer_learning_rate,
+                 "outer_momentum": momentum})
+    return downpour.train(config, comm, stream, resume=resume, variant=variant, setup=setup)
