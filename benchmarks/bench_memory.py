@@ -40,7 +40,7 @@ def _status(pid: int) -> dict[str, int]:
 
 
 def _rank(pid: int) -> int | None:
-    """The MPI rank of a rank's worker process (distbelief.runtime.guardian: the worker has
+    """The MPI rank of a rank's worker process (distbelief.runtime.launching.guardian: the worker has
     DISTBELIEF_GUARDIAN_PID in its environment, its guardian does not); None otherwise."""
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from distbelief.errors import ConfigError
-from distbelief.runtime.nodes import Nodes, node_split
-from distbelief.runtime.placement import spread_order
+from distbelief.runtime.communicators.nodes import Nodes, node_split
+from distbelief.runtime.communicators.placement import spread_order
 
 ROLE_SHARD = "shard"
 ROLE_COORDINATOR = "coordinator"

@@ -5,7 +5,7 @@ usable with the PyPI build: MPIR_CVAR_ENABLE_FT=1 fails an assertion in MPI_Init
 collective or a lock that waits for a dead rank never returns. So Downpour watches its
 ranks itself (distbelief.algorithms.downpour):
 
-- `Peers`: every rank's node (distbelief.runtime.nodes: MPI's node split, or the
+- `Peers`: every rank's node (distbelief.runtime.communicators.nodes: MPI's node split, or the
   simulated one), host name, process id and process start time, gathered once at set-up.
   A rank on this node is gone when its process no longer exists, is a zombie, or is
   another process that got the same id (its start time differs). Exact, and cheap (a
@@ -15,7 +15,7 @@ ranks itself (distbelief.algorithms.downpour):
   heartbeat stopping (Downpour: a replica's BEAT in distbelief.ps.run_control for
   `run.replica_timeout_seconds` when it is alive but stuck, and its node's heartbeat
   file, which lists the node's live ranks, for `run.heartbeat_timeout_seconds` when it
-  died: distbelief.runtime.heartbeat).
+  died: distbelief.runtime.health.heartbeat).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from distbelief.runtime.heartbeat import FOLDER, Heartbeats
-from distbelief.runtime.nodes import Nodes, node_split
-from distbelief.runtime.ownership import process_start_time
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.nodes import Nodes, node_split
+from distbelief.runtime.communicators.topology import Topology
+from distbelief.runtime.health.heartbeat import FOLDER, Heartbeats
+from distbelief.runtime.health.ownership import process_start_time
 
 # The same /proc reading decides whether a run directory's owner is alive.
 _start_time = process_start_time
@@ -57,7 +57,7 @@ class Peers:
         """Collective over `comm` (node_split, then a bcast and an allgather): every rank's
         identity. With `heartbeat_dir` and a timeout, and ranks on more than one node,
         every rank maps its node's table and starts beating under heartbeat_dir
-        (distbelief.runtime.heartbeat) before the allgather, so every node's file exists
+        (distbelief.runtime.health.heartbeat) before the allgather, so every node's file exists
         once it returns; close() stops it."""
         nodes = node_split(comm)
         heartbeats = None

@@ -46,7 +46,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from distbelief.errors import ConfigError
-from distbelief.runtime.launcher import launcher_rank, launcher_size, quiet_osc_ucx
+from distbelief.runtime.launching.launcher import launcher_rank, launcher_size, quiet_osc_ucx
 
 WORKER_ENV = "DISTBELIEF_GUARDIAN_PID"
 """Set in the worker's environment: its guardian's process id."""
@@ -165,7 +165,7 @@ def start_mpi() -> Any:
     """Initialise MPI; returns COMM_WORLD. With several ranks, make any unhandled exception
     (main thread or not) print its traceback and abort the whole job."""
     # Open MPI without InfiniBand: no osc/ucx error line per rank and window (the user's
-    # own OMPI_MCA_osc wins; distbelief.runtime.launcher.quiet_osc_ucx says why).
+    # own OMPI_MCA_osc wins; distbelief.runtime.launching.launcher.quiet_osc_ucx says why).
     quiet_osc_ucx()
     mpi_init_begins()  # the guardian bounds MPI_Init (the module docstring)
     from mpi4py import MPI
@@ -319,7 +319,7 @@ def clean_up_after_abort() -> None:
     paths = sorted(shm_files_mapped_by(os.getpid()))
     if not paths:
         return
-    code = ("import sys; from distbelief.runtime.guardian import remove_when_unmapped; "
+    code = ("import sys; from distbelief.runtime.launching.guardian import remove_when_unmapped; "
             f"remove_when_unmapped(sys.argv[1:], {ABORT_CLEANUP_S!r})")
     try:
         subprocess.Popen([sys.executable, "-c", code, *paths], start_new_session=True,
@@ -356,7 +356,7 @@ def start_cleaner() -> int | None:
     of the job does not reach; returns the pipe it reads paths from (it acts once the
     pipe's write end is closed: when this process ends, however it ends), or None."""
     read, write = os.pipe()
-    code = "from distbelief.runtime.guardian import clean_after_job; clean_after_job()"
+    code = "from distbelief.runtime.launching.guardian import clean_after_job; clean_after_job()"
     try:
         subprocess.Popen([sys.executable, "-c", code], stdin=read, start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -14,7 +14,7 @@ the rank waited for (or, with `holder`, the rank found holding what is waited fo
 `abort_s` it aborts the job. The thread works while the main thread is blocked in a
 system call or in MPI (mpi4py releases the GIL there: measured, a thread ticked on while
 the main thread sat 1 s in MPI_Win_unlock). `check()` raises RankLost in the waiting rank
-when a rank it waits for is gone (distbelief.runtime.liveness), so a polled wait on a dead peer
+when a rank it waits for is gone (distbelief.runtime.health.liveness), so a polled wait on a dead peer
 ends at once instead of after the timeout. A wait that cannot poll (blocked inside MPI,
 such as an RMA epoch on a dead target, which never completes) is ended by the thread: when
 a rank it depends on has been gone for GONE_GRACE_S, the thread calls `on_lost` (by
@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from distbelief.runtime import guardian
+from distbelief.runtime.launching import guardian
 
 TICK_S = 0.1
 """How often the watchdog thread looks at the current wait."""
@@ -268,10 +268,10 @@ def for_job(comm: Any, describe: Callable[[int], str], run: Any) -> tuple[Watchd
     """This rank's watchdog for an MPI run, and the liveness.Peers it asks: `run` is the
     [run] configuration (stall_warn_seconds, stall_abort_seconds, out_dir,
     heartbeat_timeout_seconds), `describe(rank)` names a rank. Every rank's process is
-    watched on this node, and by heartbeat on the others (distbelief.runtime.liveness);
+    watched on this node, and by heartbeat on the others (distbelief.runtime.health.liveness);
     close the Peers at the end. Collective over `comm` (an allgather of every rank's
     identity)."""
-    from distbelief.runtime.liveness import Peers
+    from distbelief.runtime.health.liveness import Peers
 
     peers = Peers.gather(comm, run.out_dir, run.heartbeat_timeout_seconds)
     guard = Watchdog(comm.Get_rank(), describe, run.stall_warn_seconds,

@@ -12,7 +12,7 @@ A launcher whose children have all exited but which has collected none of them f
 child at once (SIGCHLD). `watch` ends such a launcher with SIGKILL, after one line.
 slurm/one_node.sbatch runs it beside mpiexec:
 
-    python3 -m distbelief.runtime.stuck_launcher PID [GRACE_S]
+    python3 -m distbelief.runtime.launching.stuck_launcher PID [GRACE_S]
 
 `distbelief compare` watches each run's launcher the same way, and the tests' run_mpi asks
 `all_children_exited` between its reads of the job's output.
@@ -113,7 +113,7 @@ def _alive(pid: int) -> bool:
 
 def main(argv: list[str]) -> int:
     if len(argv) not in (1, 2) or not argv[0].isdigit():
-        print("usage: python3 -m distbelief.runtime.stuck_launcher PID [GRACE_S]\n"
+        print("usage: python3 -m distbelief.runtime.launching.stuck_launcher PID [GRACE_S]\n"
               "Ends process PID (an mpiexec) if it stops collecting its exited children for "
               f"GRACE_S seconds (default: {GRACE_ENV}, else {GRACE_S:g}).", file=sys.stderr)
         return 2

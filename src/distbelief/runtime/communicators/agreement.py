@@ -29,7 +29,7 @@ not arrived yet still complete. A blocking collective issued right after such a 
 objects is done without a spinning wait.
 
 Nothing here can deadlock as long as every rank keeps polling. A rank that dies never
-arrives: the polled waits declare themselves to the stall watchdog (distbelief.runtime.watchdog),
+arrives: the polled waits declare themselves to the stall watchdog (distbelief.runtime.health.watchdog),
 which raises RankLost at once when the rank's process on this node is gone and reports
 (and aborts) after run.stall_*_seconds otherwise.
 """
@@ -45,9 +45,9 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.errors import UserError
-from distbelief.runtime import watchdog
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.topology import world_ranks
+from distbelief.runtime.communicators.topology import world_ranks
+from distbelief.runtime.health import watchdog
 
 WAIT_SLEEP_S = (50e-6, 5e-3)
 """Back-off bounds of a polled wait: quick at first (the others are usually close), never
