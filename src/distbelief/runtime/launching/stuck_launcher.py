@@ -1,16 +1,12 @@
 """A launcher that has stopped collecting its ranks: found, and ended.
 
-Open MPI 5.0.11's `prterun` (PRRTE 3.0.14), with `--enable-recovery`, once stayed for
-ever after a lost shard had ended the job: every rank had exited, and one of the processes
-it started stayed a zombie, never collected, because its main thread was blocked on a
-mutex inside an event callback (gdb, 2026-11-28; docs/checkpoints-and-reliability.md,
-"A launcher that never returns"). Nothing of the job was left to end it, so a batch job
-would have waited out its time limit.
-
-A launcher whose children have all exited but which has collected none of them for
-`grace_s` (GRACE_ENV, else 30 s) is in that state: a live launcher collects an exited
-child at once (SIGCHLD). `watch` ends such a launcher with SIGKILL, after one line.
-slurm/one_node.sbatch runs it beside mpiexec:
+Open MPI's `prterun` once stayed for ever after a lost shard had ended the job, one of its
+exited children never collected, so a batch job would have waited out its time limit
+(docs/checkpoints-and-reliability.md, "A launcher that never returns"). A launcher whose
+children have all exited but which has collected none of them for `grace_s` (GRACE_ENV,
+else 30 s) is in that state: a live launcher collects an exited child at once (SIGCHLD).
+`watch` ends such a launcher with SIGKILL, after one line. slurm/one_node.sbatch runs it
+beside mpiexec:
 
     python3 -m distbelief.runtime.launching.stuck_launcher PID [GRACE_S]
 
