@@ -1,5 +1,5 @@
-"""One live run per run directory (distbelief.runtime.health.ownership): the rules that decide whether an
-owner is dead, each one tested on a faked owner file (another host, a dead pid, a reused
+"""One live run per run directory (distbelief.runtime.health.ownership): the rules that decide
+whether an owner is dead, each one tested on a faked owner file (another host, a dead pid, a reused
 pid, a SLURM requeue, an unreadable file), and end to end: a second run, `--fresh`
 included, on a live run's folder is refused at once with one line naming the owner (alone
 and under mpiexec, every rank exit 2) and the first run's files are its own; a kill -9'd

@@ -1,7 +1,7 @@
 """Several nodes simulated on one machine (issue 17, items 1 and 4).
 
-- distbelief's node split (distbelief.runtime.communicators.nodes) follows MPI's (hydra's fake hosts)
-  and DISTBELIEF_SIMULATED_NODES, and the transport choice and /proc liveness follow it;
+- distbelief's node split (distbelief.runtime.communicators.nodes) follows MPI's (hydra's fake
+  hosts) and DISTBELIEF_SIMULATED_NODES, and the transport choice and /proc liveness follow it;
 - heartbeat files (distbelief.runtime.health.heartbeat) go silent when a rank stops beating;
 - Downpour on 2 simulated nodes, with kill -9: a replica on the other node than shard 0
   is lost by its heartbeat within the bound, a shard on another node ends the job with one

@@ -35,7 +35,8 @@ FIND_END = "# ---- End of finding slurm/common.sh"
 # About 3 s of training each on a quiet machine (sgd; Downpour at 3 to 5 ranks): USR1, sent
 # once the first steps are logged (0.5 s in), comes well before the end. Downpour's toy
 # steps take ~0.1 ms on shared memory, so its replicas are slowed to 2 ms per step (a
-# test-only fault, distbelief.runtime.launching.faults): 3000 steps then take 2-3 s however fast the machine.
+# test-only fault, distbelief.runtime.launching.faults): 3000 steps then take 2-3 s
+# however fast the machine.
 SGD_STEPS = 30000
 DOWNPOUR_STEPS = 3000
 DOWNPOUR_STEP_DELAY = {FAULTS: "delay:*:0:0.002s"}

@@ -1,5 +1,6 @@
 """A launcher that stops collecting its exited ranks is found and ended
-(distbelief.runtime.launching.stuck_launcher), by the tests' run_mpi and by slurm/one_node.sbatch."""
+(distbelief.runtime.launching.stuck_launcher), by the tests' run_mpi and by
+slurm/one_node.sbatch."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def test_watch_ends_a_stuck_launcher_after_its_grace_and_leaves_a_busy_one() -> 
         assert time.monotonic() - t0 < 15
         # The busy one outlives a watch of 3 s: run the watcher as the script does, and
         # see it still waiting.
-        watcher = subprocess.Popen([sys.executable, "-m", "distbelief.runtime.launching.stuck_launcher",
+        watcher = subprocess.Popen([sys.executable, "-m",
+                                    "distbelief.runtime.launching.stuck_launcher",
                                     str(busy.pid), "1"], stderr=subprocess.PIPE, text=True)
         with pytest.raises(subprocess.TimeoutExpired):
             watcher.wait(timeout=3)

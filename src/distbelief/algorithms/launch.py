@@ -171,8 +171,8 @@ def _finished_run(config: Config, comm: Any, resume: str, latest: Any,
 
 def _place_shards(config: Config, comm: Any, stream: IO[str] | None) -> Any:
     """The job's communicator, with the shards on distinct nodes (cluster.shard_placement,
-    distbelief.runtime.communicators.topology); `comm` itself on one node or without shards. Collective
-    over `comm`; rank 0 says where the shards are when there are several nodes."""
+    distbelief.runtime.communicators.topology); `comm` itself on one node or without shards.
+    Collective over `comm`; rank 0 says where the shards are when there are several nodes."""
     shards = config.cluster.ps_shards
     if comm.Get_size() == 1 or shards == 0:
         return comm

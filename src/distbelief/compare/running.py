@@ -1,6 +1,7 @@
 """Running a comparison's runs one after another, and resuming an interrupted comparison.
 
-THE FOLDER (owned by one live `compare` at a time: runtime.health.ownership, as train's run.out_dir):
+THE FOLDER (owned by one live `compare` at a time, as train's run.out_dir:
+runtime.health.ownership):
     compare.json   the comparison's state, rewritten atomically before and after each run:
                    the base configuration and, per run, its settings, command, state
                    ("running", "finished", "failed", "interrupted") and exit status

@@ -130,8 +130,8 @@ class RmaClient(ParameterClient):
         self._faults.hang = faults.kill
 
     def linger_in_exchanges(self, seconds: float) -> None:
-        """TEST-ONLY (distbelief.runtime.launching.faults "linger"): from now on every exchange flushes
-        its operations to shard 0 (they are applied there) and holds its epoch open
+        """TEST-ONLY (distbelief.runtime.launching.faults "linger"): from now on every exchange
+        flushes its operations to shard 0 (they are applied there) and holds its epoch open
         `seconds` longer before the Unlock, as a rank descheduled just before it."""
         self._faults.linger_s = seconds
 

@@ -124,7 +124,7 @@ class Replica:
         self.lost = False
         self.acked = 0  # the last checkpoint request this replica paused for
         self.bad_in_a_row = 0
-        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.runtime.launching.faults)
+        self.faults = Faults.for_rank(topology.world_rank)  # test-only (runtime.launching.faults)
         self.injected = step_faults(self.faults, self.client)  # a no-op without faults
 
     # -- the loop

@@ -170,7 +170,7 @@ class Replica:
         self.agreed = np.zeros(1, dtype=np.int32)
         self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank,
                                    self.partition)
-        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.runtime.launching.faults)
+        self.faults = Faults.for_rank(topology.world_rank)  # test-only (runtime.launching.faults)
         self.signals = None  # set by train(); only the coordinator acts on signals
         self.partners = [r for r in topology.replica_ranks(topology.replica_index)
                          if r != topology.world_rank]
