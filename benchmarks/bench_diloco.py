@@ -32,7 +32,7 @@ synchronous form is deterministic for a seed; samples to a target jump with the 
 evaluation grid).
 --links RATE ... runs everything once per simulated network of RATE bytes/s (0: none;
 DISTBELIEF_FAULTS link:*:0:RATEB/s: each replica sleeps its bytes sent + received over
-RATE, right after each transfer; runtime/faults.py); --figure draws the median time to
+RATE, right after each transfer; runtime/launching/faults.py); --figure draws the median time to
 the target against the rate, one line per kind (R = the first --replicas).
 
 Prints each run, then per replica count the medians over seeds and, seed by seed, each

@@ -137,8 +137,8 @@ def push_dtype_interleaved_worker(args: argparse.Namespace) -> None:
     from distbelief.ps.endpoint import ParameterServerShard, ServerSpec
     from distbelief.ps.transport import open_parameter_server
     from distbelief.runtime.backoff import PacedBackoff
+    from distbelief.runtime.communicators.topology import Topology
     from distbelief.runtime.threads import set_blas_threads
-    from distbelief.runtime.topology import Topology
 
     set_blas_threads(1)
     config = load_config(CONFIG, [f'data.path="{args.data.resolve()}"'])
@@ -198,8 +198,8 @@ def interleaved_worker(args: argparse.Namespace) -> None:
     from distbelief.ps.endpoint import ParameterServerShard, ServerSpec
     from distbelief.ps.transport import open_parameter_server
     from distbelief.runtime.backoff import PacedBackoff
+    from distbelief.runtime.communicators.topology import Topology
     from distbelief.runtime.threads import set_blas_threads
-    from distbelief.runtime.topology import Topology
 
     set_blas_threads(1)
     config = load_config(CONFIG, [f'data.path="{args.data.resolve()}"'])

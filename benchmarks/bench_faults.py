@@ -2,7 +2,7 @@
 (configs/fashion_mnist_downpour.toml: Adagrad lr 0.02, batch 64), 1 shard + 3 replicas
 (4 ranks on this 2-core machine: OVERSUBSCRIBED), run through the command line as a user
 would, with MPICH's `mpiexec -disable-auto-cleanup`; the faults are the test-only
-DISTBELIEF_FAULTS (distbelief.runtime.faults).
+DISTBELIEF_FAULTS (distbelief.runtime.launching.faults).
 
     python benchmarks/bench_faults.py                 # both sections, ~5 minutes
     python benchmarks/bench_faults.py --only loss     # or: straggler, sandblaster

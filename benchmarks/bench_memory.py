@@ -40,8 +40,8 @@ def _status(pid: int) -> dict[str, int]:
 
 
 def _rank(pid: int) -> int | None:
-    """The MPI rank of a rank's worker process (distbelief.runtime.guardian: the worker has
-    DISTBELIEF_GUARDIAN_PID in its environment, its guardian does not); None otherwise."""
+    """The MPI rank of a rank's worker process (distbelief.runtime.launching.guardian: the worker
+    has DISTBELIEF_GUARDIAN_PID in its environment, its guardian does not); None otherwise."""
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -143,7 +143,7 @@ def progress_run(poll: str, sleep: str, seconds: float, compute: int, pull: str,
     MPI = _mpi()
     from distbelief.ps.endpoint import ParameterServerShard, ServerSpec
     from distbelief.ps.transport import open_parameter_server
-    from distbelief.runtime.topology import Topology
+    from distbelief.runtime.communicators.topology import Topology
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
     endpoint = open_parameter_server(world, ServerSpec(topology, size, _adagrad),
@@ -205,7 +205,7 @@ def client_rates(seconds: float, transport: str) -> dict[str, float]:
     MPI = _mpi()
     from distbelief.ps.endpoint import ParameterServerShard, ServerSpec
     from distbelief.ps.transport import open_parameter_server
-    from distbelief.runtime.topology import Topology
+    from distbelief.runtime.communicators.topology import Topology
     world = MPI.COMM_WORLD
     topology = Topology(world.Get_size(), world.Get_rank(), 1)
     endpoint = open_parameter_server(world, ServerSpec(topology, N_PARAMS, _adagrad),

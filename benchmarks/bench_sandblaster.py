@@ -15,7 +15,7 @@ temporary folder, figures read from its metrics.jsonl and summary.json):
     Sandblaster / Downpour.
 (b) straggler: Sandblaster on the same model, `--straggler-steps` iterations, with and
     without replica 1 (world rank 3) made 10x slower per work unit (the test-only
-    fault DISTBELIEF_FAULTS="delay:3:0:10x", distbelief.runtime.faults); reported: median seconds per gradient evaluation
+    fault DISTBELIEF_FAULTS="delay:3:0:10x", distbelief.runtime.launching.faults); reported: median seconds per gradient evaluation
     (one batch) in both runs and their ratio (the acceptance bound is 1.3), the units each
     replica committed, and the backup units issued and discarded.
 

@@ -19,7 +19,7 @@ from typing import Any, Self
 
 import pytest
 
-from distbelief.runtime import stuck_launcher
+from distbelief.runtime.launching import stuck_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -148,7 +148,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     mapping outlives the unlink until the process exits."""
     if "mpi4py.MPI" not in sys.modules:
         return
-    from distbelief.runtime.guardian import shm_files_mapped_by
+    from distbelief.runtime.launching.guardian import shm_files_mapped_by
 
     for path in shm_files_mapped_by(os.getpid()):
         try:
@@ -368,7 +368,7 @@ STUCK_LAUNCHER_S = 5.0
 def _communicate(proc: subprocess.Popen, timeout: float, tree: Any) -> tuple[str, str]:
     """proc.communicate(timeout), but a launcher that has collected none of its exited
     children for STUCK_LAUNCHER_S (seen with Open MPI 5.0.11's prterun after a lost shard's
-    abort: distbelief.runtime.stuck_launcher, which slurm/one_node.sbatch runs too) is
+    abort: distbelief.runtime.launching.stuck_launcher, which slurm/one_node.sbatch runs too) is
     ended as the product ends it, with a warning, and the job's outcome read as usual."""
     deadline = time.monotonic() + timeout
     stuck_since = None
@@ -459,7 +459,7 @@ class SharedMemoryWatch:
     out_dir), sampled every 0.1 s while the `with` block runs; `left()` names those that
     still exist afterwards. A job's own files, whatever else runs on the machine: a test
     that kills ranks checks with it that the job removed what it made there
-    (distbelief.runtime.guardian.SharedSegments)."""
+    (distbelief.runtime.launching.guardian.SharedSegments)."""
 
     def __init__(self, marker: str | Path):
         self.marker = str(marker).encode()

@@ -29,7 +29,7 @@ from distbelief.errors import DataError
 from distbelief.model.optimizers import make_optimizer
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.report import THROUGHPUT_FIGURE, load_run, plot_runs
-from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120

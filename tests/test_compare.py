@@ -348,7 +348,7 @@ def test_a_hung_run_is_ended_and_the_comparison_goes_on(config: Path, tmp_path: 
 def test_a_launcher_stuck_after_its_ranks_ended_is_ended_before_the_run_timeout(
         config: Path, tmp_path: Path) -> None:
     # A stand-in prterun that starts a rank which ends at once, never collects it, and
-    # hangs (distbelief.runtime.stuck_launcher): ended after the stuck-launcher grace (2 s
+    # hangs (distbelief.runtime.launching.stuck_launcher): ended after the stuck-launcher grace (2 s
     # here), not the run's 300 s timeout.
     launcher = tmp_path / "stuck-mpiexec"
     launcher.write_text(f"#!{sys.executable}\n"
@@ -457,7 +457,7 @@ def test_ctrl_c_stops_the_run_with_a_checkpoint_and_resume_continues(
 
 def test_a_second_comparison_on_the_same_folder_is_refused(config: Path,
                                                            tmp_path: Path) -> None:
-    from distbelief.runtime.ownership import claim
+    from distbelief.runtime.health.ownership import claim
 
     out = tmp_path / "cmp"
     owner = claim(out)  # a live comparison (this process) owns the folder

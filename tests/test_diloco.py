@@ -38,7 +38,7 @@ from distbelief.model import kernels
 from distbelief.model.optimizers import DelayedNesterov, Momentum, make_optimizer
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.report import THROUGHPUT_FIGURE, load_run, plot_runs
-from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 TIMEOUT = 150
 H = 4

@@ -31,7 +31,7 @@ from distbelief.config import apply_overrides, config_from_dict
 from distbelief.data.converters import convert_idx
 from distbelief.errors import ConfigError, DataError
 from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS
-from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120

@@ -27,8 +27,8 @@ from helpers import exit_statuses, flip_bytes, set_args
 
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
-from distbelief.runtime.faults import ENV as FAULTS
-from distbelief.runtime.launcher import launcher_rank
+from distbelief.runtime.launching.faults import ENV as FAULTS
+from distbelief.runtime.launching.launcher import launcher_rank
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120

@@ -1,5 +1,5 @@
 """Fault tolerance end to end (issue 7), with the test-only fault injection of
-distbelief.runtime.faults, as MPI jobs under timeouts:
+distbelief.runtime.launching.faults, as MPI jobs under timeouts:
 
 - kill -9 of a Downpour replica (one of 3; with 2 shards; on the RMA transport; one
   partition of a model-parallel replica): with MPICH's launcher keeping the others alive
@@ -40,9 +40,9 @@ from helpers import DELAY, exit_statuses, fault_config, set_args
 
 from distbelief.errors import ConfigError
 from distbelief.records import checkpoint as ckpt
-from distbelief.runtime.faults import ENV as FAULTS
-from distbelief.runtime.faults import Fault, Faults, parse, push_slots
-from distbelief.runtime.watchdog import RankLost, Watchdog, current, watching
+from distbelief.runtime.health.watchdog import RankLost, Watchdog, current, watching
+from distbelief.runtime.launching.faults import ENV as FAULTS
+from distbelief.runtime.launching.faults import Fault, Faults, parse, push_slots
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120

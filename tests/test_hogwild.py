@@ -33,7 +33,7 @@ from conftest import (
 from helpers import exit_statuses, set_args
 
 from distbelief.records import checkpoint as ckpt
-from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 EXIT_STATUS = REPO / "tests" / "mpi_programs" / "cli_exit_status.py"
 TIMEOUT = 90

@@ -1,4 +1,4 @@
-"""What the MPI launcher tells a process (distbelief.runtime.launcher), for MPICH's Hydra,
+"""What the MPI launcher tells a process (distbelief.runtime.launching.launcher), for MPICH's Hydra,
 Open MPI's mpirun and srun, and the osc/ucx default the command line sets before MPI_Init
 under Open MPI."""
 
@@ -27,9 +27,9 @@ from conftest import (
 from helpers import exit_statuses
 
 from distbelief.data.converters import make_synthetic
-from distbelief.runtime import stuck_launcher
-from distbelief.runtime.faults import ENV as FAULTS
-from distbelief.runtime.launcher import (
+from distbelief.runtime.launching import stuck_launcher
+from distbelief.runtime.launching.faults import ENV as FAULTS
+from distbelief.runtime.launching.launcher import (
     launcher_rank,
     launcher_size,
     quiet_osc_ucx,
@@ -212,7 +212,7 @@ def test_the_ranks_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
     ({"OMPI_COMM_WORLD_SIZE": "64", "DISTBELIEF_INIT_TIMEOUT": "30"}, 30.0),
 ])
 def test_the_mpi_init_bound_grows_with_the_job(monkeypatch, environ, bound):
-    from distbelief.runtime import guardian
+    from distbelief.runtime.launching import guardian
 
     for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "DISTBELIEF_INIT_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)

@@ -28,7 +28,7 @@ from distbelief.model.partition import (
 )
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
-from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120

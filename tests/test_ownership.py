@@ -1,5 +1,5 @@
-"""One live run per run directory (distbelief.runtime.ownership): the rules that decide whether an
-owner is dead, each one tested on a faked owner file (another host, a dead pid, a reused
+"""One live run per run directory (distbelief.runtime.health.ownership): the rules that decide
+whether an owner is dead, each one tested on a faked owner file (another host, a dead pid, a reused
 pid, a SLURM requeue, an unreadable file), and end to end: a second run, `--fresh`
 included, on a live run's folder is refused at once with one line naming the owner (alone
 and under mpiexec, every rank exit 2) and the first run's files are its own; a kill -9'd
@@ -31,7 +31,7 @@ from helpers import exit_statuses, set_args
 
 from distbelief.records.metrics import read_metrics
 from distbelief.records.status import describe, run_status
-from distbelief.runtime import ownership
+from distbelief.runtime.health import ownership
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 
@@ -156,7 +156,7 @@ def test_the_heartbeat_is_refreshed_while_the_owner_runs(tmp_path: Path) -> None
 
 
 def test_an_owner_whose_file_was_taken_over_stops_without_writing(tmp_path: Path) -> None:
-    code = ("import time, sys\nfrom distbelief.runtime import ownership\n"
+    code = ("import time, sys\nfrom distbelief.runtime.health import ownership\n"
             f"o = ownership.claim({str(tmp_path)!r}, timeout_s=1.0)\n"
             "print('claimed', flush=True)\ntime.sleep(30)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,

@@ -19,7 +19,7 @@ from distbelief.errors import ConfigError
 from distbelief.ps import transport
 from distbelief.ps.endpoint import TRANSPORT_ENV
 from distbelief.runtime import backoff as backoff_module
-from distbelief.runtime.topology import Topology, validate_rank_count
+from distbelief.runtime.communicators.topology import Topology, validate_rank_count
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 90

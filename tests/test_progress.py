@@ -34,7 +34,7 @@ from distbelief.records.metrics import (
     target_seconds_left,
 )
 from distbelief.records.status import describe, run_status
-from distbelief.runtime import ownership
+from distbelief.runtime.health import ownership
 
 # -- the budget and the ETA ------------------------------------------------------------------
 

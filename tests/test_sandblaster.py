@@ -48,7 +48,7 @@ from distbelief.data.hdf5 import bytes_read, open_dataset, read_rows
 from distbelief.errors import ConfigError
 from distbelief.model.network import Network
 from distbelief.records.metrics import REQUIRED_SUMMARY_KEYS
-from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 MLP_LAYERS = [{"type": "dense", "units": 64, "activation": "relu"},
               {"type": "dense", "units": 4, "activation": "softmax"}]

@@ -1,5 +1,5 @@
 """Sandblaster goes on without a lost replica (issue 15), end to end: kill -9 of a replica
-(test-only faults, distbelief.runtime.faults) at moments spread over a run, at 1 and 2
+(test-only faults, distbelief.runtime.launching.faults) at moments spread over a run, at 1 and 2
 shards, with and without partitions, on one node and on simulated nodes, with MPICH's
 launcher keeping the others alive (`-disable-auto-cleanup`). Each run finishes its
 iterations; every other rank exits 0; summary.json, metrics.jsonl and the checkpoint
@@ -29,7 +29,7 @@ from helpers import exit_statuses
 from distbelief.algorithms.sandblaster.coordinator import NOTICE_SLACK_S
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
-from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 PROGRAM = Path(__file__).parent / "mpi_programs" / "cli_exit_status.py"
 TIMEOUT = 240
@@ -320,7 +320,7 @@ def test_hydras_notice_of_a_death_goes_on_and_a_real_sigusr1_later_stops(
 def test_without_hydra_a_sigusr1_right_after_a_death_stops_the_run(
         data_dir: Path, tmp_path: Path) -> None:
     # Open MPI's mpirun (like srun) sends no notice when a rank dies, so a SIGUSR1 just
-    # after a death is a stop request there (runtime.launcher.sends_death_notices); under
+    # after a death is a stop request there (runtime.launching.launcher.sends_death_notices); under
     # hydra the same signal would be taken for its notice (the test above).
     if mpi_under_test() != "openmpi":
         pytest.skip("hydra sends notices of a death; this is the launcher that does not")

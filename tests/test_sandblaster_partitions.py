@@ -41,7 +41,7 @@ from distbelief.data.converters import make_synthetic
 from distbelief.data.hdf5 import bytes_read, open_dataset
 from distbelief.model.network import Network
 from distbelief.model.partition import split_units
-from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 IMAGE = (10, 10, 1)
 CLASSES = 4

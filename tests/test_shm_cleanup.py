@@ -1,7 +1,7 @@
 """A job's shared-memory files in /dev/shm are removed after its ranks die, whatever kills
 them: the guardian of a node's first rank tells a cleaner outside the job what its worker
 maps, and the cleaner removes those files once no process maps them
-(distbelief.runtime.guardian.SharedSegments); never a file of another job, never one a
+(distbelief.runtime.launching.guardian.SharedSegments); never a file of another job, never one a
 live process maps."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from distbelief.runtime.guardian import keeps_the_node_clean
+from distbelief.runtime.launching.guardian import keeps_the_node_clean
 
 MAPPER = """
 import mmap, sys, time
@@ -27,7 +27,7 @@ time.sleep(120)
 """
 GUARDIAN = """
 import sys, time
-from distbelief.runtime.guardian import SharedSegments
+from distbelief.runtime.launching.guardian import SharedSegments
 segments = SharedSegments(int(sys.argv[1]), keeper=True)
 segments.note()
 print("noted", sorted(segments.seen), flush=True)

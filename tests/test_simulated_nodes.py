@@ -1,8 +1,8 @@
 """Several nodes simulated on one machine (issue 17, items 1 and 4).
 
-- distbelief's node split (distbelief.runtime.nodes) follows MPI's (hydra's fake hosts)
-  and DISTBELIEF_SIMULATED_NODES, and the transport choice and /proc liveness follow it;
-- heartbeat files (distbelief.runtime.heartbeat) go silent when a rank stops beating;
+- distbelief's node split (distbelief.runtime.communicators.nodes) follows MPI's (hydra's fake
+  hosts) and DISTBELIEF_SIMULATED_NODES, and the transport choice and /proc liveness follow it;
+- heartbeat files (distbelief.runtime.health.heartbeat) go silent when a rank stops beating;
 - Downpour on 2 simulated nodes, with kill -9: a replica on the other node than shard 0
   is lost by its heartbeat within the bound, a shard on another node ends the job with one
   clear line within the bound and the rerun resumes; a healthy replica that is busy for
@@ -27,12 +27,14 @@ from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime import counters
-from distbelief.runtime.faults import ENV as FAULTS
-from distbelief.runtime.heartbeat import Heartbeats
-from distbelief.runtime.nodes import _colors, simulated_nodes
-from distbelief.runtime.nodes import node_split as split_nodes  # node_split: a launch below
-from distbelief.runtime.placement import spread_order
-from distbelief.runtime.watchdog import GONE_GRACE_S, RankLost, Watchdog, watching
+from distbelief.runtime.communicators.nodes import _colors, simulated_nodes
+from distbelief.runtime.communicators.nodes import (
+    node_split as split_nodes,  # node_split: a launch below
+)
+from distbelief.runtime.communicators.placement import spread_order
+from distbelief.runtime.health.heartbeat import Heartbeats
+from distbelief.runtime.health.watchdog import GONE_GRACE_S, RankLost, Watchdog, watching
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 180

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from helpers.slurm import COMMON, JOB_ID, SCRIPTS, SHIMS, TIMEOUT, Job, kill_session
 
-from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 FIND_BEGIN = "# ---- Find slurm/common.sh"
 FIND_END = "# ---- End of finding slurm/common.sh"
@@ -35,7 +35,8 @@ FIND_END = "# ---- End of finding slurm/common.sh"
 # About 3 s of training each on a quiet machine (sgd; Downpour at 3 to 5 ranks): USR1, sent
 # once the first steps are logged (0.5 s in), comes well before the end. Downpour's toy
 # steps take ~0.1 ms on shared memory, so its replicas are slowed to 2 ms per step (a
-# test-only fault, distbelief.runtime.faults): 3000 steps then take 2-3 s however fast the machine.
+# test-only fault, distbelief.runtime.launching.faults): 3000 steps then take 2-3 s
+# however fast the machine.
 SGD_STEPS = 30000
 DOWNPOUR_STEPS = 3000
 DOWNPOUR_STEP_DELAY = {FAULTS: "delay:*:0:0.002s"}
@@ -308,7 +309,7 @@ def test_scripts_over_several_nodes_have_an_infiniband_section(name):
     assert "Nothing here has run on InfiniBand" in section
 
 
-# -- one live run per run.out_dir (distbelief.runtime.ownership) -------------------------------------------
+# -- one live run per run.out_dir (distbelief.runtime.health.ownership) -------------------------------------------
 
 
 @pytest.mark.parametrize("script, ntasks, overrides", [
@@ -351,7 +352,7 @@ def test_a_job_submitted_twice_is_refused_while_the_first_runs(data_dir, tmp_pat
 def test_a_requeue_takes_over_from_its_instance_on_a_lost_node(data_dir, tmp_path, script):
     """The earlier instance's owner file names another node with a fresh heartbeat (the
     node was lost a moment ago): only the requeue rule lets the requeued job start."""
-    from distbelief.runtime import ownership
+    from distbelief.runtime.health import ownership
 
     job = Job(script, tmp_path, 1, data_dir / "synth.toml", "run.max_steps=50")
     job.out.mkdir()

@@ -1,5 +1,6 @@
 """A launcher that stops collecting its exited ranks is found and ended
-(distbelief.runtime.stuck_launcher), by the tests' run_mpi and by slurm/one_node.sbatch."""
+(distbelief.runtime.launching.stuck_launcher), by the tests' run_mpi and by
+slurm/one_node.sbatch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 import pytest
 from conftest import _communicate, _job_tree
 
-from distbelief.runtime import stuck_launcher
+from distbelief.runtime.launching import stuck_launcher
 
 # A stand-in for a stuck prterun: it starts two "ranks" that end at once and never
 # collects them (subprocess.Popen waits for a child only when asked), then sleeps.
@@ -67,7 +68,8 @@ def test_watch_ends_a_stuck_launcher_after_its_grace_and_leaves_a_busy_one() -> 
         assert time.monotonic() - t0 < 15
         # The busy one outlives a watch of 3 s: run the watcher as the script does, and
         # see it still waiting.
-        watcher = subprocess.Popen([sys.executable, "-m", "distbelief.runtime.stuck_launcher",
+        watcher = subprocess.Popen([sys.executable, "-m",
+                                    "distbelief.runtime.launching.stuck_launcher",
                                     str(busy.pid), "1"], stderr=subprocess.PIPE, text=True)
         with pytest.raises(subprocess.TimeoutExpired):
             watcher.wait(timeout=3)
@@ -83,7 +85,7 @@ def test_watch_ends_a_stuck_launcher_after_its_grace_and_leaves_a_busy_one() -> 
 def test_the_watcher_says_why_it_ends_a_launcher_and_refuses_bad_arguments() -> None:
     stuck = _launch(STUCK)
     try:
-        done = subprocess.run([sys.executable, "-m", "distbelief.runtime.stuck_launcher",
+        done = subprocess.run([sys.executable, "-m", "distbelief.runtime.launching.stuck_launcher",
                                str(stuck.pid), "1"], capture_output=True, text=True, timeout=60,
                               check=False)
         assert done.returncode == 0
@@ -91,7 +93,7 @@ def test_the_watcher_says_why_it_ends_a_launcher_and_refuses_bad_arguments() -> 
         assert stuck.wait(timeout=10) == -9
     finally:
         _end(stuck)
-    bad = subprocess.run([sys.executable, "-m", "distbelief.runtime.stuck_launcher", "x"],
+    bad = subprocess.run([sys.executable, "-m", "distbelief.runtime.launching.stuck_launcher", "x"],
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "usage:" in bad.stderr
 

@@ -31,7 +31,7 @@ from distbelief.data.hdf5 import TrainShard, open_dataset
 from distbelief.errors import ConfigError
 from distbelief.model.optimizers import make_optimizer
 from distbelief.records import checkpoint as ckpt
-from distbelief.runtime.faults import ENV as FAULTS
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 PROGRAM = REPO / "tests" / "mpi_programs" / "cli_exit_status.py"
 TIMEOUT = 90

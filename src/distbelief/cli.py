@@ -24,8 +24,8 @@ from typing import Any
 from distbelief import __version__, cli_help
 from distbelief.algorithms import registry
 from distbelief.errors import EXIT_USER_ERROR, UserError
-from distbelief.runtime import guardian, launcher
-from distbelief.runtime.guardian import start_mpi
+from distbelief.runtime.launching import guardian, launcher
+from distbelief.runtime.launching.guardian import start_mpi
 
 PROG = "distbelief"
 
@@ -353,11 +353,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     several = launcher.launched_with_several_ranks()
     if several and "mpi4py.MPI" not in sys.modules and not guardian.is_worker():
         # This process is what the launcher started: it becomes the rank's guardian and
-        # the same command runs as its worker (distbelief.runtime.guardian says why).
+        # the same command runs as its worker (distbelief.runtime.launching.guardian says why).
         return guardian.run_guarded(args.argv)
     if guardian.is_worker():
         guardian.bind_to_guardian()
-        from distbelief.runtime.faults import Faults
+        from distbelief.runtime.launching.faults import Faults
 
         Faults.for_rank(int(launcher.launcher_rank() or 0)).before_mpi_init()
     from distbelief.algorithms.common import note_interrupt

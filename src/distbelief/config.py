@@ -71,7 +71,7 @@ they are left out of the config hash, so adding them did not change the hash of 
 runs."""
 SHARD_PLACEMENTS = ("spread", "ranks")
 """cluster.shard_placement: shards dealt round-robin over the nodes, or at world ranks
-0..S-1 as the job script placed them (distbelief.runtime.topology)."""
+0..S-1 as the job script placed them (distbelief.runtime.communicators.topology)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from distbelief.algorithms.common import evaluate
 from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config
-from distbelief.runtime.agreement import polled_bcast, wait_all
+from distbelief.runtime.communicators.agreement import polled_bcast, wait_all
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,

@@ -16,7 +16,7 @@ import signal
 import time
 from pathlib import Path
 
-from distbelief.runtime import stuck_launcher
+from distbelief.runtime.launching import stuck_launcher
 
 PROC = Path("/proc")
 

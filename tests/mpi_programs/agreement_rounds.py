@@ -1,8 +1,9 @@
-"""distbelief.runtime.agreement.Rounds under MPI: ranks poll at different paces (random sleeps),
-rank RAISER raises a flag at its local poll number AT, and every rank says done after a
-number of polls that differs by rank. Each rank prints, as one JSON line, the round at
-which it saw the flag, the flag's value, how many rounds it completed and whether the
-last one said that everyone was done. The test checks that these agree on every rank.
+"""distbelief.runtime.communicators.agreement.Rounds under MPI: ranks poll at different
+paces (random sleeps), rank RAISER raises a flag at its local poll number AT, and every rank
+says done after a number of polls that differs by rank. Each rank prints, as one JSON line,
+the round at which it saw the flag, the flag's value, how many rounds it completed and
+whether the last one said that everyone was done. The test checks that these agree on every
+rank.
 
     mpiexec -n N python tests/mpi_programs/agreement_rounds.py RAISER AT
 """
@@ -14,7 +15,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from distbelief.runtime.agreement import Rounds, wait_for_everyone
+from distbelief.runtime.communicators.agreement import Rounds, wait_for_everyone
 
 
 def main() -> None:

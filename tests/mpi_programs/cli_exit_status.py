@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from distbelief.cli import main
-from distbelief.runtime.launcher import launcher_rank
+from distbelief.runtime.launching.launcher import launcher_rank
 
 EXIT_DIR = "DISTBELIEF_TEST_EXIT_DIR"  # conftest.run_mpi sets it: the status in a file too
 

@@ -12,8 +12,8 @@ from mpi4py import MPI
 from distbelief.model.optimizers import make_optimizer
 from distbelief.ps.endpoint import ServerSpec
 from distbelief.ps.transport import open_parameter_server
-from distbelief.runtime.liveness import Peers
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.topology import Topology
+from distbelief.runtime.health.liveness import Peers
 
 if __name__ == "__main__":
     world = MPI.COMM_WORLD

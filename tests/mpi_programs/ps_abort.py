@@ -10,7 +10,7 @@ import numpy as np
 from ps_common import open_server, parser, say
 
 from distbelief.ps.endpoint import ParameterServerShard
-from distbelief.runtime import guardian
+from distbelief.runtime.launching import guardian
 
 
 class Boom(RuntimeError):

@@ -15,7 +15,7 @@ from mpi4py import MPI
 from distbelief.model.optimizers import make_optimizer
 from distbelief.ps.endpoint import ParameterClient, ParameterServerShard, ServerSpec
 from distbelief.ps.transport import open_parameter_server
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.topology import Topology
 
 
 def check(condition: bool, message: str) -> None:

@@ -15,7 +15,7 @@ from distbelief.errors import EXIT_USER_ERROR, ConfigError
 from distbelief.model.optimizers import ShardRule
 from distbelief.ps.endpoint import ServerSpec
 from distbelief.ps.transport import open_parameter_server
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.topology import Topology
 
 
 class CopiedState(ShardRule):

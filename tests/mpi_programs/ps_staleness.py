@@ -14,7 +14,7 @@ from mpi4py import MPI
 from ps_common import check, open_server, parser, say
 
 from distbelief.ps.endpoint import ParameterClient, ParameterServerShard
-from distbelief.runtime.topology import split_communicators
+from distbelief.runtime.communicators.topology import split_communicators
 
 
 def wait_for_version(client: ParameterClient, params: np.ndarray, version: int) -> None:

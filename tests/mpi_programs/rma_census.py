@@ -29,7 +29,7 @@ from distbelief.model.optimizers import make_optimizer
 from distbelief.ps import run_control as rc
 from distbelief.ps.endpoint import ParameterClient, ParameterServerShard, ServerSpec
 from distbelief.ps.transport import open_parameter_server
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.topology import Topology
 
 ACCUMULATE_FAMILY = {"Accumulate", "Raccumulate", "Get_accumulate", "Rget_accumulate",
                      "Fetch_and_op", "Compare_and_swap"}

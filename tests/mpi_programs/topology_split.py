@@ -5,7 +5,7 @@ import argparse
 from mpi4py import MPI
 from ps_common import check, say
 
-from distbelief.runtime.topology import Topology, split_communicators
+from distbelief.runtime.communicators.topology import Topology, split_communicators
 
 
 def main() -> None:

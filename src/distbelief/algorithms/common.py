@@ -51,8 +51,8 @@ from distbelief.records.metrics import (
     ResumePoint,
     RunRecorder,
 )
-from distbelief.runtime import watchdog
-from distbelief.runtime.launcher import launcher_rank
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.launching.launcher import launcher_rank
 
 EVAL_BATCH_SIZE = 1000
 
@@ -362,7 +362,7 @@ class StopSignals:
 
 COLLAPSED_STATUS = 4
 """The exit status of a run that run.stop_on_collapse ended (distbelief.records.collapse);
-3 is an owner that lost its folder (distbelief.runtime.ownership)."""
+3 is an owner that lost its folder (distbelief.runtime.health.ownership)."""
 
 INTERRUPTED_STATUS = 130
 """The exit status of a run stopped by Ctrl-C (128 + SIGINT, as shells report it)."""
@@ -372,7 +372,7 @@ _first_interrupt = 0.0
 SAME_CTRL_C_S = 1.0
 """SIGINTs this close to the first are the same Ctrl-C: a terminal signals the whole
 foreground process group, and mpiexec forwards it too, so a rank may get one keypress
-twice (through its guardian, distbelief.runtime.guardian)."""
+twice (through its guardian, distbelief.runtime.launching.guardian)."""
 
 
 def note_interrupt(signum: int = signal.SIGINT, frame: Any = None) -> None:
@@ -429,7 +429,7 @@ def latest_checkpoint(root: Path, comm: Any = None
     every rank returns the same answer. Collective over `comm`."""
     if comm is None or comm.Get_size() == 1:
         return ckpt.find_latest(root)
-    from distbelief.runtime.agreement import wait_for_everyone
+    from distbelief.runtime.communicators.agreement import wait_for_everyone
 
     rank, size = comm.Get_rank(), comm.Get_size()
     listed = [path for _, path in ckpt.list_checkpoints(root)] if rank == 0 else None

@@ -50,7 +50,7 @@ lost replica, leaving without any collective.
 
 A LOST REPLICA. Nobody waits for anybody while training, so a replica that dies (other
 than rank 0) costs only its share: rank 0 looks at the others' processes in /proc
-(runtime.liveness) every second, at once after a SIGUSR1 (hydra's notice of a death) and in
+(runtime.health.liveness) every second, at once after a SIGUSR1 (hydra's notice of a death) and in
 every wait, records it as lost (metrics.jsonl, summary, checkpoint manifest), counts its
 unfinished quota as done, and the run goes on. Rank 0 holds the recorder and the only
 writer: if it dies, every other rank stops with one line naming it (the last checkpoint
@@ -89,13 +89,13 @@ from distbelief.model.layout import DTYPE
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS
-from distbelief.runtime import guardian
-from distbelief.runtime.agreement import agree
-from distbelief.runtime.faults import Faults
-from distbelief.runtime.liveness import Peers
-from distbelief.runtime.nodes import node_split
+from distbelief.runtime.communicators.agreement import agree
+from distbelief.runtime.communicators.nodes import node_split
+from distbelief.runtime.health.liveness import Peers
+from distbelief.runtime.health.watchdog import abort_job
+from distbelief.runtime.launching import guardian
+from distbelief.runtime.launching.faults import Faults
 from distbelief.runtime.threads import apply_thread_setting
-from distbelief.runtime.watchdog import abort_job
 
 ALGORITHM = "hogwild"
 

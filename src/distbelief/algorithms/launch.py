@@ -37,7 +37,7 @@ def train(config: Config, comm: Any = None, resume: str = "auto",
                           f"process, but {comm.Get_size()} MPI ranks were started; run it "
                           f"without mpiexec, or use algorithm = \"downpour\"")
     if comm is None and not one_process:
-        from distbelief.runtime.guardian import start_mpi
+        from distbelief.runtime.launching.guardian import start_mpi
 
         comm = start_mpi()
     # Checked before anything is written: a file that does not fit the model claims nothing.
@@ -115,17 +115,17 @@ def _open_data(config: Config, comm: Any) -> tuple[Any, Any]:
 
     if comm is None or comm.Get_size() == 1:
         return open_here()
-    from distbelief.runtime.agreement import agree
+    from distbelief.runtime.communicators.agreement import agree
 
     return agree(comm, open_here)
 
 
 def _claim_run_dir(config: Config, comm: Any) -> Any:
-    """Make this run the one live owner of run.out_dir (distbelief.runtime.ownership), before
+    """Make this run the one live owner of run.out_dir (distbelief.runtime.health.ownership), before
     anything is written there. With several ranks rank 0 claims and a refusal is raised
     on every rank (collective over `comm`: agreement.agree). The Ownership on the rank
     that holds it, None elsewhere."""
-    from distbelief.runtime.ownership import claim
+    from distbelief.runtime.health.ownership import claim
 
     def claim_here() -> Any:
         owner = claim(config.run.out_dir, config.run.owner_timeout_seconds)
@@ -136,7 +136,7 @@ def _claim_run_dir(config: Config, comm: Any) -> Any:
 
     if comm is None or comm.Get_size() == 1:
         return claim_here()
-    from distbelief.runtime.agreement import agree
+    from distbelief.runtime.communicators.agreement import agree
 
     return agree(comm, lambda: claim_here() if comm.Get_rank() == 0 else None)
 
@@ -163,7 +163,7 @@ def _finished_run(config: Config, comm: Any, resume: str, latest: Any,
     summary = finished_run(config, resume, stream, latest) if rank == 0 else None
     if comm is None or comm.Get_size() == 1:
         return summary
-    from distbelief.runtime.agreement import bcast_after_barrier
+    from distbelief.runtime.communicators.agreement import bcast_after_barrier
 
     done = bcast_after_barrier(comm, summary is not None)
     return (summary if rank == 0 else {}) if done else None
@@ -171,13 +171,13 @@ def _finished_run(config: Config, comm: Any, resume: str, latest: Any,
 
 def _place_shards(config: Config, comm: Any, stream: IO[str] | None) -> Any:
     """The job's communicator, with the shards on distinct nodes (cluster.shard_placement,
-    distbelief.runtime.topology); `comm` itself on one node or without shards. Collective
-    over `comm`; rank 0 says where the shards are when there are several nodes."""
+    distbelief.runtime.communicators.topology); `comm` itself on one node or without shards.
+    Collective over `comm`; rank 0 says where the shards are when there are several nodes."""
     shards = config.cluster.ps_shards
     if comm.Get_size() == 1 or shards == 0:
         return comm
     from distbelief.records.console import say
-    from distbelief.runtime.topology import describe_shard_nodes, place_shards
+    from distbelief.runtime.communicators.topology import describe_shard_nodes, place_shards
 
     job, nodes = place_shards(comm, shards, config.cluster.shard_placement)
     if nodes.count > 1 and comm.Get_rank() == 0:
@@ -232,8 +232,8 @@ def _check_memory(config: Config, setup: RunSetup, comm: Any) -> int | None:
     if comm is None:
         prediction = check([0], 0)
         return None if prediction is None else prediction[0]
-    from distbelief.runtime.agreement import agree
-    from distbelief.runtime.nodes import node_split
+    from distbelief.runtime.communicators.agreement import agree
+    from distbelief.runtime.communicators.nodes import node_split
 
     nodes = node_split(comm)
     prediction = agree(comm, lambda: check(list(nodes.node_of), nodes.node_of[nodes.me]))
@@ -244,7 +244,7 @@ def _topology(config: Config, algorithm: registry.Algorithm, comm: Any) -> Any:
     """This rank's Topology in the job (shards only for settings that keep them); None when
     the ranks make no layout, which the trainer then refuses in its own words."""
     from distbelief.algorithms.memory_plan import layout_of
-    from distbelief.runtime.topology import Topology
+    from distbelief.runtime.communicators.topology import Topology
 
     if layout_of(config, comm.Get_size()) is None:
         return None

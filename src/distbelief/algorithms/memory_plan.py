@@ -22,9 +22,9 @@ from distbelief.model.memory_model import (
     largest,
     predict_memory,
 )
-from distbelief.runtime.launcher import world_rank
+from distbelief.runtime.communicators.placement import spread_order
+from distbelief.runtime.launching.launcher import world_rank
 from distbelief.runtime.memory import node_memory_bytes
-from distbelief.runtime.placement import spread_order
 
 GB = 2**30
 
@@ -112,7 +112,7 @@ def block_nodes(ranks: int, per_node: int) -> list[int]:
 def placed_nodes(ranks: int, per_node: int, shards: int) -> list[int]:
     """Node of each of the job's ranks (shards first) when the launcher fills nodes in
     order and the shards are then dealt round-robin over them (cluster.shard_placement
-    = "spread", the default: distbelief.runtime.placement)."""
+    = "spread", the default: distbelief.runtime.communicators.placement)."""
     block = block_nodes(ranks, per_node)
     return [block[world] for world in spread_order(block, shards)]
 

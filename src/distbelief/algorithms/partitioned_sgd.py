@@ -19,19 +19,18 @@ process, and `evaluate` and `export` read it as any sgd run's; every rank reads 
 back from the checkpoint on resume. The data position is the same on every rank.
 
 DOWNPOUR (`algorithm = "downpour"`, S + R x P ranks; the class is in downpour/replica.py,
-which sends the lead's decisions by runtime.agreement.polled_bcast): `PartitionedReplica`
-is a Downpour replica whose network is a `PartitionedNetwork` over its replica's P ranks
-and whose parameter client pulls and pushes only the partition's pieces of the vector
-(`ParameterClient.restrict_to`; the paper's Figure 2). Partition 0 (the lead) alone talks
-to shard 0's run control block for the replica: it claims steps, reports steps and loss,
-reads the commands (pause for a checkpoint, stop, lost, teardown) and publishes the data
-position (the same on every partition); after each exchange it hands the grant and the
-command to its partitions with one broadcast, which they wait for with back-off sleeps,
-so all of them pause, stop and end together. They also agree on whether a step's gradient
-is finite (Downpour drops non-finite ones). A partition that finds another gone (the
-stall watchdog's liveness check in every wait on it) gives its replica up as lost. The
-data, shards and supervisor are Downpour's own.
-"""
+which sends the lead's decisions by runtime.communicators.agreement.polled_bcast):
+`PartitionedReplica` is a Downpour replica whose network is a `PartitionedNetwork` over
+its replica's P ranks and whose parameter client pulls and pushes only the partition's
+pieces of the vector (`ParameterClient.restrict_to`; the paper's Figure 2). Partition 0
+(the lead) alone talks to shard 0's run control block for the replica: it claims steps,
+reports steps and loss, reads the commands (pause for a checkpoint, stop, lost, teardown)
+and publishes the data position (the same on every partition); after each exchange it
+hands the grant and the command to its partitions with one broadcast, which they wait for
+with back-off sleeps, so all of them pause, stop and end together. They also agree on
+whether a step's gradient is finite (Downpour drops non-finite ones). A partition that
+finds another gone (the stall watchdog's liveness check in every wait on it) gives its
+replica up as lost. The data, shards and supervisor are Downpour's own. """
 
 from __future__ import annotations
 
@@ -51,9 +50,9 @@ from distbelief.config import Config, build_optimizer
 from distbelief.errors import ConfigError
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records.metrics import LOG_EVERY_SECONDS
-from distbelief.runtime import watchdog
-from distbelief.runtime.agreement import agree, polled_bcast
-from distbelief.runtime.faults import Faults
+from distbelief.runtime.communicators.agreement import agree, polled_bcast
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.launching.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
 

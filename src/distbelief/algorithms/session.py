@@ -45,7 +45,7 @@ from distbelief.records.metrics import (
     best_last_text,
     target_text,
 )
-from distbelief.runtime import watchdog
+from distbelief.runtime.health import watchdog
 
 
 @dataclass
@@ -107,7 +107,7 @@ class RunSession:
     def _agreed(self, setup: Callable[[], Any]) -> Any:
         if self.comm is None:
             return setup()
-        from distbelief.runtime.agreement import agree  # imports mpi4py.MPI
+        from distbelief.runtime.communicators.agreement import agree  # imports mpi4py.MPI
 
         return agree(self.comm, setup)
 

@@ -31,7 +31,7 @@ def compare(config: str, algorithms: Sequence[str], replicas: Sequence[int],
     the table, write the tables and figures; the exit status (130 after Ctrl-C)."""
     from distbelief.compare import plan, results, running
     from distbelief.records.report import import_pyplot
-    from distbelief.runtime.ownership import claim
+    from distbelief.runtime.health.ownership import claim
 
     import_pyplot()  # fail on a missing matplotlib before the first run, not after the last
     if target is not None and target > 1:

@@ -1,6 +1,7 @@
 """Running a comparison's runs one after another, and resuming an interrupted comparison.
 
-THE FOLDER (owned by one live `compare` at a time: runtime.ownership, as train's run.out_dir):
+THE FOLDER (owned by one live `compare` at a time, as train's run.out_dir:
+runtime.health.ownership):
     compare.json   the comparison's state, rewritten atomically before and after each run:
                    the base configuration and, per run, its settings, command, state
                    ("running", "finished", "failed", "interrupted") and exit status
@@ -46,7 +47,7 @@ from distbelief.config import apply_overrides, read_toml
 from distbelief.errors import ConfigError
 from distbelief.records.console import say
 from distbelief.records.metrics import SUMMARY_FILE, write_json_atomic
-from distbelief.runtime import stuck_launcher
+from distbelief.runtime.launching import stuck_launcher
 
 STATE_FILE = "compare.json"
 RUNS_DIR = "runs"

@@ -60,8 +60,8 @@ from distbelief.model.layers import NO_PARAMS, SAVED_DTYPE, Dense, Layer, Lcn, P
 from distbelief.model.layout import DTYPE
 from distbelief.model.network import Network, evaluation_size
 from distbelief.model.partition import LayerPart, Partitioning
-from distbelief.runtime.agreement import wait_all
-from distbelief.runtime.topology import world_ranks
+from distbelief.runtime.communicators.agreement import wait_all
+from distbelief.runtime.communicators.topology import world_ranks
 
 FORWARD, BACKWARD = 0, 1
 def _tag(layer: int, direction: int) -> int:

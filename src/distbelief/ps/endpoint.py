@@ -48,9 +48,9 @@ from distbelief.model.optimizers import ShardRule
 from distbelief.ps import run_control as rc
 from distbelief.ps.run_control import ControlExchange, ControlView
 from distbelief.ps.stats import ShardStats, StalenessStats
-from distbelief.runtime import watchdog
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.topology import Topology
+from distbelief.runtime.health import watchdog
 
 HEADER_BYTES = 64  # counters at the head of each window; data starts cache-line aligned
 COUNTER_BYTES = 8
@@ -270,7 +270,7 @@ class PullLedger:
 
 
 class PushFaults:
-    """TEST-ONLY (distbelief.runtime.faults): what a client's next push is told to do
+    """TEST-ONLY (distbelief.runtime.launching.faults): what a client's next push is told to do
     (Faults.hang or .kill, run with where it is), and how long each exchange lingers."""
 
     def __init__(self) -> None:
@@ -454,15 +454,15 @@ class ParameterClient(ABC):
 
     @abstractmethod
     def hang_in_next_push(self, faults: Any) -> None:
-        """TEST-ONLY (distbelief.runtime.faults "hang"): the next push stops responding
+        """TEST-ONLY (distbelief.runtime.launching.faults "hang"): the next push stops responding
         for ever while it holds what it holds on the shards."""
 
     @abstractmethod
     def kill_in_next_push(self, faults: Any) -> None:
-        """TEST-ONLY (distbelief.runtime.faults "killpush"): the next push kills its
+        """TEST-ONLY (distbelief.runtime.launching.faults "killpush"): the next push kills its
         process (SIGKILL) mid-push."""
 
     @abstractmethod
     def linger_in_exchanges(self, seconds: float) -> None:
-        """TEST-ONLY (distbelief.runtime.faults "linger"): every exchange from now on
+        """TEST-ONLY (distbelief.runtime.launching.faults "linger"): every exchange from now on
         holds its operations `seconds` longer, as a rank descheduled mid-exchange."""

@@ -58,9 +58,10 @@ from distbelief.ps.rma_windows import (
     full_state,
 )
 from distbelief.ps.run_control import ControlExchange
-from distbelief.runtime import counters, watchdog
+from distbelief.runtime import counters
 from distbelief.runtime.backoff import Backoff, LearnedBackoff
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.topology import Topology
+from distbelief.runtime.health import watchdog
 
 
 class RmaClient(ParameterClient):
@@ -129,8 +130,8 @@ class RmaClient(ParameterClient):
         self._faults.hang = faults.kill
 
     def linger_in_exchanges(self, seconds: float) -> None:
-        """TEST-ONLY (distbelief.runtime.faults "linger"): from now on every exchange flushes
-        its operations to shard 0 (they are applied there) and holds its epoch open
+        """TEST-ONLY (distbelief.runtime.launching.faults "linger"): from now on every exchange
+        flushes its operations to shard 0 (they are applied there) and holds its epoch open
         `seconds` longer before the Unlock, as a rank descheduled just before it."""
         self._faults.linger_s = seconds
 

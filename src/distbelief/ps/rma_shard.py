@@ -82,7 +82,7 @@ from distbelief.ps.rma_windows import (
 from distbelief.ps.run_control import ControlView
 from distbelief.ps.stats import ShardStats
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.topology import Topology
 
 # GIVE_UP_S (endpoint): since issue 28 no fold waits for any push, so on this transport
 # the bound only validates `watch_clients`' argument; a gone client's claim is

@@ -53,7 +53,9 @@ from mpi4py import MPI
 
 from distbelief.model.layout import DTYPE
 from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, aligned
-from distbelief.runtime import counters, faults, watchdog
+from distbelief.runtime import counters
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.launching import faults
 
 FLOAT_BYTES = DTYPE().itemsize
 PUSH_BYTES = {"float32": FLOAT_BYTES, "bfloat16": 2}

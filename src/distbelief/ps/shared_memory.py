@@ -113,10 +113,10 @@ from distbelief.ps.endpoint import (
 )
 from distbelief.ps.run_control import ControlExchange, ControlView
 from distbelief.ps.stats import ShardStats
-from distbelief.runtime import watchdog
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.nodes import node_communicator
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.nodes import node_communicator
+from distbelief.runtime.communicators.topology import Topology
+from distbelief.runtime.health import watchdog
 
 SERVING = 2  # int64 slot in a shared segment's header: 1 once the shard has polled
 BEFORE = 3  # int64 slot: gradients the slice applied in earlier jobs (set at start)
@@ -288,7 +288,7 @@ def _open_segments(comm: MPI.Comm, spec: ServerSpec, required: bool) -> SharedSe
     """The shared segments if the shared transport can be used, else None (use another).
     Collective over `comm`; every rank reaches the same answer (all ranks on one node or
     not, the same rule factory, one lock file for all)."""
-    node = node_communicator(comm)  # MPI's node, or a simulated one (runtime.nodes)
+    node = node_communicator(comm)  # MPI's node, or a simulated one (runtime.communicators.nodes)
     names = _shareable_state(spec.rule)
     why = None
     if node.Get_size() != comm.Get_size():

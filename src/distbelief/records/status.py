@@ -1,7 +1,7 @@
 """`distbelief status RUN_DIR`: what a run is doing, read from its folder alone.
 
 Meant for a login node: no MPI, no lock, nothing written. The owner file
-(distbelief.runtime.ownership) says whether a run holds the folder, where and since when; the
+(distbelief.runtime.health.ownership) says whether a run holds the folder, where and since when; the
 newest lines of metrics.jsonl give the last step and evaluation (a live run may be half
 way through writing its last line: read_metrics drops it); checkpoints/ gives the newest
 committed checkpoint (by name, not verified: `distbelief inspect` verifies) and the best
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from distbelief.errors import UserError
-from distbelief.runtime import ownership
+from distbelief.runtime.health import ownership
 
 EVAL_KEYS = ("test_accuracy", "test_loss", "val_accuracy", "val_loss")
 CHECKPOINTS_DIR = "checkpoints"  # distbelief.records.checkpoint.CHECKPOINTS_DIR, without h5py

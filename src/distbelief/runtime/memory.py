@@ -1,15 +1,7 @@
 """Memory: what this process has used at most (peak RSS), what the node has, and the
-gathering of every rank's peak to the rank that writes summary.json.
-
-`peak_rss_bytes` is the kernel's high-water mark of this process's resident set
-(/proc/self/status VmHWM; getrusage's ru_maxrss elsewhere). Pages of a shared-memory
-segment count in every process that touched them, so on the shared-memory transport a
-shard's slice shows in its replicas' peaks too (`rss_parts` tells anonymous from shared).
-
-`node_memory_bytes` is what one node offers a job, for refusing a layout that will not fit
-before it starts (docs/performance.md, "Memory per rank"): DISTBELIEF_NODE_MEMORY if set
-(a size such as 64G; tests use it), else the SLURM allocation (SLURM_MEM_PER_NODE, or
-SLURM_MEM_PER_CPU times SLURM_CPUS_ON_NODE), else the kernel's MemAvailable.
+gathering of every rank's peak to the rank that writes summary.json, so that a run shows
+each rank's memory beside the memory model's figure, and a layout that will not fit on a
+node is refused before it starts.
 """
 
 from __future__ import annotations
@@ -60,7 +52,12 @@ def _status_kib(field: str, path: str = "/proc/self/status") -> int | None:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far, in bytes. Local."""
+    """This process's peak resident set size so far, in bytes. Local.
+
+    The kernel's high-water mark of this process's resident set (/proc/self/status VmHWM;
+    getrusage's ru_maxrss elsewhere). Pages of a shared-memory segment count in every
+    process that touched them, so on the shared-memory transport a shard's slice shows in
+    its replicas' peaks too (`rss_parts` tells anonymous from shared)."""
     kib = _status_kib("VmHWM")
     if kib is not None:
         return kib * 1024
@@ -99,7 +96,12 @@ def parse_size(text: str, default_unit: str = "") -> int:
 def node_memory_bytes(environ: Mapping[str, str] | None = None,
                       meminfo: str = "/proc/meminfo") -> tuple[int | None, str]:
     """(bytes one node offers this job, where that figure comes from); (None, why) when
-    nothing says. Pure but for reading `meminfo`."""
+    nothing says. Pure but for reading `meminfo`.
+
+    For refusing a layout that will not fit before it starts (docs/performance.md, "Memory
+    per rank"): DISTBELIEF_NODE_MEMORY if set (a size such as 64G; tests use it), else the
+    SLURM allocation (SLURM_MEM_PER_NODE, or SLURM_MEM_PER_CPU times SLURM_CPUS_ON_NODE),
+    else the kernel's MemAvailable."""
     env = os.environ if environ is None else environ
     if env.get(NODE_MEMORY_ENV, "").strip():
         return parse_size(env[NODE_MEMORY_ENV]), f"${NODE_MEMORY_ENV}"

@@ -13,7 +13,7 @@ gradient descent" (NIPS); tau = 1 with SGD is synchronous data-parallel SGD.
 One average is one collective round over `comm`: three non-blocking Iallreduces issued
 in the same order on every rank (the parameters, float32 SUM; the replicas' loss sums,
 float64 SUM; the decisions, int32 MAX), completed by polling with back-off sleeps
-(runtime.agreement.wait_all: MPICH's Wait spins a core, DESIGN.md "spinning waits").
+(runtime.communicators.agreement.wait_all: MPICH's Wait spins a core, DESIGN.md "spinning waits").
 The decisions ride on the average: any rank's stop signal, and rank 0's clock-based
 choices (max_seconds, evaluate now, checkpoint now). max_steps counts TOTAL steps over
 the replicas, as Downpour's does; replicas run in lockstep, so each trains
@@ -28,7 +28,7 @@ commits. A resume therefore restores each replica exactly, and needs the same re
 count (a different one is refused with the count that fits).
 
 A LOST REPLICA cannot be survived: the next average waits for it forever. The polled wait
-asks the liveness machinery (runtime.liveness: /proc on this node, heartbeats on others)
+asks the liveness machinery (runtime.health.liveness: /proc on this node, heartbeats on others)
 about every other replica, and once one is gone the lowest live rank ends the job with one
 line naming it (the others leave the abort to it) and exit status 1. The last checkpoint
 survives; EASGD (elastic_alpha set) is the variant that goes on without a lost replica.
@@ -69,9 +69,9 @@ from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
     RunRecorder,
 )
-from distbelief.runtime import watchdog
-from distbelief.runtime.agreement import agree, polled_bcast, wait_all
-from distbelief.runtime.faults import Faults
+from distbelief.runtime.communicators.agreement import agree, polled_bcast, wait_all
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.launching.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
 

@@ -16,7 +16,7 @@ from distbelief.errors import DataError, UserError
 from distbelief.ps import run_control as rc
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.topology import Topology
 
 WARM_START_POLL_S = (1e-3, 20e-3)
 """Back-off bounds of replicas polling shard 0 while they wait for the warm start: slow,
@@ -47,7 +47,7 @@ paused for a checkpoint)."""
 
 SWEEP_S = 0.25
 """How often shard 0 looks for lost replicas and shards, and the other ranks for lost
-shards (distbelief.runtime.liveness: a /proc read per rank)."""
+shards (distbelief.runtime.health.liveness: a /proc read per rank)."""
 
 NOTICE_SLACK_S = 1.0
 """A rank's new SIGUSR1 is the launcher's notice of a death (hydra sends several per

@@ -29,11 +29,12 @@ from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.ps import run_control as rc
 from distbelief.ps.run_control import ControlExchange
 from distbelief.ps.stats import StalenessStats
-from distbelief.runtime import memory, watchdog
-from distbelief.runtime.agreement import polled_bcast, wait_all
+from distbelief.runtime import memory
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.faults import Faults, step_faults
-from distbelief.runtime.watchdog import RankLost
+from distbelief.runtime.communicators.agreement import polled_bcast, wait_all
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.health.watchdog import RankLost
+from distbelief.runtime.launching.faults import Faults, step_faults
 
 
 def make_replica(run: Any, network: Any, fetch: str) -> Any:
@@ -123,7 +124,7 @@ class Replica:
         self.lost = False
         self.acked = 0  # the last checkpoint request this replica paused for
         self.bad_in_a_row = 0
-        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.runtime.faults)
+        self.faults = Faults.for_rank(topology.world_rank)  # test-only (runtime.launching.faults)
         self.injected = step_faults(self.faults, self.client)  # a no-op without faults
 
     # -- the loop

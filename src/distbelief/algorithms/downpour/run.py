@@ -23,11 +23,11 @@ from distbelief.ps.endpoint import GIVE_UP_S, ParameterClient, ParameterServerSh
 from distbelief.ps.transport import open_parameter_server
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
-from distbelief.runtime import guardian
-from distbelief.runtime.agreement import agree
-from distbelief.runtime.liveness import Peers
-from distbelief.runtime.topology import Communicators, split_communicators
-from distbelief.runtime.watchdog import abort_job
+from distbelief.runtime.communicators.agreement import agree
+from distbelief.runtime.communicators.topology import Communicators, split_communicators
+from distbelief.runtime.health.liveness import Peers
+from distbelief.runtime.health.watchdog import abort_job
+from distbelief.runtime.launching import guardian
 
 
 @dataclass
@@ -52,7 +52,7 @@ class OpenRun:
 
     def check_shards(self, now: float, force: bool = False) -> None:
         """Abort the job if a shard is gone (on this node its process, on another its
-        heartbeat: distbelief.runtime.liveness): looked at every SWEEP_S, at once
+        heartbeat: distbelief.runtime.health.liveness): looked at every SWEEP_S, at once
         after a new SIGUSR1 (hydra's notice of a death), or when `force`d. Local."""
         usr1 = self.signals.counts["SIGUSR1"]
         if not force and now < self._next_shard_check and usr1 == self._usr1_checked:
@@ -173,7 +173,7 @@ def _share_partition_rows(config: Config, plan: DownpourPlan, info: Any, local: 
     if not (topology.is_replica and topology.partitions > 1 and config.data.in_memory):
         return local
     from distbelief.data.hdf5 import TrainShard, shard_range
-    from distbelief.runtime.agreement import polled_bcast
+    from distbelief.runtime.communicators.agreement import polled_bcast
 
     index, seed = topology.replica_index, config.run.seed
     if local is not None:  # partition 0

@@ -27,16 +27,16 @@ from distbelief.algorithms.downpour.plan import (
 from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.ps.endpoint import saved_state
 from distbelief.records import checkpoint as ckpt
-from distbelief.runtime import watchdog
-from distbelief.runtime.agreement import (
+from distbelief.runtime.backoff import Backoff, PacedBackoff
+from distbelief.runtime.communicators.agreement import (
     WAIT_SLEEP_S,
     Rounds,
     bcast_after_barrier,
     gather_after_barrier,
     wait_for_everyone,
 )
-from distbelief.runtime.backoff import Backoff, PacedBackoff
-from distbelief.runtime.faults import Faults
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.launching.faults import Faults
 
 # ------------------------------------------------------------------------------------------
 # Shards

@@ -48,10 +48,11 @@ from distbelief.records.metrics import (
     best_last_text,
     target_text,
 )
-from distbelief.runtime import launcher, watchdog
-from distbelief.runtime.agreement import WAIT_SLEEP_S
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.liveness import sweep_replicas
+from distbelief.runtime.communicators.agreement import WAIT_SLEEP_S
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.health.liveness import sweep_replicas
+from distbelief.runtime.launching import launcher
 
 
 @dataclass

@@ -19,11 +19,11 @@ from distbelief.algorithms.downpour.supervisor import Supervisor
 from distbelief.algorithms.downpour.variant import DOWNPOUR, Variant
 from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config, run_name
-from distbelief.runtime import watchdog
-from distbelief.runtime.liveness import Peers
+from distbelief.runtime.communicators.topology import Topology
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.health.liveness import Peers
+from distbelief.runtime.health.watchdog import RankLost, abort_job
 from distbelief.runtime.threads import set_blas_threads
-from distbelief.runtime.topology import Topology
-from distbelief.runtime.watchdog import RankLost, abort_job
 
 # What the command line, the tests and the benchmarks use from here.
 __all__ = ["OpenRun", "Variant", "grant", "open_run", "plan_run", "train"]
@@ -67,7 +67,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     # once training runs, instead of killing the rank (SIGUSR1's default action).
     with StopSignals() as signals:
         # Collective: the first, so the set-up is watched too. On several nodes every
-        # rank beats in out_dir (distbelief.runtime.heartbeat) until the end.
+        # rank beats in out_dir (distbelief.runtime.health.heartbeat) until the end.
         peers = Peers.gather(comm, config.run.out_dir, config.run.heartbeat_timeout_seconds)
         guard = watchdog.Watchdog(
             topology.world_rank, topology.describe_rank, config.run.stall_warn_seconds,

@@ -41,9 +41,10 @@ from distbelief.config import Config, config_hash, hashed_settings
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import ResumePoint, accuracy_text, target_text
-from distbelief.runtime import launcher, watchdog
-from distbelief.runtime.faults import Faults
-from distbelief.runtime.liveness import Peers, sweep_replicas
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.health.liveness import Peers, sweep_replicas
+from distbelief.runtime.launching import launcher
+from distbelief.runtime.launching.faults import Faults
 
 SWEEP_S = 0.25
 """How often the coordinator looks for gone replica ranks while it waits."""
@@ -154,7 +155,7 @@ class Coordinator:
         self.usr1_seen, self.usr1_pending = 0, []  # SIGUSR1s counted, new ones' first sight
         self.notices = launcher.sends_death_notices()  # else every SIGUSR1 is a stop
         self.next_sweep = 0.0
-        # Test-only (distbelief.runtime.faults): AT counts the iterations.
+        # Test-only (distbelief.runtime.launching.faults): AT counts the iterations.
         self.faults = Faults.for_rank(comm.Get_rank())
         say(stream, _header(config, plan, network, info))
         resume = None

@@ -20,7 +20,7 @@ from distbelief.errors import ConfigError
 from distbelief.model.layout import balanced_ranges
 from distbelief.model.partition import partition_pieces
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.topology import Topology
 
 TAG_REQUEST, TAG_TASK, TAG_COMMAND, TAG_RESULT, TAG_FETCH, TAG_PARAMS, TAG_PUSH = range(
     201, 208)

@@ -38,9 +38,9 @@ from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD
 from distbelief.config import Config
 from distbelief.data.hdf5 import bytes_read, to_float
 from distbelief.model.partitioned_network import PartitionedNetwork
-from distbelief.runtime import watchdog
-from distbelief.runtime.agreement import wait_all
-from distbelief.runtime.faults import Faults
+from distbelief.runtime.communicators.agreement import wait_all
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.launching.faults import Faults
 
 # ------------------------------------------------------------------------------------------
 # Replicas
@@ -170,7 +170,7 @@ class Replica:
         self.agreed = np.zeros(1, dtype=np.int32)
         self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank,
                                    self.partition)
-        self.faults = Faults.for_rank(topology.world_rank)  # test-only (distbelief.runtime.faults)
+        self.faults = Faults.for_rank(topology.world_rank)  # test-only (runtime.launching.faults)
         self.signals = None  # set by train(); only the coordinator acts on signals
         self.partners = [r for r in topology.replica_ranks(topology.replica_index)
                          if r != topology.world_rank]

@@ -45,10 +45,12 @@ from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.records import checkpoint as ckpt
-from distbelief.runtime import guardian, memory, watchdog
-from distbelief.runtime.agreement import agree, polled_bcast, wait_for_everyone
+from distbelief.runtime import memory
+from distbelief.runtime.communicators.agreement import agree, polled_bcast, wait_for_everyone
+from distbelief.runtime.communicators.topology import Communicators, split_communicators
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.launching import guardian
 from distbelief.runtime.threads import set_blas_threads
-from distbelief.runtime.topology import Communicators, split_communicators
 
 # What the command line and the tests use from here (the roles' modules hold the rest).
 __all__ = ["ANSWER_SLOTS", "BatchRows", "Coordinator", "Replica", "ShardServer",

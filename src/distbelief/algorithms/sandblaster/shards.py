@@ -26,9 +26,9 @@ from distbelief.algorithms.sandblaster.plan import (
 )
 from distbelief.algorithms.sandblaster.vector_shard import VectorShard
 from distbelief.records import checkpoint as ckpt
-from distbelief.runtime import watchdog
-from distbelief.runtime.agreement import wait_all
-from distbelief.runtime.faults import Faults
+from distbelief.runtime.communicators.agreement import wait_all
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.launching.faults import Faults
 
 # ------------------------------------------------------------------------------------------
 # Shards
@@ -71,7 +71,7 @@ class ShardServer:
         self.counts = {"commands": 0, "fetches": 0, "pushes": 0, "stale_pushes": 0,
                        "lost_pushes": 0, "trial_fetches": 0, "trial_bytes": 0,
                        "snapshot_fetches": 0, "snapshot_bytes": 0}
-        # Test-only (distbelief.runtime.faults): AT counts the pushes this shard received.
+        # Test-only (distbelief.runtime.launching.faults): AT counts the pushes this shard received.
         self.faults = Faults.for_rank(topology.world_rank)
 
     def _messages(self, values: np.ndarray, ident: int) -> list[np.ndarray | None]:

@@ -8,7 +8,7 @@ One step on every replica, in lockstep:
     of the step's decisions -> the same optimizer step on every replica
 
 The two collectives are issued together and completed with back-off sleeps
-(runtime.agreement.wait_all), never with a spinning MPI_Wait: with more ranks than
+(runtime.communicators.agreement.wait_all), never with a spinning MPI_Wait: with more ranks than
 cores a spinning waiter starves the replicas it waits for (DESIGN.md). Their buffers are
 named arrays that live for the whole run, never temporaries (docs/development.md: a
 buffer given to a non-blocking call must outlive it).
@@ -21,7 +21,7 @@ each replica evaluates 1/R of the evaluation set and the counts are summed, so e
 replica knows whether the target was reached.
 
 A replica that dies never joins the next allreduce, which can then never complete. The
-polled wait asks the liveness machinery (runtime.liveness through the stall watchdog: a
+polled wait asks the liveness machinery (runtime.health.liveness through the stall watchdog: a
 gone process on this node, a stale heartbeat on another) between polls, and the first
 replica to notice prints one line naming the lost rank and aborts the job.
 
@@ -56,9 +56,9 @@ from distbelief.config import Config, build_optimizer, config_hash, hashed_setti
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint
-from distbelief.runtime import watchdog
-from distbelief.runtime.agreement import wait_all
-from distbelief.runtime.faults import Faults
+from distbelief.runtime.communicators.agreement import wait_all
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.launching.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
 

@@ -60,10 +60,11 @@ from distbelief.records.metrics import (
     ResumePoint,
     RunRecorder,
 )
-from distbelief.runtime import guardian, launcher, watchdog
-from distbelief.runtime.agreement import wait_all
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.faults import Faults
+from distbelief.runtime.communicators.agreement import wait_all
+from distbelief.runtime.health import watchdog
+from distbelief.runtime.launching import guardian, launcher
+from distbelief.runtime.launching.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
 TAG_DOWN_HEAD, TAG_PARAMS = 11, 12

@@ -2,20 +2,10 @@
 
 MPI gives no portable way to learn that a rank died (MPICH's ULFM extension is not
 usable with the PyPI build: MPIR_CVAR_ENABLE_FT=1 fails an assertion in MPI_Init), and a
-collective or a lock that waits for a dead rank never returns. So Downpour watches its
-ranks itself (distbelief.algorithms.downpour):
-
-- `Peers`: every rank's node (distbelief.runtime.nodes: MPI's node split, or the
-  simulated one), host name, process id and process start time, gathered once at set-up.
-  A rank on this node is gone when its process no longer exists, is a zombie, or is
-  another process that got the same id (its start time differs). Exact, and cheap (a
-  /proc read per rank).
-- Ranks on other nodes cannot be looked at this way (with simulated nodes they could,
-  and are not: the point is to take the other path); they are noticed by their
-  heartbeat stopping (Downpour: a replica's BEAT in distbelief.ps.run_control for
-  `run.replica_timeout_seconds` when it is alive but stuck, and its node's heartbeat
-  file, which lists the node's live ranks, for `run.heartbeat_timeout_seconds` when it
-  died: distbelief.runtime.heartbeat).
+collective or a lock that waits for a dead rank never returns. So the trainers watch their
+ranks themselves: a rank on this node by /proc (`Peers`), a rank on another node by its
+heartbeat (runtime.health.heartbeat), and on top the lost-replica sweep of Downpour and
+Sandblaster (`sweep_replicas`).
 """
 
 from __future__ import annotations
@@ -30,10 +20,10 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from distbelief.runtime.heartbeat import FOLDER, Heartbeats
-from distbelief.runtime.nodes import Nodes, node_split
-from distbelief.runtime.ownership import process_start_time
-from distbelief.runtime.topology import Topology
+from distbelief.runtime.communicators.nodes import Nodes, node_split
+from distbelief.runtime.communicators.topology import Topology
+from distbelief.runtime.health.heartbeat import FOLDER, Heartbeats
+from distbelief.runtime.health.ownership import process_start_time
 
 # The same /proc reading decides whether a run directory's owner is alive.
 _start_time = process_start_time
@@ -42,7 +32,17 @@ _start_time = process_start_time
 @dataclass(frozen=True)
 class Peers:
     """Node, host, pid and process start time of every rank of a communicator, and the
-    heartbeats of the ranks on other nodes (None on one node, or when not asked for)."""
+    heartbeats of the ranks on other nodes (None on one node, or when not asked for).
+
+    The node is runtime.communicators.nodes' (MPI's node split, or the simulated one),
+    gathered once at set-up. A rank on this node is gone when its process no longer
+    exists, is a zombie, or is another process that got the same id (its start time
+    differs): exact, and cheap (a /proc read per rank). Ranks on other nodes cannot be
+    looked at this way (with simulated nodes they could, and are not: the point is to take
+    the other path); they are noticed by their heartbeat stopping (Downpour: a replica's
+    BEAT in distbelief.ps.run_control for `run.replica_timeout_seconds` when it is alive
+    but stuck, and its node's heartbeat file, which lists the node's live ranks, for
+    `run.heartbeat_timeout_seconds` when it died)."""
 
     nodes: Nodes
     hosts: tuple[str, ...]
@@ -57,7 +57,7 @@ class Peers:
         """Collective over `comm` (node_split, then a bcast and an allgather): every rank's
         identity. With `heartbeat_dir` and a timeout, and ranks on more than one node,
         every rank maps its node's table and starts beating under heartbeat_dir
-        (distbelief.runtime.heartbeat) before the allgather, so every node's file exists
+        (distbelief.runtime.health.heartbeat) before the allgather, so every node's file exists
         once it returns; close() stops it."""
         nodes = node_split(comm)
         heartbeats = None

@@ -1,42 +1,12 @@
 """One live run per run directory: who owns run.out_dir, found without MPI or file locks.
 
-A run claims run.out_dir before it writes anything there and keeps the claim until its
-last write. A second run on the same folder (a job submitted twice, a job array sharing a
-config, a second terminal, `train --fresh`) is refused with one line naming the owner.
-
-THE OWNER FILE. out_dir/owner.json holds the owner's host, process id, process start time
-(clock ticks since boot, /proc/PID/stat), boot id, SLURM job id and restart count, when it
-started, a heartbeat (UTC seconds) and a random token. It is created complete or not at
-all: written to a private temporary file, flushed, then hard-linked to owner.json
-(link(2) fails with EEXIST when the name exists, atomically, on NFSv3+, Lustre and GPFS
-alike; an O_EXCL create is the fallback where links are not allowed). fcntl/flock locks
-are not used: on cluster file systems they may be missing, or local to one node.
-
-WHEN AN OWNER IS TAKEN FOR DEAD, and why each rule is safe:
-- Same host (host name and boot id equal): the owner is dead when its process is gone,
-  a zombie, exiting, or its id now belongs to a process with another start time. Exact:
-  /proc is the kernel's own answer, and the start time defeats pid reuse. `kill -9` or an
-  OOM kill is therefore found at once.
-- Same host name, another boot id: the machine rebooted since, so the process is gone.
-- Same SLURM job id and a higher SLURM_RESTART_COUNT: a requeue of the same job. SLURM
-  starts a requeued instance only after it ended the earlier one (it kills the job's
-  processes on every node, and a node that comes back kills the jobs it no longer
-  runs), so the earlier instance is its own past and can be taken over at once.
-- Otherwise (another host): the owner refreshes its heartbeat every HEARTBEAT_S; silent
-  for longer than run.owner_timeout_seconds (default 120) it is taken for dead. Safe
-  while the hosts' clocks agree to well within that bound (NTP on clusters does, to
-  milliseconds) and no live owner stalls for that long (the heartbeat is a thread of its
-  own, independent of training). 0 turns the rule off: a silent owner on another host is
-  then never taken over and the user removes owner.json by hand.
-- An owner file that cannot be read (a run killed while a fallback O_EXCL file was being
-  written) is dead once its modification time is older than the bound.
-
-TAKEOVER of a dead owner's file is a rename of owner.json to a unique aside name (atomic:
-of two runs racing, one rename finds nothing and that run starts over), a check that the
-file moved is the one judged dead (if a live claim slipped in between, it is put back),
-then the exclusive create above. A live owner whose file was replaced (a requeue took
-over, or its node was cut off for longer than the bound) stops at once without writing
-again: its heartbeat thread sees another token, prints one line and ends the process.
+A run claims run.out_dir (`claim`) before it writes anything there and keeps the claim
+until its last write. A second run on the same folder (a job submitted twice, a job array
+sharing a config, a second terminal, `train --fresh`) is refused with one line naming the
+owner; an owner taken for dead (`is_dead`) is taken over (`_take_over`), and a live owner
+whose file was replaced stops at once (`Ownership`). The rules, and what they assume of
+the file system and the cluster: docs/checkpoints-and-reliability.md, "Reliability: what
+is guarded and what is not".
 
 ASSUMED: out_dir's file system gives atomic link/rename and close-to-open consistency
 (NFS, Lustre, GPFS do); host names are unique across the nodes that mount it; clocks
@@ -132,8 +102,25 @@ def read_owner(out_dir: str | Path) -> dict[str, Any] | None:
 
 def is_dead(owner: dict[str, Any], me: dict[str, Any], timeout_s: float,
             path: Path | None = None, now: float | None = None) -> str | None:
-    """Why `owner` is taken for dead as seen from `me` (see the module docstring), or
-    None while it may be alive. Local."""
+    """Why `owner` is taken for dead as seen from `me`, or None while it may be alive.
+    Local. The rules, and why each is safe:
+    - Same host (host name and boot id equal): the owner is dead when its process is gone,
+      a zombie, exiting, or its id now belongs to a process with another start time.
+      Exact: /proc is the kernel's own answer, and the start time defeats pid reuse.
+      `kill -9` or an OOM kill is therefore found at once.
+    - Same host name, another boot id: the machine rebooted since, so the process is gone.
+    - Same SLURM job id and a higher SLURM_RESTART_COUNT: a requeue of the same job. SLURM
+      starts a requeued instance only after it ended the earlier one (it kills the job's
+      processes on every node, and a node that comes back kills the jobs it no longer
+      runs), so the earlier instance is its own past and can be taken over at once.
+    - Otherwise (another host): the owner refreshes its heartbeat every HEARTBEAT_S;
+      silent for longer than run.owner_timeout_seconds (default 120) it is taken for dead.
+      Safe while the hosts' clocks agree to well within that bound (NTP on clusters does,
+      to milliseconds) and no live owner stalls for that long (the heartbeat is a thread of
+      its own, independent of training). 0 turns the rule off: a silent owner on another
+      host is then never taken over and the user removes owner.json by hand.
+    - An owner file that cannot be read (a run killed while a fallback O_EXCL file was
+      being written) is dead once its modification time is older than the bound."""
     now = time.time() if now is None else now
     if not owner:  # unreadable: judge by the file's age
         try:
@@ -193,7 +180,15 @@ def _write_private(out_dir: Path, record: dict[str, Any]) -> Path:
 
 
 def _create_exclusive(out_dir: Path, record: dict[str, Any]) -> bool:
-    """Make `record` out_dir's owner file if there is none; False if there is one."""
+    """Make `record` out_dir's owner file if there is none; False if there is one.
+
+    out_dir/owner.json holds the owner's host, process id, process start time (clock ticks
+    since boot, /proc/PID/stat), boot id, SLURM job id and restart count, when it started,
+    a heartbeat (UTC seconds) and a random token. It is created complete or not at all:
+    written to a private temporary file, flushed, then hard-linked to owner.json (link(2)
+    fails with EEXIST when the name exists, atomically, on NFSv3+, Lustre and GPFS alike;
+    an O_EXCL create is the fallback where links are not allowed). fcntl/flock locks are
+    not used: on cluster file systems they may be missing, or local to one node."""
     path = out_dir / OWNER_FILE
     temp = _write_private(out_dir, record)
     try:
@@ -216,7 +211,12 @@ def _create_exclusive(out_dir: Path, record: dict[str, Any]) -> bool:
 
 
 def _take_over(out_dir: Path, dead: dict[str, Any]) -> None:
-    """Move the owner file judged dead out of the way (see TAKEOVER). Local."""
+    """Move the owner file judged dead out of the way. Local.
+
+    A rename of owner.json to a unique aside name (atomic: of two runs racing, one rename
+    finds nothing and that run starts over), then a check that the file moved is the one
+    judged dead (if a live claim slipped in between, it is put back); the caller then
+    makes its own claim (_create_exclusive)."""
     path = out_dir / OWNER_FILE
     aside = out_dir / f".{OWNER_FILE}.dead.{secrets.token_hex(4)}"
     try:
@@ -243,7 +243,11 @@ def read_owner_file(path: Path) -> dict[str, Any]:
 
 @dataclass
 class Ownership:
-    """This process's claim on a run directory; `release()` gives it up (idempotent)."""
+    """This process's claim on a run directory; `release()` gives it up (idempotent).
+
+    A live owner whose file was replaced (a requeue took over, or its node was cut off for
+    longer than the bound) stops at once without writing again: its heartbeat thread sees
+    another token, prints one line and ends the process."""
 
     out_dir: Path
     record: dict[str, Any]

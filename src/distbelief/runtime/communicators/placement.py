@@ -1,4 +1,4 @@
-"""Where the shards go among the nodes (cluster.shard_placement; distbelief.runtime.topology
+"""Where the shards go among the nodes (cluster.shard_placement; runtime.communicators.topology
 builds the job's communicator from it). Pure, with no MPI import, so the memory plan
 can place a layout that has not started.
 """

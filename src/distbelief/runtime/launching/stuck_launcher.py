@@ -1,18 +1,14 @@
 """A launcher that has stopped collecting its ranks: found, and ended.
 
-Open MPI 5.0.11's `prterun` (PRRTE 3.0.14), with `--enable-recovery`, once stayed for
-ever after a lost shard had ended the job: every rank had exited, and one of the processes
-it started stayed a zombie, never collected, because its main thread was blocked on a
-mutex inside an event callback (gdb, 2026-11-28; docs/checkpoints-and-reliability.md,
-"A launcher that never returns"). Nothing of the job was left to end it, so a batch job
-would have waited out its time limit.
+Open MPI's `prterun` once stayed for ever after a lost shard had ended the job, one of its
+exited children never collected, so a batch job would have waited out its time limit
+(docs/checkpoints-and-reliability.md, "A launcher that never returns"). A launcher whose
+children have all exited but which has collected none of them for `grace_s` (GRACE_ENV,
+else 30 s) is in that state: a live launcher collects an exited child at once (SIGCHLD).
+`watch` ends such a launcher with SIGKILL, after one line. slurm/one_node.sbatch runs it
+beside mpiexec:
 
-A launcher whose children have all exited but which has collected none of them for
-`grace_s` (GRACE_ENV, else 30 s) is in that state: a live launcher collects an exited
-child at once (SIGCHLD). `watch` ends such a launcher with SIGKILL, after one line.
-slurm/one_node.sbatch runs it beside mpiexec:
-
-    python3 -m distbelief.runtime.stuck_launcher PID [GRACE_S]
+    python3 -m distbelief.runtime.launching.stuck_launcher PID [GRACE_S]
 
 `distbelief compare` watches each run's launcher the same way, and the tests' run_mpi asks
 `all_children_exited` between its reads of the job's output.
@@ -113,7 +109,7 @@ def _alive(pid: int) -> bool:
 
 def main(argv: list[str]) -> int:
     if len(argv) not in (1, 2) or not argv[0].isdigit():
-        print("usage: python3 -m distbelief.runtime.stuck_launcher PID [GRACE_S]\n"
+        print("usage: python3 -m distbelief.runtime.launching.stuck_launcher PID [GRACE_S]\n"
               "Ends process PID (an mpiexec) if it stops collecting its exited children for "
               f"GRACE_S seconds (default: {GRACE_ENV}, else {GRACE_S:g}).", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Which rank does what: parameter-server shards, an optional coordinator, model replicas.
 
-World ranks are laid out in blocks so that job scripts can place them (for example the
-shards on their own nodes):
+The ranks of the job's communicator (`place_shards`) are laid out in blocks, so that job
+scripts can place them (for example the shards on their own nodes):
 
     0 .. S-1                      parameter-server shards
     S                             the coordinator (Sandblaster L-BFGS), only if configured
@@ -9,16 +9,9 @@ shards on their own nodes):
 
 where S = ps_shards, P = partitions (ranks per replica) and first_replica = S + (1 if a
 coordinator else 0). S = 0 for the algorithms that keep no parameters on shards (sync
-without backup workers, averaging without EASGD, hogwild): every rank is a replica. Shard s is world rank s, which is also its rank in every window
-created over the world communicator.
-
-These are ranks of the job's communicator, which `place_shards` builds from the MPI
-world so that the shards sit on distinct nodes (cluster.shard_placement = "spread", the
-default): shard s is the first unused rank of node s % N, dealt round-robin, and every
-other rank keeps its world order. srun's default block placement would otherwise put every
-shard on the first node, whose network card would then carry every replica's pushes and
-pulls. With "ranks", the job's ranks are the world's, for job scripts that place the
-shards themselves. On one node the two are the same.
+without backup workers, averaging without EASGD, hogwild): every rank is a replica. Shard
+s is world rank s, which is also its rank in every window created over the world
+communicator.
 
 `Topology` and `validate_rank_count` are pure: they take integers and never communicate,
 so every rank raises the same `ConfigError` before the first collective when the rank
@@ -34,8 +27,8 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from distbelief.errors import ConfigError
-from distbelief.runtime.nodes import Nodes, node_split
-from distbelief.runtime.placement import spread_order
+from distbelief.runtime.communicators.nodes import Nodes, node_split
+from distbelief.runtime.communicators.placement import spread_order
 
 ROLE_SHARD = "shard"
 ROLE_COORDINATOR = "coordinator"
@@ -219,9 +212,15 @@ def world_ranks(comm: MPI.Comm, ranks: Sequence[int]) -> list[int]:
 def place_shards(world: MPI.Comm, ps_shards: int, placement: str = "spread",
                  ) -> tuple[MPI.Comm, Nodes]:
     """The job's communicator: `world` with the shards spread over the nodes (placement
-    "spread", see the module docstring; "ranks" keeps the world's order), and the world's
-    node split. Collective over `world` (node_split, then a Comm.Split when the order
-    changes). The caller frees a new communicator."""
+    "spread"; "ranks" keeps the world's order), and the world's node split. Collective
+    over `world` (node_split, then a Comm.Split when the order changes). The caller frees a
+    new communicator.
+
+    "spread" (cluster.shard_placement's default): shard s is the first unused rank of node
+    s % N, dealt round-robin, and every other rank keeps its world order. srun's default
+    block placement would otherwise put every shard on the first node, whose network card
+    would then carry every replica's pushes and pulls. "ranks" is for job scripts that
+    place the shards themselves. On one node the two are the same."""
     nodes = node_split(world)
     order = (spread_order(nodes.node_of, ps_shards) if placement == "spread"
              else list(range(world.Get_size())))

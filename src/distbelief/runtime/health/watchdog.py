@@ -1,24 +1,13 @@
 """Stall watchdog: when a rank waits on another (a lock, a message, a collective) for too
 long, say which rank and what for, and optionally abort the job (in the spirit of
-Horovod's stall inspector).
+Horovod's stall inspector); a wait on a rank that is gone ends at once.
 
-Every wait that can depend on another rank declares itself:
+Every wait that can depend on another rank declares itself, and polled waits call
+`watchdog.current().check()` between polls:
 
     with watchdog.current().waiting("the lock on shard 1's segment", ranks=[1],
                                     holder=find_holder):
         ...block or poll...
-
-and polled waits call `watchdog.current().check()` between polls. A thread of the
-watchdog looks at the innermost wait every TICK_S: after `warn_s` it prints one line naming
-the rank waited for (or, with `holder`, the rank found holding what is waited for), after
-`abort_s` it aborts the job. The thread works while the main thread is blocked in a
-system call or in MPI (mpi4py releases the GIL there: measured, a thread ticked on while
-the main thread sat 1 s in MPI_Win_unlock). `check()` raises RankLost in the waiting rank
-when a rank it waits for is gone (distbelief.runtime.liveness), so a polled wait on a dead peer
-ends at once instead of after the timeout. A wait that cannot poll (blocked inside MPI,
-such as an RMA epoch on a dead target, which never completes) is ended by the thread: when
-a rank it depends on has been gone for GONE_GRACE_S, the thread calls `on_lost` (by
-default it aborts the job naming the rank).
 
 One watchdog per process, installed by the trainer for the run (`watching`); `current()`
 is a disabled one otherwise, so library code can declare its waits unconditionally. (It
@@ -36,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from distbelief.runtime import guardian
+from distbelief.runtime.launching import guardian
 
 TICK_S = 0.1
 """How often the watchdog thread looks at the current wait."""
@@ -76,7 +65,18 @@ class _Call:
 
 
 class Watchdog:
-    """Watches the waits of one rank (see the module docstring).
+    """Watches the waits of one rank (declared as the module docstring shows).
+
+    A thread of the watchdog looks at the innermost wait every TICK_S: after `warn_s` it
+    prints one line naming the rank waited for (or, with `holder`, the rank found holding
+    what is waited for), after `abort_s` it aborts the job. The thread works while the main
+    thread is blocked in a system call or in MPI (mpi4py releases the GIL there: measured,
+    a thread ticked on while the main thread sat 1 s in MPI_Win_unlock). `check()` raises
+    RankLost in the waiting rank when a rank it waits for is gone
+    (runtime.health.liveness), so a polled wait on a dead peer ends at once instead of
+    after the timeout. A wait that cannot poll (blocked inside MPI, such as an RMA epoch on
+    a dead target, which never completes) is ended by the thread: when a rank it depends on
+    has been gone for GONE_GRACE_S, the thread calls `on_lost`.
 
     `describe(rank)` names a rank for messages ("rank 3 (replica 1)"); `gone(rank)` says
     whether its process has ended (None: never known); `abort(message)` ends the job.
@@ -268,10 +268,10 @@ def for_job(comm: Any, describe: Callable[[int], str], run: Any) -> tuple[Watchd
     """This rank's watchdog for an MPI run, and the liveness.Peers it asks: `run` is the
     [run] configuration (stall_warn_seconds, stall_abort_seconds, out_dir,
     heartbeat_timeout_seconds), `describe(rank)` names a rank. Every rank's process is
-    watched on this node, and by heartbeat on the others (distbelief.runtime.liveness);
+    watched on this node, and by heartbeat on the others (distbelief.runtime.health.liveness);
     close the Peers at the end. Collective over `comm` (an allgather of every rank's
     identity)."""
-    from distbelief.runtime.liveness import Peers
+    from distbelief.runtime.health.liveness import Peers
 
     peers = Peers.gather(comm, run.out_dir, run.heartbeat_timeout_seconds)
     guard = Watchdog(comm.Get_rank(), describe, run.stall_warn_seconds,

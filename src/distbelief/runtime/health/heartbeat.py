@@ -1,46 +1,12 @@
 """Heartbeats through the file system: how a rank learns that a rank on another node died.
 
-MPI cannot tell (liveness.py), and a dead peer's RMA target never answers: measured with
-MPICH through its network module (fake hosts), a replica's epoch on a killed shard waited
-until the stall watchdog aborted the job. /proc shows only this node's processes. What
-every node of a training job does share is the run folder: the shards write their parts
-of every checkpoint there. So each node has one small file there, `node-<k>`: a counter
-and the node's live ranks, rewritten every `interval_s` by one rank of the node, its
-*writer*. A watcher on another node takes a rank for dead once no new version of its
-node's file has listed it for `timeout_s`, by the watcher's own clock (so the nodes' clocks
-and the file server's need not agree). The file is opened, written and closed each time,
-so NFS's close-to-open consistency makes it visible to a reader that opens it afresh.
-
-Within a node the ranks share a small table in node-local memory (`NodeTable`: a file
-under /dev/shm that every rank of the node maps, unlinked as soon as they all have):
-- every rank's heartbeat thread stamps its own slot each interval, so a live rank whose
-  process is frozen (or whose thread is starved) goes stale there, as its own file did;
-- the writer is the node's lowest rank whose process lives (/proc) and whose stamp is
-  fresh; it lists the ranks that are both. A writer that freezes is replaced by the next
-  rank within two intervals, so it does not take its node down with it;
-- the writer is also the node's only reader of the other nodes' files: it reads those the
-  node's ranks asked about lately, and keeps the watch (when each rank was last listed,
-  the node's last two answered readings) in the table, where every rank looks it up.
-
-A thread, not the main loop, beats and reads, so a rank busy for a long time (an
-evaluation, a long step, a checkpoint) still beats; one that is frozen or swapped out for
-longer than the timeout does not. The folder is per job (a token rank 0 draws), so two
-jobs never read each other's beats; a node's last rank to stop removes its file, and the
-last node the folder. A rank whose node's file a watcher has never read (a folder that is
-not shared) is never taken for dead by it: no news is not bad news there. Once it has, a
-rank of that node never listed since counts as listed at that first reading (every rank
-lived when the job started), so a rank that died before it is found too.
-
-What the file system is asked, per node and not per rank: one write per beat interval,
-and at most READS_PER_S reads a second, whatever the ranks per node or in the job: each
-node's file at most once per `read_period()`, the beat interval, or longer when the node
-watches more nodes than READS_PER_S x interval. The price: a death among many watched
-nodes is found later, within `detection_s()`. A death takes two readings that the file
-system answered, both after the timeout and a read period apart, that show no new listing
-(a missing file is an answer). A read that fails (EIO, ESTALE, a metadata server failing
-over) is no reading at all, so a file server that stops answering for longer than the
-timeout writes nobody off: once it answers again, a live rank's next listing comes within
-an interval, before the second stale reading.
+MPI cannot tell (liveness.py), a dead peer's RMA target never answers, and /proc shows only
+this node's processes. What every node of a training job does share is the run folder (the
+shards write their parts of every checkpoint there), so each node has one small file
+there, rewritten every beat by one rank of the node with the node's live ranks, and a
+watcher on another node takes a rank for dead once no new version of that file has listed
+it for `timeout_s` (`Heartbeats`). The design and what it costs the file system:
+docs/checkpoints-and-reliability.md, "Heartbeats across nodes".
 """
 
 from __future__ import annotations
@@ -77,10 +43,21 @@ def interval_for(timeout_s: float) -> float:
 
 class NodeTable:
     """float64 slots shared by the ranks of one node: a file mapped by each (under
-    /dev/shm: node-local memory), or private memory when `path` is None. Indexed by
-    world rank (`stamp`, `listed`) and by node (`answered_old`, `answered_new`,
-    `asked`); times are time.monotonic(), which every process of a machine shares;
-    0.0 is never."""
+    /dev/shm: node-local memory, unlinked as soon as they all have), or private memory
+    when `path` is None:
+    - every rank's heartbeat thread stamps its own slot each interval, so a live rank whose
+      process is frozen (or whose thread is starved) goes stale there, as its own file did;
+    - the writer is the node's lowest rank whose process lives (/proc) and whose stamp is
+      fresh; it lists the ranks that are both. A writer that freezes is replaced by the
+      next rank within two intervals, so it does not take its node down with it;
+    - the writer is also the node's only reader of the other nodes' files: it reads those
+      the node's ranks asked about lately, and keeps the watch (when each rank was last
+      listed, the node's last two answered readings) in the table, where every rank looks
+      it up.
+
+    Indexed by world rank (`stamp`, `listed`) and by node (`answered_old`,
+    `answered_new`, `asked`); times are time.monotonic(), which every process of a
+    machine shares; 0.0 is never."""
 
     def __init__(self, path: Path | None, ranks: int, nodes: int):
         size = 8 * (2 * ranks + 3 * nodes)
@@ -105,7 +82,35 @@ class Heartbeats:
     """This node's heartbeat file and its watch over the other nodes' files, as one rank
     of the node takes part in them. `node_of[r]`: rank r's node. `table`: the file through
     which the node's ranks share their NodeTable (None: private, for a rank alone on its
-    node)."""
+    node).
+
+    The file, `node-<k>`, holds a counter and the node's live ranks, rewritten every
+    `interval_s` by the node's *writer* (NodeTable says which rank). A watcher on another
+    node takes a rank for dead once no new version of its node's file has listed it for
+    `timeout_s`, by the watcher's own clock (so the nodes' clocks and the file server's need
+    not agree). The file is opened, written and closed each time, so NFS's close-to-open
+    consistency makes it visible to a reader that opens it afresh.
+
+    A thread, not the main loop, beats and reads, so a rank busy for a long time (an
+    evaluation, a long step, a checkpoint) still beats; one that is frozen or swapped out
+    for longer than the timeout does not. The folder is per job (a token rank 0 draws), so
+    two jobs never read each other's beats; a node's last rank to stop removes its file,
+    and the last node the folder. A rank whose node's file a watcher has never read (a
+    folder that is not shared) is never taken for dead by it: no news is not bad news
+    there. Once it has, a rank of that node never listed since counts as listed at that
+    first reading (every rank lived when the job started), so a rank that died before it
+    is found too.
+
+    What the file system is asked, per node and not per rank: one write per beat interval,
+    and at most READS_PER_S reads a second, whatever the ranks per node or in the job: each
+    node's file at most once per `read_period()`, the beat interval, or longer when the
+    node watches more nodes than READS_PER_S x interval. The price: a death among many
+    watched nodes is found later, within `detection_s()`. A death takes two readings that
+    the file system answered, both after the timeout and a read period apart, that show no
+    new listing (a missing file is an answer). A read that fails (EIO, ESTALE, a metadata
+    server failing over) is no reading at all, so a file server that stops answering for
+    longer than the timeout writes nobody off: once it answers again, a live rank's next
+    listing comes within an interval, before the second stale reading."""
 
     def __init__(self, folder: Path, rank: int, timeout_s: float, node_of: Sequence[int],
                  reads_per_s: float = READS_PER_S, table: Path | None = None):

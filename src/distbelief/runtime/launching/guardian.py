@@ -2,33 +2,15 @@
 that dies of a signal (kill -9, the OOM killer, a segfault) does not take the job down
 with it where the launcher would let the others live.
 
-Why: MPICH's hydra proxy calls waitpid after every event and, when a process it started
-died of a signal, SIGKILLs every rank of the job, even under `-disable-auto-cleanup`
-(read in hydra's proxy source and seen here: the survivors went on for a moment, then all
-died). A process that merely exits is another matter: with `-disable-auto-cleanup` hydra
-only sends SIGUSR1 to the others. So the process hydra starts is the guardian, which uses
-no MPI; it starts the worker (the same command, which does the MPI work, inheriting the
-PMI connection), and when the worker dies of signal N the guardian exits with status
-128 + N instead. Downpour then goes on without that replica (distbelief.algorithms.downpour).
-
-The guardian relays SIGTERM, SIGUSR1, SIGUSR2, SIGINT and SIGHUP to the worker, which runs
-in a process group of its own: a signal meant for the rank reaches the worker whether
-the launcher signals the rank's process or its process group (hydra signals process
-groups; SLURM's slurmstepd signals every process of the step, so there the worker gets it
-twice, which is harmless: a stop request is a stop request, and a SIGINT arriving twice
-within a second counts as one Ctrl-C, see distbelief.algorithms.common.note_interrupt). The worker dies with its
-guardian (PR_SET_PDEATHSIG), so a launcher that kills the job leaves nothing behind.
-
-MPI_Init is bounded (INIT_TIMEOUT_ENV; by default 120 s and 0.1 s per rank of the job):
-a worker that dies before MPI_Init (it cannot even start) leaves the other ranks waiting in MPI_Init for ever under
-`-disable-auto-cleanup` (hydra only notifies them, and the stall watchdog starts after
-MPI_Init), and under Open MPI's `--enable-recovery` too (seen); the default launch would
-end the job. The worker cannot bound its own
-MPI_Init: mpi4py holds the interpreter lock through it, so no Python thread runs (tried).
-So the guardian does: the worker writes one byte into a pipe as it calls MPI_Init and one
-once it returned, and a guardian that has read the first but not the second within the
-bound says so in one line, kills the worker and exits 1. (The worker's start-up before
-MPI_Init is not bounded: on a loaded node it took over 6 s, measured, and it is no hang.)
+Why: MPICH's hydra proxy SIGKILLs every rank of the job once a process it started died of
+a signal, even under `-disable-auto-cleanup`, while a process that merely exits only gets
+the others a SIGUSR1. So the process hydra starts is the guardian, which uses no MPI; it
+starts the worker (the same command, which does the MPI work, inheriting the PMI
+connection), and when the worker dies of signal N the guardian exits with status 128 + N
+instead. Downpour then goes on without that replica. The guardian also relays signals
+(`run_guarded`), bounds MPI_Init (`init_timeout`) and removes the shared memory a dead
+worker leaves (`SharedSegments`). What was seen of each launcher that led here:
+docs/checkpoints-and-reliability.md, "What each launcher does when a rank dies".
 """
 
 from __future__ import annotations
@@ -46,7 +28,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from distbelief.errors import ConfigError
-from distbelief.runtime.launcher import launcher_rank, launcher_size, quiet_osc_ucx
+from distbelief.runtime.launching.launcher import launcher_rank, launcher_size, quiet_osc_ucx
 
 WORKER_ENV = "DISTBELIEF_GUARDIAN_PID"
 """Set in the worker's environment: its guardian's process id."""
@@ -74,7 +56,16 @@ def is_worker() -> bool:
 
 def run_guarded(argv: Sequence[str]) -> int:
     """Run `python -m distbelief ARGV` as the worker; return its exit status (128 + N if a
-    signal N killed it). Call before MPI is initialised in this process."""
+    signal N killed it). Call before MPI is initialised in this process.
+
+    The guardian relays SIGTERM, SIGUSR1, SIGUSR2, SIGINT and SIGHUP to the worker, which
+    runs in a process group of its own: a signal meant for the rank reaches the worker
+    whether the launcher signals the rank's process or its process group (hydra signals
+    process groups; SLURM's slurmstepd signals every process of the step, so there the
+    worker gets it twice, which is harmless: a stop request is a stop request, and a
+    SIGINT arriving twice within a second counts as one Ctrl-C, see
+    distbelief.algorithms.common.note_interrupt). The worker dies with its guardian
+    (PR_SET_PDEATHSIG), so a launcher that kills the job leaves nothing behind."""
     bound = init_timeout()
     env = dict(os.environ)
     env[WORKER_ENV] = str(os.getpid())
@@ -124,7 +115,18 @@ def run_guarded(argv: Sequence[str]) -> int:
 def init_timeout() -> float:
     """The bound on MPI_Init from INIT_TIMEOUT_ENV, or else INIT_TIMEOUT_S plus
     INIT_TIMEOUT_PER_RANK_S for each rank of the job (the launcher's count); a bad value is
-    an error on every rank alike (they share the environment)."""
+    an error on every rank alike (they share the environment).
+
+    Why a bound: a worker that dies before MPI_Init (it cannot even start) leaves the other
+    ranks waiting in MPI_Init for ever under `-disable-auto-cleanup` (hydra only notifies
+    them, and the stall watchdog starts after MPI_Init), and under Open MPI's
+    `--enable-recovery` too; the default launch would end the job. The worker cannot bound
+    its own MPI_Init: mpi4py holds the interpreter lock through it, so no Python thread
+    runs (tried). So the guardian does: the worker writes one byte into a pipe as it calls
+    MPI_Init and one once it returned, and a guardian that has read the first but not the
+    second within the bound says so in one line, kills the worker and exits 1. (The
+    worker's start-up before MPI_Init is not bounded: on a loaded node it can take seconds,
+    and it is no hang.)"""
     text = os.environ.get(INIT_TIMEOUT_ENV, "")
     if not text:
         return INIT_TIMEOUT_S + INIT_TIMEOUT_PER_RANK_S * launcher_size()
@@ -165,9 +167,9 @@ def start_mpi() -> Any:
     """Initialise MPI; returns COMM_WORLD. With several ranks, make any unhandled exception
     (main thread or not) print its traceback and abort the whole job."""
     # Open MPI without InfiniBand: no osc/ucx error line per rank and window (the user's
-    # own OMPI_MCA_osc wins; distbelief.runtime.launcher.quiet_osc_ucx says why).
+    # own OMPI_MCA_osc wins; distbelief.runtime.launching.launcher.quiet_osc_ucx says why).
     quiet_osc_ucx()
-    mpi_init_begins()  # the guardian bounds MPI_Init (the module docstring)
+    mpi_init_begins()  # the guardian bounds MPI_Init (init_timeout says why)
     from mpi4py import MPI
 
     mpi_init_returned()
@@ -319,7 +321,7 @@ def clean_up_after_abort() -> None:
     paths = sorted(shm_files_mapped_by(os.getpid()))
     if not paths:
         return
-    code = ("import sys; from distbelief.runtime.guardian import remove_when_unmapped; "
+    code = ("import sys; from distbelief.runtime.launching.guardian import remove_when_unmapped; "
             f"remove_when_unmapped(sys.argv[1:], {ABORT_CLEANUP_S!r})")
     try:
         subprocess.Popen([sys.executable, "-c", code, *paths], start_new_session=True,
@@ -356,7 +358,7 @@ def start_cleaner() -> int | None:
     of the job does not reach; returns the pipe it reads paths from (it acts once the
     pipe's write end is closed: when this process ends, however it ends), or None."""
     read, write = os.pipe()
-    code = "from distbelief.runtime.guardian import clean_after_job; clean_after_job()"
+    code = "from distbelief.runtime.launching.guardian import clean_after_job; clean_after_job()"
     try:
         subprocess.Popen([sys.executable, "-c", code], stdin=read, start_new_session=True,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -1,37 +1,12 @@
-"""Agreement among MPI ranks that must never wait on each other while they train.
+"""Polled collectives among MPI ranks that must never block on each other while they train.
 
-Downpour's shards serve free, yet some decisions need every shard: write a checkpoint now
-(a global consistency point), stop because a signal reached one of them, and the end of
-the run (replicas agree through Downpour's one-sided run control instead: a collective that
-includes a rank that may die never completes). Sandblaster and the partitioned trainer
-use the polled barriers. Two pieces:
-
-`Rounds`: a sequence of non-blocking allreduces (MPI_Iallreduce, MAX over a few int64
-flags) that each rank polls from its own loop. Round k+1 is posted only after round k
-completed on that rank, and no sooner than `interval_s` after round k was posted, so
-rounds cost a Test per poll and a few small messages per interval. Every rank sees the
-same result for round k, so every decision taken from a round result is taken by all
-ranks, at the same point of their sequence of collectives; any rank can raise a flag
-(a signal, a failure) and rank 0 can ask for a checkpoint. A round completes once every
-rank has posted it, so its latency is the longest time any rank goes without polling
-(a replica polls after each push: one block of n_push steps).
-
-Why not a broadcast from rank 0 plus point-to-point messages for signals: a message sent
-to rank 0 after it stopped listening would never be received, and a collective cannot be
-cancelled; rounds need neither, and they also end the run cleanly (the `done` flag: the
-last round is the one in which every rank says it is done).
-
-`wait_for_everyone`: a barrier (MPI_Ibarrier) polled with back-off sleeps, calling
-`serve()` between polls. MPICH's blocking calls busy-poll a core (DESIGN.md), so every
-wait here sleeps; a shard that waits keeps serving, so the RMA epochs of replicas that have
-not arrived yet still complete. A blocking collective issued right after such a barrier
-(everyone has arrived) finishes at once: that is how a lowercase bcast/gather of Python
-objects is done without a spinning wait.
-
-Nothing here can deadlock as long as every rank keeps polling. A rank that dies never
-arrives: the polled waits declare themselves to the stall watchdog (distbelief.runtime.watchdog),
-which raises RankLost at once when the rank's process on this node is gone and reports
-(and aborts) after run.stall_*_seconds otherwise.
+A collective that includes a rank that may die never completes, and MPICH's blocking calls
+busy-poll a core (DESIGN.md), so every collective here is non-blocking and polled with
+back-off sleeps: `Rounds` (the decisions that need every rank), `wait_for_everyone` and the
+barriers built on it, `wait_all`. Each wait is declared to the stall watchdog
+(runtime.health.watchdog), which raises RankLost at once when a rank it waits for is gone
+and reports (and aborts) after run.stall_*_seconds otherwise: nothing here deadlocks while
+every rank keeps polling.
 """
 
 from __future__ import annotations
@@ -45,9 +20,9 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.errors import UserError
-from distbelief.runtime import watchdog
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.topology import world_ranks
+from distbelief.runtime.communicators.topology import world_ranks
+from distbelief.runtime.health import watchdog
 
 WAIT_SLEEP_S = (50e-6, 5e-3)
 """Back-off bounds of a polled wait: quick at first (the others are usually close), never
@@ -104,6 +79,23 @@ def polled_bcast(comm: MPI.Comm, value: np.ndarray, what: str = "its lead partit
 class Rounds:
     """Rounds of MPI_Iallreduce(MAX) over `width` int64 flags on `comm`, polled.
 
+    Downpour's shards serve free, yet some decisions need every shard: write a checkpoint
+    now (a global consistency point), stop because a signal reached one of them, and the
+    end of the run (its replicas, which may die, agree through its one-sided run control
+    instead). Round k+1 is posted only after round k completed on that rank, and no sooner
+    than `interval_s` after round k was posted, so rounds cost a Test per poll and a few
+    small messages per interval. Every rank sees the same result for round k, so every
+    decision taken from a round result is taken by all ranks, at the same point of their
+    sequence of collectives; any rank can raise a flag (a signal, a failure) and rank 0 can
+    ask for a checkpoint. A round completes once every rank has posted it, so its latency
+    is the longest time any rank goes without polling (a replica polls after each push: one
+    block of n_push steps).
+
+    Why not a broadcast from rank 0 plus point-to-point messages for signals: a message
+    sent to rank 0 after it stopped listening would never be received, and a collective
+    cannot be cancelled; rounds need neither, and they also end the run cleanly (the
+    `done` flag: the last round is the one in which every rank says it is done).
+
     Collective over `comm` in the sense of MPI: every rank must keep calling poll() until
     the rounds end, and must issue any other collective on `comm` between the same rounds
     (right after acting on a round's result). `comm` should be private to this use.
@@ -144,7 +136,12 @@ def wait_for_everyone(comm: MPI.Comm, serve: Callable[[], bool] | None = None,
                       backoff: Backoff | None = None, what: str = "a barrier") -> None:
     """Collective over `comm`: an Ibarrier polled with back-off sleeps; `serve()` (if given)
     runs between polls, and True from it (work was done) keeps the polls fast. Declared to
-    the stall watchdog as waiting for `what` from the other ranks of `comm`."""
+    the stall watchdog as waiting for `what` from the other ranks of `comm`.
+
+    Sandblaster and the partitioned trainer use it. A shard that waits keeps serving, so the
+    RMA epochs of replicas that have not arrived yet still complete. A blocking collective
+    issued right after it (everyone has arrived) finishes at once: that is how a lowercase
+    bcast/gather of Python objects is done without a spinning wait (bcast_after_barrier)."""
     request = comm.Ibarrier()
     if request.Test():
         return

@@ -2,23 +2,11 @@
 uses (the parameter-server transport, liveness by /proc or by heartbeat, the shared-memory
 communicator).
 
-MPI decides first: `Split_type(COMM_TYPE_SHARED)` groups the ranks that can share memory.
-Host names are not used for that: under MPICH's `mpiexec -launcher fork -hosts h1,h2,h3` every rank
-runs on this machine with this host name, yet MPI puts each fake host on a node of its
-own and talks between them through its network module, and it is MPI's split that the
-transports and their failure modes follow.
-
-SIMULATED NODES. With DISTBELIEF_SIMULATED_NODES=N, the ranks of each machine (host name)
-are dealt over N simulated nodes, rank r of the communicator on node r % N (the order in
-which hydra's `-hosts h1,...,hN` places ranks, so the two ways agree), whatever MPI's split
-of that machine is: MPIR_CVAR_NOLOCAL=1 or hydra's fake hosts make it finer (one node per
-rank, or per fake host), and N nodes are N nodes either way. Ranks on different host
-names are never put on one node, so on a real cluster the setting only splits real nodes
-further. Every decision above then goes as on N nodes: the RMA transport, heartbeats
-instead of /proc. Shared memory is still only taken within one of MPI's nodes
-(`Nodes.shares_memory`, node_communicator). To send MPI's own traffic through its network
-module as well, MPICH needs MPIR_CVAR_NOLOCAL=1 in the launcher's environment (or the fake
-hosts above); docs/cluster.md shows both.
+MPI decides, not host names: `Split_type(COMM_TYPE_SHARED)` groups the ranks that can share
+memory. Under MPICH's `mpiexec -launcher fork -hosts h1,h2,h3` every rank runs on this
+machine with this host name, yet MPI puts each fake host on a node of its own and talks
+between them through its network module, and it is MPI's split that the transports and
+their failure modes follow. Tests can deal the ranks over more nodes (`simulated_nodes`).
 """
 
 from __future__ import annotations
@@ -37,7 +25,19 @@ SIMULATED_NODES_ENV = "DISTBELIEF_SIMULATED_NODES"
 
 def simulated_nodes(environ: Mapping[str, str] | None = None) -> int:
     """N from $DISTBELIEF_SIMULATED_NODES (0: unset or empty, no simulation). Pure, so a bad
-    value raises ConfigError on every rank before any communication."""
+    value raises ConfigError on every rank before any communication.
+
+    With N, the ranks of each machine (host name) are dealt over N simulated nodes, rank r
+    of the communicator on node r % N (the order in which hydra's `-hosts h1,...,hN` places
+    ranks, so the two ways agree), whatever MPI's split of that machine is:
+    MPIR_CVAR_NOLOCAL=1 or hydra's fake hosts make it finer (one node per rank, or per fake
+    host), and N nodes are N nodes either way. Ranks on different host names are never put
+    on one node, so on a real cluster the setting only splits real nodes further. Every
+    node-dependent decision then goes as on N nodes: the RMA transport, heartbeats instead
+    of /proc. Shared memory is still only taken within one of MPI's nodes
+    (`Nodes.shares_memory`, node_communicator). To send MPI's own traffic through its
+    network module as well, MPICH needs MPIR_CVAR_NOLOCAL=1 in the launcher's environment
+    (or the fake hosts above); docs/cluster.md shows both."""
     text = (os.environ if environ is None else environ).get(SIMULATED_NODES_ENV, "").strip()
     if not text:
         return 0
@@ -99,7 +99,7 @@ def _numbered(keys: list) -> list[int]:
 
 def _colors(mpi_node: list[int], hosts: list[str], simulated: int) -> list[int]:
     """Node numbers 0.. (in order of first rank) from each rank's MPI node and host name:
-    MPI's nodes, or with `simulated` N, rank % N within each host (module docstring).
+    MPI's nodes, or with `simulated` N, rank % N within each host (simulated_nodes).
     Pure."""
     if not simulated:
         return _numbered(mpi_node)

@@ -1,12 +1,33 @@
 """Test-only fault injection: kill, crash, slow down, hang or poison a given rank at a given
 step, so that the tests can check what every other rank does about it.
 
-Set the environment variable DISTBELIEF_FAULTS to one or more faults, separated by commas
-or spaces, each ACTION:RANK:AT[:ARG]. RANK is a rank of the job (the MPI rank, except
-where cluster.shard_placement reorders them: then shard s is rank s), or `*` for every
-rank the fault applies to. AT counts what the rank does: a Downpour replica its local steps, a
-Sandblaster replica its work units, a Downpour shard the updates it has folded, a
-Sandblaster shard the pushes it has received, Sandblaster's coordinator its iterations.
+The faults come from the environment variable DISTBELIEF_FAULTS (`ENV` says how to write
+them). Nothing but the tests and the benchmarks sets it; a real run never should, and the
+rank prints what it does when a fault fires.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from distbelief.errors import ConfigError
+
+ENV = "DISTBELIEF_FAULTS"
+"""One or more faults, separated by commas or spaces, each ACTION:RANK:AT[:ARG]. RANK is a
+rank of the job (the MPI rank, except where cluster.shard_placement reorders them: then
+shard s is rank s), or `*` for every rank the fault applies to. AT counts what the rank
+does: a Downpour replica its local steps, a Sandblaster replica its work units, a Downpour
+shard the updates it has folded, a Sandblaster shard the pushes it has received,
+Sandblaster's coordinator its iterations.
 
     kill:RANK:AT          SIGKILL itself after step AT (a crashed node: no clean-up at all)
     raise:RANK:AT         raise RuntimeError after step AT (an unhandled exception)
@@ -37,27 +58,7 @@ Sandblaster shard the pushes it has received, Sandblaster's coordinator its iter
     slots:*:K             every RMA shard has K push slots (K >= 1), not two per replica
                           up to MAX_PUSH_SLOTS: the contention of many replicas, with few;
                           RANK must be * (the windows are allocated collectively)
-
-Nothing but the tests and the benchmarks sets it; a real run never should, and the rank
-prints what it does when a fault fires.
 """
-
-from __future__ import annotations
-
-import math
-import os
-import signal
-import sys
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
-
-from distbelief.errors import ConfigError
-
-ENV = "DISTBELIEF_FAULTS"
 ACTIONS = ("kill", "raise", "poison", "delay", "hang", "killpush", "pause", "linger",
            "noinit", "link", "slots", "slowwrite")
 
