@@ -793,6 +793,106 @@ def local_backward(const float[:, :, :, ::1] x,        # IN (N, H, W, Cin)
 
 
 # ---------------------------------------------------------------------------------------
+# Convolution (tied weights), NHWC, by im2col. The layer (layers.Conv) copies each output
+# position's patch into one row of a columns matrix (N*Ho*Wo x K*K*Cin, the patch in
+# (row, column, channel) order, as the local layer's) and multiplies it with the filters
+# by BLAS through numpy; these two kernels are that copy and its adjoint, which adds each
+# row's gradient back into its patch. Zero padding: taps outside the image are 0 in the
+# row (im2col) and dropped (col2im). In NHWC a patch's row of taps is K*Cin contiguous
+# floats of x, so each copy is a run of that length (shorter at the image's edges).
+
+cdef inline void _taps_inside(Py_ssize_t origin, int kernel, Py_ssize_t size,
+                              Py_ssize_t* lo, Py_ssize_t* hi) noexcept nogil:
+    """Taps [lo, hi) of a window of `kernel` taps from `origin` lie inside [0, size)."""
+    lo[0] = -origin if origin < 0 else 0
+    hi[0] = size - origin if origin + kernel > size else kernel
+    if hi[0] < lo[0]:
+        hi[0] = lo[0]
+
+
+def im2col(const float[:, :, :, ::1] x,   # IN (N, H, W, C)
+           float[:, ::1] columns,         # OUT (N*Ho*Wo, K*K*C)
+           int kernel,
+           int stride,
+           int pad_top,
+           int pad_left,
+           int out_h,
+           int out_w):
+    cdef Py_ssize_t n, i, j, ky, t, y0, x0, ky_lo, ky_hi, kx_lo, kx_hi, a, b
+    cdef Py_ssize_t channels = x.shape[3]
+    cdef Py_ssize_t x_row = x.shape[2] * channels
+    cdef Py_ssize_t x_sample = x.shape[1] * x_row
+    cdef Py_ssize_t row_len = kernel * channels
+    cdef const float* src
+    cdef float* dst
+    if columns.shape[0] == 0 or columns.shape[1] == 0:
+        return
+    with nogil:
+        for n in range(x.shape[0]):
+            for i in range(out_h):
+                y0 = i * stride - pad_top
+                _taps_inside(y0, kernel, x.shape[1], &ky_lo, &ky_hi)
+                for j in range(out_w):
+                    x0 = j * stride - pad_left
+                    _taps_inside(x0, kernel, x.shape[2], &kx_lo, &kx_hi)
+                    a, b = kx_lo * channels, kx_hi * channels
+                    for ky in range(kernel):
+                        dst = &columns[(n * out_h + i) * out_w + j, 0] + ky * row_len
+                        if ky < ky_lo or ky >= ky_hi:
+                            for t in range(row_len):
+                                dst[t] = 0.0
+                            continue
+                        # Loops, not memcpy: a run is often a few floats (K*C, C = 1).
+                        src = (&x[0, 0, 0, 0] + n * x_sample + (y0 + ky) * x_row
+                               + (x0 + kx_lo) * channels)
+                        for t in range(a):
+                            dst[t] = 0.0
+                        for t in range(b - a):
+                            dst[a + t] = src[t]
+                        for t in range(b, row_len):
+                            dst[t] = 0.0
+
+
+def col2im(const float[:, ::1] columns,   # IN (N*Ho*Wo, K*K*C)
+           float[:, :, :, ::1] dx,        # OUT (N, H, W, C)
+           int kernel,
+           int stride,
+           int pad_top,
+           int pad_left,
+           int out_h,
+           int out_w):
+    """dx = 0, then each row of columns added into its patch of dx (overlaps sum)."""
+    cdef Py_ssize_t n, i, j, ky, t, y0, x0, ky_lo, ky_hi, kx_lo, kx_hi, a, b
+    cdef Py_ssize_t channels = dx.shape[3]
+    cdef Py_ssize_t x_row = dx.shape[2] * channels
+    cdef Py_ssize_t x_sample = dx.shape[1] * x_row
+    cdef Py_ssize_t row_len = kernel * channels
+    cdef const float* src
+    cdef float* dst
+    if _size4(dx.shape) == 0:
+        return
+    with nogil:
+        memset(&dx[0, 0, 0, 0], 0, _size4(dx.shape) * sizeof(float))
+    if columns.shape[0] == 0:
+        return
+    with nogil:
+        for n in range(dx.shape[0]):
+            for i in range(out_h):
+                y0 = i * stride - pad_top
+                _taps_inside(y0, kernel, dx.shape[1], &ky_lo, &ky_hi)
+                for j in range(out_w):
+                    x0 = j * stride - pad_left
+                    _taps_inside(x0, kernel, dx.shape[2], &kx_lo, &kx_hi)
+                    a, b = kx_lo * channels, kx_hi * channels
+                    for ky in range(ky_lo, ky_hi):
+                        src = &columns[(n * out_h + i) * out_w + j, 0] + ky * row_len + a
+                        dst = (&dx[0, 0, 0, 0] + n * x_sample + (y0 + ky) * x_row
+                               + (x0 + kx_lo) * channels)
+                        for t in range(b - a):
+                            dst[t] = dst[t] + src[t]
+
+
+# ---------------------------------------------------------------------------------------
 # Pooling over k x k windows with a stride, per channel, NHWC, valid windows (like the
 # locally connected layer): max, or L2 (the square root of the sum of squares, as in the
 # paper's image model). Channels are the innermost loop, contiguous in x and out, so each
@@ -1283,3 +1383,113 @@ def lcn_backward(const float[:, :, :, ::1] x,      # IN (N, Hx, W, C)
                             pdx[at * channels + c] = pdx[at * channels + c] + dmean
     finally:
         _free_lcn_maps(&maps)
+
+
+# ---------------------------------------------------------------------------------------
+# Dropout (inverted): out = x * scale where the unit is kept (its uniform draw u in [0, 1)
+# is at least `rate`), else 0, scale = 1 / (1 - rate). The backward is the same map on
+# the output's gradient with the same draws, so one kernel serves both.
+
+def dropout(const float[:, ::1] x,       # IN (N, U): the activations, or their gradient
+            const float[:, ::1] draws,   # IN (N, U) uniform draws in [0, 1)
+            float rate,
+            float scale,
+            float[:, ::1] out):          # OUT (N, U), may be x itself
+    cdef Py_ssize_t i, size = x.shape[0] * x.shape[1]
+    cdef const float* s
+    cdef const float* u
+    cdef float* o
+    cdef float zero = 0.0
+    cdef float v
+    if size == 0:
+        return
+    s, u, o = &x[0, 0], &draws[0, 0], &out[0, 0]
+    with nogil:
+        for i in range(size):
+            v = s[i] * scale
+            o[i] = v if u[i] >= rate else zero  # a select: vectorised
+
+
+# ---------------------------------------------------------------------------------------
+# Layer normalization (Ba et al. 2016), per sample over its U features:
+#     xhat = (x - mean) / sqrt(var + eps),   out = gain * xhat + bias
+# with the (biased) variance over the sample's features. The backward recomputes the
+# mean and the variance from x (two passes over a row, cheaper than keeping them):
+#     dgain += dout * xhat,  dbias += dout,  g = dout * gain
+#     dx = (g - mean(g) - xhat * mean(g * xhat)) / sqrt(var + eps)
+# The sums over a row accumulate in double: they are reductions gcc cannot vectorise
+# without reassociating, so double costs nothing and keeps a wide row's mean exact.
+
+cdef inline void _row_moments(const float* x, Py_ssize_t units, float eps, float* mean,
+                              float* rstd) noexcept nogil:
+    cdef Py_ssize_t u
+    cdef double acc = 0.0, d, var = 0.0
+    cdef double m
+    for u in range(units):
+        acc += x[u]
+    m = acc / units
+    for u in range(units):
+        d = x[u] - m
+        var += d * d
+    mean[0] = <float>m
+    rstd[0] = 1.0 / sqrtf(<float>(var / units) + eps)
+
+
+def layernorm_forward(const float[:, ::1] x,    # IN (N, U)
+                      const float[::1] gain,    # IN (U,)
+                      const float[::1] bias,    # IN (U,)
+                      float eps,
+                      float[:, ::1] out):       # OUT (N, U)
+    cdef Py_ssize_t n, u, units = x.shape[1]
+    cdef float mean, rstd
+    cdef const float* px
+    cdef float* po
+    if x.shape[0] == 0 or units == 0:
+        return
+    with nogil:
+        for n in range(x.shape[0]):
+            px, po = &x[n, 0], &out[n, 0]
+            _row_moments(px, units, eps, &mean, &rstd)
+            for u in range(units):
+                po[u] = (px[u] - mean) * rstd * gain[u] + bias[u]
+
+
+def layernorm_backward(const float[:, ::1] x,      # IN (N, U)
+                       const float[::1] gain,      # IN (U,)
+                       const float[:, ::1] dout,   # IN (N, U)
+                       float eps,
+                       float[::1] dgain,           # OUT (U,)
+                       float[::1] dbias,           # OUT (U,)
+                       float[:, ::1] dx):          # OUT (N, U), or None to skip
+    cdef Py_ssize_t n, u, units = x.shape[1]
+    cdef float mean, rstd, xhat, g, mean_g, mean_gx
+    cdef double sum_g, sum_gx
+    cdef const float* px
+    cdef const float* pd
+    cdef float* pdx
+    cdef bint want_dx = dx is not None
+    if units == 0:
+        return
+    with nogil:
+        memset(&dgain[0], 0, units * sizeof(float))
+        memset(&dbias[0], 0, units * sizeof(float))
+        for n in range(x.shape[0]):
+            px, pd = &x[n, 0], &dout[n, 0]
+            _row_moments(px, units, eps, &mean, &rstd)
+            sum_g = 0.0
+            sum_gx = 0.0
+            for u in range(units):
+                xhat = (px[u] - mean) * rstd
+                g = pd[u] * gain[u]
+                dgain[u] = dgain[u] + pd[u] * xhat
+                dbias[u] = dbias[u] + pd[u]
+                sum_g += g
+                sum_gx += g * xhat
+            if not want_dx:
+                continue
+            pdx = &dx[n, 0]
+            mean_g = <float>(sum_g / units)
+            mean_gx = <float>(sum_gx / units)
+            for u in range(units):
+                xhat = (px[u] - mean) * rstd
+                pdx[u] = (pd[u] * gain[u] - mean_g - xhat * mean_gx) * rstd

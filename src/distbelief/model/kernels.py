@@ -409,6 +409,71 @@ def local_backward(x: np.ndarray, weights: np.ndarray, dout: np.ndarray,
 
 
 # ---------------------------------------------------------------------------------------
+# Convolution (tied weights) by im2col: the copies here, the products by BLAS (layers.Conv).
+
+CONV_PADDINGS = ("valid", "same")
+
+
+def conv_extent(size: int, kernel: int, stride: int, padding: str) -> tuple[int, int]:
+    """(outputs, zeros padded before the first input) of a convolution's window sweep over
+    `size` inputs. "valid": windows inside the inputs, (size - kernel) // stride + 1 of
+    them. "same": ceil(size / stride) outputs, the inputs padded with the zeros that takes,
+    the odd one after (TensorFlow's rule; with stride 1, PyTorch's padding="same")."""
+    kernel = _check_positive_int("kernel", kernel)
+    stride = _check_positive_int("stride", stride)
+    size = _check_positive_int("size", size)
+    if padding not in CONV_PADDINGS:
+        raise ValueError(f"padding must be one of {CONV_PADDINGS}, got {padding!r}")
+    if padding == "valid":
+        if size < kernel:
+            raise ValueError(f"valid padding needs at least the kernel's {kernel} inputs, "
+                             f"got {size}")
+        return (size - kernel) // stride + 1, 0
+    outputs = -(-size // stride)
+    return outputs, max((outputs - 1) * stride + kernel - size, 0) // 2
+
+
+def _conv_geometry(image: tuple[int, ...], columns: np.ndarray, name: str, kernel: object,
+                   stride: object, padding: object) -> tuple[int, int, int, int]:
+    """Check `columns` against the image (N, H, W, C); return (pad_top, pad_left, Ho, Wo)."""
+    n, height, width, channels = image
+    out_h, top = conv_extent(height, kernel, stride, padding)
+    out_w, left = conv_extent(width, kernel, stride, padding)
+    _check_shape(name, columns, (n * out_h * out_w, kernel * kernel * channels))
+    return top, left, out_h, out_w
+
+
+def im2col(x: np.ndarray, columns: np.ndarray, kernel: int, stride: int,
+           padding: str) -> None:
+    """A convolution's patches as rows: columns[(n*Ho + i)*Wo + j] = the kernel x kernel
+    patch of x[n] at output position (i, j), flattened in (row, column, channel) order
+    (as local_forward's), zero where it lies in the padding.
+
+    x (N, H, W, C); columns (N*Ho*Wo, kernel*kernel*C), overwritten; Ho, Wo and the
+    padding as conv_extent says.
+    """
+    _check_float32("x", x, 4)
+    _check_float32("columns", columns, 2, writeable=True)
+    top, left, out_h, out_w = _conv_geometry(x.shape, columns, "columns", kernel, stride,
+                                             padding)
+    _check_no_overlap("columns", columns, {"x": x})
+    _kernels.im2col(x, columns, int(kernel), int(stride), top, left, out_h, out_w)
+
+
+def col2im(columns: np.ndarray, dx: np.ndarray, kernel: int, stride: int,
+           padding: str) -> None:
+    """The adjoint of im2col: dx (N, H, W, C) is overwritten with each row of columns
+    (N*Ho*Wo, kernel*kernel*C) added back into its patch (overlapping patches sum; taps
+    in the padding are dropped)."""
+    _check_float32("columns", columns, 2)
+    _check_float32("dx", dx, 4, writeable=True)
+    top, left, out_h, out_w = _conv_geometry(dx.shape, columns, "columns", kernel, stride,
+                                             padding)
+    _check_no_overlap("dx", dx, {"columns": columns})
+    _kernels.col2im(columns, dx, int(kernel), int(stride), top, left, out_h, out_w)
+
+
+# ---------------------------------------------------------------------------------------
 # Pooling (max or L2) and local contrast normalization: no parameters.
 
 POOL_MODES = ("max", "l2")
@@ -570,3 +635,77 @@ def lcn_backward(x: np.ndarray, dout: np.ndarray, dx: np.ndarray, kernel: int,
     _check_shape("dx", dx, x.shape)
     _check_no_overlap("dx", dx, {"x": x, "dout": dout})
     _kernels.lcn_backward(x, dout, dx, window, floor, off)
+
+
+# ---------------------------------------------------------------------------------------
+# Dropout and layer normalization.
+
+def _check_rate(rate: object) -> float:
+    rate = _check_real("rate", rate)
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"rate must be at least 0 and below 1, got {rate}")
+    return rate
+
+
+def dropout(x: np.ndarray, draws: np.ndarray, rate: float, out: np.ndarray) -> None:
+    """Inverted dropout: out = x / (1 - rate) where draws >= rate, else 0. x, draws, out
+    (N, U); draws uniform in [0, 1) (one per unit, e.g. Generator.random). The backward is
+    the same call on the output's gradient with the same draws. out may be x itself."""
+    _check_float32("x", x, 2)
+    _check_float32("draws", draws, 2)
+    _check_float32("out", out, 2, writeable=True)
+    _check_shape("draws", draws, x.shape)
+    _check_shape("out", out, x.shape)
+    rate = _check_rate(rate)
+    _check_no_overlap("out", out, {"x": x, "draws": draws}, may_be=("x",))
+    _kernels.dropout(x, draws, rate, 1.0 / (1.0 - rate), out)
+
+
+LAYERNORM_EPS = 1e-5
+"""Added to the variance under the square root (PyTorch's LayerNorm default)."""
+
+
+def _check_layernorm(x: np.ndarray, gain: np.ndarray, bias_name: str, bias: np.ndarray,
+                     eps: object) -> float:
+    _check_float32("x", x, 2)
+    _check_float32("gain", gain, 1)
+    _check_float32(bias_name, bias, 1)
+    _check_shape("gain", gain, (x.shape[1],))
+    _check_shape(bias_name, bias, (x.shape[1],))
+    eps = _check_real("eps", eps)
+    if eps <= 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    return eps
+
+
+def layernorm_forward(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, out: np.ndarray,
+                      eps: float = LAYERNORM_EPS) -> None:
+    """Layer normalization per row: out = gain * (x - mean) / sqrt(var + eps) + bias, the
+    mean and (biased) variance over the row's U features. x, out (N, U); gain, bias (U,)."""
+    eps = _check_layernorm(x, gain, "bias", bias, eps)
+    _check_float32("out", out, 2, writeable=True)
+    _check_shape("out", out, x.shape)
+    _check_no_overlap("out", out, {"x": x, "gain": gain, "bias": bias})
+    _kernels.layernorm_forward(x, gain, bias, eps, out)
+
+
+def layernorm_backward(x: np.ndarray, gain: np.ndarray, dout: np.ndarray,
+                       dgain: np.ndarray, dbias: np.ndarray, dx: np.ndarray | None,
+                       eps: float = LAYERNORM_EPS) -> None:
+    """Gradients of layernorm_forward for the same x, gain and eps: dgain and dbias (U,)
+    are overwritten with their sums over the batch, dx (N, U) with the input gradient
+    (None skips it)."""
+    eps = _check_layernorm(x, gain, "dgain", dgain, eps)
+    _check_float32("dout", dout, 2)
+    _check_shape("dout", dout, x.shape)
+    _check_float32("dgain", dgain, 1, writeable=True)
+    _check_float32("dbias", dbias, 1, writeable=True)
+    _check_shape("dbias", dbias, gain.shape)
+    inputs = {"x": x, "gain": gain, "dout": dout}
+    _check_no_overlap("dgain", dgain, {**inputs, "dbias": dbias})
+    _check_no_overlap("dbias", dbias, inputs)
+    if dx is not None:
+        _check_float32("dx", dx, 2, writeable=True)
+        _check_shape("dx", dx, x.shape)
+        _check_no_overlap("dx", dx, {**inputs, "dgain": dgain, "dbias": dbias})
+    _kernels.layernorm_backward(x, gain, dout, eps, dgain, dbias, dx)
