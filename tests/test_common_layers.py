@@ -5,15 +5,22 @@ Kernels against float64 numpy references and finite differences, and the conv la
 against PyTorch's conv2d; the layers inside a Network (gradients by finite differences,
 conv -> dense through the implicit flatten, config keys and errors); dropout's masks keyed
 on (seed, step), identity in evaluation, and a resumed sgd run that trains bit for bit as
-an uninterrupted one; and the refusal of model parallelism for these layers.
+an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import io
+import tomllib
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from distbelief.errors import ConfigError
 from distbelief.model import kernels
+from distbelief.model.layers import Conv, Dropout, LayerNorm
+from distbelief.model.network import Network
 
 
 def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -173,3 +180,368 @@ def test_layernorm_kernels_match_reference_and_finite_differences(shape):
     skipped = np.full_like(gain, np.nan)
     kernels.layernorm_backward(x, gain, dout, skipped, dbias, None)
     np.testing.assert_array_equal(skipped, dgain)
+
+
+# ---------------------------------------------------------------------------------------
+# The conv layer: forward, backward, the chunks its im2col goes through
+
+
+def conv_layer(case, filters=4, activation="linear"):
+    _, h, w, c, k, s, padding = case
+    return Conv((h, w, c), k, s, filters, padding, activation)
+
+
+def conv_run(layer, n, seed=0, dx=True):
+    """x, weights, bias, out, dout (the forward's gradient), dweights, dbias, dx."""
+    rng = np.random.default_rng(seed)
+    x = randn(rng, n, layer.in_size)
+    (_, wshape), (_, bshape) = layer.param_shapes()
+    weights, bias = randn(rng, *wshape), randn(rng, *bshape)
+    out = np.full((n, layer.out_size), np.nan, dtype=np.float32)
+    layer.forward(x, weights, bias, out)
+    dout = randn(rng, n, layer.out_size)
+    grads = [np.full_like(weights, np.nan), np.full_like(bias, np.nan),
+             np.full_like(x, np.nan) if dx else None]
+    layer.backward(x, out, dout.copy(), weights, *grads)
+    return x, weights, bias, out, dout, *grads
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv_layer_matches_reference_and_finite_differences(case):
+    n, h, w, c, k, s, padding = case
+    layer = conv_layer(case)
+    x, weights, bias, out, dout, dweights, dbias, dx = conv_run(layer, n)
+    x4 = x.reshape(n, h, w, c)
+    want = ref_conv(x4, weights.astype(np.float64), bias.astype(np.float64), k, s, padding)
+    np.testing.assert_allclose(out, want.reshape(n, -1), rtol=1e-5, atol=1e-5)
+    g64 = dout.astype(np.float64).reshape(want.shape)
+    np.testing.assert_allclose(dbias, g64.sum(axis=(0, 1, 2)), rtol=1e-5, atol=1e-4)
+
+    def loss(xv, wv):
+        return np.sum(ref_conv(xv, wv, bias.astype(np.float64), k, s, padding) * g64)
+
+    rng = np.random.default_rng(3)
+    h_step = 1e-3
+    for target, grad in ((x4, dx.reshape(x4.shape)), (weights, dweights)):
+        for _ in range(15):
+            idx = tuple(int(rng.integers(0, d)) for d in target.shape)
+            plus, minus = target.astype(np.float64), target.astype(np.float64)
+            plus[idx] += h_step
+            minus[idx] -= h_step
+            args = ((plus, weights.astype(np.float64)), (minus, weights.astype(np.float64)))
+            if target is weights:
+                args = ((x4.astype(np.float64), plus), (x4.astype(np.float64), minus))
+            numeric = (loss(*args[0]) - loss(*args[1])) / (2 * h_step)
+            assert grad[idx] == pytest.approx(numeric, rel=1e-3, abs=1e-3)
+
+
+def test_conv_goes_through_chunks_of_samples_with_one_reused_buffer(monkeypatch):
+    """A batch larger than the columns buffer holds goes through in chunks: the same
+    result as one chunk, the buffer grown once and reused, a gradient over all samples."""
+    case = (9, 8, 8, 3, 3, 1, "same")
+    whole = conv_run(conv_layer(case), 9, seed=4)
+    monkeypatch.setattr(Conv, "COLUMNS_BYTES", 4 * 64 * 27 * 2)  # 2 samples' columns
+    layer = conv_layer(case)
+    assert layer.chunk == 2
+    chunked = conv_run(layer, 9, seed=4)
+    buffer = layer._columns
+    assert buffer.shape == (2 * 64, 27)
+    for a, b in zip(whole[3:], chunked[3:]):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    conv_run(layer, 5, seed=5)
+    assert layer._columns is buffer
+    assert layer.scratch_bytes(9) == 4 * 27 * (2 * 64 + 4)
+
+
+def test_conv_backward_of_an_empty_batch_zeroes_the_weight_gradient():
+    layer = conv_layer(CONV_CASES[0])
+    *_, dweights, dbias, dx = conv_run(layer, 0)
+    assert np.all(dweights == 0.0) and np.all(dbias == 0.0) and dx.size == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Against PyTorch (1 thread, float64 references from float32 inputs)
+
+
+def nchw(torch, a: np.ndarray):
+    return torch.from_numpy(a).double().permute(0, 3, 1, 2).contiguous()
+
+
+def nhwc(t) -> np.ndarray:
+    return t.detach().permute(0, 2, 3, 1).numpy()
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv_layer_matches_torch_conv2d(torch, case):
+    n, h, w, c, k, s, padding = case
+    layer = conv_layer(case, filters=5, activation="tanh")
+    x, weights, bias, out, dout, dweights, dbias, dx = conv_run(layer, n, seed=6)
+    fn = torch.nn.functional
+    xt = nchw(torch, x.reshape(n, h, w, c)).requires_grad_(True)
+    wt = torch.from_numpy(weights).double().permute(3, 2, 0, 1).contiguous()
+    wt.requires_grad_(True)
+    bt = torch.from_numpy(bias).double().requires_grad_(True)
+    if padding == "same" and s == 1 and k % 2:
+        yt = fn.conv2d(xt, wt, bt, padding="same")   # torch's own (stride 1, odd kernel)
+    else:
+        _, top, bottom = pads(h, k, s, padding)
+        _, left, right = pads(w, k, s, padding)
+        yt = fn.conv2d(fn.pad(xt, (left, right, top, bottom)), wt, bt, stride=s)
+    yt = torch.tanh(yt)
+    yt.backward(nchw(torch, dout.reshape(n, *layer.out_shape)))
+    np.testing.assert_allclose(out.reshape(n, *layer.out_shape), nhwc(yt), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(dx.reshape(n, h, w, c), nhwc(xt.grad), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dweights, wt.grad.permute(2, 3, 1, 0).numpy(), rtol=1e-4,
+                               atol=1e-4)
+    np.testing.assert_allclose(dbias, bt.grad.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_conv_to_dense_flattens_as_torch_does_in_nhwc_order(torch):
+    """conv -> dense needs no flatten layer: the dense layer reads the conv's (H, W, C)
+    output in row, column, channel order, which is torch's NCHW output permuted to NHWC
+    and flattened."""
+    net = Network((6, 6, 2), [CONV, {"type": "dense", "units": 3, "activation": "softmax"}],
+                  3)
+    rng = np.random.default_rng(7)
+    params = net.init_params(rng)
+    params += randn(rng, params.size) * 0.1
+    x, y = randn(rng, 4, 6, 6, 2), rng.integers(0, 3, 4)
+    grad = np.empty_like(params)
+    loss = net.loss_and_grad(params, x, y, grad)
+    views = net._views(params, "params")
+    (cw, cb), (dw, db) = views
+    tensors = [torch.from_numpy(a).double().requires_grad_(True) for a in (cw, cb, dw, db)]
+    twc, tcb, tdw, tdb = tensors
+    fn = torch.nn.functional
+    h = torch.relu(fn.conv2d(nchw(torch, x), twc.permute(3, 2, 0, 1), tcb, padding="same"))
+    logits = h.permute(0, 2, 3, 1).reshape(4, -1) @ tdw.T + tdb
+    want = fn.cross_entropy(logits, torch.from_numpy(y))
+    want.backward()
+    assert loss == pytest.approx(want.item(), rel=1e-5)
+    np.testing.assert_allclose(net.logits(params, x), logits.detach().numpy(), rtol=1e-4,
+                               atol=1e-5)
+    flat = np.concatenate([t.grad.numpy().reshape(-1) for t in tensors])
+    np.testing.assert_allclose(grad, flat, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# The layers in a network
+
+CONV = {"type": "conv", "filters": 4, "kernel": 3, "padding": "same", "activation": "relu"}
+# Smooth activations and L2 pooling: no kinks for the finite differences to straddle.
+NET = [{"type": "conv", "filters": 3, "kernel": 3, "padding": "same", "activation": "tanh"},
+       {"type": "pool", "mode": "l2", "kernel": 2},
+       {"type": "conv", "filters": 4, "kernel": 2, "stride": 2, "activation": "tanh"},
+       {"type": "layernorm"},
+       {"type": "dropout", "rate": 0.3},
+       {"type": "dense", "units": 5, "activation": "tanh"},
+       {"type": "layernorm"},
+       {"type": "dense", "units": 3, "activation": "softmax"}]
+
+
+def test_network_gradient_through_conv_layernorm_and_a_fixed_dropout_mask():
+    """Finite differences of the training loss at one step (its dropout mask fixed:
+    every call at the same step draws the same mask)."""
+    net = Network((8, 8, 2), NET, 3, seed=11)
+    assert [layer.kind for layer in net.layers] == [
+        "conv", "pool", "conv", "layernorm", "dropout", "dense", "layernorm", "dense"]
+    assert net.layers[2].out_shape == (2, 2, 4)
+    rng = np.random.default_rng(8)
+    params = net.init_params(rng)
+    params += randn(rng, params.size) * 0.1
+    x, y = randn(rng, 4, 8, 8, 2), rng.integers(0, 3, 4)
+    grad = np.full(net.layout.size, np.nan, dtype=np.float32)
+    scratch = np.empty_like(grad)
+    net.step = 7
+    loss = net.loss_and_grad(params, x, y, grad)
+    assert net.step == 8 and np.isfinite(grad).all()
+
+    def training_loss(p):
+        net.step = 7
+        return net.loss_and_grad(p, x, y, scratch)
+
+    assert training_loss(params) == loss
+    h = 1e-2
+    for i in range(net.layout.size):  # 254: every parameter of every layer
+        plus, minus = params.copy(), params.copy()
+        plus[i] += h
+        minus[i] -= h
+        numeric = (training_loss(plus) - training_loss(minus)) / (2 * h)
+        assert grad[i] == pytest.approx(numeric, rel=2e-2, abs=2e-4), i
+
+
+def test_dropout_masks_follow_the_seed_and_the_step():
+    def grads(seed, step):
+        net = Network((8, 8, 2), NET, 3, seed=seed)
+        params = net.init_params(0)
+        x = randn(np.random.default_rng(9), 6, 8, 8, 2)
+        grad = np.empty_like(params)
+        net.step = step
+        net.loss_and_grad(params, x, np.arange(6) % 3, grad)
+        return grad, net._saved.rows(6)[4].copy()
+
+    grad, mask = grads(1, 5)
+    again, same = grads(1, 5)
+    assert np.array_equal(grad, again) and np.array_equal(mask, same)
+    for other in (grads(1, 6), grads(2, 5)):
+        assert not np.array_equal(other[1], mask)
+    # Masks are drawn per sample row: the first rows do not depend on the batch size.
+    net = Network((8, 8, 2), NET, 3, seed=1)
+    rows = np.empty((6, net.layers[4].out_size), dtype=np.int32)
+    net.layers[4].draw(net.dropout_rng(5, 4), rows)
+    np.testing.assert_array_equal(rows, mask)
+    small = np.empty((2, rows.shape[1]), dtype=np.int32)
+    net.layers[4].draw(net.dropout_rng(5, 4), small)
+    np.testing.assert_array_equal(small, mask[:2])
+
+
+def test_evaluation_passes_through_dropout_and_draws_nothing():
+    with_dropout = Network((8, 8, 2), NET, 3, seed=3)
+    without = Network((8, 8, 2), [layer for layer in NET if layer["type"] != "dropout"], 3)
+    assert with_dropout.layout.size == without.layout.size
+    params = with_dropout.init_params(0)
+    rng = np.random.default_rng(10)
+    x, y = randn(rng, 20, 8, 8, 2), rng.integers(0, 3, 20)
+    first = with_dropout.evaluate(params, x, y, batch_size=8)
+    assert with_dropout.step == 0
+    assert with_dropout.evaluate(params, x, y, batch_size=8) == first
+    assert without.evaluate(params, x, y, batch_size=8) == first
+    np.testing.assert_array_equal(with_dropout.logits(params, x), without.logits(params, x))
+    assert with_dropout.loss(params, x, y) == without.loss(params, x, y)
+    # A training step in between changes nothing evaluation computes.
+    with_dropout.loss_and_grad(params, x, y, np.empty_like(params))
+    assert with_dropout.evaluate(params, x, y, batch_size=8) == first
+
+
+def test_dropout_backward_needs_its_forwards_draws():
+    layer = Dropout((4,), 0.5)
+    x = np.ones((2, 4), dtype=np.float32)
+    with pytest.raises(ValueError, match="draws its forward used"):
+        layer.backward(x, x, x, None, None, None, np.empty_like(x), None)
+
+
+def test_layernorm_initialises_gain_one_and_init_slice_follows_the_stream():
+    net = Network((8, 8, 2), NET, 3)
+    params = net.init_params(4)
+    gain = net.layout.view(params, 3, "weights")
+    assert isinstance(net.layers[3], LayerNorm) and np.all(gain == 1.0)
+    assert np.all(net.layout.view(params, 3, "bias") == 0.0)
+    # The layers after it draw as if it were not there: the stream skips fixed weights.
+    entry = net.layout.entry(3, "weights")
+    for start, stop in ((0, params.size), (5, 40), (entry.offset + 3, entry.stop + 50),
+                        (params.size - 7, params.size)):
+        np.testing.assert_array_equal(net.init_slice(4, start, stop), params[start:stop])
+    assert "layernorm" in net.describe() and "5x5" not in net.describe()
+
+
+CONV_CONFIG_ERRORS = [
+    ([{**CONV, "padding": "full"}, {"type": "dense", "units": 3, "activation": "softmax"}],
+     ("layer 0", "'padding'")),
+    ([{**CONV, "filters": 0}, {"type": "dense", "units": 3, "activation": "softmax"}],
+     ("layer 0", "'filters'")),
+    ([{**CONV, "stride": 1.5}, {"type": "dense", "units": 3, "activation": "softmax"}],
+     ("layer 0", "'stride'")),
+    ([{**CONV, "padding": "valid", "kernel": 9},
+      {"type": "dense", "units": 3, "activation": "softmax"}], ("layer 0", "'kernel'", "larger")),
+    ([{**CONV, "channels": 3}, {"type": "dense", "units": 3, "activation": "softmax"}],
+     ("layer 0", "unknown key 'channels'")),
+    ([{"type": "dense", "units": 8, "activation": "relu"}, CONV,
+      {"type": "dense", "units": 3, "activation": "softmax"}], ("layer 1", "3-D")),
+    ([CONV, {**CONV, "activation": "softmax"}], ("layer 1", "'filters'")),
+    ([{"type": "dropout", "rate": 1.0}, {"type": "dense", "units": 3, "activation": "softmax"}],
+     ("layer 0", "'rate'")),
+    ([{"type": "dropout", "rate": True}, {"type": "dense", "units": 3, "activation": "softmax"}],
+     ("layer 0", "'rate'")),
+    ([{"type": "dropout"}, {"type": "dense", "units": 3, "activation": "softmax"}],
+     ("layer 0", "missing key 'rate'")),
+    ([CONV, {"type": "dropout", "rate": 0.5}], ("layer 1", "last layer")),
+    ([CONV, {"type": "layernorm"}], ("layer 1", "last layer")),
+    ([{"type": "layernorm", "eps": 0.1}, {"type": "dense", "units": 3, "activation": "softmax"}],
+     ("layer 0", "unknown key 'eps'")),
+]
+
+
+@pytest.mark.parametrize("layers, words", CONV_CONFIG_ERRORS)
+def test_config_errors_name_layer_and_key(layers, words):
+    with pytest.raises(ConfigError) as info:
+        Network((8, 8, 1), layers, 3)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_layers_from_toml_and_conv_as_the_output_layer():
+    config = tomllib.loads("""
+        layers = [
+          {type = "conv", filters = 6, kernel = 5, padding = "same", activation = "relu"},
+          {type = "dropout", rate = 0.1},
+          {type = "layernorm"},
+          {type = "conv", filters = 3, kernel = 4, stride = 4, activation = "softmax"},
+        ]""")
+    net = Network((8, 8, 1), config["layers"], 12)
+    assert [layer.kind for layer in net.layers] == ["conv", "dropout", "layernorm", "conv"]
+    assert net.layers[0].out_shape == (8, 8, 6) and net.layers[3].out_shape == (2, 2, 3)
+    assert net.layers[3].padding == "valid" and net.layers[1].rate == 0.1
+    params = net.init_params(0)
+    logits = net.logits(params, np.ones((2, 8, 8, 1), dtype=np.float32))
+    assert logits.shape == (2, 12)
+
+
+# ---------------------------------------------------------------------------------------
+# Training: a resumed sgd run draws the dropout masks an uninterrupted one does
+
+CONV_TOML = """
+[model]
+layers = [
+    { type = "conv", filters = 4, kernel = 3, padding = "same", activation = "relu" },
+    { type = "pool", mode = "max", kernel = 2 },
+    { type = "dropout", rate = 0.25 },
+    { type = "layernorm" },
+    { type = "dense", units = 4, activation = "softmax" },
+]
+[data]
+path = "synth.h5"
+batch_size = 16
+[optimizer]
+algorithm = "sgd"
+learning_rate = 0.05
+[run]
+max_steps = 40
+eval_every_seconds = 30
+checkpoint_every_seconds = 0
+threads = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def conv_data(synthetic_folder) -> Path:
+    return synthetic_folder("common_layers", {"conv.toml": CONV_TOML}, n_train=600,
+                            n_test=100, input_shape=(8, 8, 1), num_classes=4, seed=5)
+
+
+def sgd_run(folder: Path, out: Path, *overrides: str) -> tuple[dict, str]:
+    from distbelief.algorithms.sgd import train
+    from distbelief.config import load_config
+
+    config = load_config(folder / "conv.toml", [f'run.out_dir="{out}"', *overrides])
+    stream = io.StringIO()
+    return train(config, stream=stream), stream.getvalue()
+
+
+def test_a_resumed_sgd_run_with_dropout_trains_bit_for_bit_as_a_straight_one(conv_data,
+                                                                            tmp_path):
+    from distbelief.records import checkpoint as ckpt
+
+    def final(out):
+        found, _ = ckpt.find_latest(ckpt.checkpoint_root(out))
+        return found.step, found.read_state()[0]
+
+    straight, _ = sgd_run(conv_data, tmp_path / "straight")
+    sgd_run(conv_data, tmp_path / "halves", "run.max_steps=20")
+    resumed, printed = sgd_run(conv_data, tmp_path / "halves")
+    assert "resuming from" in printed and resumed["steps"] == straight["steps"] == 40
+    step, params = final(tmp_path / "straight")
+    assert step == 40
+    again = final(tmp_path / "halves")
+    assert again[0] == 40 and np.array_equal(again[1], params)
+    assert resumed["final_test_loss"] == straight["final_test_loss"]

@@ -371,7 +371,7 @@ def test_bad_inputs_raise():
 
 CONFIG_ERRORS = [
     # (input_shape, layers, num_classes, text the message must contain)
-    ((4,), [{"type": "conv", "units": 3, "activation": "softmax"}], 3, ("layer 0", "'type'")),
+    ((4,), [{"type": "lstm", "units": 3, "activation": "softmax"}], 3, ("layer 0", "'type'")),
     ((4,), [dense(5, "relu"), {"units": 3, "activation": "softmax"}], 3, ("layer 1", "'type'")),
     ((4,), [dense(5, "relu"), {**dense(3, "softmax"), "kernel": 2}], 3, ("layer 1", "'kernel'")),
     ((4,), [{"type": "dense", "activation": "softmax"}], 3, ("layer 0", "'units'")),

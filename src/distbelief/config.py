@@ -786,13 +786,14 @@ def build_network(config: Config, info: Any) -> Any:
     """The model of `config.model.layers` on the data described by `info` (a DatasetInfo).
 
     A layer spec that is wrong, or that does not fit the data's input shape or number of
-    classes, is a ConfigError naming the data it was checked against.
+    classes, is a ConfigError naming the data it was checked against. Its dropout masks
+    are keyed on run.seed.
     """
     from distbelief.model.network import Network
 
     try:
         return Network(tuple(info.input_shape), [dict(layer) for layer in config.model.layers],
-                       int(info.num_classes))
+                       int(info.num_classes), seed=config.run.seed)
     except ConfigError as e:
         shape = "x".join(str(d) for d in info.input_shape)
         raise ConfigError(f"model.layers: {e} (data {info.path}: input {shape}, "

@@ -71,6 +71,7 @@ def train(config: Config, stream: IO[str] | None = sys.stdout,
     state = TrainState()
     if start_from is not None:
         restore(start_from, params, optimizer, shard, state)
+        network.step = state.step  # the dropout masks go on where they were
     session.describe_run(f"{network.layout.size:,d} parameters", len(eval_set[1]))
 
     recorder = session.open_recorder()

@@ -77,12 +77,15 @@ class Workload:
 
 def activation_bytes(network: object, batch: int, backward: bool = True) -> int:
     """Bytes of a batch's activations: the flat input, every layer's output and (for
-    training) its gradient, as Network keeps them."""
+    training) its gradient, as Network keeps them, and the layers' scratch (conv's im2col
+    columns)."""
     layers = list(network.layers)
     outputs = sum(layer.out_size for layer in layers)
     saved = sum(getattr(layer, "saved_per_output", 0) * layer.out_size for layer in layers)
     inputs = math.prod(network.input_shape)
-    return BYTES * batch * (inputs + outputs * (2 if backward else 1) + saved)
+    scratch = sum(layer.scratch_bytes(batch) for layer in layers
+                  if hasattr(layer, "scratch_bytes"))
+    return BYTES * batch * (inputs + outputs * (2 if backward else 1) + saved) + scratch
 
 
 def push_slots(clients: int, slot_bytes: int) -> int:

@@ -6,6 +6,10 @@ and key), fixes the parameter layout, and runs forward and backward passes. Para
 gradients are views into caller-owned flat vectors (the parameter server's layout); work
 buffers are cached and reused, so a training step allocates nothing.
 
+Dropout masks are the one randomness of a step: drawn from (seed, step, layer), where
+`seed` is the run's and `step` counts loss_and_grad calls, so the same network at the
+same step draws the same masks (a resumed trainer sets `step`); evaluation draws none.
+
 A Network is not thread-safe: its work buffers are shared by all calls.
 """
 
@@ -18,14 +22,17 @@ import numpy as np
 
 from distbelief.errors import ConfigError, DataError
 from distbelief.model import kernels
-from distbelief.model.kernels import POOL_MODES
+from distbelief.model.kernels import CONV_PADDINGS, POOL_MODES
 from distbelief.model.layers import (
     ACTIVATIONS,
     LCN_FLOOR,
     NO_PARAMS,
     SAVED_DTYPE,
+    Conv,
     Dense,
+    Dropout,
     Layer,
+    LayerNorm,
     Lcn,
     Local,
     Pool,
@@ -38,19 +45,31 @@ LAYER_KEYS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "local": (("type", "kernel", "channels", "activation"), {"stride": 1}),
     "pool": (("type", "mode", "kernel"), {"stride": None}),  # None: the kernel
     "lcn": (("type", "kernel"), {"floor": LCN_FLOOR}),
+    "conv": (("type", "filters", "kernel", "activation"), {"stride": 1, "padding": "valid"}),
+    "dropout": (("type", "rate"), {}),
+    "layernorm": (("type",), {}),
 }
-IMAGE_LAYERS = ("local", "pool", "lcn")
+IMAGE_LAYERS = ("local", "pool", "lcn", "conv")
+DROPOUT_STREAM = 0x64726F70
+"""The first word of a dropout mask's SeedSequence spawn key ("drop"), so that its
+streams are none of the data order's (distbelief.data keys those on the run's seed too)."""
 
 
 class Network:
-    """A stack of dense, local, pool and lcn layers ending in a softmax cross-entropy
-    output."""
+    """A stack of layers (dense, local, conv, pool, lcn, dropout, layernorm) ending in a
+    softmax cross-entropy output."""
 
-    def __init__(self, input_shape: tuple[int, ...], layers: list[dict], num_classes: int):
-        """Validate the spec and fix the layout. Cheap: allocates no parameters or buffers."""
+    def __init__(self, input_shape: tuple[int, ...], layers: list[dict], num_classes: int,
+                 seed: int = 0):
+        """Validate the spec and fix the layout. Cheap: allocates no parameters or buffers.
+        `seed` keys the dropout masks (the run's seed; init_params takes its own)."""
         self.input_shape = check_input_shape(input_shape)
         self.num_classes = check_num_classes(num_classes)
         self.layers: list[Layer] = build_layers(self.input_shape, layers, self.num_classes)
+        self.seed = int(seed)
+        self.step = 0
+        """The training step the next loss_and_grad is (counted by it): it keys the
+        dropout masks with `seed`, so a trainer that resumes at step k sets it to k."""
         self.layout = ParamLayout([(i, name, shape)
                                    for i, layer in enumerate(self.layers)
                                    for name, shape in layer.param_shapes()])
@@ -92,10 +111,14 @@ class Network:
         drawn = 0  # float32 values init_params draws before this layer's weights
         no_bias = np.zeros(0, dtype=DTYPE)
         for i, layer in enumerate(self.layers):
-            if not layer.num_params or isinstance(layer, Pool | Lcn):
+            if not layer.num_params:
                 continue
             entry = self.layout.entry(i, "weights")
             lo, hi = max(start, entry.offset), min(stop, entry.stop)
+            if not layer.random_init:  # fixed weights (layernorm's gain 1), none drawn
+                if lo < hi:
+                    layer.init_params(None, out[lo - start : hi - start], no_bias)
+                continue
             if lo < hi:
                 position = drawn + lo - entry.offset
                 rng = np.random.Generator(np.random.PCG64(seed))
@@ -143,11 +166,18 @@ class Network:
         saved = (self._saved.rows(inputs.shape[0]) if save
                  else [None] * len(self.layers))
         h = inputs
-        for layer, (weights, bias), out, keep in zip(self.layers, param_views, outputs,
-                                                     saved):
+        for i, (layer, (weights, bias), out, keep) in enumerate(zip(
+                self.layers, param_views, outputs, saved)):
+            if keep is not None and isinstance(layer, Dropout):
+                layer.draw(self.dropout_rng(self.step, i), keep)
             layer.forward(h, weights, bias, out, keep)
             h = out
         return inputs, outputs, saved
+
+    def dropout_rng(self, step: int, layer: int) -> np.random.Generator:
+        """The generator of layer `layer`'s dropout draws at training step `step`."""
+        return np.random.default_rng(np.random.SeedSequence(
+            self.seed, spawn_key=(DROPOUT_STREAM, step, layer)))
 
     def loss_and_grad(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
                       grad: np.ndarray) -> float:
@@ -166,6 +196,7 @@ class Network:
             (weights, _), (dweights, dbias) = param_views[i], grad_views[i]
             self.layers[i].backward(below, outputs[i], douts[i], weights, dweights, dbias,
                                     dbelow, saved[i])
+        self.step += 1
         return float(loss)
 
     def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
@@ -278,7 +309,8 @@ def build_layers(input_shape: tuple[int, ...], specs: list[dict],
         shape = layer.out_shape
     output = layers[-1]
     if output.out_size != num_classes:
-        key = "units" if isinstance(output, Dense) else "channels"
+        key = ("units" if isinstance(output, Dense)
+               else "filters" if isinstance(output, Conv) else "channels")
         raise ConfigError(f"layer {last} ({output.kind}): the output layer has "
                           f"{output.out_size} outputs {output.out_shape} but num_classes is "
                           f"{num_classes}; set {key!r} so they match")
@@ -308,6 +340,11 @@ def _build_layer(index: int, spec: object, in_shape: tuple[int, ...],
         return _build_pool(where, values, in_shape, index, is_output)
     if kind == "lcn":
         return _build_lcn(where, values, in_shape, index, is_output)
+    if kind == "dropout":
+        return _build_dropout(where, values, in_shape, is_output)
+    if kind == "layernorm":
+        _check_not_output(where, is_output)
+        return LayerNorm(in_shape)
 
     activation = values["activation"]
     if activation not in ACTIVATIONS:
@@ -319,10 +356,19 @@ def _build_layer(index: int, spec: object, in_shape: tuple[int, ...],
     if not is_output and activation == "softmax":
         raise ConfigError(f"{where}: key 'activation' = 'softmax' is only allowed on the "
                           f"last layer")
-    _check_positive_ints(where, values, ("type", "activation"))
+    _check_positive_ints(where, values, ("type", "activation", "padding"))
 
     if kind == "dense":
         return Dense(in_shape, int(values["units"]), activation)
+    if kind == "conv":
+        padding = values["padding"]
+        if padding not in CONV_PADDINGS:
+            raise ConfigError(f"{where}: key 'padding' must be one of "
+                              f"{', '.join(map(repr, CONV_PADDINGS))}, got {padding!r}")
+        kernel = _check_image_input(where, kind, in_shape, index, int(values["kernel"]),
+                                    padded=padding == "same")
+        return Conv(in_shape, kernel, int(values["stride"]), int(values["filters"]),
+                    padding, activation)
     kernel = _check_image_input(where, kind, in_shape, index, int(values["kernel"]))
     return Local(in_shape, kernel, int(values["stride"]), int(values["channels"]), activation)
 
@@ -352,7 +398,7 @@ def _check_image_input(where: str, kind: str, in_shape: tuple[int, ...], index: 
 def _check_not_output(where: str, is_output: bool) -> None:
     if is_output:
         raise ConfigError(f"{where}: the last layer must be the softmax output layer "
-                          f"(dense or local with activation = 'softmax')")
+                          f"(dense, local or conv with activation = 'softmax')")
 
 
 def _build_pool(where: str, values: dict, in_shape: tuple[int, ...], index: int,
@@ -384,6 +430,17 @@ def _build_lcn(where: str, values: dict, in_shape: tuple[int, ...], index: int,
     # Zero padding makes any window size well defined, even one wider than the image.
     kernel = _check_image_input(where, "lcn", in_shape, index, kernel, padded=True)
     return Lcn(in_shape, kernel, float(floor))
+
+
+def _build_dropout(where: str, values: dict, in_shape: tuple[int, ...],
+                   is_output: bool) -> Dropout:
+    _check_not_output(where, is_output)
+    rate = values["rate"]
+    if (isinstance(rate, bool) or not isinstance(rate, (int, float))
+            or not 0 <= rate < 1):
+        raise ConfigError(f"{where}: key 'rate' must be a number at least 0 and below 1 "
+                          f"(the fraction of units dropped), got {rate!r}")
+    return Dropout(in_shape, float(rate))
 
 
 def evaluation_size(x: np.ndarray, y: np.ndarray, batch_size: int) -> int:
