@@ -5,7 +5,7 @@ Kernels against float64 numpy references and finite differences, and the conv la
 against PyTorch's conv2d; the layers inside a Network (gradients by finite differences,
 conv -> dense through the implicit flatten, config keys and errors); dropout's masks keyed
 on (seed, step), identity in evaluation, and a resumed sgd run that trains bit for bit as
-an uninterrupted one.
+an uninterrupted one; and the refusal of model parallelism for these layers.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import pytest
 
 from distbelief.errors import ConfigError
 from distbelief.model import kernels
+from distbelief.model.cost_model import Link, predict
 from distbelief.model.layers import Conv, Dropout, LayerNorm
 from distbelief.model.network import Network
+from distbelief.model.partition import Partitioning, partition_pieces
 
 
 def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -545,3 +547,36 @@ def test_a_resumed_sgd_run_with_dropout_trains_bit_for_bit_as_a_straight_one(con
     again = final(tmp_path / "halves")
     assert again[0] == 40 and np.array_equal(again[1], params)
     assert resumed["final_test_loss"] == straight["final_test_loss"]
+
+
+# ---------------------------------------------------------------------------------------
+# Model parallelism refuses them; the cost model prices them on one partition
+
+
+@pytest.mark.parametrize("layer, kind", [(CONV, "conv"), ({"type": "dropout", "rate": 0.5},
+                                                          "dropout"),
+                                         ({"type": "layernorm"}, "layernorm")])
+def test_partitions_refuse_conv_dropout_and_layernorm(layer, kind):
+    net = Network((8, 8, 2), [{"type": "local", "kernel": 3, "channels": 4,
+                               "activation": "relu"}, layer,
+                              {"type": "dense", "units": 3, "activation": "softmax"}], 3)
+    Partitioning(net.layers, net.layout, 1)
+    for refuse in (lambda: Partitioning(net.layers, net.layout, 2),
+                   lambda: partition_pieces(net.layers, net.layout, 2),
+                   lambda: predict(net, 2, 8, 1e9, Link(1e9, 1e-6))):
+        with pytest.raises(ConfigError) as info:
+            refuse()
+        message = str(info.value)
+        assert f"layer 1 ({kind}) is not split over partitions" in message
+        assert "use partitions = 1" in message and "\n" not in message
+    single = predict(net, 1, 8, 1e9, Link(1e9, 1e-6))
+    assert single.step_seconds > 0 and single.bytes_per_step == 0
+
+
+def test_cluster_partitions_with_a_conv_layer_is_a_one_line_config_error(conv_data):
+    from distbelief.config import load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(conv_data / "conv.toml", ["cluster.partitions=2"])
+    assert str(info.value).startswith("cluster.partitions = 2: layer 0 (conv) is not split")
+    assert "\n" not in str(info.value)

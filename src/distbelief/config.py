@@ -743,10 +743,12 @@ def check_data_fits(config: Config, info: Any = None, network: Any = None) -> No
         from distbelief.model.partition import (
             balanced_splits,
             check_every_partition_owns_units,
+            check_splittable,
             split_units,
         )
 
         try:
+            check_splittable(network.layers, config.cluster.partitions)
             check_every_partition_owns_units(network.layers, [
                 balanced_splits(split_units(layer), config.cluster.partitions)
                 for layer in network.layers])

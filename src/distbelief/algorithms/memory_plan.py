@@ -151,8 +151,12 @@ def suggest_layout(network: Any, current: Layout, work: Workload, node_bytes: in
 
 
 def _widest(network: Any) -> int:
-    from distbelief.model.partition import split_units
+    """The most partitions a replica of `network` may have: its widest layer's split
+    units, or 1 with a layer model parallelism does not split (conv, dropout, layernorm)."""
+    from distbelief.model.partition import UNSPLIT, split_units
 
+    if any(type(layer) in UNSPLIT for layer in network.layers):
+        return 1
     return max(split_units(layer) for layer in network.layers)
 
 
@@ -260,8 +264,6 @@ def print_plan(nodes: int, cores: int | None, bandwidth: float, transport: str,
     from dataclasses import replace
 
     from distbelief.model.cost_model import format_layouts, predict_layout
-    from distbelief.model.partition import split_units
-
     if cores is None or node_bytes is None:
         raise ConfigError("--plan needs --cores (ranks per node) and --memory (bytes per "
                           "node), as well as --nodes and --bandwidth")
@@ -272,7 +274,7 @@ def print_plan(nodes: int, cores: int | None, bandwidth: float, transport: str,
     # One rank per core: the node's link is shared by its ranks, no cores are shared.
     link = replace(machine.link, bandwidth=machine.link.bandwidth / per_node)
     machine = replace(machine, link=link, cores=0)
-    widest = max(split_units(layer) for layer in network.layers)
+    widest = _widest(network)
     found = []
     for shards in range(1, max(2, ranks // 2 + 1)):
         for partitions in range(1, min(widest, ranks - shards) + 1):

@@ -16,7 +16,11 @@ and partition p it counts
              L2) and 2*k*k backward; LCN 6 + 8k/C per value forward (channel sums,
              centring, squares, division, and two separable k-tap blurs per pixel shared
              by its C channels), twice that backward (it recomputes its statistics); in
-             layer 0 neither computes an input gradient, so neither has a backward
+             layer 0 neither computes an input gradient, so neither has a backward.
+             Dropout costs 1 operation per value each way, layernorm 6 forward and 10
+             backward (4 in layer 0: the gain's and bias's gradients only); conv layers
+             count as local ones (the same products, with tied weights). They are not
+             split (partition.py), so they are priced at P = 1 only
     V(l, p)  values p receives per sample (inputs it is wired to and does not own) and
              values it sends (its outputs that other partitions are wired to, once per
              receiving partition); backward sends them the other way
@@ -52,8 +56,14 @@ import functools
 import math
 from dataclasses import dataclass
 
-from distbelief.model.layers import Dense, Layer, Lcn, Pool
-from distbelief.model.partition import balanced_splits, needed_inputs, split_units, unit_width
+from distbelief.model.layers import Dense, Dropout, Layer, LayerNorm, Lcn, Pool
+from distbelief.model.partition import (
+    balanced_splits,
+    check_splittable,
+    needed_inputs,
+    split_units,
+    unit_width,
+)
 
 BYTES_PER_VALUE = 4
 
@@ -109,6 +119,10 @@ def layer_work(layer: Layer, start: int, stop: int, batch: int,
     if isinstance(layer, Lcn):
         forward = outputs * (6.0 + 8.0 * layer.kernel / layer.in_shape[2])
         return forward, 0.0 if first else 2.0 * forward
+    if isinstance(layer, Dropout):
+        return float(outputs), 0.0 if first else float(outputs)
+    if isinstance(layer, LayerNorm):
+        return 6.0 * outputs, (4.0 if first else 10.0) * outputs
     if isinstance(layer, Dense):
         fan_in = layer.in_size
     else:
@@ -152,7 +166,9 @@ def exchanged_values(layers: list[Layer], splits: list[list[int]], index: int
 def _split_geometry(layers: tuple[Layer, ...], partitions: int
                     ) -> tuple[list[list[int]], list[tuple[list[int], list[int], list[int]]]]:
     """Each layer's split over `partitions` and its exchanged_values: the same for every
-    machine figure, so a plan that prices a thousand layouts counts them once per P."""
+    machine figure, so a plan that prices a thousand layouts counts them once per P.
+    ConfigError for P > 1 with a layer that is not split (partition.check_splittable)."""
+    check_splittable(layers, partitions)
     splits = [balanced_splits(split_units(layer), partitions) for layer in layers]
     return splits, [exchanged_values(list(layers), splits, i) for i in range(len(layers))]
 

@@ -21,6 +21,13 @@ with parameters.
 Row bands rather than 2-D tiles keep every block and every parameter slice contiguous;
 the price is a larger halo per partition once bands get thin (cost_model.py counts it).
 
+NOT SPLIT. Conv, dropout and layernorm layers are refused with P > 1 (`check_splittable`,
+a ConfigError every rank raises alike before any message): a conv layer's weights are tied,
+so a band of its output rows would own no slice of them (every band needs all of them,
+and the bands' gradients would have to be summed); a layernorm layer normalises over all
+of a sample's features, which a split spreads over the partitions; and the partitioned
+network draws no dropout masks.
+
 INPUTS. Partition p's block of layer l is connected to a set of layer l-1 outputs:
 all of them for a dense layer; for an image layer, the union of its positions' receptive
 fields: rows r*s .. r*s+k-1 for its rows r of a local or pool layer, and the columns any
@@ -51,8 +58,15 @@ from itertools import pairwise
 import numpy as np
 
 from distbelief.errors import ConfigError
-from distbelief.model.layers import Dense, ImageLayer, Layer
+from distbelief.model.layers import Conv, Dropout, ImageLayer, Layer, LayerNorm
 from distbelief.model.layout import ParamLayout
+
+UNSPLIT = {
+    Conv: "its weights are tied: every band of output rows needs all of them",
+    LayerNorm: "it normalises over all of a sample's features",
+    Dropout: "the partitioned network draws no dropout masks",
+}
+"""The layer types model parallelism does not split, and why."""
 
 
 def split_units(layer: Layer) -> int:
@@ -81,7 +95,7 @@ def needed_inputs(layer: Layer, start: int, stop: int) -> np.ndarray:
     mask = np.zeros(layer.in_size, dtype=bool)
     if start >= stop:
         return mask
-    if isinstance(layer, Dense):
+    if not isinstance(layer, ImageLayer):  # dense, and the unsplit dropout and layernorm
         mask[:] = True
         return mask
     rows = np.zeros(layer.in_shape[0], dtype=bool)
@@ -98,11 +112,25 @@ def input_window(layer: Layer, start: int, stop: int) -> tuple[int, int]:
     stop): all inputs (dense), or the whole input rows its windows span (image layers)."""
     if start >= stop:
         return 0, 0
-    if isinstance(layer, Dense):
+    if not isinstance(layer, ImageLayer):
         return 0, layer.in_size
     row = layer.in_shape[1] * layer.in_shape[2]
     first, last = layer.input_rows(start, stop)
     return first * row, last * row
+
+
+def check_splittable(layers: Sequence[Layer], partitions: int) -> None:
+    """ConfigError when partitions > 1 and a layer is of a type model parallelism does not
+    split (UNSPLIT, the module's docstring). Cheap: configuration checks call it."""
+    if partitions <= 1:
+        return
+    for i, layer in enumerate(layers):
+        reason = UNSPLIT.get(type(layer))
+        if reason is not None:
+            raise ConfigError(
+                f"partitions = {partitions}: layer {i} ({layer.kind}) is not split over "
+                f"partitions ({reason}); model parallelism splits dense, local, pool and "
+                f"lcn layers: use partitions = 1 with this model")
 
 
 def check_every_partition_owns_units(layers: Sequence[Layer],
@@ -126,7 +154,9 @@ def check_every_partition_owns_units(layers: Sequence[Layer],
 def checked_splits(layers: Sequence[Layer], partitions: int,
                    splits: Sequence[Sequence[int]] | None) -> list[list[int]]:
     """`splits` (per layer, the P+1 block boundaries in split units) as lists of ints,
-    balanced ones when None; ConfigError when they do not fit the layers."""
+    balanced ones when None; ConfigError when they do not fit the layers, or a layer is
+    not split (check_splittable)."""
+    check_splittable(layers, partitions)
     if splits is None:
         return [balanced_splits(split_units(layer), partitions) for layer in layers]
     if len(splits) != len(layers):
