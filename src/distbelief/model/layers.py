@@ -235,8 +235,10 @@ class Conv(ImageLayer):
     """
 
     kind = "conv"
-    COLUMNS_BYTES = 32 << 20
-    """The most bytes of im2col columns at once (at least one sample's)."""
+    COLUMNS_BYTES = 4 << 20
+    """The most bytes of im2col columns at once (at least one sample's). Small enough that
+    a chunk's columns are still in cache when its GEMMs read them: 4 MB made the example
+    config's second conv layer 15-20% faster than 32 MB (one chunk of 64 samples)."""
 
     def __init__(self, in_shape: tuple[int, int, int], kernel: int, stride: int,
                  filters: int, padding: str, activation: str):
