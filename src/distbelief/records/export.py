@@ -12,6 +12,8 @@ ARRAY NAMES AND ORIENTATION (version 1; the same in both formats)
         local i:  weight (Ho, Wo, kernel*kernel*Cin, Cout), bias (Ho, Wo, Cout): untied
                   weights per output position; a patch is flattened in (row, column,
                   channel) order (docs/using-a-trained-model.md has a numpy forward).
+        conv i:   weight (kernel, kernel, Cin, filters), bias (filters,): tied weights.
+        layernorm i: weight (features,) the gain, bias (features,).
     optimizer.<state>.layers.<i>.weight / .bias   only when asked (Adagrad: state "accum")
 
 The model's input is the dataset file's stored x times `input_scale` (a float32 array of
