@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -193,3 +196,24 @@ def test_replica_figures_and_staleness_histogram(tmp_path: Path) -> None:
     assert "summary/reached_target" not in read.Tags()[SCALARS]  # a bool is no figure
     (combined,) = read.Histograms("staleness")
     assert combined.histogram_value.num == 200 and combined.histogram_value.max == 3
+
+
+def test_the_events_writer_does_not_import_torch(tmp_path: Path) -> None:
+    # tensorboardX imports torch when it can; with torch installed that cost the metrics
+    # rank about 250 MB and seconds of start-up. A stand-in torch on the path says whether
+    # anything imported it; a process that already has torch keeps it.
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "import sys\nsys.stderr.write('torch imported\\n')\nTensor = object\n")
+    code = ("import sys\nfrom distbelief.records.tensorboard import TensorBoardEvents\n"
+            f"events = TensorBoardEvents({str(tmp_path / 'tb')!r})\nevents.close()\n"
+            "print('torch' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(fake.parent), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=60, check=True)
+    assert done.stdout.strip() == "False" and "torch imported" not in done.stderr
+    first = subprocess.run([sys.executable, "-c", "import torch\n" + code],
+                           capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert first.stdout.strip() == "True"  # imported before: left as it is

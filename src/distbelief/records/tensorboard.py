@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -83,13 +84,31 @@ def append_line(out_dir: str | Path, wanted: bool | None, line: dict[str, Any]) 
         events.close()
 
 
+def _import_tensorboardx() -> tuple[Any, Any, Any]:
+    """tensorboardX's FileWriter and protobuf modules, without torch. tensorboardX imports
+    torch when it is installed, only to accept torch tensors in its add_* calls; we write
+    floats. That import cost every run's metrics rank about 250 MB and seconds of start-up
+    wherever torch sat in the environment (CI's later steps: shard 0 at 337 MB against 90
+    predicted). Unless this process already imported torch (a torch model), the import is
+    refused for the moment tensorboardX loads."""
+    blocked = "torch" not in sys.modules
+    if blocked:
+        sys.modules["torch"] = None  # `import torch` raises ImportError meanwhile
+    try:
+        from tensorboardX import FileWriter
+        from tensorboardX.proto import event_pb2, summary_pb2
+    finally:
+        if blocked:
+            del sys.modules["torch"]
+    return FileWriter, event_pb2, summary_pb2
+
+
 class TensorBoardEvents:
     """Writes metrics lines and a run's summary as TensorBoard events in `logdir`.
     `purge_from`: TensorBoard discards the folder's earlier events from this step on."""
 
     def __init__(self, logdir: str | Path, purge_from: int | None = None):
-        from tensorboardX import FileWriter
-        from tensorboardX.proto import event_pb2, summary_pb2
+        FileWriter, event_pb2, summary_pb2 = _import_tensorboardx()
 
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
         logdir = Path(logdir)
