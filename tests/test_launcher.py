@@ -241,3 +241,16 @@ def test_a_timed_out_job_is_ended_whole_and_its_ranks_stacks_are_shown(tmp_path:
     while _processes_naming(str(program)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _processes_naming(str(program))
+
+
+def test_the_tests_know_a_guardians_cleaner_by_its_command_line() -> None:
+    # run_mpi kills what outlives the launcher, but for the cleaners, which must outlive it
+    # to remove the job's /dev/shm files: helpers.processes.CLEANER names them.
+    import inspect
+
+    from helpers.processes import CLEANER
+
+    from distbelief.runtime.launching import guardian
+    assert CLEANER in inspect.getsource(guardian.start_cleaner)
+    assert CLEANER in inspect.getsource(guardian)  # the abort cleaner's too
+    assert inspect.getsource(guardian).count(CLEANER) == 2

@@ -19,6 +19,8 @@ from pathlib import Path
 from distbelief.runtime.launching import stuck_launcher
 
 PROC = Path("/proc")
+CLEANER = "from distbelief.runtime.launching.guardian import"
+"""In the command line of a guardian's cleaner (`python -c "from ... import ..."`)."""
 
 
 def _start_time(fields: list[str]) -> str:
@@ -56,11 +58,14 @@ class JobTree:
                     grew = True
 
     def alive(self, stats: dict[int, list[str]] | None = None) -> list[int]:
-        """The remembered processes that still run (zombies and reused pids do not count)."""
+        """The remembered processes that still run (zombies and reused pids do not count),
+        but for the guardians' node cleaners, which outlive the job by design (they remove
+        its /dev/shm files once no process maps them, distbelief.runtime.launching.guardian)."""
         if stats is None:
             stats = dict(stuck_launcher.process_stats(PROC))
         return [pid for pid, (start, _) in self.seen.items()
-                if pid in stats and stats[pid][0] != "Z" and _start_time(stats[pid]) == start]
+                if pid in stats and stats[pid][0] != "Z" and _start_time(stats[pid]) == start
+                and CLEANER not in _command(pid)]
 
     def describe(self) -> str:
         """One line per live process: pid, parent, state, command."""
