@@ -194,6 +194,7 @@ def shard_state(checkpoint: Path) -> dict[str, np.ndarray]:
     (3, 1, []),                                              # 2 replicas
     (5, 2, ["optimizer.n_fetch=2", "optimizer.n_push=3"]),   # 3 replicas, odd slices
 ])
+@pytest.mark.matrix
 def test_downpour_with_adarevision_trains(data_dir, tmp_path, transport, n, shards, extra):
     out = tmp_path / "out"
     proc = downpour(n, data_dir, out, transport, f"cluster.ps_shards={shards}",

@@ -166,6 +166,7 @@ FETCH_CASES = [(fetch, transport, n, shards, extra)
     pytest.param(*case, marks=[pytest.mark.nodes, pytest.mark.both_mpis]
                  if case[1] == "rma" else [])
     for case in FETCH_CASES])
+@pytest.mark.matrix
 def test_fetch_settings_keep_counts_exact(data_dir, tmp_path, fetch, transport, n, shards,
                                           extra):
     out = tmp_path / "out"
@@ -199,6 +200,7 @@ def test_fetch_settings_keep_counts_exact(data_dir, tmp_path, fetch, transport, 
     (5, 2, ["optimizer.n_fetch=2", "optimizer.n_push=3", 'optimizer.fetch="overlapped"']),
 ])
 @pytest.mark.both_mpis
+@pytest.mark.matrix
 def test_bfloat16_pushes_train_with_exact_counts_and_half_the_bytes(data_dir, tmp_path, n,
                                                                      shards, extra, transport):
     # The same run with float32 and with bfloat16 pushes: both learn, both keep the push
@@ -229,6 +231,7 @@ def test_bfloat16_pushes_train_with_exact_counts_and_half_the_bytes(data_dir, tm
 
 
 @pytest.mark.parametrize("n, shards, fetch", [(6, 2, "asynchronous"), (7, 3, "overlapped")])
+@pytest.mark.matrix
 def test_replicas_contending_for_push_slots_on_several_shards_never_deadlock(
         data_dir, tmp_path, n, shards, fetch):
     # One push slot per shard (DISTBELIEF_FAULTS slots:*:1), more replicas than slots, as

@@ -173,6 +173,7 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> int:
     (3, 1, ["mpiexec"], signal.SIGUSR1),     # the launcher (hydra passes it to every rank)
 ], ids=["rank0", "one-replica", "shard1", "all-SIGTERM", "launcher"])
 @pytest.mark.both_mpis
+@pytest.mark.matrix
 def test_a_signal_on_some_ranks_checkpoints_and_every_rank_exits_0(
         data_dir: Path, tmp_path: Path, n: int, shards: int, targets: list,
         sig: signal.Signals) -> None:
@@ -231,6 +232,7 @@ def final_state(out: Path) -> tuple[int, np.ndarray, np.ndarray]:
     ((2, 1), (3, 2), []),                          # re-sharded 1 -> 2
     ((3, 2), (2, 1), ["optimizer.n_push=3"]),      # re-sharded 2 -> 1
 ], ids=["same", "1-to-2-shards", "2-to-1-shards-npush3"])
+@pytest.mark.matrix
 def test_one_replica_resumed_is_bit_identical_to_an_uninterrupted_run(
         data_dir: Path, tmp_path: Path, first: tuple, second: tuple, extra: list) -> None:
     # One replica that reads its own pushes is sequential SGD, whatever the shard count
@@ -321,6 +323,7 @@ STEP_DELAY = "delay:*:0:0.0005s"
     (4, 2, 0),    # shard 0 (2 replicas)
 ], ids=["replica-of-1", "shard1-of-2", "replica-of-3", "shard0-of-2"])
 @pytest.mark.both_mpis
+@pytest.mark.matrix
 def test_kill_9_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
         data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int) -> None:
     out = tmp_path / "out"

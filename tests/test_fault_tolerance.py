@@ -183,12 +183,13 @@ def test_an_mpi_call_that_never_returns_is_named_and_ends_the_job() -> None:
 @pytest.mark.parametrize("n, shards, victim, transport, fetch", [
     (4, 1, 3, "shared", "own_pushes"),  # one of 3 replicas: the acceptance case, compared
                                         # with no failure
-    (5, 2, 2, "shared", "own_pushes"),  # 2 shards, the first replica
+    # The acceptance case always runs; of these, a seeded sample (helpers/matrix.py).
+    pytest.param(5, 2, 2, "shared", "own_pushes", marks=pytest.mark.matrix),  # 2 shards
     # The RMA transport, as multi-node jobs run (also on simulated nodes).
-    pytest.param(4, 1, 2, "rma", "own_pushes", marks=pytest.mark.nodes),
+    pytest.param(4, 1, 2, "rma", "own_pushes", marks=[pytest.mark.nodes, pytest.mark.matrix]),
     # Every replica has a push open for a whole step: the victim's, in whatever phase it
     # took its ticket, must not be written off against another phase's take.
-    pytest.param(4, 1, 2, "rma", "overlapped", marks=pytest.mark.nodes),
+    pytest.param(4, 1, 2, "rma", "overlapped", marks=[pytest.mark.nodes, pytest.mark.matrix]),
 ], ids=["1-of-3", "2-shards", "rma", "rma-overlapped"])
 @pytest.mark.both_mpis
 def test_a_killed_replica_leaves_the_others_to_finish_the_run(
@@ -289,6 +290,7 @@ KILLS_IN_PUSH = [
 @pytest.mark.parametrize("n, shards, victim, at, transport, fetch", KILLS_IN_PUSH,
                          ids=[f"{t}-{n}ranks-{s}shards-r{v}@{a}-{f}"
                               for n, s, v, a, t, f in KILLS_IN_PUSH])
+@pytest.mark.matrix
 def test_a_replica_killed_inside_a_push_never_stalls_the_others(
         data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int, at: int,
         transport: str, fetch: str) -> None:
@@ -371,6 +373,7 @@ RANDOM_KILLS = [(4, 1, 2, 0.137, "own_pushes"), (4, 1, 3, 0.611, "overlapped"),
 @pytest.mark.parametrize("n, shards, victim, delay_s, fetch", RANDOM_KILLS,
                          ids=[f"{n}ranks-{s}shards-r{v}@{d}s-{f}"
                               for n, s, v, d, f in RANDOM_KILLS])
+@pytest.mark.matrix
 def test_a_replica_killed_at_any_moment_never_stalls_the_others(
         data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int, delay_s: float,
         fetch: str) -> None:
@@ -443,6 +446,7 @@ def test_a_killed_partition_loses_its_replica_and_the_run_goes_on(data_dir: Path
 
 @pytest.mark.parametrize("fetch", ["own_pushes", "overlapped"])
 @pytest.mark.both_mpis
+@pytest.mark.matrix
 def test_losing_the_only_replica_near_the_end_is_exit_2_not_a_crash(
         data_dir: Path, tmp_path: Path, fetch: str) -> None:
     # 1 shard + 1 replica x 2 partitions; rank 2, partition 1, dies at step 2800 of 3000.

@@ -52,6 +52,7 @@ SINGLE = ['optimizer.algorithm="sgd"']
 @pytest.mark.parametrize("launcher", ["alone", "mpiexec x3", "mpiexec x4 2 shards",
                                       "mpiexec x4 sandblaster", "mpiexec x3 partitions",
                                       "mpiexec x3 terminal"])
+@pytest.mark.matrix
 def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes(data_dir: Path, tmp_path: Path,
                                                              launcher: str) -> None:
     out, log = tmp_path / "out", tmp_path / "log"
@@ -210,6 +211,7 @@ FINISHED_RUNS = {
 
 
 @pytest.mark.parametrize("case", FINISHED_RUNS)
+@pytest.mark.matrix
 def test_rerunning_a_finished_run_changes_no_record_and_names_fresh(
         data_dir: Path, tmp_path: Path, case: str) -> None:
     first, again, extra = FINISHED_RUNS[case]

@@ -165,6 +165,7 @@ def test_every_rank_of_a_downpour_run_reports_its_peak_rss(synthetic_folder, sma
     (2, ['optimizer.algorithm="sync"', "cluster.ps_shards=0"], ["replica 0", "replica 1"]),
     (2, ['optimizer.algorithm="hogwild"', "cluster.ps_shards=0"], ["replica 0", "replica 1"]),
 ])
+@pytest.mark.matrix
 def test_other_algorithms_report_every_ranks_peak_rss(synthetic_folder, small_config,
                                                       tmp_path, n, overrides, roles):
     folder = synthetic_folder("memalg", {"synth.toml": small_config()})

@@ -187,6 +187,7 @@ def single_process(data_dir: Path) -> dict:
 @pytest.mark.both_mpis
 @pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 @pytest.mark.parametrize("partitions", [2, 3])
+@pytest.mark.matrix
 def test_partitioned_sgd_trains_like_the_single_process_trainer(data_dir, tmp_path,
                                                                  single_process, partitions):
     out = tmp_path / "out"
@@ -261,6 +262,7 @@ def test_partitioned_sgd_target_stop_names_the_reaching_evaluation(data_dir, tmp
 @pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 @pytest.mark.parametrize("transport", ["shared", "rma"])
 @pytest.mark.parametrize("shards, partitions", [(2, 2), (1, 3)])
+@pytest.mark.matrix
 def test_downpour_one_partitioned_replica_is_sequential_sgd(data_dir, tmp_path,
                                                             single_process, shards,
                                                             partitions, transport):

@@ -201,6 +201,7 @@ REFUSED = re.compile(r"^distbelief: error: run\.out_dir .* belongs to a live run
 
 @pytest.mark.parametrize("second", ["sgd", "sgd --fresh", "downpour x3", "downpour x4 --fresh",
                                     "sandblaster x4", "partitioned x2 --fresh"])
+@pytest.mark.matrix
 def test_a_second_run_on_a_live_runs_folder_is_refused_and_the_first_is_untouched(
         data_dir: Path, tmp_path: Path, second: str) -> None:
     out, log = tmp_path / "out", tmp_path / "log"

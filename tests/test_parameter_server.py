@@ -141,6 +141,7 @@ def test_split_communicators(n, shards, partitions, coordinator):
     (5, 1, 669_706, 40, []),
 ])
 @pytest.mark.both_mpis
+@pytest.mark.matrix
 def test_pushes_are_applied_exactly_once(n, shards, size, pushes, extra, transport):
     proc = mpi4py_job(n, "ps_exact.py", "--shards", shards, "--size", size,
                       "--pushes", pushes, "--lr", 0.5, "--transport", transport, *extra)
@@ -165,6 +166,7 @@ def test_auto_transport_is_shared_on_one_node_unless_the_environment_says_rma(
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n, shards, adagrad", [
     (2, 1, True), (3, 2, True), (4, 2, True), (3, 1, False)])
+@pytest.mark.matrix
 def test_shard_optimizer_matches_local_optimizer(n, shards, adagrad, transport):
     # An odd size, so that the two shards' slices differ in length.
     proc = mpi4py_job(n, "ps_adagrad.py", "--shards", shards, "--size", 100_003,
@@ -178,6 +180,7 @@ def test_shard_optimizer_matches_local_optimizer(n, shards, adagrad, transport):
 @pytest.mark.parametrize("transport", TRANSPORTS_NODES)
 @pytest.mark.parametrize("n, shards, mode", [
     (2, 1, "set"), (3, 2, "set"), (4, 1, "fold"), (5, 2, "fold"), (6, 2, "fold")])
+@pytest.mark.matrix
 def test_pulls_are_never_torn(n, shards, mode, transport):
     # Checked by breaking the scheme on purpose: a publish (rma) or a pull (shared)
     # without its lock was caught by "set" and by "fold".
@@ -205,6 +208,7 @@ def test_a_reader_slower_than_the_publishes_still_pulls(n, shards):
 @pytest.mark.parametrize("transport", TRANSPORTS_NODES)
 @pytest.mark.parametrize("n, shards, extra", [
     (3, 1, []), (4, 2, []), (5, 2, []), (6, 1, ["--coordinator"])])
+@pytest.mark.matrix
 def test_staleness_counts_updates_since_pull(n, shards, extra, transport):
     proc = mpi4py_job(n, "ps_staleness.py", "--shards", shards, "--size", 1001,
                       "--updates", 5, "--transport", transport, *extra)

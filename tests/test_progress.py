@@ -228,6 +228,7 @@ def test_sgd_on_noise_reports_a_collapse_and_can_stop_on_it(tmp_path):
 
 
 @pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.matrix
 def test_downpour_stops_on_a_collapse_on_every_rank(tmp_path, n):
     _random_labels(tmp_path)
     (tmp_path / "c.toml").write_text(small_config_text(

@@ -333,6 +333,7 @@ def test_assembled_gradient_equals_the_single_process_gradient(
 @pytest.mark.both_mpis
 @pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 @pytest.mark.parametrize("n,shards", [(4, 1), (5, 2), (6, 3), (6, 1)])
+@pytest.mark.matrix
 def test_convex_problem_converges_to_scipys_loss(data_dir: Path, tmp_path: Path, n: int,
                                                  shards: int) -> None:
     config = write(data_dir, f"convex{n}{shards}.toml", toml(gradient_tolerance=1e-5))

@@ -110,6 +110,7 @@ NODES_CASES = {"batch-1-shard", "late", "partition-1", "partition-relay-parent"}
     "name, n, overrides, fault, ranks",
     [pytest.param(*case, marks=[pytest.mark.nodes] if case[0] in NODES_CASES else [],
                   id=case[0]) for case in CASES])
+@pytest.mark.matrix
 def test_a_killed_sandblaster_replica_leaves_the_others_to_finish(
         data_dir: Path, tmp_path: Path, name: str, n: int, overrides: tuple[str, ...],
         fault: str, ranks: list[int]) -> None:

@@ -152,6 +152,7 @@ GRADIENT_CASES = [
 
 
 @pytest.mark.parametrize("name,partitions,shards,replicas,blocks,slowed", GRADIENT_CASES)
+@pytest.mark.matrix
 def test_partitioned_gradient_equals_the_single_process_gradient(
         image_dir: Path, tmp_path: Path, name: str, partitions: int, shards: int,
         replicas: int, blocks: str, slowed: tuple[int, int] | None) -> None:
@@ -199,6 +200,7 @@ def test_partitioned_gradient_equals_the_single_process_gradient(
 
 
 @pytest.mark.parametrize("n,shards,partitions", [(5, 2, 2), (8, 1, 3), (9, 2, 2)])
+@pytest.mark.matrix
 def test_partitioned_convex_problem_converges_to_scipys_loss(
         flat_dir: Path, tmp_path: Path, n: int, shards: int, partitions: int) -> None:
     """Softmax regression, its 4 classes split 2/2 (1 replica, 2 shards; 3 replicas, 2

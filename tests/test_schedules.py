@@ -115,6 +115,7 @@ DOWNPOUR_SCHEDULE = ["optimizer.warmup_steps=60", 'optimizer.schedule="cosine"',
     (1, 1, "rma"),
     (1, 2, "shared"),  # re-sharded: each new shard continues its parts' count
 ], ids=["shared", "rma", "1-to-2-shards"])
+@pytest.mark.matrix
 def test_downpour_resumed_continues_the_shards_schedule_exactly(
         mpi_dir: Path, tmp_path: Path, first: int, second: int, transport: str) -> None:
     # One replica that reads its own pushes is sequential SGD on the shards, so the

@@ -528,6 +528,7 @@ def test_a_healthy_replica_busy_longer_than_the_bound_is_not_lost(data_dir: Path
     (0, 2, 1),  # the only shard; the only replica is on node 1 and sees only its heartbeat
     (1, 5, 2),  # shard 1 on node 1: shard 0 and ranks 2, 4 on node 0, rank 3 on node 1
 ], ids=["shard-0-of-1", "shard-1-of-2"])
+@pytest.mark.matrix
 def test_a_killed_shard_on_another_node_ends_the_job_and_a_rerun_resumes(
         data_dir: Path, tmp_path: Path, victim: int, n: int, shards: int) -> None:
     out = tmp_path / "out"

@@ -97,6 +97,7 @@ def test_sgd_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, script
 
 @pytest.mark.both_mpis
 @pytest.mark.parametrize("script, ntasks, shards", [("one_node", 3, 1), ("multi_node", 5, 2)])
+@pytest.mark.matrix
 def test_downpour_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, script,
                                                            ntasks, shards):
     job = Job(script, tmp_path, ntasks, data_dir / "synth.toml",
@@ -107,6 +108,7 @@ def test_downpour_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, s
 
 @pytest.mark.both_mpis
 @pytest.mark.parametrize("script", ["one_node", "multi_node"])
+@pytest.mark.matrix
 def test_a_run_that_lost_a_replica_is_still_requeued_and_resumed(data_dir, tmp_path, script):
     """1 shard + 3 replicas; replica 2 (rank 3) is killed at its step 100, the others go on
     (one_node: hydra's -disable-auto-cleanup; multi_node: srun --kill-on-bad-exit=0, which
@@ -177,6 +179,7 @@ def test_failed_run_keeps_its_exit_status_and_is_not_requeued(data_dir, tmp_path
     ("requeue cap reached", "one_node"), ("scontrol fails", "one_node"),
     ("SIGTERM", "one_node"), ("SIGTERM", "multi_node"),  # srun kills its tasks on SIGTERM
 ])
+@pytest.mark.matrix
 def test_stopped_run_that_is_not_requeued_says_so_in_its_status(data_dir, tmp_path, case,
                                                                  script):
     job = Job(script, tmp_path, 1, data_dir / "synth.toml", f"run.max_steps={SGD_STEPS}")
