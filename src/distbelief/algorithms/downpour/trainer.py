@@ -19,10 +19,12 @@ from distbelief.algorithms.downpour.supervisor import Supervisor
 from distbelief.algorithms.downpour.variant import DOWNPOUR, Variant
 from distbelief.algorithms.session import RunSession, RunSetup
 from distbelief.config import Config, run_name
+from distbelief.ps import run_control as rc
 from distbelief.runtime.communicators.topology import Topology
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.health.liveness import Peers
 from distbelief.runtime.health.watchdog import RankLost, abort_job
+from distbelief.runtime.launching.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
 # What the command line, the tests and the benchmarks use from here.
@@ -83,6 +85,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                     role = _make_role(run, config, network, info, stream, variant)
                     role.run()
                     ending = role.finish()
+                if ending.teardown == rc.TEARDOWN_FREE:
+                    Faults.for_rank(topology.world_rank).before_teardown()  # test-only
                 run.close(ending.teardown)
             except RankLost as lost:
                 _abort_for(comm, topology, lost, peers)

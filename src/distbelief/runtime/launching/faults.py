@@ -46,6 +46,9 @@ Sandblaster's coordinator its iterations.
                           run: hold each epoch of its exchanges with shard 0 open 1 s longer,
                           its operations flushed to shard 0 (a rank descheduled just before
                           its Unlock)
+    killfree:RANK:0       SIGKILL itself at the end of a Downpour run, once the ranks are to
+                          free the windows together (a rank lost in the collective
+                          teardown); AT is unused
     noinit:RANK:0         the rank's worker exits with status 1 before MPI_Init (a rank that
                           cannot start: a missing library, a full disk); AT is unused
     link:RANK:0:125e6B/s  a slow network, simulated: every byte the rank's replica sends or
@@ -60,7 +63,7 @@ Sandblaster's coordinator its iterations.
                           RANK must be * (the windows are allocated collectively)
 """
 ACTIONS = ("kill", "raise", "poison", "delay", "hang", "killpush", "pause", "linger",
-           "noinit", "link", "slots", "slowwrite")
+           "noinit", "link", "slots", "slowwrite", "killfree")
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,11 @@ class Faults:
         """How long each end-of-run exchange epoch is to stay open, once `step` steps are
         done (0: not at all)."""
         return sum(f.extra_seconds for f in self.faults if f.action == "linger" and step >= f.at)
+
+    def before_teardown(self) -> None:
+        """SIGKILL this rank now if a `killfree` fault is armed for it."""
+        if any(f.action == "killfree" for f in self.faults):
+            self.kill("as the windows are to be freed")
 
     def before_mpi_init(self) -> None:
         """Exit with status 1 now if a `noinit` fault is armed for this rank."""
