@@ -269,11 +269,11 @@ class ShardRole:
                  "params": shard.stop - shard.start,
                  "checkpoint_seconds": self.checkpoint_seconds,
                  "checkpoint_write_seconds": self.write_seconds, **asdict(shard.stats)}
-        revision = getattr(shard.optimizer, "delay_stats", None)
-        if revision is not None:
+        delays = shard.optimizer.delay_stats()
+        if delays is not None:
             # AdaRevision: the folds this shard's optimizer made (every one on RMA; none
             # on shared memory, where each client folds its own pushes).
-            stats["adarevision"] = revision()
+            stats["adarevision"] = delays
         return stats
 
 
