@@ -10,7 +10,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,6 +31,8 @@ from distbelief.algorithms.downpour.plan import (
     DownpourPlan,
     Ending,
 )
+from distbelief.algorithms.downpour.progress import RunProgress
+from distbelief.algorithms.downpour.replica_watch import ReplicaWatch
 from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.algorithms.downpour.shards import ShardRole, part_report
 from distbelief.algorithms.downpour.variant import DOWNPOUR, Variant
@@ -38,7 +40,6 @@ from distbelief.config import Config, config_hash, hashed_settings, run_name
 from distbelief.model.layout import balanced_ranges
 from distbelief.ps import run_control as rc
 from distbelief.ps.endpoint import saved_state
-from distbelief.ps.run_control import ControlView
 from distbelief.ps.stats import STALENESS_BINS
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
@@ -51,18 +52,6 @@ from distbelief.records.metrics import (
 from distbelief.runtime import launcher, watchdog
 from distbelief.runtime.agreement import WAIT_SLEEP_S
 from distbelief.runtime.backoff import Backoff
-from distbelief.runtime.liveness import sweep_replicas
-
-
-@dataclass
-class LostReplica:
-    """A replica shard 0 declared lost."""
-
-    replica: int
-    ranks: list[int]
-    why: str
-    at_step: int
-    at_seconds: float
 
 
 class Supervisor(ShardRole):
@@ -85,23 +74,12 @@ class Supervisor(ShardRole):
         self.eval_set = eval_set
         plan = self.plan
         self.rules = StopRules.from_config(config)
-        self.reason: str | None = None
-        self.stop_code, self.stop_arg = 0, 0
-        self.base = start.base
+        self.progress = RunProgress(self.shard, start.base)
         self.resumed_from = start.checkpoint
-        self.steps, self.loss_total, self.loss = self.base, 0.0, math.nan
         self.snapshot = np.zeros(network.layout.size, dtype=np.float32)
         self.pending: tuple[Future, int] | None = None  # evaluation in flight, its step
         self.evaluations, self.eval_seconds = 0, 0.0
-        # The run control block, as last read, and what shard 0 knows of each replica.
-        self.view: ControlView | None = None
         replicas = plan.num_replicas
-        self.beats = np.zeros(replicas, dtype=np.int64)
-        self.beat_times = np.full(replicas, time.monotonic())
-        self.lost: dict[int, LostReplica] = {}
-        self.lost_mask = np.zeros(replicas, dtype=bool)  # the same, for whole-array tests
-        self.dead_ranks: set[int] = set()
-        self.death_times: list[float] = []  # when sweeps found ranks newly gone
         # SIGUSR1 counts by source (each replica, then the shards' max in the rounds), as
         # last read (every source is read at each poll, at `usr1_read_at`); and new ones
         # waiting for their meaning. Arrays, so a poll costs O(1) Python work in R.
@@ -119,14 +97,13 @@ class Supervisor(ShardRole):
         self.logged_steps = -1
         self.logged_loss_total = 0.0  # loss_total at the last training line
         self._next_control = 0.0
-        self._next_sweep = time.monotonic() + SWEEP_S
         self._shard_signals = (0, 0)  # max SIGTERM, SIGUSR1 counts of the shards
         self._terms_seen = 0
         run_config = config.run
         self.root = ckpt.checkpoint_root(run_config.out_dir)
         self.every_seconds, self.every_steps = (run_config.checkpoint_every_seconds,
                                                 run_config.checkpoint_every_steps)
-        self.last_checkpoint_step = self.base if start.checkpoint is not None else None
+        self.last_checkpoint_step = start.base if start.checkpoint is not None else None
         self.last_checkpoint: str | None = None
         self.planned_step = self.last_checkpoint_step  # the newest step being written
         self.snapshot_replicas: list[ckpt.ReplicaState] = []  # theirs, as of that step
@@ -137,6 +114,7 @@ class Supervisor(ShardRole):
         say(stream, _header(config, plan, network, info, len(eval_set[1]), variant.name))
         # The clock starts once every rank is ready (open_parameter_server's barrier).
         self.recorder = run.session.open_recorder()
+        self.replicas = ReplicaWatch(run, self.progress, self.recorder, stream)
         now = time.monotonic()
         self.next_log = now + LOG_EVERY_SECONDS
         self.next_eval = now + run_config.eval_every_seconds
@@ -149,10 +127,11 @@ class Supervisor(ShardRole):
                 self._record_eval(*self.pending)
         self._read_control(time.monotonic())
         self._log_training()  # every replica has finished: the totals are final
-        if self.reason is None:
-            self.reason = "max_steps"
-        elif self.reason == "SIGTERM":  # a replica's count was read before our own SIGINT
-            self.reason = self._term_name()
+        progress = self.progress
+        if progress.reason is None:
+            progress.reason = "max_steps"
+        elif progress.reason == "SIGTERM":  # a replica's count was read before our own SIGINT
+            progress.reason = self._term_name()
 
     def _duties(self) -> bool:
         """Shard 0's duties between two polls; cheap unless one of them is due."""
@@ -169,14 +148,14 @@ class Supervisor(ShardRole):
         if (now >= self._next_control or (self.awaiting and not self.ready)
                 or self.usr1_pending):
             self._read_control(now)
-        if now >= self._next_sweep:
-            self._sweep(now)
+        if now >= self.replicas.next_sweep:
+            self.replicas.sweep(now)
         if now >= self.next_log:
             self._log_training()
             self.next_log = now + LOG_EVERY_SECONDS
-        if self.reason is None:
+        if self.progress.reason is None:
             self._apply_budget(now)
-        if self.reason is None and self.pending is None and now >= self.next_eval:
+        if self.progress.reason is None and self.pending is None and now >= self.next_eval:
             self._start_eval()
             busy = True
         if not self.awaiting and self._checkpoint_due(now):
@@ -184,7 +163,8 @@ class Supervisor(ShardRole):
             self.shard.add_run_control(rc.CHECKPOINT, 1)
             self.awaiting, self.ready = True, False
             self.requested_at = now
-        self.recorder.progress(self.steps, self.steps * self.plan.batch_size, self.loss)
+        steps = self.progress.steps
+        self.recorder.progress(steps, steps * self.plan.batch_size, self.progress.loss)
         return self._poll_rounds() or busy
 
     # -- the run control block
@@ -193,43 +173,39 @@ class Supervisor(ShardRole):
         """Read the block: steps and loss, heartbeats, signals, replicas giving up, the
         pause for a checkpoint, the end."""
         self._next_control = now + CONTROL_POLL_S
-        view = self.view = self.shard.read_run_control()
-        steps = self.base + view.steps
-        if steps > self.steps:
-            self.steps, self.loss_total = steps, view.loss_sum
+        view = self.shard.read_run_control()
+        progress = self.progress
+        steps = progress.base + view.steps
+        if steps > progress.steps:
+            progress.steps, progress.loss_total = steps, view.loss_sum
+        self.replicas.saw(view, now)
         rows = view.replicas
-        moved = rows[:, rc.BEAT] != self.beats
-        self.beats[moved] = rows[moved, rc.BEAT]
-        self.beat_times[moved] = now
         term = max(int(rows[:, rc.TERM].max(initial=0)), self._shard_signals[0])
         usr1 = np.append(rows[:, rc.USR1], self._shard_signals[1])
         self._on_signals(term, usr1, now)
+        lost = self.replicas.lost
         for replica in np.flatnonzero(rows[:, rc.GAVE_UP]):
-            if int(replica) not in self.lost:
-                self._stop(rc.STOP_BAD_GRADIENTS, "bad_gradients", int(replica) + 1)
+            if int(replica) not in lost:
+                progress.stop(rc.STOP_BAD_GRADIENTS, "bad_gradients", int(replica) + 1)
         for replica in np.flatnonzero(rows[:, rc.ABANDONED]):
-            if int(replica) not in self.lost:
-                self._lose(int(replica), list(self.plan.topology.replica_ranks(replica)),
-                           "one of its partitions found another gone")
+            if int(replica) not in lost:
+                ranks = list(self.plan.topology.replica_ranks(replica))
+                self.replicas.lose(int(replica), ranks, "one of its partitions found another gone")
         if self.plan.warm_start_steps and not self.warm_released and (
-                0 in self.lost or rows[0, rc.FINISHED]):
+                0 in lost or rows[0, rc.FINISHED]):
             # The others wait for replica 0's warm-start steps, which will never come.
             self.shard.add_run_control(rc.WARM, 1)
             self.warm_released = True
         if self.awaiting and not self.ready:
-            self.ready = bool(np.all(self.lost_mask | (rows[:, rc.ACKED] >= self.requests)
+            self.ready = bool(np.all(self.replicas.lost_mask
+                                     | (rows[:, rc.ACKED] >= self.requests)
                                      | (rows[:, rc.FINISHED] > 0)))
             if self.ready:  # the part of a replica's pause spent waiting for the others
                 self.ack_wait_seconds += now - self.requested_at
 
-    def _replicas_done(self) -> bool:
-        if self.view is None:
-            return False
-        return bool(np.all(self.lost_mask | (self.view.replicas[:, rc.FINISHED] > 0)))
-
     def _contribution(self) -> list[int]:
         counts = self.signals.counts
-        finished = not self.awaiting and self._replicas_done()
+        finished = not self.awaiting and self.replicas.all_done()
         return [counts["SIGTERM"], counts["SIGUSR1"], int(self.awaiting and self.ready),
                 int(finished), int(self._still_writing())]
 
@@ -244,23 +220,23 @@ class Supervisor(ShardRole):
             return  # the run is ending: ranks leaving make hydra send SIGUSR1s
         if term > self._terms_seen:
             self._terms_seen = term
-            self._stop(rc.STOP_SIGNAL, self._term_name())
+            self.progress.stop(rc.STOP_SIGNAL, self._term_name())
         new = int(np.count_nonzero(usr1 > self.usr1_seen))  # sources with a new SIGUSR1
         self.usr1_pending += [(self.usr1_read_at, now)] * new
         self.usr1_seen, self.usr1_read_at = usr1, now
         if not self.usr1_pending:
             return
-        self._sweep(now)
+        self.replicas.sweep(now)
         waiting = []
         for previous, first in self.usr1_pending:
             if not self._notices:
-                self._stop(rc.STOP_SIGNAL, "SIGUSR1")
-            elif any(previous - NOTICE_SLACK_S <= t for t in self.death_times):
-                if not self.stop_code:
+                self.progress.stop(rc.STOP_SIGNAL, "SIGUSR1")
+            elif any(previous - NOTICE_SLACK_S <= t for t in self.replicas.death_times):
+                if not self.progress.stop_code:
                     say(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice "
                                         "of the rank(s) found gone; training goes on")
             elif now - first >= self._notice_delay():
-                self._stop(rc.STOP_SIGNAL, "SIGUSR1")
+                self.progress.stop(rc.STOP_SIGNAL, "SIGUSR1")
             else:
                 waiting.append((previous, first))
         self.usr1_pending = waiting
@@ -282,42 +258,6 @@ class Supervisor(ShardRole):
         return NOTICE_DELAY_S + (beats.detection_s(watched) + SWEEP_S if beats is not None
                                  else 0.0)
 
-    def _sweep(self, now: float, shards: bool = True) -> None:
-        """Look for gone shards (fatal; not once the shards have ended the run together and
-        may leave) and lost replicas (process gone on this node, or heartbeat stopped for
-        run.replica_timeout_seconds)."""
-        self._next_sweep = now + SWEEP_S
-        peers = self.run_.peers
-        if shards:
-            self.run_.check_shards(now, force=True)
-        timeout = self.plan.replica_timeout_s
-        rows = self.view.replicas if self.view is not None else None
-        for replica, ranks, gone in sweep_replicas(peers, self.plan.topology,
-                                                   self.plan.num_replicas, self.dead_ranks,
-                                                   self.death_times, now):
-            if replica in self.lost:
-                continue
-            if gone:
-                self._lose(replica, ranks, peers.why_gone(gone))
-            elif (timeout and rows is not None and not rows[replica, rc.FINISHED]
-                  and now - self.beat_times[replica] > timeout):
-                self._lose(replica, ranks, f"no news from it for {timeout:g} s "
-                                           f"(run.replica_timeout_seconds)")
-
-    def _lose(self, replica: int, ranks: list[int], why: str) -> None:
-        self.lost_mask[replica] = True
-        self.lost[replica] = LostReplica(replica, ranks, why, self.steps,
-                                         self.recorder.elapsed())
-        self.shard.add_run_control(rc.replica_slot(replica, rc.LOST), 1)
-        left = self.plan.num_replicas - len(self.lost)
-        say(self.stream, f"distbelief: replica {replica} (rank{'s' * (len(ranks) > 1)} "
-                            f"{', '.join(map(str, ranks))}) lost at step {self.steps}: {why}; "
-                            f"training goes on with {left} replica(s)")
-        self.recorder.log_event("replica_lost", self.steps, self.steps * self.plan.batch_size,
-                                replica=replica, ranks=ranks, why=why)
-        if left == 0:
-            self._stop(rc.STOP_ALL_LOST, "replicas_lost")
-
     def _collect_stats(self) -> bool:
         """Receive the replicas' final statistics as they come (point-to-point)."""
         got = False
@@ -335,41 +275,33 @@ class Supervisor(ShardRole):
         """A training line, if steps were reported since the last one. Its loss is the mean
         over every step since the previous line (LOG_EVERY_SECONDS apart), as the other
         trainers log it, so the curves of different algorithms compare."""
-        if self.steps == self.logged_steps or self.steps == self.base:
+        progress = self.progress
+        if progress.steps == self.logged_steps or progress.steps == progress.base:
             return
-        since = max(self.logged_steps, self.base)
-        self.loss = (self.loss_total - self.logged_loss_total) / (self.steps - since)
-        self.logged_steps, self.logged_loss_total = self.steps, self.loss_total
+        since = max(self.logged_steps, progress.base)
+        since_logged = progress.loss_total - self.logged_loss_total
+        progress.loss = since_logged / (progress.steps - since)
+        self.logged_steps, self.logged_loss_total = progress.steps, progress.loss_total
         rate = getattr(self.shard.optimizer, "rate", None)  # EASGD's center has none
         extra = {} if rate is None else {
             "learning_rate": rate(max(self.shard.gradients_applied - 1, 0))}
-        self.recorder.log(self.steps, self.steps * self.plan.batch_size, self.loss,
+        self.recorder.log(progress.steps, progress.steps * self.plan.batch_size, progress.loss,
                           version=self.shard.version, **extra)
-        if not math.isfinite(self.loss) and self.reason is None:
-            self._stop(rc.STOP_DIVERGED, "diverged")
+        if not math.isfinite(progress.loss) and progress.reason is None:
+            progress.stop(rc.STOP_DIVERGED, "diverged")
 
     def _apply_budget(self, now: float) -> None:
-        reason = self.rules.budget_spent(self.steps, now - self.recorder.start,
+        reason = self.rules.budget_spent(self.progress.steps, now - self.recorder.start,
                                          self.recorder.collapsed)
         if reason:
-            self._stop(rc.STOP_RULE, reason)
-
-    def _stop(self, code: int, reason: str, arg: int = 0) -> None:
-        """Stop the run: the first reason counts, except that an error (divergence, bad
-        gradients, a failed checkpoint) overrides a budget or a signal."""
-        errors = (rc.STOP_BAD_GRADIENTS, rc.STOP_DIVERGED, rc.STOP_CHECKPOINT_FAILED)
-        if self.stop_code and (self.stop_code in errors or code not in errors):
-            return
-        self.shard.add_run_control(rc.STOP, code - self.stop_code)
-        self.shard.add_run_control(rc.STOP_ARG, arg - self.stop_arg)
-        self.stop_code, self.stop_arg, self.reason = code, arg, reason
+            self.progress.stop(rc.STOP_RULE, reason)
 
     def _start_eval(self) -> None:
         """Snapshot the global parameters (one-sided Gets from the other shards) and
         evaluate them in the thread, while this thread goes on polling."""
         self.shard.snapshot(self.snapshot)
         future = self.executor.submit(self._timed_eval, self.snapshot)
-        self.pending = (future, self.steps)
+        self.pending = (future, self.progress.steps)
 
     def _timed_eval(self, params: np.ndarray) -> tuple[float, float, float]:
         t0 = time.perf_counter()
@@ -382,10 +314,10 @@ class Supervisor(ShardRole):
         self.pending = None
         self.evaluations += 1
         self.eval_seconds += seconds
-        self.recorder.log_eval(steps, steps * self.plan.batch_size, self.loss, accuracy,
-                               test_loss, params=self.snapshot)
-        if self.reason is None and self.rules.target_reached(accuracy):
-            self._stop(rc.STOP_RULE, "target_accuracy")
+        self.recorder.log_eval(steps, steps * self.plan.batch_size, self.progress.loss,
+                               accuracy, test_loss, params=self.snapshot)
+        if self.progress.reason is None and self.rules.target_reached(accuracy):
+            self.progress.stop(rc.STOP_RULE, "target_accuracy")
         self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
 
     # -- checkpoints: when, the parts of the replicas, the commit
@@ -397,26 +329,28 @@ class Supervisor(ShardRole):
         when off."""
         self.next_checkpoint_time = now + self.every_seconds if self.every_seconds \
             else math.inf
-        after = self.steps if self.planned_step is None else self.planned_step
+        after = self.progress.steps if self.planned_step is None else self.planned_step
         self.next_checkpoint_step = ((after // self.every_steps + 1) * self.every_steps
                                      if self.every_steps else math.inf)
 
     def _checkpoint_due(self, now: float) -> bool:
-        if self.stop_code or self._replicas_done():
+        if self.progress.stop_code or self.replicas.all_done():
             return False  # the checkpoint at the end follows
         if self.writing is not None or self.committing is not None:
             return False  # one at a time: the previous one is still being written
-        return now >= self.next_checkpoint_time or self.steps >= self.next_checkpoint_step
+        return (now >= self.next_checkpoint_time
+                or self.progress.steps >= self.next_checkpoint_step)
 
     def _plan_checkpoint(self) -> dict[str, Any] | None:
         # Every push is folded: the totals are those of the checkpoint. Logged now, so
         # that no line up to its step is later than the checkpoint's time.
         self._read_control(time.monotonic())
         self._log_training()
-        if self.stop_code == rc.STOP_DIVERGED or self.failure is not None \
-                or self.steps == self.planned_step:
+        steps = self.progress.steps
+        if self.progress.stop_code == rc.STOP_DIVERGED or self.failure is not None \
+                or steps == self.planned_step:
             return None
-        meta = ckpt.CheckpointMeta(self.steps, self.steps * self.plan.batch_size,
+        meta = ckpt.CheckpointMeta(steps, steps * self.plan.batch_size,
                                    self.recorder.elapsed(), config_hash(self.config))
         try:
             partial = ckpt.prepare(self.root, meta.step)
@@ -425,7 +359,7 @@ class Supervisor(ShardRole):
         # The replicas' positions as they published them when they paused or finished
         # (lost replicas have none), taken now: they move on once released.
         self.planned_step = meta.step
-        self.snapshot_lost = sorted(self.lost)
+        self.snapshot_lost = sorted(self.replicas.lost)
         self.snapshot_replicas = [
             ckpt.ReplicaState(r, {"local_steps": steps}, state, None, {})
             for r, (state, steps) in self._replica_positions().items()]
@@ -450,12 +384,12 @@ class Supervisor(ShardRole):
     def _replica_positions(self) -> dict[int, tuple[dict[str, int], int]]:
         """Replica index -> (TrainShard.state(), local steps) as published, for every
         replica that is not lost."""
-        rows = self.view.replicas
+        rows = self.replicas.view.replicas
         replicas = self.plan.num_replicas
         ranges = balanced_ranges(self.info.n_train, replicas)
         positions = {}
         for r in range(replicas):
-            if r in self.lost:
+            if r in self.replicas.lost:
                 continue
             row = rows[r]
             state = {"seed": self.config.run.seed, "rank": r, "num_ranks": replicas,
@@ -466,10 +400,7 @@ class Supervisor(ShardRole):
 
     def _end_pause(self, plan: dict[str, Any]) -> None:
         super()._end_pause(plan)
-        # The replicas were paused, and over RMA their news waits for this shard's
-        # progress: a silence while shard 0 itself was busy does not count against them
-        # (run.replica_timeout_seconds), however long the pause took.
-        self.beat_times[:] = time.monotonic()
+        self.replicas.excuse_silence()
         self.pause_ended = time.monotonic()
         if "error" in plan:
             self._after_checkpoint(plan)
@@ -546,9 +477,9 @@ class Supervisor(ShardRole):
             say(self.stream, f"distbelief: checkpoint not written: "
                                 f"{outcome.get('diverged') or outcome.get('error')}")
         if "diverged" in outcome:
-            self._stop(rc.STOP_DIVERGED, "diverged")
+            self.progress.stop(rc.STOP_DIVERGED, "diverged")
         elif "error" in outcome:
-            self._stop(rc.STOP_CHECKPOINT_FAILED, "checkpoint_failed")
+            self.progress.stop(rc.STOP_CHECKPOINT_FAILED, "checkpoint_failed")
         self._schedule_checkpoint(time.monotonic())
 
     # -- the end
@@ -561,13 +492,14 @@ class Supervisor(ShardRole):
     def _before_final_checkpoint(self, all_stats: list | None, final: np.ndarray | None) -> None:
         self.shard_stats = [s for s in all_stats if s["role"] == "shard"]
         self._wait_for_replica_stats()
-        if self.stop_code != rc.STOP_SIGNAL:  # after a signal, stopping promptly matters
-            samples = self.steps * self.plan.batch_size
+        progress = self.progress
+        if progress.stop_code != rc.STOP_SIGNAL:  # after a signal, stopping promptly matters
+            samples = progress.steps * self.plan.batch_size
             t0 = time.perf_counter()
             test_loss, accuracy = evaluate(self.network, final, self.eval_set)
             self.evaluations += 1
             self.eval_seconds += time.perf_counter() - t0
-            self.recorder.log_eval(self.steps, samples, self.loss, accuracy, test_loss,
+            self.recorder.log_eval(progress.steps, samples, progress.loss, accuracy, test_loss,
                                    params=final)
 
     def _wait_for_replica_stats(self) -> None:
@@ -575,22 +507,25 @@ class Supervisor(ShardRole):
         giving up on a replica whose process turns out to be gone."""
         backoff = Backoff(*WAIT_SLEEP_S)
         topology = self.plan.topology
+        lost = self.replicas.lost
         with watchdog.current().waiting("the replicas' final statistics"):
             while True:
                 self._collect_stats()
-                missing = [rank for r in range(self.plan.num_replicas) if r not in self.lost
+                missing = [rank for r in range(self.plan.num_replicas) if r not in lost
                            for rank in topology.replica_ranks(r)
                            if rank not in self.replica_stats]
                 if not missing:
                     return
-                self._sweep(time.monotonic())
+                self.replicas.sweep(time.monotonic())
                 backoff.wait()
 
     def _ending(self) -> Ending:
-        teardown = rc.TEARDOWN_LEAVE if self.lost or self.dead_ranks else rc.TEARDOWN_FREE
+        replicas, progress = self.replicas, self.progress
+        teardown = (rc.TEARDOWN_LEAVE if replicas.lost or replicas.dead_ranks
+                    else rc.TEARDOWN_FREE)
         summary = self.recorder.finish(_summary_extras(self))
         say(self.stream, _summary_line(summary, self.config))
-        return Ending(self.stop_code, self.stop_arg, teardown, self.failure, summary)
+        return Ending(progress.stop_code, progress.stop_arg, teardown, self.failure, summary)
 
     def _announce(self, ending: Ending) -> None:
         """Tell the other ranks how the run ends. With LEAVE (nobody frees; some rank is
@@ -629,7 +564,7 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
     resumed = sup.resumed_from
     return {
         # "averaging" for EASGD, which runs on this machinery (algorithms.averaging.elastic)
-        "algorithm": run_name(config), "stop_reason": sup.reason,
+        "algorithm": run_name(config), "stop_reason": sup.progress.reason,
         "config_hash": config_hash(config), "num_params": int(sup.network.layout.size),
         "eval_samples": len(sup.eval_set[1]), "world_size": plan.topology.world_size,
         "ps_shards": plan.topology.ps_shards, "num_replicas": plan.num_replicas,
@@ -638,11 +573,11 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "warm_start_steps": plan.warm_start_steps, "max_steps": plan.max_steps,
         "evaluations": sup.evaluations, "eval_seconds": sup.eval_seconds,
         "resumed_from": str(resumed.path) if resumed is not None else None,
-        "resumed_at_step": sup.base, "checkpoint": sup.last_checkpoint,
+        "resumed_at_step": sup.progress.base, "checkpoint": sup.last_checkpoint,
         "bad_gradients": sum(r["bad_gradients"] for r in replicas),
         "checkpoints_written": sup.checkpoints, "checkpoint_seconds": sup.checkpoint_seconds,
         "checkpoint_requests": sup.requests, "checkpoint_ack_wait_seconds": sup.ack_wait_seconds,
-        "lost_replicas": [asdict(lost) for _, lost in sorted(sup.lost.items())],
+        "lost_replicas": [asdict(lost) for _, lost in sorted(sup.replicas.lost.items())],
         "staleness": _combined_staleness(replicas),
         "push_dtype": config.optimizer.push_dtype,
         **sup.variant.summary,
