@@ -12,7 +12,8 @@ MODULES (each imports only those before it; trainer.py imports them all): plan (
 constants, errors, DownpourPlan, grant, Ending), run (open_run, OpenRun, Start: the set-up
 and the restore), replica (Replica, PartitionedReplica, make_replica), shards (ShardRole:
 what every shard does), progress (RunProgress: shard 0's steps, loss and stop decision),
-replica_watch (ReplicaWatch: the replicas' heartbeats and the lost ones), variant
+replica_watch (ReplicaWatch: the replicas' heartbeats and the lost ones), checkpoints
+(Checkpoints: shard 0's checkpointer: when, the replicas' part, the commit), variant
 (Variant: what an algorithm built on this machinery, EASGD or asynchronous DiLoCo,
 supplies in Downpour's place), supervisor (Supervisor: shard 0, and the summary), trainer
 (train), options (the [optimizer] keys Downpour owns).

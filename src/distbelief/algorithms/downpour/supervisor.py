@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.common import StopRules, evaluate
+from distbelief.algorithms.downpour.checkpoints import Checkpoints
 from distbelief.algorithms.downpour.plan import (
     CONTROL_POLL_S,
     LEAVE_GRACE_S,
@@ -34,14 +33,11 @@ from distbelief.algorithms.downpour.plan import (
 from distbelief.algorithms.downpour.progress import RunProgress
 from distbelief.algorithms.downpour.replica_watch import ReplicaWatch
 from distbelief.algorithms.downpour.run import OpenRun
-from distbelief.algorithms.downpour.shards import ShardRole, part_report
+from distbelief.algorithms.downpour.shards import ShardRole
 from distbelief.algorithms.downpour.variant import DOWNPOUR, Variant
-from distbelief.config import Config, config_hash, hashed_settings, run_name
-from distbelief.model.layout import balanced_ranges
+from distbelief.config import Config, config_hash, run_name
 from distbelief.ps import run_control as rc
-from distbelief.ps.endpoint import saved_state
 from distbelief.ps.stats import STALENESS_BINS
-from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
@@ -89,36 +85,21 @@ class Supervisor(ShardRole):
         self._notices = launcher.sends_death_notices()  # else every SIGUSR1 is a stop
         self.warm_released = False
         self.replica_stats: dict[int, dict[str, Any]] = {}
-        self.requests = 0  # checkpoint requests made (the CHECKPOINT slot)
-        self.awaiting = False  # a request is out: its checkpoint has not been written
-        self.ready = False  # every replica has paused for it (or finished, or is lost)
-        self.requested_at = 0.0  # when the newest request went out
-        self.ack_wait_seconds = 0.0  # requests until every replica had paused, in all
         self.logged_steps = -1
         self.logged_loss_total = 0.0  # loss_total at the last training line
         self._next_control = 0.0
         self._shard_signals = (0, 0)  # max SIGTERM, SIGUSR1 counts of the shards
         self._terms_seen = 0
-        run_config = config.run
-        self.root = ckpt.checkpoint_root(run_config.out_dir)
-        self.every_seconds, self.every_steps = (run_config.checkpoint_every_seconds,
-                                                run_config.checkpoint_every_steps)
-        self.last_checkpoint_step = start.base if start.checkpoint is not None else None
-        self.last_checkpoint: str | None = None
-        self.planned_step = self.last_checkpoint_step  # the newest step being written
-        self.snapshot_replicas: list[ckpt.ReplicaState] = []  # theirs, as of that step
-        self.snapshot_lost: list[int] = []  # the replicas lost by then (no state)
-        self.committing: Future | None = None  # a commit in the writer thread
-        self.pause_ended = 0.0  # when the newest checkpoint's pause ended
-        self.checkpoints = 0
         say(stream, _header(config, plan, network, info, len(eval_set[1]), variant.name))
         # The clock starts once every rank is ready (open_parameter_server's barrier).
         self.recorder = run.session.open_recorder()
         self.replicas = ReplicaWatch(run, self.progress, self.recorder, stream)
+        self.checkpoints = Checkpoints(run, config, network, info, self.progress,
+                                       self.replicas, self.recorder, stream, self._catch_up)
+        self.lead = self.checkpoints
         now = time.monotonic()
         self.next_log = now + LOG_EVERY_SECONDS
-        self.next_eval = now + run_config.eval_every_seconds
-        self._schedule_checkpoint(now)
+        self.next_eval = now + config.run.eval_every_seconds
 
     def run(self) -> None:
         with ThreadPoolExecutor(1, thread_name_prefix="distbelief-eval") as self.executor:
@@ -142,10 +123,10 @@ class Supervisor(ShardRole):
         if self.pending is not None and self.pending[0].done():
             self._record_eval(*self.pending)
             busy = True
-        if self.committing is not None and self.committing.done():
-            self._committed()
+        if self.poll_commit():
             busy = True
-        if (now >= self._next_control or (self.awaiting and not self.ready)
+        checkpoints = self.checkpoints
+        if (now >= self._next_control or checkpoints.waiting_for_pauses
                 or self.usr1_pending):
             self._read_control(now)
         if now >= self.replicas.next_sweep:
@@ -158,11 +139,8 @@ class Supervisor(ShardRole):
         if self.progress.reason is None and self.pending is None and now >= self.next_eval:
             self._start_eval()
             busy = True
-        if not self.awaiting and self._checkpoint_due(now):
-            self.requests += 1
-            self.shard.add_run_control(rc.CHECKPOINT, 1)
-            self.awaiting, self.ready = True, False
-            self.requested_at = now
+        if not self.writing_checkpoint and checkpoints.due(now):
+            checkpoints.request(now)
         steps = self.progress.steps
         self.recorder.progress(steps, steps * self.plan.batch_size, self.progress.loss)
         return self._poll_rounds() or busy
@@ -196,17 +174,19 @@ class Supervisor(ShardRole):
             # The others wait for replica 0's warm-start steps, which will never come.
             self.shard.add_run_control(rc.WARM, 1)
             self.warm_released = True
-        if self.awaiting and not self.ready:
-            self.ready = bool(np.all(self.replicas.lost_mask
-                                     | (rows[:, rc.ACKED] >= self.requests)
-                                     | (rows[:, rc.FINISHED] > 0)))
-            if self.ready:  # the part of a replica's pause spent waiting for the others
-                self.ack_wait_seconds += now - self.requested_at
+        self.checkpoints.read_acks(rows, now)
+
+    def _catch_up(self) -> None:
+        """Read the block and log the training line: the totals as of now (a checkpoint's,
+        once every push is folded)."""
+        self._read_control(time.monotonic())
+        self._log_training()
 
     def _contribution(self) -> list[int]:
         counts = self.signals.counts
-        finished = not self.awaiting and self.replicas.all_done()
-        return [counts["SIGTERM"], counts["SIGUSR1"], int(self.awaiting and self.ready),
+        checkpoints = self.checkpoints
+        finished = not checkpoints.awaiting and self.replicas.all_done()
+        return [counts["SIGTERM"], counts["SIGUSR1"], int(checkpoints.paused),
                 int(finished), int(self._still_writing())]
 
     def _on_round(self, result: np.ndarray) -> None:
@@ -320,168 +300,6 @@ class Supervisor(ShardRole):
             self.progress.stop(rc.STOP_RULE, "target_accuracy")
         self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
 
-    # -- checkpoints: when, the parts of the replicas, the commit
-
-    def _schedule_checkpoint(self, now: float) -> None:
-        """The next periodic checkpoint: `every_seconds` from now, and the next multiple
-        of `every_steps` after the newest checkpoint's step (also after a resume from
-        another step), due at once if training passed it while that one was written; inf
-        when off."""
-        self.next_checkpoint_time = now + self.every_seconds if self.every_seconds \
-            else math.inf
-        after = self.progress.steps if self.planned_step is None else self.planned_step
-        self.next_checkpoint_step = ((after // self.every_steps + 1) * self.every_steps
-                                     if self.every_steps else math.inf)
-
-    def _checkpoint_due(self, now: float) -> bool:
-        if self.progress.stop_code or self.replicas.all_done():
-            return False  # the checkpoint at the end follows
-        if self.writing is not None or self.committing is not None:
-            return False  # one at a time: the previous one is still being written
-        return (now >= self.next_checkpoint_time
-                or self.progress.steps >= self.next_checkpoint_step)
-
-    def _plan_checkpoint(self) -> dict[str, Any] | None:
-        # Every push is folded: the totals are those of the checkpoint. Logged now, so
-        # that no line up to its step is later than the checkpoint's time.
-        self._read_control(time.monotonic())
-        self._log_training()
-        steps = self.progress.steps
-        if self.progress.stop_code == rc.STOP_DIVERGED or self.failure is not None \
-                or steps == self.planned_step:
-            return None
-        meta = ckpt.CheckpointMeta(steps, steps * self.plan.batch_size,
-                                   self.recorder.elapsed(), config_hash(self.config))
-        try:
-            partial = ckpt.prepare(self.root, meta.step)
-        except ckpt.CheckpointError as exc:
-            return {"error": str(exc)}
-        # The replicas' positions as they published them when they paused or finished
-        # (lost replicas have none), taken now: they move on once released.
-        self.planned_step = meta.step
-        self.snapshot_lost = sorted(self.replicas.lost)
-        self.snapshot_replicas = [
-            ckpt.ReplicaState(r, {"local_steps": steps}, state, None, {})
-            for r, (state, steps) in self._replica_positions().items()]
-        return {"partial": str(partial), "meta": asdict(meta)}
-
-    def _part_writer(self, partial: Path, meta: ckpt.CheckpointMeta,
-                     copy: bool) -> Callable[[], dict[str, Any]]:
-        """Shard 0's slice, then the replicas' part (one table)."""
-        mine, replicas = super()._part_writer(partial, meta, copy), self.snapshot_replicas
-
-        def write() -> dict[str, Any]:
-            report = mine()
-            if "records" not in report:
-                return report
-            theirs = part_report(lambda: [ckpt.write_replicas_part(partial, meta, replicas)])
-            if "records" not in theirs:
-                return theirs
-            return {"records": report["records"] + theirs["records"]}
-
-        return write
-
-    def _replica_positions(self) -> dict[int, tuple[dict[str, int], int]]:
-        """Replica index -> (TrainShard.state(), local steps) as published, for every
-        replica that is not lost."""
-        rows = self.replicas.view.replicas
-        replicas = self.plan.num_replicas
-        ranges = balanced_ranges(self.info.n_train, replicas)
-        positions = {}
-        for r in range(replicas):
-            if r in self.replicas.lost:
-                continue
-            row = rows[r]
-            state = {"seed": self.config.run.seed, "rank": r, "num_ranks": replicas,
-                     "n": ranges[r][1] - ranges[r][0], "epoch": int(row[rc.EPOCH]),
-                     "position": int(row[rc.POSITION])}
-            positions[r] = (state, int(row[rc.LOCAL_STEPS]))
-        return positions
-
-    def _end_pause(self, plan: dict[str, Any]) -> None:
-        super()._end_pause(plan)
-        self.replicas.excuse_silence()
-        self.pause_ended = time.monotonic()
-        if "error" in plan:
-            self._after_checkpoint(plan)
-        if self.awaiting:  # the replicas paused for it go on
-            self.shard.add_run_control(rc.RELEASE, 1)
-            self.awaiting = self.ready = False
-        if "meta" not in plan:
-            self._schedule_checkpoint(time.monotonic())
-
-    def _commit_parts(self, meta: ckpt.CheckpointMeta, reports: list[dict[str, Any]] | None,
-                      now: bool) -> None:
-        if now:
-            self._after_checkpoint(self._commit(meta, reports))
-        else:
-            self.committing = self.writer.submit(self._commit, meta, reports)
-
-    def _committed(self) -> None:
-        """The writer thread's commit is done: act on its outcome."""
-        future, self.committing = self.committing, None
-        self._after_checkpoint(future.result())
-
-    def _finish_writing(self) -> None:
-        super()._finish_writing()
-        if self.committing is not None:
-            self._wait_for(self.committing)
-            self._committed()
-
-    def _commit(self, meta: ckpt.CheckpointMeta,
-                reports: list[dict[str, Any]] | None) -> dict[str, Any]:
-        """Commit from every shard's report (in the writer thread, or at the end): the
-        outcome. Reads only what _plan_checkpoint fixed."""
-        for kind in ("diverged", "error"):
-            problems = [r[kind] for r in reports if kind in r]
-            if problems:
-                return {kind: problems[0]}  # the .partial is cleaned at the next start
-        records = [ckpt.PartRecord(*rec) for r in reports for rec in r["records"]]
-        try:
-            path = ckpt.commit(
-                self.root, meta, settings=hashed_settings(self.config),
-                algorithm=self.config.optimizer.algorithm,
-                layout=self.network.layout, shard_ranges=self.shard.ranges,
-                optimizer_state=list(saved_state(self.shard.optimizer)), parts=records,
-                num_replicas=self.plan.num_replicas, keep=self.config.run.keep_checkpoints,
-                lost_replicas=self.snapshot_lost)
-        except ckpt.CheckpointError as exc:
-            return {"error": str(exc)}
-        return {"path": str(path), "step": meta.step, "samples": meta.samples,
-                "at": meta.wall_seconds}
-
-    def _after_checkpoint(self, outcome: dict[str, Any]) -> None:
-        """A checkpoint's outcome: committed (logged), or why not (the run stops). The
-        next one is scheduled from now."""
-        if "error" in outcome:
-            self.failure = outcome["error"]
-        if "path" in outcome:
-            path = Path(outcome["path"])
-            self.checkpoints += 1
-            self.last_checkpoint_step, self.last_checkpoint = outcome["step"], str(path)
-            # Timed when committed, later than the training lines logged while it was
-            # written: the times in metrics.jsonl keep increasing. A run resumed from it
-            # cuts it with them (their time is past the state's, `state_time`).
-            now = time.monotonic()
-            if self.in_background:  # the pause ended before the writes
-                pause, written = self.pause_ended - self.began, now - self.pause_ended
-                how = f"replicas paused {pause:.2f}s, written in {written:.2f}s meanwhile"
-            else:  # the pause ends after this commit
-                pause = written = now - self.began
-                how = f"{pause:.2f}s"
-            self.recorder.log_event("checkpoint", outcome["step"], outcome["samples"],
-                                    state_time=outcome["at"], seconds=pause,
-                                    write_seconds=written, path=path.name)
-            say(self.stream, f"checkpoint {path} ({how})")
-        elif "diverged" in outcome or "error" in outcome:
-            say(self.stream, f"distbelief: checkpoint not written: "
-                                f"{outcome.get('diverged') or outcome.get('error')}")
-        if "diverged" in outcome:
-            self.progress.stop(rc.STOP_DIVERGED, "diverged")
-        elif "error" in outcome:
-            self.progress.stop(rc.STOP_CHECKPOINT_FAILED, "checkpoint_failed")
-        self._schedule_checkpoint(time.monotonic())
-
     # -- the end
 
     def _final_buffer(self) -> np.ndarray:
@@ -525,7 +343,8 @@ class Supervisor(ShardRole):
                     else rc.TEARDOWN_FREE)
         summary = self.recorder.finish(_summary_extras(self))
         say(self.stream, _summary_line(summary, self.config))
-        return Ending(progress.stop_code, progress.stop_arg, teardown, self.failure, summary)
+        return Ending(progress.stop_code, progress.stop_arg, teardown,
+                      self.checkpoints.failure, summary)
 
     def _announce(self, ending: Ending) -> None:
         """Tell the other ranks how the run ends. With LEAVE (nobody frees; some rank is
@@ -561,7 +380,7 @@ class Supervisor(ShardRole):
 def _summary_extras(sup: Supervisor) -> dict[str, Any]:
     config, plan = sup.config, sup.plan
     replicas = sorted(sup.replica_stats.values(), key=lambda s: (s["replica"], s["rank"]))
-    resumed = sup.resumed_from
+    resumed, checkpoints = sup.resumed_from, sup.checkpoints
     return {
         # "averaging" for EASGD, which runs on this machinery (algorithms.averaging.elastic)
         "algorithm": run_name(config), "stop_reason": sup.progress.reason,
@@ -573,10 +392,12 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "warm_start_steps": plan.warm_start_steps, "max_steps": plan.max_steps,
         "evaluations": sup.evaluations, "eval_seconds": sup.eval_seconds,
         "resumed_from": str(resumed.path) if resumed is not None else None,
-        "resumed_at_step": sup.progress.base, "checkpoint": sup.last_checkpoint,
+        "resumed_at_step": sup.progress.base, "checkpoint": checkpoints.last_path,
         "bad_gradients": sum(r["bad_gradients"] for r in replicas),
-        "checkpoints_written": sup.checkpoints, "checkpoint_seconds": sup.checkpoint_seconds,
-        "checkpoint_requests": sup.requests, "checkpoint_ack_wait_seconds": sup.ack_wait_seconds,
+        "checkpoints_written": checkpoints.written,
+        "checkpoint_seconds": sup.checkpoint_seconds,
+        "checkpoint_requests": checkpoints.requests,
+        "checkpoint_ack_wait_seconds": checkpoints.ack_wait_seconds,
         "lost_replicas": [asdict(lost) for _, lost in sorted(sup.replicas.lost.items())],
         "staleness": _combined_staleness(replicas),
         "push_dtype": config.optimizer.push_dtype,
