@@ -21,6 +21,8 @@ from distbelief.algorithms.downpour.plan import (
     ROUND_CHECKPOINT,
     ROUND_FINISHED,
     ROUND_INTERVAL_S,
+    ROUND_TERM,
+    ROUND_USR1,
     ROUND_WIDTH,
     ROUND_WRITING,
     Ending,
@@ -90,7 +92,8 @@ class CheckpointLead(Protocol):
 class ShardRole:
     """What every shard does: serve, take part in the shards' rounds, write checkpoints
     and end the run together (collectives over the shards' communicator only). On shard
-    0, `lead` plans, completes and commits each checkpoint."""
+    0, `lead` plans, completes and commits each checkpoint, and the supervisor that holds
+    this role runs its own duties between the polls and its own part of the end."""
 
     def __init__(self, run: OpenRun, lead: CheckpointLead | None = None):
         self.run_, self.plan, self.shard = run, run.plan, run.endpoint
@@ -100,6 +103,7 @@ class ShardRole:
         self.signals = run.signals
         self.faults = Faults.for_rank(self.shard.rank)  # test-only (distbelief.runtime.faults)
         self.all_finished = False  # a round said every replica has finished or is lost
+        self.shard_signals = (0, 0)  # the shards' max SIGTERM, SIGUSR1 counts (rounds)
         self.checkpoint_seconds = 0.0  # the replicas' pauses: agreed round to release
         self.write_seconds = 0.0  # the writes after the release, in the writer thread
         self.writing: Writing | None = None  # parts being written, not yet gathered
@@ -109,8 +113,10 @@ class ShardRole:
         self.parts_written = 0  # checkpoints this shard has written its part of
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="distbelief-checkpoint")
 
-    def run(self) -> None:
-        self.shard.serve(PacedBackoff(), between=self._duties,
+    def run(self, duties: Callable[[], bool] | None = None) -> None:
+        """Serve until a round says the run is over, doing `duties` between two polls
+        (True when they did some work; default: this shard's own, `_duties`)."""
+        self.shard.serve(PacedBackoff(), between=duties or self._duties,
                          until=lambda: self.all_finished)
 
     def _duties(self) -> bool:
@@ -118,18 +124,19 @@ class ShardRole:
         if self.faults:
             self.faults.after_updates(self.shard.version)
         self.run_.check_shards(time.monotonic())
-        return self._poll_rounds()
+        return self.poll_rounds()
 
     # -- rounds
 
-    def _poll_rounds(self) -> bool:
-        """Test the shards' round in flight (post the next one when due) and act on a
-        completed one. True when it ran a checkpoint. Collective over the shards in the
-        sense of agreement.Rounds."""
-        result = self.rounds.poll(self._contribution)
+    def poll_rounds(self, votes: Callable[[], tuple[bool, bool]] | None = None) -> bool:
+        """Test the shards' round in flight (post the next one when due, with shard 0's
+        `votes`: every replica has paused for the checkpoint asked for, every replica is
+        done) and act on a completed one. True when it ran a checkpoint. Collective over
+        the shards in the sense of agreement.Rounds."""
+        result = self.rounds.poll(lambda: self._contribution(votes))
         if result is None:
             return False
-        self._on_round(result)
+        self.shard_signals = (int(result[ROUND_TERM]), int(result[ROUND_USR1]))
         written = self.writing is not None and not result[ROUND_WRITING]
         if written:
             self._gather_parts()
@@ -139,9 +146,11 @@ class ShardRole:
             self.all_finished = True
         return bool(result[ROUND_CHECKPOINT]) or written
 
-    def _contribution(self) -> list[int]:
+    def _contribution(self, votes: Callable[[], tuple[bool, bool]] | None) -> list[int]:
         counts = self.signals.counts
-        return [counts["SIGTERM"], counts["SIGUSR1"], 0, 0, int(self._still_writing())]
+        paused, finished = votes() if votes is not None else (False, False)
+        return [counts["SIGTERM"], counts["SIGUSR1"], int(paused), int(finished),
+                int(self._still_writing())]
 
     def _still_writing(self) -> bool:
         return self.writing is not None and not self.writing.future.done()
@@ -151,9 +160,6 @@ class ShardRole:
         """A checkpoint's parts are being written or its commit is running: the next one
         waits (one at a time)."""
         return self.writing is not None or self.committing is not None
-
-    def _on_round(self, result: np.ndarray) -> None:
-        """Shard 0 reads the shards' signals here."""
 
     # -- checkpoints (CHECKPOINTS in the package docstring)
 
@@ -165,7 +171,7 @@ class ShardRole:
         The replicas are paused only while the shards fold what is pending and copy their
         state; the files are written after the release, by each shard's writer thread,
         and gathered for the commit once every shard's thread is done (a round says so:
-        `_poll_rounds`). With `background` False (the final checkpoint, where nobody pushes
+        `poll_rounds`). With `background` False (the final checkpoint, where nobody pushes
         any more, or run.checkpoint_in_background = false) the live arrays are written,
         uncopied, with the replicas still paused, and gathered before this returns."""
         self.pause = Pause(time.monotonic(), background)
@@ -280,17 +286,33 @@ class ShardRole:
 
     def finish(self) -> Ending:
         """End the run with the other shards: fold the rest, gather statistics and the
-        final slices to shard 0 (which evaluates them), the final checkpoint, shard 0's
-        summary, and the teardown decision. Collective over the shards."""
+        final slices to shard 0 (which evaluates them), the final checkpoint, and how the
+        run ended, as shard 0 says. Collective over the shards; shard 0's supervisor takes
+        the same steps with its own between them (Supervisor.finish)."""
+        self.gather_results()
+        self.final_checkpoint()
+        return self.share_ending(None)
+
+    def gather_results(self, into: np.ndarray | None = None) -> tuple[list | None,
+                                                                      np.ndarray | None]:
+        """Fold the rest and complete the checkpoint being written, then gather every
+        shard's statistics and the final parameter vector to shard 0, into `into` there
+        if given. Collective over the shards; (None, None) on the others."""
         self._settle()
         self._finish_writing()
         all_stats = gather_after_barrier(self.comm, self.stats())
-        final = self._gather_parameters()
-        self._before_final_checkpoint(all_stats, final)
-        self.checkpoint(background=False)  # the final one (none if its step is written)
+        return all_stats, self._gather_parameters(into)
+
+    def final_checkpoint(self) -> None:
+        """The final checkpoint (none if its step is written), then the writer thread
+        ends. Collective over the shards."""
+        self.checkpoint(background=False)
         self.writer.shutdown()
-        ending = bcast_after_barrier(self.comm, self._ending())
-        self._announce(ending)
+
+    def share_ending(self, ending: Ending | None) -> Ending:
+        """Shard 0's `ending` on every shard (its summary on shard 0 only). Collective
+        over the shards: bcast."""
+        ending = bcast_after_barrier(self.comm, ending)
         if self.comm.Get_rank() != 0:
             ending.summary = None
         return ending
@@ -304,32 +326,20 @@ class ShardRole:
             self._wait_for(self.committing)
             self._committed()
 
-    def _gather_parameters(self) -> np.ndarray | None:
-        """The final parameter vector on shard 0 (None elsewhere). Collective over the
-        shards: Gatherv of each shard's slice."""
+    def _gather_parameters(self, into: np.ndarray | None) -> np.ndarray | None:
+        """The final parameter vector on shard 0, in `into` if given (None elsewhere).
+        Collective over the shards: Gatherv of each shard's slice."""
         shard = self.shard
         counts = [stop - start for start, stop in shard.ranges]
         displs = [start for start, _ in shard.ranges]
-        out = self._final_buffer() if self.comm.Get_rank() == 0 else None
+        out = None
+        if self.comm.Get_rank() == 0:
+            out = into if into is not None else np.zeros(shard.size, dtype=np.float32)
         wait_for_everyone(self.comm)
         self.comm.Gatherv([shard.parameters(copy=False), MPI.FLOAT],
                           [out, counts, displs, MPI.FLOAT] if out is not None else None,
                           root=0)
         return out
-
-    def _final_buffer(self) -> np.ndarray:
-        """Shard 0: where the final parameter vector is gathered."""
-        return np.zeros(self.shard.size, dtype=np.float32)
-
-    def _before_final_checkpoint(self, all_stats: list | None, final: np.ndarray | None) -> None:
-        """Shard 0: the replicas' statistics and the final evaluation."""
-
-    def _ending(self) -> Ending | None:
-        """Shard 0: how the run ended (bcast to the shards)."""
-        return None
-
-    def _announce(self, ending: Ending) -> None:
-        """Shard 0: TEARDOWN for the replicas."""
 
     def stats(self) -> dict[str, Any]:
         shard = self.shard

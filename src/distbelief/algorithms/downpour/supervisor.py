@@ -1,7 +1,9 @@
-"""Shard 0 (Supervisor): it serves its slice like every shard and runs the run between
-polls (the control block, training lines, evaluations, stop rules, lost replicas,
-checkpoints), then writes the summary (the helpers at the end of this module). "The module
-docstring" in the code below is the package's (distbelief.algorithms.downpour).
+"""Shard 0 (Supervisor): it holds a shard's role (shards.ShardRole: it serves its slice
+like every shard) and runs the run between polls (the control block, training lines,
+evaluations, stop rules, lost replicas, checkpoints), with the objects it is made of
+(progress, replica_watch, checkpoints), then writes the summary (the helpers at the end of
+this module). "The module docstring" in the code below is the package's
+(distbelief.algorithms.downpour).
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from distbelief.algorithms.downpour.plan import (
     LEAVING_TAG,
     NOTICE_DELAY_S,
     NOTICE_SLACK_S,
-    ROUND_TERM,
-    ROUND_USR1,
     STATS_TAG,
     SWEEP_S,
     DownpourPlan,
@@ -50,11 +50,12 @@ from distbelief.runtime.agreement import WAIT_SLEEP_S
 from distbelief.runtime.backoff import Backoff
 
 
-class Supervisor(ShardRole):
-    """Shard 0: serves its slice like every shard and, between polls, runs the run: the
-    control block, training lines, evaluations (in a thread, on snapshots), stop rules,
-    progress lines, lost replicas, and the checkpoints (it asks for them, commits them,
-    and writes the replicas' parts).
+class Supervisor:
+    """Shard 0: serves its slice like every shard (its ShardRole, `shard_role`) and,
+    between polls, runs the run: the control block, training lines, evaluations (in a
+    thread, on snapshots), stop rules (RunProgress), progress lines, lost replicas
+    (ReplicaWatch), and the checkpoints (Checkpoints, the ShardRole's CheckpointLead: it
+    asks for them, commits them, and writes the replicas' parts).
 
     Communicates one-sided (its own windows; Gets of the other shards' PARAMS for
     snapshots), in the shards' rounds and collectives, and receives the replicas' final
@@ -63,7 +64,8 @@ class Supervisor(ShardRole):
 
     def __init__(self, run: OpenRun, config: Config, network: Any, info: Any,
                  stream: IO[str] | None, variant: Variant = DOWNPOUR):
-        super().__init__(run)
+        self.run_, self.plan, self.shard = run, run.plan, run.endpoint
+        self.signals = run.signals
         self.config, self.network, self.info, self.stream = config, network, info, stream
         self.variant = variant  # the algorithm built on this machinery, if not Downpour
         eval_set, start = run.local[0], run.start
@@ -88,7 +90,6 @@ class Supervisor(ShardRole):
         self.logged_steps = -1
         self.logged_loss_total = 0.0  # loss_total at the last training line
         self._next_control = 0.0
-        self._shard_signals = (0, 0)  # max SIGTERM, SIGUSR1 counts of the shards
         self._terms_seen = 0
         say(stream, _header(config, plan, network, info, len(eval_set[1]), variant.name))
         # The clock starts once every rank is ready (open_parameter_server's barrier).
@@ -96,14 +97,14 @@ class Supervisor(ShardRole):
         self.replicas = ReplicaWatch(run, self.progress, self.recorder, stream)
         self.checkpoints = Checkpoints(run, config, network, info, self.progress,
                                        self.replicas, self.recorder, stream, self._catch_up)
-        self.lead = self.checkpoints
+        self.shard_role = ShardRole(run, lead=self.checkpoints)
         now = time.monotonic()
         self.next_log = now + LOG_EVERY_SECONDS
         self.next_eval = now + config.run.eval_every_seconds
 
     def run(self) -> None:
         with ThreadPoolExecutor(1, thread_name_prefix="distbelief-eval") as self.executor:
-            super().run()
+            self.shard_role.run(self._duties)
             if self.pending is not None:
                 self._record_eval(*self.pending)
         self._read_control(time.monotonic())
@@ -116,14 +117,15 @@ class Supervisor(ShardRole):
 
     def _duties(self) -> bool:
         """Shard 0's duties between two polls; cheap unless one of them is due."""
-        if self.faults:
-            self.faults.after_updates(self.shard.version)
+        shard_role = self.shard_role
+        if shard_role.faults:
+            shard_role.faults.after_updates(self.shard.version)
         now = time.monotonic()
         busy = self._collect_stats()
         if self.pending is not None and self.pending[0].done():
             self._record_eval(*self.pending)
             busy = True
-        if self.poll_commit():
+        if shard_role.poll_commit():
             busy = True
         checkpoints = self.checkpoints
         if (now >= self._next_control or checkpoints.waiting_for_pauses
@@ -139,11 +141,11 @@ class Supervisor(ShardRole):
         if self.progress.reason is None and self.pending is None and now >= self.next_eval:
             self._start_eval()
             busy = True
-        if not self.writing_checkpoint and checkpoints.due(now):
+        if not shard_role.writing_checkpoint and checkpoints.due(now):
             checkpoints.request(now)
         steps = self.progress.steps
         self.recorder.progress(steps, steps * self.plan.batch_size, self.progress.loss)
-        return self._poll_rounds() or busy
+        return shard_role.poll_rounds(self._votes) or busy
 
     # -- the run control block
 
@@ -158,8 +160,9 @@ class Supervisor(ShardRole):
             progress.steps, progress.loss_total = steps, view.loss_sum
         self.replicas.saw(view, now)
         rows = view.replicas
-        term = max(int(rows[:, rc.TERM].max(initial=0)), self._shard_signals[0])
-        usr1 = np.append(rows[:, rc.USR1], self._shard_signals[1])
+        shard_term, shard_usr1 = self.shard_role.shard_signals
+        term = max(int(rows[:, rc.TERM].max(initial=0)), shard_term)
+        usr1 = np.append(rows[:, rc.USR1], shard_usr1)
         self._on_signals(term, usr1, now)
         lost = self.replicas.lost
         for replica in np.flatnonzero(rows[:, rc.GAVE_UP]):
@@ -182,21 +185,18 @@ class Supervisor(ShardRole):
         self._read_control(time.monotonic())
         self._log_training()
 
-    def _contribution(self) -> list[int]:
-        counts = self.signals.counts
+    def _votes(self) -> tuple[bool, bool]:
+        """Shard 0's in the shards' rounds: every replica has paused for the checkpoint
+        asked for; every replica is done (and none is asked to pause)."""
         checkpoints = self.checkpoints
         finished = not checkpoints.awaiting and self.replicas.all_done()
-        return [counts["SIGTERM"], counts["SIGUSR1"], int(checkpoints.paused),
-                int(finished), int(self._still_writing())]
-
-    def _on_round(self, result: np.ndarray) -> None:
-        self._shard_signals = (int(result[ROUND_TERM]), int(result[ROUND_USR1]))
+        return checkpoints.paused, finished
 
     def _on_signals(self, term: int, usr1: np.ndarray, now: float) -> None:
         """Stop on a SIGTERM; on a SIGUSR1 unless it is the launcher's notice of a death:
         a source's new SIGUSR1 is a notice if a rank was found gone since that source's
         previous report (see SIGNALS in the module docstring)."""
-        if self.all_finished:
+        if self.shard_role.all_finished:
             return  # the run is ending: ranks leaving make hydra send SIGUSR1s
         if term > self._terms_seen:
             self._terms_seen = term
@@ -302,12 +302,24 @@ class Supervisor(ShardRole):
 
     # -- the end
 
-    def _final_buffer(self) -> np.ndarray:
-        """The evaluation snapshot's buffer, free by now (the last evaluation was recorded
-        when the loop ended): one full vector on shard 0, not two."""
-        return self.snapshot
+    def finish(self) -> Ending:
+        """End the run with the other shards (ShardRole.finish's steps, with shard 0's
+        between them): gather the results, take the replicas' statistics and evaluate,
+        the final checkpoint, then the summary, bcast to the shards, and TEARDOWN for the
+        replicas. Collective over the shards."""
+        shard_role = self.shard_role
+        # Gathered into the evaluation snapshot's buffer, free by now (the last evaluation
+        # was recorded when the loop ended): one full vector on shard 0, not two.
+        all_stats, final = shard_role.gather_results(into=self.snapshot)
+        self._final_results(all_stats, final)
+        shard_role.final_checkpoint()
+        ending = shard_role.share_ending(self._ending())
+        self._announce(ending)
+        return ending
 
-    def _before_final_checkpoint(self, all_stats: list | None, final: np.ndarray | None) -> None:
+    def _final_results(self, all_stats: list, final: np.ndarray) -> None:
+        """The shards' statistics, the replicas' (waited for), and the final evaluation
+        (none after a signal)."""
         self.shard_stats = [s for s in all_stats if s["role"] == "shard"]
         self._wait_for_replica_stats()
         progress = self.progress
@@ -395,7 +407,7 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "resumed_at_step": sup.progress.base, "checkpoint": checkpoints.last_path,
         "bad_gradients": sum(r["bad_gradients"] for r in replicas),
         "checkpoints_written": checkpoints.written,
-        "checkpoint_seconds": sup.checkpoint_seconds,
+        "checkpoint_seconds": sup.shard_role.checkpoint_seconds,
         "checkpoint_requests": checkpoints.requests,
         "checkpoint_ack_wait_seconds": checkpoints.ack_wait_seconds,
         "lost_replicas": [asdict(lost) for _, lost in sorted(sup.replicas.lost.items())],
