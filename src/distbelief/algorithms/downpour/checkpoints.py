@@ -7,7 +7,6 @@ the steps shards.CheckpointLead names. CHECKPOINTS in the package docstring is t
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -16,6 +15,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from distbelief.algorithms.checkpointer import schedule
 from distbelief.algorithms.downpour.progress import RunProgress
 from distbelief.algorithms.downpour.replica_watch import ReplicaWatch
 from distbelief.algorithms.downpour.run import OpenRun
@@ -69,10 +69,9 @@ class Checkpoints:
         of `every_steps` after the newest checkpoint's step (also after a resume from
         another step), due at once if training passed it while that one was written; inf
         when off."""
-        self.next_time = now + self.every_seconds if self.every_seconds else math.inf
         after = self.progress.steps if self.planned_step is None else self.planned_step
-        self.next_step = ((after // self.every_steps + 1) * self.every_steps
-                          if self.every_steps else math.inf)
+        self.next_time, self.next_step = schedule(self.every_seconds, self.every_steps,
+                                                  after, now)
 
     def due(self, now: float) -> bool:
         """Whether to ask for the next periodic checkpoint now (none is asked for)."""
