@@ -16,8 +16,8 @@ takes it, and a resumed run steps at the same rates as an unbroken one.
 A parameter-server shard applies every rule through one declared interface, `ShardRule`:
 `apply(params, grad, StepInfo)`, the StepInfo holding all the shard knows of the update
 (its count, the shard's version, the version the gradient was computed on, the pushes
-summed in it); each rule reads the fields it needs, and `revises` declares the one
-capability a transport must know of.
+summed in it); each rule reads the fields it needs, `revises` declares the one
+capability a transport must know of, and `delay_stats` what a shard reports of it.
 """
 
 from __future__ import annotations
@@ -184,6 +184,11 @@ class ShardRule:
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         """Restore state saved by saved_state(); checks shapes and values, copies."""
         raise NotImplementedError
+
+    def delay_stats(self) -> dict[str, float] | None:
+        """What this rule saw of the gradients' delays, for the shard's statistics; None
+        for a rule that keeps no such count (every one but AdaRevision)."""
+        return None
 
 
 class _Scheduled(ShardRule):

@@ -1,7 +1,8 @@
 """What every Downpour parameter-server shard does (ShardRole): serve, take part in the
 shards' rounds, write its part of each checkpoint, and end the run with the others.
-Shard 0 does more (supervisor.Supervisor). "The module docstring" in the code below is
-the package's (distbelief.algorithms.downpour).
+Shard 0 does more (supervisor.Supervisor), and its checkpointer (checkpoints.Checkpoints,
+a CheckpointLead) plans, completes and commits every checkpoint. "The module docstring"
+in the code below is the package's (distbelief.algorithms.downpour).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -20,6 +21,8 @@ from distbelief.algorithms.downpour.plan import (
     ROUND_CHECKPOINT,
     ROUND_FINISHED,
     ROUND_INTERVAL_S,
+    ROUND_TERM,
+    ROUND_USR1,
     ROUND_WIDTH,
     ROUND_WRITING,
     Ending,
@@ -51,28 +54,69 @@ class Writing:
     began: float
 
 
+@dataclass
+class Pause:
+    """The replicas' pause for one checkpoint: when it began, whether the parts are
+    written after it (in the background, the replicas training meanwhile), and when it
+    ended."""
+
+    began: float
+    background: bool
+    ended: float | None = None
+
+
+class CheckpointLead(Protocol):
+    """What shard 0 does in every checkpoint, which ShardRole calls at each step of it
+    (checkpoints.Checkpoints); the other shards have none."""
+
+    def plan_checkpoint(self) -> dict[str, Any] | None:
+        """Once every push counted is folded: {"partial", "meta"} to write, {"error"}, or
+        None for nothing new (bcast to the shards)."""
+
+    def replicas_part(self, partial: Path,
+                      meta: ckpt.CheckpointMeta) -> Callable[[], list[ckpt.PartRecord]]:
+        """What writes the replicas' part, after shard 0's slice (in the writer thread)."""
+
+    def pause_ended(self, plan: dict[str, Any], pause: Pause) -> None:
+        """The replicas' pause is over: they go on."""
+
+    def commit(self, meta: ckpt.CheckpointMeta,
+               reports: list[dict[str, Any]]) -> dict[str, Any]:
+        """Commit from every shard's part report (in the writer thread, or at the end):
+        the outcome."""
+
+    def committed(self, outcome: dict[str, Any], pause: Pause) -> None:
+        """Act on a commit's outcome (in the thread that serves)."""
+
+
 class ShardRole:
     """What every shard does: serve, take part in the shards' rounds, write checkpoints
-    and end the run together (collectives over the shards' communicator only)."""
+    and end the run together (collectives over the shards' communicator only). On shard
+    0, `lead` plans, completes and commits each checkpoint, and the supervisor that holds
+    this role runs its own duties between the polls and its own part of the end."""
 
-    def __init__(self, run: OpenRun):
+    def __init__(self, run: OpenRun, lead: CheckpointLead | None = None):
         self.run_, self.plan, self.shard = run, run.plan, run.endpoint
+        self.lead = lead
         self.comm = run.communicators.shards
         self.rounds = Rounds(self.comm, ROUND_WIDTH, ROUND_INTERVAL_S)
         self.signals = run.signals
-        self.faults = Faults.for_rank(self.shard.rank)  # test-only (distbelief.runtime.faults)
+        self.faults = Faults.for_rank(self.shard.rank)  # test-only (distbelief.runtime.launching.faults)
         self.all_finished = False  # a round said every replica has finished or is lost
+        self.shard_signals = (0, 0)  # the shards' max SIGTERM, SIGUSR1 counts (rounds)
         self.checkpoint_seconds = 0.0  # the replicas' pauses: agreed round to release
         self.write_seconds = 0.0  # the writes after the release, in the writer thread
-        self.failure: str | None = None  # why a checkpoint could not be written
         self.writing: Writing | None = None  # parts being written, not yet gathered
-        self.began, self.in_background = 0.0, False  # the newest checkpoint: start, mode
+        self.committing: Future | None = None  # shard 0: a commit in the writer thread
+        self.pause: Pause | None = None  # the newest checkpoint's
         self.background = run.session.config.run.checkpoint_in_background
         self.parts_written = 0  # checkpoints this shard has written its part of
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="distbelief-checkpoint")
 
-    def run(self) -> None:
-        self.shard.serve(PacedBackoff(), between=self._duties,
+    def run(self, duties: Callable[[], bool] | None = None) -> None:
+        """Serve until a round says the run is over, doing `duties` between two polls
+        (True when they did some work; default: this shard's own, `_duties`)."""
+        self.shard.serve(PacedBackoff(), between=duties or self._duties,
                          until=lambda: self.all_finished)
 
     def _duties(self) -> bool:
@@ -80,18 +124,19 @@ class ShardRole:
         if self.faults:
             self.faults.after_updates(self.shard.version)
         self.run_.check_shards(time.monotonic())
-        return self._poll_rounds()
+        return self.poll_rounds()
 
     # -- rounds
 
-    def _poll_rounds(self) -> bool:
-        """Test the shards' round in flight (post the next one when due) and act on a
-        completed one. True when it ran a checkpoint. Collective over the shards in the
-        sense of agreement.Rounds."""
-        result = self.rounds.poll(self._contribution)
+    def poll_rounds(self, votes: Callable[[], tuple[bool, bool]] | None = None) -> bool:
+        """Test the shards' round in flight (post the next one when due, with shard 0's
+        `votes`: every replica has paused for the checkpoint asked for, every replica is
+        done) and act on a completed one. True when it ran a checkpoint. Collective over
+        the shards in the sense of agreement.Rounds."""
+        result = self.rounds.poll(lambda: self._contribution(votes))
         if result is None:
             return False
-        self._on_round(result)
+        self.shard_signals = (int(result[ROUND_TERM]), int(result[ROUND_USR1]))
         written = self.writing is not None and not result[ROUND_WRITING]
         if written:
             self._gather_parts()
@@ -101,15 +146,20 @@ class ShardRole:
             self.all_finished = True
         return bool(result[ROUND_CHECKPOINT]) or written
 
-    def _contribution(self) -> list[int]:
+    def _contribution(self, votes: Callable[[], tuple[bool, bool]] | None) -> list[int]:
         counts = self.signals.counts
-        return [counts["SIGTERM"], counts["SIGUSR1"], 0, 0, int(self._still_writing())]
+        paused, finished = votes() if votes is not None else (False, False)
+        return [counts["SIGTERM"], counts["SIGUSR1"], int(paused), int(finished),
+                int(self._still_writing())]
 
     def _still_writing(self) -> bool:
         return self.writing is not None and not self.writing.future.done()
 
-    def _on_round(self, result: np.ndarray) -> None:
-        """Shard 0 reads the shards' signals here."""
+    @property
+    def writing_checkpoint(self) -> bool:
+        """A checkpoint's parts are being written or its commit is running: the next one
+        waits (one at a time)."""
+        return self.writing is not None or self.committing is not None
 
     # -- checkpoints (CHECKPOINTS in the package docstring)
 
@@ -121,14 +171,15 @@ class ShardRole:
         The replicas are paused only while the shards fold what is pending and copy their
         state; the files are written after the release, by each shard's writer thread,
         and gathered for the commit once every shard's thread is done (a round says so:
-        `_poll_rounds`). With `background` False (the final checkpoint, where nobody pushes
+        `poll_rounds`). With `background` False (the final checkpoint, where nobody pushes
         any more, or run.checkpoint_in_background = false) the live arrays are written,
         uncopied, with the replicas still paused, and gathered before this returns."""
-        self.began, self.in_background = time.monotonic(), background
+        self.pause = Pause(time.monotonic(), background)
         comm = self.comm
         wait_for_everyone(comm, serve=self.shard.serve_once)
         self._settle()
-        plan = bcast_after_barrier(comm, self._plan_checkpoint()) or {}
+        ours = self.lead.plan_checkpoint() if self.lead is not None else None
+        plan = bcast_after_barrier(comm, ours) or {}
         if "meta" not in plan:
             self._end_pause(plan)
             return
@@ -149,16 +200,13 @@ class ShardRole:
         while self.shard.serve_once():
             pass
 
-    def _plan_checkpoint(self) -> dict[str, Any] | None:
-        """Shard 0: {"partial", "meta"} to write, {"error"}, or None for nothing new."""
-        return None
-
     def _part_writer(self, partial: Path, meta: ckpt.CheckpointMeta,
                      copy: bool) -> Callable[[], dict[str, Any]]:
         """What writes this shard's part, for the writer thread: it returns {"records":
         [[name, size, sha256], ...]}, {"error": ...} or {"diverged": ...}. With `copy`,
         it writes copies taken now (the shard serves again before it writes); else the
-        live arrays, which must not change until it is done."""
+        live arrays, which must not change until it is done. Shard 0's also writes the
+        replicas' part (CheckpointLead.replicas_part)."""
         shard = self.shard
         if copy:
             params, state, _ = shard.checkpoint_state()
@@ -168,6 +216,7 @@ class ShardRole:
                     "folds": shard.stats.folds,
                     "gradients_applied": shard.gradients_applied}
         index, self.parts_written = self.parts_written, self.parts_written + 1
+        replicas = self.lead.replicas_part(partial, meta) if self.lead is not None else None
 
         def write() -> dict[str, Any]:
             if self.faults:
@@ -175,16 +224,26 @@ class ShardRole:
             if not (_all_finite(params) and all(_all_finite(v) for v in state.values())):
                 return {"diverged": f"shard {shard.rank} holds non-finite values at step "
                                     f"{meta.step}; not checkpointed"}
-            return part_report(lambda: [ckpt.write_shard_part(
+            report = part_report(lambda: [ckpt.write_shard_part(
                 partial, meta, shard.rank, shard.start, shard.stop, params, state,
                 counters)])
+            if replicas is None or "records" not in report:
+                return report
+            theirs = part_report(replicas)
+            if "records" not in theirs:
+                return theirs
+            return {"records": report["records"] + theirs["records"]}
 
         return write
 
     def _end_pause(self, plan: dict[str, Any]) -> None:
         """The pause is over (the parts are copied, or written and committed, or nothing
         is written): count it. Shard 0 releases the replicas."""
-        self.checkpoint_seconds += time.monotonic() - self.began
+        pause = self.pause
+        pause.ended = time.monotonic()
+        self.checkpoint_seconds += pause.ended - pause.began
+        if self.lead is not None:
+            self.lead.pause_ended(plan, pause)
 
     def _gather_parts(self, now: bool = False) -> None:
         """Collective over the shards, once every shard's writer is done (or to wait for
@@ -194,7 +253,24 @@ class ShardRole:
         self.writing = None
         self.write_seconds += time.monotonic() - writing.began
         reports = gather_after_barrier(self.comm, writing.future.result())
-        self._commit_parts(writing.meta, reports, now)
+        if self.lead is None:
+            return
+        if now:
+            self.lead.committed(self.lead.commit(writing.meta, reports), self.pause)
+        else:
+            self.committing = self.writer.submit(self.lead.commit, writing.meta, reports)
+
+    def poll_commit(self) -> bool:
+        """Shard 0: whether the commit in the writer thread is done; if so, its outcome is
+        acted on (CheckpointLead.committed)."""
+        if self.committing is None or not self.committing.done():
+            return False
+        self._committed()
+        return True
+
+    def _committed(self) -> None:
+        future, self.committing = self.committing, None
+        self.lead.committed(future.result(), self.pause)
 
     def _wait_for(self, future: Future) -> None:
         """Serve (or sleep) until this shard's own `future` is done."""
@@ -206,26 +282,37 @@ class ShardRole:
                 else:
                     backoff.wait()
 
-    def _commit_parts(self, meta: ckpt.CheckpointMeta, reports: list[dict[str, Any]] | None,
-                      now: bool) -> None:
-        """Shard 0: commit from every shard's report (in its writer thread, or `now`)."""
-
     # -- the end
 
     def finish(self) -> Ending:
         """End the run with the other shards: fold the rest, gather statistics and the
-        final slices to shard 0 (which evaluates them), the final checkpoint, shard 0's
-        summary, and the teardown decision. Collective over the shards."""
+        final slices to shard 0 (which evaluates them), the final checkpoint, and how the
+        run ended, as shard 0 says. Collective over the shards; shard 0's supervisor takes
+        the same steps with its own between them (Supervisor.finish)."""
+        self.gather_results()
+        self.final_checkpoint()
+        return self.share_ending(None)
+
+    def gather_results(self, into: np.ndarray | None = None) -> tuple[list | None,
+                                                                      np.ndarray | None]:
+        """Fold the rest and complete the checkpoint being written, then gather every
+        shard's statistics and the final parameter vector to shard 0, into `into` there
+        if given. Collective over the shards; (None, None) on the others."""
         self._settle()
         self._finish_writing()
         all_stats = gather_after_barrier(self.comm, self.stats())
-        final = self._gather_parameters()
-        self._before_final_checkpoint(all_stats, final)
-        self.checkpoint(background=False)  # the final one (none if its step is written)
+        return all_stats, self._gather_parameters(into)
+
+    def final_checkpoint(self) -> None:
+        """The final checkpoint (none if its step is written), then the writer thread
+        ends. Collective over the shards."""
+        self.checkpoint(background=False)
         self.writer.shutdown()
-        ending = bcast_after_barrier(self.comm, self._ending())
-        ending.failure = ending.failure or self.failure
-        self._announce(ending)
+
+    def share_ending(self, ending: Ending | None) -> Ending:
+        """Shard 0's `ending` on every shard (its summary on shard 0 only). Collective
+        over the shards: bcast."""
+        ending = bcast_after_barrier(self.comm, ending)
         if self.comm.Get_rank() != 0:
             ending.summary = None
         return ending
@@ -235,33 +322,24 @@ class ShardRole:
         one. Collective over the shards (all of them hold one or none)."""
         if self.writing is not None:
             self._gather_parts(now=True)
+        if self.committing is not None:
+            self._wait_for(self.committing)
+            self._committed()
 
-    def _gather_parameters(self) -> np.ndarray | None:
-        """The final parameter vector on shard 0 (None elsewhere). Collective over the
-        shards: Gatherv of each shard's slice."""
+    def _gather_parameters(self, into: np.ndarray | None) -> np.ndarray | None:
+        """The final parameter vector on shard 0, in `into` if given (None elsewhere).
+        Collective over the shards: Gatherv of each shard's slice."""
         shard = self.shard
         counts = [stop - start for start, stop in shard.ranges]
         displs = [start for start, _ in shard.ranges]
-        out = self._final_buffer() if self.comm.Get_rank() == 0 else None
+        out = None
+        if self.comm.Get_rank() == 0:
+            out = into if into is not None else np.zeros(shard.size, dtype=np.float32)
         wait_for_everyone(self.comm)
         self.comm.Gatherv([shard.parameters(copy=False), MPI.FLOAT],
                           [out, counts, displs, MPI.FLOAT] if out is not None else None,
                           root=0)
         return out
-
-    def _final_buffer(self) -> np.ndarray:
-        """Shard 0: where the final parameter vector is gathered."""
-        return np.zeros(self.shard.size, dtype=np.float32)
-
-    def _before_final_checkpoint(self, all_stats: list | None, final: np.ndarray | None) -> None:
-        """Shard 0: the replicas' statistics and the final evaluation."""
-
-    def _ending(self) -> Ending | None:
-        """Shard 0: how the run ended (bcast to the shards)."""
-        return None
-
-    def _announce(self, ending: Ending) -> None:
-        """Shard 0: TEARDOWN for the replicas."""
 
     def stats(self) -> dict[str, Any]:
         shard = self.shard
@@ -269,11 +347,11 @@ class ShardRole:
                  "params": shard.stop - shard.start,
                  "checkpoint_seconds": self.checkpoint_seconds,
                  "checkpoint_write_seconds": self.write_seconds, **asdict(shard.stats)}
-        revision = getattr(shard.optimizer, "delay_stats", None)
-        if revision is not None:
+        delays = shard.optimizer.delay_stats()
+        if delays is not None:
             # AdaRevision: the folds this shard's optimizer made (every one on RMA; none
             # on shared memory, where each client folds its own pushes).
-            stats["adarevision"] = revision()
+            stats["adarevision"] = delays
         return stats
 
 

@@ -1,46 +1,43 @@
-"""Shard 0 (Supervisor): it serves its slice like every shard and runs the run between
-polls (the control block, training lines, evaluations, stop rules, lost replicas,
-checkpoints), then writes the summary (the helpers at the end of this module). "The module
-docstring" in the code below is the package's (distbelief.algorithms.downpour).
+"""Shard 0 (Supervisor): it holds a shard's role (shards.ShardRole: it serves its slice
+like every shard) and runs the run between polls (the control block, training lines,
+evaluations, stop rules, lost replicas, checkpoints), with the objects it is made of
+(progress, replica_watch, checkpoints), then writes the summary (the helpers at the end of
+this module). "The module docstring" in the code below is the package's
+(distbelief.algorithms.downpour).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import IO, Any
 
 import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.common import StopRules, evaluate
+from distbelief.algorithms.downpour.checkpoints import Checkpoints
 from distbelief.algorithms.downpour.plan import (
     CONTROL_POLL_S,
     LEAVE_GRACE_S,
     LEAVING_TAG,
     NOTICE_DELAY_S,
     NOTICE_SLACK_S,
-    ROUND_TERM,
-    ROUND_USR1,
     STATS_TAG,
     SWEEP_S,
     DownpourPlan,
     Ending,
 )
+from distbelief.algorithms.downpour.progress import RunProgress
+from distbelief.algorithms.downpour.replica_watch import ReplicaWatch
 from distbelief.algorithms.downpour.run import OpenRun
-from distbelief.algorithms.downpour.shards import ShardRole, part_report
+from distbelief.algorithms.downpour.shards import ShardRole
 from distbelief.algorithms.downpour.variant import DOWNPOUR, Variant
-from distbelief.config import Config, config_hash, hashed_settings, run_name
-from distbelief.model.layout import balanced_ranges
+from distbelief.config import Config, config_hash, run_name
 from distbelief.ps import run_control as rc
-from distbelief.ps.endpoint import saved_state
-from distbelief.ps.run_control import ControlView
 from distbelief.ps.stats import STALENESS_BINS
-from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.records.metrics import (
     LOG_EVERY_SECONDS,
@@ -51,26 +48,15 @@ from distbelief.records.metrics import (
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.communicators.agreement import WAIT_SLEEP_S
 from distbelief.runtime.health import watchdog
-from distbelief.runtime.health.liveness import sweep_replicas
 from distbelief.runtime.launching import launcher
 
 
-@dataclass
-class LostReplica:
-    """A replica shard 0 declared lost."""
-
-    replica: int
-    ranks: list[int]
-    why: str
-    at_step: int
-    at_seconds: float
-
-
-class Supervisor(ShardRole):
-    """Shard 0: serves its slice like every shard and, between polls, runs the run: the
-    control block, training lines, evaluations (in a thread, on snapshots), stop rules,
-    progress lines, lost replicas, and the checkpoints (it asks for them, commits them,
-    and writes the replicas' parts).
+class Supervisor:
+    """Shard 0: serves its slice like every shard (its ShardRole, `shard_role`) and,
+    between polls, runs the run: the control block, training lines, evaluations (in a
+    thread, on snapshots), stop rules (RunProgress), progress lines, lost replicas
+    (ReplicaWatch), and the checkpoints (Checkpoints, the ShardRole's CheckpointLead: it
+    asks for them, commits them, and writes the replicas' parts).
 
     Communicates one-sided (its own windows; Gets of the other shards' PARAMS for
     snapshots), in the shards' rounds and collectives, and receives the replicas' final
@@ -79,30 +65,20 @@ class Supervisor(ShardRole):
 
     def __init__(self, run: OpenRun, config: Config, network: Any, info: Any,
                  stream: IO[str] | None, variant: Variant = DOWNPOUR):
-        super().__init__(run)
+        self.run_, self.plan, self.shard = run, run.plan, run.endpoint
+        self.signals = run.signals
         self.config, self.network, self.info, self.stream = config, network, info, stream
         self.variant = variant  # the algorithm built on this machinery, if not Downpour
         eval_set, start = run.local[0], run.start
         self.eval_set = eval_set
         plan = self.plan
         self.rules = StopRules.from_config(config)
-        self.reason: str | None = None
-        self.stop_code, self.stop_arg = 0, 0
-        self.base = start.base
+        self.progress = RunProgress(self.shard, start.base)
         self.resumed_from = start.checkpoint
-        self.steps, self.loss_total, self.loss = self.base, 0.0, math.nan
         self.snapshot = np.zeros(network.layout.size, dtype=np.float32)
         self.pending: tuple[Future, int] | None = None  # evaluation in flight, its step
         self.evaluations, self.eval_seconds = 0, 0.0
-        # The run control block, as last read, and what shard 0 knows of each replica.
-        self.view: ControlView | None = None
         replicas = plan.num_replicas
-        self.beats = np.zeros(replicas, dtype=np.int64)
-        self.beat_times = np.full(replicas, time.monotonic())
-        self.lost: dict[int, LostReplica] = {}
-        self.lost_mask = np.zeros(replicas, dtype=bool)  # the same, for whole-array tests
-        self.dead_ranks: set[int] = set()
-        self.death_times: list[float] = []  # when sweeps found ranks newly gone
         # SIGUSR1 counts by source (each replica, then the shards' max in the rounds), as
         # last read (every source is read at each poll, at `usr1_read_at`); and new ones
         # waiting for their meaning. Arrays, so a poll costs O(1) Python work in R.
@@ -112,81 +88,65 @@ class Supervisor(ShardRole):
         self._notices = launcher.sends_death_notices()  # else every SIGUSR1 is a stop
         self.warm_released = False
         self.replica_stats: dict[int, dict[str, Any]] = {}
-        self.requests = 0  # checkpoint requests made (the CHECKPOINT slot)
-        self.awaiting = False  # a request is out: its checkpoint has not been written
-        self.ready = False  # every replica has paused for it (or finished, or is lost)
-        self.requested_at = 0.0  # when the newest request went out
-        self.ack_wait_seconds = 0.0  # requests until every replica had paused, in all
         self.logged_steps = -1
         self.logged_loss_total = 0.0  # loss_total at the last training line
         self._next_control = 0.0
-        self._next_sweep = time.monotonic() + SWEEP_S
-        self._shard_signals = (0, 0)  # max SIGTERM, SIGUSR1 counts of the shards
         self._terms_seen = 0
-        run_config = config.run
-        self.root = ckpt.checkpoint_root(run_config.out_dir)
-        self.every_seconds, self.every_steps = (run_config.checkpoint_every_seconds,
-                                                run_config.checkpoint_every_steps)
-        self.last_checkpoint_step = self.base if start.checkpoint is not None else None
-        self.last_checkpoint: str | None = None
-        self.planned_step = self.last_checkpoint_step  # the newest step being written
-        self.snapshot_replicas: list[ckpt.ReplicaState] = []  # theirs, as of that step
-        self.snapshot_lost: list[int] = []  # the replicas lost by then (no state)
-        self.committing: Future | None = None  # a commit in the writer thread
-        self.pause_ended = 0.0  # when the newest checkpoint's pause ended
-        self.checkpoints = 0
         say(stream, _header(config, plan, network, info, len(eval_set[1]), variant.name))
         # The clock starts once every rank is ready (open_parameter_server's barrier).
         self.recorder = run.session.open_recorder()
+        self.replicas = ReplicaWatch(run, self.progress, self.recorder, stream)
+        self.checkpoints = Checkpoints(run, config, network, info, self.progress,
+                                       self.replicas, self.recorder, stream, self._catch_up)
+        self.shard_role = ShardRole(run, lead=self.checkpoints)
         now = time.monotonic()
         self.next_log = now + LOG_EVERY_SECONDS
-        self.next_eval = now + run_config.eval_every_seconds
-        self._schedule_checkpoint(now)
+        self.next_eval = now + config.run.eval_every_seconds
 
     def run(self) -> None:
         with ThreadPoolExecutor(1, thread_name_prefix="distbelief-eval") as self.executor:
-            super().run()
+            self.shard_role.run(self._duties)
             if self.pending is not None:
                 self._record_eval(*self.pending)
         self._read_control(time.monotonic())
         self._log_training()  # every replica has finished: the totals are final
-        if self.reason is None:
-            self.reason = "max_steps"
-        elif self.reason == "SIGTERM":  # a replica's count was read before our own SIGINT
-            self.reason = self._term_name()
+        progress = self.progress
+        if progress.reason is None:
+            progress.reason = "max_steps"
+        elif progress.reason == "SIGTERM":  # a replica's count was read before our own SIGINT
+            progress.reason = self._term_name()
 
     def _duties(self) -> bool:
         """Shard 0's duties between two polls; cheap unless one of them is due."""
-        if self.faults:
-            self.faults.after_updates(self.shard.version)
+        shard_role = self.shard_role
+        if shard_role.faults:
+            shard_role.faults.after_updates(self.shard.version)
         now = time.monotonic()
         busy = self._collect_stats()
         if self.pending is not None and self.pending[0].done():
             self._record_eval(*self.pending)
             busy = True
-        if self.committing is not None and self.committing.done():
-            self._committed()
+        if shard_role.poll_commit():
             busy = True
-        if (now >= self._next_control or (self.awaiting and not self.ready)
+        checkpoints = self.checkpoints
+        if (now >= self._next_control or checkpoints.waiting_for_pauses
                 or self.usr1_pending):
             self._read_control(now)
-        if now >= self._next_sweep:
-            self._sweep(now)
+        if now >= self.replicas.next_sweep:
+            self.replicas.sweep(now)
         if now >= self.next_log:
             self._log_training()
             self.next_log = now + LOG_EVERY_SECONDS
-        if self.reason is None:
+        if self.progress.reason is None:
             self._apply_budget(now)
-        if self.reason is None and self.pending is None and now >= self.next_eval:
+        if self.progress.reason is None and self.pending is None and now >= self.next_eval:
             self._start_eval()
             busy = True
-        if not self.awaiting and self._checkpoint_due(now):
-            self.requests += 1
-            self.shard.add_run_control(rc.CHECKPOINT, 1)
-            self.awaiting, self.ready = True, False
-            self.requested_at = now
-        self.recorder.progress(self.steps, self.steps * self.plan.batch_size, self.loss)
-        return self._poll_rounds() or busy
+        if not shard_role.writing_checkpoint and checkpoints.due(now):
+            checkpoints.request(now)
+        steps = self.progress.steps
+        self.recorder.progress(steps, steps * self.plan.batch_size, self.progress.loss)
+        return shard_role.poll_rounds(self._votes) or busy
 
     # -- the run control block
 
@@ -194,74 +154,70 @@ class Supervisor(ShardRole):
         """Read the block: steps and loss, heartbeats, signals, replicas giving up, the
         pause for a checkpoint, the end."""
         self._next_control = now + CONTROL_POLL_S
-        view = self.view = self.shard.read_run_control()
-        steps = self.base + view.steps
-        if steps > self.steps:
-            self.steps, self.loss_total = steps, view.loss_sum
+        view = self.shard.read_run_control()
+        progress = self.progress
+        steps = progress.base + view.steps
+        if steps > progress.steps:
+            progress.steps, progress.loss_total = steps, view.loss_sum
+        self.replicas.saw(view, now)
         rows = view.replicas
-        moved = rows[:, rc.BEAT] != self.beats
-        self.beats[moved] = rows[moved, rc.BEAT]
-        self.beat_times[moved] = now
-        term = max(int(rows[:, rc.TERM].max(initial=0)), self._shard_signals[0])
-        usr1 = np.append(rows[:, rc.USR1], self._shard_signals[1])
+        shard_term, shard_usr1 = self.shard_role.shard_signals
+        term = max(int(rows[:, rc.TERM].max(initial=0)), shard_term)
+        usr1 = np.append(rows[:, rc.USR1], shard_usr1)
         self._on_signals(term, usr1, now)
+        lost = self.replicas.lost
         for replica in np.flatnonzero(rows[:, rc.GAVE_UP]):
-            if int(replica) not in self.lost:
-                self._stop(rc.STOP_BAD_GRADIENTS, "bad_gradients", int(replica) + 1)
+            if int(replica) not in lost:
+                progress.stop(rc.STOP_BAD_GRADIENTS, "bad_gradients", int(replica) + 1)
         for replica in np.flatnonzero(rows[:, rc.ABANDONED]):
-            if int(replica) not in self.lost:
-                self._lose(int(replica), list(self.plan.topology.replica_ranks(replica)),
-                           "one of its partitions found another gone")
+            if int(replica) not in lost:
+                ranks = list(self.plan.topology.replica_ranks(replica))
+                self.replicas.lose(int(replica), ranks, "one of its partitions found another gone")
         if self.plan.warm_start_steps and not self.warm_released and (
-                0 in self.lost or rows[0, rc.FINISHED]):
+                0 in lost or rows[0, rc.FINISHED]):
             # The others wait for replica 0's warm-start steps, which will never come.
             self.shard.add_run_control(rc.WARM, 1)
             self.warm_released = True
-        if self.awaiting and not self.ready:
-            self.ready = bool(np.all(self.lost_mask | (rows[:, rc.ACKED] >= self.requests)
-                                     | (rows[:, rc.FINISHED] > 0)))
-            if self.ready:  # the part of a replica's pause spent waiting for the others
-                self.ack_wait_seconds += now - self.requested_at
+        self.checkpoints.read_acks(rows, now)
 
-    def _replicas_done(self) -> bool:
-        if self.view is None:
-            return False
-        return bool(np.all(self.lost_mask | (self.view.replicas[:, rc.FINISHED] > 0)))
+    def _catch_up(self) -> None:
+        """Read the block and log the training line: the totals as of now (a checkpoint's,
+        once every push is folded)."""
+        self._read_control(time.monotonic())
+        self._log_training()
 
-    def _contribution(self) -> list[int]:
-        counts = self.signals.counts
-        finished = not self.awaiting and self._replicas_done()
-        return [counts["SIGTERM"], counts["SIGUSR1"], int(self.awaiting and self.ready),
-                int(finished), int(self._still_writing())]
-
-    def _on_round(self, result: np.ndarray) -> None:
-        self._shard_signals = (int(result[ROUND_TERM]), int(result[ROUND_USR1]))
+    def _votes(self) -> tuple[bool, bool]:
+        """Shard 0's in the shards' rounds: every replica has paused for the checkpoint
+        asked for; every replica is done (and none is asked to pause)."""
+        checkpoints = self.checkpoints
+        finished = not checkpoints.awaiting and self.replicas.all_done()
+        return checkpoints.paused, finished
 
     def _on_signals(self, term: int, usr1: np.ndarray, now: float) -> None:
         """Stop on a SIGTERM; on a SIGUSR1 unless it is the launcher's notice of a death:
         a source's new SIGUSR1 is a notice if a rank was found gone since that source's
         previous report (see SIGNALS in the module docstring)."""
-        if self.all_finished:
+        if self.shard_role.all_finished:
             return  # the run is ending: ranks leaving make hydra send SIGUSR1s
         if term > self._terms_seen:
             self._terms_seen = term
-            self._stop(rc.STOP_SIGNAL, self._term_name())
+            self.progress.stop(rc.STOP_SIGNAL, self._term_name())
         new = int(np.count_nonzero(usr1 > self.usr1_seen))  # sources with a new SIGUSR1
         self.usr1_pending += [(self.usr1_read_at, now)] * new
         self.usr1_seen, self.usr1_read_at = usr1, now
         if not self.usr1_pending:
             return
-        self._sweep(now)
+        self.replicas.sweep(now)
         waiting = []
         for previous, first in self.usr1_pending:
             if not self._notices:
-                self._stop(rc.STOP_SIGNAL, "SIGUSR1")
-            elif any(previous - NOTICE_SLACK_S <= t for t in self.death_times):
-                if not self.stop_code:
+                self.progress.stop(rc.STOP_SIGNAL, "SIGUSR1")
+            elif any(previous - NOTICE_SLACK_S <= t for t in self.replicas.death_times):
+                if not self.progress.stop_code:
                     say(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice "
                                         "of the rank(s) found gone; training goes on")
             elif now - first >= self._notice_delay():
-                self._stop(rc.STOP_SIGNAL, "SIGUSR1")
+                self.progress.stop(rc.STOP_SIGNAL, "SIGUSR1")
             else:
                 waiting.append((previous, first))
         self.usr1_pending = waiting
@@ -283,42 +239,6 @@ class Supervisor(ShardRole):
         return NOTICE_DELAY_S + (beats.detection_s(watched) + SWEEP_S if beats is not None
                                  else 0.0)
 
-    def _sweep(self, now: float, shards: bool = True) -> None:
-        """Look for gone shards (fatal; not once the shards have ended the run together and
-        may leave) and lost replicas (process gone on this node, or heartbeat stopped for
-        run.replica_timeout_seconds)."""
-        self._next_sweep = now + SWEEP_S
-        peers = self.run_.peers
-        if shards:
-            self.run_.check_shards(now, force=True)
-        timeout = self.plan.replica_timeout_s
-        rows = self.view.replicas if self.view is not None else None
-        for replica, ranks, gone in sweep_replicas(peers, self.plan.topology,
-                                                   self.plan.num_replicas, self.dead_ranks,
-                                                   self.death_times, now):
-            if replica in self.lost:
-                continue
-            if gone:
-                self._lose(replica, ranks, peers.why_gone(gone))
-            elif (timeout and rows is not None and not rows[replica, rc.FINISHED]
-                  and now - self.beat_times[replica] > timeout):
-                self._lose(replica, ranks, f"no news from it for {timeout:g} s "
-                                           f"(run.replica_timeout_seconds)")
-
-    def _lose(self, replica: int, ranks: list[int], why: str) -> None:
-        self.lost_mask[replica] = True
-        self.lost[replica] = LostReplica(replica, ranks, why, self.steps,
-                                         self.recorder.elapsed())
-        self.shard.add_run_control(rc.replica_slot(replica, rc.LOST), 1)
-        left = self.plan.num_replicas - len(self.lost)
-        say(self.stream, f"distbelief: replica {replica} (rank{'s' * (len(ranks) > 1)} "
-                            f"{', '.join(map(str, ranks))}) lost at step {self.steps}: {why}; "
-                            f"training goes on with {left} replica(s)")
-        self.recorder.log_event("replica_lost", self.steps, self.steps * self.plan.batch_size,
-                                replica=replica, ranks=ranks, why=why)
-        if left == 0:
-            self._stop(rc.STOP_ALL_LOST, "replicas_lost")
-
     def _collect_stats(self) -> bool:
         """Receive the replicas' final statistics as they come (point-to-point)."""
         got = False
@@ -336,41 +256,33 @@ class Supervisor(ShardRole):
         """A training line, if steps were reported since the last one. Its loss is the mean
         over every step since the previous line (LOG_EVERY_SECONDS apart), as the other
         trainers log it, so the curves of different algorithms compare."""
-        if self.steps == self.logged_steps or self.steps == self.base:
+        progress = self.progress
+        if progress.steps == self.logged_steps or progress.steps == progress.base:
             return
-        since = max(self.logged_steps, self.base)
-        self.loss = (self.loss_total - self.logged_loss_total) / (self.steps - since)
-        self.logged_steps, self.logged_loss_total = self.steps, self.loss_total
+        since = max(self.logged_steps, progress.base)
+        since_logged = progress.loss_total - self.logged_loss_total
+        progress.loss = since_logged / (progress.steps - since)
+        self.logged_steps, self.logged_loss_total = progress.steps, progress.loss_total
         rate = getattr(self.shard.optimizer, "rate", None)  # EASGD's center has none
         extra = {} if rate is None else {
             "learning_rate": rate(max(self.shard.gradients_applied - 1, 0))}
-        self.recorder.log(self.steps, self.steps * self.plan.batch_size, self.loss,
+        self.recorder.log(progress.steps, progress.steps * self.plan.batch_size, progress.loss,
                           version=self.shard.version, **extra)
-        if not math.isfinite(self.loss) and self.reason is None:
-            self._stop(rc.STOP_DIVERGED, "diverged")
+        if not math.isfinite(progress.loss) and progress.reason is None:
+            progress.stop(rc.STOP_DIVERGED, "diverged")
 
     def _apply_budget(self, now: float) -> None:
-        reason = self.rules.budget_spent(self.steps, now - self.recorder.start,
+        reason = self.rules.budget_spent(self.progress.steps, now - self.recorder.start,
                                          self.recorder.collapsed)
         if reason:
-            self._stop(rc.STOP_RULE, reason)
-
-    def _stop(self, code: int, reason: str, arg: int = 0) -> None:
-        """Stop the run: the first reason counts, except that an error (divergence, bad
-        gradients, a failed checkpoint) overrides a budget or a signal."""
-        errors = (rc.STOP_BAD_GRADIENTS, rc.STOP_DIVERGED, rc.STOP_CHECKPOINT_FAILED)
-        if self.stop_code and (self.stop_code in errors or code not in errors):
-            return
-        self.shard.add_run_control(rc.STOP, code - self.stop_code)
-        self.shard.add_run_control(rc.STOP_ARG, arg - self.stop_arg)
-        self.stop_code, self.stop_arg, self.reason = code, arg, reason
+            self.progress.stop(rc.STOP_RULE, reason)
 
     def _start_eval(self) -> None:
         """Snapshot the global parameters (one-sided Gets from the other shards) and
         evaluate them in the thread, while this thread goes on polling."""
         self.shard.snapshot(self.snapshot)
         future = self.executor.submit(self._timed_eval, self.snapshot)
-        self.pending = (future, self.steps)
+        self.pending = (future, self.progress.steps)
 
     def _timed_eval(self, params: np.ndarray) -> tuple[float, float, float]:
         t0 = time.perf_counter()
@@ -383,192 +295,42 @@ class Supervisor(ShardRole):
         self.pending = None
         self.evaluations += 1
         self.eval_seconds += seconds
-        self.recorder.log_eval(steps, steps * self.plan.batch_size, self.loss, accuracy,
-                               test_loss, params=self.snapshot)
-        if self.reason is None and self.rules.target_reached(accuracy):
-            self._stop(rc.STOP_RULE, "target_accuracy")
+        self.recorder.log_eval(steps, steps * self.plan.batch_size, self.progress.loss,
+                               accuracy, test_loss, params=self.snapshot)
+        if self.progress.reason is None and self.rules.target_reached(accuracy):
+            self.progress.stop(rc.STOP_RULE, "target_accuracy")
         self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
-
-    # -- checkpoints: when, the parts of the replicas, the commit
-
-    def _schedule_checkpoint(self, now: float) -> None:
-        """The next periodic checkpoint: `every_seconds` from now, and the next multiple
-        of `every_steps` after the newest checkpoint's step (also after a resume from
-        another step), due at once if training passed it while that one was written; inf
-        when off."""
-        self.next_checkpoint_time = now + self.every_seconds if self.every_seconds \
-            else math.inf
-        after = self.steps if self.planned_step is None else self.planned_step
-        self.next_checkpoint_step = ((after // self.every_steps + 1) * self.every_steps
-                                     if self.every_steps else math.inf)
-
-    def _checkpoint_due(self, now: float) -> bool:
-        if self.stop_code or self._replicas_done():
-            return False  # the checkpoint at the end follows
-        if self.writing is not None or self.committing is not None:
-            return False  # one at a time: the previous one is still being written
-        return now >= self.next_checkpoint_time or self.steps >= self.next_checkpoint_step
-
-    def _plan_checkpoint(self) -> dict[str, Any] | None:
-        # Every push is folded: the totals are those of the checkpoint. Logged now, so
-        # that no line up to its step is later than the checkpoint's time.
-        self._read_control(time.monotonic())
-        self._log_training()
-        if self.stop_code == rc.STOP_DIVERGED or self.failure is not None \
-                or self.steps == self.planned_step:
-            return None
-        meta = ckpt.CheckpointMeta(self.steps, self.steps * self.plan.batch_size,
-                                   self.recorder.elapsed(), config_hash(self.config))
-        try:
-            partial = ckpt.prepare(self.root, meta.step)
-        except ckpt.CheckpointError as exc:
-            return {"error": str(exc)}
-        # The replicas' positions as they published them when they paused or finished
-        # (lost replicas have none), taken now: they move on once released.
-        self.planned_step = meta.step
-        self.snapshot_lost = sorted(self.lost)
-        self.snapshot_replicas = [
-            ckpt.ReplicaState(r, {"local_steps": steps}, state, None, {})
-            for r, (state, steps) in self._replica_positions().items()]
-        return {"partial": str(partial), "meta": asdict(meta)}
-
-    def _part_writer(self, partial: Path, meta: ckpt.CheckpointMeta,
-                     copy: bool) -> Callable[[], dict[str, Any]]:
-        """Shard 0's slice, then the replicas' part (one table)."""
-        mine, replicas = super()._part_writer(partial, meta, copy), self.snapshot_replicas
-
-        def write() -> dict[str, Any]:
-            report = mine()
-            if "records" not in report:
-                return report
-            theirs = part_report(lambda: [ckpt.write_replicas_part(partial, meta, replicas)])
-            if "records" not in theirs:
-                return theirs
-            return {"records": report["records"] + theirs["records"]}
-
-        return write
-
-    def _replica_positions(self) -> dict[int, tuple[dict[str, int], int]]:
-        """Replica index -> (TrainShard.state(), local steps) as published, for every
-        replica that is not lost."""
-        rows = self.view.replicas
-        replicas = self.plan.num_replicas
-        ranges = balanced_ranges(self.info.n_train, replicas)
-        positions = {}
-        for r in range(replicas):
-            if r in self.lost:
-                continue
-            row = rows[r]
-            state = {"seed": self.config.run.seed, "rank": r, "num_ranks": replicas,
-                     "n": ranges[r][1] - ranges[r][0], "epoch": int(row[rc.EPOCH]),
-                     "position": int(row[rc.POSITION])}
-            positions[r] = (state, int(row[rc.LOCAL_STEPS]))
-        return positions
-
-    def _end_pause(self, plan: dict[str, Any]) -> None:
-        super()._end_pause(plan)
-        # The replicas were paused, and over RMA their news waits for this shard's
-        # progress: a silence while shard 0 itself was busy does not count against them
-        # (run.replica_timeout_seconds), however long the pause took.
-        self.beat_times[:] = time.monotonic()
-        self.pause_ended = time.monotonic()
-        if "error" in plan:
-            self._after_checkpoint(plan)
-        if self.awaiting:  # the replicas paused for it go on
-            self.shard.add_run_control(rc.RELEASE, 1)
-            self.awaiting = self.ready = False
-        if "meta" not in plan:
-            self._schedule_checkpoint(time.monotonic())
-
-    def _commit_parts(self, meta: ckpt.CheckpointMeta, reports: list[dict[str, Any]] | None,
-                      now: bool) -> None:
-        if now:
-            self._after_checkpoint(self._commit(meta, reports))
-        else:
-            self.committing = self.writer.submit(self._commit, meta, reports)
-
-    def _committed(self) -> None:
-        """The writer thread's commit is done: act on its outcome."""
-        future, self.committing = self.committing, None
-        self._after_checkpoint(future.result())
-
-    def _finish_writing(self) -> None:
-        super()._finish_writing()
-        if self.committing is not None:
-            self._wait_for(self.committing)
-            self._committed()
-
-    def _commit(self, meta: ckpt.CheckpointMeta,
-                reports: list[dict[str, Any]] | None) -> dict[str, Any]:
-        """Commit from every shard's report (in the writer thread, or at the end): the
-        outcome. Reads only what _plan_checkpoint fixed."""
-        for kind in ("diverged", "error"):
-            problems = [r[kind] for r in reports if kind in r]
-            if problems:
-                return {kind: problems[0]}  # the .partial is cleaned at the next start
-        records = [ckpt.PartRecord(*rec) for r in reports for rec in r["records"]]
-        try:
-            path = ckpt.commit(
-                self.root, meta, settings=hashed_settings(self.config),
-                algorithm=self.config.optimizer.algorithm,
-                layout=self.network.layout, shard_ranges=self.shard.ranges,
-                optimizer_state=list(saved_state(self.shard.optimizer)), parts=records,
-                num_replicas=self.plan.num_replicas, keep=self.config.run.keep_checkpoints,
-                lost_replicas=self.snapshot_lost)
-        except ckpt.CheckpointError as exc:
-            return {"error": str(exc)}
-        return {"path": str(path), "step": meta.step, "samples": meta.samples,
-                "at": meta.wall_seconds}
-
-    def _after_checkpoint(self, outcome: dict[str, Any]) -> None:
-        """A checkpoint's outcome: committed (logged), or why not (the run stops). The
-        next one is scheduled from now."""
-        if "error" in outcome:
-            self.failure = outcome["error"]
-        if "path" in outcome:
-            path = Path(outcome["path"])
-            self.checkpoints += 1
-            self.last_checkpoint_step, self.last_checkpoint = outcome["step"], str(path)
-            # Timed when committed, later than the training lines logged while it was
-            # written: the times in metrics.jsonl keep increasing. A run resumed from it
-            # cuts it with them (their time is past the state's, `state_time`).
-            now = time.monotonic()
-            if self.in_background:  # the pause ended before the writes
-                pause, written = self.pause_ended - self.began, now - self.pause_ended
-                how = f"replicas paused {pause:.2f}s, written in {written:.2f}s meanwhile"
-            else:  # the pause ends after this commit
-                pause = written = now - self.began
-                how = f"{pause:.2f}s"
-            self.recorder.log_event("checkpoint", outcome["step"], outcome["samples"],
-                                    state_time=outcome["at"], seconds=pause,
-                                    write_seconds=written, path=path.name)
-            say(self.stream, f"checkpoint {path} ({how})")
-        elif "diverged" in outcome or "error" in outcome:
-            say(self.stream, f"distbelief: checkpoint not written: "
-                                f"{outcome.get('diverged') or outcome.get('error')}")
-        if "diverged" in outcome:
-            self._stop(rc.STOP_DIVERGED, "diverged")
-        elif "error" in outcome:
-            self._stop(rc.STOP_CHECKPOINT_FAILED, "checkpoint_failed")
-        self._schedule_checkpoint(time.monotonic())
 
     # -- the end
 
-    def _final_buffer(self) -> np.ndarray:
-        """The evaluation snapshot's buffer, free by now (the last evaluation was recorded
-        when the loop ended): one full vector on shard 0, not two."""
-        return self.snapshot
+    def finish(self) -> Ending:
+        """End the run with the other shards (ShardRole.finish's steps, with shard 0's
+        between them): gather the results, take the replicas' statistics and evaluate,
+        the final checkpoint, then the summary, bcast to the shards, and TEARDOWN for the
+        replicas. Collective over the shards."""
+        shard_role = self.shard_role
+        # Gathered into the evaluation snapshot's buffer, free by now (the last evaluation
+        # was recorded when the loop ended): one full vector on shard 0, not two.
+        all_stats, final = shard_role.gather_results(into=self.snapshot)
+        self._final_results(all_stats, final)
+        shard_role.final_checkpoint()
+        ending = shard_role.share_ending(self._ending())
+        self._announce(ending)
+        return ending
 
-    def _before_final_checkpoint(self, all_stats: list | None, final: np.ndarray | None) -> None:
+    def _final_results(self, all_stats: list, final: np.ndarray) -> None:
+        """The shards' statistics, the replicas' (waited for), and the final evaluation
+        (none after a signal)."""
         self.shard_stats = [s for s in all_stats if s["role"] == "shard"]
         self._wait_for_replica_stats()
-        if self.stop_code != rc.STOP_SIGNAL:  # after a signal, stopping promptly matters
-            samples = self.steps * self.plan.batch_size
+        progress = self.progress
+        if progress.stop_code != rc.STOP_SIGNAL:  # after a signal, stopping promptly matters
+            samples = progress.steps * self.plan.batch_size
             t0 = time.perf_counter()
             test_loss, accuracy = evaluate(self.network, final, self.eval_set)
             self.evaluations += 1
             self.eval_seconds += time.perf_counter() - t0
-            self.recorder.log_eval(self.steps, samples, self.loss, accuracy, test_loss,
+            self.recorder.log_eval(progress.steps, samples, progress.loss, accuracy, test_loss,
                                    params=final)
 
     def _wait_for_replica_stats(self) -> None:
@@ -576,22 +338,26 @@ class Supervisor(ShardRole):
         giving up on a replica whose process turns out to be gone."""
         backoff = Backoff(*WAIT_SLEEP_S)
         topology = self.plan.topology
+        lost = self.replicas.lost
         with watchdog.current().waiting("the replicas' final statistics"):
             while True:
                 self._collect_stats()
-                missing = [rank for r in range(self.plan.num_replicas) if r not in self.lost
+                missing = [rank for r in range(self.plan.num_replicas) if r not in lost
                            for rank in topology.replica_ranks(r)
                            if rank not in self.replica_stats]
                 if not missing:
                     return
-                self._sweep(time.monotonic())
+                self.replicas.sweep(time.monotonic())
                 backoff.wait()
 
     def _ending(self) -> Ending:
-        teardown = rc.TEARDOWN_LEAVE if self.lost or self.dead_ranks else rc.TEARDOWN_FREE
+        replicas, progress = self.replicas, self.progress
+        teardown = (rc.TEARDOWN_LEAVE if replicas.lost or replicas.dead_ranks
+                    else rc.TEARDOWN_FREE)
         summary = self.recorder.finish(_summary_extras(self))
         say(self.stream, _summary_line(summary, self.config))
-        return Ending(self.stop_code, self.stop_arg, teardown, self.failure, summary)
+        return Ending(progress.stop_code, progress.stop_arg, teardown,
+                      self.checkpoints.failure, summary)
 
     def _announce(self, ending: Ending) -> None:
         """Tell the other ranks how the run ends. With LEAVE (nobody frees; some rank is
@@ -627,10 +393,10 @@ class Supervisor(ShardRole):
 def _summary_extras(sup: Supervisor) -> dict[str, Any]:
     config, plan = sup.config, sup.plan
     replicas = sorted(sup.replica_stats.values(), key=lambda s: (s["replica"], s["rank"]))
-    resumed = sup.resumed_from
+    resumed, checkpoints = sup.resumed_from, sup.checkpoints
     return {
         # "averaging" for EASGD, which runs on this machinery (algorithms.averaging.elastic)
-        "algorithm": run_name(config), "stop_reason": sup.reason,
+        "algorithm": run_name(config), "stop_reason": sup.progress.reason,
         "config_hash": config_hash(config), "num_params": int(sup.network.layout.size),
         "eval_samples": len(sup.eval_set[1]), "world_size": plan.topology.world_size,
         "ps_shards": plan.topology.ps_shards, "num_replicas": plan.num_replicas,
@@ -639,11 +405,13 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "warm_start_steps": plan.warm_start_steps, "max_steps": plan.max_steps,
         "evaluations": sup.evaluations, "eval_seconds": sup.eval_seconds,
         "resumed_from": str(resumed.path) if resumed is not None else None,
-        "resumed_at_step": sup.base, "checkpoint": sup.last_checkpoint,
+        "resumed_at_step": sup.progress.base, "checkpoint": checkpoints.last_path,
         "bad_gradients": sum(r["bad_gradients"] for r in replicas),
-        "checkpoints_written": sup.checkpoints, "checkpoint_seconds": sup.checkpoint_seconds,
-        "checkpoint_requests": sup.requests, "checkpoint_ack_wait_seconds": sup.ack_wait_seconds,
-        "lost_replicas": [asdict(lost) for _, lost in sorted(sup.lost.items())],
+        "checkpoints_written": checkpoints.written,
+        "checkpoint_seconds": sup.shard_role.checkpoint_seconds,
+        "checkpoint_requests": checkpoints.requests,
+        "checkpoint_ack_wait_seconds": checkpoints.ack_wait_seconds,
+        "lost_replicas": [asdict(lost) for _, lost in sorted(sup.replicas.lost.items())],
         "staleness": _combined_staleness(replicas),
         "push_dtype": config.optimizer.push_dtype,
         **sup.variant.summary,

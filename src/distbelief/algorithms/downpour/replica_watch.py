@@ -1,0 +1,112 @@
+"""Shard 0's watch over Downpour's replicas (ReplicaWatch): the run control block's rows
+as last read, each replica's heartbeat, and the replicas declared lost (a process gone,
+a heartbeat stopped, or no news for run.replica_timeout_seconds), which the run goes on
+without. LOST REPLICAS in the package docstring says how.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import IO, Any
+
+import numpy as np
+
+from distbelief.algorithms.downpour.plan import SWEEP_S
+from distbelief.algorithms.downpour.progress import RunProgress
+from distbelief.algorithms.downpour.run import OpenRun
+from distbelief.ps import run_control as rc
+from distbelief.ps.run_control import ControlView
+from distbelief.records.console import say
+from distbelief.runtime.health.liveness import sweep_replicas
+
+
+@dataclass
+class LostReplica:
+    """A replica shard 0 declared lost."""
+
+    replica: int
+    ranks: list[int]
+    why: str
+    at_step: int
+    at_seconds: float
+
+
+class ReplicaWatch:
+    """What shard 0 knows of each replica: the block's rows as last read (`view`), when
+    its heartbeat last moved, and whether it is lost (`lost`, and `lost_mask` for
+    whole-array tests); the ranks found gone, and when sweeps found them. Sweeps look at
+    the processes and heartbeats (distbelief.runtime.health.liveness; no communication); a lost
+    replica is told so through its LOST slot."""
+
+    def __init__(self, run: OpenRun, progress: RunProgress, recorder: Any,
+                 stream: IO[str] | None):
+        self.run_, self.plan, self.shard = run, run.plan, run.endpoint
+        self.progress, self.recorder, self.stream = progress, recorder, stream
+        replicas = self.plan.num_replicas
+        self.view: ControlView | None = None
+        self.beats = np.zeros(replicas, dtype=np.int64)
+        self.beat_times = np.full(replicas, time.monotonic())
+        self.lost: dict[int, LostReplica] = {}
+        self.lost_mask = np.zeros(replicas, dtype=bool)  # the same, for whole-array tests
+        self.dead_ranks: set[int] = set()
+        self.death_times: list[float] = []  # when sweeps found ranks newly gone
+        self.next_sweep = time.monotonic() + SWEEP_S
+
+    def saw(self, view: ControlView, now: float) -> None:
+        """The block as just read: the heartbeats that moved since the last read."""
+        self.view = view
+        rows = view.replicas
+        moved = rows[:, rc.BEAT] != self.beats
+        self.beats[moved] = rows[moved, rc.BEAT]
+        self.beat_times[moved] = now
+
+    def all_done(self) -> bool:
+        """Every replica has finished or is lost (as of the last read)."""
+        if self.view is None:
+            return False
+        return bool(np.all(self.lost_mask | (self.view.replicas[:, rc.FINISHED] > 0)))
+
+    def excuse_silence(self) -> None:
+        """The replicas were paused, and over RMA their news waits for shard 0's progress:
+        a silence while shard 0 itself was busy does not count against them
+        (run.replica_timeout_seconds), however long it took."""
+        self.beat_times[:] = time.monotonic()
+
+    def sweep(self, now: float, shards: bool = True) -> None:
+        """Look for gone shards (fatal; not once the shards have ended the run together and
+        may leave) and lost replicas (process gone on this node, or heartbeat stopped for
+        run.replica_timeout_seconds)."""
+        self.next_sweep = now + SWEEP_S
+        peers = self.run_.peers
+        if shards:
+            self.run_.check_shards(now, force=True)
+        timeout = self.plan.replica_timeout_s
+        rows = self.view.replicas if self.view is not None else None
+        for replica, ranks, gone in sweep_replicas(peers, self.plan.topology,
+                                                   self.plan.num_replicas, self.dead_ranks,
+                                                   self.death_times, now):
+            if replica in self.lost:
+                continue
+            if gone:
+                self.lose(replica, ranks, peers.why_gone(gone))
+            elif (timeout and rows is not None and not rows[replica, rc.FINISHED]
+                  and now - self.beat_times[replica] > timeout):
+                self.lose(replica, ranks, f"no news from it for {timeout:g} s "
+                                          f"(run.replica_timeout_seconds)")
+
+    def lose(self, replica: int, ranks: list[int], why: str) -> None:
+        """Declare `replica` lost: its LOST slot, a line, an event; the run stops when it
+        was the last one."""
+        steps = self.progress.steps
+        self.lost_mask[replica] = True
+        self.lost[replica] = LostReplica(replica, ranks, why, steps, self.recorder.elapsed())
+        self.shard.add_run_control(rc.replica_slot(replica, rc.LOST), 1)
+        left = self.plan.num_replicas - len(self.lost)
+        say(self.stream, f"distbelief: replica {replica} (rank{'s' * (len(ranks) > 1)} "
+                         f"{', '.join(map(str, ranks))}) lost at step {steps}: {why}; "
+                         f"training goes on with {left} replica(s)")
+        self.recorder.log_event("replica_lost", steps, steps * self.plan.batch_size,
+                                replica=replica, ranks=ranks, why=why)
+        if left == 0:
+            self.progress.stop(rc.STOP_ALL_LOST, "replicas_lost")
