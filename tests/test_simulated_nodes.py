@@ -401,7 +401,7 @@ def test_one_file_and_one_reader_per_node_and_a_next_writer_when_one_ends_or_fre
     while other.silent_for(3) == 0.0 and time.monotonic() < deadline:
         watcher.silent_for(3)  # both of node 0's ranks ask; rank 0 reads for both
         time.sleep(0.01)
-    assert 0.0 < other.silent_for(3) < 0.2 and not other.stopped(3)
+    assert 0.0 < other.silent_for(3) < 0.4 and not other.stopped(3)  # beats, within the 0.5 s
     assert reads and set(reads) == {"node-1"}
     # Rank 4 dies: its node's writer drops it from the list, and node 0 finds it gone
     # after the timeout (two readings), while ranks 2 and 3 stay alive.
@@ -427,7 +427,7 @@ def test_one_file_and_one_reader_per_node_and_a_next_writer_when_one_ends_or_fre
     ranks.pop(0).stop()
     ended.add(0)
     time.sleep(1.0)
-    assert not other.stopped(3) and other.silent_for(3) < 0.2
+    assert not other.stopped(3) and other.silent_for(3) < 0.4
     for beats in ranks.values():
         beats.stop()
     frozen.stop()

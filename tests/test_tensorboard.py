@@ -91,7 +91,7 @@ def test_every_metrics_line_is_in_the_events(resumed_run) -> None:
     eval_lines = [x for x in lines if x["kind"] == "eval"]
     # Lines come every 10 ms, so how many depends on the machine's speed (9 in a CI run
     # on a quiet machine): enough to compare, not a count.
-    assert len(train_lines) >= 3 and len(eval_lines) >= 4
+    assert len(train_lines) >= 3 and len(eval_lines) >= 2
     assert_matches(events, train_lines, "train/loss", "loss")
     assert_matches(events, train_lines, "train/samples", "samples")
     assert_matches(events, train_lines, "train/learning_rate", "learning_rate")
