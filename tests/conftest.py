@@ -350,9 +350,10 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
     finished = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     returned = time.time()
     finished.exit_files = _exit_files(exit_dir, n, tree)
+    tree.wait_gone(OUTLIVE_S)
     left = tree.describe()
     if left:
-        # A rank that outlives its launcher would spin for ever on these 2 cores.
+        # A rank that outlives its launcher by OUTLIVE_S would spin for ever on 2 cores.
         warnings.warn(f"processes of the job outlived its launcher; killed:\n{left}")
         tree.kill()
     # When each rank's status was written and the launcher returned, in seconds after the
@@ -404,6 +405,9 @@ def _communicate(proc: subprocess.Popen, timeout: float, tree: Any) -> tuple[str
 
 
 EXIT_FILES_WAIT_S = 15.0
+OUTLIVE_S = 20.0
+"""How long a job's processes may go on after its launcher returned (an abort's ranks on
+their way out, unlinking MPI's /dev/shm files) before run_mpi kills them."""
 
 
 def _exit_files(exit_dir: str, ranks: int, tree: Any) -> dict[int, int]:

@@ -67,6 +67,14 @@ class JobTree:
                 if pid in stats and stats[pid][0] != "Z" and _start_time(stats[pid]) == start
                 and CLEANER not in _command(pid)]
 
+    def wait_gone(self, timeout_s: float) -> None:
+        """Until none of the job's processes runs, or `timeout_s`: ranks still on their way
+        out (an abort's teardown, MPI's own unlinking of its /dev/shm files) end by
+        themselves, and a kill then would leave those files behind."""
+        deadline = time.monotonic() + timeout_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def describe(self) -> str:
         """One line per live process: pid, parent, state, command."""
         stats = dict(stuck_launcher.process_stats(PROC))
