@@ -47,7 +47,7 @@ class JobTree:
         """Remember every live descendant of the launcher (or of one already remembered)."""
         stats = {pid: fields for pid, fields in stuck_launcher.process_stats(PROC)
                  if len(fields) > 1}
-        family = {self.launcher, *self.alive(stats)}
+        family = {self.launcher, *self._running(stats)}
         grew = True
         while grew:
             grew = False
@@ -63,9 +63,13 @@ class JobTree:
         its /dev/shm files once no process maps them, distbelief.runtime.launching.guardian)."""
         if stats is None:
             stats = dict(stuck_launcher.process_stats(PROC))
+        return [pid for pid in self._running(stats) if CLEANER not in _command(pid)]
+
+    def _running(self, stats: dict[int, list[str]]) -> list[int]:
+        """The remembered processes in `stats` that still run, cleaners included (what
+        `sample` extends the family from, every poll: no command line read)."""
         return [pid for pid, (start, _) in self.seen.items()
-                if pid in stats and stats[pid][0] != "Z" and _start_time(stats[pid]) == start
-                and CLEANER not in _command(pid)]
+                if pid in stats and stats[pid][0] != "Z" and _start_time(stats[pid]) == start]
 
     def wait_gone(self, timeout_s: float) -> None:
         """Until none of the job's processes runs, or `timeout_s`: ranks still on their way
