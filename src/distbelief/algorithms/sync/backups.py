@@ -457,10 +457,12 @@ class _Server:
                 if source is not None:
                     continue
                 for rank in sorted(waiting):
-                    # A replica that said goodbye may have left before it was read: it
-                    # finished, it is not lost (CI, under load: a finished replica was
-                    # written off beside the killed one).
-                    if self.peers.gone(rank) and not self.comm.Iprobe(rank, MPI.ANY_TAG):
+                    # A replica that said goodbye may have left before its goodbye was
+                    # read, and one probe may not bring it in (CI, under load: a finished
+                    # replica was written off beside the killed one). It is lost only if
+                    # nothing of its own arrives for watchdog.DRAIN_S.
+                    if self.peers.gone(rank) and not watchdog.drained(
+                            lambda rank=rank: self.comm.Iprobe(rank, MPI.ANY_TAG)):
                         waiting.discard(rank)
                         if rank not in sent:
                             self.lost.setdefault(rank, self.state["step"])

@@ -33,9 +33,26 @@ TICK_S = 0.1
 CHECK_S = 0.1
 """How often a polled wait looks for gone ranks (check())."""
 
+DRAIN_S = 0.25
+"""How long a wait keeps polling after one of its ranks is found gone before it gives up on
+it: a message the rank sent before it left may still sit in MPI's queues, and one poll
+moves only part of it (MPICH's shared-memory path copies a few cells per progress call)."""
+
 GONE_GRACE_S = 2.0
 """A wait that is still on this long after one of its ranks is found gone is blocked
 inside MPI (a polled wait raises RankLost within CHECK_S): the thread ends it."""
+
+
+def drained(done: Callable[[], bool], seconds: float = DRAIN_S) -> bool:
+    """Poll `done` (one MPI test each) for up to `seconds`, sleeping 1 ms between polls:
+    True once it says the wait is over. For a wait whose rank is gone: what it sent before
+    it left is delivered by polls, not at once."""
+    end = time.monotonic() + seconds
+    while not done():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 class RankLost(Exception):
@@ -121,8 +138,9 @@ class Watchdog:
 
     def check(self, done: Callable[[], bool] | None = None) -> None:
         """From a polled wait, between polls: raise RankLost if a rank the innermost wait
-        depends on is gone, unless `done()` (polled once more) says the wait is over: a
-        rank may send its last message and leave before the receiver has tested for it.
+        depends on is gone, unless `done()` (polled for up to DRAIN_S more) says the wait
+        is over: a rank may send its last message and leave before the receiver has
+        tested for it.
         Cheap (looks every CHECK_S at most)."""
         if self.gone is None or not self._waits:
             return
@@ -133,7 +151,7 @@ class Watchdog:
         wait = self._waits[-1]
         for rank in wait.ranks:
             if rank not in self.written_off and self.gone(rank):
-                if done is not None and done():
+                if done is not None and drained(done):
                     return
                 raise RankLost(rank, wait.what)
 
