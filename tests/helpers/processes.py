@@ -58,12 +58,16 @@ class JobTree:
                     grew = True
 
     def alive(self, stats: dict[int, list[str]] | None = None) -> list[int]:
-        """The remembered processes that still run (zombies and reused pids do not count),
-        but for the guardians' node cleaners, which outlive the job by design (they remove
-        its /dev/shm files once no process maps them, distbelief.runtime.launching.guardian)."""
+        """The remembered processes that still run (zombies, processes exiting and reused
+        pids do not count), but for the guardians' node cleaners, which outlive the job by
+        design (they remove its /dev/shm files once no process maps them,
+        distbelief.runtime.launching.guardian)."""
         if stats is None:
             stats = dict(stuck_launcher.process_stats(PROC))
-        return [pid for pid in self._running(stats) if CLEANER not in _command(pid)]
+        # An empty command line is a process on its way out (its memory already released:
+        # CI warned of a cleaner so, "state R" and no command, as it exited).
+        return [pid for pid in self._running(stats)
+                if (command := _command(pid)) and CLEANER not in command]
 
     def _running(self, stats: dict[int, list[str]]) -> list[int]:
         """The remembered processes in `stats` that still run, cleaners included (what
