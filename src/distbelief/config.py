@@ -76,7 +76,11 @@ SHARD_PLACEMENTS = ("spread", "ranks")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    layers: tuple[dict, ...]
+    layers: tuple[dict, ...] = ()
+    own: dict | None = None
+    """A model of the user's own (distbelief.train's `model`, train --model): its identity
+    (model.protocol.identity), which the config hash covers; None for the built-in
+    layers. Left out of to_dict when None, so built-in runs hash as before it existed."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +254,8 @@ class Config:
         for section in SECTIONS:
             values = asdict(getattr(self, section))
             out[section] = {k: _jsonable(v) for k, v in values.items()}
+        if self.model.own is None:
+            del out["model"]["own"]
         return out
 
 
@@ -475,15 +481,21 @@ def read_toml(path: str | Path) -> dict:
 
 
 def config_from_dict(raw: dict, source: Path | None = None,
-                     cwd: Path | None = None) -> Config:
+                     cwd: Path | None = None, own_model: bool = False) -> Config:
     """Validate raw TOML tables into a Config (schema only; no files are opened).
 
     Relative `data.path` is resolved against the config file's folder (the current directory
     when there is no file); relative `run.out_dir` against `cwd` (default: the current one).
+    With `own_model` a model object comes with the config ([model] then has no layers; the
+    launch records the model's identity in model.own).
     """
     where = str(source) if source is not None else "config"
+    if own_model:
+        raw = _without_model_section(raw, where)
     _check_names(raw, where)
     values = {section: _section_values(raw, section, where) for section in SECTIONS}
+    if own_model:
+        values["model"] = {"layers": (), "own": {}}
     _check_not_implemented(values, where)
     given = raw.get("optimizer", {})
     _resolve_update(values["optimizer"], given, where)
@@ -508,6 +520,16 @@ def config_from_dict(raw: dict, source: Path | None = None,
         run=RunConfig(**run),
         source=source.resolve() if source is not None else None,
     )
+
+
+def _without_model_section(raw: dict, where: str) -> dict:
+    """`raw` with a stand-in [model] for the schema: a model object replaces the layers,
+    and layers given beside one are a mistake worth naming."""
+    if raw.get("model", {}).get("layers"):
+        raise ConfigError(f"{where}: model.layers describe the built-in network, and a "
+                          f"model of your own was given too; remove [[model.layers]] or "
+                          f"leave the model out")
+    return {**raw, "model": {"layers": [{"type": "dense", "units": 1}]}}
 
 
 def _check_not_implemented(values: dict, where: str) -> None:
@@ -702,13 +724,15 @@ def _check_consistency(values: dict, where: str) -> None:
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = (), check_data: bool = True,
-                cwd: Path | None = None, open_data: bool = True) -> Config:
+                cwd: Path | None = None, open_data: bool = True,
+                own_model: bool = False) -> Config:
     """Read, override and validate a config file; with `check_data`, also that the data
     file exists and, with `open_data` too, that it opens and fits the model (see
-    `check_data_fits`; `train` leaves that to algorithms.launch, which opens it once)."""
+    `check_data_fits`; `train` leaves that to algorithms.launch, which opens it once).
+    `own_model`: as config_from_dict's."""
     source = Path(path)
     raw = apply_overrides(read_toml(source), overrides)
-    config = config_from_dict(raw, source, cwd)
+    config = config_from_dict(raw, source, cwd, own_model)
     if check_data:
         given = str(raw.get("data", {}).get("path", ""))
         if not Path(given).is_absolute() and not config.data.path.exists():

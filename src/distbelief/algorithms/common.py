@@ -114,14 +114,21 @@ def prepare_run_dir(config: Config) -> Path:
     return out_dir
 
 
-def open_data(config: Config, part: tuple[int, int] = (0, 1)) -> tuple[Any, Any]:
-    """(DatasetInfo, Network) for the config: the data file opened, the model built on it.
+def open_data(config: Config, part: tuple[int, int] = (0, 1),
+              model: Any = None) -> tuple[Any, Any]:
+    """(DatasetInfo, Network) for the config: the data file opened, the model built on it
+    (or `model`, a user's, wrapped in model.protocol.OwnModel and checked on it).
     `part` = (i, k): check only the i-th of k parts of the labels (data.hdf5.open_dataset;
     the k ranks that share the check must agree on its verdict)."""
     from distbelief.data.hdf5 import open_dataset, with_validation
 
     info = with_validation(open_dataset(config.data.path, part=part), config.data.validation)
-    return info, build_network(config, info)
+    if model is None:
+        return info, build_network(config, info)
+    from distbelief.model.protocol import OwnModel
+
+    return info, OwnModel(model, tuple(info.input_shape), int(info.num_classes),
+                          seed=config.run.seed)
 
 
 def train_shard(config: Config, info: Any, rank: int, num_ranks: int) -> Any:
@@ -174,7 +181,7 @@ def evaluate(network: Any, params: np.ndarray,
 
 
 def final_test(config: Config, summary: dict[str, Any],
-               stream: IO[str] | None) -> dict[str, Any]:
+               stream: IO[str] | None, network: Any = None) -> dict[str, Any]:
     """A run that evaluated a validation split during training: its test set, evaluated
     once, at the end, on the run's best model (the best validation figure's: model
     selection on the validation split, which is what it is for), else on its newest
@@ -191,14 +198,13 @@ def final_test(config: Config, summary: dict[str, Any],
                     f"interrupted the run (a rerun resumes it and evaluates it at its end; "
                     f"`distbelief evaluate {config.run.out_dir}` does it on demand)")
         return summary
-    from distbelief.records.export import read_trained
     from distbelief.records.metrics import write_json_atomic
 
     out_dir = Path(config.run.out_dir)
     try:
         if ckpt.find_latest(ckpt.checkpoint_root(out_dir)) == (None, []):
             raise UserError("the run wrote no checkpoint to evaluate")
-        trained = read_trained(out_dir, data=config.data.path)
+        tested, params, source = _model_to_test(config, network)
     except UserError as exc:
         why = str(exc)
         say(stream, f"distbelief: the test set was not evaluated: {why}")
@@ -210,22 +216,38 @@ def final_test(config: Config, summary: dict[str, Any],
     # The metadata only: the run checked the labels already.
     info = with_validation(open_dataset(config.data.path, labels=False),
                            config.data.validation)
-    loss, accuracy, rows = evaluate_split(trained.network(), trained.params, info, "test")
-    step = trained.source.get("step")
+    loss, accuracy, rows = evaluate_split(tested, params, info, "test")
+    step = source.get("step")
     summary = {**summary, "final_test_accuracy": accuracy, "final_test_loss": loss,
                "test_step": step, "test_samples": rows,
-               "test_model": trained.source.get("which", "last")}
+               "test_model": source.get("which", "last")}
     line = {"kind": "test", "time": summary.get("wall_seconds"), "step": step,
-            "samples": trained.source.get("samples"), "test_accuracy": float(accuracy),
+            "samples": source.get("samples"), "test_accuracy": float(accuracy),
             "test_loss": float(loss)}
     with (out_dir / METRICS_FILE).open("a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
     tensorboard.append_line(out_dir, config.run.tensorboard, line)
     write_json_atomic(out_dir / SUMMARY_FILE, summary)
     say(stream, f"distbelief: test set, evaluated once at the end: accuracy {accuracy:.4f}, "
-                f"loss {loss:.4f} ({rows:,d} samples, {which_text(trained.source)} of step "
+                f"loss {loss:.4f} ({rows:,d} samples, {which_text(source)} of step "
                 f"{step:,d})")
     return summary
+
+
+def _model_to_test(config: Config, network: Any) -> tuple[Any, np.ndarray, dict[str, Any]]:
+    """(model, parameters, their source) of the run's best model, else its last checkpoint:
+    the built-in network rebuilt from the checkpoint, or `network`, the run's own model
+    (a user's model is not in the checkpoint, only its vector)."""
+    from distbelief.records.export import find_checkpoint, read_trained
+
+    out_dir = Path(config.run.out_dir)
+    if config.model.own is None:
+        trained = read_trained(out_dir, data=config.data.path)
+        return trained.network(), trained.params, trained.source
+    found, _ = find_checkpoint(out_dir)
+    params, _ = found.read_state()
+    return network, params, {"step": found.step, "samples": found.samples,
+                             "which": "best" if found.best else "last"}
 
 
 def which_text(source: dict[str, Any]) -> str:

@@ -25,12 +25,15 @@ __all__ = ["run", "train"]
 
 
 def train(config: Config, comm: Any = None, resume: str = "auto",
-          stream: IO[str] | None = sys.stdout) -> dict[str, Any] | None:
+          stream: IO[str] | None = sys.stdout, model: Any = None) -> dict[str, Any] | None:
     """Train `config` on the ranks of `comm` (None: this process, or MPI started here when
     the algorithm needs ranks); the summary on the rank that wrote it, None elsewhere.
-    `resume` is one of common.RESUME_MODES. Claims run.out_dir and gives it back after the
-    trainer's last write. Collective over `comm`; a UserError is raised on every rank."""
+    `resume` is one of common.RESUME_MODES; `model` a model of the user's own
+    (distbelief.model.protocol) for a config loaded with own_model. Claims run.out_dir and
+    gives it back after the trainer's last write. Collective over `comm`; a UserError is
+    raised on every rank."""
     algorithm = _algorithm(config)
+    _check_own_model(config, model)
     one_process = algorithm.in_one_process(config.cluster.partitions)
     if one_process and comm is not None and comm.Get_size() > 1:
         raise ConfigError(f"optimizer.algorithm = \"{algorithm.name}\" trains in one "
@@ -41,7 +44,9 @@ def train(config: Config, comm: Any = None, resume: str = "auto",
 
         comm = start_mpi()
     # Checked before anything is written: a file that does not fit the model claims nothing.
-    info, network = _open_data(config, None if one_process else comm)
+    info, network = _open_data(config, None if one_process else comm, model)
+    if model is not None:
+        config = _with_own_model(config, network, None if one_process else comm)
     owner = _claim_run_dir(config, comm)
     try:
         latest = _latest_checkpoint(config, comm, resume)
@@ -70,11 +75,11 @@ launcher's exit status is not 0 once a rank was lost, even when the others finis
 run (or stopped it cleanly for a requeue)."""
 
 
-def run(config: Config, comm: Any = None, resume: str = "auto") -> int:
+def run(config: Config, comm: Any = None, resume: str = "auto", model: Any = None) -> int:
     """`distbelief train`: `train`, then the outcome file (OUTCOME_ENV) and the process's
     exit status: 130 after a Ctrl-C that stopped the run cleanly, 4 after a collapse,
     else 0. Collective over `comm`, as `train` is."""
-    summary = train(config, comm, resume)
+    summary = train(config, comm, resume, model=model)
     outcome = os.environ.get(OUTCOME_ENV)
     if summary is not None and outcome:
         from distbelief.records.metrics import write_json_atomic
@@ -100,16 +105,48 @@ def _algorithm(config: Config) -> registry.Algorithm:
     return registry.get(name)
 
 
-def _open_data(config: Config, comm: Any) -> tuple[Any, Any]:
-    """(DatasetInfo, Network): the data file opened and the model built on it, checked
-    against each other (config.check_data_fits). With several ranks each checks its part
-    of the labels and they agree (collective over `comm`)."""
+def _check_own_model(config: Config, model: Any) -> None:
+    """ConfigError for a model object and a config that do not go together."""
+    if model is None and config.model.own is not None:
+        raise ConfigError("the configuration was loaded for a model of your own "
+                          "(own_model=True), and no model was given")
+    if model is not None and config.model.own is None:
+        raise ConfigError("a model of your own was given with a configuration for the "
+                          "built-in layers; load it with own_model=True (distbelief.train "
+                          "does)")
+    if model is not None and config.cluster.partitions > 1:
+        raise ConfigError(f"cluster.partitions = {config.cluster.partitions}: model "
+                          f"parallelism splits the built-in layers, and a model of your own "
+                          f"is one piece; set cluster.partitions = 1")
+
+
+def _with_own_model(config: Config, network: Any, comm: Any) -> Config:
+    """`config` with the user's model's identity, which the config hash covers. On several
+    ranks, from now on a model error ends the job in one line: raised on one replica it
+    would end that replica alone, which the others would take for a lost one."""
+    from dataclasses import replace
+
+    from distbelief.model.protocol import identity
+
+    if comm is not None and comm.Get_size() > 1:
+        from distbelief.runtime.health.watchdog import abort_and_leave
+
+        network.on_error = lambda message: abort_and_leave(comm, message)
+    return replace(config, model=replace(config.model, own=identity(
+        network.model, network.layout.size)))
+
+
+def _open_data(config: Config, comm: Any, model: Any = None) -> tuple[Any, Any]:
+    """(DatasetInfo, Network): the data file opened and the model built on it (or the
+    user's `model`, checked on it), checked against each other (config.check_data_fits).
+    With several ranks each checks its part of the labels and they agree (collective over
+    `comm`)."""
     from distbelief.algorithms.common import open_data
     from distbelief.config import check_data_fits
 
     def open_here() -> tuple[Any, Any]:
         part = (0, 1) if comm is None else (comm.Get_rank(), comm.Get_size())
-        info, network = open_data(config, part)
+        info, network = open_data(config, part, model)
         check_data_fits(config, info, network)
         return info, network
 
@@ -201,7 +238,7 @@ def _train_here(config: Config, algorithm: registry.Algorithm, resume: str,
         return None
     summary = _with_peak_memory(config, summary, [rank_figure(0, "the one process", predicted)],
                                 stream)
-    return final_test(config, summary, stream)
+    return final_test(config, summary, stream, setup.network)
 
 
 def _train_on(config: Config, algorithm: registry.Algorithm, comm: Any, resume: str,
@@ -215,7 +252,7 @@ def _train_on(config: Config, algorithm: registry.Algorithm, comm: Any, resume: 
     trainer = algorithm.load_trainer(config.cluster.partitions, vars(config.optimizer))
     summary = trainer(config, comm, resume=resume, setup=setup)
     summary = _gather_peak_memory(config, setup.topology, comm, summary, predicted, stream)
-    return None if summary is None else final_test(config, summary, stream)
+    return None if summary is None else final_test(config, summary, stream, setup.network)
 
 
 def _check_memory(config: Config, setup: RunSetup, comm: Any) -> int | None:

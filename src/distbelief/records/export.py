@@ -205,6 +205,13 @@ def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
                     with_optimizer: bool = False) -> TrainedModel:
     """The model held by a verified checkpoint; the input shape and scale from `data` or
     the run's own data file."""
+    own = found.manifest["config"]["model"].get("own")
+    if own:
+        raise UserError(f"checkpoint {found.path} holds a model of your own ({own['name']}, "
+                        f"{own['parameters']:,d} parameters), which only your code can "
+                        f"run: read its vector with distbelief.records.checkpoint.verify(PATH)"
+                        f".read_state() and call your model's predict (evaluate, export and "
+                        f"load_model take built-in layers only, for now)")
     layers = found.manifest["config"]["model"]["layers"]
     info = _data_info(found, data)
     try:

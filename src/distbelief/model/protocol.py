@@ -1,0 +1,273 @@
+"""A model of the user's own, and the one surface every trainer trains through.
+
+A model is any object with
+
+    init_params(rng) -> np.ndarray            the flat float32 parameter vector
+    loss_and_grad(params, x, y) -> (loss, grad)   mean loss of the batch, its gradient
+    predict(params, x) -> np.ndarray          the outputs, one row per input row
+
+and, optionally, `name` and `version` (its identity in the config hash, so a resume with
+another model is refused), `named_slices() -> [(name, shape), ...]` (the vector's parts,
+in order, for checkpoints and the summary) and `evaluate(params, x, y) -> dict` with
+"loss" and "accuracy" (else the loss is loss_and_grad's and the accuracy predict's argmax
+against the integer labels). docs/your-own-model.md walks through one.
+
+`OwnModel` wraps such an object in what the trainers call (model.network.Network's
+surface: `layout`, `init_params(seed)`, `init_slice`, `loss_and_grad(params, x, y, grad)`,
+`evaluate`) and checks every answer: a call that raises, a gradient of the wrong size or
+dtype, or a loss that is not finite is one ModelError naming the model and the call. The
+shards never see the model, only the vector's length and layout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from distbelief.errors import UserError
+from distbelief.model.layout import DTYPE, ParamLayout
+
+__all__ = ["ModelError", "OwnModel", "TrainableModel", "load_factory"]
+
+
+@runtime_checkable
+class TrainableModel(Protocol):
+    """What distbelief.train takes as `model` (see the module's docstring)."""
+
+    def init_params(self, rng: np.random.Generator) -> np.ndarray: ...
+
+    def loss_and_grad(self, params: np.ndarray, x: np.ndarray,
+                      y: np.ndarray) -> tuple[float, np.ndarray]: ...
+
+    def predict(self, params: np.ndarray, x: np.ndarray) -> np.ndarray: ...
+
+
+class ModelError(UserError):
+    """A model of the user's own broke the protocol: raised, or answered wrongly."""
+
+
+REQUIRED = ("init_params", "loss_and_grad", "predict")
+
+
+def check_protocol(model: Any) -> None:
+    """ModelError unless `model` has the protocol's methods."""
+    missing = [name for name in REQUIRED if not callable(getattr(model, name, None))]
+    if missing:
+        raise ModelError(f"model {_name_of(model)}: no {', '.join(missing)} method; a model "
+                         f"needs init_params(rng), loss_and_grad(params, x, y) and "
+                         f"predict(params, x) (docs/your-own-model.md)")
+
+
+def identity(model: Any, num_params: int) -> dict[str, Any]:
+    """The model's identity for the config hash: its name, version and parameter count."""
+    return {"name": _name_of(model), "version": str(getattr(model, "version", "1")),
+            "parameters": int(num_params)}
+
+
+def _name_of(model: Any) -> str:
+    name = getattr(model, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    kind = type(model)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+class OwnModel:
+    """A user's model behind the trainers' surface; every answer checked."""
+
+    layers: tuple = ()  # no built-in layers: model parallelism and the cost model refuse
+
+    def __init__(self, model: Any, input_shape: tuple[int, ...], num_classes: int,
+                 seed: int = 0):
+        check_protocol(model)
+        self.model = model
+        self.name = _name_of(model)
+        self.input_shape = tuple(int(d) for d in input_shape)
+        self.num_classes = int(num_classes)
+        self.seed = int(seed)
+        self.step = 0  # the trainers set it on a resume (Network's dropout key); unused here
+        self.on_error: Callable[[str], None] | None = None
+        """Called with the message instead of raising ModelError, once training runs on
+        several ranks (algorithms.launch: abort the job in one line; an error raised on
+        one replica would otherwise end that replica alone, taken for a lost one)."""
+        first = self._vector(self._call("init_params", np.random.default_rng(seed)),
+                             "init_params", None)
+        self.layout = ParamLayout(self._slices(first.size))
+        self._initial = (int(seed), first)
+        self._probe(first)
+
+    def _probe(self, params: np.ndarray) -> None:
+        """One predict and one loss_and_grad on two zero rows: a model that does not fit
+        the data's shape fails here, before anything is written, not at its first step."""
+        x = np.zeros((2, *self.input_shape), dtype=DTYPE)
+        y = np.zeros(2, dtype=np.int64)
+        self.logits(params, x)
+        self.loss_and_grad(params, x, y, np.empty(self.layout.size, dtype=DTYPE))
+        self.step = 0
+
+    # -- parameters ----------------------------------------------------------------------
+
+    def init_params(self, seed: int | np.random.Generator) -> np.ndarray:
+        """A fresh vector, deterministic per seed (the model draws from default_rng(seed))."""
+        if not isinstance(seed, np.random.Generator) and int(seed) == self._initial[0]:
+            return self._initial[1].copy()
+        rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        return self._vector(self._call("init_params", rng), "init_params", self.layout.size)
+
+    def init_slice(self, seed: int, start: int, stop: int) -> np.ndarray:
+        """`init_params(seed)[start:stop]`: a shard's slice (the whole vector is drawn)."""
+        return self.init_params(seed)[start:stop].copy()
+
+    def _slices(self, size: int) -> list[tuple[int, str, tuple[int, ...]]]:
+        named = getattr(self.model, "named_slices", None)
+        if not callable(named):
+            return [(0, "params", (size,))]
+        slices = self._call("named_slices")
+        try:
+            arrays = [(i, str(name), tuple(int(d) for d in shape))
+                      for i, (name, shape) in enumerate(slices)]
+            layout = ParamLayout(arrays)
+        except (TypeError, ValueError) as exc:
+            raise ModelError(f"model {self.name}: named_slices() must list (name, shape) "
+                             f"pairs: {exc}") from exc
+        if layout.size != size:
+            raise ModelError(f"model {self.name}: named_slices() cover {layout.size:,d} "
+                             f"values, init_params returned {size:,d}")
+        return arrays
+
+    # -- training and evaluation ---------------------------------------------------------
+
+    def loss_and_grad(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
+                      grad: np.ndarray) -> float:
+        """The model's mean loss of the batch; its gradient written into `grad`."""
+        answer = self._call("loss_and_grad", params, x, y)
+        if not isinstance(answer, tuple) or len(answer) != 2:
+            raise self._fail(f"model {self.name}: loss_and_grad returned "
+                             f"{type(answer).__name__}, not a (loss, grad) pair")
+        loss = self._loss(answer[0], "loss_and_grad")
+        np.copyto(grad, self._vector(answer[1], "loss_and_grad", self.layout.size))
+        self.step += 1
+        return loss
+
+    def logits(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The model's outputs for `x`, one row per input row."""
+        out = np.asarray(self._call("predict", params, x))
+        if out.ndim == 0 or out.shape[0] != len(x):
+            raise self._fail(f"model {self.name}: predict returned shape {out.shape} for "
+                             f"{len(x)} rows; it must return one row per input row")
+        return out
+
+    def evaluate(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
+                 batch_size: int = 1000) -> tuple[float, float]:
+        """(mean loss, accuracy) over all of x, y, in batches of `batch_size`: the model's
+        own evaluate when it has one, else loss_and_grad's loss and predict's argmax."""
+        own = getattr(self.model, "evaluate", None)
+        loss_sum = hits = 0.0
+        scratch = None if callable(own) else np.empty(self.layout.size, dtype=DTYPE)
+        for start in range(0, len(y), batch_size):
+            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+            if callable(own):
+                loss, accuracy = self._metrics(self._call("evaluate", params, xb, yb))
+            else:
+                loss = self.loss_and_grad(params, xb, yb, scratch)
+                self.step -= 1  # an evaluation is not a training step
+                accuracy = _accuracy(self.logits(params, xb), yb)
+            loss_sum += loss * len(yb)
+            hits += accuracy * len(yb)
+        return loss_sum / max(len(y), 1), hits / max(len(y), 1)
+
+    def describe(self) -> str:
+        return (f"  a model of your own: {self.name}, {self.layout.size:,d} parameters in "
+                f"{len(self.layout.entries)} slice(s)")
+
+    def __repr__(self) -> str:
+        return f"OwnModel({self.name}, {self.layout.size} parameters)"
+
+    # -- checks --------------------------------------------------------------------------
+
+    def _fail(self, message: str) -> ModelError:
+        """The error to raise for `message`, after on_error (which may end the job)."""
+        if self.on_error is not None:
+            self.on_error(message)
+        return ModelError(message)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self.model, method)(*args)
+        except Exception as exc:  # the user's code: any error is theirs, named as such
+            raise self._fail(f"model {self.name}: {method} raised {type(exc).__name__}: "
+                             f"{exc}") from exc
+
+    def _vector(self, value: Any, method: str, size: int | None) -> np.ndarray:
+        what = "returned" if method == "init_params" else "returned a gradient of"
+        if not isinstance(value, np.ndarray) or value.dtype != DTYPE or value.ndim != 1:
+            kind = (f"{value.dtype} of shape {value.shape}" if isinstance(value, np.ndarray)
+                    else type(value).__name__)
+            raise self._fail(f"model {self.name}: {method} {what} {kind}; it must be a "
+                             f"flat float32 vector (np.float32, one dimension)")
+        if size is not None and value.size != size:
+            raise self._fail(f"model {self.name}: {method} {what} {value.size:,d} values; "
+                             f"the model has {size:,d} parameters")
+        if value.size == 0:
+            raise self._fail(f"model {self.name}: {method} returned an empty vector")
+        if not np.isfinite(value).all():
+            raise self._fail(f"model {self.name}: {method} {what} NaN or infinite values "
+                             f"(a bug in the model, or training diverged: a learning rate "
+                             f"too high)")
+        return value
+
+    def _loss(self, value: Any, method: str) -> float:
+        try:
+            loss = float(value)
+        except (TypeError, ValueError):
+            raise self._fail(f"model {self.name}: {method} returned a loss of type "
+                             f"{type(value).__name__}, not a number") from None
+        if not math.isfinite(loss):
+            raise self._fail(f"model {self.name}: {method} returned the loss {loss} (a "
+                             f"bug in the model, or training diverged: a learning rate too "
+                             f"high)")
+        return loss
+
+    def _metrics(self, value: Any) -> tuple[float, float]:
+        if not isinstance(value, dict) or "loss" not in value or "accuracy" not in value:
+            raise self._fail(f"model {self.name}: evaluate must return a dict with 'loss' "
+                             f"and 'accuracy', got {value!r:.80}")
+        return self._loss(value["loss"], "evaluate"), float(value["accuracy"])
+
+
+def _accuracy(outputs: np.ndarray, y: np.ndarray) -> float:
+    """The share of rows whose largest output is the row's integer label."""
+    if outputs.ndim != 2 or not np.issubdtype(np.asarray(y).dtype, np.integer):
+        return math.nan
+    return float(np.count_nonzero(outputs.argmax(axis=1) == y)) / len(y)
+
+
+def load_factory(spec: str) -> Any:
+    """`module:factory` (train --model): import the module, call factory(), return what it
+    returns. ModelError naming the spec when any step fails."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ModelError(f"--model {spec!r}: expected MODULE:FACTORY, e.g. "
+                         f"my_models:logistic (FACTORY() returns the model)")
+    if os.getcwd() not in sys.path:  # the `distbelief` script does not put it there
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ModelError(f"--model {spec}: cannot import {module_name} "
+                         f"({type(exc).__name__}: {exc}); the module must be importable "
+                         f"from the current folder or PYTHONPATH") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ModelError(f"--model {spec}: {module_name} has no callable {attr}")
+    try:
+        return factory()
+    except Exception as exc:
+        raise ModelError(f"--model {spec}: {attr}() raised {type(exc).__name__}: "
+                         f"{exc}") from exc
