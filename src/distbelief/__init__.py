@@ -3,14 +3,15 @@
 Downpour SGD over a sharded parameter server (MPI one-sided RMA), Sandblaster L-BFGS,
 model parallelism, Cython kernels and HDF5 checkpoints. See README.md and docs/.
 
-The package's public Python API (distbelief.api) is a trained model without MPI:
-`load_model(path)` returns a `Model` with `predict`, `evaluate`, `layers` and
-`named_parameters`. Importing distbelief never initialises MPI.
+The package's public Python API: `train(config, model=None)` trains (distbelief.training;
+a model of your own: distbelief.model.protocol), and `load_model(path)` returns a trained
+`Model` with `predict`, `evaluate`, `layers` and `named_parameters` (distbelief.api,
+without MPI). Importing distbelief never initialises MPI.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["Evaluation", "Model", "__version__", "load_model"]
+__all__ = ["Evaluation", "Model", "__version__", "load_model", "train"]
 
 _API = ("Evaluation", "Model", "load_model")
 
@@ -22,8 +23,11 @@ def __getattr__(name: str) -> object:  # PEP 562
     if name in _API:
         from distbelief import api
         return getattr(api, name)
+    if name == "train":  # distbelief.training: the API that trains (MPI when launched so)
+        from distbelief.training import train
+        return train
     raise AttributeError(f"module 'distbelief' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_API])
+    return sorted([*globals(), *_API, "train"])

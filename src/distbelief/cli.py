@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override one configuration key; VALUE is read as TOML "
                             "(100, 1e-3, true, \"text\", [1, 2]) or else as a bare string; "
                             "may be repeated")
+    train.add_argument("--model", metavar="MODULE:FACTORY", default=None,
+                       help="a model of your own, returned by FACTORY() in MODULE, "
+                            "instead of [model]'s layers (docs/your-own-model.md)")
     start = train.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",
                        help="resume from the newest valid checkpoint in run.out_dir; fail if "
@@ -367,10 +370,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Several ranks: start MPI before anything can fail, so errors are reported once and
     # an unhandled exception aborts the job.
     comm = start_mpi() if several else None
-    config = load_config(args.config, args.overrides, open_data=False)  # launch opens it
+    model = None
+    if args.model:
+        from distbelief.model.protocol import load_factory
+
+        model = load_factory(args.model)
+    config = load_config(args.config, args.overrides, open_data=False,  # launch opens it
+                         own_model=model is not None)
     from distbelief.algorithms import launch  # numpy: after the subnormal mode is set
 
-    return launch.run(config, comm, _resume_mode(args))
+    return launch.run(config, comm, _resume_mode(args), model)
 
 
 def _resume_mode(args: argparse.Namespace) -> str:
