@@ -1,0 +1,180 @@
+"""A model of the user's own (distbelief.model.protocol): trained by distbelief.train in
+this process and under mpiexec, by `train --model` on several ranks, resumed and refused
+like a built-in one; every way a model can break the protocol is one clear error."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, _env, run_mpi, survive_a_death
+from helpers import exit_statuses, set_args
+
+import distbelief
+from distbelief.errors import ConfigError, UserError
+from distbelief.model.protocol import ModelError, OwnModel
+from distbelief.records import checkpoint as ckpt
+
+PROGRAMS = REPO / "tests" / "mpi_programs"
+sys.path.insert(0, str(PROGRAMS))
+import own_models
+
+TIMEOUT = 90
+
+
+@pytest.fixture(scope="module")
+def data_dir(synthetic_folder, small_config) -> Path:
+    text = small_config(None, optimizer={"algorithm": "downpour", "learning_rate": 0.1},
+                        cluster=None, run={"max_steps": 300, "eval_every_seconds": 0.5},
+                        data={"validation": 0.1})
+    # The model is the user's: the config has no [model] section.
+    text = text.split("[data]", 1)[1]
+    return synthetic_folder("own", {"own.toml": "[data]" + text}, n_train=3000, n_test=600,
+                            input_shape=(own_models.FEATURES,), seed=7)
+
+
+@pytest.fixture
+def keep_sigint():
+    """distbelief.train takes Ctrl-C for itself, as `distbelief train` does: give it back."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
+def config_dict(data_dir: Path, out: Path, **run) -> dict:
+    return {"data": {"path": str(data_dir / "synth.h5"), "batch_size": 32},
+            "optimizer": {"algorithm": "sgd", "learning_rate": 0.1},
+            "run": {"max_steps": 200, "out_dir": str(out), **run}}
+
+
+def test_a_numpy_model_trains_in_this_process_resumes_and_is_its_own_in_the_hash(
+        data_dir: Path, tmp_path: Path, keep_sigint) -> None:
+    out = tmp_path / "run"
+    summary = distbelief.train(config_dict(data_dir, out), model=own_models.logistic())
+    assert summary["stop_reason"] == "max_steps" and summary["steps"] == 200
+    assert summary["final_test_accuracy"] > 0.6  # 4 classes: chance is 0.25
+    recorded = json.loads((out / "config.json").read_text())["model"]
+    assert recorded == {"layers": [], "own": {"name": "logistic", "version": "1",
+                                              "parameters": 24 * 4 + 4}}
+    found = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
+    assert [(e["name"], e["shape"]) for e in found.manifest["layout"]] == [
+        ("weights", [24, 4]), ("bias", [4])]
+    # Only the user's code can run the model: load_model says so instead of guessing.
+    with pytest.raises(UserError, match="holds a model of your own \\(logistic, 100"):
+        distbelief.load_model(out)
+    # A longer budget resumes where the run stopped.
+    summary = distbelief.train(config_dict(data_dir, out, max_steps=300),
+                               model=own_models.logistic())
+    assert summary["steps"] == 300 and "ckpt-0000000200" in summary["resumed_from"]
+    # Another model (here: a new version) is another run: its checkpoints are not resumed.
+    other = own_models.logistic()
+    other.version = "2"
+    with pytest.raises(UserError, match="model.own"):
+        distbelief.train(config_dict(data_dir, out, max_steps=400), model=other)
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda m: setattr(m, "predict", None), "no predict method"),
+    (lambda m: setattr(m, "loss_and_grad", lambda p, x, y: (1.0, np.zeros(3, np.float32))),
+     "loss_and_grad returned a gradient of 3 values; the model has 100 parameters"),
+    (lambda m: setattr(m, "loss_and_grad", lambda p, x, y: (1.0, np.zeros(100))),
+     ("loss_and_grad returned a gradient of float64 of shape \\(100,\\); it must be a "
+      "flat float32")),
+    (lambda m: setattr(m, "loss_and_grad", lambda p, x, y: 1 / 0),
+     "loss_and_grad raised ZeroDivisionError: division by zero"),
+    (lambda m: setattr(m, "loss_and_grad",
+                       lambda p, x, y: (float("nan"), np.zeros(100, np.float32))),
+     "loss_and_grad returned the loss nan"),
+    (lambda m: setattr(m, "init_params", lambda rng: [0.0] * 100),
+     "init_params returned list; it must be a flat float32 vector"),
+    (lambda m: setattr(m, "predict", lambda p, x: np.zeros((1, 4))),
+     "predict returned shape \\(1, 4\\) for 2 rows"),
+])
+def test_a_model_that_breaks_the_protocol_is_one_error_naming_it_and_the_call(
+        data_dir: Path, tmp_path: Path, keep_sigint, break_it, message: str) -> None:
+    model = own_models.logistic()
+    break_it(model)
+    with pytest.raises(ModelError, match=f"model logistic: {message}"):
+        distbelief.train(config_dict(data_dir, tmp_path / "run"), model=model)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_a_configuration_that_does_not_go_with_a_model_of_ones_own_is_refused(
+        data_dir: Path, tmp_path: Path, keep_sigint) -> None:
+    config = config_dict(data_dir, tmp_path / "run")
+    layered = {**config, "model": {"layers": [{"type": "dense", "units": 4}]}}
+    with pytest.raises(ConfigError, match="model.layers describe the built-in network"):
+        distbelief.train(layered, model=own_models.logistic())
+    with pytest.raises(ConfigError, match="cluster.partitions = 2: model parallelism"):
+        distbelief.train({**config, "optimizer": {"algorithm": "sgd"},
+                          "cluster": {"partitions": 2}}, model=own_models.logistic())
+    with pytest.raises(ConfigError, match="config must be a TOML path or a dict"):
+        distbelief.train(42, model=own_models.logistic())
+
+
+def test_own_model_evaluates_by_its_outputs_argmax_or_by_its_own_evaluate() -> None:
+    model = own_models.logistic()
+    wrapped = OwnModel(model, (24,), 4)
+    params = wrapped.init_params(0)
+    x = np.random.default_rng(1).normal(size=(50, 24)).astype(np.float32)
+    y = np.random.default_rng(2).integers(0, 4, 50)
+    loss, accuracy = wrapped.evaluate(params, x, y, batch_size=16)
+    expected = float(np.mean(model.predict(params, x).argmax(axis=1) == y))
+    assert accuracy == pytest.approx(expected)
+    assert loss == pytest.approx(model.loss_and_grad(params, x, y)[0], rel=1e-5)
+    assert wrapped.step == 0  # the probe's call is not a training step, nor evaluation's
+    model.evaluate = lambda p, xb, yb: {"loss": 7.0, "accuracy": 0.5}
+    assert wrapped.evaluate(params, x, y) == (7.0, 0.5)
+
+
+def test_the_python_api_trains_a_model_of_ones_own_with_downpour_on_three_ranks(
+        data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_mpi(3, [PROGRAMS / "own_model_train.py", data_dir / "own.toml", out],
+                   timeout=TIMEOUT, cwd=PROGRAMS)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algorithm"] == "downpour" and len(summary["replicas"]) == 2
+    assert proc.stdout.count("summary: max_steps") == 1  # on the rank that wrote it
+    assert summary["final_test_accuracy"] > 0.6
+
+
+def cli_job(n: int, data_dir: Path, out: Path, model: str, *overrides: str):
+    args = ["train", data_dir / "own.toml", "--model", f"own_models:{model}",
+            *set_args(f'run.out_dir="{out}"', *overrides)]
+    return run_mpi(n, [PROGRAMS / "cli_exit_status.py", *args], timeout=TIMEOUT,
+                   cwd=PROGRAMS, env=_env(), launcher_options=survive_a_death())
+
+
+def test_train_model_trains_with_sync_on_one_shard_and_three_replicas(
+        data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = cli_job(4, data_dir, out, "logistic", 'optimizer.algorithm="sync"',
+                   "optimizer.backup_workers=1")
+    assert exit_statuses(proc) == [0] * 4, proc.stdout + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["replicas"] == 3 and summary["final_test_accuracy"] > 0.6
+
+
+def test_a_model_refused_at_its_check_exits_2_on_every_rank_in_one_line(
+        data_dir: Path, tmp_path: Path) -> None:
+    proc = cli_job(3, data_dir, tmp_path / "run", "short_gradient")
+    assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr[-3000:]
+    line = ("model short-gradient: loss_and_grad returned a gradient of 99 values; the "
+            "model has 100 parameters")
+    assert proc.stderr.count(line) == 1, proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_that_fails_on_one_replica_mid_run_ends_the_job_in_one_line(
+        data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = cli_job(3, data_dir, out, "raises_on_rank_2", "run.max_steps=100000")
+    assert proc.returncode != 0, proc.stdout + proc.stderr[-3000:]
+    line = "model raises-on-rank-2: loss_and_grad raised RuntimeError: boom at step 20"
+    assert proc.stderr.count(line) == 1, proc.stderr[-3000:]
+    assert not (out / "summary.json").exists()  # no summary claims a run that broke
