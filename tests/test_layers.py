@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("algorithms", ("distbelief.algorithms",)),
     ("launch", ("distbelief.algorithms.launch",)),
     ("compare", ("distbelief.compare",)),
-    ("api", ("distbelief", "distbelief.api", "distbelief.training")),
+    ("api", ("distbelief", "distbelief.api", "distbelief.training", "distbelief.torch")),
     ("cli", ("distbelief.cli", "distbelief.cli_help", "distbelief.__main__")),
 ]
 
