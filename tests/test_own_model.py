@@ -178,3 +178,75 @@ def test_a_model_that_fails_on_one_replica_mid_run_ends_the_job_in_one_line(
     line = "model raises-on-rank-2: loss_and_grad raised RuntimeError: boom at step 20"
     assert proc.stderr.count(line) == 1, proc.stderr[-3000:]
     assert not (out / "summary.json").exists()  # no summary claims a run that broke
+
+
+# -- a PyTorch module (distbelief.torch.TorchModel) ----------------------------------------
+
+IMAGE = (8, 8, 1)
+
+
+def cnn(torch, seed: int = 0):
+    sys.path.insert(0, str(REPO / "examples"))
+    from torch_cnn import CNN
+
+    torch.manual_seed(seed)
+    return CNN(*IMAGE, classes=4)
+
+
+@pytest.mark.torch
+def test_torch_model_lays_the_parameters_out_in_order_and_its_gradient_is_autograds(
+        torch) -> None:
+    from distbelief.torch import TorchModel
+
+    net = cnn(torch)
+    model = TorchModel(net, torch.nn.CrossEntropyLoss())
+    params = model.init_params(np.random.default_rng(5))
+    assert np.array_equal(params, model.init_params(np.random.default_rng(5)))
+    assert model.named_slices() == [(n, tuple(p.shape)) for n, p in net.named_parameters()]
+    wrapped = OwnModel(model, IMAGE, 4)  # the protocol's checks and its probe
+    x = np.random.default_rng(1).random((6, *IMAGE), dtype=np.float32)
+    y = np.random.default_rng(2).integers(0, 4, 6)
+    grad = np.empty_like(params)
+    loss = wrapped.loss_and_grad(params, x, y, grad)
+    # The reference: a fresh module holding the same values, plain autograd.
+    reference = cnn(torch, seed=9)
+    values = iter(np.split(params, np.cumsum(
+        [p.numel() for p in reference.parameters()])[:-1]))
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(torch.from_numpy(next(values)).view_as(p))
+    expected = torch.nn.functional.cross_entropy(
+        reference(torch.from_numpy(x)), torch.from_numpy(y))
+    expected.backward()
+    assert loss == pytest.approx(float(expected), rel=1e-6)
+    want = np.concatenate([p.grad.numpy().ravel() for p in reference.parameters()])
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
+    assert np.abs(grad).sum() > 0
+
+
+@pytest.mark.torch
+def test_a_torch_cnn_trains_with_downpour_and_loads_back_into_its_module(
+        torch, synthetic_folder, small_config, tmp_path: Path) -> None:
+    from distbelief.torch import TorchModel
+
+    text = small_config(None, optimizer={"algorithm": "downpour", "learning_rate": 0.01},
+                        cluster=None, run={"max_steps": 1200, "eval_every_seconds": 1.0})
+    folder = synthetic_folder("torch", {"cnn.toml": "[data]" + text.split("[data]", 1)[1]},
+                              n_train=2000, n_test=400, input_shape=IMAGE, seed=4)
+    out = tmp_path / "run"
+    proc = run_mpi(3, [PROGRAMS / "torch_train.py", folder / "cnn.toml", out, *IMAGE, 4],
+                   timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algorithm"] == "downpour" and summary["final_test_accuracy"] > 0.45
+    # The trained vector, loaded into a fresh module, predicts what the run's model did.
+    net = cnn(torch, seed=3)
+    found = TorchModel.load_into(net, out)
+    params, _ = found.read_state()
+    x = np.random.default_rng(0).random((5, *IMAGE), dtype=np.float32)
+    with torch.no_grad():
+        loaded = net(torch.from_numpy(x)).numpy()
+    model = TorchModel(cnn(torch, seed=4), torch.nn.CrossEntropyLoss())
+    np.testing.assert_array_equal(loaded, model.predict(params, x))
+    with pytest.raises(ValueError, match="parameters are not those of"):
+        TorchModel.load_into(torch.nn.Linear(3, 2), out)
