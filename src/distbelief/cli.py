@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from distbelief import __version__, cli_help
+from distbelief import __version__, cli_help, cli_types
 from distbelief.algorithms import registry
 from distbelief.errors import EXIT_USER_ERROR, UserError
 from distbelief.runtime.launching import guardian, launcher
@@ -121,17 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
                          action="append", required=True, dest="algorithms",
                          help="an algorithm to run, with settings of its own; repeat it "
                               "for each algorithm")
-    compare.add_argument("--replicas", metavar="R,R,...", type=_positive_ints, default=(1,),
-                         help="replica counts (default: 1)")
-    compare.add_argument("--seeds", metavar="S,S,...", type=_seeds, default=(0,),
+    compare.add_argument("--replicas", metavar="R,R,...", type=cli_types.positive_ints,
+                         default=(1,), help="replica counts (default: 1)")
+    compare.add_argument("--seeds", metavar="S,S,...", type=cli_types.seeds, default=(0,),
                          help="run.seed values; the table gives the median and spread "
                               "over them (default: 0)")
-    compare.add_argument("--learning-rates", metavar="LR,LR,...", type=_positive_floats,
+    compare.add_argument("--learning-rates", metavar="LR,LR,...", type=cli_types.positive_floats,
                          default=(), help="optimizer.learning_rate values (default: the "
                                           "configuration's)")
-    compare.add_argument("--max-seconds", metavar="S", type=_positive_float, default=None,
+    compare.add_argument("--max-seconds", metavar="S", type=cli_types.positive_float, default=None,
                          help="run.max_seconds of every run: the time budget")
-    compare.add_argument("--target", metavar="ACC", type=_positive_float, default=None,
+    compare.add_argument("--target", metavar="ACC", type=cli_types.positive_float, default=None,
                          help="run.target_accuracy of every run")
     compare.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
                          dest="overrides", help="override a configuration key for every run "
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--launcher", metavar="COMMAND", default=None,
                          help="how to start a run's ranks, {n} standing for the rank count "
                               "(default: \"mpiexec -n {n}\")")
-    compare.add_argument("--run-timeout", metavar="S", type=_positive_float, default=None,
+    compare.add_argument("--run-timeout", metavar="S", type=cli_types.positive_float, default=None,
                          help="end a run still going S seconds after its start and record "
                               "it as timed out (default: its run.max_seconds plus 120 s or "
                               "half the budget, whichever is more; none without a "
@@ -161,18 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "rank for shards x replicas x partitions, or plan a layout",
                     cli_help.COSTMODEL_HELP, cmd_costmodel)
     cost.add_argument("config", metavar="CONFIG", help="the TOML configuration file")
-    cost.add_argument("--partitions", metavar="P,P,...", type=_positive_ints,
+    cost.add_argument("--partitions", metavar="P,P,...", type=cli_types.positive_ints,
                       default=(1, 2, 4, 8), help="partition counts of one replica "
                       "(default: 1,2,4,8)")
-    cost.add_argument("--layouts", metavar="S:R:P,...", type=_layouts, default=(),
+    cost.add_argument("--layouts", metavar="S:R:P,...", type=cli_types.layouts, default=(),
                       help="Downpour layouts to predict: S shards, R replicas, P partitions "
                            "each (S = 0: one replica without shards)")
     cost.add_argument("--plan", action="store_true",
                       help="suggest the fastest layouts that fit --nodes nodes of --cores "
                            "ranks and --memory bytes each")
-    cost.add_argument("--nodes", metavar="N", type=_positive_int, default=1,
+    cost.add_argument("--nodes", metavar="N", type=cli_types.positive_int, default=1,
                       help="nodes for --plan (default: %(default)s)")
-    cost.add_argument("--cores", metavar="C", type=_positive_int, default=None,
+    cost.add_argument("--cores", metavar="C", type=cli_types.positive_int, default=None,
                       help="cores per node: one rank each for --plan; with --layouts, "
                            "ranks beyond this share the cores (default: no sharing; "
                            "with --measure, this machine's count)")
@@ -182,10 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--measure", action="store_true",
                       help="time this machine instead of --gflops, --bandwidth, --latency, "
                            "--fold-rate and --half-width")
-    cost.add_argument("--gflops", type=_positive_float, default=10.0,
+    cost.add_argument("--gflops", type=cli_types.positive_float, default=10.0,
                       help="sustained GFLOP/s of one rank on whole layers (default: "
                            "%(default)s; --measure times it)")
-    cost.add_argument("--bandwidth", metavar="GB/S", type=_positive_float, default=12.5,
+    cost.add_argument("--bandwidth", metavar="GB/S", type=cli_types.positive_float, default=12.5,
                       help="link bandwidth per rank, each way, in GB/s (default: "
                            "%(default)s, 100 Gb/s InfiniBand EDR); with --plan, per node, "
                            "shared by its ranks")
@@ -197,17 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--half-width", metavar="UNITS", type=float, default=0.0,
                       help="a layer block this many units wide computes at half the rate "
                            "of a wide one (default: %(default)s, no penalty)")
-    cost.add_argument("--fold-rate", metavar="GPARAM/S", type=_positive_float, default=1.2,
+    cost.add_argument("--fold-rate", metavar="GPARAM/S", type=cli_types.positive_float, default=1.2,
                       help="parameters per second (x 1e9) a shard's Adagrad folds "
                            "(default: %(default)s)")
     cost.add_argument("--transport", choices=("rma", "shared"), default="rma",
                       help="parameter-server transport for --layouts and --plan (default: "
                            "%(default)s; shared: every rank on one node)")
-    cost.add_argument("--batch", metavar="N", type=_positive_int, default=None,
+    cost.add_argument("--batch", metavar="N", type=cli_types.positive_int, default=None,
                       help="batch size (default: the configuration's data.batch_size)")
-    cost.add_argument("--input-shape", metavar="H,W,C", type=_shape, default=None,
+    cost.add_argument("--input-shape", metavar="H,W,C", type=cli_types.shape, default=None,
                       help="input shape instead of the data file's (needs --classes)")
-    cost.add_argument("--classes", metavar="K", type=_positive_int, default=None,
+    cost.add_argument("--classes", metavar="K", type=cli_types.positive_int, default=None,
                       help="number of classes instead of the data file's")
 
     evaluate = _command(commands, "evaluate", "print a trained model's loss and "
@@ -254,13 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate inputs and label them with a random teacher network: a "
         "learnable task of any size, for runs larger than any real set at hand.")
     synthetic.add_argument("--out", metavar="FILE", required=True, help="HDF5 file to write")
-    synthetic.add_argument("--train", metavar="N", type=_positive_int, required=True,
+    synthetic.add_argument("--train", metavar="N", type=cli_types.positive_int, required=True,
                            help="number of training samples")
-    synthetic.add_argument("--test", metavar="N", type=_positive_int, required=True,
+    synthetic.add_argument("--test", metavar="N", type=cli_types.positive_int, required=True,
                            help="number of test samples")
-    synthetic.add_argument("--shape", metavar="H,W,C", type=_shape, default=(28, 28, 1),
+    synthetic.add_argument("--shape", metavar="H,W,C", type=cli_types.shape, default=(28, 28, 1),
                            help="input shape, H,W,C or a flat F (default: 28,28,1)")
-    synthetic.add_argument("--classes", metavar="K", type=_positive_int, default=10,
+    synthetic.add_argument("--classes", metavar="K", type=cli_types.positive_int, default=10,
                            help="number of classes (default: %(default)s)")
     synthetic.add_argument("--seed", metavar="S", type=int, default=0,
                            help="random seed (default: %(default)s)")
@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     arrays.add_argument("--test-fraction", metavar="F", type=float,
                         help="with no test split: hold out this fraction of the rows, "
                              "chosen at random (e.g. 0.1)")
-    arrays.add_argument("--classes", metavar="K", type=_positive_int,
+    arrays.add_argument("--classes", metavar="K", type=cli_types.positive_int,
                         help="number of classes (default: the largest label + 1)")
     arrays.add_argument("--scale", metavar="S", type=float,
                         help="value = stored * S (default: 1/255 for uint8 inputs, else 1)")
@@ -293,57 +293,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seed of the shuffle and the held-out rows (default: %(default)s)")
     arrays.set_defaults(func=cmd_prepare_arrays)
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_ints(text: str) -> tuple[int, ...]:
-    return tuple(_positive_int(part) for part in text.split(","))
-
-
-def _comma_ints(text: str, example: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like {example}, "
-                                         f"got {text!r}") from None
-
-
-def _seeds(text: str) -> tuple[int, ...]:
-    seeds = _comma_ints(text, "0,1,2")
-    if min(seeds) < 0:
-        raise argparse.ArgumentTypeError(f"seeds must be 0 or more, got {text!r}")
-    return seeds
-
-
-def _positive_floats(text: str) -> tuple[float, ...]:
-    return tuple(_positive_float(part) for part in text.split(","))
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _shape(text: str) -> tuple[int, ...]:
-    shape = _comma_ints(text, "28,28,1")
-    if len(shape) not in (1, 3) or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"expected H,W,C or F of positive integers, "
-                                         f"got {text!r}")
-    return shape
 
 
 # ---------------------------------------------------------------------------------------
@@ -393,21 +342,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return compare(args.config, args.algorithms, args.replicas, args.seeds,
                    args.learning_rates, args.max_seconds, args.target, args.overrides,
                    args.launcher, args.run_timeout, args.out)
-
-
-def _layouts(text: str) -> tuple[tuple[int, int, int], ...]:
-    """'1:2:1,2:2:1' as ((S, R, P), ...)."""
-    out = []
-    for part in text.split(","):
-        try:
-            s_, r_, p_ = (int(v) for v in part.split(":"))
-        except ValueError:
-            s_ = r_ = p_ = -1
-        if s_ < 0 or r_ < 1 or p_ < 1:
-            raise argparse.ArgumentTypeError(f"{part!r}: expected S:R:P, S >= 0 shards, "
-                                             f"R >= 1 replicas, P >= 1 partitions")
-        out.append((s_, r_, p_))
-    return tuple(out)
 
 
 def cmd_costmodel(args: argparse.Namespace) -> int:
