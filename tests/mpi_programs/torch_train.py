@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from torch import nn  # noqa: E402
-from torch_cnn import CNN  # noqa: E402
+from torch import nn
+from torch_cnn import CNN
 
-import distbelief  # noqa: E402
-from distbelief.torch import TorchModel  # noqa: E402
+import distbelief
+from distbelief.torch import TorchModel
 
 if __name__ == "__main__":
     config, out, *shape = sys.argv[1:]
