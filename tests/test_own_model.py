@@ -15,6 +15,7 @@ from conftest import REPO, _env, run_mpi, survive_a_death
 from helpers import exit_statuses, set_args
 
 import distbelief
+from distbelief.cli import main
 from distbelief.errors import ConfigError, UserError
 from distbelief.model.protocol import ModelError, OwnModel
 from distbelief.records import checkpoint as ckpt
@@ -52,7 +53,7 @@ def config_dict(data_dir: Path, out: Path, **run) -> dict:
 
 
 def test_a_numpy_model_trains_in_this_process_resumes_and_is_its_own_in_the_hash(
-        data_dir: Path, tmp_path: Path, keep_sigint) -> None:
+        data_dir: Path, tmp_path: Path, keep_sigint, capsys) -> None:
     out = tmp_path / "run"
     summary = distbelief.train(config_dict(data_dir, out), model=own_models.logistic())
     assert summary["stop_reason"] == "max_steps" and summary["steps"] == 200
@@ -63,9 +64,7 @@ def test_a_numpy_model_trains_in_this_process_resumes_and_is_its_own_in_the_hash
     found = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
     assert [(e["name"], e["shape"]) for e in found.manifest["layout"]] == [
         ("weights", [24, 4]), ("bias", [4])]
-    # Only the user's code can run the model: load_model says so instead of guessing.
-    with pytest.raises(UserError, match="holds a model of your own \\(logistic, 100"):
-        distbelief.load_model(out)
+    check_the_trained_model(out, summary, capsys)
     # A longer budget resumes where the run stopped.
     summary = distbelief.train(config_dict(data_dir, out, max_steps=300),
                                model=own_models.logistic())
@@ -75,6 +74,34 @@ def test_a_numpy_model_trains_in_this_process_resumes_and_is_its_own_in_the_hash
     other.version = "2"
     with pytest.raises(UserError, match="model.own"):
         distbelief.train(config_dict(data_dir, out, max_steps=400), model=other)
+
+
+def check_the_trained_model(out: Path, summary: dict, capsys) -> None:
+    """evaluate, export and load_model of a run of own_models.logistic."""
+    # Only the user's code can run the model: load_model asks for it instead of guessing.
+    with pytest.raises(UserError, match="holds a model of your own \\(logistic, 100 "
+                                        "parameters\\), which only your code can run"):
+        distbelief.load_model(out)
+    with pytest.raises(UserError, match="is not the one trained"):
+        distbelief.load_model(out, model=own_models.Logistic(24, 3))
+    loaded = distbelief.load_model(out, model=own_models.logistic())
+    assert [name for name, _ in loaded.named_parameters()] == ["weights", "bias"]
+    # The test set is scored as the run scored it at its end (the same best model).
+    capsys.readouterr()
+    assert main(["evaluate", str(out), "--model", "own_models:logistic", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["accuracy"] == pytest.approx(
+        summary["final_test_accuracy"], abs=1e-6)
+    # An export of it reads back with the model, predicting what the run's model does.
+    export = out.parent / "logistic.safetensors"
+    assert main(["export", str(out), "--out", str(export)]) == 0
+    x = np.random.default_rng(0).random((7, 24), dtype=np.float32)
+    again = distbelief.load_model(export, model=own_models.logistic())
+    np.testing.assert_array_equal(again.predict(x), loaded.predict(x))
+    params = dict(loaded.named_parameters())
+    flat = np.concatenate([params["weights"].ravel(), params["bias"]])
+    scaled = x * np.float32(loaded.input_scale)  # predict takes x as the file stores it
+    np.testing.assert_allclose(loaded.predict(x),
+                               own_models.logistic().predict(flat, scaled), rtol=1e-5)
 
 
 @pytest.mark.parametrize("break_it, message", [
@@ -218,7 +245,7 @@ def test_torch_model_lays_the_parameters_out_in_order_and_its_gradient_is_autogr
     expected = torch.nn.functional.cross_entropy(
         reference(torch.from_numpy(x)), torch.from_numpy(y))
     expected.backward()
-    assert loss == pytest.approx(float(expected), rel=1e-6)
+    assert loss == pytest.approx(float(expected.detach()), rel=1e-6)
     want = np.concatenate([p.grad.numpy().ravel() for p in reference.parameters()])
     np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
     assert np.abs(grad).sum() > 0

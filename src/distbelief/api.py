@@ -83,8 +83,14 @@ class Model:
 
     def predict(self, x: np.ndarray, batch_size: int = BATCH_SIZE) -> np.ndarray:
         """Class probabilities, float32 (N, num_classes), for x (N, *input_shape) given as
-        the dataset file stores it: uint8 or float32, scaled here by input_scale."""
+        the dataset file stores it: uint8 or float32, scaled here by input_scale. A model
+        of your own: what its predict returns, as float32."""
         inputs = self._inputs(x)
+        if self._trained.own is not None:
+            step = _check_batch(batch_size)
+            return np.concatenate([
+                self._network.logits(self._params, inputs[start:start + step])
+                for start in range(0, len(inputs), step)]).astype(np.float32, copy=False)
         out = np.empty((len(inputs), self.num_classes), dtype=np.float32)
         for start in range(0, len(inputs), _check_batch(batch_size)):
             logits = self._network.logits(self._params, inputs[start:start + batch_size])
@@ -115,6 +121,9 @@ class Model:
         return to_float(x, self.input_scale)
 
     def __repr__(self) -> str:
+        if self._trained.own is not None:
+            return (f"Model(a model of your own: {self._trained.own['name']}; input "
+                    f"{self.input_shape}, {self._network.layout.size:,d} parameters)")
         kinds = ", ".join(layer["type"] for layer in self._trained.layers)
         return (f"Model({len(self._trained.layers)} layers: {kinds}; input "
                 f"{self.input_shape}, {self.num_classes} classes, "
@@ -129,7 +138,7 @@ def _check_batch(batch_size: int) -> int:
 
 
 def load_model(path: str | Path, data: str | Path | None = None,
-               which: str | None = None) -> Model:
+               which: str | None = None, model: Any = None) -> Model:
     """The trained model at `path`: a run folder (its best model, which run.keep_best
     kept, else its newest valid checkpoint; `which="best"` or `"last"` chooses, and
     `Model.source["which"]` says which it is), a checkpoint folder, or a file written by
@@ -139,9 +148,11 @@ def load_model(path: str | Path, data: str | Path | None = None,
     another dataset file when that one has moved. Never starts MPI. A damaged or unknown
     file raises distbelief.errors.UserError with one line saying what is wrong; a damaged
     newer checkpoint of a run folder that was passed over is a warning (and in
-    `Model.source["skipped"]`).
+    `Model.source["skipped"]`). A run of a model of your own (distbelief.model.protocol)
+    needs that model: `model`, an object like the one trained; predict and evaluate call
+    it.
     """
-    trained = read_trained(path, data=data, which=which)
+    trained = read_trained(path, data=data, which=which, model=model)
     for skipped in trained.source.get("skipped", []):
         warnings.warn(f"skipped a damaged checkpoint: {skipped}", stacklevel=2)
     return Model(trained)

@@ -86,9 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override one configuration key; VALUE is read as TOML "
                             "(100, 1e-3, true, \"text\", [1, 2]) or else as a bare string; "
                             "may be repeated")
-    train.add_argument("--model", metavar="MODULE:FACTORY", default=None,
-                       help="a model of your own, returned by FACTORY() in MODULE, "
-                            "instead of [model]'s layers (docs/your-own-model.md)")
+    _model_option(train, "instead of [model]'s layers")
     start = train.add_mutually_exclusive_group()
     start.add_argument("--resume", action="store_true",
                        help="resume from the newest valid checkpoint in run.out_dir; fail if "
@@ -220,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="which part of the file: test, validation (the run's "
                                "held-out rows or /val) or train (default: %(default)s)")
     _which_option(evaluate)
+    _model_option(evaluate, "that the run trained")
     _json_option(evaluate)
 
     export = _command(commands, "export", "write a trained model's weights as named "
@@ -319,11 +318,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Several ranks: start MPI before anything can fail, so errors are reported once and
     # an unhandled exception aborts the job.
     comm = start_mpi() if several else None
-    model = None
-    if args.model:
-        from distbelief.model.protocol import load_factory
-
-        model = load_factory(args.model)
+    model = _own_model(args)
     config = load_config(args.config, args.overrides, open_data=False,  # launch opens it
                          own_model=model is not None)
     from distbelief.algorithms import launch  # numpy: after the subnormal mode is set
@@ -416,13 +411,25 @@ def _which_option(parser: argparse.ArgumentParser, note: str = "") -> None:
                              f"best where the run kept one, else last{note})")
 
 
+def _model_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--model", metavar="MODULE:FACTORY", default=None, help=f"a model "
+                        f"of your own, FACTORY() in MODULE, {what} (docs/your-own-model.md)")
+
+
+def _own_model(args: argparse.Namespace) -> Any:
+    from distbelief.model.protocol import load_factory
+
+    return load_factory(args.model) if args.model else None
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
     from distbelief.api import evaluate_split
     from distbelief.records.export import read_trained
 
-    trained = read_trained(args.path, data=args.data, which=args.which)
+    trained = read_trained(args.path, data=args.data, which=args.which,
+                           model=_own_model(args))
     for skipped in trained.source.get("skipped", []):
         print(f"{PROG}: skipped a damaged checkpoint: {skipped}", file=sys.stderr)
     result = evaluate_split(args.path, trained, args.data, args.split)
@@ -454,7 +461,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     elif args.with_optimizer:
         state = ", no optimizer state: plain SGD keeps none"
     which = f" ({trained.source['which']})" if trained.source.get("which") else ""
-    print(f"wrote {path} ({fmt}; {len(trained.layers)} layers{state}) from "
+    kind = f"{len(trained.layers)} layers" if trained.own is None else \
+        f"{trained.own['name']}, {len(trained.layout().entries)} slices"
+    print(f"wrote {path} ({fmt}; {kind}{state}) from "
           f"{trained.source.get('path', args.path)}{which}")
     return 0
 

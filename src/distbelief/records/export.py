@@ -64,7 +64,8 @@ PARAM_NAMES = {"weights": "weight", "bias": "bias"}
 """Layout array name -> exported name (PyTorch's)."""
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one
-JSON_METADATA = ("version", "layers", "input_shape", "input_scale", "num_classes", "source")
+JSON_METADATA = ("version", "layers", "input_shape", "input_scale", "num_classes", "source",
+                 "own", "layout")
 """The metadata keys that are not strings: JSON text in a safetensors header."""
 
 
@@ -87,24 +88,58 @@ class TrainedModel:
     params: np.ndarray
     optimizer_state: dict[str, np.ndarray] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
+    own: dict[str, Any] | None = None
+    """A model of the user's own (model.protocol): its identity; `layers` is then empty,
+    `own_layout` holds the vector's named slices, and `model` the user's object."""
+    own_layout: list[dict[str, Any]] | None = None
+    model: Any = None
 
-    def network(self) -> Network:
-        """The Network of this specification (a ConfigError if it is not a valid one)."""
-        return Network(self.input_shape, [dict(layer) for layer in self.layers],
-                       self.num_classes)
+    def layout(self) -> ParamLayout:
+        """The parameter vector's layout (no model object needed)."""
+        if self.own is None:
+            return self.network().layout
+        return ParamLayout([(r["layer"], r["name"], tuple(r["shape"]))
+                            for r in self.own_layout or []])
+
+    def network(self) -> Any:
+        """The Network of this specification (a ConfigError if it is not a valid one), or
+        the user's model behind model.protocol.OwnModel; a UserError if that model was
+        not given, or is not the one trained."""
+        if self.own is None:
+            return Network(self.input_shape, [dict(layer) for layer in self.layers],
+                           self.num_classes)
+        what = f"a model of your own ({self.own['name']}, {self.own['parameters']:,d} " \
+               f"parameters)"
+        if self.model is None:
+            raise UserError(f"{self.source.get('path', 'this model')} holds {what}, which "
+                            f"only your code can run: give it (load_model(path, model=...)"
+                            f", or --model MODULE:FACTORY)")
+        from distbelief.model.protocol import OwnModel
+
+        network = OwnModel(self.model, self.input_shape, self.num_classes)
+        if network.layout != self.layout():
+            raise UserError(f"the model given ({network.name}, {network.layout.size:,d} "
+                            f"parameters) is not the one trained: {what}")
+        return network
 
     def named_arrays(self, layout: ParamLayout, flat: np.ndarray | None = None
                      ) -> dict[str, np.ndarray]:
-        """`flat` (default: params) as {layers.<i>.weight: view, ...} in layout order."""
+        """`flat` (default: params) as {layers.<i>.weight: view, ...} in layout order (a
+        model of one's own: its slices' names)."""
         flat = self.params if flat is None else flat
-        return {array_name(e.layer, e.name): layout.view(flat, e.layer, e.name)
+        return {self.array_name(e.layer, e.name): layout.view(flat, e.layer, e.name)
                 for e in layout.entries}
+
+    def array_name(self, layer: int, name: str) -> str:
+        return name if self.own is not None else array_name(layer, name)
 
     def metadata(self) -> dict[str, Any]:
         """The file's metadata: format, version and what rebuilds the model."""
+        own = {} if self.own is None else {"own": self.own,
+                                           "layout": self.layout().to_records()}
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "layers": self.layers,
                 "input_shape": list(self.input_shape), "input_scale": self.input_scale,
-                "num_classes": self.num_classes,
+                "num_classes": self.num_classes, **own,
                 "source": {k: v for k, v in self.source.items() if k != "skipped"}}
 
 
@@ -123,7 +158,8 @@ checkpoint."""
 
 
 def read_trained(path: str | Path, data: str | Path | None = None,
-                 with_optimizer: bool = False, which: str | None = None) -> TrainedModel:
+                 with_optimizer: bool = False, which: str | None = None,
+                 model: Any = None) -> TrainedModel:
     """The trained model at `path`: a run folder (its best model, else its newest valid
     checkpoint; `which` = "best" or "last" chooses), a checkpoint folder, or an export
     file (HDF5 or safetensors).
@@ -131,9 +167,16 @@ def read_trained(path: str | Path, data: str | Path | None = None,
     The best model holds no optimizer state, so `with_optimizer` reads the last unless
     `which` says "best" (refused). A checkpoint does not record the input shape and scale:
     they come from the run's data file (the manifest's data.path), or from `data` when
-    given. Any problem is one UserError naming the file and what is wrong.
+    given. A model of the user's own is run by `model`, their object (TrainedModel.network).
+    Any problem is one UserError naming the file and what is wrong.
     """
-    path = Path(path)
+    trained = _read_trained(Path(path), data, with_optimizer, which)
+    trained.model = model
+    return trained
+
+
+def _read_trained(path: Path, data: str | Path | None, with_optimizer: bool,
+                  which: str | None) -> TrainedModel:
     if which is not None and which not in WHICH:
         raise UserError(f"which must be one of {', '.join(WHICH)}, got {which!r}")
     if not path.exists():
@@ -205,15 +248,14 @@ def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
                     with_optimizer: bool = False) -> TrainedModel:
     """The model held by a verified checkpoint; the input shape and scale from `data` or
     the run's own data file."""
-    own = found.manifest["config"]["model"].get("own")
-    if own:
-        raise UserError(f"checkpoint {found.path} holds a model of your own ({own['name']}, "
-                        f"{own['parameters']:,d} parameters), which only your code can "
-                        f"run: read its vector with distbelief.records.checkpoint.verify(PATH)"
-                        f".read_state() and call your model's predict (evaluate, export and "
-                        f"load_model take built-in layers only, for now)")
     layers = found.manifest["config"]["model"]["layers"]
     info = _data_info(found, data)
+    own = found.manifest["config"]["model"].get("own")
+    if own:
+        params, state = found.read_state(with_optimizer)
+        return TrainedModel([], info.input_shape, info.scale, info.num_classes, params,
+                            state, _checkpoint_source(found, info), own,
+                            found.manifest["layout"])
     try:
         found.check_layout(Network(info.input_shape, [dict(layer) for layer in layers],
                                    info.num_classes).layout)
@@ -223,12 +265,16 @@ def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
                         f"{info.path} (input {shape}, {info.num_classes} classes): "
                         f"{exc}") from exc
     params, state = found.read_state(with_optimizer)
-    source = {"kind": "checkpoint", "evaluation": found.best, "path": str(found.path.resolve()), "step": found.step,
-              "samples": found.samples, "algorithm": found.manifest["algorithm"],
-              "config_hash": found.manifest["config_hash"], "data": str(info.path),
-              "validation": found.manifest["config"]["data"].get("validation", 0.0)}
     return TrainedModel(list(layers), info.input_shape, info.scale, info.num_classes,
-                        params, state, source)
+                        params, state, _checkpoint_source(found, info))
+
+
+def _checkpoint_source(found: ckpt.Checkpoint, info: DatasetInfo) -> dict[str, Any]:
+    return {"kind": "checkpoint", "evaluation": found.best,
+            "path": str(found.path.resolve()), "step": found.step, "samples": found.samples,
+            "algorithm": found.manifest["algorithm"],
+            "config_hash": found.manifest["config_hash"], "data": str(info.path),
+            "validation": found.manifest["config"]["data"].get("validation", 0.0)}
 
 
 def _data_info(found: ckpt.Checkpoint, data: str | Path | None) -> DatasetInfo:
@@ -267,8 +313,9 @@ def _from_arrays(path: Path, metadata: Mapping[str, Any],
     try:
         model = TrainedModel(list(metadata["layers"]), tuple(metadata["input_shape"]),
                              float(metadata["input_scale"]), int(metadata["num_classes"]),
-                             np.empty(0, DTYPE), {}, dict(metadata.get("source") or {}))
-        layout = model.network().layout
+                             np.empty(0, DTYPE), {}, dict(metadata.get("source") or {}),
+                             metadata.get("own"), metadata.get("layout"))
+        layout = model.layout()
     except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
         raise ExportError(f"{path}: damaged metadata: {exc}") from exc
     state_names = sorted({name.split(".")[1] for name in arrays
@@ -278,7 +325,7 @@ def _from_arrays(path: Path, metadata: Mapping[str, Any],
     for what, prefix in vectors.items():
         flat = layout.empty()
         for e in layout.entries:
-            name = prefix + array_name(e.layer, e.name)
+            name = prefix + model.array_name(e.layer, e.name)
             values = arrays.get(name)
             if values is None or values.shape != e.shape or values.dtype != DTYPE:
                 got = "missing" if values is None else f"{values.dtype} {values.shape}"
@@ -286,7 +333,7 @@ def _from_arrays(path: Path, metadata: Mapping[str, Any],
                                   f"it is {got}")
             flat[e.offset:e.stop] = values.reshape(-1)
         flats[what] = flat
-    expected = {prefix + array_name(e.layer, e.name) for prefix in vectors.values()
+    expected = {prefix + model.array_name(e.layer, e.name) for prefix in vectors.values()
                 for e in layout.entries}
     extra = sorted(set(arrays) - expected)
     if extra:
@@ -402,7 +449,7 @@ def write_export(model: TrainedModel, out: str | Path, fmt: str | None = None) -
                           "never overwrites a file)")
     if not out.parent.is_dir():
         raise ExportError(f"cannot write {out}: folder {out.parent} does not exist")
-    layout = model.network().layout
+    layout = model.layout()
     arrays = model.named_arrays(layout)
     for state, flat in sorted(model.optimizer_state.items()):
         arrays |= {f"optimizer.{state}.{name}": values
