@@ -16,7 +16,7 @@ from helpers import exit_statuses, set_args
 
 import distbelief
 from distbelief.cli import main
-from distbelief.errors import ConfigError, UserError
+from distbelief.errors import ConfigError, DataError, UserError
 from distbelief.model.protocol import ModelError, OwnModel
 from distbelief.records import checkpoint as ckpt
 
@@ -55,7 +55,9 @@ def config_dict(data_dir: Path, out: Path, **run) -> dict:
 def test_a_numpy_model_trains_in_this_process_resumes_and_is_its_own_in_the_hash(
         data_dir: Path, tmp_path: Path, keep_sigint, capsys) -> None:
     out = tmp_path / "run"
+    handler = signal.getsignal(signal.SIGINT)
     summary = distbelief.train(config_dict(data_dir, out), model=own_models.logistic())
+    assert signal.getsignal(signal.SIGINT) is handler  # Ctrl-C is the script's again
     assert summary["stop_reason"] == "max_steps" and summary["steps"] == 200
     assert summary["final_test_accuracy"] > 0.6  # 4 classes: chance is 0.25
     recorded = json.loads((out / "config.json").read_text())["model"]
@@ -95,8 +97,10 @@ def check_the_trained_model(out: Path, summary: dict, capsys) -> None:
     export = out.parent / "logistic.safetensors"
     assert main(["export", str(out), "--out", str(export)]) == 0
     x = np.random.default_rng(0).random((7, 24), dtype=np.float32)
-    again = distbelief.load_model(export, model=own_models.logistic())
-    np.testing.assert_array_equal(again.predict(x), loaded.predict(x))
+    assert main(["export", str(out), "--out", str(export.with_suffix(".h5"))]) == 0
+    for path in (export, export.with_suffix(".h5")):
+        again = distbelief.load_model(path, model=own_models.logistic())
+        np.testing.assert_array_equal(again.predict(x), loaded.predict(x))
     params = dict(loaded.named_parameters())
     flat = np.concatenate([params["weights"].ravel(), params["bias"]])
     scaled = x * np.float32(loaded.input_scale)  # predict takes x as the file stores it
@@ -120,6 +124,8 @@ def check_the_trained_model(out: Path, summary: dict, capsys) -> None:
      "init_params returned list; it must be a flat float32 vector"),
     (lambda m: setattr(m, "predict", lambda p, x: np.zeros((1, 4))),
      "predict returned shape \\(1, 4\\) for 2 rows"),
+    (lambda m: setattr(m, "named_slices", lambda: [("w", (24, 4)), ("w", (4,))]),
+     "named_slices\\(\\) names \\['w'\\] more than once"),
 ])
 def test_a_model_that_breaks_the_protocol_is_one_error_naming_it_and_the_call(
         data_dir: Path, tmp_path: Path, keep_sigint, break_it, message: str) -> None:
@@ -156,6 +162,11 @@ def test_own_model_evaluates_by_its_outputs_argmax_or_by_its_own_evaluate() -> N
     assert wrapped.step == 0  # the probe's call is not a training step, nor evaluation's
     model.evaluate = lambda p, xb, yb: {"loss": 7.0, "accuracy": 0.5}
     assert wrapped.evaluate(params, x, y) == (7.0, 0.5)
+    model.evaluate = lambda p, xb, yb: {"loss": 7.0, "accuracy": float("nan")}
+    with pytest.raises(ModelError, match="evaluate returned the accuracy nan"):
+        wrapped.evaluate(params, x, y)
+    with pytest.raises(DataError, match="equal, non-zero numbers"):
+        wrapped.evaluate(params, x[:0], y[:0])
 
 
 def test_the_python_api_trains_a_model_of_ones_own_with_downpour_on_three_ranks(
@@ -277,3 +288,12 @@ def test_a_torch_cnn_trains_with_downpour_and_loads_back_into_its_module(
     np.testing.assert_array_equal(loaded, model.predict(params, x))
     with pytest.raises(ValueError, match="parameters are not those of"):
         TorchModel.load_into(torch.nn.Linear(3, 2), out)
+
+
+@pytest.mark.torch
+def test_a_torch_module_with_buffers_is_refused_by_name(torch) -> None:
+    from distbelief.torch import TorchModel
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match="has buffers \\(1.running_mean"):
+        TorchModel(net, torch.nn.CrossEntropyLoss())

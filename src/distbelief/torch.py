@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from distbelief.model.protocol import accuracy_of
+
 __all__ = ["TorchModel"]
 
 
@@ -35,6 +37,12 @@ class TorchModel:
         self.version = version
         if threads:
             torch.set_num_threads(threads)
+        buffers = [n for n, _ in module.named_buffers()]
+        if buffers:  # e.g. BatchNorm's running statistics
+            raise ValueError(f"{self.name} has buffers ({', '.join(buffers[:3])}): state "
+                             f"outside its parameters, which each replica would keep on "
+                             f"its own and no checkpoint would hold; use a module without "
+                             f"(LayerNorm or GroupNorm instead of BatchNorm)")
         self._named = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
         size = sum(p.numel() for p in module.parameters())
         if size == 0:
@@ -49,6 +57,7 @@ class TorchModel:
             p.data = self._flat[offset:offset + n].view_as(p)
             p.grad = self._grad[offset:offset + n].view_as(p)
             offset += n
+        self._constructed = self._flat.clone()  # what no reset_parameters redraws
 
     # -- the protocol --------------------------------------------------------------------
 
@@ -57,9 +66,11 @@ class TorchModel:
 
     def init_params(self, rng: np.random.Generator) -> np.ndarray:
         """The module's own initialisation (each submodule's reset_parameters), under a
-        torch seed drawn from `rng`: the same vector on every rank for one run.seed."""
+        torch seed drawn from `rng`: the same vector on every rank for one run.seed. A
+        parameter no reset_parameters covers keeps the value it was constructed with."""
         torch.manual_seed(int(rng.integers(2**31)))
         with torch.no_grad():
+            self._flat.copy_(self._constructed)
             for sub in self.module.modules():
                 reset = getattr(sub, "reset_parameters", None)
                 if callable(reset):
@@ -74,6 +85,15 @@ class TorchModel:
         loss = self.loss(self.module(torch.from_numpy(x)), _targets(y))
         loss.backward()
         return float(loss.detach()), self._grad.numpy()
+
+    def evaluate(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        """Loss and accuracy in eval mode (dropout off), without autograd."""
+        self._load(params)
+        self.module.eval()
+        with torch.no_grad():
+            outputs = self.module(torch.from_numpy(x))
+            loss = float(self.loss(outputs, _targets(y)))
+        return {"loss": loss, "accuracy": accuracy_of(outputs.numpy(), np.asarray(y))}
 
     def predict(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
         self._load(params)

@@ -21,8 +21,6 @@ later, on one rank, ends the job with one line.
 
 from __future__ import annotations
 
-import signal
-import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,12 +41,12 @@ def train(config: str | Path | Mapping[str, Any], model: Any = None, *,
     comm = start_mpi() if launcher.launched_with_several_ranks() else None
     loaded = _load(config, overrides, model is not None)
     from distbelief.algorithms import launch
-    from distbelief.algorithms.common import note_interrupt
+    from distbelief.algorithms.common import interrupts_noted
 
-    if threading.current_thread() is threading.main_thread():
-        # Ctrl-C stops the run at the next step with a checkpoint, as `distbelief train`.
-        signal.signal(signal.SIGINT, note_interrupt)
-    return launch.train(loaded, comm, resume, model=model)
+    # Ctrl-C stops the run at the next step with a checkpoint, as `distbelief train` does;
+    # the script's own handler is back when train returns.
+    with interrupts_noted():
+        return launch.train(loaded, comm, resume, model=model)
 
 
 def _load(config: str | Path | Mapping[str, Any], overrides: Iterable[str],

@@ -245,7 +245,7 @@ def _model_to_test(config: Config, network: Any) -> tuple[Any, np.ndarray, dict[
         trained = read_trained(out_dir, data=config.data.path)
         return trained.network(), trained.params, trained.source
     found, _ = find_checkpoint(out_dir)
-    params, _ = found.read_state()
+    params, _ = found.read_state(with_optimizer=False)
     return network, params, {"step": found.step, "samples": found.samples,
                              "which": "best" if found.best else "last"}
 
@@ -395,6 +395,24 @@ SAME_CTRL_C_S = 1.0
 """SIGINTs this close to the first are the same Ctrl-C: a terminal signals the whole
 foreground process group, and mpiexec forwards it too, so a rank may get one keypress
 twice (through its guardian, distbelief.runtime.launching.guardian)."""
+
+
+@contextmanager
+def interrupts_noted() -> Iterator[None]:
+    """note_interrupt as the SIGINT handler for a run started from Python
+    (distbelief.train), with no Ctrl-C counted yet; the caller's handler and count back
+    afterwards, so a script's next Ctrl-C (or its next run) is its own again."""
+    global _interrupts, _first_interrupt
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers: Ctrl-C stays the caller's
+        return
+    before = signal.signal(signal.SIGINT, note_interrupt)
+    _interrupts, _first_interrupt = 0, 0.0
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        _interrupts, _first_interrupt = 0, 0.0
 
 
 def note_interrupt(signum: int = signal.SIGINT, frame: Any = None) -> None:

@@ -152,10 +152,11 @@ def suggest_layout(network: Any, current: Layout, work: Workload, node_bytes: in
 
 def _widest(network: Any) -> int:
     """The most partitions a replica of `network` may have: its widest layer's split
-    units, or 1 with a layer model parallelism does not split (conv, dropout, layernorm)."""
+    units, or 1 with a layer model parallelism does not split (conv, dropout, layernorm)
+    or none at all (a model of one's own, which is one piece)."""
     from distbelief.model.partition import UNSPLIT, split_units
 
-    if any(type(layer) in UNSPLIT for layer in network.layers):
+    if not network.layers or any(type(layer) in UNSPLIT for layer in network.layers):
         return 1
     return max(split_units(layer) for layer in network.layers)
 

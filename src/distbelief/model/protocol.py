@@ -33,7 +33,7 @@ import numpy as np
 from distbelief.errors import UserError
 from distbelief.model.layout import DTYPE, ParamLayout
 
-__all__ = ["ModelError", "OwnModel", "TrainableModel", "load_factory"]
+__all__ = ["ModelError", "OwnModel", "TrainableModel", "accuracy_of", "load_factory"]
 
 
 @runtime_checkable
@@ -139,6 +139,13 @@ class OwnModel:
         if layout.size != size:
             raise ModelError(f"model {self.name}: named_slices() cover {layout.size:,d} "
                              f"values, init_params returned {size:,d}")
+        names = [name for _, name, _ in arrays]
+        bad = sorted({n for n in names if names.count(n) > 1 or not n or "/" in n
+                      or n.startswith("optimizer.")})
+        if bad:
+            raise ModelError(f"model {self.name}: named_slices() names {bad} more than "
+                             f"once, or with a '/' or an 'optimizer.' prefix; each slice "
+                             f"needs a name of its own (the exports' array names)")
         return arrays
 
     # -- training and evaluation ---------------------------------------------------------
@@ -158,15 +165,19 @@ class OwnModel:
     def logits(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
         """The model's outputs for `x`, one row per input row."""
         out = np.asarray(self._call("predict", params, x))
-        if out.ndim == 0 or out.shape[0] != len(x):
+        if out.ndim not in (1, 2) or out.shape[0] != len(x):
             raise self._fail(f"model {self.name}: predict returned shape {out.shape} for "
-                             f"{len(x)} rows; it must return one row per input row")
+                             f"{len(x)} rows; it must return one row of outputs per input "
+                             f"row, (rows, outputs) or (rows,)")
         return out
 
     def evaluate(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
                  batch_size: int = 1000) -> tuple[float, float]:
         """(mean loss, accuracy) over all of x, y, in batches of `batch_size`: the model's
         own evaluate when it has one, else loss_and_grad's loss and predict's argmax."""
+        from distbelief.model.network import evaluation_size
+
+        evaluation_size(x, y, batch_size)  # a DataError for an empty or uneven set
         own = getattr(self.model, "evaluate", None)
         loss_sum = hits = 0.0
         scratch = None if callable(own) else np.empty(self.layout.size, dtype=DTYPE)
@@ -177,10 +188,10 @@ class OwnModel:
             else:
                 loss = self.loss_and_grad(params, xb, yb, scratch)
                 self.step -= 1  # an evaluation is not a training step
-                accuracy = _accuracy(self.logits(params, xb), yb)
+                accuracy = accuracy_of(self.logits(params, xb), yb)
             loss_sum += loss * len(yb)
             hits += accuracy * len(yb)
-        return loss_sum / max(len(y), 1), hits / max(len(y), 1)
+        return loss_sum / len(y), hits / len(y)
 
     def describe(self) -> str:
         return (f"  a model of your own: {self.name}, {self.layout.size:,d} parameters in "
@@ -238,14 +249,18 @@ class OwnModel:
         if not isinstance(value, dict) or "loss" not in value or "accuracy" not in value:
             raise self._fail(f"model {self.name}: evaluate must return a dict with 'loss' "
                              f"and 'accuracy', got {value!r:.80}")
-        return self._loss(value["loss"], "evaluate"), float(value["accuracy"])
+        accuracy = float(value["accuracy"])
+        if not 0.0 <= accuracy <= 1.0:
+            raise self._fail(f"model {self.name}: evaluate returned the accuracy "
+                             f"{accuracy}; it must be a share of rows, 0 to 1")
+        return self._loss(value["loss"], "evaluate"), accuracy
 
 
-def _accuracy(outputs: np.ndarray, y: np.ndarray) -> float:
-    """The share of rows whose largest output is the row's integer label."""
-    if outputs.ndim != 2 or not np.issubdtype(np.asarray(y).dtype, np.integer):
-        return math.nan
-    return float(np.count_nonzero(outputs.argmax(axis=1) == y)) / len(y)
+def accuracy_of(outputs: np.ndarray, y: np.ndarray) -> float:
+    """The share of rows whose largest output is the row's integer label (one output per
+    row: whether it is above 0.5, a binary model's probability of class 1)."""
+    predicted = outputs > 0.5 if outputs.ndim == 1 else outputs.argmax(axis=1)
+    return float(np.count_nonzero(predicted == y)) / len(y)
 
 
 def load_factory(spec: str) -> Any:

@@ -357,7 +357,8 @@ def _read_hdf5(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                 "input_shape": [int(d) for d in attrs["input_shape"]],
                 "input_scale": float(attrs["input_scale"]),
                 "num_classes": int(attrs["num_classes"]),
-                "source": json.loads(attrs.get("source", "{}"))}
+                "source": json.loads(attrs.get("source", "{}")),
+                **{key: json.loads(attrs[key]) for key in ("own", "layout") if key in attrs}}
             arrays = {name: dset[()] for name, dset in f["params"].items()}
             for state, group in f.get("optimizer", {}).items():
                 arrays |= {f"optimizer.{state}.{name}": dset[()]
@@ -481,6 +482,9 @@ def _write_hdf5(path: Path, metadata: Mapping[str, Any],
         f.attrs["input_scale"] = np.float64(metadata["input_scale"])
         f.attrs["num_classes"] = np.int64(metadata["num_classes"])
         f.attrs["source"] = json.dumps(metadata["source"])
+        for key in ("own", "layout"):  # a model of one's own: its identity and slices
+            if key in metadata:
+                f.attrs[key] = json.dumps(metadata[key])
         params = f.create_group("params")
         for name, values in arrays.items():
             if name.startswith("optimizer."):
