@@ -188,6 +188,7 @@ def cli_job(n: int, data_dir: Path, out: Path, model: str, *overrides: str):
                    cwd=PROGRAMS, env=_env(), launcher_options=survive_a_death())
 
 
+@pytest.mark.nodes
 def test_train_model_trains_with_sync_on_one_shard_and_three_replicas(
         data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
@@ -208,6 +209,7 @@ def test_a_model_refused_at_its_check_exits_2_on_every_rank_in_one_line(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.nodes  # a model's error crosses nodes too
 def test_a_model_that_fails_on_one_replica_mid_run_ends_the_job_in_one_line(
         data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
