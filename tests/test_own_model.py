@@ -145,6 +145,8 @@ def test_a_configuration_that_does_not_go_with_a_model_of_ones_own_is_refused(
     with pytest.raises(ConfigError, match="cluster.partitions = 2: model parallelism"):
         distbelief.train({**config, "optimizer": {"algorithm": "sgd"},
                           "cluster": {"partitions": 2}}, model=own_models.logistic())
+    with pytest.raises(ConfigError, match="\\[model\\] must be a table"):
+        distbelief.train({**config, "model": 3}, model=own_models.logistic())
     with pytest.raises(ConfigError, match="config must be a TOML path or a dict"):
         distbelief.train(42, model=own_models.logistic())
 

@@ -8,7 +8,9 @@ Train the model of a TOML configuration until one of its stop rules fires (run.m
 run.max_seconds, run.target_accuracy). The whole configuration, the data file included, is
 checked first. Results go to run.out_dir (default runs/<config name>): config.json,
 metrics.jsonl and summary.json. A relative data.path is read from the config file's folder,
-a relative run.out_dir from the current one. Every key: docs/configuration.md.
+a relative run.out_dir from the current one. Every key: docs/configuration.md. With
+--model, a model of your own (numpy, PyTorch, anything with init_params, loss_and_grad and
+predict) trains instead of [model]'s layers: docs/your-own-model.md.
 
 algorithms (optimizer.algorithm; `distbelief help ALGORITHM` prints one's keys):
 {algorithms}
@@ -28,6 +30,7 @@ examples:
   mpiexec -n 4 python -m distbelief train configs/fashion_mnist_downpour.toml
   mpiexec -n 3 python -m distbelief train configs/fashion_mnist_averaging.toml \\
       --set optimizer.elastic_alpha=0.45
+  cd examples && mpiexec -n 3 python -m distbelief train logistic.toml --model logistic:model
   distbelief help downpour
 """
 

@@ -525,6 +525,9 @@ def config_from_dict(raw: dict, source: Path | None = None,
 def _without_model_section(raw: dict, where: str) -> dict:
     """`raw` with a stand-in [model] for the schema: a model object replaces the layers,
     and layers given beside one are a mistake worth naming."""
+    if not isinstance(raw.get("model", {}), dict):
+        raise ConfigError(f"{where}: [model] must be a table (and may be left out: a model "
+                          f"of your own was given)")
     if raw.get("model", {}).get("layers"):
         raise ConfigError(f"{where}: model.layers describe the built-in network, and a "
                           f"model of your own was given too; remove [[model.layers]] or "
