@@ -491,9 +491,10 @@ def config_from_dict(raw: dict, source: Path | None = None,
     """
     where = str(source) if source is not None else "config"
     if own_model:
-        raw = _without_model_section(raw, where)
+        _check_no_layers(raw, where)
     _check_names(raw, where)
-    values = {section: _section_values(raw, section, where) for section in SECTIONS}
+    values = {section: _section_values(raw, section, where) for section in SECTIONS
+              if not (own_model and section == "model")}
     if own_model:
         values["model"] = {"layers": (), "own": {}}
     _check_not_implemented(values, where)
@@ -522,9 +523,9 @@ def config_from_dict(raw: dict, source: Path | None = None,
     )
 
 
-def _without_model_section(raw: dict, where: str) -> dict:
-    """`raw` with a stand-in [model] for the schema: a model object replaces the layers,
-    and layers given beside one are a mistake worth naming."""
+def _check_no_layers(raw: dict, where: str) -> None:
+    """A model object replaces [model]'s layers: layers given beside one are a mistake
+    worth naming."""
     if not isinstance(raw.get("model", {}), dict):
         raise ConfigError(f"{where}: [model] must be a table (and may be left out: a model "
                           f"of your own was given)")
@@ -532,7 +533,6 @@ def _without_model_section(raw: dict, where: str) -> dict:
         raise ConfigError(f"{where}: model.layers describe the built-in network, and a "
                           f"model of your own was given too; remove [[model.layers]] or "
                           f"leave the model out")
-    return {**raw, "model": {"layers": [{"type": "dense", "units": 1}]}}
 
 
 def _check_not_implemented(values: dict, where: str) -> None:
