@@ -91,7 +91,7 @@ class OwnModel:
         self.input_shape = tuple(int(d) for d in input_shape)
         self.num_classes = int(num_classes)
         self.seed = int(seed)
-        self.step = 0  # the trainers set it on a resume (Network's dropout key); unused here
+        self.step = 0  # the trainers set it on a resume (Network's dropout key); not read
         self.on_error: Callable[[str], None] | None = None
         """Called with the message instead of raising ModelError, once training runs on
         several ranks (algorithms.launch: abort the job in one line; an error raised on
@@ -109,7 +109,6 @@ class OwnModel:
         y = np.zeros(2, dtype=np.int64)
         self.logits(params, x)
         self.loss_and_grad(params, x, y, np.empty(self.layout.size, dtype=DTYPE))
-        self.step = 0
 
     # -- parameters ----------------------------------------------------------------------
 
@@ -159,7 +158,6 @@ class OwnModel:
                              f"{type(answer).__name__}, not a (loss, grad) pair")
         loss = self._loss(answer[0], "loss_and_grad")
         np.copyto(grad, self._vector(answer[1], "loss_and_grad", self.layout.size))
-        self.step += 1
         return loss
 
     def logits(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -187,7 +185,6 @@ class OwnModel:
                 loss, accuracy = self._metrics(self._call("evaluate", params, xb, yb))
             else:
                 loss = self.loss_and_grad(params, xb, yb, scratch)
-                self.step -= 1  # an evaluation is not a training step
                 accuracy = accuracy_of(self.logits(params, xb), yb)
             loss_sum += loss * len(yb)
             hits += accuracy * len(yb)
