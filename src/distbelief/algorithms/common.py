@@ -238,16 +238,11 @@ def _model_to_test(config: Config, network: Any) -> tuple[Any, np.ndarray, dict[
     """(model, parameters, their source) of the run's best model, else its last checkpoint:
     the built-in network rebuilt from the checkpoint, or `network`, the run's own model
     (a user's model is not in the checkpoint, only its vector)."""
-    from distbelief.records.export import find_checkpoint, read_trained
+    from distbelief.records.export import read_trained
 
-    out_dir = Path(config.run.out_dir)
-    if config.model.own is None:
-        trained = read_trained(out_dir, data=config.data.path)
-        return trained.network(), trained.params, trained.source
-    found, _ = find_checkpoint(out_dir)
-    params, _ = found.read_state(with_optimizer=False)
-    return network, params, {"step": found.step, "samples": found.samples,
-                             "which": "best" if found.best else "last"}
+    trained = read_trained(config.run.out_dir, data=config.data.path)
+    tested = trained.network() if config.model.own is None else network
+    return tested, trained.params, trained.source
 
 
 def which_text(source: dict[str, Any]) -> str:
