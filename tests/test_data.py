@@ -28,6 +28,7 @@ from distbelief.data.hdf5 import (
     read_rows_at,
     with_validation,
 )
+from distbelief.data.stream import StreamingTrainShard
 from distbelief.errors import DataError
 
 # ---------------------------------------------------------------------------------------
@@ -79,6 +80,34 @@ def write_indexed(path: Path, n_train: int = 23, n_test: int = 7, num_classes: i
         writer.append("train", *rows(n_train))
         writer.append("test", *rows(n_test))
         return writer.commit()
+
+
+def write_values(path: Path, width: int | None = 3, n_train: int = 50, n_test: int = 20,
+                 n_val: int = 0, chunk_rows: int | None = None) -> DatasetInfo:
+    """A float32 dataset of "values" targets: row i is [i, i + 0.5, -i] as in write_indexed,
+    its targets i + 0.25 * j, j < width ((N,) when width is None)."""
+    shape = () if width is None else (width,)
+
+    def rows(n: int) -> tuple[np.ndarray, np.ndarray]:
+        i = np.arange(n, dtype=np.float32)
+        y = (i[:, None] + 0.25 * np.arange(width or 1, dtype=np.float32)).reshape(n, *shape)
+        return np.stack([i, i + 0.5, -i], axis=1), y
+
+    with DatasetWriter(path, input_shape=(3,), n_train=n_train, n_test=n_test, n_val=n_val,
+                       stored_dtype="float32", scale=1.0, source="test", targets="values",
+                       target_shape=shape, chunk_rows=chunk_rows) as writer:
+        for split, n in (("train", n_train), ("test", n_test), ("val", n_val)):
+            if n:
+                writer.append(split, *rows(n))
+        return writer.commit()
+
+
+def values_of(x: np.ndarray, info: DatasetInfo) -> np.ndarray:
+    """The targets write_values gave the rows x."""
+    i = row_ids(x).astype(np.float32)
+    width = info.target_shape[0] if info.target_shape else 1
+    return (i[:, None] + 0.25 * np.arange(width, dtype=np.float32)).reshape(
+        len(x), *info.target_shape)
 
 
 def row_ids(x: np.ndarray) -> np.ndarray:
@@ -740,3 +769,193 @@ def test_a_bad_label_passes_the_metadata_check_and_stops_the_run(valid_file: Pat
     proc = run_cli(["train", tmp_path / "c.toml"], cwd=tmp_path)
     assert proc.returncode == 2
     assert "/train/y has label 10 outside [0, 10)" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# "values" targets: float32 y of shape (N,) or (N, k)
+
+
+@pytest.mark.parametrize("width", [None, 1, 3])
+def test_values_file_reads_back_in_every_reader(tmp_path: Path, width: int | None) -> None:
+    info = write_values(tmp_path / "v.h5", width, n_val=6)
+    shape = () if width is None else (width,)
+    assert (info.targets, info.target_shape, info.num_classes, info.outputs) == \
+        ("values", shape, 0, width or 1)
+    assert info.target_dtype == np.float32 and open_dataset(info.path) == info
+    with h5py.File(info.path) as f:
+        assert "num_classes" not in f.attrs and f.attrs["targets"] == "values"
+    x, y = read_rows(info, "train", 5, 12)
+    assert y.dtype == np.float32 and y.shape == (7, *shape)
+    np.testing.assert_array_equal(y, values_of(x, info))
+    x, y = read_rows_at(info, "test", np.array([9, 2, 4]))
+    np.testing.assert_array_equal(y, values_of(x, info))
+    assert read_rows_at(info, "test", np.array([], dtype=np.intp))[1].shape == (0, *shape)
+    for limit in (None, 3):
+        x, y = load_test(info, limit)
+        np.testing.assert_array_equal(y, values_of(x, info))
+    shard = TrainShard(info, rank=0, num_ranks=2, seed=1)
+    for _ in range(4):  # 4 x 10 rows of 25: the batches cross an epoch
+        x, y = shard.next_batch(10)
+        assert y.dtype == np.float32 and y.shape == (10, *shape) and y.flags.c_contiguous
+        np.testing.assert_array_equal(y, values_of(x, info))
+    resumed = TrainShard(info, rank=0, num_ranks=2, seed=1)
+    resumed.load_state(shard.state())
+    np.testing.assert_array_equal(resumed.next_batch(7)[1], shard.next_batch(7)[1])
+
+
+def test_values_with_a_validation_split_and_streamed(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from distbelief.data import stream
+
+    monkeypatch.setattr(stream, "READ_BYTES", 1)               # blocks of one 5-row chunk
+    info = write_values(tmp_path / "v.h5", 3, chunk_rows=5)
+    held = with_validation(info, 0.2)                  # rows 40..49 of /train
+    x, y = read_rows(held, "validation", 0, held.n_val)
+    np.testing.assert_array_equal(row_ids(x), np.arange(40, 50))
+    np.testing.assert_array_equal(y, values_of(x, held))
+    # Windows of 2 blocks (3 windows of 2 x 5 rows of 12 bytes in memory).
+    streamed = StreamingTrainShard(held, rank=1, num_ranks=2, seed=2, memory_bytes=360)
+    try:
+        seen = []
+        for _ in range(5):                             # 2.5 epochs of 20 rows
+            x, y = streamed.next_batch(8)
+            assert y.dtype == np.float32 and y.shape == (8, 3)
+            np.testing.assert_array_equal(y, values_of(x, held))
+            seen.extend(row_ids(x))
+        assert streamed.blocks_per_window == 2
+        assert sorted(seen[:20]) == list(range(20, 40))
+    finally:
+        streamed.close()
+
+
+def _values_file(tmp_path: Path) -> Path:
+    return write_values(tmp_path / "v.h5", 3, n_val=6).path
+
+
+BROKEN_VALUES_FILES = {
+    "nan": (lambda f: f["train/y"].__setitem__((7, 1), np.nan),
+            r"/train/y row 7 holds nan: targets must be finite numbers"),
+    "infinity": (lambda f: f["val/y"].__setitem__((2, 0), -np.inf), r"/val/y row 2 holds -inf"),
+    "unknown targets": (_set_attr("targets", "labels"),
+                        "root attribute 'targets' is 'labels', expected 'classes' or 'values'"),
+    "float64": (_replace("test/y", lambda y: y.astype(np.float64)),
+                "/test/y has dtype float64, expected float32"),
+    "int": (_replace("test/y", lambda y: y.astype(np.int32)),
+            "/test/y has dtype int32, expected float32"),
+    "3-D": (_replace("train/y", lambda y: y[:, :, None]),
+            r"/train/y has shape \(50, 3, 1\), expected \(N,\) or \(N, k\)"),
+    "no targets a row": (_replace("train/y", lambda y: y[:, :0]), r"has shape \(50, 0\)"),
+    "test narrower": (_replace("test/y", lambda y: y[:, :2]),
+                      (r"/train/y is \(N, 3\) but /test/y is \(N, 2\): every split needs the "
+                      "same number of targets per row")),
+    "val 1-D": (_replace("val/y", lambda y: y[:, 0]), (r"/train/y is \(N, 3\) but /val/y is "
+                                                       r"\(N,\)")),
+    "short y": (_replace("train/y", lambda y: y[:-1]),
+                "/train/x has 50 rows but /train/y has 49 rows"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_VALUES_FILES))
+def test_broken_values_file(tmp_path: Path, case: str) -> None:
+    path = _values_file(tmp_path)
+    mutate, message = BROKEN_VALUES_FILES[case]
+    with h5py.File(path, "a") as f:
+        mutate(f)
+    with pytest.raises(DataError, match=rf"^{path}: .*{message}") as error:
+        open_dataset(path)
+    assert "\n" not in str(error.value)
+
+
+def test_values_ignore_num_classes_and_classes_stay_the_default(tmp_path: Path,
+                                                               valid_file: Path) -> None:
+    path = _values_file(tmp_path)
+    with h5py.File(path, "a") as f:
+        f.attrs["num_classes"] = 7
+    assert open_dataset(path).num_classes == 0
+    with h5py.File(valid_file, "r") as f:                     # written today: no attribute
+        assert "targets" not in f.attrs
+    info = open_dataset(valid_file)
+    assert (info.targets, info.target_shape, info.outputs) == ("classes", (), 10)
+    with h5py.File(valid_file, "a") as f:
+        f.attrs["targets"] = "classes"
+    assert open_dataset(valid_file) == info
+
+
+def test_float_labels_fail_the_metadata_check_too(valid_file: Path) -> None:
+    # A classes file's y dtype is metadata: caught without reading a label, not later as a
+    # file that "changed since it was opened".
+    with h5py.File(valid_file, "a") as f:
+        _replace("test/y", lambda y: y.astype(np.float32))(f)
+    with pytest.raises(DataError, match="/test/y has dtype float32, expected integer labels"):
+        open_dataset(valid_file, labels=False)
+
+
+def test_ranks_check_the_values_in_parts(tmp_path: Path) -> None:
+    from distbelief.data import hdf5
+
+    path = write_values(tmp_path / "v.h5", 2).path
+    with h5py.File(path, "a") as f:
+        f["train/y"][45, 1] = np.nan                         # in the last third: rows 33-49
+    before = hdf5.bytes_read()
+    open_dataset(path, part=(0, 3))
+    assert hdf5.bytes_read() - before == (16 + 6) * 2 * 4   # a third of each split's y
+    open_dataset(path, part=(1, 3))
+    open_dataset(path, labels=False)
+    for part in ((2, 3), (0, 1)):
+        with pytest.raises(DataError, match="/train/y row 45 holds nan"):
+            open_dataset(path, part=part)
+
+
+def test_values_checked_in_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from distbelief.data import hdf5
+
+    monkeypatch.setattr(hdf5, "LABEL_CHECK_ROWS", 12)        # 4 rows of 3 a block
+    path = write_values(tmp_path / "v.h5", 3).path
+    open_dataset(path)
+    with h5py.File(path, "a") as f:
+        f["train/y"][37, 2] = np.inf
+    with pytest.raises(DataError, match="/train/y row 37 holds inf"):
+        open_dataset(path)
+
+
+def test_a_values_file_written_by_hand(tmp_path: Path) -> None:
+    path = tmp_path / "hand.h5"
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format="distbelief-dataset", version=1, targets="values", source="hand")
+        for split, n in (("train", 8), ("test", 4)):
+            f[f"{split}/x"] = rng.standard_normal((n, 5)).astype(np.float32)
+            f[f"{split}/y"] = rng.standard_normal(n).astype(np.float32)
+        expected = f["test/y"][:]
+    info = open_dataset(path)
+    assert (info.targets, info.target_shape, info.outputs) == ("values", (), 1)
+    np.testing.assert_array_equal(load_test(info)[1], expected)
+
+
+def test_file_replaced_by_one_of_other_targets(tmp_path: Path) -> None:
+    info = write_values(tmp_path / "v.h5", None, n_train=23, n_test=7)
+    shutil.copyfile(write_indexed(tmp_path / "c.h5").path, info.path)    # same shapes, labels
+    with pytest.raises(DataError, match="changed since the file was opened"):
+        TrainShard(info)
+
+
+def test_writer_checks_the_targets(tmp_path: Path) -> None:
+    args = {"input_shape": (2,), "n_train": 4, "n_test": 2, "stored_dtype": "float32",
+            "scale": 1.0, "source": ""}
+    for kwargs, message in (({"targets": "regression"}, "targets must be one of"),
+                            ({"targets": "values", "target_shape": (2, 2)}, "target_shape"),
+                            ({"num_classes": 3, "target_shape": (2,)}, "one per row"),
+                            ({}, "num_classes must be at least 2")):
+        with pytest.raises(ValueError, match=message):
+            DatasetWriter(tmp_path / "w.h5", **args, **kwargs)
+    x = np.zeros((4, 2))
+    with DatasetWriter(tmp_path / "w.h5", **args, targets="values", target_shape=(3,)) as w:
+        for y, message in ((np.zeros((4, 2)), r"rows of shape \(2,\), expected \(3,\)"),
+                           (np.zeros(4), r"rows of shape \(\), expected \(3,\)"),
+                           (np.zeros((4, 3), dtype=int), "dtype int64, expected floats"),
+                           (np.where(np.arange(12).reshape(4, 3) == 5, np.nan, 0.0),
+                            "train row 1 holds a target that is not a finite number")):
+            with pytest.raises(ValueError, match=message):
+                w.append("train", x, y)
+    assert leftovers(tmp_path) == [] and not (tmp_path / "w.h5").exists()
+

@@ -16,7 +16,14 @@ from distbelief.algorithms.sgd import train
 from distbelief.config import load_config
 from distbelief.data import arrays, write_dataset
 from distbelief.data.converters import make_synthetic
-from distbelief.data.hdf5 import IMAGE_SCALE, load_split, open_dataset
+from distbelief.data.hdf5 import (
+    IMAGE_SCALE,
+    TrainShard,
+    load_split,
+    load_test,
+    open_dataset,
+    with_validation,
+)
 from distbelief.errors import DataError
 
 N, FEATURES, CLASSES = 600, 6, 3
@@ -96,18 +103,90 @@ def test_memory_maps_and_h5py_datasets_are_read_in_blocks(tmp_path: Path, shuffl
 @pytest.mark.parametrize("change, message", [
     (lambda x, y: (x[:, 0], y), "expected (rows, *input_shape)"),
     (lambda x, y: (x, y[:-1]), "600 rows but y has 599 labels"),
-    (lambda x, y: (x, np.eye(CLASSES)[y]), "one-hot labels: take their argmax first"),
-    (lambda x, y: (x, y + 0.5), "labels must be whole numbers"),
+    (lambda x, y: (x, np.eye(CLASSES, dtype=int)[y]), "one-hot labels: take their argmax first"),
+    (lambda x, y: (x, np.eye(CLASSES, dtype=int)[y]), ("regression targets are floats: pass y "
+                                                      "as float (y.astype(np.float32))")),
     (lambda x, y: (x, y - 1), "negative label, -1"),
     (lambda x, y: (x, y.astype(str)), "map names to indices first"),
     (lambda x, y: (x, np.zeros_like(y)), "a single class"),
+    # float y: values targets
+    (lambda x, y: (x, np.where(np.arange(N) == 123, np.nan, y / 2)),
+     "y row 123 holds nan: targets must be finite"),
+    (lambda x, y: (x, np.where(np.arange(N) == 9, 1e39, y / 2)),   # too large for float32
+     "y row 9 holds 1e+39: targets must be finite float32"),
+    (lambda x, y: (x, np.zeros((N, 0))), "targets are (N,) or (N, k)"),
+    (lambda x, y: (x, np.zeros((N, 2, 2))), "targets are (N,) or (N, k)"),
 ])
 def test_bad_arrays_are_one_clear_error_and_leave_no_file(tmp_path: Path, change,
                                                          message: str) -> None:
     x, y = change(*numbered_rows())
-    with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")
-                       .replace("*", r"\*")):
+    with pytest.raises(DataError, match=re.escape(message)):
         write_dataset(tmp_path / "d.h5", x, y, test_fraction=0.1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def values_rows(width: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """numbered_rows' x with float targets (N,) (width None) or (N, width) that say which
+    row they belong to: row i's targets are i + 0.25 * j."""
+    x, _ = numbered_rows()
+    y = np.arange(N)[:, None] + 0.25 * np.arange(width or 1)
+    return x, (y[:, 0] if width is None else y)
+
+
+@pytest.mark.parametrize("width", [None, 1, 3])
+def test_float_targets_make_a_values_dataset(tmp_path: Path, width: int | None) -> None:
+    x, y = values_rows(width)
+    info = write_dataset(tmp_path / "v.h5", x, y, test_fraction=0.25, seed=2)
+    shape = () if width is None else (width,)
+    assert (info.targets, info.target_shape, info.num_classes) == ("values", shape, 0)
+    assert info.outputs == (width or 1) and open_dataset(tmp_path / "v.h5") == info
+    for split in ("train", "test"):
+        split_x, split_y = load_split(info, split)
+        assert split_y.dtype == np.float32 and split_y.shape == (len(split_x), *shape)
+        np.testing.assert_array_equal(split_y, y[split_x[:, 0].astype(int)])
+    shard = TrainShard(info, rank=1, num_ranks=2, seed=3)
+    batch_x, batch_y = shard.next_batch(50)
+    assert batch_y.dtype == np.float32 and batch_y.shape == (50, *shape)
+    np.testing.assert_array_equal(batch_y, y[batch_x[:, 0].astype(int)])
+    held = with_validation(info, 0.2)
+    val_x, val_y = load_split(held, "validation")
+    assert val_y.shape == (held.n_val, *shape) == (90, *shape)
+    np.testing.assert_array_equal(val_y, y[val_x[:, 0].astype(int)])
+    assert TrainShard(held).next_batch(held.n_train)[1].shape == (held.n_train, *shape)
+
+
+def test_bool_targets_are_values_and_integer_ones_classes_unless_told(tmp_path: Path) -> None:
+    x, y = numbered_rows()
+    multi = np.stack([y == 0, y == 1], axis=1)                # multi-label, (N, 2) bool
+    info = write_dataset(tmp_path / "b.h5", x, multi, test_fraction=0.1)
+    assert (info.targets, info.target_shape) == ("values", (2,))
+    assert set(np.unique(load_test(info)[1])) == {0.0, 1.0}
+    info = write_dataset(tmp_path / "i.h5", x, multi.astype(np.int64), test_fraction=0.1,
+                         targets="values")
+    assert (info.targets, info.outputs) == ("values", 2)
+    # Float class labels: whole numbers are classes when asked (targets or num_classes).
+    for kwargs, name in (({"targets": "classes"}, "c1.h5"), ({"num_classes": 4}, "c2.h5")):
+        info = write_dataset(tmp_path / name, x, y.astype(np.float64), test_fraction=0.1,
+                             **kwargs)
+        assert info.targets == "classes" and load_test(info)[1].dtype == np.int32
+    with pytest.raises(DataError, match="labels must be whole numbers"):
+        write_dataset(tmp_path / "d.h5", x, y + 0.5, test_fraction=0.1, targets="classes")
+    with pytest.raises(DataError, match="num_classes is for class labels"):
+        write_dataset(tmp_path / "d.h5", x, y + 0.5, test_fraction=0.1, targets="values",
+                      num_classes=3)
+    with pytest.raises(DataError, match="targets must be 'classes' .* got 'regression'"):
+        write_dataset(tmp_path / "d.h5", x, y + 0.5, test_fraction=0.1, targets="regression")
+    assert not (tmp_path / "d.h5").exists()
+
+
+def test_a_test_split_needs_the_same_targets_per_row(tmp_path: Path) -> None:
+    x, y = values_rows(3)
+    with pytest.raises(DataError, match=r"y has targets of shape \(600, 3\) but y_test has "
+                                        r"\(50, 2\)"):
+        write_dataset(tmp_path / "d.h5", x, y, x[:50], y[:50, :2])
+    with pytest.raises(DataError, match=r"y has targets of shape \(600, 1\) but y_test has "
+                                        r"\(50,\)"):
+        write_dataset(tmp_path / "d.h5", x, y[:, :1], x[:50], y[:50, 0])
     assert list(tmp_path.iterdir()) == []
 
 
@@ -174,6 +253,27 @@ def test_prepare_arrays_from_npy_files_and_from_named_hdf5_datasets(tmp_path: Pa
     assert result.returncode == 0, result.stderr
     info = open_dataset(tmp_path / "b.h5")
     assert (info.n_train, info.n_test) == (N, 50)
+
+
+def test_prepare_arrays_with_float_targets_says_they_are_values(tmp_path: Path) -> None:
+    x, y = values_rows(3)
+    np.savez(tmp_path / "reg.npz", x_train=x, y_train=y)
+    out = tmp_path / "reg.h5"
+    result = run_cli(["prepare", "arrays", tmp_path / "reg.npz", "--test-fraction", "0.1",
+                      "--out", out])
+    assert result.returncode == 0, result.stderr
+    assert "3 float targets a row (values: regression or multi-label; for class labels pass " \
+           "integers or --targets classes)" in result.stdout
+    assert open_dataset(out).target_shape == (3,)
+    np.savez(tmp_path / "onehot.npz", x_train=x, y_train=np.eye(3, dtype=np.int64)[
+        np.arange(N) % 3])
+    one_error_line(run_cli(["prepare", "arrays", tmp_path / "onehot.npz", "--test-fraction",
+                            "0.1", "--out", tmp_path / "o.h5"]),
+                   "take their argmax first", "--targets values")
+    result = run_cli(["prepare", "arrays", tmp_path / "onehot.npz", "--test-fraction", "0.1",
+                      "--targets", "values", "--out", tmp_path / "o.h5"])
+    assert result.returncode == 0, result.stderr
+    assert "3 float targets a row" in result.stdout
 
 
 def test_prepare_arrays_mistakes_name_what_to_do(tmp_path: Path) -> None:

@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                              ".npy files to --x and --y)")
     arrays.add_argument("--out", metavar="FILE", required=True,
                         help="HDF5 file to write (an existing file is never overwritten)")
-    for flag, what in (("--x", "the inputs, (N, *input_shape)"), ("--y", "the labels, (N,)"),
+    for flag, what in (("--x", "the inputs, (N, *input_shape)"),
+                       ("--y", "the labels (N,) or float targets (N,) or (N, k)"),
                        ("--x-test", "the test inputs"), ("--y-test", "the test labels")):
         arrays.add_argument(flag, metavar="NAME", help=f"{what}: an array's name in SOURCE, "
                             f"or a .npy file without SOURCE")
@@ -282,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "chosen at random (e.g. 0.1)")
     arrays.add_argument("--classes", metavar="K", type=cli_types.positive_int,
                         help="number of classes (default: the largest label + 1)")
+    arrays.add_argument("--targets", choices=("classes", "values"),
+                        help="what y holds: classes (labels 0..K-1) or values (float "
+                             "targets: regression, or multi-label 0/1 outputs (N, k)); "
+                             "default: classes for integer y or with --classes, values for "
+                             "float or bool y")
     arrays.add_argument("--scale", metavar="S", type=float,
                         help="value = stored * S (default: 1/255 for uint8 inputs, else 1)")
     arrays.add_argument("--no-shuffle", dest="shuffle", action="store_false",
@@ -485,7 +491,7 @@ def cmd_prepare_arrays(args: argparse.Namespace) -> int:
 
     convert_arrays(args.source, args.out, args.x, args.y, args.x_test, args.y_test,
                    test_fraction=args.test_fraction, classes=args.classes, scale=args.scale,
-                   shuffle=args.shuffle, seed=args.seed)
+                   shuffle=args.shuffle, seed=args.seed, targets=args.targets)
     return 0
 
 

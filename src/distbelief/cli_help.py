@@ -222,10 +222,12 @@ Convert your own arrays into distbelief's dataset format: an .npz archive, a pai
 files, or datasets of another HDF5 file (Keras- or scikit-learn-style names such as
 x_train, y_train, x_test, y_test are found by themselves; other names are given with --x,
 --y, --x-test, --y-test). Inputs are (N, *input_shape): (N, F) features or (N, H, W, C)
-images; labels are class indices 0..K-1. uint8 inputs are kept as bytes (scale 1/255),
-other numbers are stored as float32. .npy files and HDF5 datasets are read in blocks, so
-they may be larger than memory; an .npz archive is read into memory. From Python:
-distbelief.data.write_dataset. More: docs/your-own-data.md.
+images. y is either integer class labels 0..K-1, (N,), or float targets, (N,) or (N, k):
+regression values, or multi-label 0/1 outputs (--targets overrides what y's type says).
+uint8 inputs are kept as bytes (scale 1/255), other numbers are stored as float32. .npy
+files and HDF5 datasets are read in blocks, so they may be larger than memory; an .npz
+archive is read into memory. From Python: distbelief.data.write_dataset. More:
+docs/your-own-data.md.
 
 examples:
   distbelief prepare arrays mnist.npz --out data/mnist.h5

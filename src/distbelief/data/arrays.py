@@ -19,13 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from distbelief.data.hdf5 import IMAGE_SCALE, DatasetInfo, DatasetWriter
+from distbelief.data.hdf5 import IMAGE_SCALE, TARGETS, DatasetInfo, DatasetWriter
 from distbelief.errors import DataError
 
 # Rows are copied in blocks of about this many bytes of x: bounded memory, few HDF5 calls.
 BLOCK_BYTES = 32 << 20
 # A progress callback is called at most this often (seconds).
 PROGRESS_EVERY_S = 5.0
+# What a mistaken label array's error adds, for the newcomer with regression or multi-label
+# targets.
+VALUES_HINT = ("multi-label (0/1) or regression targets are floats: pass y as float "
+               "(y.astype(np.float32)) or targets='values' (--targets values)")
 
 # The names a source file's arrays usually have (Keras, scikit-learn style, distbelief),
 # tried in order when the caller names none: (x, y, x_test, y_test).
@@ -155,24 +159,30 @@ def pick_names(path: Path, available: list[str], x: str | None, y: str | None,
 
 def write_dataset(path: str | os.PathLike, x: Any, y: Any, x_test: Any = None,
                   y_test: Any = None, *, test_fraction: float | None = None,
-                  num_classes: int | None = None, scale: float | None = None,
-                  shuffle: bool = True, seed: int = 0, source: str = "arrays",
+                  num_classes: int | None = None, targets: str | None = None,
+                  scale: float | None = None, shuffle: bool = True, seed: int = 0,
+                  source: str = "arrays",
                   progress: Callable[[int, int], None] | None = None) -> DatasetInfo:
-    """Write inputs `x` (N, *input_shape) and integer labels `y` (N,) as a distbelief
-    dataset file at `path` (atomically: a failure leaves no file there).
+    """Write inputs `x` (N, *input_shape) and targets `y` as a distbelief dataset file at
+    `path` (atomically: a failure leaves no file there).
 
-    The test split is `x_test`, `y_test`, or else a seeded random `test_fraction` of the
-    rows, held out. uint8 inputs are stored as they are, with `scale` (default 1/255, for
-    image bytes); any other numbers become float32 times `scale` (default 1). Labels must
-    be whole numbers in [0, num_classes); `num_classes` defaults to the largest label + 1.
-    With `shuffle` (the default) the training rows are written in a seeded random order,
-    so that each replica's contiguous block of rows holds every class even when the
-    source is sorted by class. Arrays are read in blocks: np.memmap and h5py datasets
-    larger than memory go through. `progress(rows_done, rows_total)` is called every few
-    seconds. Returns the written file's description.
+    `y` is either integer class labels (N,), or float values (N,) or (N, k): regression
+    targets, or multi-label 0/1 outputs. `targets` says which ("classes" or "values"); by
+    default an integer y (or a given `num_classes`) makes class labels, a float or bool y
+    values (bool as 0.0/1.0). The test split is `x_test`, `y_test`, or else a seeded random
+    `test_fraction` of the rows, held out. uint8 inputs are stored as they are, with `scale`
+    (default 1/255, for image bytes); any other numbers become float32 times `scale`
+    (default 1). Labels must be whole numbers in [0, num_classes); `num_classes` defaults
+    to the largest label + 1. Values are stored as float32 and must be finite. With
+    `shuffle` (the default) the training rows are written in a seeded random order, so
+    that each replica's contiguous block of rows holds every class even when the source is
+    sorted by class. Arrays are read in blocks: np.memmap and h5py datasets larger than
+    memory go through. `progress(rows_done, rows_total)` is called every few seconds.
+    Returns the written file's description.
     """
     path = Path(path)
-    x_shape = _check_pair(x, y, "x", "y")
+    targets = _target_kind(y, targets, num_classes)
+    x_shape = _check_pair(x, y, "x", "y", targets)
     if (x_test is None) != (y_test is None):
         raise DataError("give both x_test and y_test, or neither")
     if x_test is not None and test_fraction is not None:
@@ -180,10 +190,14 @@ def write_dataset(path: str | os.PathLike, x: Any, y: Any, x_test: Any = None,
     stored, scale = _storage(x, scale)
     n = x_shape[0]
     if x_test is not None:
-        test_shape = _check_pair(x_test, y_test, "x_test", "y_test")
+        test_shape = _check_pair(x_test, y_test, "x_test", "y_test", targets)
         if test_shape[1:] != x_shape[1:]:
             raise DataError(f"x has rows of shape {x_shape[1:]} but x_test has "
                             f"{test_shape[1:]}")
+        if tuple(y_test.shape[1:]) != tuple(y.shape[1:]):
+            raise DataError(f"y has targets of shape {tuple(y.shape)} but y_test has "
+                            f"{tuple(y_test.shape)}: give both the same number of targets "
+                            f"per row")
         if _storage(x_test, scale)[0] != stored:
             raise DataError(f"x is {np.dtype(x.dtype)} but x_test is "
                             f"{np.dtype(x_test.dtype)}: give both as uint8 or both as numbers "
@@ -194,24 +208,27 @@ def write_dataset(path: str | os.PathLike, x: Any, y: Any, x_test: Any = None,
     if shuffle:
         train_rows = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1,))) \
             .permutation(train_rows)
-    splits = {"train": (x, y, train_rows),
-              "test": (x, y, test_rows) if test_rows is not None
-              else (x_test, y_test, np.arange(x_test.shape[0]))}
-    if num_classes is None:
+    splits = {"train": (x, y, "y", train_rows),
+              "test": (x, y, "y", test_rows) if test_rows is not None
+              else (x_test, y_test, "y_test", np.arange(x_test.shape[0]))}
+    if targets == "classes" and num_classes is None:
         num_classes = 1 + max(_largest_label(labels, name) for name, labels in
                               (("y", y), ("y_test", y_test)) if labels is not None)
-    if num_classes < 2:
+    if targets == "classes" and num_classes < 2:
         raise DataError(f"the labels hold a single class (num_classes = {num_classes}); "
                         f"a classifier needs at least 2")
-    total = sum(len(rows) for _, _, rows in splits.values())
+    total = sum(len(rows) for *_, rows in splits.values())
     done, last = 0, time.monotonic()
-    with DatasetWriter(path, input_shape=x_shape[1:], num_classes=int(num_classes),
-                       n_train=len(splits["train"][2]), n_test=len(splits["test"][2]),
-                       stored_dtype=stored, scale=scale, source=source) as writer:
-        for split, (xs, ys, rows) in splits.items():
+    with DatasetWriter(path, input_shape=x_shape[1:], num_classes=int(num_classes or 0),
+                       n_train=len(splits["train"][3]), n_test=len(splits["test"][3]),
+                       stored_dtype=stored, scale=scale, source=source, targets=targets,
+                       target_shape=tuple(int(d) for d in y.shape[1:])) as writer:
+        for split, (xs, ys, y_name, rows) in splits.items():
             for block in _blocks(rows, x_shape[1:]):
-                bx, by = _gather(xs, block), _labels(_gather(ys, block), split, num_classes)
-                writer.append(split, bx.astype(stored, copy=False), by)
+                by = _gather(ys, block)
+                by = (_labels(by, split, num_classes) if targets == "classes"
+                      else _values(by, y_name, block))
+                writer.append(split, _gather(xs, block).astype(stored, copy=False), by)
                 done += len(block)
                 if progress is not None and time.monotonic() - last >= PROGRESS_EVERY_S:
                     progress(done, total)
@@ -219,8 +236,27 @@ def write_dataset(path: str | os.PathLike, x: Any, y: Any, x_test: Any = None,
         return writer.commit()
 
 
-def _check_pair(x: Any, y: Any, x_name: str, y_name: str) -> tuple[int, ...]:
-    """x's shape, once x and y are checked to be (N, *input_shape) inputs and N labels."""
+def _target_kind(y: Any, targets: str | None, num_classes: int | None) -> str:
+    """"classes" or "values": `targets` if given, else from y's dtype (integer or a given
+    num_classes: class labels; float or bool: values)."""
+    if targets is not None:
+        if targets not in TARGETS:
+            raise DataError(f"targets must be 'classes' (integer labels) or 'values' (float "
+                            f"targets: regression, multi-label), got {targets!r}")
+        if targets == "values" and num_classes is not None:
+            raise DataError("num_classes is for class labels: values targets have none "
+                            "(leave it out)")
+        return targets
+    dtype = getattr(y, "dtype", None)
+    if num_classes is None and dtype is not None and (
+            np.issubdtype(dtype, np.floating) or dtype == np.bool_):
+        return "values"
+    return "classes"  # integers; anything else is reported by _labels
+
+
+def _check_pair(x: Any, y: Any, x_name: str, y_name: str, targets: str) -> tuple[int, ...]:
+    """x's shape, once x and y are checked to be (N, *input_shape) inputs and N labels
+    (classes) or N rows of targets, (N,) or (N, k) (values)."""
     for value, name in ((x, x_name), (y, y_name)):
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
             raise DataError(f"{name} must be an array (numpy, memory-mapped or an h5py "
@@ -229,11 +265,16 @@ def _check_pair(x: Any, y: Any, x_name: str, y_name: str) -> tuple[int, ...]:
     if len(shape) < 2 or min(shape[1:]) == 0:
         raise DataError(f"{x_name} has shape {shape}: expected (rows, *input_shape), e.g. "
                         f"(N, 784) for flat features or (N, 28, 28, 1) for images")
-    if len(y.shape) != 1:
-        raise DataError(f"{y_name} has shape {tuple(y.shape)}: expected one label per row, "
-                        f"(N,) (one-hot labels: take their argmax first)")
+    if targets == "classes" and len(y.shape) != 1:
+        raise DataError(f"{y_name} has shape {tuple(y.shape)} of {np.dtype(y.dtype)}: class "
+                        f"labels are one per row, (N,) (one-hot labels: take their argmax "
+                        f"first); {VALUES_HINT}")
+    if targets == "values" and (len(y.shape) not in (1, 2) or min(y.shape[1:], default=1) < 1):
+        raise DataError(f"{y_name} has shape {tuple(y.shape)}: targets are (N,) or (N, k), "
+                        f"k >= 1 numbers a row")
     if y.shape[0] != shape[0]:
-        raise DataError(f"{x_name} has {shape[0]} rows but {y_name} has {y.shape[0]} labels")
+        raise DataError(f"{x_name} has {shape[0]} rows but {y_name} has {y.shape[0]} "
+                        f"{'labels' if targets == 'classes' else 'rows'}")
     if shape[0] == 0:
         raise DataError(f"{x_name} has no rows")
     return shape
@@ -314,13 +355,29 @@ def _labels(values: np.ndarray, split: str, num_classes: int | None) -> np.ndarr
     return values.astype(np.int32)
 
 
+def _values(values: np.ndarray, name: str, rows: np.ndarray) -> np.ndarray:
+    """Targets as float32, checked finite; `rows` are their rows in `name`, for the error."""
+    if not (np.issubdtype(values.dtype, np.number) or values.dtype == np.bool_) \
+            or np.issubdtype(values.dtype, np.complexfloating):
+        raise DataError(f"{name} has dtype {values.dtype}: values targets must be real numbers")
+    with np.errstate(over="ignore"):  # a float64 too large for float32: reported below
+        out = values.astype(np.float32)
+    finite = np.isfinite(out.reshape(len(out), -1)).all(axis=1)
+    if not finite.all():
+        at = int(np.argmin(finite))
+        bad = values.reshape(len(values), -1)[at][~np.isfinite(out.reshape(len(out), -1)[at])]
+        raise DataError(f"{name} row {int(rows[at])} holds {bad[0]}: targets must be finite "
+                        f"float32 numbers (no NaN or infinity)")
+    return out
+
+
 def convert_arrays(source: str | None, out_path: str, x_name: str | None, y_name: str | None,
                    x_test: str | None, y_test: str | None, *, test_fraction: float | None,
                    classes: int | None, scale: float | None, shuffle: bool,
-                   seed: int) -> None:
+                   seed: int, targets: str | None = None) -> None:
     """`distbelief prepare arrays`: the arrays of `source` (an .npz or HDF5 file; None:
     the .npy files the names give) written as a dataset at `out_path`, with progress
-    lines on stdout. Never overwrites a file."""
+    lines on stdout. Never overwrites a file. `targets`: as write_dataset's."""
     out = Path(out_path)
     if out.exists():
         raise DataError(f"{out} exists: distbelief never overwrites a dataset; remove it or "
@@ -331,11 +388,11 @@ def convert_arrays(source: str | None, out_path: str, x_name: str | None, y_name
             print(f"distbelief prepare: {done:,d} of {total:,d} rows", flush=True)
 
         info = write_dataset(out, x, y, x_test, y_test, test_fraction=test_fraction,
-                             num_classes=classes, scale=scale,
+                             num_classes=classes, targets=targets, scale=scale,
                              shuffle=shuffle, seed=seed, source=source,
                              progress=report)
         print(f"wrote {out}: {info.n_train:,d} training and {info.n_test:,d} test rows of "
-              f"shape {info.input_shape}, {info.num_classes} classes, stored as "
+              f"shape {info.input_shape}, {_what_y_holds(info)}, stored as "
               f"{info.stored_dtype}")
 
     names = (x_name, y_name, x_test, y_test)
@@ -353,3 +410,13 @@ def convert_arrays(source: str | None, out_path: str, x_name: str | None, y_name
         arrays = [None if name is None else found[name] for name in chosen]
         convert(*arrays, source=f"{Path(source).resolve()}: "
                                 f"{', '.join(n for n in chosen if n)}")
+
+
+def _what_y_holds(info: DatasetInfo) -> str:
+    """'7 classes', or for values '3 float targets a row (values: ...)' with the way back
+    to classes, so that class labels stored as floats, read as values, are noticed."""
+    if info.targets == "classes":
+        return f"{info.num_classes} classes"
+    count = f"{info.outputs} float target{'s' if info.outputs > 1 else ''} a row"
+    return (f"{count} (values: regression or multi-label; for class labels pass integers "
+            f"or --targets classes)")

@@ -4,25 +4,29 @@ an atomic writer the converters in `datasets.py` use.
 FORMAT (version 1). One HDF5 file holding four datasets:
 
     /train/x   (N_train, *input_shape)   uint8 or float32, chunked by rows
-    /train/y   (N_train,)                integer labels in [0, num_classes)
+    /train/y   (N_train,)                "classes": integer labels in [0, num_classes)
+               (N_train,) or (N_train, k)  "values": finite float32 targets, k >= 1
     /test/x    (N_test, *input_shape)    same dtype and `scale` as /train/x
-    /test/y    (N_test,)
+    /test/y    as /train/y, with the same per-row shape
 
 input_shape is (H, W, C) for images (Fashion-MNIST: (28, 28, 1)) or (F,) for flat features.
 uint8 x carries a float attribute `scale`: value = stored * scale (1/255 for images). float32
 x may carry `scale` too; without it the scale is 1. Root attributes: `format` =
-"distbelief-dataset", `version` = 1, `num_classes` (int >= 2), `source` (free text).
-Both splits hold at least one row. An optional third split, /val/x and /val/y (same
-shapes, dtype and scale), is a validation set: when it is there, evaluations during
-training and the stop rules use it, and the test set is evaluated once, at the end.
-Without one, `with_validation` holds out the last rows of /train (data.validation). Files written here chunk x by rows (about 256 KiB per
-chunk) so that reading a block of rows reads only the chunks that hold them, and add
-Fletcher-32 checksums to every chunk, so flipped bytes raise an error instead of becoming
-silent bad pixels. Readers accept files without either (e.g. written by hand with h5py).
+"distbelief-dataset", `version` = 1, `targets` = "classes" (the default when absent) or
+"values" (regression, multi-label 0/1), `num_classes` (int >= 2; classes only: a values
+file needs none and any is ignored), `source` (free text). Both splits hold at least one row.
+An optional third split, /val/x and /val/y (same shapes, dtype and scale), is a validation
+set: when it is there, evaluations during training and the stop rules use it, and the test
+set is evaluated once, at the end. Without one, `with_validation` holds out the last rows
+of /train (data.validation). Files written here chunk x by rows (about 256 KiB per chunk)
+so that reading a block of rows reads only the chunks that hold them, and add Fletcher-32
+checksums to every chunk, so flipped bytes raise an error instead of becoming silent bad
+pixels. Readers accept files without either (e.g. written by hand with h5py).
 
 `open_dataset` validates everything that is cheap to check (structure, shapes, dtypes,
-attributes, every label's range) and returns a `DatasetInfo`. `TrainShard` holds one rank's
-contiguous block of training rows in memory, in the stored dtype, and serves minibatches.
+attributes, every label's range or every value's finiteness) and returns a `DatasetInfo`.
+`TrainShard` holds one rank's contiguous block of training rows in memory, in the stored
+dtype, and serves minibatches.
 Every problem with a file is a `DataError` whose one-line message names the file.
 
 `bytes_read()` is how many bytes of rows and labels this process has read from dataset
@@ -32,11 +36,12 @@ that rank's share of the data, not the whole set (issue 32).
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import h5py
 import numpy as np
@@ -51,6 +56,9 @@ SPLITS = ("train", "test", "validation")
 """What load_split reads: "validation" is /val, or the rows of /train held out by
 with_validation."""
 STORED_DTYPES = ("uint8", "float32")
+TARGETS = ("classes", "values")
+"""What /split/y holds (root attribute `targets`): integer class labels, or float32 values
+of any per-row shape () or (k,) (regression, multi-label)."""
 IMAGE_SCALE = 1.0 / 255.0
 
 # Aim for chunks of about this many bytes: big enough that HDF5's per-chunk overhead is
@@ -60,7 +68,8 @@ CHUNK_BYTES = 256 * 1024
 # OSError for unreadable metadata or a failed chunk checksum, RuntimeError or KeyError for
 # damaged object headers, ValueError or TypeError for a damaged datatype.
 H5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
-# Labels are checked in blocks so that validating a file larger than memory stays cheap.
+# Labels are checked in blocks so that validating a file larger than memory stays cheap
+# (values: blocks of this many targets, whatever the width of a row).
 LABEL_CHECK_ROWS = 1 << 20
 
 def bytes_read() -> int:
@@ -93,6 +102,22 @@ class DatasetInfo:
     held_out: int = 0
     """Rows at the end of /train held out as the validation split (with_validation):
     n_train counts only the rows trained on."""
+    targets: str = "classes"
+    """What y holds: "classes" (int labels; num_classes > 0) or "values" (float32 targets;
+    num_classes is 0)."""
+    target_shape: tuple[int, ...] = ()
+    """The per-row shape of y: () for (N,), (k,) for (N, k) ("values" only)."""
+
+    @property
+    def outputs(self) -> int:
+        """How many outputs a model of this data has: num_classes for classes, else the
+        number of target values per row (1 for y of shape (N,))."""
+        return self.num_classes if self.targets == "classes" else math.prod(self.target_shape)
+
+    @property
+    def target_dtype(self) -> np.dtype:
+        """The dtype every reader returns y in: int32 for classes, float32 for values."""
+        return np.dtype(np.int32 if self.targets == "classes" else np.float32)
 
 
 def open_h5(path: Path) -> h5py.File:
@@ -177,14 +202,17 @@ def _x_scale(path: Path, x: h5py.Dataset, name: str) -> tuple[str, float]:
     return dtype, scale
 
 
+def _part_rows(rows: int, part: tuple[int, int]) -> tuple[int, int]:
+    """[first, stop) of `part` = (i, k): the i-th of k contiguous near-equal parts of rows."""
+    i, k = part
+    return rows * i // k, rows * (i + 1) // k
+
+
 def _check_labels(path: Path, y: h5py.Dataset, name: str, num_classes: int,
                   part: tuple[int, int] = (0, 1)) -> None:
     """Every label in [0, num_classes), or those of `part` = (i, k), the i-th of k
     contiguous near-equal parts of the rows; read in blocks, so big files stay cheap."""
-    if not np.issubdtype(y.dtype, np.integer):
-        raise DataError(f"{path}: /{name} has dtype {y.dtype}, expected integer labels")
-    i, k = part
-    first, stop = y.shape[0] * i // k, y.shape[0] * (i + 1) // k
+    first, stop = _part_rows(y.shape[0], part)
     for start in range(first, stop, LABEL_CHECK_ROWS):
         block = y[start : min(stop, start + LABEL_CHECK_ROWS)]
         count_read(block)
@@ -194,28 +222,78 @@ def _check_labels(path: Path, y: h5py.Dataset, name: str, num_classes: int,
             raise DataError(f"{path}: /{name} has label {bad} outside [0, {num_classes})")
 
 
+def _check_values(path: Path, y: h5py.Dataset, name: str,
+                  part: tuple[int, int] = (0, 1)) -> None:
+    """Every target of `part` (as in _check_labels) finite: one NaN would turn every
+    weight it reaches into NaN. Read in blocks of about LABEL_CHECK_ROWS values."""
+    first, stop = _part_rows(y.shape[0], part)
+    step = max(1, LABEL_CHECK_ROWS // max(1, math.prod(y.shape[1:])))
+    for start in range(first, stop, step):
+        block = y[start : min(stop, start + step)]
+        count_read(block)
+        rows = block.reshape(len(block), -1)
+        finite = np.isfinite(rows).all(axis=1)
+        if not finite.all():
+            row = int(np.argmin(finite))
+            bad = rows[row][~np.isfinite(rows[row])][0]
+            raise DataError(f"{path}: /{name} row {start + row} holds {bad}: targets must be "
+                            f"finite numbers")
+
+
+def _target_shape(path: Path, y: h5py.Dataset, name: str, targets: str) -> tuple[int, ...]:
+    """y's per-row shape, checked (with its dtype) against what `targets` allows."""
+    if targets == "classes":
+        if y.ndim != 1:
+            raise DataError(f"{path}: /{name} has shape {y.shape}, expected (N,)")
+        if not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"{path}: /{name} has dtype {y.dtype}, expected integer labels")
+        return ()
+    if y.ndim not in (1, 2) or min(y.shape[1:], default=1) < 1:
+        raise DataError(f"{path}: /{name} has shape {y.shape}, expected (N,) or (N, k) values")
+    if y.dtype != np.float32:
+        raise DataError(f"{path}: /{name} has dtype {y.dtype}, expected float32 (the file's "
+                        f"targets are 'values')")
+    return tuple(int(d) for d in y.shape[1:])
+
+
+def _y_form(target_shape: tuple[int, ...]) -> str:
+    """y's shape as an error message writes it: (N,) or (N, k)."""
+    return f"(N, {target_shape[0]})" if target_shape else "(N,)"
+
+
+class _Split(NamedTuple):
+    """What _check_split learned about one split."""
+
+    rows: int
+    input_shape: tuple[int, ...]
+    stored_dtype: str
+    scale: float
+    target_shape: tuple[int, ...]
+
+
 def _check_split(path: Path, f: h5py.File, split: str, num_classes: int,
                  labels: bool = True, part: tuple[int, int] = (0, 1),
-                 ) -> tuple[int, tuple[int, ...], str, float]:
-    """Validate /split/x and /split/y (with `labels`, the range of every label of `part`
-    too); return (rows, input_shape, stored_dtype, scale)."""
+                 targets: str = "classes") -> _Split:
+    """Validate /split/x and /split/y (with `labels`, every label's range, or for values
+    every target's finiteness, of `part` too)."""
     x = _get_dataset(path, f, f"{split}/x")
     y = _get_dataset(path, f, f"{split}/y")
     if x.ndim < 2:
         raise DataError(f"{path}: /{split}/x has shape {x.shape}, expected (N, *input_shape)")
-    if y.ndim != 1:
-        raise DataError(f"{path}: /{split}/y has shape {y.shape}, expected (N,)")
+    target_shape = _target_shape(path, y, f"{split}/y", targets)
     if x.shape[0] != y.shape[0]:
         raise DataError(f"{path}: /{split}/x has {x.shape[0]} rows but /{split}/y has "
-                        f"{y.shape[0]} labels")
+                        f"{y.shape[0]} {'labels' if targets == 'classes' else 'rows'}")
     if x.shape[0] == 0:
         raise DataError(f"{path}: /{split} is empty")
     if min(x.shape[1:]) == 0:
         raise DataError(f"{path}: /{split}/x has an empty input shape {x.shape[1:]}")
     dtype, scale = _x_scale(path, x, f"{split}/x")
-    if labels:
+    if labels and targets == "classes":
         _check_labels(path, y, f"{split}/y", num_classes, part)
-    return x.shape[0], tuple(int(d) for d in x.shape[1:]), dtype, scale
+    elif labels:
+        _check_values(path, y, f"{split}/y", part)
+    return _Split(x.shape[0], tuple(int(d) for d in x.shape[1:]), dtype, scale, target_shape)
 
 
 def open_dataset(path: str | os.PathLike, labels: bool = True,
@@ -223,12 +301,12 @@ def open_dataset(path: str | os.PathLike, labels: bool = True,
     """Validate a dataset file and describe it. Raises DataError naming the problem.
 
     Checks the structure, shapes, dtypes and attributes, and with `labels` reads every
-    label (not x) to check its range; without, the metadata only (what describing the
-    file needs: the command line's checks before a run, a model's input shape). `part` =
-    (i, k): read and check only the i-th of k parts of each split's labels, so that k
-    ranks check a file together, each reading 1/k of the labels (they must then agree on
-    the verdict). Corrupt x bytes are caught later, when a shard or the test set reads
-    them (chunk checksums).
+    label (not x) to check its range, or every target of a "values" file to check that it
+    is finite; without, the metadata only (what describing the file needs: the command
+    line's checks before a run, a model's input shape). `part` = (i, k): read and check
+    only the i-th of k parts of each split's labels, so that k ranks check a file together,
+    each reading 1/k of the labels (they must then agree on the verdict). Corrupt x bytes
+    are caught later, when a shard or the test set reads them (chunk checksums).
     """
     path = Path(path)
     i, k = part
@@ -244,6 +322,20 @@ def open_dataset(path: str | os.PathLike, labels: bool = True,
             raise DataError(f"{path}: corrupt HDF5 file: {first_line(exc)}") from exc
 
 
+def _targets(path: Path, attrs: h5py.AttributeManager) -> tuple[str, int]:
+    """(targets, num_classes) from the root attributes: num_classes is 0 for values."""
+    targets = _attr_text(attrs.get("targets", "classes"))
+    if targets not in TARGETS:
+        raise DataError(f"{path}: root attribute 'targets' is {targets!r}, expected "
+                        f"'classes' or 'values'")
+    if targets == "values":
+        return targets, 0
+    num_classes = _attr_int(path, attrs, "num_classes")
+    if num_classes < 2:
+        raise DataError(f"{path}: num_classes is {num_classes}, need at least 2")
+    return targets, num_classes
+
+
 def _describe(path: Path, f: h5py.File, labels: bool = True,
               part: tuple[int, int] = (0, 1)) -> DatasetInfo:
     fmt = _attr_text(f.attrs.get("format", ""))
@@ -254,30 +346,37 @@ def _describe(path: Path, f: h5py.File, labels: bool = True,
     if version != FORMAT_VERSION:
         raise DataError(f"{path}: dataset format version {version} is not supported "
                         f"(this reader knows version {FORMAT_VERSION})")
-    num_classes = _attr_int(path, f.attrs, "num_classes")
-    if num_classes < 2:
-        raise DataError(f"{path}: num_classes is {num_classes}, need at least 2")
-    n_train, train_shape, train_dtype, train_scale = _check_split(path, f, "train", num_classes,
-                                                                labels, part)
-    n_test, test_shape, test_dtype, test_scale = _check_split(path, f, "test", num_classes,
-                                                            labels, part)
-    if train_shape != test_shape:
-        raise DataError(f"{path}: train inputs have shape {train_shape} but test inputs "
-                        f"have {test_shape}")
-    if (train_dtype, train_scale) != (test_dtype, test_scale):
-        raise DataError(f"{path}: train x is {train_dtype} with scale {train_scale} but test "
-                        f"x is {test_dtype} with scale {test_scale}")
+    targets, num_classes = _targets(path, f.attrs)
+    train, test = (_check_split(path, f, split, num_classes, labels, part, targets)
+                   for split in ("train", "test"))
+    if train.input_shape != test.input_shape:
+        raise DataError(f"{path}: train inputs have shape {train.input_shape} but test "
+                        f"inputs have {test.input_shape}")
+    if (train.stored_dtype, train.scale) != (test.stored_dtype, test.scale):
+        raise DataError(f"{path}: train x is {train.stored_dtype} with scale {train.scale} "
+                        f"but test x is {test.stored_dtype} with scale {test.scale}")
+    _same_target_shape(path, train, test, "test")
     n_val = 0
     if "val" in f:
-        n_val, val_shape, val_dtype, val_scale = _check_split(path, f, "val", num_classes,
-                                                              labels, part)
-        if (val_shape, val_dtype, val_scale) != (train_shape, train_dtype, train_scale):
-            raise DataError(f"{path}: /val x is {val_dtype} {val_shape} with scale "
-                            f"{val_scale} but train x is {train_dtype} {train_shape} with "
-                            f"scale {train_scale}")
-    return DatasetInfo(path=path, input_shape=train_shape, num_classes=num_classes,
-                       n_train=n_train, n_test=n_test, stored_dtype=train_dtype,
-                       scale=train_scale, n_val=n_val)
+        val = _check_split(path, f, "val", num_classes, labels, part, targets)
+        if (val.input_shape, val.stored_dtype, val.scale) != \
+                (train.input_shape, train.stored_dtype, train.scale):
+            raise DataError(f"{path}: /val x is {val.stored_dtype} {val.input_shape} with "
+                            f"scale {val.scale} but train x is {train.stored_dtype} "
+                            f"{train.input_shape} with scale {train.scale}")
+        _same_target_shape(path, train, val, "val")
+        n_val = val.rows
+    return DatasetInfo(path=path, input_shape=train.input_shape, num_classes=num_classes,
+                       n_train=train.rows, n_test=test.rows, stored_dtype=train.stored_dtype,
+                       scale=train.scale, n_val=n_val, targets=targets,
+                       target_shape=train.target_shape)
+
+
+def _same_target_shape(path: Path, train: _Split, other: _Split, split: str) -> None:
+    if other.target_shape != train.target_shape:
+        raise DataError(f"{path}: /train/y is {_y_form(train.target_shape)} but /{split}/y "
+                        f"is {_y_form(other.target_shape)}: every split needs the same "
+                        f"number of targets per row")
 
 
 def training_rows(n_train: int, held_out: int, path: str | Path,
@@ -313,7 +412,8 @@ def with_validation(info: DatasetInfo, fraction: float) -> DatasetInfo:
 
 def read_rows(info: DatasetInfo, split: str, start: int,
                stop: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows [start, stop) of /split as (x in the stored dtype, y as int32).
+    """Rows [start, stop) of /split as (x in the stored dtype, y in info.target_dtype:
+    int32 labels, or float32 values (B,) or (B, k) as stored).
 
     Re-checks the shapes against `info`, since the file may have been replaced since.
     "validation" reads the validation split (/val, or the held-out end of /train).
@@ -354,21 +454,29 @@ def _read(info: DatasetInfo, split: str, where: Any,
         try:
             x, y = f.get(f"{split}/x"), f.get(f"{split}/y")
             if (not isinstance(x, h5py.Dataset) or not isinstance(y, h5py.Dataset)
-                    or x.shape != (expected, *info.input_shape) or y.shape != (expected,)
-                    or x.dtype.name != info.stored_dtype):
+                    or x.shape != (expected, *info.input_shape)
+                    or y.shape != (expected, *info.target_shape)
+                    or x.dtype.name != info.stored_dtype or not _y_dtype_fits(info, y)):
                 raise DataError(f"{info.path}: /{split} changed since the file was opened")
             if isinstance(where, slice) or len(where):
                 xs, ys = x[where], y[where]
             else:  # h5py refuses an empty list of points
                 xs = np.empty((0, *info.input_shape), dtype=x.dtype)
-                ys = np.empty(0, dtype=y.dtype)
+                ys = np.empty((0, *info.target_shape), dtype=y.dtype)
             count_read(xs, ys)
-            return xs, ys.astype(np.int32)
+            return xs, ys.astype(info.target_dtype, copy=False)
         except DataError:
             raise
         except H5_ERRORS as exc:
             raise DataError(f"{info.path}: cannot read {what} of /{split}/x "
                             f"(corrupt file?): {first_line(exc)}") from exc
+
+
+def _y_dtype_fits(info: DatasetInfo, y: h5py.Dataset) -> bool:
+    """Whether y's stored dtype is one `info.targets` allows (any integer for labels)."""
+    if info.targets == "classes":
+        return np.issubdtype(y.dtype, np.integer)
+    return y.dtype == np.float32
 
 
 def to_float(stored: np.ndarray, scale: float, out: np.ndarray | None = None) -> np.ndarray:
@@ -383,7 +491,8 @@ def to_float(stored: np.ndarray, scale: float, out: np.ndarray | None = None) ->
 
 
 def load_test(info: DatasetInfo, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The first `limit` test rows (all when None): x float32 scaled, y int32.
+    """The first `limit` test rows (all when None): x float32 scaled, y as read_rows
+    gives it (int32 labels, or float32 values).
 
     A `limit` above the test set's size gives the whole test set.
     """
@@ -392,7 +501,8 @@ def load_test(info: DatasetInfo, limit: int | None = None) -> tuple[np.ndarray, 
 
 def load_split(info: DatasetInfo, split: str,
                limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The first `limit` rows of /split (all when None): x float32 scaled, y int32.
+    """The first `limit` rows of /split (all when None): x float32 scaled, y as read_rows
+    gives it (int32 labels, or float32 values).
 
     A `limit` above the split's size gives the whole split.
     """
@@ -470,7 +580,7 @@ class TrainShard:
             rows = read_rows(info, "train", self.start, self.stop)
         x, y = rows
         if (x.shape != (self.n, *info.input_shape) or x.dtype.name != info.stored_dtype
-                or y.shape != (self.n,) or y.dtype != np.int32):
+                or y.shape != (self.n, *info.target_shape) or y.dtype != info.target_dtype):
             raise ValueError(f"rows of shapes {x.shape} {x.dtype}, {y.shape} {y.dtype} are "
                              f"not rows {self.start}..{self.stop} of {info.path}")
         self._x, self._y = x, y
@@ -481,7 +591,8 @@ class TrainShard:
 
     @property
     def stored_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """The shard's rows as read: x in the stored dtype, y int32 (not to be modified)."""
+        """The shard's rows as read: x in the stored dtype, y in info.target_dtype (not to
+        be modified)."""
         return self._x, self._y
 
     def _ensure_buffers(self, batch_size: int) -> None:
@@ -491,7 +602,7 @@ class TrainShard:
         self._index = np.empty(batch_size, dtype=np.intp)
         self._stored = np.empty(shape, dtype=self._x.dtype)
         self._xbuf = np.empty(shape, dtype=np.float32)
-        self._ybuf = np.empty(batch_size, dtype=np.int32)
+        self._ybuf = np.empty((batch_size, *self.info.target_shape), dtype=self._y.dtype)
         self._batch_size = batch_size
 
     def _next_indices(self, batch_size: int) -> np.ndarray:
@@ -509,7 +620,8 @@ class TrainShard:
         return self._index
 
     def next_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next minibatch: x float32 (B, *input_shape) scaled, y int32 (B,).
+        """The next minibatch: x float32 (B, *input_shape) scaled, y int32 labels (B,) or
+        float32 values (B, *target_shape).
 
         Both are views of buffers this shard reuses: the next call overwrites them, so copy
         them if you need them longer.
@@ -522,7 +634,7 @@ class TrainShard:
         index = self._next_indices(batch_size)
         np.take(self._x, index, axis=0, out=self._stored)
         to_float(self._stored, self.info.scale, out=self._xbuf)
-        np.take(self._y, index, out=self._ybuf)
+        np.take(self._y, index, axis=0, out=self._ybuf)
         return self._xbuf, self._ybuf
 
     def state(self) -> dict:
@@ -572,14 +684,20 @@ class DatasetWriter:
     every row was written, flushes, fsyncs and renames it over `path`, then validates the
     result with `open_dataset`. Leaving a `with` block without commit (an exception) removes
     the temporary file, so a failed conversion never leaves a file at `path`.
+
+    `targets` = "classes" (integer labels, `num_classes` >= 2) or "values" (float32 targets
+    of per-row shape `target_shape`, () or (k,); `num_classes` is then ignored).
     """
 
     def __init__(self, path: str | os.PathLike, *, input_shape: tuple[int, ...],
-                 num_classes: int, n_train: int, n_test: int, stored_dtype: str,
-                 scale: float, source: str, chunk_rows: int | None = None, n_val: int = 0):
+                 num_classes: int = 0, n_train: int, n_test: int, stored_dtype: str,
+                 scale: float, source: str, chunk_rows: int | None = None, n_val: int = 0,
+                 targets: str = "classes", target_shape: tuple[int, ...] = ()):
         self.path = Path(path)
         if stored_dtype not in STORED_DTYPES:
             raise ValueError(f"stored_dtype must be one of {STORED_DTYPES}, got {stored_dtype!r}")
+        self._targets = targets
+        self._target_shape = _writer_target_shape(targets, target_shape, num_classes)
         if self.path.is_dir():
             raise DataError(f"{self.path}: is a folder, expected a file name to write")
         if not self.path.parent.is_dir():
@@ -611,17 +729,25 @@ class DatasetWriter:
         f = self._file
         f.attrs["format"] = FORMAT_NAME
         f.attrs["version"] = np.int64(FORMAT_VERSION)
-        f.attrs["num_classes"] = np.int64(num_classes)
+        # A classes file gets no `targets` attribute: byte for byte the file it always was.
+        if self._targets == "classes":
+            f.attrs["num_classes"] = np.int64(num_classes)
+        else:
+            f.attrs["targets"] = self._targets
         f.attrs["source"] = source
         dtype = np.dtype(stored_dtype)
         rows_per_chunk = chunk_rows or _chunk_rows(input_shape, dtype.itemsize)
+        y_shape = self._target_shape
+        y_dtype = np.int32 if self._targets == "classes" else np.float32
+        # At least 4096 labels a chunk, fewer for wide values (about CHUNK_BYTES then).
+        y_chunk = max(rows_per_chunk, min(4096, _chunk_rows(y_shape, 4)))
         for split, n in self._rows.items():
             x = f.create_dataset(f"{split}/x", shape=(n, *input_shape), dtype=dtype,
                                  chunks=(min(rows_per_chunk, n), *input_shape),
                                  fletcher32=True)
             x.attrs["scale"] = np.float64(scale)
-            f.create_dataset(f"{split}/y", shape=(n,), dtype=np.int32,
-                             chunks=(min(max(rows_per_chunk, 4096), n),), fletcher32=True)
+            f.create_dataset(f"{split}/y", shape=(n, *y_shape), dtype=y_dtype,
+                             chunks=(min(y_chunk, n), *y_shape), fletcher32=True)
 
     def append(self, split: str, x: np.ndarray, y: np.ndarray) -> None:
         """Write the next len(x) rows of `split` (train, test, or val when n_val > 0)."""
@@ -632,12 +758,29 @@ class DatasetWriter:
         if len(y) != len(x) or stop > self._rows[split]:
             raise ValueError(f"{split}: {len(x)} inputs, {len(y)} labels at row {start} "
                              f"of {self._rows[split]}")
+        self._check_targets(split, start, np.asarray(y))
         try:
             self._file[f"{split}/x"][start:stop] = x
             self._file[f"{split}/y"][start:stop] = y
         except OSError as exc:
             raise DataError(f"{self.path}: cannot write: {first_line(exc)}") from exc
         self._written[split] = stop
+
+    def _check_targets(self, split: str, start: int, y: np.ndarray) -> None:
+        """y's rows have the writer's per-row shape; values are finite floats (checked here,
+        since commit publishes the file before it validates it)."""
+        if y.shape[1:] != self._target_shape:
+            raise ValueError(f"{self.path}: {split} targets have rows of shape {y.shape[1:]}, "
+                             f"expected {self._target_shape}")
+        if self._targets == "classes":
+            return
+        if not np.issubdtype(y.dtype, np.floating):
+            raise ValueError(f"{self.path}: {split} targets have dtype {y.dtype}, expected "
+                             f"floats (targets 'values')")
+        finite = np.isfinite(y.reshape(len(y), -1)).all(axis=1)
+        if not finite.all():
+            raise ValueError(f"{self.path}: {split} row {start + int(np.argmin(finite))} holds "
+                             f"a target that is not a finite number")
 
     def commit(self) -> DatasetInfo:
         """Publish the file at `path` (atomically) and return its validated description."""
@@ -669,6 +812,23 @@ class DatasetWriter:
     def __exit__(self, *exc_info: object) -> None:
         if self._file is not None:
             self.abort()
+
+
+def _writer_target_shape(targets: str, target_shape: tuple[int, ...],
+                         num_classes: int) -> tuple[int, ...]:
+    """DatasetWriter's arguments about y, checked; the per-row shape of y."""
+    if targets not in TARGETS:
+        raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
+    shape = tuple(int(d) for d in target_shape)
+    if targets == "classes":
+        if shape:
+            raise ValueError(f"class labels are one per row: target_shape must be (), got "
+                             f"{target_shape!r}")
+        if num_classes < 2:
+            raise ValueError(f"num_classes must be at least 2, got {num_classes}")
+    elif len(shape) > 1 or min(shape, default=1) < 1:
+        raise ValueError(f"target_shape must be () or (k,) with k >= 1, got {target_shape!r}")
+    return shape
 
 
 def _fsync_path(path: Path) -> None:

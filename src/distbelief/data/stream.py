@@ -101,7 +101,8 @@ class StreamingTrainShard:
         shape = (batch_size, *self.info.input_shape)
         self._stored = np.empty(shape, dtype=self.info.stored_dtype)
         self._xbuf = np.empty(shape, dtype=np.float32)
-        self._ybuf = np.empty(batch_size, dtype=np.int32)
+        self._ybuf = np.empty((batch_size, *self.info.target_shape),
+                              dtype=self.info.target_dtype)
         self._batch_size = batch_size
 
     def _current(self) -> _Window:
@@ -121,8 +122,9 @@ class StreamingTrainShard:
                 return window
 
     def next_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next minibatch: x float32 (B, *input_shape) scaled, y int32 (B,). Views of
-        buffers the next call overwrites, as TrainShard's."""
+        """The next minibatch: x float32 (B, *input_shape) scaled, y int32 labels (B,) or
+        float32 values (B, *target_shape). Views of buffers the next call overwrites, as
+        TrainShard's."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
                 or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -137,7 +139,7 @@ class StreamingTrainShard:
             take = min(batch_size - filled, len(window.order) - offset)
             index = window.order[offset:offset + take]
             np.take(window.x, index, axis=0, out=self._stored[filled:filled + take])
-            np.take(window.y, index, out=self._ybuf[filled:filled + take])
+            np.take(window.y, index, axis=0, out=self._ybuf[filled:filled + take])
             filled += take
             self.position += take
             if self.position == self.n:
@@ -225,7 +227,7 @@ class _Reader:
         shard = self._shard
         rows = sum(hi - lo for lo, hi in blocks)
         xs = np.empty((rows, *shard.info.input_shape), dtype=shard.info.stored_dtype)
-        ys = np.empty(rows, dtype=np.int32)
+        ys = np.empty((rows, *shard.info.target_shape), dtype=shard.info.target_dtype)
         at = 0
         try:
             for lo, hi in blocks:
