@@ -23,7 +23,7 @@ The kernels are single-threaded on purpose: an MPI job already runs one rank per
 a thread pool per rank would oversubscribe the cores.
 """
 
-from libc.math cimport expf, log, sqrtf, tanhf
+from libc.math cimport expf, log, log1pf, sqrtf, tanhf
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
@@ -526,6 +526,50 @@ def softmax_cross_entropy(const float[:, ::1] logits,  # IN (N, C)
                 grad[n, c] = grad[n, c] * scale
             grad[n, label] = grad[n, label] - inv_rows
     return total / rows
+
+
+def squared_error(const float[:, ::1] outputs,  # IN (N, K)
+                  const float[:, ::1] targets,  # IN (N, K)
+                  float[:, ::1] grad):          # OUT (N, K), may be outputs itself
+    """Returns the mean over rows and outputs of (output - target)^2 as a Python float;
+    grad = d(that mean)/d(outputs) = 2 (output - target) / (N K)."""
+    cdef Py_ssize_t n, k, rows = outputs.shape[0], width = outputs.shape[1]
+    cdef float d, scale
+    cdef double total = 0.0
+    if rows == 0 or width == 0:
+        return 0.0
+    scale = <float>(2.0 / (rows * width))
+    with nogil:
+        for n in range(rows):
+            for k in range(width):
+                d = outputs[n, k] - targets[n, k]
+                total += d * d
+                grad[n, k] = d * scale
+    return total / (rows * width)
+
+
+def sigmoid_binary_cross_entropy(const float[:, ::1] logits,   # IN (N, K)
+                                 const float[:, ::1] targets,  # IN (N, K), each in [0, 1]
+                                 float[:, ::1] grad):          # OUT (N, K), may be logits
+    """Returns the mean over rows and outputs of the binary cross-entropy of
+    sigmoid(logits) against targets, as a Python float; grad = (sigmoid - target) / (N K).
+    Stable at any logit: max(z, 0) - z t + log(1 + exp(-|z|))."""
+    cdef Py_ssize_t n, k, rows = logits.shape[0], width = logits.shape[1]
+    cdef float z, t, e, p, scale
+    cdef double total = 0.0
+    if rows == 0 or width == 0:
+        return 0.0
+    scale = <float>(1.0 / (rows * width))
+    with nogil:
+        for n in range(rows):
+            for k in range(width):
+                z = logits[n, k]
+                t = targets[n, k]
+                e = expf(-z if z >= 0 else z)  # exp(-|z|), never overflows
+                total += (z if z > 0 else 0) - z * t + log1pf(e)
+                p = 1 / (1 + e) if z >= 0 else e / (1 + e)
+                grad[n, k] = (p - t) * scale
+    return total / (rows * width)
 
 
 # ---------------------------------------------------------------------------------------

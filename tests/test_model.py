@@ -341,12 +341,15 @@ def test_evaluate_separable_batch():
     net.layout.view(params, 0, "weights")[...] = 5 * np.eye(4)
     labels = np.array([0, 1, 2, 3, 2, 1, 0])
     x = np.eye(4, dtype=np.float32)[labels]
-    loss, acc = net.evaluate(params, x, labels, batch_size=3)
+    result = net.evaluate(params, x, labels, batch_size=3)
+    loss, acc = result.loss, result.score
+    assert result.score_name == "accuracy" and result.rows == 7
     assert acc == 1.0
     assert loss == pytest.approx(np.log(1 + 3 * np.exp(-5.0)), rel=1e-5)
     wrong = (labels + 1) % 4
     wrong[:3] = labels[:3]  # 3 of 7 right
-    loss_w, acc_w = net.evaluate(params, x, wrong, batch_size=2)
+    result = net.evaluate(params, x, wrong, batch_size=2)
+    loss_w, acc_w = result.loss, result.figures["accuracy"]
     assert acc_w == pytest.approx(3 / 7)
     assert loss_w == pytest.approx(net.loss(params, x, wrong), rel=1e-6)
 

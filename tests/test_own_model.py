@@ -157,13 +157,14 @@ def test_own_model_evaluates_by_its_outputs_argmax_or_by_its_own_evaluate() -> N
     params = wrapped.init_params(0)
     x = np.random.default_rng(1).normal(size=(50, 24)).astype(np.float32)
     y = np.random.default_rng(2).integers(0, 4, 50)
-    loss, accuracy = wrapped.evaluate(params, x, y, batch_size=16)
+    result = wrapped.evaluate(params, x, y, batch_size=16)
+    loss, accuracy = result.loss, result.score
     expected = float(np.mean(model.predict(params, x).argmax(axis=1) == y))
     assert accuracy == pytest.approx(expected)
     assert loss == pytest.approx(model.loss_and_grad(params, x, y)[0], rel=1e-5)
     assert wrapped.step == 0  # the probe's call is not a training step, nor evaluation's
     model.evaluate = lambda p, xb, yb: {"loss": 7.0, "accuracy": 0.5}
-    assert wrapped.evaluate(params, x, y) == (7.0, 0.5)
+    assert wrapped.evaluate(params, x, y).figures == {"loss": 7.0, "accuracy": 0.5}
     model.evaluate = lambda p, xb, yb: {"loss": 7.0, "accuracy": float("nan")}
     with pytest.raises(ModelError, match="evaluate returned the accuracy nan"):
         wrapped.evaluate(params, x, y)

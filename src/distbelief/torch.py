@@ -87,13 +87,17 @@ class TorchModel:
         return float(loss.detach()), self._grad.numpy()
 
     def evaluate(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        """Loss and accuracy in eval mode (dropout off), without autograd."""
+        """The loss in eval mode (dropout off), without autograd; with class labels also
+        the accuracy (else distbelief scores predict's outputs by the run's model.loss)."""
         self._load(params)
         self.module.eval()
         with torch.no_grad():
             outputs = self.module(torch.from_numpy(x))
             loss = float(self.loss(outputs, _targets(y)))
-        return {"loss": loss, "accuracy": accuracy_of(outputs.numpy(), np.asarray(y))}
+        labels = np.asarray(y)
+        if not np.issubdtype(labels.dtype, np.integer):
+            return {"loss": loss}
+        return {"loss": loss, "accuracy": accuracy_of(outputs.numpy(), labels)}
 
     def predict(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
         self._load(params)

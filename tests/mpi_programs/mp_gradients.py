@@ -174,8 +174,8 @@ def run_case(comm: MPI.Comm, name: str, splits: list[list[int]] | None, label: s
 
     full_eval = network.evaluate(params, x, y, batch_size=3)
     eval_ = part.evaluate(mine, x, y, batch_size=3)
-    check(abs(eval_[0] - full_eval[0]) <= 1e-5 * max(1.0, full_eval[0]) and
-          eval_[1] == full_eval[1], f"{name} {label}: evaluate {eval_} != {full_eval}")
+    check(abs(eval_.loss - full_eval.loss) <= 1e-5 * max(1.0, full_eval.loss) and
+          eval_.score == full_eval.score, f"{name} {label}: evaluate {eval_} != {full_eval}")
 
     # Bytes: one way per cut edge per sample, 4 bytes, forward and backward alike.
     plan_splits = part.plan.splits
@@ -215,8 +215,8 @@ def run_large_batch(comm: MPI.Comm) -> None:
     close(grad, part.local_params(full_grad), "large batch: gradient")
     full_eval = network.evaluate(params, x, y, batch_size=LARGE_BATCH)
     eval_ = part.evaluate(mine, x, y, batch_size=LARGE_BATCH)
-    check(abs(eval_[0] - full_eval[0]) <= 1e-5 * max(1.0, full_eval[0]) and
-          eval_[1] == full_eval[1], f"large batch: evaluate {eval_} != {full_eval}")
+    check(abs(eval_.loss - full_eval.loss) <= 1e-5 * max(1.0, full_eval.loss) and
+          eval_.score == full_eval.score, f"large batch: evaluate {eval_} != {full_eval}")
     if comm.Get_rank() == 0:
         print("OK dense large-batch", flush=True)
 

@@ -64,7 +64,9 @@ def measure(network: object, batch: int, repeats: int = 5) -> Measured:
     params = network.init_params(0)
     grad = np.zeros_like(params)
     x = rng.random((batch, *network.input_shape), dtype=np.float32)
-    y = rng.integers(0, network.num_classes, batch).astype(np.int64)
+    y = (rng.integers(0, network.num_classes, batch).astype(np.int64)
+         if network.loss_fn.targets == "classes"
+         else rng.random((batch, network.num_classes), dtype=np.float32))
     step = _best(lambda: network.loss_and_grad(params, x, y, grad), repeats)
     work = step_time(list(network.layers), 1, batch, 1.0, Link(1.0, 0.0))[1]
     flops = work / step

@@ -346,6 +346,41 @@ def softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray, grad: np.ndarr
     return float(_kernels.softmax_cross_entropy(logits, labels32, grad))
 
 
+def squared_error(outputs: np.ndarray, targets: np.ndarray, grad: np.ndarray) -> float:
+    """Mean over rows and outputs of (output - target)^2; returns it.
+
+    outputs, targets, grad (N, K) float32; grad is overwritten with d(mean)/d(outputs) =
+    2 (output - target) / (N K) and may be the same array as outputs.
+    """
+    _check_target_loss(outputs, targets, grad, "outputs")
+    return float(_kernels.squared_error(outputs, targets, grad))
+
+
+def sigmoid_binary_cross_entropy(logits: np.ndarray, targets: np.ndarray,
+                                 grad: np.ndarray) -> float:
+    """Mean over rows and outputs of the cross-entropy of sigmoid(logits) against targets
+    in [0, 1] (0/1 labels, or soft ones); returns it.
+
+    logits, targets, grad (N, K) float32; grad is overwritten with d(mean)/d(logits) =
+    (sigmoid(logits) - targets) / (N K) and may be the same array as logits.
+    """
+    _check_target_loss(logits, targets, grad, "logits")
+    return float(_kernels.sigmoid_binary_cross_entropy(logits, targets, grad))
+
+
+def _check_target_loss(outputs: np.ndarray, targets: np.ndarray, grad: np.ndarray,
+                       name: str) -> None:
+    _check_float32(name, outputs, 2)
+    _check_float32("targets", targets, 2)
+    _check_float32("grad", grad, 2, writeable=True)
+    _check_shape("targets", targets, outputs.shape)
+    _check_shape("grad", grad, outputs.shape)
+    if outputs.shape[0] == 0 or outputs.shape[1] == 0:
+        raise ValueError(f"{name} must have at least one row and one output, "
+                         f"got {outputs.shape}")
+    _check_no_overlap("grad", grad, {name: outputs, "targets": targets}, may_be=(name,))
+
+
 # ---------------------------------------------------------------------------------------
 # Locally connected layer.
 

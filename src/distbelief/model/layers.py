@@ -31,9 +31,10 @@ all partition.py needs to count its halo; local, pool and lcn layers are split b
 rows for model parallelism. Conv, dropout and layernorm layers are not split (partition.py
 says why), and a conv layer keeps one work buffer, its im2col columns (see Conv).
 
-A layer whose activation is "softmax" is the output layer: its forward stops at the logits
-(bias, no nonlinearity) and the network applies softmax cross-entropy, whose gradient with
-respect to the logits arrives in backward as `dout`.
+The output layer's forward stops at the logits (bias, no nonlinearity: the network sets its
+`kernel_activation` to "linear") and the network's loss applies the activation its config
+names (softmax, sigmoid, or none for mse); the loss's gradient with respect to the logits
+arrives in backward as `dout`.
 """
 
 from __future__ import annotations

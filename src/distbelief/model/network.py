@@ -21,7 +21,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from distbelief.errors import ConfigError, DataError
-from distbelief.model import kernels
 from distbelief.model.kernels import CONV_PADDINGS, POOL_MODES
 from distbelief.model.layers import (
     ACTIVATIONS,
@@ -38,6 +37,7 @@ from distbelief.model.layers import (
     Pool,
 )
 from distbelief.model.layout import DTYPE, ParamLayout
+from distbelief.model.losses import LOSSES, CrossEntropy, Evaluation, Loss
 
 # Per layer type: required keys, and optional keys with their defaults.
 LAYER_KEYS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
@@ -56,16 +56,24 @@ streams are none of the data order's (distbelief.data keys those on the run's se
 
 
 class Network:
-    """A stack of layers (dense, local, conv, pool, lcn, dropout, layernorm) ending in a
-    softmax cross-entropy output."""
+    """A stack of layers (dense, local, conv, pool, lcn, dropout, layernorm) whose last
+    layer's outputs go to a loss (model.losses: softmax cross-entropy by default)."""
 
     def __init__(self, input_shape: tuple[int, ...], layers: list[dict], num_classes: int,
-                 seed: int = 0):
+                 seed: int = 0, loss: Loss | None = None):
         """Validate the spec and fix the layout. Cheap: allocates no parameters or buffers.
-        `seed` keys the dropout masks (the run's seed; init_params takes its own)."""
+        `num_classes` is the output layer's width (the loss's, when one is given: the
+        number of targets a row for mse and binary_cross_entropy). `seed` keys the dropout
+        masks (the run's seed; init_params takes its own)."""
         self.input_shape = check_input_shape(input_shape)
-        self.num_classes = check_num_classes(num_classes)
-        self.layers: list[Layer] = build_layers(self.input_shape, layers, self.num_classes)
+        if loss is None:
+            loss = CrossEntropy(check_num_classes(num_classes))
+        elif loss.width != num_classes:
+            raise ValueError(f"the loss has {loss.width} outputs, num_classes is {num_classes}")
+        self.loss_fn = loss
+        self.num_classes = loss.width
+        self.layers: list[Layer] = build_layers(self.input_shape, layers, self.num_classes,
+                                                loss)
         self.seed = int(seed)
         self.step = 0
         """The training step the next loss_and_grad is (counted by it): it keys the
@@ -189,7 +197,7 @@ class Network:
                              "after writing their gradient")
         inputs, outputs, saved = self._forward(param_views, x, save=True)
         douts = self._douts.rows(inputs.shape[0])
-        loss = kernels.softmax_cross_entropy(outputs[-1], self._labels(y, inputs), douts[-1])
+        loss = self.loss_fn.loss_and_dout(outputs[-1], y, douts[-1])
         for i in reversed(range(len(self.layers))):
             # The first layer's input gradient is never needed: skip that GEMM.
             below, dbelow = (outputs[i - 1], douts[i - 1]) if i > 0 else (inputs, None)
@@ -201,39 +209,35 @@ class Network:
 
     def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         """Mean loss over the batch."""
-        inputs, outputs, _ = self._forward(self._views(params, "params"), x)
+        _, outputs, _ = self._forward(self._views(params, "params"), x)
         # The logits are not needed afterwards, so the loss gradient may overwrite them.
-        return float(kernels.softmax_cross_entropy(outputs[-1], self._labels(y, inputs),
-                                                   outputs[-1]))
+        return float(self.loss_fn.loss_and_dout(outputs[-1], y, outputs[-1]))
 
     def logits(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """The output layer's pre-softmax values, (N, num_classes), a new array."""
+        """The output layer's values before the loss's activation (softmax, sigmoid; none
+        for mse), (N, num_classes), a new array."""
         _, outputs, _ = self._forward(self._views(params, "params"), x)
         return outputs[-1].copy()
 
     def evaluate(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
-                 batch_size: int = 1000) -> tuple[float, float]:
-        """(mean loss, accuracy) over all of x, y, in batches of `batch_size`."""
+                 batch_size: int = 1000) -> Evaluation:
+        """The loss and the loss's metrics over all of x, y, in batches of `batch_size`."""
+        return self.loss_fn.evaluation(self.tally(params, x, y, batch_size))
+
+    def tally(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
+              batch_size: int = 1000) -> np.ndarray:
+        """The loss's additive statistics over all of x, y (model.losses): tallies of
+        several pieces add up to the whole's."""
         total = evaluation_size(x, y, batch_size)
         param_views = self._views(params, "params")
-        loss_sum = 0.0
-        correct = 0
+        tally = self.loss_fn.empty_tally()
         for start in range(0, total, batch_size):
             xb, yb = x[start:start + batch_size], y[start:start + batch_size]
-            inputs, outputs, _ = self._forward(param_views, xb)
-            labels = self._labels(yb, inputs)
-            # Count hits before the loss overwrites the logits with their gradient.
-            correct += int(np.count_nonzero(outputs[-1].argmax(axis=1) == labels))
-            loss_sum += len(yb) * kernels.softmax_cross_entropy(outputs[-1], labels,
-                                                                outputs[-1])
-        return loss_sum / total, correct / total
-
-    def _labels(self, y: np.ndarray, inputs: np.ndarray) -> np.ndarray:
-        y = np.asarray(y)
-        if y.shape != (inputs.shape[0],) or not np.issubdtype(y.dtype, np.integer):
-            raise DataError(f"labels must be integers of shape ({inputs.shape[0]},), "
-                            f"got {y.dtype} {y.shape}")
-        return y
+            _, outputs, _ = self._forward(param_views, xb)
+            logits = outputs[-1].copy()  # the loss's gradient overwrites outputs[-1]
+            loss = self.loss_fn.loss_and_dout(outputs[-1], yb, outputs[-1])
+            tally += self.loss_fn.tally(logits, yb, loss * len(yb))
+        return tally
 
     def describe(self) -> str:
         """One line per layer: index, type, output shape, parameter count, activation."""
@@ -295,16 +299,19 @@ def check_num_classes(num_classes: int) -> int:
     return int(num_classes)
 
 
-def build_layers(input_shape: tuple[int, ...], specs: list[dict],
-                 num_classes: int) -> list[Layer]:
-    """Layer objects for the config's layer tables, or a ConfigError naming layer and key."""
+def build_layers(input_shape: tuple[int, ...], specs: list[dict], num_classes: int,
+                 loss: Loss | None = None) -> list[Layer]:
+    """Layer objects for the config's layer tables, or a ConfigError naming layer and key.
+    The output layer's activation must be the loss's (softmax for cross_entropy); it
+    computes the logits only, and the loss applies its activation."""
+    output_activation = "softmax" if loss is None else loss.output_activation
     if not isinstance(specs, Sequence) or isinstance(specs, str) or len(specs) == 0:
         raise ConfigError("layers: need a non-empty list of layer tables")
     layers: list[Layer] = []
     shape = input_shape
     last = len(specs) - 1
     for index, spec in enumerate(specs):
-        layer = _build_layer(index, spec, shape, is_output=index == last)
+        layer = _build_layer(index, spec, shape, index == last, output_activation)
         layers.append(layer)
         shape = layer.out_shape
     output = layers[-1]
@@ -314,11 +321,12 @@ def build_layers(input_shape: tuple[int, ...], specs: list[dict],
         raise ConfigError(f"layer {last} ({output.kind}): the output layer has "
                           f"{output.out_size} outputs {output.out_shape} but num_classes is "
                           f"{num_classes}; set {key!r} so they match")
+    output.kernel_activation = "linear"
     return layers
 
 
 def _build_layer(index: int, spec: object, in_shape: tuple[int, ...],
-                 is_output: bool) -> Layer:
+                 is_output: bool, output_activation: str = "softmax") -> Layer:
     if not isinstance(spec, Mapping):
         raise ConfigError(f"layer {index}: must be a table like {{type = \"dense\", ...}}, "
                           f"got {spec!r}")
@@ -350,9 +358,11 @@ def _build_layer(index: int, spec: object, in_shape: tuple[int, ...],
     if activation not in ACTIVATIONS:
         raise ConfigError(f"{where}: key 'activation' must be one of "
                           f"{', '.join(ACTIVATIONS)}, got {activation!r}")
-    if is_output and activation != "softmax":
+    if is_output and activation != output_activation:
+        loss = next(kind.name for kind in LOSSES.values()
+                    if kind.output_activation == output_activation)
         raise ConfigError(f"{where}: key 'activation' of the output layer must be "
-                          f"'softmax', got {activation!r}")
+                          f"{output_activation!r} (model.loss = {loss!r}), got {activation!r}")
     if not is_output and activation == "softmax":
         raise ConfigError(f"{where}: key 'activation' = 'softmax' is only allowed on the "
                           f"last layer")
@@ -397,8 +407,9 @@ def _check_image_input(where: str, kind: str, in_shape: tuple[int, ...], index: 
 
 def _check_not_output(where: str, is_output: bool) -> None:
     if is_output:
-        raise ConfigError(f"{where}: the last layer must be the softmax output layer "
-                          f"(dense, local or conv with activation = 'softmax')")
+        raise ConfigError(f"{where}: the last layer must be the output layer (dense, "
+                          f"local or conv, with the loss's activation: 'softmax' for "
+                          f"cross_entropy)")
 
 
 def _build_pool(where: str, values: dict, in_shape: tuple[int, ...], index: int,

@@ -58,6 +58,7 @@ from distbelief.errors import DataError
 from distbelief.model import kernels
 from distbelief.model.layers import NO_PARAMS, SAVED_DTYPE, Dense, Layer, Lcn, Pool
 from distbelief.model.layout import DTYPE
+from distbelief.model.losses import CrossEntropy, Evaluation
 from distbelief.model.network import Network, evaluation_size
 from distbelief.model.partition import LayerPart, Partitioning
 from distbelief.runtime.communicators.agreement import wait_all
@@ -112,6 +113,9 @@ class PartitionedNetwork:
                  splits: list[list[int]] | None = None):
         """`splits`: per layer, P+1 block boundaries in split units (None: balanced).
         Pure set-up (no communication); every rank must pass the same arguments."""
+        if network.loss_fn.name != CrossEntropy.name:  # config.py refuses it first
+            raise ValueError(f"model parallelism trains cross_entropy only, not "
+                             f"{network.loss_fn.name}")
         self.network = network
         self.layers: list[Layer] = network.layers
         self.comm = comm
@@ -520,8 +524,8 @@ class PartitionedNetwork:
         return loss_sum / len(y)
 
     def evaluate(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
-                 batch_size: int = 1000) -> tuple[float, float]:
-        """(mean loss, accuracy) over all of x, y in batches, as Network.evaluate.
+                 batch_size: int = 1000) -> Evaluation:
+        """The loss and accuracy over all of x, y in batches, as Network.evaluate.
         Collective over `comm`: every partition passes the same x and y."""
         total = evaluation_size(x, y, batch_size)
         views = self._views(params, "params")
@@ -532,7 +536,8 @@ class PartitionedNetwork:
             batch_loss, batch_hits = self._softmax(buffers[-1].out, self._labels(yb, xb), None)
             loss_sum += batch_loss
             hits += batch_hits
-        return loss_sum / total, hits / total
+        return self.network.loss_fn.evaluation(
+            np.array([total, loss_sum, hits], dtype=np.float64))
 
     def _labels(self, y: np.ndarray, x: np.ndarray) -> np.ndarray:
         y = np.asarray(y)

@@ -9,8 +9,11 @@ A model is any object with
 and, optionally, `name` and `version` (its identity in the config hash, so a resume with
 another model is refused), `named_slices() -> [(name, shape), ...]` (the vector's parts,
 in order, for checkpoints and the summary) and `evaluate(params, x, y) -> dict` with
-"loss" and "accuracy" (else the loss is loss_and_grad's and the accuracy predict's argmax
-against the integer labels). docs/your-own-model.md walks through one.
+"loss" and the score of the run's [model] loss ("accuracy", or "r2" for mse; its other
+metrics, "rmse" or "auc", when it has them), else the loss is loss_and_grad's and the
+metrics are the loss's (model.losses) of what predict returns: probabilities for
+cross_entropy and binary_cross_entropy, values for mse. docs/your-own-model.md walks
+through one.
 
 `OwnModel` wraps such an object in what the trainers call (model.network.Network's
 surface: `layout`, `init_params(seed)`, `init_slice`, `loss_and_grad(params, x, y, grad)`,
@@ -32,6 +35,7 @@ import numpy as np
 
 from distbelief.errors import UserError
 from distbelief.model.layout import DTYPE, ParamLayout
+from distbelief.model.losses import CrossEntropy, Evaluation, Loss
 
 __all__ = ["ModelError", "OwnModel", "TrainableModel", "accuracy_of", "load_factory"]
 
@@ -84,12 +88,20 @@ class OwnModel:
     layers: tuple = ()  # no built-in layers: model parallelism and the cost model refuse
 
     def __init__(self, model: Any, input_shape: tuple[int, ...], num_classes: int,
-                 seed: int = 0):
+                 seed: int = 0, loss: Loss | None = None, probe_y: np.ndarray | None = None):
+        """`loss`: the run's [model] loss, whose metrics judge predict's outputs
+        (cross_entropy over `num_classes` when None); `probe_y`: two rows of targets
+        shaped as the data's (two zero labels when None)."""
         check_protocol(model)
         self.model = model
         self.name = _name_of(model)
         self.input_shape = tuple(int(d) for d in input_shape)
         self.num_classes = int(num_classes)
+        self.loss_fn = CrossEntropy(self.num_classes) if loss is None else loss
+        self._probe_y = np.zeros(2, dtype=np.int64) if probe_y is None else probe_y
+        self.figures_of: Loss = self.loss_fn
+        """What turns this model's tallies into figures: the loss, or _ModelsFigures when
+        its own evaluate returns the score (tally sets it)."""
         self.seed = int(seed)
         self.step = 0  # the trainers set it on a resume (Network's dropout key); not read
         self.on_error: Callable[[str], None] | None = None
@@ -106,9 +118,9 @@ class OwnModel:
         """One predict and one loss_and_grad on two zero rows: a model that does not fit
         the data's shape fails here, before anything is written, not at its first step."""
         x = np.zeros((2, *self.input_shape), dtype=DTYPE)
-        y = np.zeros(2, dtype=np.int64)
         self.logits(params, x)
-        self.loss_and_grad(params, x, y, np.empty(self.layout.size, dtype=DTYPE))
+        self.loss_and_grad(params, x, self._probe_y, np.empty(self.layout.size, dtype=DTYPE))
+        self.tally(params, x, self._probe_y)  # fixes figures_of before any evaluation
 
     # -- parameters ----------------------------------------------------------------------
 
@@ -170,25 +182,42 @@ class OwnModel:
         return out
 
     def evaluate(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
-                 batch_size: int = 1000) -> tuple[float, float]:
-        """(mean loss, accuracy) over all of x, y, in batches of `batch_size`: the model's
-        own evaluate when it has one, else loss_and_grad's loss and predict's argmax."""
+                 batch_size: int = 1000) -> Evaluation:
+        """The loss and its metrics over all of x, y, in batches of `batch_size`."""
+        tally = self.tally(params, x, y, batch_size)
+        return self.figures_of.evaluation(tally)
+
+    def tally(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
+              batch_size: int = 1000) -> np.ndarray:
+        """Additive statistics of an evaluation (model.losses): the figures of the model's
+        own evaluate weighted by rows, when it has one that returns the loss's score; else
+        the loss (its evaluate's, or loss_and_grad's) with the loss's metrics of predict's
+        outputs. `figures_of` turns the sum into figures."""
         from distbelief.model.network import evaluation_size
 
         evaluation_size(x, y, batch_size)  # a DataError for an empty or uneven set
-        own = getattr(self.model, "evaluate", None)
-        loss_sum = hits = 0.0
-        scratch = None if callable(own) else np.empty(self.layout.size, dtype=DTYPE)
+        tally = None
+        scratch = np.empty(self.layout.size, dtype=DTYPE)
         for start in range(0, len(y), batch_size):
             xb, yb = x[start:start + batch_size], y[start:start + batch_size]
-            if callable(own):
-                loss, accuracy = self._metrics(self._call("evaluate", params, xb, yb))
+            answer = self._answer(params, xb, yb, scratch)
+            if self.loss_fn.score in answer:  # the model's figures, as they are
+                self.figures_of = _ModelsFigures(self.loss_fn)
+                part = self.figures_of.tally_of(answer, len(yb))
             else:
-                loss = self.loss_and_grad(params, xb, yb, scratch)
-                accuracy = accuracy_of(self.logits(params, xb), yb)
-            loss_sum += loss * len(yb)
-            hits += accuracy * len(yb)
-        return loss_sum / len(y), hits / len(y)
+                self.figures_of = self.loss_fn
+                part = self.loss_fn.tally(self.logits(params, xb), yb,
+                                          answer["loss"] * len(yb), probabilities=True)
+            tally = part if tally is None else tally + part
+        assert tally is not None
+        return tally
+
+    def _answer(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
+                scratch: np.ndarray) -> dict[str, float]:
+        """The model's evaluate's figures, or {"loss": loss_and_grad's} without one."""
+        if callable(getattr(self.model, "evaluate", None)):
+            return self._metrics(self._call("evaluate", params, x, y))
+        return {"loss": self.loss_and_grad(params, x, y, scratch)}
 
     def describe(self) -> str:
         return (f"  a model of your own: {self.name}, {self.layout.size:,d} parameters in "
@@ -242,15 +271,47 @@ class OwnModel:
                              f"high)")
         return loss
 
-    def _metrics(self, value: Any) -> tuple[float, float]:
-        if not isinstance(value, dict) or "loss" not in value or "accuracy" not in value:
+    def _metrics(self, value: Any) -> dict[str, float]:
+        score = self.loss_fn.score
+        if not isinstance(value, dict) or "loss" not in value:
             raise self._fail(f"model {self.name}: evaluate must return a dict with 'loss' "
-                             f"and 'accuracy', got {value!r:.80}")
-        accuracy = float(value["accuracy"])
+                             f"(and {score!r}, the score of model.loss = "
+                             f"{self.loss_fn.name!r}, else it is computed from predict), "
+                             f"got {value!r:.80}")
+        figures = {"loss": self._loss(value["loss"], "evaluate")}
+        if score not in value:
+            return figures
+        for name in self.loss_fn.metrics:
+            try:
+                figures[name] = float(value.get(name, math.nan))
+            except (TypeError, ValueError):
+                raise self._fail(f"model {self.name}: evaluate returned {name} = "
+                                 f"{value[name]!r:.40}, not a number") from None
+        accuracy = figures.get("accuracy", 0.0)
         if not 0.0 <= accuracy <= 1.0:
             raise self._fail(f"model {self.name}: evaluate returned the accuracy "
                              f"{accuracy}; it must be a share of rows, 0 to 1")
-        return self._loss(value["loss"], "evaluate"), accuracy
+        return figures
+
+
+class _ModelsFigures(Loss):
+    """A model's own evaluate: its figures (the loss and `loss`'s metrics) averaged over
+    the rows of the batches it was given. A figure it does not return is NaN."""
+
+    def __init__(self, loss: Loss):
+        super().__init__(loss.width)
+        self.score, self.metrics = loss.score, loss.metrics
+        self.names = ("loss", *loss.metrics)
+
+    def tally_of(self, figures: dict[str, float], rows: int) -> np.ndarray:
+        return np.array([rows, *(figures[name] * rows for name in self.names)],
+                        dtype=np.float64)
+
+    def tally_size(self) -> int:
+        return 1 + len(self.names)
+
+    def figures(self, tally: np.ndarray) -> dict[str, float]:
+        return dict(zip(self.names, tally[1:] / tally[0]))
 
 
 def accuracy_of(outputs: np.ndarray, y: np.ndarray) -> float:
