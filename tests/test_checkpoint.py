@@ -805,7 +805,7 @@ def test_a_resume_drops_lines_written_after_the_checkpoint_even_of_earlier_steps
         recorder.log(20, 200, 0.9)
         at = recorder.elapsed()
         recorder.log_event("checkpoint", 20, 200, at=at)
-        recorder.log_eval(20, 200, 0.9, 0.6, 0.9)  # finished after the checkpoint
+        recorder.log_eval(20, 200, 0.9, {"loss": 0.9, "accuracy": 0.6})  # finished after the checkpoint
     recorder = RunRecorder(tmp_path, stream=None,
                            resume=ResumePoint(20, 200, at, "ckpt-0000000020"))
     recorder.close()

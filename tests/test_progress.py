@@ -125,7 +125,7 @@ def test_progress_lines_count_down_to_a_target_that_comes_first(tmp_path):
                            start=time.monotonic() - 8.0)
     for t, accuracy in RISING:  # evaluations logged t seconds into the run
         recorder.start = time.monotonic() - t
-        recorder.log_eval(int(t * 50), int(t * 1600), 0.5, accuracy, 0.4)
+        recorder.log_eval(int(t * 50), int(t * 1600), 0.5, {"loss": 0.4, "accuracy": accuracy})
     recorder.start = time.monotonic() - 8.0
     recorder.progress(400, 400 * 32, 0.5)
     # 0.7 at the trend: about 12 s from now; max_seconds: 292 s.

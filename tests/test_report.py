@@ -31,7 +31,7 @@ def fake_run(folder: Path, accuracies: list[float], finish: bool = True) -> Path
     recorder = RunRecorder(folder, stream=None, target_accuracy=0.8, start=0.0)
     for i, accuracy in enumerate(accuracies, 1):
         recorder.log(i * 10, i * 640, 2.0 / i)
-        recorder.log_eval(i * 10, i * 640, 2.0 / i, accuracy, 1.5 / i)
+        recorder.log_eval(i * 10, i * 640, 2.0 / i, {"loss": 1.5 / i, "accuracy": accuracy})
     if finish:
         recorder.finish({"stop_reason": "max_steps"})
     else:
@@ -99,7 +99,7 @@ def test_large_sample_counts_have_no_offset_notation(tmp_path: Path,
     recorder = RunRecorder(tmp_path / "long", stream=None, start=0.0)
     for i in range(1, 6):  # samples near 3e6: matplotlib would write "1e6" by the axis
         recorder.log(10_000 + i, 3_000_000 + i * 640, 0.5)
-        recorder.log_eval(10_000 + i, 3_000_000 + i * 640, 0.5, 0.8 + i / 100, 0.5)
+        recorder.log_eval(10_000 + i, 3_000_000 + i * 640, 0.5, {"loss": 0.5, "accuracy": 0.8 + i / 100})
     recorder.finish()
     figures = record_figures(plt, monkeypatch)
     make_report([tmp_path / "long"], tmp_path / "plots")
@@ -113,7 +113,7 @@ def fake_downpour(folder: Path, histogram: list[int], replicas: int) -> Path:
     """A finished Downpour run folder with the summary fields the report reads."""
     recorder = RunRecorder(folder, stream=None, target_accuracy=0.8, start=0.0)
     recorder.log(10, 640, 1.0)
-    recorder.log_eval(10, 640, 1.0, 0.5, 1.0)
+    recorder.log_eval(10, 640, 1.0, {"loss": 1.0, "accuracy": 0.5})
     mean = sum(k * c for k, c in enumerate(histogram)) / sum(histogram)
     recorder.finish({"algorithm": "downpour",
                      "replicas": [{"replica": r, "samples_per_second": 100.0 + r}

@@ -18,6 +18,7 @@ from distbelief.records.metrics import (
     REQUIRED_SUMMARY_KEYS,
     ResumePoint,
     RunRecorder,
+    Target,
     read_metrics,
     target_text,
 )
@@ -172,14 +173,23 @@ def test_training_sets_the_configured_blas_threads(data_dir: Path, tmp_path: Pat
 
 
 def test_stop_rules() -> None:
-    rules = StopRules(max_steps=10, max_seconds=2.0, target_accuracy=0.8)
+    rules = StopRules(max_steps=10, max_seconds=2.0, target=Target("accuracy", 0.8))
     assert rules.budget_spent(9, 1.9) is None
     assert rules.budget_spent(10, 0.0) == "max_steps"
     assert rules.budget_spent(3, 2.0) == "max_seconds"
-    assert rules.target_reached(0.8) and not rules.target_reached(0.79)
-    unlimited = StopRules(target_accuracy=None)
+    assert rules.target_reached({"accuracy": 0.8})
+    assert not rules.target_reached({"accuracy": 0.79})
+    assert rules.target_reason == "target_accuracy"
+    unlimited = StopRules(target=None)
     assert unlimited.budget_spent(10**9, 1e9) is None
-    assert not unlimited.target_reached(1.0)
+    assert not unlimited.target_reached({"accuracy": 1.0})
+    # A loss or an rmse is met by falling to its target; r2 and auc by rising.
+    by_loss = StopRules(target=Target("loss", 0.3))
+    assert by_loss.target_reached({"loss": 0.3}) and not by_loss.target_reached({"loss": 0.31})
+    assert by_loss.target_reason == "target_loss"
+    by_r2 = StopRules(target=Target("r2", 0.9))
+    assert by_r2.target_reached({"r2": 0.95, "loss": 9.0})
+    assert not by_r2.target_reached({"r2": float("nan")})  # an undefined r2 meets nothing
 
 
 # -- the run recorder ------------------------------------------------------------------------------
@@ -188,7 +198,7 @@ def test_stop_rules() -> None:
 def test_recorder_lines_are_readable_before_finish(tmp_path: Path) -> None:
     recorder = RunRecorder(tmp_path, stream=None)
     recorder.log(1, 32, 1.5, staleness=2)
-    recorder.log_eval(2, 64, 1.2, 0.5, 1.1)
+    recorder.log_eval(2, 64, 1.2, {"loss": 1.1, "accuracy": 0.5})
     # Not closed, not finished: a run killed now still leaves both lines on disk.
     lines = read_metrics(tmp_path / "metrics.jsonl")
     assert [x["kind"] for x in lines] == ["train", "eval"]
@@ -205,9 +215,9 @@ def test_truncated_last_line_is_dropped(tmp_path: Path) -> None:
 
 def test_recorder_summary_and_time_to_target(tmp_path: Path) -> None:
     recorder = RunRecorder(tmp_path, stream=None, target_accuracy=0.7)
-    recorder.log_eval(10, 320, 1.0, 0.6, 1.0)
-    recorder.log_eval(20, 640, 0.8, 0.75, 0.7)
-    recorder.log_eval(30, 960, 0.7, 0.72, 0.72)
+    recorder.log_eval(10, 320, 1.0, {"loss": 1.0, "accuracy": 0.6})
+    recorder.log_eval(20, 640, 0.8, {"loss": 0.7, "accuracy": 0.75})
+    recorder.log_eval(30, 960, 0.7, {"loss": 0.72, "accuracy": 0.72})
     summary = recorder.finish({"stop_reason": "test"})
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == summary
@@ -238,7 +248,7 @@ def test_summary_line_tells_the_reaching_and_the_final_evaluation_apart() -> Non
 
 def test_no_target_no_reaching_evaluation(tmp_path: Path) -> None:
     recorder = RunRecorder(tmp_path, stream=None, target_accuracy=0.9)
-    recorder.log_eval(10, 320, 1.0, 0.6, 1.0)
+    recorder.log_eval(10, 320, 1.0, {"loss": 1.0, "accuracy": 0.6})
     summary = recorder.finish({"stop_reason": "test"})
     assert summary["reached_target"] is False
     assert summary["target_reached_accuracy"] is None and summary["target_reached_step"] is None
@@ -270,8 +280,8 @@ def test_progress_never_prints_nan_for_a_loss_the_metrics_hold(tmp_path: Path) -
 
 def test_a_resumed_recorder_continues_the_metrics(tmp_path: Path) -> None:
     with RunRecorder(tmp_path, stream=None, target_accuracy=0.5) as recorder:
-        recorder.log_eval(10, 100, 1.0, 0.4, 1.0)
-        recorder.log_eval(20, 200, 0.9, 0.6, 0.9)   # reaches the target
+        recorder.log_eval(10, 100, 1.0, {"loss": 1.0, "accuracy": 0.4})
+        recorder.log_eval(20, 200, 0.9, {"loss": 0.9, "accuracy": 0.6})   # reaches the target
         recorder.log_event("checkpoint", 20, 200, at=recorder.elapsed())
         recorder.log(30, 300, 0.8)                   # after the checkpoint: retrained
     lines_before = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -283,7 +293,7 @@ def test_a_resumed_recorder_continues_the_metrics(tmp_path: Path) -> None:
     point = ResumePoint(step=20, samples=200, elapsed=elapsed, checkpoint="ckpt-0000000020")
     recorder = RunRecorder(tmp_path, stream=None, target_accuracy=0.5, resume=point)
     assert recorder.elapsed() >= elapsed
-    recorder.log_eval(40, 400, 0.7, 0.55, 0.8)
+    recorder.log_eval(40, 400, 0.7, {"loss": 0.8, "accuracy": 0.55})
     summary = recorder.finish({"stop_reason": "test"})
     lines = read_metrics(tmp_path / "metrics.jsonl")
     assert [(x["kind"], x["step"]) for x in lines] == [

@@ -199,13 +199,14 @@ def test_the_final_test_reads_the_split_in_blocks_and_gets_the_whole_set_figures
     x, y = load_split(info, "test")
     whole = network.evaluate(params, x, y, batch_size=common.EVAL_BATCH_SIZE)
     monkeypatch.setattr(common, "EVAL_BLOCK_BYTES", 1)  # one batch of 1000 rows per block
-    loss, accuracy, rows = common.evaluate_split(network, params, info, "test")
-    assert rows == 500 and (loss, accuracy) == pytest.approx(whole, abs=1e-9)
+    blocks = common.evaluate_split(network, params, info, "test")
+    assert blocks.rows == 500
+    assert blocks.figures == pytest.approx(whole.figures, abs=1e-9)
     monkeypatch.setattr(common, "EVAL_BATCH_SIZE", 64)  # 8 blocks, the last one short
-    loss, accuracy, _ = common.evaluate_split(network, params, info, "validation")
+    blocks = common.evaluate_split(network, params, info, "validation")
     xv, yv = load_split(info, "validation")
-    assert (loss, accuracy) == pytest.approx(network.evaluate(params, xv, yv, batch_size=64),
-                                             abs=1e-9)
+    assert blocks.figures == pytest.approx(
+        network.evaluate(params, xv, yv, batch_size=64).figures, abs=1e-9)
 
 
 def test_a_streamed_run_refuses_an_evaluation_set_larger_than_its_memory(synthetic_folder):

@@ -4,12 +4,13 @@
     model = distbelief.load_model("runs/fashion_mnist_mlp")  # run folder, checkpoint, export
     model = distbelief.load_model("runs/fashion_mnist_mlp", which="last")  # not the best
     probabilities = model.predict(x)      # x: the dataset file's stored array (uint8/float32)
-    loss, accuracy = model.evaluate(x, y)
+    loss, accuracy = model.evaluate(x, y)  # and .figures: r2, rmse, auc, by the loss
     for name, array in model.named_parameters(): ...
 
 These names are a contract that users' scripts rely on: `load_model`, `Model` (`predict`,
 `evaluate`, `named_parameters`, `layers`, `input_shape`, `input_scale`, `num_classes`,
-`source`) and `Evaluation` (`loss`, `accuracy`). Change them only by adding.
+`source`) and `Evaluation` (`loss`, `accuracy`, unpacked as a pair). Change them only by
+adding.
 `evaluate_split` is `distbelief evaluate`'s: a split of a dataset file, scored.
 
 Nothing below this module imports mpi4py: the model, data and records layers are MPI-free
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -34,11 +36,18 @@ BATCH_SIZE = 1000
 """Rows per forward pass in predict and evaluate (the trainers' evaluation batch)."""
 
 
-class Evaluation(NamedTuple):
-    """The mean cross-entropy loss and the accuracy of a model on a labelled set."""
+@dataclass(frozen=True)
+class Evaluation:
+    """A model's mean loss on a labelled set and its loss's metrics (model.losses):
+    `accuracy` (None for mse), and in `figures` every one by name ("loss", "accuracy",
+    "r2", "rmse", "auc": those the loss reports). Unpacks as (loss, accuracy)."""
 
     loss: float
-    accuracy: float
+    accuracy: float | None
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[float | None]:
+        return iter((self.loss, self.accuracy))
 
 
 class Model:
@@ -83,8 +92,9 @@ class Model:
 
     def predict(self, x: np.ndarray, batch_size: int = BATCH_SIZE) -> np.ndarray:
         """Class probabilities, float32 (N, num_classes), for x (N, *input_shape) given as
-        the dataset file stores it: uint8 or float32, scaled here by input_scale. A model
-        of your own: what its predict returns, as float32."""
+        the dataset file stores it: uint8 or float32, scaled here by input_scale; each
+        output's probability for binary_cross_entropy, the predicted values for mse. A
+        model of your own: what its predict returns, as float32."""
         inputs = self._inputs(x)
         if self._trained.own is not None:
             step = _check_batch(batch_size)
@@ -94,19 +104,16 @@ class Model:
         out = np.empty((len(inputs), self.num_classes), dtype=np.float32)
         for start in range(0, len(inputs), _check_batch(batch_size)):
             logits = self._network.logits(self._params, inputs[start:start + batch_size])
-            logits -= logits.max(axis=1, keepdims=True)  # exp never overflows
-            np.exp(logits, out=logits)
-            logits /= logits.sum(axis=1, keepdims=True)
-            out[start:start + len(logits)] = logits
+            out[start:start + len(logits)] = _activate(logits, self._trained.loss)
         return out
 
     def evaluate(self, x: np.ndarray, y: np.ndarray,
                  batch_size: int = BATCH_SIZE) -> Evaluation:
         """Mean loss and accuracy on x (as for predict) and integer labels y (N,): the
         figures training reports as test_loss and test_accuracy."""
-        loss, accuracy = self._network.evaluate(self._params, self._inputs(x), np.asarray(y),
-                                                batch_size=_check_batch(batch_size))
-        return Evaluation(float(loss), float(accuracy))
+        result = self._network.evaluate(self._params, self._inputs(x), np.asarray(y),
+                                        batch_size=_check_batch(batch_size))
+        return Evaluation(result.loss, result.figures.get("accuracy"), dict(result.figures))
 
     def _inputs(self, x: np.ndarray) -> np.ndarray:
         """x as the network's float32 input: the same conversion training applies."""
@@ -173,16 +180,30 @@ def evaluate_split(path: str | Path, trained: TrainedModel, data: str | Path | N
             raise
         raise DataError(f"{exc} (the data file the model was trained on); give another "
                         "with --data FILE") from exc
-    if info.input_shape != trained.input_shape or info.num_classes != trained.num_classes:
-        raise DataError(f"{info.path} holds inputs {info.input_shape} in {info.num_classes} "
-                        f"classes, the model takes {trained.input_shape} in "
-                        f"{trained.num_classes}")
+    if info.input_shape != trained.input_shape or info.outputs != trained.num_classes:
+        raise DataError(f"{info.path} holds inputs {info.input_shape} with {info.outputs} "
+                        f"{'classes' if info.targets == 'classes' else 'targets'} a row, the "
+                        f"model takes {trained.input_shape} and has {trained.num_classes} "
+                        f"outputs")
     if split == "validation":  # the run's held-out rows, or the file's /val
         info = with_validation(info, trained.source.get("validation") or 0.0)
     x, y = load_split(info, split)  # scaled by the file's own scale, as in training
-    loss, accuracy = trained.network().evaluate(trained.params, x, y, batch_size=BATCH_SIZE)
-    return {"loss": loss, "accuracy": accuracy, "data": str(info.path),
+    result = trained.network().evaluate(trained.params, x, y, batch_size=BATCH_SIZE)
+    return {**result.figures, "score": result.score_name, "data": str(info.path),
             "split": split, "samples": len(y), "model": str(path),
             "checkpoint": trained.source.get("path"), "step": trained.source.get("step"),
             "which": trained.source.get("which"),
             "kept_for": trained.source.get("evaluation")}
+
+
+def _activate(logits: np.ndarray, loss: str) -> np.ndarray:
+    """The network's outputs as predict returns them: softmax over classes for
+    cross_entropy, each output's sigmoid for binary_cross_entropy, as they are for mse."""
+    if loss == "mse":
+        return logits
+    if loss == "binary_cross_entropy":
+        return 0.5 * (1.0 + np.tanh(0.5 * logits))  # sigmoid, without overflow
+    logits -= logits.max(axis=1, keepdims=True)  # exp never overflows
+    np.exp(logits, out=logits)
+    logits /= logits.sum(axis=1, keepdims=True)
+    return logits

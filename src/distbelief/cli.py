@@ -433,6 +433,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     from distbelief.api import evaluate_split
     from distbelief.records.export import read_trained
+    from distbelief.records.metrics import FIGURES, scored_text
 
     trained = read_trained(args.path, data=args.data, which=args.which,
                            model=_own_model(args))
@@ -446,10 +447,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     origin = f"; checkpoint{which} {result['checkpoint']}" if result["checkpoint"] else ""
     step = f", step {result['step']:,d}" if result["step"] is not None else ""
     kept = result["kept_for"]
-    why = (f", kept for its {kept.get('split', 'test')} accuracy {kept['accuracy']:.4f}"
-           if kept else "")
-    print(f"loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f} on {result['data']} "
-          f"/{args.split} ({result['samples']:,d} samples); model {args.path}{origin}{step}{why}")
+    why = f", kept for its {scored_text(kept)}" if kept else ""
+    figures = ", ".join(f"{name} {result[name]:.4f}" for name in ("loss", *FIGURES)
+                        if result.get(name) is not None)
+    print(f"{figures} on {result['data']} /{args.split} ({result['samples']:,d} samples); "
+          f"model {args.path}{origin}{step}{why}")
     return 0
 
 

@@ -74,9 +74,21 @@ SHARD_PLACEMENTS = ("spread", "ranks")
 0..S-1 as the job script placed them (distbelief.runtime.communicators.topology)."""
 
 
+LOSSES = ("cross_entropy", "mse", "binary_cross_entropy")
+"""model.loss: model.losses.LOSSES's names."""
+LOSS_METRICS = {"cross_entropy": ("accuracy",), "mse": ("r2", "rmse"),
+                "binary_cross_entropy": ("accuracy", "auc")}
+"""What each loss's evaluations report besides the loss (model.losses: Loss.metrics)."""
+TARGET_METRICS = ("loss", "accuracy", "r2", "rmse", "auc")
+"""run.target_metric: a figure an evaluation reports (which ones: LOSS_METRICS)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     layers: tuple[dict, ...] = ()
+    loss: str = "cross_entropy"
+    """What the output is trained against: model.losses. Left out of to_dict when it is
+    the default, so runs hash as before there was a choice."""
     own: dict | None = None
     """A model of the user's own (distbelief.train's `model`, train --model): its identity
     (model.protocol.identity), which the config hash covers; None for the built-in
@@ -215,6 +227,9 @@ class RunConfig:
     max_steps: int = 0
     max_seconds: float = 0.0
     target_accuracy: float | None = None
+    target_loss: float | None = None
+    target_metric: str | None = None
+    target_value: float | None = None
     eval_every_seconds: float = 2.0
     eval_samples: int = 0
     seed: int = 0
@@ -256,6 +271,8 @@ class Config:
             out[section] = {k: _jsonable(v) for k, v in values.items()}
         if self.model.own is None:
             del out["model"]["own"]
+        if self.model.loss == "cross_entropy":
+            del out["model"]["loss"]
         return out
 
 
@@ -290,6 +307,7 @@ REQUIRED = object()
 SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
     "model": {
         "layers": (_layers(), REQUIRED),
+        "loss": (choice(LOSSES), "cross_entropy"),
     },
     "data": {
         "path": (_string(), REQUIRED),
@@ -308,6 +326,9 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "max_steps": (_int(0), 0),
         "max_seconds": (_float(0.0), 0.0),
         "target_accuracy": (_float(0.0, strict=True, maximum=1.0), None),
+        "target_loss": (_float(0.0), None),
+        "target_metric": (choice(TARGET_METRICS), None),
+        "target_value": (number(-math.inf), None),
         "eval_every_seconds": (_float(0.0, strict=True), 2.0),
         "eval_samples": (_int(0), 0),
         "seed": (_int(0), 0),
@@ -496,7 +517,7 @@ def config_from_dict(raw: dict, source: Path | None = None,
     values = {section: _section_values(raw, section, where) for section in SECTIONS
               if not (own_model and section == "model")}
     if own_model:
-        values["model"] = {"layers": (), "own": {}}
+        values["model"] = {"layers": (), "own": {}, "loss": _own_model_loss(raw, where)}
     _check_not_implemented(values, where)
     given = raw.get("optimizer", {})
     _resolve_update(values["optimizer"], given, where)
@@ -719,11 +740,48 @@ def _shard_reason(algorithm: registry.Algorithm, opt: dict) -> str:
     return f" without {key}" if opt[key] is None else f" with {key} = {_show(opt[key])}"
 
 
+def _own_model_loss(raw: dict, where: str) -> str:
+    """model.loss beside a model of one's own (which replaces the rest of [model])."""
+    loss = raw.get("model", {}).get("loss", "cross_entropy")
+    if loss not in LOSSES:
+        raise ConfigError(f"{where}: model.loss must be one of "
+                          f"{', '.join(map(repr, LOSSES))}, got {_show(loss)}")
+    return loss
+
+
 def _check_consistency(values: dict, where: str) -> None:
     run = values["run"]
-    if not run["max_steps"] and not run["max_seconds"] and run["target_accuracy"] is None:
+    targets = [key for key in ("target_accuracy", "target_loss", "target_metric")
+               if run[key] is not None]
+    if not run["max_steps"] and not run["max_seconds"] and not targets:
         raise ConfigError(f"{where}: the run would never end: set at least one of "
-                          "run.max_steps, run.max_seconds or run.target_accuracy")
+                          "run.max_steps, run.max_seconds or a target (run.target_accuracy, "
+                          "run.target_loss, or run.target_metric with run.target_value)")
+    if len(targets) > 1:
+        raise ConfigError(f"{where}: {' and '.join('run.' + key for key in targets)} are two "
+                          f"targets; a run has one")
+    if (run["target_metric"] is None) != (run["target_value"] is None):
+        raise ConfigError(f"{where}: run.target_metric and run.target_value go together "
+                          f"(e.g. target_metric = \"r2\", target_value = 0.95)")
+    _check_loss_fits(values, where)
+
+
+def _check_loss_fits(values: dict, where: str) -> None:
+    """The target names a figure the loss reports; model parallelism trains
+    cross_entropy alone."""
+    loss, run = values["model"]["loss"], values["run"]
+    reported = ("loss", *LOSS_METRICS[loss])
+    metric = ("accuracy" if run["target_accuracy"] is not None else run["target_metric"])
+    if metric is not None and metric not in reported:
+        key = ("run.target_accuracy" if run["target_accuracy"] is not None
+               else f"run.target_metric = {_show(metric)}")
+        raise ConfigError(f"{where}: {key}, but model.loss = {_show(loss)} reports "
+                          f"{', '.join(reported)}; target one of those")
+    if loss != "cross_entropy" and values["cluster"]["partitions"] > 1:
+        raise ConfigError(f"{where}: cluster.partitions = {values['cluster']['partitions']} "
+                          f"(model parallelism) trains model.loss = \"cross_entropy\" only, "
+                          f"not {_show(loss)}; set cluster.partitions = 1")
+
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = (), check_data: bool = True,
@@ -820,13 +878,32 @@ def build_network(config: Config, info: Any) -> Any:
     """
     from distbelief.model.network import Network
 
+    loss = data_loss(config, info)
     try:
         return Network(tuple(info.input_shape), [dict(layer) for layer in config.model.layers],
-                       int(info.num_classes), seed=config.run.seed)
+                       loss.width, seed=config.run.seed, loss=loss)
     except ConfigError as e:
         shape = "x".join(str(d) for d in info.input_shape)
         raise ConfigError(f"model.layers: {e} (data {info.path}: input {shape}, "
-                          f"{info.num_classes} classes)") from e
+                          f"{targets_text(info)})") from e
+
+
+def data_loss(config: Config, info: Any) -> Any:
+    """The run's model.loss (a model.losses.Loss) over the outputs the data's targets need,
+    or a ConfigError when the loss does not fit those targets."""
+    from distbelief.model.losses import loss_for_data
+
+    try:
+        return loss_for_data(config.model.loss, info.targets, info.num_classes, info.outputs)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (data {info.path}: {targets_text(info)})") from e
+
+
+def targets_text(info: Any) -> str:
+    """"10 classes" or "3 float targets a row": what a dataset's y holds."""
+    if info.targets == "classes":
+        return f"{info.num_classes} classes"
+    return f"{info.outputs} float target{'s' if info.outputs > 1 else ''} a row"
 
 
 HASHED_RUN_KEYS = ("seed",)

@@ -40,9 +40,9 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             params -= config.optimizer.learning_rate * grad
             step += 1
             if recorder is not None:
-                test_loss, accuracy = evaluate(network, params, eval_set)
-                recorder.log_eval(step, step * info.n_train, loss, accuracy, test_loss)
-                reason = ("target_accuracy" if rules.target_reached(accuracy)
+                result = evaluate(network, params, eval_set)
+                recorder.log_eval(step, step * info.n_train, loss, result)
+                reason = (rules.target_reason if rules.target_reached(result)
                           else rules.budget_spent(step, recorder.elapsed()))
                 stop[0] = reason is not None
             polled_bcast(comm, stop, "rank 0's decision", (0,))

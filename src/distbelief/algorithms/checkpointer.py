@@ -107,7 +107,7 @@ def restore(found: ckpt.Checkpoint, params: np.ndarray, optimizer: Any, shard: A
 
 class BestKeeper:
     """The run's best model: offered each evaluation (its metrics line) with the
-    parameters it scored, it keeps them as best-<step> when their accuracy beats the best
+    parameters it scored, it keeps them as best-<step> when their score (accuracy, r2) beats the best
     so far, which a resumed run reads back from the best on disk. Runs on the rank that
     evaluates and records (it holds the whole vector then); no communication."""
 
@@ -126,10 +126,11 @@ class BestKeeper:
         self.path: Path | None = found.path if self.best is not None else None
 
     def offer(self, evaluation: dict[str, Any], params: np.ndarray) -> Path | None:
-        """Keep `params` if `evaluation` (step, samples, time, split, accuracy, loss) is the
-        best so far; returns the folder written, or None."""
+        """Keep `params` if `evaluation` (step, samples, time, split, score, the score's
+        value under its name, loss) is the best so far by its score; returns the folder
+        written, or None."""
         if self.failed or (self.best is not None
-                           and evaluation["accuracy"] <= self.best["accuracy"]):
+                           and _score(evaluation) <= _score(self.best)):
             return None
         if params.shape != (self.layout.size,):
             raise ValueError(f"a best model is the whole vector ({self.layout.size}), got "
@@ -155,3 +156,8 @@ class BestKeeper:
         if self.best is None:
             return None
         return {**self.best, "path": str(self.path)}
+
+
+def _score(evaluation: dict[str, Any]) -> float:
+    """An evaluation's score (a best kept before runs had scores has an accuracy)."""
+    return float(evaluation[evaluation.get("score") or "accuracy"])

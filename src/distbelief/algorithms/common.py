@@ -9,7 +9,7 @@ from another algorithm.
     open_data(config)                (DatasetInfo, Network) checked against each other
     load_eval_set(config, info)      the samples evaluations use (validation, else test)
     run_recorder(config, info, ...)  the RunRecorder of the run's reporting rank
-    StopRules.from_config(config)    max_steps / max_seconds / target_accuracy / collapse
+    StopRules.from_config(config)    max_steps / max_seconds / the target / collapse
     evaluate(network, params, eval_set) -> (loss, accuracy)
     final_test(config, summary, stream)   a run with a validation split: the test set,
                                      evaluated once at the end, into summary.json
@@ -38,8 +38,9 @@ from typing import IO, Any, Self
 
 import numpy as np
 
-from distbelief.config import Config, build_network, config_hash, hashed_settings
+from distbelief.config import Config, RunConfig, build_network, config_hash, hashed_settings
 from distbelief.errors import UserError
+from distbelief.model.losses import Evaluation
 from distbelief.records import checkpoint as ckpt
 from distbelief.records import tensorboard
 from distbelief.records.collapse import CollapseWatch
@@ -50,6 +51,7 @@ from distbelief.records.metrics import (
     SUMMARY_FILE,
     ResumePoint,
     RunRecorder,
+    Target,
 )
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.launching.launcher import launcher_rank
@@ -125,10 +127,14 @@ def open_data(config: Config, part: tuple[int, int] = (0, 1),
     info = with_validation(open_dataset(config.data.path, part=part), config.data.validation)
     if model is None:
         return info, build_network(config, info)
+    from distbelief.config import data_loss
     from distbelief.model.protocol import OwnModel
 
-    return info, OwnModel(model, tuple(info.input_shape), int(info.num_classes),
-                          seed=config.run.seed)
+    loss = data_loss(config, info)
+    probe_y = (np.zeros(2, dtype=np.int64) if info.targets == "classes"
+               else np.zeros((2, *info.target_shape), dtype=np.float32))
+    return info, OwnModel(model, tuple(info.input_shape), loss.width, seed=config.run.seed,
+                          loss=loss, probe_y=probe_y)
 
 
 def train_shard(config: Config, info: Any, rank: int, num_ranks: int) -> Any:
@@ -161,23 +167,26 @@ def load_eval_set(config: Config, info: Any) -> tuple[np.ndarray, np.ndarray]:
 def run_recorder(config: Config, info: Any, stream: IO[str] | None,
                  resume: ResumePoint | None = None, start: float | None = None) -> RunRecorder:
     """The RunRecorder of a run's reporting rank, set up from the config: its cadence,
-    target, budget (for the ETA), the split its evaluations are on, and its collapse
-    watch (on the data's class count)."""
+    target, score, budget (for the ETA), the split its evaluations are on, and its
+    collapse watch (on the data's class count: none for float targets, whose loss has no
+    chance level)."""
+    from distbelief.config import LOSS_METRICS
+
     run = config.run
-    return RunRecorder(run.out_dir, run.progress_every_seconds, stream,
-                       target_accuracy=run.target_accuracy, start=start, resume=resume,
-                       max_steps=run.max_steps, max_seconds=run.max_seconds,
-                       eval_split=eval_split(info),
-                       collapse=CollapseWatch(info.num_classes, run.collapse_window_seconds),
-                       tensorboard=run.tensorboard)
+    collapse = (CollapseWatch(info.num_classes, run.collapse_window_seconds)
+                if config.model.loss == "cross_entropy" else None)
+    score = "r2" if "r2" in LOSS_METRICS[config.model.loss] else "accuracy"
+    return RunRecorder(run.out_dir, run.progress_every_seconds, stream, start=start,
+                       resume=resume, max_steps=run.max_steps, max_seconds=run.max_seconds,
+                       eval_split=eval_split(info), collapse=collapse,
+                       tensorboard=run.tensorboard, target=run_target(run), score=score)
 
 
 def evaluate(network: Any, params: np.ndarray,
-             eval_set: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
-    """(loss, accuracy) of `params` on the evaluation set."""
+             eval_set: tuple[np.ndarray, np.ndarray]) -> Evaluation:
+    """The loss and the loss's metrics of `params` on the evaluation set."""
     x, y = eval_set
-    loss, accuracy = network.evaluate(params, x, y, batch_size=EVAL_BATCH_SIZE)
-    return float(loss), float(accuracy)
+    return network.evaluate(params, x, y, batch_size=EVAL_BATCH_SIZE)
 
 
 def final_test(config: Config, summary: dict[str, Any],
@@ -216,20 +225,22 @@ def final_test(config: Config, summary: dict[str, Any],
     # The metadata only: the run checked the labels already.
     info = with_validation(open_dataset(config.data.path, labels=False),
                            config.data.validation)
-    loss, accuracy, rows = evaluate_split(tested, params, info, "test")
+    result = evaluate_split(tested, params, info, "test")
     step = source.get("step")
-    summary = {**summary, "final_test_accuracy": accuracy, "final_test_loss": loss,
-               "test_step": step, "test_samples": rows,
+    tested_figures = {f"test_{name}": value for name, value in result.figures.items()}
+    summary = {**summary, **{f"final_{key}": value for key, value in tested_figures.items()},
+               "test_step": step, "test_samples": result.rows,
                "test_model": source.get("which", "last")}
     line = {"kind": "test", "time": summary.get("wall_seconds"), "step": step,
-            "samples": source.get("samples"), "test_accuracy": float(accuracy),
-            "test_loss": float(loss)}
+            "samples": source.get("samples"), **tested_figures}
     with (out_dir / METRICS_FILE).open("a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
     tensorboard.append_line(out_dir, config.run.tensorboard, line)
     write_json_atomic(out_dir / SUMMARY_FILE, summary)
-    say(stream, f"distbelief: test set, evaluated once at the end: accuracy {accuracy:.4f}, "
-                f"loss {loss:.4f} ({rows:,d} samples, {which_text(source)} of step "
+    figures = ", ".join(f"{name} {value:.4f}" for name, value in result.figures.items()
+                        if name != "loss")
+    say(stream, f"distbelief: test set, evaluated once at the end: {figures}, loss "
+                f"{result.loss:.4f} ({result.rows:,d} samples, {which_text(source)} of step "
                 f"{step:,d})")
     return summary
 
@@ -255,23 +266,38 @@ EVAL_BLOCK_BYTES = 64 << 20
 than memory is evaluated too."""
 
 
-def evaluate_split(network: Any, params: np.ndarray, info: Any,
-                   split: str) -> tuple[float, float, int]:
-    """(loss, accuracy, rows) of `params` on the whole of `split`, read from the file in
-    blocks of whole evaluation batches."""
+def evaluate_split(network: Any, params: np.ndarray, info: Any, split: str) -> Evaluation:
+    """The Evaluation of `params` on the whole of `split`, read from the file in blocks of
+    whole evaluation batches (their tallies summed: model.losses)."""
     from distbelief.data.hdf5 import read_rows, to_float
 
     rows = {"test": info.n_test, "validation": info.n_val, "train": info.n_train}[split]
     row_bytes = 4 * int(np.prod(info.input_shape))
     block = max(1, EVAL_BLOCK_BYTES // (row_bytes * EVAL_BATCH_SIZE)) * EVAL_BATCH_SIZE
-    loss_sum = correct = 0.0
+    tally = None
     for start in range(0, rows, block):
         x, y = read_rows(info, split, start, min(rows, start + block))
-        loss, accuracy = network.evaluate(params, to_float(x, info.scale), y,
-                                          batch_size=EVAL_BATCH_SIZE)
-        loss_sum += float(loss) * len(y)
-        correct += float(accuracy) * len(y)
-    return loss_sum / rows, correct / rows, rows
+        part = network.tally(params, to_float(x, info.scale), y, batch_size=EVAL_BATCH_SIZE)
+        tally = part if tally is None else tally + part
+    return figures_of(network).evaluation(tally)
+
+
+def figures_of(network: Any) -> Any:
+    """What turns `network`'s tallies into figures (model.losses.Loss): its loss, or a
+    model of one's own's evaluate (model.protocol.OwnModel.figures_of)."""
+    return getattr(network, "figures_of", None) or network.loss_fn
+
+
+def run_target(run: RunConfig) -> Target | None:
+    """The run's target (run.target_accuracy, run.target_loss, or run.target_metric and
+    run.target_value), or None."""
+    if run.target_accuracy is not None:
+        return Target("accuracy", run.target_accuracy)
+    if run.target_loss is not None:
+        return Target("loss", run.target_loss)
+    if run.target_metric is not None:
+        return Target(run.target_metric, float(run.target_value))
+    return None
 
 
 @dataclass(frozen=True)
@@ -280,13 +306,13 @@ class StopRules:
 
     max_steps: int = 0
     max_seconds: float = 0.0
-    target_accuracy: float | None = None
+    target: Target | None = None
     stop_on_collapse: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> StopRules:
         run = config.run
-        return cls(run.max_steps, run.max_seconds, run.target_accuracy, run.stop_on_collapse)
+        return cls(run.max_steps, run.max_seconds, run_target(run), run.stop_on_collapse)
 
     def budget_spent(self, step: int, elapsed: float, collapsed: bool = False) -> str | None:
         """"max_steps" or "max_seconds" once that budget is used up, "collapse" when the
@@ -300,8 +326,15 @@ class StopRules:
             return "collapse"
         return None
 
-    def target_reached(self, test_accuracy: float) -> bool:
-        return self.target_accuracy is not None and test_accuracy >= self.target_accuracy
+    def target_reached(self, evaluation: Any) -> bool:
+        """Whether an Evaluation (or a dict of figures) meets the run's target."""
+        figures = getattr(evaluation, "figures", evaluation)
+        return self.target is not None and self.target.met(figures)
+
+    @property
+    def target_reason(self) -> str:
+        """The stop reason of a run its target stopped: target_accuracy, target_loss, ..."""
+        return "target_accuracy" if self.target is None else self.target.reason
 
 
 class TrainingDiverged(UserError):
@@ -562,13 +595,14 @@ def finished_run(config: Config, resume: str, stream: IO[str] | None,
             != config_hash(config):
         return None
     spent = StopRules.from_config(config).budget_spent(found.step, found.wall_seconds)
-    at_target = (summary.get("stop_reason") == "target_accuracy"
-                 and summary.get("target_accuracy") == config.run.target_accuracy
+    target = run_target(config.run)
+    at_target = (target is not None and summary.get("stop_reason") == target.reason
+                 and summary.get("target") == target.to_dict()
                  and summary.get("steps", found.step) == found.step)
     if not spent and not at_target:
         return None
     why = (f"run.{spent} = {getattr(config.run, spent):g}" if spent
-           else f"run.target_accuracy = {config.run.target_accuracy:g} was reached")
+           else f"the target {target.metric} {target.value:g} was reached")
     say(stream, f"distbelief: {out_dir} holds a finished run ({why}; its checkpoint is at "
                 f"step {found.step}): nothing to train, and its records are left as they "
                 f"are. Raise run.{spent or 'max_steps'} to train on, or pass --fresh to "

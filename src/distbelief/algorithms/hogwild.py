@@ -103,7 +103,8 @@ ALGORITHM = "hogwild"
 STOP, PAUSE, RESUME, TEARDOWN = 0, 1, 2, 3
 CONTROL_WORDS = 8
 # Stop codes in STOP: 0 = training; then one per reason, in this order.
-REASONS = ("max_steps", "max_seconds", "target_accuracy", *StopSignals.NAMES, "diverged")
+REASONS = ("max_steps", "max_seconds", "target_accuracy", *StopSignals.NAMES, "diverged",
+           "target_loss", "target_r2", "target_rmse", "target_auc")
 TEARDOWN_FREE, TEARDOWN_LEAVE = 1, 2
 # A replica's words (int64, written by that replica only; LOSS_SUM holds a float64).
 STEPS, SAMPLES, PAUSED, DONE, LOSS_SUM, LOSS_COUNT = range(6)
@@ -528,9 +529,9 @@ class Leader:
             if reason:
                 break
             if now >= next_eval:
-                accuracy = self._evaluate(steps, samples, recent)
-                if self.rules.target_reached(accuracy):
-                    return "target_accuracy"
+                result = self._evaluate(steps, samples, recent)
+                if self.rules.target_reached(result):
+                    return self.rules.target_reason
                 next_eval = clock() + run.eval_every_seconds
             if now >= next_save_time or steps >= next_save_step:
                 self.checkpoint_now()
@@ -571,14 +572,14 @@ class Leader:
             return None  # hydra's notice of the death just found
         return "SIGUSR1"
 
-    def _evaluate(self, steps: int, samples: int, recent: float | None = None) -> float:
-        """Evaluate a copy of the shared parameters (the others keep training)."""
+    def _evaluate(self, steps: int, samples: int, recent: float | None = None) -> Any:
+        """Evaluate a copy of the shared parameters (the others keep training); returns
+        the Evaluation."""
         params = self.shared.params.copy()
-        test_loss, accuracy = evaluate(self.network, params, self.eval_set)
+        result = evaluate(self.network, params, self.eval_set)
         self.recorder.log_eval(steps, samples, self.recent_loss() if recent is None
-                               else recent, accuracy, test_loss, params=params,
-                               **self._wire(steps))
-        return accuracy
+                               else recent, result, params=params, **self._wire(steps))
+        return result
 
     # -- liveness -------------------------------------------------------------------------
 

@@ -324,7 +324,10 @@ def costmodel(config_path: str, *, partitions: Sequence[int],
                           "the data file's are used)")
     info = None
     if input_shape is not None:
-        network = Network(input_shape, [dict(layer) for layer in config.model.layers], classes)
+        from distbelief.model.losses import make_loss
+
+        network = Network(input_shape, [dict(layer) for layer in config.model.layers], classes,
+                          loss=make_loss(config.model.loss, classes))
     else:
         from distbelief.data.hdf5 import open_dataset
 

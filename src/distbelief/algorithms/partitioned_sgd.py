@@ -235,19 +235,18 @@ def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer:
     # The best figure so far, rank 0's (a resumed run's from its best model), on every rank.
     keeper = recorder.best_keeper if recorder else None
     best = np.array([-np.inf if keeper is None or keeper.best is None
-                     else keeper.best["accuracy"]])
+                     else keeper.best[keeper.best.get("score") or "accuracy"]])
     polled_bcast(comm, best, ranks=model.partner_ranks)
 
-    def evaluate() -> float:
-        test_loss, accuracy = model.evaluate(params, *eval_set, batch_size=EVAL_BATCH_SIZE)
+    def evaluate() -> Any:
+        result = model.evaluate(params, *eval_set, batch_size=EVAL_BATCH_SIZE)
         whole_params = None
-        if run.keep_best and accuracy > best[0]:  # the same verdict on every partition
-            best[0] = accuracy
+        if run.keep_best and result.score > best[0]:  # the same verdict on every partition
+            best[0] = result.score
             whole_params = whole.gather_params(params)
         if recorder:
-            recorder.log_eval(step, step * batch_size, recent, accuracy, test_loss,
-                              params=whole_params)
-        return accuracy
+            recorder.log_eval(step, step * batch_size, recent, result, params=whole_params)
+        return result
 
     # A resumed run whose budget is already spent trains no further step.
     if recorder:
@@ -292,7 +291,7 @@ def _loop(session: RunSession, model: PartitionedNetwork, shard: Any, optimizer:
             if recorder and loss_count:
                 recent = loss_sum / loss_count
             if rules.target_reached(evaluate()):
-                return "target_accuracy"
+                return rules.target_reason
             next_eval = time.monotonic() + eval_every
         if decision.save_due:
             checkpoint()

@@ -127,11 +127,11 @@ def _train_loop(session: RunSession, shard: Any, optimizer: Any, params: np.ndar
         if now >= next_eval:
             if loss_count:
                 recent_loss = loss_sum / loss_count  # fresher than the last logged mean
-            test_loss, accuracy = evaluate(network, params, eval_set)
-            recorder.log_eval(step, samples, recent_loss, accuracy, test_loss, params=params)
-            if rules.target_reached(accuracy):
+            result = evaluate(network, params, eval_set)
+            recorder.log_eval(step, samples, recent_loss, result, params=params)
+            if rules.target_reached(result):
                 state.step, state.samples = step, samples
-                return "target_accuracy"
+                return rules.target_reason
             # Counted from the end of this evaluation, so training always gets the
             # interval, however long evaluating takes.
             next_eval = clock() + eval_every
@@ -144,6 +144,6 @@ def _train_loop(session: RunSession, shard: Any, optimizer: Any, params: np.ndar
         recorder.progress(step, samples, recent_loss)
     state.step, state.samples = step, samples
     if reason not in StopSignals.NAMES:
-        test_loss, accuracy = evaluate(network, params, eval_set)
-        recorder.log_eval(step, samples, recent_loss, accuracy, test_loss, params=params)
+        recorder.log_eval(step, samples, recent_loss, evaluate(network, params, eval_set),
+                          params=params)
     return reason

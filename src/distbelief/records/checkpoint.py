@@ -116,6 +116,7 @@ import numpy as np
 
 from distbelief.errors import UserError
 from distbelief.model.layout import DTYPE, ParamLayout
+from distbelief.records.metrics import scored_text
 from distbelief.runtime import counters
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -1061,8 +1062,8 @@ def describe(report: Inspection, max_arrays: int = 12) -> str:
                  f"{m['wall_seconds']:.1f}s of training, written {m.get('created', '?')}, "
                  f"algorithm {m['algorithm']}")
     if m.get("best"):
-        lines.append(f"  the run's best model: {m['best'].get('split', 'test')} accuracy "
-                     f"{m['best']['accuracy']:.4f} at step {m['best']['step']:,d} "
+        lines.append(f"  the run's best model: {scored_text(m['best'])} at step "
+                     f"{m['best']['step']:,d} "
                      f"(holds no optimizer state; a run never resumes from it)")
     lines.append(f"  config hash {m['config_hash']}")
     lines.append(f"  layout: {len(m['layout'])} arrays, {m['num_params']:,d} parameters; "

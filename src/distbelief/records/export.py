@@ -18,12 +18,14 @@ ARRAY NAMES AND ORIENTATION (version 1; the same in both formats)
 
 The model's input is the dataset file's stored x times `input_scale` (a float32 array of
 shape (N, *input_shape)); the last layer's outputs are logits (softmax gives the class
-probabilities).
+probabilities; sigmoid each output's probability for binary_cross_entropy; for mse they
+are the predicted values).
 
 HDF5 FILE: /params/<name> and /optimizer/<state>/<name> datasets; root attributes format =
 "distbelief-export", version = 1, layers (the [model] layer tables as JSON text),
-input_shape (int64 array), input_scale (float64), num_classes (int64), source (JSON text:
-where the weights came from: checkpoint path, step, samples, algorithm, config hash).
+input_shape (int64 array), input_scale (float64), num_classes (int64: the outputs' count),
+source (JSON text: where the weights came from: checkpoint path, step, samples, algorithm,
+config hash), and `loss` (the model.loss, when it is not cross_entropy).
 
 SAFETENSORS FILE (https://huggingface.co/docs/safetensors): 8-byte little-endian header
 length, a JSON header, the raw little-endian float32 data. Tensors are named as above
@@ -54,6 +56,7 @@ import numpy as np
 from distbelief.data.hdf5 import H5_ERRORS, DatasetInfo, open_dataset
 from distbelief.errors import ConfigError, DataError, UserError
 from distbelief.model.layout import DTYPE, ParamLayout
+from distbelief.model.losses import loss_for_data, make_loss
 from distbelief.model.network import Network
 from distbelief.records import checkpoint as ckpt
 
@@ -93,6 +96,13 @@ class TrainedModel:
     `own_layout` holds the vector's named slices, and `model` the user's object."""
     own_layout: list[dict[str, Any]] | None = None
     model: Any = None
+    loss: str = "cross_entropy"
+    """model.loss: what the outputs were trained against (num_classes is then the number
+    of outputs: targets a row for mse and binary_cross_entropy)."""
+
+    def loss_fn(self) -> Any:
+        """The model.losses.Loss of this model's outputs."""
+        return make_loss(self.loss, self.num_classes)
 
     def layout(self) -> ParamLayout:
         """The parameter vector's layout (no model object needed)."""
@@ -107,7 +117,7 @@ class TrainedModel:
         not given, or is not the one trained."""
         if self.own is None:
             return Network(self.input_shape, [dict(layer) for layer in self.layers],
-                           self.num_classes)
+                           self.num_classes, loss=self.loss_fn())
         what = f"a model of your own ({self.own['name']}, {self.own['parameters']:,d} " \
                f"parameters)"
         if self.model is None:
@@ -116,11 +126,20 @@ class TrainedModel:
                             f", or --model MODULE:FACTORY)")
         from distbelief.model.protocol import OwnModel
 
-        network = OwnModel(self.model, self.input_shape, self.num_classes)
+        network = OwnModel(self.model, self.input_shape, self.num_classes,
+                           loss=self.loss_fn(), probe_y=self.probe_targets())
         if network.layout != self.layout():
             raise UserError(f"the model given ({network.name}, {network.layout.size:,d} "
                             f"parameters) is not the one trained: {what}")
         return network
+
+    def probe_targets(self) -> np.ndarray:
+        """Two rows of zero targets, as the data holds them (OwnModel's probe)."""
+        if self.loss == "cross_entropy" or (self.loss == "binary_cross_entropy"
+                                            and self.own is None):
+            return np.zeros(2, dtype=np.int64)
+        shape = (2,) if self.num_classes == 1 else (2, self.num_classes)
+        return np.zeros(shape, dtype=DTYPE)
 
     def named_arrays(self, layout: ParamLayout, flat: np.ndarray | None = None
                      ) -> dict[str, np.ndarray]:
@@ -140,6 +159,7 @@ class TrainedModel:
         return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "layers": self.layers,
                 "input_shape": list(self.input_shape), "input_scale": self.input_scale,
                 "num_classes": self.num_classes, **own,
+                **({} if self.loss == "cross_entropy" else {"loss": self.loss}),
                 "source": {k: v for k, v in self.source.items() if k != "skipped"}}
 
 
@@ -251,22 +271,28 @@ def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
     layers = found.manifest["config"]["model"]["layers"]
     info = _data_info(found, data)
     own = found.manifest["config"]["model"].get("own")
+    loss_name = found.manifest["config"]["model"].get("loss", "cross_entropy")
+    try:
+        loss = loss_for_data(loss_name, info.targets, info.num_classes, info.outputs)
+    except ConfigError as exc:
+        raise DataError(f"checkpoint {found.path} was trained with model.loss = "
+                        f"{loss_name!r}, which does not fit {info.path}: {exc}") from exc
     if own:
         params, state = found.read_state(with_optimizer)
-        return TrainedModel([], info.input_shape, info.scale, info.num_classes, params,
+        return TrainedModel([], info.input_shape, info.scale, loss.width, params,
                             state, _checkpoint_source(found, info), own,
-                            found.manifest["layout"])
+                            found.manifest["layout"], loss=loss_name)
     try:
         found.check_layout(Network(info.input_shape, [dict(layer) for layer in layers],
-                                   info.num_classes).layout)
+                                   loss.width, loss=loss).layout)
     except (ConfigError, ckpt.CheckpointMismatch) as exc:
         shape = "x".join(map(str, info.input_shape))
         raise DataError(f"checkpoint {found.path} does not take the inputs of "
                         f"{info.path} (input {shape}, {info.num_classes} classes): "
                         f"{exc}") from exc
     params, state = found.read_state(with_optimizer)
-    return TrainedModel(list(layers), info.input_shape, info.scale, info.num_classes,
-                        params, state, _checkpoint_source(found, info))
+    return TrainedModel(list(layers), info.input_shape, info.scale, loss.width,
+                        params, state, _checkpoint_source(found, info), loss=loss_name)
 
 
 def _checkpoint_source(found: ckpt.Checkpoint, info: DatasetInfo) -> dict[str, Any]:
@@ -314,7 +340,8 @@ def _from_arrays(path: Path, metadata: Mapping[str, Any],
         model = TrainedModel(list(metadata["layers"]), tuple(metadata["input_shape"]),
                              float(metadata["input_scale"]), int(metadata["num_classes"]),
                              np.empty(0, DTYPE), {}, dict(metadata.get("source") or {}),
-                             metadata.get("own"), metadata.get("layout"))
+                             metadata.get("own"), metadata.get("layout"),
+                             loss=str(metadata.get("loss", "cross_entropy")))
         layout = model.layout()
     except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
         raise ExportError(f"{path}: damaged metadata: {exc}") from exc
@@ -358,7 +385,8 @@ def _read_hdf5(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                 "input_scale": float(attrs["input_scale"]),
                 "num_classes": int(attrs["num_classes"]),
                 "source": json.loads(attrs.get("source", "{}")),
-                **{key: json.loads(attrs[key]) for key in ("own", "layout") if key in attrs}}
+                **{key: json.loads(attrs[key]) for key in ("own", "layout") if key in attrs},
+                **({"loss": str(attrs["loss"])} if "loss" in attrs else {})}
             arrays = {name: dset[()] for name, dset in f["params"].items()}
             for state, group in f.get("optimizer", {}).items():
                 arrays |= {f"optimizer.{state}.{name}": dset[()]
@@ -485,6 +513,8 @@ def _write_hdf5(path: Path, metadata: Mapping[str, Any],
         for key in ("own", "layout"):  # a model of one's own: its identity and slices
             if key in metadata:
                 f.attrs[key] = json.dumps(metadata[key])
+        if "loss" in metadata:  # absent: cross_entropy, as every export before losses
+            f.attrs["loss"] = metadata["loss"]
         params = f.create_group("params")
         for name, values in arrays.items():
             if name.startswith("optimizer."):

@@ -3,10 +3,12 @@
 Shared by every trainer (single-process SGD, Downpour's reporting rank). One recorder per
 run, in the process that owns the run's output folder:
 
-    recorder = RunRecorder(out_dir, progress_every_seconds=2.0, target_accuracy=0.88)
+    recorder = RunRecorder(out_dir, progress_every_seconds=2.0,
+                           target=Target("accuracy", 0.88), score="accuracy")
     recorder.log(step, samples, loss, **extra)       # a training line; call every ~0.5 s,
                                                      # not every step (loss: recent mean)
-    recorder.log_eval(step, samples, loss, accuracy, eval_loss, params=p, **extra)
+    recorder.log_eval(step, samples, loss, figures, params=p, **extra)
+                                                     # figures: {"loss", the score, ...}
                                                      # params: what was scored, offered to
                                                      # the run's best keeper (run.keep_best)
     recorder.progress(step, samples, loss)           # cheap to call every step: prints a
@@ -17,9 +19,14 @@ run, in the process that owns the run's output folder:
 metrics.jsonl has one JSON object per line, flushed as it is written, so a run killed
 half-way leaves a readable file. Every line has `kind` ("train" or "eval"), `time`
 (seconds since the recorder's start), `step`, `samples` and `loss` (training loss); eval
-lines add `test_accuracy` and `test_loss`, or `val_accuracy` and `val_loss` when the run
-evaluates a validation split (`eval_split="validation"`; read either with eval_accuracy and
-eval_loss); a run with a validation split gets one `{"kind": "test", ...}` line at its end
+lines add `test_loss` and the model loss's metrics (model.losses): `test_accuracy` for
+classes, `test_r2` and `test_rmse` for mse, `test_accuracy` and `test_auc` for
+binary_cross_entropy; `val_` instead of `test_` when the run evaluates a validation split
+(`eval_split="validation"`; read the loss and the score with eval_loss and eval_accuracy,
+which reads whichever score the line has). The **score** is the metric runs are judged
+by, higher is better: accuracy, or r2 for mse; summary.json's `score` names it and the
+summary's keys below that say "accuracy" say "r2" instead in a run that scores r2
+(final_val_r2, best_test_r2, ...); a run with a validation split gets one `{"kind": "test", ...}` line at its end
 (distbelief.algorithms.common.final_test); `extra` keywords are added as they are (they
 must be JSON-serialisable; Downpour adds e.g. the shards' version). A non-finite number
 (a diverged loss) is written as null, here and in summary.json: strict JSON. Marker lines of other kinds
@@ -27,15 +34,18 @@ must be JSON-serialisable; Downpour adds e.g. the shards' version). A non-finite
 pick the kinds they plot.
 
 summary.json (written atomically: temp file, fsync, rename) has at least `reached_target`,
-`time_to_target` (seconds, or null), `target_reached_accuracy` and `target_reached_step`
-(of the first evaluation at or above the target, the one that stops a run with a target;
-null when none was), `target_accuracy`, `final_test_accuracy` (the last evaluation's,
+`time_to_target` (seconds, or null), `target_reached_value` and `target_reached_step`
+(the target metric's value and the step of the first evaluation that met the target, the
+one that stops a run with a target; null when none was; `target_reached_accuracy` too,
+its accuracy), `target` ({"metric", "value"} or
+null), `target_accuracy` (its value when the metric is accuracy), `score`,
+`final_test_accuracy` (the last evaluation's,
 which may be another one and fall below the target),
 `best_test_accuracy`, `final_test_loss`, `steps`, `samples`, `wall_seconds` and
 `samples_per_second`, `eval_split` and `collapse` (null, or what
 distbelief.records.collapse found), filled from what was logged; with a validation split
 the evaluation keys are named `final_val_accuracy`, `best_val_accuracy` and
-`final_val_loss`, and `final_test_accuracy`/`final_test_loss` stay null until the test set
+`final_val_loss` (and final_val_<metric> for the loss's other metrics), and `final_test_accuracy`/`final_test_loss` stay null until the test set
 is evaluated at the end. The dict given to `finish` adds keys or overrides them. `best` (the model run.keep_best
 kept: its folder, step, split, accuracy, loss; null when none was) and `last` (the newest
 checkpoint, `checkpoint`: its folder, step, and accuracy when the last evaluation scored
@@ -86,11 +96,45 @@ DISCARDED_FILE = "metrics.discarded.jsonl"
 LOG_EVERY_SECONDS = 0.5
 """How often a trainer writes a training line; its loss is the mean over the steps since
 the previous line (one line per step would be thousands a second)."""
-REQUIRED_SUMMARY_KEYS = ("reached_target", "time_to_target", "final_test_accuracy",
-                         "steps", "samples", "wall_seconds")
+REQUIRED_SUMMARY_KEYS = ("reached_target", "time_to_target", "score", "steps", "samples",
+                         "wall_seconds")
 EVAL_SPLITS = ("test", "validation")
 EVAL_PREFIX = {"test": "test", "validation": "val"}
 """What an evaluation's keys start with: test_accuracy, val_accuracy."""
+
+
+LOWER_IS_BETTER = ("loss", "rmse")
+"""The metrics a target is met by falling to (the others: by rising to)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A run's target: a metric of its evaluations ("accuracy", "loss", "r2", "rmse",
+    "auc") and the value that stops the run (run.target_accuracy, run.target_loss,
+    run.target_metric and run.target_value)."""
+
+    metric: str
+    value: float
+
+    @property
+    def rises(self) -> bool:
+        """Whether the metric meets the target by rising to it (accuracy, r2, auc)."""
+        return self.metric not in LOWER_IS_BETTER
+
+    @property
+    def reason(self) -> str:
+        """The stop reason of a run it stopped: target_accuracy, target_loss, ..."""
+        return f"target_{self.metric}"
+
+    def met(self, figures: dict[str, Any]) -> bool:
+        """Whether an evaluation's `figures` ({"loss": ..., "accuracy": ...}) meet it."""
+        value = figures.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return False
+        return value >= self.value if self.rises else value <= self.value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "value": self.value}
 
 
 @dataclass(frozen=True)
@@ -110,7 +154,10 @@ class RunRecorder:
                  stream: IO[str] | None = sys.stdout, target_accuracy: float | None = None,
                  start: float | None = None, resume: ResumePoint | None = None, *,
                  max_steps: int = 0, max_seconds: float = 0.0, eval_split: str = "test",
-                 collapse: CollapseWatch | None = None, tensorboard: bool | None = False):
+                 collapse: CollapseWatch | None = None, tensorboard: bool | None = False,
+                 target: Target | None = None, score: str = "accuracy"):
+        """`target_accuracy` is short for target=Target("accuracy", value); `score` names
+        the evaluations' score (model.losses: "accuracy", or "r2")."""
         if eval_split not in EVAL_SPLITS:
             raise ValueError(f"eval_split must be one of {EVAL_SPLITS}, got {eval_split!r}")
         self.out_dir = Path(out_dir)
@@ -124,7 +171,10 @@ class RunRecorder:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.progress_every_seconds = progress_every_seconds
         self.stream = stream
-        self.target_accuracy = target_accuracy
+        if target is None and target_accuracy is not None:
+            target = Target("accuracy", target_accuracy)
+        self.target = target
+        self.score = score
         if start is None:
             start = time.monotonic() - (resume.elapsed if resume else 0.0)
         self.start = start
@@ -196,39 +246,51 @@ class RunRecorder:
         self._write({"kind": kind, "time": self.elapsed() if at is None else at, "step": step,
                      "samples": samples, **extra})
 
-    def log_eval(self, step: int, samples: int, loss: float, accuracy: float,
-                 eval_loss: float, params: Any = None, **extra: Any) -> None:
-        """Append an evaluation line (on the eval split: test_ or val_ keys); notes the
-        first time the target accuracy is reached. `params`, the vector evaluated, goes to
-        the best keeper, which keeps it if it is the best so far."""
+    def log_eval(self, step: int, samples: int, loss: float, figures: Any,
+                 params: Any = None, **extra: Any) -> None:
+        """Append an evaluation line (on the eval split: test_ or val_ keys) of `figures`
+        (a dict with "loss" and the score, or a model.losses.Evaluation); notes the first
+        time the target is met. `params`, the vector evaluated, goes to the best keeper,
+        which keeps it if it is the best so far. `loss` is the recent training loss."""
+        figures = dict(getattr(figures, "figures", figures))
+        if self.score not in figures or "loss" not in figures:
+            raise ValueError(f"an evaluation needs 'loss' and {self.score!r}, got "
+                             f"{sorted(figures)}")
         self._remember(step, samples, loss)
         now = self.elapsed()
         line = {"kind": "eval", "time": now, "step": step, "samples": samples,
-                "loss": float(loss), f"{self._prefix}_accuracy": float(accuracy),
-                f"{self._prefix}_loss": float(eval_loss), **extra}
+                "loss": float(loss),
+                **{f"{self._prefix}_{name}": float(value) for name, value in figures.items()},
+                **extra}
         self._write(line)
         self._note_eval(line)
         if params is not None and self.best_keeper is not None:
             self.best_keeper.offer({"step": int(step), "samples": int(samples), "time": now,
-                                    "split": self.eval_split, "accuracy": float(accuracy),
-                                    "loss": float(eval_loss)}, params)
+                                    "split": self.eval_split, "score": self.score,
+                                    self.score: float(figures[self.score]),
+                                    "loss": float(figures["loss"])}, params)
 
     def _note_eval(self, line: dict[str, Any]) -> None:
-        accuracy = eval_accuracy(line)
-        if accuracy is None:
+        score = eval_accuracy(line)
+        if score is None:
             return
         self._last_eval = line
-        self._trend.append((float(line["time"]), accuracy))
-        if self._best_accuracy is None or accuracy > self._best_accuracy:
-            self._best_accuracy = accuracy
-        if (self.target_accuracy is not None and self._target_eval is None
-                and accuracy >= self.target_accuracy):
+        if self._best_accuracy is None or score > self._best_accuracy:
+            self._best_accuracy = score
+        if self.target is None:
+            return
+        figures = eval_figures(line)
+        if self.target.metric in figures:
+            value = figures[self.target.metric]
+            # The trend rises toward the target: a falling metric's is taken negated.
+            self._trend.append((float(line["time"]), value if self.target.rises else -value))
+        if self._target_eval is None and self.target.met(figures):
             self._target_eval = line
             self.time_to_target = float(line["time"])
 
     @property
     def last_accuracy(self) -> float | None:
-        """The last evaluation's accuracy (on the eval split), or None."""
+        """The last evaluation's score (on the eval split), or None."""
         return None if self._last_eval is None else eval_accuracy(self._last_eval)
 
     def progress(self, step: int, samples: int, loss: float,
@@ -255,10 +317,11 @@ class RunRecorder:
         elapsed = now - self.start
         step_rate = (step - self._rate_mark[1]) / max(now - self._rate_mark[0], 1e-9)
         spent = budget_text(step, elapsed, self.max_steps, self.max_seconds, step_rate,
-                            self.target_accuracy, self._trend)
+                            self.target, self._trend)
         warning = f"  [collapsed: {self.collapse.found.kind}]" if self.collapsed else ""
+        name = "acc" if self.score == "accuracy" else self.score
         say(self.stream, f"step {step:>8d}  {rate:>9.0f} samples/s (all replicas)  "
-                         f"loss {shown}  {self._prefix} acc {accuracy}  elapsed "
+                         f"loss {shown}  {self._prefix} {name} {accuracy}  elapsed "
                          f"{elapsed:.1f}s{spent}{warning}")
 
     def summary(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -266,21 +329,28 @@ class RunRecorder:
         wall = self.elapsed()
         last = self._last_eval or {}
         hit = self._target_eval or {}
-        p = self._prefix
+        p, score, target = self._prefix, self.score, self.target
         out: dict[str, Any] = {
             "reached_target": self.reached_target,
             "time_to_target": self.time_to_target,
             # The evaluation that reached the target, kept apart from the final one: a run
             # stopped by its target evaluates again at the end (Downpour: the parameters
             # after the replicas' last pushes), and that can fall just under the target.
+            "target_reached_value": (None if target is None
+                                     else hit.get(f"{p}_{target.metric}")),
             "target_reached_accuracy": hit.get(f"{p}_accuracy"),
             "target_reached_step": hit.get("step"),
-            "target_accuracy": self.target_accuracy,
+            "target": None if target is None else target.to_dict(),
+            "target_accuracy": (target.value if target is not None
+                                and target.metric == "accuracy" else None),
+            "score": score,
             "eval_split": self.eval_split,
-            "final_test_accuracy": None,
+            f"final_test_{score}": None,
             "final_test_loss": None,
-            f"final_{p}_accuracy": last.get(f"{p}_accuracy"),
-            f"best_{p}_accuracy": self._best_accuracy,
+            **{f"final_{key}": value for key, value in last.items()
+               if key.startswith(f"{p}_")},
+            f"final_{p}_{score}": last.get(f"{p}_{score}"),
+            f"best_{p}_{score}": self._best_accuracy,
             f"final_{p}_loss": last.get(f"{p}_loss"),
             "collapse": None if self.collapse is None else self.collapse.summary(),
             "steps": self._step,
@@ -292,7 +362,7 @@ class RunRecorder:
         out["best"] = None if self.best_keeper is None else self.best_keeper.summary()
         if self.best_keeper is not None and self.best_keeper.failed:
             out["best_not_kept"] = self.best_keeper.failed
-        out["last"] = last_checkpoint(out.get("checkpoint"), last, p)
+        out["last"] = last_checkpoint(out.get("checkpoint"), last, p, score)
         # Bytes on the wire per sample trained, for every trainer that reports its bytes.
         samples = out.get("samples")
         for key in ("bytes_sent", "bytes_received"):
@@ -334,10 +404,50 @@ class RunRecorder:
         self.close()
 
 
+SCORES = ("accuracy", "r2")
+"""The metrics a score can be (model.losses.SCORES; records does not import the model)."""
+FIGURES = ("accuracy", "r2", "rmse", "auc")
+"""Every metric an evaluation may report besides its loss, in the order they are shown."""
+
+
 def eval_accuracy(line: dict[str, Any]) -> float | None:
-    """An evaluation line's accuracy: on the validation split if it has one, else test."""
-    value = line.get("val_accuracy", line.get("test_accuracy"))
-    return None if value is None else float(value)
+    """An evaluation line's score (accuracy, or r2: the one it has): on the validation
+    split if it has one, else test."""
+    for prefix in ("val", "test"):
+        for score in SCORES:
+            value = line.get(f"{prefix}_{score}")
+            if value is not None:
+                return float(value)
+    return None
+
+
+def eval_figures(line: dict[str, Any]) -> dict[str, float]:
+    """An evaluation line's figures without their split's prefix: {"loss": ..., "r2": ...}
+    (validation's when it has them, else test's)."""
+    prefix = "val_" if any(key.startswith("val_") for key in line) else "test_"
+    return {key[len(prefix):]: value for key, value in line.items()
+            if key.startswith(prefix) and isinstance(value, (int, float))}
+
+
+def summary_target(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """A summary's target, {"metric", "value"}, or None (a summary from before targets
+    had metrics has its target_accuracy)."""
+    if summary.get("target"):
+        return dict(summary["target"])
+    if summary.get("target_accuracy") is not None:
+        return {"metric": "accuracy", "value": summary["target_accuracy"]}
+    return None
+
+
+def target_reached_value(summary: dict[str, Any]) -> float | None:
+    """The target metric's value in the evaluation that met the target, or None."""
+    value = summary.get("target_reached_value")
+    return summary.get("target_reached_accuracy") if value is None else value
+
+
+def score_name(summary: dict[str, Any]) -> str:
+    """The metric a run's summary scores it by ("accuracy" before there was a choice)."""
+    return str(summary.get("score") or "accuracy")
 
 
 def eval_loss(line: dict[str, Any]) -> float | None:
@@ -348,12 +458,17 @@ def eval_loss(line: dict[str, Any]) -> float | None:
 
 def accuracy_name(lines_or_summary: Any) -> str:
     """"validation accuracy" when a run's evaluations (its eval lines, or its summary)
-    were on a validation split, else "test accuracy": what a figure's axis says."""
+    were on a validation split, else "test accuracy" ("r2" for a run scored by r2): what
+    a figure's axis says."""
     if isinstance(lines_or_summary, dict):
         validation = lines_or_summary.get("eval_split") == "validation"
+        score = score_name(lines_or_summary)
     else:
-        validation = any("val_accuracy" in line for line in lines_or_summary)
-    return "validation accuracy" if validation else "test accuracy"
+        lines = list(lines_or_summary)
+        validation = any(key.startswith("val_") for line in lines for key in line)
+        score = "r2" if any("val_r2" in line or "test_r2" in line for line in lines) \
+            else "accuracy"
+    return f"{'validation' if validation else 'test'} {score}"
 
 
 def budget_fraction(step: int, elapsed: float, max_steps: int,
@@ -367,21 +482,26 @@ def budget_fraction(step: int, elapsed: float, max_steps: int,
 
 
 def next_stop(step: int, elapsed: float, max_steps: int, max_seconds: float,
-              step_rate: float, target: float | None = None,
+              step_rate: float, target: Target | float | None = None,
               evals: Sequence[tuple[float, float]] = ()) -> tuple[float, str] | None:
     """(seconds left, which rule) for the stop rule that will end the run first: run.max_steps
-    at `step_rate` steps a second, run.max_seconds, or the target accuracy where the
-    evaluations' trend (`evals`: (time, accuracy) pairs, oldest first) is rising toward it
-    (target_seconds_left). None when no rule gives a time."""
+    at `step_rate` steps a second, run.max_seconds, or the target (a number: an accuracy)
+    where the evaluations' trend (`evals`: (time, value) pairs, oldest first; a falling
+    metric's values negated) is rising toward it (target_seconds_left). None when no rule
+    gives a time."""
     left = []
     if max_steps and step_rate > 0:
         left.append((max(0.0, (max_steps - step) / step_rate), "max_steps"))
     if max_seconds:
         left.append((max(0.0, max_seconds - elapsed), "max_seconds"))
     if target is not None:
-        trend = target_seconds_left(evals, target, elapsed)
+        if not isinstance(target, Target):
+            target = Target("accuracy", float(target))
+        goal = target.value if target.rises else -target.value
+        trend = target_seconds_left(evals, goal, elapsed)
         if trend is not None:
-            left.append((trend, f"target {target:g} at the current trend"))
+            name = "" if target.metric == "accuracy" else f"{target.metric} "
+            left.append((trend, f"target {name}{target.value:g} at the current trend"))
     return min(left, key=lambda x: x[0]) if left else None
 
 
@@ -440,7 +560,7 @@ def duration_text(seconds: float) -> str:
 
 
 def budget_text(step: int, elapsed: float, max_steps: int, max_seconds: float,
-                step_rate: float, target: float | None = None,
+                step_rate: float, target: Target | float | None = None,
                 evals: Sequence[tuple[float, float]] = ()) -> str:
     """"  12% of budget, ETA 3m05s (max_seconds)" for a progress line: the budget spent,
     and the time to the stop rule that comes first (next_stop), named; "" when neither is
@@ -459,16 +579,17 @@ def eta_text(seconds: float, rule: str) -> str:
 
 
 def last_checkpoint(path: str | None, last_eval: dict[str, Any],
-                    prefix: str) -> dict[str, Any] | None:
+                    prefix: str, score: str = "accuracy") -> dict[str, Any] | None:
     """summary.json's `last`: the newest checkpoint's folder and step (from its name), and
-    the last evaluation's accuracy when it scored that step."""
+    the last evaluation's score when it scored that step (under the key "accuracy", or
+    "r2": `score`)."""
     if not path:
         return None
     _, _, number = Path(path).name.partition("-")
     step = int(number) if number.isdigit() else None
     scored = step is not None and last_eval.get("step") == step
     return {"path": str(path), "step": step,
-            "accuracy": last_eval.get(f"{prefix}_accuracy") if scored else None}
+            score: last_eval.get(f"{prefix}_{score}") if scored else None}
 
 
 def accuracy_text(summary: dict[str, Any]) -> str:
@@ -477,12 +598,13 @@ def accuracy_text(summary: dict[str, Any]) -> str:
     run its target stopped, the evaluation that met the target (a later one can be lower:
     target_text gives it)."""
     p = EVAL_PREFIX.get(summary.get("eval_split", "test"), "test")
-    accuracy = summary.get(f"final_{p}_accuracy")
-    if summary.get("stop_reason") == "target_accuracy" and \
-            summary.get("target_reached_accuracy") is not None:
-        accuracy = summary["target_reached_accuracy"]
+    score = score_name(summary)
+    accuracy = summary.get(f"final_{p}_{score}")
+    if summary.get("stop_reason") == f"target_{score}" \
+            and target_reached_value(summary) is not None:
+        accuracy = target_reached_value(summary)
     shown = "-" if accuracy is None else f"{accuracy:.4f}"
-    return f"{'validation' if p == 'val' else 'test'} accuracy {shown}"
+    return f"{'validation' if p == 'val' else 'test'} {score} {shown}"
 
 
 def target_text(summary: dict[str, Any]) -> str:
@@ -490,17 +612,19 @@ def target_text(summary: dict[str, Any]) -> str:
     evaluation's time, accuracy and step; and the final accuracy when it differs from that
     one (it may lie under the target), so the line never seems to contradict summary.json.
     """
-    target = summary.get("target_accuracy")
-    if target is None:
+    target = summary_target(summary)
+    if not target:
         return ""
+    metric = "" if target["metric"] == "accuracy" else f"{target['metric']} "
     if not summary.get("reached_target"):
-        return f"; target {target:g} not reached"
-    hit = summary["target_reached_accuracy"]
-    text = (f"; reached {target:g} in {summary['time_to_target']:.1f}s "
+        return f"; target {metric}{target['value']:g} not reached"
+    hit = target_reached_value(summary)
+    text = (f"; reached {metric}{target['value']:g} in {summary['time_to_target']:.1f}s "
             f"({hit:.4f} at step {summary['target_reached_step']})")
-    final = summary.get("final_test_accuracy")
-    if final is not None and final != hit:
-        text += f"; final test accuracy {final:.4f}"
+    score = score_name(summary)
+    final = summary.get(f"final_test_{score}")
+    if final is not None and (final != hit or target["metric"] != score):
+        text += f"; final test {score} {final:.4f}"
     return text
 
 
@@ -509,14 +633,14 @@ def best_last_text(summary: dict[str, Any]) -> str:
     step 4,400 (FOLDER)", with the last one's accuracy when an evaluation scored it;
     "" when the run left no checkpoint."""
     best, last = summary.get("best"), summary.get("last")
+    score = score_name(summary)
     parts = []
     if best:
-        parts.append(f"best: step {best['step']:,d}, {best.get('split', 'test')} accuracy "
-                     f"{best['accuracy']:.4f} ({best['path']})")
+        parts.append(f"best: step {best['step']:,d}, {scored_text(best)} ({best['path']})")
     if last:
         step = "?" if last.get("step") is None else f"{last['step']:,d}"
-        scored = "" if last.get("accuracy") is None else \
-            f", {summary.get('eval_split', 'test')} accuracy {last['accuracy']:.4f}"
+        scored = "" if last.get(score) is None else \
+            f", {summary.get('eval_split', 'test')} {score} {last[score]:.4f}"
         parts.append(f"last: step {step}{scored} ({last['path']})")
     return "; ".join(parts)
 
@@ -611,3 +735,10 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                 break  # the run was killed while writing this line
             raise DataError(f"{path}, line {number}: not a JSON object: {text[:60]!r}") from None
     return records
+
+
+def scored_text(evaluation: dict[str, Any]) -> str:
+    """"test accuracy 0.8803" or "validation r2 0.9712": a kept model's evaluation (a
+    checkpoint manifest's `best`, summary.json's `best`), by its score."""
+    score = evaluation.get("score") or "accuracy"
+    return f"{evaluation.get('split', 'test')} {score} {evaluation[score]:.4f}"

@@ -23,7 +23,8 @@ from typing import Any
 from distbelief.errors import UserError
 from distbelief.runtime.health import ownership
 
-EVAL_KEYS = ("test_accuracy", "test_loss", "val_accuracy", "val_loss")
+EVAL_KEYS = tuple(f"{split}_{figure}" for split in ("test", "val")
+                  for figure in ("accuracy", "loss", "r2", "rmse", "auc"))
 CHECKPOINTS_DIR = "checkpoints"  # distbelief.records.checkpoint.CHECKPOINTS_DIR, without h5py
 
 
@@ -64,7 +65,9 @@ def run_status(out_dir: str | Path) -> dict[str, Any]:
     state["last_samples"] = with_step[-1].get("samples") if with_step else None
     state["last_eval"] = ({"step": evals[-1].get("step"), "time": evals[-1].get("time"),
                            "accuracy": eval_accuracy(evals[-1]), "loss": eval_loss(evals[-1]),
-                           "split": "validation" if "val_accuracy" in evals[-1] else "test",
+                           "score": "r2" if {"val_r2", "test_r2"} & set(evals[-1])
+                           else "accuracy",
+                           "split": "validation" if "val_loss" in evals[-1] else "test",
                            **{k: evals[-1][k] for k in EVAL_KEYS if k in evals[-1]}}
                           if evals else None)
     state["budget"] = _budget(run_config, with_step, state["alive"])
@@ -154,10 +157,12 @@ def _best_checkpoint(root: Path) -> dict[str, Any] | None:
     step, path = max(found)
     try:
         best = json.loads((path / "manifest.json").read_text(encoding="utf-8"))["best"]
-        accuracy, split = float(best["accuracy"]), str(best.get("split", "test"))
+        score = str(best.get("score") or "accuracy")
+        accuracy, split = float(best[score]), str(best.get("split", "test"))
     except (OSError, ValueError, KeyError, TypeError):
-        accuracy, split = None, None
-    return {"step": step, "path": str(path), "accuracy": accuracy, "split": split}
+        accuracy, split, score = None, None, "accuracy"
+    return {"step": step, "path": str(path), "accuracy": accuracy, "split": split,
+            "score": score}
 
 
 def _ago(then: float | None, now: float) -> str:
@@ -198,7 +203,8 @@ def describe(state: dict[str, Any]) -> str:
     if ev:
         accuracy = ev.get("accuracy")
         shown = "-" if accuracy is None else f"{accuracy:.4f}"
-        lines.append(f"  last evaluation:   {ev.get('split', 'test')} accuracy {shown} at "
+        lines.append(f"  last evaluation:   {ev.get('split', 'test')} "
+                     f"{ev.get('score', 'accuracy')} {shown} at "
                      f"step {ev.get('step'):,d}")
     else:
         lines.append("  last evaluation:   none yet")
@@ -218,7 +224,8 @@ def describe(state: dict[str, Any]) -> str:
     best = state.get("best_checkpoint")
     if best:
         figure = ("" if best["accuracy"] is None
-                  else f", {best['split']} accuracy {best['accuracy']:.4f}")
+                  else f", {best['split']} {best.get('score', 'accuracy')} "
+                       f"{best['accuracy']:.4f}")
         lines.append(f"  best checkpoint:   {best['path']} (step {best['step']:,d}{figure})")
     lines.append(f"  last checkpoint:   {ck['path']} (step {ck['step']:,d}, written "
                  f"{_ago(ck['written_at'], now)})" if ck else "  last checkpoint:   none")

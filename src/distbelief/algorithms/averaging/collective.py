@@ -326,11 +326,11 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
             return reason
         if decision.eval_due:
             if recorder is not None:
-                accuracy = _evaluate(replica, eval_set, recorder, step, samples, recent)
-                verdict[0] = rules.target_reached(accuracy)
+                result = _evaluate(replica, eval_set, recorder, step, samples, recent)
+                verdict[0] = rules.target_reached(result)
             polled_bcast(replica.comm, verdict, "rank 0's evaluation", (0,))
             if verdict[0]:
-                return "target_accuracy"
+                return rules.target_reason
             next_eval = time.monotonic() + eval_every
         if decision.save_due:
             saver.save()
@@ -338,14 +338,13 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
 
 
 def _evaluate(replica: Replica, eval_set: Any, recorder: RunRecorder, step: int,
-              samples: int, recent: float) -> float:
-    """Evaluate the (just averaged) parameters on rank 0 and log it; the test accuracy."""
+              samples: int, recent: float) -> Any:
+    """Evaluate the (just averaged) parameters on rank 0 and log it; the Evaluation."""
     x, y = eval_set
-    loss, accuracy = replica.network.evaluate(replica.params, x, y,
-                                              batch_size=EVAL_BATCH_SIZE)
-    recorder.log_eval(step, samples, recent, float(accuracy), float(loss),
-                      params=replica.params, **replica.wire_so_far())
-    return float(accuracy)
+    result = replica.network.evaluate(replica.params, x, y, batch_size=EVAL_BATCH_SIZE)
+    recorder.log_eval(step, samples, recent, result, params=replica.params,
+                      **replica.wire_so_far())
+    return result
 
 
 # ------------------------------------------------------------------------------------------

@@ -284,21 +284,21 @@ class Supervisor:
         future = self.executor.submit(self._timed_eval, self.snapshot)
         self.pending = (future, self.progress.steps)
 
-    def _timed_eval(self, params: np.ndarray) -> tuple[float, float, float]:
+    def _timed_eval(self, params: np.ndarray) -> tuple[Any, float]:
         t0 = time.perf_counter()
         with np.errstate(over="ignore", invalid="ignore"):  # per thread: not train()'s
-            loss, accuracy = evaluate(self.network, params, self.eval_set)
-        return loss, accuracy, time.perf_counter() - t0
+            result = evaluate(self.network, params, self.eval_set)
+        return result, time.perf_counter() - t0
 
     def _record_eval(self, future: Future, steps: int) -> None:
-        test_loss, accuracy, seconds = future.result()  # re-raises the thread's exception
+        result, seconds = future.result()  # re-raises the thread's exception
         self.pending = None
         self.evaluations += 1
         self.eval_seconds += seconds
         self.recorder.log_eval(steps, steps * self.plan.batch_size, self.progress.loss,
-                               accuracy, test_loss, params=self.snapshot)
-        if self.progress.reason is None and self.rules.target_reached(accuracy):
-            self.progress.stop(rc.STOP_RULE, "target_accuracy")
+                               result, params=self.snapshot)
+        if self.progress.reason is None and self.rules.target_reached(result):
+            self.progress.stop(rc.STOP_RULE, self.rules.target_reason)
         self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
 
     # -- the end
@@ -327,11 +327,10 @@ class Supervisor:
         if progress.stop_code != rc.STOP_SIGNAL:  # after a signal, stopping promptly matters
             samples = progress.steps * self.plan.batch_size
             t0 = time.perf_counter()
-            test_loss, accuracy = evaluate(self.network, final, self.eval_set)
+            result = evaluate(self.network, final, self.eval_set)
             self.evaluations += 1
             self.eval_seconds += time.perf_counter() - t0
-            self.recorder.log_eval(progress.steps, samples, progress.loss, accuracy, test_loss,
-                                   params=final)
+            self.recorder.log_eval(progress.steps, samples, progress.loss, result, params=final)
 
     def _wait_for_replica_stats(self) -> None:
         """Every replica that finished sends its statistics; wait for them (sleeping),

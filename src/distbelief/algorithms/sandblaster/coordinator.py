@@ -246,7 +246,7 @@ class Coordinator:
         if self._checkpoint_due():
             self._checkpoint()
         if self.reason:
-            return self.reason  # target accuracy, seen in an evaluation result
+            return self.reason  # the target, seen in an evaluation result
         signal_ = self._signal_stop(now)
         if signal_:
             return signal_
@@ -669,14 +669,15 @@ class Coordinator:
         if self.parked:
             self._give_task(self._parked_evaluator(), HOLD)
 
-    def _record_evaluation(self, snapshot: int, loss: float, accuracy: float) -> None:
+    def _record_evaluation(self, snapshot: int, figures: dict[str, float]) -> None:
+        """A replica's evaluation of a snapshot: its figures ({"loss", "accuracy", ...})."""
         self.eval_in_flight = False
         self.eval_holder = None
         step, samples = self.snapshot_at.pop(snapshot)
-        self.recorder.log_eval(step, samples, self.last_loss, accuracy, loss)
+        self.recorder.log_eval(step, samples, self.last_loss, figures)
         self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
-        if self.reason is None and self.rules.target_reached(accuracy):
-            self.reason = "target_accuracy"
+        if self.reason is None and self.rules.target_reached(figures):
+            self.reason = self.rules.target_reason
 
     def _evaluate_now(self) -> None:
         """Evaluate the current x and wait for the result (the final evaluation)."""

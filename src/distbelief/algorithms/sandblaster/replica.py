@@ -453,7 +453,7 @@ class Replica:
         self.stats_.comm_seconds += time.perf_counter() - t0
 
     def _evaluate(self, snapshot: int) -> tuple:
-        """(snapshot, test loss, test accuracy) of snapshot `snapshot` (with partitions,
+        """(snapshot, the evaluation's figures) of snapshot `snapshot` (with partitions,
         the PartitionedNetwork's distributed loss and accuracy: the same on every one)."""
         if not self._fetch("snapshot", snapshot):
             # The coordinator takes a new snapshot only after this result: cannot happen.
@@ -461,9 +461,9 @@ class Replica:
                                "replaced before it was evaluated (protocol error)")
         if self.eval_set is None:
             self.eval_set = self.load_eval()
-        loss, accuracy = self.model.evaluate(self.params, *self.eval_set, batch_size=1000)
+        result = self.model.evaluate(self.params, *self.eval_set, batch_size=1000)
         self.stats_.evaluations += 1
-        return (snapshot, float(loss), float(accuracy))
+        return (snapshot, dict(result.figures))
 
     def stats(self) -> dict[str, Any]:
         self.stats_.data_bytes_read = bytes_read()

@@ -49,6 +49,7 @@ from distbelief.algorithms.common import (
     StopSignals,
     WireBytes,
     eval_split,
+    figures_of,
     traffic_summary,
 )
 from distbelief.algorithms.session import RunSession, RunSetup
@@ -260,7 +261,7 @@ class _Run:
                 if loss_count:
                     self.recent_loss = loss_sum / loss_count
                 if rules.target_reached(self.evaluate()):
-                    return "target_accuracy"
+                    return rules.target_reason
                 next_eval = time.monotonic() + run.eval_every_seconds
             if decided.save_due:
                 self.checkpoint()
@@ -274,24 +275,24 @@ class _Run:
 
     # -- collective pieces
 
-    def evaluate(self) -> float:
-        """Test accuracy of the (identical) parameters, each replica evaluating its slice of
-        the evaluation set; logged by rank 0. Collective (one polled Iallreduce)."""
-        x, y, total = self.eval_set
-        part = np.zeros(2, dtype=np.float64)
-        if len(y):
-            loss, accuracy = self.network.evaluate(self.params, x, y, EVAL_BATCH_SIZE)
-            part[:] = loss * len(y), round(accuracy * len(y))
+    def evaluate(self) -> Any:
+        """The Evaluation of the (identical) parameters, each replica evaluating its slice
+        of the evaluation set and the tallies summed (model.losses); logged by rank 0.
+        Collective (one polled Iallreduce)."""
+        x, y, _ = self.eval_set
+        figures = figures_of(self.network)
+        part = (self.network.tally(self.params, x, y, EVAL_BATCH_SIZE) if len(y)
+                else figures.empty_tally())
         summed = np.zeros_like(part)
         wait_all([self.comm.Iallreduce(part, summed, op=MPI.SUM)], "an evaluation",
                  self.others)
         self.wire.add(part.nbytes, summed.nbytes)
-        test_loss, accuracy = summed[0] / total, summed[1] / total
+        result = figures.evaluation(summed)
         if self.recorder is not None:
             self.recorder.log_eval(self.state["step"], self.state["samples"],
-                                   self.recent_loss, float(accuracy), float(test_loss),
-                                   params=self.params, **self.wire_so_far())
-        return float(accuracy)
+                                   self.recent_loss, result, params=self.params,
+                                   **self.wire_so_far())
+        return result
 
     def checkpoint(self, final: bool = False) -> None:
         """Rank 0 commits a checkpoint of the current step with every replica's data

@@ -295,11 +295,10 @@ class _Server:
             if reason:
                 break
             if now >= next_eval:
-                test_loss, accuracy = evaluate(self.network, self.params, self.eval_set)
-                recorder.log_eval(step, samples, recent, accuracy, test_loss,
-                                  params=self.params)
-                if rules.target_reached(accuracy):
-                    reason = "target_accuracy"
+                result = evaluate(self.network, self.params, self.eval_set)
+                recorder.log_eval(step, samples, recent, result, params=self.params)
+                if rules.target_reached(result):
+                    reason = rules.target_reason
                     break
                 next_eval = time.monotonic() + run.eval_every_seconds
             every = run.checkpoint_every_steps
@@ -307,10 +306,10 @@ class _Server:
                 self.checkpoint()
                 next_save = time.monotonic() + save_every_s
         self._stop_replicas()
-        if reason not in StopSignals.NAMES and reason != "target_accuracy":
-            test_loss, accuracy = evaluate(self.network, self.params, self.eval_set)
-            recorder.log_eval(self.state["step"], self.state["samples"], recent, accuracy,
-                              test_loss, params=self.params)
+        if reason not in StopSignals.NAMES and reason != rules.target_reason:
+            recorder.log_eval(self.state["step"], self.state["samples"], recent,
+                              evaluate(self.network, self.params, self.eval_set),
+                              params=self.params)
         self.checkpoint()
         if self.lost:
             guardian.skip_mpi_finalize()  # MPI_Finalize would wait for the dead
