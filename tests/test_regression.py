@@ -21,7 +21,7 @@ from distbelief.cli import main
 from distbelief.data.arrays import write_dataset
 
 sys.path.insert(0, str(REPO / "examples"))
-import regression  # noqa: E402  (the example's planted data)
+import regression
 
 TIMEOUT = 120
 FLOOR = regression.NOISE ** 2
