@@ -243,13 +243,18 @@ def every_rank_exited(statuses: list[int], n: int, code: int) -> bool:
     return statuses == [code] * n
 
 
+STACK_DUMP = str(Path(__file__).parent / "helpers" / "stack_dump")
+
+
 def _env(threads: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     # One BLAS thread per process: MPI tests oversubscribe the two cores.
     env["OPENBLAS_NUM_THREADS"] = str(threads)
     env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONFAULTHANDLER"] = "1"  # a timed-out job's workers print their stacks
+    env["PYTHONFAULTHANDLER"] = "1"  # a crashed worker prints its stack
+    # ... and SIGUSR2 prints a timed-out job's workers' stacks (helpers/stack_dump).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (STACK_DUMP, env.get("PYTHONPATH"))))
     env.update(OPENMPI_ENV)  # only Open MPI reads them
     return env
 

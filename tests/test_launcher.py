@@ -231,21 +231,24 @@ def test_a_timed_out_job_is_ended_whole_and_its_ranks_stacks_are_shown(tmp_path:
                        "MPI.COMM_WORLD.Barrier()\nprint('in', flush=True)\nhang_here()\n")
     launch, env = simulated_nodes_launch(2, _env())
     shm_before = set(os.listdir(guardian.SHM_DIR))
-    with pytest.raises(pytest.fail.Exception) as failed:
-        run_mpi(3, [program], timeout=10, env=env, launcher_options=launch)
-    message = str(failed.value)
-    assert "timed out after 10s" in message
-    assert message.count("in hang_here") == 3, message[-4000:]  # each rank's stack
-    deadline = time.monotonic() + 10
-    while _processes_naming(str(program)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _processes_naming(str(program))
-    # A raw MPI program has no guardian, so no node cleaner removes the shared-memory
-    # segments of the ranks killed here (CI's /dev/shm check named them): this test does.
-    mapped = guardian.mapped_by_anyone()
-    for name in set(os.listdir(guardian.SHM_DIR)) - shm_before:
-        if f"{guardian.SHM_DIR}/{name}" not in mapped:
-            Path(guardian.SHM_DIR, name).unlink(missing_ok=True)
+    try:
+        with pytest.raises(pytest.fail.Exception) as failed:
+            run_mpi(3, [program], timeout=10, env=env, launcher_options=launch)
+        message = str(failed.value)
+        assert "timed out after 10s" in message
+        assert message.count("in hang_here") == 3, message[-4000:]  # each rank's stack
+        deadline = time.monotonic() + 10
+        while _processes_naming(str(program)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _processes_naming(str(program))
+    finally:
+        # A raw MPI program has no guardian, so no node cleaner removes the shared-memory
+        # segments of the ranks killed here (CI's /dev/shm check named them): this test
+        # does, whether or not it passed.
+        mapped = guardian.mapped_by_anyone()
+        for name in set(os.listdir(guardian.SHM_DIR)) - shm_before:
+            if f"{guardian.SHM_DIR}/{name}" not in mapped:
+                Path(guardian.SHM_DIR, name).unlink(missing_ok=True)
 
 
 def test_the_tests_know_a_guardians_cleaner_by_its_command_line() -> None:

@@ -90,16 +90,17 @@ class JobTree:
                          f"{_command(pid)[:160]}" for pid in self.alive(stats))
 
     def dump_python_stacks(self, wait_s: float = 2.0) -> int:
-        """SIGABRT to each live Python process of the job that started no Python process
-        (a rank, or a rank's worker under its guardian): with PYTHONFAULTHANDLER set
-        (conftest's _env) it prints every thread's stack to its stderr, which the launcher
-        forwards, and dies. Returns how many were signalled."""
+        """SIGUSR2 to each live Python process of the job that started no Python process
+        (a rank, or a rank's worker under its guardian): helpers/stack_dump (on conftest's
+        _env's PYTHONPATH) makes it print every thread's stack to its stderr, which the
+        launcher forwards, and go on (none dies, so the launcher forwards every stack before
+        the caller kills the job). Returns how many were signalled."""
         live = self.alive()
         pythons = {pid for pid in live if "python" in _command(pid).split(" ")[0]}
         parents = {self.seen[pid][1] for pid in live}
         leaves = [pid for pid in pythons if pid not in parents]
         for pid in leaves:
-            _signal(pid, signal.SIGABRT)
+            _signal(pid, signal.SIGUSR2)
         if leaves:
             time.sleep(wait_s)
         return len(leaves)
