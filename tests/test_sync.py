@@ -98,10 +98,11 @@ def test_replicas_stay_identical_and_compute_the_reference_steps(
     assert summary["replicas_identical"] is True  # SHA-256 of every replica's state
     assert summary["final_test_accuracy"] is not None
     # Bytes on the wire: each step's all-reduces take [gradient, loss] (float32) and three
-    # int32 decisions from every replica and give as much back; each evaluation 16 bytes.
+    # int32 decisions from every replica and give as much back; each evaluation 24 bytes
+    # (cross-entropy's tally: rows, the loss's sum, hits, as float64; model.losses).
     n, per_step = summary["num_params"], 4 * (summary["num_params"] + 1) + 12
     for entry in summary["replica_bytes"]:
-        evaluations, rest = divmod(entry["bytes_sent"] - 60 * per_step, 16)
+        evaluations, rest = divmod(entry["bytes_sent"] - 60 * per_step, 24)
         assert rest == 0 and evaluations >= 1, (entry, n)
         assert entry["bytes_received"] == entry["bytes_sent"]
     assert summary["bytes_sent"] == sum(e["bytes_sent"] for e in summary["replica_bytes"])
