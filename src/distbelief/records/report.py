@@ -50,6 +50,7 @@ from distbelief.records.metrics import (
     accuracy_name,
     eval_accuracy,
     read_metrics,
+    score_name,
     write_text_atomic,
 )
 
@@ -99,7 +100,8 @@ def load_run(path: str | Path) -> Run:
 
 METRICS_CSV = "metrics.csv"
 CSV_COLUMNS = ("run", "kind", "time", "step", "samples", "loss", "test_accuracy",
-               "test_loss", "val_accuracy", "val_loss")
+               "test_loss", "val_accuracy", "val_loss", "test_r2", "test_rmse", "test_auc",
+               "val_r2", "val_rmse", "val_auc")
 
 
 def write_metrics_csv(runs: Sequence[Run], out_dir: str | Path) -> Path:
@@ -406,11 +408,14 @@ def _common_target(runs: Sequence[Run]) -> float | None:
 
 
 def summary_table(runs: Sequence[Run]) -> str:
-    """One line per run: final accuracy, time to target, steps, samples/s."""
-    lines = [f"{'run':<24} {'final acc':>9} {'to target':>10} {'steps':>8} {'samples/s':>10}"]
+    """One line per run: final score (test accuracy, or r2), time to target, steps,
+    samples/s."""
+    scores = {score_name(run.summary or {}) for run in runs}
+    head = "final acc" if scores == {"accuracy"} else "final " + "/".join(sorted(scores))
+    lines = [f"{'run':<24} {head:>9} {'to target':>10} {'steps':>8} {'samples/s':>10}"]
     for run in runs:
         s = run.summary or {}
-        final = s.get("final_test_accuracy")
+        final = s.get(f"final_test_{score_name(s)}")
         final = final if final is not None else (run.evals[-1]["accuracy"]
                                                  if run.evals else None)
         to_target = s.get("time_to_target")
