@@ -85,8 +85,9 @@ def test_the_regression_example_reaches_its_noise_floor_and_loads_back(
     assert np.mean((model.predict(test_x) - test_y) ** 2) < NEAR_FLOOR
 
 
-@pytest.mark.nodes
-@pytest.mark.parametrize("algorithm", ["downpour", "hogwild"])
+# Hogwild shares one node's memory: only Downpour runs on simulated nodes too.
+@pytest.mark.parametrize("algorithm", [pytest.param("downpour", marks=pytest.mark.nodes),
+                                       "hogwild"])
 def test_downpour_and_hogwild_train_the_regression_to_its_floor_on_three_ranks(
         regression_dir: Path, tmp_path: Path, algorithm: str) -> None:
     out = tmp_path / algorithm
