@@ -255,6 +255,39 @@ def test_conv_goes_through_chunks_of_samples_with_one_reused_buffer(monkeypatch)
     assert layer.scratch_bytes(9) == 4 * 27 * (2 * 64 + 4)
 
 
+def test_conv_backward_reuses_the_forwards_columns_only_for_that_very_input():
+    """A batch in one chunk: backward reads the columns its forward left (no second
+    im2col), but not after a forward of another input, nor after a backward that spent
+    them on dx; every gradient is the one a fresh layer computes."""
+    case = (5, 8, 8, 3, 3, 1, "same")
+    fresh = conv_run(conv_layer(case), 5, seed=7)
+    layer = conv_layer(case)
+    calls = []
+    original = kernels.im2col
+    kernels.im2col = lambda *args: calls.append(1) or original(*args)
+    try:
+        x, weights, bias, out, dout, *_ = fresh
+        layer.forward(x, weights, bias, out.copy())
+        other = np.ones_like(x)
+        for between in (None, other):  # nothing in between; another input's forward
+            if between is not None:
+                layer.forward(between, weights, bias, np.empty_like(out))
+            calls.clear()
+            grads = [np.empty_like(weights), np.empty_like(bias), np.empty_like(x)]
+            layer.backward(x, out, dout.copy(), weights, *grads)
+            assert len(calls) == (0 if between is None else 1)
+            for got, want in zip(grads, fresh[5:]):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            layer.forward(x, weights, bias, out.copy())
+        calls.clear()
+        layer.backward(x, out, dout.copy(), weights, *grads)
+        layer.backward(x, out, dout.copy(), weights, *grads)  # the columns went to dx
+        assert len(calls) == 1
+        np.testing.assert_allclose(grads[0], fresh[5], rtol=1e-5, atol=1e-5)
+    finally:
+        kernels.im2col = original
+
+
 def test_conv_backward_of_an_empty_batch_zeroes_the_weight_gradient():
     layer = conv_layer(CONV_CASES[0])
     *_, dweights, dbias, dx = conv_run(layer, 0)

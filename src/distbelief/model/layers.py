@@ -232,7 +232,9 @@ class Conv(ImageLayer):
     the patches' gradients back into dx. The columns matrix is the one buffer a layer
     keeps: COLUMNS_BYTES at most (samples go through in chunks that fit), grown once and
     reused, so a training step allocates nothing; the network's evaluation batches do not
-    grow it past that.
+    grow it past that. A batch that fits in one chunk leaves its columns in the buffer, and
+    the backward of that same input (the network's next call) multiplies them without a
+    second im2col; the caller must not change the input in between.
     """
 
     kind = "conv"
@@ -256,6 +258,9 @@ class Conv(ImageLayer):
         self.chunk = max(1, self.COLUMNS_BYTES // (4 * positions * self.patch))
         self._columns = np.empty((0, self.patch), dtype=np.float32)
         self._dweights = np.empty((self.patch, filters), dtype=np.float32)
+        self._holds: tuple[int, int] | None = None
+        """(address, rows) of the input whose whole columns the buffer holds: a batch that
+        fits in one chunk, from the last forward; its backward then needs no im2col."""
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return [("weights", (self.kernel, self.kernel, self.in_shape[2], self.filters)),
@@ -304,6 +309,7 @@ class Conv(ImageLayer):
             kernels.im2col(x4[samples], columns, self.kernel, self.stride, self.padding)
             np.matmul(columns, w, out=rows[samples.start * per_sample:
                                            samples.stop * per_sample])
+        self._holds = (_address(x), n) if n <= self.chunk else None
         kernels.bias_activation(rows, bias, self.kernel_activation)
 
     def backward(self, x: np.ndarray, out: np.ndarray, dout: np.ndarray,
@@ -319,9 +325,15 @@ class Conv(ImageLayer):
         dw = dweights.reshape(self.patch, self.filters)
         dx4 = None if dx is None else dx.reshape(n, *self.in_shape)
         per_sample = self.out_shape[0] * self.out_shape[1]
+        # The forward's columns, when they are this very input's and nothing overwrote them
+        # (a network's backward follows its forward: Network is not thread-safe).
+        held = self._holds == (_address(x), n)
+        self._holds = None
         for samples, columns in self._chunks(n):
             dz_chunk = dz[samples.start * per_sample: samples.stop * per_sample]
-            kernels.im2col(x4[samples], columns, self.kernel, self.stride, self.padding)
+            if not held:
+                kernels.im2col(x4[samples], columns, self.kernel, self.stride,
+                               self.padding)
             if samples.start == 0:
                 np.matmul(columns.T, dz_chunk, out=dw)
             else:
@@ -337,6 +349,10 @@ class Conv(ImageLayer):
     def describe(self) -> str:
         return (f"{super().describe()}  {self.kernel}x{self.kernel}/{self.stride} "
                 f"{self.padding}")
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
 
 def output_extent(size: int, kernel: int, stride: int) -> int:
