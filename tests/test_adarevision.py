@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import _env, run_mpi
+from helpers.mpi_jobs import _env, run_mpi
 
 from distbelief.model import kernels
 from distbelief.model.optimizers import HISTORY, Adagrad, AdaRevision, optimizer_for

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, run_mpi, survive_a_death
 from helpers import exit_statuses, set_args
+from helpers.mpi_jobs import REPO, _env, run_mpi, survive_a_death
 
 from distbelief.algorithms.averaging.collective import check_job
 from distbelief.algorithms.averaging.elastic import CenterUpdate, elastic_step

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import small_config_text
+from helpers.configs import small_config_text
 
 import distbelief
 from distbelief.algorithms import sgd

@@ -19,9 +19,10 @@ from types import SimpleNamespace
 import h5py
 import numpy as np
 import pytest
-from conftest import run_cli, run_mpi, small_config_text
 from helpers import flip_bytes
 from helpers.checkpoint import HASH, LAYOUT, PHASES, SETTINGS, break_commit, save, state_for
+from helpers.configs import small_config_text
+from helpers.mpi_jobs import run_cli, run_mpi
 
 from distbelief.algorithms.common import check_replica_count
 from distbelief.config import settings_hash
@@ -752,7 +753,7 @@ def test_signal_stops_with_a_checkpoint_and_a_rerun_continues(
         data_dir: Path, tmp_path: Path, sig: signal.Signals) -> None:
     import time
 
-    from conftest import _env
+    from helpers.mpi_jobs import _env
 
     out = tmp_path / "signalled"
     cmd = [sys.executable, "-m", "distbelief", "train", str(data_dir / "exp.toml"), "--set",

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, every_rank_exited, run_cli, run_mpi, small_config_text
 from helpers import exit_statuses
+from helpers.configs import small_config_text
+from helpers.mpi_jobs import REPO, every_rank_exited, run_cli, run_mpi
 
 # The real command line, then a line with the rank's exit status (mpiexec reports one).
 EXIT_STATUS = REPO / "tests" / "mpi_programs" / "cli_exit_status.py"

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _env, run_cli, small_config_text
+from helpers.configs import small_config_text
+from helpers.mpi_jobs import _env, run_cli
 
 from distbelief.compare import plan, results, running
 from distbelief.errors import ConfigError

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import REPO, run_cli
+from helpers.mpi_jobs import REPO, run_cli
 
 from distbelief.model.cost_model import (
     Link,

@@ -13,8 +13,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, run_cli, run_mpi
 from helpers import exit_statuses
+from helpers.mpi_jobs import REPO, run_cli, run_mpi
 
 from distbelief.data import converters as datasets
 from distbelief.data.hdf5 import (

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import _env, run_mpi, survive_a_death
 from helpers import DELAY, exit_statuses, set_args
+from helpers.mpi_jobs import _env, run_mpi, survive_a_death
 
 from distbelief.algorithms.diloco.synchronous import OuterStep
 from distbelief.config import (

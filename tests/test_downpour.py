@@ -16,16 +16,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import (
-    REPO,
-    _env,
-    every_rank_exited,
-    run_cli,
-    run_mpi,
-    simulated_test_nodes,
-    small_config_text,
-)
 from helpers import exit_statuses, finished, set_args
+from helpers.configs import small_config_text
+from helpers.mpi_jobs import REPO, _env, every_rank_exited, run_cli, run_mpi, simulated_test_nodes
 
 from distbelief.config import apply_overrides, config_from_dict
 from distbelief.data.converters import convert_idx

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, SMALL_CONFIG, _env, mpiexec, run_mpi
 from helpers import exit_statuses, flip_bytes, set_args
+from helpers.configs import SMALL_CONFIG
+from helpers.mpi_jobs import REPO, _env, mpiexec, run_mpi
 
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics

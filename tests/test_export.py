@@ -15,8 +15,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import REQUIRE_TORCH, _env, run_cli, run_mpi
 from helpers import flip_bytes
+from helpers.mpi_jobs import _env, run_cli, run_mpi
+from helpers.torch_reference import REQUIRE_TORCH
 
 import distbelief
 from distbelief.data.converters import convert_idx, make_synthetic

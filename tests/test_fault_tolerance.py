@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
+from helpers import DELAY, exit_statuses, fault_config, set_args
+from helpers.mpi_jobs import (
     REPO,
     SharedMemoryWatch,
     _env,
@@ -36,7 +37,6 @@ from conftest import (
     simulated_test_nodes,
     survive_a_death,
 )
-from helpers import DELAY, exit_statuses, fault_config, set_args
 
 from distbelief.errors import ConfigError
 from distbelief.records import checkpoint as ckpt

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import (
+from helpers import exit_statuses, set_args
+from helpers.mpi_jobs import (
     REPO,
     TEST_NODES,
     _env,
@@ -30,7 +31,6 @@ from conftest import (
     wait_for_training,
     wait_or_kill,
 )
-from helpers import exit_statuses, set_args
 
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.launching.faults import ENV as FAULTS

@@ -17,7 +17,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from conftest import run_cli, run_mpi
+from helpers.mpi_jobs import run_cli, run_mpi
 
 from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
+from helpers import set_args
+from helpers.mpi_jobs import (
     REPO,
     _env,
     mpiexec,
@@ -27,7 +28,6 @@ from conftest import (
     wait_for_training,
     wait_or_kill,
 )
-from helpers import set_args
 
 from distbelief.algorithms.common import announces_signals
 from distbelief.records import checkpoint as ckpt

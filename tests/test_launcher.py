@@ -13,7 +13,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import (
+from helpers import exit_statuses
+from helpers.configs import small_config_text
+from helpers.mpi_jobs import (
     PMIX_LISTENER_FAILED,
     REPO,
     _env,
@@ -21,10 +23,8 @@ from conftest import (
     mpiexec,
     run_mpi,
     simulated_nodes_launch,
-    small_config_text,
     survive_a_death,
 )
-from helpers import exit_statuses
 
 from distbelief.data.converters import make_synthetic
 from distbelief.runtime.launching import guardian, stuck_launcher

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from conftest import run_cli, run_mpi
 from helpers import set_args
+from helpers.mpi_jobs import run_cli, run_mpi
 
 from distbelief.algorithms.downpour.plan import plan_run
 from distbelief.algorithms.downpour.run import Start, shard_initial
@@ -298,8 +298,8 @@ def _speech_folder(synthetic_folder, small_config, name, units=512):
 
 def test_a_layout_that_does_not_fit_is_refused_on_every_rank(synthetic_folder, small_config,
                                                              tmp_path):
-    from conftest import _env, every_rank_exited
     from helpers import exit_statuses
+    from helpers.mpi_jobs import _env, every_rank_exited
 
     folder = _speech_folder(synthetic_folder, small_config, "refuse", units=4096)
     out = tmp_path / "out"
@@ -320,7 +320,7 @@ def test_a_layout_that_does_not_fit_is_refused_on_every_rank(synthetic_folder, s
 
 def test_the_same_layout_runs_when_the_node_is_big_enough(synthetic_folder, small_config,
                                                           tmp_path):
-    from conftest import _env
+    from helpers.mpi_jobs import _env
 
     folder = _speech_folder(synthetic_folder, small_config, "fits")
     out = tmp_path / "out"

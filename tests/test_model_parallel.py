@@ -12,8 +12,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, _env, run_cli, run_mpi
 from helpers import set_args
+from helpers.mpi_jobs import REPO, _env, run_cli, run_mpi
 
 from distbelief.errors import ConfigError
 from distbelief.model.cost_model import Link, layer_flops, predict

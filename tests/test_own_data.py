@@ -10,7 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, run_cli
+from helpers.mpi_jobs import REPO, run_cli
 
 from distbelief.algorithms.sgd import train
 from distbelief.config import load_config

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, run_mpi, survive_a_death
 from helpers import exit_statuses, set_args
+from helpers.mpi_jobs import REPO, _env, run_mpi, survive_a_death
 
 import distbelief
 from distbelief.cli import main

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
+from helpers import exit_statuses, set_args
+from helpers.mpi_jobs import (
     REPO,
     _env,
     run_cli,
@@ -27,7 +28,6 @@ from conftest import (
     wait_for_training,
     wait_or_kill,
 )
-from helpers import exit_statuses, set_args
 
 from distbelief.records.metrics import read_metrics
 from distbelief.records.status import describe, run_status

@@ -13,7 +13,7 @@ import re
 import time
 
 import pytest
-from conftest import REPO, _env, run_mpi
+from helpers.mpi_jobs import REPO, _env, run_mpi
 
 from distbelief.errors import ConfigError
 from distbelief.ps import transport

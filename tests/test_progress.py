@@ -12,15 +12,9 @@ import time
 
 import numpy as np
 import pytest
-from conftest import (
-    run_cli,
-    run_mpi,
-    small_config_text,
-    start_in_background,
-    wait_for_training,
-    wait_or_kill,
-)
 from helpers import finished
+from helpers.configs import small_config_text
+from helpers.mpi_jobs import run_cli, run_mpi, start_in_background, wait_for_training, wait_or_kill
 
 from distbelief.data.arrays import write_dataset
 from distbelief.records.collapse import AT_CHANCE, EXPLODED, MIN_LINES, CollapseWatch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import re
 
-from conftest import REPO
+from helpers.mpi_jobs import REPO
 
 from distbelief.config import load_config
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import _env, run_mpi
+from helpers.mpi_jobs import _env, run_mpi
 
 from distbelief import cli, config
 from distbelief.algorithms import registry

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, run_mpi
+from helpers.mpi_jobs import REPO, run_mpi
 
 import distbelief
 from distbelief.cli import main

@@ -15,8 +15,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import _env, mpiexec, run_mpi
 from helpers import exit_statuses, finished, set_args
+from helpers.mpi_jobs import _env, mpiexec, run_mpi
 from helpers.sandblaster import (
     PROGRAMS,
     SOFTMAX,

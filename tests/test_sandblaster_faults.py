@@ -23,8 +23,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import _env, mpi_under_test, mpiexec, run_mpi, simulated_test_nodes, survive_a_death
 from helpers import exit_statuses
+from helpers.mpi_jobs import (
+    _env,
+    mpi_under_test,
+    mpiexec,
+    run_mpi,
+    simulated_test_nodes,
+    survive_a_death,
+)
 
 from distbelief.algorithms.sandblaster.coordinator import NOTICE_SLACK_S
 from distbelief.records import checkpoint as ckpt

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import _env, run_mpi
 from helpers import finished, set_args
+from helpers.mpi_jobs import _env, run_mpi
 from helpers.sandblaster import (
     PROGRAMS,
     SOFTMAX,

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, run_mpi, small_config_text
 from helpers import exit_statuses, set_args
+from helpers.configs import small_config_text
+from helpers.mpi_jobs import REPO, _env, run_mpi
 
 from distbelief.config import apply_overrides, build_schedule, config_from_dict
 from distbelief.records import checkpoint as ckpt

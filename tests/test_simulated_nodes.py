@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, mpi_under_test, run_mpi, simulated_nodes_launch
 from helpers import DELAY, exit_statuses, fault_config, set_args
+from helpers.mpi_jobs import REPO, _env, mpi_under_test, run_mpi, simulated_nodes_launch
 
 from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError

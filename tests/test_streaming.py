@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import run_cli, run_mpi
+from helpers.mpi_jobs import run_cli, run_mpi
 
 from distbelief.algorithms.sgd import train
 from distbelief.config import config_from_dict, config_hash

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import _communicate, _job_tree
+from helpers.mpi_jobs import _communicate, _job_tree
 
 from distbelief.runtime.launching import stuck_launcher
 
@@ -125,7 +125,7 @@ def test_the_grace_comes_from_the_environment_and_a_bad_value_is_said(monkeypatc
 
 
 def test_only_a_launcher_that_failed_with_pmix_listener_error_is_launched_again() -> None:
-    from conftest import PMIX_LISTENER_FAILED, launcher_failed_to_start
+    from helpers.mpi_jobs import PMIX_LISTENER_FAILED, launcher_failed_to_start
 
     text = f"----\n{PMIX_LISTENER_FAILED}. We cannot\ncontinue.\n----\n"
     assert launcher_failed_to_start(213, text)

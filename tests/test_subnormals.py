@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import _env
+from helpers.mpi_jobs import _env
 
 from distbelief.algorithms import launch
 from distbelief.config import config_from_dict

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _env, run_mpi, survive_a_death
 from helpers import exit_statuses, set_args
+from helpers.mpi_jobs import REPO, _env, run_mpi, survive_a_death
 
 from distbelief.algorithms.common import STOP_CODES, StopDecision
 from distbelief.algorithms.sync import check_configuration

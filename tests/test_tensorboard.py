@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import small_config_text
+from helpers.configs import small_config_text
 from tensorboard.backend.event_processing.event_accumulator import (
     HISTOGRAMS,
     SCALARS,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import threadpoolctl
-from conftest import small_config_text
+from helpers.configs import small_config_text
 
 from distbelief.algorithms.sgd import StopRules, TrainingDiverged, train
 from distbelief.config import Config, apply_overrides, config_from_dict

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli, run_mpi, small_config_text
 from helpers import finished, set_args
+from helpers.configs import small_config_text
+from helpers.mpi_jobs import run_cli, run_mpi
 
 from distbelief.config import config_from_dict, config_hash, hashed_settings, load_config
 from distbelief.data.hdf5 import (

@@ -1,5 +1,6 @@
 """What several test files use: command-line arguments, exit statuses, damaged files.
-Fixtures live in conftest.py; helpers of one algorithm's tests in helpers/<algorithm>.py."""
+Fixtures live in conftest.py; launching jobs in helpers/mpi_jobs.py; helpers of one
+algorithm's tests in helpers/<algorithm>.py."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import re
 from pathlib import Path
 
 import h5py
-from conftest import small_config_text
 
 from distbelief.records.metrics import read_metrics
+from helpers.configs import small_config_text
 
 # Every replica step takes at least 0.2 ms (a test-only delay), so that a kill at step 1000
 # lands early in a run of 6000 steps however fast the machine is.
@@ -29,7 +30,7 @@ def finished(proc, out: Path) -> tuple[dict, list[dict]]:
 
 def exit_statuses(proc) -> list[int]:
     """The per-rank statuses cli_exit_status.py printed, and wrote to files under
-    conftest.run_mpi (a line the launcher lost is found there), in rank order."""
+    helpers.mpi_jobs.run_mpi (a line the launcher lost is found there), in rank order."""
     found = {int(r): int(s) for r, s in re.findall(r"rank (\d+) exit (\d+)", proc.stdout)}
     found.update(getattr(proc, "exit_files", {}))
     return [found[rank] for rank in sorted(found)]

@@ -6,12 +6,12 @@ import itertools
 from pathlib import Path
 
 import numpy as np
-from conftest import REPO, run_mpi
 from scipy.optimize import minimize as scipy_minimize
 
 from distbelief.data.hdf5 import open_dataset, read_rows, to_float
 from distbelief.model.network import Network
 from helpers import set_args
+from helpers.mpi_jobs import REPO, run_mpi
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env
 
 from distbelief.records.checkpoint import checkpoint_root, find_latest
+from helpers.mpi_jobs import REPO, _env
 
 SCRIPTS = {path.stem: path for path in sorted((REPO / "slurm").glob("*.sbatch"))}
 COMMON = REPO / "slurm" / "common.sh"  # what every script sources
