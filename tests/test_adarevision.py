@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers.mpi_jobs import _env, run_mpi
+from helpers.mpi_jobs import job_env, run_mpi
 
 from distbelief.model import kernels
 from distbelief.model.optimizers import HISTORY, Adagrad, AdaRevision, optimizer_for
@@ -169,7 +169,7 @@ def data_dir(synthetic_folder, small_config) -> Path:
 
 def downpour(n: int, data_dir: Path, out: Path, transport: str, *overrides: str):
     sets = [a for o in (f'run.out_dir="{out}"', *overrides) for a in ("--set", o)]
-    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
+    env = {**job_env(), "DISTBELIEF_PS_TRANSPORT": transport}
     return run_mpi(n, ["-m", "distbelief", "train", data_dir / "synth.toml", *sets],
                    timeout=120, env=env)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import exit_statuses, set_args
-from helpers.mpi_jobs import REPO, _env, run_mpi, survive_a_death
+from helpers.mpi_jobs import REPO, job_env, run_mpi, survive_a_death
 
 from distbelief.algorithms.averaging.collective import check_job
 from distbelief.algorithms.averaging.elastic import CenterUpdate, elastic_step
@@ -46,7 +46,7 @@ def data_dir(synthetic_folder, small_config) -> Path:
 
 def train_job(n: int, data_dir: Path, out: Path, *overrides: str, program: list | None = None,
               faults: str = "", survive: bool = False):
-    env = {**_env(), FAULTS: faults}
+    env = {**job_env(), FAULTS: faults}
     args = ["train", data_dir / "synth.toml",
             *set_args(f'run.out_dir="{out}"', "run.heartbeat_timeout_seconds=5", *overrides)]
     return run_mpi(n, [*(program or [PROGRAMS / "cli_exit_status.py"]), *args],
@@ -187,7 +187,7 @@ def test_one_easgd_replica_matches_the_reference(data_dir: Path, tmp_path: Path,
     proc = run_mpi(2, [PROGRAMS / "cli_exit_status.py", "train", data_dir / "synth.toml",
                        *set_args(f'run.out_dir="{out}"', "optimizer.elastic_alpha=0.25",
                                  f"run.max_steps={TAU * exchanges}")],
-                   timeout=TIMEOUT, env={**_env(), **env_transport})
+                   timeout=TIMEOUT, env={**job_env(), **env_transport})
     assert exit_statuses(proc) == [0, 0], proc.stderr[-3000:]
     final = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
     center = final.read_state()[0]

@@ -753,14 +753,14 @@ def test_signal_stops_with_a_checkpoint_and_a_rerun_continues(
         data_dir: Path, tmp_path: Path, sig: signal.Signals) -> None:
     import time
 
-    from helpers.mpi_jobs import _env
+    from helpers.mpi_jobs import job_env
 
     out = tmp_path / "signalled"
     cmd = [sys.executable, "-m", "distbelief", "train", str(data_dir / "exp.toml"), "--set",
            f'run.out_dir="{out}"', "--set", "run.max_steps=100000000",
            "--set", "run.eval_every_seconds=60"]
     with open(tmp_path / "log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=job_env())
         try:
             deadline = time.monotonic() + 60
             # A training line means the loop (and so the signal handler) is running.

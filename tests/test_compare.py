@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from helpers.configs import small_config_text
-from helpers.mpi_jobs import _env, run_cli
+from helpers.mpi_jobs import job_env, run_cli
 
 from distbelief.compare import plan, results, running
 from distbelief.errors import ConfigError
@@ -362,7 +362,7 @@ def test_a_launcher_stuck_after_its_ranks_ended_is_ended_before_the_run_timeout(
     started = time.monotonic()
     result = run_cli(["compare", config, "--algorithm", "downpour", "--replicas", "1",
                       "--launcher", f"{launcher} {{n}}", "--run-timeout", "300", "--out", out],
-                     timeout=120, env={**_env(), "DISTBELIEF_STUCK_LAUNCHER_SECONDS": "2"})
+                     timeout=120, env={**job_env(), "DISTBELIEF_STUCK_LAUNCHER_SECONDS": "2"})
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - started < 60, result.stdout
     log = (out / "logs" / "downpour-r1-seed0.log").read_text()
@@ -427,7 +427,7 @@ def test_ctrl_c_stops_the_run_with_a_checkpoint_and_resume_continues(
             "--algorithm", "downpour", "--target", "0.99", "--max-seconds", "3",
             "--out", str(out)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=_env())
+                            text=True, env=job_env())
     try:
         for line in proc.stdout:  # wait for the sgd run's first progress line
             if line.strip().startswith("step "):

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import DELAY, exit_statuses, set_args
-from helpers.mpi_jobs import _env, run_mpi, survive_a_death
+from helpers.mpi_jobs import job_env, run_mpi, survive_a_death
 
 from distbelief.algorithms.diloco.synchronous import OuterStep
 from distbelief.config import (
@@ -57,7 +57,7 @@ def train_job(n: int, data_dir: Path, out: Path, *overrides: str, faults: str = 
     args = ["train", data_dir / "synth.toml",
             *set_args(f'run.out_dir="{out}"', "run.heartbeat_timeout_seconds=5", *overrides)]
     return run_mpi(n, [Path(__file__).parent / "mpi_programs" / "cli_exit_status.py", *args],
-                   timeout=TIMEOUT, env={**_env(), FAULTS: faults, **(env or {})},
+                   timeout=TIMEOUT, env={**job_env(), FAULTS: faults, **(env or {})},
                    launcher_options=survive_a_death() if survive else ())
 
 

@@ -18,7 +18,14 @@ import numpy as np
 import pytest
 from helpers import exit_statuses, finished, set_args
 from helpers.configs import small_config_text
-from helpers.mpi_jobs import REPO, _env, every_rank_exited, run_cli, run_mpi, simulated_test_nodes
+from helpers.mpi_jobs import (
+    REPO,
+    every_rank_exited,
+    job_env,
+    run_cli,
+    run_mpi,
+    simulated_test_nodes,
+)
 
 from distbelief.config import apply_overrides, config_from_dict
 from distbelief.data.converters import convert_idx
@@ -128,7 +135,7 @@ def test_max_steps_counts_total_steps_exactly(data_dir, tmp_path, n, shards, ext
     # 401 is not a multiple of n_push, nor of the number of replicas. Both parameter-server
     # transports: shared memory (one node) and RMA (as multi-node jobs run).
     out = tmp_path / "out"
-    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
+    env = {**job_env(), "DISTBELIEF_PS_TRANSPORT": transport}
     proc = downpour(n, data_dir, out, f"cluster.ps_shards={shards}", "run.max_steps=401",
                     *extra, env=env)
     summary, lines = finished(proc, out)
@@ -163,7 +170,7 @@ FETCH_CASES = [(fetch, transport, n, shards, extra)
 def test_fetch_settings_keep_counts_exact(data_dir, tmp_path, fetch, transport, n, shards,
                                           extra):
     out = tmp_path / "out"
-    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
+    env = {**job_env(), "DISTBELIEF_PS_TRANSPORT": transport}
     proc = downpour(n, data_dir, out, f"cluster.ps_shards={shards}", "run.max_steps=401",
                     f'optimizer.fetch="{fetch}"', *extra, env=env)
     summary, lines = finished(proc, out)
@@ -199,7 +206,7 @@ def test_bfloat16_pushes_train_with_exact_counts_and_half_the_bytes(data_dir, tm
     # The same run with float32 and with bfloat16 pushes: both learn, both keep the push
     # counts exact, and over RMA the bfloat16 pushes moved half the bytes per push (on
     # shared memory the gradient is rounded but folded from float32 memory).
-    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
+    env = {**job_env(), "DISTBELIEF_PS_TRANSPORT": transport}
     summaries = {}
     for dtype in ("float32", "bfloat16"):
         out = tmp_path / dtype
@@ -232,7 +239,7 @@ def test_replicas_contending_for_push_slots_on_several_shards_never_deadlock(
     # while waiting for another's deadlocked against a push doing the reverse: the stall
     # watchdog ended 32- and 64-rank runs. Claims now go up the shard order.
     out = tmp_path / "out"
-    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": "rma", FAULTS: "slots:*:1"}
+    env = {**job_env(), "DISTBELIEF_PS_TRANSPORT": "rma", FAULTS: "slots:*:1"}
     proc = downpour(n, data_dir, out, f"cluster.ps_shards={shards}", "run.max_steps=200",
                     f'optimizer.fetch="{fetch}"', env=env, timeout=120)
     summary, _ = finished(proc, out)
@@ -245,7 +252,7 @@ def test_replicas_contending_for_push_slots_on_several_shards_never_deadlock(
 def test_one_replica_reads_its_own_pushes(data_dir, tmp_path, transport):
     # With read-your-writes fetches a lone replica never computes on stale parameters.
     out = tmp_path / "out"
-    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
+    env = {**job_env(), "DISTBELIEF_PS_TRANSPORT": transport}
     summary, _ = finished(downpour(2, data_dir, out, "run.max_steps=300", env=env), out)
     assert summary["staleness"]["max"] == 0 and summary["staleness"]["samples"] == 300
     assert summary["shards"][0]["transport"] == transport
@@ -455,7 +462,7 @@ def test_single_rank_is_told_to_use_mpiexec(data_dir, tmp_path):
 @pytest.mark.parametrize("n, shards, failing_rank", [(3, 1, 2), (4, 2, 0), (5, 1, 3)])
 def test_exception_on_one_rank_ends_the_job_within_seconds(data_dir, tmp_path, n, shards,
                                                            failing_rank):
-    env = _env()
+    env = job_env()
     # A replica after 3 steps, shard 0 once it has applied an update.
     env[FAULTS] = f"raise:{failing_rank}:{3 if failing_rank >= shards else 1}"
     t0 = time.perf_counter()

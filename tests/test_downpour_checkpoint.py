@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from helpers import exit_statuses, flip_bytes, set_args
 from helpers.configs import SMALL_CONFIG
-from helpers.mpi_jobs import REPO, _env, mpiexec, run_mpi
+from helpers.mpi_jobs import REPO, job_env, mpiexec, run_mpi
 
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.metrics import read_metrics
@@ -139,7 +139,7 @@ def launch(n: int, data_dir: Path, out: Path, log: Path, *overrides: str,
     cmd = [*mpiexec(n), sys.executable, str(PROGRAMS / "cli_exit_status.py"),
            *map(str, train_args(data_dir, out, *overrides))]
     with open(log, "w") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or _env(),
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env or job_env(),
                                 start_new_session=True)
 
 
@@ -328,7 +328,7 @@ STEP_DELAY = "delay:*:0:0.0005s"
 def test_kill_9_ends_the_job_and_a_rerun_resumes_from_the_last_checkpoint(
         data_dir: Path, tmp_path: Path, n: int, shards: int, victim: int) -> None:
     out = tmp_path / "out"
-    env = _env()
+    env = job_env()
     env[FAULTS] = f"kill:{victim}:{KILL_AT} {STEP_DELAY}"
     t0 = time.monotonic()
     proc = downpour(n, data_dir, out, *shape(n, shards), "run.max_steps=0",
@@ -465,7 +465,7 @@ def test_every_checkpoint_is_a_consistent_snapshot(data_dir: Path, tmp_path: Pat
     # time, so a multiple of 500 passed during a write is taken late or merged with the
     # next: a delay per step leaves room for a few, and two mid-run ones are asked for.
     out = tmp_path / "out"
-    env = {**_env(), "DISTBELIEF_PS_TRANSPORT": transport, FAULTS: STEP_DELAY}
+    env = {**job_env(), "DISTBELIEF_PS_TRANSPORT": transport, FAULTS: STEP_DELAY}
     summary = succeeded(downpour(n, data_dir, out, *shape(n, shards), "run.max_steps=3000",
                                  "run.checkpoint_every_steps=500", "run.keep_checkpoints=10",
                                  f"optimizer.n_push={n_push}", env=env), n, out)
@@ -494,7 +494,7 @@ def test_a_diverging_run_never_checkpoints_non_finite_values(data_dir: Path,
     proc = downpour(3, data_dir, out, "optimizer.adagrad=false", "optimizer.learning_rate=1e30",
                     "run.max_steps=0", "run.max_seconds=60", "run.checkpoint_every_steps=1",
                     "run.max_bad_gradients_in_a_row=400", "run.keep_checkpoints=1000",
-                    env={**_env(), FAULTS: "delay:*:0:0.001s"})
+                    env={**job_env(), FAULTS: "delay:*:0:0.001s"})
     assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr
     assert "training diverged" in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -521,7 +521,7 @@ def test_the_replicas_train_while_the_shards_write(data_dir: Path, tmp_path: Pat
     # while the copies are written; with run.checkpoint_in_background = false they wait
     # the writes out.
     out = tmp_path / "out"
-    env = {**_env(), FAULTS: f"slowwrite:*:0:{SLOW_WRITE_S}s"}
+    env = {**job_env(), FAULTS: f"slowwrite:*:0:{SLOW_WRITE_S}s"}
     summary = succeeded(downpour(
         4, data_dir, out, "cluster.ps_shards=2", "run.max_steps=0", "run.max_seconds=6",
         "run.checkpoint_every_seconds=1",
@@ -554,7 +554,7 @@ def test_a_job_killed_while_a_checkpoint_is_written_resumes_from_the_one_before(
     # The first checkpoint is written at once; the second one's parts take 60 s, and the
     # whole job is SIGKILLed while they are written (the replicas training meanwhile).
     out, log = tmp_path / "out", tmp_path / "log"
-    env = {**_env(), FAULTS: "slowwrite:*:1:60s"}
+    env = {**job_env(), FAULTS: "slowwrite:*:1:60s"}
     proc = launch(3, data_dir, out, log, "run.max_steps=0", "run.max_seconds=60",
                   "run.checkpoint_every_seconds=0.3", env=env)
     root, deadline = ckpt.checkpoint_root(out), time.monotonic() + 60
@@ -618,7 +618,7 @@ def test_rounds_give_every_rank_the_same_result_at_the_same_round(n: int, raiser
 
 def test_a_poisoned_gradient_is_dropped_and_counted(data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    env = _env()
+    env = job_env()
     env[FAULTS] = "poison:2:20"  # replica 1 (rank 2), its step 20 only
     summary = succeeded(downpour(3, data_dir, out, "run.max_steps=300", env=env), 3, out)
     assert summary["steps"] == 300 and summary["stop_reason"] == "max_steps"
@@ -633,7 +633,7 @@ def test_a_poisoned_gradient_is_dropped_and_counted(data_dir: Path, tmp_path: Pa
 def test_a_replica_with_only_bad_gradients_stops_the_run_on_every_rank(
         data_dir: Path, tmp_path: Path, n: int, shards: int, rank: int, n_push: int) -> None:
     out = tmp_path / "out"
-    env = _env()
+    env = job_env()
     env[FAULTS] = f"poison:{rank}:30+"  # every step from 30 on
     t0 = time.monotonic()
     proc = downpour(n, data_dir, out, *shape(n, shards), f"optimizer.n_push={n_push}",

@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 from helpers import flip_bytes
-from helpers.mpi_jobs import _env, run_cli, run_mpi
+from helpers.mpi_jobs import job_env, run_cli, run_mpi
 from helpers.torch_reference import REQUIRE_TORCH
 
 import distbelief
@@ -409,7 +409,7 @@ for path in ({str(dense_run)!r}, {str(out)!r}, {str(ckpt.list_checkpoints(
 print("mpi4py.MPI" in sys.modules, "mpi4py" in sys.modules)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env=_env(), check=False)
+                          timeout=120, env=job_env(), check=False)
     assert proc.returncode == 0, proc.stderr
     *results, mpi = proc.stdout.strip().splitlines()
     assert mpi == "False False"

@@ -31,7 +31,7 @@ from helpers import DELAY, exit_statuses, fault_config, set_args
 from helpers.mpi_jobs import (
     REPO,
     SharedMemoryWatch,
-    _env,
+    job_env,
     mpi_under_test,
     run_mpi,
     simulated_test_nodes,
@@ -64,7 +64,7 @@ def job(n: int, config: Path, out: Path, *overrides: str, faults: str = "",
         transport: str = "shared", survive: bool = True, timeout: float = TIMEOUT,
         extra_env: dict[str, str] | None = None):
     """The real command line on every rank (each printing its exit status)."""
-    env = {**_env(), FAULTS: faults, "DISTBELIEF_PS_TRANSPORT": transport, **(extra_env or {})}
+    env = {**job_env(), FAULTS: faults, "DISTBELIEF_PS_TRANSPORT": transport, **(extra_env or {})}
     # A dead rank on another node (simulated nodes) is found by its heartbeat: 5 s here.
     args = ["train", config, *set_args(f'run.out_dir="{out}"',
                                        "run.heartbeat_timeout_seconds=5", *overrides)]

@@ -21,7 +21,7 @@ from helpers import exit_statuses, set_args
 from helpers.mpi_jobs import (
     REPO,
     TEST_NODES,
-    _env,
+    job_env,
     mpi_under_test,
     mpiexec,
     run_cli,
@@ -51,7 +51,7 @@ def data_dir(synthetic_folder, small_config) -> Path:
 def hogwild(n: int, data_dir: Path, out: Path, *overrides: str, faults: str = "",
             env: dict | None = None, survive: bool = False):
     """The real command line on every rank, each printing its exit status."""
-    env = {**(env or _env()), FAULTS: faults}
+    env = {**(env or job_env()), FAULTS: faults}
     args = ["train", data_dir / "hogwild.toml", *set_args(f'run.out_dir="{out}"', *overrides)]
     return run_mpi(n, [EXIT_STATUS, *args], timeout=TIMEOUT, env=env,
                    launcher_options=survive_a_death() if survive else ())
@@ -118,7 +118,7 @@ def test_one_replica_computes_what_the_single_process_trainer_does(data_dir: Pat
 @pytest.mark.nodes
 def test_ranks_on_several_nodes_are_refused_on_every_rank(data_dir: Path,
                                                           tmp_path: Path) -> None:
-    env = {**_env(), TEST_NODES: "2"}
+    env = {**job_env(), TEST_NODES: "2"}
     proc = hogwild(3, data_dir, tmp_path / "out", "run.max_steps=100", env=env)
     assert exit_statuses(proc) == [2, 2, 2], proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]

@@ -20,7 +20,7 @@ import pytest
 from helpers import set_args
 from helpers.mpi_jobs import (
     REPO,
-    _env,
+    job_env,
     mpiexec,
     run_cli,
     run_mpi,
@@ -253,7 +253,7 @@ def test_a_reader_that_leaves_stops_the_printing_not_the_run(data_dir: Path,
     cmd = [sys.executable, "-m", "distbelief",
            *train_args(data_dir, out, *SINGLE, "run.max_steps=0", "run.max_seconds=4")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), start_new_session=True)
+                            env=job_env(), start_new_session=True)
     assert proc.stdout.readline()  # the first line, then the reader leaves
     proc.stdout.close()
     try:

@@ -18,7 +18,7 @@ from helpers.configs import small_config_text
 from helpers.mpi_jobs import (
     PMIX_LISTENER_FAILED,
     REPO,
-    _env,
+    job_env,
     launcher_failed_to_start,
     mpiexec,
     run_mpi,
@@ -91,7 +91,7 @@ def test_a_killed_worker_is_named_by_rank_and_no_osc_ucx_error_is_printed(tmp_pa
     make_synthetic(tmp_path / "synth.h5", n_train=2000, n_test=200, input_shape=(16,),
                    num_classes=3, seed=1)
     (tmp_path / "run.toml").write_text(TOML)
-    env = {**_env(), FAULTS: "kill:2:50 delay:*:0:0.0005s", "DISTBELIEF_PS_TRANSPORT": "rma"}
+    env = {**job_env(), FAULTS: "kill:2:50 delay:*:0:0.0005s", "DISTBELIEF_PS_TRANSPORT": "rma"}
     args = ["train", tmp_path / "run.toml", "--set", f'run.out_dir="{tmp_path / "out"}"']
     proc = run_mpi(3, [PROGRAMS / "cli_exit_status.py", *args], env=env,
                    launcher_options=survive_a_death())
@@ -108,7 +108,7 @@ def test_a_rank_that_never_reaches_mpi_init_ends_the_others_within_the_bound(
     make_synthetic(tmp_path / "synth.h5", n_train=2000, n_test=200, input_shape=(16,),
                    num_classes=3, seed=1)
     (tmp_path / "run.toml").write_text(TOML)
-    env = {**_env(), FAULTS: "noinit:2:0", "DISTBELIEF_INIT_TIMEOUT": "10"}
+    env = {**job_env(), FAULTS: "noinit:2:0", "DISTBELIEF_INIT_TIMEOUT": "10"}
     args = ["train", tmp_path / "run.toml", "--set", f'run.out_dir="{tmp_path / "out"}"']
     t0 = time.monotonic()
     proc = run_mpi(3, [PROGRAMS / "cli_exit_status.py", *args], env=env, timeout=90,
@@ -124,7 +124,7 @@ def test_a_rank_that_never_reaches_mpi_init_ends_the_others_within_the_bound(
 
 def test_a_bad_init_bound_is_one_error_on_every_rank(tmp_path: Path) -> None:
     (tmp_path / "run.toml").write_text(TOML)
-    env = {**_env(), "DISTBELIEF_INIT_TIMEOUT": "soon"}
+    env = {**job_env(), "DISTBELIEF_INIT_TIMEOUT": "soon"}
     proc = run_mpi(2, [PROGRAMS / "cli_exit_status.py", "train", tmp_path / "run.toml"],
                    env=env, timeout=60)
     assert exit_statuses(proc) == [2, 2], proc.stdout + proc.stderr[-3000:]
@@ -177,7 +177,7 @@ def test_the_ranks_end_when_the_launcher_is_killed(tmp_path: Path) -> None:
     cmd = [*mpiexec(3), sys.executable, "-m", "distbelief", "train",
            str(tmp_path / "run.toml"), "--set", f'run.out_dir="{out}"', "--set",
            "run.max_steps=0", "--set", "run.max_seconds=120"]
-    env = {**_env(), FAULTS: "delay:*:0:0.002s"}
+    env = {**job_env(), FAULTS: "delay:*:0:0.002s"}
     proc = _start_training(cmd, env, out)
     try:
         if not (out / "metrics.jsonl").is_file():
@@ -229,7 +229,7 @@ def test_a_timed_out_job_is_ended_whole_and_its_ranks_stacks_are_shown(tmp_path:
     program.write_text("from mpi4py import MPI\nimport time\n\n"
                        "def hang_here():\n    time.sleep(600)\n\n"
                        "MPI.COMM_WORLD.Barrier()\nprint('in', flush=True)\nhang_here()\n")
-    launch, env = simulated_nodes_launch(2, _env())
+    launch, env = simulated_nodes_launch(2, job_env())
     shm_before = set(os.listdir(guardian.SHM_DIR))
     try:
         with pytest.raises(pytest.fail.Exception) as failed:

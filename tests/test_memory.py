@@ -299,11 +299,11 @@ def _speech_folder(synthetic_folder, small_config, name, units=512):
 def test_a_layout_that_does_not_fit_is_refused_on_every_rank(synthetic_folder, small_config,
                                                              tmp_path):
     from helpers import exit_statuses
-    from helpers.mpi_jobs import _env, every_rank_exited
+    from helpers.mpi_jobs import every_rank_exited, job_env
 
     folder = _speech_folder(synthetic_folder, small_config, "refuse", units=4096)
     out = tmp_path / "out"
-    env = {**_env(), "DISTBELIEF_NODE_MEMORY": "1G", "DISTBELIEF_PS_TRANSPORT": "rma"}
+    env = {**job_env(), "DISTBELIEF_NODE_MEMORY": "1G", "DISTBELIEF_PS_TRANSPORT": "rma"}
     proc = run_mpi(3, [Path(__file__).parent / "mpi_programs" / "cli_exit_status.py", "train",
                        folder / "synth.toml", *set_args(f'run.out_dir="{out}"',
                                                         "cluster.ps_shards=1")],
@@ -320,11 +320,11 @@ def test_a_layout_that_does_not_fit_is_refused_on_every_rank(synthetic_folder, s
 
 def test_the_same_layout_runs_when_the_node_is_big_enough(synthetic_folder, small_config,
                                                           tmp_path):
-    from helpers.mpi_jobs import _env
+    from helpers.mpi_jobs import job_env
 
     folder = _speech_folder(synthetic_folder, small_config, "fits")
     out = tmp_path / "out"
-    env = {**_env(), "DISTBELIEF_NODE_MEMORY": "64G"}
+    env = {**job_env(), "DISTBELIEF_NODE_MEMORY": "64G"}
     proc = run_mpi(3, ["-m", "distbelief", "train", folder / "synth.toml",
                        *set_args(f'run.out_dir="{out}"', "run.max_steps=5")],
                    cwd=folder, env=env)

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 from helpers import set_args
-from helpers.mpi_jobs import REPO, _env, run_cli, run_mpi
+from helpers.mpi_jobs import REPO, job_env, run_cli, run_mpi
 
 from distbelief.errors import ConfigError
 from distbelief.model.cost_model import Link, layer_flops, predict
@@ -274,7 +274,7 @@ def test_downpour_one_partitioned_replica_is_sequential_sgd(data_dir, tmp_path,
     proc = run_mpi(shards + partitions, ["-m", "distbelief", *train_args(
         data_dir, out, 'optimizer.algorithm="downpour"', f"cluster.ps_shards={shards}",
         f"cluster.partitions={partitions}")], timeout=TIMEOUT,
-        env={**_env(), "DISTBELIEF_PS_TRANSPORT": transport})
+        env={**job_env(), "DISTBELIEF_PS_TRANSPORT": transport})
     summary = finished(proc, out)
     assert summary["steps"] == 100
     assert summary["final_test_loss"] == pytest.approx(single_process["final_test_loss"],
@@ -436,7 +436,7 @@ def test_downpour_partitioned_replicas_checkpoint_and_resume(data_dir, tmp_path,
     out = tmp_path / "out"
     common = ['optimizer.algorithm="downpour"', "cluster.partitions=2",
               "run.checkpoint_every_steps=40", f'optimizer.fetch="{fetch}"']
-    env = None if transport is None else {**_env(), "DISTBELIEF_PS_TRANSPORT": transport}
+    env = None if transport is None else {**job_env(), "DISTBELIEF_PS_TRANSPORT": transport}
     first = finished(run_mpi(5, ["-m", "distbelief", *train_args(
         data_dir, out, *common, "run.max_steps=120")], timeout=TIMEOUT, env=env), out)
     assert first["steps"] == 120 and first["checkpoint"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import exit_statuses, set_args
-from helpers.mpi_jobs import REPO, _env, run_mpi, survive_a_death
+from helpers.mpi_jobs import REPO, job_env, run_mpi, survive_a_death
 
 import distbelief
 from distbelief.cli import main
@@ -188,7 +188,7 @@ def cli_job(n: int, data_dir: Path, out: Path, model: str, *overrides: str):
     args = ["train", data_dir / "own.toml", "--model", f"own_models:{model}",
             *set_args(f'run.out_dir="{out}"', *overrides)]
     return run_mpi(n, [PROGRAMS / "cli_exit_status.py", *args], timeout=TIMEOUT,
-                   cwd=PROGRAMS, env=_env(), launcher_options=survive_a_death())
+                   cwd=PROGRAMS, env=job_env(), launcher_options=survive_a_death())
 
 
 @pytest.mark.nodes

@@ -21,7 +21,7 @@ import pytest
 from helpers import exit_statuses, set_args
 from helpers.mpi_jobs import (
     REPO,
-    _env,
+    job_env,
     run_cli,
     run_mpi,
     start_in_background,
@@ -275,7 +275,7 @@ def test_a_requeued_job_takes_over_from_its_earlier_instance_end_to_end(
         data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     fake_owner(out, host="node-b", pid=1, slurm_job_id="901", restart_count=0)
-    env = {**_env(), "SLURM_JOB_ID": "901", "SLURM_RESTART_COUNT": "1"}
+    env = {**job_env(), "SLURM_JOB_ID": "901", "SLURM_RESTART_COUNT": "1"}
     proc = run_cli(train_args(data_dir, out, 'optimizer.algorithm="sgd"', "run.max_steps=20"),
                    timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr

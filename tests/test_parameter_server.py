@@ -13,7 +13,7 @@ import re
 import time
 
 import pytest
-from helpers.mpi_jobs import REPO, _env, run_mpi
+from helpers.mpi_jobs import REPO, job_env, run_mpi
 
 from distbelief.errors import ConfigError
 from distbelief.ps import transport
@@ -153,7 +153,7 @@ def test_pushes_are_applied_exactly_once(n, shards, size, pushes, extra, transpo
 @pytest.mark.parametrize("env_value, expected", [(None, "shared"), ("rma", "rma")])
 def test_auto_transport_is_shared_on_one_node_unless_the_environment_says_rma(
         env_value, expected):
-    env = _env()
+    env = job_env()
     env.pop(TRANSPORT_ENV, None)
     if env_value:
         env[TRANSPORT_ENV] = env_value
@@ -250,7 +250,7 @@ def test_rma_census_float_data_moves_only_by_put_and_get(n, shards, size, push_d
 def test_config_error_on_every_rank_before_communication(n, args, needle, transport):
     # Plain python, no mpi4py abort: every rank must fail by itself, without waiting for
     # the others (a rank blocked in a collective would time the test out).
-    env = _env()
+    env = job_env()
     if transport:
         env[TRANSPORT_ENV] = transport
     proc = run_mpi(n, [PROGRAMS / "ps_config.py", *args], timeout=TIMEOUT, env=env)

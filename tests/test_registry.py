@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.mpi_jobs import _env, run_mpi
+from helpers.mpi_jobs import job_env, run_mpi
 
 from distbelief import cli, config
 from distbelief.algorithms import registry
@@ -118,7 +118,7 @@ def test_a_new_algorithm_is_a_module_and_one_registry_line(synthetic_folder, sma
         f"import sys\nsys.path.insert(0, {str(HELPERS)!r})\n"
         f"from distbelief.algorithms import registry\n"
         f"registry.ALGORITHMS += ({EXAMPLE_LINE},)\n")
-    env = _env()
+    env = job_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     out = tmp_path / "out"
     proc = run_mpi(2, ["-m", "distbelief", "train", folder / "fb.toml",

@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 import pytest
 from helpers import exit_statuses, finished, set_args
-from helpers.mpi_jobs import _env, mpiexec, run_mpi
+from helpers.mpi_jobs import job_env, mpiexec, run_mpi
 from helpers.sandblaster import (
     PROGRAMS,
     SOFTMAX,
@@ -293,7 +293,7 @@ def test_a_replicas_units_draw_only_from_its_own_rows(n_train: int, batch: int, 
 def slow_env(shards: int, replica: int, factor: float = 10.0) -> dict:
     """Replica `replica` `factor` times slower per unit (world rank: shards, coordinator,
     then the replicas)."""
-    return {**_env(), FAULTS: f"delay:{shards + 1 + replica}:0:{factor}x"}
+    return {**job_env(), FAULTS: f"delay:{shards + 1 + replica}:0:{factor}x"}
 
 
 @pytest.mark.parametrize("n,shards,batch,slow", [(4, 1, 100000, False), (5, 2, 100000, True),
@@ -666,7 +666,7 @@ def test_sigterm_stops_with_a_checkpoint_and_the_job_resumes(data_dir: Path,
            *set_args(f'run.out_dir="{out}"', "run.max_steps=0", "run.max_seconds=90",
                  "optimizer.gradient_tolerance=0")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(), start_new_session=True)
+                            env=job_env(), start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (

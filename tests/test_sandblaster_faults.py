@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from helpers import exit_statuses
 from helpers.mpi_jobs import (
-    _env,
+    job_env,
     mpi_under_test,
     mpiexec,
     run_mpi,
@@ -69,7 +69,7 @@ def data_dir(synthetic_folder) -> Path:
 
 
 def job(n: int, folder: Path, out: Path, *overrides: str, faults: str = ""):
-    env = {**_env(), FAULTS: faults}
+    env = {**job_env(), FAULTS: faults}
     args = ["train", folder / "sb.toml", "--set", f'run.out_dir="{out}"']
     for o in overrides:
         args += ["--set", o]
@@ -259,7 +259,7 @@ def test_a_lost_partition_of_partitioned_sgd_ends_the_run_with_one_line(
     (data_dir / "sgd.toml").write_text(SGD)
     out = tmp_path / "out"
     t0 = time.monotonic()
-    env = {**_env(), FAULTS: "kill:1:200"}
+    env = {**job_env(), FAULTS: "kill:1:200"}
     sets = ["--set", f'run.out_dir="{out}"', "--set", f"run.checkpoint_every_steps={every}"]
     proc = run_mpi(2, [PROGRAM, "train", data_dir / "sgd.toml", *sets], timeout=TIMEOUT,
                    env=env, launcher_options=survive_a_death())
@@ -291,7 +291,7 @@ def sigusr1_after_a_death(data_dir: Path, out: Path, logged: tuple[str, ...],
            "run.max_steps=0", "--set", "run.max_seconds=90", "--set",
            "optimizer.gradient_tolerance=0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**_env(), FAULTS: "kill:3:60"}, start_new_session=True)
+                            env={**job_env(), FAULTS: "kill:3:60"}, start_new_session=True)
     metrics = out / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 90

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import finished, set_args
-from helpers.mpi_jobs import _env, run_mpi
+from helpers.mpi_jobs import job_env, run_mpi
 from helpers.sandblaster import (
     PROGRAMS,
     SOFTMAX,
@@ -172,7 +172,7 @@ def test_partitioned_gradient_equals_the_single_process_gradient(
     env = None
     if slowed is not None:
         rank = shards + 1 + slowed[0] * partitions + slowed[1]
-        env = {**_env(), FAULTS: f"delay:{rank}:0:30x"}
+        env = {**job_env(), FAULTS: f"delay:{rank}:0:30x"}
     out = tmp_path / "g.npz"
     proc = run_mpi(shards + 1 + replicas * partitions,
                    [PROGRAMS / "sandblaster_gradient.py", config, out, 0, json.dumps(splits)],

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import exit_statuses, set_args
 from helpers.configs import small_config_text
-from helpers.mpi_jobs import REPO, _env, run_mpi
+from helpers.mpi_jobs import REPO, job_env, run_mpi
 
 from distbelief.config import apply_overrides, build_schedule, config_from_dict
 from distbelief.records import checkpoint as ckpt
@@ -95,7 +95,7 @@ def mpi_dir(synthetic_folder, small_config) -> Path:
 def train_mpi(n: int, folder: Path, out: Path, *overrides: str,
               transport: str | None = None) -> dict:
     """summary.json of `distbelief train` on n ranks, every rank exiting 0."""
-    env = _env()
+    env = job_env()
     if transport is not None:
         env["DISTBELIEF_PS_TRANSPORT"] = transport
     proc = run_mpi(n, [PROGRAMS / "cli_exit_status.py", "train", folder / "synth.toml",

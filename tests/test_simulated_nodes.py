@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from helpers import DELAY, exit_statuses, fault_config, set_args
-from helpers.mpi_jobs import REPO, _env, mpi_under_test, run_mpi, simulated_nodes_launch
+from helpers.mpi_jobs import REPO, job_env, mpi_under_test, run_mpi, simulated_nodes_launch
 
 from distbelief.data.converters import make_synthetic
 from distbelief.errors import ConfigError
@@ -138,7 +138,7 @@ def test_shards_are_dealt_round_robin_over_the_nodes() -> None:
 
 
 def node_split(n: int, hosts: str = "", nodes: str = "", nolocal: bool = False) -> dict:
-    env = {**_env(), "DISTBELIEF_SIMULATED_NODES": nodes}
+    env = {**job_env(), "DISTBELIEF_SIMULATED_NODES": nodes}
     if nolocal:  # MPICH: one MPI node per rank (Open MPI ignores it: one MPI node)
         env["MPIR_CVAR_NOLOCAL"] = "1"
     env.pop("DISTBELIEF_PS_TRANSPORT", None)
@@ -172,7 +172,7 @@ def test_a_bad_simulated_node_count_is_one_error_on_every_rank(tmp_path: Path) -
     make_synthetic(tmp_path / "synth.h5", n_train=400, n_test=100, input_shape=(32,),
                    num_classes=4, seed=5)
     (tmp_path / "c.toml").write_text(fault_config(None))
-    env = {**_env(), "DISTBELIEF_SIMULATED_NODES": "many"}
+    env = {**job_env(), "DISTBELIEF_SIMULATED_NODES": "many"}
     env.pop("DISTBELIEF_TEST_NODES", None)
     proc = run_mpi(3, [PROGRAMS / "cli_exit_status.py", "train", tmp_path / "c.toml",
                        *set_args(f'run.out_dir="{tmp_path / "out"}"', "run.max_steps=10")],
@@ -472,7 +472,7 @@ def on_two_nodes(n: int, data_dir: Path, out: Path, *overrides: str, faults: str
                  timeout: float = TIMEOUT):
     """The real command line on 2 simulated nodes (rank r on node r % 2), hydra keeping
     the survivors of a kill; each rank prints its exit status."""
-    env = {**_env(), FAULTS: faults}
+    env = {**job_env(), FAULTS: faults}
     env.pop("DISTBELIEF_TEST_NODES", None)
     options, env = simulated_nodes_launch(2, env)
     args = ["train", data_dir / "mlp.toml",
@@ -567,7 +567,7 @@ def test_shards_land_on_distinct_nodes_under_block_placement(
     if mpi_under_test() == "openmpi":
         pytest.skip("PRRTE has no fake hosts; the pure test above covers the order")
     out = tmp_path / "out"
-    env = {**_env()}
+    env = {**job_env()}
     env.pop("DISTBELIEF_TEST_NODES", None)
     env.pop("DISTBELIEF_SIMULATED_NODES", None)
     args = ["train", data_dir / "mlp.toml",

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from helpers.mpi_jobs import _communicate, _job_tree
+from helpers.mpi_jobs import communicate, job_tree
 
 from distbelief.runtime.launching import stuck_launcher
 
@@ -103,7 +103,7 @@ def test_run_mpis_wait_ends_a_stuck_launcher_with_a_warning() -> None:
     try:
         t0 = time.monotonic()
         with pytest.warns(UserWarning, match="collected none of its exited ranks"):
-            _communicate(stuck, timeout=60, tree=_job_tree(stuck.pid))
+            communicate(stuck, timeout=60, tree=job_tree(stuck.pid))
         assert stuck.returncode == -9
         assert time.monotonic() - t0 < 30
     finally:

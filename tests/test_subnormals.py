@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.mpi_jobs import _env
+from helpers.mpi_jobs import job_env
 
 from distbelief.algorithms import launch
 from distbelief.config import config_from_dict
@@ -31,7 +31,7 @@ print(float((a @ a).max()), float((np.float32(1e-39) * np.float32(2))))
 
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_the_command_line_flushes_in_every_blas_thread(threads: str) -> None:
-    env = {**_env(), "OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads}
+    env = {**job_env(), "OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads}
 
     def run(mode: str) -> list[float]:
         out = subprocess.run([sys.executable, "-c", GEMM, mode], capture_output=True,

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import exit_statuses, set_args
-from helpers.mpi_jobs import REPO, _env, run_mpi, survive_a_death
+from helpers.mpi_jobs import REPO, job_env, run_mpi, survive_a_death
 
 from distbelief.algorithms.common import STOP_CODES, StopDecision
 from distbelief.algorithms.sync import check_configuration
@@ -50,7 +50,7 @@ def data_dir(synthetic_folder, small_config) -> Path:
 def job(n: int, data_dir: Path, out: Path, *overrides: str, faults: str = ""):
     """The real command line on every rank (each printing its exit status); a dead rank
     does not end the job by itself (survive_a_death), so what the others do is seen."""
-    env = {**_env(), FAULTS: faults}
+    env = {**job_env(), FAULTS: faults}
     args = ["train", data_dir / "sync.toml",
             *set_args(f'run.out_dir="{out}"', "run.heartbeat_timeout_seconds=5", *overrides)]
     return run_mpi(n, [PROGRAM, *args], timeout=TIMEOUT, env=env,

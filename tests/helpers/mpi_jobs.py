@@ -99,7 +99,7 @@ def every_rank_exited(statuses: list[int], n: int, code: int) -> bool:
 STACK_DUMP = str(Path(__file__).parent / "stack_dump")
 
 
-def _env(threads: int = 1) -> dict[str, str]:
+def job_env(threads: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     # One BLAS thread per process: MPI tests oversubscribe the two cores.
     env["OPENBLAS_NUM_THREADS"] = str(threads)
@@ -117,7 +117,7 @@ def run_cli(args: list[str], timeout: float = 120, cwd: Path | None = None,
     """`python -m distbelief ARGS` in a subprocess; output captured as text."""
     return subprocess.run(
         [sys.executable, "-m", "distbelief", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or _env(), check=False,
+        capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env or job_env(), check=False,
     )
 
 
@@ -156,7 +156,7 @@ def simulated_nodes_launch(nodes: int, env: dict[str, str]) -> tuple[tuple[str, 
     return ("-launcher", "fork", "-hosts", hosts), env
 
 
-def _job_tree(launcher: int) -> Any:
+def job_tree(launcher: int) -> Any:
     """helpers.processes.JobTree(launcher), imported here: helpers imports this module."""
     from helpers.processes import JobTree
     return JobTree(launcher)
@@ -173,7 +173,7 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
     DISTBELIEF_TEST_NODES=N in ENV (by default the test process's environment) the job runs
     on N simulated nodes (simulated_nodes_launch).
     """
-    env = env or _env()
+    env = env or job_env()
     nodes = simulated_test_nodes(env)
     if nodes:
         extra, env = simulated_nodes_launch(nodes, env)
@@ -187,9 +187,9 @@ def run_mpi(n: int, args: list[str], timeout: float = 120, cwd: Path | None = No
         launched = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=cwd, env=env, start_new_session=True)
-        tree = _job_tree(proc.pid)
+        tree = job_tree(proc.pid)
         try:
-            out, err = _communicate(proc, timeout, tree)
+            out, err = communicate(proc, timeout, tree)
         except subprocess.TimeoutExpired:
             where = tree.describe()
             tree.dump_python_stacks()
@@ -237,7 +237,7 @@ def launcher_failed_to_start(status: int | None, stderr: str) -> bool:
 STUCK_LAUNCHER_S = 5.0
 
 
-def _communicate(proc: subprocess.Popen, timeout: float, tree: Any) -> tuple[str, str]:
+def communicate(proc: subprocess.Popen, timeout: float, tree: Any) -> tuple[str, str]:
     """proc.communicate(timeout), but a launcher that has collected none of its exited
     children for STUCK_LAUNCHER_S (seen with Open MPI 5.0.11's prterun after a lost shard's
     abort: distbelief.runtime.launching.stuck_launcher, which slurm/one_node.sbatch runs too) is
@@ -302,7 +302,7 @@ def start_in_background(cmd: list[str], log: Path) -> subprocess.Popen:
     Ctrl-C does), its output in LOG. End it with wait_or_kill."""
     with open(log, "w") as f:
         return subprocess.Popen(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT,
-                                env=_env(), start_new_session=True)
+                                env=job_env(), start_new_session=True)
 
 
 def wait_for_training(proc: subprocess.Popen, out: Path, log: Path) -> None:
@@ -322,7 +322,7 @@ def wait_or_kill(proc: subprocess.Popen, timeout: float = 60) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        tree = _job_tree(proc.pid)
+        tree = job_tree(proc.pid)
         tree.sample()
         tree.kill()
         proc.wait()

@@ -92,7 +92,7 @@ class JobTree:
     def dump_python_stacks(self, wait_s: float = 2.0) -> int:
         """SIGUSR2 to each live Python process of the job that started no Python process
         (a rank, or a rank's worker under its guardian): helpers/stack_dump (on conftest's
-        _env's PYTHONPATH) makes it print every thread's stack to its stderr, which the
+        job_env's PYTHONPATH) makes it print every thread's stack to its stderr, which the
         launcher forwards, and go on (none dies, so the launcher forwards every stack before
         the caller kills the job). Returns how many were signalled."""
         live = self.alive()

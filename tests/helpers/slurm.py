@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from distbelief.records.checkpoint import checkpoint_root, find_latest
-from helpers.mpi_jobs import REPO, _env
+from helpers.mpi_jobs import REPO, job_env
 
 SCRIPTS = {path.stem: path for path in sorted((REPO / "slurm").glob("*.sbatch"))}
 COMMON = REPO / "slurm" / "common.sh"  # what every script sources
@@ -40,7 +40,7 @@ class Job:
         self.shim_log.touch()
 
     def env(self, restarts: int, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in _env().items() if not k.startswith("SLURM_")}
+        env = {k: v for k, v in job_env().items() if not k.startswith("SLURM_")}
         python_dir = Path(sys.executable).parent
         if not (python_dir / "python3").exists():
             pytest.fail(f"the scripts run python3, but {python_dir} has none")

@@ -1,4 +1,4 @@
-"""Loaded by every Python process the tests start (conftest's _env puts this folder on
+"""Loaded by every Python process the tests start (conftest's job_env puts this folder on
 PYTHONPATH): SIGUSR2 prints every thread's stack to stderr and the process goes on.
 
 A timed-out MPI job's ranks are asked for their stacks this way (helpers.processes
