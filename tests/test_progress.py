@@ -262,6 +262,22 @@ def test_status_counts_down_to_the_target_at_the_trend(tmp_path):
                f"the current trend)" in describe(state).splitlines(), describe(state)
 
 
+def test_status_counts_down_to_a_loss_target_as_the_loss_falls(tmp_path):
+    """A falling metric's target (run.target_loss): the trend is the loss's, negated."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "owner.json").write_text(json.dumps(ownership.this_process()))
+    lines = [{"kind": kind, "time": t, "step": int(50 * t), "samples": int(1600 * t),
+              "loss": 0.5, **({"val_r2": 0.9, "val_loss": 1.0 - a} if kind == "eval" else {})}
+             for t, a in RISING for kind in ("train", "eval")]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (out / "config.json").write_text(json.dumps({"run": {"target_loss": 0.3}}))
+    state = run_status(out)
+    assert state["budget"]["eta_rule"] == "target loss 0.3 at the current trend", state
+    assert state["budget"]["seconds_left"] == pytest.approx(TO_70)
+    assert "last evaluation:   validation r2 0.9000" in describe(state)
+
+
 def test_status_of_a_live_run_shows_its_budget_and_eta(synthetic_folder):
     config = small_config_text(32, optimizer={"algorithm": "sgd"}, cluster=None,
                                run={"max_steps": None, "max_seconds": 25})

@@ -52,6 +52,7 @@ from distbelief.records.metrics import (
     ResumePoint,
     RunRecorder,
     Target,
+    target_of,
 )
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.launching.launcher import launcher_rank
@@ -289,15 +290,8 @@ def figures_of(network: Any) -> Any:
 
 
 def run_target(run: RunConfig) -> Target | None:
-    """The run's target (run.target_accuracy, run.target_loss, or run.target_metric and
-    run.target_value), or None."""
-    if run.target_accuracy is not None:
-        return Target("accuracy", run.target_accuracy)
-    if run.target_loss is not None:
-        return Target("loss", run.target_loss)
-    if run.target_metric is not None:
-        return Target(run.target_metric, float(run.target_value))
-    return None
+    """The run's target (records.metrics.target_of), or None."""
+    return target_of(vars(run))
 
 
 @dataclass(frozen=True)

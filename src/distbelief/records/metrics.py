@@ -137,6 +137,19 @@ class Target:
         return {"metric": self.metric, "value": self.value}
 
 
+def target_of(run: Any) -> Target | None:
+    """A run's target from its [run] values (a mapping: config.json's; a RunConfig's
+    vars): run.target_accuracy, run.target_loss, or run.target_metric with
+    run.target_value; None without one."""
+    if run.get("target_accuracy") is not None:
+        return Target("accuracy", float(run["target_accuracy"]))
+    if run.get("target_loss") is not None:
+        return Target("loss", float(run["target_loss"]))
+    if run.get("target_metric") is not None and run.get("target_value") is not None:
+        return Target(str(run["target_metric"]), float(run["target_value"]))
+    return None
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a resumed run picks up: the checkpoint's counters and training time so far."""

@@ -109,10 +109,10 @@ def _budget(run: dict[str, Any], lines: list[dict[str, Any]],
     the seconds left to the stop rule that comes first (metrics.next_stop: a budget at the
     step rate since the run last started or resumed, or the target at the evaluations'
     trend), and which rule that is."""
-    from distbelief.records.metrics import budget_fraction, eval_accuracy, next_stop
+    from distbelief.records.metrics import budget_fraction, eval_figures, next_stop, target_of
 
     max_steps, max_seconds = int(run.get("max_steps") or 0), float(run.get("max_seconds") or 0)
-    target = run.get("target_accuracy")
+    target = target_of(run)
     if not lines or not (max_steps or max_seconds or target is not None):
         return None
     last = lines[-1]
@@ -121,11 +121,17 @@ def _budget(run: dict[str, Any], lines: list[dict[str, Any]],
     spent = float(last.get("time", 0.0)) - float(first.get("time", 0.0))
     rate = (last["step"] - first["step"]) / spent if spent > 0 else 0.0
     elapsed = float(last.get("time", 0.0))
-    evals = [(float(x["time"]), eval_accuracy(x)) for x in lines
-             if x.get("kind") == "eval" and "time" in x and eval_accuracy(x) is not None]
+    evals = []  # (time, the target metric's value; a falling metric's negated: next_stop)
+    for x in lines:
+        value = eval_figures(x).get(target.metric) if target and x.get("kind") == "eval" \
+            else None
+        if value is not None and "time" in x:
+            evals.append((float(x["time"]), value if target.rises else -value))
     found = next_stop(last["step"], elapsed, max_steps, max_seconds, rate, target,
                       evals) if alive else None
-    return {"max_steps": max_steps, "max_seconds": max_seconds, "target_accuracy": target,
+    return {"max_steps": max_steps, "max_seconds": max_seconds,
+            "target_accuracy": run.get("target_accuracy"),
+            "target": None if target is None else target.to_dict(),
             "fraction": budget_fraction(last["step"], elapsed, max_steps, max_seconds),
             "seconds_left": None if found is None else found[0],
             "eta_rule": None if found is None else found[1]}
