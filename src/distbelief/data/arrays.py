@@ -19,7 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from distbelief.data.hdf5 import IMAGE_SCALE, TARGETS, DatasetInfo, DatasetWriter
+from distbelief.data.hdf5 import (
+    IMAGE_SCALE,
+    TARGETS,
+    DatasetInfo,
+    DatasetWriter,
+    non_finite_row,
+)
 from distbelief.errors import DataError
 
 # Rows are copied in blocks of about this many bytes of x: bounded memory, few HDF5 calls.
@@ -362,11 +368,10 @@ def _values(values: np.ndarray, name: str, rows: np.ndarray) -> np.ndarray:
         raise DataError(f"{name} has dtype {values.dtype}: values targets must be real numbers")
     with np.errstate(over="ignore"):  # a float64 too large for float32: reported below
         out = values.astype(np.float32)
-    finite = np.isfinite(out.reshape(len(out), -1)).all(axis=1)
-    if not finite.all():
-        at = int(np.argmin(finite))
-        bad = values.reshape(len(values), -1)[at][~np.isfinite(out.reshape(len(out), -1)[at])]
-        raise DataError(f"{name} row {int(rows[at])} holds {bad[0]}: targets must be finite "
+    at = non_finite_row(out)
+    if at is not None:  # the value as given: a float64 may be finite but too large
+        bad = np.asarray(values[at])[~np.isfinite(out[at])].flat[0]
+        raise DataError(f"{name} row {int(rows[at])} holds {bad}: targets must be finite "
                         f"float32 numbers (no NaN or infinity)")
     return out
 

@@ -222,6 +222,13 @@ def _check_labels(path: Path, y: h5py.Dataset, name: str, num_classes: int,
             raise DataError(f"{path}: /{name} has label {bad} outside [0, {num_classes})")
 
 
+def non_finite_row(values: np.ndarray) -> int | None:
+    """The first row (along the first axis) of `values` holding a NaN or an infinity, or
+    None when every value is finite."""
+    finite = np.isfinite(values.reshape(len(values), -1)).all(axis=1)
+    return None if finite.all() else int(np.argmin(finite))
+
+
 def _check_values(path: Path, y: h5py.Dataset, name: str,
                   part: tuple[int, int] = (0, 1)) -> None:
     """Every target of `part` (as in _check_labels) finite: one NaN would turn every
@@ -231,11 +238,9 @@ def _check_values(path: Path, y: h5py.Dataset, name: str,
     for start in range(first, stop, step):
         block = y[start : min(stop, start + step)]
         count_read(block)
-        rows = block.reshape(len(block), -1)
-        finite = np.isfinite(rows).all(axis=1)
-        if not finite.all():
-            row = int(np.argmin(finite))
-            bad = rows[row][~np.isfinite(rows[row])][0]
+        row = non_finite_row(block)
+        if row is not None:
+            bad = block[row][~np.isfinite(block[row])].flat[0]
             raise DataError(f"{path}: /{name} row {start + row} holds {bad}: targets must be "
                             f"finite numbers")
 
@@ -777,10 +782,10 @@ class DatasetWriter:
         if not np.issubdtype(y.dtype, np.floating):
             raise ValueError(f"{self.path}: {split} targets have dtype {y.dtype}, expected "
                              f"floats (targets 'values')")
-        finite = np.isfinite(y.reshape(len(y), -1)).all(axis=1)
-        if not finite.all():
-            raise ValueError(f"{self.path}: {split} row {start + int(np.argmin(finite))} holds "
-                             f"a target that is not a finite number")
+        row = non_finite_row(y)
+        if row is not None:
+            raise ValueError(f"{self.path}: {split} row {start + row} holds a target that is "
+                             f"not a finite number")
 
     def commit(self) -> DatasetInfo:
         """Publish the file at `path` (atomically) and return its validated description."""
