@@ -35,6 +35,7 @@ from typing import Any
 
 from distbelief.algorithms import registry
 from distbelief.errors import ConfigError, DataError
+from distbelief.model import losses
 from distbelief.options import (
     Key,
     Options,
@@ -74,13 +75,11 @@ SHARD_PLACEMENTS = ("spread", "ranks")
 0..S-1 as the job script placed them (distbelief.runtime.communicators.topology)."""
 
 
-LOSSES = ("cross_entropy", "mse", "binary_cross_entropy")
+LOSSES = tuple(losses.LOSSES)
 """model.loss: model.losses.LOSSES's names."""
-LOSS_METRICS = {"cross_entropy": ("accuracy",), "mse": ("r2", "rmse"),
-                "binary_cross_entropy": ("accuracy", "auc")}
-"""What each loss's evaluations report besides the loss (model.losses: Loss.metrics)."""
-TARGET_METRICS = ("loss", "accuracy", "r2", "rmse", "auc")
-"""run.target_metric: a figure an evaluation reports (which ones: LOSS_METRICS)."""
+TARGET_METRICS = ("loss", *dict.fromkeys(m for kind in losses.LOSSES.values()
+                                         for m in kind.metrics))
+"""run.target_metric: a figure an evaluation reports (which ones: each Loss.metrics)."""
 
 
 @dataclass(frozen=True)
@@ -770,7 +769,7 @@ def _check_loss_fits(values: dict, where: str) -> None:
     """The target names a figure the loss reports; model parallelism trains
     cross_entropy alone."""
     loss, run = values["model"]["loss"], values["run"]
-    reported = ("loss", *LOSS_METRICS[loss])
+    reported = ("loss", *losses.LOSSES[loss].metrics)
     metric = ("accuracy" if run["target_accuracy"] is not None else run["target_metric"])
     if metric is not None and metric not in reported:
         key = ("run.target_accuracy" if run["target_accuracy"] is not None
@@ -891,10 +890,8 @@ def build_network(config: Config, info: Any) -> Any:
 def data_loss(config: Config, info: Any) -> Any:
     """The run's model.loss (a model.losses.Loss) over the outputs the data's targets need,
     or a ConfigError when the loss does not fit those targets."""
-    from distbelief.model.losses import loss_for_data
-
     try:
-        return loss_for_data(config.model.loss, info.targets, info.num_classes, info.outputs)
+        return losses.loss_for_data(config.model.loss, info.targets, info.num_classes, info.outputs)
     except ConfigError as e:
         raise ConfigError(f"{e} (data {info.path}: {targets_text(info)})") from e
 

@@ -171,12 +171,12 @@ def run_recorder(config: Config, info: Any, stream: IO[str] | None,
     target, score, budget (for the ETA), the split its evaluations are on, and its
     collapse watch (on the data's class count: none for float targets, whose loss has no
     chance level)."""
-    from distbelief.config import LOSS_METRICS
+    from distbelief.model.losses import LOSSES
 
     run = config.run
     collapse = (CollapseWatch(info.num_classes, run.collapse_window_seconds)
                 if config.model.loss == "cross_entropy" else None)
-    score = "r2" if "r2" in LOSS_METRICS[config.model.loss] else "accuracy"
+    score = LOSSES[config.model.loss].score
     return RunRecorder(run.out_dir, run.progress_every_seconds, stream, start=start,
                        resume=resume, max_steps=run.max_steps, max_seconds=run.max_seconds,
                        eval_split=eval_split(info), collapse=collapse,
@@ -286,7 +286,7 @@ def evaluate_split(network: Any, params: np.ndarray, info: Any, split: str) -> E
 def figures_of(network: Any) -> Any:
     """What turns `network`'s tallies into figures (model.losses.Loss): its loss, or a
     model of one's own's evaluate (model.protocol.OwnModel.figures_of)."""
-    return getattr(network, "figures_of", None) or network.loss_fn
+    return network.figures_of
 
 
 def run_target(run: RunConfig) -> Target | None:

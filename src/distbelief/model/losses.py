@@ -9,9 +9,9 @@ Each loss has a **score**: the metric a run is judged by (the best model kept, t
 report's column, the default target, the collapse of a run), higher is better: accuracy,
 or r2 for mse. Its other metrics are recorded beside it.
 
-An evaluation is a `Tally`: additive statistics (rows, the loss's sum, hits, per-output
+An evaluation is first a tally: a float64 vector of additive statistics (rows, the loss's sum, hits, per-output
 sums, AUC histograms) that batches, blocks of a file and ranks add before the figures are
-computed once (`Loss.figures`), so a figure over many pieces is the figure of the whole.
+computed once (`Loss.evaluation`), so a figure over many pieces is the figure of the whole.
 AUC is read from histograms of the logit (AUC_BINS bins over [-AUC_LOGIT, AUC_LOGIT]), in
 which two outputs that share a bin count as a tie: exact to within the share of pairs that
 are that close.
@@ -33,6 +33,12 @@ AUC_BINS = 1024
 AUC_LOGIT = 16.0
 SCORES = ("accuracy", "r2")
 """Every loss's score is one of these (records name an evaluation's score key by it)."""
+
+
+def predicted_classes(outputs: np.ndarray) -> np.ndarray:
+    """Each row's class: its largest output, or with one output a row whether it is above
+    0.5 (a binary model's probability of class 1)."""
+    return outputs > 0.5 if outputs.ndim == 1 else outputs.argmax(axis=1)
 
 
 @dataclass(frozen=True)
@@ -115,8 +121,8 @@ class CrossEntropy(Loss):
 
     def tally(self, outputs, y, loss_sum, probabilities=False):
         labels = self.check_targets(y, len(outputs))
-        predicted = outputs > 0.5 if outputs.ndim == 1 else outputs.argmax(axis=1)
-        return np.array([len(labels), loss_sum, np.count_nonzero(predicted == labels)],
+        hits = np.count_nonzero(predicted_classes(outputs) == labels)
+        return np.array([len(labels), loss_sum, hits],
                         dtype=np.float64)
 
     def tally_size(self):
@@ -244,17 +250,14 @@ def make_loss(name: str, width: int) -> Loss:
 def loss_for_data(name: str, targets: str, num_classes: int, outputs: int) -> Loss:
     """The loss `name` for data whose y holds `targets` ("classes" or "values") with
     `outputs` outputs a row, or a ConfigError saying which loss the data needs."""
-    kind = LOSSES.get(name)
-    if kind is None:
-        make_loss(name, outputs)  # raises the error that lists them
-    assert kind is not None
+    kind = type(make_loss(name, outputs))  # a ConfigError listing them for another name
     if kind.targets == "classes" and targets != "classes":
         raise ConfigError(f"model.loss = {name!r} needs integer class labels, but the data's "
                           f"targets are float values; set model.loss = \"mse\" (regression) "
                           f"or \"binary_cross_entropy\" (0/1 targets)")
     if kind is MeanSquaredError and targets == "classes":
         raise ConfigError("model.loss = 'mse' needs float targets, but the data holds class "
-                          "labels; write the targets as floats (docs/data-format.md)")
+                          "labels; write the targets as floats (data/README.md)")
     if kind is BinaryCrossEntropy and targets == "classes":
         if num_classes != 2:
             raise ConfigError(f"model.loss = 'binary_cross_entropy' on class labels needs "

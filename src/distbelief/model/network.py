@@ -224,6 +224,11 @@ class Network:
         """The loss and the loss's metrics over all of x, y, in batches of `batch_size`."""
         return self.loss_fn.evaluation(self.tally(params, x, y, batch_size))
 
+    @property
+    def figures_of(self) -> Loss:
+        """What turns this network's tallies into figures: its loss."""
+        return self.loss_fn
+
     def tally(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
               batch_size: int = 1000) -> np.ndarray:
         """The loss's additive statistics over all of x, y (model.losses): tallies of

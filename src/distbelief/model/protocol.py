@@ -35,7 +35,7 @@ import numpy as np
 
 from distbelief.errors import UserError
 from distbelief.model.layout import DTYPE, ParamLayout
-from distbelief.model.losses import CrossEntropy, Evaluation, Loss
+from distbelief.model.losses import CrossEntropy, Evaluation, Loss, predicted_classes
 
 __all__ = ["ModelError", "OwnModel", "TrainableModel", "accuracy_of", "load_factory"]
 
@@ -99,6 +99,7 @@ class OwnModel:
         self.num_classes = int(num_classes)
         self.loss_fn = CrossEntropy(self.num_classes) if loss is None else loss
         self._probe_y = np.zeros(2, dtype=np.int64) if probe_y is None else probe_y
+        self._models_figures = _ModelsFigures(self.loss_fn)
         self.figures_of: Loss = self.loss_fn
         """What turns this model's tallies into figures: the loss, or _ModelsFigures when
         its own evaluate returns the score (tally sets it)."""
@@ -196,21 +197,19 @@ class OwnModel:
         from distbelief.model.network import evaluation_size
 
         evaluation_size(x, y, batch_size)  # a DataError for an empty or uneven set
-        tally = None
         scratch = np.empty(self.layout.size, dtype=DTYPE)
+        parts = []
         for start in range(0, len(y), batch_size):
             xb, yb = x[start:start + batch_size], y[start:start + batch_size]
             answer = self._answer(params, xb, yb, scratch)
             if self.loss_fn.score in answer:  # the model's figures, as they are
-                self.figures_of = _ModelsFigures(self.loss_fn)
-                part = self.figures_of.tally_of(answer, len(yb))
+                self.figures_of = self._models_figures
+                parts.append(self._models_figures.tally_of(answer, len(yb)))
             else:
                 self.figures_of = self.loss_fn
-                part = self.loss_fn.tally(self.logits(params, xb), yb,
-                                          answer["loss"] * len(yb), probabilities=True)
-            tally = part if tally is None else tally + part
-        assert tally is not None
-        return tally
+                parts.append(self.loss_fn.tally(self.logits(params, xb), yb,
+                                                answer["loss"] * len(yb), probabilities=True))
+        return np.sum(parts, axis=0)
 
     def _answer(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
                 scratch: np.ndarray) -> dict[str, float]:
@@ -315,10 +314,9 @@ class _ModelsFigures(Loss):
 
 
 def accuracy_of(outputs: np.ndarray, y: np.ndarray) -> float:
-    """The share of rows whose largest output is the row's integer label (one output per
-    row: whether it is above 0.5, a binary model's probability of class 1)."""
-    predicted = outputs > 0.5 if outputs.ndim == 1 else outputs.argmax(axis=1)
-    return float(np.count_nonzero(predicted == y)) / len(y)
+    """The share of rows whose predicted class (losses.predicted_classes) is the row's
+    integer label."""
+    return float(np.count_nonzero(predicted_classes(outputs) == y)) / len(y)
 
 
 def load_factory(spec: str) -> Any:

@@ -86,6 +86,7 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from distbelief.errors import DataError
+from distbelief.model.losses import SCORES
 from distbelief.records.collapse import CollapseWatch
 from distbelief.records.console import say
 from distbelief.records.tensorboard import open_events
@@ -417,10 +418,14 @@ class RunRecorder:
         self.close()
 
 
-SCORES = ("accuracy", "r2")
-"""The metrics a score can be (model.losses.SCORES; records does not import the model)."""
 FIGURES = ("accuracy", "r2", "rmse", "auc")
 """Every metric an evaluation may report besides its loss, in the order they are shown."""
+
+
+def line_score(line: dict[str, Any]) -> str:
+    """The score an evaluation line carries ("accuracy" when it has none)."""
+    return next((score for score in SCORES for prefix in ("val", "test")
+                 if f"{prefix}_{score}" in line), "accuracy")
 
 
 def eval_accuracy(line: dict[str, Any]) -> float | None:
@@ -479,8 +484,8 @@ def accuracy_name(lines_or_summary: Any) -> str:
     else:
         lines = list(lines_or_summary)
         validation = any(key.startswith("val_") for line in lines for key in line)
-        score = "r2" if any("val_r2" in line or "test_r2" in line for line in lines) \
-            else "accuracy"
+        score = next((line_score(line) for line in lines if line_score(line) != "accuracy"),
+                     "accuracy")
     return f"{'validation' if validation else 'test'} {score}"
 
 

@@ -30,7 +30,7 @@ CHECKPOINTS_DIR = "checkpoints"  # distbelief.records.checkpoint.CHECKPOINTS_DIR
 
 def run_status(out_dir: str | Path) -> dict[str, Any]:
     """The state of the run in out_dir as a JSON-ready dict (see describe for the text)."""
-    from distbelief.records.metrics import eval_accuracy, eval_loss, read_metrics
+    from distbelief.records.metrics import eval_accuracy, eval_loss, line_score, read_metrics
 
     out = Path(out_dir)
     if not out.is_dir():
@@ -65,8 +65,7 @@ def run_status(out_dir: str | Path) -> dict[str, Any]:
     state["last_samples"] = with_step[-1].get("samples") if with_step else None
     state["last_eval"] = ({"step": evals[-1].get("step"), "time": evals[-1].get("time"),
                            "accuracy": eval_accuracy(evals[-1]), "loss": eval_loss(evals[-1]),
-                           "score": "r2" if {"val_r2", "test_r2"} & set(evals[-1])
-                           else "accuracy",
+                           "score": line_score(evals[-1]),
                            "split": "validation" if "val_loss" in evals[-1] else "test",
                            **{k: evals[-1][k] for k in EVAL_KEYS if k in evals[-1]}}
                           if evals else None)
