@@ -8,8 +8,8 @@
 
 The script runs on every rank (`mpiexec -n 3 python my_script.py`, or plainly `python
 my_script.py` for one-process algorithms); each rank calls `train` the same way and gets
-the run's summary on the rank that wrote it (rank 0, or Sandblaster's coordinator), None
-on the others. Everything `distbelief train` does happens here too: the run folder, the
+the run's summary: the rank that wrote it (rank 0, or Sandblaster's coordinator) sends it
+to every rank still in the run at the end (None on a rank whose replica was lost). Everything `distbelief train` does happens here too: the run folder, the
 checkpoints and resume, stop rules, metrics and each algorithm's fault tolerance. A model
 of your own is any object with `init_params(rng)`, `loss_and_grad(params, x, y)` and
 `predict(params, x)` (distbelief.model.protocol; docs/your-own-model.md).
@@ -34,7 +34,8 @@ def train(config: str | Path | Mapping[str, Any], model: Any = None, *,
     or with `model`, a model of your own. `overrides` are `--set` texts
     ("section.key=value"); `resume` is "auto" (resume the run folder's newest checkpoint if
     there is one), "require" or "fresh". Returns the summary (summary.json's content) on
-    the rank that wrote it, None elsewhere. Collective: every rank calls it."""
+    every rank still in the run (None on a rank whose replica was lost, or whose writer
+    died). Collective: every rank calls it."""
     from distbelief.runtime.launching import launcher
     from distbelief.runtime.launching.guardian import start_mpi
 
@@ -46,7 +47,7 @@ def train(config: str | Path | Mapping[str, Any], model: Any = None, *,
     # Ctrl-C stops the run at the next step with a checkpoint, as `distbelief train` does;
     # the script's own handler is back when train returns.
     with interrupts_noted():
-        return launch.train(loaded, comm, resume, model=model)
+        return launch.train(loaded, comm, resume, model=model, everywhere=True)
 
 
 def _load(config: str | Path | Mapping[str, Any], overrides: Iterable[str],

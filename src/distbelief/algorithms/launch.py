@@ -25,10 +25,12 @@ __all__ = ["run", "train"]
 
 
 def train(config: Config, comm: Any = None, resume: str = "auto",
-          stream: IO[str] | None = sys.stdout, model: Any = None) -> dict[str, Any] | None:
+          stream: IO[str] | None = sys.stdout, model: Any = None,
+          everywhere: bool = False) -> dict[str, Any] | None:
     """Train `config` on the ranks of `comm` (None: this process, or MPI started here when
-    the algorithm needs ranks); the summary on the rank that wrote it, None elsewhere.
-    `resume` is one of common.RESUME_MODES; `model` a model of the user's own
+    the algorithm needs ranks); the summary on the rank that wrote it, None elsewhere, or
+    on every rank that is still in the run with `everywhere` (sent from the writer at the
+    end). `resume` is one of common.RESUME_MODES; `model` a model of the user's own
     (distbelief.model.protocol) for a config loaded with own_model. Claims run.out_dir and
     gives it back after the trainer's last write. Collective over `comm`; a UserError is
     raised on every rank."""
@@ -50,9 +52,9 @@ def train(config: Config, comm: Any = None, resume: str = "auto",
     owner = _claim_run_dir(config, comm)
     try:
         latest = _latest_checkpoint(config, comm, resume)
-        finished = _finished_run(config, comm, resume, latest, stream)
+        finished = _finished_run(config, comm, resume, latest, stream, everywhere)
         if finished is not None:
-            return finished or None  # the old summary on rank 0, None elsewhere
+            return finished or None  # the old summary on rank 0 (or everywhere), else None
         if not config.run.flush_subnormals:
             from distbelief.model.kernels import flush_subnormals
 
@@ -62,7 +64,7 @@ def train(config: Config, comm: Any = None, resume: str = "auto",
             return _train_here(config, algorithm, resume, setup, stream)
         # Not freed at the end: MPI_Comm_free is collective, and a lost rank never comes.
         return _train_on(config, algorithm, _place_shards(config, comm, stream), resume,
-                         setup, stream)
+                         setup, stream, everywhere)
     finally:
         if owner is not None:
             owner.release()
@@ -190,10 +192,10 @@ def _latest_checkpoint(config: Config, comm: Any, resume: str) -> Any:
 
 
 def _finished_run(config: Config, comm: Any, resume: str, latest: Any,
-                  stream: IO[str] | None) -> dict[str, Any] | None:
+                  stream: IO[str] | None, everywhere: bool = False) -> dict[str, Any] | None:
     """The summary of a finished run that this rerun leaves untouched, on rank 0 ({} on the
-    other ranks); None when there is training to do. Collective over `comm` (rank 0
-    decides: distbelief.algorithms.common.finished_run)."""
+    other ranks, or the summary too with `everywhere`); None when there is training to do.
+    Collective over `comm` (rank 0 decides: distbelief.algorithms.common.finished_run)."""
     from distbelief.algorithms.common import finished_run
 
     rank = 0 if comm is None else comm.Get_rank()
@@ -202,6 +204,8 @@ def _finished_run(config: Config, comm: Any, resume: str, latest: Any,
         return summary
     from distbelief.runtime.communicators.agreement import bcast_after_barrier
 
+    if everywhere:
+        return bcast_after_barrier(comm, summary)
     done = bcast_after_barrier(comm, summary is not None)
     return (summary if rank == 0 else {}) if done else None
 
@@ -242,9 +246,11 @@ def _train_here(config: Config, algorithm: registry.Algorithm, resume: str,
 
 
 def _train_on(config: Config, algorithm: registry.Algorithm, comm: Any, resume: str,
-              setup: RunSetup, stream: IO[str] | None) -> dict[str, Any] | None:
+              setup: RunSetup, stream: IO[str] | None,
+              everywhere: bool = False) -> dict[str, Any] | None:
     """The trainer on the ranks of `comm`, then every rank's peak memory and the final
-    test (on the rank that wrote the summary). Collective over `comm`."""
+    test (on the rank that wrote the summary), and with `everywhere` the summary sent from
+    there to every rank still in the run. Collective over `comm`."""
     from distbelief.algorithms.common import final_test
 
     predicted = _check_memory(config, setup, comm)
@@ -252,7 +258,30 @@ def _train_on(config: Config, algorithm: registry.Algorithm, comm: Any, resume: 
     trainer = algorithm.load_trainer(config.cluster.partitions, vars(config.optimizer))
     summary = trainer(config, comm, resume=resume, setup=setup)
     summary = _gather_peak_memory(config, setup.topology, comm, summary, predicted, stream)
-    return None if summary is None else final_test(config, summary, stream, setup.network)
+    if summary is not None:
+        summary = final_test(config, summary, stream, setup.network)
+    return _shared(setup.topology, comm, summary) if everywhere else summary
+
+
+def _shared(topology: Any, comm: Any, summary: dict[str, Any] | None) -> Any:
+    """The summary, from the rank that wrote it, on every rank still in the run (None on a
+    rank whose replica was lost)."""
+    from distbelief.runtime import memory
+    from distbelief.runtime.communicators.agreement import share_from_writer
+
+    return share_from_writer(comm, _writer(topology), summary, _lost_ranks(summary),
+                             memory.is_written_off())
+
+
+def _writer(topology: Any) -> int:
+    """The rank that writes summary.json: Sandblaster's coordinator, else rank 0."""
+    return topology.coordinator_rank if topology.coordinator else 0
+
+
+def _lost_ranks(summary: dict[str, Any] | None) -> list[int]:
+    """The ranks of the replicas the summary lists as lost (empty off the writer)."""
+    return [rank for entry in (summary or {}).get("lost_replicas", [])
+            if isinstance(entry, dict) for rank in entry.get("ranks", [])]
 
 
 def _check_memory(config: Config, setup: RunSetup, comm: Any) -> int | None:
@@ -298,11 +327,9 @@ def _gather_peak_memory(config: Config, topology: Any, comm: Any,
     (point-to-point, waiting a bounded time: runtime.memory.gather_peak_rss)."""
     from distbelief.runtime.memory import gather_peak_rss
 
-    writer = topology.coordinator_rank if topology.coordinator else 0
     role = topology.describe_rank(topology.world_rank).partition("(")[2].rstrip(")")
-    lost = [rank for entry in (summary or {}).get("lost_replicas", [])
-            if isinstance(entry, dict) for rank in entry.get("ranks", [])]
-    figures = gather_peak_rss(comm, writer, role, skip=lost, predicted=predicted)
+    figures = gather_peak_rss(comm, _writer(topology), role, skip=_lost_ranks(summary),
+                              predicted=predicted)
     if summary is None or figures is None:
         return summary
     return _with_peak_memory(config, summary, figures, stream)

@@ -37,6 +37,11 @@ def written_off() -> None:
     _written_off = True
 
 
+def is_written_off() -> bool:
+    """Whether `written_off` was called in this process."""
+    return _written_off
+
+
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 

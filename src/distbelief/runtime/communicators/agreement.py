@@ -187,3 +187,55 @@ def agree(comm: MPI.Comm, setup: Callable[[], Any]) -> Any:
     if errors:
         raise UserError(errors[0])  # the lowest rank's, so that rank 0 prints one message
     return result
+
+
+SHARE_TAG = 0x73756D  # "sum": the end-of-run value sent from the writer to every rank
+SHARE_WAIT_S = 10.0
+"""How long the writer waits for its sends in `share_from_writer` to complete (each rank
+posted its receive when its trainer returned, so they are close)."""
+
+
+def share_from_writer(comm: MPI.Comm, writer: int, value: object,
+                      skip: Sequence[int] = (), written_off: bool = False) -> object:
+    """`value` from rank `writer` of `comm` on every rank but those in `skip` (known lost),
+    after a run. Point-to-point, never a collective: a rank may be gone by then. The
+    writer waits at most SHARE_WAIT_S for its sends; the others wait, polled with back-off
+    sleeps, for as long as the writer takes (it may still be evaluating the test set),
+    and get None if the writer is gone. A rank `written_off` (its replica was lost) is
+    not sent to and gets None at once."""
+    rank = comm.Get_rank()
+    if rank == writer:
+        _send_to_all(comm, value, [r for r in range(comm.Get_size())
+                                   if r != writer and r not in set(skip)])
+        return value
+    if written_off or rank in set(skip):
+        return None
+    backoff = Backoff(*WAIT_SLEEP_S)
+    try:
+        while (message := comm.improbe(source=writer, tag=SHARE_TAG)) is None:
+            backoff.wait()
+        return message.recv()  # a matched probe: any size, no buffer guessed
+    except MPI.Exception:  # the writer is gone: what it wrote is on disk, if anything
+        return None
+
+
+def _send_to_all(comm: MPI.Comm, value: object, ranks: Sequence[int]) -> None:
+    requests = []
+    for rank in ranks:
+        try:
+            requests.append(comm.isend(value, dest=rank, tag=SHARE_TAG))
+        except MPI.Exception:  # a rank that died: left out
+            pass
+    deadline = time.monotonic() + SHARE_WAIT_S
+    backoff = Backoff(*WAIT_SLEEP_S)
+    while requests and time.monotonic() < deadline:
+        still = []
+        for request in requests:
+            try:
+                if not request.Test():
+                    still.append(request)
+            except MPI.Exception:
+                pass
+        requests = still
+        if requests:
+            backoff.wait()
