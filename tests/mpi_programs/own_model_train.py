@@ -8,7 +8,6 @@ is finished, so the second call returns the same summary untouched, on every ran
 import sys
 
 import own_models
-
 from mpi4py import MPI
 
 import distbelief
