@@ -188,8 +188,10 @@ class Network:
             self.seed, spawn_key=(DROPOUT_STREAM, step, layer)))
 
     def loss_and_grad(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
-                      grad: np.ndarray) -> float:
-        """Mean loss over the batch; writes the full flat gradient into `grad` in place."""
+                      grad: np.ndarray, dinput: np.ndarray | None = None) -> float:
+        """Mean loss over the batch; writes the full flat gradient into `grad` in place,
+        and the gradient with respect to x (N, input size) into `dinput` when given (a
+        layer below this network, model.sparse_network's, needs it)."""
         param_views = self._views(params, "params")
         grad_views = self._views(grad, "grad")
         if np.may_share_memory(params, grad):
@@ -199,8 +201,8 @@ class Network:
         douts = self._douts.rows(inputs.shape[0])
         loss = self.loss_fn.loss_and_dout(outputs[-1], y, douts[-1])
         for i in reversed(range(len(self.layers))):
-            # The first layer's input gradient is never needed: skip that GEMM.
-            below, dbelow = (outputs[i - 1], douts[i - 1]) if i > 0 else (inputs, None)
+            # The first layer's input gradient is rarely needed: skip that GEMM without dinput.
+            below, dbelow = (outputs[i - 1], douts[i - 1]) if i > 0 else (inputs, dinput)
             (weights, _), (dweights, dbias) = param_views[i], grad_views[i]
             self.layers[i].backward(below, outputs[i], douts[i], weights, dweights, dbias,
                                     dbelow, saved[i])

@@ -1,0 +1,134 @@
+"""Sparse models (model.sparse_network): gradients against finite differences for every
+first layer and combine, the init stream, and the configuration's errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from distbelief.data.sparse import SparseRows
+from distbelief.errors import ConfigError, DataError
+from distbelief.model.losses import make_loss
+from distbelief.model.sparse_network import SparseNetwork
+
+SOFTMAX_3 = {"type": "dense", "units": 3, "activation": "softmax"}
+
+
+def sparse_rows(rng: np.random.Generator, n: int, features: int, nnz: int = 5) -> SparseRows:
+    x = np.zeros((n, features), np.float32)
+    for i in range(n):
+        if i != 2:  # row 2 stays empty: a row with no features is an example too
+            x[i, rng.choice(features, nnz, replace=False)] = rng.normal(size=nnz)
+    return SparseRows.from_dense(x)
+
+
+def worst_gradient_error(net: SparseNetwork, x, y, rng: np.random.Generator) -> float:
+    """The largest relative difference between the gradient and central differences, over
+    the touched coordinates and random ones (untouched table rows must be exactly 0)."""
+    params = net.init_params(3) + rng.normal(scale=0.3, size=net.layout.size).astype(np.float32)
+    grad = np.full(net.layout.size, np.nan, np.float32)  # every value must be written
+    net.loss_and_grad(params, x, y, grad)
+    worst = 0.0
+    for i in np.r_[np.flatnonzero(grad)[:40], rng.integers(0, params.size, 40)]:
+        up, down = params.copy(), params.copy()
+        up[i] += 1e-2
+        down[i] -= 1e-2
+        numeric = (net.loss(up, x, y) - net.loss(down, x, y)) / 2e-2
+        worst = max(worst, abs(numeric - grad[i]) / max(1e-2, abs(numeric) + abs(grad[i])))
+    return worst
+
+
+MODELS = {
+    "sparse_linear logistic": ("sparse", [{"type": "sparse_linear", "units": 1,
+                                           "activation": "sigmoid"}], "binary_cross_entropy"),
+    "sparse_linear and a tower": ("sparse", [{"type": "sparse_linear", "units": 4,
+                                              "activation": "tanh"}, SOFTMAX_3], None),
+    "bag mean": ("sparse", [{"type": "embedding", "dim": 4, "combine": "mean"}, SOFTMAX_3],
+                 None),
+    "fields concat": ("ids", [{"type": "embedding", "dim": 3},
+                              {"type": "dense", "units": 5, "activation": "relu"}, SOFTMAX_3],
+                      None),
+    "fields sum": ("ids", [{"type": "embedding", "dim": 3, "combine": "sum"}, SOFTMAX_3], None),
+    "fields mean": ("ids", [{"type": "embedding", "dim": 3, "combine": "mean"}, SOFTMAX_3],
+                    None),
+    "fields hashed": ("ids", [{"type": "embedding", "dim": 2, "rows": 4}, SOFTMAX_3], None),
+    "matrix factorisation": ("ids", [{"type": "embedding", "dim": 4, "combine": "dot"}],
+                             "mse"),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_gradient_matches_central_differences(name: str) -> None:
+    rng = np.random.default_rng(0)
+    kind, layers, loss_name = MODELS[name]
+    fields = 2 if loss_name == "mse" else 3
+    id_rows = (7, 5, 9)[:fields]
+    if kind == "sparse":
+        x, shape = sparse_rows(rng, 16, 30), (30,)
+    else:
+        x = np.stack([rng.integers(0, rows, 16) for rows in id_rows], 1)
+        shape = (fields,)
+    if loss_name == "mse":
+        y, loss = rng.normal(size=16).astype(np.float32), make_loss("mse", 1)
+    elif loss_name:
+        y, loss = rng.integers(0, 2, 16).astype(np.float32), make_loss(loss_name, 1)
+    else:
+        y, loss = rng.integers(0, 3, 16).astype(np.int32), make_loss("cross_entropy", 3)
+    net = SparseNetwork(kind, shape, layers, loss.width, loss=loss, id_rows=id_rows)
+    assert worst_gradient_error(net, x, y, rng) < 2e-3
+
+
+def test_untouched_table_rows_get_no_gradient_and_no_update_from_a_batch() -> None:
+    rng = np.random.default_rng(1)
+    net = SparseNetwork("ids", (2,), [{"type": "embedding", "dim": 4, "combine": "dot"}], 1,
+                        loss=make_loss("mse", 1), id_rows=(50, 60))
+    x = np.array([[3, 7], [3, 9], [11, 7]])
+    params = net.init_params(0)
+    grad = np.empty_like(params)
+    net.loss_and_grad(params, x, rng.normal(size=3).astype(np.float32), grad)
+    (users, _, _), (items, _, _) = net.tables
+    touched_users = np.flatnonzero(np.abs(grad[users:users + 200].reshape(50, 4)).sum(1))
+    touched_items = np.flatnonzero(np.abs(grad[items:items + 240].reshape(60, 4)).sum(1))
+    assert touched_users.tolist() == [3, 11] and touched_items.tolist() == [7, 9]
+
+
+def test_a_slice_of_the_initial_vector_is_drawn_alone_bit_for_bit() -> None:
+    net = SparseNetwork("ids", (3,), [{"type": "embedding", "dim": 3},
+                                      {"type": "dropout", "rate": 0.5}, SOFTMAX_3], 3,
+                        id_rows=(7, 5, 9))
+    whole = net.init_params(11)
+    assert not np.array_equal(whole, net.init_params(12))
+    for start, stop in [(0, whole.size), (3, 40), (20, 80), (60, whole.size), (5, 5)]:
+        assert np.array_equal(net.init_slice(11, start, stop), whole[start:stop])
+
+
+@pytest.mark.parametrize("kind, layers, message", [
+    ("ids", [{"type": "sparse_linear", "units": 3, "activation": "softmax"}],
+     "needs sparse features"),
+    ("sparse", [{"type": "embedding", "dim": 3, "combine": "concat"}, SOFTMAX_3],
+     'combine = "sum" or "mean"'),
+    ("ids", [{"type": "embedding", "dim": 3, "combine": "dot", "activation": "softmax"}],
+     "takes two id fields"),
+    ("ids", [{"type": "embedding", "dim": 3, "combine": "max"}, SOFTMAX_3],
+     "key 'combine' must be one of"),
+    ("ids", [{"type": "embedding", "dim": 0}, SOFTMAX_3], "key 'dim' must be a positive"),
+    ("ids", [{"type": "embedding", "dim": 2, "size": 3}, SOFTMAX_3], "unknown key 'size'"),
+    ("ids", [{"type": "embedding", "dim": 2, "activation": "softmax"}],
+     "the output layer has 6 outputs"),
+    ("sparse", [{"type": "sparse_linear", "units": 3, "activation": "relu"}],
+     "of the output layer must be 'softmax'"),
+])
+def test_a_wrong_sparse_layer_is_one_config_error(kind: str, layers: list, message: str):
+    shape = (30,) if kind == "sparse" else (3,)
+    with pytest.raises(ConfigError, match=message):
+        SparseNetwork(kind, shape, layers, 3, id_rows=(7, 5, 9))
+
+
+def test_input_of_the_wrong_kind_is_a_data_error() -> None:
+    net = SparseNetwork("sparse", (30,), [{"type": "sparse_linear", "units": 3,
+                                           "activation": "softmax"}], 3)
+    params = net.init_params(0)
+    with pytest.raises(DataError, match="sparse rows of 30 features"):
+        net.logits(params, np.zeros((2, 30), np.float32))
+    with pytest.raises(DataError, match="sparse rows of 30 features"):
+        net.logits(params, SparseRows.from_dense(np.ones((2, 29), np.float32)))
