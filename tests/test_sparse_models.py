@@ -132,3 +132,44 @@ def test_input_of_the_wrong_kind_is_a_data_error() -> None:
         net.logits(params, np.zeros((2, 30), np.float32))
     with pytest.raises(DataError, match="sparse rows of 30 features"):
         net.logits(params, SparseRows.from_dense(np.ones((2, 29), np.float32)))
+
+
+@pytest.mark.parametrize("rule", ["adagrad", "sgd", "momentum", "adam"])
+def test_step_at_updates_the_touched_coordinates_as_step_does_and_no_others(rule: str):
+    from distbelief.model import optimizers
+
+    rng = np.random.default_rng(2)
+    make = {"adagrad": lambda: optimizers.Adagrad(50, 0.1),
+            "sgd": lambda: optimizers.SGD(0.1),
+            "momentum": lambda: optimizers.Momentum(50, 0.1),
+            "adam": lambda: optimizers.Adam(50, 0.1)}[rule]
+    whole, part = make(), make()
+    params = rng.normal(size=50).astype(np.float32)
+    index = np.array([3, 17, 18, 40])
+    for update in range(3):
+        grad = rng.normal(size=50).astype(np.float32)
+        masked = np.zeros_like(grad)
+        masked[index] = grad[index]
+        expected = params.copy()
+        whole.step(expected, masked, update=update)
+        before = params.copy()
+        part.step_at(params, grad, index, update=update)  # grad elsewhere is ignored
+        assert np.allclose(params[index], expected[index], rtol=1e-6)
+        untouched = np.setdiff1d(np.arange(50), index)
+        assert np.array_equal(params[untouched], before[untouched])
+        for name, array in part.state().items():
+            assert np.allclose(array[index], whole.state()[name][index], rtol=1e-6)
+            assert len(array) == 50  # the live state is bound back after the update
+
+
+def test_touched_names_the_batch_rows_and_everything_outside_the_tables() -> None:
+    net = SparseNetwork("ids", (2,), [{"type": "embedding", "dim": 2, "combine": "dot"}], 1,
+                        loss=make_loss("mse", 1), id_rows=(5, 6))
+    params, grad = net.init_params(0), np.empty(net.layout.size, np.float32)
+    net.loss_and_grad(params, np.array([[1, 4], [3, 4]]), np.zeros(2, np.float32), grad)
+    (users, _, _), (items, _, _) = net.tables
+    bias = net.layout.entry(0, "bias").offset
+    assert sorted(net.touched()) == [users + 2, users + 3, users + 6, users + 7,
+                                     items + 8, items + 9, bias]
+    assert np.array_equal(np.flatnonzero(grad), np.flatnonzero(
+        np.isin(np.arange(net.layout.size), net.touched()) & (grad != 0)))

@@ -321,7 +321,12 @@ def _step(network: Any, shared: SharedState, replica: Replica, grad: np.ndarray,
     replica.faults.poison(replica.steps + 1, grad)
     # The schedule counts the updates of every replica, as they published them (a plain
     # racy read, as everything here: an update or two behind at most).
-    replica.optimizer.step(shared.params, grad, update=int(shared.words[:, STEPS].sum()))
+    update = int(shared.words[:, STEPS].sum())
+    touched = network.touched()
+    if touched is None:
+        replica.optimizer.step(shared.params, grad, update=update)
+    else:  # a sparse model: its batch's rows alone, or others' updates to the rest are lost
+        replica.optimizer.step_at(shared.params, grad, touched, update=update)
     replica.steps += 1
     replica.samples += len(y)
     replica.loss_sum += float(loss)

@@ -209,6 +209,11 @@ class Network:
         self.step += 1
         return float(loss)
 
+    def touched(self) -> None:
+        """Which coordinates a step's gradient may be non-zero at: all of them (None); a
+        sparse model (model.sparse_network) names its batch's rows."""
+        return None
+
     def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         """Mean loss over the batch."""
         _, outputs, _ = self._forward(self._views(params, "params"), x)

@@ -190,6 +190,35 @@ class ShardRule:
         for a rule that keeps no such count (every one but AdaRevision)."""
         return None
 
+    elementwise: ClassVar[bool] = False
+    """True for a rule whose update of a coordinate reads only that coordinate's
+    parameter, gradient and state (Adagrad, SGD, Momentum, Adam): step_at can then update
+    a few coordinates alone."""
+
+    def step_at(self, params: np.ndarray, grad: np.ndarray, index: np.ndarray, *,
+                update: int | None = None) -> None:
+        """step() on the coordinates `index` (distinct) of params, grad and the state
+        only: gathered, updated and written back. A sparse model's step touches a few
+        rows of its tables, and writing the others back unchanged would undo the updates
+        other Hogwild workers made to them meanwhile. Each state array is an attribute
+        of the rule named as in state() (Hogwild binds its shared arrays the same way)."""
+        if not self.elementwise:
+            raise ValueError(f"{type(self).__name__} updates the whole vector at once; it "
+                             f"cannot update a sparse model's touched rows alone")
+        live = self.state()
+        compact = {name: array[index] for name, array in live.items()}
+        values = params[index]
+        try:
+            for name, array in compact.items():
+                setattr(self, name, array)
+            self.step(values, np.ascontiguousarray(grad[index]), update=update)
+        finally:
+            for name, array in live.items():
+                setattr(self, name, array)
+        params[index] = values
+        for name, array in compact.items():
+            live[name][index] = array
+
 
 class _Scheduled(ShardRule):
     """What every optimizer on a schedule shares: the schedule, and the rate of one update."""
@@ -236,6 +265,8 @@ class Adagrad(_Scheduled):
     no weight decay.
     """
 
+    elementwise = True
+
     def __init__(self, size: int, learning_rate: float | Schedule, eps: float = 1e-10) -> None:
         self.size = _check_size(size)
         self.schedule = _schedule(learning_rate)
@@ -275,6 +306,8 @@ class Adagrad(_Scheduled):
 class SGD(_Scheduled):
     """Plain SGD: param -= lr * g, lr the schedule's rate for this update (`learning_rate`:
     a number, or a Schedule). It has no state."""
+
+    elementwise = True
 
     def __init__(self, learning_rate: float | Schedule) -> None:
         self.schedule = _schedule(learning_rate)
@@ -474,6 +507,8 @@ class Momentum(_Scheduled):
     weight decay: buf = momentum * buf + g; param -= lr * buf (Nesterov: lr * (g + momentum
     * buf)). buf starts at zero, so the first update is torch's (buf = g)."""
 
+    elementwise = True
+
     def __init__(self, size: int, learning_rate: float | Schedule, momentum: float = 0.9,
                  nesterov: bool = False) -> None:
         self.size = _check_size(size)
@@ -576,6 +611,8 @@ class Adam(_Scheduled):
     m and v are the moving averages of g and g**2, bias-corrected by the update's number.
     It needs that number: step(update=n) is update n + 1 of the run (a parameter-server
     shard counts the gradients it applied, a trainer its steps, both in checkpoints)."""
+
+    elementwise = True
 
     def __init__(self, size: int, learning_rate: float | Schedule, beta1: float = 0.9,
                  beta2: float = 0.999, eps: float = 1e-8) -> None:

@@ -225,6 +225,11 @@ class SparseNetwork:
         self.layout = ParamLayout(own + tower_entries)
         self._tower_offset = sum(math.prod(shape) for _, _, shape in own)
         self._split_cache: dict[str, tuple[np.ndarray, list, np.ndarray]] = {}
+        bias = self.layout.entry(0, "bias")
+        # Every coordinate outside the tables: the first layer's bias, then the tower.
+        self._dense_index = np.r_[np.arange(bias.offset, bias.stop),
+                                  np.arange(self._tower_offset, self.layout.size)]
+        self._touched = self._dense_index
 
     @property
     def layers(self) -> list[Any]:
@@ -344,7 +349,16 @@ class SparseNetwork:
                 dtables, found, self.input_layer.combine_backward(x, found, rows, dz)):
             dtable[...] = 0
             dtable[look.ids] = drows  # each id once: written, not accumulated
+        self._touched = np.concatenate([self._dense_index, *(
+            (offset + look.ids[:, None] * width + np.arange(width)).ravel()
+            for (offset, _, width), look in zip(self.tables, found))])
         return float(loss)
+
+    def touched(self) -> np.ndarray:
+        """The coordinates whose gradient the last loss_and_grad may have made non-zero:
+        the batch's rows of each table and every coordinate outside the tables (distinct,
+        for optimizers' step_at)."""
+        return self._touched
 
     def logits(self, params: np.ndarray, x: Any) -> np.ndarray:
         """The output layer's values before the loss's activation, (N, num_classes)."""
