@@ -212,7 +212,7 @@ class Network:
     def touched(self) -> None:
         """Which coordinates a step's gradient may be non-zero at: all of them (None); a
         sparse model (model.sparse_network) names its batch's rows."""
-        return None
+        return
 
     def loss(self, params: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         """Mean loss over the batch."""

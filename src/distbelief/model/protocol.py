@@ -175,7 +175,7 @@ class OwnModel:
 
     def touched(self) -> None:
         """A model of your own's gradient may be non-zero anywhere (None: all of it)."""
-        return None
+        return
 
     def logits(self, params: np.ndarray, x: np.ndarray) -> np.ndarray:
         """The model's outputs for `x`, one row per input row."""
