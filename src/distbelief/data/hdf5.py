@@ -23,8 +23,31 @@ so that reading a block of rows reads only the chunks that hold them, and add Fl
 checksums to every chunk, so flipped bytes raise an error instead of becoming silent bad
 pixels. Readers accept files without either (e.g. written by hand with h5py).
 
+Sparse features (issue 44; docs/sparse-models.md). A root attribute `features` says what
+x holds: "dense" (the default when absent: everything above), or one of two kinds for
+sparse models, whose y is as above and whose splits follow the same rules (/val included):
+
+    features = "sparse"   root attribute n_features (int >= 1): the feature ids' table size
+    /split/x              a GROUP, compressed sparse rows (scipy.sparse's CSR):
+      indptr   (N + 1,)   int64, 0 first, the number of entries last, non-decreasing;
+                          row i's entries are [indptr[i], indptr[i + 1])
+      indices  (nnz,)     int32 feature ids in [0, n_features) (int64 where n_features
+                          > 2**31 - 1)
+      values   (nnz,)     float32, finite
+    input_shape = (n_features,); readers give x as a data.sparse.SparseRows.
+
+    features = "ids"      root attribute id_rows: int64 array, one table size per field
+    /split/x              (N, fields) int32 ids (int64 where a table has more than
+                          2**31 - 1 rows); field f's ids are in [0, id_rows[f])
+    input_shape = (fields,); readers give x as int64 (never floats, never scaled).
+
+Neither kind has a `scale`. A file may also hold a group /planted (synthetic_sparse.py's
+planted model), which readers ignore. Reading a block of sparse rows reads its slice of
+indptr, then only the indices and values that slice spans.
+
 `open_dataset` validates everything that is cheap to check (structure, shapes, dtypes,
-attributes, every label's range or every value's finiteness) and returns a `DatasetInfo`.
+attributes, every label's range or every value's finiteness; for sparse x also every
+offset, id and value, for ids x every id's range) and returns a `DatasetInfo`.
 `TrainShard` holds one rank's contiguous block of training rows in memory, in the stored
 dtype, and serves minibatches.
 Every problem with a file is a `DataError` whose one-line message names the file.
@@ -46,6 +69,9 @@ from typing import Any, NamedTuple, Self
 import h5py
 import numpy as np
 
+from distbelief.data import features as kinds
+from distbelief.data.features import Features
+from distbelief.data.sparse import SparseRows, index_dtype
 from distbelief.errors import DataError
 from distbelief.model.layout import balanced_ranges
 from distbelief.runtime import counters
@@ -64,6 +90,8 @@ IMAGE_SCALE = 1.0 / 255.0
 # Aim for chunks of about this many bytes: big enough that HDF5's per-chunk overhead is
 # negligible, small enough that a shard boundary drags in little foreign data.
 CHUNK_BYTES = 256 * 1024
+DENSE = Features()
+"""The Features of a dense file (no `features` attribute)."""
 # What h5py raises for a damaged file (found by flipping random bytes of valid files):
 # OSError for unreadable metadata or a failed chunk checksum, RuntimeError or KeyError for
 # damaged object headers, ValueError or TypeError for a damaged datatype.
@@ -107,6 +135,33 @@ class DatasetInfo:
     num_classes is 0)."""
     target_shape: tuple[int, ...] = ()
     """The per-row shape of y: () for (N,), (k,) for (N, k) ("values" only)."""
+    features: str = "dense"
+    """What x holds: "dense" arrays, "sparse" CSR rows of input_shape[0] features (readers
+    give data.sparse.SparseRows), or "ids", one integer id per field (readers give int64
+    (N, fields))."""
+    id_rows: tuple[int, ...] = ()
+    """"ids" only: each field's table size (field f's ids are in [0, id_rows[f]))."""
+    nnz_per_row: float = 0.0
+    """"sparse" only: the average number of stored entries in a row of /train."""
+
+    @property
+    def stored_row_bytes(self) -> int:
+        """Bytes of one row of x as a training shard holds it: the stored dtype for dense
+        rows, indices, values and an indptr entry (average) for sparse ones, int64 ids."""
+        if self.features == "sparse":
+            entry = index_dtype(self.input_shape[0]).itemsize + 4
+            return math.ceil(entry * self.nnz_per_row) + 8
+        if self.features == "ids":
+            return 8 * self.input_shape[0]
+        return math.prod(self.input_shape) * np.dtype(self.stored_dtype).itemsize
+
+    @property
+    def input_row_bytes(self) -> int:
+        """Bytes of one row of x as a model takes it (a batch's, the evaluation set's): a
+        dense row as float32, a sparse or ids row as stored_row_bytes."""
+        if self.features == "dense":
+            return 4 * math.prod(self.input_shape)
+        return self.stored_row_bytes
 
     @property
     def outputs(self) -> int:
@@ -274,13 +329,17 @@ class _Split(NamedTuple):
     stored_dtype: str
     scale: float
     target_shape: tuple[int, ...]
+    nnz: int = 0
+    """Stored entries of sparse x."""
 
 
 def _check_split(path: Path, f: h5py.File, split: str, num_classes: int,
                  labels: bool = True, part: tuple[int, int] = (0, 1),
-                 targets: str = "classes") -> _Split:
+                 targets: str = "classes", kind: Features = DENSE) -> _Split:
     """Validate /split/x and /split/y (with `labels`, every label's range, or for values
-    every target's finiteness, of `part` too)."""
+    every target's finiteness, of `part` too; and the content of sparse or ids x)."""
+    if kind.kind != "dense":
+        return _check_coded_split(path, f, split, num_classes, labels, part, targets, kind)
     x = _get_dataset(path, f, f"{split}/x")
     y = _get_dataset(path, f, f"{split}/y")
     if x.ndim < 2:
@@ -299,6 +358,36 @@ def _check_split(path: Path, f: h5py.File, split: str, num_classes: int,
     elif labels:
         _check_values(path, y, f"{split}/y", part)
     return _Split(x.shape[0], tuple(int(d) for d in x.shape[1:]), dtype, scale, target_shape)
+
+
+def _check_coded_split(path: Path, f: h5py.File, split: str, num_classes: int, labels: bool,
+                       part: tuple[int, int], targets: str, kind: Features) -> _Split:
+    """_check_split for sparse or ids x (data.features): x's structure, y as for dense
+    files, and with `labels` the content of `part` of both."""
+    nnz = 0
+    if kind.kind == "sparse":
+        rows, nnz = kinds.check_sparse_x(path, f, split, kind.n_features)
+        input_shape, dtype = (kind.n_features,), "float32"
+    else:
+        rows = kinds.check_ids_x(path, f, split, kind.id_rows)
+        input_shape, dtype = (len(kind.id_rows),), "int64"
+    y = _get_dataset(path, f, f"{split}/y")
+    target_shape = _target_shape(path, y, f"{split}/y", targets)
+    if rows != y.shape[0]:
+        raise DataError(f"{path}: /{split}/x has {rows} rows but /{split}/y has "
+                        f"{y.shape[0]} {'labels' if targets == 'classes' else 'rows'}")
+    if rows == 0:
+        raise DataError(f"{path}: /{split} is empty")
+    if labels:
+        if targets == "classes":
+            _check_labels(path, y, f"{split}/y", num_classes, part)
+        else:
+            _check_values(path, y, f"{split}/y", part)
+        if kind.kind == "sparse":
+            kinds.check_sparse_content(path, f, split, kind.n_features, _part_rows(rows, part))
+        else:
+            kinds.check_ids_content(path, f, split, kind.id_rows, _part_rows(rows, part))
+    return _Split(rows, input_shape, dtype, 1.0, target_shape, nnz)
 
 
 def open_dataset(path: str | os.PathLike, labels: bool = True,
@@ -352,7 +441,8 @@ def _describe(path: Path, f: h5py.File, labels: bool = True,
         raise DataError(f"{path}: dataset format version {version} is not supported "
                         f"(this reader knows version {FORMAT_VERSION})")
     targets, num_classes = _targets(path, f.attrs)
-    train, test = (_check_split(path, f, split, num_classes, labels, part, targets)
+    kind = kinds.read_features(path, f.attrs)
+    train, test = (_check_split(path, f, split, num_classes, labels, part, targets, kind)
                    for split in ("train", "test"))
     if train.input_shape != test.input_shape:
         raise DataError(f"{path}: train inputs have shape {train.input_shape} but test "
@@ -363,7 +453,7 @@ def _describe(path: Path, f: h5py.File, labels: bool = True,
     _same_target_shape(path, train, test, "test")
     n_val = 0
     if "val" in f:
-        val = _check_split(path, f, "val", num_classes, labels, part, targets)
+        val = _check_split(path, f, "val", num_classes, labels, part, targets, kind)
         if (val.input_shape, val.stored_dtype, val.scale) != \
                 (train.input_shape, train.stored_dtype, train.scale):
             raise DataError(f"{path}: /val x is {val.stored_dtype} {val.input_shape} with "
@@ -374,7 +464,8 @@ def _describe(path: Path, f: h5py.File, labels: bool = True,
     return DatasetInfo(path=path, input_shape=train.input_shape, num_classes=num_classes,
                        n_train=train.rows, n_test=test.rows, stored_dtype=train.stored_dtype,
                        scale=train.scale, n_val=n_val, targets=targets,
-                       target_shape=train.target_shape)
+                       target_shape=train.target_shape, features=kind.kind,
+                       id_rows=kind.id_rows, nnz_per_row=train.nnz / train.rows)
 
 
 def _same_target_shape(path: Path, train: _Split, other: _Split, split: str) -> None:
@@ -416,9 +507,10 @@ def with_validation(info: DatasetInfo, fraction: float) -> DatasetInfo:
 
 
 def read_rows(info: DatasetInfo, split: str, start: int,
-               stop: int) -> tuple[np.ndarray, np.ndarray]:
+               stop: int) -> tuple[Any, np.ndarray]:
     """Rows [start, stop) of /split as (x in the stored dtype, y in info.target_dtype:
-    int32 labels, or float32 values (B,) or (B, k) as stored).
+    int32 labels, or float32 values (B,) or (B, k) as stored). Sparse x is a SparseRows
+    (only the rows' slice of the file is read), ids x int64.
 
     Re-checks the shapes against `info`, since the file may have been replaced since.
     "validation" reads the validation split (/val, or the held-out end of /train).
@@ -427,7 +519,7 @@ def read_rows(info: DatasetInfo, split: str, start: int,
 
 
 def read_rows_at(info: DatasetInfo, split: str,
-                 rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                 rows: np.ndarray) -> tuple[Any, np.ndarray]:
     """Rows `rows` (distinct indices, in any order) of /split, in that order, as read_rows
     gives them: only those rows are read (a selection of points, not their whole span)."""
     rows = np.asarray(rows, dtype=np.intp)
@@ -442,7 +534,7 @@ def read_rows_at(info: DatasetInfo, split: str,
 
 
 def _read(info: DatasetInfo, split: str, where: Any,
-          what: str) -> tuple[np.ndarray, np.ndarray]:
+          what: str) -> tuple[Any, np.ndarray]:
     """x[where], y[where] of /split (read_rows, read_rows_at: a slice, or ascending row
     indices); `what` names the rows in an error."""
     offset = 0
@@ -457,6 +549,8 @@ def _read(info: DatasetInfo, split: str, where: Any,
                 "val": info.n_val}[split]
     with open_h5(info.path) as f:
         try:
+            if info.features != "dense":
+                return _read_coded(info, f, split, where, expected)
             x, y = f.get(f"{split}/x"), f.get(f"{split}/y")
             if (not isinstance(x, h5py.Dataset) or not isinstance(y, h5py.Dataset)
                     or x.shape != (expected, *info.input_shape)
@@ -477,6 +571,28 @@ def _read(info: DatasetInfo, split: str, where: Any,
                             f"(corrupt file?): {first_line(exc)}") from exc
 
 
+def _read_coded(info: DatasetInfo, f: h5py.File, split: str, where: Any,
+                expected: int) -> tuple[Any, np.ndarray]:
+    """_read's x[where], y[where] of sparse or ids x (data.features)."""
+    x, y = f.get(f"{split}/x"), f.get(f"{split}/y")
+    if info.features == "sparse":
+        fits = kinds.sparse_fits(f, split, expected)
+    else:
+        fits = isinstance(x, h5py.Dataset) and x.shape == (expected, *info.input_shape) \
+            and x.dtype.name in kinds.ID_DTYPES
+    if not fits or not isinstance(y, h5py.Dataset) \
+            or y.shape != (expected, *info.target_shape) or not _y_dtype_fits(info, y):
+        raise DataError(f"{info.path}: /{split} changed since the file was opened")
+    if info.features == "sparse":
+        xs = kinds.read_sparse(x, where, info.input_shape[0])
+    else:
+        xs = kinds.read_ids(x, where)
+    ys = y[where] if isinstance(where, slice) or len(where) else \
+        np.empty((0, *info.target_shape), dtype=y.dtype)
+    count_read(xs, ys)
+    return xs, ys.astype(info.target_dtype, copy=False)
+
+
 def _y_dtype_fits(info: DatasetInfo, y: h5py.Dataset) -> bool:
     """Whether y's stored dtype is one `info.targets` allows (any integer for labels)."""
     if info.targets == "classes":
@@ -485,7 +601,10 @@ def _y_dtype_fits(info: DatasetInfo, y: h5py.Dataset) -> bool:
 
 
 def to_float(stored: np.ndarray, scale: float, out: np.ndarray | None = None) -> np.ndarray:
-    """value = stored * scale as float32, into `out` when given."""
+    """value = stored * scale as float32, into `out` when given. Sparse rows (SparseRows)
+    come back as they are: their values are float32 and files give them no scale."""
+    if isinstance(stored, SparseRows):
+        return stored
     if out is None:
         out = np.empty(stored.shape, dtype=np.float32)
     if scale == 1.0:
@@ -495,9 +614,16 @@ def to_float(stored: np.ndarray, scale: float, out: np.ndarray | None = None) ->
     return out
 
 
-def load_test(info: DatasetInfo, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The first `limit` test rows (all when None): x float32 scaled, y as read_rows
-    gives it (int32 labels, or float32 values).
+def model_input(info: DatasetInfo, stored: Any) -> Any:
+    """Rows of x as read_rows gives them, as a model takes them: dense rows scaled to
+    float32 (to_float), sparse rows and ids as they are (ids are never made floats)."""
+    return to_float(stored, info.scale) if info.features == "dense" else stored
+
+
+def load_test(info: DatasetInfo, limit: int | None = None) -> tuple[Any, np.ndarray]:
+    """The first `limit` test rows (all when None): x as a model takes it (model_input:
+    float32 scaled, SparseRows or int64 ids), y as read_rows gives it (int32 labels, or
+    float32 values).
 
     A `limit` above the test set's size gives the whole test set.
     """
@@ -505,9 +631,9 @@ def load_test(info: DatasetInfo, limit: int | None = None) -> tuple[np.ndarray, 
 
 
 def load_split(info: DatasetInfo, split: str,
-               limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The first `limit` rows of /split (all when None): x float32 scaled, y as read_rows
-    gives it (int32 labels, or float32 values).
+               limit: int | None = None) -> tuple[Any, np.ndarray]:
+    """The first `limit` rows of /split (all when None): x as a model takes it
+    (model_input), y as read_rows gives it (int32 labels, or float32 values).
 
     A `limit` above the split's size gives the whole split.
     """
@@ -524,7 +650,7 @@ def load_split(info: DatasetInfo, split: str,
     else:
         raise ValueError(f"{split} limit must be a positive integer or None, got {limit!r}")
     x, y = read_rows(info, split, 0, rows)
-    return to_float(x, info.scale), y
+    return model_input(info, x), y
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -565,7 +691,7 @@ class TrainShard:
 
     Blocks are balanced (sizes differ by at most one row; `layout.balanced_ranges`). The
     rows stay in memory in the stored dtype (uint8 is 4x smaller than float32) and are
-    scaled to float32 batch by batch.
+    scaled to float32 batch by batch. Sparse rows stay a SparseRows, ids int64.
 
     Batches are consecutive pieces of an endless stream made of one fresh permutation of
     the shard per epoch, so each epoch visits every row of the shard exactly once. Every
@@ -574,7 +700,7 @@ class TrainShard:
     """
 
     def __init__(self, info: DatasetInfo, rank: int = 0, num_ranks: int = 1, seed: int = 0,
-                 rows: tuple[np.ndarray, np.ndarray] | None = None):
+                 rows: tuple[Any, np.ndarray] | None = None):
         """`rows`: the shard's rows as `stored_rows` gives them, read by another process
         (a partner partition's, partitioned_sgd), instead of read from the file here."""
         self.start, self.stop = shard_range(info, rank, num_ranks, seed)
@@ -584,7 +710,8 @@ class TrainShard:
         if rows is None:
             rows = read_rows(info, "train", self.start, self.stop)
         x, y = rows
-        if (x.shape != (self.n, *info.input_shape) or x.dtype.name != info.stored_dtype
+        if (isinstance(x, SparseRows) != (info.features == "sparse")
+                or x.shape != (self.n, *info.input_shape) or x.dtype.name != info.stored_dtype
                 or y.shape != (self.n, *info.target_shape) or y.dtype != info.target_dtype):
             raise ValueError(f"rows of shapes {x.shape} {x.dtype}, {y.shape} {y.dtype} are "
                              f"not rows {self.start}..{self.stop} of {info.path}")
@@ -595,7 +722,7 @@ class TrainShard:
         self._batch_size = 0
 
     @property
-    def stored_rows(self) -> tuple[np.ndarray, np.ndarray]:
+    def stored_rows(self) -> tuple[Any, np.ndarray]:
         """The shard's rows as read: x in the stored dtype, y in info.target_dtype (not to
         be modified)."""
         return self._x, self._y
@@ -605,8 +732,10 @@ class TrainShard:
             return
         shape = (batch_size, *self.info.input_shape)
         self._index = np.empty(batch_size, dtype=np.intp)
-        self._stored = np.empty(shape, dtype=self._x.dtype)
-        self._xbuf = np.empty(shape, dtype=np.float32)
+        if self.info.features != "sparse":  # a sparse batch is gathered fresh (its nnz varies)
+            self._stored = np.empty(shape, dtype=self._x.dtype)
+        if self.info.features == "dense":
+            self._xbuf = np.empty(shape, dtype=np.float32)
         self._ybuf = np.empty((batch_size, *self.info.target_shape), dtype=self._y.dtype)
         self._batch_size = batch_size
 
@@ -624,9 +753,10 @@ class TrainShard:
                 self._perm = _epoch_permutation(self.seed, self.rank, self.epoch, self.n)
         return self._index
 
-    def next_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next minibatch: x float32 (B, *input_shape) scaled, y int32 labels (B,) or
-        float32 values (B, *target_shape).
+    def next_batch(self, batch_size: int) -> tuple[Any, np.ndarray]:
+        """The next minibatch: x float32 (B, *input_shape) scaled (sparse: a SparseRows
+        of B rows; ids: int64 (B, fields)), y int32 labels (B,) or float32 values
+        (B, *target_shape).
 
         Both are views of buffers this shard reuses: the next call overwrites them, so copy
         them if you need them longer.
@@ -637,10 +767,13 @@ class TrainShard:
                              f"({self.n} rows, rank {self.rank} of {self.num_ranks})")
         self._ensure_buffers(batch_size)
         index = self._next_indices(batch_size)
-        np.take(self._x, index, axis=0, out=self._stored)
-        to_float(self._stored, self.info.scale, out=self._xbuf)
         np.take(self._y, index, axis=0, out=self._ybuf)
-        return self._xbuf, self._ybuf
+        if self.info.features == "sparse":
+            return self._x[index], self._ybuf
+        np.take(self._x, index, axis=0, out=self._stored)
+        if self.info.features == "ids":
+            return self._stored, self._ybuf
+        return to_float(self._stored, self.info.scale, out=self._xbuf), self._ybuf
 
     def state(self) -> dict:
         """Where the batch stream stands, as plain ints (JSON and HDF5 attribute friendly)."""
@@ -692,15 +825,22 @@ class DatasetWriter:
 
     `targets` = "classes" (integer labels, `num_classes` >= 2) or "values" (float32 targets
     of per-row shape `target_shape`, () or (k,); `num_classes` is then ignored).
+
+    `features` = "sparse": input_shape is (n_features,), stored_dtype "float32", scale 1,
+    and append takes x as a SparseRows; "ids": input_shape is (fields,), `id_rows` one
+    table size per field, stored_dtype the ids' dtype in the file ("int32" or "int64"),
+    scale 1, and append takes integer x (rows, fields). `write_array` adds arrays of a
+    planted model under /planted.
     """
 
     def __init__(self, path: str | os.PathLike, *, input_shape: tuple[int, ...],
                  num_classes: int = 0, n_train: int, n_test: int, stored_dtype: str,
                  scale: float, source: str, chunk_rows: int | None = None, n_val: int = 0,
-                 targets: str = "classes", target_shape: tuple[int, ...] = ()):
+                 targets: str = "classes", target_shape: tuple[int, ...] = (),
+                 features: str = "dense", id_rows: tuple[int, ...] = ()):
         self.path = Path(path)
-        if stored_dtype not in STORED_DTYPES:
-            raise ValueError(f"stored_dtype must be one of {STORED_DTYPES}, got {stored_dtype!r}")
+        self._kind = _writer_features(features, tuple(int(d) for d in input_shape),
+                                      stored_dtype, scale, id_rows)
         self._targets = targets
         self._target_shape = _writer_target_shape(targets, target_shape, num_classes)
         if self.path.is_dir():
@@ -740,6 +880,9 @@ class DatasetWriter:
         else:
             f.attrs["targets"] = self._targets
         f.attrs["source"] = source
+        if self._kind.kind != "dense":  # a dense file has no `features`: as it always was
+            self._create_coded(input_shape, stored_dtype, chunk_rows)
+            return
         dtype = np.dtype(stored_dtype)
         rows_per_chunk = chunk_rows or _chunk_rows(input_shape, dtype.itemsize)
         y_shape = self._target_shape
@@ -754,8 +897,33 @@ class DatasetWriter:
             f.create_dataset(f"{split}/y", shape=(n, *y_shape), dtype=y_dtype,
                              chunks=(min(y_chunk, n), *y_shape), fletcher32=True)
 
-    def append(self, split: str, x: np.ndarray, y: np.ndarray) -> None:
-        """Write the next len(x) rows of `split` (train, test, or val when n_val > 0)."""
+    def _create_coded(self, input_shape: tuple[int, ...], stored_dtype: str,
+                      chunk_rows: int | None) -> None:
+        """_create's x and y of a sparse or ids file, with their root attributes."""
+        f, kind = self._file, self._kind
+        f.attrs["features"] = kind.kind
+        if kind.kind == "sparse":
+            f.attrs["n_features"] = np.int64(kind.n_features)
+        else:
+            f.attrs["id_rows"] = np.asarray(kind.id_rows, dtype=np.int64)
+        y_shape = self._target_shape
+        y_dtype = np.int32 if self._targets == "classes" else np.float32
+        y_chunk = max(4096, _chunk_rows(y_shape, 4))  # about CHUNK_BYTES of targets
+        for split, n in self._rows.items():
+            if kind.kind == "sparse":
+                kinds.create_sparse(f, split, n, kind.n_features)
+            else:
+                dtype = np.dtype(stored_dtype)
+                rows_per_chunk = chunk_rows or _chunk_rows(input_shape, dtype.itemsize)
+                f.create_dataset(f"{split}/x", shape=(n, *input_shape), dtype=dtype,
+                                 chunks=(min(rows_per_chunk, n), *input_shape),
+                                 fletcher32=True)
+            f.create_dataset(f"{split}/y", shape=(n, *y_shape), dtype=y_dtype,
+                             chunks=(min(y_chunk, n), *y_shape), fletcher32=True)
+
+    def append(self, split: str, x: Any, y: np.ndarray) -> None:
+        """Write the next len(x) rows of `split` (train, test, or val when n_val > 0): x
+        as the writer's `features` says (an array, a SparseRows, integer ids)."""
         if self._file is None:
             raise ValueError(f"{self.path}: writer is closed")
         start = self._written[split]
@@ -764,12 +932,40 @@ class DatasetWriter:
             raise ValueError(f"{split}: {len(x)} inputs, {len(y)} labels at row {start} "
                              f"of {self._rows[split]}")
         self._check_targets(split, start, np.asarray(y))
+        self._check_x(split, x)
         try:
-            self._file[f"{split}/x"][start:stop] = x
+            if self._kind.kind == "sparse":
+                kinds.append_sparse(self._file, split, start, x)
+            else:
+                self._file[f"{split}/x"][start:stop] = x
             self._file[f"{split}/y"][start:stop] = y
         except OSError as exc:
             raise DataError(f"{self.path}: cannot write: {first_line(exc)}") from exc
         self._written[split] = stop
+
+    def _check_x(self, split: str, x: Any) -> None:
+        """Sparse rows of the file's width, or ids in their tables' ranges (checked here,
+        since commit publishes the file before it validates it)."""
+        kind = self._kind
+        if kind.kind == "sparse":
+            if not isinstance(x, SparseRows) or x.n_features != kind.n_features:
+                raise ValueError(f"{self.path}: {split} x must be a SparseRows of "
+                                 f"{kind.n_features} features, got {x!r:.80}")
+            x.check()
+        elif kind.kind == "ids":
+            problem = kinds.check_id_block(kind.id_rows, np.asarray(x))
+            if problem:
+                raise ValueError(f"{self.path}: {split} x: {problem}")
+
+    def write_array(self, name: str, values: np.ndarray) -> None:
+        """Store `values` as /planted/<name> (a synthetic file's planted model, which
+        readers ignore)."""
+        if self._file is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        try:
+            self._file.create_dataset(f"planted/{name}", data=values)
+        except OSError as exc:
+            raise DataError(f"{self.path}: cannot write: {first_line(exc)}") from exc
 
     def _check_targets(self, split: str, start: int, y: np.ndarray) -> None:
         """y's rows have the writer's per-row shape; values are finite floats (checked here,
@@ -817,6 +1013,33 @@ class DatasetWriter:
     def __exit__(self, *exc_info: object) -> None:
         if self._file is not None:
             self.abort()
+
+
+def _writer_features(kind: str, input_shape: tuple[int, ...], stored_dtype: str,
+                     scale: float, id_rows: tuple[int, ...]) -> Features:
+    """DatasetWriter's arguments about x, checked, as the Features the file will say."""
+    if kind == "dense":
+        if stored_dtype not in STORED_DTYPES:
+            raise ValueError(f"stored_dtype must be one of {STORED_DTYPES}, got {stored_dtype!r}")
+        return Features()
+    if kind not in kinds.FEATURES:
+        raise ValueError(f"features must be one of {kinds.FEATURES}, got {kind!r}")
+    if scale != 1.0 or len(input_shape) != 1 or input_shape[0] < 1:
+        raise ValueError(f"{kind} x has input_shape (n,) and scale 1, got {input_shape} and "
+                         f"{scale}")
+    if kind == "sparse":
+        if stored_dtype != "float32":
+            raise ValueError(f"sparse values are float32, got stored_dtype {stored_dtype!r}")
+        return Features(kind, n_features=input_shape[0])
+    rows = tuple(int(r) for r in id_rows)
+    if len(rows) != input_shape[0] or min(rows, default=0) < 1:
+        raise ValueError(f"id_rows must give a positive table size for each of the "
+                         f"{input_shape[0]} fields, got {id_rows!r}")
+    if stored_dtype not in kinds.ID_DTYPES or \
+            np.iinfo(np.dtype(stored_dtype)).max < max(rows) - 1:
+        raise ValueError(f"ids of tables of up to {max(rows)} rows are stored as "
+                         f"{kinds.id_dtype(rows)}, got stored_dtype {stored_dtype!r}")
+    return Features(kind, id_rows=rows)
 
 
 def _writer_target_shape(targets: str, target_shape: tuple[int, ...],

@@ -9,6 +9,10 @@ order depends only on (seed, rank, epoch, window size): a resumed shard finds it
 again from (epoch, position). A prefetch thread reads the next window while the current
 one is trained on (h5py releases the GIL inside HDF5's read); it opens the file itself,
 after any fork, and is the only user of that file handle.
+
+Sparse rows (SparseRows) are read and served the same way; their blocks are sized by the
+file's average stored bytes per row (DatasetInfo.stored_row_bytes), so the memory bound
+holds on average, not for a window of unusually long rows.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from distbelief.data import features as kinds
 from distbelief.data.hdf5 import (
     H5_ERRORS,
     DatasetInfo,
@@ -32,6 +37,7 @@ from distbelief.data.hdf5 import (
     shard_range,
     to_float,
 )
+from distbelief.data.sparse import concatenate
 from distbelief.errors import DataError
 
 READ_BYTES = 1 << 20
@@ -46,7 +52,7 @@ class _Window:
     epoch: int
     index: int            # the window's number in its epoch
     first: int            # its first row's position in the epoch's stream
-    x: np.ndarray         # its rows, stored dtype, in block order
+    x: Any                # its rows, stored dtype (sparse: a SparseRows), in block order
     y: np.ndarray
     order: np.ndarray     # the order its rows are served in
 
@@ -62,7 +68,7 @@ class StreamingTrainShard:
         self.rank, self.num_ranks, self.seed = int(rank), int(num_ranks), int(seed)
         self.start, self.stop = shard_range(info, rank, num_ranks, seed)
         self.n = self.stop - self.start
-        row_bytes = int(np.prod(info.input_shape)) * np.dtype(info.stored_dtype).itemsize
+        row_bytes = info.stored_row_bytes
         self.block_rows = _block_rows(info, row_bytes)
         block_bytes = self.block_rows * row_bytes
         if memory_bytes < WINDOWS_IN_MEMORY * block_bytes:
@@ -99,8 +105,10 @@ class StreamingTrainShard:
         if batch_size == self._batch_size:
             return
         shape = (batch_size, *self.info.input_shape)
-        self._stored = np.empty(shape, dtype=self.info.stored_dtype)
-        self._xbuf = np.empty(shape, dtype=np.float32)
+        if self.info.features != "sparse":  # a sparse batch is gathered fresh (its nnz varies)
+            self._stored = np.empty(shape, dtype=self.info.stored_dtype)
+        if self.info.features == "dense":
+            self._xbuf = np.empty(shape, dtype=np.float32)
         self._ybuf = np.empty((batch_size, *self.info.target_shape),
                               dtype=self.info.target_dtype)
         self._batch_size = batch_size
@@ -121,10 +129,10 @@ class StreamingTrainShard:
                 self._window = window
                 return window
 
-    def next_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next minibatch: x float32 (B, *input_shape) scaled, y int32 labels (B,) or
-        float32 values (B, *target_shape). Views of buffers the next call overwrites, as
-        TrainShard's."""
+    def next_batch(self, batch_size: int) -> tuple[Any, np.ndarray]:
+        """The next minibatch: x float32 (B, *input_shape) scaled (sparse: a SparseRows;
+        ids: int64), y int32 labels (B,) or float32 values (B, *target_shape). Views of
+        buffers the next call overwrites, as TrainShard's."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
                 or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -132,19 +140,28 @@ class StreamingTrainShard:
             raise ValueError(f"batch_size {batch_size} is larger than this shard "
                              f"({self.n} rows, rank {self.rank} of {self.num_ranks})")
         self._ensure_buffers(batch_size)
+        sparse = self.info.features == "sparse"
+        pieces = []
         filled = 0
         while filled < batch_size:
             window = self._current()
             offset = self.position - window.first
             take = min(batch_size - filled, len(window.order) - offset)
             index = window.order[offset:offset + take]
-            np.take(window.x, index, axis=0, out=self._stored[filled:filled + take])
+            if sparse:
+                pieces.append(window.x[index])
+            else:
+                np.take(window.x, index, axis=0, out=self._stored[filled:filled + take])
             np.take(window.y, index, axis=0, out=self._ybuf[filled:filled + take])
             filled += take
             self.position += take
             if self.position == self.n:
                 self.epoch += 1
                 self.position = 0
+        if sparse:
+            return (pieces[0] if len(pieces) == 1 else concatenate(pieces)), self._ybuf
+        if self.info.features == "ids":
+            return self._stored, self._ybuf
         to_float(self._stored, self.info.scale, out=self._xbuf)
         return self._xbuf, self._ybuf
 
@@ -226,20 +243,38 @@ class _Reader:
               blocks: list[tuple[int, int]]) -> _Window:
         shard = self._shard
         rows = sum(hi - lo for lo, hi in blocks)
-        xs = np.empty((rows, *shard.info.input_shape), dtype=shard.info.stored_dtype)
         ys = np.empty((rows, *shard.info.target_shape), dtype=shard.info.target_dtype)
         at = 0
         try:
+            xs = self._read_x(x, blocks, rows)
             for lo, hi in blocks:
-                x.read_direct(xs, np.s_[lo:hi], np.s_[at:at + hi - lo])
                 labels = y[lo:hi]
                 ys[at:at + hi - lo] = labels
-                count_read(xs[at:at + hi - lo], labels)
+                count_read(labels)
                 at += hi - lo
         except H5_ERRORS as exc:
             raise DataError(f"{shard.info.path}: cannot read training rows of /train/x "
                             f"(corrupt file?): {first_line(exc)}") from exc
         return _Window(epoch, index, first, xs, ys, shard.row_order(epoch, index, rows))
+
+    def _read_x(self, x: Any, blocks: list[tuple[int, int]], rows: int) -> Any:
+        """The blocks' rows of /train/x, one after another, as TrainShard holds them."""
+        info = self._shard.info
+        if info.features == "sparse":
+            xs = concatenate([kinds.read_sparse(x, np.s_[lo:hi], info.input_shape[0])
+                              for lo, hi in blocks])
+            count_read(xs)
+            return xs
+        xs = np.empty((rows, *info.input_shape), dtype=info.stored_dtype)
+        at = 0
+        for lo, hi in blocks:
+            if info.features == "ids":  # stored int32 or int64, held as int64
+                xs[at:at + hi - lo] = x[lo:hi]
+            else:
+                x.read_direct(xs, np.s_[lo:hi], np.s_[at:at + hi - lo])
+            at += hi - lo
+        count_read(xs)
+        return xs
 
     def _put(self, item: Any) -> bool:
         """Queue `item`, waiting for room; False once asked to stop."""
@@ -253,11 +288,17 @@ class _Reader:
 
 
 def _block_rows(info: DatasetInfo, row_bytes: int) -> int:
-    """Rows per read: whole chunks of the file's /train/x, about READ_BYTES."""
+    """Rows per read: whole chunks of the file's /train/x, about READ_BYTES (sparse rows:
+    about READ_BYTES of them on average; their chunks hold entries, not rows)."""
+    if info.features == "sparse":
+        return min(max(1, READ_BYTES // max(1, row_bytes)), info.n_train + info.held_out)
     with open_h5(info.path) as f:
         chunks = f["train/x"].chunks
     chunk_rows = chunks[0] if chunks else 1
-    return chunk_rows * max(1, READ_BYTES // max(1, chunk_rows * row_bytes))
+    rows = chunk_rows * max(1, READ_BYTES // max(1, chunk_rows * row_bytes))
+    # No larger than the file's rows: a small file streams in a little memory. (Dense
+    # files keep the block they always had, which a saved position records.)
+    return rows if info.features == "dense" else min(rows, info.n_train + info.held_out)
 
 
 def _blocks(start: int, stop: int, block_rows: int) -> list[tuple[int, int]]:
