@@ -1,6 +1,7 @@
 """A dataset file from arrays a researcher already has: numpy arrays in memory, `.npy` files
-(memory-mapped), an `.npz` archive, or datasets of any other HDF5 file. How-to:
-docs/your-own-data.md.
+(memory-mapped), an `.npz` archive, or datasets of any other HDF5 file; and sparse features:
+a SparseRows, a scipy.sparse matrix (or its `save_npz` file), or integer ids per field with
+their table sizes. How-to: docs/your-own-data.md, docs/sparse-models.md.
 
 `write_dataset` copies rows in blocks, so inputs larger than memory (`np.load(...,
 mmap_mode="r")`, h5py datasets) go through with bounded memory; `read_source` opens a
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from distbelief.data.features import first_bad_id, id_dtype
 from distbelief.data.hdf5 import (
     IMAGE_SCALE,
     TARGETS,
@@ -26,6 +28,7 @@ from distbelief.data.hdf5 import (
     DatasetWriter,
     non_finite_row,
 )
+from distbelief.data.sparse import SparseRows
 from distbelief.errors import DataError
 
 # Rows are copied in blocks of about this many bytes of x: bounded memory, few HDF5 calls.
@@ -50,6 +53,8 @@ USUAL_NAMES = (
 )
 
 FILE_KINDS = {b"\x93NUMPY": "npy", b"PK\x03\x04": "npz", b"\x89HDF\r\n\x1a\n": "hdf5"}
+SCIPY_NPZ_KEYS = frozenset({"format", "shape", "data", "indices", "indptr"})
+"""The arrays scipy.sparse.save_npz writes for a CSR or CSC matrix."""
 
 
 def file_kind(path: str | os.PathLike) -> str:
@@ -86,6 +91,10 @@ def read_source(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
         except (OSError, ValueError, zipfile.BadZipFile) as exc:
             raise DataError(f"{path}: not a readable .npz file: {exc}") from exc
         with archive:
+            if SCIPY_NPZ_KEYS <= set(archive.files):
+                raise DataError(f"{path} holds one scipy.sparse matrix (save_npz), not named "
+                                f"arrays: give it as --x {path.name} with the targets as "
+                                f"--y Y.npy")
             yield _LazyNpz(path, archive)
         return
     import h5py
@@ -124,16 +133,71 @@ class _LazyNpz(dict):
         return value
 
 
-def load_npy(path: str | os.PathLike) -> np.ndarray:
-    """One .npy file, memory-mapped (read as rows are copied, never whole)."""
+def load_npy(path: str | os.PathLike) -> Any:
+    """One .npy file, memory-mapped (read as rows are copied, never whole); or a sparse
+    matrix that scipy.sparse.save_npz wrote, as SparseRows (read whole)."""
     path = Path(path)
-    if file_kind(path) != "npy":
+    kind = file_kind(path)
+    if kind == "npz" and _is_scipy_npz(path):
+        return load_sparse_npz(path)
+    if kind != "npy":
         raise DataError(f"{path}: not a .npy file (an .npz or HDF5 file is the SOURCE "
                         f"argument, with --x NAME --y NAME)")
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise DataError(f"{path}: not a readable .npy file: {exc}") from exc
+
+
+def _is_scipy_npz(path: Path) -> bool:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return SCIPY_NPZ_KEYS <= set(archive.files)
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise DataError(f"{path}: not a readable .npz file: {exc}") from exc
+
+
+def load_sparse_npz(path: str | os.PathLike) -> SparseRows:
+    """The matrix of an .npz file that scipy.sparse.save_npz wrote (CSR, or CSC turned into
+    CSR), read with numpy alone, as SparseRows."""
+    path = Path(path)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            if not SCIPY_NPZ_KEYS <= set(archive.files):
+                raise DataError(f"{path}: not a scipy.sparse matrix file (save_npz): it "
+                                f"holds {', '.join(sorted(archive.files))}")
+            fmt = archive["format"].item()
+            fmt = fmt.decode("ascii", "replace") if isinstance(fmt, bytes) else str(fmt)
+            shape = tuple(int(d) for d in archive["shape"])
+            data, indices, indptr = (archive[name] for name in ("data", "indices", "indptr"))
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise DataError(f"{path}: not a readable .npz file: {exc}") from exc
+    if fmt not in ("csr", "csc") or len(shape) != 2:
+        raise DataError(f"{path}: a scipy.sparse {fmt} matrix; only CSR and CSC are read: "
+                        f"save_npz(path, matrix.tocsr()) first")
+    if len(indptr) != (shape[1] if fmt == "csc" else shape[0]) + 1:
+        raise DataError(f"{path}: indptr has {len(indptr)} offsets for a {fmt} matrix of "
+                        f"shape {shape}")
+    if fmt == "csc":
+        indptr, indices, data = _csc_to_csr(shape, indptr, indices, data)
+    try:
+        return SparseRows.from_arrays(indptr, indices, data, shape[1])
+    except DataError as exc:
+        raise DataError(f"{path}: {exc}") from exc
+
+
+def _csc_to_csr(shape: tuple[int, int], indptr: np.ndarray, indices: np.ndarray,
+                data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The CSR arrays of a CSC matrix: entries sorted by row, columns ascending within it."""
+    columns = np.repeat(np.arange(shape[1], dtype=np.int64), np.diff(indptr))
+    rows = np.asarray(indices, dtype=np.int64)
+    if len(rows) and (rows.min() < 0 or rows.max() >= shape[0]):
+        raise DataError(f"a CSC matrix of shape {shape} has the row index "
+                        f"{int(rows.min() if rows.min() < 0 else rows.max())}")
+    order = np.argsort(rows, kind="stable")  # stable: columns stay ascending within a row
+    csr_indptr = np.zeros(shape[0] + 1, np.int64)
+    np.cumsum(np.bincount(rows, minlength=shape[0]), out=csr_indptr[1:])
+    return csr_indptr, columns[order], np.asarray(data)[order]
 
 
 def pick_names(path: Path, available: list[str], x: str | None, y: str | None,
@@ -168,7 +232,8 @@ def write_dataset(path: str | os.PathLike, x: Any, y: Any, x_test: Any = None,
                   num_classes: int | None = None, targets: str | None = None,
                   scale: float | None = None, shuffle: bool = True, seed: int = 0,
                   source: str = "arrays",
-                  progress: Callable[[int, int], None] | None = None) -> DatasetInfo:
+                  progress: Callable[[int, int], None] | None = None,
+                  id_rows: Any = None) -> DatasetInfo:
     """Write inputs `x` (N, *input_shape) and targets `y` as a distbelief dataset file at
     `path` (atomically: a failure leaves no file there).
 
@@ -185,17 +250,30 @@ def write_dataset(path: str | os.PathLike, x: Any, y: Any, x_test: Any = None,
     sorted by class. Arrays are read in blocks: np.memmap and h5py datasets larger than
     memory go through. `progress(rows_done, rows_total)` is called every few seconds.
     Returns the written file's description.
+
+    Sparse features (docs/sparse-models.md): x (and x_test) given as a data.sparse.SparseRows
+    or as any scipy.sparse matrix (anything with `.tocsr()`) makes a "sparse" file of
+    x.shape[1] features; integer x (N, fields) with `id_rows`, one table size per field,
+    makes an "ids" file (field f's ids in [0, id_rows[f])). Neither takes a `scale`.
     """
     path = Path(path)
+    features = _features_of(x, id_rows, "x")
+    x = _as_rows(x, "x", features)
     targets = _target_kind(y, targets, num_classes)
     x_shape = _check_pair(x, y, "x", "y", targets)
+    id_rows = _check_id_rows(id_rows, x_shape) if features == "ids" else ()
     if (x_test is None) != (y_test is None):
         raise DataError("give both x_test and y_test, or neither")
     if x_test is not None and test_fraction is not None:
         raise DataError("give a test split (x_test, y_test) or a test_fraction, not both")
-    stored, scale = _storage(x, scale)
+    stored, scale = _storage(x, scale, features, id_rows)
     n = x_shape[0]
     if x_test is not None:
+        if _features_of(x_test, id_rows or None, "x_test") != features:
+            raise DataError(f"x is {features} but x_test is "
+                            f"{_features_of(x_test, id_rows or None, 'x_test')}: give both "
+                            f"the same kind of features")
+        x_test = _as_rows(x_test, "x_test", features)
         test_shape = _check_pair(x_test, y_test, "x_test", "y_test", targets)
         if test_shape[1:] != x_shape[1:]:
             raise DataError(f"x has rows of shape {x_shape[1:]} but x_test has "
@@ -204,7 +282,7 @@ def write_dataset(path: str | os.PathLike, x: Any, y: Any, x_test: Any = None,
             raise DataError(f"y has targets of shape {tuple(y.shape)} but y_test has "
                             f"{tuple(y_test.shape)}: give both the same number of targets "
                             f"per row")
-        if _storage(x_test, scale)[0] != stored:
+        if features == "dense" and _storage(x_test, scale, features, ())[0] != stored:
             raise DataError(f"x is {np.dtype(x.dtype)} but x_test is "
                             f"{np.dtype(x_test.dtype)}: give both as uint8 or both as numbers "
                             f"to store as float32")
@@ -214,9 +292,9 @@ def write_dataset(path: str | os.PathLike, x: Any, y: Any, x_test: Any = None,
     if shuffle:
         train_rows = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1,))) \
             .permutation(train_rows)
-    splits = {"train": (x, y, "y", train_rows),
-              "test": (x, y, "y", test_rows) if test_rows is not None
-              else (x_test, y_test, "y_test", np.arange(x_test.shape[0]))}
+    splits = {"train": (x, y, "x", "y", train_rows),
+              "test": (x, y, "x", "y", test_rows) if test_rows is not None
+              else (x_test, y_test, "x_test", "y_test", np.arange(x_test.shape[0]))}
     if targets == "classes" and num_classes is None:
         num_classes = 1 + max(_largest_label(labels, name) for name, labels in
                               (("y", y), ("y_test", y_test)) if labels is not None)
@@ -226,15 +304,16 @@ def write_dataset(path: str | os.PathLike, x: Any, y: Any, x_test: Any = None,
     total = sum(len(rows) for *_, rows in splits.values())
     done, last = 0, time.monotonic()
     with DatasetWriter(path, input_shape=x_shape[1:], num_classes=int(num_classes or 0),
-                       n_train=len(splits["train"][3]), n_test=len(splits["test"][3]),
+                       n_train=len(splits["train"][-1]), n_test=len(splits["test"][-1]),
                        stored_dtype=stored, scale=scale, source=source, targets=targets,
-                       target_shape=tuple(int(d) for d in y.shape[1:])) as writer:
-        for split, (xs, ys, y_name, rows) in splits.items():
-            for block in _blocks(rows, x_shape[1:]):
+                       target_shape=tuple(int(d) for d in y.shape[1:]), features=features,
+                       id_rows=id_rows) as writer:
+        for split, (xs, ys, x_name, y_name, rows) in splits.items():
+            for block in _blocks(rows, _row_bytes(x, features)):
                 by = _gather(ys, block)
                 by = (_labels(by, split, num_classes) if targets == "classes"
                       else _values(by, y_name, block))
-                writer.append(split, _gather(xs, block).astype(stored, copy=False), by)
+                writer.append(split, _x_block(xs, block, stored, id_rows, x_name), by)
                 done += len(block)
                 if progress is not None and time.monotonic() - last >= PROGRESS_EVERY_S:
                     progress(done, total)
@@ -286,8 +365,79 @@ def _check_pair(x: Any, y: Any, x_name: str, y_name: str, targets: str) -> tuple
     return shape
 
 
-def _storage(x: Any, scale: float | None) -> tuple[str, float]:
-    """(stored dtype, scale) for inputs of x's dtype."""
+def _features_of(x: Any, id_rows: Any, name: str) -> str:
+    """What kind of features x is (hdf5.py's FORMAT): "sparse" for a SparseRows or a
+    scipy.sparse matrix, "ids" for integer x with id_rows, else "dense"."""
+    sparse = isinstance(x, SparseRows) or hasattr(x, "tocsr")
+    if id_rows is None:
+        return "sparse" if sparse else "dense"
+    if sparse:
+        raise DataError(f"id_rows is for integer ids, one per field, but {name} is a sparse "
+                        f"matrix: leave id_rows out for sparse features")
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not np.issubdtype(dtype, np.integer) or len(x.shape) != 2:
+        raise DataError(f"with id_rows, {name} must be integer ids (N, fields), got "
+                        f"{getattr(x, 'dtype', type(x).__name__)} of shape "
+                        f"{tuple(getattr(x, 'shape', ()))}")
+    return "ids"
+
+
+def _as_rows(x: Any, name: str, features: str) -> Any:
+    """x as write_dataset copies it: a scipy.sparse matrix as SparseRows."""
+    if features != "sparse" or isinstance(x, SparseRows):
+        return x
+    try:
+        return SparseRows.from_scipy(x)
+    except DataError as exc:
+        raise DataError(f"{name}: {exc}") from exc
+
+
+def _check_id_rows(id_rows: Any, x_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """id_rows as a tuple of positive ints, one per field of x."""
+    try:
+        rows = tuple(int(r) for r in id_rows)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"id_rows must be a list of table sizes, one per field, got "
+                        f"{id_rows!r}") from exc
+    if len(rows) != x_shape[1] or min(rows, default=0) < 1 \
+            or any(r != v for r, v in zip(rows, id_rows, strict=True)):
+        raise DataError(f"id_rows must give one positive whole table size for each of x's "
+                        f"{x_shape[1]} fields, got {list(id_rows)!r}")
+    return rows
+
+
+def _row_bytes(x: Any, features: str) -> int:
+    """Bytes of one of x's rows as copied, for the block size."""
+    if features == "sparse":
+        return 8 * x.nnz // max(1, len(x)) + 8
+    return (8 if features == "ids" else 4) * int(np.prod(x.shape[1:], dtype=np.int64))
+
+
+def _x_block(xs: Any, rows: np.ndarray, stored: str, id_rows: tuple[int, ...],
+             name: str) -> Any:
+    """Rows `rows` of xs as the writer takes them, ids checked against their tables."""
+    if isinstance(xs, SparseRows):
+        return xs[rows]  # in memory: any order
+    block = _gather(xs, rows)
+    if id_rows:
+        bad = first_bad_id(id_rows, block)
+        if bad is not None:
+            row, field = bad
+            raise DataError(f"{name} row {int(rows[row])} field {field} has the id "
+                            f"{int(block[row, field])}, outside [0, {id_rows[field]}): "
+                            f"id_rows[{field}] is that field's table size")
+        return block
+    return block.astype(stored, copy=False)
+
+
+def _storage(x: Any, scale: float | None, features: str = "dense",
+             id_rows: tuple[int, ...] = ()) -> tuple[str, float]:
+    """(stored dtype, scale) for inputs of x's dtype and kind of features."""
+    if features != "dense":
+        if scale is not None and scale != 1:
+            raise DataError(f"{features} features have no scale (got scale={scale}): scale "
+                            f"the values before writing them")
+        return ("float32" if features == "sparse" else id_dtype(id_rows)), 1.0
     dtype = np.dtype(x.dtype)
     if not (np.issubdtype(dtype, np.number) or dtype == np.bool_):
         raise DataError(f"inputs of dtype {dtype} are not numbers")
@@ -316,8 +466,7 @@ def _hold_out(n: int, fraction: float | None, seed: int) -> tuple[np.ndarray, np
     return np.flatnonzero(~held), np.flatnonzero(held)
 
 
-def _blocks(rows: np.ndarray, row_shape: tuple[int, ...]) -> Iterator[np.ndarray]:
-    row_bytes = 4 * int(np.prod(row_shape, dtype=np.int64))
+def _blocks(rows: np.ndarray, row_bytes: int) -> Iterator[np.ndarray]:
     step = max(1, BLOCK_BYTES // max(1, row_bytes))
     for start in range(0, len(rows), step):
         yield rows[start:start + step]
@@ -379,10 +528,12 @@ def _values(values: np.ndarray, name: str, rows: np.ndarray) -> np.ndarray:
 def convert_arrays(source: str | None, out_path: str, x_name: str | None, y_name: str | None,
                    x_test: str | None, y_test: str | None, *, test_fraction: float | None,
                    classes: int | None, scale: float | None, shuffle: bool,
-                   seed: int, targets: str | None = None) -> None:
+                   seed: int, targets: str | None = None,
+                   id_rows: tuple[int, ...] | None = None) -> None:
     """`distbelief prepare arrays`: the arrays of `source` (an .npz or HDF5 file; None:
-    the .npy files the names give) written as a dataset at `out_path`, with progress
-    lines on stdout. Never overwrites a file. `targets`: as write_dataset's."""
+    the .npy files the names give, or scipy.sparse .npz files) written as a dataset at
+    `out_path`, with progress lines on stdout. Never overwrites a file. `targets`,
+    `id_rows`: as write_dataset's."""
     out = Path(out_path)
     if out.exists():
         raise DataError(f"{out} exists: distbelief never overwrites a dataset; remove it or "
@@ -395,10 +546,9 @@ def convert_arrays(source: str | None, out_path: str, x_name: str | None, y_name
         info = write_dataset(out, x, y, x_test, y_test, test_fraction=test_fraction,
                              num_classes=classes, targets=targets, scale=scale,
                              shuffle=shuffle, seed=seed, source=source,
-                             progress=report)
+                             progress=report, id_rows=id_rows)
         print(f"wrote {out}: {info.n_train:,d} training and {info.n_test:,d} test rows of "
-              f"shape {info.input_shape}, {_what_y_holds(info)}, stored as "
-              f"{info.stored_dtype}")
+              f"{_what_x_holds(info)}")
 
     names = (x_name, y_name, x_test, y_test)
     if source is None:
@@ -415,6 +565,18 @@ def convert_arrays(source: str | None, out_path: str, x_name: str | None, y_name
         arrays = [None if name is None else found[name] for name in chosen]
         convert(*arrays, source=f"{Path(source).resolve()}: "
                                 f"{', '.join(n for n in chosen if n)}")
+
+
+def _what_x_holds(info: DatasetInfo) -> str:
+    """'shape (784,), 10 classes, stored as uint8': what a row holds, or for sparse
+    features their kind and size, and what y holds."""
+    if info.features == "sparse":
+        return (f"sparse features ({info.input_shape[0]:,d} ids, {info.nnz_per_row:.1f} "
+                f"stored a row on average), {_what_y_holds(info)}")
+    if info.features == "ids":
+        return (f"{len(info.id_rows)} id fields (table sizes "
+                f"{', '.join(map(str, info.id_rows))}), {_what_y_holds(info)}")
+    return f"shape {info.input_shape}, {_what_y_holds(info)}, stored as {info.stored_dtype}"
 
 
 def _what_y_holds(info: DatasetInfo) -> str:

@@ -176,15 +176,14 @@ def check_ids_content(path: Path, f: h5py.File, split: str, id_rows: tuple[int, 
                       rows: tuple[int, int]) -> None:
     """Every id of rows [first, stop) of /split/x in [0, id_rows[field]), read in blocks."""
     x = f[f"{split}/x"]
-    limit = np.asarray(id_rows, dtype=np.int64)
     step = max(1, CHECK_ENTRIES // len(id_rows))
     first, stop = rows
     for start in range(first, stop, step):
         block = x[start:min(stop, start + step)]
         _count(block)
-        bad = np.argwhere((block < 0) | (block >= limit))
-        if len(bad):
-            row, field = (int(v) for v in bad[0])
+        bad = first_bad_id(id_rows, block)
+        if bad is not None:
+            row, field = bad
             raise DataError(f"{path}: /{split}/x row {start + row} field {field} has the id "
                             f"{int(block[row, field])}, outside [0, {id_rows[field]})")
 
@@ -262,15 +261,21 @@ def append_sparse(f: h5py.File, split: str, start: int, rows: SparseRows) -> Non
     group["indptr"][start + 1:start + 1 + len(rows)] = rows.indptr[1:] + at
 
 
+def first_bad_id(id_rows: tuple[int, ...], x: np.ndarray) -> tuple[int, int] | None:
+    """(row, field) of the first id of x (rows, fields) outside its table, or None."""
+    bad = np.argwhere((x < 0) | (x >= np.asarray(id_rows, dtype=np.int64)))
+    return (int(bad[0][0]), int(bad[0][1])) if len(bad) else None
+
+
 def check_id_block(id_rows: tuple[int, ...], x: np.ndarray) -> str | None:
     """What is wrong with a block of ids to write (shape, dtype, range), or None."""
     if x.ndim != 2 or x.shape[1] != len(id_rows):
         return f"ids of shape {x.shape}, expected (rows, {len(id_rows)})"
     if not np.issubdtype(x.dtype, np.integer):
         return f"ids of dtype {x.dtype}, expected integers"
-    bad = np.argwhere((x < 0) | (x >= np.asarray(id_rows, dtype=np.int64)))
-    if len(bad):
-        row, field = (int(v) for v in bad[0])
+    bad = first_bad_id(id_rows, x)
+    if bad is not None:
+        row, field = bad
         return (f"row {row} field {field} has the id {int(x[row, field])}, outside "
                 f"[0, {id_rows[field]})")
     return None

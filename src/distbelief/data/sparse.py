@@ -74,6 +74,14 @@ class SparseRows:
         return rows
 
     @classmethod
+    def from_scipy(cls, matrix: Any) -> SparseRows:
+        """The rows of a scipy.sparse matrix or array of any format (anything with
+        `.tocsr()`; scipy itself is not imported), `check`ed. Duplicate entries of a row
+        are kept: a model sums them, as scipy does."""
+        csr = matrix.tocsr()
+        return cls.from_arrays(csr.indptr, csr.indices, csr.data, int(csr.shape[1]))
+
+    @classmethod
     def from_dense(cls, x: np.ndarray) -> SparseRows:
         """The non-zero entries of a 2-d array (tests, small examples)."""
         x = np.asarray(x)
