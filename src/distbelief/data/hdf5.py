@@ -957,6 +957,13 @@ class DatasetWriter:
             if problem:
                 raise ValueError(f"{self.path}: {split} x: {problem}")
 
+    def set_source(self, source: str) -> None:
+        """Replace the `source` attribute (a generator that knows more once it has
+        written the rows: synthetic_sparse's planted floor)."""
+        if self._file is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        self._file.attrs["source"] = source
+
     def write_array(self, name: str, values: np.ndarray) -> None:
         """Store `values` as /planted/<name> (a synthetic file's planted model, which
         readers ignore)."""
