@@ -276,8 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, what in (("--x", "the inputs, (N, *input_shape)"),
                        ("--y", "the labels (N,) or float targets (N,) or (N, k)"),
                        ("--x-test", "the test inputs"), ("--y-test", "the test labels")):
+        sparse = " (or a scipy.sparse save_npz file)" if flag.startswith("--x") else ""
         arrays.add_argument(flag, metavar="NAME", help=f"{what}: an array's name in SOURCE, "
-                            f"or a .npy file without SOURCE")
+                            f"or a .npy file without SOURCE{sparse}")
     arrays.add_argument("--test-fraction", metavar="F", type=float,
                         help="with no test split: hold out this fraction of the rows, "
                              "chosen at random (e.g. 0.1)")
@@ -294,10 +295,86 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep the rows in the source's order (by default the training "
                              "rows are written in a seeded random order, so that every "
                              "replica's block of rows holds every class)")
+    arrays.add_argument("--id-rows", metavar="R,R,...", type=cli_types.positive_ints,
+                        help="the inputs are integer ids, one column per field, field f's "
+                             "in [0, R_f): one table size per column (an ids file, for "
+                             "embedding models: docs/sparse-models.md)")
     arrays.add_argument("--seed", metavar="S", type=int, default=0,
                         help="seed of the shuffle and the held-out rows (default: %(default)s)")
     arrays.set_defaults(func=cmd_prepare_arrays)
+    _libsvm_parser(kinds)
+    _sparse_synthetic_parser(kinds)
     return parser
+
+
+def _libsvm_parser(kinds: Any) -> None:
+    """`prepare libsvm`: svmlight/libsvm text to a sparse dataset (data.libsvm)."""
+    libsvm = kinds.add_parser(
+        "libsvm", help="convert svmlight/libsvm text (RCV1, news20, Criteo samples)",
+        description=cli_help.LIBSVM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    libsvm.add_argument("source", metavar="FILE", help="the training examples, one a line: "
+                        "label id:value id:value ...")
+    libsvm.add_argument("--out", metavar="FILE", required=True,
+                        help="HDF5 file to write (an existing file is never overwritten)")
+    libsvm.add_argument("--test", metavar="FILE",
+                        help="the test examples, in the same format (default: hold out "
+                             "--test-fraction of FILE's)")
+    libsvm.add_argument("--features", metavar="N", type=cli_types.positive_int,
+                        help="the feature table's rows: ids must be 0..N-1 (default: the "
+                             "largest id in the files + 1)")
+    libsvm.add_argument("--test-fraction", metavar="F", type=float,
+                        help="without --test: hold out this fraction of the rows, chosen at "
+                             "random (default: 0.1)")
+    libsvm.add_argument("--no-shuffle", dest="shuffle", action="store_false",
+                        help="keep the training rows in the file's order (by default they "
+                             "are written in a seeded random order, so that every replica's "
+                             "block of rows is a fair sample)")
+    libsvm.add_argument("--seed", metavar="S", type=int, default=0,
+                        help="seed of the shuffle and the held-out rows (default: %(default)s)")
+    libsvm.set_defaults(func=cmd_prepare_libsvm)
+
+
+def _sparse_synthetic_parser(kinds: Any) -> None:
+    """`prepare sparse-synthetic`: the sparse workloads' data (data.synthetic_sparse)."""
+    synthetic = kinds.add_parser(
+        "sparse-synthetic", help="generate sparse data with a planted model (logistic, mf, "
+        "fields)", description=cli_help.SPARSE_SYNTHETIC_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    synthetic.add_argument("kind", metavar="KIND", choices=("logistic", "mf", "fields"),
+                           help="logistic, mf or fields")
+    synthetic.add_argument("--out", metavar="FILE", required=True,
+                           help="HDF5 file to write (an existing file is never overwritten)")
+    count = cli_types.positive_int
+    synthetic.add_argument("--train", metavar="N", type=count,
+                           help="training rows (default: logistic 50,000, mf 200,000, "
+                                "fields 100,000)")
+    synthetic.add_argument("--test", metavar="N", type=count,
+                           help="test rows (default: 10,000; mf 20,000)")
+    synthetic.add_argument("--features", metavar="N", type=count,
+                           help="logistic: the feature table's rows (default: 100,000)")
+    synthetic.add_argument("--nnz", metavar="K", type=count,
+                           help="logistic: about this many distinct ids a row (default: 40)")
+    synthetic.add_argument("--users", metavar="N", type=count,
+                           help="mf: user ids (default: 10,000)")
+    synthetic.add_argument("--items", metavar="N", type=count,
+                           help="mf: item ids (default: 5,000)")
+    synthetic.add_argument("--rank", metavar="K", type=count,
+                           help="mf: the planted factors' rank (default: 8)")
+    synthetic.add_argument("--noise", metavar="S", type=float,
+                           help="mf: the targets' noise, a standard deviation (default: 0.1; "
+                                "the floor is about its square)")
+    synthetic.add_argument("--fields", metavar="F", type=count,
+                           help="fields: id fields a row (default: 8)")
+    synthetic.add_argument("--field-rows", metavar="N", type=count,
+                           help="fields: each field's table rows (default: 10,000)")
+    synthetic.add_argument("--dim", metavar="D", type=count,
+                           help="fields: the planted embeddings' width (default: 4)")
+    synthetic.add_argument("--zipf", metavar="A", type=cli_types.positive_float,
+                           help="the ids' Zipf exponent: rank r is drawn with weight "
+                                "(r + 1)**-A (default: 1.1)")
+    synthetic.add_argument("--seed", metavar="S", type=int, default=0,
+                           help="random seed (default: %(default)s)")
+    synthetic.set_defaults(func=cmd_prepare_sparse_synthetic)
 
 
 # ---------------------------------------------------------------------------------------
@@ -493,7 +570,46 @@ def cmd_prepare_arrays(args: argparse.Namespace) -> int:
 
     convert_arrays(args.source, args.out, args.x, args.y, args.x_test, args.y_test,
                    test_fraction=args.test_fraction, classes=args.classes, scale=args.scale,
-                   shuffle=args.shuffle, seed=args.seed, targets=args.targets)
+                   shuffle=args.shuffle, seed=args.seed, targets=args.targets,
+                   id_rows=args.id_rows)
+    return 0
+
+
+def cmd_prepare_libsvm(args: argparse.Namespace) -> int:
+    from distbelief.data.libsvm import convert_libsvm
+
+    convert_libsvm(args.source, args.out, test=args.test, features=args.features,
+                   test_fraction=args.test_fraction, shuffle=args.shuffle, seed=args.seed)
+    return 0
+
+
+# Each kind's own options of `prepare sparse-synthetic` (argparse's names).
+SYNTHETIC_OPTIONS = {"logistic": ("features", "nnz"), "mf": ("users", "items", "rank", "noise"),
+                     "fields": ("fields", "field_rows", "dim")}
+
+
+def cmd_prepare_sparse_synthetic(args: argparse.Namespace) -> int:
+    from distbelief.data.synthetic_sparse import Options, make_sparse_synthetic
+    from distbelief.errors import DataError
+
+    given = {name: getattr(args, name) for names in SYNTHETIC_OPTIONS.values()
+             for name in names if getattr(args, name) is not None}
+    foreign = sorted(set(given) - set(SYNTHETIC_OPTIONS[args.kind]))
+    if foreign:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in foreign)
+        raise DataError(f"{flags}: not an option of {args.kind} (distbelief prepare "
+                        f"sparse-synthetic --help lists each kind's)")
+    shared = {name: getattr(args, name) for name in ("train", "test", "zipf")
+              if getattr(args, name) is not None}
+    made = make_sparse_synthetic(args.kind, args.out,
+                                 Options(**given, **shared, seed=args.seed))
+    info = made.info
+    shape = (f"{info.input_shape[0]:,d} feature ids, {info.nnz_per_row:.1f} a row"
+             if info.features == "sparse" else
+             f"{len(info.id_rows)} id fields of {', '.join(f'{r:,d}' for r in info.id_rows)} "
+             f"rows")
+    print(f"wrote {info.path}: {info.n_train:,d} training and {info.n_test:,d} test rows "
+          f"({shape}); {made.describe()}")
     return 0
 
 

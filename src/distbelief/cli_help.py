@@ -214,6 +214,11 @@ examples:
   distbelief prepare synthetic --out data/synth.h5 --train 50000 --test 5000 \\
       --shape 28,28,1 --classes 10
   distbelief prepare arrays mnist.npz --out data/mnist.h5      (your own data)
+  distbelief prepare libsvm rcv1_train.binary --out data/rcv1.h5      (sparse features)
+  distbelief prepare sparse-synthetic logistic --out data/sparse_logistic.h5
+
+Sparse features (svmlight/libsvm text, scipy.sparse matrices, id fields) are for the
+sparse models: docs/sparse-models.md.
 """
 
 
@@ -229,10 +234,79 @@ files and HDF5 datasets are read in blocks, so they may be larger than memory; a
 archive is read into memory. From Python: distbelief.data.write_dataset. More:
 docs/your-own-data.md.
 
+Sparse inputs (docs/sparse-models.md): a scipy.sparse matrix saved with
+scipy.sparse.save_npz, given as --x (and --x-test), makes a file of sparse features (CSR
+rows; scipy is not needed to read it); integer inputs (N, fields) with --id-rows, one
+table size per field, make a file of id fields, for embedding models.
+
 examples:
   distbelief prepare arrays mnist.npz --out data/mnist.h5
   distbelief prepare arrays --x features.npy --y labels.npy --test-fraction 0.1 \\
       --out data/mine.h5
   distbelief prepare arrays recordings.h5 --x train/X --y train/labels \\
       --x-test eval/X --y-test eval/labels --out data/speech.h5
+  distbelief prepare arrays --x clicks.npz --y clicked.npy --test-fraction 0.1 \\
+      --out data/clicks.h5                            # scipy.sparse.save_npz(clicks.npz, X)
+  distbelief prepare arrays --x ratings_ids.npy --y ratings.npy --id-rows 10000,5000 \\
+      --test-fraction 0.1 --out data/ratings.h5      # (user, item) ids per row
+"""
+
+
+LIBSVM_HELP = """\
+Convert svmlight/libsvm text, the format RCV1, news20 and the Criteo samples ship in, into
+a dataset of sparse features (docs/sparse-models.md). One example a line:
+
+  label id:value id:value ...        e.g.   +1 3:0.25 17:1 1024:0.5
+
+A `qid:N` token is ignored; `#` starts a comment; empty lines are skipped. Feature ids are
+used as given: the table has --features rows (default: the largest id in the files + 1),
+and a 1-based file leaves row 0 unused. An id that does not fit --features is an error
+naming the file and the line.
+
+The labels decide the targets: only 0/1, or only -1/+1, is a binary problem, stored as
+values 0/1 (a model with one sigmoid output and binary_cross_entropy); other whole numbers
+are class labels (they must be >= 0); any other number makes a regression (values).
+With --test, both files share one feature table (the larger of the two, or --features);
+without, --test-fraction of the rows (default 0.1) is held out as the test split, as
+`prepare arrays` does. The training rows are written in a seeded random order.
+
+The text is read in blocks of a few MB, never whole; the parsed ids and values wait in a
+scratch folder beside --out (about 8 bytes an entry) until the file is written.
+
+examples:
+  distbelief prepare libsvm rcv1_train.binary --out data/rcv1.h5
+  distbelief prepare libsvm news20.scale --test news20.t.scale --out data/news20.h5
+  distbelief prepare libsvm day_0.svm --features 1000000 --test-fraction 0.05 \\
+      --out data/criteo.h5
+"""
+
+SPARSE_SYNTHETIC_HELP = """\
+Generate a synthetic dataset for a sparse workload, with a planted model, so that what a
+learner reaches can be checked against what is there to learn. The data is synthetic: the
+file's `source` attribute says so, and states the planted model's own loss on the test
+split (the floor) beside a constant predictor's. The planted model is kept in the file
+under /planted. Ids are drawn from a Zipf law (exponent --zipf, 1.1: a few ids very
+common, most rare, as in text and click logs). KIND is one of:
+
+  logistic  sparse features (CSR rows): about --nnz distinct ids a row out of --features,
+            values 1 scaled to a unit L2 norm; a planted weight per feature and a bias;
+            y ~ Bernoulli(sigmoid(x.w + b)), values 0/1. The Hogwild paper's sparse SVM and
+            the click-through baseline. Floor: the planted model's test log-loss.
+  mf        (user, item) id pairs (--users, --items); planted factors of rank --rank;
+            y = U[user].V[item] + noise (--noise). Matrix factorisation; floor: the
+            planted model's mse, about noise**2.
+  fields    --fields ids a row, each of a table of --field-rows rows; planted embeddings
+            of width --dim, concatenated, through a planted tanh layer to one logit;
+            y ~ Bernoulli(sigmoid(logit)), values 0/1. Embeddings feeding a dense tower;
+            floor: the planted model's test log-loss.
+
+The defaults take a second or two; rows are generated and written in blocks, so tens of
+millions of rows fit in bounded memory. The same options give the same file.
+
+examples:
+  distbelief prepare sparse-synthetic logistic --out data/sparse_logistic.h5
+  distbelief prepare sparse-synthetic mf --users 50000 --items 20000 --train 5000000 \\
+      --out data/mf.h5
+  distbelief prepare sparse-synthetic fields --fields 4 --field-rows 1000 --seed 1 \\
+      --out data/fields.h5
 """
