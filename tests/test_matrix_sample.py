@@ -51,3 +51,18 @@ def test_the_environment_chooses_every_case_or_a_sample(monkeypatch) -> None:
         matrix.every_case()
     monkeypatch.setenv(matrix.SEED_ENV, "abc")
     assert matrix.seed(matrix.Path(".")) == "abc"
+
+
+def test_a_repeat_step_keeps_one_case_of_every_parametrized_test(monkeypatch) -> None:
+    items = [*cases("test_a", 9), *[Case(c.nodeid, marked=False) for c in cases("test_b", 4)],
+             Case("tests/test_x.py::test_plain", marked=False)]
+    kept, dropped = matrix.sample(items, "seed", repeat=True)
+    names = sorted(c.nodeid.split("[")[0] for c in kept)
+    assert names == ["tests/test_x.py::test_a", "tests/test_x.py::test_b",
+                     "tests/test_x.py::test_plain"]
+    assert len(dropped) == 8 + 3
+    monkeypatch.setenv(matrix.REPEAT_ENV, "1")
+    assert matrix.repeating()
+    monkeypatch.setenv(matrix.REPEAT_ENV, "yes")
+    with pytest.raises(pytest.UsageError, match="1 or 0"):
+        matrix.repeating()
