@@ -70,8 +70,8 @@ def workload(config: Config, info: Any, transport: str) -> Workload:
     # (asynchronous DiLoCo's: the outer optimizer), else optimizer.update's.
     build_rule = registry.get(opt.algorithm).load_shard_rule() or build_optimizer
     state = len(build_rule(config, 1).state())
-    row_bytes = 4 if info.stored_dtype != "uint8" else 1
-    per_row = row_bytes * max(1, _prod(info.input_shape)) + 8
+    # A row as a shard holds it (sparse: its average entries' bytes), and 8 for its target.
+    per_row = info.stored_row_bytes + 8
     rows = info.n_train if config.data.in_memory else (config.data.stream_memory_mb << 20) // per_row
     eval_rows = config.run.eval_samples or info.n_test
     run = config.run
@@ -81,14 +81,8 @@ def workload(config: Config, info: Any, transport: str) -> Workload:
                     push_bytes=2 if opt.push_dtype == "bfloat16" else 4, n_push=opt.n_push,
                     overlapped=opt.fetch == "overlapped", train_rows=rows, row_bytes=per_row,
                     eval_rows=min(eval_rows, info.n_test or eval_rows),
-                    checkpoint_copy=copies)
-
-
-def _prod(shape: Any) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
-    return out
+                    checkpoint_copy=copies,
+                    input_values=0 if info.features == "dense" else -(-info.input_row_bytes // 4))
 
 
 def rank_roles(roles: list[RoleMemory]) -> list[RoleMemory]:
@@ -229,6 +223,7 @@ def costmodel_workload(config: Config, info: Any, transport: str) -> Workload:
 
 class _NoData:
     stored_dtype, input_shape, n_train, n_test = "float32", (1,), 0, 0
+    features, stored_row_bytes, input_row_bytes = "dense", 4, 4
 
 
 def print_layouts(layouts: Any, transport: str, config: Config, info: Any, network: Any,

@@ -60,8 +60,10 @@ class RoleMemory:
 class Workload:
     """What besides the layout decides memory: the batch, the optimizer's state arrays,
     the transport ("rma" or "shared"), pushes (dtype bytes, n_push, overlapped fetch), the
-    training data (rows, bytes per row), the evaluation set (rows), and whether shards
-    copy their state for periodic checkpoints."""
+    training data (rows, bytes per row), the evaluation set (rows), whether shards copy
+    their state for periodic checkpoints, and the float32-sized values of one input row
+    as the model takes it (0: the network's input size; sparse rows and ids are far
+    smaller than their table's width: data.hdf5.DatasetInfo.input_row_bytes / 4)."""
 
     batch: int = 128
     state_arrays: int = 1
@@ -73,16 +75,18 @@ class Workload:
     row_bytes: int = 0
     eval_rows: int = 0
     checkpoint_copy: bool = False
+    input_values: int = 0
 
 
-def activation_bytes(network: object, batch: int, backward: bool = True) -> int:
-    """Bytes of a batch's activations: the flat input, every layer's output and (for
-    training) its gradient, as Network keeps them, and the layers' scratch (conv's im2col
-    columns)."""
+def activation_bytes(network: object, batch: int, backward: bool = True,
+                     input_values: int = 0) -> int:
+    """Bytes of a batch's activations: the flat input (`input_values` float32-sized values
+    a row, else the network's input size), every layer's output and (for training) its
+    gradient, as Network keeps them, and the layers' scratch (conv's im2col columns)."""
     layers = list(network.layers)
     outputs = sum(layer.out_size for layer in layers)
     saved = sum(getattr(layer, "saved_per_output", 0) * layer.out_size for layer in layers)
-    inputs = math.prod(network.input_shape)
+    inputs = input_values or math.prod(network.input_shape)
     scratch = sum(layer.scratch_bytes(batch) for layer in layers
                   if hasattr(layer, "scratch_bytes"))
     return BYTES * batch * (inputs + outputs * (2 if backward else 1) + saved) + scratch
@@ -114,7 +118,9 @@ def replica_memory(network: object, partitions: int, work: Workload,
     parts = {"parameters and gradient": BYTES * n * copies}
     if work.push_bytes == 2:
         parts["bfloat16 push copy"] = n * (2 if work.transport == "rma" else BYTES)
-    parts["activations"] = math.ceil(activation_bytes(network, work.batch) / partitions)
+    parts["activations"] = math.ceil(activation_bytes(network, work.batch,
+                                                      input_values=work.input_values)
+                                     / partitions)
     parts["training data"] = math.ceil(work.train_rows / max(replicas, 1)) * work.row_bytes
     parts["process"] = BASE_BYTES
     return RoleMemory("replica" if partitions == 1 else "replica partition",
@@ -127,7 +133,7 @@ def evaluation_memory(network: object, work: Workload) -> dict[str, int]:
     return {"evaluation snapshot": BYTES * network.layout.size,
             "evaluation set": work.eval_rows * work.row_bytes,
             "evaluation activations": activation_bytes(network, min(EVAL_BATCH, max(
-                work.eval_rows, 1)), backward=False)}
+                work.eval_rows, 1)), backward=False, input_values=work.input_values)}
 
 
 def predict_memory(network: object, shards: int, replicas: int, partitions: int,
@@ -139,7 +145,8 @@ def predict_memory(network: object, shards: int, replicas: int, partitions: int,
         n = network.layout.size
         parts = {"parameters and gradient": BYTES * n * 2,
                  "optimizer state": BYTES * n * work.state_arrays,
-                 "activations": activation_bytes(network, work.batch),
+                 "activations": activation_bytes(network, work.batch,
+                                                 input_values=work.input_values),
                  "training data": work.train_rows * work.row_bytes,
                  **evaluation_memory(network, work), "process": BASE_BYTES}
         parts.pop("evaluation snapshot")
