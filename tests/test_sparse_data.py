@@ -485,7 +485,7 @@ def test_the_fields_generator_and_its_command(tmp_path: Path, capsys) -> None:
     assert main(["prepare", "sparse-synthetic", "fields", "--out", str(out), "--fields", "3",
                  "--field-rows", "50", "--train", "500", "--test", "2000"]) == 0
     printed = capsys.readouterr().out
-    assert "3 id fields of 50, 50, 50 rows" in printed and "planted model's test log-loss" \
+    assert "3 id fields of 50 rows each" in printed and "planted model's test log-loss" \
         in printed
     info = open_dataset(out)
     assert info.id_rows == (50, 50, 50) and load_test(info)[0].dtype == np.int64

@@ -588,6 +588,13 @@ SYNTHETIC_OPTIONS = {"logistic": ("features", "nnz"), "mf": ("users", "items", "
                      "fields": ("fields", "field_rows", "dim")}
 
 
+def _table_sizes(id_rows: tuple[int, ...]) -> str:
+    """'10,000 rows each', or '10,000, 5,000 rows' for tables of different sizes."""
+    if len(set(id_rows)) == 1:
+        return f"{id_rows[0]:,d} rows each"
+    return f"{', '.join(f'{r:,d}' for r in id_rows)} rows"
+
+
 def cmd_prepare_sparse_synthetic(args: argparse.Namespace) -> int:
     from distbelief.data.synthetic_sparse import Options, make_sparse_synthetic
     from distbelief.errors import DataError
@@ -606,8 +613,7 @@ def cmd_prepare_sparse_synthetic(args: argparse.Namespace) -> int:
     info = made.info
     shape = (f"{info.input_shape[0]:,d} feature ids, {info.nnz_per_row:.1f} a row"
              if info.features == "sparse" else
-             f"{len(info.id_rows)} id fields of {', '.join(f'{r:,d}' for r in info.id_rows)} "
-             f"rows")
+             f"{len(info.id_rows)} id fields of {_table_sizes(info.id_rows)}")
     print(f"wrote {info.path}: {info.n_train:,d} training and {info.n_test:,d} test rows "
           f"({shape}); {made.describe()}")
     return 0
