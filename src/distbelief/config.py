@@ -823,6 +823,10 @@ def check_data_fits(config: Config, info: Any = None, network: Any = None) -> No
                                config.data.validation)
     if network is None:
         network = build_network(config, info)
+    if config.cluster.partitions > 1 and info.features != "dense":
+        raise ConfigError(f"cluster.partitions = {config.cluster.partitions}: model "
+                          f"parallelism splits the built-in dense layers; a sparse model "
+                          f"trains with partitions = 1")
     if config.cluster.partitions > 1:
         from distbelief.model.partition import (
             balanced_splits,
@@ -875,12 +879,12 @@ def build_network(config: Config, info: Any) -> Any:
     classes, is a ConfigError naming the data it was checked against. Its dropout masks
     are keyed on run.seed.
     """
-    from distbelief.model.network import Network
+    from distbelief.model.models import build_model
 
     loss = data_loss(config, info)
     try:
-        return Network(tuple(info.input_shape), [dict(layer) for layer in config.model.layers],
-                       loss.width, seed=config.run.seed, loss=loss)
+        return build_model(info.input_shape, config.model.layers, loss, config.run.seed,
+                           info.features, info.id_rows)
     except ConfigError as e:
         shape = "x".join(str(d) for d in info.input_shape)
         raise ConfigError(f"model.layers: {e} (data {info.path}: input {shape}, "

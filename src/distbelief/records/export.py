@@ -14,6 +14,9 @@ ARRAY NAMES AND ORIENTATION (version 1; the same in both formats)
                   channel) order (docs/using-a-trained-model.md has a numpy forward).
         conv i:   weight (kernel, kernel, Cin, filters), bias (filters,): tied weights.
         layernorm i: weight (features,) the gain, bias (features,).
+        sparse_linear 0 and embedding 0 over sparse features: table (n_features, width),
+                  a row per feature id; bias (width,).
+        embedding 0 over id fields: table_<f> (rows of field f, dim) per field; bias.
     optimizer.<state>.layers.<i>.weight / .bias   only when asked (Adagrad: state "accum")
 
 The model's input is the dataset file's stored x times `input_scale` (a float32 array of
@@ -25,7 +28,9 @@ HDF5 FILE: /params/<name> and /optimizer/<state>/<name> datasets; root attribute
 "distbelief-export", version = 1, layers (the [model] layer tables as JSON text),
 input_shape (int64 array), input_scale (float64), num_classes (int64: the outputs' count),
 source (JSON text: where the weights came from: checkpoint path, step, samples, algorithm,
-config hash), and `loss` (the model.loss, when it is not cross_entropy).
+config hash), `loss` (the model.loss, when it is not cross_entropy), and for a sparse
+model `features` ("sparse" or "ids") and `id_rows` (int64 array: each field's table rows,
+"ids" only). A sparse model's input is the data's CSR rows or id fields, not scaled.
 
 SAFETENSORS FILE (https://huggingface.co/docs/safetensors): 8-byte little-endian header
 length, a JSON header, the raw little-endian float32 data. Tensors are named as above
@@ -57,18 +62,18 @@ from distbelief.data.hdf5 import H5_ERRORS, DatasetInfo, open_dataset
 from distbelief.errors import ConfigError, DataError, UserError
 from distbelief.model.layout import DTYPE, ParamLayout
 from distbelief.model.losses import loss_for_data, make_loss
-from distbelief.model.network import Network
+from distbelief.model.models import build_model
 from distbelief.records import checkpoint as ckpt
 
 FORMAT_NAME = "distbelief-export"
 FORMAT_VERSION = 1
 FORMATS = ("hdf5", "safetensors")
 PARAM_NAMES = {"weights": "weight", "bias": "bias"}
-"""Layout array name -> exported name (PyTorch's)."""
+"""Layout array name -> exported name (PyTorch's); a sparse layer's tables keep theirs."""
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _MAX_HEADER = 100 << 20  # a safetensors header larger than this is not one
 JSON_METADATA = ("version", "layers", "input_shape", "input_scale", "num_classes", "source",
-                 "own", "layout")
+                 "own", "layout", "id_rows")
 """The metadata keys that are not strings: JSON text in a safetensors header."""
 
 
@@ -99,6 +104,11 @@ class TrainedModel:
     loss: str = "cross_entropy"
     """model.loss: what the outputs were trained against (num_classes is then the number
     of outputs: targets a row for mse and binary_cross_entropy)."""
+    features: str = "dense"
+    """What the model reads: "dense" arrays, or "sparse" CSR rows or "ids" fields
+    (data.hdf5.DatasetInfo.features), for a sparse model."""
+    id_rows: tuple[int, ...] = ()
+    """"ids" only: each field's table rows."""
 
     def loss_fn(self) -> Any:
         """The model.losses.Loss of this model's outputs."""
@@ -116,8 +126,8 @@ class TrainedModel:
         the user's model behind model.protocol.OwnModel; a UserError if that model was
         not given, or is not the one trained."""
         if self.own is None:
-            return Network(self.input_shape, [dict(layer) for layer in self.layers],
-                           self.num_classes, loss=self.loss_fn())
+            return build_model(self.input_shape, self.layers, self.loss_fn(),
+                               features=self.features, id_rows=self.id_rows)
         what = f"a model of your own ({self.own['name']}, {self.own['parameters']:,d} " \
                f"parameters)"
         if self.model is None:
@@ -160,12 +170,15 @@ class TrainedModel:
                 "input_shape": list(self.input_shape), "input_scale": self.input_scale,
                 "num_classes": self.num_classes, **own,
                 **({} if self.loss == "cross_entropy" else {"loss": self.loss}),
+                **({} if self.features == "dense" else {"features": self.features}),
+                **({"id_rows": list(self.id_rows)} if self.id_rows else {}),
                 "source": {k: v for k, v in self.source.items() if k != "skipped"}}
 
 
 def array_name(layer: int, name: str) -> str:
-    """layers.<layer>.weight / .bias: the exported name of a layout array."""
-    return f"layers.{layer}.{PARAM_NAMES[name]}"
+    """layers.<layer>.weight / .bias (.table for a sparse layer's): the exported name of
+    a layout array."""
+    return f"layers.{layer}.{PARAM_NAMES.get(name, name)}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -283,8 +296,8 @@ def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
                             state, _checkpoint_source(found, info), own,
                             found.manifest["layout"], loss=loss_name)
     try:
-        found.check_layout(Network(info.input_shape, [dict(layer) for layer in layers],
-                                   loss.width, loss=loss).layout)
+        found.check_layout(build_model(info.input_shape, layers, loss,
+                                       features=info.features, id_rows=info.id_rows).layout)
     except (ConfigError, ckpt.CheckpointMismatch) as exc:
         shape = "x".join(map(str, info.input_shape))
         raise DataError(f"checkpoint {found.path} does not take the inputs of "
@@ -292,7 +305,8 @@ def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
                         f"{exc}") from exc
     params, state = found.read_state(with_optimizer)
     return TrainedModel(list(layers), info.input_shape, info.scale, loss.width,
-                        params, state, _checkpoint_source(found, info), loss=loss_name)
+                        params, state, _checkpoint_source(found, info), loss=loss_name,
+                        features=info.features, id_rows=tuple(info.id_rows))
 
 
 def _checkpoint_source(found: ckpt.Checkpoint, info: DatasetInfo) -> dict[str, Any]:
@@ -341,7 +355,9 @@ def _from_arrays(path: Path, metadata: Mapping[str, Any],
                              float(metadata["input_scale"]), int(metadata["num_classes"]),
                              np.empty(0, DTYPE), {}, dict(metadata.get("source") or {}),
                              metadata.get("own"), metadata.get("layout"),
-                             loss=str(metadata.get("loss", "cross_entropy")))
+                             loss=str(metadata.get("loss", "cross_entropy")),
+                             features=str(metadata.get("features", "dense")),
+                             id_rows=tuple(int(n) for n in metadata.get("id_rows", ())))
         layout = model.layout()
     except (KeyError, TypeError, ValueError) as exc:  # ConfigError is a ValueError
         raise ExportError(f"{path}: damaged metadata: {exc}") from exc
@@ -386,7 +402,10 @@ def _read_hdf5(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                 "num_classes": int(attrs["num_classes"]),
                 "source": json.loads(attrs.get("source", "{}")),
                 **{key: json.loads(attrs[key]) for key in ("own", "layout") if key in attrs},
-                **({"loss": str(attrs["loss"])} if "loss" in attrs else {})}
+                **({"loss": str(attrs["loss"])} if "loss" in attrs else {}),
+                **({"features": str(attrs["features"])} if "features" in attrs else {}),
+                **({"id_rows": [int(n) for n in attrs["id_rows"]]}
+                   if "id_rows" in attrs else {})}
             arrays = {name: dset[()] for name, dset in f["params"].items()}
             for state, group in f.get("optimizer", {}).items():
                 arrays |= {f"optimizer.{state}.{name}": dset[()]
@@ -515,6 +534,10 @@ def _write_hdf5(path: Path, metadata: Mapping[str, Any],
                 f.attrs[key] = json.dumps(metadata[key])
         if "loss" in metadata:  # absent: cross_entropy, as every export before losses
             f.attrs["loss"] = metadata["loss"]
+        if "features" in metadata:  # absent: dense, as every export before sparse models
+            f.attrs["features"] = metadata["features"]
+        if "id_rows" in metadata:
+            f.attrs["id_rows"] = np.asarray(metadata["id_rows"], dtype=np.int64)
         params = f.create_group("params")
         for name, values in arrays.items():
             if name.startswith("optimizer."):
