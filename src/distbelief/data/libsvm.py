@@ -295,7 +295,7 @@ def convert_libsvm(source: str | os.PathLike, out_path: str | os.PathLike, *,
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as scratch:
         files = [parse_file(Path(p), Path(scratch), name, features)
                  for name, p in (("train", source), ("test", test)) if p is not None]
-        n_features = features or 1 + max(f.largest_id for f in files)
+        n_features = features or max(1, 1 + max(f.largest_id for f in files))
         try:
             y, kind = label_targets(np.concatenate([f.all_labels() for f in files]))
         except DataError as exc:
