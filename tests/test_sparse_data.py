@@ -303,6 +303,16 @@ def test_a_corrupt_sparse_file_is_one_data_error(sparse_file, tmp_path, change, 
     assert str(path) in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_ranks_share_the_content_check_each_reading_its_part(sparse_file, tmp_path) -> None:
+    """open_dataset(part=(i, k)) checks only the i-th of k parts of the entries: a bad id
+    in the first rows is found by part 0 alone."""
+    path = _corrupt_copy(sparse_file[0], tmp_path, _set("train/x/indices", 1, 99))
+    open_dataset(path, part=(1, 2))
+    with pytest.raises(DataError, match="feature id 99"):
+        open_dataset(path, part=(0, 2))
+    assert open_dataset(path, labels=False).features == "sparse"  # metadata only
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda f: f.attrs.__delitem__("id_rows"), "root attribute 'id_rows' is missing"),
     (lambda f: f.attrs.__setitem__("id_rows", [120, 7]), r"has shape \(100, 3\), expected"),

@@ -120,11 +120,10 @@ def check_sparse_x(path: Path, f: h5py.File, split: str, n_features: int) -> tup
                         f"{values.shape[0]} values")
     if indptr.shape[0] < 1:
         raise DataError(f"{path}: {where}/indptr is empty, expected rows + 1 offsets")
-    ends = indptr[[0, -1]] if indptr.shape[0] > 1 else indptr[[0, 0]]
-    if ends[0] != 0 or ends[1] != indices.shape[0]:
-        raise DataError(f"{path}: {where}/indptr runs from {int(ends[0])} to "
-                        f"{int(ends[1])}, expected 0 to the number of entries "
-                        f"({indices.shape[0]})")
+    first, last = int(indptr[0]), int(indptr[indptr.shape[0] - 1])
+    if first != 0 or last != indices.shape[0]:
+        raise DataError(f"{path}: {where}/indptr runs from {first} to {last}, expected 0 to "
+                        f"the number of entries ({indices.shape[0]})")
     return indptr.shape[0] - 1, indices.shape[0]
 
 
