@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from distbelief.data.hdf5 import load_split, open_dataset, to_float, with_validation
+from distbelief.data.sparse import SparseRows
 from distbelief.errors import DataError
 from distbelief.records.export import TrainedModel, read_trained
 
@@ -115,8 +116,18 @@ class Model:
                                         batch_size=_check_batch(batch_size))
         return Evaluation(result.loss, result.figures.get("accuracy"), dict(result.figures))
 
-    def _inputs(self, x: np.ndarray) -> np.ndarray:
-        """x as the network's float32 input: the same conversion training applies."""
+    def _inputs(self, x: Any) -> Any:
+        """x as the network's input: the same conversion training applies (float32 scaled
+        for dense features; sparse rows as SparseRows, from any scipy.sparse matrix too;
+        id fields as int64)."""
+        if self._trained.features == "sparse":
+            return _sparse_rows(x, self.input_shape[0])
+        if self._trained.features == "ids":
+            x = np.asarray(x)
+            if not np.issubdtype(x.dtype, np.integer) or x.shape[1:] != self.input_shape:
+                raise DataError(f"x must be integer ids of shape (N, {self.input_shape[0]}) "
+                                f"(one per field), got {x.dtype} {x.shape}")
+            return x.astype(np.int64, copy=False)
         x = np.asarray(x)
         if x.dtype not in (np.uint8, np.float32):
             raise DataError(f"x must be uint8 or float32, as a dataset file stores it (the "
@@ -135,6 +146,18 @@ class Model:
         return (f"Model({len(self._trained.layers)} layers: {kinds}; input "
                 f"{self.input_shape}, {self.num_classes} classes, "
                 f"{self._network.layout.size:,d} parameters)")
+
+
+def _sparse_rows(x: Any, n_features: int) -> SparseRows:
+    """x (a SparseRows, or a scipy.sparse matrix) as SparseRows of n_features columns."""
+    if not isinstance(x, SparseRows) and hasattr(x, "tocsr"):
+        csr = x.tocsr()
+        x = SparseRows.from_arrays(csr.indptr, csr.indices, csr.data, csr.shape[1])
+    if not isinstance(x, SparseRows) or x.n_features != n_features or len(x) == 0:
+        raise DataError(f"x must be sparse rows of {n_features} features (a "
+                        f"distbelief.data.sparse.SparseRows or a scipy.sparse matrix), got "
+                        f"{type(x).__name__} {getattr(x, 'shape', '')}")
+    return x
 
 
 def _check_batch(batch_size: int) -> int:

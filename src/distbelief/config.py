@@ -861,13 +861,13 @@ def _check_eval_set_fits(config: Config, info: Any, split: str, rows: int) -> No
     rather than run out of memory at the first evaluation."""
     if config.data.in_memory:
         return
-    row_bytes = 4 * math.prod(info.input_shape)
+    row_bytes = info.input_row_bytes
     budget = config.data.stream_memory_mb << 20
     used = min(rows, config.run.eval_samples or rows)
     if used * row_bytes > budget:
-        raise DataError(f"{info.path}: the {split} set evaluations use ({used:,d} rows, "
-                        f"{used * row_bytes / 2**20:,.0f} MB as float32) is larger than "
-                        f"data.stream_memory_mb = {config.data.stream_memory_mb}: set "
+        raise DataError(f"{info.path}: the {split} set that evaluations use ({used:,d} "
+                        f"rows, {used * row_bytes / 2**20:,.0f} MB in memory) is larger "
+                        f"than data.stream_memory_mb = {config.data.stream_memory_mb}: set "
                         f"run.eval_samples = {budget // row_bytes} or fewer (an "
                         f"evaluation holds its rows in memory)")
 

@@ -270,15 +270,15 @@ than memory is evaluated too."""
 def evaluate_split(network: Any, params: np.ndarray, info: Any, split: str) -> Evaluation:
     """The Evaluation of `params` on the whole of `split`, read from the file in blocks of
     whole evaluation batches (their tallies summed: model.losses)."""
-    from distbelief.data.hdf5 import read_rows, to_float
+    from distbelief.data.hdf5 import model_input, read_rows
 
     rows = {"test": info.n_test, "validation": info.n_val, "train": info.n_train}[split]
-    row_bytes = 4 * int(np.prod(info.input_shape))
+    row_bytes = info.input_row_bytes
     block = max(1, EVAL_BLOCK_BYTES // (row_bytes * EVAL_BATCH_SIZE)) * EVAL_BATCH_SIZE
     tally = None
     for start in range(0, rows, block):
         x, y = read_rows(info, split, start, min(rows, start + block))
-        part = network.tally(params, to_float(x, info.scale), y, batch_size=EVAL_BATCH_SIZE)
+        part = network.tally(params, model_input(info, x), y, batch_size=EVAL_BATCH_SIZE)
         tally = part if tally is None else tally + part
     return figures_of(network).evaluation(tally)
 

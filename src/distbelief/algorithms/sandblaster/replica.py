@@ -36,7 +36,7 @@ from distbelief.algorithms.sandblaster.plan import (
 from distbelief.algorithms.sandblaster.unit_rows import UnitRows
 from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD
 from distbelief.config import Config
-from distbelief.data.hdf5 import bytes_read, to_float
+from distbelief.data.hdf5 import bytes_read, model_input
 from distbelief.model.partitioned_network import PartitionedNetwork
 from distbelief.runtime.communicators.agreement import wait_all
 from distbelief.runtime.health import watchdog
@@ -131,7 +131,7 @@ class Replica:
         self.comm, self.plan, self.model = comm, plan, model
         # The evaluation set is read when this replica is first given an evaluation: a
         # replica that never evaluates never reads it.
-        self.rows, self.load_eval, self.scale = rows, load_eval, rows.info.scale
+        self.rows, self.load_eval = rows, load_eval
         self.eval_set: tuple[np.ndarray, np.ndarray] | None = None
         topology = plan.topology
         self.coordinator = topology.coordinator_rank
@@ -417,7 +417,7 @@ class Replica:
         """Add one unit's gradient sum to the pending sum (its trial point fetched)."""
         t0 = time.perf_counter()
         stored, y = self.rows.unit(batch, start, stop)
-        x = to_float(stored, self.scale)
+        x = model_input(self.rows.info, stored)
         n = stop - start
         loss = self.model.loss_and_grad(self.params, x, y, self.grad)
         self.grad *= np.float32(n)  # mean -> sum, so units of any size add up

@@ -121,7 +121,7 @@ def _eval_slice(session: RunSession, rank: int,
     """This replica's contiguous 1/R of the evaluation set (the first run.eval_samples of
     the split, or all), read alone: the file system serves each rank its share, not the
     whole set; and the whole set's size."""
-    from distbelief.data.hdf5 import read_rows, to_float
+    from distbelief.data.hdf5 import model_input, read_rows
 
     info = session.info
     split = eval_split(info)
@@ -129,7 +129,7 @@ def _eval_slice(session: RunSession, rank: int,
     total = min(total, session.config.run.eval_samples or total)
     bounds = np.linspace(0, total, replicas + 1).astype(int)
     x, y = read_rows(info, split, int(bounds[rank]), int(bounds[rank + 1]))
-    return to_float(x, info.scale), y, total
+    return model_input(info, x), y, total
 
 
 def restore(path: Path, rank: int, params: np.ndarray, optimizer: Any, shard: Any,
