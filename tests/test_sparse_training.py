@@ -1,0 +1,153 @@
+"""Sparse models trained end to end (issue 44): the three workloads of the examples
+(sparse logistic regression, matrix factorisation, embeddings feeding a dense tower) on
+synthetic data with a planted model, with sgd in this process and with Downpour and
+Hogwild under mpiexec; then evaluated, exported and loaded back. The floors are the
+planted models' own test losses, printed by the generator."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.mpi_jobs import REPO, run_mpi
+
+import distbelief
+from distbelief.cli import main
+from distbelief.data import write_dataset
+from distbelief.data.hdf5 import load_test, open_dataset
+from distbelief.data.sparse import SparseRows
+from distbelief.data.synthetic_sparse import Options, make_sparse_synthetic
+from distbelief.errors import ConfigError
+
+TIMEOUT = 120
+EXAMPLES = REPO / "examples"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """Small versions of the examples' data, and their configs beside them."""
+    folder = tmp_path_factory.mktemp("sparse")
+    made = {
+        "sparse_logistic": make_sparse_synthetic("logistic", folder / "sparse_logistic.h5",
+                                                 Options(train=60_000, test=4_000,
+                                                         features=2_000, nnz=20)),
+        "matrix_factorisation": make_sparse_synthetic(
+            "mf", folder / "matrix_factorisation.h5",
+            Options(train=100_000, test=4_000, users=300, items=200)),
+        "embeddings_tower": make_sparse_synthetic(
+            "fields", folder / "embeddings_tower.h5",
+            Options(train=60_000, test=4_000, fields=4, field_rows=100)),
+    }
+    for name, synthetic in made.items():
+        shutil.copy(EXAMPLES / f"{name}.toml", folder)
+        FLOORS[name] = (synthetic.floor, synthetic.baseline)
+    return folder
+
+
+FLOORS: dict[str, tuple[float, float]] = {}
+"""Each workload's (planted model's test loss, a constant predictor's), as generated."""
+
+
+@pytest.fixture
+def keep_sigint():
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
+def config_of(folder: Path, name: str, out: Path, **changes) -> dict:
+    config = tomllib.loads((folder / f"{name}.toml").read_text())
+    config["data"]["path"] = str(folder / f"{name}.h5")
+    for section, values in changes.items():
+        config[section] = {**config.get(section, {}), **values}
+    config["run"]["out_dir"] = str(out)
+    return config
+
+
+def test_matrix_factorisation_reaches_its_floor_and_loads_back(data: Path, tmp_path: Path,
+                                                               keep_sigint) -> None:
+    floor, constant = FLOORS["matrix_factorisation"]
+    out = tmp_path / "mf"
+    summary = distbelief.train(config_of(data, "matrix_factorisation", out,
+                                         run={"target_loss": 1.5 * floor,
+                                              "max_seconds": 60}))
+    assert summary["stop_reason"] == "target_loss", summary["stop_reason"]
+    assert summary["final_test_loss"] < 1.7 * floor < constant / 10
+    model = distbelief.load_model(out)
+    x, y = load_test(open_dataset(data / "matrix_factorisation.h5"))
+    assert x.dtype == np.int64 and x.shape[1] == 2
+    assert model.evaluate(x, y).loss == pytest.approx(summary["final_test_loss"], rel=1e-5)
+    exported = tmp_path / "mf.safetensors"
+    assert main(["export", str(out), "--out", str(exported)]) == 0
+    again = distbelief.load_model(exported)
+    assert np.array_equal(again.predict(x[:100]), model.predict(x[:100]))
+    names = dict(again.named_parameters())
+    assert names["layers.0.table_0"].shape == (300, 8)
+    assert names["layers.0.table_1"].shape == (200, 8)
+
+
+def test_embeddings_feed_a_dense_tower_in_one_process(data: Path, tmp_path: Path,
+                                                      keep_sigint) -> None:
+    floor, constant = FLOORS["embeddings_tower"]
+    summary = distbelief.train(config_of(data, "embeddings_tower", tmp_path / "fields",
+                                         optimizer={"algorithm": "sgd"},
+                                         run={"max_steps": 2500}))
+    # Half way from the constant predictor down to the floor, in 2,500 steps.
+    assert summary["final_test_loss"] < (floor + constant) / 2, summary["final_test_loss"]
+    assert summary["final_test_auc"] > 0.75
+
+
+def test_a_model_that_does_not_fit_the_features_is_one_config_error(data: Path,
+                                                                   tmp_path: Path) -> None:
+    dense = {"type": "dense", "units": 1, "activation": "sigmoid"}
+    config = config_of(data, "sparse_logistic", tmp_path / "a")
+    config["model"]["layers"] = [dense]
+    with pytest.raises(ConfigError, match="sparse features .CSR rows.: the first layer must"):
+        distbelief.train(config)
+    config = config_of(data, "matrix_factorisation", tmp_path / "b")
+    config["model"]["layers"] = [{"type": "sparse_linear", "units": 1,
+                                  "activation": "linear"}]
+    with pytest.raises(ConfigError, match="needs sparse features .CSR rows., but the data"):
+        distbelief.train(config)
+    rng = np.random.default_rng(0)
+    x = rng.random((300, 30), dtype=np.float32) * (rng.random((300, 30)) < 0.2)
+    write_dataset(tmp_path / "classes.h5", SparseRows.from_dense(x),
+                  rng.integers(0, 3, 300), test_fraction=0.2)
+    config = config_of(data, "sparse_logistic", tmp_path / "c",
+                       cluster={"partitions": 2}, optimizer={"algorithm": "sgd"},
+                       model={"loss": "cross_entropy", "layers": [
+                           {"type": "sparse_linear", "units": 3, "activation": "softmax"}]})
+    config["data"]["path"] = str(tmp_path / "classes.h5")
+    with pytest.raises(ConfigError, match="a sparse model trains with partitions = 1"):
+        distbelief.train(config)
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
+@pytest.mark.parametrize("algorithm, ranks, name", [
+    ("downpour", 3, "sparse_logistic"),
+    ("hogwild", 2, "matrix_factorisation"),
+], ids=["downpour-logistic", "hogwild-mf"])
+def test_sparse_models_train_under_mpiexec(data: Path, tmp_path: Path, algorithm: str,
+                                           ranks: int, name: str) -> None:
+    floor, constant = FLOORS[name]
+    out = tmp_path / "out"
+    target = floor + (constant - floor) / 5 if name == "sparse_logistic" else 1.5 * floor
+    overrides = [f'run.out_dir="{out}"', f'optimizer.algorithm="{algorithm}"',
+                 f"run.target_loss={target}", "run.max_seconds=60",
+                 f'data.path="{data / name}.h5"']
+    if algorithm == "hogwild":
+        overrides.append("cluster.ps_shards=0")
+    args = ["-m", "distbelief", "train", data / f"{name}.toml"]
+    for override in overrides:
+        args += ["--set", override]
+    proc = run_mpi(ranks, args, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "target_loss"
+    assert summary["final_test_loss"] < target * 1.1
+    assert len(summary["peak_rss"]) == ranks
