@@ -1,4 +1,4 @@
-"""Hogwild (algorithms/hogwild.py) end to end, as MPI jobs under timeouts: it trains at 2
+"""Hogwild (algorithms/hogwild/trainer.py) end to end, as MPI jobs under timeouts: it trains at 2
 and 3 replicas with max_steps split exactly, resumes exactly, equals the single-process
 trainer bit for bit at one replica, refuses ranks on several nodes with one line and exit
 2 on every rank, survives a killed replica, stops with one line when rank 0 dies, and

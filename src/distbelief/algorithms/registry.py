@@ -102,7 +102,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
               options="distbelief.algorithms.averaging.options:AveragingOptions",
               shards="elastic_alpha",
               shard_trainer="distbelief.algorithms.averaging.elastic:train"),
-    Algorithm("hogwild", "distbelief.algorithms.hogwild:train",
+    Algorithm("hogwild", "distbelief.algorithms.hogwild.trainer:train",
               "lock-free shared parameters on one node"),
     Algorithm("diloco", "distbelief.algorithms.diloco.synchronous:train",
               "DiLoCo: inner_steps local steps, then an outer optimizer on the replicas' "
