@@ -128,12 +128,13 @@ def test_a_model_that_does_not_fit_the_features_is_one_config_error(data: Path,
     assert not any((tmp_path / name).exists() for name in "abc")
 
 
-@pytest.mark.parametrize("algorithm, ranks, name", [
-    ("downpour", 3, "sparse_logistic"),
-    ("hogwild", 2, "matrix_factorisation"),
-], ids=["downpour-logistic", "hogwild-mf"])
+@pytest.mark.parametrize("algorithm, ranks, name, locked", [
+    ("downpour", 3, "sparse_logistic", False),
+    ("hogwild", 2, "matrix_factorisation", False),
+    ("hogwild", 2, "sparse_logistic", True),
+], ids=["downpour-logistic", "hogwild-mf", "locked-hogwild-logistic"])
 def test_sparse_models_train_under_mpiexec(data: Path, tmp_path: Path, algorithm: str,
-                                           ranks: int, name: str) -> None:
+                                           ranks: int, name: str, locked: bool) -> None:
     floor, constant = FLOORS[name]
     out = tmp_path / "out"
     target = floor + (constant - floor) / 5 if name == "sparse_logistic" else 1.5 * floor
@@ -141,7 +142,7 @@ def test_sparse_models_train_under_mpiexec(data: Path, tmp_path: Path, algorithm
                  f"run.target_loss={target}", "run.max_seconds=60",
                  f'data.path="{data / name}.h5"']
     if algorithm == "hogwild":
-        overrides.append("cluster.ps_shards=0")
+        overrides += ["cluster.ps_shards=0", f"optimizer.locked_updates={str(locked).lower()}"]
     args = ["-m", "distbelief", "train", data / f"{name}.toml"]
     for override in overrides:
         args += ["--set", override]
@@ -151,3 +152,4 @@ def test_sparse_models_train_under_mpiexec(data: Path, tmp_path: Path, algorithm
     assert summary["stop_reason"] == "target_loss"
     assert summary["final_test_loss"] < target * 1.1
     assert len(summary["peak_rss"]) == ranks
+    assert not (out / ".hogwild-update.lock").exists()  # the lock's file goes with the run

@@ -103,7 +103,8 @@ ALGORITHMS: tuple[Algorithm, ...] = (
               shards="elastic_alpha",
               shard_trainer="distbelief.algorithms.averaging.elastic:train"),
     Algorithm("hogwild", "distbelief.algorithms.hogwild.trainer:train",
-              "lock-free shared parameters on one node"),
+              "lock-free shared parameters on one node",
+              options="distbelief.algorithms.hogwild.options:HogwildOptions"),
     Algorithm("diloco", "distbelief.algorithms.diloco.synchronous:train",
               "DiLoCo: inner_steps local steps, then an outer optimizer on the replicas' "
               "deltas; optimizer.asynchronous applies each delta on the shards",

@@ -64,7 +64,9 @@ loss (not finite) stops every rank with one error line (exit 2) and no checkpoin
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -177,6 +179,7 @@ class Replica:
     loss_sum: float = 0.0
     loss_count: int = 0
     faults: Faults = field(default_factory=lambda: Faults(0))
+    lock: UpdateLock | None = None  # optimizer.locked_updates
 
     def publish(self, shared: SharedState) -> None:
         """Counters and data position into this replica's words (then a barrier)."""
@@ -187,6 +190,29 @@ class Replica:
         state = self.shard.state()
         words[DATA_AT:DATA_AT + len(DATA_KEYS)] = [state[k] for k in DATA_KEYS]
         shared.sync()
+
+
+class UpdateLock:
+    """One lock for every replica's update (optimizer.locked_updates): an exclusive
+    `flock` on a file in the run folder. A waiting replica sleeps in the kernel, and the
+    kernel releases the lock of a replica that dies holding it."""
+
+    NAME = ".hogwild-update.lock"
+
+    def __init__(self, out_dir: str | Path):
+        self.path = Path(out_dir) / self.NAME
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self, remove: bool) -> None:
+        os.close(self.fd)
+        if remove:
+            self.path.unlink(missing_ok=True)
 
 
 def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
@@ -227,6 +253,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             summary, loss_text = None, "not finite"
             reason, teardown = _follow(config, network, shared, replica, peers, signals,
                                        comm)
+    if replica.lock is not None:
+        replica.lock.close(remove=rank == 0)
     if teardown == TEARDOWN_FREE:
         shared.free()
     else:
@@ -289,7 +317,9 @@ def _setup_replica(config: Config, info: Any, network: Any, shared: SharedState,
     found = ckpt.verify(path) if path is not None else None
     for name, view in shared.state.items():
         setattr(optimizer, name, view)  # the optimizer works on the shared arrays
-    replica = Replica(rank, shard, optimizer, faults=Faults.for_rank(rank))
+    replica = Replica(rank, shard, optimizer, faults=Faults.for_rank(rank),
+                      lock=UpdateLock(config.run.out_dir) if config.optimizer.locked_updates
+                      else None)
     start_total = 0
     if found is not None:
         start_total = found.step
@@ -319,14 +349,11 @@ def _step(network: Any, shared: SharedState, replica: Replica, grad: np.ndarray,
     x, y = replica.shard.next_batch(batch_size)
     loss = network.loss_and_grad(shared.params, x, y, grad)
     replica.faults.poison(replica.steps + 1, grad)
-    # The schedule counts the updates of every replica, as they published them (a plain
-    # racy read, as everything here: an update or two behind at most).
-    update = int(shared.words[:, STEPS].sum())
-    touched = network.touched()
-    if touched is None:
-        replica.optimizer.step(shared.params, grad, update=update)
-    else:  # a sparse model: its batch's rows alone, or others' updates to the rest are lost
-        replica.optimizer.step_at(shared.params, grad, touched, update=update)
+    if replica.lock is None:
+        _update(network, shared, replica, grad)
+    else:
+        with replica.lock:
+            _update(network, shared, replica, grad)
     replica.steps += 1
     replica.samples += len(y)
     replica.loss_sum += float(loss)
@@ -390,6 +417,18 @@ def _follow(config: Config, network: Any, shared: SharedState, replica: Replica,
         _check_leader(peers, world)  # rank 0 leaves once TEARDOWN is set: look first
         wait.sleep()
     return REASONS[control[STOP] - 1], int(control[TEARDOWN])
+
+
+def _update(network: Any, shared: SharedState, replica: Replica, grad: np.ndarray) -> None:
+    """The optimizer's update of the shared vector with `grad`, in place."""
+    # The schedule counts the updates of every replica, as they published them (a plain
+    # racy read, as everything here: an update or two behind at most).
+    update = int(shared.words[:, STEPS].sum())
+    touched = network.touched()
+    if touched is None:
+        replica.optimizer.step(shared.params, grad, update=update)
+    else:  # a sparse model: its batch's rows alone, or others' updates to the rest are lost
+        replica.optimizer.step_at(shared.params, grad, touched, update=update)
 
 
 def _publish_signals(signals: StopSignals, words: np.ndarray) -> None:
