@@ -471,15 +471,21 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
         if isinstance(table, dict):
             table[key] = value
             overridden.add((section, key))
-            other = SPELLINGS.get((section, key))
-            if other is not None and (section, other) not in overridden:
-                table.pop(other, None)  # --set update=... replaces the file's adagrad
+            for other in REPLACES.get((section, key), ()):
+                if (section, other) not in overridden:
+                    table.pop(other, None)  # --set update=... replaces the file's adagrad
     return merged
 
 
-SPELLINGS = {("optimizer", "update"): "adagrad", ("optimizer", "adagrad"): "update"}
-"""Keys that say the same thing two ways: an override of one replaces the other as the
-file gives it (two overrides that disagree are still an error)."""
+_TARGET_KEYS = ("target_accuracy", "target_loss", "target_metric", "target_value")
+_TARGET_PAIRS = {"target_metric": "target_value", "target_value": "target_metric"}
+REPLACES = {("optimizer", "update"): ("adagrad",), ("optimizer", "adagrad"): ("update",),
+            **{("run", key): tuple(k for k in _TARGET_KEYS if k not in (key, _TARGET_PAIRS.get(key)))
+               for key in _TARGET_KEYS}}
+"""The keys an override of a key replaces as the file gives them: one setting said two
+ways (update, adagrad), and a run's one target, whichever key gives it (so `compare
+--target` or `--set run.target_loss=...` replaces a file's run.target_accuracy). Two
+overrides that disagree are still an error."""
 
 
 # ---------------------------------------------------------------------------------------
