@@ -114,7 +114,8 @@ SIG_TERM, SIG_USR1, SIG_INT = 6, 7, 8  # how many of each signal this rank recei
 DATA_KEYS = ("seed", "rank", "num_ranks", "n", "epoch", "position")  # TrainShard.state()
 DATA_AT = 9
 QUOTA = 15  # the step count at which this replica stops (max_steps; -1 without)
-REPLICA_WORDS = 16
+TOUCHED = 16  # parameters its steps updated, summed (a sparse model's touch few)
+REPLICA_WORDS = 24
 ALIGN = 64
 LIVENESS_EVERY_S = 1.0
 NOTICE_DELAY_S = 0.5
@@ -178,6 +179,7 @@ class Replica:
     quota: float = math.inf
     loss_sum: float = 0.0
     loss_count: int = 0
+    touched: int = 0  # parameters its updates wrote, summed over its steps
     faults: Faults = field(default_factory=lambda: Faults(0))
     lock: UpdateLock | None = None  # optimizer.locked_updates
 
@@ -332,11 +334,14 @@ def _setup_replica(config: Config, info: Any, network: Any, shared: SharedState,
                                            f"here: {exc}") from exc
             replica.steps = part.counters["steps"]
             replica.samples = part.counters["samples"]
+            # Checkpoints from before sparse models: every step wrote the whole vector.
+            replica.touched = part.counters.get("touched", replica.steps * network.layout.size)
     if config.run.max_steps:
         remaining = max(config.run.max_steps - start_total, 0)
         replica.quota = replica.steps + remaining // replicas + (rank < remaining % replicas)
     words = shared.words[rank]
     words[STEPS], words[SAMPLES] = replica.steps, replica.samples
+    words[TOUCHED] = replica.touched
     words[QUOTA] = replica.quota if config.run.max_steps else -1
     shared.sync()
     return replica
@@ -362,7 +367,7 @@ def _step(network: Any, shared: SharedState, replica: Replica, grad: np.ndarray,
     words = shared.words[replica.index]
     words[STEPS], words[SAMPLES] = replica.steps, replica.samples
     shared.losses[replica.index, LOSS_SUM] = replica.loss_sum
-    words[LOSS_COUNT] = replica.loss_count
+    words[LOSS_COUNT], words[TOUCHED] = replica.loss_count, replica.touched
     if replica.faults:
         replica.faults.after_step(replica.steps, time.monotonic() - began)
 
@@ -427,8 +432,10 @@ def _update(network: Any, shared: SharedState, replica: Replica, grad: np.ndarra
     touched = network.touched()
     if touched is None:
         replica.optimizer.step(shared.params, grad, update=update)
+        replica.touched += shared.params.size
     else:  # a sparse model: its batch's rows alone, or others' updates to the rest are lost
         replica.optimizer.step_at(shared.params, grad, touched, update=update)
+        replica.touched += len(touched)
 
 
 def _publish_signals(signals: StopSignals, words: np.ndarray) -> None:
@@ -698,7 +705,8 @@ class Leader:
                 continue
             words = self.shared.words[i]
             data = {k: int(words[DATA_AT + j]) for j, k in enumerate(DATA_KEYS)}
-            counters = {"steps": int(words[STEPS]), "samples": int(words[SAMPLES])}
+            counters = {"steps": int(words[STEPS]), "samples": int(words[SAMPLES]),
+                        "touched": int(words[TOUCHED])}
             states.append(ckpt.ReplicaState(i, counters, data, None, {}))
         records.append(ckpt.write_replicas_part(partial, meta, states))
         path = ckpt.commit(root, meta, settings=hashed_settings(config), algorithm=ALGORITHM,
@@ -714,19 +722,22 @@ class Leader:
 
     def _wire(self, steps: int) -> dict[str, int]:
         """metrics.jsonl's bytes so far (as _summary_extras counts them): every step reads
-        the shared vector and writes its update into it."""
-        vector = 4 * int(self.shared.params.size)
-        return {"bytes_sent": steps * vector, "bytes_received": steps * vector}
+        the parameters it updates and writes its update into them."""
+        if self.network.touched() is None:  # a dense model: the whole vector, each step
+            touched = 4 * steps * int(self.shared.params.size)
+        else:
+            touched = 4 * int(self.shared.words[:, TOUCHED].sum())
+        return {"bytes_sent": touched, "bytes_received": touched}
 
     def _summary_extras(self) -> dict[str, Any]:
         words = self.shared.words
         replicas = [{"replica": i, "steps": int(words[i, STEPS]),
                      "samples": int(words[i, SAMPLES])}
                     for i in range(self.num_replicas) if i not in self.lost]
-        # No network: each step reads the shared parameters for its gradient and writes
-        # its update into them, in place; those are the bytes counted (float32 each).
-        vector = 4 * int(self.shared.params.size)
-        traffic = [(r["steps"] * vector, r["steps"] * vector) for r in replicas]
+        # No network: each step reads the parameters it updates and writes its update into
+        # them, in place (all of them; a sparse model's batch rows and its dense part):
+        # those are the bytes counted (float32 each).
+        traffic = [(4 * int(words[r["replica"], TOUCHED]),) * 2 for r in replicas]
         start = self.session.found
         return {"num_replicas": self.num_replicas, "replicas": replicas,
                 "lost_replicas": list(self.lost.values()),
