@@ -699,6 +699,23 @@ class WireBytes:
         return self.sent, self.received
 
 
+def apply_step(optimizer: Any, network: Any, params: np.ndarray, grad: np.ndarray,
+               update: int) -> int:
+    """The optimizer's step of `params` with `grad`, in place, where a replica applies its
+    own gradient: a sparse model's touched coordinates alone (its batch's rows and its dense
+    part: model.sparse_network) where the rule updates coordinates independently
+    (ShardRule.step_at), else the whole vector. The same for Adagrad and SGD, whose step
+    leaves a zero gradient's coordinates as they are; momentum and Adam then move a row
+    only when a batch touches it (lazily, as PyTorch's SparseAdam). Returns how many
+    parameters it wrote."""
+    touched = network.touched()
+    if touched is None or not optimizer.elementwise:
+        optimizer.step(params, grad, update=update)
+        return int(params.size)
+    optimizer.step_at(params, grad, touched, update=update)
+    return len(touched)
+
+
 def traffic_summary(traffic: list[tuple[int, int]]) -> dict[str, Any]:
     """The summary's bytes on the wire from each replica's (bytes sent, bytes received),
     in replica order: the totals and each replica's (records.metrics adds them per sample

@@ -34,6 +34,7 @@ from distbelief.algorithms.common import (
     StopRules,
     StopSignals,
     TrainingDiverged,
+    apply_step,
     evaluate,
     train_shard,
 )
@@ -108,7 +109,7 @@ def _train_loop(session: RunSession, shard: Any, optimizer: Any, params: np.ndar
     while not reason:
         x, y = shard.next_batch(batch_size)
         loss_sum += network.loss_and_grad(params, x, y, grad)
-        optimizer.step(params, grad, update=step)
+        apply_step(optimizer, network, params, grad, step)
         step += 1
         samples += len(y)
         loss_count += 1

@@ -365,6 +365,9 @@ class PartitionedNetwork:
 
     # -- backward --------------------------------------------------------------------------
 
+    def touched(self) -> None:
+        """A step's gradient may be non-zero anywhere (model parallelism is dense only)."""
+
     def loss_and_grad(self, params: np.ndarray, x: np.ndarray, y: np.ndarray,
                       grad: np.ndarray) -> float:
         """Mean loss over the batch (the same on every partition); writes this partition's

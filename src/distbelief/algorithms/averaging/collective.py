@@ -56,6 +56,7 @@ from distbelief.algorithms.common import (
     StopDecision,
     StopSignals,
     WireBytes,
+    apply_step,
     traffic_summary,
 )
 from distbelief.algorithms.session import RunSession, RunSetup
@@ -287,7 +288,8 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
         for _ in range(steps):
             x, y = replica.shard.next_batch(batch_size)
             losses[0] += replica.network.loss_and_grad(replica.params, x, y, grad)
-            replica.optimizer.step(replica.params, grad, update=replica.local_steps)
+            apply_step(replica.optimizer, replica.network, replica.params, grad,
+                       replica.local_steps)
             replica.local_steps += 1
             if faults:
                 faults.after_step(replica.local_steps, 0.0)

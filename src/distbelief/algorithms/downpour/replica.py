@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from distbelief.algorithms.common import apply_step
 from distbelief.algorithms.downpour.plan import (
     LEAVING_TAG,
     PAUSE_POLL_S,
@@ -216,7 +217,8 @@ class Replica:
             loss, started = self._compute_step()
             done += 1
             if self._usable(loss):
-                self.local_optimizer.step(self.params, self.grad, update=self.t - 1)
+                apply_step(self.local_optimizer, self.network, self.params, self.grad,
+                           self.t - 1)
             else:
                 self._drop()  # a non-finite gradient is not applied (counted, as Downpour)
             if math.isfinite(loss):

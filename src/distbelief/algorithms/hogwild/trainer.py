@@ -80,6 +80,7 @@ from distbelief.algorithms.common import (
     StopRules,
     StopSignals,
     TrainingDiverged,
+    apply_step,
     evaluate,
     traffic_summary,
     train_shard,
@@ -428,14 +429,10 @@ def _update(network: Any, shared: SharedState, replica: Replica, grad: np.ndarra
     """The optimizer's update of the shared vector with `grad`, in place."""
     # The schedule counts the updates of every replica, as they published them (a plain
     # racy read, as everything here: an update or two behind at most).
-    update = int(shared.words[:, STEPS].sum())
-    touched = network.touched()
-    if touched is None:
-        replica.optimizer.step(shared.params, grad, update=update)
-        replica.touched += shared.params.size
-    else:  # a sparse model: its batch's rows alone, or others' updates to the rest are lost
-        replica.optimizer.step_at(shared.params, grad, touched, update=update)
-        replica.touched += len(touched)
+    # A sparse model's batch rows alone: writing back the rest unchanged would undo what
+    # the other replicas wrote there meanwhile.
+    replica.touched += apply_step(replica.optimizer, network, shared.params, grad,
+                                  int(shared.words[:, STEPS].sum()))
 
 
 def _publish_signals(signals: StopSignals, words: np.ndarray) -> None:
