@@ -477,11 +477,12 @@ def apply_overrides(raw: dict, overrides: Iterable[str]) -> dict:
     return merged
 
 
-_TARGET_KEYS = ("target_accuracy", "target_loss", "target_metric", "target_value")
+TARGET_KEYS = ("target_accuracy", "target_loss", "target_metric", "target_value")
+"""The [run] keys that give a run its target (records.metrics.target_of reads them)."""
 _TARGET_PAIRS = {"target_metric": "target_value", "target_value": "target_metric"}
 REPLACES = {("optimizer", "update"): ("adagrad",), ("optimizer", "adagrad"): ("update",),
-            **{("run", key): tuple(k for k in _TARGET_KEYS if k not in (key, _TARGET_PAIRS.get(key)))
-               for key in _TARGET_KEYS}}
+            **{("run", key): tuple(k for k in TARGET_KEYS if k not in (key, _TARGET_PAIRS.get(key)))
+               for key in TARGET_KEYS}}
 """The keys an override of a key replaces as the file gives them: one setting said two
 ways (update, adagrad), and a run's one target, whichever key gives it (so `compare
 --target` or `--set run.target_loss=...` replaces a file's run.target_accuracy). Two
