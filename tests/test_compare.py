@@ -1,11 +1,13 @@
-"""`distbelief compare`: the plan (rank counts, lists expanded), the table from fake run
-folders, the launcher option, one real tiny comparison with its resume, and Ctrl-C."""
+"""`distbelief compare`: the plan (rank counts, lists expanded, the target of any metric),
+the table from fake run folders (accuracy, a falling loss, r2), the launcher option, one
+real tiny comparison with its resume, one of a regression to a loss target, and Ctrl-C."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -15,10 +17,12 @@ from typing import Any
 
 import pytest
 from helpers.configs import small_config_text
-from helpers.mpi_jobs import job_env, run_cli
+from helpers.mpi_jobs import REPO, job_env, run_cli
 
 from distbelief.compare import plan, results, running
+from distbelief.config import TARGET_METRICS
 from distbelief.errors import ConfigError
+from distbelief.records.metrics import Target
 
 CONFIG = small_config_text(
     16, 3, data={"batch_size": 16}, optimizer={"algorithm": None}, cluster=None,
@@ -29,6 +33,24 @@ CONFIG = small_config_text(
 def config(synthetic_folder) -> Path:
     return synthetic_folder("compare", {"exp.toml": CONFIG}, n_train=2000, n_test=300,
                             input_shape=(8,), num_classes=3, seed=0) / "exp.toml"
+
+
+ACCURACY = Target("accuracy", 0.88)  # the fake runs' target (fake_run)
+
+
+@pytest.fixture(scope="module")
+def regression_config(tmp_path_factory) -> Path:
+    """examples/regression.toml (mse, validation split, run.target_loss) beside a small
+    regression.h5 of the example's planted model (noise floor: a loss of 0.01)."""
+    from distbelief.data.arrays import write_dataset
+
+    folder = tmp_path_factory.mktemp("regression")
+    planted = runpy.run_path(str(REPO / "examples" / "regression.py"))["planted"]
+    x, y = planted(rows=4000)
+    write_dataset(folder / "regression.h5", x[:3500], y[:3500], x[3500:], y[3500:])
+    config = folder / "regression.toml"
+    config.write_text((REPO / "examples" / "regression.toml").read_text())
+    return config
 
 
 def specs(*texts: str) -> list[plan.AlgorithmSpec]:
@@ -44,7 +66,7 @@ def test_plan_expands_the_lists_and_counts_the_ranks(config: Path) -> None:
                            "averaging:optimizer.elastic_alpha=0.5", "hogwild", "diloco",
                            "diloco:optimizer.asynchronous=true"),
                      replicas=(1, 3), seeds=(0, 1), learning_rates=(0.01, 0.02),
-                     max_seconds=30, target_accuracy=0.7)
+                     max_seconds=30, target=0.7)
     runs = plan.plan_runs(config, grid)
     ranks = {(r.algorithm, r.replicas): r.ranks for r in runs}
     assert ranks == {
@@ -85,6 +107,44 @@ def test_plan_with_partitions_and_shards(config: Path) -> None:
                      "downpour:cluster.ps_shards=3": (3 + 4, True)}
 
 
+def test_the_target_of_any_metric(config: Path, regression_config: Path,
+                                  tmp_path: Path) -> None:
+    """A file's own target is used as it is; --target is a value of the score (accuracy, r2
+    for mse) or of --target-metric's metric, and replaces the file's target whatever key
+    gave it; a metric the loss does not report, a value out of its range or a comparison
+    of two metrics is one ConfigError before any run."""
+    def targets(path: Path, grid: plan.Grid, check: bool = False) -> list:
+        return [(r.target, r.overrides[-1]) for r in plan.plan_runs(path, grid, check=check)]
+
+    assert targets(regression_config, plan.Grid(specs("sgd"))) == [
+        (Target("loss", 0.0105), "run.seed=0")]                       # the file's own
+    assert targets(regression_config, plan.Grid(specs("sgd"), target=0.95)) == [
+        (Target("r2", 0.95), "run.target_value=0.95")]               # mse's score
+    assert targets(regression_config, plan.Grid(specs("sgd"), target=0.2,
+                                                target_metric="rmse")) == [
+        (Target("rmse", 0.2), "run.target_value=0.2")]
+    # The file's target_accuracy replaced by a loss target, as train loads it.
+    assert targets(config, plan.Grid(specs("sgd"), target=0.5, target_metric="loss"),
+                   check=True) == [(Target("loss", 0.5), "run.target_loss=0.5")]
+    for path, grid, message in [
+            (regression_config, plan.Grid(specs("sgd"), target=0.9, target_metric="auc"),
+             'model.loss = "mse" reports loss, r2, rmse'),
+            (regression_config, plan.Grid(specs("sgd"), target=1.5), "an r2, at most 1"),
+            (config, plan.Grid(specs("sgd"), target=1.5), "an accuracy, between 0 and 1"),
+            (config, plan.Grid(specs("sgd"), target_metric="loss"), "give --target VALUE"),
+            (config, plan.Grid(specs("sgd", "downpour:run.target_loss=0.1")),
+             "measures every run by one metric")]:
+        with pytest.raises(ConfigError, match=message):
+            plan.plan_runs(path, grid, check=False)
+    untargeted = tmp_path / "untargeted.toml"
+    untargeted.write_text(config.read_text().replace("target_accuracy = 0.6", ""))
+    with pytest.raises(ConfigError) as raised:
+        plan.plan_runs(untargeted, plan.Grid(specs("sgd")))
+    assert all(way in str(raised.value) for way in (
+        "--target VALUE", "--target-metric loss|accuracy|r2|rmse|auc", "run.target_accuracy",
+        "run.target_loss", "run.target_metric with run.target_value"))
+
+
 def test_algorithm_specs() -> None:
     spec = plan.parse_algorithm("sandblaster:data.batch_size=600,optimizer.m=5")
     assert (spec.name, spec.overrides) == ("sandblaster", ("data.batch_size=600",
@@ -110,6 +170,10 @@ def test_bad_input_is_one_line_before_any_run(config: Path, tmp_path: Path) -> N
     result = run_cli(["compare", config, "--algorithm", "sgd", "--launcher", "srun -n 4",
                       "--out", out])
     assert result.returncode == 2 and "has no {n}" in result.stderr
+    result = run_cli(["compare", config, "--algorithm", "sgd", "--target-metric", "auc",
+                      "--target", "0.9", "--out", out])
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert 'model.loss = "cross_entropy" reports loss, accuracy' in result.stderr
     # a value the rank counts need is checked before they use it
     result = run_cli(["compare", config, "--algorithm", "downpour", "--set",
                       'cluster.partitions="two"', "--out", out])
@@ -128,20 +192,26 @@ def test_bad_input_is_one_line_before_any_run(config: Path, tmp_path: Path) -> N
 
 def fake_run(out: Path, run: plan.PlannedRun, state: str, time_to_target: float | None,
              final: float | None, records: list, key: str = "test_accuracy",
-             bytes_per_sample: float | None = None) -> None:
+             bytes_per_sample: float | None = None, target: Target | None = None,
+             values: tuple[float, float] = (0.5, 0.9)) -> None:
+    """A run's folder as train leaves it: an evaluation (key: values[0]) at 1 s, another
+    (values[1]) at time_to_target when it reached the target; a finished run's summary
+    names `target` (without one: the summary of an accuracy run from before targets had
+    metrics, target_accuracy 0.88)."""
     folder = out / running.RUNS_DIR / run.folder
     folder.mkdir(parents=True)
-    evals = [(1.0, 0.5, 1000)]
+    evals = [(1.0, values[0], 1000)]
     if time_to_target is not None:
-        evals.append((time_to_target, 0.9, int(time_to_target * 1000)))
+        evals.append((time_to_target, values[1], int(time_to_target * 1000)))
     with (folder / "metrics.jsonl").open("w") as f:
-        for t, acc, samples in evals:
+        for t, value, samples in evals:
             f.write(json.dumps({"kind": "eval", "time": t, "step": 1, "samples": samples,
-                                "loss": 1.0, key: acc}) + "\n")
+                                "loss": 1.0, key: value}) + "\n")
+    own = ({"target_accuracy": 0.88, "final_test_accuracy": final} if target is None else
+           {"target": target.to_dict(), f"final_test_{target.metric}": final})
     if state == "finished":
         (folder / "summary.json").write_text(json.dumps({
-            "target_accuracy": 0.88, "time_to_target": time_to_target,
-            "final_test_accuracy": final, "wall_seconds": 60.0,
+            **own, "time_to_target": time_to_target, "wall_seconds": 60.0,
             **({"bytes_sent": 1000 * bytes_per_sample, "bytes_received": 0,
                 "bytes_sent_per_sample": bytes_per_sample} if bytes_per_sample else {})}))
     records.append({"folder": run.folder, "state": state, "exit_status": 0
@@ -173,7 +243,7 @@ def test_table_median_spread_failed_and_unreached(config: Path, tmp_path: Path) 
     assert (synchronous["reached"], synchronous["failed"]) == (0, 2)
     assert synchronous["time_to_target_median"] is None
     assert synchronous["final_accuracy_median"] == 0.85
-    text = results.format_table(rows, 0.88)
+    text = results.format_table(rows, ACCURACY)
     assert "20.0 [10.0-40.0]" in text and "20,000 [10,000-40,000]" in text
     assert "0/3" in text
 
@@ -182,7 +252,7 @@ def test_table_median_spread_failed_and_unreached(config: Path, tmp_path: Path) 
         states = [row["state"] for row in csv.DictReader(f)]
     assert states == ["finished"] * 4 + ["failed", "not run"]
     pytest.importorskip("matplotlib")
-    for png in results.plot(tmp_path, results.group_results(collected), 0.88, "exp.toml"):
+    for png in results.plot(tmp_path, results.group_results(collected), ACCURACY, "exp.toml"):
         assert png.stat().st_size > 10_000
 
 
@@ -203,7 +273,7 @@ def test_bytes_sent_are_in_the_table_and_drawn_against_accuracy(
     rows = results.table_rows(results.group_results(collected))
     assert rows[0]["bytes_sent_per_sample_median"] == 200.0
     assert rows[1]["bytes_sent_per_sample_median"] is None
-    text = results.format_table(rows, 0.88)
+    text = results.format_table(rows, ACCURACY)
     assert "bytes sent/sample" in text.splitlines()[0] and "200 [100-300]" in text
     paths = results.write_tables(tmp_path, collected, rows)
     with paths[1].open() as f:
@@ -219,7 +289,7 @@ def test_bytes_sent_are_in_the_table_and_drawn_against_accuracy(
         return path
 
     monkeypatch.setattr(results, "_save", keep_axes)
-    results.plot(tmp_path, results.group_results(collected), 0.88, "exp.toml")
+    results.plot(tmp_path, results.group_results(collected), ACCURACY, "exp.toml")
     scale, labels, xs = drawn[results.BYTES_FIGURE]
     assert scale == "log"
     assert any(label.startswith("downpour") and "200 B/sample" in label for label in labels)
@@ -248,7 +318,7 @@ def test_the_figures_show_every_run_and_say_when_none_reached_the_target(
         return path
 
     monkeypatch.setattr(results, "_save", keep_axes)
-    results.plot(tmp_path, groups, 0.88, "exp.toml")
+    results.plot(tmp_path, groups, ACCURACY, "exp.toml")
     texts, xlim, ylim = drawn[results.SCALING_FIGURE]
     assert texts == ["no run reached 0.88 test accuracy"]
     ranks = sorted({run.ranks for run in runs})
@@ -268,7 +338,7 @@ def test_runs_with_a_validation_split_are_compared_on_it(config: Path, tmp_path:
     assert [r.split for r in collected] == ["validation", "validation"]
     assert collected[0].curve == [(1.0, 0.5), (30.0, 0.9)]
     assert collected[0].samples_to_target == 30000
-    assert collected[0].final_accuracy == 0.87  # the summary's test accuracy
+    assert collected[0].final == 0.87  # the summary's test accuracy
     pytest.importorskip("matplotlib")
     labels: dict[str, str] = {}
 
@@ -278,9 +348,99 @@ def test_runs_with_a_validation_split_are_compared_on_it(config: Path, tmp_path:
         return path
 
     monkeypatch.setattr(results, "_save", keep_label)
-    results.plot(tmp_path, results.group_results(collected), 0.88, "exp.toml")
+    results.plot(tmp_path, results.group_results(collected), ACCURACY, "exp.toml")
     assert labels[results.ACCURACY_FIGURE].startswith("validation accuracy")
     assert labels[results.SCALING_FIGURE] == "time to 0.88 validation accuracy (s)"
+
+
+def keep_figures(monkeypatch) -> dict[str, Any]:
+    """results._save replaced: each figure's title, axis labels, y scale and limits, by
+    file name, instead of a PNG."""
+    drawn: dict[str, Any] = {}
+
+    def keep(plt: Any, fig: Any, ax: Any, path: Path, title: str) -> Path:
+        drawn[path.name] = {"title": title, "ylabel": ax.get_ylabel(),
+                            "yscale": ax.get_yscale(), "ylim": ax.get_ylim()}
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(results, "_save", keep)
+    return drawn
+
+
+def test_a_loss_target_is_reached_by_falling_to_it(regression_config: Path, tmp_path: Path,
+                                                    monkeypatch) -> None:
+    """A loss target: time and samples to the first validation loss at or below it, the
+    final test loss, columns and figures named by the loss, a log axis that holds the
+    target and every run's curve."""
+    loss = Target("loss", 0.02)
+    grid = plan.Grid(specs("sgd", "sync"), seeds=(0, 1), target=0.02, target_metric="loss")
+    runs = plan.plan_runs(regression_config, grid, check=False)
+    assert "run.target_loss=0.02" in runs[0].overrides
+    records: list = []
+    for run, reached, final in zip(runs[:3], (3.0, 5.0, None), (0.014, 0.016, 0.05)):
+        fake_run(tmp_path, run, "finished", reached, final, records, key="val_loss",
+                 target=loss, values=(0.5, 0.015))
+    fake_run(tmp_path, runs[3], "failed", None, None, records, key="val_loss")
+    (tmp_path / running.STATE_FILE).write_text(json.dumps({"runs": records}))
+    collected = results.collect(tmp_path, runs)
+    assert [r.target for r in collected] == [loss] * 4  # the failed one's from the plan
+    assert collected[0].curve == [(1.0, 0.5), (3.0, 0.015)]
+    assert collected[1].samples_to_target == 5000 and collected[1].final == 0.016
+    assert collected[2].time_to_target is None and collected[2].split == "validation"
+    groups = results.group_results(collected)
+    sgd, sync = results.table_rows(groups)
+    assert (sgd["reached"], sgd["time_to_target_median"], sgd["final_loss_median"]) == (
+        2, 4.0, 0.015)
+    assert (sync["reached"], sync["failed"], sync["target_metric"]) == (0, 1, "loss")
+    text = results.format_table([sgd, sync], loss)
+    assert "time to loss 0.02 (s)" in text and "samples to loss 0.02" in text
+    assert "final loss" in text and "0.015 [0.014-0.016]" in text
+    assert "(a loss at or below 0.02)" in text.splitlines()[-1]
+    table, per_run = results.write_tables(tmp_path, collected, [sgd, sync])
+    with table.open() as f:
+        row = next(csv.DictReader(f))
+    assert row["final_loss_median"] == "0.015" and "final_accuracy_median" not in row
+    assert (row["target_metric"], row["target_value"]) == ("loss", "0.02")
+    with per_run.open() as f:
+        assert [r["final_loss"] for r in csv.DictReader(f)] == ["0.014", "0.016", "0.05", ""]
+    pytest.importorskip("matplotlib")
+    drawn = keep_figures(monkeypatch)
+    results.plot(tmp_path, groups, loss, "regression.toml")
+    assert sorted(drawn) == ["loss_vs_bytes_sent.png", "loss_vs_time.png",
+                             results.SCALING_FIGURE]
+    curves = drawn["loss_vs_time.png"]
+    assert curves["title"].startswith("Validation loss against time")
+    assert curves["ylabel"] == "validation loss (log scale)" and curves["yscale"] == "log"
+    bottom, top = curves["ylim"]
+    assert bottom < 0.015 and 0.5 < top < 1  # the lowest evaluation and the highest
+    assert drawn[results.SCALING_FIGURE]["ylabel"] == "time to 0.02 validation loss (s)"
+    # Evaluations far above the target are cut off (sgd: from 0.5 to 0.015), but not a
+    # run's best (sync's first run: 0.5, the best it got).
+    assert results.falling_axis_range(groups[:1], 0.001)[1] == pytest.approx(0.1)
+    assert results.falling_axis_range(groups[:1], 0.0001)[1] == pytest.approx(0.015 * 1.25)
+    assert results.falling_axis_range(groups, 0.001)[1] == pytest.approx(0.5 * 1.25)
+
+
+def test_an_r2_target_is_the_score_of_a_regression(regression_config: Path, tmp_path: Path,
+                                                   monkeypatch) -> None:
+    runs = plan.plan_runs(regression_config, plan.Grid(specs("sgd"), target=0.95),
+                          check=False)
+    records: list = []
+    fake_run(tmp_path, runs[0], "finished", 2.0, 0.97, records, key="test_r2",
+             target=Target("r2", 0.95), values=(0.5, 0.96))
+    (tmp_path / running.STATE_FILE).write_text(json.dumps({"runs": records}))
+    collected = results.collect(tmp_path, runs)
+    assert (collected[0].samples_to_target, collected[0].final) == (2000, 0.97)
+    rows = results.table_rows(results.group_results(collected))
+    assert rows[0]["final_r2_median"] == 0.97
+    text = results.format_table(rows, Target("r2", 0.95))
+    assert "time to r2 0.95 (s)" in text and "final r2" in text and "0.9700" in text
+    pytest.importorskip("matplotlib")
+    drawn = keep_figures(monkeypatch)
+    results.plot(tmp_path, results.group_results(collected), Target("r2", 0.95), "r.toml")
+    assert drawn["r2_vs_time.png"]["ylabel"] == "test r2 (axis from 0.85)"
+    assert drawn["r2_vs_time.png"]["yscale"] == "linear"
 
 
 def test_a_finished_run_is_one_with_the_same_settings(config: Path, tmp_path: Path) -> None:
@@ -420,6 +580,24 @@ def test_tiny_comparison_end_to_end_and_resume(config: Path, tmp_path: Path) -> 
     assert summary.stat().st_mtime_ns == written
 
 
+def test_a_regression_compared_by_its_time_to_a_loss(regression_config: Path,
+                                                    tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    result = run_cli(["compare", regression_config, "--algorithm", "sgd", "--algorithm",
+                      "sync", "--target-metric", "loss", "--target", "0.03",
+                      "--max-seconds", "8", "--set", "run.eval_every_seconds=0.25",
+                      "--out", out], timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count(": reached loss 0.03 in ") == 2, result.stdout
+    assert "time to loss 0.03 (s)" in result.stdout and "final loss" in result.stdout
+    with (out / "table.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["reached"] for r in rows] == ["1", "1"]
+    assert all(0 < float(r["time_to_target_median"]) < 8 for r in rows)
+    assert all(0 < float(r["final_loss_median"]) < 0.1 for r in rows)
+    assert (out / "loss_vs_time.png").stat().st_size > 10_000
+
+
 def test_ctrl_c_stops_the_run_with_a_checkpoint_and_resume_continues(
         config: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
@@ -507,6 +685,7 @@ def test_help_says_how_to_use_it() -> None:
     result = run_cli(["compare", "--help"])
     assert result.returncode == 0
     for fragment in ("--algorithm", "--replicas", "--seeds", "--learning-rates", "--launcher",
-                     "{n}", "resume", "Ctrl-C", "examples:", "slurm/compare.sbatch"):
+                     "{n}", "resume", "Ctrl-C", "examples:", "slurm/compare.sbatch",
+                     "--target-metric", *TARGET_METRICS):
         assert fragment in result.stdout
     assert "compare" in run_cli(["--help"]).stdout

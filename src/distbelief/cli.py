@@ -129,8 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
                                           "configuration's)")
     compare.add_argument("--max-seconds", metavar="S", type=cli_types.positive_float, default=None,
                          help="run.max_seconds of every run: the time budget")
-    compare.add_argument("--target", metavar="ACC", type=cli_types.positive_float, default=None,
-                         help="run.target_accuracy of every run")
+    compare.add_argument("--target", metavar="VALUE", type=cli_types.positive_float,
+                         default=None, help="the target of every run, replacing the "
+                         "configuration's: a value of the runs' score (accuracy; r2 for "
+                         "model.loss = \"mse\"), or of --target-metric")
+    compare.add_argument("--target-metric", metavar="NAME", default=None,
+                         help="the metric --target is a value of: loss, or one the model's "
+                              "loss reports (accuracy, r2, rmse, auc); a loss or an rmse is "
+                              "reached by falling to it (default: the score)")
     compare.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
                          dest="overrides", help="override a configuration key for every run "
                                                 "(as train's --set); may be repeated")
@@ -419,7 +425,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     return compare(args.config, args.algorithms, args.replicas, args.seeds,
                    args.learning_rates, args.max_seconds, args.target, args.overrides,
-                   args.launcher, args.run_timeout, args.out)
+                   args.launcher, args.run_timeout, args.out, args.target_metric)
 
 
 def cmd_costmodel(args: argparse.Namespace) -> int:

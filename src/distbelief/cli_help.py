@@ -62,19 +62,26 @@ examples:
 COMPARE_HELP = """\
 Train one configuration with several algorithms, one run after another, and compare them
 as Dean et al. 2012 did (Figures 4 and 5): a table of the time and training samples to
-the target accuracy and the final accuracy (median and [min-max] over the seeds), and
-figures: test accuracy against wall time, one curve per algorithm, time to the target
-against the cores (MPI ranks) a run used, one line per algorithm, and test accuracy
-against the bytes the replicas sent.
+the target and the final value of its metric (median and [min-max] over the seeds), and
+figures: that metric against wall time, one curve per algorithm, time to the target
+against the cores (MPI ranks) a run used, one line per algorithm, and the metric against
+the bytes the replicas sent.
 
 --algorithm NAME[:SECTION.KEY=VALUE,...] (repeatable) gives an algorithm and the settings
 only its runs get, e.g. sync:optimizer.backup_workers=1 or
 sandblaster:data.batch_size=6000. Every algorithm runs at every --replicas count (sgd
 runs once: it is one process), every --learning-rates value and every --seeds value.
---max-seconds and --target set run.max_seconds and run.target_accuracy for all runs.
-With a validation split (data.validation in CONFIG, or --set data.validation=0.1), the
-target, the time to it and the curves use validation accuracy, and the final accuracy is
-each run's test accuracy, evaluated once at its end.
+--max-seconds sets run.max_seconds for all runs.
+
+The target: CONFIG's own (run.target_accuracy, run.target_loss, or run.target_metric with
+run.target_value), or --target VALUE for all runs, which replaces it. --target is a value
+of the runs' score: accuracy for model.loss = "cross_entropy" and
+"binary_cross_entropy", r2 for "mse". --target-metric NAME makes it a value of another
+metric the loss reports: loss (any loss), rmse (mse), auc (binary_cross_entropy). An
+accuracy, r2 or auc is reached by rising to the target, a loss or an rmse by falling to
+it. With a validation split (data.validation in CONFIG, or --set data.validation=0.1),
+the target, the time to it and the curves use the validation figures, and the final
+value is each run's test figure, evaluated once at its end.
 
 Each run is `distbelief train`, started as LAUNCHER python -m distbelief train CONFIG
 --set ... with LAUNCHER's {n} replaced by the run's rank count: ps_shards + replicas x
@@ -93,10 +100,11 @@ finished is written, and compare exits 130 after Ctrl-C, 0 after SIGTERM or SIGU
 slurm/compare.sbatch requeues the job). A second Ctrl-C kills the run at once. A run that
 fails does not change the exit status: the table counts it. One comparison at a time
 owns DIR.
-Writes DIR/table.csv, DIR/runs.csv, DIR/accuracy_vs_time.png and
-DIR/time_to_target_vs_cores.png and DIR/accuracy_vs_bytes_sent.png (needs matplotlib:
-pip install 'distbelief[plot]'). The table and runs.csv also give the bytes the replicas
-sent per sample trained (summary.json's bytes_sent_per_sample).
+Writes DIR/table.csv, DIR/runs.csv, DIR/METRIC_vs_time.png,
+DIR/time_to_target_vs_cores.png and DIR/METRIC_vs_bytes_sent.png, METRIC the target's
+(accuracy_vs_time.png, loss_vs_time.png; needs matplotlib: pip install
+'distbelief[plot]'). The table and runs.csv also give the bytes the replicas sent per
+sample trained (summary.json's bytes_sent_per_sample).
 
 examples:
   distbelief compare configs/fashion_mnist_mlp.toml --algorithm sgd --algorithm downpour \\
@@ -105,6 +113,10 @@ examples:
   distbelief compare configs/fashion_mnist_mlp.toml --algorithm downpour \\
       --algorithm sync:optimizer.backup_workers=1 --replicas 1,2,4 --seeds 0,1,2 \\
       --learning-rates 0.01,0.02
+  # a regression (examples/regression.toml; its data: examples/regression.py): the time
+  # to a validation loss of 0.012
+  distbelief compare examples/regression.toml --algorithm sgd --algorithm downpour \\
+      --target-metric loss --target 0.012 --max-seconds 60
   # inside an sbatch allocation (see slurm/compare.sbatch):
   distbelief compare configs/fashion_mnist_mlp.toml --algorithm downpour --replicas 4,8,16 \\
       --launcher "srun --mpi=pmix -n {n}"

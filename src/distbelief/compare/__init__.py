@@ -6,8 +6,8 @@ Figures 4 and 5).
               run's overrides and its MPI rank count
     running   launching each run (mpiexec or the user's launcher), progress, resume state,
               signals forwarded to the run
-    results   the table (time and samples to the target, final accuracy: median and
-              spread over seeds) and the two figures
+    results   the table (time and samples to the target, the final value of its metric:
+              median and spread over seeds) and the figures
 
 It stands on config, records and runtime only: each run is a `distbelief train` process,
 so its folder is exactly what train writes and `distbelief report RUN` works on it.
@@ -20,13 +20,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from distbelief.errors import ConfigError
-
 
 def compare(config: str, algorithms: Sequence[str], replicas: Sequence[int],
             seeds: Sequence[int], learning_rates: Sequence[float], max_seconds: float | None,
             target: float | None, overrides: Sequence[str], launcher: str | None,
-            run_timeout: float | None, out: str | None) -> int:
+            run_timeout: float | None, out: str | None,
+            target_metric: str | None = None) -> int:
     """`distbelief compare` (its --help says what each argument is): run the grid, print
     the table, write the tables and figures; the exit status (130 after Ctrl-C)."""
     from distbelief.compare import plan, results, running
@@ -34,14 +33,12 @@ def compare(config: str, algorithms: Sequence[str], replicas: Sequence[int],
     from distbelief.runtime.health.ownership import claim
 
     import_pyplot()  # fail on a missing matplotlib before the first run, not after the last
-    if target is not None and target > 1:
-        raise ConfigError(f"--target {target:g}: an accuracy, between 0 and 1")
     specs = list({spec.label: spec for spec in map(plan.parse_algorithm,
                                                     algorithms)}.values())
     launcher_template = launcher or running.DEFAULT_LAUNCHER
     running.check_launcher(launcher_template)
-    grid = plan.Grid(specs, replicas, seeds, learning_rates,
-                     max_seconds, target, overrides)
+    grid = plan.Grid(specs, replicas, seeds, learning_rates, max_seconds, target,
+                     target_metric, overrides)
     runs = plan.plan_runs(config, grid)
     folder = Path(out if out is not None
                   else Path("comparisons") / Path(config).stem).resolve()
@@ -53,10 +50,10 @@ def compare(config: str, algorithms: Sequence[str], replicas: Sequence[int],
         collected = results.collect(folder, runs)
         groups = results.group_results(collected)
         rows = results.table_rows(groups)
-        target = next((r.target for r in collected if r.target is not None), target)
-        print(results.format_table(rows, target))
+        measured = results.comparison_target(collected)
+        print(results.format_table(rows, measured))
         written = results.write_tables(folder, collected, rows)
-        written += results.plot(folder, groups, target, Path(config).name)
+        written += results.plot(folder, groups, measured, Path(config).name)
     finally:
         owner.release()
     for path in written:

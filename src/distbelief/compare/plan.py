@@ -12,11 +12,17 @@ Rank counts (R replicas, P = cluster.partitions, S = cluster.ps_shards):
     sandblaster  S + 1 + R x P (the coordinator)
     every other  S + R x P, where S is 0 for an algorithm that keeps no parameters on shards
                  (config.needs_shards) unless its own overrides set cluster.ps_shards
+
+The target: a configuration's own (run.target_accuracy, run.target_loss, or
+run.target_metric with run.target_value), or --target VALUE on the runs' score (accuracy,
+or r2 for model.loss = "mse"), or on --target-metric's metric. Every run of a comparison
+is measured by one metric: its table and figures have one axis.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +33,8 @@ from distbelief.algorithms import registry
 from distbelief.config import (
     ALGORITHMS,
     NOT_IMPLEMENTED_ALGORITHMS,
+    TARGET_KEYS,
+    TARGET_METRICS,
     apply_overrides,
     check_override,
     load_config,
@@ -35,6 +43,8 @@ from distbelief.config import (
     schema,
 )
 from distbelief.errors import ConfigError
+from distbelief.model.losses import LOSSES
+from distbelief.records.metrics import Target, target_of
 
 # A comma starts the next override only where `section.key=` follows, so a value may hold
 # commas (a TOML list) and colons (a path).
@@ -90,6 +100,7 @@ class PlannedRun:
     uses_launcher: bool         # False for single-process sgd
     folder: str                 # under the comparison's runs/
     overrides: tuple[str, ...] = field(default=())  # train --set, run.out_dir excluded
+    target: Target | None = None  # what the overrides give it; None: none (or an invalid one)
 
     def describe(self) -> str:
         lr = "" if self.learning_rate is None else f", lr {self.learning_rate:g}"
@@ -109,7 +120,8 @@ class Grid:
     seeds: Sequence[int] = (0,)
     learning_rates: Sequence[float] = ()
     max_seconds: float | None = None
-    target_accuracy: float | None = None
+    target: float | None = None     # --target: a value of target_metric
+    target_metric: str | None = None  # --target-metric; None: the runs' score
     overrides: Sequence[str] = ()   # --set, for every run
 
 
@@ -125,9 +137,11 @@ def plan_runs(config_path: str | Path, grid: Grid, check: bool = True) -> list[P
         if (section, key) in COMPARE_KEYS:
             raise ConfigError(f"--set {override}: {section}.{key} is set by compare itself "
                               "(--algorithm, --out); leave it out")
+    _check_target_metric(grid)
     runs: list[PlannedRun] = []
     for spec in grid.algorithms:
         raw = apply_overrides(base, [*grid.overrides, *spec.overrides])
+        targeted = target_settings(raw, grid)
         optimizer = raw.get("optimizer", {})
         cluster = raw.get("cluster", {})
         partitions = _checked(cluster, "cluster", "partitions", 1)
@@ -139,13 +153,14 @@ def plan_runs(config_path: str | Path, grid: Grid, check: bool = True) -> list[P
             ranks = _rank_count(spec.name, replicas, partitions, shards)
             for rate in rates:
                 for seed in dict.fromkeys(grid.seeds):
-                    settings = _run_settings(spec, shards, seed, rate, grid)
+                    settings = _run_settings(spec, shards, seed, rate, grid, targeted)
                     runs.append(PlannedRun(
                         spec.label, spec.name, replicas, seed, rate, ranks,
                         uses_launcher=not algorithm.in_one_process(partitions),
                         folder=_folder_name(spec, replicas, rate, seed),
-                        overrides=tuple(settings)))
+                        overrides=tuple(settings), target=_run_target(base, settings)))
     _check_unique_folders(runs)
+    _check_one_metric(runs)
     if check:
         for run in runs:
             if run.name in ALGORITHMS:
@@ -153,16 +168,88 @@ def plan_runs(config_path: str | Path, grid: Grid, check: bool = True) -> list[P
     return runs
 
 
+NO_TARGET = ("compare measures the time to a target: give --target VALUE (a value of the "
+             "runs' score: accuracy, or r2 for model.loss = \"mse\"), with --target-metric "
+             f"{'|'.join(TARGET_METRICS)} for another metric, or set run.target_accuracy, "
+             "run.target_loss, or run.target_metric with run.target_value in the "
+             "configuration")
+
+
 def validate_run(config_path: str | Path, run: PlannedRun) -> None:
     """Load the run's configuration as train will (data file included); ConfigError or
     DataError naming the algorithm when it does not hold, or when it has no target."""
+    raw_run = apply_overrides(read_toml(config_path), run.overrides).get("run", {})
+    # Before load_config: without a budget either, its error would name the budgets first.
+    if isinstance(raw_run, dict) and not any(key in raw_run for key in TARGET_KEYS):
+        raise ConfigError(NO_TARGET)
     try:
-        config = load_config(config_path, run.overrides)
+        load_config(config_path, run.overrides)
     except ConfigError as e:
         raise ConfigError(f"--algorithm {run.algorithm}: {e}") from e
-    if config.run.target_accuracy is None:
-        raise ConfigError("compare measures the time to a target accuracy: give --target "
-                          "or set run.target_accuracy in the configuration")
+
+
+def _check_target_metric(grid: Grid) -> None:
+    if grid.target_metric is None:
+        return
+    if grid.target_metric not in TARGET_METRICS:
+        raise ConfigError(f"--target-metric {grid.target_metric}: expected one of "
+                          f"{', '.join(TARGET_METRICS)}")
+    if grid.target is None:
+        raise ConfigError(f"--target-metric {grid.target_metric} names the metric of "
+                          "--target; give --target VALUE too")
+
+
+TARGET_RANGES = {"accuracy": (0.0, 1.0, "an accuracy, between 0 and 1"),
+                 "auc": (0.0, 1.0, "an AUC, between 0 and 1"),
+                 "r2": (-math.inf, 1.0, "an r2, at most 1")}
+"""(above, at most, what it is) of --target on a metric that has bounds; a loss or an
+rmse is any positive number (--target's own type)."""
+
+
+def target_settings(raw: dict, grid: Grid) -> list[str]:
+    """The run.* overrides that give an algorithm's runs --target (raw: its configuration
+    with its overrides); none without --target. The metric is --target-metric, or the
+    score of its model.loss; ConfigError when the loss does not report it or the value
+    is out of the metric's range."""
+    if grid.target is None:
+        return []
+    loss = _checked(raw.get("model", {}), "model", "loss", "cross_entropy")
+    metric = grid.target_metric or LOSSES[loss].score
+    reported = ("loss", *LOSSES[loss].metrics)
+    if metric not in reported:
+        raise ConfigError(f"--target-metric {metric}: model.loss = \"{loss}\" reports "
+                          f"{', '.join(reported)}; choose one of those")
+    above, most, what = TARGET_RANGES.get(metric, (0.0, math.inf, "a positive number"))
+    if not above < grid.target <= most:
+        raise ConfigError(f"--target {grid.target:g}: {what}")
+    # An accuracy as run.target_accuracy, as before targets had metrics: an accuracy
+    # comparison's runs keep their overrides, so their settings keys and resume hold.
+    if metric == "accuracy":
+        return [f"run.target_accuracy={grid.target!r}"]
+    if metric == "loss":
+        return [f"run.target_loss={grid.target!r}"]
+    return [f"run.target_metric={json.dumps(metric)}", f"run.target_value={grid.target!r}"]
+
+
+def _run_target(base: dict, settings: Sequence[str]) -> Target | None:
+    """The target a run's settings give it; None for none, or for a value that is not a
+    number (validate_run names it)."""
+    table = apply_overrides(base, settings).get("run", {})
+    try:
+        return target_of(table) if isinstance(table, dict) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_one_metric(runs: Sequence[PlannedRun]) -> None:
+    """Every run with a target measured by one metric (the table's and figures' axis)."""
+    first = next((run for run in runs if run.target is not None), None)
+    for run in runs:
+        if run.target is not None and run.target.metric != first.target.metric:
+            raise ConfigError(f"--algorithm {first.algorithm} has a target of "
+                              f"{first.target.metric} and --algorithm {run.algorithm} one of "
+                              f"{run.target.metric}; a comparison measures every run by one "
+                              "metric: give them one (--target, --target-metric)")
 
 
 def _shard_count(spec: AlgorithmSpec, optimizer: dict, cluster: dict) -> int:
@@ -198,9 +285,9 @@ def _rank_count(name: str, replicas: int, partitions: int, shards: int) -> int:
 
 
 def _run_settings(spec: AlgorithmSpec, shards: int, seed: int, rate: float | None,
-                  grid: Grid) -> list[str]:
-    """The run's --set overrides: the comparison's, the grid point's, then the
-    algorithm's own (which win)."""
+                  grid: Grid, targeted: Sequence[str]) -> list[str]:
+    """The run's --set overrides: the comparison's, the grid point's (its target:
+    target_settings), then the algorithm's own (which win)."""
     settings = [*grid.overrides, f"optimizer.algorithm={json.dumps(spec.name)}"]
     if registry.get(spec.name).shards != "ignored":  # else train does not check it
         settings.append(f"cluster.ps_shards={shards}")
@@ -209,9 +296,7 @@ def _run_settings(spec: AlgorithmSpec, shards: int, seed: int, rate: float | Non
         settings.append(f"optimizer.learning_rate={rate!r}")
     if grid.max_seconds is not None:
         settings.append(f"run.max_seconds={grid.max_seconds!r}")
-    if grid.target_accuracy is not None:
-        settings.append(f"run.target_accuracy={grid.target_accuracy!r}")
-    return [*settings, *spec.overrides]
+    return [*settings, *targeted, *spec.overrides]
 
 
 def _folder_name(spec: AlgorithmSpec, replicas: int, rate: float | None, seed: int) -> str:

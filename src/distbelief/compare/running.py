@@ -46,7 +46,13 @@ from distbelief.compare.plan import PlannedRun
 from distbelief.config import apply_overrides, read_toml
 from distbelief.errors import ConfigError
 from distbelief.records.console import say
-from distbelief.records.metrics import SUMMARY_FILE, write_json_atomic
+from distbelief.records.metrics import (
+    LOWER_IS_BETTER,
+    SUMMARY_FILE,
+    score_name,
+    summary_target,
+    write_json_atomic,
+)
 from distbelief.runtime.launching import stuck_launcher
 
 STATE_FILE = "compare.json"
@@ -327,12 +333,22 @@ def outcome_text(record: dict[str, Any], summary: dict[str, Any] | None, out: Pa
         return (f"TIMED OUT {took}: ended past its time limit (log: {LOGS_DIR}/"
                 f"{record['folder']}.log); run the same command again to retry it")
     reached = summary.get("time_to_target")
-    target = summary.get("target_accuracy")
-    final = summary.get("final_test_accuracy")
-    text = (f"reached {target:g} in {reached:.1f}s" if reached is not None
-            else f"did not reach {target:g}" if target is not None else "no target")
-    final_text = f"{final:.4f}" if final is not None else "-"
-    return f"finished {took}: {text}, final accuracy {final_text}"
+    target = summary_target(summary)
+    metric = target["metric"] if target else score_name(summary)
+    goal = "" if target is None else \
+        f"{'' if metric == 'accuracy' else metric + ' '}{target['value']:g}"
+    text = (f"reached {goal} in {reached:.1f}s" if reached is not None
+            else f"did not reach {goal}" if target is not None else "no target")
+    final = summary.get(f"final_test_{metric}")
+    final_text = f"{final:{value_format(metric)}}" if final is not None else "-"
+    return f"finished {took}: {text}, final {metric} {final_text}"
+
+
+def value_format(metric: str) -> str:
+    """How a metric's value is shown: 4 decimals for one that rises to at most 1
+    (accuracy 0.8824, r2, AUC), 4 significant digits for a loss or an rmse, which may be
+    any size (0.0105, 2.317)."""
+    return ".4g" if metric in LOWER_IS_BETTER else ".4f"
 
 
 def _last_line(path: Path) -> str:
