@@ -431,25 +431,24 @@ def _value_axis(ax: Any, groups: Sequence[Group], target: Target | None) -> str:
         floor = accuracy_axis_floor(groups, target.value, lowest)
         ax.set_ylim(floor, min(1.0, target.value + 0.03))
         return f"{ylabel} (axis from {floor:g})"
-    bottom, top = falling_axis_range(groups, target.value)
     ax.set_yscale("log")
-    ax.set_ylim(bottom, top)
-    _plain_log_labels(ax.yaxis, top / bottom)
+    ax.set_ylim(*falling_axis_range(groups, target.value))
+    _plain_log_labels(ax.yaxis)
     return f"{ylabel} (log scale)"
 
 
-def _plain_log_labels(axis: Any, span: float) -> None:
+def _plain_log_labels(axis: Any) -> None:
     """A log axis labelled with plain numbers (0.02, not 2x10^-2), as _save makes every
-    other axis: the decades, and 2 and 5 within them when the axis spans two decades or
-    less (else the minor labels would overlap)."""
+    other axis, on the ticks matplotlib's own log labels choose (fewer minor ones as the
+    axis spans more decades, so they never overlap)."""
     from matplotlib import ticker
 
-    def mantissa(value: float) -> float:
-        return round(value / 10 ** math.floor(math.log10(value)), 6)
+    class PlainLogFormatter(ticker.LogFormatterSciNotation):
+        def __call__(self, x: float, pos: Any = None) -> str:
+            return f"{x:g}" if super().__call__(x, pos) else ""
 
-    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    axis.set_minor_formatter(ticker.FuncFormatter(
-        lambda v, _: f"{v:g}" if span <= 100 and v > 0 and mantissa(v) in (2, 5) else ""))
+    axis.set_major_formatter(PlainLogFormatter())
+    axis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False))
 
 
 def _plot_bytes(plt: Any, groups: Sequence[Group], target: Target | None, title: str,
@@ -484,6 +483,7 @@ def _plot_bytes(plt: Any, groups: Sequence[Group], target: Target | None, title:
     ylabel = _value_axis(ax, groups, target)
     if any_curve:
         ax.set_xscale("log")
+        _plain_log_labels(ax.xaxis)
     ax.set_xlabel("bytes sent by all replicas (MB, log scale)")
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
