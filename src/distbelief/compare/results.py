@@ -419,8 +419,8 @@ def _measure(groups: Sequence[Group], target: Target | None) -> str:
 
 def _value_axis(ax: Any, groups: Sequence[Group], target: Target | None) -> str:
     """With a target, its line and an axis zoomed on it: a rising metric's (accuracy, r2,
-    AUC) from accuracy_axis_floor to just above the target, a falling metric's (loss,
-    rmse) logarithmic over falling_axis_range; returns the axis's label."""
+    AUC) from accuracy_axis_floor to just above the target (rising_axis_top), a falling
+    metric's (loss, rmse) logarithmic over falling_axis_range; returns the axis's label."""
     ylabel = _measure(groups, target)
     if target is None:
         return ylabel
@@ -429,7 +429,7 @@ def _value_axis(ax: Any, groups: Sequence[Group], target: Target | None) -> str:
     if target.rises:
         lowest = 0.0 if target.metric in ("accuracy", "auc") else -math.inf
         floor = accuracy_axis_floor(groups, target.value, lowest)
-        ax.set_ylim(floor, min(1.0, target.value + 0.03))
+        ax.set_ylim(floor, rising_axis_top(groups, target.value))
         return f"{ylabel} (axis from {floor:g})"
     ax.set_yscale("log")
     ax.set_ylim(*falling_axis_range(groups, target.value))
@@ -503,6 +503,14 @@ def accuracy_axis_floor(groups: Sequence[Group], target: float,
     bests = [max(y for _, y in r.curve) for g in groups for r in g.results if r.curve]
     floor = min([target - ZOOM_BELOW_TARGET, *(best - 0.02 for best in bests)])
     return max(lowest, round(floor, 2))
+
+
+def rising_axis_top(groups: Sequence[Group], target: float) -> float:
+    """Where a rising metric's axis ends: just above the target, or above every run's best
+    evaluation (a run whose first evaluation is far past the target was drawn off the
+    axis), at most 1."""
+    bests = [max(y for _, y in r.curve) for g in groups for r in g.results if r.curve]
+    return min(1.0, max([target + 0.03, *(best + 0.01 for best in bests)]))
 
 
 ZOOM_ABOVE_TARGET = 100.0
