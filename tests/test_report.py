@@ -229,3 +229,26 @@ def test_metrics_and_summary_are_strict_json_after_divergence(tmp_path: Path) ->
     assert lines[1]["loss"] is None and lines[1]["grad_norm"] is None
     summary = json.loads((tmp_path / "nan" / "summary.json").read_text(), parse_constant=reject)
     assert summary["final_loss"] is None and summary["stop_reason"] == "diverged"
+
+
+def test_a_regressions_score_figures_are_named_by_r2_with_its_target(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from distbelief.records.metrics import Target
+
+    runs = []
+    for name in ("sgd", "hogwild"):
+        recorder = RunRecorder(tmp_path / name, stream=None, target=Target("r2", 0.95),
+                               score="r2", start=0.0)
+        for i, r2 in enumerate([0.5, 0.9, 0.97], 1):
+            recorder.log(i * 10, i * 640, 1.0 / i)
+            recorder.log_eval(i * 10, i * 640, 0.1 / i, {"loss": 0.1 / i, "r2": r2,
+                                                          "rmse": 0.3 / i})
+        recorder.finish({"stop_reason": "target_r2"})
+        runs.append(tmp_path / name)
+    figures = record_figures(plt, monkeypatch)
+    paths = make_report(runs, tmp_path / "plots")
+    assert sorted(p.name for p in paths) == ["loss_vs_samples.png", "r2_vs_samples.png",
+                                             "r2_vs_time.png"]
+    scored = [f for f in figures if f["ylabel"] == "test r2"]
+    assert len(scored) == 2 and all("target 0.95" in f["legend"] for f in scored)

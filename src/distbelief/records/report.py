@@ -3,6 +3,9 @@
 Three PNG figures, every run on each (legend: the run folder's name):
     accuracy_vs_time.png     test accuracy against wall time (seconds)
     accuracy_vs_samples.png  test accuracy against training samples processed
+                             (named by the runs' score: r2_vs_time.png and
+                             r2_vs_samples.png for regressions; the target's line where
+                             the runs' common target is of that metric)
     loss_vs_samples.png      training loss against training samples: every trainer logs
                              the mean loss over the steps of each LOG_EVERY_SECONDS (0.5 s)
                              window, so the curves compare; Sandblaster logs the loss of
@@ -49,8 +52,10 @@ from distbelief.records.metrics import (
     SUMMARY_FILE,
     accuracy_name,
     eval_accuracy,
+    line_score,
     read_metrics,
     score_name,
+    summary_target,
     write_text_atomic,
 )
 
@@ -159,7 +164,10 @@ def plot_runs(runs: Sequence[Run], out_dir: str | Path,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
+    score = _common_score(runs)
     for filename, x_key, y_key, kind, x_label, y_label, title in FIGURES:
+        if y_key == "accuracy":  # the score's figures: named by it
+            filename = filename.replace("accuracy", score, 1)
         fig, ax = _figure(plt)
         for run in runs:
             lines = run.evals if kind == "eval" else run.train
@@ -174,9 +182,9 @@ def plot_runs(runs: Sequence[Run], out_dir: str | Path,
         if y_key == "accuracy":
             y_label = _accuracy_label(runs)
             title = f"{y_label.capitalize()} {title.removeprefix('accuracy ')}"
-        if y_key == "accuracy" and target is not None:
-            ax.axhline(target, color="gray", linestyle=":", linewidth=1,
-                       label=f"target {target:g}")
+        if y_key == "accuracy" and target is not None and target["metric"] == score:
+            ax.axhline(target["value"], color="gray", linestyle=":", linewidth=1,
+                       label=f"target {target['value']:g}")
         if y_key == "loss" and all(_is_sandblaster(run) for run in runs):
             y_label = "training loss (each L-BFGS iterate, on its batch)"
         ax.set_xlabel(x_label)
@@ -402,9 +410,18 @@ def _accuracy_label(runs: Sequence[Run]) -> str:
     return names.pop() if len(names) == 1 else "accuracy (validation or test, by run)"
 
 
-def _common_target(runs: Sequence[Run]) -> float | None:
-    targets = {(r.summary or {}).get("target_accuracy") for r in runs}
-    return targets.pop() if len(targets) == 1 else None
+def _common_score(runs: Sequence[Run]) -> str:
+    """The score every run's evaluations carry (accuracy, or r2), "accuracy" when they
+    differ: what the score's figures are named by."""
+    scores = {line_score(run.evals[-1]) for run in runs if run.evals}
+    return scores.pop() if len(scores) == 1 else "accuracy"
+
+
+def _common_target(runs: Sequence[Run]) -> dict[str, Any] | None:
+    """The runs' target ({"metric", "value"}) when they all have the same one."""
+    targets = {tuple(sorted((summary_target(r.summary or {}) or {}).items())) for r in runs}
+    target = targets.pop() if len(targets) == 1 else ()
+    return dict(target) or None
 
 
 def summary_table(runs: Sequence[Run]) -> str:
