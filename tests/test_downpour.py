@@ -194,6 +194,23 @@ def test_fetch_settings_keep_counts_exact(data_dir, tmp_path, fetch, transport, 
             assert stale > 0, summary["staleness"]
 
 
+def test_inverse_staleness_scaling_slows_the_stale_updates_on_the_shards(data_dir, tmp_path):
+    # 3 replicas, overlapped fetches: most pushes are 2 or more updates stale. The rule
+    # itself is checked in tests/test_optimizers.py; here, that the shards run it.
+    out = tmp_path / "out"
+    env = {**job_env(), "DISTBELIEF_PS_TRANSPORT": "rma"}
+    proc = downpour(5, data_dir, out, "cluster.ps_shards=2", "run.max_steps=300",
+                    'optimizer.fetch="overlapped"', 'optimizer.staleness_scaling="inverse"',
+                    env=env)
+    summary, _ = finished(proc, out)
+    assert summary["steps"] == 300 and summary["staleness"]["mean"] > 1
+    for shard in summary["shards"]:
+        scaled = shard["staleness_scaling"]
+        assert scaled["scaling"] == "inverse" and scaled["updates"] > 0
+        assert scaled["rate_scale_mean"] < 1, scaled
+    assert summary["final_test_accuracy"] > 0.35, "chance is 0.25"
+
+
 @pytest.mark.parametrize("transport", ["shared", pytest.param("rma", marks=pytest.mark.nodes)])
 @pytest.mark.parametrize("n, shards, extra", [
     (2, 1, []),

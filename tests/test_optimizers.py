@@ -401,3 +401,34 @@ def test_state_round_trips_and_bad_state_is_refused():
     with pytest.raises(ValueError, match="momentum"):
         Momentum(5, 0.1, momentum=1.0)
     assert isinstance(optimizer_for("adam", 0.1, 5, beta1=0.8), Adam)
+
+
+@pytest.mark.parametrize("make", [
+    lambda rate: Adagrad(6, rate), lambda rate: SGD(rate), lambda rate: Momentum(6, rate),
+    lambda rate: AdaRevision(6, rate, history=8)],
+    ids=["adagrad", "sgd", "momentum", "adarevision"])
+def test_inverse_staleness_divides_the_rate_of_a_stale_update(make) -> None:
+    import copy
+
+    from distbelief.algorithms.downpour.options import STALENESS_SCALINGS
+    from distbelief.model import optimizers
+
+    assert STALENESS_SCALINGS == optimizers.STALENESS_SCALINGS
+    rng = np.random.default_rng(0)
+    params, grad = rng.normal(size=6).astype(np.float32), rng.normal(size=6).astype(np.float32)
+    info = optimizers.StepInfo(update=3, version=5, fetched=1)  # 4 updates since its fetch
+    scaled, reference = make(0.1), make(0.025)
+    scaled.staleness_scaling = "inverse"
+    piece = copy.copy(scaled)  # a shared-memory client's rule for a piece of the slice
+    assert piece.staleness_scaling == "inverse"
+    got, expected = params.copy(), params.copy()
+    scaled.apply(got, grad, info)
+    reference.apply(expected, grad, info)  # the same rule at a quarter of the rate
+    assert np.allclose(got, expected, rtol=1e-6)
+    assert scaled.rate(3) == pytest.approx(0.1)  # only the update apply applies is scaled
+    fresh = optimizers.StepInfo(update=4, version=6, fetched=5)  # one update: full rate
+    assert optimizers.staleness_scale("inverse", fresh) == 1.0
+    scaled.apply(got, grad, fresh)
+    assert scaled.scaling_stats() == {"scaling": "inverse", "updates": 2,
+                                      "rate_scale_mean": pytest.approx(0.625)}
+    assert reference.scaling_stats() is None

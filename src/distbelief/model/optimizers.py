@@ -190,6 +190,11 @@ class ShardRule:
         for a rule that keeps no such count (every one but AdaRevision)."""
         return None
 
+    def scaling_stats(self) -> dict[str, float] | None:
+        """What staleness scaling did to this object's updates (their count and the mean
+        factor of their rates), for the shard's statistics; None without scaling."""
+        return None
+
     elementwise: ClassVar[bool] = False
     """True for a rule whose update of a coordinate reads only that coordinate's
     parameter, gradient and state (Adagrad, SGD, Momentum, Adam): step_at can then update
@@ -220,10 +225,33 @@ class ShardRule:
             live[name][index] = array
 
 
+STALENESS_SCALINGS = ("none", "inverse")
+"""How a shard scales an update's learning rate by the push's staleness (the shard's
+updates between the gradient's fetch and its application): not at all, or divided by it
+(Zhang, Gupta, Lian and Liu, "Staleness-aware Async-SGD for Distributed Deep Learning",
+IJCAI 2016)."""
+
+
+def staleness_scale(scaling: str, info: StepInfo) -> float:
+    """The factor `scaling` applies to the rate of the update `info` describes: 1 for
+    "none", 1 / max(1, version - fetched) for "inverse" (a push with nothing applied since
+    its fetch, or one update, keeps the full rate)."""
+    if scaling == "none":
+        return 1.0
+    return 1.0 / max(1, info.version - info.fetched)
+
+
 class _Scheduled(ShardRule):
-    """What every optimizer on a schedule shares: the schedule, and the rate of one update."""
+    """What every optimizer on a schedule shares: the schedule, the rate of one update, and
+    on a shard the scaling of that rate by the update's staleness."""
 
     schedule: Schedule
+    staleness_scaling: str = "none"
+    """One of STALENESS_SCALINGS: set on a shard's rule (optimizer.staleness_scaling), read
+    by apply. An attribute, so a copy of the rule for a piece of the slice keeps it."""
+    _scale: float = 1.0  # the factor of the update apply is applying
+    _scaled_updates: int = 0  # apply's updates, and their factors summed
+    _scale_sum: float = 0.0
 
     @property
     def learning_rate(self) -> float:
@@ -237,8 +265,32 @@ class _Scheduled(ShardRule):
             if not self.schedule.constant:
                 raise ValueError("this optimizer follows a learning-rate schedule: step() "
                                  "needs update= (the number of updates applied before)")
-            return self.schedule.learning_rate
-        return self.schedule(update)
+            return self.schedule.learning_rate * self._scale
+        return self.schedule(update) * self._scale
+
+    def apply(self, params: np.ndarray, grad: np.ndarray, info: StepInfo,
+              copy: np.ndarray | None = None) -> None:
+        """The update as ShardRule.apply, at the rate scaled by its staleness."""
+        self._scale = staleness_scale(self.staleness_scaling, info)
+        self._scaled_updates += 1
+        self._scale_sum += self._scale
+        try:
+            self._apply(params, grad, info, copy)
+        finally:
+            self._scale = 1.0
+
+    def _apply(self, params: np.ndarray, grad: np.ndarray, info: StepInfo,
+               copy: np.ndarray | None) -> None:
+        """What apply does at its rate: step() at the update's schedule position; a rule
+        that reads more of StepInfo overrides this."""
+        self.step(params, grad, copy, update=info.update)
+
+    def scaling_stats(self) -> dict[str, float] | None:
+        if self.staleness_scaling == "none":
+            return None
+        mean = self._scale_sum / self._scaled_updates if self._scaled_updates else 1.0
+        return {"scaling": self.staleness_scaling, "updates": self._scaled_updates,
+                "rate_scale_mean": mean}
 
 
 def _check_size(size: object) -> int:
@@ -418,8 +470,8 @@ class AdaRevision(_Scheduled):
                                    grad, lr, self.eps, copy)
         self.record_version(version + 1)
 
-    def apply(self, params: np.ndarray, grad: np.ndarray, info: StepInfo,
-              copy: np.ndarray | None = None) -> None:
+    def _apply(self, params: np.ndarray, grad: np.ndarray, info: StepInfo,
+               copy: np.ndarray | None) -> None:
         """step() with the shard's version and the version the gradient was pulled at."""
         self.step(params, grad, copy, version=info.version, fetched=info.fetched,
                   update=info.update)

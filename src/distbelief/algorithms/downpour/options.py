@@ -7,6 +7,10 @@ from typing import ClassVar
 
 from distbelief.options import Options, choice, option
 
+STALENESS_SCALINGS = ("none", "inverse")
+"""optimizer.staleness_scaling (model.optimizers.STALENESS_SCALINGS, which the shards
+apply; repeated here because options modules import nothing of the model)."""
+
 FETCHES = ("own_pushes", "asynchronous", "overlapped")
 """optimizer.fetch: what a replica's fetch waits for (docs/downpour.md, "Fetch")."""
 PUSH_DTYPES = ("float32", "bfloat16")
@@ -41,4 +45,12 @@ class DownpourOptions(Options):
         "then Puts half the bytes; on one node (shared memory) the gradient is rounded the "
         "same way and nothing else changes "
         "([Downpour](downpour.md#narrowed-pushes-optimizerpush_dtype))",
+        hashed="unless default")
+    staleness_scaling: str = option(
+        "none", choice(STALENESS_SCALINGS),
+        "`\"inverse\"` divides the learning rate of each update a shard applies by the "
+        "push's staleness, the shard's updates between the gradient's fetch and its "
+        "application (at least 1), on every update rule the shards run (Zhang, Gupta, "
+        "Lian and Liu, IJCAI 2016); `\"none\"` keeps the configured rate "
+        "([Downpour](downpour.md#staleness-aware-steps-optimizerstaleness_scaling))",
         hashed="unless default")

@@ -277,8 +277,11 @@ def _gradients_before(found: ckpt.Checkpoint, start: int, stop: int) -> int:
 
 def shard_optimizer(config: Config, size: int) -> Any:
     """The configured update rule for a shard of `size` parameters (optimizer.update), on
-    the configured learning-rate schedule (stepped with the shard's gradient count)."""
-    return build_optimizer(config, size)
+    the configured learning-rate schedule (stepped with the shard's gradient count), its
+    rate scaled by each push's staleness as optimizer.staleness_scaling says."""
+    rule = build_optimizer(config, size)
+    rule.staleness_scaling = config.optimizer.staleness_scaling
+    return rule
 
 
 def shard_lost_message(shard: int, how: str) -> str:

@@ -352,6 +352,9 @@ class ShardRole:
             # AdaRevision: the folds this shard's optimizer made (every one on RMA; none
             # on shared memory, where each client folds its own pushes).
             stats["adarevision"] = delays
+        scaled = shard.optimizer.scaling_stats()
+        if scaled is not None:  # optimizer.staleness_scaling: the same folds' rate factors
+            stats["staleness_scaling"] = scaled
         return stats
 
 
