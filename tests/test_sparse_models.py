@@ -173,3 +173,16 @@ def test_touched_names_the_batch_rows_and_everything_outside_the_tables() -> Non
                                      items + 8, items + 9, bias]
     assert np.array_equal(np.flatnonzero(grad), np.flatnonzero(
         np.isin(np.arange(net.layout.size), net.touched()) & (grad != 0)))
+
+
+@pytest.mark.parametrize("rows", [50, 2**24 + 1], ids=["scattered", "sorted"])
+def test_a_lookup_numbers_each_distinct_id_once(rows: int) -> None:
+    from distbelief.model.sparse_kernels import Lookup
+
+    look = Lookup(rows)
+    rng = np.random.default_rng(3)
+    for _ in range(3):  # the scratch is reused: nothing of the last batch leaks in
+        ids = rng.integers(0, min(rows, 50), 200)
+        unique, position = look(ids)
+        assert sorted(unique) == sorted(set(ids.tolist())) and len(unique) == len(set(unique))
+        assert np.array_equal(unique[position], ids)

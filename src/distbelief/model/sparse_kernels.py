@@ -1,7 +1,7 @@
 """The arithmetic of the sparse input layers over a batch's rows of a table.
 
 A batch touches a few rows of a table (an embedding's, a sparse linear model's weights).
-The layers work on those rows only, gathered into a compact (k, width) array: `lookup`
+The layers work on those rows only, gathered into a compact (k, width) array: `Lookup`
 numbers the batch's distinct ids 0..k-1, the forward reads `rows[position]`, and the
 backward returns the gradient of those k rows (each id once, so it is written, not
 accumulated, into a whole gradient). This is also the form in which a replica will pull and
@@ -17,12 +17,36 @@ import numpy as np
 
 from distbelief.model.layout import DTYPE
 
+SCATTER_ROWS = 1 << 24
+"""Tables up to this many rows number a batch's ids by scattering them into a scratch
+array of one slot a row (Lookup); larger ones sort them (np.unique), not to hold a
+table-sized array for it."""
 
-def lookup(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the distinct ids in increasing order, each id's position among them) for a 1-d
-    array of ids."""
-    unique, position = np.unique(ids, return_inverse=True)
-    return unique, position.reshape(-1).astype(np.intp, copy=False)
+
+class Lookup:
+    """Numbers a batch's distinct ids of one table: (the distinct ids, each id's position
+    among them). With a scratch slot per table row the ids are scattered and gathered
+    back, O(batch) and no sort: a third of np.unique's time on a batch of 64 rows of 77
+    ids (the sort was 44% of a sparse logistic step). The distinct ids then come in no
+    particular order."""
+
+    def __init__(self, rows: int):
+        self._slots = (np.empty(rows, dtype=np.int32 if rows < 2**31 else np.int64)
+                       if rows <= SCATTER_ROWS else None)
+
+    def __call__(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids = ids.reshape(-1)
+        if self._slots is None:
+            unique, position = np.unique(ids, return_inverse=True)
+            return unique, position.reshape(-1).astype(np.intp, copy=False)
+        entries = np.arange(len(ids), dtype=self._slots.dtype)
+        # Every slot read below was written just now: one entry of each id wins the slot,
+        # and it is that id's representative.
+        self._slots[ids] = entries
+        first = self._slots[ids]
+        is_first = first == entries
+        number = np.cumsum(is_first, dtype=np.intp) - 1  # the representative's number
+        return ids[is_first], number[first]
 
 
 def bag_forward(indptr: np.ndarray, positions: np.ndarray, values: np.ndarray | None,

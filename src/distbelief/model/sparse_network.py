@@ -36,7 +36,7 @@ from distbelief.model import kernels
 from distbelief.model.layout import DTYPE, ParamLayout
 from distbelief.model.losses import LOSSES, CrossEntropy, Evaluation, Loss
 from distbelief.model.network import ACTIVATIONS, Network, evaluation_size
-from distbelief.model.sparse_kernels import bag_backward, bag_forward, lookup, segment_sum
+from distbelief.model.sparse_kernels import Lookup, bag_backward, bag_forward, segment_sum
 
 SPARSE_LAYER_KEYS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
     "sparse_linear": (("type", "units", "activation"), {}),
@@ -121,9 +121,10 @@ class Bag(SparseInput):
         super().__init__([("table", n_features, width)], width, activation, limit)
         self.kind = kind
         self.mean = mean
+        self._lookup = Lookup(n_features)
 
     def lookups(self, x: Any) -> list[_Lookup]:
-        return [_Lookup(*lookup(x.indices))]
+        return [_Lookup(*self._lookup(x.indices))]
 
     def combine(self, x: Any, found: list[_Lookup], rows: list[np.ndarray],
                 out: np.ndarray) -> None:
@@ -154,11 +155,12 @@ class FieldEmbedding(SparseInput):
         super().__init__([(f"table_{f}", int(rows), dim) for f, rows in enumerate(table_rows)],
                          out, activation, math.sqrt(3.0 / dim))
         self.dim, self.mode, self.hashed = dim, combine, hashed
+        self._lookups = [Lookup(int(rows)) for rows in table_rows]
 
     def lookups(self, x: Any) -> list[_Lookup]:
         if self.hashed:
             x = x % np.array([rows for _, rows, _ in self.tables])
-        return [_Lookup(*lookup(x[:, f])) for f in range(len(self.tables))]
+        return [_Lookup(*look(x[:, f])) for f, look in enumerate(self._lookups)]
 
     def combine(self, x: Any, found: list[_Lookup], rows: list[np.ndarray],
                 out: np.ndarray) -> None:
