@@ -164,7 +164,8 @@ def test_unknown_key_far_from_any_has_no_suggestion_but_lists_valid_keys() -> No
     ("optimizer.n_push", "0", "an integer >= 1"),
     ("optimizer.warm_start_steps", "-5", "an integer >= 0"),
     ("cluster.ps_shards", "-1", "an integer >= 0"),
-    ("optimizer.update", '"rmsprop"', "one of 'adagrad', 'sgd', 'adarevision', 'momentum', 'adam'"),
+    ("optimizer.update", '"rmsprop"',
+     "one of 'adagrad', 'sgd', 'adarevision', 'momentum', 'adam', 'dcasgd'"),
     ("optimizer.backup_workers", "-1", "an integer >= 0"),
     ("optimizer.average_every", "0", "an integer >= 1"),
     ("optimizer.elastic_alpha", "1.5", "a number > 0 and <= 1"),
@@ -770,3 +771,14 @@ def test_no_branch_on_an_algorithms_name_is_left_in_config() -> None:
     source = Path(config.__file__).read_text()
     for name in ("sgd", "downpour", "sandblaster", "sync", "averaging", "hogwild", "diloco"):
         assert f'== "{name}"' not in source and f'!= "{name}"' not in source
+
+
+def test_dcasgd_runs_on_downpours_shards_with_its_lambda_hashed_only_with_it():
+    downpour = _optimizer_config(algorithm="downpour", update="dcasgd", dc_lambda=0.1)
+    assert downpour.optimizer.dc_lambda == 0.1
+    assert hashed_settings(downpour)["optimizer"]["dc_lambda"] == 0.1
+    assert "dc_lambda" not in hashed_settings(_optimizer_config(update="sgd"))["optimizer"]
+    with pytest.raises(ConfigError, match="optimizer.dc_lambda applies only"):
+        _optimizer_config(algorithm="downpour", dc_lambda=0.1)
+    with pytest.raises(ConfigError, match="runs on Downpour's parameter-server shards"):
+        _optimizer_config(update="dcasgd")

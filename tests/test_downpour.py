@@ -195,13 +195,14 @@ def test_fetch_settings_keep_counts_exact(data_dir, tmp_path, fetch, transport, 
 
 
 def test_inverse_staleness_scaling_slows_the_stale_updates_on_the_shards(data_dir, tmp_path):
-    # 3 replicas, overlapped fetches: most pushes are 2 or more updates stale. The rule
-    # itself is checked in tests/test_optimizers.py; here, that the shards run it.
+    # 3 replicas, overlapped fetches: most pushes are 2 or more updates stale. The rules
+    # themselves are checked in tests/test_optimizers.py; here, that the shards run them:
+    # the scaling, on delay-compensated SGD (update = "dcasgd", shards only).
     out = tmp_path / "out"
     env = {**job_env(), "DISTBELIEF_PS_TRANSPORT": "rma"}
     proc = downpour(5, data_dir, out, "cluster.ps_shards=2", "run.max_steps=300",
                     'optimizer.fetch="overlapped"', 'optimizer.staleness_scaling="inverse"',
-                    env=env)
+                    'optimizer.update="dcasgd"', env=env)
     summary, _ = finished(proc, out)
     assert summary["steps"] == 300 and summary["staleness"]["mean"] > 1
     for shard in summary["shards"]:
@@ -209,6 +210,7 @@ def test_inverse_staleness_scaling_slows_the_stale_updates_on_the_shards(data_di
         assert scaled["scaling"] == "inverse" and scaled["updates"] > 0
         assert scaled["rate_scale_mean"] < 1, scaled
     assert summary["final_test_accuracy"] > 0.35, "chance is 0.25"
+    assert json.loads((out / "config.json").read_text())["optimizer"]["update"] == "dcasgd"
 
 
 @pytest.mark.parametrize("transport", ["shared", pytest.param("rma", marks=pytest.mark.nodes)])

@@ -432,3 +432,26 @@ def test_inverse_staleness_divides_the_rate_of_a_stale_update(make) -> None:
     assert scaled.scaling_stats() == {"scaling": "inverse", "updates": 2,
                                       "rate_scale_mean": pytest.approx(0.625)}
     assert reference.scaling_stats() is None
+
+
+def test_dcasgd_compensates_each_gradient_with_the_last_steps_curvature() -> None:
+    from distbelief.model.optimizers import DCASGD
+
+    rng = np.random.default_rng(1)
+    rule = DCASGD(5, 0.1, dc_lambda=0.5)
+    params = rng.normal(size=5).astype(np.float32)
+    expected, last = params.astype(np.float64), np.zeros(5)
+    for update in range(3):
+        grad = rng.normal(size=5).astype(np.float32)
+        g = grad.astype(np.float64)
+        last = -0.1 * (g + 0.5 * g * g * last)  # the first update is plain SGD (last = 0)
+        expected += last
+        copy = np.empty_like(params)
+        rule.step(params, grad, copy, update=update)
+        assert np.allclose(params, expected, rtol=1e-5) and np.array_equal(copy, params)
+    saved = {k: v.copy() for k, v in rule.state().items()}
+    again = optimizer_for("dcasgd", 0.1, 5, dc_lambda=0.5)
+    again.load_state(saved)
+    assert np.array_equal(again.last_step, rule.last_step)
+    with pytest.raises(ValueError, match="dc_lambda must be a non-negative"):
+        DCASGD(5, 0.1, dc_lambda=-1.0)

@@ -134,7 +134,7 @@ def test_input_of_the_wrong_kind_is_a_data_error() -> None:
         net.logits(params, SparseRows.from_dense(np.ones((2, 29), np.float32)))
 
 
-@pytest.mark.parametrize("rule", ["adagrad", "sgd", "momentum", "adam"])
+@pytest.mark.parametrize("rule", ["adagrad", "sgd", "momentum", "adam", "dcasgd"])
 def test_step_at_updates_the_touched_coordinates_as_step_does_and_no_others(rule: str):
     from distbelief.model import optimizers
 
@@ -142,7 +142,8 @@ def test_step_at_updates_the_touched_coordinates_as_step_does_and_no_others(rule
     make = {"adagrad": lambda: optimizers.Adagrad(50, 0.1),
             "sgd": lambda: optimizers.SGD(0.1),
             "momentum": lambda: optimizers.Momentum(50, 0.1),
-            "adam": lambda: optimizers.Adam(50, 0.1)}[rule]
+            "adam": lambda: optimizers.Adam(50, 0.1),
+            "dcasgd": lambda: optimizers.DCASGD(50, 0.1, dc_lambda=0.5)}[rule]
     whole, part = make(), make()
     params = rng.normal(size=50).astype(np.float32)
     index = np.array([3, 17, 18, 40])

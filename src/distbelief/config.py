@@ -54,12 +54,13 @@ from distbelief.options import (
 ALGORITHMS = registry.names()
 """optimizer.algorithm: the names in distbelief.algorithms.registry."""
 NOT_IMPLEMENTED_ALGORITHMS: tuple[str, ...] = ()
-UPDATES = ("adagrad", "sgd", "adarevision", "momentum", "adam")
+UPDATES = ("adagrad", "sgd", "adarevision", "momentum", "adam", "dcasgd")
 """optimizer.update: the rule that applies a gradient. "adagrad" and "sgd" are also
 spelled `adagrad = true/false`; "adarevision" (delay-tolerant Adagrad) runs on the shards
 of an algorithm whose options list it in `shard_updates` (Downpour's), where the delay is
 known."""
-UPDATE_KEYS = {"momentum": ("momentum", "nesterov"), "adam": ("beta1", "beta2")}
+UPDATE_KEYS = {"momentum": ("momentum", "nesterov"), "adam": ("beta1", "beta2"),
+               "dcasgd": ("dc_lambda",)}
 """[optimizer] keys that only one update rule reads: an error with another rule, and left
 out of the config hash unless the rule uses them."""
 SCHEDULES = ("constant", "step", "cosine")
@@ -128,8 +129,11 @@ class OptimizerConfig:
         "momentum, as `torch.optim.SGD(momentum=, nesterov=)` without dampening) or "
         "`\"adam\"` (as `torch.optim.Adam`, no weight decay; its bias correction counts the "
         "updates where they are applied: a Downpour shard's applied gradients, a trainer's "
-        "steps, both kept in checkpoints). Every algorithm with a learning rate takes each "
-        "rule; on Downpour's shards the rule runs on each shard's slice",
+        "steps, both kept in checkpoints), or `\"dcasgd\"` (Downpour's shards only: SGD "
+        "with delay compensation, Zheng et al. 2017, in MXNet's approximation; see "
+        "[downpour.md](downpour.md#delay-compensation-update--dcasgd)). Every algorithm "
+        "with a learning rate takes each rule but the shards-only ones; on Downpour's "
+        "shards the rule runs on each shard's slice",
         shown='"adagrad"')
     n_fetch: int = option(
         1, integer(1), "Downpour: pull parameters every n_fetch steps")
@@ -150,6 +154,9 @@ class OptimizerConfig:
     beta2: float = option(
         0.999, number(0.0, maximum=0.99999), "`update = \"adam\"` only: the second moving "
         "average's rate; in the config hash only with that rule")
+    dc_lambda: float = option(
+        0.04, number(0.0), "`update = \"dcasgd\"` only: the compensation's lambda "
+        "(MXNet's default, 0.04); in the config hash only with that rule")
     warmup_steps: int = option(
         0, integer(0), "linear learning-rate warmup: update t (from 0) runs at "
         "`learning_rate` x (t + 1) / warmup_steps until the rate is reached; see "

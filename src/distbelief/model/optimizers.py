@@ -554,6 +554,58 @@ def _load_arrays(name: str, optimizer: object, state: dict[str, np.ndarray],
         np.copyto(getattr(optimizer, key), state[key], casting="same_kind")
 
 
+class DCASGD(_Scheduled):
+    """Delay-compensated asynchronous SGD (Zheng, Meng, Wang, Chen, Yu, Ma and Liu,
+    "Asynchronous Stochastic Gradient Descent with Delay Compensation", ICML 2017), in the
+    approximation MXNet ships as `optimizer.DCASGD`. The paper corrects a stale gradient
+    toward the current parameters with a cheap diagonal Hessian approximation,
+    g + lambda * g * g * (w_now - w_fetched), keeping the parameters each worker fetched (a
+    copy of the slice per replica). The approximation takes w_fetched to be the parameters
+    before the slice's last update, so w_now - w_fetched is that update's step d, one
+    vector for every replica:
+
+        g_c = g + lambda * g * g * d
+        d   = -lr * g_c
+        w  += d
+
+    d starts at 0, so the first update is plain SGD. It understates an update's delay
+    when more than one update came between its fetch and its application (the paper's
+    version would need a copy per replica: not built). Per coordinate, element-wise."""
+
+    elementwise = True
+
+    def __init__(self, size: int, learning_rate: float | Schedule,
+                 dc_lambda: float = 0.04) -> None:
+        self.size = _check_size(size)
+        self.schedule = _schedule(learning_rate)
+        if (isinstance(dc_lambda, bool) or not isinstance(dc_lambda, (int, float))
+                or not math.isfinite(dc_lambda) or dc_lambda < 0):
+            raise ValueError(f"dc_lambda must be a non-negative finite number, got "
+                             f"{dc_lambda!r}")
+        self.dc_lambda = float(dc_lambda)
+        self.last_step = np.zeros(self.size, np.float32)
+
+    def step(self, params: np.ndarray, grad: np.ndarray,
+             copy: np.ndarray | None = None, *, update: int | None = None) -> None:
+        """As SGD.step, the gradient compensated with the last update's step."""
+        compensated = grad * grad
+        compensated *= self.last_step
+        compensated *= np.float32(self.dc_lambda)
+        compensated += grad
+        np.multiply(compensated, np.float32(-self.rate(update)), out=self.last_step)
+        params += self.last_step
+        if copy is not None:
+            np.copyto(copy, params)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The live state arrays (not copies): {"last_step": the last update's step}."""
+        return {"last_step": self.last_step}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore state saved by state(); checks shape and values, copies."""
+        _load_arrays("DCASGD", self, state, {"last_step"})
+
+
 class Momentum(_Scheduled):
     """SGD with momentum, as torch.optim.SGD(lr, momentum, nesterov) with no dampening or
     weight decay: buf = momentum * buf + g; param -= lr * buf (Nesterov: lr * (g + momentum
@@ -699,7 +751,7 @@ class Adam(_Scheduled):
             raise ValueError("Adam state 'exp_avg_sq' must be non-negative")
 
 
-UPDATES = ("adagrad", "sgd", "adarevision", "momentum", "adam")
+UPDATES = ("adagrad", "sgd", "adarevision", "momentum", "adam", "dcasgd")
 
 
 def optimizer_for(update: str, learning_rate: float | Schedule, size: int,
@@ -711,6 +763,8 @@ def optimizer_for(update: str, learning_rate: float | Schedule, size: int,
         raise ValueError(f"update must be one of {', '.join(UPDATES)}, got {update!r}")
     if update == "adarevision":
         return AdaRevision(size, learning_rate, **hyper)
+    if update == "dcasgd":
+        return DCASGD(size, learning_rate, **hyper)
     if update == "momentum":
         return Momentum(size, learning_rate, **hyper)
     if update == "adam":

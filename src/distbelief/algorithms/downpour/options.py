@@ -27,7 +27,7 @@ class DownpourOptions(Options):
         "optimizer.warm_start_steps lets replica 0 train alone first. A lost replica "
         "does not stop the run.")
     docs: ClassVar[str] = "docs/downpour.md"
-    shard_updates: ClassVar[tuple[str, ...]] = ("adarevision",)
+    shard_updates: ClassVar[tuple[str, ...]] = ("adarevision", "dcasgd")
 
     fetch: str = option(
         "own_pushes", choice(FETCHES),
