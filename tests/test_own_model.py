@@ -197,7 +197,6 @@ def cli_job(n: int, data_dir: Path, out: Path, model: str, *overrides: str):
                    cwd=PROGRAMS, env=job_env(), launcher_options=survive_a_death())
 
 
-@pytest.mark.nodes
 def test_train_model_trains_with_sync_on_one_shard_and_three_replicas(
         data_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
