@@ -347,15 +347,7 @@ def _build_layer(index: int, spec: object, in_shape: tuple[int, ...],
         raise ConfigError(f"layer {index}: key 'type' must be one of "
                           f"{', '.join(map(repr, LAYER_KEYS))}, got {kind!r}")
     where = f"layer {index} ({kind})"
-    required, optional = LAYER_KEYS[kind]
-    for key in spec:
-        if key not in required and key not in optional:
-            raise ConfigError(f"{where}: unknown key {key!r}; allowed: "
-                              f"{', '.join([*required, *optional])}")
-    for key in required:
-        if key not in spec:
-            raise ConfigError(f"{where}: missing key {key!r}")
-    values = {**optional, **spec}
+    values = layer_values(where, spec, *LAYER_KEYS[kind])
     if kind == "pool":
         return _build_pool(where, values, in_shape, index, is_output)
     if kind == "lcn":
@@ -367,17 +359,7 @@ def _build_layer(index: int, spec: object, in_shape: tuple[int, ...],
         return LayerNorm(in_shape)
 
     activation = values["activation"]
-    if activation not in ACTIVATIONS:
-        raise ConfigError(f"{where}: key 'activation' must be one of "
-                          f"{', '.join(ACTIVATIONS)}, got {activation!r}")
-    if is_output and activation != output_activation:
-        loss = next(kind.name for kind in LOSSES.values()
-                    if kind.output_activation == output_activation)
-        raise ConfigError(f"{where}: key 'activation' of the output layer must be "
-                          f"{output_activation!r} (model.loss = {loss!r}), got {activation!r}")
-    if not is_output and activation == "softmax":
-        raise ConfigError(f"{where}: key 'activation' = 'softmax' is only allowed on the "
-                          f"last layer")
+    check_activation(where, activation, is_output, output_activation)
     _check_positive_ints(where, values, ("type", "activation", "padding"))
 
     if kind == "dense":
@@ -393,6 +375,37 @@ def _build_layer(index: int, spec: object, in_shape: tuple[int, ...],
                     padding, activation)
     kernel = _check_image_input(where, kind, in_shape, index, int(values["kernel"]))
     return Local(in_shape, kernel, int(values["stride"]), int(values["channels"]), activation)
+
+
+def layer_values(where: str, spec: Mapping, required: tuple[str, ...],
+                 optional: Mapping[str, object]) -> dict:
+    """A layer table's values with the optional keys' defaults, or a ConfigError naming
+    an unknown or a missing key."""
+    for key in spec:
+        if key not in required and key not in optional:
+            raise ConfigError(f"{where}: unknown key {key!r}; allowed: "
+                              f"{', '.join([*required, *optional])}")
+    for key in required:
+        if key not in spec:
+            raise ConfigError(f"{where}: missing key {key!r}")
+    return {**optional, **spec}
+
+
+def check_activation(where: str, activation: object, is_output: bool,
+                     output_activation: str) -> None:
+    """ConfigError unless `activation` is a known one, the loss's on the output layer
+    (`output_activation`), and softmax nowhere else."""
+    if activation not in ACTIVATIONS:
+        raise ConfigError(f"{where}: key 'activation' must be one of "
+                          f"{', '.join(ACTIVATIONS)}, got {activation!r}")
+    if is_output and activation != output_activation:
+        loss = next(kind.name for kind in LOSSES.values()
+                    if kind.output_activation == output_activation)
+        raise ConfigError(f"{where}: key 'activation' of the output layer must be "
+                          f"{output_activation!r} (model.loss = {loss!r}), got {activation!r}")
+    if not is_output and activation == "softmax":
+        raise ConfigError(f"{where}: key 'activation' = 'softmax' is only allowed on the "
+                          f"last layer")
 
 
 def _check_positive_ints(where: str, values: Mapping, others: tuple[str, ...]) -> None:

@@ -34,8 +34,13 @@ import numpy as np
 from distbelief.errors import ConfigError, DataError
 from distbelief.model import kernels
 from distbelief.model.layout import DTYPE, ParamLayout
-from distbelief.model.losses import LOSSES, CrossEntropy, Evaluation, Loss
-from distbelief.model.network import ACTIVATIONS, Network, evaluation_size
+from distbelief.model.losses import CrossEntropy, Evaluation, Loss
+from distbelief.model.network import (
+    Network,
+    check_activation,
+    evaluation_size,
+    layer_values,
+)
 from distbelief.model.sparse_kernels import Lookup, bag_backward, bag_forward, segment_sum
 
 SPARSE_LAYER_KEYS: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
@@ -421,17 +426,9 @@ def build_input_layer(input_kind: str, input_shape: tuple[int, ...], id_rows: tu
                           f"{' or '.join(map(repr, SPARSE_LAYER_KEYS))}")
     kind = spec["type"]
     where = f"layer 0 ({kind})"
-    required, optional = SPARSE_LAYER_KEYS[kind]
-    for key in spec:
-        if key not in required and key not in optional:
-            raise ConfigError(f"{where}: unknown key {key!r}; allowed: "
-                              f"{', '.join([*required, *optional])}")
-    for key in required:
-        if key not in spec:
-            raise ConfigError(f"{where}: missing key {key!r}")
-    values = {**optional, **spec}
+    values = layer_values(where, spec, *SPARSE_LAYER_KEYS[kind])
     activation = values["activation"]
-    _check_activation(where, activation, is_output, loss)
+    check_activation(where, activation, is_output, loss.output_activation)
     width = values["units" if kind == "sparse_linear" else "dim"]
     if not _positive_int(width):
         raise ConfigError(f"{where}: key {'units' if kind == 'sparse_linear' else 'dim'!r} "
@@ -464,21 +461,6 @@ def build_input_layer(input_kind: str, input_shape: tuple[int, ...], id_rows: tu
                           f"set 'rows'")
     tables = [int(rows)] * input_shape[0] if rows is not None else list(id_rows)
     return FieldEmbedding(tables, int(width), combine, activation, hashed=rows is not None)
-
-
-def _check_activation(where: str, activation: object, is_output: bool, loss: Loss) -> None:
-    if activation not in ACTIVATIONS:
-        raise ConfigError(f"{where}: key 'activation' must be one of "
-                          f"{', '.join(ACTIVATIONS)}, got {activation!r}")
-    if is_output and activation != loss.output_activation:
-        name = next(kind.name for kind in LOSSES.values()
-                    if kind.output_activation == loss.output_activation)
-        raise ConfigError(f"{where}: key 'activation' of the output layer must be "
-                          f"{loss.output_activation!r} (model.loss = {name!r}), got "
-                          f"{activation!r}")
-    if not is_output and activation == "softmax":
-        raise ConfigError(f"{where}: key 'activation' = 'softmax' is only allowed on the "
-                          f"last layer")
 
 
 def _positive_int(value: object) -> bool:
