@@ -81,17 +81,17 @@ def summary_of(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-_baselines: dict[tuple, float] = {}
-
-
-def baseline_loss(n: int, folder: Path, tmp: Path, overrides: tuple[str, ...]) -> float:
-    """The final loss of the same run without a fault (once per configuration)."""
-    key = (n, overrides)
-    if key not in _baselines:
-        proc = job(n, folder, tmp / "clean", *overrides)
-        assert exit_statuses(proc) == [0] * n, proc.stderr[-3000:]
-        _baselines[key] = summary_of(tmp / "clean")["final_loss"]
-    return _baselines[key]
+@pytest.fixture(scope="module")
+def clean_loss(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> float:
+    """The final loss of the run without a fault, on the fewest ranks (a shard, the
+    coordinator, one replica): full-batch L-BFGS takes the same steps whatever the rank,
+    shard or partition count, up to the order of float sums (measured: 4 layouts from 4 to
+    8 ranks, with 2 shards or 2 partitions, agreed within 3e-6 of each other), so one clean
+    run serves every case."""
+    out = tmp_path_factory.mktemp("clean") / "out"
+    proc = job(3, data_dir, out)
+    assert exit_statuses(proc) == [0] * 3, proc.stderr[-3000:]
+    return summary_of(out)["final_loss"]
 
 
 # (id, ranks, overrides, fault, the replica's ranks); rank 0..S-1 shards, S coordinator.
@@ -120,7 +120,7 @@ NODES_CASES = {"batch-1-shard", "late", "partition-1", "partition-relay-parent"}
 @pytest.mark.matrix
 def test_a_killed_sandblaster_replica_leaves_the_others_to_finish(
         data_dir: Path, tmp_path: Path, name: str, n: int, overrides: tuple[str, ...],
-        fault: str, ranks: list[int]) -> None:
+        fault: str, ranks: list[int], clean_loss: float) -> None:
     out = tmp_path / "out"
     victim = int(fault.split(":")[1])
     proc = job(n, data_dir, out, *overrides, faults=fault)
@@ -151,8 +151,8 @@ def test_a_killed_sandblaster_replica_leaves_the_others_to_finish(
     # iteration's checkpoint, which then holds every unit it committed: no loss by then.
     lost_by_then = [[replica]] + ([[]] if name == "late" and simulated_test_nodes() else [])
     assert final.manifest["lost_replicas"] in lost_by_then, final.manifest["lost_replicas"]
-    clean = baseline_loss(n, data_dir, tmp_path, overrides)
-    assert abs(summary["final_loss"] - clean) <= 0.05 * clean, (summary["final_loss"], clean)
+    assert abs(summary["final_loss"] - clean_loss) <= 0.05 * clean_loss, (
+        summary["final_loss"], clean_loss)
 
 
 def test_a_rerun_after_a_lost_replica_resumes_with_every_replica(data_dir: Path,
@@ -171,7 +171,7 @@ def test_a_rerun_after_a_lost_replica_resumes_with_every_replica(data_dir: Path,
 
 @pytest.mark.nodes
 def test_a_killed_relay_parent_leaves_its_children_to_fetch_from_the_shards(
-        data_dir: Path, tmp_path: Path) -> None:
+        data_dir: Path, tmp_path: Path, clean_loss: float) -> None:
     """Six replicas: replica 1 (rank 3) relays trial points to replicas 4 and 5
     (plan.relay_parent). Killed in the middle of the run, its children find it gone in
     their next fetch and take the trial point from the shards; nothing waits for it.
@@ -190,8 +190,8 @@ def test_a_killed_relay_parent_leaves_its_children_to_fetch_from_the_shards(
         assert children[child]["relay_fallbacks"] == 1, children[child]
         assert children[child]["shard_fetches"] > children[child]["evaluations"]
     assert children[2]["relay_fallbacks"] == children[3]["relay_fallbacks"] == 0
-    clean = baseline_loss(8, data_dir, tmp_path, ())
-    assert abs(summary["final_loss"] - clean) <= 0.05 * clean, (summary["final_loss"], clean)
+    assert abs(summary["final_loss"] - clean_loss) <= 0.05 * clean_loss, (
+        summary["final_loss"], clean_loss)
 
 
 # -- what cannot be survived: a lost shard or coordinator, a lost partition of sgd ----------
