@@ -274,6 +274,7 @@ def test_one_replica_resumed_is_bit_identical_to_an_uninterrupted_run(
 ])
 @pytest.mark.both_mpis
 @pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
+@pytest.mark.matrix
 def test_another_replica_or_shard_count_starts_from_the_checkpoint_exactly(
         data_dir: Path, tmp_path: Path, first: tuple, second: tuple) -> None:
     out, dump = tmp_path / "out", tmp_path / "dump"
@@ -514,6 +515,7 @@ SLOW_WRITE_S = 1.5
 
 
 @pytest.mark.parametrize("background", [True, False])
+@pytest.mark.matrix
 def test_the_replicas_train_while_the_shards_write(data_dir: Path, tmp_path: Path,
                                                    background: bool) -> None:
     # Every shard's parts take SLOW_WRITE_S longer to write (a slow file system). In the

@@ -427,6 +427,7 @@ def test_costmodel_command_without_data_file():
 @pytest.mark.both_mpis
 @pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 @pytest.mark.parametrize("fetch, transport", [("own_pushes", None), ("overlapped", "rma")])
+@pytest.mark.matrix
 def test_downpour_partitioned_replicas_checkpoint_and_resume(data_dir, tmp_path, fetch,
                                                              transport):
     # Agreement rounds and checkpoints with replicas of 2 partitions: the partitions act on

@@ -249,6 +249,7 @@ heartbeat_timeout_seconds = 5
 
 @pytest.mark.nodes  # the partitions on two simulated nodes: found by heartbeat, not /proc
 @pytest.mark.parametrize("every", [0, 100], ids=["between-checkpoints", "in-a-checkpoint"])
+@pytest.mark.matrix
 def test_a_lost_partition_of_partitioned_sgd_ends_the_run_with_one_line(
         data_dir: Path, tmp_path: Path, every: int) -> None:
     # One replica over 2 ranks cannot go on without one: rank 1 dies after step 200, rank 0

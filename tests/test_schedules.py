@@ -211,6 +211,7 @@ def test_sgd_resumed_is_bit_identical(sgd_dir, tmp_path, update):
 
 
 @pytest.mark.parametrize("update, transport", [("adam", "rma"), ("momentum", "shared")])
+@pytest.mark.matrix
 def test_downpour_shards_resume_adam_and_momentum_exactly(mpi_dir, tmp_path, update,
                                                           transport):
     rule = [f'optimizer.update="{update}"', "optimizer.learning_rate=0.01",

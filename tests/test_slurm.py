@@ -86,6 +86,7 @@ def check_preempted_then_resumed(job: Job, max_steps: int) -> int:
 
 
 @pytest.mark.parametrize("script", ["one_node", "multi_node"])
+@pytest.mark.matrix
 def test_sgd_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, script):
     job = Job(script, tmp_path, 1, data_dir / "synth.toml", f"run.max_steps={SGD_STEPS}")
     stopped_at = check_preempted_then_resumed(job, SGD_STEPS)
@@ -319,6 +320,7 @@ def test_scripts_over_several_nodes_have_an_infiniband_section(name):
     ("one_node", 1, []),
     ("multi_node", 3, ['optimizer.algorithm="downpour"']),
 ])
+@pytest.mark.matrix
 def test_a_job_submitted_twice_is_refused_while_the_first_runs(data_dir, tmp_path, script,
                                                                ntasks, overrides):
     # Long enough to outlive the second submission by far (SGD_STEPS took 1.3 s here, and
@@ -352,6 +354,7 @@ def test_a_job_submitted_twice_is_refused_while_the_first_runs(data_dir, tmp_pat
 
 
 @pytest.mark.parametrize("script", ["one_node", "multi_node"])
+@pytest.mark.matrix
 def test_a_requeue_takes_over_from_its_instance_on_a_lost_node(data_dir, tmp_path, script):
     """The earlier instance's owner file names another node with a fresh heartbeat (the
     node was lost a moment ago): only the requeue rule lets the requeued job start."""
