@@ -89,3 +89,21 @@ def test_gradients_of_two_caches_merge_into_their_union() -> None:
     union, total = merged(net, parts)
     assert union.rows >= max(c.rows for c, _ in parts)
     np.testing.assert_allclose(total, union.gather(whole), rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_replicas_predicted_memory_follows_the_batch_not_the_table() -> None:
+    # The memory plan's replica line (model.memory_model) for table_pulls = "rows": two
+    # table sizes 100x apart, the same prediction; the whole vector's grows with the table.
+    from distbelief.model.memory_model import Workload, predict_memory
+
+    def replica_bytes(users: int, row_ids: tuple) -> int:
+        net = SparseNetwork("ids", (2,), [{"type": "embedding", "dim": 8, "combine": "dot"}],
+                            1, loss=make_loss("mse", 1), id_rows=(users, 1000))
+        work = Workload(batch=64, transport="rma", row_ids=row_ids, n_fetch=2)
+        return next(r for r in predict_memory(net, 1, 2, 1, work)
+                    if r.role == "replica").bytes
+
+    rows = [replica_bytes(users, (1.0, 1.0)) for users in (20_000, 2_000_000)]
+    whole = [replica_bytes(users, ()) for users in (20_000, 2_000_000)]
+    assert rows[0] == rows[1] < whole[0] < whole[1]
+    assert whole[1] - whole[0] == 2 * 4 * 1_980_000 * 8  # parameters and gradient
