@@ -162,8 +162,11 @@ def replica_memory(network: object, partitions: int, work: Workload,
 
 def evaluation_memory(network: object, work: Workload) -> dict[str, int]:
     """What the rank that evaluates holds besides its role: a parameter snapshot, the
-    evaluation set and a forward pass of EVAL_BATCH rows."""
-    return {"evaluation snapshot": BYTES * network.layout.size,
+    evaluation set and a forward pass of EVAL_BATCH rows (with `work.row_ids`, the
+    snapshot holds the evaluation set's rows and their positions alone)."""
+    rows = row_cache_values(network, work.eval_rows, work.row_ids)
+    snapshot = BYTES * network.layout.size if rows is None else 3 * BYTES * rows
+    return {"evaluation snapshot": snapshot,
             "evaluation set": work.eval_rows * work.row_bytes,
             "evaluation activations": activation_bytes(network, min(EVAL_BATCH, max(
                 work.eval_rows, 1)), backward=False, input_values=work.input_values)}

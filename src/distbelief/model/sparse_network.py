@@ -413,15 +413,8 @@ class SparseNetwork:
     def tally(self, params: np.ndarray, x: Any, y: np.ndarray,
               batch_size: int = 1000) -> np.ndarray:
         """The loss's additive statistics over all of x, y (model.losses)."""
-        total = evaluation_size(x, y, batch_size)
-        tally = self.loss_fn.empty_tally()
-        for start in range(0, total, batch_size):
-            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
-            logits = self.logits(params, xb)
-            work = logits.copy()  # the loss's gradient overwrites its input
-            loss = self.loss_fn.loss_and_dout(work, yb, work)
-            tally += self.loss_fn.tally(logits, yb, loss * len(yb))
-        return tally
+        return tally_batches(lambda xb: self.logits(params, xb), self.loss_fn, x, y,
+                             batch_size)
 
     def describe(self) -> str:
         return "\n".join(f"{i:>3} {layer.describe()}" for i, layer in enumerate(self.layers))
@@ -429,6 +422,21 @@ class SparseNetwork:
     def __repr__(self) -> str:
         return (f"SparseNetwork({self.input_kind} input {self.input_shape}, "
                 f"{len(self.layers)} layers, {self.layout.size} parameters)")
+
+
+def tally_batches(logits: Any, loss_fn: Loss, x: Any, y: np.ndarray,
+                  batch_size: int) -> np.ndarray:
+    """`loss_fn`'s additive statistics over all of x, y, `logits(x_batch)` computed a batch
+    of `batch_size` rows at a time (SparseNetwork's, or a row cache's: sparse_rows)."""
+    total = evaluation_size(x, y, batch_size)
+    tally = loss_fn.empty_tally()
+    for start in range(0, total, batch_size):
+        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+        out = logits(xb)
+        work = out.copy()  # the loss's gradient overwrites its input
+        loss = loss_fn.loss_and_dout(work, yb, work)
+        tally += loss_fn.tally(out, yb, loss * len(yb))
+    return tally
 
 
 def _uniform_from(seed: int, position: int, out: np.ndarray) -> None:

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from distbelief.model.layout import DTYPE
-from distbelief.model.sparse_network import SparseNetwork, _Lookup
+from distbelief.model.losses import Evaluation, Loss
+from distbelief.model.sparse_network import SparseNetwork, _Lookup, tally_batches
 
 
 class RowCache:
@@ -139,7 +140,8 @@ def merged(network: SparseNetwork, parts: Sequence[tuple[RowCache, np.ndarray]]
 
 class RowsView:
     """A SparseNetwork's loss and gradient on the compact vector of a RowCache (`cache`,
-    set before each call): the replica-side model of a row-sharded run."""
+    set before each call): the replica-side model of a row-sharded run; and its
+    evaluation on a cache of the evaluation set's rows (shard 0's, never the tables)."""
 
     def __init__(self, network: SparseNetwork):
         self.network = network
@@ -149,14 +151,11 @@ class RowsView:
                       grad: np.ndarray) -> float:
         """Mean loss over the batch; the gradient of the cache's rows and of the dense
         part into the compact `grad` (zero at cached rows the batch does not read)."""
-        net, cache = self.network, self.cache
-        if cache is None:
-            raise RuntimeError("RowsView: set a row cache before computing")
+        net, cache = self.network, self._cached()
         net._check_input(x)
         tables, bias, tower = cache.views(params)
         dtables, dbias, dtower = cache.views(grad)
-        found = [_Lookup(cache.ids[t], cache.positions(t, ids))
-                 for t, ids in enumerate(net.input_layer.table_ids(x))]
+        found = self._found(x)
         out = net.first_from_rows(x, found, tables, bias)
         loss, drows = net.backward_from_rows(x, y, out, found, tables,
                                              tower if net.tower is not None else None,
@@ -164,3 +163,37 @@ class RowsView:
         for dtable, d in zip(dtables, drows):
             dtable[...] = d
         return loss
+
+    def logits(self, params: np.ndarray, x: Any) -> np.ndarray:
+        """The output layer's values before the loss's activation, from the compact
+        `params` of the cache (which must hold x's rows)."""
+        net, cache = self.network, self._cached()
+        net._check_input(x)
+        tables, bias, tower = cache.views(params)
+        out = net.first_from_rows(x, self._found(x), tables, bias)
+        return out if net.tower is None else net.tower.logits(tower, out)
+
+    def tally(self, params: np.ndarray, x: Any, y: np.ndarray,
+              batch_size: int = 1000) -> np.ndarray:
+        """As SparseNetwork.tally, on the cache's compact vector."""
+        return tally_batches(lambda xb: self.logits(params, xb), self.network.loss_fn, x, y,
+                             batch_size)
+
+    def evaluate(self, params: np.ndarray, x: Any, y: np.ndarray,
+                 batch_size: int = 1000) -> Evaluation:
+        return self.network.loss_fn.evaluation(self.tally(params, x, y, batch_size))
+
+    @property
+    def figures_of(self) -> Loss:
+        return self.network.loss_fn
+
+    def _cached(self) -> RowCache:
+        if self.cache is None:
+            raise RuntimeError("RowsView: set a row cache before computing")
+        return self.cache
+
+    def _found(self, x: Any) -> list[_Lookup]:
+        """Each table's lookup of the batch x: the cache's ids and each entry's row in it."""
+        cache = self.cache
+        return [_Lookup(cache.ids[t], cache.positions(t, ids))
+                for t, ids in enumerate(self.network.input_layer.table_ids(x))]

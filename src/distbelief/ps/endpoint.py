@@ -412,9 +412,11 @@ class ParameterServerShard(ABC):
         """Add `value` to slot `slot` of this shard's run control block."""
 
     @abstractmethod
-    def snapshot(self, out: np.ndarray) -> np.ndarray:
-        """The whole current parameter vector into `out` (float32, the full size);
-        returns each slice's version. One-sided: reads the other shards' slices."""
+    def snapshot(self, out: np.ndarray, pieces: PieceMap | None = None) -> np.ndarray:
+        """The whole current parameter vector into `out` (float32, the full size), or with
+        `pieces` only those, back to back in the compact `out` (a sparse model's
+        evaluation rows); returns each slice's version. One-sided: reads the other
+        shards' slices."""
 
     @abstractmethod
     def fold(self) -> int:

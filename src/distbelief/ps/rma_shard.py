@@ -54,6 +54,7 @@ from distbelief.ps.endpoint import (
     VERSION,
     OpenWindows,
     ParameterServerShard,
+    PieceMap,
     aligned,
     own_slice,
     piece_positions,
@@ -301,24 +302,30 @@ class RmaShard(ParameterServerShard):
         add(win, addend, self.rank, HEADER_BYTES + slot * COUNTER_BYTES)
         complete(win, (self.rank,))
 
-    def snapshot(self, out: np.ndarray) -> np.ndarray:
+    def snapshot(self, out: np.ndarray, pieces: PieceMap | None = None) -> np.ndarray:
         """The whole current parameter vector into `out` (float32, the full size): this
         shard's master copy, and every other shard's published slice; returns the version
         of each slice (int64, one per shard). Used by shard 0 to evaluate while it serves.
+        With `pieces`, only those, into the compact `out` (one indexed Get per shard).
 
         One-sided: a registered read of every other shard's newest buffer, as a client's
         pull, without the pull counter. Waits only for the other shards' own polling.
         """
         self._live()
-        if out.dtype != DTYPE or out.shape != (self.size,) or not out.flags.c_contiguous:
+        size = self.size if pieces is None else pieces.size
+        if out.dtype != DTYPE or out.shape != (size,) or not out.flags.c_contiguous:
             raise ValueError(f"snapshot buffer must be a contiguous float32 vector of "
-                             f"{self.size} elements, got {out.dtype} {out.shape}")
+                             f"{size} elements, got {out.dtype} {out.shape}")
         headers = np.zeros((self.topology.ps_shards, 2), dtype=np.int64)
-        others = [s for s in self.topology.shard_ranks if s != self.rank]
+        others = [s for s in self.topology.shard_ranks if s != self.rank
+                  and (pieces is None or s in pieces.shards)]
         if others:
             self._reader.read(others, {s: [self.ranges[s]] for s in others}, self.ranges,
-                              out, headers, None, count_pull=False)
-        out[self.start : self.stop] = self._master
+                              out, headers, None, count_pull=False, pieces=pieces)
+        if pieces is None:
+            out[self.start : self.stop] = self._master
+        elif self.rank in pieces.shards:
+            np.take(self._master, pieces.index(self.rank), out=pieces.part(out, self.rank))
         headers[self.rank, VERSION] = self._taken
         return headers[:, VERSION].copy()
 

@@ -431,16 +431,21 @@ class SharedMemoryShard(ParameterServerShard):
         with self._lock(exclusive=True) as seg:
             seg.control[slot] += value
 
-    def snapshot(self, out: np.ndarray) -> np.ndarray:
+    def snapshot(self, out: np.ndarray, pieces: PieceMap | None = None) -> np.ndarray:
         """The whole parameter vector into `out`, each shard's slice copied under that
-        shard's shared lock (one at a time); returns each slice's version."""
-        if out.dtype != DTYPE or out.shape != (self.size,) or not out.flags.c_contiguous:
+        shard's shared lock (one at a time); returns each slice's version. With
+        `pieces`, only those, gathered into the compact `out`."""
+        size = self.size if pieces is None else pieces.size
+        if out.dtype != DTYPE or out.shape != (size,) or not out.flags.c_contiguous:
             raise ValueError(f"snapshot buffer must be a contiguous float32 vector of "
-                             f"{self.size} elements, got {out.dtype} {out.shape}")
+                             f"{size} elements, got {out.dtype} {out.shape}")
         versions = np.zeros(self.topology.ps_shards, dtype=np.int64)
         for shard, (start, stop) in enumerate(self.ranges):
             with self._lock(False, shard) as seg:
-                np.copyto(out[start:stop], seg.params)
+                if pieces is None:
+                    np.copyto(out[start:stop], seg.params)
+                elif shard in pieces.shards:
+                    np.take(seg.params, pieces.index(shard), out=pieces.part(out, shard))
                 versions[shard] = seg.header[VERSION]
         return versions
 
