@@ -162,10 +162,10 @@ def test_sparse_models_train_under_mpiexec(data: Path, tmp_path: Path, algorithm
 def test_a_replica_killed_while_moving_rows_leaves_the_others_to_finish(
         data: Path, tmp_path: Path, transport: str) -> None:
     # table_pulls = "rows" (the default): replica 1 (rank 3) of 3 is killed -9 after its
-    # 150th step; the others finish the steps, the shard writes the lost one off, the run
+    # 100th step; the others finish the steps, the shard writes the lost one off, the run
     # ends cleanly and its final checkpoint says who was lost. 2 shards: the evaluation
     # rows come from both.
-    out, steps = tmp_path / "out", 1200
+    out, steps = tmp_path / "out", 600
     args = [REPO / "tests" / "mpi_programs" / "cli_exit_status.py", "train",
             data / "sparse_logistic.toml"]
     for override in (f'run.out_dir="{out}"', 'optimizer.algorithm="downpour"',
@@ -174,7 +174,7 @@ def test_a_replica_killed_while_moving_rows_leaves_the_others_to_finish(
                      "run.max_seconds=0", "run.heartbeat_timeout_seconds=5",
                      "run.stall_warn_seconds=5", "run.stall_abort_seconds=20"):
         args += ["--set", override]
-    env = {**job_env(), FAULTS: f"kill:3:150 {DELAY}", "DISTBELIEF_PS_TRANSPORT": transport}
+    env = {**job_env(), FAULTS: f"kill:3:100 {DELAY}", "DISTBELIEF_PS_TRANSPORT": transport}
     proc = run_mpi(5, args, timeout=TIMEOUT, env=env, launcher_options=survive_a_death())
     output = proc.stdout + proc.stderr
     assert exit_statuses(proc) == [0, 0, 0, 137, 0], output[-3000:]
