@@ -176,6 +176,17 @@ def test_shard_optimizer_matches_local_optimizer(n, shards, adagrad, transport):
     assert proc.stdout.count("matches the local optimizer after 10 pushes") == shards
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_pushes_and_pulls_of_pieces_apply_at_those_coordinates_alone(transport):
+    # A row-sharded sparse model's traffic (use_pieces): pieces pushed, folded lazily by
+    # Adagrad on 2 shards, and pieces pulled by another replica, against a local reference.
+    proc = mpi4py_job(4, "ps_adagrad.py", "--shards", 2, "--size", 10_007, "--lr", 0.05,
+                      "--pushes", 6, "--transport", transport, "--adagrad", "--pieces")
+    assert_ok(proc)
+    assert proc.stdout.count("matches the local optimizer after 6 pushes") == 2
+    assert "pulled pieces match the local optimizer" in proc.stdout
+
+
 @pytest.mark.both_mpis
 @pytest.mark.parametrize("transport", TRANSPORTS_NODES)
 @pytest.mark.parametrize("n, shards, mode", [

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.mpi_jobs import REPO, run_mpi
+from helpers import DELAY, exit_statuses
+from helpers.mpi_jobs import REPO, job_env, run_mpi, survive_a_death
 
 import distbelief
 from distbelief.cli import main
@@ -23,6 +24,8 @@ from distbelief.data.hdf5 import load_test, open_dataset
 from distbelief.data.sparse import SparseRows
 from distbelief.data.synthetic_sparse import Options, make_sparse_synthetic
 from distbelief.errors import ConfigError
+from distbelief.records import checkpoint as ckpt
+from distbelief.runtime.launching.faults import ENV as FAULTS
 
 TIMEOUT = 120
 EXAMPLES = REPO / "examples"
@@ -153,3 +156,40 @@ def test_sparse_models_train_under_mpiexec(data: Path, tmp_path: Path, algorithm
     assert summary["final_test_loss"] < target * 1.1
     assert len(summary["peak_rss"]) == ranks
     assert not (out / ".hogwild-update.lock").exists()  # the lock's file goes with the run
+
+
+@pytest.mark.parametrize("transport", ["rma", "shared"])
+def test_a_replica_killed_while_moving_rows_leaves_the_others_to_finish(
+        data: Path, tmp_path: Path, transport: str) -> None:
+    # table_pulls = "rows" (the default): replica 1 (rank 3) of 3 is killed -9 after its
+    # 100th step; the others finish the steps, the shard writes the lost one off, the run
+    # ends cleanly and its final checkpoint says who was lost. 2 shards: the evaluation
+    # rows come from both.
+    out, steps = tmp_path / "out", 600
+    args = [REPO / "tests" / "mpi_programs" / "cli_exit_status.py", "train",
+            data / "sparse_logistic.toml"]
+    for override in (f'run.out_dir="{out}"', 'optimizer.algorithm="downpour"',
+                     "cluster.ps_shards=2",
+                     f'data.path="{data / "sparse_logistic.h5"}"', f"run.max_steps={steps}",
+                     "run.max_seconds=0", "run.heartbeat_timeout_seconds=5",
+                     "run.stall_warn_seconds=5", "run.stall_abort_seconds=20"):
+        args += ["--set", override]
+    env = {**job_env(), FAULTS: f"kill:3:100 {DELAY}", "DISTBELIEF_PS_TRANSPORT": transport}
+    proc = run_mpi(5, args, timeout=TIMEOUT, env=env, launcher_options=survive_a_death())
+    output = proc.stdout + proc.stderr
+    assert exit_statuses(proc) == [0, 0, 0, 137, 0], output[-3000:]
+    assert "stall:" not in output, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "max_steps", output[-3000:]
+    assert steps - 1 <= summary["steps"] <= steps
+    assert [(x["replica"], x["ranks"]) for x in summary["lost_replicas"]] == [(1, [3])]
+    assert [r["replica"] for r in summary["replicas"]] == [0, 2]
+    assert all(r["rows_pulled"] > 0 for r in summary["replicas"])  # they moved rows
+    final = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
+    assert final.step == summary["steps"] and final.manifest["lost_replicas"] == [1]
+    # Shard 0 evaluated the evaluation set's rows alone, gathered from the shards; the same
+    # figure as the whole final vector's, and no best model (it would be the whole vector).
+    x, y = load_test(open_dataset(data / "sparse_logistic.h5"))
+    assert distbelief.load_model(out).evaluate(x, y).loss == pytest.approx(
+        summary["final_test_loss"], rel=1e-5)
+    assert ckpt.find_best(ckpt.checkpoint_root(out)) == (None, [])

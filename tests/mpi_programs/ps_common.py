@@ -47,8 +47,8 @@ def open_server(args: argparse.Namespace, initial: np.ndarray | None = None
                         coordinator=args.coordinator)
     transport = None if args.transport == "auto" else args.transport
     endpoint = open_parameter_server(world, ServerSpec(
-        topology, args.size, lambda n: make_optimizer(args.adagrad, args.lr, n), initial),
-        transport=transport)
+        topology, args.size, lambda n: make_optimizer(args.adagrad, args.lr, n), initial,
+        pieces=getattr(args, "pieces", False)), transport=transport)
     return topology, endpoint
 
 

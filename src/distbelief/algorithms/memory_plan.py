@@ -78,11 +78,28 @@ def workload(config: Config, info: Any, transport: str) -> Workload:
     copies = run.checkpoint_in_background and bool(run.checkpoint_every_seconds
                                                     or run.checkpoint_every_steps)
     return Workload(batch=config.data.batch_size, state_arrays=state, transport=transport,
+                    row_ids=row_ids(config, info), n_fetch=opt.n_fetch,
                     push_bytes=2 if opt.push_dtype == "bfloat16" else 4, n_push=opt.n_push,
                     overlapped=opt.fetch == "overlapped", train_rows=rows, row_bytes=per_row,
                     eval_rows=min(eval_rows, info.n_test or eval_rows),
                     checkpoint_copy=copies,
                     input_values=0 if info.features == "dense" else -(-info.input_row_bytes // 4))
+
+
+def row_ids(config: Config, info: Any) -> tuple[float, ...]:
+    """Each table's ids a sample reads, for a sparse model whose replicas move their
+    batches' rows (optimizer.table_pulls = "rows", Downpour's): one per field of an id
+    matrix, a row's average entries for CSR features; () otherwise."""
+    from distbelief.model.sparse_network import is_sparse
+
+    if (getattr(config.optimizer, "table_pulls", "whole") != "rows"
+            or not is_sparse(config.model.layers)):
+        return ()
+    if info.features == "ids":
+        return (1.0,) * len(info.id_rows)
+    if info.features == "sparse":
+        return (float(info.nnz_per_row),)
+    return ()
 
 
 def rank_roles(roles: list[RoleMemory]) -> list[RoleMemory]:

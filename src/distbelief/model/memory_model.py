@@ -17,11 +17,18 @@ the training data; BASE = the interpreter, numpy, h5py and MPI, about 90 MB):
     shard 0, besides   4N + A_eval + eval set            the evaluation snapshot
     replica            4N_p (2 + extras) + A(B)/P + D + BASE   parameters and gradient (N_p =
                                                         its partition's share, N / P)
+    row replica        4C (3 + [n_push > 1]) + A(B) + D + BASE   a sparse model's replica
+                                                        moving its batches' rows: its row
+                                                        cache and gradients, C values
     one process        4N (2 + s) + A(B) + D + BASE
 
 extras: 1 with n_push > 1 (the summed push), 2 more with fetch = "overlapped" (a second
 parameters and gradient in flight), 1/2 for bfloat16 pushes over RMA (the narrowed copy), 1
-for bfloat16 pushes on shared memory (the rounded copy). On one node with the shared-memory
+for bfloat16 pushes on shared memory (the rounded copy). C (optimizer.table_pulls = "rows",
+model.sparse_rows) = each table's rows that n_fetch batches can read, min(rows, n_fetch B
+ids a sample) x width, plus the dense part: never the table; on shared memory 16 bytes per
+value more for the pieces' positions. Shard 0's evaluation snapshot is then the evaluation
+set's rows the same way (values and positions, 12 bytes a value), not 4N. On one node with the shared-memory
 transport a replica's resident set also counts the shard segments it maps (shared pages,
 held once by the node), so its peak RSS is larger than its line here; the node's total is
 the sum of the lines.
@@ -76,6 +83,10 @@ class Workload:
     eval_rows: int = 0
     checkpoint_copy: bool = False
     input_values: int = 0
+    row_ids: tuple[float, ...] = ()
+    """A row-sharded sparse model (optimizer.table_pulls = "rows"): the ids a sample
+    reads of each table (empty: replicas hold the whole vector)."""
+    n_fetch: int = 1
 
 
 def activation_bytes(network: object, batch: int, backward: bool = True,
@@ -110,12 +121,34 @@ def shard_memory(num_params: int, shards: int, clients: int, work: Workload) -> 
     return RoleMemory("shard", shards, sum(parts.values()), parts)
 
 
+def row_cache_values(network: object, samples: int, row_ids: tuple[float, ...]) -> int | None:
+    """Values of a row cache that `samples` samples can fill (model.sparse_rows.RowCache):
+    each table's rows they can read, at most the table, and the dense part; None when
+    `row_ids` does not describe the network's tables."""
+    tables = getattr(network, "tables", None)
+    if not row_ids or tables is None or len(tables) != len(row_ids):
+        return None
+    in_tables = sum(rows * width for _, rows, width in tables)
+    cached = sum(min(rows, math.ceil(samples * ids)) * width
+                 for (_, rows, width), ids in zip(tables, row_ids))
+    return cached + network.layout.size - in_tables
+
+
 def replica_memory(network: object, partitions: int, work: Workload,
                    replicas: int = 1) -> RoleMemory:
-    """A replica's rank (one partition of it when partitions > 1)."""
+    """A replica's rank (one partition of it when partitions > 1; a row cache's with
+    `work.row_ids`)."""
     n = math.ceil(network.layout.size / partitions)
     copies = 2 + (work.n_push > 1) + (2 if work.overlapped else 0)
-    parts = {"parameters and gradient": BYTES * n * copies}
+    cache = row_cache_values(network, work.n_fetch * work.batch, work.row_ids)
+    if cache is not None and partitions == 1:
+        # params, gradient and the block's banked gradient (row_replica), plus the merged
+        # sum with n_push > 1; shared memory gathers by int64 positions, pull and push.
+        parts = {"row cache and gradients": BYTES * cache * (3 + (work.n_push > 1))}
+        if work.transport == "shared":
+            parts["piece positions"] = 16 * cache
+    else:
+        parts = {"parameters and gradient": BYTES * n * copies}
     if work.push_bytes == 2:
         parts["bfloat16 push copy"] = n * (2 if work.transport == "rma" else BYTES)
     parts["activations"] = math.ceil(activation_bytes(network, work.batch,
@@ -129,8 +162,11 @@ def replica_memory(network: object, partitions: int, work: Workload,
 
 def evaluation_memory(network: object, work: Workload) -> dict[str, int]:
     """What the rank that evaluates holds besides its role: a parameter snapshot, the
-    evaluation set and a forward pass of EVAL_BATCH rows."""
-    return {"evaluation snapshot": BYTES * network.layout.size,
+    evaluation set and a forward pass of EVAL_BATCH rows (with `work.row_ids`, the
+    snapshot holds the evaluation set's rows and their positions alone)."""
+    rows = row_cache_values(network, work.eval_rows, work.row_ids)
+    snapshot = BYTES * network.layout.size if rows is None else 3 * BYTES * rows
+    return {"evaluation snapshot": snapshot,
             "evaluation set": work.eval_rows * work.row_bytes,
             "evaluation activations": activation_bytes(network, min(EVAL_BATCH, max(
                 work.eval_rows, 1)), backward=False, input_values=work.input_values)}

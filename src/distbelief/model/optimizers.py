@@ -23,6 +23,7 @@ capability a transport must know of, and `delay_stats` what a shard reports of i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -207,6 +208,20 @@ class ShardRule:
         rows of its tables, and writing the others back unchanged would undo the updates
         other Hogwild workers made to them meanwhile. Each state array is an attribute
         of the rule named as in state() (Hogwild binds its shared arrays the same way)."""
+        self._at(params, index, lambda values: self.step(
+            values, np.ascontiguousarray(grad[index]), update=update))
+
+    def apply_at(self, params: np.ndarray, grad: np.ndarray, index: np.ndarray,
+                 info: StepInfo) -> None:
+        """apply() on the coordinates `index` (distinct) of params and the state only,
+        `grad` their gradient (compact, one value per index): a shard's lazy update of
+        the rows a row-sharded push touched (ps.endpoint.PieceMap)."""
+        self._at(params, index, lambda values: self.apply(values, grad, info))
+
+    def _at(self, params: np.ndarray, index: np.ndarray,
+            update: Callable[[np.ndarray], None]) -> None:
+        """Gather params and the state at `index`, run `update` on the gathered params
+        (the state attributes pointed at the gathered state meanwhile), write back."""
         if not self.elementwise:
             raise ValueError(f"{type(self).__name__} updates the whole vector at once; it "
                              f"cannot update a sparse model's touched rows alone")
@@ -216,7 +231,7 @@ class ShardRule:
         try:
             for name, array in compact.items():
                 setattr(self, name, array)
-            self.step(values, np.ascontiguousarray(grad[index]), update=update)
+            update(values)
         finally:
             for name, array in live.items():
                 setattr(self, name, array)

@@ -104,6 +104,11 @@ class SparseInput:
     def lookups(self, x: Any) -> list[_Lookup]:
         raise NotImplementedError
 
+    def table_ids(self, x: Any) -> list[np.ndarray]:
+        """Each table's row id of every entry of the batch (repeats included): what a
+        replica's row cache must hold for this batch (model.sparse_rows)."""
+        raise NotImplementedError
+
     def combine(self, x: Any, found: list[_Lookup], rows: list[np.ndarray],
                 out: np.ndarray) -> None:
         """out (N, out_size) = the tables' rows (compact, one array per table) combined,
@@ -130,6 +135,9 @@ class Bag(SparseInput):
 
     def lookups(self, x: Any) -> list[_Lookup]:
         return [_Lookup(*self._lookup(x.indices))]
+
+    def table_ids(self, x: Any) -> list[np.ndarray]:
+        return [x.indices]
 
     def combine(self, x: Any, found: list[_Lookup], rows: list[np.ndarray],
                 out: np.ndarray) -> None:
@@ -163,9 +171,12 @@ class FieldEmbedding(SparseInput):
         self._lookups = [Lookup(int(rows)) for rows in table_rows]
 
     def lookups(self, x: Any) -> list[_Lookup]:
+        return [_Lookup(*look(ids)) for ids, look in zip(self.table_ids(x), self._lookups)]
+
+    def table_ids(self, x: Any) -> list[np.ndarray]:
         if self.hashed:
             x = x % np.array([rows for _, rows, _ in self.tables])
-        return [_Lookup(*look(x[:, f])) for f, look in enumerate(self._lookups)]
+        return [x[:, f] for f in range(len(self.tables))]
 
     def combine(self, x: Any, found: list[_Lookup], rows: list[np.ndarray],
                 out: np.ndarray) -> None:
@@ -330,10 +341,31 @@ class SparseNetwork:
         tables, bias, _ = self._split(params, "params")
         found = self.input_layer.lookups(x)
         rows = [table[look.ids] for table, look in zip(tables, found)]
+        return self.first_from_rows(x, found, rows, bias), found, rows
+
+    def first_from_rows(self, x: Any, found: list, rows: list[np.ndarray],
+                        bias: np.ndarray) -> np.ndarray:
+        """The first layer's output (N, out_size) from the batch's compact rows (one
+        (k, width) array per table, `found` numbering the batch's entries into them)."""
         out = np.empty((len(x), self.input_layer.out_size), dtype=DTYPE)
         self.input_layer.combine(x, found, rows, out)
         kernels.bias_activation(out, bias, self.input_layer.kernel_activation)
-        return out, found, rows
+        return out
+
+    def backward_from_rows(self, x: Any, y: np.ndarray, out: np.ndarray, found: list,
+                           rows: list[np.ndarray], tower: np.ndarray | None,
+                           dtower: np.ndarray | None, dbias: np.ndarray) -> tuple[float, list]:
+        """The loss, the tower's and the bias's gradients (written into `dtower`, `dbias`)
+        and each table's compact rows' gradient (returned), from the first layer's
+        output `out`."""
+        dz = np.empty_like(out)
+        if self.tower is None:
+            loss = self.loss_fn.loss_and_dout(out.copy(), y, dz)
+            self._own_step += 1
+        else:
+            loss = self.tower.loss_and_grad(tower, out, y, dtower, dinput=dz)
+        kernels.activation_backward(out, dz, self.input_layer.kernel_activation, dz, dbias)
+        return float(loss), self.input_layer.combine_backward(x, found, rows, dz)
 
     def loss_and_grad(self, params: np.ndarray, x: Any, y: np.ndarray,
                       grad: np.ndarray) -> float:
@@ -344,16 +376,8 @@ class SparseNetwork:
         out, found, rows = self._first(params, x)
         dtables, dbias, dtower = self._split(grad, "grad")
         _, _, tower = self._split(params, "params")
-        if self.tower is None:
-            dz = np.empty_like(out)
-            loss = self.loss_fn.loss_and_dout(out.copy(), y, dz)
-            self._own_step += 1
-        else:
-            dz = np.empty_like(out)
-            loss = self.tower.loss_and_grad(tower, out, y, dtower, dinput=dz)
-        kernels.activation_backward(out, dz, self.input_layer.kernel_activation, dz, dbias)
-        for dtable, look, drows in zip(
-                dtables, found, self.input_layer.combine_backward(x, found, rows, dz)):
+        loss, drows_all = self.backward_from_rows(x, y, out, found, rows, tower, dtower, dbias)
+        for dtable, look, drows in zip(dtables, found, drows_all):
             dtable[...] = 0
             dtable[look.ids] = drows  # each id once: written, not accumulated
         self._touched = np.concatenate([self._dense_index, *(
@@ -389,15 +413,8 @@ class SparseNetwork:
     def tally(self, params: np.ndarray, x: Any, y: np.ndarray,
               batch_size: int = 1000) -> np.ndarray:
         """The loss's additive statistics over all of x, y (model.losses)."""
-        total = evaluation_size(x, y, batch_size)
-        tally = self.loss_fn.empty_tally()
-        for start in range(0, total, batch_size):
-            xb, yb = x[start:start + batch_size], y[start:start + batch_size]
-            logits = self.logits(params, xb)
-            work = logits.copy()  # the loss's gradient overwrites its input
-            loss = self.loss_fn.loss_and_dout(work, yb, work)
-            tally += self.loss_fn.tally(logits, yb, loss * len(yb))
-        return tally
+        return tally_batches(lambda xb: self.logits(params, xb), self.loss_fn, x, y,
+                             batch_size)
 
     def describe(self) -> str:
         return "\n".join(f"{i:>3} {layer.describe()}" for i, layer in enumerate(self.layers))
@@ -405,6 +422,21 @@ class SparseNetwork:
     def __repr__(self) -> str:
         return (f"SparseNetwork({self.input_kind} input {self.input_shape}, "
                 f"{len(self.layers)} layers, {self.layout.size} parameters)")
+
+
+def tally_batches(logits: Any, loss_fn: Loss, x: Any, y: np.ndarray,
+                  batch_size: int) -> np.ndarray:
+    """`loss_fn`'s additive statistics over all of x, y, `logits(x_batch)` computed a batch
+    of `batch_size` rows at a time (SparseNetwork's, or a row cache's: sparse_rows)."""
+    total = evaluation_size(x, y, batch_size)
+    tally = loss_fn.empty_tally()
+    for start in range(0, total, batch_size):
+        xb, yb = x[start:start + batch_size], y[start:start + batch_size]
+        out = logits(xb)
+        work = out.copy()  # the loss's gradient overwrites its input
+        loss = loss_fn.loss_and_dout(work, yb, work)
+        tally += loss_fn.tally(out, yb, loss * len(yb))
+    return tally
 
 
 def _uniform_from(seed: int, position: int, out: np.ndarray) -> None:

@@ -100,6 +100,9 @@ class ServerSpec:
     control_replicas: int = 0
     gradients_before: int = 0
     push_dtype: str = "float32"
+    pieces: bool = False
+    """Clients push pieces (ParameterClient.use_pieces): over RMA each push slot then
+    has a header saying which (rma_windows.SLOT_HEADER_BYTES)."""
 
     @property
     def ranges(self) -> list[tuple[int, int]]:
@@ -220,6 +223,61 @@ def serve_polls(shard: ParameterServerShard, backoff: Backoff,
     shard.stats.cpu_s += time.process_time() - c0
     shard.stats.wall_s += time.perf_counter() - t0
     return shard.stats
+
+
+def piece_positions(ranges: np.ndarray) -> np.ndarray:
+    """The positions [start, stop) of each of the (n, 2) `ranges`, in order."""
+    lengths = ranges[:, 1] - ranges[:, 0]
+    shift = np.repeat(ranges[:, 0] - (np.cumsum(lengths) - lengths), lengths)
+    return shift + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+class PieceMap:
+    """Pieces of the vector ([start, stop) ranges, sorted and disjoint) that a client moves
+    through a compact buffer holding them back to back, in order: a replica's row cache
+    of a row-sharded sparse model (model.sparse_rows.RowCache.pieces). Per shard: the
+    pieces clipped to its range, which lie back to back in the compact buffer too, so
+    shard s moves the compact buffer's [at[s], at[s] + count[s])."""
+
+    def __init__(self, pieces: np.ndarray, ranges: Sequence[tuple[int, int]]):
+        pieces = np.asarray(pieces, dtype=np.int64).reshape(-1, 2)
+        if len(pieces) and (np.any(pieces[:, 1] <= pieces[:, 0])
+                            or np.any(pieces[1:, 0] < pieces[:-1, 1])):
+            raise ValueError("pieces must be non-empty [start, stop) ranges, sorted and "
+                             "disjoint")
+        lengths = pieces[:, 1] - pieces[:, 0]
+        starts_at = np.r_[0, np.cumsum(lengths)].astype(np.int64)
+        self.size = int(starts_at[-1])
+        self.pieces = pieces
+        self._index: dict[int, np.ndarray] = {}
+        self.shards: list[int] = []
+        self.at = np.zeros(len(ranges), dtype=np.int64)
+        self.count = np.zeros(len(ranges), dtype=np.int64)
+        self.local: list[np.ndarray] = []  # per shard: (n, 2) ranges within its slice
+        for s, (low, high) in enumerate(ranges):
+            lo = np.maximum(pieces[:, 0], low)
+            hi = np.minimum(pieces[:, 1], high)
+            keep = lo < hi
+            local = np.stack([lo[keep] - low, hi[keep] - low], axis=1).astype(np.int64)
+            self.local.append(local)
+            if len(local):
+                self.shards.append(s)
+                first = int(np.argmax(keep))
+                self.at[s] = starts_at[first] + lo[first] - pieces[first, 0]
+                self.count[s] = int((local[:, 1] - local[:, 0]).sum())
+
+    def index(self, shard: int) -> np.ndarray:
+        """The positions within shard `shard`'s slice of its part of the buffer, in order."""
+        if shard not in self._index:
+            self._index[shard] = self._positions(shard)
+        return self._index[shard]
+
+    def _positions(self, shard: int) -> np.ndarray:
+        return piece_positions(self.local[shard])
+
+    def part(self, buffer: np.ndarray, shard: int) -> np.ndarray:
+        """Shard `shard`'s part of a compact buffer (a view)."""
+        return buffer[self.at[shard]:self.at[shard] + self.count[shard]]
 
 
 class PullLedger:
@@ -354,9 +412,11 @@ class ParameterServerShard(ABC):
         """Add `value` to slot `slot` of this shard's run control block."""
 
     @abstractmethod
-    def snapshot(self, out: np.ndarray) -> np.ndarray:
-        """The whole current parameter vector into `out` (float32, the full size);
-        returns each slice's version. One-sided: reads the other shards' slices."""
+    def snapshot(self, out: np.ndarray, pieces: PieceMap | None = None) -> np.ndarray:
+        """The whole current parameter vector into `out` (float32, the full size), or with
+        `pieces` only those, back to back in the compact `out` (a sparse model's
+        evaluation rows); returns each slice's version. One-sided: reads the other
+        shards' slices."""
 
     @abstractmethod
     def fold(self) -> int:
@@ -404,6 +464,13 @@ class ParameterClient(ABC):
         """From now on pull and push only `pieces`, [start, stop) ranges of the vector (a
         model partition's own parameters, the paper's Figure 2); shards holding none of
         them are not touched. Local; call it before the first pull."""
+
+    @abstractmethod
+    def use_pieces(self, pulls: PieceMap | None, pushes: PieceMap | None) -> None:
+        """From now on pull into a compact buffer of `pulls`' pieces and push one of
+        `pushes`' (a replica's row cache of a row-sharded sparse model: the rows of its
+        next batches and the dense part; docs/sparse-models.md); the shards apply a push
+        at its pieces only (ShardRule.apply_at). Local; may change before every call."""
 
     @abstractmethod
     def pull(self, out: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ def open_rma(comm: MPI.Comm, spec: ServerSpec,
     local_count = 0 if index is None else ranges[index][1] - ranges[index][0]
     windows = ShardWindows(comm, local_count, spec.control_bytes,
                            clients=topology.world_size - topology.ps_shards,
-                           push_dtype=spec.push_dtype,
+                           push_dtype=spec.push_dtype, pieces=spec.pieces,
                            largest_count=max(stop - start for start, stop in ranges))
     endpoint: ParameterServerShard | ParameterClient
     if topology.is_shard:

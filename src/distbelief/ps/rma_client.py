@@ -41,13 +41,17 @@ from distbelief.ps.endpoint import (
     HEADER_BYTES,
     OpenWindows,
     ParameterClient,
+    PieceMap,
     PullLedger,
     PushFaults,
+    aligned,
     check_vector,
     waiting_backoff,
 )
 from distbelief.ps.rma_windows import (
     DONE,
+    FLOAT_BYTES,
+    SLOT_HEADER_BYTES,
     VERSION_NOW,
     PublishedReader,
     ShardWindows,
@@ -119,6 +123,9 @@ class RmaClient(ParameterClient):
         self.pull_in_flight = False
         self._pull_out: np.ndarray | None = None
         self._faults = PushFaults()  # test-only
+        self._pull_map: PieceMap | None = None  # use_pieces
+        self._push_map: PieceMap | None = None
+        self._slot_heads = np.zeros((shards, 2), dtype=np.int64)  # a pieces push's header
 
     def hang_in_next_push(self, faults: Any) -> None:
         """As ParameterClient.hang_in_next_push: it holds its claimed slots."""
@@ -143,6 +150,19 @@ class RmaClient(ParameterClient):
         0 stays legal). Local; call it before the first pull."""
         self._ledger.restrict_to(pieces)
 
+    def use_pieces(self, pulls: PieceMap | None, pushes: PieceMap | None) -> None:
+        """As ParameterClient.use_pieces: a pull Gets each shard's pieces with one indexed
+        datatype; a push Puts its values, and its pieces as (start, stop) int64 ranges,
+        into the slot (rma_windows.SLOT_HEADER_BYTES), so the shard folds those
+        coordinates alone. Shards in either map are pushed to and pulled from."""
+        if (pulls is not None or pushes is not None) and not self._live().slot_header:
+            raise ValueError("this parameter server was opened without pieces "
+                             "(ServerSpec.pieces)")
+        self._pull_map, self._push_map = pulls, pushes
+        shards = set(() if pulls is None else pulls.shards) | set(
+            () if pushes is None else pushes.shards)
+        self._ledger.touched = np.isin(np.arange(len(self.ranges)), sorted(shards))
+
     @property
     def bytes_received(self) -> int:
         """Parameter data pulled so far, in bytes (see BYTES above)."""
@@ -152,7 +172,8 @@ class RmaClient(ParameterClient):
         return self._open.live()
 
     def _check_vector(self, vector: np.ndarray, what: str) -> None:
-        check_vector(vector, self.size, what)
+        plan = self._pull_map if what == "pull buffer" else self._push_map
+        check_vector(vector, self.size if plan is None else plan.size, what)
 
     def _check_open(self) -> ShardWindows:
         windows = self._live()
@@ -238,6 +259,9 @@ class RmaClient(ParameterClient):
         """A push's second round: Put each shard's segments of `grad` into its slot (as
         bfloat16 with a narrowed push, each segment rounded just before its Put)."""
         windows = self._live()
+        if self._push_map is not None:
+            self._issue_push_pieces(win, grad)
+            return
         narrowed, width = self._narrowed, windows.push_bytes
         for shard in self._pulled_shards():
             low, high = self.ranges[shard]
@@ -251,6 +275,36 @@ class RmaClient(ParameterClient):
                     win.Put([narrowed[start:stop], MPI.UINT16_T], shard,
                             (*target, MPI.UINT16_T))
                 self.bytes_sent += (stop - start) * width
+        self._faults.in_push(f"its slot claimed and its data issued on shard {CONTROL_SHARD}")
+
+    def _issue_push_pieces(self, win: MPI.Win, grad: np.ndarray) -> None:
+        """A pieces push's second round: into each shard's slot, the values of its pieces
+        back to back, then the pieces as int64 ranges of the slice, and the header [P, T];
+        a push whose values and ranges would not fit the slot Puts the values at their
+        places instead (one indexed datatype) with P = -1 (rma_windows.SLOT_HEADER_BYTES)."""
+        windows, plan = self._live(), self._push_map
+        for shard in self._pulled_shards():
+            low, high = self.ranges[shard]
+            data = windows.slot_offset(int(self._slot[shard]), high - low)
+            local, values = plan.local[shard], plan.part(grad, shard)
+            head = self._slot_heads[shard]
+            values_bytes = -(-values.nbytes // COUNTER_BYTES) * COUNTER_BYTES
+            if values_bytes + local.nbytes <= aligned(
+                    (high - low) * FLOAT_BYTES):
+                head[:] = len(local), len(values)
+                if len(values):
+                    win.Put([values, MPI.FLOAT], shard, (data, len(values), MPI.FLOAT))
+                    win.Put([local, MPI.INT64_T], shard,
+                            (data + values_bytes, local.size, MPI.INT64_T))
+                self.bytes_sent += values.nbytes + local.nbytes + head.nbytes
+            else:
+                head[:] = -1, len(values)
+                kind = MPI.FLOAT.Create_indexed((local[:, 1] - local[:, 0]).tolist(),
+                                                local[:, 0].tolist()).Commit()
+                win.Put([values, MPI.FLOAT], shard, (data, 1, kind))
+                kind.Free()  # the Put keeps what it needs
+                self.bytes_sent += values.nbytes + head.nbytes
+            win.Put([head, MPI.INT64_T], shard, (data - SLOT_HEADER_BYTES, 2, MPI.INT64_T))
         self._faults.in_push(f"its slot claimed and its data issued on shard {CONTROL_SHARD}")
 
     def _issue_push_done(self, win: MPI.Win) -> None:
@@ -286,8 +340,11 @@ class RmaClient(ParameterClient):
         self._check_vector(out, "pull buffer")
         self._check_open()
         self.drain()
-        self._reader.read(self._pulled_shards(), self._ledger.segments, self.ranges, out,
-                          self._ledger.headers, self._folded_read, count_pull=True)
+        shards = (self._pulled_shards() if self._pull_map is None
+                  else self._pull_map.shards)
+        self._reader.read(shards, self._ledger.segments, self.ranges, out,
+                          self._ledger.headers, self._folded_read, count_pull=True,
+                          pieces=self._pull_map)
         return self._pulled()
 
     def push(self, grad: np.ndarray, control: ControlExchange | None = None) -> np.ndarray:
@@ -340,7 +397,7 @@ class RmaClient(ParameterClient):
         params, pulled = self._live().params, self._pulled_shards()
         self._reader.register(pulled)
         self._reader.issue_get(pulled, self._ledger.segments, self.ranges, out, self._ledger.headers,
-                          self._folded_read)
+                          self._folded_read, self._pull_map)
         complete(params, pulled)
         registered = list(self._reader.registered)
         self._reader.issue_deregister()

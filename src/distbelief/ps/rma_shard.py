@@ -54,7 +54,10 @@ from distbelief.ps.endpoint import (
     VERSION,
     OpenWindows,
     ParameterServerShard,
+    PieceMap,
+    aligned,
     own_slice,
+    piece_positions,
     saved_state,
     serve_polls,
     waiting_backoff,
@@ -130,6 +133,13 @@ class RmaShard(ParameterServerShard):
         slot_dtype = np.uint16 if self._narrowed else DTYPE
         self._slots = [accum[o : o + count * windows.push_bytes].view(slot_dtype)
                        for o in (windows.slot_offset(k, count) for k in range(windows.slots))]
+        # Pieces pushes (ServerSpec.pieces): each slot's header [P, T] and its raw bytes.
+        self._pieces = windows.slot_header > 0
+        self._slot_raw = [accum[o : o + aligned(count * windows.push_bytes)]
+                          for o in (windows.slot_offset(k, count) for k in range(windows.slots))]
+        self._slot_heads = [accum[o - windows.slot_header : o - windows.slot_header + 16]
+                            .view(np.int64) for o in (windows.slot_offset(k, count)
+                                                      for k in range(windows.slots))]
         self._buffers = []
         for b in range(BUFFERS):
             head = windows.buffer(b, count)
@@ -292,24 +302,30 @@ class RmaShard(ParameterServerShard):
         add(win, addend, self.rank, HEADER_BYTES + slot * COUNTER_BYTES)
         complete(win, (self.rank,))
 
-    def snapshot(self, out: np.ndarray) -> np.ndarray:
+    def snapshot(self, out: np.ndarray, pieces: PieceMap | None = None) -> np.ndarray:
         """The whole current parameter vector into `out` (float32, the full size): this
         shard's master copy, and every other shard's published slice; returns the version
         of each slice (int64, one per shard). Used by shard 0 to evaluate while it serves.
+        With `pieces`, only those, into the compact `out` (one indexed Get per shard).
 
         One-sided: a registered read of every other shard's newest buffer, as a client's
         pull, without the pull counter. Waits only for the other shards' own polling.
         """
         self._live()
-        if out.dtype != DTYPE or out.shape != (self.size,) or not out.flags.c_contiguous:
+        size = self.size if pieces is None else pieces.size
+        if out.dtype != DTYPE or out.shape != (size,) or not out.flags.c_contiguous:
             raise ValueError(f"snapshot buffer must be a contiguous float32 vector of "
-                             f"{self.size} elements, got {out.dtype} {out.shape}")
+                             f"{size} elements, got {out.dtype} {out.shape}")
         headers = np.zeros((self.topology.ps_shards, 2), dtype=np.int64)
-        others = [s for s in self.topology.shard_ranks if s != self.rank]
+        others = [s for s in self.topology.shard_ranks if s != self.rank
+                  and (pieces is None or s in pieces.shards)]
         if others:
             self._reader.read(others, {s: [self.ranges[s]] for s in others}, self.ranges,
-                              out, headers, None, count_pull=False)
-        out[self.start : self.stop] = self._master
+                              out, headers, None, count_pull=False, pieces=pieces)
+        if pieces is None:
+            out[self.start : self.stop] = self._master
+        elif self.rank in pieces.shards:
+            np.take(self._master, pieces.index(self.rank), out=pieces.part(out, self.rank))
         headers[self.rank, VERSION] = self._taken
         return headers[:, VERSION].copy()
 
@@ -336,7 +352,10 @@ class RmaShard(ParameterServerShard):
         t0 = time.perf_counter()
         win = windows.accum
         win.Sync()
-        if self._narrowed:  # bfloat16 slots, widened exactly and summed in float32
+        index = None
+        if self._pieces:
+            index, grad = self._take_pieces(full)
+        elif self._narrowed:  # bfloat16 slots, widened exactly and summed in float32
             grad = self._grad
             kernels.bf16_widen(self._slots[full[0]], grad)
             for k in full[1:]:
@@ -353,8 +372,13 @@ class RmaShard(ParameterServerShard):
                         pushes=len(full))
         self._taken += 1
         self._pushes_taken += len(full)
-        self._optimizer.apply(self._master, grad, info)
-        if not self._narrowed and len(full) > 1:
+        if index is not None:
+            self._optimizer.apply_at(self._master, grad, index, info)
+        else:
+            self._optimizer.apply(self._master, grad, info)
+        if self._pieces:
+            self._clear_pieces(full)
+        elif not self._narrowed and len(full) > 1:
             # The first slot now holds the other pushes' values too. A client restricted to
             # its pieces (a model partition) Puts only those, and relies on the rest of its
             # own slots staying zero: clear the sum before the slot is freed.
@@ -377,6 +401,46 @@ class RmaShard(ParameterServerShard):
         self.stats.folds += 1
         self.stats.pushes += len(full)
         return len(full)
+
+    def _slot_pieces(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """A compact pieces push in slot k: (its positions in the slice, its values)."""
+        pieces, values = (int(v) for v in self._slot_heads[k])
+        start = -(-values * FLOAT_BYTES // COUNTER_BYTES) * COUNTER_BYTES
+        ranges = self._slot_raw[k][start : start + 16 * pieces].view(np.int64).reshape(-1, 2)
+        return piece_positions(ranges), self._slots[k][:values]
+
+    def _take_pieces(self, full: list[int]) -> tuple[np.ndarray | None, np.ndarray]:
+        """The take's pieces pushes summed: (positions, their gradient), or (None, the
+        whole slice's gradient, summed in the first slot that holds values at their
+        places) when one of them does."""
+        dense = [k for k in full if self._slot_heads[k][0] < 0]
+        if dense:
+            grad = self._slots[dense[0]]
+            for k in full:
+                if k in dense[1:]:
+                    grad += self._slots[k]
+                elif k not in dense:
+                    index, values = self._slot_pieces(k)
+                    grad[index] += values  # distinct positions within one push
+            return None, grad
+        parts = [self._slot_pieces(k) for k in full]
+        if len(parts) == 1:
+            return parts[0]
+        index, where = np.unique(np.concatenate([p for p, _ in parts]), return_inverse=True)
+        summed = np.bincount(where, weights=np.concatenate([v for _, v in parts]),
+                             minlength=len(index))
+        return index, summed.astype(DTYPE)
+
+    def _clear_pieces(self, full: list[int]) -> None:
+        """Zero what the take's pieces pushes wrote, so a free slot is all zero again."""
+        for k in full:
+            pieces, values = (int(v) for v in self._slot_heads[k])
+            if pieces < 0:
+                self._slots[k].fill(0)
+            else:
+                start = -(-values * FLOAT_BYTES // COUNTER_BYTES) * COUNTER_BYTES
+                self._slot_raw[k][: start + 16 * pieces] = 0
+            self._slot_heads[k][:] = 0
 
     def _reclaim(self) -> None:
         """Quarantine the push slots claimed (never filled) by gone clients, and reuse

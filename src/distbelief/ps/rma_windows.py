@@ -52,7 +52,7 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.model.layout import DTYPE
-from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, aligned
+from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, PieceMap, aligned
 from distbelief.runtime import counters
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.launching import faults
@@ -80,6 +80,11 @@ QUARANTINED = -1
 """A gone client's claim: its Put may still be in the network; the slot is reused only
 after QUARANTINE_S (rma_shard)."""
 BUFFER_BITS = 8
+SLOT_HEADER_BYTES = 64
+"""Before each push slot's data when clients push pieces (ServerSpec.pieces): int64
+[P, T]: the push holds T values and then P (start, stop) int64 ranges of the slice
+(relative to it), or P = -1: the values lie at their places in the slot (a push too
+large for that form). A free slot's data is all zero, in both forms."""
 
 
 def push_slots(clients: int, slot_bytes: int) -> int:
@@ -224,13 +229,15 @@ class ShardWindows:
     """The two windows of every shard, allocated and freed collectively in one order."""
 
     def __init__(self, comm: MPI.Comm, local_count: int, control_bytes: int = 0,
-                 clients: int = 0, push_dtype: str = "float32", largest_count: int = 0):
+                 clients: int = 0, push_dtype: str = "float32", largest_count: int = 0,
+                 pieces: bool = False):
         """`largest_count`: the largest shard's slice, which sets every shard's slot count
         (all ranks must agree on it)."""
         self.control_bytes = control_bytes
         self.push_dtype = push_dtype
         self.push_bytes = PUSH_BYTES[push_dtype]
         self.clients = clients
+        self.slot_header = SLOT_HEADER_BYTES if pieces else 0
         self.readers = comm.Get_size()
         self.slots = faults.push_slots() or push_slots(clients,
                                                        largest_count * self.push_bytes)
@@ -266,7 +273,8 @@ class ShardWindows:
     def slot_offset(self, k: int, count: int) -> int:
         """Byte offset of push slot k's data (push_bytes per element) on a shard of
         `count` parameters (windows are the same size on every rank but a shard's: 0)."""
-        return self.slot_data + k * aligned(count * self.push_bytes)
+        return (self.slot_data + k * (aligned(count * self.push_bytes) + self.slot_header)
+                + self.slot_header)
 
     def reader(self, rank: int) -> int:
         """Byte offset of READING[rank]."""
@@ -341,10 +349,12 @@ class PublishedReader:
             pending = moved
 
     def issue_get(self, shards: Sequence[int], segments, ranges: Sequence[tuple[int, int]],
-                  out: np.ndarray, headers: np.ndarray, folded: np.ndarray | None) -> None:
+                  out: np.ndarray, headers: np.ndarray, folded: np.ndarray | None,
+                  pieces: PieceMap | None = None) -> None:
         """Get each registered buffer's VERSION, APPLIED into headers[s], this client's
         FOLDED into folded[s] and `segments[s]` of the slice into `out` (completed by the
-        caller)."""
+        caller); with `pieces` (endpoint.PieceMap), its pieces of each shard into their
+        part of the compact `out`, one Get of an indexed datatype per shard."""
         win = self.windows.params
         for s in shards:
             low, high = ranges[s]
@@ -354,6 +364,16 @@ class PublishedReader:
                 win.Get(_int64(folded[s]), s,
                         (where + (2 + self.client) * COUNTER_BYTES, 1, MPI.INT64_T))
             data = where + self.windows.buffer_header_bytes
+            if pieces is not None:
+                local = pieces.local[s]
+                if not len(local):
+                    continue
+                kind = MPI.FLOAT.Create_indexed((local[:, 1] - local[:, 0]).tolist(),
+                                                local[:, 0].tolist()).Commit()
+                win.Get([pieces.part(out, s), MPI.FLOAT], s, (data, 1, kind))
+                kind.Free()  # the Get keeps what it needs (MPI-4.1, 5.1.9)
+                self.bytes_received += int(pieces.count[s]) * FLOAT_BYTES
+                continue
             for start, stop in segments[s]:
                 win.Get([out[start:stop], MPI.FLOAT], s,
                         (data + (start - low) * FLOAT_BYTES, stop - start, MPI.FLOAT))
@@ -371,13 +391,13 @@ class PublishedReader:
 
     def read(self, shards: Sequence[int], segments, ranges: Sequence[tuple[int, int]],
              out: np.ndarray, headers: np.ndarray, folded: np.ndarray | None,
-             count_pull: bool) -> None:
+             count_pull: bool, pieces: PieceMap | None = None) -> None:
         """A whole registered read of `shards`: five rounds, each completed by Flush."""
         win = self.windows.params
         self.issue_newest(shards, count_pull)
         complete(win, shards)
         self.register(shards)
-        self.issue_get(shards, segments, ranges, out, headers, folded)
+        self.issue_get(shards, segments, ranges, out, headers, folded, pieces)
         complete(win, shards)
         registered = list(self.registered)
         self.issue_deregister()

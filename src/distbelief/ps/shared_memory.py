@@ -100,6 +100,7 @@ from distbelief.ps.endpoint import (
     OpenWindows,
     ParameterClient,
     ParameterServerShard,
+    PieceMap,
     PullLedger,
     PushFaults,
     RuleFactory,
@@ -430,16 +431,21 @@ class SharedMemoryShard(ParameterServerShard):
         with self._lock(exclusive=True) as seg:
             seg.control[slot] += value
 
-    def snapshot(self, out: np.ndarray) -> np.ndarray:
+    def snapshot(self, out: np.ndarray, pieces: PieceMap | None = None) -> np.ndarray:
         """The whole parameter vector into `out`, each shard's slice copied under that
-        shard's shared lock (one at a time); returns each slice's version."""
-        if out.dtype != DTYPE or out.shape != (self.size,) or not out.flags.c_contiguous:
+        shard's shared lock (one at a time); returns each slice's version. With
+        `pieces`, only those, gathered into the compact `out`."""
+        size = self.size if pieces is None else pieces.size
+        if out.dtype != DTYPE or out.shape != (size,) or not out.flags.c_contiguous:
             raise ValueError(f"snapshot buffer must be a contiguous float32 vector of "
-                             f"{self.size} elements, got {out.dtype} {out.shape}")
+                             f"{size} elements, got {out.dtype} {out.shape}")
         versions = np.zeros(self.topology.ps_shards, dtype=np.int64)
         for shard, (start, stop) in enumerate(self.ranges):
             with self._lock(False, shard) as seg:
-                np.copyto(out[start:stop], seg.params)
+                if pieces is None:
+                    np.copyto(out[start:stop], seg.params)
+                elif shard in pieces.shards:
+                    np.take(seg.params, pieces.index(shard), out=pieces.part(out, shard))
                 versions[shard] = seg.header[VERSION]
         return versions
 
@@ -514,6 +520,8 @@ class SharedMemoryClient(ParameterClient):
             self._optimizers.append(local)
         self._pieces = self._piece_folders()
         self._served = np.zeros(len(self.ranges), dtype=bool)
+        self._pull_map: PieceMap | None = None  # use_pieces: compact pulls and pushes
+        self._push_map: PieceMap | None = None
 
     def hang_in_next_push(self, faults: Any) -> None:
         """As ParameterClient.hang_in_next_push: it holds a segment's exclusive lock."""
@@ -575,6 +583,43 @@ class SharedMemoryClient(ParameterClient):
             pieces.append(folders)
         return pieces
 
+    def use_pieces(self, pulls: PieceMap | None, pushes: PieceMap | None) -> None:
+        """As ParameterClient.use_pieces: a pull gathers the pieces under each shard's
+        shared lock, a push folds them with the shard's rule at those coordinates alone
+        (ShardRule.apply_at) under its exclusive lock."""
+        if self._rounded is not None and (pulls is not None or pushes is not None):
+            raise ValueError("bfloat16 pushes of pieces are not supported")
+        self._pull_map, self._push_map = pulls, pushes
+        if pushes is not None:
+            self._ledger.touched = np.isin(np.arange(len(self.ranges)), pushes.shards)
+
+    def _size_of(self, vector: np.ndarray, plan: PieceMap | None, what: str) -> None:
+        check_vector(vector, self.size if plan is None else plan.size, what)
+
+    def _read_pieces(self, seg: _Segment, shard: int, out: np.ndarray) -> None:
+        """Gather this client's pull pieces of a segment into `out`, and its version."""
+        plan = self._pull_map
+        if shard in plan.shards:
+            np.take(seg.params, plan.index(shard), out=plan.part(out, shard))
+            self._received += int(plan.count[shard]) * DTYPE().itemsize
+            self._ledger.headers[shard] = seg.header[VERSION], seg.header[APPLIED]
+
+    def _fold_pieces(self, seg: _Segment, shard: int, grad: np.ndarray) -> None:
+        """Apply this client's push pieces of `grad` at their coordinates alone as the
+        shard's next update (exclusive lock held)."""
+        plan = self._push_map
+        version = int(seg.header[VERSION])
+        self._ledger.taken[shard, 0] = version
+        info = StepInfo(update=int(seg.header[BEFORE] + seg.header[APPLIED]),
+                        version=version, fetched=int(self.pulled_versions[shard]))
+        self._optimizers[shard].apply_at(seg.params, plan.part(grad, shard),
+                                         plan.index(shard), info)
+        self.bytes_sent += int(plan.count[shard]) * DTYPE().itemsize
+        seg.header[VERSION] = version + 1
+        seg.header[APPLIED] += 1
+        seg.clients[self._slot, PULLED] = self._pulls
+        self._faults.in_push(f"holding the lock on shard {shard}")
+
     @property
     def bytes_received(self) -> int:
         """Parameter data copied out of the shards' segments so far, in bytes."""
@@ -603,7 +648,12 @@ class SharedMemoryClient(ParameterClient):
         """Apply this client's pieces of `grad` as the shard's next update (with `out`, also
         copy the new values of its pieces there, in the same pass), and the control
         operations on shard 0 (exclusive lock held)."""
-        if self._ledger.touched[shard]:
+        if self._push_map is not None:
+            if shard in self._push_map.shards:
+                self._fold_pieces(seg, shard, grad)
+            if out is not None:
+                self._read_pieces(seg, shard, out)
+        elif self._ledger.touched[shard]:
             low = self.ranges[shard][0]
             version = int(seg.header[VERSION])
             update = int(seg.header[BEFORE] + seg.header[APPLIED])  # the schedule's count
@@ -640,24 +690,31 @@ class SharedMemoryClient(ParameterClient):
 
     def _pushed_to(self, control: ControlExchange | None) -> list[int]:
         """The shards a push locks: those it touches, and shard 0 for a control exchange."""
+        pulled = () if self._pull_map is None else self._pull_map.shards
         return [shard for shard in self.topology.shard_ranks
-                if self._ledger.touched[shard] or (control is not None and shard == CONTROL_SHARD)]
+                if self._ledger.touched[shard] or (control is not None and shard == CONTROL_SHARD)
+                or (self._push_map is not None and shard in pulled)]
 
     def pull(self, out: np.ndarray) -> np.ndarray:
         """As ParameterClient.pull: every shard's slice is one consistent snapshot."""
-        self._check_vector(out, "pull buffer")
+        self._size_of(out, self._pull_map, "pull buffer")
         segments = self._check_open()
-        self._wait_served([int(s) for s in np.flatnonzero(self._ledger.touched)])
-        for shard in np.flatnonzero(self._ledger.touched):
-            with segments.lock(int(shard), exclusive=False) as seg:
-                self._read(seg, int(shard), out)
+        shards = ([int(s) for s in np.flatnonzero(self._ledger.touched)]
+                  if self._pull_map is None else self._pull_map.shards)
+        self._wait_served(shards)
+        for shard in shards:
+            with segments.lock(shard, exclusive=False) as seg:
+                if self._pull_map is None:
+                    self._read(seg, shard, out)
+                else:
+                    self._read_pieces(seg, shard, out)
         self._pulls += 1
         self._progress()
         return self._ledger.pulled()
 
     def push(self, grad: np.ndarray, control: ControlExchange | None = None) -> np.ndarray:
         """As ParameterClient.push, but the gradient is applied when it returns."""
-        self._check_vector(grad, "gradient")
+        self._size_of(grad, self._push_map, "gradient")
         segments = self._check_open()
         self._wait_served(self._pushed_to(control))
         grad = self._rounded_to_push_dtype(grad)
@@ -671,8 +728,8 @@ class SharedMemoryClient(ParameterClient):
                   control: ControlExchange | None = None) -> tuple[np.ndarray, np.ndarray]:
         """As ParameterClient.push_pull; the parameters fetched always contain `grad` (the
         copy is made under the same exclusive lock, right after the fold)."""
-        self._check_vector(grad, "gradient")
-        self._check_vector(out, "pull buffer")
+        self._size_of(grad, self._push_map, "gradient")
+        self._size_of(out, self._pull_map, "pull buffer")
         segments = self._check_open()
         self._wait_served(self._pushed_to(control))
         grad = self._rounded_to_push_dtype(grad)
@@ -680,7 +737,7 @@ class SharedMemoryClient(ParameterClient):
         for shard in self._pushed_to(control):
             with segments.lock(shard, exclusive=True) as seg:
                 self._fold(seg, shard, grad, control, out)
-                if self._ledger.touched[shard]:
+                if self._ledger.touched[shard] and self._push_map is None:
                     self._ledger.headers[shard] = seg.header[VERSION], seg.header[APPLIED]
         self._progress()
         return self._ledger.pushed(), self._ledger.pulled()

@@ -14,6 +14,8 @@ apply; repeated here because options modules import nothing of the model)."""
 FETCHES = ("own_pushes", "asynchronous", "overlapped")
 """optimizer.fetch: what a replica's fetch waits for (docs/downpour.md, "Fetch")."""
 PUSH_DTYPES = ("float32", "bfloat16")
+TABLE_PULLS = ("rows", "whole")
+"""optimizer.table_pulls: what a replica of a sparse model moves of its tables."""
 """optimizer.push_dtype: the number format of a replica's pushed gradient."""
 
 
@@ -38,6 +40,14 @@ class DownpourOptions(Options):
         "while the next step computes, as the paper's fetch and push threads: at least two "
         "updates stale); see [Downpour](downpour.md#fetch-what-a-replicas-fetch-waits-for)",
         hashed="unless default")
+    table_pulls: str = option(
+        "rows", choice(TABLE_PULLS),
+        "for a sparse model: `\"rows\"` pulls only the table rows of the replica's next "
+        "`n_fetch` batches and pushes only their gradients, the shards applying them at "
+        "those rows alone (a replica never holds a whole table); `\"whole\"` moves the "
+        "whole vector as for a dense model "
+        "([Sparse models](sparse-models.md#row-sharded-tables-on-the-parameter-server))",
+        hashed="never")
     push_dtype: str = option(
         "float32", choice(PUSH_DTYPES),
         "`\"bfloat16\"` rounds each pushed gradient to bfloat16 (round to nearest even); "

@@ -12,7 +12,8 @@ from typing import Any
 from distbelief.algorithms.common import TrainingDiverged
 from distbelief.config import Config
 from distbelief.data.hdf5 import training_rows
-from distbelief.errors import DataError, UserError
+from distbelief.errors import ConfigError, DataError, UserError
+from distbelief.model.sparse_network import is_sparse
 from distbelief.ps import run_control as rc
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.backoff import Backoff
@@ -101,6 +102,9 @@ class DownpourPlan:
     max_steps: int
     max_bad_gradients: int = 10
     replica_timeout_s: float = 0.0
+    row_pulls: bool = False
+    """A sparse model whose replicas pull and push their batches' table rows only
+    (optimizer.table_pulls = "rows"; downpour.row_replica)."""
 
     @property
     def num_replicas(self) -> int:
@@ -124,7 +128,28 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
     return DownpourPlan(topology, config.data.batch_size, opt.n_fetch, opt.n_push,
                         opt.warm_start_steps, config.run.max_steps,
                         config.run.max_bad_gradients_in_a_row,
-                        config.run.replica_timeout_seconds)
+                        config.run.replica_timeout_seconds, _row_pulls(config))
+
+
+def _row_pulls(config: Config) -> bool:
+    """Whether replicas move table rows only (optimizer.table_pulls); ConfigError where
+    the rest of the configuration cannot take it."""
+    opt = config.optimizer
+    if (getattr(opt, "table_pulls", "whole") != "rows"
+            or not is_sparse(config.model.layers)):
+        return False
+    why = None
+    if opt.fetch == "overlapped":
+        why = "optimizer.fetch = \"overlapped\" computes on a pull issued a step earlier"
+    elif opt.push_dtype != "float32":
+        why = "optimizer.push_dtype must be \"float32\""
+    elif opt.update == "adarevision":
+        why = "optimizer.update = \"adarevision\" keeps its state per version, not per row"
+    if why:
+        raise ConfigError(f"optimizer.table_pulls = \"rows\" (the default for a sparse "
+                          f"model): {why}; set table_pulls = \"whole\" to move the whole "
+                          f"vector instead")
+    return True
 
 
 def grant(claimed_before: int, want: int, max_steps: int) -> int:

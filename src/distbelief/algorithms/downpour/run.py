@@ -113,7 +113,7 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
         topology, network.layout.size,
         lambda n: start.optimizer if start.optimizer is not None else shard_update(n),
         initial, control_replicas=plan.num_replicas,
-        gradients_before=start.gradients_before,
+        gradients_before=start.gradients_before, pieces=plan.row_pulls,
         push_dtype=config.optimizer.push_dtype))
     start.params = None  # the shard's slice lives in the endpoint now, not twice
     if isinstance(endpoint, ParameterServerShard):

@@ -28,7 +28,7 @@ from distbelief.algorithms.downpour.plan import (
     Ending,
 )
 from distbelief.algorithms.downpour.run import OpenRun
-from distbelief.ps.endpoint import saved_state
+from distbelief.ps.endpoint import PieceMap, saved_state
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.backoff import Backoff, PacedBackoff
 from distbelief.runtime.communicators.agreement import (
@@ -293,14 +293,18 @@ class ShardRole:
         self.final_checkpoint()
         return self.share_ending(None)
 
-    def gather_results(self, into: np.ndarray | None = None) -> tuple[list | None,
-                                                                      np.ndarray | None]:
+    def gather_results(self, into: np.ndarray | None = None, pieces: np.ndarray | None = None
+                       ) -> tuple[list | None, np.ndarray | None]:
         """Fold the rest and complete the checkpoint being written, then gather every
         shard's statistics and the final parameter vector to shard 0, into `into` there
-        if given. Collective over the shards; (None, None) on the others."""
+        if given; in a row-sharded run (plan.row_pulls) only shard 0's `pieces` of it
+        (its evaluation rows), back to back. Collective over the shards; (None, None) on
+        the others."""
         self._settle()
         self._finish_writing()
         all_stats = gather_after_barrier(self.comm, self.stats())
+        if self.plan.row_pulls:
+            return all_stats, self._gather_pieces(into, pieces)
         return all_stats, self._gather_parameters(into)
 
     def final_checkpoint(self) -> None:
@@ -339,6 +343,24 @@ class ShardRole:
         self.comm.Gatherv([shard.parameters(copy=False), MPI.FLOAT],
                           [out, counts, displs, MPI.FLOAT] if out is not None else None,
                           root=0)
+        return out
+
+    def _gather_pieces(self, into: np.ndarray | None, pieces: np.ndarray | None
+                       ) -> np.ndarray | None:
+        """Shard 0's `pieces` of the final vector, into `into` there: never the whole
+        vector on one rank. Collective over the shards: a bcast of the pieces, then a
+        Gatherv of each shard's part of them."""
+        shard = self.shard
+        wait_for_everyone(self.comm)
+        plan = PieceMap(self.comm.bcast(pieces, root=0), shard.ranges)
+        index = self.comm.Get_rank()
+        mine = np.take(shard.parameters(copy=False), plan.index(index)).astype(np.float32)
+        out = None
+        if index == 0:
+            out = into if into is not None else np.zeros(plan.size, dtype=np.float32)
+        self.comm.Gatherv([mine, MPI.FLOAT],
+                          [out, plan.count.tolist(), plan.at.tolist(), MPI.FLOAT]
+                          if out is not None else None, root=0)
         return out
 
     def stats(self) -> dict[str, Any]:

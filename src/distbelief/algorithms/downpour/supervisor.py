@@ -36,7 +36,9 @@ from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.algorithms.downpour.shards import ShardRole
 from distbelief.algorithms.downpour.variant import DOWNPOUR, Variant
 from distbelief.config import Config, config_hash, run_name
+from distbelief.model.sparse_rows import RowCache, RowsView
 from distbelief.ps import run_control as rc
+from distbelief.ps.endpoint import PieceMap
 from distbelief.ps.stats import STALENESS_BINS
 from distbelief.records.console import say
 from distbelief.records.metrics import (
@@ -75,7 +77,15 @@ class Supervisor:
         self.rules = StopRules.from_config(config)
         self.progress = RunProgress(self.shard, start.base)
         self.resumed_from = start.checkpoint
-        self.snapshot = np.zeros(network.layout.size, dtype=np.float32)
+        # What evaluations read: the whole vector, or a row-sharded run's evaluation rows
+        # alone (never a whole table on this rank).
+        self.eval_model, self.eval_pieces = network, None
+        if plan.row_pulls:
+            self.eval_model = RowsView(network)
+            self.eval_model.cache = RowCache.for_batches(network, [eval_set[0]])
+            self.eval_pieces = PieceMap(self.eval_model.cache.pieces, self.shard.ranges)
+        size = network.layout.size if self.eval_pieces is None else self.eval_pieces.size
+        self.snapshot = np.zeros(size, dtype=np.float32)
         self.pending: tuple[Future, int] | None = None  # evaluation in flight, its step
         self.evaluations, self.eval_seconds = 0, 0.0
         replicas = plan.num_replicas
@@ -280,14 +290,14 @@ class Supervisor:
     def _start_eval(self) -> None:
         """Snapshot the global parameters (one-sided Gets from the other shards) and
         evaluate them in the thread, while this thread goes on polling."""
-        self.shard.snapshot(self.snapshot)
+        self.shard.snapshot(self.snapshot, self.eval_pieces)
         future = self.executor.submit(self._timed_eval, self.snapshot)
         self.pending = (future, self.progress.steps)
 
     def _timed_eval(self, params: np.ndarray) -> tuple[Any, float]:
         t0 = time.perf_counter()
         with np.errstate(over="ignore", invalid="ignore"):  # per thread: not train()'s
-            result = evaluate(self.network, params, self.eval_set)
+            result = evaluate(self.eval_model, params, self.eval_set)
         return result, time.perf_counter() - t0
 
     def _record_eval(self, future: Future, steps: int) -> None:
@@ -296,7 +306,7 @@ class Supervisor:
         self.evaluations += 1
         self.eval_seconds += seconds
         self.recorder.log_eval(steps, steps * self.plan.batch_size, self.progress.loss,
-                               result, params=self.snapshot)
+                               result, params=self._best_candidate(self.snapshot))
         if self.progress.reason is None and self.rules.target_reached(result):
             self.progress.stop(rc.STOP_RULE, self.rules.target_reason)
         self.next_eval = time.monotonic() + self.config.run.eval_every_seconds
@@ -311,7 +321,9 @@ class Supervisor:
         shard_role = self.shard_role
         # Gathered into the evaluation snapshot's buffer, free by now (the last evaluation
         # was recorded when the loop ended): one full vector on shard 0, not two.
-        all_stats, final = shard_role.gather_results(into=self.snapshot)
+        all_stats, final = shard_role.gather_results(
+            into=self.snapshot,
+            pieces=None if self.eval_pieces is None else self.eval_pieces.pieces)
         self._final_results(all_stats, final)
         shard_role.final_checkpoint()
         ending = shard_role.share_ending(self._ending())
@@ -327,10 +339,16 @@ class Supervisor:
         if progress.stop_code != rc.STOP_SIGNAL:  # after a signal, stopping promptly matters
             samples = progress.steps * self.plan.batch_size
             t0 = time.perf_counter()
-            result = evaluate(self.network, final, self.eval_set)
+            result = evaluate(self.eval_model, final, self.eval_set)
             self.evaluations += 1
             self.eval_seconds += time.perf_counter() - t0
-            self.recorder.log_eval(progress.steps, samples, progress.loss, result, params=final)
+            self.recorder.log_eval(progress.steps, samples, progress.loss, result,
+                                   params=self._best_candidate(final))
+
+    def _best_candidate(self, params: np.ndarray) -> np.ndarray | None:
+        """What the best keeper may keep: the evaluated vector, or nothing in a row-sharded
+        run, whose evaluations hold their rows only (docs/sparse-models.md)."""
+        return params if self.eval_pieces is None else None
 
     def _wait_for_replica_stats(self) -> None:
         """Every replica that finished sends its statistics; wait for them (sleeping),

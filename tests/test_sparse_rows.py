@@ -1,0 +1,109 @@
+"""A sparse model on a replica's row cache (model.sparse_rows): the same loss and gradient
+as the whole-vector computation, for every first layer and combine; the cache's pieces;
+gradients merged over caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_sparse_models import MODELS, sparse_rows
+
+from distbelief.model.losses import make_loss
+from distbelief.model.sparse_network import SparseNetwork
+from distbelief.model.sparse_rows import RowCache, RowsView, merged
+
+
+def model_and_batches(name: str, batches: int = 2):
+    rng = np.random.default_rng(1)
+    kind, layers, loss_name = MODELS[name]
+    fields = 2 if loss_name == "mse" else 3
+    id_rows = (70, 50, 90)[:fields]
+    out = []
+    for _ in range(batches):
+        if kind == "sparse":
+            x, shape = sparse_rows(rng, 16, 300), (300,)
+        else:
+            x = np.stack([rng.integers(0, rows, 16) for rows in id_rows], 1)
+            shape = (fields,)
+        if loss_name == "mse":
+            y, loss = rng.normal(size=16).astype(np.float32), make_loss("mse", 1)
+        elif loss_name:
+            y, loss = rng.integers(0, 2, 16).astype(np.float32), make_loss(loss_name, 1)
+        else:
+            y, loss = rng.integers(0, 3, 16).astype(np.int32), make_loss("cross_entropy", 3)
+        out.append((x, y))
+    net = SparseNetwork(kind, shape, layers, loss.width, loss=loss, id_rows=id_rows)
+    return net, out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_row_cache_gives_the_whole_vectors_loss_and_gradient(name: str) -> None:
+    net, batches = model_and_batches(name)
+    params = net.init_params(5)
+    params += np.random.default_rng(2).normal(scale=0.3, size=params.size).astype(np.float32)
+    view = RowsView(net)
+    # A cache of both batches (a fetch for n_fetch = 2), used for the first.
+    view.cache = cache = RowCache.for_batches(net, [x for x, _ in batches])
+    assert cache.size <= net.layout.size  # (the hashed table of 4 rows is all touched)
+    (x, y), _ = batches
+    whole = np.zeros(net.layout.size, np.float32)
+    expected = net.loss_and_grad(params, x, y, whole)
+    compact = cache.gather(params)
+    grad = np.full(cache.size, np.nan, np.float32)  # every value must be written
+    loss = view.loss_and_grad(compact, x, y, grad)
+    assert loss == pytest.approx(expected, rel=1e-6)
+    np.testing.assert_allclose(grad, cache.gather(whole), rtol=1e-5, atol=1e-7)
+    back = np.zeros_like(whole)
+    cache.scatter(grad, back)  # nothing of the gradient lies outside the cache
+    np.testing.assert_allclose(back, whole, rtol=1e-5, atol=1e-7)
+
+
+def test_pieces_coalesce_consecutive_rows_and_end_with_the_dense_part() -> None:
+    net = SparseNetwork("ids", (2,), [{"type": "embedding", "dim": 4, "combine": "dot"}], 1,
+                        loss=make_loss("mse", 1), id_rows=(10, 6))
+    cache = RowCache(net, [np.array([1, 2, 3, 7]), np.array([0, 5])])
+    users, items = (net.layout.entry(0, f"table_{f}").offset for f in range(2))
+    bias = net.layout.entry(0, "bias").offset
+    assert cache.pieces.tolist() == [[users + 4, users + 16], [users + 28, users + 32],
+                                     [items, items + 4], [items + 20, items + 24],
+                                     [bias, net.layout.size]]
+    assert cache.size == sum(b - a for a, b in cache.pieces.tolist()) == 4 * 6 + 1
+    with pytest.raises(ValueError, match="not in the row cache"):
+        cache.positions(0, np.array([4]))
+    with pytest.raises(ValueError, match="sorted, distinct"):
+        RowCache(net, [np.array([2, 1]), np.array([0])])
+
+
+def test_gradients_of_two_caches_merge_into_their_union() -> None:
+    net, batches = model_and_batches("fields concat")
+    params = net.init_params(5)
+    view, parts, whole = RowsView(net), [], np.zeros(net.layout.size, np.float32)
+    for x, y in batches:
+        view.cache = RowCache.for_batches(net, [x])
+        grad = np.empty(view.cache.size, np.float32)
+        view.loss_and_grad(view.cache.gather(params), x, y, grad)
+        parts.append((view.cache, grad))
+        step = np.zeros_like(whole)
+        net.loss_and_grad(params, x, y, step)
+        whole += step
+    union, total = merged(net, parts)
+    assert union.rows >= max(c.rows for c, _ in parts)
+    np.testing.assert_allclose(total, union.gather(whole), rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_replicas_predicted_memory_follows_the_batch_not_the_table() -> None:
+    # The memory plan's replica line (model.memory_model) for table_pulls = "rows": two
+    # table sizes 100x apart, the same prediction; the whole vector's grows with the table.
+    from distbelief.model.memory_model import Workload, predict_memory
+
+    def replica_bytes(users: int, row_ids: tuple) -> int:
+        net = SparseNetwork("ids", (2,), [{"type": "embedding", "dim": 8, "combine": "dot"}],
+                            1, loss=make_loss("mse", 1), id_rows=(users, 1000))
+        work = Workload(batch=64, transport="rma", row_ids=row_ids, n_fetch=2)
+        return next(r for r in predict_memory(net, 1, 2, 1, work)
+                    if r.role == "replica").bytes
+
+    rows = [replica_bytes(users, (1.0, 1.0)) for users in (20_000, 2_000_000)]
+    whole = [replica_bytes(users, ()) for users in (20_000, 2_000_000)]
+    assert rows[0] == rows[1] < whole[0] < whole[1]
+    assert whole[1] - whole[0] == 2 * 4 * 1_980_000 * 8  # parameters and gradient
