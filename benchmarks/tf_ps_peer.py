@@ -10,9 +10,9 @@ the gradient of one batch on its worker and applies it there, as Downpour's
 n_fetch = n_push = 1.
 
 Same task and settings as benchmarks/bench_downpour.py: MLP 784-512-512-10 (ReLU,
-softmax cross-entropy), uniform He init for the ReLU layers and uniform Glorot for the
-output layer, zero biases (distbelief's scheme, drawn from numpy with the seed), batch
-64, Adagrad lr 0.02. The Adagrad is `--optimizer`:
+softmax cross-entropy), initial parameters those distbelief draws for the same seed
+(uniform He for the ReLU layers, uniform Glorot for the output layer, zero biases; the
+same numbers, bit for bit), batch 64, Adagrad lr 0.02. The Adagrad is `--optimizer`:
   fused (default): tf.raw_ops.ResourceApplyAdagradV2, TF's own fused Adagrad kernel
       (accum += g^2; var -= lr * g / (sqrt(accum) + eps)), run on the parameter server
       beside the variable, accumulators from 0 and eps = 1e-10: distbelief's Adagrad
@@ -140,15 +140,20 @@ def load_split(path: Path, split: str) -> tuple[np.ndarray, np.ndarray, float]:
 
 
 def initial_params(seed: int) -> list[np.ndarray]:
-    """[w1, b1, w2, b2, w3, b3]: uniform He (sqrt(6 / fan_in)) for the ReLU layers,
-    uniform Glorot (sqrt(6 / (fan_in + fan_out))) for the output layer, zero biases."""
+    """[w1, b1, w2, b2, w3, b3], w as (in, out): distbelief's Network.init_params(seed) bit
+    for bit (one PCG64 stream of float32 values filling each (out, in) weight matrix in
+    turn; uniform He, sqrt(6 / fan_in), for the ReLU layers, uniform Glorot, sqrt(6 /
+    (fan_in + fan_out)), for the output layer; zero biases, nothing drawn for them)."""
     rng = np.random.default_rng(seed)
     params = []
     for layer, (fan_in, fan_out) in enumerate(itertools.pairwise(SIZES)):
         last = layer == len(SIZES) - 2
         limit = np.sqrt(6.0 / (fan_in + fan_out if last else fan_in))
-        params.append(rng.uniform(-limit, limit, (fan_in, fan_out)).astype(np.float32))
-        params.append(np.zeros(fan_out, np.float32))
+        w = np.empty((fan_out, fan_in), np.float32)
+        rng.random(dtype=np.float32, out=w)
+        w *= np.float32(2.0 * limit)
+        w -= np.float32(limit)
+        params += [np.ascontiguousarray(w.T), np.zeros(fan_out, np.float32)]
     return params
 
 
