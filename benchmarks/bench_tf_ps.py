@@ -3,8 +3,8 @@ target test accuracy (default 88%), samples to it, samples/s and staleness, with
 reference MLP on Fashion-MNIST (784-512-512-10, Adagrad lr 0.02, batch 64), runs of the
 two interleaved.
 
-    python benchmarks/bench_tf_ps.py                       # both sections, ~10 minutes
-    python benchmarks/bench_tf_ps.py --seeds 1 --workers 2 # a shorter one
+    python benchmarks/bench_tf_ps.py --seeds 3             # 15 runs: 21 min at load 4-18
+    python benchmarks/bench_tf_ps.py --seeds 1 --workers 2 # 5 runs, a shorter one
 
 (a) head-to-head: Downpour 1 shard + 2 replicas (mpiexec -n 3, shared-memory transport,
     n_fetch = n_push = 1, run.threads = 1: bench_downpour.py's runs) against TF 1 ps + 2
