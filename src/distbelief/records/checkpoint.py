@@ -92,6 +92,9 @@ LOADING
     found.check_compatible(config, layout)  CheckpointMismatch naming both sides
     params, opt_state = found.read_range(start, stop)   any range, assembled from the
                                             overlapping shard parts: re-sharding for free
+    found.read_vector(name, start, stop)    one vector's range ("params" or a state's name)
+    found.read_elements(name, indices)      its values at sorted indices, one indexed read
+                                            per part (a batch's table rows: records.vectors)
     replica = found.read_replica(index)
 
 `assemble` and `split` do the same re-slicing in memory.
