@@ -10,7 +10,8 @@ from test_sparse_models import MODELS, sparse_rows
 
 from distbelief.model.losses import make_loss
 from distbelief.model.sparse_network import SparseNetwork
-from distbelief.model.sparse_rows import RowCache, RowsView, merged
+from distbelief.model.sparse_rows import RowCache, RowsView, merged, sorted_distinct
+from distbelief.ps.endpoint import PieceMap
 
 
 def model_and_batches(name: str, batches: int = 2):
@@ -107,3 +108,37 @@ def test_a_row_replicas_predicted_memory_follows_the_batch_not_the_table() -> No
     whole = [replica_bytes(users, ()) for users in (20_000, 2_000_000)]
     assert rows[0] == rows[1] < whole[0] < whole[1]
     assert whole[1] - whole[0] == 2 * 4 * 1_980_000 * 8  # parameters and gradient
+
+
+def test_sorted_distinct_ids_are_np_uniques() -> None:
+    rng = np.random.default_rng(4)
+    for ids in (np.array([], np.int32), np.array([7], np.int32), rng.integers(0, 50, 300),
+                rng.integers(0, 10**9, 2_000).astype(np.int32)):
+        got = sorted_distinct(ids)
+        assert got.dtype == np.int64 and np.array_equal(got, np.unique(ids))
+
+
+def test_a_piece_map_gives_each_shard_its_part_of_the_compact_buffer() -> None:
+    # Random pieces and shard boundaries, some inside a piece: each shard's part of the
+    # compact buffer holds exactly the vector's values at its positions, in order.
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        total = int(rng.integers(2, 300))
+        bounds = np.unique(np.r_[0, rng.integers(1, total, rng.integers(0, 5)), total])
+        ranges = list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+        ends = np.sort(rng.choice(total + 1, 2 * int(rng.integers(0, total // 2 + 1)),
+                                  replace=False)).reshape(-1, 2)
+        whole = rng.random(total).astype(np.float32)
+        compact = np.concatenate([whole[a:b] for a, b in ends] + [np.empty(0, np.float32)])
+        plan = PieceMap(ends, ranges)
+        assert plan.size == len(compact)
+        seen = []
+        for s, (low, high) in enumerate(ranges):
+            inside = [(max(a, low), min(b, high)) for a, b in ends if max(a, low) < min(b, high)]
+            assert (s in plan.shards) == bool(inside)
+            if inside:
+                assert np.array_equal(plan.part(compact, s), whole[low + plan.index(s)])
+                assert np.array_equal(low + plan.index(s),
+                                      np.concatenate([np.arange(a, b) for a, b in inside]))
+                seen.append(np.arange(plan.at[s], plan.at[s] + plan.count[s]))
+        assert np.array_equal(np.concatenate(seen + [np.empty(0, int)]), np.arange(plan.size))

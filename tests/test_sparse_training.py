@@ -158,6 +158,7 @@ def test_sparse_models_train_under_mpiexec(data: Path, tmp_path: Path, algorithm
     assert not (out / ".hogwild-update.lock").exists()  # the lock's file goes with the run
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("transport", ["rma", "shared"])
 def test_a_replica_killed_while_moving_rows_leaves_the_others_to_finish(
         data: Path, tmp_path: Path, transport: str) -> None:

@@ -28,13 +28,17 @@ from typing import Any
 
 import numpy as np
 
-from distbelief.data.hdf5 import load_split, open_dataset, to_float, with_validation
+from distbelief.data.hdf5 import open_dataset, to_float, with_validation
 from distbelief.data.sparse import SparseRows
 from distbelief.errors import DataError
+from distbelief.model.sparse_network import SparseNetwork
 from distbelief.records.export import TrainedModel, read_trained
+from distbelief.records.vectors import WholeScorer, evaluate_in_blocks
 
 BATCH_SIZE = 1000
 """Rows per forward pass in predict and evaluate (the trainers' evaluation batch)."""
+EVAL_BLOCK_BYTES = 64 << 20
+"""evaluate_split reads this much of a split at a time."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,13 @@ class Model:
     def __init__(self, trained: TrainedModel):
         self._trained = trained
         self._network = trained.network()
-        self._params = np.ascontiguousarray(trained.params)
-        self._named = trained.named_arrays(self._network.layout, self._params)
+        self._sparse = isinstance(self._network, SparseNetwork)
+        self._named: dict[str, np.ndarray] | None = None
+        if self._sparse:  # its tables stay stored: each batch reads its rows
+            self._scorer = trained.scorer(self._network)
+        else:
+            self._params = np.ascontiguousarray(trained.params)
+            self._scorer = WholeScorer(self._network, self._params)
 
     @property
     def layers(self) -> list[dict[str, Any]]:
@@ -88,7 +97,14 @@ class Model:
     def named_parameters(self) -> Iterator[tuple[str, np.ndarray]]:
         """(name, array) per parameter array, in layer order: layers.<i>.weight and
         layers.<i>.bias, shaped as in an export (dense: PyTorch's nn.Linear). The arrays
-        are the model's own: writing to them changes its predictions."""
+        are the model's own: writing to them changes its predictions. A sparse model's
+        tables are read whole here, on the first call (predict and evaluate read only
+        their batches' rows until then, and the arrays from then on)."""
+        if self._named is None:
+            if self._sparse:
+                self._params = np.ascontiguousarray(self._trained.params)
+                self._scorer = WholeScorer(self._network, self._params)
+            self._named = self._trained.named_arrays(self._network.layout, self._params)
         yield from self._named.items()
 
     def predict(self, x: np.ndarray, batch_size: int = BATCH_SIZE) -> np.ndarray:
@@ -100,11 +116,11 @@ class Model:
         if self._trained.own is not None:
             step = _check_batch(batch_size)
             return np.concatenate([
-                self._network.logits(self._params, inputs[start:start + step])
+                self._scorer.logits(inputs[start:start + step])
                 for start in range(0, len(inputs), step)]).astype(np.float32, copy=False)
         out = np.empty((len(inputs), self.num_classes), dtype=np.float32)
         for start in range(0, len(inputs), _check_batch(batch_size)):
-            logits = self._network.logits(self._params, inputs[start:start + batch_size])
+            logits = self._scorer.logits(inputs[start:start + batch_size])
             out[start:start + len(logits)] = _activate(logits, self._trained.loss)
         return out
 
@@ -112,8 +128,8 @@ class Model:
                  batch_size: int = BATCH_SIZE) -> Evaluation:
         """Mean loss and accuracy on x (as for predict) and integer labels y (N,): the
         figures training reports as test_loss and test_accuracy."""
-        result = self._network.evaluate(self._params, self._inputs(x), np.asarray(y),
-                                        batch_size=_check_batch(batch_size))
+        tally = self._scorer.tally(self._inputs(x), np.asarray(y), _check_batch(batch_size))
+        result = self._network.figures_of.evaluation(tally)
         return Evaluation(result.loss, result.figures.get("accuracy"), dict(result.figures))
 
     def _inputs(self, x: Any) -> Any:
@@ -210,10 +226,13 @@ def evaluate_split(path: str | Path, trained: TrainedModel, data: str | Path | N
                         f"outputs")
     if split == "validation":  # the run's held-out rows, or the file's /val
         info = with_validation(info, trained.source.get("validation") or 0.0)
-    x, y = load_split(info, split)  # scaled by the file's own scale, as in training
-    result = trained.network().evaluate(trained.params, x, y, batch_size=BATCH_SIZE)
+    network = trained.network()
+    # Read in blocks and scaled by the file's own scale, as in training; a sparse model's
+    # tables a batch's rows at a time (records.vectors).
+    result = evaluate_in_blocks(trained.scorer(network), info, split,
+                                BATCH_SIZE, EVAL_BLOCK_BYTES)
     return {**result.figures, "score": result.score_name, "data": str(info.path),
-            "split": split, "samples": len(y), "model": str(path),
+            "split": split, "samples": result.rows, "model": str(path),
             "checkpoint": trained.source.get("path"), "step": trained.source.get("step"),
             "which": trained.source.get("which"),
             "kept_for": trained.source.get("evaluation")}

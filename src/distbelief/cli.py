@@ -546,7 +546,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     for skipped in trained.source.get("skipped", []):
         print(f"{PROG}: skipped a damaged checkpoint: {skipped}", file=sys.stderr)
     path = write_export(trained, args.out, fmt)
-    state = ", ".join(sorted(trained.optimizer_state))
+    state = ", ".join(trained.state_names())
     if state:
         state = f", optimizer state {state}"
     elif args.with_optimizer:

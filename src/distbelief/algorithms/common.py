@@ -54,6 +54,7 @@ from distbelief.records.metrics import (
     Target,
     target_of,
 )
+from distbelief.records.vectors import WholeScorer, evaluate_in_blocks
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.launching.launcher import launcher_rank
 
@@ -214,7 +215,7 @@ def final_test(config: Config, summary: dict[str, Any],
     try:
         if ckpt.find_latest(ckpt.checkpoint_root(out_dir)) == (None, []):
             raise UserError("the run wrote no checkpoint to evaluate")
-        tested, params, source = _model_to_test(config, network)
+        tested, source = _model_to_test(config, network)
     except UserError as exc:
         why = str(exc)
         say(stream, f"distbelief: the test set was not evaluated: {why}")
@@ -226,7 +227,7 @@ def final_test(config: Config, summary: dict[str, Any],
     # The metadata only: the run checked the labels already.
     info = with_validation(open_dataset(config.data.path, labels=False),
                            config.data.validation)
-    result = evaluate_split(tested, params, info, "test")
+    result = evaluate_in_blocks(tested, info, "test", EVAL_BATCH_SIZE, EVAL_BLOCK_BYTES)
     step = source.get("step")
     tested_figures = {f"test_{name}": value for name, value in result.figures.items()}
     summary = {**summary, **{f"final_{key}": value for key, value in tested_figures.items()},
@@ -246,15 +247,15 @@ def final_test(config: Config, summary: dict[str, Any],
     return summary
 
 
-def _model_to_test(config: Config, network: Any) -> tuple[Any, np.ndarray, dict[str, Any]]:
-    """(model, parameters, their source) of the run's best model, else its last checkpoint:
-    the built-in network rebuilt from the checkpoint, or `network`, the run's own model
-    (a user's model is not in the checkpoint, only its vector)."""
+def _model_to_test(config: Config, network: Any) -> tuple[Any, dict[str, Any]]:
+    """(what scores it, where it came from) for the run's best model, else its last
+    checkpoint: the built-in network rebuilt from the checkpoint (a sparse model read a
+    batch's rows at a time: records.vectors), or `network`, the run's own model (a user's
+    model is not in the checkpoint, only its vector)."""
     from distbelief.records.export import read_trained
 
     trained = read_trained(config.run.out_dir, data=config.data.path)
-    tested = trained.network() if config.model.own is None else network
-    return tested, trained.params, trained.source
+    return trained.scorer(None if config.model.own is None else network), trained.source
 
 
 def which_text(source: dict[str, Any]) -> str:
@@ -270,17 +271,8 @@ than memory is evaluated too."""
 def evaluate_split(network: Any, params: np.ndarray, info: Any, split: str) -> Evaluation:
     """The Evaluation of `params` on the whole of `split`, read from the file in blocks of
     whole evaluation batches (their tallies summed: model.losses)."""
-    from distbelief.data.hdf5 import model_input, read_rows
-
-    rows = {"test": info.n_test, "validation": info.n_val, "train": info.n_train}[split]
-    row_bytes = info.input_row_bytes
-    block = max(1, EVAL_BLOCK_BYTES // (row_bytes * EVAL_BATCH_SIZE)) * EVAL_BATCH_SIZE
-    tally = None
-    for start in range(0, rows, block):
-        x, y = read_rows(info, split, start, min(rows, start + block))
-        part = network.tally(params, model_input(info, x), y, batch_size=EVAL_BATCH_SIZE)
-        tally = part if tally is None else tally + part
-    return figures_of(network).evaluation(tally)
+    return evaluate_in_blocks(WholeScorer(network, params), info, split, EVAL_BATCH_SIZE,
+                              EVAL_BLOCK_BYTES)
 
 
 def figures_of(network: Any) -> Any:

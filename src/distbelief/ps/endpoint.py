@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -225,6 +225,14 @@ def serve_polls(shard: ParameterServerShard, backoff: Backoff,
     return shard.stats
 
 
+def touched_mask(shards: int, touched: Iterable[int]) -> np.ndarray:
+    """A bool per shard: whether it is in `touched` (np.isin's answer, without its cost on
+    a few shards, paid at every step of a row replica)."""
+    mask = np.zeros(shards, dtype=bool)
+    mask[list(touched)] = True
+    return mask
+
+
 def piece_positions(ranges: np.ndarray) -> np.ndarray:
     """The positions [start, stop) of each of the (n, 2) `ranges`, in order."""
     lengths = ranges[:, 1] - ranges[:, 0]
@@ -245,8 +253,8 @@ class PieceMap:
                             or np.any(pieces[1:, 0] < pieces[:-1, 1])):
             raise ValueError("pieces must be non-empty [start, stop) ranges, sorted and "
                              "disjoint")
-        lengths = pieces[:, 1] - pieces[:, 0]
-        starts_at = np.r_[0, np.cumsum(lengths)].astype(np.int64)
+        starts_at = np.zeros(len(pieces) + 1, dtype=np.int64)
+        np.cumsum(pieces[:, 1] - pieces[:, 0], out=starts_at[1:])
         self.size = int(starts_at[-1])
         self.pieces = pieces
         self._index: dict[int, np.ndarray] = {}
@@ -254,17 +262,25 @@ class PieceMap:
         self.at = np.zeros(len(ranges), dtype=np.int64)
         self.count = np.zeros(len(ranges), dtype=np.int64)
         self.local: list[np.ndarray] = []  # per shard: (n, 2) ranges within its slice
+        # Shard s's pieces are pieces[first[s]:end[s]] (sorted and disjoint: those that
+        # stop after its low and start before its high), the outer two clipped to it.
+        lows = np.array([low for low, _ in ranges], dtype=np.int64)
+        highs = np.array([high for _, high in ranges], dtype=np.int64)
+        firsts = np.searchsorted(pieces[:, 1], lows, side="right")
+        ends = np.searchsorted(pieces[:, 0], highs, side="left")
         for s, (low, high) in enumerate(ranges):
-            lo = np.maximum(pieces[:, 0], low)
-            hi = np.minimum(pieces[:, 1], high)
-            keep = lo < hi
-            local = np.stack([lo[keep] - low, hi[keep] - low], axis=1).astype(np.int64)
+            first, end = int(firsts[s]), int(ends[s])
+            if first >= end:
+                self.local.append(np.empty((0, 2), dtype=np.int64))
+                continue
+            local = pieces[first:end] - low
+            local[0, 0] = max(local[0, 0], 0)
+            local[-1, 1] = min(local[-1, 1], high - low)
             self.local.append(local)
-            if len(local):
-                self.shards.append(s)
-                first = int(np.argmax(keep))
-                self.at[s] = starts_at[first] + lo[first] - pieces[first, 0]
-                self.count[s] = int((local[:, 1] - local[:, 0]).sum())
+            self.shards.append(s)
+            self.at[s] = starts_at[first] + max(low - pieces[first, 0], 0)
+            self.count[s] = int(starts_at[end] - starts_at[first]) - max(
+                low - pieces[first, 0], 0) - max(pieces[end - 1, 1] - high, 0)
 
     def index(self, shard: int) -> np.ndarray:
         """The positions within shard `shard`'s slice of its part of the buffer, in order."""

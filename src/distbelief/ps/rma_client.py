@@ -46,6 +46,7 @@ from distbelief.ps.endpoint import (
     PushFaults,
     aligned,
     check_vector,
+    touched_mask,
     waiting_backoff,
 )
 from distbelief.ps.rma_windows import (
@@ -161,7 +162,7 @@ class RmaClient(ParameterClient):
         self._pull_map, self._push_map = pulls, pushes
         shards = set(() if pulls is None else pulls.shards) | set(
             () if pushes is None else pushes.shards)
-        self._ledger.touched = np.isin(np.arange(len(self.ranges)), sorted(shards))
+        self._ledger.touched = touched_mask(len(self.ranges), shards)
 
     @property
     def bytes_received(self) -> int:

@@ -110,6 +110,7 @@ from distbelief.ps.endpoint import (
     own_slice,
     saved_state,
     serve_polls,
+    touched_mask,
     waiting_backoff,
 )
 from distbelief.ps.run_control import ControlExchange, ControlView
@@ -591,7 +592,7 @@ class SharedMemoryClient(ParameterClient):
             raise ValueError("bfloat16 pushes of pieces are not supported")
         self._pull_map, self._push_map = pulls, pushes
         if pushes is not None:
-            self._ledger.touched = np.isin(np.arange(len(self.ranges)), pushes.shards)
+            self._ledger.touched = touched_mask(len(self.ranges), pushes.shards)
 
     def _size_of(self, vector: np.ndarray, plan: PieceMap | None, what: str) -> None:
         check_vector(vector, self.size if plan is None else plan.size, what)

@@ -92,6 +92,9 @@ LOADING
     found.check_compatible(config, layout)  CheckpointMismatch naming both sides
     params, opt_state = found.read_range(start, stop)   any range, assembled from the
                                             overlapping shard parts: re-sharding for free
+    found.read_vector(name, start, stop)    one vector's range ("params" or a state's name)
+    found.read_elements(name, indices)      its values at sorted indices, one indexed read
+                                            per part (a batch's table rows: records.vectors)
     replica = found.read_replica(index)
 
 `assemble` and `split` do the same re-slicing in memory.
@@ -777,6 +780,52 @@ class Checkpoint:
         params = out.pop("params")
         return params, {n.removeprefix("optimizer/"): a for n, a in out.items()}
 
+    def read_vector(self, name: str, start: int, stop: int) -> np.ndarray:
+        """[start, stop) of one vector: "params" or an optimizer state's name, read from
+        the shard parts that overlap it (a block of an export, the dense part)."""
+        if not 0 <= start <= stop <= int(self.manifest["num_params"]):
+            raise ValueError(f"range [{start}, {stop}) is outside the "
+                             f"{self.manifest['num_params']} parameters")
+        dataset = self._dataset_name(name)
+        out = np.empty(stop - start, DTYPE)
+        for shard in self.manifest["shards"]:
+            lo, hi = max(start, shard["start"]), min(stop, shard["stop"])
+            if lo < hi:
+                self._read_slices(shard, lo - shard["start"], hi - shard["start"],
+                                  {dataset: out[lo - start:hi - start]})
+        return out
+
+    def read_elements(self, name: str, indices: np.ndarray) -> np.ndarray:
+        """The values of one vector at `indices` (sorted, distinct int64): one indexed read
+        per shard part they fall in, so only those values are read (a batch's table rows)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) and (indices[0] < 0 or indices[-1] >= int(self.manifest["num_params"])
+                             or np.any(indices[1:] <= indices[:-1])):
+            raise ValueError("indices must be sorted, distinct and inside the vector")
+        dataset = self._dataset_name(name)
+        out = np.empty(len(indices), DTYPE)
+        for shard in self.manifest["shards"]:
+            lo, hi = np.searchsorted(indices, [shard["start"], shard["stop"]])
+            if lo == hi:
+                continue
+            path = self.path / shard["part"]
+            with self._open_part(path, "shard", shard["index"]) as f:
+                try:
+                    self._check_dataset(path, shard, f[dataset])
+                    out[lo:hi] = f[dataset][indices[lo:hi] - shard["start"]]
+                except _H5_ERRORS as exc:
+                    raise CheckpointError(f"checkpoint part {path}: cannot read: "
+                                          f"{_first_line(exc)}") from exc
+        return out
+
+    def _dataset_name(self, name: str) -> str:
+        if name == "params":
+            return name
+        if name not in self.manifest["optimizer_state"]:
+            raise CheckpointError(f"checkpoint {self.path} holds no optimizer state {name!r} "
+                                  f"(it holds {self.manifest['optimizer_state'] or 'none'})")
+        return f"optimizer/{name}"
+
     def shard_counters(self, start: int, stop: int) -> list[dict[str, int]]:
         """The counters of the shard parts that overlap [start, stop) (one, when the shard
         count is the checkpoint's), in the order of the manifest."""
@@ -804,14 +853,18 @@ class Checkpoint:
             try:
                 for name, dest in into.items():
                     dset = f[name]
-                    if dset.shape != (shard["stop"] - shard["start"],) or dset.dtype != DTYPE:
-                        raise CheckpointError(f"checkpoint part {path}: /{name} has shape "
-                                              f"{dset.shape} {dset.dtype}, the manifest "
-                                              f"says ({shard['stop'] - shard['start']},)")
+                    self._check_dataset(path, shard, dset)
                     dset.read_direct(dest, np.s_[lo:hi])
             except _H5_ERRORS as exc:
                 raise CheckpointError(f"checkpoint part {path}: cannot read: "
                                       f"{_first_line(exc)}") from exc
+
+    @staticmethod
+    def _check_dataset(path: Path, shard: Mapping[str, Any], dset: h5py.Dataset) -> None:
+        if dset.shape != (shard["stop"] - shard["start"],) or dset.dtype != DTYPE:
+            raise CheckpointError(f"checkpoint part {path}: {dset.name} has shape "
+                                  f"{dset.shape} {dset.dtype}, the manifest "
+                                  f"says ({shard['stop'] - shard['start']},)")
 
     def read_replica(self, index: int) -> ReplicaState:
         """The saved state of replica `index`."""

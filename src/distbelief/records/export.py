@@ -48,6 +48,7 @@ file is never overwritten.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -64,6 +65,13 @@ from distbelief.model.layout import DTYPE, ParamLayout
 from distbelief.model.losses import loss_for_data, make_loss
 from distbelief.model.models import build_model
 from distbelief.records import checkpoint as ckpt
+from distbelief.records.vectors import (
+    BLOCK_BYTES,
+    CheckpointVectors,
+    ExportVectors,
+    MemoryVectors,
+    scorer,
+)
 
 FORMAT_NAME = "distbelief-export"
 FORMAT_VERSION = 1
@@ -86,15 +94,18 @@ class TrainedModel:
     """A model's specification and weights: everything needed to run it.
 
     `params` and each `optimizer_state` vector are flat float32 vectors in the layout of
-    `network()`; `source` says where they came from (JSON-friendly).
+    `network()`; `source` says where they came from (JSON-friendly). A model read from a
+    checkpoint or an export file holds its vectors in `vectors` (records.vectors) and reads
+    them whole only when `params` or `optimizer_state` is asked for: `reader()` reads them
+    a piece at a time instead (write_export, a sparse model's scoring).
     """
 
     layers: list[dict[str, Any]]
     input_shape: tuple[int, ...]
     input_scale: float
     num_classes: int
-    params: np.ndarray
-    optimizer_state: dict[str, np.ndarray] = field(default_factory=dict)
+    _params: np.ndarray | None = None
+    _optimizer_state: dict[str, np.ndarray] | None = None
     source: dict[str, Any] = field(default_factory=dict)
     own: dict[str, Any] | None = None
     """A model of the user's own (model.protocol): its identity; `layers` is then empty,
@@ -109,6 +120,52 @@ class TrainedModel:
     (data.hdf5.DatasetInfo.features), for a sparse model."""
     id_rows: tuple[int, ...] = ()
     """"ids" only: each field's table rows."""
+    vectors: Any = None
+    """Where `params` and `optimizer_state` are read from when they are not in memory."""
+
+    @property
+    def params(self) -> np.ndarray:
+        """The whole parameter vector (read now, once, if it is stored)."""
+        if self._params is None:
+            self._params = (self.vectors.read("params", 0, self.layout().size)
+                            if self.vectors is not None else np.empty(0, DTYPE))
+        return self._params
+
+    @params.setter
+    def params(self, values: np.ndarray) -> None:
+        self._params = values
+
+    @property
+    def optimizer_state(self) -> dict[str, np.ndarray]:
+        """Each optimizer state's whole vector (read now, once, if they are stored)."""
+        if self._optimizer_state is None:
+            size = self.layout().size
+            self._optimizer_state = {} if self.vectors is None else {
+                name: self.vectors.read(name, 0, size) for name in self.vectors.state_names}
+        return self._optimizer_state
+
+    @optimizer_state.setter
+    def optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        self._optimizer_state = state
+
+    def state_names(self) -> list[str]:
+        """The optimizer states held, without reading them."""
+        if self._optimizer_state is None and self.vectors is not None:
+            return list(self.vectors.state_names)
+        return sorted(self.optimizer_state)
+
+    def reader(self) -> Any:
+        """The vectors to read a piece at a time (records.vectors): the stored ones, or
+        those in memory once they were read or set."""
+        if self._params is None and self._optimizer_state is None and self.vectors is not None:
+            return self.vectors
+        return MemoryVectors(self.params, self.optimizer_state)
+
+    def scorer(self, network: Any = None) -> Any:
+        """What computes this model's outputs and tallies (records.vectors.scorer): a
+        sparse model's batch by batch from its stored rows, any other from its whole
+        vector. `network` is the model to run (default: network())."""
+        return scorer(self.network() if network is None else network, self.reader())
 
     def loss_fn(self) -> Any:
         """The model.losses.Loss of this model's outputs."""
@@ -216,11 +273,11 @@ def _read_trained(path: Path, data: str | Path | None, with_optimizer: bool,
         raise UserError(f"{path} does not exist")
     if path.is_file():
         _no_which(path, which)
-        model = read_export(path)
-        if with_optimizer and not model.optimizer_state:
+        model = read_export(path, with_optimizer)
+        if with_optimizer and not model.state_names():
             raise ExportError(f"{path} holds no optimizer state; export it from the run's "
                               "checkpoint with --with-optimizer")
-        return model if with_optimizer else _without_optimizer(model)
+        return model
     found, skipped = find_checkpoint(path, which, with_optimizer)
     model = from_checkpoint(found, data, with_optimizer)
     model.source["skipped"] = [f"{p}: {why}" for p, why in skipped]
@@ -233,11 +290,6 @@ def _no_which(path: Path, which: str | None) -> None:
     if which is not None:
         raise UserError(f"{path} is one model: --which {which} (which=) chooses between a "
                         "run folder's best and last; give the run folder instead")
-
-
-def _without_optimizer(model: TrainedModel) -> TrainedModel:
-    model.optimizer_state = {}
-    return model
 
 
 def find_checkpoint(path: Path, which: str | None = None, with_optimizer: bool = False
@@ -280,7 +332,8 @@ def find_checkpoint(path: Path, which: str | None = None, with_optimizer: bool =
 def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
                     with_optimizer: bool = False) -> TrainedModel:
     """The model held by a verified checkpoint; the input shape and scale from `data` or
-    the run's own data file."""
+    the run's own data file. Its vectors stay in the checkpoint's shard parts until they
+    are read (TrainedModel.vectors)."""
     layers = found.manifest["config"]["model"]["layers"]
     info = _data_info(found, data)
     own = found.manifest["config"]["model"].get("own")
@@ -290,11 +343,11 @@ def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
     except ConfigError as exc:
         raise DataError(f"checkpoint {found.path} was trained with model.loss = "
                         f"{loss_name!r}, which does not fit {info.path}: {exc}") from exc
+    vectors = CheckpointVectors(found, with_optimizer)
     if own:
-        params, state = found.read_state(with_optimizer)
-        return TrainedModel([], info.input_shape, info.scale, loss.width, params,
-                            state, _checkpoint_source(found, info), own,
-                            found.manifest["layout"], loss=loss_name)
+        return TrainedModel([], info.input_shape, info.scale, loss.width, None, None,
+                            _checkpoint_source(found, info), own, found.manifest["layout"],
+                            loss=loss_name, vectors=vectors)
     try:
         found.check_layout(build_model(info.input_shape, layers, loss,
                                        features=info.features, id_rows=info.id_rows).layout)
@@ -303,10 +356,9 @@ def from_checkpoint(found: ckpt.Checkpoint, data: str | Path | None = None,
         raise DataError(f"checkpoint {found.path} does not take the inputs of "
                         f"{info.path} (input {shape}, {info.num_classes} classes): "
                         f"{exc}") from exc
-    params, state = found.read_state(with_optimizer)
-    return TrainedModel(list(layers), info.input_shape, info.scale, loss.width,
-                        params, state, _checkpoint_source(found, info), loss=loss_name,
-                        features=info.features, id_rows=tuple(info.id_rows))
+    return TrainedModel(list(layers), info.input_shape, info.scale, loss.width, None, None,
+                        _checkpoint_source(found, info), loss=loss_name,
+                        features=info.features, id_rows=tuple(info.id_rows), vectors=vectors)
 
 
 def _checkpoint_source(found: ckpt.Checkpoint, info: DatasetInfo) -> dict[str, Any]:
@@ -329,8 +381,11 @@ def _data_info(found: ckpt.Checkpoint, data: str | Path | None) -> DatasetInfo:
                         "(--data FILE, or load_model(path, data=FILE))") from exc
 
 
-def read_export(path: str | Path) -> TrainedModel:
-    """The model in an export file, HDF5 or safetensors (told apart by their first bytes)."""
+def read_export(path: str | Path, with_optimizer: bool = True) -> TrainedModel:
+    """The model in an export file, HDF5 or safetensors (told apart by their first bytes):
+    its metadata and every array's name, shape and type checked; the arrays themselves stay
+    in the file until they are read (TrainedModel.vectors). Without `with_optimizer` its
+    optimizer state, if it holds one, is left out."""
     path = Path(path)
     try:
         with path.open("rb") as f:
@@ -338,22 +393,34 @@ def read_export(path: str | Path) -> TrainedModel:
     except OSError as exc:
         raise ExportError(f"cannot read {path}: {exc.strerror or exc}") from exc
     if head == HDF5_SIGNATURE:
+        fmt, tensors = "hdf5", None
         metadata, arrays = _read_hdf5(path)
     else:
-        metadata, arrays = _read_safetensors(path)
-    return _from_arrays(path, metadata, arrays)
+        fmt = "safetensors"
+        metadata, arrays, tensors = _read_safetensors(path)
+    model, names = _from_arrays(path, metadata, arrays)
+    if not with_optimizer:
+        names = {"params": names["params"]}
+    model.vectors = ExportVectors(path, fmt, model.layout(), names, tensors)
+    return model
 
 
-def _from_arrays(path: Path, metadata: Mapping[str, Any],
-                 arrays: Mapping[str, np.ndarray]) -> TrainedModel:
-    """Check an export's metadata and arrays against the model they describe."""
+ArraySpecs = Mapping[str, tuple[tuple[int, ...], np.dtype]]
+"""An export's arrays by name: (shape, dtype) each, as the file declares them."""
+
+
+def _from_arrays(path: Path, metadata: Mapping[str, Any], arrays: ArraySpecs
+                 ) -> tuple[TrainedModel, dict[str, dict[Any, str]]]:
+    """Check an export's metadata and arrays against the model they describe: the model
+    (its vectors not read) and, per vector ("params", each optimizer state), each layout
+    entry's array name."""
     if metadata.get("format") != FORMAT_NAME or metadata.get("version") != FORMAT_VERSION:
         raise ExportError(f"{path} is not a distbelief export (format "
                           f"{metadata.get('format')!r}, version {metadata.get('version')!r})")
     try:
         model = TrainedModel(list(metadata["layers"]), tuple(metadata["input_shape"]),
                              float(metadata["input_scale"]), int(metadata["num_classes"]),
-                             np.empty(0, DTYPE), {}, dict(metadata.get("source") or {}),
+                             None, None, dict(metadata.get("source") or {}),
                              metadata.get("own"), metadata.get("layout"),
                              loss=str(metadata.get("loss", "cross_entropy")),
                              features=str(metadata.get("features", "dense")),
@@ -364,29 +431,25 @@ def _from_arrays(path: Path, metadata: Mapping[str, Any],
     state_names = sorted({name.split(".")[1] for name in arrays
                           if name.startswith("optimizer.")})
     vectors = {"params": ""} | {s: f"optimizer.{s}." for s in state_names}
-    flats = {}
+    names: dict[str, dict[Any, str]] = {}
     for what, prefix in vectors.items():
-        flat = layout.empty()
+        names[what] = {}
         for e in layout.entries:
             name = prefix + model.array_name(e.layer, e.name)
-            values = arrays.get(name)
-            if values is None or values.shape != e.shape or values.dtype != DTYPE:
-                got = "missing" if values is None else f"{values.dtype} {values.shape}"
+            shape, dtype = arrays.get(name, (None, None))
+            if shape != e.shape or dtype != DTYPE:
+                got = "missing" if shape is None else f"{dtype} {shape}"
                 raise ExportError(f"{path}: array {name} should be float32 {e.shape}, "
                                   f"it is {got}")
-            flat[e.offset:e.stop] = values.reshape(-1)
-        flats[what] = flat
-    expected = {prefix + model.array_name(e.layer, e.name) for prefix in vectors.values()
-                for e in layout.entries}
+            names[what][e] = name
+    expected = {name for entries in names.values() for name in entries.values()}
     extra = sorted(set(arrays) - expected)
     if extra:
         raise ExportError(f"{path}: arrays the model does not have: {', '.join(extra[:5])}")
-    model.params = flats.pop("params")
-    model.optimizer_state = flats
-    return model
+    return model, names
 
 
-def _read_hdf5(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def _read_hdf5(path: Path) -> tuple[dict[str, Any], ArraySpecs]:
     try:
         with h5py.File(path, "r", locking=False) as f:
             attrs = dict(f.attrs)
@@ -406,9 +469,9 @@ def _read_hdf5(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                 **({"features": str(attrs["features"])} if "features" in attrs else {}),
                 **({"id_rows": [int(n) for n in attrs["id_rows"]]}
                    if "id_rows" in attrs else {})}
-            arrays = {name: dset[()] for name, dset in f["params"].items()}
+            arrays = {name: _spec(dset) for name, dset in f["params"].items()}
             for state, group in f.get("optimizer", {}).items():
-                arrays |= {f"optimizer.{state}.{name}": dset[()]
+                arrays |= {f"optimizer.{state}.{name}": _spec(dset)
                            for name, dset in group.items()}
     except ExportError:
         raise
@@ -418,21 +481,36 @@ def _read_hdf5(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return metadata, arrays
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    data = path.read_bytes()
+def _spec(dset: Any) -> tuple[tuple[int, ...], np.dtype]:
+    if not isinstance(dset, h5py.Dataset):
+        raise TypeError(f"{dset.name} is a group, not an array")
+    return tuple(dset.shape), dset.dtype
+
+
+def _read_safetensors(path: Path
+                      ) -> tuple[dict[str, Any], ArraySpecs, dict[str, tuple[int, tuple]]]:
+    """The metadata, the arrays' specs and each array's (byte offset, shape) in the file;
+    only the header is read."""
     not_one = f"{path} is neither an HDF5 nor a safetensors distbelief export"
-    if len(data) < 8:
-        raise ExportError(not_one)
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > min(_MAX_HEADER, len(data) - 8):
-        raise ExportError(not_one)
     try:
-        header = json.loads(data[8:8 + length])
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            first = f.read(8)
+            if len(first) < 8:
+                raise ExportError(not_one)
+            (length,) = struct.unpack("<Q", first)
+            if length > min(_MAX_HEADER, size - 8):
+                raise ExportError(not_one)
+            text = f.read(length)
+    except OSError as exc:
+        raise ExportError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        header = json.loads(text)
         metadata = _decode_metadata(header.pop("__metadata__", {}) or {})
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as exc:
         raise ExportError(f"{not_one} (its header does not parse: {exc})") from exc
-    body = memoryview(data)[8 + length:]
-    arrays = {}
+    body, body_size = 8 + length, size - 8 - length
+    arrays, tensors = {}, {}
     for name, entry in header.items():
         try:
             begin, end = (int(v) for v in entry["data_offsets"])
@@ -440,13 +518,14 @@ def _read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]
             dtype = entry["dtype"]
         except (KeyError, TypeError, ValueError) as exc:
             raise ExportError(f"{path}: damaged entry for {name}: {exc}") from exc
-        if dtype != "F32" or not 0 <= begin <= end <= len(body) or \
+        if dtype != "F32" or not 0 <= begin <= end <= body_size or \
                 end - begin != 4 * int(np.prod(shape, dtype=np.int64)):
             raise ExportError(f"{path}: tensor {name} ({dtype} {list(shape)}, bytes "
-                              f"{begin}..{end} of {len(body)}) is not a float32 tensor "
+                              f"{begin}..{end} of {body_size}) is not a float32 tensor "
                               "inside the file")
-        arrays[name] = np.frombuffer(body[begin:end], dtype="<f4").reshape(shape)
-    return metadata, arrays
+        arrays[name] = (shape, np.dtype(DTYPE))
+        tensors[name] = (body + begin, shape)
+    return metadata, arrays, tensors
 
 
 def _decode_metadata(raw: Mapping[str, str]) -> dict[str, Any]:
@@ -489,7 +568,10 @@ def export_format(out: str | Path, fmt: str | None) -> str:
 def write_export(model: TrainedModel, out: str | Path, fmt: str | None = None) -> Path:
     """Write `model` (with its optimizer state, if it holds any) to `out` in format `fmt`
     (by default the one out's extension names: export_format); ExportError if `out`
-    exists. Atomic: a temporary file, fsynced, renamed into place."""
+    exists. Each array is copied in blocks of whole rows from the model's vectors
+    (TrainedModel.reader: a checkpoint's shard parts, another export, or memory), so a
+    table larger than memory is exported too. Atomic: a temporary file, fsynced, renamed
+    into place."""
     fmt = export_format(out, fmt)
     out = Path(out)
     if out.exists():
@@ -498,16 +580,14 @@ def write_export(model: TrainedModel, out: str | Path, fmt: str | None = None) -
     if not out.parent.is_dir():
         raise ExportError(f"cannot write {out}: folder {out.parent} does not exist")
     layout = model.layout()
-    arrays = model.named_arrays(layout)
-    for state, flat in sorted(model.optimizer_state.items()):
-        arrays |= {f"optimizer.{state}.{name}": values
-                   for name, values in model.named_arrays(layout, flat).items()}
+    arrays = [("params", model.array_name(e.layer, e.name), e) for e in layout.entries]
+    for state in model.state_names():
+        arrays += [(state, f"optimizer.{state}.{model.array_name(e.layer, e.name)}", e)
+                   for e in layout.entries]
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        if fmt == "hdf5":
-            _write_hdf5(tmp, model.metadata(), arrays)
-        else:
-            _write_safetensors(tmp, model.metadata(), arrays)
+        write = _write_hdf5 if fmt == "hdf5" else _write_safetensors
+        write(tmp, model.metadata(), arrays, model.reader())
         with tmp.open("rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
@@ -519,8 +599,24 @@ def write_export(model: TrainedModel, out: str | Path, fmt: str | None = None) -
     return out
 
 
-def _write_hdf5(path: Path, metadata: Mapping[str, Any],
-                arrays: Mapping[str, np.ndarray]) -> None:
+ExportArrays = list[tuple[str, str, Any]]
+"""What an export holds: (vector, array name, layout entry) per array, in file order."""
+
+
+def _blocks(vectors: Any, vector: str, entry: Any) -> Any:
+    """(first row, rows) of a layout entry's array, read from `vectors` in blocks of about
+    BLOCK_BYTES of whole rows (along its first axis)."""
+    row = math.prod(entry.shape[1:])  # values a row; 1 for a vector
+    rows = entry.shape[0] if entry.shape else 1
+    step = max(1, BLOCK_BYTES // (4 * max(row, 1)))
+    for first in range(0, rows, step):
+        last = min(rows, first + step)
+        values = vectors.read(vector, entry.offset + first * row, entry.offset + last * row)
+        yield first, values.reshape((last - first, *entry.shape[1:]) if entry.shape else ())
+
+
+def _write_hdf5(path: Path, metadata: Mapping[str, Any], arrays: ExportArrays,
+                vectors: Any) -> None:
     with h5py.File(path, "w", locking=False) as f:
         f.attrs["format"] = metadata["format"]
         f.attrs["version"] = np.int64(metadata["version"])
@@ -539,13 +635,18 @@ def _write_hdf5(path: Path, metadata: Mapping[str, Any],
         if "id_rows" in metadata:
             f.attrs["id_rows"] = np.asarray(metadata["id_rows"], dtype=np.int64)
         params = f.create_group("params")
-        for name, values in arrays.items():
+        for vector, name, entry in arrays:
             if name.startswith("optimizer."):
                 _, state, rest = name.split(".", 2)
-                f.require_group("optimizer").require_group(state).create_dataset(
-                    rest, data=values)
+                group = f.require_group("optimizer").require_group(state)
             else:
-                params.create_dataset(name, data=values)
+                group, rest = params, name
+            dset = group.create_dataset(rest, shape=entry.shape, dtype=DTYPE)
+            for first, values in _blocks(vectors, vector, entry):
+                if entry.shape:
+                    dset[first:first + len(values)] = values
+                else:
+                    dset[()] = values
 
 
 def _encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
@@ -554,13 +655,13 @@ def _encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
             for key, value in metadata.items()}
 
 
-def _write_safetensors(path: Path, metadata: Mapping[str, Any],
-                       arrays: Mapping[str, np.ndarray]) -> None:
+def _write_safetensors(path: Path, metadata: Mapping[str, Any], arrays: ExportArrays,
+                       vectors: Any) -> None:
     header: dict[str, Any] = {"__metadata__": _encode_metadata(metadata)}
     offset = 0
-    for name, values in arrays.items():
-        size = values.size * 4
-        header[name] = {"dtype": "F32", "shape": list(values.shape),
+    for _, name, entry in arrays:
+        size = entry.size * 4
+        header[name] = {"dtype": "F32", "shape": list(entry.shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -568,5 +669,6 @@ def _write_safetensors(path: Path, metadata: Mapping[str, Any],
     with path.open("wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        for values in arrays.values():
-            f.write(np.ascontiguousarray(values, dtype="<f4").tobytes())
+        for vector, _, entry in arrays:
+            for _, values in _blocks(vectors, vector, entry):
+                f.write(np.ascontiguousarray(values, dtype="<f4").tobytes())

@@ -119,9 +119,13 @@ class RowReplica(Replica):
             self._parts = [(self._cache, np.zeros(self._cache.size, dtype=DTYPE))]
         cache, total = merged(self.sparse, self._parts)
         self._parts = []
+        # The pieces of the rows last pulled are pushed back as they were mapped, unless
+        # the block's steps read several caches (then their union is mapped).
+        push_map = (self._pull_map if cache is self._cache and self._pull_map is not None
+                    else PieceMap(cache.pieces, self.client.ranges))
         if self.t % self.plan.n_fetch == 0:
             self._next_rows()
-        self.client.use_pieces(self._pull_map, PieceMap(cache.pieces, self.client.ranges))
+        self.client.use_pieces(self._pull_map, push_map)
         self.pushed = total
         try:
             super()._push(control)
