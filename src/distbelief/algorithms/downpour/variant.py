@@ -8,7 +8,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from distbelief.algorithms.downpour.replica import make_replica
+from mpi4py import MPI
+
+from distbelief.algorithms.downpour.replica import PartitionedReplica, Replica
+
+
+def make_replica(run: Any, network: Any, fetch: str) -> Any:
+    """Downpour's replica role for this rank (`run`: downpour.OpenRun): the plain one when
+    partitions = 1, else a PartitionedReplica over the replica's partition communicator
+    (topology.split_communicators). Local (no communication)."""
+    comm = run.communicators.partition
+    if run.plan.row_pulls:  # a sparse model moving its batches' rows (row_replica)
+        from distbelief.algorithms.downpour.row_replica import RowReplica
+
+        return RowReplica(run, network, fetch)
+    if comm == MPI.COMM_NULL or comm.Get_size() == 1:
+        return Replica(run, network, fetch)
+    return PartitionedReplica(run, network, fetch)
 
 
 @dataclass(frozen=True)
