@@ -10,12 +10,13 @@ docs/downpour.md, "Design".
 
 MODULES (each imports only those before it; trainer.py imports them all): plan (the
 constants, errors, DownpourPlan, grant, Ending), run (open_run, OpenRun, Start: the set-up
-and the restore), replica (Replica, PartitionedReplica, make_replica), shards (ShardRole:
-what every shard does), progress (RunProgress: shard 0's steps, loss and stop decision),
+and the restore), replica (Replica, PartitionedReplica), row_replica (RowReplica: a sparse
+model's replica moving its batches' rows), shards (ShardRole: what every shard does),
+progress (RunProgress: shard 0's steps, loss and stop decision),
 replica_watch (ReplicaWatch: the replicas' heartbeats and the lost ones), checkpoints
 (Checkpoints: shard 0's checkpointer: when, the replicas' part, the commit), variant
 (Variant: what an algorithm built on this machinery, EASGD or asynchronous DiLoCo,
-supplies in Downpour's place), supervisor (Supervisor: shard 0, and the summary), trainer
+supplies in Downpour's place; make_replica, the replica role a rank takes), supervisor (Supervisor: shard 0, and the summary), trainer
 (train), options (the [optimizer] keys Downpour owns).
 
 The trainer is trainer.py. This `__init__` imports nothing, so that config can read

@@ -1,6 +1,6 @@
 """Downpour's replicas: Replica (train, fetch, push, follow shard 0's commands; one-sided
-only), PartitionedReplica (one partition of a model-parallel replica) and make_replica,
-which picks between them. REPLICAS, RUN CONTROL and END OF THE RUN in the package
+only) and PartitionedReplica (one partition of a model-parallel replica); variant.py's
+make_replica picks between them and row_replica's RowReplica. REPLICAS, RUN CONTROL and END OF THE RUN in the package
 docstring say what they do.
 """
 
