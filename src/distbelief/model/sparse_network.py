@@ -63,7 +63,7 @@ def is_sparse(layers: Any) -> bool:
             and isinstance(layers[0], Mapping) and layers[0].get("type") in SPARSE_LAYER_KEYS)
 
 
-class _Lookup(NamedTuple):
+class TableLookup(NamedTuple):
     """One table's rows in a batch: the distinct ids, and each entry's position among
     them."""
 
@@ -101,7 +101,7 @@ class SparseInput:
                 f"{self.activation} (tables {tables})")
 
     # What each kind defines:
-    def lookups(self, x: Any) -> list[_Lookup]:
+    def lookups(self, x: Any) -> list[TableLookup]:
         raise NotImplementedError
 
     def table_ids(self, x: Any) -> list[np.ndarray]:
@@ -109,13 +109,13 @@ class SparseInput:
         replica's row cache must hold for this batch (model.sparse_rows)."""
         raise NotImplementedError
 
-    def combine(self, x: Any, found: list[_Lookup], rows: list[np.ndarray],
+    def combine(self, x: Any, found: list[TableLookup], rows: list[np.ndarray],
                 out: np.ndarray) -> None:
         """out (N, out_size) = the tables' rows (compact, one array per table) combined,
         before bias and activation."""
         raise NotImplementedError
 
-    def combine_backward(self, x: Any, found: list[_Lookup], rows: list[np.ndarray],
+    def combine_backward(self, x: Any, found: list[TableLookup], rows: list[np.ndarray],
                          dz: np.ndarray) -> list[np.ndarray]:
         """Each table's compact rows' gradient from dz (N, out_size)."""
         raise NotImplementedError
@@ -133,19 +133,19 @@ class Bag(SparseInput):
         self.mean = mean
         self._lookup = Lookup(n_features)
 
-    def lookups(self, x: Any) -> list[_Lookup]:
-        return [_Lookup(*self._lookup(x.indices))]
+    def lookups(self, x: Any) -> list[TableLookup]:
+        return [TableLookup(*self._lookup(x.indices))]
 
     def table_ids(self, x: Any) -> list[np.ndarray]:
         return [x.indices]
 
-    def combine(self, x: Any, found: list[_Lookup], rows: list[np.ndarray],
+    def combine(self, x: Any, found: list[TableLookup], rows: list[np.ndarray],
                 out: np.ndarray) -> None:
         bag_forward(x.indptr, found[0].positions, x.values, rows[0], out)
         if self.mean:
             out /= self._counts(x)
 
-    def combine_backward(self, x: Any, found: list[_Lookup], rows: list[np.ndarray],
+    def combine_backward(self, x: Any, found: list[TableLookup], rows: list[np.ndarray],
                          dz: np.ndarray) -> list[np.ndarray]:
         if self.mean:
             dz = dz / self._counts(x)
@@ -170,15 +170,15 @@ class FieldEmbedding(SparseInput):
         self.dim, self.mode, self.hashed = dim, combine, hashed
         self._lookups = [Lookup(int(rows)) for rows in table_rows]
 
-    def lookups(self, x: Any) -> list[_Lookup]:
-        return [_Lookup(*look(ids)) for ids, look in zip(self.table_ids(x), self._lookups)]
+    def lookups(self, x: Any) -> list[TableLookup]:
+        return [TableLookup(*look(ids)) for ids, look in zip(self.table_ids(x), self._lookups)]
 
     def table_ids(self, x: Any) -> list[np.ndarray]:
         if self.hashed:
             x = x % np.array([rows for _, rows, _ in self.tables])
         return [x[:, f] for f in range(len(self.tables))]
 
-    def combine(self, x: Any, found: list[_Lookup], rows: list[np.ndarray],
+    def combine(self, x: Any, found: list[TableLookup], rows: list[np.ndarray],
                 out: np.ndarray) -> None:
         picked = [table[look.positions] for table, look in zip(rows, found)]
         if self.mode == "concat":
@@ -190,7 +190,7 @@ class FieldEmbedding(SparseInput):
             if self.mode == "mean":
                 out /= len(picked)
 
-    def combine_backward(self, x: Any, found: list[_Lookup], rows: list[np.ndarray],
+    def combine_backward(self, x: Any, found: list[TableLookup], rows: list[np.ndarray],
                          dz: np.ndarray) -> list[np.ndarray]:
         fields, dim = len(self.tables), self.dim
         if self.mode == "concat":

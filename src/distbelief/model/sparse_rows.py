@@ -25,7 +25,7 @@ import numpy as np
 
 from distbelief.model.layout import DTYPE
 from distbelief.model.losses import Evaluation, Loss
-from distbelief.model.sparse_network import SparseNetwork, _Lookup, tally_batches
+from distbelief.model.sparse_network import SparseNetwork, TableLookup, tally_batches
 
 
 class RowCache:
@@ -209,8 +209,8 @@ class RowsView:
             raise RuntimeError("RowsView: set a row cache before computing")
         return self.cache
 
-    def _found(self, x: Any) -> list[_Lookup]:
+    def _found(self, x: Any) -> list[TableLookup]:
         """Each table's lookup of the batch x: the cache's ids and each entry's row in it."""
         cache = self.cache
-        return [_Lookup(cache.ids[t], cache.positions(t, ids))
+        return [TableLookup(cache.ids[t], cache.positions(t, ids))
                 for t, ids in enumerate(self.network.input_layer.table_ids(x))]
