@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.sparse import MODELS, SOFTMAX_3, sparse_rows
 
 from distbelief.data.sparse import SparseRows
 from distbelief.errors import ConfigError, DataError
 from distbelief.model.losses import make_loss
 from distbelief.model.sparse_network import SparseNetwork
-
-SOFTMAX_3 = {"type": "dense", "units": 3, "activation": "softmax"}
-
-
-def sparse_rows(rng: np.random.Generator, n: int, features: int, nnz: int = 5) -> SparseRows:
-    x = np.zeros((n, features), np.float32)
-    for i in range(n):
-        if i != 2:  # row 2 stays empty: a row with no features is an example too
-            x[i, rng.choice(features, nnz, replace=False)] = rng.normal(size=nnz)
-    return SparseRows.from_dense(x)
 
 
 def worst_gradient_error(net: SparseNetwork, x, y, rng: np.random.Generator) -> float:
@@ -36,25 +27,6 @@ def worst_gradient_error(net: SparseNetwork, x, y, rng: np.random.Generator) -> 
         numeric = (net.loss(up, x, y) - net.loss(down, x, y)) / 2e-2
         worst = max(worst, abs(numeric - grad[i]) / max(1e-2, abs(numeric) + abs(grad[i])))
     return worst
-
-
-MODELS = {
-    "sparse_linear logistic": ("sparse", [{"type": "sparse_linear", "units": 1,
-                                           "activation": "sigmoid"}], "binary_cross_entropy"),
-    "sparse_linear and a tower": ("sparse", [{"type": "sparse_linear", "units": 4,
-                                              "activation": "tanh"}, SOFTMAX_3], None),
-    "bag mean": ("sparse", [{"type": "embedding", "dim": 4, "combine": "mean"}, SOFTMAX_3],
-                 None),
-    "fields concat": ("ids", [{"type": "embedding", "dim": 3},
-                              {"type": "dense", "units": 5, "activation": "relu"}, SOFTMAX_3],
-                      None),
-    "fields sum": ("ids", [{"type": "embedding", "dim": 3, "combine": "sum"}, SOFTMAX_3], None),
-    "fields mean": ("ids", [{"type": "embedding", "dim": 3, "combine": "mean"}, SOFTMAX_3],
-                    None),
-    "fields hashed": ("ids", [{"type": "embedding", "dim": 2, "rows": 4}, SOFTMAX_3], None),
-    "matrix factorisation": ("ids", [{"type": "embedding", "dim": 4, "combine": "dot"}],
-                             "mse"),
-}
 
 
 @pytest.mark.parametrize("name", MODELS)

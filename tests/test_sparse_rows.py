@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_sparse_models import MODELS, sparse_rows
+from helpers.sparse import MODELS, sparse_rows
 
 from distbelief.model.losses import make_loss
 from distbelief.model.sparse_network import SparseNetwork
