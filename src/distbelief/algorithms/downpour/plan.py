@@ -25,6 +25,10 @@ since each poll is an RMA epoch that shard 0 has to serve."""
 PAUSE_POLL_S = (0.2e-3, 5e-3)
 """Back-off bounds of a replica paused for a checkpoint or waiting for the teardown."""
 
+BOUND_POLL_S = (0.05e-3, 0.5e-3)
+"""Back-off bounds of a replica waiting for the slowest to come within
+optimizer.max_staleness (each poll a control exchange with shard 0)."""
+
 SHARD0_POLLS_PER_S = 20_000
 """What waiting client ranks may ask of shard 0 together, in control exchanges a second
 (the warm start, a checkpoint pause, the teardown): each one's longest sleep is at least
@@ -43,7 +47,11 @@ replica has paused, and of the end of the run."""
 
 CONTROL_POLL_S = 2e-3
 """Shard 0 reads the run control block at most this often (more often while replicas are
-paused for a checkpoint)."""
+paused for a checkpoint, or wait at optimizer.max_staleness: BOUND_CONTROL_POLL_S)."""
+
+BOUND_CONTROL_POLL_S = 0.2e-3
+"""While a replica waits at optimizer.max_staleness, shard 0 reads the block this often at
+most, to publish the new lowest clock (the latency of a bulk-synchronous step)."""
 
 SWEEP_S = 0.25
 """How often shard 0 looks for lost replicas and shards, and the other ranks for lost
@@ -101,10 +109,16 @@ class DownpourPlan:
     max_steps: int
     max_bad_gradients: int = 10
     replica_timeout_s: float = 0.0
+    max_staleness: int | None = None  # optimizer.max_staleness (downpour.clocks)
 
     @property
     def num_replicas(self) -> int:
         return self.topology.num_replicas
+
+    def joins_late(self, replica: int, base: int) -> bool:
+        """Whether `replica` starts training only once the warm start is over, in a job
+        that starts `base` global steps in (every rank answers the same)."""
+        return replica > 0 and self.warm_start_steps > 0 and base < self.warm_start_steps
 
 
 def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
@@ -124,7 +138,8 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
     return DownpourPlan(topology, config.data.batch_size, opt.n_fetch, opt.n_push,
                         opt.warm_start_steps, config.run.max_steps,
                         config.run.max_bad_gradients_in_a_row,
-                        config.run.replica_timeout_seconds)
+                        config.run.replica_timeout_seconds,
+                        opt.max_staleness)
 
 
 def grant(claimed_before: int, want: int, max_steps: int) -> int:
