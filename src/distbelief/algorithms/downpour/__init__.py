@@ -10,7 +10,8 @@ docs/downpour.md, "Design".
 
 MODULES (each imports only those before it; trainer.py imports them all): plan (the
 constants, errors, DownpourPlan, grant, Ending), run (open_run, OpenRun, Start: the set-up
-and the restore), replica (Replica, PartitionedReplica, make_replica), shards (ShardRole:
+and the restore), clocks (ReplicaClock, ClockWatch: the staleness bound,
+optimizer.max_staleness), replica (Replica, PartitionedReplica, make_replica), shards (ShardRole:
 what every shard does), progress (RunProgress: shard 0's steps, loss and stop decision),
 replica_watch (ReplicaWatch: the replicas' heartbeats and the lost ones), checkpoints
 (Checkpoints: shard 0's checkpointer: when, the replicas' part, the commit), variant

@@ -98,8 +98,9 @@ class Replica:
     the accumulated gradient every n_push steps, and follow shard 0's commands. All its
     communication is one-sided, with the shards (pull, push, push_pull, exchange), plus
     one message with its statistics to rank 0 at the end; it never waits for another
-    replica. With model parallelism its lead partition exchanges with shard 0 and tells
-    the others (`_share_values`; PartitionedReplica)."""
+    replica, but under optimizer.max_staleness for the slowest to come within the bound
+    (`_within_bound`; downpour.clocks). With model parallelism its lead partition
+    exchanges with shard 0 and tells the others (`_share_values`; PartitionedReplica)."""
 
     lead = True  # this rank talks to shard 0 for its replica
 
@@ -425,14 +426,25 @@ class Replica:
     def _push_counted(self, control: ControlExchange) -> None:
         """optimizer.max_staleness (downpour.clocks, CLOCKS): push, wait until every shard
         has applied the push (on every partition), then the control exchange, whose clock
-        counts it; the next fetch is the gate's."""
+        counts it. The fetch due at the next step rides on the push (read-your-writes, and
+        on shared memory one pass with the fold) when the lowest clock last read already
+        lets the next block compute on it; else the gate fetches, after its own read."""
         t0 = time.perf_counter()
-        self.client.push(self.pushed)
-        self.client.wait_applied()
+        clock = self.clock
+        if (self.lead and self.t % self.plan.n_fetch == 0
+                and self.control.min_clock >= clock.clock + 1 - clock.bound):
+            min_clock = self.control.min_clock  # read before this fetch
+            self.stats_.refetches += self.client.push_pull_own(self.pushed, self.params)[1]
+            self.stats_.fetches += 1
+            self.fresh = True
+            clock.fetched(min_clock)
+        else:
+            self.client.push(self.pushed)
+            self.client.wait_applied()
         self._agree_applied()
         if self.lead:
-            self.clock.pushes += 1
-            self._exchange(control.publish(clock=self.clock.pushes))
+            clock.pushes += 1
+            self._exchange(control.publish(clock=clock.pushes))
         self.stats_.rma_seconds += time.perf_counter() - t0
         self.stats_.pushes += 1
         if self.pushed is not self.grad:
