@@ -17,8 +17,12 @@ replicas (R + 1 ranks; on this 2-core machine OVERSUBSCRIBED from R = 2).
 (b) speed: `--seconds` of training at each bound of `--bounds` and unbounded, interleaved,
     `--rounds` rounds; with `--straggler`, replica R-1 takes that many times its compute
     time per step. Reported: samples/s per replica (mean over the replicas), each bound's
-    ratio to the unbounded run of the same round, the clock lead (max, mean) and the
-    seconds a replica waited at the bound (mean over the replicas).
+    ratio to the unbounded run of the same round, the milliseconds a replica spent in the
+    transport per push (its pushes, fetches and exchanges with them, not the waits: the
+    protocol's own cost, steadier than samples/s on a shared machine), the clock lead
+    (max, mean), the seconds a replica waited at the bound (mean over the replicas) and
+    the mean wait of a block that waited; then each bound's best samples/s over the
+    rounds against the unbounded run's best (the best is the least disturbed).
 
 The machine is shared: each row shows the load average just before it.
 """
@@ -96,9 +100,10 @@ def section_speed(args: argparse.Namespace, tmp: Path) -> None:
     print(f"\n(b) {args.seconds:g} s of training per run, {r} replicas"
           + (f", replica {r - 1} {args.straggler:g}x slower per step" if faults else "")
           + f"; {args.rounds} interleaved round(s)")
-    print(f"{'bound':<6} {'samples/s/replica':>18} {'/ unbounded':>12} {'lead max':>9} "
-          f"{'lead mean':>10} {'waited s':>9}")
+    print(f"{'bound':<6} {'samples/s/replica':>18} {'/ unbounded':>12} {'ms/push':>8} "
+          f"{'lead max':>9} {'lead mean':>10} {'waited s':>9} {'ms/wait':>8}")
     bounds = [None, *args.bounds]
+    best: dict[int | None, float] = {}
     for n in range(args.rounds):
         plain = None
         for bound in bounds:
@@ -111,12 +116,18 @@ def section_speed(args: argparse.Namespace, tmp: Path) -> None:
             replicas = summary["replicas"]
             rate = statistics.mean(x["samples_per_second"] for x in replicas)
             plain = rate if bound is None else plain
+            best[bound] = max(best.get(bound, 0.0), rate)
             lead = summary["clock_lead"]
             waited = (statistics.mean(x["clock_bound"]["wait_seconds"] for x in replicas)
                       if lead else 0.0)
+            per_wait = 1e3 * lead["wait_seconds"] / lead["waits"] if lead and lead["waits"] else 0
+            per_push = statistics.mean(1e3 * x["rma_seconds"] / x["pushes"] for x in replicas)
             print(f"{'-' if bound is None else bound:<6} {rate:>18,.0f} "
-                  f"{rate / plain:>12.2f} {lead['max'] if lead else '-':>9} "
-                  f"{lead['mean'] if lead else 0:>10.2f} {waited:>9.1f}   ({before})")
+                  f"{rate / plain:>12.2f} {per_push:>8.2f} {lead['max'] if lead else '-':>9} "
+                  f"{lead['mean'] if lead else 0:>10.2f} {waited:>9.1f} {per_wait:>8.2f}"
+                  f"   ({before})")
+    print("best over the rounds, / unbounded's best: " + ", ".join(
+        f"s={bound} {best[bound] / best[None]:.2f}" for bound in args.bounds))
 
 
 def main() -> None:
