@@ -583,6 +583,8 @@ def test_a_staleness_bound_holds_beside_a_straggler_and_a_killed_replica(
     # most the bound + 1 times more than the straggler, beside which it had all the time.
     assert fast["pushes"] <= slow["pushes"] + 2, (fast["pushes"], slow["pushes"])
     assert slow["steps"] >= 40
+    expected = "rma" if simulated_test_nodes() else "shared"
+    assert summary["shards"][0]["transport"] == expected
 
 
 # -- stalls ----------------------------------------------------------------------------------
