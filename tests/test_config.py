@@ -509,6 +509,35 @@ def test_push_dtype_values_and_hash() -> None:
     assert config_hash(narrowed) != config_hash(config())
 
 
+def test_max_staleness_values_hash_and_who_refuses_it() -> None:
+    def config(*overrides: str):
+        return config_from_dict(apply_overrides(raw_config(), [
+            'optimizer.algorithm="downpour"', *overrides]), Path("/cfg/exp.toml"))
+
+    assert config().optimizer.max_staleness is None
+    assert config("optimizer.max_staleness=0").optimizer.max_staleness == 0
+    # unset leaves earlier runs' hashes alone; every bound trains differently
+    assert "max_staleness" not in hashed_settings(config())["optimizer"]
+    hashes = {config_hash(config(*more)) for more in
+              [(), ("optimizer.max_staleness=0",), ("optimizer.max_staleness=2",)]}
+    assert len(hashes) == 3
+    message = schema_error(VALID, ('optimizer.algorithm="downpour"',
+                                   "optimizer.max_staleness=-1"))
+    assert "optimizer.max_staleness" in message and "an integer >= 0" in message
+    # The bound's fetch waits for the replica's own push and for the slowest replica.
+    message = schema_error(VALID, ('optimizer.algorithm="downpour"', "optimizer.max_staleness=1",
+                                   'optimizer.fetch="asynchronous"'))
+    assert 'leave fetch at "own_pushes"' in message
+    # EASGD and asynchronous DiLoCo run on Downpour's shards, without its gate: one line
+    # that says so.
+    for algorithm, more in [("averaging", "optimizer.elastic_alpha=0.5"),
+                            ("diloco", "optimizer.asynchronous=true"), ("sync", "")]:
+        message = schema_error(VALID, (f'optimizer.algorithm="{algorithm}"',
+                                       "optimizer.max_staleness=1", *filter(None, [more])))
+        assert (f'optimizer.max_staleness applies only to algorithm = "downpour", not '
+                f'"{algorithm}": it gates Downpour\'s pushes and fetches') in message
+
+
 def test_ps_shards_defaults_to_what_the_algorithm_needs() -> None:
     assert _optimizer(['optimizer.algorithm="downpour"'])[1].ps_shards == 1
     assert _optimizer([])[1].ps_shards == 1  # sgd ignores it; as before

@@ -277,6 +277,36 @@ def test_one_replica_reads_its_own_pushes(data_dir, tmp_path, transport):
     assert summary["shards"][0]["transport"] == transport
 
 
+# On one node shared memory; on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES) RMA.
+@pytest.mark.nodes
+def test_a_staleness_bound_of_0_steps_the_replicas_together(data_dir, tmp_path):
+    # optimizer.max_staleness = 0 (bulk-synchronous), 3 replicas pushing every 2 steps;
+    # replica 0 trains alone for the warm start's 40 steps, and the others are counted in
+    # at its clock then, so it does not wait for them to do its 20 pushes again. Replicas
+    # waiting at the bound pause for the checkpoints as the others do.
+    out = tmp_path / "out"
+    proc = downpour(4, data_dir, out, "run.max_steps=400", "optimizer.max_staleness=0",
+                    "optimizer.warm_start_steps=40", "optimizer.n_push=2",
+                    "run.checkpoint_every_steps=150")
+    summary, lines = finished(proc, out)
+    assert summary["steps"] == 400 and summary["max_staleness"] == 0
+    assert summary["checkpoints_written"] >= 3  # at 150, 300 and the final one
+    check_downpour_summary(summary, 4, 1)
+    check_metrics(lines, summary)
+    lead = summary["clock_lead"]
+    assert lead["bound"] == 0 and lead["max"] == 0 and lead["waits"] > 0, lead
+    assert "clock lead max 0 (bound 0)" in proc.stdout
+    clocks = [r["clock_bound"] for r in summary["replicas"]]
+    # Shard 0 may read the steps reported before the clock of the same exchange (RMA).
+    assert clocks[0]["joined_at"] == 0 and all(c["joined_at"] >= 19 for c in clocks[1:])
+    ends = [c["clock"] for c in clocks]
+    assert max(ends) - min(ends) <= 1, clocks
+    # Each fetch holds every replica's previous push, so between a replica's fetch and its
+    # push only the 2 others' pushes of the same clock can land; unbounded, far more do.
+    assert summary["staleness"]["max"] <= 2, summary["staleness"]
+    assert summary["final_test_accuracy"] > 0.5, "chance is 0.25"
+
+
 @pytest.fixture(scope="module")
 def timed_run(data_dir, tmp_path_factory):
     """3 ranks (1 shard, 2 replicas) stopped by the clock after 3 s; a learning rate low
@@ -546,3 +576,85 @@ def test_staleness_histogram_and_overflow_bin():
     assert out["histogram"][:3] == [1, 0, 2] and out["histogram"][-1] == 1
     assert len(out["histogram"]) == STALENESS_BINS == out["histogram_cap"] + 1
     assert StalenessStats().to_dict()["histogram"] == []
+
+
+# -- the staleness bound (optimizer.max_staleness, downpour.clocks) ------------------------------
+
+
+def test_the_clock_gate_waits_for_the_slowest_and_fetches_after_it_moved():
+    from distbelief.algorithms.downpour.clocks import FETCH, GO, WAIT, ReplicaClock
+
+    clock = ReplicaClock(bound=1)
+    assert clock.gate(min_clock=0, joined_at=None) == FETCH  # no parameters yet
+    clock.fetched(0)
+    clock.started(0, waited_s=0.0)
+    clock.pushes = 2  # two pushes later, the slowest still at 0: 2 ahead of it
+    assert clock.gate(min_clock=0, joined_at=None) == WAIT
+    # The slowest at 1: within the bound, but the parameters held predate it.
+    assert clock.gate(min_clock=1, joined_at=None) == FETCH
+    clock.fetched(1)
+    assert clock.gate(min_clock=1, joined_at=None) == GO
+    clock.started(1, waited_s=0.25)
+    assert clock.to_dict() == {"bound": 1, "clock": 2, "joined_at": 0, "blocks": 2,
+                               "waits": 1, "wait_seconds": 0.25, "lead_max": 1,
+                               "lead_mean": 0.5}
+    # A replica the warm start held back waits to be counted in, then starts there.
+    late = ReplicaClock(bound=0, joined_at=None)
+    assert late.gate(min_clock=30, joined_at=None) == WAIT
+    assert late.gate(min_clock=29, joined_at=30) == WAIT  # MIN_CLOCK read before JOINED
+    assert late.gate(min_clock=30, joined_at=30) == FETCH and late.clock == 30
+
+
+class _Block:
+    """Shard 0's run control block for ClockWatch: what it adds, and the replica rows."""
+
+    def __init__(self, replicas: int):
+        from distbelief.ps import run_control as rc
+
+        self.block = np.zeros(rc.block_slots(replicas), dtype=np.int64)
+        self.rows = self.block[rc.GLOBAL_SLOTS:].reshape(replicas, rc.REPLICA_SLOTS)
+
+    def add_run_control(self, slot: int, value: int) -> None:
+        self.block[slot] += value
+
+
+def test_shard_0_publishes_the_lowest_clock_of_the_live_replicas():
+    from distbelief.algorithms.downpour.clocks import ClockWatch
+    from distbelief.ps import run_control as rc
+
+    shard = _Block(4)
+    lost = np.zeros(4, dtype=bool)
+    watch = ClockWatch(shard, bound=1, replicas=4, late=[2, 3])  # held by the warm start
+    shard.rows[:, rc.CLOCK] = [5, 3, 0, 0]
+    assert watch.saw(shard.rows, lost, warm_over=False)
+    assert shard.block[rc.MIN_CLOCK] == 3 and watch.waiting  # replica 0 is 2 ahead
+    # The warm start ends: the held replicas are counted in at the lowest clock.
+    assert not watch.saw(shard.rows, lost, warm_over=True)
+    assert [shard.rows[r, rc.JOINED] for r in range(4)] == [0, 0, 4, 4]
+    shard.rows[:, rc.CLOCK] = [6, 4, 1, 2]  # clocks 6, 4, 3 + 1, 3 + 2
+    assert watch.saw(shard.rows, lost, warm_over=True) and shard.block[rc.MIN_CLOCK] == 4
+    # A lost replica and a finished one drop out of it at once.
+    lost[2] = True
+    shard.rows[1, rc.FINISHED] = 1
+    assert watch.saw(shard.rows, lost, warm_over=True)
+    assert shard.block[rc.MIN_CLOCK] == 5 == watch.min_clock and not watch.waiting
+    # Nobody left: the last lowest clock stays.
+    lost[:] = True
+    assert not watch.saw(shard.rows, lost, warm_over=True) and shard.block[rc.MIN_CLOCK] == 5
+
+
+def test_only_a_bounded_exchange_reads_the_lowest_clock_and_its_join():
+    from distbelief.ps import run_control as rc
+
+    block = np.zeros(rc.block_slots(2), dtype=np.int64)
+    block[rc.MIN_CLOCK] = 7
+    block[rc.replica_slot(1, rc.JOINED)] = 5  # counted in at clock 4
+    plain, bounded = rc.ControlExchange(1), rc.ControlExchange(1, bounded=True)
+    plain.set(claim=1).apply(block)
+    assert (plain.min_clock, plain.joined_at) == (0, None)
+    bounded.set(claim=1).publish(clock=3).apply(block)
+    assert (bounded.min_clock, bounded.joined_at) == (7, 4)
+    assert block[rc.replica_slot(1, rc.CLOCK)] == 3 and block[rc.replica_slot(1, rc.BEAT)] == 2
+    # JOINED is shard 0's: the replica's own additions never touch it.
+    bounded.set(claim=0).publish(clock=4).apply(block)
+    assert block[rc.replica_slot(1, rc.JOINED)] == 5 and block[rc.replica_slot(1, rc.CLOCK)] == 4

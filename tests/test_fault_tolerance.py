@@ -558,6 +558,35 @@ def test_a_slow_replica_does_not_hold_the_others_back(data_dir: Path, tmp_path: 
     assert min(steps[0], steps[1]) >= 3 * steps[2], steps
 
 
+@pytest.mark.nodes  # on simulated nodes RMA, and the dead rank found by its heartbeat
+def test_a_staleness_bound_holds_beside_a_straggler_and_a_killed_replica(
+        data_dir: Path, tmp_path: Path) -> None:
+    # optimizer.max_staleness = 1, 1 shard + 3 replicas: replica 2 (rank 3) takes 20 ms
+    # longer per step, replica 1 (rank 2) is killed at its step 30. Replica 0 waits for the
+    # straggler, never more than 1 clock ahead of it; the killed replica drops out of the
+    # lowest clock once it is found lost, or the others would wait for it for ever.
+    out = tmp_path / "out"
+    proc = job(4, data_dir / "mlp.toml", out, "run.max_steps=240",
+               "optimizer.max_staleness=1", faults="delay:3:0:0.02s kill:2:30")
+    output = proc.stdout + proc.stderr
+    assert exit_statuses(proc) == [0, 0, 137, 0], output[-3000:]
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "max_steps", output[-3000:]
+    assert [x["replica"] for x in summary["lost_replicas"]] == [1]
+    fast, slow = summary["replicas"]
+    assert (fast["replica"], slow["replica"]) == (0, 2)
+    lead = summary["clock_lead"]
+    assert lead["bound"] == 1 and lead["max"] <= 1, lead
+    assert all(r["clock_bound"]["lead_max"] <= 1 for r in (fast, slow))
+    assert fast["clock_bound"]["waits"] > 0 and fast["clock_bound"]["wait_seconds"] > 0
+    # What the replicas did, whatever they report of their waits: the fast one pushed at
+    # most the bound + 1 times more than the straggler, beside which it had all the time.
+    assert fast["pushes"] <= slow["pushes"] + 2, (fast["pushes"], slow["pushes"])
+    assert slow["steps"] >= 40
+    expected = "rma" if simulated_test_nodes() else "shared"
+    assert summary["shards"][0]["transport"] == expected
+
+
 # -- stalls ----------------------------------------------------------------------------------
 
 

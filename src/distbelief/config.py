@@ -616,9 +616,11 @@ def _check_owned_keys(opt: dict, given: dict, where: str) -> None:
                 owners.setdefault(key.name, []).append(name)
     for key in sorted(owners):
         if key in given and key not in mine and key not in SCHEMA["optimizer"]:
+            why = [options_of(owner).refused_because.get(key) for owner in owners[key]]
+            because = "".join(f": {text}" for text in why if text)
             raise ConfigError(f"{where}: optimizer.{key} applies only to algorithm = "
                               f"{' or '.join(_show(a) for a in owners[key])}, not "
-                              f"{_show(algorithm)}")
+                              f"{_show(algorithm)}{because}")
 
 
 def _check_algorithm_options(values: dict, given: dict, where: str) -> None:

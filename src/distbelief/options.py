@@ -138,6 +138,9 @@ class Options:
     shard_updates: ClassVar[tuple[str, ...]] = ()
     """optimizer.update rules only some algorithms run (on shards that know each push's
     delay), this one among them."""
+    refused_because: ClassVar[Mapping[str, str]] = {}
+    """Why another algorithm refuses one of these keys, where its name alone does not say
+    (config adds it to the error)."""
     ignored_by_others: ClassVar[bool] = False
     """Another algorithm ignores these keys instead of refusing them (Sandblaster's, as
     they always were: a file written for it also runs other algorithms, in `compare`)."""

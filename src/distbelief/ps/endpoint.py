@@ -523,6 +523,11 @@ class ParameterClient(ABC):
         """Pull until the last pull holds this client's last push; returns the pulls."""
 
     @abstractmethod
+    def wait_applied(self) -> None:
+        """Return once every shard this client touches has applied its last push and
+        published it (a pull from then on holds it), without pulling."""
+
+    @abstractmethod
     def exchange(self, control: ControlExchange) -> None:
         """Only the control operations on shard 0, without a gradient."""
 

@@ -519,6 +519,26 @@ class RmaClient(ParameterClient):
             backoff.end()
         return extra
 
+    def wait_applied(self) -> None:
+        """Return once every shard this client touches has folded and published its last
+        push (FOLDED_HINT[me] polled, 8 bytes a shard, sleeping as catch_up does), without
+        pulling: a pull from then on holds it. One-sided, to every shard it touches."""
+        self.drain()
+        shards = [s for s in self._pulled_shards() if self._pushes_made[s]]
+        backoff, waited = self._fold_wait, False
+        guard = watchdog.current()
+        with guard.waiting("the shards to apply this client's push",
+                           self.topology.shard_ranks):
+            while shards and not self._hints_reached(shards):
+                counters.add("rma_fold_polls")
+                if not waited:
+                    backoff.begin()
+                    waited = True
+                guard.check()
+                backoff.wait()
+        if waited:
+            backoff.end()
+
     def _behind(self) -> list[int]:
         return [s for s in self._pulled_shards() if self._folded[s] < self._pushes_made[s]]
 

@@ -28,6 +28,10 @@ window on the RMA transport, in its segment on the shared-memory one (rma_window
     TEARDOWN              shard 0 (once)        TEARDOWN_FREE or TEARDOWN_LEAVE, at the end
     WARM                  shard 0 (once)        the warm start is over whatever the steps
                                                   (replica 0 was lost or has finished)
+    MIN_CLOCK             shard 0               with optimizer.max_staleness: the lowest
+                                                  clock among the live replicas (those
+                                                  counted in, neither finished nor lost);
+                                                  0 otherwise (downpour.clocks)
 
     per replica r         written by            meaning
     BEAT                  replica r (+1)        exchanges made (its heartbeat)
@@ -40,10 +44,17 @@ window on the RMA transport, in its segment on the shared-memory one (rma_window
                                                   final
     ABANDONED             replica r (0 -> 1)    one of its partitions is gone: it is lost
     LOST                  shard 0 (0 -> 1)      shard 0 declared it lost: it must stop
+    CLOCK                 replica r             with optimizer.max_staleness: its pushes in
+                                                  this job that every shard has applied
+    JOINED                shard 0 (once)        with optimizer.max_staleness, for a replica
+                                                  counted in after the start (the warm
+                                                  start's): 1 + the clock it starts at
 
 Every update is an addition (a writer sends the difference from what it wrote before),
 so on the RMA transport every access is a count-1 int64 atomic: Accumulate(SUM) or
-Fetch_and_op(SUM) by the writer and Fetch_and_op(NO_OP) reads by everyone else. Count-1
+Fetch_and_op(SUM) by the writer and Fetch_and_op(NO_OP) reads by everyone else. Only a
+bounded replica's exchange (optimizer.max_staleness) reads MIN_CLOCK and its JOINED: an
+unbounded run makes the same operations as before they existed. Count-1
 integer atomics are what a network card does by itself (issue 28: with Open MPI's osc/ucx
 and `acc_single_intrinsic` they take no accumulate lock that a dying replica could keep),
 which is why the loss is fixed point, not a float64 accumulate. Element-wise atomic and
@@ -61,13 +72,14 @@ import numpy as np
 from mpi4py import MPI
 
 # Global slots (int64)
-CLAIMED, STEPS, LEFT, LOSS, STOP, STOP_ARG, CHECKPOINT, RELEASE, TEARDOWN, WARM = range(10)
-GLOBAL_SLOTS = 10
+(CLAIMED, STEPS, LEFT, LOSS, STOP, STOP_ARG, CHECKPOINT, RELEASE, TEARDOWN, WARM,
+ MIN_CLOCK) = range(11)
+GLOBAL_SLOTS = 11
 COMMANDS = slice(STOP, WARM + 1)  # what a replica reads with each exchange
 # Per-replica slots
 (BEAT, ACKED, EPOCH, POSITION, LOCAL_STEPS, USR1, TERM, GAVE_UP, FINISHED, ABANDONED,
- LOST) = range(11)
-REPLICA_SLOTS = 11
+ LOST, CLOCK, JOINED) = range(13)
+REPLICA_SLOTS = 13
 SLOT_BYTES = 8
 LOSS_SCALE = 1 << 20
 """LOSS holds sum(loss) * LOSS_SCALE as an int64 (resolution ~1e-6 per exchange)."""
@@ -139,10 +151,14 @@ class ControlExchange:
     `claimed_before` and `steps_before` (the global counters just before this exchange's
     additions: claims are atomic, so no step is granted twice), and the commands.
     `replica` None is a client without slots (a partition that is not its replica's lead).
+    `bounded` (a replica under optimizer.max_staleness) also reads MIN_CLOCK and its
+    JOINED with each exchange (`min_clock`, `joined_at`).
     """
 
-    def __init__(self, replica: int | None) -> None:
+    def __init__(self, replica: int | None, bounded: bool = False) -> None:
         self.replica = replica
+        self.bounded = bounded and replica is not None
+        self._clocks = np.zeros(2, dtype=np.int64)  # MIN_CLOCK, JOINED as read
         self._send = np.zeros(3, dtype=np.int64)  # claim, steps, left
         self._loss = np.zeros(1, dtype=np.int64)  # loss_units
         self._before = np.zeros(3, dtype=np.int64)  # claimed, steps, left
@@ -165,10 +181,10 @@ class ControlExchange:
 
     def publish(self, **values: int) -> ControlExchange:
         """Set this replica's slots by name (acked, epoch, position, local_steps, usr1,
-        term, gave_up, finished) for the next exchange."""
+        term, gave_up, finished, abandoned, clock) for the next exchange."""
         names = {"acked": ACKED, "epoch": EPOCH, "position": POSITION,
                  "local_steps": LOCAL_STEPS, "usr1": USR1, "term": TERM, "gave_up": GAVE_UP,
-                 "finished": FINISHED, "abandoned": ABANDONED}
+                 "finished": FINISHED, "abandoned": ABANDONED, "clock": CLOCK}
         for name, value in values.items():
             self._published[names[name]] = int(value)
         return self
@@ -217,6 +233,18 @@ class ControlExchange:
         """Shard 0 declared this replica lost (it must stop and push no more)."""
         return bool(self._row[LOST])
 
+    @property
+    def min_clock(self) -> int:
+        """MIN_CLOCK as read (a bounded exchange only; 0 otherwise)."""
+        return int(self._clocks[0])
+
+    @property
+    def joined_at(self) -> int | None:
+        """The clock shard 0 counted this replica in at (JOINED - 1), None before it has
+        (a bounded exchange only)."""
+        joined = int(self._clocks[1])
+        return joined - 1 if joined else None
+
     def _next_delta(self) -> np.ndarray:
         self._published[BEAT] += 1
         np.subtract(self._published, self._sent, out=self._delta)
@@ -231,7 +259,8 @@ class ControlExchange:
         atomics): Fetch_and_op(SUM) of the claim and of the steps (returning CLAIMED and
         STEPS before), Accumulate(SUM) of the loss, Fetch_and_op(NO_OP) of each command,
         Accumulate(SUM) of each of this replica's slots that changes (BEAT always), and
-        Fetch_and_op(NO_OP) of its LOST. 10 + (changed slots) operations."""
+        Fetch_and_op(NO_OP) of its LOST; a bounded exchange also Fetch_and_op(NO_OP) of
+        MIN_CLOCK and its JOINED. 10 + (changed slots) operations, 12 + when bounded."""
         int64 = MPI.INT64_T
         for i, slot in enumerate((CLAIMED, STEPS)):
             win.Fetch_and_op([self._send[i : i + 1], int64], [self._before[i : i + 1], int64],
@@ -251,6 +280,11 @@ class ControlExchange:
                            (row + int(slot) * SLOT_BYTES, 1, int64), MPI.SUM)
         win.Fetch_and_op([self._zero[:1], int64], [self._row[LOST : LOST + 1], int64], target,
                          row + LOST * SLOT_BYTES, MPI.NO_OP)
+        if self.bounded:
+            for i, offset in enumerate((base + MIN_CLOCK * SLOT_BYTES,
+                                        row + JOINED * SLOT_BYTES)):
+                win.Fetch_and_op([self._zero[:1], int64], [self._clocks[i : i + 1], int64],
+                                 target, offset, MPI.NO_OP)
 
     def apply(self, block: np.ndarray) -> None:
         """The same on a shared-memory block (int64 view; LOSS as float64 bits), under the
@@ -263,4 +297,6 @@ class ControlExchange:
             return
         mine = block[GLOBAL_SLOTS + self.replica * REPLICA_SLOTS:][:REPLICA_SLOTS]
         self._row[:] = mine
+        if self.bounded:
+            self._clocks[:] = block[MIN_CLOCK], mine[JOINED]
         mine += self._next_delta()

@@ -768,6 +768,9 @@ class SharedMemoryClient(ParameterClient):
         push_pull's copy is made right after the fold). Local."""
         return 0
 
+    def wait_applied(self) -> None:
+        """Nothing to wait for: a push returns once applied. Local."""
+
     def exchange(self, control: ControlExchange) -> None:
         """Only the control operations, under shard 0's exclusive lock."""
         segments = self._check_open()

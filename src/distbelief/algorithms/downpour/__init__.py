@@ -10,9 +10,10 @@ docs/downpour.md, "Design".
 
 MODULES (each imports only those before it; trainer.py imports them all): plan (the
 constants, errors, DownpourPlan, grant, Ending), run (open_run, OpenRun, Start: the set-up
-and the restore), replica (Replica, PartitionedReplica), row_replica (RowReplica: a sparse
-model's replica moving its batches' rows), shards (ShardRole: what every shard does),
-progress (RunProgress: shard 0's steps, loss and stop decision),
+and the restore), clocks (ReplicaClock, ClockWatch: the staleness bound,
+optimizer.max_staleness), replica (Replica, PartitionedReplica), row_replica (RowReplica: a
+sparse model's replica moving its batches' rows), shards (ShardRole: what every shard
+does), progress (RunProgress: shard 0's steps, loss and stop decision),
 replica_watch (ReplicaWatch: the replicas' heartbeats and the lost ones), checkpoints
 (Checkpoints: shard 0's checkpointer: when, the replicas' part, the commit), variant
 (Variant: what an algorithm built on this machinery, EASGD or asynchronous DiLoCo,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from distbelief.options import Options, choice, option
+from distbelief.errors import ConfigError
+from distbelief.options import Options, choice, integer, option
 
 STALENESS_SCALINGS = ("none", "inverse")
 """optimizer.staleness_scaling (model.optimizers.STALENESS_SCALINGS, which the shards
@@ -26,10 +28,16 @@ class DownpourOptions(Options):
         "asynchronous model replicas, launched with mpiexec (S + R x P ranks with "
         "cluster.partitions = P). A replica fetches the parameters every "
         "optimizer.n_fetch steps and pushes its summed gradient every n_push steps; "
-        "optimizer.warm_start_steps lets replica 0 train alone first. A lost replica "
-        "does not stop the run.")
+        "optimizer.warm_start_steps lets replica 0 train alone first; "
+        "optimizer.max_staleness bounds how far a replica may run ahead of the slowest. "
+        "A lost replica does not stop the run.")
     docs: ClassVar[str] = "docs/downpour.md"
     shard_updates: ClassVar[tuple[str, ...]] = ("adarevision", "dcasgd")
+    refused_because: ClassVar[Mapping[str, str]] = {
+        "max_staleness": "it gates Downpour's pushes and fetches; EASGD and asynchronous "
+                         "DiLoCo run on Downpour's shards but exchange with them on their "
+                         "own schedule, where no such gate is built (docs/downpour.md, "
+                         "\"Staleness bound\")"}
 
     fetch: str = option(
         "own_pushes", choice(FETCHES),
@@ -64,3 +72,21 @@ class DownpourOptions(Options):
         "Lian and Liu, IJCAI 2016); `\"none\"` keeps the configured rate "
         "([Downpour](downpour.md#staleness-aware-steps-optimizerstaleness_scaling))",
         hashed="unless default")
+    max_staleness: int | None = option(
+        None, integer(0),
+        "stale synchronous parallel (Ho et al., NIPS 2013): a replica whose clock (its "
+        "pushes, each of `n_push` steps) is more than this many ahead of the slowest live "
+        "replica's waits, without spinning, until it is not, and each fetch holds every "
+        "live replica's pushes up to that many clocks back; `0` is bulk-synchronous; unset, "
+        "fully asynchronous ([Downpour](downpour.md#staleness-bound-optimizermax_staleness))",
+        hashed="unless default")
+
+    def checked(self, given: Mapping[str, Any], settings: Mapping[str, Mapping[str, Any]],
+                where: str) -> Options:
+        if self.max_staleness is not None and self.fetch != "own_pushes":
+            raise ConfigError(
+                f"{where}: optimizer.max_staleness = {self.max_staleness} fetches after the "
+                f"replica's own push is applied and the slowest replica is within the bound, "
+                f"which leaves optimizer.fetch = \"{self.fetch}\" nothing to save; leave "
+                f"fetch at \"own_pushes\"")
+        return self

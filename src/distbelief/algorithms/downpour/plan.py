@@ -26,6 +26,10 @@ since each poll is an RMA epoch that shard 0 has to serve."""
 PAUSE_POLL_S = (0.2e-3, 5e-3)
 """Back-off bounds of a replica paused for a checkpoint or waiting for the teardown."""
 
+BOUND_POLL_S = (0.05e-3, 0.5e-3)
+"""Back-off bounds of a replica waiting for the slowest to come within
+optimizer.max_staleness (each poll a control exchange with shard 0)."""
+
 SHARD0_POLLS_PER_S = 20_000
 """What waiting client ranks may ask of shard 0 together, in control exchanges a second
 (the warm start, a checkpoint pause, the teardown): each one's longest sleep is at least
@@ -44,7 +48,11 @@ replica has paused, and of the end of the run."""
 
 CONTROL_POLL_S = 2e-3
 """Shard 0 reads the run control block at most this often (more often while replicas are
-paused for a checkpoint)."""
+paused for a checkpoint, or wait at optimizer.max_staleness: BOUND_CONTROL_POLL_S)."""
+
+BOUND_CONTROL_POLL_S = 0.2e-3
+"""While a replica waits at optimizer.max_staleness, shard 0 reads the block this often at
+most, to publish the new lowest clock (the latency of a bulk-synchronous step)."""
 
 SWEEP_S = 0.25
 """How often shard 0 looks for lost replicas and shards, and the other ranks for lost
@@ -105,10 +113,16 @@ class DownpourPlan:
     row_pulls: bool = False
     """A sparse model whose replicas pull and push their batches' table rows only
     (optimizer.table_pulls = "rows"; downpour.row_replica)."""
+    max_staleness: int | None = None  # optimizer.max_staleness (downpour.clocks)
 
     @property
     def num_replicas(self) -> int:
         return self.topology.num_replicas
+
+    def joins_late(self, replica: int, base: int) -> bool:
+        """Whether `replica` starts training only once the warm start is over, in a job
+        that starts `base` global steps in (every rank answers the same)."""
+        return replica > 0 and self.warm_start_steps > 0 and base < self.warm_start_steps
 
 
 def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
@@ -128,7 +142,8 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
     return DownpourPlan(topology, config.data.batch_size, opt.n_fetch, opt.n_push,
                         opt.warm_start_steps, config.run.max_steps,
                         config.run.max_bad_gradients_in_a_row,
-                        config.run.replica_timeout_seconds, _row_pulls(config))
+                        config.run.replica_timeout_seconds, _row_pulls(config),
+                        opt.max_staleness)
 
 
 def _row_pulls(config: Config) -> bool:
@@ -145,6 +160,10 @@ def _row_pulls(config: Config) -> bool:
         why = "optimizer.push_dtype must be \"float32\""
     elif opt.update == "adarevision":
         why = "optimizer.update = \"adarevision\" keeps its state per version, not per row"
+    elif opt.max_staleness is not None:
+        # The bound's gate may let a block start on the parameters it holds, while a row
+        # replica's are the rows of the batches it drew last, not of the next ones.
+        why = "optimizer.max_staleness is not built for row pulls yet"
     if why:
         raise ConfigError(f"optimizer.table_pulls = \"rows\" (the default for a sparse "
                           f"model): {why}; set table_pulls = \"whole\" to move the whole "

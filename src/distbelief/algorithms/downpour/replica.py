@@ -16,7 +16,9 @@ import numpy as np
 from mpi4py import MPI
 
 from distbelief.algorithms.common import apply_step
+from distbelief.algorithms.downpour.clocks import FETCH, WAIT, ReplicaClock
 from distbelief.algorithms.downpour.plan import (
+    BOUND_POLL_S,
     LEAVING_TAG,
     PAUSE_POLL_S,
     STATS_TAG,
@@ -65,6 +67,7 @@ class ReplicaStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     staleness: StalenessStats = field(default_factory=StalenessStats)
+    clock_bound: dict[str, Any] | None = None  # optimizer.max_staleness: ReplicaClock's
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -84,8 +87,9 @@ class Replica:
     the accumulated gradient every n_push steps, and follow shard 0's commands. All its
     communication is one-sided, with the shards (pull, push, push_pull, exchange), plus
     one message with its statistics to rank 0 at the end; it never waits for another
-    replica. With model parallelism its lead partition exchanges with shard 0 and tells
-    the others (`_share_values`; PartitionedReplica)."""
+    replica, but under optimizer.max_staleness for the slowest to come within the bound
+    (`_within_bound`; downpour.clocks). With model parallelism its lead partition
+    exchanges with shard 0 and tells the others (`_share_values`; PartitionedReplica)."""
 
     lead = True  # this rank talks to shard 0 for its replica
 
@@ -107,7 +111,11 @@ class Replica:
             self._spare_grad = np.zeros_like(self.params)
             self._spare_pushed = self._spare_grad if plan.n_push == 1 else np.zeros_like(
                 self.params)
-        self.control = ControlExchange(self.index if self.lead else None)
+        # optimizer.max_staleness (downpour.clocks): on every partition, the lead's counts
+        self.clock = None if plan.max_staleness is None else ReplicaClock(
+            plan.max_staleness, None if plan.joins_late(self.index, self.base) else 0)
+        self.control = ControlExchange(self.index if self.lead else None,
+                                       bounded=self.clock is not None)
         self.t = run.start.local_steps  # local steps done (a resumed replica goes on)
         self.fresh = False  # params were fetched at the last push (push_pull)
         self.stopping = False
@@ -129,6 +137,8 @@ class Replica:
             self.stats_.wait_seconds = start - t0
             granted = 0 if self.stopping else self._first_claim()
             while granted and not self.stopping:
+                if self.clock is not None and not self._within_bound():
+                    break
                 granted = self._train_block(granted)
         except RankLost as lost:
             self._abandon(lost)
@@ -163,16 +173,53 @@ class Replica:
             backoff.wait()
 
     def _first_claim(self) -> int:
-        """Claim the first n_push steps and fetch the parameters."""
+        """Claim the first n_push steps and fetch the parameters (under the staleness
+        bound, the gate fetches them)."""
         t0 = time.perf_counter()
         if self.lead:
             self._exchange(self.control.set(claim=self.plan.n_push))
             self.stats_.started_at_step = self.base + self.control.steps_before
-        self.client.pull(self.params)
+        if self.clock is None:
+            self.client.pull(self.params)
+            self.stats_.fetches += 1
+            self.fresh = True
         self.stats_.rma_seconds += time.perf_counter() - t0
-        self.stats_.fetches += 1
-        self.fresh = True
         return self._granted_after_exchange()
+
+    def _within_bound(self) -> bool:
+        """optimizer.max_staleness, before a block (downpour.clocks, THE GATE): poll
+        shard 0 until the slowest live replica is within the bound, and fetch if the
+        parameters held were fetched before it was. The lead decides, every partition
+        follows; checkpoints pause it as any exchange does. False if the replica stopped
+        while it waited."""
+        clock, control = self.clock, self.control
+        t0, paused = time.perf_counter(), self.stats_.checkpoint_seconds
+        backoff = shard0_backoff(BOUND_POLL_S, self.plan.num_replicas)
+        guard = watchdog.current()
+        waited = False
+        with guard.waiting("the slowest replica to come within optimizer.max_staleness",
+                           (0,)):
+            while True:
+                answer = clock.gate(control.min_clock, control.joined_at) if self.lead else WAIT
+                answer, action = self._decide(answer)
+                if action != GO:
+                    return False
+                if answer != WAIT:
+                    break
+                waited = True
+                guard.check()
+                backoff.wait()
+                if self.lead:
+                    self._exchange(control.set(claim=0))
+                    guard.progress()  # shard 0 answers: the slowest replica is simply behind
+        waited_s = (time.perf_counter() - t0 - (self.stats_.checkpoint_seconds - paused)
+                    if waited else 0.0)
+        if answer == FETCH:
+            self._pull()
+            self.fresh = True
+        if self.lead:
+            clock.started(control.min_clock, waited_s)
+        return True
 
     def _train_block(self, steps: int) -> int:
         """Compute `steps` granted steps (fetching on schedule), then push them with the
@@ -329,6 +376,8 @@ class Replica:
             self.client.pull(self.params)
             self._catch_up()
             self.stats_.fetches += 1
+            if self.clock is not None and self.lead:  # after the last exchange's read
+                self.clock.fetched(self.control.min_clock)
         self.stats_.rma_seconds += time.perf_counter() - t0
 
     def _catch_up(self) -> None:
@@ -340,6 +389,9 @@ class Replica:
     def _push(self, control: ControlExchange) -> None:
         """Push the gradient with the control exchange (the lead's); fetch in the same
         epochs when the next step is due to fetch."""
+        if self.clock is not None:
+            self._push_counted(control)
+            return
         t0 = time.perf_counter()
         control = self._before_exchange(control) if self.lead else None
         fetch = self.t % self.plan.n_fetch == 0
@@ -359,6 +411,36 @@ class Replica:
         self.stats_.pushes += 1
         if self.pushed is not self.grad:
             self.pushed.fill(0)
+
+    def _push_counted(self, control: ControlExchange) -> None:
+        """optimizer.max_staleness (downpour.clocks, CLOCKS): push, wait until every shard
+        has applied the push (on every partition), then the control exchange, whose clock
+        counts it. The fetch due at the next step rides on the push (read-your-writes, and
+        on shared memory one pass with the fold) when the lowest clock last read already
+        lets the next block compute on it; else the gate fetches, after its own read."""
+        t0 = time.perf_counter()
+        clock = self.clock
+        if (self.lead and self.t % self.plan.n_fetch == 0
+                and self.control.min_clock >= clock.clock + 1 - clock.bound):
+            min_clock = self.control.min_clock  # read before this fetch
+            self.stats_.refetches += self.client.push_pull_own(self.pushed, self.params)[1]
+            self.stats_.fetches += 1
+            self.fresh = True
+            clock.fetched(min_clock)
+        else:
+            self.client.push(self.pushed)
+            self.client.wait_applied()
+        self._agree_applied()
+        if self.lead:
+            clock.pushes += 1
+            self._exchange(control.publish(clock=clock.pushes))
+        self.stats_.rma_seconds += time.perf_counter() - t0
+        self.stats_.pushes += 1
+        if self.pushed is not self.grad:
+            self.pushed.fill(0)
+
+    def _agree_applied(self) -> None:
+        """Every partition's push is applied (PartitionedReplica); one rank: nothing."""
 
     def _push_overlapped(self, control: ControlExchange | None, fetch: bool) -> None:
         """fetch = "overlapped": push (and fetch) with the transfers left in flight until
@@ -464,6 +546,8 @@ class Replica:
     def stats(self) -> dict[str, Any]:
         self.stats_.bytes_sent = int(self.client.bytes_sent)
         self.stats_.bytes_received = int(self.client.bytes_received)
+        if self.clock is not None and self.lead:
+            self.stats_.clock_bound = self.clock.to_dict()
         return {"role": "replica", **self.stats_.to_dict()}
 
 
@@ -494,6 +578,12 @@ class PartitionedReplica(Replica):
         if self.fetch == "overlapped":
             wait_all([self.comm.Ibarrier()], "the other partitions of this replica to "
                      "complete their pushes", self.model.partner_ranks)
+
+    def _agree_applied(self) -> None:
+        """Under the staleness bound, before the lead's clock counts the push: every
+        partition's push is applied (a polled barrier on the partition communicator)."""
+        wait_all([self.comm.Ibarrier()], "the other partitions of this replica to have "
+                 "their pushes applied", self.model.partner_ranks)
 
     def _share_values(self, values: np.ndarray) -> np.ndarray:
         values = np.ascontiguousarray(values, dtype=np.int64)

@@ -19,7 +19,9 @@ from mpi4py import MPI
 
 from distbelief.algorithms.common import StopRules, evaluate
 from distbelief.algorithms.downpour.checkpoints import Checkpoints
+from distbelief.algorithms.downpour.clocks import ClockWatch, combined_leads
 from distbelief.algorithms.downpour.plan import (
+    BOUND_CONTROL_POLL_S,
     CONTROL_POLL_S,
     LEAVE_GRACE_S,
     LEAVING_TAG,
@@ -106,6 +108,10 @@ class Supervisor:
         # The clock starts once every rank is ready (open_parameter_server's barrier).
         self.recorder = run.session.open_recorder()
         self.replicas = ReplicaWatch(run, self.progress, self.recorder, stream)
+        # optimizer.max_staleness: the lowest live clock (downpour.clocks)
+        self.clocks = None if plan.max_staleness is None else ClockWatch(
+            self.shard, plan.max_staleness, replicas,
+            [r for r in range(replicas) if plan.joins_late(r, start.base)])
         self.checkpoints = Checkpoints(run, config, network, info, self.progress,
                                        self.replicas, self.recorder, stream, self._catch_up)
         self.shard_role = ShardRole(run, lead=self.checkpoints)
@@ -141,7 +147,7 @@ class Supervisor:
         checkpoints = self.checkpoints
         if (now >= self._next_control or checkpoints.waiting_for_pauses
                 or self.usr1_pending):
-            self._read_control(now)
+            busy = self._read_control(now) or busy
         if now >= self.replicas.next_sweep:
             self.replicas.sweep(now)
         if now >= self.next_log:
@@ -160,9 +166,10 @@ class Supervisor:
 
     # -- the run control block
 
-    def _read_control(self, now: float) -> None:
+    def _read_control(self, now: float) -> bool:
         """Read the block: steps and loss, heartbeats, signals, replicas giving up, the
-        pause for a checkpoint, the end."""
+        pause for a checkpoint, the lowest live clock, the end. True when replicas waiting
+        at optimizer.max_staleness may go on (the new lowest clock is published)."""
         self._next_control = now + CONTROL_POLL_S
         view = self.shard.read_run_control()
         progress = self.progress
@@ -189,6 +196,21 @@ class Supervisor:
             self.shard.add_run_control(rc.WARM, 1)
             self.warm_released = True
         self.checkpoints.read_acks(rows, now)
+        return self._read_clocks(rows, now)
+
+    def _read_clocks(self, rows: np.ndarray, now: float) -> bool:
+        """optimizer.max_staleness: publish the lowest live clock, counting the replicas
+        the warm start held back in once it is over; while a replica waits at the bound,
+        read the block again soon (BOUND_CONTROL_POLL_S)."""
+        clocks = self.clocks
+        if clocks is None:
+            return False
+        warm_over = (self.warm_released
+                     or self.progress.steps >= self.plan.warm_start_steps)
+        moved = clocks.saw(rows, self.replicas.lost_mask, warm_over)
+        if clocks.waiting:
+            self._next_control = min(self._next_control, now + BOUND_CONTROL_POLL_S)
+        return moved or clocks.waiting
 
     def _catch_up(self) -> None:
         """Read the block and log the training line: the totals as of now (a checkpoint's,
@@ -430,6 +452,9 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "checkpoint_ack_wait_seconds": checkpoints.ack_wait_seconds,
         "lost_replicas": [asdict(lost) for _, lost in sorted(sup.replicas.lost.items())],
         "staleness": _combined_staleness(replicas),
+        # the bound and what it bounds (downpour.clocks): each block's clock lead
+        "max_staleness": plan.max_staleness,
+        "clock_lead": combined_leads(plan.max_staleness, replicas),
         "push_dtype": config.optimizer.push_dtype,
         **sup.variant.summary,
         # every replica rank's, summed (each also in its `replicas` entry)
@@ -456,9 +481,10 @@ def _combined_staleness(replicas: list[dict[str, Any]]) -> dict[str, Any]:
 def _header(config: Config, plan: DownpourPlan, network: Any, info: Any,
             eval_samples: int, name: str) -> str:
     opt = config.optimizer
+    bound = "" if plan.max_staleness is None else f"max staleness {plan.max_staleness}, "
     return (f"distbelief: {name}, {network.layout.size:,d} parameters; "
             f"{plan.topology.describe()}; n_fetch {opt.n_fetch}, n_push {opt.n_push}, "
-            f"warm start {opt.warm_start_steps} steps, "
+            f"warm start {opt.warm_start_steps} steps, {bound}"
             f"update {opt.update}, lr {opt.learning_rate:g}; data "
             f"{info.path} ({info.n_train} train / {eval_samples} eval samples), out "
             f"{config.run.out_dir}\n{network.describe()}")
@@ -471,6 +497,11 @@ def _summary_line(summary: dict[str, Any], config: Config) -> str:
             f"in total, {summary['wall_seconds']:.1f}s; {accuracy_text(summary)}; samples/s "
             f"per replica: {rates}; staleness mean {summary['staleness']['mean']:.2f} max "
             f"{summary['staleness']['max']}")
+    lead = summary["clock_lead"]
+    if lead is not None:
+        text += (f"; clock lead max {lead['max']} (bound {lead['bound']}), waited "
+                 f"{lead['wait_seconds']:.1f}s over {lead['waits']} of {lead['blocks']} "
+                 f"blocks")
     if summary["lost_replicas"]:
         text += f"; replicas lost: {', '.join(str(r['replica']) for r in summary['lost_replicas'])}"
     text += target_text(summary)
