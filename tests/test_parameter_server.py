@@ -187,6 +187,16 @@ def test_pushes_and_pulls_of_pieces_apply_at_those_coordinates_alone(transport):
     assert "pulled pieces match the local optimizer" in proc.stdout
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_pieces_pull_on_other_shards_than_the_push_returns(transport):
+    # A batch's rows on one shard, the next batch's on another: read-your-writes must wait
+    # for the shards the pull reads, and never for one only pushed to (it hung over RMA).
+    proc = mpi4py_job(3, "ps_pieces_catch_up.py", "--shards", 2, "--size", 1_000,
+                      "--transport", transport, timeout=60)
+    assert_ok(proc)
+    assert "every push seen" in proc.stdout
+
+
 @pytest.mark.both_mpis
 @pytest.mark.parametrize("transport", TRANSPORTS_NODES)
 @pytest.mark.parametrize("n, shards, mode", [

@@ -540,7 +540,12 @@ class RmaClient(ParameterClient):
             backoff.end()
 
     def _behind(self) -> list[int]:
-        return [s for s in self._pulled_shards() if self._folded[s] < self._pushes_made[s]]
+        """The shards the pull reads whose FOLDED, as last pulled, lacks this client's last
+        push. A pieces pull reads only its own shards' FOLDED: a shard only pushed to is
+        caught up with by the first later pull that reads it."""
+        shards = (self._pulled_shards() if self._pull_map is None
+                  else self._pull_map.shards)
+        return [s for s in shards if self._folded[s] < self._pushes_made[s]]
 
     def _hints_reached(self, behind: Sequence[int]) -> bool:
         """Whether every shard behind has published an update holding this client's last
