@@ -158,6 +158,26 @@ def test_sparse_models_train_under_mpiexec(data: Path, tmp_path: Path, algorithm
     assert not (out / ".hogwild-update.lock").exists()  # the lock's file goes with the run
 
 
+def test_easgd_on_a_sparse_model_moves_the_whole_vector_over_rma(data: Path,
+                                                              tmp_path: Path) -> None:
+    # EASGD runs on Downpour's machinery but its replicas push whole vectors: the default
+    # table_pulls = "rows" must not open a row-sharded server under them (RMA failed).
+    name, out = "sparse_logistic", tmp_path / "out"
+    floor, constant = FLOORS[name]
+    target = floor + (constant - floor) / 5
+    args = ["-m", "distbelief", "train", data / f"{name}.toml"]
+    for override in (f'run.out_dir="{out}"', 'optimizer.algorithm="averaging"',
+                     "optimizer.elastic_alpha=0.3", "cluster.ps_shards=1",
+                     f"run.target_loss={target}", "run.max_seconds=60",
+                     f'data.path="{data / name}.h5"'):
+        args += ["--set", override]
+    proc = run_mpi(3, args, timeout=TIMEOUT, env={**job_env(), "DISTBELIEF_PS_TRANSPORT": "rma"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "target_loss", summary["stop_reason"]
+    assert [s["transport"] for s in summary["shards"]] == ["rma"]
+
+
 @pytest.mark.matrix
 @pytest.mark.parametrize("transport", ["rma", "shared"])
 def test_a_replica_killed_while_moving_rows_leaves_the_others_to_finish(
