@@ -453,8 +453,12 @@ class RmaShard(ParameterServerShard):
             state = int(self._states[k, 0])
             if state == QUARANTINED:
                 since, hold = self._quarantined.setdefault(k, (now, UNPROVEN_QUARANTINE_S))
-                if now - since >= hold and self._swap_slot(k, state, 0):
-                    del self._quarantined[k]
+                if now - since >= hold:
+                    if self._pieces:  # a free slot is all zero: pieces pushes add to it
+                        self._slot_raw[k][:] = 0
+                        self._slot_heads[k][:] = 0
+                    if self._swap_slot(k, state, 0):
+                        del self._quarantined[k]
                 continue
             if state <= 0 or slot_is_full(state):
                 self._claimed_since.pop(k, None)
