@@ -202,6 +202,9 @@ def test_evaluate_on_a_file_that_does_not_fit_is_one_error(dense_run: Path,
     other = data_file(local_run)
     one_error_line(run_cli(["evaluate", dense_run, "--data", other]),
                    "does not take the inputs of", other)
+    # A run without a validation split, asked for it: one line, not a traceback.
+    one_error_line(run_cli(["evaluate", dense_run, "--split", "validation"]),
+                   "has no validation split")
 
 
 # -- export and load round trips ---------------------------------------------------------

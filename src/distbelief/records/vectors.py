@@ -32,7 +32,7 @@ import h5py
 import numpy as np
 
 from distbelief.data.hdf5 import H5_ERRORS
-from distbelief.errors import UserError
+from distbelief.errors import DataError, UserError
 from distbelief.model.layout import DTYPE, ParamEntry, ParamLayout
 from distbelief.model.losses import Evaluation
 from distbelief.model.sparse_network import SparseNetwork, tally_batches
@@ -200,6 +200,10 @@ def evaluate_in_blocks(scorer_: WholeScorer | RowScorer, info: Any, split: str,
     from distbelief.data.hdf5 import model_input, read_rows
 
     rows = {"test": info.n_test, "validation": info.n_val, "train": info.n_train}[split]
+    if rows == 0:
+        raise DataError(f"{info.path} has no {split} split" + (
+            ": add a /val group, or hold out part of /train with data.validation"
+            if split == "validation" else ""))
     block = max(1, block_bytes // (info.input_row_bytes * batch_size)) * batch_size
     tally = None
     for start in range(0, rows, block):
