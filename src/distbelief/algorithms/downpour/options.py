@@ -16,9 +16,9 @@ apply; repeated here because options modules import nothing of the model)."""
 FETCHES = ("own_pushes", "asynchronous", "overlapped")
 """optimizer.fetch: what a replica's fetch waits for (docs/downpour.md, "Fetch")."""
 PUSH_DTYPES = ("float32", "bfloat16")
+"""optimizer.push_dtype: the number format of a replica's pushed gradient."""
 TABLE_PULLS = ("rows", "whole")
 """optimizer.table_pulls: what a replica of a sparse model moves of its tables."""
-"""optimizer.push_dtype: the number format of a replica's pushed gradient."""
 
 
 @dataclass(frozen=True)
