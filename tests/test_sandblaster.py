@@ -330,7 +330,8 @@ def test_assembled_gradient_equals_the_single_process_gradient(
         assert summary["backup_units_issued"] > 0
 
 
-@pytest.mark.both_mpis
+# Under Open MPI, Sandblaster's messages are test_checkpoint_holds_the_history...'s to check:
+# it trains, checkpoints and resumes on other shards, every path this one takes.
 @pytest.mark.nodes  # also on simulated nodes (conftest.py: DISTBELIEF_TEST_NODES)
 @pytest.mark.parametrize("n,shards", [(4, 1), (5, 2), (6, 3), (6, 1)])
 @pytest.mark.matrix
