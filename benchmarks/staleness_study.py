@@ -3,16 +3,17 @@ is large and measured, and what each staleness option does about it.
 
 Every run is `distbelief compare` on configs/fashion_mnist_mlp.toml (the reference MLP
 784-512-512-10 on Fashion-MNIST, batch 64), Downpour on 1 shard + R replicas (R + 1
-ranks; on a 2-core machine every R here is OVERSUBSCRIBED, so the staleness is what the
-OS scheduler makes it). Runs are made comparable by an equal sample budget,
+ranks; on a 2-core machine every R here is OVERSUBSCRIBED, so the tail of the staleness
+is what the OS scheduler makes it). Runs are made comparable by an equal sample budget,
 `run.max_steps` global steps of one batch (`--steps`), not by seconds; `--max-seconds`
 is only a guard, and the target is set out of reach (0.99) so that no run stops early.
 
     python benchmarks/staleness_study.py                 # run every part, then report
-    python benchmarks/staleness_study.py --parts adagrad,dcasgd
+    python benchmarks/staleness_study.py --parts adagrad,dcasgd --seeds 0
     python benchmarks/staleness_study.py --report-only   # the tables and the figure only
 
-The parts (each one `compare` folder under --out):
+The parts (each one `compare` folder under --out; seeds 0 and 1, except sgd_rate and
+rates, seed 0):
 
     sgd_rate     fixed-rate SGD at R = 4, lr 0.05 and 0.2: the rate picked for `sgd`
     adagrad      Adagrad (lr 0.02) x {plain, max_staleness=2, staleness_scaling=inverse},
@@ -70,11 +71,11 @@ def spec(rule: str, option: str) -> str:
 
 
 def invocation(folder: str, algorithms: list[str], replicas: list[int], rates: list[float],
-               faults: str | None = None) -> dict:
+               faults: str | None = None, seeds: str = "0,1") -> dict:
     """One compare run: its folder under --out, algorithms, replica counts, learning rates,
-    and the DISTBELIEF_FAULTS it runs under."""
+    the DISTBELIEF_FAULTS it runs under, and its seeds (unless --seeds gives others)."""
     return {"folder": folder, "algorithms": algorithms, "replicas": replicas,
-            "rates": rates, "faults": faults}
+            "rates": rates, "faults": faults, "seeds": seeds}
 
 
 def parts() -> dict[str, list[dict]]:
@@ -85,29 +86,32 @@ def parts() -> dict[str, list[dict]]:
     dcasgd = [spec("dcasgd", "plain")]
     a, s = ADAGRAD_LR, SGD_LR
     return {
-        "sgd_rate": [invocation("sgd_rate", [spec("sgd", "plain")], [4], [s, 4 * s])],
+        "sgd_rate": [invocation("sgd_rate", [spec("sgd", "plain")], [4], [s, 4 * s],
+                                seeds="0")],
         "adagrad": [invocation("adagrad", adagrad, [4, 8, 16], [a])],
         "dcasgd": [invocation("dcasgd", dcasgd, [4, 8, 16], [s])],
         "sgd": [invocation("sgd", [spec("sgd", o) for o in three], [16, 4, 8], [s])],
         "adarevision": [invocation("adarevision", [spec("adarevision", o) for o in three],
                                    [16, 4, 8], [a])],
-        "rates": [invocation("rates_adagrad", adagrad, [16], [4 * a, 16 * a, 8 * a]),
-                  invocation("rates_dcasgd", dcasgd, [16], [4 * s, 16 * s, 2 * s]),
+        "rates": [invocation("rates_adagrad", adagrad, [16], [4 * a, 16 * a, 8 * a],
+                             seeds="0"),
+                  invocation("rates_dcasgd", dcasgd, [16], [4 * s, 16 * s, 2 * s],
+                             seeds="0"),
                   invocation("rates_r4", [spec("adagrad", "plain")], [4],
-                             [4 * a, 16 * a, 8 * a])],
+                             [4 * a, 16 * a, 8 * a], seeds="0")],
         "straggler": [invocation("straggler", bounded, [8], [a], "delay:8:0:3x")],
         "link": [invocation("link", bounded, [8], [a], "link:*:0:500e6B/s")],
     }
 
 
 def run_part(invocation: dict, out: Path, steps: int, max_seconds: float,
-             seeds: str) -> None:
+             seeds: str | None) -> None:
     argv = [sys.executable, "-m", "distbelief", "compare", str(CONFIG)]
     for algorithm in invocation["algorithms"]:
         argv += ["--algorithm", algorithm]
     argv += ["--replicas", ",".join(map(str, invocation["replicas"])),
              "--learning-rates", ",".join(f"{r:g}" for r in invocation["rates"]),
-             "--seeds", seeds, "--set", f"run.max_steps={steps}",
+             "--seeds", seeds or invocation["seeds"], "--set", f"run.max_steps={steps}",
              "--max-seconds", f"{max_seconds:g}", "--target", "0.99",
              "--out", str(out / invocation["folder"])]
     env = dict(os.environ)
@@ -323,9 +327,10 @@ def main() -> None:
                     help="run.max_steps: global steps of batch 64 (default 6000)")
     ap.add_argument("--max-seconds", type=float, default=300.0,
                     help="a guard only (default 300)")
-    ap.add_argument("--seeds", default="0",
-                    help="run.seed values, e.g. 0,1 (default 0); compare runs only the "
-                    "runs not already finished in --out")
+    ap.add_argument("--seeds", default=None,
+                    help="run.seed values for every part, e.g. 0 (default: each part's "
+                    "own, as the study ran: 0,1, and 0 for sgd_rate and rates); compare "
+                    "runs only the runs not already finished in --out")
     ap.add_argument("--figure", default=str(FIGURE))
     ap.add_argument("--report-only", action="store_true")
     args = ap.parse_args()
