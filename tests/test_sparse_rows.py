@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.mpi_jobs import REPO
 from helpers.sparse import MODELS, sparse_rows
 
 from distbelief.model.losses import make_loss
@@ -108,6 +109,23 @@ def test_a_row_replicas_predicted_memory_follows_the_batch_not_the_table() -> No
     whole = [replica_bytes(users, ()) for users in (20_000, 2_000_000)]
     assert rows[0] == rows[1] < whole[0] < whole[1]
     assert whole[1] - whole[0] == 2 * 4 * 1_980_000 * 8  # parameters and gradient
+
+
+@pytest.mark.parametrize("algorithm, cached", [("downpour", True), ("hogwild", False),
+                                                ("averaging", False), ("sync", False)])
+def test_only_downpours_replicas_are_planned_as_row_caches(algorithm: str,
+                                                           cached: bool) -> None:
+    # Every algorithm's configuration says table_pulls = "rows" by default, but only
+    # Downpour's replicas move rows: the others' hold the table, and must be planned so.
+    from types import SimpleNamespace
+
+    from distbelief.algorithms.memory_plan import row_ids
+    from distbelief.config import config_from_dict, read_toml
+
+    raw = read_toml(REPO / "examples" / "matrix_factorisation.toml")
+    raw["optimizer"]["algorithm"] = algorithm
+    info = SimpleNamespace(features="ids", id_rows=(2_000, 1_000))
+    assert row_ids(config_from_dict(raw), info) == ((1.0, 1.0) if cached else ())
 
 
 def test_sorted_distinct_ids_are_np_uniques() -> None:

@@ -92,7 +92,10 @@ def row_ids(config: Config, info: Any) -> tuple[float, ...]:
     matrix, a row's average entries for CSR features; () otherwise."""
     from distbelief.model.sparse_network import is_sparse
 
-    if (getattr(config.optimizer, "table_pulls", "whole") != "rows"
+    # Only Downpour's own replicas move rows (downpour.Variant.moves_rows): every other
+    # algorithm's replicas hold the whole vector, whatever table_pulls says.
+    if (config.optimizer.algorithm != "downpour"
+            or getattr(config.optimizer, "table_pulls", "whole") != "rows"
             or not is_sparse(config.model.layers)):
         return ()
     if info.features == "ids":
