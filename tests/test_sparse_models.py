@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers.sparse import MODELS, SOFTMAX_3, sparse_rows
+from helpers.sparse import MODELS, SOFTMAX_3, model_and_batches
 
 from distbelief.data.sparse import SparseRows
 from distbelief.errors import ConfigError, DataError
@@ -32,21 +32,7 @@ def worst_gradient_error(net: SparseNetwork, x, y, rng: np.random.Generator) -> 
 @pytest.mark.parametrize("name", MODELS)
 def test_the_gradient_matches_central_differences(name: str) -> None:
     rng = np.random.default_rng(0)
-    kind, layers, loss_name = MODELS[name]
-    fields = 2 if loss_name == "mse" else 3
-    id_rows = (7, 5, 9)[:fields]
-    if kind == "sparse":
-        x, shape = sparse_rows(rng, 16, 30), (30,)
-    else:
-        x = np.stack([rng.integers(0, rows, 16) for rows in id_rows], 1)
-        shape = (fields,)
-    if loss_name == "mse":
-        y, loss = rng.normal(size=16).astype(np.float32), make_loss("mse", 1)
-    elif loss_name:
-        y, loss = rng.integers(0, 2, 16).astype(np.float32), make_loss(loss_name, 1)
-    else:
-        y, loss = rng.integers(0, 3, 16).astype(np.int32), make_loss("cross_entropy", 3)
-    net = SparseNetwork(kind, shape, layers, loss.width, loss=loss, id_rows=id_rows)
+    net, [(x, y)] = model_and_batches(name, rng)
     assert worst_gradient_error(net, x, y, rng) < 2e-3
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import sparse
 from helpers.mpi_jobs import REPO
-from helpers.sparse import MODELS, sparse_rows
+from helpers.sparse import MODELS
 
 from distbelief.model.losses import make_loss
 from distbelief.model.sparse_network import SparseNetwork
@@ -16,26 +17,7 @@ from distbelief.ps.endpoint import PieceMap
 
 
 def model_and_batches(name: str, batches: int = 2):
-    rng = np.random.default_rng(1)
-    kind, layers, loss_name = MODELS[name]
-    fields = 2 if loss_name == "mse" else 3
-    id_rows = (70, 50, 90)[:fields]
-    out = []
-    for _ in range(batches):
-        if kind == "sparse":
-            x, shape = sparse_rows(rng, 16, 300), (300,)
-        else:
-            x = np.stack([rng.integers(0, rows, 16) for rows in id_rows], 1)
-            shape = (fields,)
-        if loss_name == "mse":
-            y, loss = rng.normal(size=16).astype(np.float32), make_loss("mse", 1)
-        elif loss_name:
-            y, loss = rng.integers(0, 2, 16).astype(np.float32), make_loss(loss_name, 1)
-        else:
-            y, loss = rng.integers(0, 3, 16).astype(np.int32), make_loss("cross_entropy", 3)
-        out.append((x, y))
-    net = SparseNetwork(kind, shape, layers, loss.width, loss=loss, id_rows=id_rows)
-    return net, out
+    return sparse.model_and_batches(name, np.random.default_rng(1), batches, scale=10)
 
 
 @pytest.mark.parametrize("name", MODELS)

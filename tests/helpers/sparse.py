@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from distbelief.data.sparse import SparseRows
+from distbelief.model.losses import make_loss
+from distbelief.model.sparse_network import SparseNetwork
 
 SOFTMAX_3 = {"type": "dense", "units": 3, "activation": "softmax"}
 
@@ -35,3 +37,29 @@ MODELS = {
     "matrix factorisation": ("ids", [{"type": "embedding", "dim": 4, "combine": "dot"}],
                              "mse"),
 }
+
+
+def model_and_batches(name: str, rng: np.random.Generator, batches: int = 1,
+                      scale: int = 1) -> tuple[SparseNetwork, list[tuple]]:
+    """MODELS[name] as a SparseNetwork and `batches` random batches of 16 for it: CSR rows
+    of 30 * scale features, or id fields of (7, 5, 9) * scale rows, with targets its loss
+    takes (each batch's x drawn, then its y)."""
+    kind, layers, loss_name = MODELS[name]
+    fields = 2 if loss_name == "mse" else 3
+    id_rows = tuple(rows * scale for rows in (7, 5, 9)[:fields])
+    out = []
+    for _ in range(batches):
+        if kind == "sparse":
+            x, shape = sparse_rows(rng, 16, 30 * scale), (30 * scale,)
+        else:
+            x = np.stack([rng.integers(0, rows, 16) for rows in id_rows], 1)
+            shape = (fields,)
+        if loss_name == "mse":
+            y, loss = rng.normal(size=16).astype(np.float32), make_loss("mse", 1)
+        elif loss_name:
+            y, loss = rng.integers(0, 2, 16).astype(np.float32), make_loss(loss_name, 1)
+        else:
+            y, loss = rng.integers(0, 3, 16).astype(np.int32), make_loss("cross_entropy", 3)
+        out.append((x, y))
+    net = SparseNetwork(kind, shape, layers, loss.width, loss=loss, id_rows=id_rows)
+    return net, out
