@@ -92,7 +92,7 @@ def row_ids(config: Config, info: Any) -> tuple[float, ...]:
     matrix, a row's average entries for CSR features; () otherwise."""
     from distbelief.model.sparse_network import is_sparse
 
-    # Only Downpour's own replicas move rows (downpour.Variant.moves_rows): every other
+    # Only Downpour's own replicas move rows (downpour.plan._row_pulls): every other
     # algorithm's replicas hold the whole vector, whatever table_pulls says.
     if (config.optimizer.algorithm != "downpour"
             or getattr(config.optimizer, "table_pulls", "whole") != "rows"

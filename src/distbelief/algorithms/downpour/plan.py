@@ -150,7 +150,9 @@ def _row_pulls(config: Config) -> bool:
     """Whether replicas move table rows only (optimizer.table_pulls); ConfigError where
     the rest of the configuration cannot take it."""
     opt = config.optimizer
-    if (getattr(opt, "table_pulls", "whole") != "rows"
+    # Downpour's own replicas alone move rows (make_replica's RowReplica); EASGD's and
+    # DiLoCo's, on this machinery too, push whole vectors whatever table_pulls says.
+    if (opt.algorithm != "downpour" or getattr(opt, "table_pulls", "whole") != "rows"
             or not is_sparse(config.model.layers)):
         return False
     why = None

@@ -6,7 +6,7 @@ communicators, held by OpenRun, which every role runs on.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -79,7 +79,7 @@ class OpenRun:
 def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None,
              signals: StopSignals, peers: Peers | None = None,
              shard_update: Callable[[int], Any] | None = None,
-             session: RunSession | None = None, moves_rows: bool = True) -> OpenRun:
+             session: RunSession | None = None) -> OpenRun:
     """Set up a Downpour run on every rank of `comm` (train's first half; tests use it to
     look at a resumed run's starting state).
 
@@ -91,8 +91,7 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     and optimizer state and the run control block, the role communicators, and a
     Comm.Dup for the final statistics. `shard_update(size)` makes a shard's update rule
     (None: the configured optimizer, shard_optimizer). `session`: the run's RunSession
-    (None: one is opened here). `moves_rows` False: the whole vector moves even for a
-    sparse model (Variant.moves_rows).
+    (None: one is opened here).
     """
     if shard_update is None:
         shard_update = lambda size: shard_optimizer(config, size)
@@ -100,8 +99,6 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
         session = RunSession(run_name(config), config, comm, stream, resume)
     info, network = session.info, session.network
     plan = plan_run(config, comm.Get_size(), comm.Get_rank(), info.n_train, info.held_out)
-    if not moves_rows:  # a variant whose replicas push whole vectors (variant.Variant)
-        plan = replace(plan, row_pulls=False)
     topology = plan.topology
     # Before config.json is rewritten: a refused resume leaves the run folder as it was.
     path = session.choose_checkpoint()

@@ -80,7 +80,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             try:
                 with guard.waiting("the other ranks to set the run up", others):
                     run = open_run(config, comm, resume, stream, signals, peers,
-                                   variant.shard_update, session, variant.moves_rows)
+                                   variant.shard_update, session)
                 with np.errstate(over="ignore", invalid="ignore"):
                     role = _make_role(run, config, network, info, stream, variant)
                     role.run()

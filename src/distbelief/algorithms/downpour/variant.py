@@ -39,10 +39,6 @@ class Variant:
     """The run as shard 0's opening line names it."""
     summary: Mapping[str, Any] = field(default_factory=dict)
     """Keys of its own in summary.json (after push_dtype)."""
-    moves_rows: bool = False
-    """Whether its replicas can move a sparse model's batch rows alone
-    (optimizer.table_pulls = "rows": make_replica's RowReplica); one that pushes whole
-    vectors (EASGD's, DiLoCo's) moves the whole vector whatever table_pulls says."""
 
 
-DOWNPOUR = Variant(moves_rows=True)
+DOWNPOUR = Variant()
