@@ -15,9 +15,11 @@ client's unfilled claim is written off and its slot quarantined (QUARANTINE_S), 
 `watch_clients`. Staleness: the client reads VERSION_NOW with its claim; staleness =
 updates applied before its push - the version it pulled.
 
-Pulls: BUFFERS published buffers; a publish writes, by plain stores, a buffer that is
-neither NEWEST nor registered by any reader, then sets NEWEST (rma_windows.PublishedReader
-has the reader's side). Each buffer's header holds, per client, how many of its pushes
+Pulls: BUFFERS (2) published buffers; a publish writes, by plain stores, the buffer that
+is not NEWEST once no reader is registered on it, then sets NEWEST (rma_windows.PublishedReader
+has the reader's side). Until then the shard folds on into its private parameters, and the
+publish that follows holds every fold since (a reader of the old buffer delays publishes,
+never folds or pushes). Each buffer's header holds, per client, how many of its pushes
 it contains, so read-your-writes knows which pull holds its push.
 
 PROGRESS. With MPICH on shared memory an RMA operation completes only while the target
@@ -534,8 +536,8 @@ class RmaShard(ParameterServerShard):
 
     def _free_buffer(self) -> int | None:
         """A buffer neither NEWEST nor registered by any reader (READING, each read with
-        a count-1 Fetch_and_op NO_OP after NEWEST last changed), the least recently
-        written first; clears the registrations of gone clients held over GONE_CHECK_S."""
+        a count-1 Fetch_and_op NO_OP after NEWEST last changed; with 2 buffers, the other
+        one or None); clears the registrations of gone clients held over GONE_CHECK_S."""
         windows = self._live()
         win = windows.params
         for r in range(windows.readers):

@@ -64,9 +64,13 @@ upper half of each float32 (distbelief.model.kernels.bf16_narrow), Put as MPI.UI
 # int64 slots of the ACCUM header and of the PARAMS header
 DONE, VERSION_NOW = 0, 1
 NEWEST, PULLS = 0, 1
-BUFFERS = 4
-"""Published buffers per shard: the newest, and three the shard may write while readers
-still read older ones (an overlapped pull keeps its buffer registered for a step)."""
+BUFFERS = 2
+"""Published buffers per shard: the newest, and one the shard writes once every reader
+registered on it has left. A reader registers only on the newest, so the other holds only
+readers that began before the last publish: a publish waits at most for their Gets (an
+overlapped pull's, a step); the shard folds on into its private parameters meanwhile and
+publishes them all at once (RmaShard._publish). More buffers only shorten that wait, at a
+slice each (docs/performance.md, "Memory per rank")."""
 PUSH_SLOTS_ANY_SIZE = 8
 """Push slots a shard may have however large its slice (two per client up to this)."""
 PUSH_SLOT_MEMORY = 64 << 20
