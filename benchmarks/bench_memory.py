@@ -131,7 +131,9 @@ def main() -> int:
               f"{peak / slice_mb:.1f}x the slice, {(peak - base / mb) / slice_mb:.1f}x above "
               f"the process's {base / mb:.0f} MB; {shard.get('holds', 0)} publish(es) held, "
               f"{shard.get('folds', 0)} folds, {shard.get('pulls', 0)} pulls")
-    print(f"samples/s (summary.json): {summary.get('samples_per_second')}")
+    stale = summary.get("staleness") or {}
+    print(f"samples/s (summary.json): {summary.get('samples_per_second', 0):.0f}; staleness "
+          f"mean {stale.get('mean', 0):.2f}, max {stale.get('max', 0)}")
     print(f"sum of Pss maxima: {sum(p.get('Pss', 0) for p in peaks.values()) / mb:.0f} MB; "
           f"steps {summary.get('steps')}, params {summary.get('num_params')}")
     return 0

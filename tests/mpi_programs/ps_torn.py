@@ -13,6 +13,12 @@ before its Get, as a reader descheduled on a loaded node, while the shard publis
 millisecond or so ("set"): the shard must go on publishing into the other buffers (the
 values pulled still change), never into the registered one (no pull is torn), and every
 pull must end.
+
+--slow-reads S --slow-reader-alone (rma, "fold"): only the first client reads slowly while
+the others push and pull at full speed. Its registration on the buffer that is not the
+newest holds the shard's publishes back (2 buffers): the shard must say it held some, must
+fold on meanwhile, so that the fast clients are not held to the slow one's pace (each
+pulls at least 5 times as often), and no pull may be torn or inconsistent.
 """
 
 import time
@@ -77,16 +83,24 @@ def main() -> None:
     p.add_argument("--mode", choices=["set", "fold"], required=True)
     p.add_argument("--seconds", type=float, default=1.0)
     p.add_argument("--slow-reads", type=float, default=0.0)
+    p.add_argument("--slow-reader-alone", action="store_true")
     args = p.parse_args()
     topology, endpoint = open_server(args)
     pulls = 0
+    slow = args.slow_reads > 0 and (not args.slow_reader_alone
+                                    or topology.world_rank == topology.ps_shards)
     if isinstance(endpoint, ParameterServerShard):
         if args.mode == "set":
             serve_set(endpoint)
         else:
             endpoint.serve()
+        if args.slow_reader_alone:
+            check(endpoint.stats.holds > 0, f"shard {endpoint.rank}: no publish waited for "
+                  "the slow reader")
+            say(f"shard {endpoint.rank}: {endpoint.stats.holds} publish(es) held, "
+                f"{endpoint.stats.folds} folds")
     else:
-        if args.slow_reads:
+        if slow:
             slow_down_reads(args.slow_reads)
         params = np.empty(args.size, dtype=np.float32)
         minus_one = np.full(args.size, -1, dtype=np.float32)
@@ -114,6 +128,10 @@ def main() -> None:
     endpoint.free()
     # Every pull (push_pull included) counts once on every shard.
     total = MPI.COMM_WORLD.allreduce(pulls)
+    if args.slow_reader_alone:
+        counts = MPI.COMM_WORLD.allgather(pulls)[topology.ps_shards:]
+        check(min(counts[1:]) >= 5 * counts[0],
+              f"the fast clients were held to the slow reader's pace: pulls {counts}")
     if isinstance(endpoint, ParameterServerShard):
         check(endpoint.stats.pulls == total,
               f"shard {endpoint.rank} counted {endpoint.stats.pulls} pulls, clients made {total}")
