@@ -54,6 +54,7 @@ from mpi4py import MPI
 from distbelief.model.layout import DTYPE
 from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, PieceMap, aligned
 from distbelief.runtime import counters
+from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.launching import faults
 
@@ -84,6 +85,10 @@ QUARANTINED = -1
 """A gone client's claim: its Put may still be in the network; the slot is reused only
 after QUARANTINE_S (rma_shard)."""
 BUFFER_BITS = 8
+CLOSED = (1 << BUFFER_BITS) - 1
+"""NEWEST's buffer while the shard rewrites its newest buffer in place (RmaShard._publish,
+when a reader stuck on the other one holds publishes back): readers wait for it to name
+a buffer again before they register."""
 SLOT_HEADER_BYTES = 64
 """Before each push slot's data when clients push pieces (ServerSpec.pieces): int64
 [P, T]: the push holds T values and then P (start, stop) int64 ranges of the slice
@@ -332,10 +337,16 @@ class PublishedReader:
 
     def register(self, shards: Sequence[int]) -> None:
         """Register on the buffer NEWEST named and read NEWEST again, one round each;
-        again where it moved on meanwhile. Returns once every shard's registration holds."""
+        again where it moved on meanwhile. Where NEWEST names no buffer (CLOSED: the shard
+        is rewriting its newest in place, for the time of one store of its slice), read it
+        again after a short sleep first. Returns once every shard's registration holds."""
         win = self.windows.params
         pending = list(shards)
         while pending:
+            closed = [s for s in pending if newest_buffer(int(self.newest[s, 0])) == CLOSED]
+            if closed:
+                self._wait_open(closed)
+                continue
             for s in pending:
                 self.registration[s, 0] = newest_buffer(int(self.newest[s, 0])) + 1
                 fetch_op(win, self.registration[s], self.previous[s], s,
@@ -351,6 +362,21 @@ class PublishedReader:
             for s in moved:
                 self.newest[s] = self.checked[s]
             pending = moved
+
+    def _wait_open(self, closed: Sequence[int]) -> None:
+        """Read NEWEST of `closed` shards again, sleeping between reads, until each names a
+        buffer (rma_shard: a store of the slice, or the shard's give-up, reopens it)."""
+        win, guard = self.windows.params, watchdog.current()
+        backoff = Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
+        with guard.waiting("a shard to reopen its newest buffer", tuple(closed)):
+            while closed:
+                guard.check()
+                backoff.wait()
+                for s in closed:
+                    fetch_op(win, None, self.newest[s], s, NEWEST * COUNTER_BYTES, MPI.NO_OP)
+                complete(win, closed)
+                closed = [s for s in closed
+                          if newest_buffer(int(self.newest[s, 0])) == CLOSED]
 
     def issue_get(self, shards: Sequence[int], segments, ranges: Sequence[tuple[int, int]],
                   out: np.ndarray, headers: np.ndarray, folded: np.ndarray | None,
