@@ -181,6 +181,7 @@ class RmaShard(ParameterServerShard):
         self._publishes = 0
         self._unpublished = False  # a publish waits for a free buffer
         self._held_at = 0.0  # since when
+        self._in_place = False  # the last publish was into the newest buffer
         self.publishes_in_place = 0  # into the newest buffer (_close_newest)
         self._finished = False
         self.stats = ShardStats()
@@ -512,13 +513,16 @@ class RmaShard(ParameterServerShard):
                 self.stats.holds += 1
                 self._held_at = now
             self._unpublished = True
-            if now - self._held_at < STUCK_S:
+            # Right after an in-place publish the older buffer is still held (a stuck
+            # reader holds it for long): try in place again at once.
+            if now - self._held_at < STUCK_S and not self._in_place:
                 return
             buffer = self._close_newest()
             if buffer is None:
-                self._held_at = now  # the next try after STUCK_S more
+                self._held_at, self._in_place = now, False  # the next try after STUCK_S
                 return
             self.publishes_in_place += 1
+        self._in_place = buffer == newest_buffer(self._newest)
         self._unpublished = False
         t0 = time.perf_counter()
         self._store_buffer(buffer)
