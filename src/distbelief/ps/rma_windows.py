@@ -24,13 +24,14 @@ private duplicate of the world communicator, displacement unit 1 byte, int64 slo
                 FULL(c, fetched) once its data is in;
                 QUARANTINED: a gone client's claim
     push slot k written by its claimant's Put, read by the shard's loads once FULL
-    NEWEST      publish << 8 | buffer it wrote           shard REPLACE, readers NO_OP
+    NEWEST      publish << 8 | buffer it wrote, or       shard REPLACE, readers NO_OP
+                CLOSED while it rewrites that in place
     PULLS       pulls served                             clients SUM, shard NO_OP
     READING[r]  buffer + 1 rank r reads, 0 none          r REPLACE; shard REPLACE 0 for a
                                                            gone r; shard NO_OP reads
     FOLDED_HINT[c] pushes of c folded and published      shard REPLACE, client NO_OP
     buffer b    written by the shard's stores only while no reader is registered on it
-                and it is not NEWEST; read by registered readers' Get
+                and NEWEST does not name it; read by registered readers' Get
 
 Every rank opens one passive-target epoch on both windows at creation,
 `Lock_all(MODE_NOCHECK)`, and keeps it until `free()`: nobody calls Lock or Unlock.
