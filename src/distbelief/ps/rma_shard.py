@@ -19,8 +19,11 @@ Pulls: BUFFERS (2) published buffers; a publish writes, by plain stores, the buf
 is not NEWEST once no reader is registered on it, then sets NEWEST (rma_windows.PublishedReader
 has the reader's side). Until then the shard folds on into its private parameters, and the
 publish that follows holds every fold since (a reader of the old buffer delays publishes,
-never folds or pushes). Each buffer's header holds, per client, how many of its pushes
-it contains, so read-your-writes knows which pull holds its push.
+never folds or pushes). After STUCK_S it rewrites the newest buffer in place instead, if
+nobody reads that one, with NEWEST CLOSED meanwhile, so that a reader stuck on the older
+buffer holds back nobody (docs/performance.md, "Two publish buffers"). Each buffer's
+header holds, per client, how many of its pushes it contains, so read-your-writes knows
+which pull holds its push.
 
 PROGRESS. With MPICH on shared memory an RMA operation completes only while the target
 is inside MPI (DESIGN.md). The shard therefore polls: `serve_once()` reads its counters
