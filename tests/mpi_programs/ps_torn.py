@@ -10,9 +10,9 @@ its shard reports as applied in the same pull, and versions must never decrease.
 
 --slow-reads S (rma): every client read sleeps S seconds once registered on its buffer,
 before its Get, as a reader descheduled on a loaded node, while the shard publishes every
-millisecond or so ("set"): the shard must go on publishing into the other buffers (the
-values pulled still change), never into the registered one (no pull is torn), and every
-pull must end.
+millisecond or so ("set"): the shard must go on publishing around it (into the other
+buffer, or the newest in place: the values pulled still change), never into the
+registered one (no pull is torn), and every pull must end.
 
 --slow-reads S --slow-reader-alone (rma, "fold"): only the first client reads slowly, while
 the others push and then pull until the pull holds their push (read-your-writes, as
