@@ -4,7 +4,9 @@ windows and shared segments), and its proportional set size (Pss: shared pages d
 among the processes that map them, so Pss summed over ranks is what the node holds).
 Prints each rank's maxima next to the peak RSS the run wrote in summary.json, and the
 prediction of distbelief.model.memory_model that the run recorded beside it
-(`predicted_mb`).
+(`predicted_mb`). For each shard it also prints its slice (its parameters' float32 bytes),
+its peak against the slice, the peak less the process's own memory (memory_model.BASE_BYTES)
+against the slice, and how many publishes waited for a buffer without readers (`holds`).
 
     python benchmarks/bench_memory.py -n 3 CONFIG [--set KEY=VALUE ...] [--env NAME=VALUE]
 
@@ -121,6 +123,17 @@ def main() -> int:
         print(f"{rank:>4} {f.get('role', '?'):<12} {f.get('peak_rss_mb', 0):>12.0f} "
               f"{p.get('VmRSS', 0) / mb:>8.0f} {p.get('RssAnon', 0) / mb:>7.0f} "
               f"{p.get('RssShmem', 0) / mb:>7.0f} {p.get('Pss', 0) / mb:>7.0f} {predicted}")
+    base = 90 << 20  # memory_model.BASE_BYTES: the process itself
+    for shard in summary.get("shards", []):
+        slice_mb = shard["params"] * 4 / mb
+        peak = roles.get(shard["rank"], {}).get("peak_rss_mb", 0)
+        print(f"shard {shard['rank']}: slice {slice_mb:.1f} MB, peak {peak:.0f} MB = "
+              f"{peak / slice_mb:.1f}x the slice, {(peak - base / mb) / slice_mb:.1f}x above "
+              f"the process's {base / mb:.0f} MB; {shard.get('holds', 0)} publish(es) held, "
+              f"{shard.get('folds', 0)} folds, {shard.get('pulls', 0)} pulls")
+    stale = summary.get("staleness") or {}
+    print(f"samples/s (summary.json): {summary.get('samples_per_second', 0):.0f}; staleness "
+          f"mean {stale.get('mean', 0):.2f}, max {stale.get('max', 0)}")
     print(f"sum of Pss maxima: {sum(p.get('Pss', 0) for p in peaks.values()) / mb:.0f} MB; "
           f"steps {summary.get('steps')}, params {summary.get('num_params')}")
     return 0

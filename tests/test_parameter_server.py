@@ -213,17 +213,20 @@ def test_pulls_are_never_torn(n, shards, mode, transport):
 
 @pytest.mark.both_mpis
 @pytest.mark.nodes
-@pytest.mark.parametrize("n, shards", [(2, 1), (4, 2)])
-def test_a_reader_slower_than_the_publishes_still_pulls(n, shards):
+@pytest.mark.parametrize("n, shards, mode, alone", [
+    (2, 1, "set", False), (4, 2, "set", False), (3, 1, "fold", True)])
+def test_a_reader_slower_than_the_publishes_still_pulls(n, shards, mode, alone):
     # Each read sleeps 50 ms once registered, before its Get, while the shards publish
     # about every millisecond: they must publish around it (the values still change) and
     # never into the buffer it reads (no torn pull). Before issue 28 (a seqlock) every
-    # such read tore, and only a hold let it end.
+    # such read tore, and only a hold let it end. `alone`: one slow reader among fast
+    # pushers holds the publishes back (two buffers), never the folds nor the others.
     proc = mpi4py_job(n, "ps_torn.py", "--shards", shards, "--size", 100_000,
-                      "--mode", "set", "--seconds", 1.0, "--transport", "rma",
-                      "--slow-reads", 0.05)
+                      "--mode", mode, "--seconds", 1.0, "--transport", "rma",
+                      "--slow-reads", 0.05, *(["--slow-reader-alone"] if alone else []))
     assert_ok(proc)
     assert proc.stdout.count("pulls consistent") == n - shards
+    assert proc.stdout.count("publish(es) held") == (shards if alone else 0)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS_NODES)

@@ -10,9 +10,16 @@ its shard reports as applied in the same pull, and versions must never decrease.
 
 --slow-reads S (rma): every client read sleeps S seconds once registered on its buffer,
 before its Get, as a reader descheduled on a loaded node, while the shard publishes every
-millisecond or so ("set"): the shard must go on publishing into the other buffers (the
-values pulled still change), never into the registered one (no pull is torn), and every
-pull must end.
+millisecond or so ("set"): the shard must go on publishing around it (into the other
+buffer, or the newest in place: the values pulled still change), never into the
+registered one (no pull is torn), and every pull must end.
+
+--slow-reads S --slow-reader-alone (rma, "fold"): only the first client reads slowly, while
+the others push and then pull until the pull holds their push (read-your-writes, as
+Downpour's default fetch). With two buffers, the slow reader's registration on the older
+one holds the shard's publishes back: the shard must say it held some and then published
+into its newest buffer in place, so that the fast clients are not held to the slow one's
+pace (each pulls at least 4 times as often), and no pull may be torn or inconsistent.
 """
 
 import time
@@ -77,16 +84,25 @@ def main() -> None:
     p.add_argument("--mode", choices=["set", "fold"], required=True)
     p.add_argument("--seconds", type=float, default=1.0)
     p.add_argument("--slow-reads", type=float, default=0.0)
+    p.add_argument("--slow-reader-alone", action="store_true")
     args = p.parse_args()
     topology, endpoint = open_server(args)
     pulls = 0
+    slow = args.slow_reads > 0 and (not args.slow_reader_alone
+                                    or topology.world_rank == topology.ps_shards)
     if isinstance(endpoint, ParameterServerShard):
         if args.mode == "set":
             serve_set(endpoint)
         else:
             endpoint.serve()
+        if args.slow_reader_alone:
+            in_place = endpoint.publishes_in_place
+            check(endpoint.stats.holds > 0 and in_place > 0, f"shard {endpoint.rank}: "
+                  f"{endpoint.stats.holds} publish(es) held, {in_place} in place")
+            say(f"shard {endpoint.rank}: {endpoint.stats.holds} publish(es) held, "
+                f"{in_place} in place, {endpoint.stats.folds} folds")
     else:
-        if args.slow_reads:
+        if slow:
             slow_down_reads(args.slow_reads)
         params = np.empty(args.size, dtype=np.float32)
         minus_one = np.full(args.size, -1, dtype=np.float32)
@@ -97,7 +113,10 @@ def main() -> None:
         # MPI's network module (simulated nodes) on a busy machine a second may hold only
         # a pull or two.
         while not _done(time.perf_counter() - t0, args.seconds, first, last):
-            if args.mode == "fold" and pulls % 2:
+            if args.slow_reader_alone and not slow:
+                endpoint.push_pull_own(minus_one, params)
+                versions = endpoint.pulled_versions.copy()
+            elif args.mode == "fold" and pulls % 2:
                 _, versions = endpoint.push_pull(minus_one, params)
             else:
                 if args.mode == "fold":
@@ -114,6 +133,10 @@ def main() -> None:
     endpoint.free()
     # Every pull (push_pull included) counts once on every shard.
     total = MPI.COMM_WORLD.allreduce(pulls)
+    if args.slow_reader_alone:
+        counts = MPI.COMM_WORLD.allgather(pulls)[topology.ps_shards:]
+        check(min(counts[1:]) >= 4 * counts[0],
+              f"the fast clients were held to the slow reader's pace: pulls {counts}")
     if isinstance(endpoint, ParameterServerShard):
         check(endpoint.stats.pulls == total,
               f"shard {endpoint.rank} counted {endpoint.stats.pulls} pulls, clients made {total}")

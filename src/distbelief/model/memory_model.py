@@ -9,7 +9,7 @@ Adagrad 1, SGD 0; K = push slots = min(2 x clients, max(8, 64 MiB / (n b)), 64);
 per pushed value, 4 or 2 with push_dtype = "bfloat16"; A(B) = activations of a batch of B; D = a replica's part of
 the training data; BASE = the interpreter, numpy, h5py and MPI, about 90 MB):
 
-    RMA shard          4n (1 + s + 4) + K n b + BASE      master, state, 4 publish buffers,
+    RMA shard          4n (1 + s + 2) + K n b + BASE      master, state, 2 publish buffers,
                                                         push slots (MPI window memory)
     shared-memory shard 4n (1 + s) + BASE                parameters and state, in the segment
     either, besides    4n (1 + s)                        with periodic checkpoints: the copy
@@ -43,7 +43,7 @@ BYTES = 4
 BASE_BYTES = 90 << 20
 """A rank's resident set with a tiny model: 69 MB for one process, 73-90 MB for the ranks
 of a Downpour job (measured, docs/performance.md)."""
-PUBLISH_BUFFERS = 4  # ps.rma_windows.BUFFERS (tests/test_memory.py checks they agree)
+PUBLISH_BUFFERS = 2  # ps.rma_windows.BUFFERS (tests/test_memory.py checks they agree)
 PUSH_SLOTS_ANY_SIZE = 8     # ps.rma_windows.PUSH_SLOTS_ANY_SIZE
 PUSH_SLOT_MEMORY = 64 << 20  # ps.rma_windows.PUSH_SLOT_MEMORY
 MAX_PUSH_SLOTS = 64          # ps.rma_windows.MAX_PUSH_SLOTS

@@ -15,10 +15,15 @@ client's unfilled claim is written off and its slot quarantined (QUARANTINE_S), 
 `watch_clients`. Staleness: the client reads VERSION_NOW with its claim; staleness =
 updates applied before its push - the version it pulled.
 
-Pulls: BUFFERS published buffers; a publish writes, by plain stores, a buffer that is
-neither NEWEST nor registered by any reader, then sets NEWEST (rma_windows.PublishedReader
-has the reader's side). Each buffer's header holds, per client, how many of its pushes
-it contains, so read-your-writes knows which pull holds its push.
+Pulls: BUFFERS (2) published buffers; a publish writes, by plain stores, the buffer that
+is not NEWEST once no reader is registered on it, then sets NEWEST (rma_windows.PublishedReader
+has the reader's side). Until then the shard folds on into its private parameters, and the
+publish that follows holds every fold since (a reader of the old buffer delays publishes,
+never folds or pushes). After STUCK_S it rewrites the newest buffer in place instead, if
+nobody reads that one, with NEWEST CLOSED meanwhile, so that a reader stuck on the older
+buffer holds back nobody (docs/performance.md, "Two publish buffers"). Each buffer's
+header holds, per client, how many of its pushes it contains, so read-your-writes knows
+which pull holds its push.
 
 PROGRESS. With MPICH on shared memory an RMA operation completes only while the target
 is inside MPI (DESIGN.md). The shard therefore polls: `serve_once()` reads its counters
@@ -65,6 +70,7 @@ from distbelief.ps.endpoint import (
 from distbelief.ps.rma_windows import (
     BUFFER_BITS,
     BUFFERS,
+    CLOSED,
     DONE,
     FLOAT_BYTES,
     NEWEST,
@@ -97,6 +103,9 @@ QUARANTINE_S = 5.0
 """How long a gone client's claimed slot stays out of use: a Put it issued before dying
 may still be in the network (or, through MPICH's active messages, in the target's queue),
 and must land in a slot nobody else writes."""
+STUCK_S = 0.001
+"""How long a publish waits for the readers of the older buffer (a healthy Get of a slice
+takes about a millisecond) before it tries to rewrite the newest buffer in place."""
 UNPROVEN_QUARANTINE_S = 600.0
 """The same when the client is only taken for gone, not known to have ended (on another
 node its heartbeat stopped, which a stopped or swapping process also does): its slot is
@@ -174,6 +183,9 @@ class RmaShard(ParameterServerShard):
         self._gradients_before = gradients_before  # applied in earlier jobs (checkpoint)
         self._publishes = 0
         self._unpublished = False  # a publish waits for a free buffer
+        self._held_at = 0.0  # since when
+        self._in_place = False  # the last publish was into the newest buffer
+        self.publishes_in_place = 0  # into the newest buffer (_close_newest)
         self._finished = False
         self.stats = ShardStats()
         if initial is not None:
@@ -492,15 +504,28 @@ class RmaShard(ParameterServerShard):
         return int(result[0]) == state
 
     def _publish(self) -> None:
-        """Publish the master parameters into a buffer that is not NEWEST and that no
-        reader is registered on; if there is none now (slow readers on every other one),
-        the publish waits for a later poll (the parameters only get fresher meanwhile)."""
+        """Publish the master parameters into the buffer that is not NEWEST once no reader
+        is registered on it; until then the publish waits for a later poll (the parameters
+        only get fresher meanwhile). After STUCK_S of waiting, it rewrites the newest buffer
+        in place instead if nobody reads that one (_close_newest): a reader stuck on the
+        older buffer then holds back no publish, and no client's read-your-writes."""
         buffer = self._free_buffer()
         if buffer is None:
+            now = time.perf_counter()
             if not self._unpublished:
                 self.stats.holds += 1
+                self._held_at = now
             self._unpublished = True
-            return
+            # Right after an in-place publish the older buffer is still held (a stuck
+            # reader holds it for long): try in place again at once.
+            if now - self._held_at < STUCK_S and not self._in_place:
+                return
+            buffer = self._close_newest()
+            if buffer is None:
+                self._held_at, self._in_place = now, False  # the next try after STUCK_S
+                return
+            self.publishes_in_place += 1
+        self._in_place = buffer == newest_buffer(self._newest)
         self._unpublished = False
         t0 = time.perf_counter()
         self._store_buffer(buffer)
@@ -532,17 +557,45 @@ class RmaShard(ParameterServerShard):
         np.copyto(data, self._master)
         win.Sync()
 
-    def _free_buffer(self) -> int | None:
-        """A buffer neither NEWEST nor registered by any reader (READING, each read with
-        a count-1 Fetch_and_op NO_OP after NEWEST last changed), the least recently
-        written first; clears the registrations of gone clients held over GONE_CHECK_S."""
+    def _close_newest(self) -> int | None:
+        """Make NEWEST name no buffer (CLOSED) and, if no reader is registered on the
+        buffer it named, return that buffer for an in-place publish, which reopens NEWEST
+        when it sets it; else reopen it as it was and return None. Legal as _free_buffer
+        is: a reader Gets a buffer only after registering and then reading NEWEST naming
+        it, so one that registers after READING was read here finds NEWEST CLOSED (or,
+        after the store, the new publish) and Gets nothing of the store in progress."""
+        windows = self._live()
+        win = windows.params
+        newest = newest_buffer(self._newest)
+        self._value[0] = (self._newest & ~((1 << BUFFER_BITS) - 1)) | CLOSED
+        fetch_op(win, self._value, self._scratch, self.rank, NEWEST * COUNTER_BYTES,
+                 MPI.REPLACE)
+        win.Flush(self.rank)
+        if newest not in self._busy_buffers():
+            return newest
+        self._value[0] = self._newest
+        fetch_op(win, self._value, self._scratch, self.rank, NEWEST * COUNTER_BYTES,
+                 MPI.REPLACE)
+        win.Flush(self.rank)
+        return None
+
+    def _busy_buffers(self) -> set[int]:
+        """The buffers some reader is registered on: READING, each read with a count-1
+        Fetch_and_op NO_OP; the registrations of gone clients held over GONE_CHECK_S are
+        cleared first."""
         windows = self._live()
         win = windows.params
         for r in range(windows.readers):
             fetch_op(win, None, self._readings[r], self.rank, windows.reader(r), MPI.NO_OP)
         win.Flush(self.rank)
         self._clear_gone_readers()
-        busy = {int(v) - 1 for v in self._readings[:, 0] if v > 0}
+        return {int(v) - 1 for v in self._readings[:, 0] if v > 0}
+
+    def _free_buffer(self) -> int | None:
+        """A buffer neither NEWEST nor registered by any reader (READING, each read with
+        a count-1 Fetch_and_op NO_OP after NEWEST last changed; with 2 buffers, the other
+        one or None); clears the registrations of gone clients held over GONE_CHECK_S."""
+        busy = self._busy_buffers()
         newest = newest_buffer(self._newest)
         for step in range(1, BUFFERS):
             b = (newest + step) % BUFFERS

@@ -24,13 +24,14 @@ private duplicate of the world communicator, displacement unit 1 byte, int64 slo
                 FULL(c, fetched) once its data is in;
                 QUARANTINED: a gone client's claim
     push slot k written by its claimant's Put, read by the shard's loads once FULL
-    NEWEST      publish << 8 | buffer it wrote           shard REPLACE, readers NO_OP
+    NEWEST      publish << 8 | buffer it wrote, or       shard REPLACE, readers NO_OP
+                CLOSED while it rewrites that in place
     PULLS       pulls served                             clients SUM, shard NO_OP
     READING[r]  buffer + 1 rank r reads, 0 none          r REPLACE; shard REPLACE 0 for a
                                                            gone r; shard NO_OP reads
     FOLDED_HINT[c] pushes of c folded and published      shard REPLACE, client NO_OP
     buffer b    written by the shard's stores only while no reader is registered on it
-                and it is not NEWEST; read by registered readers' Get
+                and NEWEST does not name it; read by registered readers' Get
 
 Every rank opens one passive-target epoch on both windows at creation,
 `Lock_all(MODE_NOCHECK)`, and keeps it until `free()`: nobody calls Lock or Unlock.
@@ -54,6 +55,7 @@ from mpi4py import MPI
 from distbelief.model.layout import DTYPE
 from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, PieceMap, aligned
 from distbelief.runtime import counters
+from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.launching import faults
 
@@ -64,9 +66,13 @@ upper half of each float32 (distbelief.model.kernels.bf16_narrow), Put as MPI.UI
 # int64 slots of the ACCUM header and of the PARAMS header
 DONE, VERSION_NOW = 0, 1
 NEWEST, PULLS = 0, 1
-BUFFERS = 4
-"""Published buffers per shard: the newest, and three the shard may write while readers
-still read older ones (an overlapped pull keeps its buffer registered for a step)."""
+BUFFERS = 2
+"""Published buffers per shard: the newest, and one the shard writes once every reader
+registered on it has left. A reader registers only on the newest, so the other holds only
+readers that began before the last publish: a publish waits at most for their Gets (an
+overlapped pull's, a step); the shard folds on into its private parameters meanwhile and
+publishes them all at once (RmaShard._publish). More buffers only shorten that wait, at a
+slice each (docs/performance.md, "Memory per rank")."""
 PUSH_SLOTS_ANY_SIZE = 8
 """Push slots a shard may have however large its slice (two per client up to this)."""
 PUSH_SLOT_MEMORY = 64 << 20
@@ -80,6 +86,10 @@ QUARANTINED = -1
 """A gone client's claim: its Put may still be in the network; the slot is reused only
 after QUARANTINE_S (rma_shard)."""
 BUFFER_BITS = 8
+CLOSED = (1 << BUFFER_BITS) - 1
+"""NEWEST's buffer while the shard rewrites its newest buffer in place (RmaShard._publish,
+when a reader stuck on the other one holds publishes back): readers wait for it to name
+a buffer again before they register."""
 SLOT_HEADER_BYTES = 64
 """Before each push slot's data when clients push pieces (ServerSpec.pieces): int64
 [P, T]: the push holds T values and then P (start, stop) int64 ranges of the slice
@@ -328,10 +338,16 @@ class PublishedReader:
 
     def register(self, shards: Sequence[int]) -> None:
         """Register on the buffer NEWEST named and read NEWEST again, one round each;
-        again where it moved on meanwhile. Returns once every shard's registration holds."""
+        again where it moved on meanwhile. Where NEWEST names no buffer (CLOSED: the shard
+        is rewriting its newest in place, for the time of one store of its slice), read it
+        again after a short sleep first. Returns once every shard's registration holds."""
         win = self.windows.params
         pending = list(shards)
         while pending:
+            closed = [s for s in pending if newest_buffer(int(self.newest[s, 0])) == CLOSED]
+            if closed:
+                self._wait_open(closed)
+                continue
             for s in pending:
                 self.registration[s, 0] = newest_buffer(int(self.newest[s, 0])) + 1
                 fetch_op(win, self.registration[s], self.previous[s], s,
@@ -347,6 +363,21 @@ class PublishedReader:
             for s in moved:
                 self.newest[s] = self.checked[s]
             pending = moved
+
+    def _wait_open(self, closed: Sequence[int]) -> None:
+        """Read NEWEST of `closed` shards again, sleeping between reads, until each names a
+        buffer (rma_shard: a store of the slice, or the shard's give-up, reopens it)."""
+        win, guard = self.windows.params, watchdog.current()
+        backoff = Backoff(min_sleep_s=20e-6, max_sleep_s=1e-3)
+        with guard.waiting("a shard to reopen its newest buffer", tuple(closed)):
+            while closed:
+                guard.check()
+                backoff.wait()
+                for s in closed:
+                    fetch_op(win, None, self.newest[s], s, NEWEST * COUNTER_BYTES, MPI.NO_OP)
+                complete(win, closed)
+                closed = [s for s in closed
+                          if newest_buffer(int(self.newest[s, 0])) == CLOSED]
 
     def issue_get(self, shards: Sequence[int], segments, ranges: Sequence[tuple[int, int]],
                   out: np.ndarray, headers: np.ndarray, folded: np.ndarray | None,
