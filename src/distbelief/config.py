@@ -225,6 +225,7 @@ class ClusterConfig:
     ps_shards: int = 1
     partitions: int = 1
     shard_placement: str = "spread"
+    spare_replicas: int = 0  # Downpour's hot spares (algorithms.downpour.spares)
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "ps_shards": (_int(0), None),
         "partitions": (_int(1), 1),
         "shard_placement": (_choice(SHARD_PLACEMENTS), "spread"),
+        "spare_replicas": (_int(0), 0),
     },
     "run": {
         "max_steps": (_int(0), 0),
@@ -537,6 +539,7 @@ def config_from_dict(raw: dict, source: Path | None = None,
     _check_owned_keys(values["optimizer"], given, where)
     _resolve_schedule(values["optimizer"], given, where)
     _check_algorithm_options(values, given, where)
+    _check_spares(values, where)
     _resolve_ps_shards(values, where)
     _check_consistency(values, where)
 
@@ -745,6 +748,30 @@ def _resolve_ps_shards(values: dict, where: str) -> None:
                           f"algorithm = {_show(algorithm.name)}"
                           f"{_shard_reason(algorithm, opt)} uses no parameter-server "
                           "shard: set cluster.ps_shards = 0 or leave it out")
+
+
+SPARES_REFUSED = {
+    "sgd": "one model on P ranks has no replica to stand in for",
+    "sandblaster": "its coordinator hands work units to the replicas it started with",
+    "sync": "every replica takes part in each step's all-reduce, which a lost one ends",
+    "hogwild": "its replicas are threads of one process, lost together",
+    "averaging": "periodic averaging's all-reduce takes every replica; EASGD's replicas, on "
+                 "Downpour's machinery, are not built to be taken over yet",
+    "diloco": "the synchronous form's all-reduce takes every replica; the asynchronous "
+              "form's replicas, on Downpour's machinery, are not built to be taken over yet",
+}
+"""Why each algorithm but Downpour refuses cluster.spare_replicas > 0 (Downpour's replicas
+alone can be taken over by a spare: algorithms.downpour.spares)."""
+
+
+def _check_spares(values: dict, where: str) -> None:
+    """cluster.spare_replicas > 0 with an algorithm that cannot use spares: one line."""
+    spares, algorithm = values["cluster"]["spare_replicas"], values["optimizer"]["algorithm"]
+    if spares and algorithm in SPARES_REFUSED:
+        raise ConfigError(f"{where}: cluster.spare_replicas = {spares}, but algorithm = "
+                          f"{_show(algorithm)} cannot use spare replicas: "
+                          f"{SPARES_REFUSED[algorithm]}; only algorithm = \"downpour\" does. "
+                          "Leave cluster.spare_replicas out")
 
 
 def _shard_reason(algorithm: registry.Algorithm, opt: dict) -> str:

@@ -19,6 +19,10 @@ from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.communicators.topology import Topology
 
+SPARE_POLL_S = (2e-3, 20e-3)
+"""Back-off bounds of a spare polling shard 0 for a part to take over: a takeover waits at
+most the longest sleep, and the CPU a waiting spare burns stays under 1% of a core."""
+
 WARM_START_POLL_S = (1e-3, 20e-3)
 """Back-off bounds of replicas polling shard 0 while they wait for the warm start: slow,
 since each poll is an RMA epoch that shard 0 has to serve."""
@@ -117,12 +121,24 @@ class DownpourPlan:
 
     @property
     def num_replicas(self) -> int:
+        """The training replicas (R), over which the training data is split."""
         return self.topology.num_replicas
+
+    @property
+    def num_groups(self) -> int:
+        """Every replica group, the spares after the R training replicas: the run control
+        block has a row for each (cluster.spare_replicas; downpour.spares)."""
+        return self.topology.num_groups
+
+    def is_spare(self, replica: int) -> bool:
+        return replica >= self.num_replicas
 
     def joins_late(self, replica: int, base: int) -> bool:
         """Whether `replica` starts training only once the warm start is over, in a job
-        that starts `base` global steps in (every rank answers the same)."""
-        return replica > 0 and self.warm_start_steps > 0 and base < self.warm_start_steps
+        that starts `base` global steps in (every rank answers the same). Spares are
+        counted in when they take a part over, not here."""
+        return (0 < replica < self.num_replicas and self.warm_start_steps > 0
+                and base < self.warm_start_steps)
 
 
 def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
@@ -131,7 +147,8 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
     so every rank raises the same ConfigError/DataError before the first collective.
     `n_train` rows are trained on, after `held_out` went to the validation split."""
     cluster, opt = config.cluster, config.optimizer
-    topology = Topology(world_size, world_rank, cluster.ps_shards, cluster.partitions)
+    topology = Topology(world_size, world_rank, cluster.ps_shards, cluster.partitions,
+                        spares=cluster.spare_replicas)
     smallest = n_train // topology.num_replicas  # balanced_ranges: sizes differ by <= 1
     if config.data.batch_size > smallest:
         rows = training_rows(n_train, held_out, config.data.path, config.data.validation)
