@@ -19,7 +19,7 @@ from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.communicators.topology import Topology
 
-SPARE_POLL_S = (2e-3, 20e-3)
+SPARE_POLL_S = (5e-3, 50e-3)
 """Back-off bounds of a spare polling shard 0 for a part to take over: a takeover waits at
 most the longest sleep, and the CPU a waiting spare burns stays under 1% of a core."""
 

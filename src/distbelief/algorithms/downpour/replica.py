@@ -74,6 +74,8 @@ class ReplicaStats:
     replaced: int | None = None  # the training replica whose part it took over
     took_over_at: float | None = None  # when it had opened that part
     first_push_at: float | None = None  # when its first push had completed
+    spare_wait_seconds: float = 0.0  # waiting for a part, wall
+    spare_wait_cpu_seconds: float = 0.0  # and the process's CPU meanwhile (every thread)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -189,6 +191,15 @@ class Replica:
         part, then open the part where shard 0 says; or until the run is over."""
         plan = self.plan
         backoff = shard0_backoff(SPARE_POLL_S, plan.num_groups)
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            self._poll_as_spare(backoff)
+        finally:
+            self.stats_.spare_wait_seconds = time.perf_counter() - wall
+            self.stats_.spare_wait_cpu_seconds = time.process_time() - cpu
+
+    def _poll_as_spare(self, backoff: Any) -> None:
+        plan = self.plan
         while not self.stopping:
             over, start = 0, np.array([-1, 0, 0, 0], dtype=np.int64)
             if self.lead:
