@@ -63,6 +63,38 @@ def test_algorithms_that_cannot_use_spares_refuse_them(tmp_path: Path, algorithm
         load_config(tmp_path / "c.toml", check_data=False)
 
 
+def test_the_memory_plan_and_status_count_the_spares(tmp_path: Path) -> None:
+    from helpers.configs import small_config_text
+
+    from distbelief.algorithms.memory_plan import layout_of
+    from distbelief.config import load_config
+    from distbelief.model.memory_model import Workload, replica_memory
+    from distbelief.model.network import Network
+    from distbelief.records.status import describe, run_status
+
+    (tmp_path / "c.toml").write_text(small_config_text(cluster={"spare_replicas": 1}))
+    config = load_config(tmp_path / "c.toml", check_data=False)
+    layout = layout_of(config, 4)
+    assert (layout.replicas, layout.spares, layout.ranks) == (2, 1, 4)
+    assert layout.describe() == "1 shard(s) + 2 replica(s) + 1 spare(s)"
+    assert layout_of(config, 2) is None  # 1 group, held back as the spare
+    # Every replica rank, spares too, is planned holding 1/R of the data.
+    network = Network((5,), [{"type": "dense", "units": 3, "activation": "softmax"}], 3)
+    work = Workload(batch=1, state_arrays=1, transport="shared", train_rows=1000,
+                    row_bytes=8)
+    role = replica_memory(network, 1, work, 2, spares=1)
+    assert role.count == 3 and role.parts["training data"] == 500 * 8
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(
+        '{"kind": "replica_lost", "time": 1.0, "step": 40, "samples": 40, "replica": 1}\n'
+        '{"kind": "spare_took_over", "time": 1.1, "step": 42, "samples": 42, "spare": 0, '
+        '"replaced": 1, "seconds": 0.05}\n')
+    state = run_status(out)
+    assert state["replicas_lost"] == [1]
+    assert "replicas lost:     1; spare 0 took replica 1's part at step 42" in describe(state)
+
+
 def test_a_waiting_spare_reads_its_takeover_from_the_block() -> None:
     block = np.zeros(rc.block_slots(3), dtype=np.int64)
     spare = rc.ControlExchange(2, spare=True)
