@@ -225,10 +225,11 @@ def test_a_spare_takes_a_killed_replicas_part_over(data_dir: Path, tmp_path: Pat
 def test_a_killed_spare_that_took_over_is_replaced_by_the_next(data_dir: Path,
                                                                 tmp_path: Path) -> None:
     # 1 shard, replicas 0 and 1 (ranks 1, 2), spares 0 and 1 (ranks 3, 4): replica 1 is
-    # killed at its step 150, spare 0 at its 100th step on replica 1's part.
+    # killed at its step 150, spare 0 while it takes replica 1's part over: once it has
+    # opened the part and computed its first step, before its first push.
     out = tmp_path / "out"
     proc = job(5, data_dir, out, "cluster.spare_replicas=2",
-               faults=f"kill:2:150 kill:3:100 {DELAY}", transport="shared")
+               faults=f"kill:2:150 kill:3:1 {DELAY}", transport="shared")
     output = proc.stdout + proc.stderr
     assert exit_statuses(proc) == [0, 0, 137, 137, 0], output[-3000:]
     assert "spare replica 0 (rank 3) lost at step" in proc.stdout, output[-3000:]
