@@ -9,7 +9,8 @@
 - MPI: a replica killed mid-run is replaced by a spare (the run ends with as many training
   replicas as it started with, the summary names the takeover and the time from the loss
   to the spare's first push), on both transports and MPIs, and on simulated nodes; with
-  2 spares, killing the spare that took over is survived too.
+  2 spares, killing the spare while it takes over is survived too; an EASGD spare joins
+  the center the same way.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def test_the_layout_counts_the_spares_and_one_replica_must_train() -> None:
 
 @pytest.mark.parametrize("algorithm, more", [
     ("sandblaster", {}), ("sync", {}), ("hogwild", {}), ("sgd", {}),
-    ("averaging", {"elastic_alpha": 0.1}), ("diloco", {"asynchronous": True})])
+    ("averaging", {}), ("diloco", {})])  # periodic averaging; synchronous DiLoCo
 def test_algorithms_that_cannot_use_spares_refuse_them(tmp_path: Path, algorithm: str,
                                                         more: dict) -> None:
     from helpers.configs import small_config_text
@@ -220,6 +221,23 @@ def test_a_spare_takes_a_killed_replicas_part_over(data_dir: Path, tmp_path: Pat
     assert spare["spare"] and spare["replaced"] == 1 and spare["steps"] > 0
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [e["replaced"] for e in events if e.get("kind") == "spare_took_over"] == [1]
+
+
+@pytest.mark.matrix
+def test_an_easgd_spare_joins_the_center_in_a_lost_replicas_place(data_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    # EASGD runs on Downpour's machinery: the spare pulls the center as its x_i, and its
+    # elastic exchanges count as pushes (asynchronous DiLoCo's replicas are the same kind).
+    out = tmp_path / "out"
+    proc = job(4, data_dir, out, "cluster.spare_replicas=1", 'optimizer.algorithm="averaging"',
+               "optimizer.elastic_alpha=0.1", faults=f"kill:2:200 {DELAY}", transport="shared")
+    output = proc.stdout + proc.stderr
+    assert exit_statuses(proc) == [0, 0, 137, 0], output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "max_steps" and summary["training_replicas_at_end"] == 2
+    [taken] = summary["spares"]
+    assert taken["replaced"] == 1 and taken["pushes"] > 0
+    assert taken["loss_to_first_push_seconds"] is not None
 
 
 def test_a_killed_spare_that_took_over_is_replaced_by_the_next(data_dir: Path,

@@ -755,23 +755,27 @@ SPARES_REFUSED = {
     "sandblaster": "its coordinator hands work units to the replicas it started with",
     "sync": "every replica takes part in each step's all-reduce, which a lost one ends",
     "hogwild": "its replicas are threads of one process, lost together",
-    "averaging": "periodic averaging's all-reduce takes every replica; EASGD's replicas, on "
-                 "Downpour's machinery, are not built to be taken over yet",
-    "diloco": "the synchronous form's all-reduce takes every replica; the asynchronous "
-              "form's replicas, on Downpour's machinery, are not built to be taken over yet",
+    "averaging": "periodic averaging's all-reduce takes every replica (EASGD, with "
+                 "optimizer.elastic_alpha, can)",
+    "diloco": "the synchronous form's all-reduce takes every replica (the asynchronous "
+              "form, optimizer.asynchronous = true, can)",
 }
-"""Why each algorithm but Downpour refuses cluster.spare_replicas > 0 (Downpour's replicas
-alone can be taken over by a spare: algorithms.downpour.spares)."""
+"""Why the algorithms that cannot use cluster.spare_replicas refuse it: every one but
+Downpour and the two on its machinery (EASGD, asynchronous DiLoCo: a spare takes a lost
+replica's part over there as in Downpour, algorithms.downpour.spares)."""
 
 
 def _check_spares(values: dict, where: str) -> None:
     """cluster.spare_replicas > 0 with an algorithm that cannot use spares: one line."""
-    spares, algorithm = values["cluster"]["spare_replicas"], values["optimizer"]["algorithm"]
-    if spares and algorithm in SPARES_REFUSED:
+    spares, opt = values["cluster"]["spare_replicas"], values["optimizer"]
+    algorithm = opt["algorithm"]
+    on_downpour = (algorithm == "downpour"
+                   or (algorithm == "averaging" and opt.get("elastic_alpha") is not None)
+                   or (algorithm == "diloco" and opt.get("asynchronous")))
+    if spares and not on_downpour:
         raise ConfigError(f"{where}: cluster.spare_replicas = {spares}, but algorithm = "
                           f"{_show(algorithm)} cannot use spare replicas: "
-                          f"{SPARES_REFUSED[algorithm]}; only algorithm = \"downpour\" does. "
-                          "Leave cluster.spare_replicas out")
+                          f"{SPARES_REFUSED[algorithm]}; leave cluster.spare_replicas out")
 
 
 def _shard_reason(algorithm: registry.Algorithm, opt: dict) -> str:

@@ -319,6 +319,8 @@ class Replica:
                 loss_sum += loss
             self.injected.after_step(self.t, started)
         exchange(self.control.set(self.plan.n_push, done, loss_sum))
+        if self.stats_.first_push_at is None:
+            self.stats_.first_push_at = time.time()
         self.stats_.steps += done
         self.stats_.samples += done * self.plan.batch_size
         return self._granted_after_exchange()
