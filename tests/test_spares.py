@@ -125,10 +125,12 @@ class _Shard:
         return self.block[rc.GLOBAL_SLOTS:].reshape(-1, rc.REPLICA_SLOTS)
 
 
-def _pool(replicas: int, spares: int) -> tuple[SparePool, _Shard]:
+def _pool(replicas: int, spares: int, release: tuple[int, ...] = ()) -> tuple[SparePool,
+                                                                            _Shard]:
     topology = Topology(1 + replicas + spares, 0, 1, spares=spares)
-    plan = SimpleNamespace(num_replicas=replicas, num_groups=replicas + spares,
-                           topology=topology)
+    plan = SimpleNamespace(num_replicas=replicas + len(release), first_spare=replicas,
+                           num_groups=replicas + spares, topology=topology,
+                           release_spares_at=release)
     shard = _Shard(replicas + spares)
     return SparePool(plan, shard, lambda part: (9, 0, 0)), shard
 
@@ -158,6 +160,21 @@ def test_a_lost_part_goes_to_the_first_free_live_spare_and_on_when_it_is_lost() 
     assert pool.lost(3, rows, lost, 90, lambda g: [1 + g]) is None
     assert pool.training() == 1 and pool.unserved() == [1]
     assert list(pool.positions(rows)) == [0]
+
+
+def test_a_released_spare_trains_a_part_of_its_own() -> None:
+    # cluster.release_spares_at = [100]: 1 replica + 2 spares, the data in 2 parts; part 1
+    # waits (unserved: a checkpoint lists it as lost) until spare 0 is released for it.
+    pool, shard = _pool(1, 2, release=(100,))
+    rows, lost = shard.rows(), np.zeros(3, dtype=bool)
+    assert pool.training() == 1 and pool.unserved() == [1] and pool.pending == [1]
+    released = pool.release(rows, lost, 100, lambda g: [1 + g])
+    assert (released.spare, released.replaced, released.lost_group) == (0, 1, None)
+    assert rows[1, rc.TAKES_OVER] == 2 and pool.training() == 2 and pool.pending == []
+    # The replica is lost: the other spare takes part 0.
+    lost[0] = True
+    assert pool.lost(0, rows, lost, 150, lambda g: [1 + g]).group == 2
+    assert pool.training() == 2
 
 
 def test_a_part_nobody_published_starts_at_the_checkpoints_rule() -> None:
@@ -221,6 +238,30 @@ def test_a_spare_takes_a_killed_replicas_part_over(data_dir: Path, tmp_path: Pat
     assert spare["spare"] and spare["replaced"] == 1 and spare["steps"] > 0
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [e["replaced"] for e in events if e.get("kind") == "spare_took_over"] == [1]
+
+
+def test_released_spares_grow_the_job_from_one_replica_to_three(data_dir: Path,
+                                                                tmp_path: Path) -> None:
+    # cluster.release_spares_at (issue 46 item 2): 1 shard, replica 0 alone, then spares
+    # 0 and 1 released as replicas 1 and 2 at steps 200 and 400; the data is in 3 parts.
+    out = tmp_path / "out"
+    proc = job(4, data_dir, out, "cluster.spare_replicas=2",
+               "cluster.release_spares_at=[200, 400]", faults=DELAY, transport="shared")
+    output = proc.stdout + proc.stderr
+    assert exit_statuses(proc) == [0, 0, 0, 0], output[-3000:]
+    assert "spare replica 0 (rank 2) released at step 2" in proc.stdout, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_replicas"] == 3 and summary["training_replicas_at_end"] == 3
+    assert [(t["spare"], t["replaced"], t["lost_group"]) for t in summary["spares"]] == [
+        (0, 1, None), (1, 2, None)]
+    assert all(t["pushes"] > 0 for t in summary["spares"])
+    started = {r["rank"]: r["started_at_step"] for r in summary["replicas"]}
+    assert started[1] == 0 and 200 <= started[2] < started[3] and started[3] >= 400
+    # The final checkpoint holds all three parts' positions.
+    import distbelief.records.checkpoint as ckpt
+
+    final = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
+    assert final.num_replicas == 3 and final.manifest["lost_replicas"] == []
 
 
 @pytest.mark.matrix

@@ -226,6 +226,7 @@ class ClusterConfig:
     partitions: int = 1
     shard_placement: str = "spread"
     spare_replicas: int = 0  # Downpour's hot spares (algorithms.downpour.spares)
+    release_spares_at: tuple[int, ...] = ()  # steps at which spares join as replicas
 
 
 @dataclass(frozen=True)
@@ -300,6 +301,16 @@ def _jsonable(value: Any) -> Any:
 _int, _float, _bool, _string, _choice = integer, number, boolean, text_rule, choice
 
 
+def _steps() -> Rule:
+    """A list of global steps >= 1 in increasing order (cluster.release_spares_at)."""
+    def convert(v: Any) -> Any:
+        if not isinstance(v, list) or any(
+                isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
+            return None
+        return tuple(v) if list(v) == sorted(v) else None
+    return Rule(convert, "a list of steps >= 1 in increasing order, e.g. [1000, 5000]")
+
+
 def _layers() -> Rule:
     def convert(v: Any) -> Any:
         if isinstance(v, list) and v and all(isinstance(layer, dict) for layer in v):
@@ -329,6 +340,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "partitions": (_int(1), 1),
         "shard_placement": (_choice(SHARD_PLACEMENTS), "spread"),
         "spare_replicas": (_int(0), 0),
+        "release_spares_at": (_steps(), ()),
     },
     "run": {
         "max_steps": (_int(0), 0),
@@ -750,32 +762,15 @@ def _resolve_ps_shards(values: dict, where: str) -> None:
                           "shard: set cluster.ps_shards = 0 or leave it out")
 
 
-SPARES_REFUSED = {
-    "sgd": "one model on P ranks has no replica to stand in for",
-    "sandblaster": "its coordinator hands work units to the replicas it started with",
-    "sync": "every replica takes part in each step's all-reduce, which a lost one ends",
-    "hogwild": "its replicas are threads of one process, lost together",
-    "averaging": "periodic averaging's all-reduce takes every replica (EASGD, with "
-                 "optimizer.elastic_alpha, can)",
-    "diloco": "the synchronous form's all-reduce takes every replica (the asynchronous "
-              "form, optimizer.asynchronous = true, can)",
-}
-"""Why the algorithms that cannot use cluster.spare_replicas refuse it: every one but
-Downpour and the two on its machinery (EASGD, asynchronous DiLoCo: a spare takes a lost
-replica's part over there as in Downpour, algorithms.downpour.spares)."""
-
-
 def _check_spares(values: dict, where: str) -> None:
-    """cluster.spare_replicas > 0 with an algorithm that cannot use spares: one line."""
+    """cluster.spare_replicas > 0 with an algorithm that cannot use spares (its registry
+    line says, and why): one line."""
     spares, opt = values["cluster"]["spare_replicas"], values["optimizer"]
-    algorithm = opt["algorithm"]
-    on_downpour = (algorithm == "downpour"
-                   or (algorithm == "averaging" and opt.get("elastic_alpha") is not None)
-                   or (algorithm == "diloco" and opt.get("asynchronous")))
-    if spares and not on_downpour:
+    algorithm = registry.get(opt["algorithm"])
+    if spares and not algorithm.takes_spares(opt):
         raise ConfigError(f"{where}: cluster.spare_replicas = {spares}, but algorithm = "
-                          f"{_show(algorithm)} cannot use spare replicas: "
-                          f"{SPARES_REFUSED[algorithm]}; leave cluster.spare_replicas out")
+                          f"{_show(algorithm.name)} cannot use spare replicas: "
+                          f"{algorithm.no_spares}; leave cluster.spare_replicas out")
 
 
 def _shard_reason(algorithm: registry.Algorithm, opt: dict) -> str:

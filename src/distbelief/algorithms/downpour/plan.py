@@ -118,10 +118,19 @@ class DownpourPlan:
     """A sparse model whose replicas pull and push their batches' table rows only
     (optimizer.table_pulls = "rows"; downpour.row_replica)."""
     max_staleness: int | None = None  # optimizer.max_staleness (downpour.clocks)
+    release_spares_at: tuple[int, ...] = ()
+    """cluster.release_spares_at: the global steps at which a spare becomes one more
+    training replica (downpour.spares: the job grows)."""
 
     @property
     def num_replicas(self) -> int:
-        """The training replicas (R), over which the training data is split."""
+        """The parts of the training data: the R replicas training from the start, and
+        one more for each spare to be released (cluster.release_spares_at)."""
+        return self.topology.num_replicas + len(self.release_spares_at)
+
+    @property
+    def first_spare(self) -> int:
+        """The first spare group (R): groups from it on start as spares."""
         return self.topology.num_replicas
 
     @property
@@ -131,13 +140,13 @@ class DownpourPlan:
         return self.topology.num_groups
 
     def is_spare(self, replica: int) -> bool:
-        return replica >= self.num_replicas
+        return replica >= self.first_spare
 
     def joins_late(self, replica: int, base: int) -> bool:
         """Whether `replica` starts training only once the warm start is over, in a job
         that starts `base` global steps in (every rank answers the same). Spares are
         counted in when they take a part over, not here."""
-        return (0 < replica < self.num_replicas and self.warm_start_steps > 0
+        return (0 < replica < self.first_spare and self.warm_start_steps > 0
                 and base < self.warm_start_steps)
 
 
@@ -149,18 +158,24 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
     cluster, opt = config.cluster, config.optimizer
     topology = Topology(world_size, world_rank, cluster.ps_shards, cluster.partitions,
                         spares=cluster.spare_replicas)
-    smallest = n_train // topology.num_replicas  # balanced_ranges: sizes differ by <= 1
+    release = tuple(cluster.release_spares_at)
+    if len(release) > cluster.spare_replicas:
+        raise ConfigError(f"cluster.release_spares_at lists {len(release)} step(s), but "
+                          f"cluster.spare_replicas = {cluster.spare_replicas}: release at "
+                          f"most as many spares as the job has")
+    parts = topology.num_replicas + len(release)
+    smallest = n_train // parts  # balanced_ranges: sizes differ by <= 1
     if config.data.batch_size > smallest:
         rows = training_rows(n_train, held_out, config.data.path, config.data.validation)
         raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
-                        f"{smallest} training rows each of the {topology.num_replicas} "
+                        f"{smallest} training rows each of the {parts} "
                         f"replicas gets, from the {rows}; use a smaller batch or fewer "
                         f"replicas")
     return DownpourPlan(topology, config.data.batch_size, opt.n_fetch, opt.n_push,
                         opt.warm_start_steps, config.run.max_steps,
                         config.run.max_bad_gradients_in_a_row,
                         config.run.replica_timeout_seconds, _row_pulls(config),
-                        opt.max_staleness)
+                        opt.max_staleness, release)
 
 
 def _row_pulls(config: Config) -> bool:

@@ -129,16 +129,35 @@ class ReplicaWatch:
 
     def _name(self, group: int) -> str:
         if self.plan.is_spare(group):
-            return f"spare replica {group - self.plan.num_replicas}"
+            return f"spare replica {group - self.plan.first_spare}"
         return f"replica {group}"
+
+    def release_due(self) -> None:
+        """cluster.release_spares_at: make a free spare one more training replica at each
+        step listed that training has reached (none left: the part waits for none)."""
+        steps, pool = self.progress.steps, self.spares
+        while pool.pending and steps >= pool.release_at[0]:
+            rows = self.view.replicas if self.view is not None else None
+            takeover = pool.release(rows, self.lost_mask, steps,
+                                    lambda g: list(self.plan.topology.replica_ranks(g)))
+            if takeover is None:
+                say(self.stream, f"distbelief: no free spare to release at step {steps} "
+                                 f"(cluster.release_spares_at)")
+                continue
+            if self.joined is not None:
+                self.joined(takeover.group)
+            say(self.stream, f"distbelief: spare replica {takeover.spare} (rank "
+                             f"{takeover.ranks[0]}) released at step {steps} to train as "
+                             f"replica {takeover.replaced} (cluster.release_spares_at)")
 
     def _took_over(self, takeover: Takeover) -> None:
         """A spare has opened its part (its SERVING read): a line and an event."""
         steps = self.progress.steps
+        since = ("after the loss" if takeover.lost_group is not None
+                 else "after its release")
         say(self.stream, f"distbelief: spare replica {takeover.spare} (rank "
                          f"{takeover.ranks[0]}) takes over replica {takeover.replaced}'s "
-                         f"part at step {steps}, {takeover.takeover_seconds:.2f} s after "
-                         f"the loss")
+                         f"part at step {steps}, {takeover.takeover_seconds:.2f} s {since}")
         self.recorder.log_event("spare_took_over", steps, steps * self.plan.batch_size,
                                 spare=takeover.spare, ranks=takeover.ranks,
                                 replaced=takeover.replaced, lost=takeover.lost_group,

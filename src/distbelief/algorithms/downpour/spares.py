@@ -42,10 +42,10 @@ class Takeover:
     group: int  # its replica group (R + spare)
     ranks: list[int]
     replaced: int  # the training replica whose part it trains
-    lost_group: int  # the group that was lost (the replica, or a spare that served it)
+    lost_group: int | None  # the group that was lost (None: released to grow the job)
     at_step: int  # the global step when it was given the part
     start: Position
-    lost_at: float  # time.monotonic() on shard 0 when the loss was declared
+    lost_at: float  # time.monotonic() on shard 0 when the loss was declared (or released)
     lost_wall: float  # time.time() then (compared with the spare's own clock)
     takeover_seconds: float | None = None  # loss -> shard 0 read its SERVING
 
@@ -68,9 +68,13 @@ class SparePool:
 
     def __init__(self, plan: Any, shard: Any, first_start: Callable[[int], Position]):
         self.plan, self.shard, self.first_start = plan, shard, first_start
-        replicas, groups = plan.num_replicas, plan.num_groups
-        self.server: dict[int, int | None] = {r: r for r in range(replicas)}
-        self.free = list(range(replicas, groups))
+        first, groups, parts = plan.first_spare, plan.num_groups, plan.num_replicas
+        # Parts first..parts-1 (cluster.release_spares_at) wait for their release.
+        self.server: dict[int, int | None] = {r: r if r < first else None
+                                              for r in range(parts)}
+        self.pending = list(range(first, parts))
+        self.release_at = list(getattr(plan, "release_spares_at", ()))
+        self.free = list(range(first, groups))
         self.known: dict[int, Position] = {}
         self.given: dict[int, Position] = {}  # part -> where its current spare starts it
         self.takeovers: list[Takeover] = []
@@ -100,7 +104,7 @@ class SparePool:
         for part, group in self.server.items():
             if group is None:
                 continue
-            if group < self.plan.num_replicas or rows[group, rc.SERVING]:
+            if group < self.plan.first_spare or rows[group, rc.SERVING]:
                 row = rows[group]
                 out[part] = (group, (int(row[rc.EPOCH]), int(row[rc.POSITION]),
                                      int(row[rc.LOCAL_STEPS])))
@@ -121,12 +125,27 @@ class SparePool:
         part = self.part_of(group)
         if part is None:
             return None
-        now, wall = time.monotonic(), time.time()
         self.server[part] = None
         if rows is not None and self._published(group, rows[group]):
             row = rows[group]
             self.known[part] = (int(row[rc.EPOCH]), int(row[rc.POSITION]),
                                 int(row[rc.LOCAL_STEPS]))
+        return self._assign(part, group, rows, lost_mask, step, ranks_of)
+
+    def release(self, rows: np.ndarray | None, lost_mask: np.ndarray, step: int,
+                ranks_of: Callable[[int], list[int]]) -> Takeover | None:
+        """The next part waiting for its release (cluster.release_spares_at) goes to the
+        first free live spare; None when there is none (the part stays unserved)."""
+        part = self.pending.pop(0)
+        self.release_at.pop(0)
+        return self._assign(part, None, rows, lost_mask, step, ranks_of)
+
+    def _assign(self, part: int, group: int | None, rows: np.ndarray | None,
+                lost_mask: np.ndarray, step: int,
+                ranks_of: Callable[[int], list[int]]) -> Takeover | None:
+        """Part `part` (its trainer `group` lost, or None: released) to the first free
+        live spare: its start, then TAKES_OVER, written into the spare's row."""
+        now, wall = time.monotonic(), time.time()
         finished = rows[:, rc.FINISHED] if rows is not None else np.zeros(len(lost_mask))
         spare = next((s for s in self.free if not lost_mask[s] and not finished[s]), None)
         if spare is None:
@@ -140,7 +159,7 @@ class SparePool:
             if value:  # FROM_* first: a spare that reads TAKES_OVER reads them next time
                 self.shard.add_run_control(rc.replica_slot(spare, slot), value)
         self.server[part] = spare
-        takeover = Takeover(spare - self.plan.num_replicas, spare, ranks_of(spare), part, group,
+        takeover = Takeover(spare - self.plan.first_spare, spare, ranks_of(spare), part, group,
                             step, start, now, wall)
         self.takeovers.append(takeover)
         return takeover
@@ -148,7 +167,7 @@ class SparePool:
     def _published(self, group: int, row: np.ndarray) -> bool:
         """Whether `group`'s row holds a position of the part it trains: a replica's once
         it paused for a checkpoint in this job, a spare's once it opened its part."""
-        if group < self.plan.num_replicas:
+        if group < self.plan.first_spare:
             return bool(row[rc.ACKED])
         return bool(row[rc.SERVING])
 

@@ -112,7 +112,7 @@ class Supervisor:
         self.clocks = None if plan.max_staleness is None else ClockWatch(
             self.shard, plan.max_staleness, replicas,
             [r for r in range(replicas) if plan.joins_late(r, start.base)],
-            spares=range(plan.num_replicas, replicas))
+            spares=range(plan.first_spare, replicas))
         if self.clocks is not None:
             self.replicas.joined = self.clocks.join
         self.checkpoints = Checkpoints(run, config, network, info, self.progress,
@@ -180,6 +180,8 @@ class Supervisor:
         if steps > progress.steps:
             progress.steps, progress.loss_total = steps, view.loss_sum
         self.replicas.saw(view, now)
+        if self.replicas.spares.pending and not progress.stop_code:
+            self.replicas.release_due()
         rows = view.replicas
         shard_term, shard_usr1 = self.shard_role.shard_signals
         term = max(int(rows[:, rc.TERM].max(initial=0)), shard_term)
@@ -521,9 +523,11 @@ def _summary_line(summary: dict[str, Any], config: Config) -> str:
     if summary["lost_replicas"]:
         text += f"; replicas lost: {', '.join(str(r['replica']) for r in summary['lost_replicas'])}"
     for t in summary["spares"]:
-        first = t["loss_to_first_push_seconds"]
-        text += (f"; spare {t['spare']} replaced replica {t['replaced']}"
-                 + (f" (first push {first:.2f} s after the loss)" if first is not None else ""))
+        first, lost = t["loss_to_first_push_seconds"], t["lost_group"] is not None
+        text += (f"; spare {t['spare']} {'replaced' if lost else 'released as'} replica "
+                 f"{t['replaced']}" + (f" (first push {first:.2f} s after the "
+                                       f"{'loss' if lost else 'release'})"
+                                       if first is not None else ""))
     text += target_text(summary)
     models = best_last_text(summary)
     text += f"\ndistbelief: {models}" if models else ""
