@@ -10,6 +10,7 @@ nodes, as the tests run).
     python benchmarks/bench_spares.py --transport shared --runs 5
     python benchmarks/bench_spares.py --transport rma --runs 5 --victim 1 --steps 15000
     python benchmarks/bench_spares.py --idle 10        # a waiting spare's CPU over 10 s
+    python benchmarks/bench_spares.py --growth data/fashion_mnist.h5 --lr 0.02 --seeds 0 1
 
 (a) takeover: replica rank `--victim` is killed -9 at its step 300; reported per run:
     the seconds from shard 0 declaring it lost to the spare's first completed push
@@ -20,12 +21,21 @@ nodes, as the tests run).
 (b) idle: no fault, `--idle` seconds of training; the spare's CPU seconds over its wall
     seconds while it waited (its statistics: spare_wait_cpu_seconds, every thread of its
     process).
+(c) growth (cluster.release_spares_at, item 2): the reference MLP on Fashion-MNIST
+    (configs/fashion_mnist_downpour.toml, Adagrad, batch 64) at `--lr`, 1 shard and 3
+    replicas: "cold", all 3 from step 0, against "warm", replica 0 alone and 2 spares
+    released at step `--release` (the paper's warm start, section 4.1); the data is in 3
+    parts either way. Each run stops at 88% test accuracy or after `--seconds`; reported:
+    the wall seconds and steps to 88% (or not reached), the final test accuracy, and the
+    lowest and highest training loss logged after the first 100 steps (a collapse shows
+    as a loss that climbs to ln 10 = 2.30 or beyond).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -56,6 +66,41 @@ def run(folder: Path, out: Path, transport: str, faults: str, *overrides: str) -
     return json.loads(summary.read_text())
 
 
+def growth(data: Path, args: argparse.Namespace) -> None:
+    config = REPO / "configs" / "fashion_mnist_downpour.toml"
+    for seed in args.seeds:
+        for how in ("cold", "warm"):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "out"
+                extra = ["cluster.spare_replicas=2",
+                         f"cluster.release_spares_at=[{args.release}, {args.release}]"] \
+                    if how == "warm" else []
+                cmd = ["train", config]
+                for override in (f'run.out_dir="{out}"', f'data.path="{data.resolve()}"',
+                                 f"optimizer.learning_rate={args.lr}", f"run.seed={seed}",
+                                 f"run.max_seconds={args.seconds}", *extra):
+                    cmd += ["--set", override]
+                run_mpi(4,
+                        [REPO / "tests" / "mpi_programs" / "cli_exit_status.py", *cmd],
+                        timeout=args.seconds + 200, env=job_env())
+                summary = json.loads((out / "summary.json").read_text())
+                lines = [json.loads(x) for x in
+                         (out / "metrics.jsonl").read_text().splitlines()]
+                losses = [(x["loss"], x["step"]) for x in lines
+                          if x.get("kind") in (None, "train") and "loss" in x
+                          and x.get("step", 0) > 100]
+                low, high = min(losses, default=(math.nan, 0)), max(losses,
+                                                                   default=(math.nan, 0))
+                reached = summary.get("reached_target")
+                to = (f"88% at step {summary['target_reached_step']:,d} in "
+                      f"{summary['wall_seconds']:.1f} s" if reached else
+                      f"88% not reached in {summary['wall_seconds']:.0f} s")
+                print(f"lr {args.lr} seed {seed} {how}: {to}, final test accuracy "
+                      f"{summary['final_test_accuracy']:.4f}, training loss after step "
+                      f"100 between {low[0]:.3f} and {high[0]:.3f} (at step {high[1]:,d})",
+                      flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--transport", default="shared", choices=("shared", "rma"))
@@ -64,7 +109,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--idle", type=float, default=0.0,
                         help="measure a waiting spare's CPU over this many seconds instead")
+    parser.add_argument("--growth", type=Path, metavar="FASHION_MNIST_H5",
+                        help="compare cold 3 replicas with a warm start 1 -> 3 instead")
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--release", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=120)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     args = parser.parse_args()
+    if args.growth:
+        growth(args.growth, args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         make_synthetic(folder / "synth.h5", n_train=6000, n_test=500, input_shape=(32,),
