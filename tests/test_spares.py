@@ -22,7 +22,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from helpers import DELAY, exit_statuses, fault_config, set_args
-from helpers.mpi_jobs import REPO, job_env, run_mpi, simulated_test_nodes, survive_a_death
+from helpers.mpi_jobs import (
+    REPO,
+    SharedMemoryWatch,
+    job_env,
+    run_mpi,
+    simulated_test_nodes,
+    survive_a_death,
+)
 
 from distbelief.algorithms.downpour.spares import SparePool, part_start
 from distbelief.errors import ConfigError
@@ -218,10 +225,12 @@ def test_a_spare_takes_a_killed_replicas_part_over(data_dir: Path, tmp_path: Pat
     # 1 shard, replicas 0 and 1 (ranks 1, 2), spare 0 (rank 3); replica 1 is killed at
     # its step 200 (of about 750).
     out = tmp_path / "out"
-    proc = job(4, data_dir, out, "cluster.spare_replicas=1", faults=f"kill:2:200 {DELAY}",
-               transport=transport)
+    with SharedMemoryWatch(out) as watch:
+        proc = job(4, data_dir, out, "cluster.spare_replicas=1",
+                   faults=f"kill:2:200 {DELAY}", transport=transport)
     output = proc.stdout + proc.stderr
     assert exit_statuses(proc) == [0, 0, 137, 0], output[-3000:]
+    assert watch.left() == [], output[-3000:]  # the dead rank's segments too
     assert "replica 1 (rank 2) lost at step" in proc.stdout, output[-3000:]
     assert "spare 0 (rank 3) takes its part over; training goes on with 2" in proc.stdout
     assert "distbelief: spare replica 0 (rank 3) takes over replica 1's part" in proc.stdout
@@ -287,10 +296,12 @@ def test_a_killed_spare_that_took_over_is_replaced_by_the_next(data_dir: Path,
     # killed at its step 150, spare 0 while it takes replica 1's part over: once it has
     # opened the part and computed its first step, before its first push.
     out = tmp_path / "out"
-    proc = job(5, data_dir, out, "cluster.spare_replicas=2",
-               faults=f"kill:2:150 kill:3:1 {DELAY}", transport="shared")
+    with SharedMemoryWatch(out) as watch:
+        proc = job(5, data_dir, out, "cluster.spare_replicas=2",
+                   faults=f"kill:2:150 kill:3:1 {DELAY}", transport="shared")
     output = proc.stdout + proc.stderr
     assert exit_statuses(proc) == [0, 0, 137, 137, 0], output[-3000:]
+    assert watch.left() == [], output[-3000:]
     assert "spare replica 0 (rank 3) lost at step" in proc.stdout, output[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stop_reason"] == "max_steps"
