@@ -271,6 +271,8 @@ def test_released_spares_grow_the_job_from_one_replica_to_three(data_dir: Path,
 
     final = ckpt.find_latest(ckpt.checkpoint_root(out))[0]
     assert final.num_replicas == 3 and final.manifest["lost_replicas"] == []
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["replica"] for e in events if e.get("kind") == "spare_released"] == [1, 2]
 
 
 @pytest.mark.matrix

@@ -149,6 +149,9 @@ class ReplicaWatch:
             say(self.stream, f"distbelief: spare replica {takeover.spare} (rank "
                              f"{takeover.ranks[0]}) released at step {steps} to train as "
                              f"replica {takeover.replaced} (cluster.release_spares_at)")
+            self.recorder.log_event("spare_released", steps, steps * self.plan.batch_size,
+                                    spare=takeover.spare, ranks=takeover.ranks,
+                                    replica=takeover.replaced)
 
     def _took_over(self, takeover: Takeover) -> None:
         """A spare has opened its part (its SERVING read): a line and an event."""
