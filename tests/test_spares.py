@@ -184,6 +184,24 @@ def test_a_released_spare_trains_a_part_of_its_own() -> None:
     assert pool.training() == 2
 
 
+def test_a_spare_is_counted_in_the_staleness_bound_when_it_takes_over() -> None:
+    # optimizer.max_staleness: 2 replicas and a spare; the spare holds MIN_CLOCK back
+    # neither while it waits nor once counted in, at the lowest clock then.
+    from distbelief.algorithms.downpour.clocks import ClockWatch
+
+    shard = _Shard(3)
+    clocks = ClockWatch(shard, 2, 3, [], spares=[2])
+    rows, lost = shard.rows(), np.zeros(3, dtype=bool)
+    rows[:, rc.CLOCK] = 7, 5, 0
+    clocks.saw(rows, lost, warm_over=True)
+    assert clocks.min_clock == 5  # the waiting spare's clock 0 is not counted
+    clocks.join(2)
+    assert rows[2, rc.JOINED] == 6  # 1 + the clock it starts at
+    rows[2, rc.CLOCK] = 1
+    clocks.saw(rows, lost, warm_over=True)
+    assert clocks.min_clock == 5 and not clocks.waiting
+
+
 def test_a_part_nobody_published_starts_at_the_checkpoints_rule() -> None:
     plan = SimpleNamespace(num_replicas=2)
     assert part_start(None, plan, 1000, 1, 2500) == (3, 0, 0)  # a pass no epoch used
