@@ -144,6 +144,7 @@ class Replica:
         try:
             if self.spare:
                 self._wait_as_spare()
+                self.stopping = self.stopping or self.spare  # no part given: nothing to train
             if self.index > 0 and self.plan.warm_start_steps > 0 and not self.stopping:
                 self._wait_for_warm_start()
             start = time.perf_counter()
