@@ -225,6 +225,8 @@ class ClusterConfig:
     ps_shards: int = 1
     partitions: int = 1
     shard_placement: str = "spread"
+    spare_replicas: int = 0  # Downpour's hot spares (algorithms.downpour.spares)
+    release_spares_at: tuple[int, ...] = ()  # steps at which spares join as replicas
 
 
 @dataclass(frozen=True)
@@ -299,6 +301,16 @@ def _jsonable(value: Any) -> Any:
 _int, _float, _bool, _string, _choice = integer, number, boolean, text_rule, choice
 
 
+def _steps() -> Rule:
+    """A list of global steps >= 1 in increasing order (cluster.release_spares_at)."""
+    def convert(v: Any) -> Any:
+        if not isinstance(v, list) or any(
+                isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
+            return None
+        return tuple(v) if list(v) == sorted(v) else None
+    return Rule(convert, "a list of steps >= 1 in increasing order, e.g. [1000, 5000]")
+
+
 def _layers() -> Rule:
     def convert(v: Any) -> Any:
         if isinstance(v, list) and v and all(isinstance(layer, dict) for layer in v):
@@ -327,6 +339,8 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "ps_shards": (_int(0), None),
         "partitions": (_int(1), 1),
         "shard_placement": (_choice(SHARD_PLACEMENTS), "spread"),
+        "spare_replicas": (_int(0), 0),
+        "release_spares_at": (_steps(), ()),
     },
     "run": {
         "max_steps": (_int(0), 0),
@@ -537,6 +551,7 @@ def config_from_dict(raw: dict, source: Path | None = None,
     _check_owned_keys(values["optimizer"], given, where)
     _resolve_schedule(values["optimizer"], given, where)
     _check_algorithm_options(values, given, where)
+    _check_spares(values, where)
     _resolve_ps_shards(values, where)
     _check_consistency(values, where)
 
@@ -745,6 +760,17 @@ def _resolve_ps_shards(values: dict, where: str) -> None:
                           f"algorithm = {_show(algorithm.name)}"
                           f"{_shard_reason(algorithm, opt)} uses no parameter-server "
                           "shard: set cluster.ps_shards = 0 or leave it out")
+
+
+def _check_spares(values: dict, where: str) -> None:
+    """cluster.spare_replicas > 0 with an algorithm that cannot use spares (its registry
+    line says, and why): one line."""
+    spares, opt = values["cluster"]["spare_replicas"], values["optimizer"]
+    algorithm = registry.get(opt["algorithm"])
+    if spares and not algorithm.takes_spares(opt):
+        raise ConfigError(f"{where}: cluster.spare_replicas = {spares}, but algorithm = "
+                          f"{_show(algorithm.name)} cannot use spare replicas: "
+                          f"{algorithm.no_spares}; leave cluster.spare_replicas out")
 
 
 def _shard_reason(algorithm: registry.Algorithm, opt: dict) -> str:

@@ -32,21 +32,24 @@ GB = 2**30
 @dataclass(frozen=True)
 class Layout:
     """S parameter-server shards, R replicas of P partitions each (and `extra` ranks: a
-    coordinator)."""
+    coordinator), and `spares` spare replicas beyond the R (cluster.spare_replicas: each
+    planned as a replica, which it becomes when it takes a lost one's part over)."""
 
     shards: int
     replicas: int
     partitions: int
     extra: int = 0
+    spares: int = 0
 
     @property
     def ranks(self) -> int:
-        return self.shards + self.extra + self.replicas * self.partitions
+        return self.shards + self.extra + (self.replicas + self.spares) * self.partitions
 
     def describe(self) -> str:
         shards = f"{self.shards} shard(s) + " if self.shards else ""
+        spares = f" + {self.spares} spare(s)" if self.spares else ""
         parts = f" x {self.partitions} partitions" if self.partitions > 1 else ""
-        return f"{shards}{self.replicas} replica(s){parts}"
+        return f"{shards}{self.replicas} replica(s){spares}{parts}"
 
 
 def layout_of(config: Config, world_size: int) -> Layout | None:
@@ -58,9 +61,10 @@ def layout_of(config: Config, world_size: int) -> Layout | None:
     partitions = config.cluster.partitions
     extra = algorithm.coordinators
     left = world_size - shards - extra
-    if left < partitions or left % partitions:
+    spares = config.cluster.spare_replicas
+    if left < partitions or left % partitions or left // partitions <= spares:
         return None
-    return Layout(shards, left // partitions, partitions, extra)
+    return Layout(shards, left // partitions - spares, partitions, extra, spares)
 
 
 def workload(config: Config, info: Any, transport: str) -> Workload:
@@ -135,7 +139,8 @@ def fits(network: Any, layout: Layout, work: Workload, node_bytes: int,
          per_node: int) -> bool:
     """Whether every node of `layout`, `per_node` ranks each with the shards spread over
     them, needs at most `node_bytes`."""
-    roles = predict_memory(network, layout.shards, layout.replicas, layout.partitions, work)
+    roles = predict_memory(network, layout.shards, layout.replicas, layout.partitions, work,
+                           layout.spares)
     node_of = placed_nodes(layout.ranks, per_node, layout.shards)
     return max(node_need(roles, node_of).values()) <= node_bytes
 
@@ -155,8 +160,9 @@ def suggest_layout(network: Any, current: Layout, work: Workload, node_bytes: in
         for shards in shard_counts:
             left = ranks - shards - current.extra
             for partitions in (p for p in range(1, min(left, widest, 64) + 1)
-                               if left % p == 0):
-                layout = Layout(shards, left // partitions, partitions, current.extra)
+                               if left % p == 0 and left // p > current.spares):
+                layout = Layout(shards, left // partitions - current.spares, partitions,
+                                current.extra, current.spares)
                 if fits(network, layout, work, node_bytes, per_node):
                     candidates.append(layout)
         if candidates:
@@ -179,7 +185,8 @@ def refusal(network: Any, layout: Layout, work: Workload, node_of: list[int], no
             node_bytes: int, source: str) -> str | None:
     """The error when node `node` of this job (its ranks: node_of) needs more than its
     `node_bytes`; None when it fits."""
-    roles = predict_memory(network, layout.shards, layout.replicas, layout.partitions, work)
+    roles = predict_memory(network, layout.shards, layout.replicas, layout.partitions, work,
+                           layout.spares)
     bytes_needed = node_need(roles, node_of).get(node, 0)
     if bytes_needed <= node_bytes:
         return None
@@ -228,7 +235,8 @@ def check_memory(config: Config, info: Any, network: Any, world_size: int,
         message = refusal(network, layout, work, node_of, node, node_bytes, source)
         if message is not None:
             raise ConfigError(message)
-    roles = predict_memory(network, layout.shards, layout.replicas, layout.partitions, work)
+    roles = predict_memory(network, layout.shards, layout.replicas, layout.partitions, work,
+                           layout.spares)
     per_rank = [role.bytes for role in rank_roles(roles)]
     return None if layout.extra or len(per_rank) != world_size else per_rank
 
@@ -254,17 +262,21 @@ def print_layouts(layouts: Any, transport: str, config: Config, info: Any, netwo
 
     work = costmodel_workload(config, info, transport)
     predictions, memory, tables = [], [], []
+    # Spares (cluster.spare_replicas) train nothing until they replace a lost replica: R
+    # sets the throughput; each holds a replica's memory (once it has taken a part over).
+    spares = config.cluster.spare_replicas
     for shards, replicas, partitions in layouts:
         predictions.append(predict_layout(network, shards, replicas, partitions, batch,
                                           machine, transport))
-        roles = predict_memory(network, shards, replicas, partitions, work)
+        roles = predict_memory(network, shards, replicas, partitions, work, spares)
         total = sum(r.bytes * r.count for r in roles)
         big = largest(roles)
         mark = "" if node_bytes is None else (" fits" if total <= node_bytes
                                               else " does not fit")
         memory.append(f"{big.role} {big.bytes / 2**20:,.0f} MB, all {total / 2**20:,.0f} MB"
                       f"{mark}")
-        tables.append(f"{shards} x {replicas} x {partitions} ({transport}):\n"
+        plus = f" + {spares} spare(s)" if spares else ""
+        tables.append(f"{shards} x {replicas}{plus} x {partitions} ({transport}):\n"
                       + format_memory(roles))
     print(format_layouts(predictions, memory))
     print("\nmemory per rank (MB; one node holds them all" +

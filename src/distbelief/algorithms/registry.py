@@ -44,12 +44,24 @@ class Algorithm:
     shard_trainer: str | None = None
     """With settings that need shards (`needs_shards`): "module:function", called as
     `trainer` is, in its place."""
+    spares: str = "never"
+    """Whether cluster.spare_replicas may be > 0 (Downpour's replicas, which a spare can
+    take over: algorithms.downpour.spares): "always", "never", or an optimizer key (when it
+    is set)."""
+    no_spares: str = ""
+    """Why it cannot use spare replicas (where `spares` says so), for the error."""
 
     def needs_shards(self, optimizer: Mapping[str, Any]) -> bool:
         """Whether runs with these [optimizer] settings keep parameters on shards."""
         if self.shards in ("always", "never", "ignored"):
             return self.shards == "always"
         return bool(optimizer.get(self.shards))
+
+    def takes_spares(self, optimizer: Mapping[str, Any]) -> bool:
+        """Whether runs with these [optimizer] settings can have spare replicas."""
+        if self.spares in ("always", "never"):
+            return self.spares == "always"
+        return optimizer.get(self.spares) not in (None, False)
 
     def in_one_process(self, partitions: int) -> bool:
         """Whether runs of `partitions` ranks per replica train in this process, no MPI."""
@@ -85,33 +97,43 @@ def _load(name: str) -> Any:
 ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm("sgd", "distbelief.algorithms.partitioned_sgd:train",
               "one process, the baseline", shards="ignored", one_replica=True,
-              one_process_trainer="distbelief.algorithms.sgd:train"),
+              one_process_trainer="distbelief.algorithms.sgd:train",
+              no_spares="one model on P ranks has no replica to stand in for"),
     Algorithm("downpour", "distbelief.algorithms.downpour.trainer:train",
               "Downpour SGD against a sharded parameter server",
               options="distbelief.algorithms.downpour.options:DownpourOptions",
-              shards="always"),
+              shards="always", spares="always"),
     Algorithm("sandblaster", "distbelief.algorithms.sandblaster.roles:train",
               "Sandblaster L-BFGS", shards="always", coordinators=1,
-              options="distbelief.algorithms.sandblaster.options:SandblasterOptions"),
+              options="distbelief.algorithms.sandblaster.options:SandblasterOptions",
+              no_spares="its coordinator hands the work units to the replicas it started "
+                        "with"),
     Algorithm("sync", "distbelief.algorithms.sync.trainer:train",
               "synchronous data-parallel SGD, optionally with backup workers",
               options="distbelief.algorithms.sync.options:SyncOptions",
-              shards="backup_workers"),
+              shards="backup_workers",
+              no_spares="every replica takes part in each step's all-reduce"),
     Algorithm("averaging", "distbelief.algorithms.averaging.collective:train",
               "periodic parameter averaging, or EASGD with optimizer.elastic_alpha",
               options="distbelief.algorithms.averaging.options:AveragingOptions",
               shards="elastic_alpha",
-              shard_trainer="distbelief.algorithms.averaging.elastic:train"),
+              shard_trainer="distbelief.algorithms.averaging.elastic:train",
+              spares="elastic_alpha",
+              no_spares="periodic averaging's all-reduce takes every replica (EASGD, with "
+                        "optimizer.elastic_alpha, can)"),
     Algorithm("hogwild", "distbelief.algorithms.hogwild.trainer:train",
               "lock-free shared parameters on one node",
-              options="distbelief.algorithms.hogwild.options:HogwildOptions"),
+              options="distbelief.algorithms.hogwild.options:HogwildOptions",
+              no_spares="its replicas are threads of one process, lost together"),
     Algorithm("diloco", "distbelief.algorithms.diloco.synchronous:train",
               "DiLoCo: inner_steps local steps, then an outer optimizer on the replicas' "
               "deltas; optimizer.asynchronous applies each delta on the shards",
               options="distbelief.algorithms.diloco.options:DiLoCoOptions",
               shards="asynchronous",
               shard_trainer="distbelief.algorithms.diloco.asynchronous:train",
-              shard_rule="distbelief.config:build_outer_optimizer"),
+              shard_rule="distbelief.config:build_outer_optimizer", spares="asynchronous",
+              no_spares="the synchronous form's all-reduce takes every replica (the "
+                        "asynchronous form, optimizer.asynchronous = true, can)"),
 )
 """Every algorithm, one line each: a new one is a folder under algorithms/ and a line here."""
 

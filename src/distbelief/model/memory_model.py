@@ -135,7 +135,7 @@ def row_cache_values(network: object, samples: int, row_ids: tuple[float, ...]) 
 
 
 def replica_memory(network: object, partitions: int, work: Workload,
-                   replicas: int = 1) -> RoleMemory:
+                   replicas: int = 1, spares: int = 0) -> RoleMemory:
     """A replica's rank (one partition of it when partitions > 1; a row cache's with
     `work.row_ids`)."""
     n = math.ceil(network.layout.size / partitions)
@@ -157,7 +157,7 @@ def replica_memory(network: object, partitions: int, work: Workload,
     parts["training data"] = math.ceil(work.train_rows / max(replicas, 1)) * work.row_bytes
     parts["process"] = BASE_BYTES
     return RoleMemory("replica" if partitions == 1 else "replica partition",
-                      replicas * partitions, sum(parts.values()), parts)
+                      (replicas + spares) * partitions, sum(parts.values()), parts)
 
 
 def evaluation_memory(network: object, work: Workload) -> dict[str, int]:
@@ -173,10 +173,11 @@ def evaluation_memory(network: object, work: Workload) -> dict[str, int]:
 
 
 def predict_memory(network: object, shards: int, replicas: int, partitions: int,
-                   work: Workload) -> list[RoleMemory]:
+                   work: Workload, spares: int = 0) -> list[RoleMemory]:
     """Each role's memory for S shards x R replicas x P partitions (S = 0: no shards, one
     process when R = P = 1): shard 0 first (it evaluates), then the other shards, then the
-    replicas' ranks."""
+    replicas' ranks. `spares` (Downpour's spare replicas) are planned as replicas, whose
+    part of the data (1/R) they hold once they take a lost one's over."""
     if shards == 0 and replicas * partitions == 1:
         n = network.layout.size
         parts = {"parameters and gradient": BYTES * n * 2,
@@ -188,9 +189,10 @@ def predict_memory(network: object, shards: int, replicas: int, partitions: int,
         parts.pop("evaluation snapshot")
         return [RoleMemory("the one process", 1, sum(parts.values()), parts)]
     roles = []
-    replica = replica_memory(network, partitions, work, replicas)
+    replica = replica_memory(network, partitions, work, replicas, spares)
     if shards:
-        shard = shard_memory(network.layout.size, shards, replicas * partitions, work)
+        shard = shard_memory(network.layout.size, shards, (replicas + spares) * partitions,
+                             work)
         first = {**shard.parts, **evaluation_memory(network, work)}
         roles.append(RoleMemory("shard 0", 1, sum(first.values()), first))
         if shards > 1:

@@ -48,13 +48,22 @@ window on the RMA transport, in its segment on the shared-memory one (rma_window
                                                   this job that every shard has applied
     JOINED                shard 0 (once)        with optimizer.max_staleness, for a replica
                                                   counted in after the start (the warm
-                                                  start's): 1 + the clock it starts at
+                                                  start's, a spare's): 1 + the clock it
+                                                  starts at
+    TAKES_OVER            shard 0 (once)        a spare's (cluster.spare_replicas): 1 + the
+                                                  training replica whose part it takes over
+    FROM_EPOCH,           shard 0 (once)        with TAKES_OVER, written before it: 1 + the
+      FROM_POSITION,                              epoch, the position and the local steps
+      FROM_STEPS                                  the spare starts that part at
+    SERVING               the spare (0 -> 1+r)  it has opened part r's data; its position
+                                                  (EPOCH, POSITION) is that part's from now
 
 Every update is an addition (a writer sends the difference from what it wrote before),
 so on the RMA transport every access is a count-1 int64 atomic: Accumulate(SUM) or
 Fetch_and_op(SUM) by the writer and Fetch_and_op(NO_OP) reads by everyone else. Only a
-bounded replica's exchange (optimizer.max_staleness) reads MIN_CLOCK and its JOINED: an
-unbounded run makes the same operations as before they existed. Count-1
+bounded replica's exchange (optimizer.max_staleness) reads MIN_CLOCK and its JOINED, and
+only a waiting spare's its TAKES_OVER and FROM_* slots: an unbounded run without spares
+makes the same operations as before they existed. Count-1
 integer atomics are what a network card does by itself (issue 28: with Open MPI's osc/ucx
 and `acc_single_intrinsic` they take no accumulate lock that a dying replica could keep),
 which is why the loss is fixed point, not a float64 accumulate. Element-wise atomic and
@@ -78,8 +87,9 @@ GLOBAL_SLOTS = 11
 COMMANDS = slice(STOP, WARM + 1)  # what a replica reads with each exchange
 # Per-replica slots
 (BEAT, ACKED, EPOCH, POSITION, LOCAL_STEPS, USR1, TERM, GAVE_UP, FINISHED, ABANDONED,
- LOST, CLOCK, JOINED) = range(13)
-REPLICA_SLOTS = 13
+ LOST, CLOCK, JOINED, TAKES_OVER, FROM_EPOCH, FROM_POSITION, FROM_STEPS, SERVING) = range(18)
+REPLICA_SLOTS = 18
+TAKEOVER = slice(TAKES_OVER, FROM_STEPS + 1)  # what a waiting spare reads with each exchange
 SLOT_BYTES = 8
 LOSS_SCALE = 1 << 20
 """LOSS holds sum(loss) * LOSS_SCALE as an int64 (resolution ~1e-6 per exchange)."""
@@ -152,12 +162,16 @@ class ControlExchange:
     additions: claims are atomic, so no step is granted twice), and the commands.
     `replica` None is a client without slots (a partition that is not its replica's lead).
     `bounded` (a replica under optimizer.max_staleness) also reads MIN_CLOCK and its
-    JOINED with each exchange (`min_clock`, `joined_at`).
+    JOINED with each exchange (`min_clock`, `joined_at`). `spare` (a spare waiting for a
+    part, cluster.spare_replicas; cleared once it serves one) also reads its TAKES_OVER
+    and FROM_* slots (`takes_over`, `takeover_start`).
     """
 
-    def __init__(self, replica: int | None, bounded: bool = False) -> None:
+    def __init__(self, replica: int | None, bounded: bool = False, spare: bool = False) -> None:
         self.replica = replica
         self.bounded = bounded and replica is not None
+        self.spare = spare and replica is not None
+        self._takeover = np.zeros(TAKEOVER.stop - TAKEOVER.start, dtype=np.int64)
         self._clocks = np.zeros(2, dtype=np.int64)  # MIN_CLOCK, JOINED as read
         self._send = np.zeros(3, dtype=np.int64)  # claim, steps, left
         self._loss = np.zeros(1, dtype=np.int64)  # loss_units
@@ -184,7 +198,8 @@ class ControlExchange:
         term, gave_up, finished, abandoned, clock) for the next exchange."""
         names = {"acked": ACKED, "epoch": EPOCH, "position": POSITION,
                  "local_steps": LOCAL_STEPS, "usr1": USR1, "term": TERM, "gave_up": GAVE_UP,
-                 "finished": FINISHED, "abandoned": ABANDONED, "clock": CLOCK}
+                 "finished": FINISHED, "abandoned": ABANDONED, "clock": CLOCK,
+                 "serving": SERVING}
         for name, value in values.items():
             self._published[names[name]] = int(value)
         return self
@@ -245,6 +260,21 @@ class ControlExchange:
         joined = int(self._clocks[1])
         return joined - 1 if joined else None
 
+    @property
+    def takes_over(self) -> int | None:
+        """The training replica whose part shard 0 gave this spare, None before it has (a
+        waiting spare's exchange only)."""
+        part = int(self._takeover[0])
+        return part - 1 if part else None
+
+    @property
+    def takeover_start(self) -> tuple[int, int, int]:
+        """(epoch, position, local steps) the part starts at, as read with `takes_over`;
+        complete in the exchange after the one that first read `takes_over` (shard 0 writes
+        them first, but one epoch's reads may complete in any order)."""
+        epoch, position, steps = (int(v) for v in self._takeover[1:])
+        return epoch - 1, position, steps
+
     def _next_delta(self) -> np.ndarray:
         self._published[BEAT] += 1
         np.subtract(self._published, self._sent, out=self._delta)
@@ -260,7 +290,8 @@ class ControlExchange:
         STEPS before), Accumulate(SUM) of the loss, Fetch_and_op(NO_OP) of each command,
         Accumulate(SUM) of each of this replica's slots that changes (BEAT always), and
         Fetch_and_op(NO_OP) of its LOST; a bounded exchange also Fetch_and_op(NO_OP) of
-        MIN_CLOCK and its JOINED. 10 + (changed slots) operations, 12 + when bounded."""
+        MIN_CLOCK and its JOINED, a waiting spare's its TAKES_OVER and FROM_* slots. 10 +
+        (changed slots) operations, 2 more when bounded, 4 more for a waiting spare."""
         int64 = MPI.INT64_T
         for i, slot in enumerate((CLAIMED, STEPS)):
             win.Fetch_and_op([self._send[i : i + 1], int64], [self._before[i : i + 1], int64],
@@ -285,6 +316,10 @@ class ControlExchange:
                                         row + JOINED * SLOT_BYTES)):
                 win.Fetch_and_op([self._zero[:1], int64], [self._clocks[i : i + 1], int64],
                                  target, offset, MPI.NO_OP)
+        if self.spare:
+            for i in range(len(self._takeover)):
+                win.Fetch_and_op([self._zero[:1], int64], [self._takeover[i : i + 1], int64],
+                                 target, row + (TAKEOVER.start + i) * SLOT_BYTES, MPI.NO_OP)
 
     def apply(self, block: np.ndarray) -> None:
         """The same on a shared-memory block (int64 view; LOSS as float64 bits), under the
@@ -299,4 +334,6 @@ class ControlExchange:
         self._row[:] = mine
         if self.bounded:
             self._clocks[:] = block[MIN_CLOCK], mine[JOINED]
+        if self.spare:
+            self._takeover[:] = mine[TAKEOVER]
         mine += self._next_delta()

@@ -69,6 +69,10 @@ def run_status(out_dir: str | Path) -> dict[str, Any]:
                            "split": "validation" if "val_loss" in evals[-1] else "test",
                            **{k: evals[-1][k] for k in EVAL_KEYS if k in evals[-1]}}
                           if evals else None)
+    # Downpour's lost replicas and the spares that took their parts over (events)
+    state["replicas_lost"] = [x.get("replica") for x in lines if x.get("kind") == "replica_lost"]
+    state["spare_takeovers"] = [{k: x.get(k) for k in ("spare", "replaced", "step", "seconds")}
+                                for x in lines if x.get("kind") == "spare_took_over"]
     state["budget"] = _budget(run_config, with_step, state["alive"])
     state["last_checkpoint"] = _newest_checkpoint(out / CHECKPOINTS_DIR)
     state["best_checkpoint"] = _best_checkpoint(out / CHECKPOINTS_DIR)
@@ -225,6 +229,11 @@ def describe(state: dict[str, Any]) -> str:
         left = budget["seconds_left"]
         eta = "" if left is None else f"; {eta_text(left, budget['eta_rule'])}"
         lines.append(f"  budget:            {spent}{eta}")
+    lost, takeovers = state.get("replicas_lost"), state.get("spare_takeovers")
+    if lost:
+        taken = "".join(f"; spare {t['spare']} took replica {t['replaced']}'s part at step "
+                        f"{t['step']:,d}" for t in takeovers or ())
+        lines.append(f"  replicas lost:     {', '.join(map(str, lost))}{taken}")
     ck = state["last_checkpoint"]
     best = state.get("best_checkpoint")
     if best:

@@ -13,8 +13,9 @@ constants, errors, DownpourPlan, grant, Ending), run (open_run, OpenRun, Start: 
 and the restore), clocks (ReplicaClock, ClockWatch: the staleness bound,
 optimizer.max_staleness), replica (Replica, PartitionedReplica), row_replica (RowReplica: a
 sparse model's replica moving its batches' rows), shards (ShardRole: what every shard
-does), progress (RunProgress: shard 0's steps, loss and stop decision),
-replica_watch (ReplicaWatch: the replicas' heartbeats and the lost ones), checkpoints
+does), progress (RunProgress: shard 0's steps, loss and stop decision), spares (SparePool:
+shard 0's side of the hot spares, cluster.spare_replicas, and of growth,
+cluster.release_spares_at), replica_watch (ReplicaWatch: the replicas' heartbeats and the lost ones), checkpoints
 (Checkpoints: shard 0's checkpointer: when, the replicas' part, the commit), variant
 (Variant: what an algorithm built on this machinery, EASGD or asynchronous DiLoCo,
 supplies in Downpour's place; make_replica, the replica role a rank takes), supervisor (Supervisor: shard 0, and the summary), trainer

@@ -127,7 +127,7 @@ class Checkpoints:
         # The replicas' positions as they published them when they paused or finished
         # (lost replicas have none), taken now: they move on once released.
         self.planned_step = meta.step
-        self.snapshot_lost = sorted(self.replicas.lost)
+        self.snapshot_lost = self.replicas.spares.unserved()  # parts nobody trains
         self.snapshot_replicas = [
             ckpt.ReplicaState(r, {"local_steps": local_steps}, state, None, {})
             for r, (state, local_steps) in self._replica_positions().items()]
@@ -142,19 +142,17 @@ class Checkpoints:
 
     def _replica_positions(self) -> dict[int, tuple[dict[str, int], int]]:
         """Replica index -> (TrainShard.state(), local steps) as published, for every
-        replica that is not lost."""
+        part of the data that a live group trains: its replica's, or the spare's that took
+        it over (downpour.spares), under the replica's index."""
         rows = self.replicas.view.replicas
         replicas = self.plan.num_replicas
         ranges = balanced_ranges(self.info.n_train, replicas)
         positions = {}
-        for r in range(replicas):
-            if r in self.replicas.lost:
-                continue
-            row = rows[r]
+        for r, (_, (epoch, position, local_steps)) in sorted(
+                self.replicas.spares.positions(rows).items()):
             state = {"seed": self.config.run.seed, "rank": r, "num_ranks": replicas,
-                     "n": ranges[r][1] - ranges[r][0], "epoch": int(row[rc.EPOCH]),
-                     "position": int(row[rc.POSITION])}
-            positions[r] = (state, int(row[rc.LOCAL_STEPS]))
+                     "n": ranges[r][1] - ranges[r][0], "epoch": epoch, "position": position}
+            positions[r] = (state, local_steps)
         return positions
 
     def pause_ended(self, plan: dict[str, Any], pause: Pause) -> None:

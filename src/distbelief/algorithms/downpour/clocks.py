@@ -111,13 +111,17 @@ def combined_leads(bound: int | None, replicas: list[dict[str, Any]]) -> dict[st
 class ClockWatch:
     """Shard 0's side of the bound: which replicas are counted in and at what clock, and
     MIN_CLOCK, published into the run control block of `shard` (shard 0's endpoint) as
-    the rows are read. `late`: the replicas counted in only once the warm start is over."""
+    the rows are read. `late`: the replicas counted in only once the warm start is over;
+    `spares`: those counted in when they take a part over (`join`)."""
 
-    def __init__(self, shard: Any, bound: int, replicas: int, late: list[int]):
+    def __init__(self, shard: Any, bound: int, replicas: int, late: list[int],
+                 spares: Any = ()):
         self.shard, self.bound = shard, bound
         self.joined_at = np.zeros(replicas, dtype=np.int64)
         self.counted = np.ones(replicas, dtype=bool)
-        self.counted[late] = False
+        self.counted[list(late)] = False
+        self.late = list(late)
+        self.counted[list(spares)] = False
         self.min_clock = 0  # as published
         self.waiting = False  # a live replica's clock is past MIN_CLOCK + bound
 
@@ -128,14 +132,15 @@ class ClockWatch:
         live = self.counted & ~lost & (rows[:, rc.FINISHED] == 0)
         clocks = self.joined_at + rows[:, rc.CLOCK]
         lowest = int(clocks[live].min()) if live.any() else self.min_clock
-        if warm_over and not self.counted.all():
+        if warm_over and self.late:
             # Counted in at the lowest clock: no live replica is then more than the bound
             # ahead of them, and the lowest does not move.
-            for replica in np.flatnonzero(~self.counted):
+            for replica in self.late:
                 self.joined_at[replica] = lowest
                 self.shard.add_run_control(rc.replica_slot(int(replica), rc.JOINED),
                                            lowest + 1)
-            self.counted[:] = True
+                self.counted[replica] = True
+            self.late = []
             live = self.counted & ~lost & (rows[:, rc.FINISHED] == 0)
             clocks = self.joined_at + rows[:, rc.CLOCK]
         self.waiting = bool(live.any() and clocks[live].max() > lowest + self.bound)
@@ -144,3 +149,10 @@ class ClockWatch:
         self.shard.add_run_control(rc.MIN_CLOCK, lowest - self.min_clock)
         self.min_clock = lowest
         return True
+
+    def join(self, spare: int) -> None:
+        """A spare takes a part over: counted in at MIN_CLOCK as published (as a warm
+        start's late replica is), which is not above any live replica's clock."""
+        self.joined_at[spare] = self.min_clock
+        self.shard.add_run_control(rc.replica_slot(spare, rc.JOINED), self.min_clock + 1)
+        self.counted[spare] = True

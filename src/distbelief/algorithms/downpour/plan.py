@@ -19,6 +19,10 @@ from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.communicators.topology import Topology
 
+SPARE_POLL_S = (5e-3, 50e-3)
+"""Back-off bounds of a spare polling shard 0 for a part to take over: a takeover waits at
+most the longest sleep, and the CPU a waiting spare burns stays under 1% of a core."""
+
 WARM_START_POLL_S = (1e-3, 20e-3)
 """Back-off bounds of replicas polling shard 0 while they wait for the warm start: slow,
 since each poll is an RMA epoch that shard 0 has to serve."""
@@ -114,15 +118,36 @@ class DownpourPlan:
     """A sparse model whose replicas pull and push their batches' table rows only
     (optimizer.table_pulls = "rows"; downpour.row_replica)."""
     max_staleness: int | None = None  # optimizer.max_staleness (downpour.clocks)
+    release_spares_at: tuple[int, ...] = ()
+    """cluster.release_spares_at: the global steps at which a spare becomes one more
+    training replica (downpour.spares: the job grows)."""
 
     @property
     def num_replicas(self) -> int:
+        """The parts of the training data: the R replicas training from the start, and
+        one more for each spare to be released (cluster.release_spares_at)."""
+        return self.topology.num_replicas + len(self.release_spares_at)
+
+    @property
+    def first_spare(self) -> int:
+        """The first spare group (R): groups from it on start as spares."""
         return self.topology.num_replicas
+
+    @property
+    def num_groups(self) -> int:
+        """Every replica group, the spares after the R training replicas: the run control
+        block has a row for each (cluster.spare_replicas; downpour.spares)."""
+        return self.topology.num_groups
+
+    def is_spare(self, replica: int) -> bool:
+        return replica >= self.first_spare
 
     def joins_late(self, replica: int, base: int) -> bool:
         """Whether `replica` starts training only once the warm start is over, in a job
-        that starts `base` global steps in (every rank answers the same)."""
-        return replica > 0 and self.warm_start_steps > 0 and base < self.warm_start_steps
+        that starts `base` global steps in (every rank answers the same). Spares are
+        counted in when they take a part over, not here."""
+        return (0 < replica < self.first_spare and self.warm_start_steps > 0
+                and base < self.warm_start_steps)
 
 
 def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
@@ -131,19 +156,26 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
     so every rank raises the same ConfigError/DataError before the first collective.
     `n_train` rows are trained on, after `held_out` went to the validation split."""
     cluster, opt = config.cluster, config.optimizer
-    topology = Topology(world_size, world_rank, cluster.ps_shards, cluster.partitions)
-    smallest = n_train // topology.num_replicas  # balanced_ranges: sizes differ by <= 1
+    topology = Topology(world_size, world_rank, cluster.ps_shards, cluster.partitions,
+                        spares=cluster.spare_replicas)
+    release = tuple(cluster.release_spares_at)
+    if len(release) > cluster.spare_replicas:
+        raise ConfigError(f"cluster.release_spares_at lists {len(release)} step(s), but "
+                          f"cluster.spare_replicas = {cluster.spare_replicas}: release at "
+                          f"most as many spares as the job has")
+    parts = topology.num_replicas + len(release)
+    smallest = n_train // parts  # balanced_ranges: sizes differ by <= 1
     if config.data.batch_size > smallest:
         rows = training_rows(n_train, held_out, config.data.path, config.data.validation)
         raise DataError(f"data.batch_size = {config.data.batch_size} is larger than the "
-                        f"{smallest} training rows each of the {topology.num_replicas} "
+                        f"{smallest} training rows each of the {parts} "
                         f"replicas gets, from the {rows}; use a smaller batch or fewer "
                         f"replicas")
     return DownpourPlan(topology, config.data.batch_size, opt.n_fetch, opt.n_push,
                         opt.warm_start_steps, config.run.max_steps,
                         config.run.max_bad_gradients_in_a_row,
                         config.run.replica_timeout_seconds, _row_pulls(config),
-                        opt.max_staleness)
+                        opt.max_staleness, release)
 
 
 def _row_pulls(config: Config) -> bool:

@@ -21,6 +21,7 @@ from distbelief.algorithms.downpour.plan import (
     BOUND_POLL_S,
     LEAVING_TAG,
     PAUSE_POLL_S,
+    SPARE_POLL_S,
     STATS_TAG,
     WARM_START_POLL_S,
     Ending,
@@ -68,6 +69,13 @@ class ReplicaStats:
     bytes_received: int = 0
     staleness: StalenessStats = field(default_factory=StalenessStats)
     clock_bound: dict[str, Any] | None = None  # optimizer.max_staleness: ReplicaClock's
+    # cluster.spare_replicas (downpour.spares): a spare's; the times are time.time()
+    spare: bool = False
+    replaced: int | None = None  # the training replica whose part it took over
+    took_over_at: float | None = None  # when it had opened that part
+    first_push_at: float | None = None  # when its first push had completed
+    spare_wait_seconds: float = 0.0  # waiting for a part, wall
+    spare_wait_cpu_seconds: float = 0.0  # and the process's CPU meanwhile (every thread)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -101,7 +109,9 @@ class Replica:
         self.fetch_own_pushes = fetch == "own_pushes"
         topology = plan.topology
         self.index = topology.replica_index
-        self.stats_ = ReplicaStats(self.index, topology.world_rank, staleness=client.staleness)
+        self.spare = topology.is_spare  # waits for a lost replica's part (downpour.spares)
+        self.stats_ = ReplicaStats(self.index, topology.world_rank, staleness=client.staleness,
+                                   spare=self.spare)
         self.params = np.zeros(network.layout.size, dtype=np.float32)
         self.grad = np.zeros_like(self.params)
         # With n_push = 1 the step's gradient is pushed as it is; otherwise summed here.
@@ -113,9 +123,10 @@ class Replica:
                 self.params)
         # optimizer.max_staleness (downpour.clocks): on every partition, the lead's counts
         self.clock = None if plan.max_staleness is None else ReplicaClock(
-            plan.max_staleness, None if plan.joins_late(self.index, self.base) else 0)
+            plan.max_staleness,
+            None if plan.joins_late(self.index, self.base) or self.spare else 0)
         self.control = ControlExchange(self.index if self.lead else None,
-                                       bounded=self.clock is not None)
+                                       bounded=self.clock is not None, spare=self.spare)
         self.t = run.start.local_steps  # local steps done (a resumed replica goes on)
         self.fresh = False  # params were fetched at the last push (push_pull)
         self.stopping = False
@@ -131,7 +142,10 @@ class Replica:
         t0 = time.perf_counter()
         start = t0
         try:
-            if self.index > 0 and self.plan.warm_start_steps > 0:
+            if self.spare:
+                self._wait_as_spare()
+                self.stopping = self.stopping or self.spare  # no part given: nothing to train
+            if self.index > 0 and self.plan.warm_start_steps > 0 and not self.stopping:
                 self._wait_for_warm_start()
             start = time.perf_counter()
             self.stats_.wait_seconds = start - t0
@@ -171,6 +185,51 @@ class Replica:
             if over:
                 return
             backoff.wait()
+
+    def _wait_as_spare(self) -> None:
+        """A spare (downpour.spares): poll shard 0 (control only, with back-off sleeps,
+        pausing for checkpoints like a replica) until it gives this spare a lost replica's
+        part, then open the part where shard 0 says; or until the run is over."""
+        plan = self.plan
+        backoff = shard0_backoff(SPARE_POLL_S, plan.num_groups)
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            self._poll_as_spare(backoff)
+        finally:
+            self.stats_.spare_wait_seconds = time.perf_counter() - wall
+            self.stats_.spare_wait_cpu_seconds = time.process_time() - cpu
+
+    def _poll_as_spare(self, backoff: Any) -> None:
+        plan = self.plan
+        while not self.stopping:
+            over, start = 0, np.array([-1, 0, 0, 0], dtype=np.int64)
+            if self.lead:
+                control = self._exchange(self.control.set(claim=0))
+                over = int(bool(plan.max_steps and self.base + control.claimed_before
+                                >= plan.max_steps))
+                if control.takes_over is not None and not over and not control.lost:
+                    self._exchange(control.set(claim=0))  # its FROM_* slots, complete now
+                    start[:] = control.takes_over, *control.takeover_start
+            part, epoch, position, steps = (int(v) for v in self._share_values(start))
+            if part >= 0:
+                self._take_over(part, epoch, position, steps)
+            over, _ = self._decide(over)
+            if over or part >= 0:
+                return
+            backoff.wait()
+
+    def _take_over(self, part: int, epoch: int, position: int, steps: int) -> None:
+        """Open training replica `part`'s part of the data at (epoch, position), go on
+        from its local `steps`, and tell shard 0 (SERVING, with the position) on the
+        lead. The first claim then fetches fresh parameters."""
+        data = self.run_.session.train_shard(part, self.plan.num_replicas)
+        data.load_state({**data.state(), "epoch": epoch, "position": position})
+        self.data, self.t = data, steps
+        self.spare = self.control.spare = False
+        self.stats_.replaced = part
+        self.stats_.took_over_at = time.time()
+        if self.lead:
+            self._publish_position(serving=part + 1)
 
     def _first_claim(self) -> int:
         """Claim the first n_push steps and fetch the parameters (under the staleness
@@ -261,6 +320,8 @@ class Replica:
                 loss_sum += loss
             self.injected.after_step(self.t, started)
         exchange(self.control.set(self.plan.n_push, done, loss_sum))
+        if self.stats_.first_push_at is None:
+            self.stats_.first_push_at = time.time()
         self.stats_.steps += done
         self.stats_.samples += done * self.plan.batch_size
         return self._granted_after_exchange()
@@ -332,7 +393,11 @@ class Replica:
         self.stats_.checkpoint_seconds += time.perf_counter() - t0
 
     def _publish_position(self, **more: int) -> ControlExchange:
-        """Publish the data position and local steps (with `more`), in one exchange."""
+        """Publish the data position and local steps (with `more`), in one exchange; a
+        spare that trains no part has none (only `more`)."""
+        if self.data is None:
+            self.control.publish(**more)
+            return self._exchange(self.control.set(claim=0))
         state = self.data.state()
         self.control.publish(epoch=state["epoch"], position=state["position"],
                              local_steps=self.t, **more)
@@ -408,7 +473,13 @@ class Replica:
             self.stats_.fetches += 1
             self.fresh = True
         self.stats_.rma_seconds += time.perf_counter() - t0
+        self._pushed()
+
+    def _pushed(self) -> None:
+        """Count a push (and note when the first one had completed)."""
         self.stats_.pushes += 1
+        if self.stats_.first_push_at is None:
+            self.stats_.first_push_at = time.time()
         if self.pushed is not self.grad:
             self.pushed.fill(0)
 
@@ -435,9 +506,7 @@ class Replica:
             clock.pushes += 1
             self._exchange(control.publish(clock=clock.pushes))
         self.stats_.rma_seconds += time.perf_counter() - t0
-        self.stats_.pushes += 1
-        if self.pushed is not self.grad:
-            self.pushed.fill(0)
+        self._pushed()
 
     def _agree_applied(self) -> None:
         """Every partition's push is applied (PartitionedReplica); one rank: nothing."""

@@ -15,6 +15,7 @@ import numpy as np
 from distbelief.algorithms.downpour.plan import SWEEP_S
 from distbelief.algorithms.downpour.progress import RunProgress
 from distbelief.algorithms.downpour.run import OpenRun
+from distbelief.algorithms.downpour.spares import SparePool, Takeover, part_start
 from distbelief.ps import run_control as rc
 from distbelief.ps.run_control import ControlView
 from distbelief.records.console import say
@@ -37,13 +38,18 @@ class ReplicaWatch:
     its heartbeat last moved, and whether it is lost (`lost`, and `lost_mask` for
     whole-array tests); the ranks found gone, and when sweeps found them. Sweeps look at
     the processes and heartbeats (distbelief.runtime.health.liveness; no communication); a lost
-    replica is told so through its LOST slot."""
+    replica is told so through its LOST slot. Indices are replica groups: the R replicas,
+    then the spares (cluster.spare_replicas), whose takeovers `spares` makes."""
 
     def __init__(self, run: OpenRun, progress: RunProgress, recorder: Any,
-                 stream: IO[str] | None):
+                 stream: IO[str] | None, n_train: int = 0):
         self.run_, self.plan, self.shard = run, run.plan, run.endpoint
         self.progress, self.recorder, self.stream = progress, recorder, stream
-        replicas = self.plan.num_replicas
+        replicas = self.plan.num_groups
+        found, plan = run.start.checkpoint, self.plan
+        self.spares = SparePool(plan, self.shard, lambda part: part_start(
+            found, plan, n_train, part, progress.steps * plan.batch_size))
+        self.joined: Any = None  # optimizer.max_staleness: ClockWatch.join, for a takeover
         self.view: ControlView | None = None
         self.beats = np.zeros(replicas, dtype=np.int64)
         self.beat_times = np.full(replicas, time.monotonic())
@@ -60,6 +66,8 @@ class ReplicaWatch:
         moved = rows[:, rc.BEAT] != self.beats
         self.beats[moved] = rows[moved, rc.BEAT]
         self.beat_times[moved] = now
+        for takeover in self.spares.serving(rows, now):
+            self._took_over(takeover)
 
     def all_done(self) -> bool:
         """Every replica has finished or is lost (as of the last read)."""
@@ -84,7 +92,7 @@ class ReplicaWatch:
         timeout = self.plan.replica_timeout_s
         rows = self.view.replicas if self.view is not None else None
         for replica, ranks, gone in sweep_replicas(peers, self.plan.topology,
-                                                   self.plan.num_replicas, self.dead_ranks,
+                                                   self.plan.num_groups, self.dead_ranks,
                                                    self.death_times, now):
             if replica in self.lost:
                 continue
@@ -96,17 +104,64 @@ class ReplicaWatch:
                                           f"(run.replica_timeout_seconds)")
 
     def lose(self, replica: int, ranks: list[int], why: str) -> None:
-        """Declare `replica` lost: its LOST slot, a line, an event; the run stops when it
-        was the last one."""
+        """Declare `replica` (a group: a replica or a spare) lost: its LOST slot, a line,
+        an event; a spare takes its part over if one is free; the run stops when no part
+        has a trainer left."""
         steps = self.progress.steps
         self.lost_mask[replica] = True
         self.lost[replica] = LostReplica(replica, ranks, why, steps, self.recorder.elapsed())
         self.shard.add_run_control(rc.replica_slot(replica, rc.LOST), 1)
-        left = self.plan.num_replicas - len(self.lost)
-        say(self.stream, f"distbelief: replica {replica} (rank{'s' * (len(ranks) > 1)} "
-                         f"{', '.join(map(str, ranks))}) lost at step {steps}: {why}; "
+        rows = self.view.replicas if self.view is not None else None
+        takeover = self.spares.lost(replica, rows, self.lost_mask, steps,
+                                    lambda g: list(self.plan.topology.replica_ranks(g)))
+        if takeover is not None and self.joined is not None:
+            self.joined(takeover.group)
+        left = self.spares.training()
+        spare = (f"; spare {takeover.spare} (rank {takeover.ranks[0]}) takes its part over"
+                 if takeover is not None else "")
+        say(self.stream, f"distbelief: {self._name(replica)} (rank{'s' * (len(ranks) > 1)} "
+                         f"{', '.join(map(str, ranks))}) lost at step {steps}: {why}{spare}; "
                          f"training goes on with {left} replica(s)")
         self.recorder.log_event("replica_lost", steps, steps * self.plan.batch_size,
                                 replica=replica, ranks=ranks, why=why)
         if left == 0:
             self.progress.stop(rc.STOP_ALL_LOST, "replicas_lost")
+
+    def _name(self, group: int) -> str:
+        if self.plan.is_spare(group):
+            return f"spare replica {group - self.plan.first_spare}"
+        return f"replica {group}"
+
+    def release_due(self) -> None:
+        """cluster.release_spares_at: make a free spare one more training replica at each
+        step listed that training has reached (none left: the part waits for none)."""
+        steps, pool = self.progress.steps, self.spares
+        while pool.pending and steps >= pool.release_at[0]:
+            rows = self.view.replicas if self.view is not None else None
+            takeover = pool.release(rows, self.lost_mask, steps,
+                                    lambda g: list(self.plan.topology.replica_ranks(g)))
+            if takeover is None:
+                say(self.stream, f"distbelief: no free spare to release at step {steps} "
+                                 f"(cluster.release_spares_at)")
+                continue
+            if self.joined is not None:
+                self.joined(takeover.group)
+            say(self.stream, f"distbelief: spare replica {takeover.spare} (rank "
+                             f"{takeover.ranks[0]}) released at step {steps} to train as "
+                             f"replica {takeover.replaced} (cluster.release_spares_at)")
+            self.recorder.log_event("spare_released", steps, steps * self.plan.batch_size,
+                                    spare=takeover.spare, ranks=takeover.ranks,
+                                    replica=takeover.replaced)
+
+    def _took_over(self, takeover: Takeover) -> None:
+        """A spare has opened its part (its SERVING read): a line and an event."""
+        steps = self.progress.steps
+        since = ("after the loss" if takeover.lost_group is not None
+                 else "after its release")
+        say(self.stream, f"distbelief: spare replica {takeover.spare} (rank "
+                         f"{takeover.ranks[0]}) takes over replica {takeover.replaced}'s "
+                         f"part at step {steps}, {takeover.takeover_seconds:.2f} s {since}")
+        self.recorder.log_event("spare_took_over", steps, steps * self.plan.batch_size,
+                                spare=takeover.spare, ranks=takeover.ranks,
+                                replaced=takeover.replaced, lost=takeover.lost_group,
+                                seconds=takeover.takeover_seconds)

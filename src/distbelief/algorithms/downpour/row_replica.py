@@ -134,6 +134,8 @@ class RowReplica(Replica):
 
     def _publish_position(self, **more: int) -> Any:
         """Publish the position of the first batch drawn and not computed (and `more`)."""
+        if self.data is None:  # a spare that trains no part (downpour.spares)
+            return super()._publish_position(**more)
         state = self._queue[0][2] if self._queue else self.data.state()
         self.control.publish(epoch=state["epoch"], position=state["position"],
                              local_steps=self.t, **more)

@@ -112,7 +112,7 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     endpoint = open_parameter_server(comm, ServerSpec(
         topology, network.layout.size,
         lambda n: start.optimizer if start.optimizer is not None else shard_update(n),
-        initial, control_replicas=plan.num_replicas,
+        initial, control_replicas=plan.num_groups,
         gradients_before=start.gradients_before, pieces=plan.row_pulls,
         push_dtype=config.optimizer.push_dtype))
     start.params = None  # the shard's slice lives in the endpoint now, not twice
@@ -144,6 +144,8 @@ def _local_setup(session: RunSession, plan: DownpourPlan) -> Any:
     """What this rank needs before training: a replica its part of the training set; rank 0
     the evaluation set and the checkpoint it chose. Local."""
     topology = plan.topology
+    if topology.is_spare:
+        return None  # a spare opens a part when it takes one over (downpour.spares)
     if _rows_from_lead(session.config, topology):
         return None  # _share_partition_rows: partition 0 reads the replica's rows
     if topology.is_replica:
@@ -170,7 +172,8 @@ def _share_partition_rows(config: Config, plan: DownpourPlan, info: Any, local: 
     layer is not split, the softmax's classes are). Returns this rank's training data.
     Collective over the replica's partition communicator; other ranks return `local`."""
     topology = plan.topology
-    if not (topology.is_replica and topology.partitions > 1 and config.data.in_memory):
+    if not (topology.is_replica and topology.partitions > 1 and config.data.in_memory) \
+            or topology.is_spare:
         return local
     from distbelief.data.hdf5 import TrainShard, shard_range
     from distbelief.runtime.communicators.agreement import polled_bcast

@@ -90,7 +90,7 @@ class Supervisor:
         self.snapshot = np.zeros(size, dtype=np.float32)
         self.pending: tuple[Future, int] | None = None  # evaluation in flight, its step
         self.evaluations, self.eval_seconds = 0, 0.0
-        replicas = plan.num_replicas
+        replicas = plan.num_groups  # the spares' rows too
         # SIGUSR1 counts by source (each replica, then the shards' max in the rounds), as
         # last read (every source is read at each poll, at `usr1_read_at`); and new ones
         # waiting for their meaning. Arrays, so a poll costs O(1) Python work in R.
@@ -107,11 +107,14 @@ class Supervisor:
         say(stream, _header(config, plan, network, info, len(eval_set[1]), variant.name))
         # The clock starts once every rank is ready (open_parameter_server's barrier).
         self.recorder = run.session.open_recorder()
-        self.replicas = ReplicaWatch(run, self.progress, self.recorder, stream)
+        self.replicas = ReplicaWatch(run, self.progress, self.recorder, stream, info.n_train)
         # optimizer.max_staleness: the lowest live clock (downpour.clocks)
         self.clocks = None if plan.max_staleness is None else ClockWatch(
             self.shard, plan.max_staleness, replicas,
-            [r for r in range(replicas) if plan.joins_late(r, start.base)])
+            [r for r in range(replicas) if plan.joins_late(r, start.base)],
+            spares=range(plan.first_spare, replicas))
+        if self.clocks is not None:
+            self.replicas.joined = self.clocks.join
         self.checkpoints = Checkpoints(run, config, network, info, self.progress,
                                        self.replicas, self.recorder, stream, self._catch_up)
         self.shard_role = ShardRole(run, lead=self.checkpoints)
@@ -177,6 +180,8 @@ class Supervisor:
         if steps > progress.steps:
             progress.steps, progress.loss_total = steps, view.loss_sum
         self.replicas.saw(view, now)
+        if self.replicas.spares.pending and not progress.stop_code:
+            self.replicas.release_due()
         rows = view.replicas
         shard_term, shard_usr1 = self.shard_role.shard_signals
         term = max(int(rows[:, rc.TERM].max(initial=0)), shard_term)
@@ -381,7 +386,7 @@ class Supervisor:
         with watchdog.current().waiting("the replicas' final statistics"):
             while True:
                 self._collect_stats()
-                missing = [rank for r in range(self.plan.num_replicas) if r not in lost
+                missing = [rank for r in range(self.plan.num_groups) if r not in lost
                            for rank in topology.replica_ranks(r)
                            if rank not in self.replica_stats]
                 if not missing:
@@ -451,6 +456,11 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "checkpoint_requests": checkpoints.requests,
         "checkpoint_ack_wait_seconds": checkpoints.ack_wait_seconds,
         "lost_replicas": [asdict(lost) for _, lost in sorted(sup.replicas.lost.items())],
+        # cluster.spare_replicas (downpour.spares): the takeovers, and the parts trained
+        # at the end (R when a spare replaced every replica lost)
+        "spare_replicas": plan.topology.spares,
+        "spares": _takeovers(sup),
+        "training_replicas_at_end": sup.replicas.spares.training(),
         "staleness": _combined_staleness(replicas),
         # the bound and what it bounds (downpour.clocks): each block's clock lead
         "max_staleness": plan.max_staleness,
@@ -462,6 +472,14 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "bytes_received": sum(r["bytes_received"] for r in replicas),
         "replicas": replicas, "shards": sup.shard_stats,
     }
+
+
+def _takeovers(sup: Supervisor) -> list[dict[str, Any]]:
+    """The summary's `spares`: each takeover, with the spare's first push (its lead
+    rank's statistics; the clocks of shard 0 and the spare compared: one node, or nodes
+    whose clocks agree)."""
+    return [t.summary(sup.replica_stats.get(t.ranks[0]))
+            for t in sup.replicas.spares.takeovers]
 
 
 def _combined_staleness(replicas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -504,6 +522,12 @@ def _summary_line(summary: dict[str, Any], config: Config) -> str:
                  f"blocks")
     if summary["lost_replicas"]:
         text += f"; replicas lost: {', '.join(str(r['replica']) for r in summary['lost_replicas'])}"
+    for t in summary["spares"]:
+        first, lost = t["loss_to_first_push_seconds"], t["lost_group"] is not None
+        text += (f"; spare {t['spare']} {'replaced' if lost else 'released as'} replica "
+                 f"{t['replaced']}" + (f" (first push {first:.2f} s after the "
+                                       f"{'loss' if lost else 'release'})"
+                                       if first is not None else ""))
     text += target_text(summary)
     models = best_last_text(summary)
     text += f"\ndistbelief: {models}" if models else ""

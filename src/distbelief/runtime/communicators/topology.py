@@ -6,9 +6,12 @@ scripts can place them (for example the shards on their own nodes):
     0 .. S-1                      parameter-server shards
     S                             the coordinator (Sandblaster L-BFGS), only if configured
     first_replica + r*P + p       partition p of model replica r
+    first_replica + (R+j)*P + p   partition p of spare j (cluster.spare_replicas = k)
 
-where S = ps_shards, P = partitions (ranks per replica) and first_replica = S + (1 if a
-coordinator else 0). S = 0 for the algorithms that keep no parameters on shards (sync
+where S = ps_shards, P = partitions (ranks per replica), first_replica = S + (1 if a
+coordinator else 0), and the last k of the R + k replica groups are spares, which train
+only once one takes over a lost replica's part (Downpour). A spare j is replica group
+R + j: `replica_index` and `replica_ranks` count the spares after the replicas. S = 0 for the algorithms that keep no parameters on shards (sync
 without backup workers, averaging without EASGD, hogwild): every rank is a replica. Shard
 s is world rank s, which is also its rank in every window created over the world
 communicator.
@@ -36,8 +39,9 @@ ROLE_REPLICA = "replica"
 
 
 def validate_rank_count(world_size: int, ps_shards: int, partitions: int = 1,
-                        coordinator: bool = False) -> int:
-    """Check that `world_size` ranks fit the configuration; return the number of replicas.
+                        coordinator: bool = False, spares: int = 0) -> int:
+    """Check that `world_size` ranks fit the configuration; return the number of replica
+    groups (training replicas and `spares` spares).
 
     Pure (no communication). Raises ConfigError naming the numbers and how to fix them.
     """
@@ -60,7 +64,17 @@ def validate_rank_count(world_size: int, ps_shards: int, partitions: int = 1,
             f"{world_size} MPI ranks leave {left} for model replicas after {what}, which is "
             f"not a multiple of partitions={partitions}. Run with {lower} or "
             f"{lower + partitions} ranks.")
-    return left // partitions
+    if spares < 0:
+        raise ConfigError(f"spare_replicas must be at least 0, got {spares}")
+    groups = left // partitions
+    if groups - spares < 1:
+        need = fixed + (spares + 1) * partitions
+        raise ConfigError(
+            f"{world_size} MPI rank(s) leave {groups} replica group(s) of {partitions} "
+            f"rank(s) after {what}, but cluster.spare_replicas = {spares} holds back "
+            f"{spares} of them as spares and at least one must train: run with at least "
+            f"{need} ranks (mpiexec -n {need}) or fewer spares.")
+    return groups
 
 
 @dataclass(frozen=True)
@@ -72,15 +86,29 @@ class Topology:
     ps_shards: int
     partitions: int = 1
     coordinator: bool = False
+    spares: int = 0  # cluster.spare_replicas: the last replica groups, held in reserve
 
     def __post_init__(self) -> None:
-        validate_rank_count(self.world_size, self.ps_shards, self.partitions, self.coordinator)
+        validate_rank_count(self.world_size, self.ps_shards, self.partitions, self.coordinator,
+                            self.spares)
         if not 0 <= self.world_rank < self.world_size:
             raise ConfigError(f"rank {self.world_rank} outside a world of {self.world_size}")
 
     @property
-    def num_replicas(self) -> int:
+    def num_groups(self) -> int:
+        """Replica groups: the training replicas, then the spares."""
         return (self.world_size - self.first_replica_rank) // self.partitions
+
+    @property
+    def num_replicas(self) -> int:
+        """The training replicas (R): the training data is split over these alone."""
+        return self.num_groups - self.spares
+
+    @property
+    def is_spare(self) -> bool:
+        """A rank of a spare replica group (it trains only once it takes a part over)."""
+        index = self.replica_index
+        return index is not None and index >= self.num_replicas
 
     @property
     def coordinator_rank(self) -> int | None:
@@ -128,9 +156,10 @@ class Topology:
         return (self.world_rank - self.first_replica_rank) % self.partitions
 
     def replica_ranks(self, replica: int) -> range:
-        """World ranks of the partitions of replica `replica`, in partition order."""
-        if not 0 <= replica < self.num_replicas:
-            raise ValueError(f"replica {replica} outside 0..{self.num_replicas - 1}")
+        """World ranks of the partitions of replica group `replica` (a spare's: R + j), in
+        partition order."""
+        if not 0 <= replica < self.num_groups:
+            raise ValueError(f"replica {replica} outside 0..{self.num_groups - 1}")
         start = self.first_replica_rank + replica * self.partitions
         return range(start, start + self.partitions)
 
@@ -142,15 +171,18 @@ class Topology:
             return f"rank {rank} (coordinator)"
         replica, partition = divmod(rank - self.first_replica_rank, self.partitions)
         part = f", partition {partition}" if self.partitions > 1 else ""
+        if replica >= self.num_replicas:
+            return f"rank {rank} (spare {replica - self.num_replicas}{part})"
         return f"rank {rank} (replica {replica}{part})"
 
     def describe(self) -> str:
         """One line for logs: the whole layout, the same on every rank."""
         coord = f", coordinator rank {self.coordinator_rank}" if self.coordinator else ""
         shards = f"shards 0..{self.ps_shards - 1}" if self.ps_shards else "no shards"
+        spares = f" + {self.spares} spare(s)" if self.spares else ""
         return (f"{self.world_size} ranks: {shards}{coord}, "
-                f"{self.num_replicas} replica(s) x {self.partitions} partition(s) from rank "
-                f"{self.first_replica_rank}")
+                f"{self.num_replicas} replica(s){spares} x {self.partitions} partition(s) "
+                f"from rank {self.first_replica_rank}")
 
 
 @dataclass
