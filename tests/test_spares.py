@@ -263,6 +263,8 @@ def test_a_spare_takes_a_killed_replicas_part_over(data_dir: Path, tmp_path: Pat
     assert 0 < taken["loss_to_first_push_seconds"] < 2 + 3 * (simulated_test_nodes() > 0)
     spare = next(r for r in summary["replicas"] if r["rank"] == 3)
     assert spare["spare"] and spare["replaced"] == 1 and spare["steps"] > 0
+    roles = {figure["rank"]: figure["role"] for figure in summary["peak_rss"]}
+    assert roles[3] == "spare 0" and roles[1] == "replica 0", roles
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [e["replaced"] for e in events if e.get("kind") == "spare_took_over"] == [1]
 

@@ -315,8 +315,9 @@ def _topology(config: Config, algorithm: registry.Algorithm, comm: Any) -> Any:
     if layout_of(config, comm.Get_size()) is None:
         return None
     shards = config.cluster.ps_shards if algorithm.needs_shards(vars(config.optimizer)) else 0
+    spares = config.cluster.spare_replicas if algorithm.takes_spares(vars(config.optimizer)) else 0
     return Topology(comm.Get_size(), comm.Get_rank(), shards, config.cluster.partitions,
-                    coordinator=algorithm.coordinators > 0)
+                    coordinator=algorithm.coordinators > 0, spares=spares)
 
 
 def _gather_peak_memory(config: Config, topology: Any, comm: Any,
