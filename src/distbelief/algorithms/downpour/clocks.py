@@ -78,6 +78,11 @@ class ReplicaClock:
         """Parameters were fetched after MIN_CLOCK read `min_clock`."""
         self.params_clock = min_clock
 
+    def emptied(self) -> None:
+        """The parameters held were replaced by vectors not fetched yet (a row replica's
+        next rows): the gate fetches before a block starts on them."""
+        self.params_clock = None
+
     def started(self, min_clock: int, waited_s: float) -> None:
         """A block starts, MIN_CLOCK at `min_clock`, after waiting `waited_s` (0: none)."""
         lead = self.clock - min_clock
