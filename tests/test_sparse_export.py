@@ -73,6 +73,23 @@ def test_a_sparse_checkpoint_is_exported_in_row_blocks_and_evaluated_by_batch_ro
     assert result["loss"] == pytest.approx(whole.loss, rel=1e-6)
     assert result["auc"] == pytest.approx(whole.figures["auc"], rel=1e-6)
 
+    # The parts stay open for the evaluation's batches (3 of 1,000 rows here), each opened
+    # once, not per batch (the dense part's read before them is its own), and are all
+    # closed after it.
+    trained, opened, open_part = read_trained(out), [], ckpt.Checkpoint._open_part
+
+    def counted(self, path, kind, index):
+        opened.append(path.name)
+        return open_part(self, path, kind, index)
+
+    monkeypatch.setattr(ckpt.Checkpoint, "_open_part", counted)
+    files_before = h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE)
+    assert evaluate_split(out, trained, None, "test")["loss"] == result["loss"]
+    assert sorted(set(opened)) == [f"shard-{i:04d}.h5" for i in range(3)], opened
+    assert len(opened) == 4, opened
+    assert h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE) == files_before
+    monkeypatch.undo()
+
     # Exported in blocks of a few rows of a table (not a divisor of a shard's range), and
     # the export of the whole vector in memory: the same arrays, which are the parameters'.
     _, rows, width = network.tables[0]
@@ -107,6 +124,7 @@ def test_a_sparse_checkpoint_is_exported_in_row_blocks_and_evaluated_by_batch_ro
         path = tmp_path / f"streamed.{fmt}"
         from_export = read_trained(path)
         result = evaluate_split(path, from_export, data, "test")
+        assert h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_FILE) == files_before
         assert from_export._params is None
         assert result["loss"] == pytest.approx(whole.loss, rel=1e-6)
         model = distbelief.load_model(path)

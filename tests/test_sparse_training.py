@@ -178,6 +178,38 @@ def test_easgd_on_a_sparse_model_moves_the_whole_vector_over_rma(data: Path,
     assert [s["transport"] for s in summary["shards"]] == ["rma"]
 
 
+@pytest.mark.parametrize("transport", ["shared", pytest.param("rma", marks=pytest.mark.matrix)])
+def test_a_staleness_bound_holds_while_replicas_move_rows(data: Path, tmp_path: Path,
+                                                          transport: str) -> None:
+    # optimizer.max_staleness = 1 with table_pulls = "rows" (the default), 1 shard + 2
+    # replicas on one node (RMA too in the matrix), fetching every 2 steps and pushing
+    # every step: the bound's gate lets blocks start on the rows held and fetches the next
+    # steps' rows itself. Replica 1 (rank 2) takes 1 ms longer a step: replica 0 waits for
+    # it, never more than 1 clock ahead, and the model still trains to its target.
+    name, out = "sparse_logistic", tmp_path / "out"
+    floor, constant = FLOORS[name]
+    target = floor + (constant - floor) / 3
+    args = ["-m", "distbelief", "train", data / f"{name}.toml"]
+    for override in (f'run.out_dir="{out}"', 'optimizer.algorithm="downpour"',
+                     "optimizer.max_staleness=1", "optimizer.n_fetch=2", "optimizer.n_push=1",
+                     "cluster.ps_shards=1", f"run.target_loss={target}", "run.max_seconds=60",
+                     f'data.path="{data / name}.h5"'):
+        args += ["--set", override]
+    env = {**job_env(), FAULTS: "delay:2:0:0.001s", "DISTBELIEF_PS_TRANSPORT": transport}
+    proc = run_mpi(3, args, timeout=TIMEOUT, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_reason"] == "target_loss", summary["stop_reason"]
+    assert summary["final_test_loss"] < target * 1.1
+    fast, slow = summary["replicas"]
+    assert fast["rows_pulled"] > 0 and slow["rows_pulled"] > 0  # they moved rows
+    lead = summary["clock_lead"]
+    assert lead["bound"] == 1 and lead["max"] == 1, lead  # reached, never passed
+    assert fast["clock_bound"]["waits"] > 0, fast["clock_bound"]
+    assert fast["pushes"] <= slow["pushes"] + 2, (fast["pushes"], slow["pushes"])
+    assert [s["transport"] for s in summary["shards"]] == [transport]
+
+
 @pytest.mark.matrix
 @pytest.mark.parametrize("transport", ["rma", "shared"])
 def test_a_replica_killed_while_moving_rows_leaves_the_others_to_finish(

@@ -108,11 +108,12 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import h5py
 import numpy as np
@@ -780,9 +781,11 @@ class Checkpoint:
         params = out.pop("params")
         return params, {n.removeprefix("optimizer/"): a for n, a in out.items()}
 
-    def read_vector(self, name: str, start: int, stop: int) -> np.ndarray:
+    def read_vector(self, name: str, start: int, stop: int,
+                    parts: OpenParts | None = None) -> np.ndarray:
         """[start, stop) of one vector: "params" or an optimizer state's name, read from
-        the shard parts that overlap it (a block of an export, the dense part)."""
+        the shard parts that overlap it (a block of an export, the dense part); from
+        `parts` if given (kept open), else each opened for the call."""
         if not 0 <= start <= stop <= int(self.manifest["num_params"]):
             raise ValueError(f"range [{start}, {stop}) is outside the "
                              f"{self.manifest['num_params']} parameters")
@@ -792,12 +795,14 @@ class Checkpoint:
             lo, hi = max(start, shard["start"]), min(stop, shard["stop"])
             if lo < hi:
                 self._read_slices(shard, lo - shard["start"], hi - shard["start"],
-                                  {dataset: out[lo - start:hi - start]})
+                                  {dataset: out[lo - start:hi - start]}, parts)
         return out
 
-    def read_elements(self, name: str, indices: np.ndarray) -> np.ndarray:
+    def read_elements(self, name: str, indices: np.ndarray,
+                      parts: OpenParts | None = None) -> np.ndarray:
         """The values of one vector at `indices` (sorted, distinct int64): one indexed read
-        per shard part they fall in, so only those values are read (a batch's table rows)."""
+        per shard part they fall in, so only those values are read (a batch's table rows);
+        from `parts` if given (kept open), else each opened for the call."""
         indices = np.asarray(indices, dtype=np.int64)
         if len(indices) and (indices[0] < 0 or indices[-1] >= int(self.manifest["num_params"])
                              or np.any(indices[1:] <= indices[:-1])):
@@ -809,10 +814,11 @@ class Checkpoint:
             if lo == hi:
                 continue
             path = self.path / shard["part"]
-            with self._open_part(path, "shard", shard["index"]) as f:
+            with self._shard_part(shard, parts) as f:
                 try:
-                    self._check_dataset(path, shard, f[dataset])
-                    out[lo:hi] = f[dataset][indices[lo:hi] - shard["start"]]
+                    dset = f[dataset]
+                    self._check_dataset(path, shard, dset)
+                    out[lo:hi] = dset[indices[lo:hi] - shard["start"]]
                 except _H5_ERRORS as exc:
                     raise CheckpointError(f"checkpoint part {path}: cannot read: "
                                           f"{_first_line(exc)}") from exc
@@ -847,9 +853,9 @@ class Checkpoint:
         return self.read_range(0, int(self.manifest["num_params"]), with_optimizer)
 
     def _read_slices(self, shard: Mapping[str, Any], lo: int, hi: int,
-                     into: Mapping[str, np.ndarray]) -> None:
+                     into: Mapping[str, np.ndarray], parts: OpenParts | None = None) -> None:
         path = self.path / shard["part"]
-        with self._open_part(path, "shard", shard["index"]) as f:
+        with self._shard_part(shard, parts) as f:
             try:
                 for name, dest in into.items():
                     dset = f[name]
@@ -911,6 +917,21 @@ class Checkpoint:
                 raise CheckpointError(f"checkpoint part {path}: cannot read replica "
                                       f"{index}: {_first_line(exc)}") from exc
 
+    def open_parts(self) -> OpenParts:
+        """The shard parts kept open across reads until closed (a context manager): an
+        evaluation reads each batch's rows from them, not opening them per batch."""
+        return OpenParts(self)
+
+    @contextmanager
+    def _shard_part(self, shard: Mapping[str, Any],
+                    parts: OpenParts | None) -> Iterator[h5py.File]:
+        """A shard's part: from `parts` (left open), else opened and closed here."""
+        if parts is not None:
+            yield parts.file(shard)
+            return
+        with self._open_part(self.path / shard["part"], "shard", shard["index"]) as f:
+            yield f
+
     def _open_part(self, path: Path, kind: str, index: int) -> h5py.File:
         """Open a part and check that its header is the one the manifest promises."""
         try:
@@ -926,6 +947,34 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint part {path}: header {header} does not match "
                                   f"the manifest ({expected})")
         return f
+
+
+class OpenParts:
+    """A checkpoint's shard parts, each opened (its header checked) at its first read and
+    kept open until close(); a context manager (Checkpoint.open_parts). One thread."""
+
+    def __init__(self, found: Checkpoint):
+        self.found = found
+        self.files: dict[str, h5py.File] = {}
+
+    def file(self, shard: Mapping[str, Any]) -> h5py.File:
+        f = self.files.get(shard["part"])
+        if f is None:
+            f = self.found._open_part(self.found.path / shard["part"], "shard",
+                                      shard["index"])
+            self.files[shard["part"]] = f
+        return f
+
+    def close(self) -> None:
+        files, self.files = list(self.files.values()), {}
+        for f in files:
+            f.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _first_line(exc: BaseException) -> str:

@@ -17,14 +17,16 @@ state's name, e.g. "accum"):
                                          distinct int64) of the table at `offset`
     state_names                          the optimizer states it holds
 
-Files are opened for each call and closed after it, so a reader holds no open file.
+Files are opened for each call and closed after it, so a reader holds no open file; but
+inside `kept_open(reader)` a checkpoint's parts, or an HDF5 export, stay open across
+calls (an evaluation's batches, `evaluate_in_blocks`), all closed when the block ends.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -70,13 +72,35 @@ class CheckpointVectors:
     def __init__(self, found: ckpt.Checkpoint, with_optimizer: bool):
         self.found = found
         self.state_names = sorted(found.manifest["optimizer_state"]) if with_optimizer else []
+        self._parts: ckpt.OpenParts | None = None  # inside kept_open()
+
+    @contextmanager
+    def kept_open(self) -> Iterator[None]:
+        """Inside the block, each part is opened once, at its first read, and closed when
+        the block ends (an evaluation's batches: not one open per batch and table)."""
+        if self._parts is not None:  # nested: the outer block closes them
+            yield
+            return
+        self._parts = self.found.open_parts()
+        try:
+            yield
+        finally:
+            parts, self._parts = self._parts, None
+            parts.close()
 
     def read(self, name: str, start: int, stop: int) -> np.ndarray:
-        return self.found.read_vector(name, start, stop)
+        return self.found.read_vector(name, start, stop, self._parts)
 
     def read_rows(self, name: str, offset: int, width: int, ids: np.ndarray) -> np.ndarray:
-        return self.found.read_elements(name, table_rows(width, ids, offset)).reshape(
-            -1, width)
+        return self.found.read_elements(name, table_rows(width, ids, offset),
+                                        self._parts).reshape(-1, width)
+
+
+def kept_open(vectors: Any) -> AbstractContextManager[Any]:
+    """A block inside which `vectors` keeps its files open across reads, where it can (a
+    checkpoint's parts, an HDF5 export); a no-op for any other reader."""
+    keep = getattr(vectors, "kept_open", None)
+    return keep() if keep is not None else nullcontext()
 
 
 class ExportVectors:
@@ -91,13 +115,34 @@ class ExportVectors:
         self.names = names
         self.tensors = tensors or {}  # safetensors: name -> (byte offset in the file, shape)
         self.state_names = sorted(n for n in names if n != "params")
+        self._file: h5py.File | None = None  # an HDF5 export inside kept_open()
+
+    @contextmanager
+    def kept_open(self) -> Iterator[None]:
+        """Inside the block an HDF5 export stays open across reads, closed when it ends
+        (a safetensors export is mapped per read, which opens nothing to keep)."""
+        if self.fmt != "hdf5" or self._file is not None:
+            yield
+            return
+        try:
+            self._file = h5py.File(self.path, "r", locking=False)
+        except H5_ERRORS as exc:
+            raise UserError(f"{self.path}: damaged export: {_first_line(exc)}") from exc
+        try:
+            yield
+        finally:
+            f, self._file = self._file, None
+            f.close()
 
     @contextmanager
     def _arrays(self) -> Iterator[Callable[[str], Any]]:
         """A function of an array's name in the file -> an array-like (rows by slice or by
         a sorted index array), valid inside the block."""
         try:
-            if self.fmt == "hdf5":
+            if self.fmt == "hdf5" and self._file is not None:
+                kept = self._file
+                yield lambda name: _hdf5_array(kept, name)
+            elif self.fmt == "hdf5":
                 with h5py.File(self.path, "r", locking=False) as f:
                     yield lambda name: _hdf5_array(f, name)
             else:
@@ -106,8 +151,7 @@ class ExportVectors:
                     return np.memmap(self.path, dtype="<f4", mode="r", offset=at, shape=shape)
                 yield mapped
         except H5_ERRORS as exc:  # a file changed or damaged since it was opened
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise UserError(f"{self.path}: damaged export: {first}") from exc
+            raise UserError(f"{self.path}: damaged export: {_first_line(exc)}") from exc
 
     def read(self, name: str, start: int, stop: int) -> np.ndarray:
         out = np.empty(stop - start, DTYPE)
@@ -131,6 +175,10 @@ class ExportVectors:
         with self._arrays() as array:
             return np.asarray(array(self.names[name][entry])[np.asarray(ids, np.int64)],
                               dtype=DTYPE).reshape(-1, width)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _hdf5_array(f: h5py.File, name: str) -> h5py.Dataset:
@@ -206,8 +254,10 @@ def evaluate_in_blocks(scorer_: WholeScorer | RowScorer, info: Any, split: str,
             if split == "validation" else ""))
     block = max(1, block_bytes // (info.input_row_bytes * batch_size)) * batch_size
     tally = None
-    for start in range(0, rows, block):
-        x, y = read_rows(info, split, start, min(rows, start + block))
-        part = scorer_.tally(model_input(info, x), y, batch_size)
-        tally = part if tally is None else tally + part
+    # A sparse model's batches read their rows from parts opened once, closed after.
+    with kept_open(getattr(scorer_, "vectors", None)):
+        for start in range(0, rows, block):
+            x, y = read_rows(info, split, start, min(rows, start + block))
+            part = scorer_.tally(model_input(info, x), y, batch_size)
+            tally = part if tally is None else tally + part
     return scorer_.network.figures_of.evaluation(tally)

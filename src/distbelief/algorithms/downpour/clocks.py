@@ -19,7 +19,8 @@ again): the fetch then holds every live replica's first c - s pushes, those of c
 below c - s. Until then it polls shard 0 with control exchanges, sleeping with back-off
 (downpour.plan.BOUND_POLL_S), pausing for checkpoints and stopping as every exchange says.
 With s = 0 every fetch holds every live replica's previous push: bulk-synchronous steps,
-the replicas' gradients applied one after the other.
+the replicas' gradients applied one after the other. A row replica (row_replica) fetches
+the rows of its next batches; rows newly drawn count as never fetched (`emptied`).
 
 WHAT IS BOUNDED. A block's clock lead is c - MIN_CLOCK as the replica read it when it
 started the block; the gate keeps it <= s, and since MIN_CLOCK never exceeds the true
@@ -77,6 +78,11 @@ class ReplicaClock:
     def fetched(self, min_clock: int) -> None:
         """Parameters were fetched after MIN_CLOCK read `min_clock`."""
         self.params_clock = min_clock
+
+    def emptied(self) -> None:
+        """The parameters held were replaced by vectors not fetched yet (a row replica's
+        next rows): the gate fetches before a block starts on them."""
+        self.params_clock = None
 
     def started(self, min_clock: int, waited_s: float) -> None:
         """A block starts, MIN_CLOCK at `min_clock`, after waiting `waited_s` (0: none)."""

@@ -194,10 +194,6 @@ def _row_pulls(config: Config) -> bool:
         why = "optimizer.push_dtype must be \"float32\""
     elif opt.update == "adarevision":
         why = "optimizer.update = \"adarevision\" keeps its state per version, not per row"
-    elif opt.max_staleness is not None:
-        # The bound's gate may let a block start on the parameters it holds, while a row
-        # replica's are the rows of the batches it drew last, not of the next ones.
-        why = "optimizer.max_staleness is not built for row pulls yet"
     if why:
         raise ConfigError(f"optimizer.table_pulls = \"rows\" (the default for a sparse "
                           f"model): {why}; set table_pulls = \"whole\" to move the whole "

@@ -12,6 +12,12 @@ those rows alone. So its memory follows n_fetch batches and their rows, never a 
 
 The data position it reports (checkpoints, its end) is that of the first batch drawn but
 not yet computed, so a resumed run computes exactly the batches this one did not.
+
+Under optimizer.max_staleness (downpour.clocks) the gate's FETCH pulls the rows of the
+batches drawn and not yet computed, those of the next steps (the ones it drew at the push
+if a fetch was due there, else what is left of the last fetch's): new compact vectors
+count as never fetched (ReplicaClock.emptied), so the gate never lets a block
+start on rows it did not pull after MIN_CLOCK allowed it.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class RowReplica(Replica):
         self._pull_map: PieceMap | None = None
         self._parts: list[tuple[RowCache, np.ndarray]] = []  # the block's gradients
         self._pending = False  # self.grad holds a step's gradient not yet banked
+        self._drawn_at = -1  # self.t when the cache was last made
         self.rows_pulled = 0  # over all fetches (statistics)
 
     # -- the row cache
@@ -62,6 +69,9 @@ class RowReplica(Replica):
         """Before a pull: draw the batches up to the next scheduled fetch, make their rows
         the cache, point the pull at them and allocate the compact vectors."""
         self._bank()
+        if self._cache is not None and self._drawn_at == self.t:
+            return  # drawn at this step already (the push, then the bound's gate)
+        self._drawn_at = self.t
         n_fetch = self.plan.n_fetch
         wanted = n_fetch - self.t % n_fetch
         while len(self._queue) < wanted:
@@ -78,6 +88,8 @@ class RowReplica(Replica):
         self.pushed = self.grad
         self.client.use_pieces(self._pull_map, None)
         self.rows_pulled += self._cache.rows
+        if self.clock is not None:
+            self.clock.emptied()  # new vectors: the gate must fetch into them
 
     def _bank(self) -> None:
         """Keep the last step's gradient (zeroed by _drop if it was not finite) for the
