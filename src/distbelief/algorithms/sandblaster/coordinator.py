@@ -653,7 +653,8 @@ class Coordinator:
                              f"over replica {taken.replaced}'s units at step {self.step}, "
                              f"{taken.takeover_seconds:.2f} s after the loss")
             self.recorder.log_event("spare_took_over", self.step, self.samples,
-                                    spare=taken.spare, replaced=taken.replaced,
+                                    spare=taken.spare, ranks=taken.ranks,
+                                    replaced=taken.replaced, lost=taken.lost_group,
                                     seconds=taken.takeover_seconds)
         if result is not None:
             self._record_evaluation(*result)
