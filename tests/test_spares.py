@@ -334,10 +334,10 @@ def test_a_killed_spare_that_took_over_is_replaced_by_the_next(data_dir: Path,
     assert summary["training_replicas_at_end"] == 2
 
 
-def test_sandblaster_spares_serve_a_lost_replicas_queue_and_refuse_what_is_not_built() -> None:
+def test_sandblaster_spares_serve_a_lost_replicas_queue_and_refuse_growth() -> None:
     # Sandblaster (docs/sandblaster.md, "Spares"): a spare that took replica 1's units over
-    # is granted replica 1's queued units first, as replica 1 was; its spares are one rank
-    # each, and they are not released to grow the job.
+    # is granted replica 1's queued units first, as replica 1 was; its spares are not
+    # released to grow the job.
     import tomllib
 
     from helpers.configs import small_config_text
@@ -357,7 +357,5 @@ def test_sandblaster_spares_serve_a_lost_replicas_queue_and_refuse_what_is_not_b
 
     topology = plan("cluster.spare_replicas=2").topology
     assert (topology.num_replicas, topology.spares) == (2, 2)
-    with pytest.raises(ConfigError, match="spares are one rank each"):
-        plan("cluster.spare_replicas=1", "cluster.partitions=2")
     with pytest.raises(ConfigError, match="release_spares_at: Sandblaster's spares only"):
         plan("cluster.spare_replicas=1", "cluster.release_spares_at=[10]")

@@ -502,7 +502,8 @@ class Coordinator:
         self.lost[replica] = LostReplica(replica, ranks, why, self.step,
                                          self.recorder.elapsed())
         watchdog.current().write_off(ranks)
-        if replica in self.free_spares:  # a waiting spare: one fewer to take over
+        waiting = replica in self.free_spares
+        if waiting:  # a waiting spare: one fewer to take over
             self.free_spares.remove(replica)
         self.opening.pop(replica, None)
         self.recorder.log_event("replica_lost", self.step, self.samples, replica=replica,
@@ -521,6 +522,8 @@ class Coordinator:
             self.stop_gate.discard(replica)
             if not self.peers.gone(lead):  # a partition is gone, not the lead: stop it
                 self._reply(lead, (DROP, self._stop_task(lost=True)))
+        elif waiting and not self.peers.gone(lead):  # the same for a waiting spare's lead
+            self._reply(lead, (DROP, self._stop_task(lost=True)))
         self._end(replica)
         part = self.serves.get(replica)
         taken = None if part is None or self.stopping else self._take_over(part, replica)
@@ -529,8 +532,8 @@ class Coordinator:
         say(self.stream, f"distbelief: {name} (rank{'s' * (len(ranks) > 1)} "
                          f"{', '.join(map(str, ranks))}) lost at step {self.step}: {why}; "
                          + ("" if taken is None else
-                            f"spare {taken.spare} (rank {taken.ranks[0]}) takes its units "
-                            "over; ")
+                            f"spare {taken.spare} ({_ranks_text(taken.ranks)}) takes its "
+                            "units over; ")
                          + f"training goes on with {self._training_count()} replica(s)")
         if self.parked and self.eval_task is not None:
             self._give_task(self._parked_evaluator(), HOLD)
@@ -539,14 +542,16 @@ class Coordinator:
         """Training replica `part`'s units to the first free live spare (it reads that
         replica's rows, then asks like any replica, its own queue being `part`'s); None
         when no spare is left. Local (tells the spare)."""
-        spare = next((s for s in self.free_spares if s not in self.ended
-                      and not (self.peers and self.peers.gone(self.replicas[s]))), None)
+        topology = self.plan.topology
+        spare = next((s for s in self.free_spares if s not in self.ended and not (
+            self.peers and self.peers.gone_among(list(topology.replica_ranks(s))))), None)
         if spare is None:
             return None
         self.free_spares.remove(spare)
         self.serves[spare] = part
         rank = self.replicas[spare]
-        taken = SpareTakeover(spare - self.num_training, spare, [rank], part, lost, self.step,
+        taken = SpareTakeover(spare - self.num_training, spare,
+                              list(topology.replica_ranks(spare)), part, lost, self.step,
                               time.monotonic(), time.time())
         self.takeovers.append(taken)
         self.opening[spare] = taken
@@ -649,8 +654,9 @@ class Coordinator:
         taken = self.opening.pop(replica, None)
         if taken is not None:  # a spare's first request: it has read its rows
             taken.takeover_seconds = time.monotonic() - taken.lost_at
-            say(self.stream, f"distbelief: spare replica {taken.spare} (rank {rank}) takes "
-                             f"over replica {taken.replaced}'s units at step {self.step}, "
+            say(self.stream, f"distbelief: spare replica {taken.spare} "
+                             f"({_ranks_text(taken.ranks)}) takes over replica "
+                             f"{taken.replaced}'s units at step {self.step}, "
                              f"{taken.takeover_seconds:.2f} s after the loss")
             self.recorder.log_event("spare_took_over", self.step, self.samples,
                                     spare=taken.spare, ranks=taken.ranks,
@@ -825,6 +831,10 @@ class Coordinator:
         summary = self.recorder.finish(extras)
         say(self.stream, _summary_line(summary, self.config))
         return summary
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
 def _header(config: Config, plan: SandblasterPlan, network: Any, info: Any) -> str:

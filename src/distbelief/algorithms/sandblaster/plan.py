@@ -156,12 +156,6 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
     opt, cluster = config.optimizer, config.cluster
     topology = Topology(world_size, world_rank, cluster.ps_shards, cluster.partitions,
                         coordinator=True, spares=cluster.spare_replicas)
-    if cluster.spare_replicas and cluster.partitions > 1:
-        # A spare's partitions would wait for its lead in a collective (polled at 1 ms):
-        # not built; a spare is one rank.
-        raise ConfigError(f"cluster.spare_replicas = {cluster.spare_replicas} with "
-                          f"cluster.partitions = {cluster.partitions}: Sandblaster's spares "
-                          "are one rank each; use cluster.partitions = 1 or no spares")
     if cluster.release_spares_at:
         raise ConfigError("cluster.release_spares_at: Sandblaster's spares only replace lost "
                           "replicas (growth is Downpour's); leave it out")

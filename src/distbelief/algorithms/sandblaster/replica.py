@@ -85,7 +85,7 @@ class ReplicaStats:
 
 
 DECISIONS = (HOLD, COMMIT, DROP)
-TASK_KINDS = (None, "stop", "evaluate", "units")
+TASK_KINDS = (None, "stop", "evaluate", "units", "take_over")
 ANSWER_SLOTS = 8
 """The fewest int64s of an encoded answer; a grant of k units takes 5 + k
 (answer_slots)."""
@@ -119,7 +119,7 @@ def decode_answer(values: np.ndarray) -> tuple[str, tuple | None]:
     if kind == "units":
         units = [int(v) for v in values[5:5 + int(values[4])]]
         return DECISIONS[int(values[0])], (kind, int(values[2]), int(values[3]), *units)
-    arguments = {None: 0, "stop": 3, "evaluate": 1}[kind]
+    arguments = {None: 0, "stop": 3, "evaluate": 1, "take_over": 1}[kind]
     task = None if kind is None else (kind, *(int(v) for v in values[2:2 + arguments]))
     return DECISIONS[int(values[0])], task
 
@@ -247,17 +247,30 @@ class Replica:
     def _wait_as_spare(self) -> bool:
         """A spare: poll the coordinator (SPARE_POLL_S back-off sleeps, never a blocking
         receive: MPICH would spin) until it says which lost replica's units to take over
-        (read its rows; True) or that the run is over (False)."""
+        (read its rows; True) or that the run is over (False). With partitions the lead
+        polls and shares the answer; the others wait for it at the same pace."""
         wall, cpu = time.perf_counter(), time.process_time()
         backoff, guard = Backoff(*SPARE_POLL_S), watchdog.current()
+        task = None
         try:
-            with guard.waiting("a lost replica's part from the coordinator",
-                               (self.coordinator,)):
-                while not self.comm.Iprobe(self.coordinator, TAG_TASK):
-                    guard.check(lambda: self.comm.Iprobe(self.coordinator, TAG_TASK))
-                    guard.progress()  # a spare waits for as long as no replica is lost
-                    backoff.wait()
-            _, task = self.comm.recv(source=self.coordinator, tag=TAG_TASK)
+            if self.lead:
+                with guard.waiting("a lost replica's part from the coordinator",
+                                   (self.coordinator,)):
+                    while not self.comm.Iprobe(self.coordinator, TAG_TASK):
+                        guard.check(lambda: self.comm.Iprobe(self.coordinator, TAG_TASK))
+                        guard.progress()  # a spare waits for as long as no replica is lost
+                        backoff.wait()
+                _, task = self.comm.recv(source=self.coordinator, tag=TAG_TASK)
+            if self.team is not None:
+                if self.lead:
+                    encode_answer(HOLD, task, self.answer)
+                request = [self.team.Ibcast(self.answer, root=0)]
+                with guard.waiting("the answer from partition 0", self.partners):
+                    while not MPI.Request.Testall(request):
+                        guard.check(lambda: MPI.Request.Testall(request))
+                        guard.progress()
+                        backoff.wait()
+                _, task = decode_answer(self.answer)
         finally:
             self.stats_.spare_wait_seconds = time.perf_counter() - wall
             self.stats_.spare_wait_cpu_seconds = time.process_time() - cpu
@@ -268,7 +281,7 @@ class Replica:
             raise RuntimeError(f"spare {self.stats_.replica}: unexpected task {task} "
                                "(protocol error)")
         part = int(task[1])
-        self.rows = self.rows_for(part)
+        self.rows = self.rows_for(part)  # with partitions: partition 0 reads, and shares
         self.stats_.replaced = part
         self.stats_.took_over_at = time.time()
         return True

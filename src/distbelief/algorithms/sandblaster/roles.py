@@ -105,7 +105,8 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     session.reporting_rank = topology.coordinator_rank
     path = session.choose_checkpoint()
     # With partitions, partition 0 reads the replica's rows and broadcasts them below.
-    # A spare (cluster.spare_replicas) reads nothing until it takes a lost replica over.
+    # A spare (cluster.spare_replicas) reads nothing until it takes a lost replica over;
+    # with partitions, partition 0 reads the replica's rows and broadcasts them below.
     local = agree(comm, lambda: _replica_rows(session, plan, topology.replica_index,
                                               topology.partition_index == 0)
                   if topology.is_replica and not topology.is_spare else None)
@@ -126,10 +127,19 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             model = PartitionedNetwork(network, team, splits)
             partners = [r for r in topology.replica_ranks(topology.replica_index)
                         if r != topology.world_rank]
-            for array in (local.x, local.y):
-                polled_bcast(team, array, "partition 0's training rows", partners)
+
+            def share(rows: UnitRows) -> UnitRows:
+                """Partition 0's rows to the others (collective over the team, polled)."""
+                for array in (rows.x, rows.y):
+                    polled_bcast(team, array, "partition 0's training rows", partners)
+                return rows
+
+            if local is not None:
+                share(local)
             role = Replica(comm, config, plan, model, local, session.load_eval_set,
-                           pieces=model.pieces, team=team)
+                           pieces=model.pieces, team=team,
+                           rows_for=lambda part: share(_replica_rows(
+                               session, plan, part, topology.partition_index == 0)))
     role.communicators, role.session = communicators, session
     return role
 
