@@ -4,7 +4,8 @@ shards, with and without partitions, on one node and on simulated nodes, with MP
 launcher keeping the others alive (`-disable-auto-cleanup`). Each run finishes its
 iterations; every other rank exits 0; summary.json, metrics.jsonl and the checkpoint
 record the lost replica; the final loss is within 5% of the same run without the fault;
-a rerun resumes with every replica.
+a rerun resumes with every replica; a hot spare (cluster.spare_replicas) takes a killed
+replica's units over, and the next spare those of a killed spare.
 
 The runs are full-batch L-BFGS on a small MLP (3000 rows, 60 work units per gradient
 evaluation, 30 iterations, about 34 evaluations): every replica gets any unit, so a

@@ -1,7 +1,9 @@
 """Sandblaster's coordinator (Coordinator): runs lbfgs.minimize on dot products, hands out
-work units and evaluations, owns the run folder, the stop rules and the checkpoints, and
-writes the summary (the helpers at the end of this module). docs/sandblaster.md, "Design"
-(the coordinator, checkpoints, stopping), says how.
+work units and evaluations, goes on without a lost replica (handing its units to a spare,
+cluster.spare_replicas, if one waits), owns the run folder, the stop rules and the
+checkpoints, and writes the summary (the helpers at the end of this module).
+docs/sandblaster.md, "Design" (the coordinator, checkpoints, lost replicas, spares,
+stopping), says how.
 """
 
 from __future__ import annotations
