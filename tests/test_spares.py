@@ -343,9 +343,13 @@ def test_sandblaster_spares_serve_a_lost_replicas_queue_and_refuse_growth() -> N
     from helpers.configs import small_config_text
 
     from distbelief.algorithms.sandblaster.plan import plan_run
+    from distbelief.algorithms.sandblaster.replica import decode_answer, encode_answer
     from distbelief.algorithms.sandblaster.work_units import WorkUnitTable
     from distbelief.config import apply_overrides, config_from_dict
 
+    # A partitioned spare's lead shares the takeover with its other partitions.
+    assert decode_answer(encode_answer("hold", ("take_over", 1),
+                                       np.zeros(8, dtype=np.int64))) == ("hold", ("take_over", 1))
     table = WorkUnitTable(8, push_every=2, owners=[0] * 4 + [1] * 4)
     assert table.next_units(2, 2, owner=1) == [4, 5]
     assert table.next_units(0, 2) == [0, 1]
