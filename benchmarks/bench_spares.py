@@ -11,6 +11,8 @@ nodes, as the tests run).
     python benchmarks/bench_spares.py --transport rma --runs 5 --victim 1 --steps 15000
     python benchmarks/bench_spares.py --idle 10        # a waiting spare's CPU over 10 s
     python benchmarks/bench_spares.py --growth data/fashion_mnist.h5 --lr 0.02 --seeds 0 1
+    python benchmarks/bench_spares.py --sandblaster --runs 5   # Sandblaster L-BFGS's spares
+    python benchmarks/bench_spares.py --sandblaster --idle 10
 
 (a) takeover: replica rank `--victim` is killed -9 at its step 300; reported per run:
     the seconds from shard 0 declaring it lost to the spare's first completed push
@@ -29,6 +31,14 @@ nodes, as the tests run).
     the wall seconds and steps to 88% (or not reached), the final test accuracy, and the
     lowest and highest training loss logged after the first 100 steps (a collapse shows
     as a loss that climbs to ln 10 = 2.30 or beyond).
+(d) --sandblaster: (a) and (b) for Sandblaster L-BFGS on the Sandblaster fault tests' run
+    (tests/test_sandblaster_faults.py: an MLP of 64 hidden units, 3,000 synthetic rows,
+    full batch in 60 units of 50), 1 shard + the coordinator + 2 replicas + 1 spare (5
+    ranks). The takeover: replica rank `--victim` (default 3) killed -9 after its work unit
+    300; reported: the seconds from the coordinator declaring it lost to the spare's first
+    computed unit and to its first push (summary.json `spares[0]`:
+    loss_to_first_unit_seconds, loss_to_first_push_seconds; the spare reads the lost
+    replica's rows first), and to its first request (`takeover_seconds`).
 """
 
 from __future__ import annotations
@@ -64,6 +74,58 @@ def run(folder: Path, out: Path, transport: str, faults: str, *overrides: str) -
     if not summary.exists():
         sys.exit(f"no summary:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return json.loads(summary.read_text())
+
+
+def run_sandblaster(folder: Path, out: Path, faults: str, *overrides: str) -> dict:
+    args = ["train", folder / "sb.toml"]
+    for override in (f'run.out_dir="{out}"', "cluster.spare_replicas=1", *overrides):
+        args += ["--set", override]
+    proc = run_mpi(5, [REPO / "tests" / "mpi_programs" / "cli_exit_status.py", *args],
+                   timeout=300, env={**job_env(), FAULTS: faults},
+                   launcher_options=survive_a_death())
+    summary = out / "summary.json"
+    if not summary.exists():
+        sys.exit(f"no summary:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return json.loads(summary.read_text())
+
+
+def sandblaster(args: argparse.Namespace) -> None:
+    from test_sandblaster_faults import CONFIG
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        make_synthetic(folder / "synth.h5", n_train=3000, n_test=500, input_shape=(16,),
+                       num_classes=4, seed=3)
+        (folder / "sb.toml").write_text(CONFIG)
+        if args.idle:
+            summary = run_sandblaster(folder, folder / "idle", "", "run.max_steps=0",
+                                      f"run.max_seconds={args.idle}",
+                                      "optimizer.gradient_tolerance=0")
+            spare = next(r for r in summary["replicas"] if r["spare"])
+            print(f"sandblaster: the spare waited {spare['spare_wait_seconds']:.1f} s using "
+                  f"{spare['spare_wait_cpu_seconds']:.3f} s of CPU: "
+                  f"{100 * spare['spare_wait_cpu_seconds'] / spare['spare_wait_seconds']:.2f}"
+                  f"% of a core")
+            return
+        victim = 3 if args.victim == 2 else args.victim  # (2 is Downpour's default)
+        units, pushes, taken = [], [], []
+        for i in range(args.runs):
+            summary = run_sandblaster(folder, folder / f"run{i}", f"kill:{victim}:300",
+                                      "run.max_steps=60", "optimizer.gradient_tolerance=0")
+            if not summary["spares"]:
+                print(f"run {i}: no takeover")
+                continue
+            spare = summary["spares"][0]
+            units.append(spare["loss_to_first_unit_seconds"])
+            pushes.append(spare["loss_to_first_push_seconds"])
+            taken.append(spare["takeover_seconds"])
+            print(f"run {i}: at iteration {spare['at_step']}, first unit {units[-1]:.3f} s, "
+                  f"first push {pushes[-1]:.3f} s, first request {taken[-1]:.3f} s after "
+                  f"the loss; final loss {summary['final_loss']:.6g}")
+        if units:
+            print(f"sandblaster, {len(units)} runs: loss to first unit median "
+                  f"{statistics.median(units):.3f} s, max {max(units):.3f} s; to first push "
+                  f"median {statistics.median(pushes):.3f} s, max {max(pushes):.3f} s")
 
 
 def growth(data: Path, args: argparse.Namespace) -> None:
@@ -115,7 +177,12 @@ def main() -> None:
     parser.add_argument("--release", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--sandblaster", action="store_true",
+                        help="Sandblaster L-BFGS's spares instead of Downpour's")
     args = parser.parse_args()
+    if args.sandblaster:
+        sandblaster(args)
+        return
     if args.growth:
         growth(args.growth, args)
         return

@@ -4,7 +4,8 @@ shards, with and without partitions, on one node and on simulated nodes, with MP
 launcher keeping the others alive (`-disable-auto-cleanup`). Each run finishes its
 iterations; every other rank exits 0; summary.json, metrics.jsonl and the checkpoint
 record the lost replica; the final loss is within 5% of the same run without the fault;
-a rerun resumes with every replica.
+a rerun resumes with every replica; a hot spare (cluster.spare_replicas) takes a killed
+replica's units over, and the next spare those of a killed spare.
 
 The runs are full-batch L-BFGS on a small MLP (3000 rows, 60 work units per gradient
 evaluation, 30 iterations, about 34 evaluations): every replica gets any unit, so a
@@ -190,6 +191,38 @@ def test_a_killed_relay_parent_leaves_its_children_to_fetch_from_the_shards(
         assert children[child]["relay_fallbacks"] == 1, children[child]
         assert children[child]["shard_fetches"] > children[child]["evaluations"]
     assert children[2]["relay_fallbacks"] == children[3]["relay_fallbacks"] == 0
+    assert abs(summary["final_loss"] - clean_loss) <= 0.05 * clean_loss, (
+        summary["final_loss"], clean_loss)
+
+
+def test_a_spare_takes_a_killed_replicas_units_and_a_killed_spare_hands_them_on(
+        data_dir: Path, tmp_path: Path, clean_loss: float) -> None:
+    """Hot spares (cluster.spare_replicas = 2; docs/sandblaster.md, "Spares"): 1 shard,
+    the coordinator, replicas 0 and 1 (ranks 2, 3), spares 0 and 1 (ranks 4, 5). Replica 1
+    dies after its unit 400 (mid-run); spare 0 reads replica 1's rows and computes its
+    units; it dies after its own unit 100; spare 1 takes them over. Two replicas compute
+    units to the end, and the final loss is the clean run's."""
+    out = tmp_path / "out"
+    proc = job(6, data_dir, out, "cluster.spare_replicas=2", faults="kill:3:400 kill:4:100")
+    output = proc.stdout + proc.stderr[-3000:]
+    assert exit_statuses(proc) == [0, 0, 0, 137, 137, 0], output
+    assert "spare 0 (rank 4) takes its units over" in proc.stdout, output
+    assert "spare 1 (rank 5) takes its units over" in proc.stdout, output
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "max_steps" and summary["iterations"] == ITERATIONS
+    assert [x["ranks"] for x in summary["lost_replicas"]] == [[3], [4]]
+    spares = summary["spares"]
+    assert [(t["spare"], t["replaced"], t["lost_group"]) for t in spares] == [
+        (0, 1, 1), (1, 1, 2)], spares
+    assert 0 < spares[1]["loss_to_first_unit_seconds"] < 5, spares
+    assert spares[1]["units_committed"] > 0 and summary["training_replicas_at_end"] == 2
+    spare = next(r for r in summary["replicas"] if r["rank"] == 5)
+    assert spare["spare"] and spare["replaced"] == 1 and spare["own_rows"] == 1500, spare
+    events = [e for e in read_metrics(out / "metrics.jsonl") if e.get("kind") ==
+              "spare_took_over"]
+    assert [(e["spare"], e["replaced"]) for e in events] == [(0, 1), (1, 1)], events
+    # Replica 1's units are served again: no checkpoint lists it as lost.
+    assert ckpt.find_latest(ckpt.checkpoint_root(out))[0].manifest["lost_replicas"] == []
     assert abs(summary["final_loss"] - clean_loss) <= 0.05 * clean_loss, (
         summary["final_loss"], clean_loss)
 

@@ -111,22 +111,25 @@ def test_downpour_checkpoints_on_usr1_requeues_and_resumes(data_dir, tmp_path, s
 @pytest.mark.parametrize("script", ["one_node", "multi_node"])
 @pytest.mark.matrix
 def test_a_run_that_lost_a_replica_is_still_requeued_and_resumed(data_dir, tmp_path, script):
-    """1 shard + 3 replicas; replica 2 (rank 3) is killed at its step 100, the others go on
-    (one_node: hydra's -disable-auto-cleanup; multi_node: srun --kill-on-bad-exit=0, which
-    the shim turns into the same). USR1 then stops the run with a checkpoint: the launcher
-    ends with the dead rank's status 137, yet the script requeues, from what the run wrote
-    in DISTBELIEF_OUTCOME_FILE, and the requeued job resumes to the end."""
-    steps = 2 * DOWNPOUR_STEPS  # about 6 s, 2 replicas after the loss
-    job = Job(script, tmp_path, 4, data_dir / "synth.toml", 'optimizer.algorithm="downpour"',
-              f"run.max_steps={steps}",
+    """1 shard + 3 replicas + 1 spare (cluster.spare_replicas = 1: --ntasks counts it);
+    replica 2 (rank 3) is killed at its step 100, the others go on (one_node: hydra's
+    -disable-auto-cleanup; multi_node: srun --kill-on-bad-exit=0, which the shim turns into
+    the same) and the spare (rank 4) takes its part over. USR1 then stops the run with a
+    checkpoint: the launcher ends with the dead rank's status 137, yet the script requeues,
+    from what the run wrote in DISTBELIEF_OUTCOME_FILE, and the requeued job resumes to the
+    end, with its own spare again."""
+    steps = 2 * DOWNPOUR_STEPS  # about 6 s
+    job = Job(script, tmp_path, 5, data_dir / "synth.toml", 'optimizer.algorithm="downpour"',
+              f"run.max_steps={steps}", "cluster.spare_replicas=1",
               env={FAULTS: f"kill:3:100 {DOWNPOUR_STEP_DELAY[FAULTS]}"})
     proc = job.start()
     deadline = time.monotonic() + 60
-    while "replica 2 (rank 3) lost" not in job.text():
+    while "spare replica 0 (rank 4) takes over replica 2's part" not in job.text():
         if proc.poll() is not None or time.monotonic() > deadline:
             kill_session(proc)
-            pytest.fail(f"no lost replica reported\n{job.text()[-4000:]}")
+            pytest.fail(f"no takeover reported\n{job.text()[-4000:]}")
         time.sleep(0.05)
+    assert "replica 2 (rank 3) lost" in job.text()
     # Later than hydra's own SIGUSR1s about the death, which the run ignores (a SIGUSR1
     # within about a second of a death found is taken for one of them).
     time.sleep(2)
@@ -135,6 +138,9 @@ def test_a_run_that_lost_a_replica_is_still_requeued_and_resumed(data_dir, tmp_p
     first = job.text()
     assert "a rank was lost (launcher status 137), but the run ended cleanly" in first
     assert '"stop_reason": "SIGUSR1"' in first and '"lost_replicas": 1' in first
+    summary = job.summary()
+    assert [(t["spare"], t["replaced"]) for t in summary["spares"]] == [(0, 2)], summary
+    assert summary["spares"][0]["pushes"] > 0 and summary["training_replicas_at_end"] == 3
     assert job.shim_calls("scontrol") == [f"scontrol requeue {JOB_ID}"]
     stopped_at = job.latest_checkpoint_step()
     assert 0 < stopped_at < steps
@@ -144,6 +150,7 @@ def test_a_run_that_lost_a_replica_is_still_requeued_and_resumed(data_dir, tmp_p
     assert job.run(restarts=1) == 0, job.text()[len(first):][-4000:]
     second = job.text()[len(first):]
     assert "resuming from" in second and "distbelief-slurm: the run finished" in second
+    # The checkpoint held replica 2's part as the spare trained it: nothing is lost.
     assert job.summary()["steps"] == steps and job.summary()["lost_replicas"] == []
 
 

@@ -56,7 +56,7 @@ def test_the_layout_counts_the_spares_and_one_replica_must_train() -> None:
 
 
 @pytest.mark.parametrize("algorithm, more", [
-    ("sandblaster", {}), ("sync", {}), ("hogwild", {}), ("sgd", {}),
+    ("sync", {}), ("hogwild", {}), ("sgd", {}),
     ("averaging", {}), ("diloco", {})])  # periodic averaging; synchronous DiLoCo
 def test_algorithms_that_cannot_use_spares_refuse_them(tmp_path: Path, algorithm: str,
                                                         more: dict) -> None:
@@ -332,3 +332,34 @@ def test_a_killed_spare_that_took_over_is_replaced_by_the_next(data_dir: Path,
     assert summary["spares"][0]["pushes"] is None  # lost: no statistics
     assert summary["spares"][1]["pushes"] > 0
     assert summary["training_replicas_at_end"] == 2
+
+
+def test_sandblaster_spares_serve_a_lost_replicas_queue_and_refuse_growth() -> None:
+    # Sandblaster (docs/sandblaster.md, "Spares"): a spare that took replica 1's units over
+    # is granted replica 1's queued units first, as replica 1 was; its spares are not
+    # released to grow the job.
+    import tomllib
+
+    from helpers.configs import small_config_text
+
+    from distbelief.algorithms.sandblaster.plan import plan_run
+    from distbelief.algorithms.sandblaster.replica import decode_answer, encode_answer
+    from distbelief.algorithms.sandblaster.work_units import WorkUnitTable
+    from distbelief.config import apply_overrides, config_from_dict
+
+    # A partitioned spare's lead shares the takeover with its other partitions.
+    assert decode_answer(encode_answer("hold", ("take_over", 1),
+                                       np.zeros(8, dtype=np.int64))) == ("hold", ("take_over", 1))
+    table = WorkUnitTable(8, push_every=2, owners=[0] * 4 + [1] * 4)
+    assert table.next_units(2, 2, owner=1) == [4, 5]
+    assert table.next_units(0, 2) == [0, 1]
+
+    def plan(*overrides: str):
+        raw = apply_overrides(tomllib.loads(small_config_text()),
+                              ['optimizer.algorithm="sandblaster"', *overrides])
+        return plan_run(config_from_dict(raw, Path("/cfg/x.toml")), 6, 0, 1000, 100)
+
+    topology = plan("cluster.spare_replicas=2").topology
+    assert (topology.num_replicas, topology.spares) == (2, 2)
+    with pytest.raises(ConfigError, match="release_spares_at: Sandblaster's spares only"):
+        plan("cluster.spare_replicas=1", "cluster.release_spares_at=[10]")

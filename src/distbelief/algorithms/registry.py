@@ -106,8 +106,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm("sandblaster", "distbelief.algorithms.sandblaster.roles:train",
               "Sandblaster L-BFGS", shards="always", coordinators=1,
               options="distbelief.algorithms.sandblaster.options:SandblasterOptions",
-              no_spares="its coordinator hands the work units to the replicas it started "
-                        "with"),
+              spares="always"),
     Algorithm("sync", "distbelief.algorithms.sync.trainer:train",
               "synchronous data-parallel SGD, optionally with backup workers",
               options="distbelief.algorithms.sync.options:SyncOptions",

@@ -1,7 +1,9 @@
 """Sandblaster's coordinator (Coordinator): runs lbfgs.minimize on dot products, hands out
-work units and evaluations, owns the run folder, the stop rules and the checkpoints, and
-writes the summary (the helpers at the end of this module). docs/sandblaster.md, "Design"
-(the coordinator, checkpoints, stopping), says how.
+work units and evaluations, goes on without a lost replica (handing its units to a spare,
+cluster.spare_replicas, if one waits), owns the run folder, the stop rules and the
+checkpoints, and writes the summary (the helpers at the end of this module).
+docs/sandblaster.md, "Design" (the coordinator, checkpoints, lost replicas, spares,
+stopping), says how.
 """
 
 from __future__ import annotations
@@ -71,6 +73,33 @@ class LostReplica:
     at_step: int
     at_seconds: float
 
+
+@dataclass
+class SpareTakeover:
+    """Spare `spare` (replica group `group`) was told to take over training replica
+    `replaced`'s units when group `lost_group` was lost (summary.json's `spares`, as
+    Downpour's)."""
+
+    spare: int  # its index among the spares (0..k-1)
+    group: int  # its replica index (R + spare)
+    ranks: list[int]
+    replaced: int  # the training replica whose units (and rows) it took over
+    lost_group: int  # the replica group that was lost
+    at_step: int  # the iteration when it was told
+    lost_at: float  # time.monotonic() when the loss was declared
+    lost_wall: float  # time.time() then (compared with the spare's own clock)
+    takeover_seconds: float | None = None  # loss -> its first request (its rows read)
+
+    def summary(self, stats: dict[str, Any] | None) -> dict[str, Any]:
+        """The summary's entry; `stats` the spare's statistics (None: lost)."""
+        out = {k: v for k, v in asdict(self).items() if k not in ("lost_at", "lost_wall")}
+        for what in ("unit", "push"):
+            at = stats.get(f"first_{what}_at") if stats else None
+            out[f"loss_to_first_{what}_seconds"] = (None if at is None
+                                                    else at - self.lost_wall)
+        out["units_committed"] = stats.get("units_committed") if stats else None
+        return out
+
 # ------------------------------------------------------------------------------------------
 # The coordinator
 
@@ -105,8 +134,16 @@ class Coordinator:
         self.stream = stream
         topology = plan.topology
         self.shards = list(topology.shard_ranks)
-        self.replicas = [topology.replica_ranks(r)[0] for r in range(plan.num_replicas)]
+        # Every replica group's rank: the R training replicas, then the spares
+        # (cluster.spare_replicas), which wait until one takes a lost replica's units over.
+        self.replicas = [topology.replica_ranks(r)[0] for r in range(topology.num_groups)]
         self.replica_of = {rank: r for r, rank in enumerate(self.replicas)}  # O(1) lookups
+        self.num_training = plan.num_replicas
+        # Group -> the training replica whose units (queue, rows) it computes.
+        self.serves: dict[int, int] = {r: r for r in range(plan.num_replicas)}
+        self.free_spares = list(range(plan.num_replicas, topology.num_groups))
+        self.takeovers: list[SpareTakeover] = []
+        self.opening: dict[int, SpareTakeover] = {}  # told, its first request not yet in
         self.all_replica_ranks = range(topology.first_replica_rank, topology.world_size)
         self.units = plan.units
         self.owners = plan.owners
@@ -199,6 +236,9 @@ class Coordinator:
         if self.reason not in (*StopSignals.NAMES, "replicas_lost"):
             self._evaluate_now()  # the final parameters (on a signal, end soon: none)
         self.stopping = True
+        # Waiting spares stop with the others, once every replica's ending is known (the
+        # stop gate), as if they had asked.
+        self.stop_gate.update(s for s in self.free_spares if s not in self.ended)
         parked, self.parked = self.parked, {}
         for rank in parked:
             self._give_task(rank, HOLD)
@@ -281,7 +321,7 @@ class Coordinator:
                             shard_ranges=layout.shard_ranges(len(self.shards)),
                             optimizer_state=names, parts=records, num_replicas=0,
                             keep=self.config.run.keep_checkpoints,
-                            lost_replicas=sorted(self.lost))
+                            lost_replicas=self._unserved())
         self.checkpointed = (self.step, self.recorder.elapsed())
         self.recorder.log_event("checkpoint", self.step, self.samples, path=str(final))
 
@@ -354,7 +394,7 @@ class Coordinator:
     def _trial_abandoned(self) -> bool:
         if self.broken:
             return True
-        if len(self.lost) == len(self.replicas):
+        if not self._training_count():
             raise AllReplicasLost
         return False
 
@@ -423,7 +463,7 @@ class Coordinator:
         guard = watchdog.current()
         with guard.waiting("the replicas' work units", self.all_replica_ranks):
             while not done():
-                if not stopping and len(self.lost) == len(self.replicas):
+                if not stopping and not self._training_count():
                     raise AllReplicasLost
                 if self._serve_one() or self._wake_parked() or self._open_stop_gate():
                     backoff.reset()
@@ -464,10 +504,10 @@ class Coordinator:
         self.lost[replica] = LostReplica(replica, ranks, why, self.step,
                                          self.recorder.elapsed())
         watchdog.current().write_off(ranks)
-        left = len(self.replicas) - len(self.lost)
-        say(self.stream, f"distbelief: replica {replica} (rank{'s' * (len(ranks) > 1)} "
-                         f"{', '.join(map(str, ranks))}) lost at step {self.step}: {why}; "
-                         f"training goes on with {left} replica(s)")
+        waiting = replica in self.free_spares
+        if waiting:  # a waiting spare: one fewer to take over
+            self.free_spares.remove(replica)
+        self.opening.pop(replica, None)
         self.recorder.log_event("replica_lost", self.step, self.samples, replica=replica,
                                 ranks=ranks, why=why)
         lead = self.replicas[replica]
@@ -484,9 +524,59 @@ class Coordinator:
             self.stop_gate.discard(replica)
             if not self.peers.gone(lead):  # a partition is gone, not the lead: stop it
                 self._reply(lead, (DROP, self._stop_task(lost=True)))
+        elif waiting and not self.peers.gone(lead):  # the same for a waiting spare's lead
+            self._reply(lead, (DROP, self._stop_task(lost=True)))
         self._end(replica)
+        part = self.serves.get(replica)
+        taken = None if part is None or self.stopping else self._take_over(part, replica)
+        name = (f"spare replica {replica - self.num_training}" if replica >= self.num_training
+                else f"replica {replica}")
+        say(self.stream, f"distbelief: {name} (rank{'s' * (len(ranks) > 1)} "
+                         f"{', '.join(map(str, ranks))}) lost at step {self.step}: {why}; "
+                         + ("" if taken is None else
+                            f"spare {taken.spare} ({_ranks_text(taken.ranks)}) takes its "
+                            "units over; ")
+                         + f"training goes on with {self._training_count()} replica(s)")
         if self.parked and self.eval_task is not None:
             self._give_task(self._parked_evaluator(), HOLD)
+
+    def _take_over(self, part: int, lost: int) -> SpareTakeover | None:
+        """Training replica `part`'s units to the first free live spare (it reads that
+        replica's rows, then asks like any replica, its own queue being `part`'s); None
+        when no spare is left. Local (tells the spare)."""
+        topology = self.plan.topology
+        spare = next((s for s in self.free_spares if s not in self.ended and not (
+            self.peers and self.peers.gone_among(list(topology.replica_ranks(s))))), None)
+        if spare is None:
+            return None
+        self.free_spares.remove(spare)
+        self.serves[spare] = part
+        rank = self.replicas[spare]
+        taken = SpareTakeover(spare - self.num_training, spare,
+                              list(topology.replica_ranks(spare)), part, lost, self.step,
+                              time.monotonic(), time.time())
+        self.takeovers.append(taken)
+        self.opening[spare] = taken
+        self._reply(rank, (HOLD, ("take_over", part)))
+        return taken
+
+    def _training_count(self) -> int:
+        """Replica groups computing units: training replicas and spares that took one's
+        units over, not lost."""
+        return sum(1 for group in self.serves if group not in self.lost)
+
+    def _unserved(self) -> list[int]:
+        """Training replicas whose units no live group serves (a checkpoint's
+        `lost_replicas`)."""
+        served = {part for group, part in self.serves.items() if group not in self.lost}
+        return [part for part in range(self.num_training) if part not in served]
+
+    def _relay_children(self, replica: int) -> range:
+        """`replica`'s children in the relay tree: of the training replicas only (a spare
+        fetches from the shards)."""
+        if replica >= self.num_training:
+            return range(0)
+        return relay_children(replica, self.num_training)
 
     def _may_evaluate(self, replica: int) -> bool:
         """Whether `replica` may take an evaluation: one that has evaluated before, or
@@ -563,6 +653,17 @@ class Coordinator:
                 self._reply(rank, (DROP, self._stop_task(lost=True)))
             self._end(replica)
             return True
+        taken = self.opening.pop(replica, None)
+        if taken is not None:  # a spare's first request: it has read its rows
+            taken.takeover_seconds = time.monotonic() - taken.lost_at
+            say(self.stream, f"distbelief: spare replica {taken.spare} "
+                             f"({_ranks_text(taken.ranks)}) takes over replica "
+                             f"{taken.replaced}'s units at step {self.step}, "
+                             f"{taken.takeover_seconds:.2f} s after the loss")
+            self.recorder.log_event("spare_took_over", self.step, self.samples,
+                                    spare=taken.spare, ranks=taken.ranks,
+                                    replaced=taken.replaced, lost=taken.lost_group,
+                                    seconds=taken.takeover_seconds)
         if result is not None:
             self._record_evaluation(*result)
         current = self.table is not None and trial == self.trial_id
@@ -596,8 +697,7 @@ class Coordinator:
                     self._reply(rank, (decision, None))  # it waits for its stop, unasked
                 self._open_stop_gate()
                 return
-            if any(child not in self.ended for child in relay_children(replica,
-                                                                       len(self.replicas))):
+            if any(child not in self.ended for child in self._relay_children(replica)):
                 # Its children may still fetch the trial point from it (relay): it stops
                 # after them, answering their fetches while it waits.
                 self.stop_waiting.add(replica)
@@ -617,7 +717,8 @@ class Coordinator:
             self.eval_holder = replica
             self.evaluators.add(replica)
         elif self.table is not None:
-            units = self.table.next_units(replica, max(1, self.plan.push_every - held))
+            units = self.table.next_units(replica, max(1, self.plan.push_every - held),
+                                          owner=self.serves.get(replica, replica))
             if units:
                 task = ("units", self.trial_id, self.batch, *units)
         if task is None and decision == HOLD:
@@ -646,9 +747,9 @@ class Coordinator:
         """`replica` is stopped or lost: its parent in the relay tree, if it waits to stop
         and this was its last running child, stops now."""
         self.ended.add(replica)
-        parent = relay_parent(replica)
+        parent = relay_parent(replica) if replica < self.num_training else None
         if (parent is not None and parent in self.stop_waiting
-                and all(c in self.ended for c in relay_children(parent, len(self.replicas)))):
+                and all(c in self.ended for c in self._relay_children(parent))):
             self.stop_waiting.discard(parent)
             self._give_task(self.replicas[parent], HOLD)
 
@@ -719,6 +820,10 @@ class Coordinator:
             "final_loss": self.last_loss,
             "lost_replicas": [asdict(lost) for _, lost in sorted(self.lost.items())],
             "restarted_evaluations": self.restarted_evaluations,
+            "spare_replicas": plan.topology.spares,
+            "spares": [t.summary(next((r for r in replicas if r["replica"] == t.group), None))
+                       for t in self.takeovers],
+            "training_replicas_at_end": self._training_count(),
             "replicas": replicas, "shards": [s for s in all_stats if s["role"] == "shard"],
             # Every replica rank's vectors to and from the shards (each in its `replicas`
             # entry); the coordinator's scalars are coordinator_traffic.
@@ -728,6 +833,10 @@ class Coordinator:
         summary = self.recorder.finish(extras)
         say(self.stream, _summary_line(summary, self.config))
         return summary
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
 def _header(config: Config, plan: SandblasterPlan, network: Any, info: Any) -> str:
@@ -750,6 +859,8 @@ def _summary_line(summary: dict[str, Any], config: Config) -> str:
         text += (f"; replicas lost: "
                  f"{', '.join(str(r['replica']) for r in summary['lost_replicas'])} "
                  f"({summary['restarted_evaluations']} evaluation(s) run again)")
+    for taken in summary["spares"]:
+        text += f"; spare {taken['spare']} took over replica {taken['replaced']}"
     text += target_text(summary)
     return f"{text}\nresults in {config.run.out_dir}"
 

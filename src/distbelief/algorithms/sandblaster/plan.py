@@ -40,6 +40,9 @@ units, partition, 0]."""
 POLL_S = (20e-6, 1e-3)
 """Back-off bounds of every polling wait (min, max sleep). A replica waiting between
 trials or a shard between commands wakes every millisecond at most (a few % of a core)."""
+SPARE_POLL_S = (5e-3, 50e-3)
+"""Back-off bounds of a waiting spare (cluster.spare_replicas) polling the coordinator for
+a lost replica's part: under 1% of a core, and a takeover waits at most 50 ms for it."""
 
 AUTO_UNITS_PER_REPLICA = 16
 MIN_AUTO_UNIT = 32
@@ -152,7 +155,10 @@ def plan_run(config: Config, world_size: int, world_rank: int, n_train: int,
     validation split."""
     opt, cluster = config.optimizer, config.cluster
     topology = Topology(world_size, world_rank, cluster.ps_shards, cluster.partitions,
-                        coordinator=True)
+                        coordinator=True, spares=cluster.spare_replicas)
+    if cluster.release_spares_at:
+        raise ConfigError("cluster.release_spares_at: Sandblaster's spares only replace lost "
+                          "replicas (growth is Downpour's); leave it out")
     if cluster.ps_shards > num_params:
         raise ConfigError(f"cluster.ps_shards = {cluster.ps_shards} is more than the "
                           f"{num_params} parameters of the model")

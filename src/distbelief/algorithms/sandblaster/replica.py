@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 from distbelief.algorithms.sandblaster.plan import (
     HEADER,
+    SPARE_POLL_S,
     TAG_FETCH,
     TAG_PARAMS,
     TAG_PUSH,
@@ -38,6 +39,7 @@ from distbelief.algorithms.sandblaster.work_units import COMMIT, DROP, HOLD
 from distbelief.config import Config
 from distbelief.data.hdf5 import bytes_read, model_input
 from distbelief.model.partitioned_network import PartitionedNetwork
+from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.communicators.agreement import wait_all
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.launching.faults import Faults
@@ -72,10 +74,18 @@ class ReplicaStats:
     foreign_units: int = 0   # units of other replicas' blocks it computed rows of
     foreign_reads: int = 0   # ... whose rows it read from the file (not cached)
     foreign_bytes: int = 0   # x and y bytes of those reads
+    # cluster.spare_replicas: a spare's (the times are time.time(), as Downpour's)
+    spare: bool = False
+    replaced: int | None = None  # the training replica whose units it took over
+    took_over_at: float | None = None  # when it had read that replica's rows
+    first_unit_at: float | None = None  # when its first unit's gradient was computed
+    first_push_at: float | None = None  # when its first committed sum was pushed
+    spare_wait_seconds: float = 0.0  # waiting for a part, wall
+    spare_wait_cpu_seconds: float = 0.0  # and the process's CPU meanwhile (every thread)
 
 
 DECISIONS = (HOLD, COMMIT, DROP)
-TASK_KINDS = (None, "stop", "evaluate", "units")
+TASK_KINDS = (None, "stop", "evaluate", "units", "take_over")
 ANSWER_SLOTS = 8
 """The fewest int64s of an encoded answer; a grant of k units takes 5 + k
 (answer_slots)."""
@@ -109,7 +119,7 @@ def decode_answer(values: np.ndarray) -> tuple[str, tuple | None]:
     if kind == "units":
         units = [int(v) for v in values[5:5 + int(values[4])]]
         return DECISIONS[int(values[0])], (kind, int(values[2]), int(values[3]), *units)
-    arguments = {None: 0, "stop": 3, "evaluate": 1}[kind]
+    arguments = {None: 0, "stop": 3, "evaluate": 1, "take_over": 1}[kind]
     task = None if kind is None else (kind, *(int(v) for v in values[2:2 + arguments]))
     return DECISIONS[int(values[0])], task
 
@@ -126,9 +136,14 @@ class Replica:
     vector here is this partition's own pieces (`pieces`) back to back."""
 
     def __init__(self, comm: MPI.Comm, config: Config, plan: SandblasterPlan, model: Any,
-                 rows: UnitRows, load_eval: Callable[[], tuple[np.ndarray, np.ndarray]],
-                 pieces: list[Piece], team: MPI.Comm | None = None):
+                 rows: UnitRows | None,
+                 load_eval: Callable[[], tuple[np.ndarray, np.ndarray]],
+                 pieces: list[Piece], team: MPI.Comm | None = None,
+                 rows_for: Callable[[int], UnitRows] | None = None):
+        """`rows` None: a spare (cluster.spare_replicas), which reads `rows_for(r)`, the
+        rows of the replica r it takes over, when the coordinator tells it to."""
         self.comm, self.plan, self.model = comm, plan, model
+        self.rows_for = rows_for
         # The evaluation set is read when this replica is first given an evaluation: a
         # replica that never evaluates never reads it.
         self.rows, self.load_eval = rows, load_eval
@@ -160,7 +175,9 @@ class Replica:
         # The relay tree (plan.relay_parent): this partition's rank in the parent replica
         # (None: the shards) and in the children; the latest trial point loaded, as
         # [header | this partition's pieces], which the children are sent.
-        parent = relay_parent(topology.replica_index)
+        # A spare is outside the relay tree: it fetches from the shards.
+        self.spare = topology.is_spare
+        parent = None if self.spare else relay_parent(topology.replica_index)
         self.source = (None if parent is None
                        else topology.replica_ranks(parent)[self.partition])
         self.trial_buffer: np.ndarray | None = None
@@ -169,7 +186,7 @@ class Replica:
         self.answer = np.zeros(answer_slots(plan.push_every), dtype=np.int64)
         self.agreed = np.zeros(1, dtype=np.int32)
         self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank,
-                                   self.partition)
+                                   self.partition, spare=self.spare)
         self.faults = Faults.for_rank(topology.world_rank)  # test-only (runtime.launching.faults)
         self.signals = None  # set by train(); only the coordinator acts on signals
         self.partners = [r for r in topology.replica_ranks(topology.replica_index)
@@ -190,6 +207,8 @@ class Replica:
         collective over the team in lockstep. Every wait polls with sleeps."""
         cpu = time.process_time()
         try:
+            if self.spare and not self._wait_as_spare():
+                return  # the run ended before any part was lost
             self._work()
         except watchdog.RankLost as gone:
             if gone.rank not in self.partners:
@@ -224,6 +243,48 @@ class Replica:
                 result = self._evaluate(*task[1:])
             else:
                 self._compute_units(*task[1:])
+
+    def _wait_as_spare(self) -> bool:
+        """A spare: poll the coordinator (SPARE_POLL_S back-off sleeps, never a blocking
+        receive: MPICH would spin) until it says which lost replica's units to take over
+        (read its rows; True) or that the run is over (False). With partitions the lead
+        polls and shares the answer; the others wait for it at the same pace."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        backoff, guard = Backoff(*SPARE_POLL_S), watchdog.current()
+        task = None
+        try:
+            if self.lead:
+                with guard.waiting("a lost replica's part from the coordinator",
+                                   (self.coordinator,)):
+                    while not self.comm.Iprobe(self.coordinator, TAG_TASK):
+                        guard.check(lambda: self.comm.Iprobe(self.coordinator, TAG_TASK))
+                        guard.progress()  # a spare waits for as long as no replica is lost
+                        backoff.wait()
+                _, task = self.comm.recv(source=self.coordinator, tag=TAG_TASK)
+            if self.team is not None:
+                if self.lead:
+                    encode_answer(HOLD, task, self.answer)
+                request = [self.team.Ibcast(self.answer, root=0)]
+                with guard.waiting("the answer from partition 0", self.partners):
+                    while not MPI.Request.Testall(request):
+                        guard.check(lambda: MPI.Request.Testall(request))
+                        guard.progress()
+                        backoff.wait()
+                _, task = decode_answer(self.answer)
+        finally:
+            self.stats_.spare_wait_seconds = time.perf_counter() - wall
+            self.stats_.spare_wait_cpu_seconds = time.process_time() - cpu
+        if task[0] == "stop":
+            self.leave, self.lost, self.diverged = (bool(v) for v in task[1:])
+            return False
+        if task[0] != "take_over" or self.rows_for is None:
+            raise RuntimeError(f"spare {self.stats_.replica}: unexpected task {task} "
+                               "(protocol error)")
+        part = int(task[1])
+        self.rows = self.rows_for(part)  # with partitions: partition 0 reads, and shares
+        self.stats_.replaced = part
+        self.stats_.took_over_at = time.time()
+        return True
 
     def _next_task(self, result: tuple | None,
                    ask: bool = True) -> tuple[str, tuple | None]:
@@ -429,6 +490,8 @@ class Replica:
             self.faults.after_step(self.stats_.units + 1, time.perf_counter() - t0, "unit")
         self.stats_.compute_seconds += time.perf_counter() - t0
         self.stats_.units += 1
+        if self.stats_.replaced is not None and self.stats_.first_unit_at is None:
+            self.stats_.first_unit_at = time.time()
         self.stats_.examples += n
 
     def _push(self) -> None:
@@ -449,6 +512,8 @@ class Replica:
         wait_all(requests, "the shards to take this replica's push",
                  [s for s, _, _ in self.links])
         self.stats_.pushes += 1
+        if self.stats_.replaced is not None and self.stats_.first_push_at is None:
+            self.stats_.first_push_at = time.time()
         self.stats_.bytes_sent += sum(buf.nbytes for buf in self.send)
         self.stats_.comm_seconds += time.perf_counter() - t0
 
@@ -467,10 +532,11 @@ class Replica:
 
     def stats(self) -> dict[str, Any]:
         self.stats_.data_bytes_read = bytes_read()
-        self.stats_.own_rows = self.rows.hi - self.rows.lo
-        self.stats_.foreign_units = self.rows.foreign_units
-        self.stats_.foreign_reads = self.rows.foreign_reads
-        self.stats_.foreign_bytes = self.rows.foreign_bytes
+        if self.rows is not None:  # (None: a spare that took nothing over)
+            self.stats_.own_rows = self.rows.hi - self.rows.lo
+            self.stats_.foreign_units = self.rows.foreign_units
+            self.stats_.foreign_reads = self.rows.foreign_reads
+            self.stats_.foreign_bytes = self.rows.foreign_bytes
         out = {"role": "replica", **asdict(self.stats_)}
         if self.team is not None:
             out["model_parallel"] = self.model.traffic.per_step()

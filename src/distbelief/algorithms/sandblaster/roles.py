@@ -105,8 +105,11 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     session.reporting_rank = topology.coordinator_rank
     path = session.choose_checkpoint()
     # With partitions, partition 0 reads the replica's rows and broadcasts them below.
-    local = agree(comm, lambda: _replica_rows(session, plan, topology.partition_index == 0)
-                  if topology.is_replica else None)
+    # A spare (cluster.spare_replicas) reads nothing until it takes a lost replica over;
+    # with partitions, partition 0 reads the replica's rows and broadcasts them below.
+    local = agree(comm, lambda: _replica_rows(session, plan, topology.replica_index,
+                                              topology.partition_index == 0)
+                  if topology.is_replica and not topology.is_spare else None)
     communicators = split_communicators(comm, topology)
     role: Any
     if topology.is_shard:
@@ -117,26 +120,38 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             role = Coordinator(comm, config, plan, network, info, stream, session.found)
         elif plan.partitions == 1:
             role = Replica(comm, config, plan, network, local, session.load_eval_set,
-                           pieces=pieces[0])
+                           pieces=pieces[0],
+                           rows_for=lambda part: _replica_rows(session, plan, part, True))
         else:
             team = communicators.partition
             model = PartitionedNetwork(network, team, splits)
             partners = [r for r in topology.replica_ranks(topology.replica_index)
                         if r != topology.world_rank]
-            for array in (local.x, local.y):
-                polled_bcast(team, array, "partition 0's training rows", partners)
+
+            def share(rows: UnitRows) -> UnitRows:
+                """Partition 0's rows to the others (collective over the team, polled)."""
+                for array in (rows.x, rows.y):
+                    polled_bcast(team, array, "partition 0's training rows", partners)
+                return rows
+
+            if local is not None:
+                share(local)
             role = Replica(comm, config, plan, model, local, session.load_eval_set,
-                           pieces=model.pieces, team=team)
+                           pieces=model.pieces, team=team,
+                           rows_for=lambda part: share(_replica_rows(
+                               session, plan, part, topology.partition_index == 0)))
     role.communicators, role.session = communicators, session
     return role
 
 
-def _replica_rows(session: RunSession, plan: SandblasterPlan, read: bool) -> UnitRows:
-    """A replica's training rows: its own block, read now (`read`; else left to fill);
-    other replicas' units' rows when it is given them. Local."""
+def _replica_rows(session: RunSession, plan: SandblasterPlan, replica: int,
+                  read: bool) -> UnitRows:
+    """The training rows of training replica `replica` (a spare's: the one it took over):
+    its own block, read now (`read`; else left to fill); other replicas' units' rows when
+    it is given them. Local."""
     blocks = plan.blocks
     batches = BatchRows(plan.n_train, plan.batch_size, session.config.run.seed, blocks)
-    return UnitRows(session.info, batches, blocks[plan.topology.replica_index], read)
+    return UnitRows(session.info, batches, blocks[replica], read)
 
 
 def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,

@@ -135,13 +135,14 @@ class WorkUnitTable:
         """Every unit has been handed out at least once."""
         return not self.n_queued
 
-    def _queued_for(self, replica: int) -> int | None:
-        """The next queued unit for `replica`: its own first, else the last one of the
-        replica with the most queued (the end its owner reaches last); None if none."""
+    def _queued_for(self, owner: int) -> int | None:
+        """The next queued unit for a replica serving `owner`'s units: its own first, else
+        the last one of the replica with the most queued (the end its owner reaches last);
+        None if none."""
         if not self.n_queued:
             return None
         self.n_queued -= 1
-        owner = 0 if self.shared else replica
+        owner = 0 if self.shared else owner
         own = self.queues.get(owner)
         if own:
             unit = own.popleft()
@@ -182,14 +183,17 @@ class WorkUnitTable:
         units = self.next_units(replica, 1, now)
         return units[0] if units else None
 
-    def next_units(self, replica: int, k: int, now: float | None = None) -> list[int]:
-        """Up to `k` queued units for `replica` (its own before others'), or, when none is
-        queued, one late unit's backup copy; [] if there is nothing for it (a bulk grant:
-        one coordinator answer for several units)."""
+    def next_units(self, replica: int, k: int, now: float | None = None,
+                   owner: int | None = None) -> list[int]:
+        """Up to `k` queued units for `replica` (those of `owner`, default itself, before
+        others': a spare serves a lost replica's), or, when none is queued, one late unit's
+        backup copy; [] if there is nothing for it (a bulk grant: one coordinator answer
+        for several units)."""
         now = time.monotonic() if now is None else now
+        owner = replica if owner is None else owner
         units = []
         while len(units) < k:
-            unit = self._queued_for(replica)
+            unit = self._queued_for(owner)
             if unit is None:
                 break
             if not self.first_issued[unit]:
