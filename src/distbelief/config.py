@@ -225,7 +225,7 @@ class ClusterConfig:
     ps_shards: int = 1
     partitions: int = 1
     shard_placement: str = "spread"
-    spare_replicas: int = 0  # Downpour's hot spares (algorithms.downpour.spares)
+    spare_replicas: int = 0  # hot spares, where the algorithm takes them (registry)
     release_spares_at: tuple[int, ...] = ()  # steps at which spares join as replicas
 
 

@@ -45,9 +45,9 @@ class Algorithm:
     """With settings that need shards (`needs_shards`): "module:function", called as
     `trainer` is, in its place."""
     spares: str = "never"
-    """Whether cluster.spare_replicas may be > 0 (Downpour's replicas, which a spare can
-    take over: algorithms.downpour.spares): "always", "never", or an optimizer key (when it
-    is set)."""
+    """Whether cluster.spare_replicas may be > 0 (replicas a spare can stand in for:
+    algorithms.downpour.spares, Sandblaster's coordinator): "always", "never", or an
+    optimizer key (when it is set)."""
     no_spares: str = ""
     """Why it cannot use spare replicas (where `spares` says so), for the error."""
 
