@@ -288,6 +288,29 @@ def test_the_graph_sees_the_imports_we_know_of() -> None:
     assert "distbelief.api" in graph["distbelief"]  # the package re-exports load_model
 
 
+FAULT_SEAMS = {
+    "Faults.for_rank(": {"distbelief/algorithms/session.py", "distbelief/cli.py"},
+    "faults.push_slots(": {"distbelief/algorithms/downpour/run.py"},
+}
+"""Where the source may read the test-only faults (DISTBELIEF_FAULTS): a run reads them
+once, in its RunSession (session.faults), and every role takes them from there; the
+command line once more, before MPI_Init (no session yet); the RMA push-slot override is
+handed to the parameter server in its ServerSpec by the run that opens it."""
+
+
+def test_test_only_faults_enter_through_one_seam() -> None:
+    for call, places in FAULT_SEAMS.items():
+        found = {path.relative_to(SRC).as_posix()
+                 for path in (SRC / "distbelief").rglob("*.py") if call in path.read_text()}
+        assert found == places, (f"{call} in {sorted(found)}; take the faults from the "
+                                 f"run's session (session.faults) instead")
+    graph = import_graph(SRC)
+    faults = "distbelief.runtime.launching.faults"
+    into_ps = sorted(m for m, targets in graph.items()
+                     if m.startswith("distbelief.ps") and faults in targets)
+    assert not into_ps, f"{into_ps} import {faults}: pass what they need in (ServerSpec)"
+
+
 # -- the checker, on a made-up tree ----------------------------------------------------------
 
 @pytest.fixture

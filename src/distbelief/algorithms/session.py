@@ -4,7 +4,9 @@ abort on a lost rank, the summary), so a trainer's `train` composes it with what
 own: its plan and roles, its loop, its checkpoints, its summary's extras. What the launch
 (algorithms.launch) found once for the whole run comes in a RunSetup, so the session does
 not find it again. Its steps, and which trainer uses which: docs/architecture.md, "The
-run skeleton".
+run skeleton". The session is also the one seam of the test-only fault injection
+(`faults`, distbelief.runtime.launching.faults): every role takes this rank's faults from
+it, and hands the parameter server what it needs of them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from distbelief.records.metrics import (
     target_text,
 )
 from distbelief.runtime.health import watchdog
+from distbelief.runtime.launching.faults import Faults
 
 
 @dataclass
@@ -69,7 +72,9 @@ class RunSession:
     ranks check the data file's labels together, unless `setup` brings them) and the
     methods that say so are collective over it. The reporting rank (`reporting_rank` of `comm`, rank 0
     unless the trainer's plan names another) writes the run folder, the metrics and the
-    summary, and prints to `stream`.
+    summary, and prints to `stream`. `faults` is this rank's test-only faults
+    (DISTBELIEF_FAULTS, read once here; without it a Faults that arms none, whose hooks do
+    nothing), the one place a run's roles get them from.
     """
 
     def __init__(self, algorithm: str, config: Config, comm: Any = None,
@@ -82,6 +87,7 @@ class RunSession:
         self.rank = comm.Get_rank() if comm is not None else 0
         self.reporting_rank = reporting_rank
         self.setup = setup
+        self.faults = Faults.for_rank(self.rank)
         if setup is not None:
             self.info, self.network = setup.info, setup.network
         else:

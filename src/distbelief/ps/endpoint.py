@@ -103,6 +103,9 @@ class ServerSpec:
     pieces: bool = False
     """Clients push pieces (ParameterClient.use_pieces): over RMA each push slot then
     has a header saying which (rma_windows.SLOT_HEADER_BYTES)."""
+    push_slots: int | None = None
+    """TEST-ONLY: every RMA shard's push slots, set by the algorithm from an armed `slots`
+    fault (distbelief.runtime.launching.faults); None: rma_windows.push_slots's count."""
 
     @property
     def ranges(self) -> list[tuple[int, int]]:

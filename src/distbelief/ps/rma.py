@@ -26,7 +26,8 @@ def open_rma(comm: MPI.Comm, spec: ServerSpec,
     windows = ShardWindows(comm, local_count, spec.control_bytes,
                            clients=topology.world_size - topology.ps_shards,
                            push_dtype=spec.push_dtype, pieces=spec.pieces,
-                           largest_count=max(stop - start for start, stop in ranges))
+                           largest_count=max(stop - start for start, stop in ranges),
+                           slots=spec.push_slots)
     endpoint: ParameterServerShard | ParameterClient
     if topology.is_shard:
         endpoint = RmaShard(comm, windows, topology, spec.size, spec.rule(local_count),

@@ -57,7 +57,6 @@ from distbelief.ps.endpoint import COUNTER_BYTES, HEADER_BYTES, PieceMap, aligne
 from distbelief.runtime import counters
 from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.health import watchdog
-from distbelief.runtime.launching import faults
 
 FLOAT_BYTES = DTYPE().itemsize
 PUSH_BYTES = {"float32": FLOAT_BYTES, "bfloat16": 2}
@@ -240,17 +239,17 @@ class ShardWindows:
 
     def __init__(self, comm: MPI.Comm, local_count: int, control_bytes: int = 0,
                  clients: int = 0, push_dtype: str = "float32", largest_count: int = 0,
-                 pieces: bool = False):
+                 pieces: bool = False, slots: int | None = None):
         """`largest_count`: the largest shard's slice, which sets every shard's slot count
-        (all ranks must agree on it)."""
+        (all ranks must agree on it). `slots`: that count forced (a test-only `slots`
+        fault, ServerSpec.push_slots); None: push_slots's."""
         self.control_bytes = control_bytes
         self.push_dtype = push_dtype
         self.push_bytes = PUSH_BYTES[push_dtype]
         self.clients = clients
         self.slot_header = SLOT_HEADER_BYTES if pieces else 0
         self.readers = comm.Get_size()
-        self.slots = faults.push_slots() or push_slots(clients,
-                                                       largest_count * self.push_bytes)
+        self.slots = slots or push_slots(clients, largest_count * self.push_bytes)
         self.slot_states = HEADER_BYTES + aligned(control_bytes)
         self.slot_data = self.slot_states + aligned(self.slots * COUNTER_BYTES)
         self.reading = HEADER_BYTES

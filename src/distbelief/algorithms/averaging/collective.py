@@ -72,7 +72,6 @@ from distbelief.records.metrics import (
 )
 from distbelief.runtime.communicators.agreement import agree, polled_bcast, wait_all
 from distbelief.runtime.health import watchdog
-from distbelief.runtime.launching.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
 
@@ -277,7 +276,7 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
     now = time.monotonic()
     next_log, next_eval = now + LOG_EVERY_SECONDS, now + eval_every
     next_save_time, next_save_step = saver.schedule(replica.local_steps * size, now)
-    faults = Faults.for_rank(MPI.COMM_WORLD.Get_rank())  # test-only: kill:RANK:STEP
+    faults = session.faults  # test-only: kill:RANK:STEP
     pending_loss, pending_count, recent = 0.0, 0, math.nan
     while True:
         # Averages fall on multiples of tau, also after a resume; the budget cuts the last.
@@ -291,8 +290,7 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
             apply_step(replica.optimizer, replica.network, replica.params, grad,
                        replica.local_steps)
             replica.local_steps += 1
-            if faults:
-                faults.after_step(replica.local_steps, 0.0)
+            faults.after_step(replica.local_steps, 0.0)
         losses[1] = steps
         step = replica.local_steps * size
         if recorder is not None:  # rank 0 owns the clock
@@ -305,8 +303,7 @@ def _loop(session: RunSession, replica: Replica, eval_set: Any, saver: Saver,
         decision.merge(signals.received)
         moved = sum(replica.wire.pair())
         replica.average(losses, decision.flags)
-        if faults:
-            faults.after_transfer(sum(replica.wire.pair()) - moved)
+        faults.after_transfer(sum(replica.wire.pair()) - moved)
         samples = step * batch_size
         if losses[1]:
             pending_loss, pending_count = pending_loss + losses[0], pending_count + losses[1]

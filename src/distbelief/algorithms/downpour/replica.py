@@ -38,7 +38,7 @@ from distbelief.runtime.backoff import Backoff
 from distbelief.runtime.communicators.agreement import polled_bcast, wait_all
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.health.watchdog import RankLost
-from distbelief.runtime.launching.faults import Faults, step_faults
+from distbelief.runtime.launching.faults import step_faults
 
 # ------------------------------------------------------------------------------------------
 # Replicas
@@ -133,7 +133,7 @@ class Replica:
         self.lost = False
         self.acked = 0  # the last checkpoint request this replica paused for
         self.bad_in_a_row = 0
-        self.faults = Faults.for_rank(topology.world_rank)  # test-only (runtime.launching.faults)
+        self.faults = run.session.faults  # test-only (runtime.launching.faults)
         self.injected = step_faults(self.faults, self.client)  # a no-op without faults
 
     # -- the loop
@@ -557,8 +557,9 @@ class Replica:
         """Publish the end of this replica's work (FINISHED with its final position: its
         last push is in), send its statistics to rank 0, and wait for the teardown.
         A lost replica publishes nothing and sends nothing. One-sided, plus one message."""
-        if self.faults and self.faults.linger_seconds(self.t):  # test-only
-            self.client.linger_in_exchanges(self.faults.linger_seconds(self.t))
+        linger = self.faults.linger_seconds(self.t)  # test-only
+        if linger:
+            self.client.linger_in_exchanges(linger)
         if not self.lost:
             try:
                 self._settle_pushes()

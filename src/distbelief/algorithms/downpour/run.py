@@ -114,7 +114,7 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
         lambda n: start.optimizer if start.optimizer is not None else shard_update(n),
         initial, control_replicas=plan.num_groups,
         gradients_before=start.gradients_before, pieces=plan.row_pulls,
-        push_dtype=config.optimizer.push_dtype))
+        push_dtype=config.optimizer.push_dtype, push_slots=session.faults.push_slots()))
     start.params = None  # the shard's slice lives in the endpoint now, not twice
     if isinstance(endpoint, ParameterServerShard):
         # A replica killed mid-push is written off as soon as its process is seen gone; a

@@ -39,7 +39,6 @@ from distbelief.runtime.communicators.agreement import (
     wait_for_everyone,
 )
 from distbelief.runtime.health import watchdog
-from distbelief.runtime.launching.faults import Faults
 
 # ------------------------------------------------------------------------------------------
 # Shards
@@ -101,7 +100,7 @@ class ShardRole:
         self.comm = run.communicators.shards
         self.rounds = Rounds(self.comm, ROUND_WIDTH, ROUND_INTERVAL_S)
         self.signals = run.signals
-        self.faults = Faults.for_rank(self.shard.rank)  # test-only (distbelief.runtime.launching.faults)
+        self.faults = run.session.faults  # test-only (distbelief.runtime.launching.faults)
         self.all_finished = False  # a round said every replica has finished or is lost
         self.shard_signals = (0, 0)  # the shards' max SIGTERM, SIGUSR1 counts (rounds)
         self.checkpoint_seconds = 0.0  # the replicas' pauses: agreed round to release
@@ -121,8 +120,7 @@ class ShardRole:
 
     def _duties(self) -> bool:
         """Between two polls: the test-only faults, the shards' liveness, the rounds."""
-        if self.faults:
-            self.faults.after_updates(self.shard.version)
+        self.faults.after_updates(self.shard.version)
         self.run_.check_shards(time.monotonic())
         return self.poll_rounds()
 
@@ -219,8 +217,7 @@ class ShardRole:
         replicas = self.lead.replicas_part(partial, meta) if self.lead is not None else None
 
         def write() -> dict[str, Any]:
-            if self.faults:
-                self.faults.before_checkpoint_write(index)
+            self.faults.before_checkpoint_write(index)
             if not (_all_finite(params) and all(_all_finite(v) for v in state.values())):
                 return {"diverged": f"shard {shard.rank} holds non-finite values at step "
                                     f"{meta.step}; not checkpointed"}

@@ -138,8 +138,7 @@ class Supervisor:
     def _duties(self) -> bool:
         """Shard 0's duties between two polls; cheap unless one of them is due."""
         shard_role = self.shard_role
-        if shard_role.faults:
-            shard_role.faults.after_updates(self.shard.version)
+        shard_role.faults.after_updates(self.shard.version)
         now = time.monotonic()
         busy = self._collect_stats()
         if self.pending is not None and self.pending[0].done():

@@ -24,7 +24,6 @@ from distbelief.runtime.communicators.topology import Topology
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.health.liveness import Peers
 from distbelief.runtime.health.watchdog import RankLost, abort_job
-from distbelief.runtime.launching.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
 # What the command line, the tests and the benchmarks use from here.
@@ -86,7 +85,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                     role.run()
                     ending = role.finish()
                 if ending.teardown == rc.TEARDOWN_FREE:
-                    Faults.for_rank(topology.world_rank).before_teardown()  # test-only
+                    session.faults.before_teardown()  # test-only
                 run.close(ending.teardown)
             except RankLost as lost:
                 _abort_for(comm, topology, lost, peers)

@@ -242,7 +242,7 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     shared = SharedState(comm, network.layout.size, sorted(probe.state()))
     agree(comm, lambda: _fill_segment(config, network, shared, path) if rank == 0 else None)
     replica = agree(comm, lambda: _setup_replica(config, info, network, shared, path, rank,
-                                                 replicas))
+                                                 replicas, session.faults))
     peers = Peers.gather(comm)
     # Rank 0's recorder (its clock) and evaluation set are ready before anybody trains.
     leader = agree(comm, lambda: Leader(session, shared, replica, peers) if rank == 0
@@ -313,14 +313,14 @@ def _fill_segment(config: Config, network: Any, shared: SharedState,
 
 
 def _setup_replica(config: Config, info: Any, network: Any, shared: SharedState,
-                   path: str | None, rank: int, replicas: int) -> Replica:
+                   path: str | None, rank: int, replicas: int, faults: Faults) -> Replica:
     """This rank's replica; rank 0 also fills the segment (initial or restored values)."""
     shard = train_shard(config, info, rank, replicas)
     optimizer = build_optimizer(config, network.layout.size)
     found = ckpt.verify(path) if path is not None else None
     for name, view in shared.state.items():
         setattr(optimizer, name, view)  # the optimizer works on the shared arrays
-    replica = Replica(rank, shard, optimizer, faults=Faults.for_rank(rank),
+    replica = Replica(rank, shard, optimizer, faults=faults,
                       lock=UpdateLock(config.run.out_dir) if config.optimizer.locked_updates
                       else None)
     start_total = 0
@@ -369,8 +369,7 @@ def _step(network: Any, shared: SharedState, replica: Replica, grad: np.ndarray,
     words[STEPS], words[SAMPLES] = replica.steps, replica.samples
     shared.losses[replica.index, LOSS_SUM] = replica.loss_sum
     words[LOSS_COUNT], words[TOUCHED] = replica.loss_count, replica.touched
-    if replica.faults:
-        replica.faults.after_step(replica.steps, time.monotonic() - began)
+    replica.faults.after_step(replica.steps, time.monotonic() - began)
 
 
 class Backoff:

@@ -128,7 +128,8 @@ class Coordinator:
     Point-to-point with every shard and replica; never holds a vector."""
 
     def __init__(self, comm: MPI.Comm, config: Config, plan: SandblasterPlan, network: Any,
-                 info: Any, stream: IO[str] | None, resumed: ckpt.Checkpoint | None = None):
+                 info: Any, stream: IO[str] | None, resumed: ckpt.Checkpoint | None = None,
+                 *, faults: Faults):
         self.comm, self.config, self.plan, self.network = comm, config, plan, network
         self.resumed = resumed
         self.stream = stream
@@ -193,7 +194,7 @@ class Coordinator:
         self.notices = launcher.sends_death_notices()  # else every SIGUSR1 is a stop
         self.next_sweep = 0.0
         # Test-only (distbelief.runtime.launching.faults): AT counts the iterations.
-        self.faults = Faults.for_rank(comm.Get_rank())
+        self.faults = faults
         say(stream, _header(config, plan, network, info))
         resume = None
         if resumed is not None:
@@ -276,8 +277,7 @@ class Coordinator:
             coordinator_replica_bytes=self.traffic.replica_bytes)
         self.iteration_evals = []
         self.recorder.progress(it.step, self.samples, it.loss)
-        if self.faults:
-            self.faults.after_step(it.step, 0.0, "iteration")
+        self.faults.after_step(it.step, 0.0, "iteration")
         now = time.monotonic()
         if not math.isfinite(it.loss):
             return "diverged"

@@ -139,7 +139,7 @@ class Replica:
                  rows: UnitRows | None,
                  load_eval: Callable[[], tuple[np.ndarray, np.ndarray]],
                  pieces: list[Piece], team: MPI.Comm | None = None,
-                 rows_for: Callable[[int], UnitRows] | None = None):
+                 rows_for: Callable[[int], UnitRows] | None = None, *, faults: Faults):
         """`rows` None: a spare (cluster.spare_replicas), which reads `rows_for(r)`, the
         rows of the replica r it takes over, when the coordinator tells it to."""
         self.comm, self.plan, self.model = comm, plan, model
@@ -187,7 +187,7 @@ class Replica:
         self.agreed = np.zeros(1, dtype=np.int32)
         self.stats_ = ReplicaStats(topology.replica_index, topology.world_rank,
                                    self.partition, spare=self.spare)
-        self.faults = Faults.for_rank(topology.world_rank)  # test-only (runtime.launching.faults)
+        self.faults = faults  # test-only (runtime.launching.faults), the session's
         self.signals = None  # set by train(); only the coordinator acts on signals
         self.partners = [r for r in topology.replica_ranks(topology.replica_index)
                          if r != topology.world_rank]
@@ -486,8 +486,7 @@ class Replica:
         self.pending_loss += loss * n
         self.pending_units.append(unit)
         self.pending_trial = trial
-        if self.faults:
-            self.faults.after_step(self.stats_.units + 1, time.perf_counter() - t0, "unit")
+        self.faults.after_step(self.stats_.units + 1, time.perf_counter() - t0, "unit")
         self.stats_.compute_seconds += time.perf_counter() - t0
         self.stats_.units += 1
         if self.stats_.replaced is not None and self.stats_.first_unit_at is None:
@@ -500,7 +499,7 @@ class Replica:
         t0 = time.perf_counter()
         requests = []
         # Test-only: killed in the middle of this push, after its first shard's part.
-        dying = bool(self.faults) and self.faults.kill_in_push_from(self.stats_.units)
+        dying = self.faults.kill_in_push_from(self.stats_.units)
         for (shard, offset, size), buf in zip(self.links, self.send):
             buf[:HEADER].view(np.int32)[:] = (self.pending_trial, len(self.pending_units),
                                               self.partition, 0)

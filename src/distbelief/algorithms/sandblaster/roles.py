@@ -50,6 +50,7 @@ from distbelief.runtime.communicators.agreement import agree, polled_bcast, wait
 from distbelief.runtime.communicators.topology import Communicators, split_communicators
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.launching import guardian
+from distbelief.runtime.launching.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
 # What the command line and the tests use from here (the roles' modules hold the rest).
@@ -113,15 +114,18 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
     communicators = split_communicators(comm, topology)
     role: Any
     if topology.is_shard:
-        role = agree(comm, lambda: _shard(config, comm, plan, network, path, pieces))
+        role = agree(comm, lambda: _shard(config, comm, plan, network, path, pieces,
+                                          session.faults))
     else:
         agree(comm, lambda: None)
         if topology.role == "coordinator":
-            role = Coordinator(comm, config, plan, network, info, stream, session.found)
+            role = Coordinator(comm, config, plan, network, info, stream, session.found,
+                               faults=session.faults)
         elif plan.partitions == 1:
             role = Replica(comm, config, plan, network, local, session.load_eval_set,
                            pieces=pieces[0],
-                           rows_for=lambda part: _replica_rows(session, plan, part, True))
+                           rows_for=lambda part: _replica_rows(session, plan, part, True),
+                           faults=session.faults)
         else:
             team = communicators.partition
             model = PartitionedNetwork(network, team, splits)
@@ -139,7 +143,8 @@ def start(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             role = Replica(comm, config, plan, model, local, session.load_eval_set,
                            pieces=model.pieces, team=team,
                            rows_for=lambda part: share(_replica_rows(
-                               session, plan, part, topology.partition_index == 0)))
+                               session, plan, part, topology.partition_index == 0)),
+                           faults=session.faults)
     role.communicators, role.session = communicators, session
     return role
 
@@ -155,7 +160,7 @@ def _replica_rows(session: RunSession, plan: SandblasterPlan, replica: int,
 
 
 def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,
-           checkpoint: str | None, pieces: list[list[Piece]]) -> ShardServer:
+           checkpoint: str | None, pieces: list[list[Piece]], faults: Faults) -> ShardServer:
     """A shard's server, with its slice of the initial parameters or of the checkpoint.
     Local (reads the checkpoint's overlapping parts)."""
     index = plan.topology.world_rank
@@ -167,7 +172,7 @@ def _shard(config: Config, comm: MPI.Comm, plan: SandblasterPlan, network: Any,
         # the manifest is checked here, not every byte again.
         params, state = ckpt.verify(checkpoint, parts=()).read_range(start_, stop_)
         store.load_checkpoint(params, state)
-    return ShardServer(comm, plan, store, pieces)
+    return ShardServer(comm, plan, store, pieces, faults=faults)
 
 
 def finish(comm: MPI.Comm, role: Any) -> dict[str, Any]:

@@ -44,7 +44,7 @@ class ShardServer:
     the range ("owners") has pushed every unit."""
 
     def __init__(self, comm: MPI.Comm, plan: SandblasterPlan, store: VectorShard,
-                 pieces: list[list[Piece]]):
+                 pieces: list[list[Piece]], *, faults: Faults):
         self.comm, self.plan, self.store = comm, plan, store
         topology = plan.topology
         self.coordinator = topology.coordinator_rank
@@ -72,7 +72,7 @@ class ShardServer:
                        "lost_pushes": 0, "trial_fetches": 0, "trial_bytes": 0,
                        "snapshot_fetches": 0, "snapshot_bytes": 0}
         # Test-only (distbelief.runtime.launching.faults): AT counts the pushes this shard received.
-        self.faults = Faults.for_rank(topology.world_rank)
+        self.faults = faults
 
     def _messages(self, values: np.ndarray, ident: int) -> list[np.ndarray | None]:
         """Per partition, a new [header | its segments of values] float32 buffer (a send of
@@ -115,8 +115,7 @@ class ShardServer:
                 self._finish_trial()
                 busy = True
             self.sending = [(r, b, to) for r, b, to in self.sending if not r.Test()]
-            if self.faults:
-                self.faults.after_updates(self.counts["pushes"])
+            self.faults.after_updates(self.counts["pushes"])
             if busy:
                 backoff.reset()
             else:

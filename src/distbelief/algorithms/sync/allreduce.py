@@ -59,7 +59,6 @@ from distbelief.records.console import say
 from distbelief.records.metrics import LOG_EVERY_SECONDS, ResumePoint
 from distbelief.runtime.communicators.agreement import wait_all
 from distbelief.runtime.health import watchdog
-from distbelief.runtime.launching.faults import Faults
 from distbelief.runtime.threads import set_blas_threads
 
 
@@ -199,7 +198,7 @@ class _Run:
         total = np.zeros_like(send)
         vote, decided = StopDecision(), StopDecision()  # this rank's, and the MAX of all
         grad, mean_grad = send[:n], total[:n]
-        faults = Faults.for_rank(MPI.COMM_WORLD.Get_rank())  # test-only
+        faults = self.session.faults  # test-only
         start = self.recorder.start if self.recorder else time.monotonic()
         now = time.monotonic()
         next_log, next_eval = now + LOG_EVERY_SECONDS, now + run.eval_every_seconds
@@ -215,8 +214,7 @@ class _Run:
             x, y = self.shard.next_batch(batch)
             began = time.monotonic()
             send[n] = self.network.loss_and_grad(self.params, x, y, grad)
-            if faults:
-                faults.after_step(step + 1, time.monotonic() - began)
+            faults.after_step(step + 1, time.monotonic() - began)
             now = time.monotonic()
             if self.recorder is not None:  # rank 0 owns the clock
                 spent = rules.budget_spent(step + 1, now - start, self.recorder.collapsed)
@@ -233,9 +231,8 @@ class _Run:
                      "the step's gradient allreduce", self.others)
             self.wire.add(send.nbytes + vote.flags.nbytes,
                           total.nbytes + decided.flags.nbytes)
-            if faults:
-                faults.after_transfer(send.nbytes + vote.flags.nbytes + total.nbytes
-                                      + decided.flags.nbytes)
+            faults.after_transfer(send.nbytes + vote.flags.nbytes + total.nbytes
+                                  + decided.flags.nbytes)
             loss = float(total[n]) / self.replicas
             if not math.isfinite(loss):  # the same sum everywhere: every replica stops
                 raise self.session.diverged(f"{loss} at step {step + 1}")

@@ -104,7 +104,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
             shard = train_shard(config, info, rank - 1, replicas)
             if found is not None and found.has_replica(rank - 1):
                 shard.load_state(found.read_replica(rank - 1).data_state)
-            lost = _replica_loop(config, comm, network, shard) == STOP_AFTER_A_LOSS
+            lost = _replica_loop(config, comm, network, shard,
+                                 session.faults) == STOP_AFTER_A_LOSS
             if lost or peers.gone_among(range(comm.Get_size())):
                 guardian.skip_mpi_finalize()  # MPI_Finalize would wait for the dead
             return None
@@ -125,7 +126,8 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
 # A replica
 
 
-def _replica_loop(config: Config, comm: MPI.Comm, network: Any, shard: Any) -> int:
+def _replica_loop(config: Config, comm: MPI.Comm, network: Any, shard: Any,
+                  faults: Faults) -> int:
     """Fetch the newest parameters, compute a gradient on the next batch, send it; until
     the shard says stop. Returns the stop code. Point-to-point with the shard only."""
     n = network.layout.size
@@ -134,7 +136,6 @@ def _replica_loop(config: Config, comm: MPI.Comm, network: Any, shard: Any) -> i
     down = np.zeros(2, dtype=np.float64)  # [step, stop code]
     up = np.zeros(5, dtype=np.float64)  # [step, epoch, position, rows, loss]
     sending: list[MPI.Request] = []
-    faults = Faults.for_rank(comm.Get_rank())  # test-only
     computed = 0
     while True:
         if not _fetch_newest(comm, down, params):
@@ -144,8 +145,7 @@ def _replica_loop(config: Config, comm: MPI.Comm, network: Any, shard: Any) -> i
         began = time.monotonic()
         loss = network.loss_and_grad(params, x, y, grad)
         computed += 1
-        if faults:
-            faults.after_step(computed, time.monotonic() - began)
+        faults.after_step(computed, time.monotonic() - began)  # test-only
         state = shard.state()
         up[:] = down[0], state["epoch"], state["position"], state["n"], loss
         sending = [comm.Isend(up, SHARD, TAG_UP_HEAD), comm.Isend(grad, SHARD, TAG_GRAD)]

@@ -4,6 +4,12 @@ step, so that the tests can check what every other rank does about it.
 The faults come from the environment variable DISTBELIEF_FAULTS (`ENV` says how to write
 them). Nothing but the tests and the benchmarks sets it; a real run never should, and the
 rank prints what it does when a fault fires.
+
+One seam: a run reads them once, in its RunSession (`session.faults`, a Faults for the
+rank, which arms none without the variable), and every role calls that object's hooks; the
+parameter server gets what it needs of it from the algorithm (ServerSpec.push_slots, the
+client's hang_in_next_push and the like). The only other reader is the command line's
+`noinit` check, before MPI_Init, when there is no session yet.
 """
 
 from __future__ import annotations
@@ -142,7 +148,8 @@ def _positive_float(text: str) -> float:
 
 @dataclass
 class Faults:
-    """The faults armed for one rank, and the hooks its loops call."""
+    """The faults armed for one rank, and the hooks its loops call. With none armed (no
+    DISTBELIEF_FAULTS), every hook does nothing, so a caller need not test for faults."""
 
     rank: int
     faults: list[Fault] = field(default_factory=list)
@@ -155,6 +162,10 @@ class Faults:
     def __bool__(self) -> bool:
         return bool(self.faults)
 
+    def push_slots(self) -> int | None:
+        """K of an armed `slots:*:K` fault (every RMA shard's push slots), or None."""
+        return next((f.at for f in self.faults if f.action == "slots"), None)
+
     def _firing(self, action: str, step: int) -> list[Fault]:
         return [f for f in self.faults if f.action == action and f.at == step]
 
@@ -165,12 +176,14 @@ class Faults:
 
     def poison(self, step: int, grad: np.ndarray) -> None:
         """Put a NaN into `grad` if `step` is poisoned."""
-        if grad.size and self.poisons(step):
+        if self.faults and grad.size and self.poisons(step):
             grad[0] = np.nan
 
     def after_step(self, step: int, compute_seconds: float, what: str = "step") -> None:
         """Called once `step` is computed (its gradient already poisoned if it is to be):
         slow it down, then raise, kill or hang as armed."""
+        if not self.faults:  # the common case, every step of a real run: nothing armed
+            return
         delay = sum((f.factor - 1) * compute_seconds + f.extra_seconds
                     for f in self.faults if f.action == "delay" and step >= f.at)
         if delay > 0:
@@ -187,6 +200,8 @@ class Faults:
     def after_transfer(self, nbytes: int) -> None:
         """Called after the rank moved `nbytes` through the transport or a collective:
         sleep what a link armed with `link` takes to carry them."""
+        if not self.faults:
+            return
         seconds = sum(nbytes / f.bytes_per_second for f in self.faults if f.action == "link")
         if seconds > 0:
             time.sleep(seconds)
@@ -194,6 +209,8 @@ class Faults:
     def after_updates(self, count: int) -> None:
         """Called by a shard between polls with the updates it has folded so far (a count
         that may jump): raise or kill once it reaches a fault's AT."""
+        if not self.faults:
+            return
         if any(f.action == "raise" and count >= f.at for f in self.faults):
             raise RuntimeError(f"test-only failure on rank {self.rank} after {count} "
                                f"updates ({ENV})")
