@@ -42,7 +42,7 @@ from distbelief.errors import ConfigError
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.health.watchdog import RankLost, Watchdog, current, watching
 from distbelief.runtime.launching.faults import ENV as FAULTS
-from distbelief.runtime.launching.faults import Fault, Faults, parse, push_slots
+from distbelief.runtime.launching.faults import Fault, Faults, parse
 
 PROGRAMS = REPO / "tests" / "mpi_programs"
 TIMEOUT = 120
@@ -105,8 +105,10 @@ def test_a_simulated_link_sleeps_the_bytes_over_its_rate() -> None:
 
 def test_a_slots_fault_sets_every_shards_push_slots() -> None:
     assert parse("slots:*:3") == [Fault("slots", None, 3)]
-    assert push_slots({FAULTS: "delay:*:0:2x slots:*:2"}) == 2
-    assert push_slots({FAULTS: "delay:*:0:2x"}) is None and push_slots({}) is None
+    for rank in (0, 3):  # every rank's
+        assert Faults.for_rank(rank, {FAULTS: "delay:*:0:2x slots:*:2"}).push_slots() == 2
+    assert Faults.for_rank(0, {FAULTS: "delay:*:0:2x"}).push_slots() is None
+    assert Faults.for_rank(0, {}).push_slots() is None
 
 
 @pytest.mark.parametrize("text", ["explode:1:2", "kill:x:1", "kill:1", "delay:1:0:0.5x",

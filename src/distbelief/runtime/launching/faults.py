@@ -127,12 +127,6 @@ def _parse_one(item: str) -> Fault:
     raise ValueError("a delay is Fx (F >= 1) or SECONDSs; a pause or linger is SECONDSs")
 
 
-def push_slots(environ: Mapping[str, str] | None = None) -> int | None:
-    """K of an armed `slots:*:K` fault, or None."""
-    text = (os.environ if environ is None else environ).get(ENV, "")
-    return next((f.at for f in parse(text) if f.action == "slots"), None)
-
-
 def _non_negative(text: str, what: str) -> int:
     if not text.isdigit():
         raise ValueError(f"{what} must be a non-negative integer, got {text!r}")
