@@ -89,6 +89,14 @@ def run_sandblaster(folder: Path, out: Path, faults: str, *overrides: str) -> di
     return json.loads(summary.read_text())
 
 
+def print_idle(label: str, summary: dict) -> None:
+    """The waiting spare's wall and CPU seconds, and its share of a core."""
+    spare = next(r for r in summary["replicas"] if r["spare"])
+    wall, cpu = spare["spare_wait_seconds"], spare["spare_wait_cpu_seconds"]
+    print(f"{label}: the spare waited {wall:.1f} s using {cpu:.3f} s of CPU: "
+          f"{100 * cpu / wall:.2f}% of a core")
+
+
 def sandblaster(args: argparse.Namespace) -> None:
     from test_sandblaster_faults import CONFIG
 
@@ -101,11 +109,7 @@ def sandblaster(args: argparse.Namespace) -> None:
             summary = run_sandblaster(folder, folder / "idle", "", "run.max_steps=0",
                                       f"run.max_seconds={args.idle}",
                                       "optimizer.gradient_tolerance=0")
-            spare = next(r for r in summary["replicas"] if r["spare"])
-            print(f"sandblaster: the spare waited {spare['spare_wait_seconds']:.1f} s using "
-                  f"{spare['spare_wait_cpu_seconds']:.3f} s of CPU: "
-                  f"{100 * spare['spare_wait_cpu_seconds'] / spare['spare_wait_seconds']:.2f}"
-                  f"% of a core")
+            print_idle("sandblaster", summary)
             return
         victim = 3 if args.victim == 2 else args.victim  # (2 is Downpour's default)
         units, pushes, taken = [], [], []
@@ -194,11 +198,7 @@ def main() -> None:
         if args.idle:
             summary = run(folder, folder / "idle", args.transport, "", "run.max_steps=0",
                           f"run.max_seconds={args.idle}")
-            spare = next(r for r in summary["replicas"] if r["spare"])
-            print(f"{args.transport}: the spare waited {spare['spare_wait_seconds']:.1f} s "
-                  f"using {spare['spare_wait_cpu_seconds']:.3f} s of CPU: "
-                  f"{100 * spare['spare_wait_cpu_seconds'] / spare['spare_wait_seconds']:.2f}"
-                  f"% of a core")
+            print_idle(args.transport, summary)
             return
         first, taken = [], []
         for i in range(args.runs):
