@@ -186,39 +186,15 @@ def cmd_prepare_libsvm(args: argparse.Namespace) -> int:
     return 0
 
 
-# Each kind's own options of `prepare sparse-synthetic` (argparse's names).
-SYNTHETIC_OPTIONS = {"logistic": ("features", "nnz"), "mf": ("users", "items", "rank", "noise"),
-                     "fields": ("fields", "field_rows", "dim")}
-
-
-def _table_sizes(id_rows: tuple[int, ...]) -> str:
-    """'10,000 rows each', or '10,000, 5,000 rows' for tables of different sizes."""
-    if len(set(id_rows)) == 1:
-        return f"{id_rows[0]:,d} rows each"
-    return f"{', '.join(f'{r:,d}' for r in id_rows)} rows"
-
-
 def cmd_prepare_sparse_synthetic(args: argparse.Namespace) -> int:
-    from distbelief.data.synthetic_sparse import Options, make_sparse_synthetic
-    from distbelief.errors import DataError
+    from distbelief.data.synthetic_sparse import Options, kind_options, make_sparse_synthetic
 
-    given = {name: getattr(args, name) for names in SYNTHETIC_OPTIONS.values()
-             for name in names if getattr(args, name) is not None}
-    foreign = sorted(set(given) - set(SYNTHETIC_OPTIONS[args.kind]))
-    if foreign:
-        flags = ", ".join(f"--{name.replace('_', '-')}" for name in foreign)
-        raise DataError(f"{flags}: not an option of {args.kind} (distbelief prepare "
-                        f"sparse-synthetic --help lists each kind's)")
+    given = kind_options(args.kind, vars(args))
     shared = {name: getattr(args, name) for name in ("train", "test", "zipf")
               if getattr(args, name) is not None}
     made = make_sparse_synthetic(args.kind, args.out,
                                  Options(**given, **shared, seed=args.seed))
-    info = made.info
-    shape = (f"{info.input_shape[0]:,d} feature ids, {info.nnz_per_row:.1f} a row"
-             if info.features == "sparse" else
-             f"{len(info.id_rows)} id fields of {_table_sizes(info.id_rows)}")
-    print(f"wrote {info.path}: {info.n_train:,d} training and {info.n_test:,d} test rows "
-          f"({shape}); {made.describe()}")
+    print(f"wrote {made.summary()}")
     return 0
 
 
