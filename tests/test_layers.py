@@ -47,8 +47,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("launch", ("distbelief.algorithms.launch",)),
     ("compare", ("distbelief.compare",)),
     ("api", ("distbelief", "distbelief.api", "distbelief.training", "distbelief.torch")),
-    ("cli", ("distbelief.cli", "distbelief.cli_help", "distbelief.cli_types",
-             "distbelief.__main__")),
+    ("cli", ("distbelief.cli", "distbelief.cli_help", "distbelief.cli_prepare",
+             "distbelief.cli_types", "distbelief.__main__")),
 ]
 
 

@@ -28,7 +28,7 @@ from distbelief.data.hdf5 import (
 from distbelief.data.libsvm import convert_libsvm, parse_block
 from distbelief.data.sparse import SparseRows, concatenate
 from distbelief.data.stream import StreamingTrainShard
-from distbelief.data.synthetic_sparse import Options, make_sparse_synthetic
+from distbelief.data.synthetic_sparse import Options, kind_options, make_sparse_synthetic
 from distbelief.errors import DataError
 
 # ---------------------------------------------------------------------------------------
@@ -488,6 +488,8 @@ def test_the_mf_planted_model_has_the_noise_as_its_error(tmp_path: Path) -> None
     mse = np.mean((np.sum(users[x[:, 0]] * items[x[:, 1]], axis=1) - y) ** 2)
     assert mse == pytest.approx(0.04, rel=0.05) and made.floor == pytest.approx(0.04, rel=0.05)
     assert made.baseline > 10 * made.floor
+    assert made.summary().startswith(f"{info.path}: 3,000 training and 20,000 test rows (2 id "
+                                     "fields of 300, 200 rows); the planted model's test mse")
 
 
 def test_the_fields_generator_and_its_command(tmp_path: Path, capsys) -> None:
@@ -506,6 +508,16 @@ def test_the_fields_generator_and_its_command(tmp_path: Path, capsys) -> None:
     assert main(["prepare", "sparse-synthetic", "mf", "--out", str(tmp_path / "x.h5"),
                  "--nnz", "3"]) == 2
     assert "--nnz: not an option of mf" in capsys.readouterr().err
+
+
+def test_a_kind_takes_only_its_own_options() -> None:
+    # Keys that are no kind's own (out, train, ...) pass by; None means not given.
+    assert kind_options("mf", {"users": 30, "nnz": None, "out": "x.h5", "train": 9}) == \
+        {"users": 30}
+    with pytest.raises(DataError, match=r"^--field-rows, --nnz: not an option of mf \("):
+        kind_options("mf", {"users": 30, "nnz": 3, "field_rows": 5})
+    with pytest.raises(DataError, match="unknown synthetic kind 'dense'"):
+        kind_options("dense", {})
 
 
 # ---------------------------------------------------------------------------------------

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +74,11 @@ DEFAULT_ROWS = {"logistic": (50_000, 10_000), "mf": (200_000, 20_000),
                 "fields": (100_000, 10_000)}
 """(train, test) rows by kind: a second or two to generate."""
 
+KIND_OPTIONS = {"logistic": ("features", "nnz"), "mf": ("users", "items", "rank", "noise"),
+                "fields": ("fields", "field_rows", "dim")}
+"""Each kind's own options (Options' names; the command line's flags are these with -):
+one kind ignores the others', so giving them is refused (kind_options)."""
+
 
 @dataclass(frozen=True)
 class Synthetic:
@@ -86,6 +92,22 @@ class Synthetic:
 
     def describe(self) -> str:
         return _floor_text(self.loss, self.floor, self.baseline)
+
+    def summary(self) -> str:
+        """'<path>: N training and M test rows (<shape>); <floor>', said of a made file."""
+        info = self.info
+        shape = (f"{info.input_shape[0]:,d} feature ids, {info.nnz_per_row:.1f} a row"
+                 if info.features == "sparse" else
+                 f"{len(info.id_rows)} id fields of {_table_sizes(info.id_rows)}")
+        return (f"{info.path}: {info.n_train:,d} training and {info.n_test:,d} test rows "
+                f"({shape}); {self.describe()}")
+
+
+def _table_sizes(id_rows: tuple[int, ...]) -> str:
+    """'10,000 rows each', or '10,000, 5,000 rows' for tables of different sizes."""
+    if len(set(id_rows)) == 1:
+        return f"{id_rows[0]:,d} rows each"
+    return f"{', '.join(f'{r:,d}' for r in id_rows)} rows"
 
 
 def _floor_text(loss: str, floor: float, baseline: float) -> str:
@@ -322,14 +344,33 @@ def make_sparse_synthetic(kind: str, out_path: str | os.PathLike,
     (atomically; never over an existing file) and return it with its planted floor, which
     the file's `source` attribute also states."""
     out = Path(out_path)
-    if kind not in GENERATORS:
-        raise DataError(f"unknown synthetic kind {kind!r}: one of {', '.join(KINDS)}")
+    _known(kind)
     if out.exists():
         raise DataError(f"{out} exists: distbelief never overwrites a dataset; remove it or "
                         "choose another --out")
     o = _checked(options or Options())
     train, test = (o.train or DEFAULT_ROWS[kind][0]), (o.test or DEFAULT_ROWS[kind][1])
     return _write(out, GENERATORS[kind](o), o.seed, train, test)
+
+
+def _known(kind: str) -> None:
+    if kind not in GENERATORS:
+        raise DataError(f"unknown synthetic kind {kind!r}: one of {', '.join(KINDS)}")
+
+
+def kind_options(kind: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The kind-specific options given in `values` (those of KIND_OPTIONS not None; other
+    keys are left alone), all `kind`'s own; DataError naming the flags of another kind's,
+    which `kind` would silently ignore."""
+    _known(kind)
+    given = {name: values[name] for names in KIND_OPTIONS.values() for name in names
+             if values.get(name) is not None}
+    foreign = sorted(set(given) - set(KIND_OPTIONS[kind]))
+    if foreign:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in foreign)
+        raise DataError(f"{flags}: not an option of {kind} (distbelief prepare "
+                        f"sparse-synthetic --help lists each kind's)")
+    return given
 
 
 def _checked(o: Options) -> Options:
