@@ -69,6 +69,11 @@ def check_downpour_summary(summary: dict, n: int, shards: int) -> None:
     for shard in summary["shards"]:
         assert shard["pushes"] == pushes, "every push reaches every shard, folded once"
         assert shard["version"] == shard["folds"] <= pushes
+        # Publishes around a stuck reader (RMA), reported as the other shard counters are.
+        in_place = shard["publishes_in_place"]
+        assert isinstance(in_place, int) and in_place >= 0, shard
+        if shard["transport"] == "shared":
+            assert in_place == shard["holds"] == 0, shard
     for r in replicas:
         assert r["steps"] > 0 and r["samples_per_second"] > 0
         assert r["fetches"] >= r["pushes"] >= 1
