@@ -610,6 +610,22 @@ def test_the_clock_gate_waits_for_the_slowest_and_fetches_after_it_moved():
     assert late.gate(min_clock=30, joined_at=30) == FETCH and late.clock == 30
 
 
+def test_a_new_row_cache_counts_as_never_fetched_at_the_clock_gate():
+    # A row replica (table_pulls = "rows") replaces its vectors with the next batches'
+    # rows (RowReplica), which no fetch has filled yet: with the slowest replica within
+    # the bound, parameters just fetched let a block go, but new rows make it fetch first.
+    from distbelief.algorithms.downpour.clocks import FETCH, GO, ReplicaClock
+
+    clock = ReplicaClock(bound=2, pushes=3)
+    clock.fetched(5)
+    assert clock.gate(min_clock=5, joined_at=None) == GO
+    clock.emptied()
+    assert clock.params_clock is None
+    assert clock.gate(min_clock=5, joined_at=None) == FETCH
+    clock.fetched(5)  # the fetch into the new rows, after MIN_CLOCK was read
+    assert clock.gate(min_clock=5, joined_at=None) == GO
+
+
 class _Block:
     """Shard 0's run control block for ClockWatch: what it adds, and the replica rows."""
 
