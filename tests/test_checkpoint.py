@@ -111,6 +111,40 @@ def test_every_replica_in_one_part_when_one_rank_writes_them_all(root: Path) -> 
         ckpt.verify(path)
 
 
+def test_parts_waiting_for_their_release_are_unreleased_not_lost(root: Path) -> None:
+    # cluster.release_spares_at: 3 parts, part 2 not released yet, part 1 lost. Both have
+    # no state and count in the replicas (a resume at this layout restores part 0
+    # exactly), but only part 1 is lost (a resume says so); part 2 starts on a fresh pass
+    # when released, as in a fresh run (spares.part_start).
+    from distbelief.algorithms.downpour.spares import part_start
+
+    params, accum = state_for(5)
+    meta = ckpt.CheckpointMeta(5, 20, 2.5, HASH)
+    partial = ckpt.prepare(root, 5)
+    records = [ckpt.write_shard_part(partial, meta, 0, 0, LAYOUT.size, params,
+                                     {"accum": accum}),
+               ckpt.write_replicas_part(partial, meta, [ckpt.ReplicaState(
+                   0, {"local_steps": 4}, {"epoch": 2, "position": 9}, None, {})])]
+    path = ckpt.commit(root, meta, settings=SETTINGS, algorithm="downpour", layout=LAYOUT,
+                       shard_ranges=[(0, LAYOUT.size)], optimizer_state=["accum"],
+                       parts=records, num_replicas=3, keep=3, lost_replicas=[1],
+                       unreleased_replicas=[2])
+    found = ckpt.verify(path)
+    assert (found.manifest["lost_replicas"], found.manifest["unreleased_replicas"]) == (
+        [1], [2])
+    assert found.num_replicas == 3 and [found.has_replica(r) for r in range(3)] == [
+        True, False, False]
+    plan = SimpleNamespace(num_replicas=3)
+    assert part_start(found, plan, 10, 0, 20) == (2, 9, 4)
+    assert part_start(found, plan, 10, 2, 20) == (3, 0, 0)  # a pass no epoch used
+    text = ckpt.describe(ckpt.inspect_checkpoint(path))
+    assert "lost replicas (no part; a resume starts them afresh): 1\n" in text
+    assert "unreleased replicas (no part; cluster.release_spares_at releases them): 2" in text
+    # Without any, the manifest has no such key, as before.
+    assert "unreleased_replicas" not in json.loads(
+        (save(root, 6) / "manifest.json").read_text())
+
+
 def test_manifest_records_everything_the_brief_asks_for(root: Path) -> None:
     path = save(root, 30, shards=2)
     manifest = json.loads((path / "manifest.json").read_text())

@@ -69,6 +69,11 @@ def check_downpour_summary(summary: dict, n: int, shards: int) -> None:
     for shard in summary["shards"]:
         assert shard["pushes"] == pushes, "every push reaches every shard, folded once"
         assert shard["version"] == shard["folds"] <= pushes
+        # Publishes around a stuck reader (RMA), reported as the other shard counters are.
+        in_place = shard["publishes_in_place"]
+        assert isinstance(in_place, int) and in_place >= 0, shard
+        if shard["transport"] == "shared":
+            assert in_place == shard["holds"] == 0, shard
     for r in replicas:
         assert r["steps"] > 0 and r["samples_per_second"] > 0
         assert r["fetches"] >= r["pushes"] >= 1
@@ -603,6 +608,22 @@ def test_the_clock_gate_waits_for_the_slowest_and_fetches_after_it_moved():
     assert late.gate(min_clock=30, joined_at=None) == WAIT
     assert late.gate(min_clock=29, joined_at=30) == WAIT  # MIN_CLOCK read before JOINED
     assert late.gate(min_clock=30, joined_at=30) == FETCH and late.clock == 30
+
+
+def test_a_new_row_cache_counts_as_never_fetched_at_the_clock_gate():
+    # A row replica (table_pulls = "rows") replaces its vectors with the next batches'
+    # rows (RowReplica), which no fetch has filled yet: with the slowest replica within
+    # the bound, parameters just fetched let a block go, but new rows make it fetch first.
+    from distbelief.algorithms.downpour.clocks import FETCH, GO, ReplicaClock
+
+    clock = ReplicaClock(bound=2, pushes=3)
+    clock.fetched(5)
+    assert clock.gate(min_clock=5, joined_at=None) == GO
+    clock.emptied()
+    assert clock.params_clock is None
+    assert clock.gate(min_clock=5, joined_at=None) == FETCH
+    clock.fetched(5)  # the fetch into the new rows, after MIN_CLOCK was read
+    assert clock.gate(min_clock=5, joined_at=None) == GO
 
 
 class _Block:

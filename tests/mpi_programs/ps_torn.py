@@ -96,7 +96,7 @@ def main() -> None:
         else:
             endpoint.serve()
         if args.slow_reader_alone:
-            in_place = endpoint.publishes_in_place
+            in_place = endpoint.stats.publishes_in_place  # what summary.json reports
             check(endpoint.stats.holds > 0 and in_place > 0, f"shard {endpoint.rank}: "
                   f"{endpoint.stats.holds} publish(es) held, {in_place} in place")
             say(f"shard {endpoint.rank}: {endpoint.stats.holds} publish(es) held, "

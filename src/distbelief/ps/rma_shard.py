@@ -185,7 +185,6 @@ class RmaShard(ParameterServerShard):
         self._unpublished = False  # a publish waits for a free buffer
         self._held_at = 0.0  # since when
         self._in_place = False  # the last publish was into the newest buffer
-        self.publishes_in_place = 0  # into the newest buffer (_close_newest)
         self._finished = False
         self.stats = ShardStats()
         if initial is not None:
@@ -524,7 +523,7 @@ class RmaShard(ParameterServerShard):
             if buffer is None:
                 self._held_at, self._in_place = now, False  # the next try after STUCK_S
                 return
-            self.publishes_in_place += 1
+            self.stats.publishes_in_place += 1
         self._in_place = buffer == newest_buffer(self._newest)
         self._unpublished = False
         t0 = time.perf_counter()

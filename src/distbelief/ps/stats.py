@@ -25,6 +25,7 @@ class ShardStats:
     polls: int = 0
     exclusive_sections: int = 0
     holds: int = 0  # publishes that waited for a buffer without readers (RMA; rma_shard)
+    publishes_in_place: int = 0  # into the newest buffer, around a stuck reader (RMA)
     hold_max_s: float = 0.0
     hold_total_s: float = 0.0
     wait_max_s: float = 0.0

@@ -42,8 +42,9 @@ manifest.json: format, version, step, samples, wall_seconds (training time so fa
 created (UTC, for people), config_hash, config (the hashed settings, so a refused resume
 can say what changed), algorithm, num_params, layout (ParamLayout.to_records()),
 optimizer_state (names), shards [{index, start, stop, part}], replicas [{index, part,
-and in replicas.h5 its row}],
-parts {name: {size, sha256}}, and manifest_sha256 over all the other fields (canonical
+and in replicas.h5 its row}], lost_replicas (indices without a part: lost), with
+cluster.release_spares_at unreleased_replicas (without a part: not yet released; only
+when there are some), parts {name: {size, sha256}}, and manifest_sha256 over all the other fields (canonical
 JSON), so a flipped digit in the step cannot pass as valid.
 
 WRITING (the order every rank follows; no MPI in this module)
@@ -453,6 +454,7 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
            algorithm: str, layout: ParamLayout, shard_ranges: Sequence[tuple[int, int]],
            optimizer_state: Sequence[str], parts: Sequence[PartRecord], num_replicas: int,
            keep: int, lost_replicas: Sequence[int] = (),
+           unreleased_replicas: Sequence[int] = (),
            best: Mapping[str, Any] | None = None) -> Path:
     """Publish ckpt-<step> (committer only, after every writer has returned its record);
     with `best` (an evaluation), best-<step> instead (save_best).
@@ -460,7 +462,9 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
     `settings` is distbelief.config.hashed_settings(config); its hash must be
     meta.config_hash. `shard_ranges` must tile the layout's vector; `parts` holds one
     record per shard and per replica, except the `lost_replicas` (Downpour replicas that
-    died: they have no part, and a resume starts them on a fresh pass). Checks the parts,
+    died: they have no part, and a resume starts them on a fresh pass) and the
+    `unreleased_replicas` (Downpour parts waiting for a spare's release,
+    cluster.release_spares_at: no part either, and nothing lost). Checks the parts,
     writes the manifest, renames the folder, fsyncs the parent, then keeps only the newest
     `keep` checkpoints (a best: removes the older bests). Returns the committed folder.
     """
@@ -476,7 +480,8 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
     ranges = [(int(a), int(b)) for a, b in shard_ranges]
     _check_tiling(ranges, 0, layout.size)
     lost = sorted({int(r) for r in lost_replicas})
-    kept = [i for i in range(num_replicas) if i not in lost]
+    unreleased = sorted({int(r) for r in unreleased_replicas} - set(lost))
+    kept = [i for i in range(num_replicas) if i not in lost and i not in unreleased]
     together = any(r.name == REPLICAS_PART for r in parts)
     records = _check_parts(partial, len(ranges), kept, parts, together)
     replicas = ([{"index": i, "part": REPLICAS_PART, "row": row}
@@ -493,6 +498,7 @@ def commit(root: str | Path, meta: CheckpointMeta, *, settings: Mapping[str, Any
                    for i, (a, b) in enumerate(ranges)],
         "replicas": replicas,
         "lost_replicas": lost,
+        **({"unreleased_replicas": unreleased} if unreleased else {}),
         "parts": {r.name: {"size": r.size, "sha256": r.sha256} for r in records},
         **({"best": dict(best)} if best is not None else {}),
     }
@@ -729,11 +735,13 @@ class Checkpoint:
 
     @property
     def num_replicas(self) -> int:
-        """Replicas of the run that wrote it, lost ones included."""
-        return len(self.manifest["replicas"]) + len(self.manifest.get("lost_replicas", []))
+        """Replicas of the run that wrote it, lost and unreleased ones included."""
+        m = self.manifest
+        return (len(m["replicas"]) + len(m.get("lost_replicas", []))
+                + len(m.get("unreleased_replicas", [])))
 
     def has_replica(self, index: int) -> bool:
-        """Whether replica `index` wrote a part (a lost replica did not)."""
+        """Whether replica `index` wrote a part (a lost or unreleased replica did not)."""
         return any(r["index"] == index for r in self.manifest["replicas"])
 
     @property
@@ -1185,6 +1193,9 @@ def describe(report: Inspection, max_arrays: int = 12) -> str:
     if m.get("lost_replicas"):
         lines.append(f"  lost replicas (no part; a resume starts them afresh): "
                      f"{', '.join(str(r) for r in m['lost_replicas'])}")
+    if m.get("unreleased_replicas"):
+        lines.append(f"  unreleased replicas (no part; cluster.release_spares_at releases "
+                     f"them): {', '.join(str(r) for r in m['unreleased_replicas'])}")
     lines.append("  parts:")
     for part in report.parts:
         status = "ok" if part.ok else (part.problem() or "?").removeprefix(f"part {part.name} ")

@@ -60,6 +60,7 @@ class Checkpoints:
         self.planned_step = self.last_step  # the newest step being written
         self.snapshot_replicas: list[ckpt.ReplicaState] = []  # theirs, as of that step
         self.snapshot_lost: list[int] = []  # the replicas lost by then (no state)
+        self.snapshot_unreleased: list[int] = []  # parts not released by then (no state)
         self.schedule(time.monotonic())
 
     # -- when
@@ -128,6 +129,7 @@ class Checkpoints:
         # (lost replicas have none), taken now: they move on once released.
         self.planned_step = meta.step
         self.snapshot_lost = self.replicas.spares.unserved()  # parts nobody trains
+        self.snapshot_unreleased = list(self.replicas.spares.pending)  # nor trained yet
         self.snapshot_replicas = [
             ckpt.ReplicaState(r, {"local_steps": local_steps}, state, None, {})
             for r, (state, local_steps) in self._replica_positions().items()]
@@ -183,7 +185,8 @@ class Checkpoints:
                 layout=self.network.layout, shard_ranges=self.shard.ranges,
                 optimizer_state=list(saved_state(self.shard.optimizer)), parts=records,
                 num_replicas=self.plan.num_replicas, keep=self.config.run.keep_checkpoints,
-                lost_replicas=self.snapshot_lost)
+                lost_replicas=self.snapshot_lost,
+                unreleased_replicas=self.snapshot_unreleased)
         except ckpt.CheckpointError as exc:
             return {"error": str(exc)}
         return {"path": str(path), "step": meta.step, "samples": meta.samples,

@@ -16,7 +16,10 @@ Where part r starts: the position its last trainer published in this job (an ori
 replica's at its last checkpoint pause, a spare's from its takeover on), else the resumed
 checkpoint's for r (at the same layout), else a pass no earlier epoch used (the rule
 run._restore_replica applies to a lost replica on a resume). A checkpoint writes a served
-part's position under index r, so a resume at the same layout restores it exactly.
+part's position under index r, so a resume at the same layout restores it exactly. A part
+still waiting for its release (cluster.release_spares_at) has no position and was not
+lost: a checkpoint lists it in `unreleased_replicas`, and a resume releases it at its step
+(at once if that has passed), on a pass no earlier epoch used, as a fresh run would.
 """
 
 from __future__ import annotations
@@ -94,8 +97,10 @@ class SparePool:
 
     def unserved(self) -> list[int]:
         """Parts whose last trainer was lost and that no spare took: a checkpoint's
-        `lost_replicas`."""
-        return sorted(part for part, server in self.server.items() if server is None)
+        `lost_replicas`. Not the parts waiting for their release (`pending`): nothing of
+        theirs was lost, a checkpoint lists them as `unreleased_replicas`."""
+        return sorted(part for part, server in self.server.items()
+                      if server is None and part not in self.pending)
 
     def positions(self, rows: np.ndarray) -> dict[int, tuple[int, Position]]:
         """Part -> (its trainer's group, its position) for a checkpoint: its trainer's
