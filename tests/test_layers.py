@@ -160,15 +160,7 @@ SHARED_BY_ALGORITHMS = ("distbelief.algorithms.common", "distbelief.algorithms.s
 """The modules of the algorithms layer that every algorithm may import, and the launch
 (a layer above them), which sets a run up for whichever trainer the registry names."""
 
-PRIVATE_IMPORTS_ALLOWED = {
-    # A compiled extension: a private module, not a name (so "importer, module").
-    ("distbelief.model.kernels", "distbelief.model._kernels"):
-        "the compiled kernels behind their validating wrapper",
-    # Flush-to-zero must be set before numpy loads its BLAS, whose threads inherit it; the
-    # validating wrapper (model.kernels) imports numpy, so the command line goes direct.
-    ("distbelief.cli", "distbelief.model._kernels"):
-        "the subnormal mode, set before numpy is imported",
-}
+PRIVATE_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {}
 """(importer, source) pairs that may still import a _private name, each with why."""
 
 BUILDS_ON = {
@@ -223,7 +215,10 @@ def private_imports(src: Path) -> list[tuple[str, str, str]]:
 
 
 def allowed(importer: str, source: str, private: str) -> bool:
-    return ((importer, source) in PRIVATE_IMPORTS_ALLOWED
+    # A module may use its own package's private parts (model.kernels and
+    # model.subnormals the compiled model._kernels): only another package's are off limits.
+    return (importer.rsplit(".", 1)[0] == source
+            or (importer, source) in PRIVATE_IMPORTS_ALLOWED
             or (importer, f"{source}.{private}") in PRIVATE_IMPORTS_ALLOWED)
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from distbelief import __version__, cli_help, cli_prepare, cli_types
 from distbelief.algorithms import registry
 from distbelief.errors import EXIT_USER_ERROR, UserError
+from distbelief.model import subnormals
 from distbelief.runtime.launching import guardian, launcher
 from distbelief.runtime.launching.guardian import start_mpi
 
@@ -423,28 +424,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    _flush_subnormals_from_the_start()
+    subnormals.flush_from_the_start()  # first: before anything imports numpy
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
     status = _run(args)
     guardian.end_process(status)  # returns unless MPI_Finalize must be skipped
     return status
-
-
-def _flush_subnormals_from_the_start() -> None:
-    """Subnormal floats flushed to zero in this thread before numpy loads its BLAS, whose
-    worker threads inherit the mode when they are created (run.flush_subnormals = false
-    turns it off again in the training thread: distbelief.model.kernels). Saturated
-    gradients full of subnormals made the speech model's steps 16-27x slower."""
-    if "numpy" in sys.modules:
-        return  # too late for the BLAS threads; a caller that imported numpy chose its mode
-    try:
-        from distbelief.model import _kernels  # compiled; imports no numpy
-
-        _kernels.flush_subnormals(True)
-    except (ImportError, AttributeError):
-        pass  # no build, or a stale one: kernels.py says how to rebuild when it is needed
 
 
 def _run(args: argparse.Namespace) -> int:
