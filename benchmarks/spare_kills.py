@@ -332,7 +332,8 @@ def main() -> None:
         jobs = [draw(args.scenarios[i % len(args.scenarios)], rng.randrange(10**6))
                 for i in range(args.jobs)]
     mpi = os.environ.get("DISTBELIEF_TEST_MPI", "") or "default MPI"
-    print(f"{len(jobs)} jobs, seed {args.seed}, {mpi}", flush=True)
+    drawn = f"job seed {args.job_seed}" if args.job_seed is not None else f"seed {args.seed}"
+    print(f"{len(jobs)} jobs, {drawn}, {mpi}", flush=True)
     tally: Counter[tuple[str, str, str]] = Counter()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
