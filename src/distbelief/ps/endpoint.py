@@ -179,7 +179,10 @@ class OpenWindows:
             while not request.Test():
                 guard.check(request.Test)
                 backoff.wait()
-        windows.free()
+            # Win_free synchronises too: a rank killed after the barrier, before it, would
+            # leave the others inside it for ever. Declared, the watchdog's thread ends the
+            # job once the rank is found gone (seen: benchmarks/spare_kills.py).
+            windows.free()
         self._windows = None
         self._comm.Free()
         self._comm = None
