@@ -44,8 +44,8 @@ can say what changed), algorithm, num_params, layout (ParamLayout.to_records()),
 optimizer_state (names), shards [{index, start, stop, part}], replicas [{index, part,
 and in replicas.h5 its row}], lost_replicas (indices without a part: lost), with
 cluster.release_spares_at unreleased_replicas (without a part: not yet released; only
-when there are some), parts {name: {size, sha256}}, and manifest_sha256 over all the other fields (canonical
-JSON), so a flipped digit in the step cannot pass as valid.
+when there are some), parts {name: {size, sha256}}, and manifest_sha256 over all the
+other fields (canonical JSON), so a flipped digit in the step cannot pass as valid.
 
 WRITING (the order every rank follows; no MPI in this module)
 
