@@ -227,6 +227,7 @@ class ClusterConfig:
     shard_placement: str = "spread"
     spare_replicas: int = 0  # hot spares, where the algorithm takes them (registry)
     release_spares_at: tuple[int, ...] = ()  # steps at which spares join as replicas
+    standby_shards: bool = False  # shard 0 adopts a lost shard's slice (registry)
 
 
 @dataclass(frozen=True)
@@ -341,6 +342,7 @@ SCHEMA: dict[str, dict[str, tuple[Rule, Any]]] = {
         "shard_placement": (_choice(SHARD_PLACEMENTS), "spread"),
         "spare_replicas": (_int(0), 0),
         "release_spares_at": (_steps(), ()),
+        "standby_shards": (_bool(), False),
     },
     "run": {
         "max_steps": (_int(0), 0),
@@ -553,6 +555,7 @@ def config_from_dict(raw: dict, source: Path | None = None,
     _check_algorithm_options(values, given, where)
     _check_spares(values, where)
     _resolve_ps_shards(values, where)
+    _check_standby_shards(values, where)
     _check_consistency(values, where)
 
     base = source.resolve().parent if source is not None else Path.cwd()
@@ -771,6 +774,24 @@ def _check_spares(values: dict, where: str) -> None:
         raise ConfigError(f"{where}: cluster.spare_replicas = {spares}, but algorithm = "
                           f"{_show(algorithm.name)} cannot use spare replicas: "
                           f"{algorithm.no_spares}; leave cluster.spare_replicas out")
+
+
+def _check_standby_shards(values: dict, where: str) -> None:
+    """cluster.standby_shards with an algorithm whose shards cannot stand in for each
+    other, or with fewer than 2 shards (shard 0 has no standby): one line."""
+    cluster, opt = values["cluster"], values["optimizer"]
+    if not cluster["standby_shards"]:
+        return
+    algorithm = registry.get(opt["algorithm"])
+    if not algorithm.takes_standby_shards(opt):
+        raise ConfigError(f"{where}: cluster.standby_shards = true, but algorithm = "
+                          f"{_show(algorithm.name)} cannot survive a lost shard: "
+                          f"{algorithm.no_standby_shards}; leave cluster.standby_shards out")
+    if cluster["ps_shards"] < 2:
+        raise ConfigError(f"{where}: cluster.standby_shards = true needs cluster.ps_shards "
+                          f">= 2, got {cluster['ps_shards']}: shard 0 runs the job (clock, "
+                          "evaluation, checkpoints) and adopts the slice of another shard "
+                          "that is lost, but has no standby itself")
 
 
 def _shard_reason(algorithm: registry.Algorithm, opt: dict) -> str:

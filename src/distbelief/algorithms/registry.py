@@ -50,6 +50,12 @@ class Algorithm:
     optimizer key (when it is set)."""
     no_spares: str = ""
     """Why it cannot use spare replicas (where `spares` says so), for the error."""
+    standby_shards: str = "never"
+    """Whether cluster.standby_shards may be true (a lost shard's slice adopted by shard 0:
+    Downpour's shards, algorithms.downpour.shards): "always", "never", or an optimizer
+    key (when it is set)."""
+    no_standby_shards: str = "its shards cannot adopt a lost shard's slice (only Downpour's do)"
+    """Why a lost shard ends its runs, for the error."""
 
     def needs_shards(self, optimizer: Mapping[str, Any]) -> bool:
         """Whether runs with these [optimizer] settings keep parameters on shards."""
@@ -62,6 +68,12 @@ class Algorithm:
         if self.spares in ("always", "never"):
             return self.spares == "always"
         return optimizer.get(self.spares) not in (None, False)
+
+    def takes_standby_shards(self, optimizer: Mapping[str, Any]) -> bool:
+        """Whether runs with these [optimizer] settings can have cluster.standby_shards."""
+        if self.standby_shards in ("always", "never"):
+            return self.standby_shards == "always"
+        return optimizer.get(self.standby_shards) not in (None, False)
 
     def in_one_process(self, partitions: int) -> bool:
         """Whether runs of `partitions` ranks per replica train in this process, no MPI."""
@@ -102,7 +114,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
     Algorithm("downpour", "distbelief.algorithms.downpour.trainer:train",
               "Downpour SGD against a sharded parameter server",
               options="distbelief.algorithms.downpour.options:DownpourOptions",
-              shards="always", spares="always"),
+              shards="always", spares="always", standby_shards="always"),
     Algorithm("sandblaster", "distbelief.algorithms.sandblaster.roles:train",
               "Sandblaster L-BFGS", shards="always", coordinators=1,
               options="distbelief.algorithms.sandblaster.options:SandblasterOptions",
@@ -117,7 +129,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
               options="distbelief.algorithms.averaging.options:AveragingOptions",
               shards="elastic_alpha",
               shard_trainer="distbelief.algorithms.averaging.elastic:train",
-              spares="elastic_alpha",
+              spares="elastic_alpha", standby_shards="elastic_alpha",
               no_spares="periodic averaging's all-reduce takes every replica (EASGD, with "
                         "optimizer.elastic_alpha, can)"),
     Algorithm("hogwild", "distbelief.algorithms.hogwild.trainer:train",
@@ -131,6 +143,7 @@ ALGORITHMS: tuple[Algorithm, ...] = (
               shards="asynchronous",
               shard_trainer="distbelief.algorithms.diloco.asynchronous:train",
               shard_rule="distbelief.config:build_outer_optimizer", spares="asynchronous",
+              standby_shards="asynchronous",
               no_spares="the synchronous form's all-reduce takes every replica (the "
                         "asynchronous form, optimizer.asynchronous = true, can)"),
 )
