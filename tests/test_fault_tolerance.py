@@ -540,6 +540,92 @@ def test_a_killed_shard_ends_the_job_with_a_message_and_a_rerun_resumes(
     assert summary_of(out)["steps"] == saved[0] + 200
 
 
+@pytest.mark.both_mpis
+def test_a_killed_shard_with_a_standby_is_adopted_and_the_run_loses_no_update(
+        data_dir: Path, tmp_path: Path) -> None:
+    # cluster.standby_shards, 3 shards + 2 replicas on shared memory: shard 1 dies after
+    # 1500 updates. Its segment outlives it, the replicas fold on into it, shard 0 adopts
+    # it (checkpoints, the final gather) and the run ends as asked, without a restart.
+    out = tmp_path / "out"
+    config = data_dir / "linear.toml"
+    common = ("cluster.ps_shards=3", f"run.max_steps={STEPS // 2}",
+              "run.checkpoint_every_steps=1000")
+    with SharedMemoryWatch(out) as watch:
+        proc = job(5, config, out, *common, "cluster.standby_shards=true",
+                   faults=f"kill:1:1500 {DELAY}")
+    output = proc.stdout + proc.stderr
+    assert exit_statuses(proc) == [0, 137, 0, 0, 0], output[-3000:]
+    assert watch.seen and watch.left() == [], output[-3000:]
+    assert "parameter-server shard 1 is lost; shard 0 serves its slice" in proc.stdout, output
+    summary = summary_of(out)
+    assert summary["stop_reason"] == "max_steps" and summary["steps"] == STEPS // 2
+    assert [(x["shard"], x["adopted_by"]) for x in summary["lost_shards"]] == [(1, 0)]
+    assert "is gone" in summary["lost_shards"][0]["why"]
+    # No update lost: every push folds into every slice (n_push = 1), the lost shard's too.
+    shards = summary["shards"]
+    assert [s["rank"] for s in shards] == [0, 1, 2] and shards[1]["adopted_by"] == 0
+    assert shards[0]["version"] == shards[1]["version"] == shards[2]["version"] == sum(
+        r["pushes"] for r in summary["replicas"]), shards
+    # The checkpoints written after the loss hold the adopted slice, and a rerun (without
+    # the standby: shard 1 is a live rank again) resumes from the final one.
+    saved = ckpt.list_checkpoints(ckpt.checkpoint_root(out))  # newest first
+    assert saved[0][0] == STEPS // 2
+    # Shard 1 died at about step 1500 (its 1500th update; one per push): the periodic
+    # checkpoint after it (about step 2000) and the final one were written by shard 0.
+    assert len([step for step, _ in saved if step > 1600]) >= 2, saved
+    for step, path in saved:
+        manifest = json.loads((path / "manifest.json").read_text())
+        assert sorted(manifest["parts"]) == ["replicas.h5", "shard-0000.h5",
+                                             "shard-0001.h5", "shard-0002.h5"], step
+    proc = job(5, config, out, *common, f"run.max_steps={STEPS // 2 + 300}")
+    assert exit_statuses(proc) == [0] * 5, proc.stderr[-3000:]
+    resumed = summary_of(out)
+    assert resumed["resumed_at_step"] == STEPS // 2 and resumed["lost_shards"] == []
+    # Within a point of the same run without a failure, at the same number of steps.
+    clean = tmp_path / "clean"
+    proc = job(5, config, clean, *common, faults=DELAY)
+    assert exit_statuses(proc) == [0] * 5, proc.stderr[-3000:]
+    assert abs(summary["final_test_accuracy"] - summary_of(clean)["final_test_accuracy"]) \
+        <= 0.01, (summary["final_test_accuracy"], summary_of(clean)["final_test_accuracy"])
+
+
+def test_standby_shards_over_rma_are_refused_in_one_line_on_every_rank(
+        data_dir: Path, tmp_path: Path) -> None:
+    # Across nodes (RMA) an operation in flight to a dead shard never returns: refused.
+    proc = job(4, data_dir / "linear.toml", tmp_path / "out", "cluster.ps_shards=2",
+               "cluster.standby_shards=true", "run.max_steps=50", transport="rma")
+    assert exit_statuses(proc) == [2] * 4, proc.stderr[-3000:]  # a configuration error
+    assert proc.stderr.count("cluster.standby_shards = true needs the shared-memory parameter "
+                             "server") == 1, proc.stderr[-3000:]
+    assert "here DISTBELIEF_PS_TRANSPORT=rma asks for RMA" in proc.stderr
+
+
+@pytest.mark.parametrize("algorithm, optimizer, shards, refused", [
+    ("sandblaster", {}, 2, "cannot survive a lost shard"),
+    ("sync", {"backup_workers": 1}, 2, "cannot survive a lost shard"),
+    ("averaging", {}, 0, "cannot survive a lost shard"),  # periodic averaging: no shards
+    ("diloco", {}, 0, "cannot survive a lost shard"),  # synchronous DiLoCo: no shards
+    ("downpour", {}, 1, "needs cluster.ps_shards >= 2, got 1: shard 0 runs the job"),
+    ("averaging", {"elastic_alpha": 0.1}, 2, None),  # EASGD
+    ("diloco", {"asynchronous": True}, 2, None),
+    ("downpour", {}, 2, None)])
+def test_standby_shards_need_downpours_shards_and_two_of_them(
+        tmp_path: Path, algorithm: str, optimizer: dict, shards: int,
+        refused: str | None) -> None:
+    from helpers.configs import small_config_text
+
+    from distbelief.config import load_config
+
+    path = tmp_path / "c.toml"
+    path.write_text(small_config_text(optimizer={"algorithm": algorithm, **optimizer},
+                                      cluster={"ps_shards": shards, "standby_shards": True}))
+    if refused is None:
+        assert load_config(path, check_data=False).cluster.standby_shards is True
+        return
+    with pytest.raises(ConfigError, match=re.escape(refused)):
+        load_config(path, check_data=False)
+
+
 # -- stragglers ----------------------------------------------------------------------------------
 
 

@@ -362,6 +362,20 @@ class SharedMemoryShard(ParameterServerShard):
                 np.copyto(seg.state[name], value)
             _bind_state(optimizer, seg.state)
 
+    def adopt(self, rank: int) -> SharedMemoryShard:
+        """Shard `rank`'s slice, read and checkpointed from this rank once that shard is
+        lost (cluster.standby_shards). Its segment outlives its process: every rank of
+        the node maps it, its clients go on folding into it, and a dead process's locks
+        are released by the kernel, so no update is lost. The view writes nothing; it
+        has its own copy of the update rule, pointed at that segment's state. Local."""
+        view = copy.copy(self)
+        view.rank = rank
+        view.start, view.stop = self.ranges[rank]
+        view.stats = ShardStats(transport="shared")
+        view._optimizer = copy.copy(self._optimizer)
+        _bind_state(view._optimizer, self._open.live().segments[rank].state)
+        return view
+
     def _lock(self, exclusive: bool, shard: int | None = None):
         return self._open.live().lock(self.rank if shard is None else shard, exclusive)
 

@@ -5,8 +5,9 @@ communicators, held by OpenRun, which every role runs on.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -17,17 +18,35 @@ from distbelief.algorithms.common import StopSignals
 from distbelief.algorithms.downpour.plan import SWEEP_S, DownpourPlan, plan_run
 from distbelief.algorithms.session import RunSession
 from distbelief.config import Config, build_optimizer, run_name
+from distbelief.errors import ConfigError
 from distbelief.model.layout import balanced_ranges
 from distbelief.ps import run_control as rc
-from distbelief.ps.endpoint import GIVE_UP_S, ParameterClient, ParameterServerShard, ServerSpec
-from distbelief.ps.transport import open_parameter_server
+from distbelief.ps.endpoint import (
+    GIVE_UP_S,
+    TRANSPORT_ENV,
+    ParameterClient,
+    ParameterServerShard,
+    ServerSpec,
+)
+from distbelief.ps.transport import open_parameter_server, requested_transport
 from distbelief.records import checkpoint as ckpt
 from distbelief.records.console import say
 from distbelief.runtime.communicators.agreement import agree
 from distbelief.runtime.communicators.topology import Communicators, split_communicators
+from distbelief.runtime.health import watchdog
 from distbelief.runtime.health.liveness import Peers
 from distbelief.runtime.health.watchdog import abort_job
 from distbelief.runtime.launching import guardian
+
+
+@dataclass
+class LostShard:
+    """A shard lost where a standby took its slice over (cluster.standby_shards): its
+    rank, how it went, and when it was found gone (time.time())."""
+
+    rank: int
+    why: str
+    at: float
 
 
 @dataclass
@@ -49,19 +68,32 @@ class OpenRun:
     session: RunSession
     _next_shard_check: float = 0.0
     _usr1_checked: int = 0
+    lost_shards: list[LostShard] = field(default_factory=list)  # cluster.standby_shards
 
     def check_shards(self, now: float, force: bool = False) -> None:
         """Abort the job if a shard is gone (on this node its process, on another its
         heartbeat: distbelief.runtime.health.liveness): looked at every SWEEP_S, at once
-        after a new SIGUSR1 (hydra's notice of a death), or when `force`d. Local."""
+        after a new SIGUSR1 (hydra's notice of a death), or when `force`d. With
+        cluster.standby_shards a lost shard other than 0 is recorded in `lost_shards`
+        instead (its slice lives on in shared memory; the shards regroup and shard 0
+        adopts it: shards.ShardRole) and nobody waits for it any more. Local."""
         usr1 = self.signals.counts["SIGUSR1"]
         if not force and now < self._next_shard_check and usr1 == self._usr1_checked:
             return
         self._next_shard_check, self._usr1_checked = now + SWEEP_S, usr1
-        gone = self.peers.gone_among(self.plan.topology.shard_ranks)
-        if gone:
-            abort_job(self.world, shard_lost_message(
-                gone[0], f"is gone{self.peers.how_gone(gone[0])}"))
+        known = {lost.rank for lost in self.lost_shards}
+        for rank in self.peers.gone_among(self.plan.topology.shard_ranks):
+            if rank not in known:
+                self.shard_lost(rank, f"is gone{self.peers.how_gone(rank)}")
+
+    def shard_lost(self, rank: int, how: str) -> None:
+        """Shard `rank` is gone: abort the job, unless a standby takes its slice over
+        (check_shards). Local."""
+        if rank == 0 or not self.session.config.cluster.standby_shards:
+            abort_job(self.world, shard_lost_message(rank, how))
+        if rank not in {lost.rank for lost in self.lost_shards}:
+            self.lost_shards.append(LostShard(rank, how, time.time()))
+            watchdog.current().write_off([rank])
 
     def close(self, teardown: int) -> None:
         """TEARDOWN_FREE: collective over the world communicator (the parameter server,
@@ -109,7 +141,7 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     if peers is None:
         peers = Peers.gather(comm)
     initial = shard_initial(network, config.run.seed, plan, start) if topology.is_shard else None
-    endpoint = open_parameter_server(comm, ServerSpec(
+    endpoint = _open_server(config, comm, ServerSpec(
         topology, network.layout.size,
         lambda n: start.optimizer if start.optimizer is not None else shard_update(n),
         initial, control_replicas=plan.num_groups,
@@ -127,6 +159,25 @@ def open_run(config: Config, comm: MPI.Comm, resume: str, stream: IO[str] | None
     messages = comm.Dup()
     return OpenRun(plan, local, start, endpoint, communicators, peers, messages, signals,
                    comm, session)
+
+
+def _open_server(config: Config, comm: MPI.Comm,
+                 spec: ServerSpec) -> ParameterServerShard | ParameterClient:
+    """open_parameter_server; with cluster.standby_shards the shared-memory transport
+    only, where a lost shard's segment outlives it (ConfigError on every rank where it
+    cannot open). Collective over `comm`."""
+    if not config.cluster.standby_shards:
+        return open_parameter_server(comm, spec)
+    why = ("cluster.standby_shards = true needs the shared-memory parameter server (every "
+           "rank on one node), where a lost shard's slice outlives it; across nodes an RMA "
+           "operation in flight to a dead shard never returns (docs/checkpoints-and-"
+           "reliability.md, \"A standby for a lost shard\")")
+    if requested_transport() == "rma":
+        raise ConfigError(f"{why}; here {TRANSPORT_ENV}=rma asks for RMA")
+    try:
+        return open_parameter_server(comm, spec, "shared")
+    except ConfigError as exc:  # "... was requested (...) but WHY": the reason alone
+        raise ConfigError(f"{why}; here {str(exc).partition(' but ')[2] or exc}") from None
 
 
 def shard_initial(network: Any, seed: int, plan: DownpourPlan, start: Start) -> np.ndarray:

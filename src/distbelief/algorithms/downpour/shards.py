@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial as partial_call
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +31,7 @@ from distbelief.algorithms.downpour.plan import (
 from distbelief.algorithms.downpour.run import OpenRun
 from distbelief.ps.endpoint import PieceMap, saved_state
 from distbelief.records import checkpoint as ckpt
+from distbelief.records.console import say
 from distbelief.runtime.backoff import Backoff, PacedBackoff
 from distbelief.runtime.communicators.agreement import (
     WAIT_SLEEP_S,
@@ -39,6 +41,7 @@ from distbelief.runtime.communicators.agreement import (
     wait_for_everyone,
 )
 from distbelief.runtime.health import watchdog
+from distbelief.runtime.health.watchdog import RankLost
 
 # ------------------------------------------------------------------------------------------
 # Shards
@@ -111,6 +114,10 @@ class ShardRole:
         self.background = run.session.config.run.checkpoint_in_background
         self.parts_written = 0  # checkpoints this shard has written its part of
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="distbelief-checkpoint")
+        # cluster.standby_shards: the shards in self.comm (world ranks, in its order), and
+        # on shard 0 the lost shards' slices it adopted (_regroup)
+        self.members = list(run.plan.topology.shard_ranks)
+        self.adopted: list[Any] = []
 
     def run(self, duties: Callable[[], bool] | None = None) -> None:
         """Serve until a round says the run is over, doing `duties` between two polls
@@ -131,18 +138,69 @@ class ShardRole:
         `votes`: every replica has paused for the checkpoint asked for, every replica is
         done) and act on a completed one. True when it ran a checkpoint. Collective over
         the shards in the sense of agreement.Rounds."""
+        if len(self.run_.lost_shards) > len(self.adopted_ranks()):
+            self._regroup()
+            return True
         result = self.rounds.poll(lambda: self._contribution(votes))
         if result is None:
             return False
         self.shard_signals = (int(result[ROUND_TERM]), int(result[ROUND_USR1]))
         written = self.writing is not None and not result[ROUND_WRITING]
-        if written:
-            self._gather_parts()
-        if result[ROUND_CHECKPOINT]:
-            self.checkpoint(self.background)
+        try:
+            if written:
+                self._gather_parts()
+            if result[ROUND_CHECKPOINT]:
+                self.checkpoint(self.background)
+        except RankLost as lost:
+            self._lost_in_checkpoint(lost)
+            return True
         if result[ROUND_FINISHED]:
             self.all_finished = True
         return bool(result[ROUND_CHECKPOINT]) or written
+
+    # -- a lost shard's slice adopted (cluster.standby_shards)
+
+    def adopted_ranks(self) -> list[int]:
+        """The lost shards the shards have regrouped without."""
+        return [r for r in self.run_.plan.topology.shard_ranks if r not in self.members]
+
+    def _lost_in_checkpoint(self, lost: RankLost) -> None:
+        """A shard died while the shards wrote a checkpoint together: with a standby, that
+        checkpoint is given up (its .partial is cleaned at the next start; shard 0 asks
+        for the next one at once) and the replicas are released; else the job ends."""
+        if lost.rank not in self.members:
+            raise lost
+        self.run_.shard_lost(lost.rank, f"is gone (found while {lost.what})")
+        self.writing = None
+        if self.pause is not None and self.pause.ended is None:
+            self._end_pause({})
+        self._regroup()
+
+    def _regroup(self) -> None:
+        """Go on without the lost shards: a new shards' communicator over the survivors
+        (Comm.Create_group: collective over the survivors only, each calling it once it
+        has found the loss; the round in flight on the old one is dropped, and every
+        survivor drops the same one, since the lost shard never posts past it), fresh
+        rounds on it, and on shard 0 a view of each lost shard's slice (its shared
+        segment, which every client goes on folding into: nothing is lost)."""
+        lost = {s.rank for s in self.run_.lost_shards}
+        members = [r for r in self.members if r not in lost]
+        keep = [self.members.index(r) for r in members]
+        with watchdog.current().waiting("the other shards to regroup without the lost",
+                                        members):
+            group = self.comm.Get_group().Incl(keep)
+            comm = self.comm.Create_group(group)
+            group.Free()
+        self.comm, self.members = comm, members
+        self.run_.communicators.shards = comm
+        self.rounds = Rounds(comm, ROUND_WIDTH, ROUND_INTERVAL_S)
+        if self.lead is not None:
+            have = {view.rank for view in self.adopted}
+            for rank in sorted(lost - have):
+                self.adopted.append(self.shard.adopt(rank))
+                say(self.run_.session.stream, f"distbelief: parameter-server shard {rank} "
+                    f"is lost; shard 0 serves its slice from shared memory and training goes "
+                    f"on ({len(members)} shard(s) left)")
 
     def _contribution(self, votes: Callable[[], tuple[bool, bool]] | None) -> list[int]:
         counts = self.signals.counts
@@ -205,31 +263,28 @@ class ShardRole:
         it writes copies taken now (the shard serves again before it writes); else the
         live arrays, which must not change until it is done. Shard 0's also writes the
         replicas' part (CheckpointLead.replicas_part)."""
-        shard = self.shard
-        if copy:
-            params, state, _ = shard.checkpoint_state()
-        else:
-            params, state = shard.parameters(copy=False), saved_state(shard.optimizer)
-        counters = {"version": shard.version, "pushes": shard.stats.pushes,
-                    "folds": shard.stats.folds,
-                    "gradients_applied": shard.gradients_applied}
+        slices = [_slice_part(shard, copy) for shard in [self.shard, *self.adopted]]
         index, self.parts_written = self.parts_written, self.parts_written + 1
         replicas = self.lead.replicas_part(partial, meta) if self.lead is not None else None
 
         def write() -> dict[str, Any]:
             self.faults.before_checkpoint_write(index)
-            if not (_all_finite(params) and all(_all_finite(v) for v in state.values())):
-                return {"diverged": f"shard {shard.rank} holds non-finite values at step "
-                                    f"{meta.step}; not checkpointed"}
-            report = part_report(lambda: [ckpt.write_shard_part(
-                partial, meta, shard.rank, shard.start, shard.stop, params, state,
-                counters)])
-            if replicas is None or "records" not in report:
-                return report
-            theirs = part_report(replicas)
-            if "records" not in theirs:
-                return theirs
-            return {"records": report["records"] + theirs["records"]}
+            records = []
+            for shard, params, state, counters in slices:
+                if not (_all_finite(params) and all(_all_finite(v) for v in state.values())):
+                    return {"diverged": f"shard {shard.rank} holds non-finite values at "
+                                        f"step {meta.step}; not checkpointed"}
+                report = part_report(partial_call(
+                    _write_slice, partial, meta, shard, params, state, counters))
+                if "records" not in report:
+                    return report
+                records += report["records"]
+            if replicas is not None:
+                theirs = part_report(replicas)
+                if "records" not in theirs:
+                    return theirs
+                records += theirs["records"]
+            return {"records": records}
 
         return write
 
@@ -300,6 +355,9 @@ class ShardRole:
         self._settle()
         self._finish_writing()
         all_stats = gather_after_barrier(self.comm, self.stats())
+        if all_stats is not None:  # shard 0: the slices it adopted, in shard order
+            all_stats = sorted(all_stats + [self._adopted_stats(view) for view in self.adopted],
+                               key=lambda stats: stats["rank"])
         if self.plan.row_pulls:
             return all_stats, self._gather_pieces(into, pieces)
         return all_stats, self._gather_parameters(into)
@@ -331,8 +389,9 @@ class ShardRole:
         """The final parameter vector on shard 0, in `into` if given (None elsewhere).
         Collective over the shards: Gatherv of each shard's slice."""
         shard = self.shard
-        counts = [stop - start for start, stop in shard.ranges]
-        displs = [start for start, _ in shard.ranges]
+        ranges = [shard.ranges[r] for r in self.members]
+        counts = [stop - start for start, stop in ranges]
+        displs = [start for start, _ in ranges]
         out = None
         if self.comm.Get_rank() == 0:
             out = into if into is not None else np.zeros(shard.size, dtype=np.float32)
@@ -340,6 +399,8 @@ class ShardRole:
         self.comm.Gatherv([shard.parameters(copy=False), MPI.FLOAT],
                           [out, counts, displs, MPI.FLOAT] if out is not None else None,
                           root=0)
+        for view in self.adopted:
+            out[view.start : view.stop] = view.parameters()
         return out
 
     def _gather_pieces(self, into: np.ndarray | None, pieces: np.ndarray | None
@@ -350,15 +411,28 @@ class ShardRole:
         shard = self.shard
         wait_for_everyone(self.comm)
         plan = PieceMap(self.comm.bcast(pieces, root=0), shard.ranges)
-        index = self.comm.Get_rank()
-        mine = np.take(shard.parameters(copy=False), plan.index(index)).astype(np.float32)
+        mine = np.take(shard.parameters(copy=False), plan.index(shard.rank)).astype(np.float32)
         out = None
-        if index == 0:
+        if shard.rank == 0:
             out = into if into is not None else np.zeros(plan.size, dtype=np.float32)
         self.comm.Gatherv([mine, MPI.FLOAT],
-                          [out, plan.count.tolist(), plan.at.tolist(), MPI.FLOAT]
+                          [out, plan.count[self.members].tolist(),
+                           plan.at[self.members].tolist(), MPI.FLOAT]
                           if out is not None else None, root=0)
+        for view in self.adopted:
+            np.take(view.parameters(), plan.index(view.rank), out=plan.part(out, view.rank))
         return out
+
+    def _adopted_stats(self, view: Any) -> dict[str, Any]:
+        """An adopted slice's entry in the summary's shards: what its segment counts
+        (its clients' folds; on shared memory the shard itself folds nothing), and when
+        and how its shard was lost."""
+        view.stats.pushes, _, view.stats.pulls = view.read_counters()
+        view.stats.folds = view.version
+        lost = next(s for s in self.run_.lost_shards if s.rank == view.rank)
+        return {"role": "shard", "rank": view.rank, "version": view.version,
+                "params": view.stop - view.start, "lost": lost.why, "lost_at": lost.at,
+                "adopted_by": self.shard.rank, **asdict(view.stats)}
 
     def stats(self) -> dict[str, Any]:
         shard = self.shard
@@ -375,6 +449,26 @@ class ShardRole:
         if scaled is not None:  # optimizer.staleness_scaling: the same folds' rate factors
             stats["staleness_scaling"] = scaled
         return stats
+
+
+def _slice_part(shard: Any, copy: bool) -> tuple[Any, np.ndarray, dict[str, np.ndarray],
+                                                  dict[str, int]]:
+    """What a checkpoint writes of one shard's slice (ShardRole._part_writer): the shard,
+    its parameters and state (copies taken now with `copy`, else the live arrays) and its
+    counters."""
+    if copy:
+        params, state, _ = shard.checkpoint_state()
+    else:
+        params, state = shard.parameters(copy=False), saved_state(shard.optimizer)
+    counters = {"version": shard.version, "pushes": shard.stats.pushes,
+                "folds": shard.stats.folds, "gradients_applied": shard.gradients_applied}
+    return shard, params, state, counters
+
+
+def _write_slice(partial: Path, meta: ckpt.CheckpointMeta, shard: Any, params: np.ndarray,
+                 state: dict[str, np.ndarray], counters: dict[str, int]) -> list[Any]:
+    return [ckpt.write_shard_part(partial, meta, shard.rank, shard.start, shard.stop, params,
+                                  state, counters)]
 
 
 def _all_finite(values: np.ndarray, block: int = 1 << 20) -> bool:

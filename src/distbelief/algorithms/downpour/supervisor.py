@@ -395,7 +395,8 @@ class Supervisor:
 
     def _ending(self) -> Ending:
         replicas, progress = self.replicas, self.progress
-        teardown = (rc.TEARDOWN_LEAVE if replicas.lost or replicas.dead_ranks
+        teardown = (rc.TEARDOWN_LEAVE
+                    if replicas.lost or replicas.dead_ranks or self.run_.lost_shards
                     else rc.TEARDOWN_FREE)
         summary = self.recorder.finish(_summary_extras(self))
         say(self.stream, _summary_line(summary, self.config))
@@ -460,6 +461,12 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         "spare_replicas": plan.topology.spares,
         "spares": _takeovers(sup),
         "training_replicas_at_end": sup.replicas.spares.training(),
+        # cluster.standby_shards: the shards lost, whose slices shard 0 adopted; on shared
+        # memory their clients folded on into the slice, so no update was lost
+        "standby_shards": config.cluster.standby_shards,
+        "lost_shards": [{"shard": lost.rank, "why": lost.why, "at": lost.at,
+                         "adopted_by": 0, "updates_lost": 0}
+                        for lost in sup.run_.lost_shards],
         "staleness": _combined_staleness(replicas),
         # the bound and what it bounds (downpour.clocks): each block's clock lead
         "max_staleness": plan.max_staleness,
@@ -521,6 +528,9 @@ def _summary_line(summary: dict[str, Any], config: Config) -> str:
                  f"blocks")
     if summary["lost_replicas"]:
         text += f"; replicas lost: {', '.join(str(r['replica']) for r in summary['lost_replicas'])}"
+    for lost in summary["lost_shards"]:
+        text += (f"; shard {lost['shard']} lost, its slice adopted by shard "
+                 f"{lost['adopted_by']} ({lost['updates_lost']} updates lost)")
     for t in summary["spares"]:
         first, lost = t["loss_to_first_push_seconds"], t["lost_group"] is not None
         text += (f"; spare {t['spare']} {'replaced' if lost else 'released as'} replica "
