@@ -192,6 +192,12 @@ class Checkpoints:
         return {"path": str(path), "step": meta.step, "samples": meta.samples,
                 "at": meta.wall_seconds}
 
+    def given_up(self) -> None:
+        """The checkpoint planned last is given up (shards.ShardRole, after a lost shard):
+        the next may take the same step; its .partial is replaced then, or cleaned at the
+        next start."""
+        self.planned_step = self.last_step
+
     def committed(self, outcome: dict[str, Any], pause: Pause) -> None:
         """A checkpoint's outcome: committed (logged), or why not (the run stops). The
         next one is scheduled from now."""

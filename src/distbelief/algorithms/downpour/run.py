@@ -47,6 +47,7 @@ class LostShard:
     rank: int
     why: str
     at: float
+    found: float  # time.monotonic() then (a launcher's SIGUSR1 may be the notice of it)
 
 
 @dataclass
@@ -92,7 +93,7 @@ class OpenRun:
         if rank == 0 or not self.session.config.cluster.standby_shards:
             abort_job(self.world, shard_lost_message(rank, how))
         if rank not in {lost.rank for lost in self.lost_shards}:
-            self.lost_shards.append(LostShard(rank, how, time.time()))
+            self.lost_shards.append(LostShard(rank, how, time.time(), time.monotonic()))
             watchdog.current().write_off([rank])
 
     def close(self, teardown: int) -> None:

@@ -90,6 +90,10 @@ class CheckpointLead(Protocol):
     def committed(self, outcome: dict[str, Any], pause: Pause) -> None:
         """Act on a commit's outcome (in the thread that serves)."""
 
+    def given_up(self) -> None:
+        """The checkpoint planned last will not be committed (a shard died before its
+        parts were gathered; cluster.standby_shards): the next one may take its step."""
+
 
 class ShardRole:
     """What every shard does: serve, take part in the shards' rounds, write checkpoints
@@ -164,17 +168,42 @@ class ShardRole:
         """The lost shards the shards have regrouped without."""
         return [r for r in self.run_.plan.topology.shard_ranks if r not in self.members]
 
+    def _surviving(self, step: Callable[[], Any],
+                   given_up: Callable[[], None] | None = None) -> Any:
+        """Run `step`, collective over the shards, again on the survivors each time a
+        shard dies during it and is adopted (cluster.standby_shards; every survivor is
+        held in the same collective, the first one the dead shard missed), after
+        `given_up()` undid what the failed try left. Without a standby the loss ends the
+        job (OpenRun.shard_lost)."""
+        while True:
+            try:
+                return step()
+            except RankLost as lost:
+                self._lost_in_collective(lost, given_up)
+
     def _lost_in_checkpoint(self, lost: RankLost) -> None:
-        """A shard died while the shards wrote a checkpoint together: with a standby, that
+        """A shard died while the shards wrote a periodic checkpoint: with a standby, that
         checkpoint is given up (its .partial is cleaned at the next start; shard 0 asks
         for the next one at once) and the replicas are released; else the job ends."""
+        self._lost_in_collective(lost, self._give_up_writing)
+
+    def _lost_in_collective(self, lost: RankLost,
+                            given_up: Callable[[], None] | None) -> None:
         if lost.rank not in self.members:
             raise lost
         self.run_.shard_lost(lost.rank, f"is gone (found while {lost.what})")
+        if given_up is not None:
+            given_up()
+        self._regroup()
+
+    def _give_up_writing(self) -> None:
+        """The checkpoint whose parts are being written is given up (a shard died before
+        they were gathered): released, not committed."""
         self.writing = None
+        if self.lead is not None:
+            self.lead.given_up()
         if self.pause is not None and self.pause.ended is None:
             self._end_pause({})
-        self._regroup()
 
     def _regroup(self) -> None:
         """Go on without the lost shards: a new shards' communicator over the survivors
@@ -353,25 +382,25 @@ class ShardRole:
         (its evaluation rows), back to back. Collective over the shards; (None, None) on
         the others."""
         self._settle()
-        self._finish_writing()
-        all_stats = gather_after_barrier(self.comm, self.stats())
+        self._surviving(self._finish_writing, self._give_up_writing)
+        all_stats = self._surviving(lambda: gather_after_barrier(self.comm, self.stats()))
         if all_stats is not None:  # shard 0: the slices it adopted, in shard order
             all_stats = sorted(all_stats + [self._adopted_stats(view) for view in self.adopted],
                                key=lambda stats: stats["rank"])
         if self.plan.row_pulls:
-            return all_stats, self._gather_pieces(into, pieces)
-        return all_stats, self._gather_parameters(into)
+            return all_stats, self._surviving(lambda: self._gather_pieces(into, pieces))
+        return all_stats, self._surviving(lambda: self._gather_parameters(into))
 
     def final_checkpoint(self) -> None:
         """The final checkpoint (none if its step is written), then the writer thread
         ends. Collective over the shards."""
-        self.checkpoint(background=False)
+        self._surviving(lambda: self.checkpoint(background=False), self._give_up_writing)
         self.writer.shutdown()
 
     def share_ending(self, ending: Ending | None) -> Ending:
         """Shard 0's `ending` on every shard (its summary on shard 0 only). Collective
         over the shards: bcast."""
-        ending = bcast_after_barrier(self.comm, ending)
+        ending = self._surviving(lambda: bcast_after_barrier(self.comm, ending))
         if self.comm.Get_rank() != 0:
             ending.summary = None
         return ending

@@ -244,11 +244,12 @@ class Supervisor:
         if not self.usr1_pending:
             return
         self.replicas.sweep(now)
+        deaths = [*self.replicas.death_times, *(s.found for s in self.run_.lost_shards)]
         waiting = []
         for previous, first in self.usr1_pending:
             if not self._notices:
                 self.progress.stop(rc.STOP_SIGNAL, "SIGUSR1")
-            elif any(previous - NOTICE_SLACK_S <= t for t in self.replicas.death_times):
+            elif any(previous - NOTICE_SLACK_S <= t for t in deaths):
                 if not self.progress.stop_code:
                     say(self.stream, "distbelief: SIGUSR1 taken as the launcher's notice "
                                         "of the rank(s) found gone; training goes on")
