@@ -198,8 +198,11 @@ class ShardRole:
 
     def _give_up_writing(self) -> None:
         """The checkpoint whose parts are being written is given up (a shard died before
-        they were gathered): released, not committed."""
-        self.writing = None
+        they were gathered): released, not committed. This shard's writer finishes first,
+        so that nothing it writes lands in the next checkpoint's .partial."""
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            self._wait_for(writing.future)
         if self.lead is not None:
             self.lead.given_up()
         if self.pause is not None and self.pause.ended is None:
@@ -212,6 +215,8 @@ class ShardRole:
         survivor drops the same one, since the lost shard never posts past it), fresh
         rounds on it, and on shard 0 a view of each lost shard's slice (its shared
         segment, which every client goes on folding into: nothing is lost)."""
+        if self.writing is not None:  # planned with the lost shard, whose part may be missing
+            self._give_up_writing()
         lost = {s.rank for s in self.run_.lost_shards}
         members = [r for r in self.members if r not in lost]
         keep = [self.members.index(r) for r in members]

@@ -1,0 +1,236 @@
+"""Standby shards (cluster.standby_shards; docs/checkpoints-and-reliability.md, "A standby
+for a lost shard") killed at random moments: a standalone search for bugs in the
+adoption, not a test (the fixed-moment case is in tests/test_fault_tolerance.py). Each job
+is Downpour on the fault tests' data (synthetic, 6,000 training rows of 32 features, 4
+classes; softmax regression, batch 128: tests/helpers.fault_config), 3 shards + 2
+replicas on the shared-memory transport, 3,000 steps, a checkpoint every 250 steps
+(written in the background or not, drawn), through the command line with the launcher
+keeping the others alive after a death, as the tests run it. The scenarios take turns:
+
+(a) shard 1 or 2 killed -9: after a random number of its updates (`kill`) or at a random
+    time up to 1.5 s after the run started (`time`: SIGKILL from outside to its worker;
+    a run trains for about 1-2 s here);
+(b) shards 1 and 2 both killed, a few updates or a fraction of a second apart: shard 0
+    ends the run alone;
+(c) a shard and a replica killed close together (no spare: the replica's part is lost,
+    as without standbys).
+
+Each job runs under --timeout and is checked: the killed ranks exit non-zero and every
+other rank 0; the run stops at max_steps (one step less when a replica was killed);
+summary.json's `lost_shards` names exactly the killed shards, each adopted by shard 0;
+every shard's slice holds the same number of updates (every push folds into every slice:
+none lost; a replica killed inside its push may have folded into some slices only, so
+they may differ by one there); the newest checkpoint is the final step and holds every
+shard's part; no /dev/shm file of the job is left. One line per job and a tally per
+scenario; a failure prints the command that reruns it and the tail of its output. SKIP:
+a kill that never happened (the run ended first); LATE: a kill that landed as the ranks
+free the windows together after the run ended, which ends the job naming the rank, by
+design (its records stand).
+
+    python benchmarks/standby_kills.py                     # 30 jobs, seed 1
+    python benchmarks/standby_kills.py --jobs 45 --seed 7
+    python benchmarks/standby_kills.py --scenarios b --job-seed 123456   # rerun one job
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from helpers import DELAY, exit_statuses, fault_config, set_args
+from helpers.mpi_jobs import SharedMemoryWatch, job_env, run_mpi, survive_a_death
+from spare_kills import TEARDOWN_LOSS, Killer, TimedKill, shm_files
+
+from distbelief.data.converters import make_synthetic
+from distbelief.records import checkpoint as ckpt
+from distbelief.runtime.launching.faults import ENV as FAULTS
+
+STEPS = 3000
+SHARDS, REPLICAS = 3, 2
+
+
+@dataclass
+class Job:
+    scenario: str
+    seed: int
+    background: bool
+    faults: list[str] = field(default_factory=list)
+    timed: list[TimedKill] = field(default_factory=list)
+    ranks: int = SHARDS + REPLICAS
+
+    @property
+    def victims(self) -> set[int]:
+        return {int(f.split(":")[1]) for f in self.faults} | {k.rank for k in self.timed}
+
+    def moment(self) -> str:
+        return " ".join(self.faults + [f"time:{k.rank}:+{k.delay:.2f}s" for k in self.timed])
+
+
+def draw(scenario: str, seed: int) -> Job:
+    """The job `scenario` and `seed` stand for (the same on every machine)."""
+    rng = random.Random(f"standby-{scenario}-{seed}")
+    job = Job(scenario, seed, background=rng.random() < 0.5)
+    timed = rng.random() < 0.5
+    if scenario == "a":
+        victims = [rng.choice((1, 2))]
+    elif scenario == "b":
+        victims = [1, 2]
+        rng.shuffle(victims)
+    elif scenario == "c":
+        victims = [rng.choice((1, 2)), rng.choice(range(SHARDS, SHARDS + REPLICAS))]
+        rng.shuffle(victims)
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
+    if timed:
+        at = rng.uniform(0.0, 1.5)
+        for victim in victims:
+            job.timed.append(TimedKill(victim, at))
+            at += rng.uniform(0.0, 0.3)
+    else:  # a shard counts its updates (every push), a replica its own steps (about half)
+        at = rng.randint(1, STEPS - 100)
+        for victim in victims:
+            job.faults.append(f"kill:{victim}:{at if victim < SHARDS else at // REPLICAS}")
+            at += rng.randint(0, 60)
+    return job
+
+
+def run_job(job: Job, data: Path, out: Path, timeout: float) -> tuple[str, str]:
+    """(result, details): "ok", or what failed and the tail of the job's output."""
+    env = {**job_env(), FAULTS: " ".join([*job.faults, DELAY]),
+           "DISTBELIEF_PS_TRANSPORT": "shared"}
+    args = ["train", data / "linear.toml",
+            *set_args(f'run.out_dir="{out}"', f"run.max_steps={STEPS}",
+                      f"cluster.ps_shards={SHARDS}", "cluster.standby_shards=true",
+                      "run.checkpoint_every_steps=250",
+                      f"run.checkpoint_in_background={str(job.background).lower()}")]
+    before = shm_files()
+    killer = Killer(job, out, str(out))
+    with SharedMemoryWatch(out) as watch:
+        killer.start()
+        try:
+            proc = run_mpi(job.ranks, [REPO / "tests" / "mpi_programs" / "cli_exit_status.py",
+                                       *args], timeout=timeout, env=env,
+                           launcher_options=survive_a_death())
+        except pytest.fail.Exception as exc:  # the job timed out: a hang
+            return "HANG", str(exc)[-6000:]
+        finally:
+            killer.stop.set()
+            killer.join()
+    output = proc.stdout + "\n" + proc.stderr
+    fired = {r for r in job.victims if f"test-only kill -9 of rank {r} " in output}
+    killed = fired | killer.killed
+    problems = check(proc, out, killed)
+    deadline = time.monotonic() + 5
+    new = shm_files() - before
+    while new and time.monotonic() < deadline:  # the guardians' cleaners, just after
+        time.sleep(0.1)
+        new = shm_files() - before
+    left = watch.left()
+    if left or new:
+        problems.append(f"/dev/shm left: {sorted(set(left) | {f'/dev/shm/{n}' for n in new})}")
+    if problems and TEARDOWN_LOSS in output:
+        return "LATE", "; ".join(problems + [killer.note])
+    if problems:
+        return "FAIL", "; ".join(problems + [killer.note]) + "\n" + output[-4000:]
+    if killed != job.victims:
+        return "SKIP", f"killed {sorted(killed)} of {sorted(job.victims)}; {killer.note}"
+    return "ok", ""
+
+
+def check(proc: object, out: Path, killed: set[int]) -> list[str]:
+    """What is wrong with a finished job whose ranks `killed` were killed."""
+    problems = []
+    statuses = exit_statuses(proc)
+    if len(statuses) != SHARDS + REPLICAS or any(
+            (statuses[r] == 0) == (r in killed) for r in range(len(statuses))):
+        problems.append(f"exit statuses {statuses}, killed {sorted(killed)}")
+    path = out / "summary.json"
+    if not path.exists():
+        return [*problems, "no summary.json"]
+    summary = json.loads(path.read_text())
+    replica_killed = any(r >= SHARDS for r in killed)
+    if summary["stop_reason"] != "max_steps" or not (
+            STEPS - replica_killed <= summary["steps"] <= STEPS):
+        problems.append(f"stopped ({summary['stop_reason']}) at step {summary['steps']}")
+    shards_killed = sorted(r for r in killed if r < SHARDS)
+    lost = [(x["shard"], x["adopted_by"]) for x in summary["lost_shards"]]
+    if lost != [(r, 0) for r in shards_killed]:
+        problems.append(f"lost_shards {lost}, killed shards {shards_killed}")
+    versions = [s["version"] for s in summary["shards"]]
+    if max(versions) - min(versions) > replica_killed:
+        problems.append(f"the shards' updates differ: {versions}")
+    saved = ckpt.list_checkpoints(ckpt.checkpoint_root(out))
+    if not saved or saved[0][0] != summary["steps"]:
+        problems.append(f"newest checkpoint {saved[:1]}, steps {summary['steps']}")
+    else:
+        parts = sorted(json.loads((saved[0][1] / "manifest.json").read_text())["parts"])
+        if parts != ["replicas.h5", *(f"shard-{s:04d}.h5" for s in range(SHARDS))]:
+            problems.append(f"final checkpoint parts {parts}")
+    return problems
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=1, help="draws each job's seed")
+    parser.add_argument("--scenarios", default="abc", help="which take turns (a, b, c)")
+    parser.add_argument("--job-seed", type=int, help="run only this job (with --scenarios X)")
+    parser.add_argument("--timeout", type=float, default=120)
+    parser.add_argument("--keep", type=Path, help="keep each job's output folder here")
+    args = parser.parse_args()
+    if args.job_seed is not None:
+        jobs = [draw(args.scenarios[0], args.job_seed)]
+    else:
+        rng = random.Random(args.seed)
+        jobs = [draw(args.scenarios[i % len(args.scenarios)], rng.randrange(10**6))
+                for i in range(args.jobs)]
+    mpi = os.environ.get("DISTBELIEF_TEST_MPI", "") or "default MPI"
+    drawn = f"job seed {args.job_seed}" if args.job_seed is not None else f"seed {args.seed}"
+    print(f"{len(jobs)} jobs, {drawn}, {mpi}", flush=True)
+    tally: Counter[tuple[str, str]] = Counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        make_synthetic(folder / "synth.h5", n_train=6000, n_test=500, input_shape=(32,),
+                       num_classes=4, seed=5)
+        (folder / "linear.toml").write_text(fault_config(None))
+        for i, job in enumerate(jobs):
+            out = (args.keep or folder) / f"job{i}-{job.scenario}-{job.seed}"
+            t0 = time.monotonic()
+            result, details = run_job(job, folder, out, args.timeout)
+            tally[job.scenario, result] += 1
+            written = "background" if job.background else "paused"
+            print(f"job {i + 1:3d}  seed {job.seed:6d}  scenario {job.scenario}  {written:10s}"
+                  f"  {job.moment():32s}  {result:4s}  {time.monotonic() - t0:5.1f} s",
+                  flush=True)
+            if result in ("SKIP", "LATE"):
+                print(f"  {details}", flush=True)
+            elif result != "ok":
+                print(f"  rerun: python benchmarks/standby_kills.py --scenarios "
+                      f"{job.scenario} --job-seed {job.seed}\n" + "\n".join(
+                          "  | " + line for line in details.splitlines()), flush=True)
+    print("tally (scenario: ok / failed / hung / a kill that did not happen / killed in the "
+          "teardown):")
+    for scenario in sorted({s for s, _ in tally}):
+        counts = [tally[scenario, r] for r in ("ok", "FAIL", "HANG", "SKIP", "LATE")]
+        print(f"  {scenario}: " + " / ".join(map(str, counts)))
+    bad = sum(n for (_, r), n in tally.items() if r in ("FAIL", "HANG"))
+    print(f"{sum(tally.values()) - bad} of {sum(tally.values())} jobs without a failure")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
