@@ -48,6 +48,7 @@ class LostShard:
     why: str
     at: float
     found: float  # time.monotonic() then (a launcher's SIGUSR1 may be the notice of it)
+    regroup_seconds: float | None = None  # shard 0: from `found` to serving without it
 
 
 @dataclass

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
-from mpi4py import MPI
 
 from distbelief.algorithms.downpour.plan import (
     ROUND_CHECKPOINT,
@@ -36,12 +35,17 @@ from distbelief.runtime.backoff import Backoff, PacedBackoff
 from distbelief.runtime.communicators.agreement import (
     WAIT_SLEEP_S,
     Rounds,
-    bcast_after_barrier,
-    gather_after_barrier,
+    bcast_polled,
+    gather_polled,
+    gatherv_polled,
     wait_for_everyone,
 )
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.health.watchdog import RankLost
+
+REGROUP_TAG = 46
+"""Tag of a shard's message on the shards' communicator that it regroups without the lost
+(ShardRole._agree_on; cluster.standby_shards); no other point-to-point message uses it."""
 
 # ------------------------------------------------------------------------------------------
 # Shards
@@ -122,6 +126,7 @@ class ShardRole:
         # on shard 0 the lost shards' slices it adopted (_regroup)
         self.members = list(run.plan.topology.shard_ranks)
         self.adopted: list[Any] = []
+        self._regroups = 0  # regroups done: a regroup's messages name it
 
     def run(self, duties: Callable[[], bool] | None = None) -> None:
         """Serve until a round says the run is over, doing `duties` between two polls
@@ -196,6 +201,34 @@ class ShardRole:
             given_up()
         self._regroup()
 
+    def _agree_on(self, members: list[int]) -> None:
+        """Wait (polled, sleeping) until every other shard in `members` has said that it
+        regroups with exactly these: Comm.Create_group blocks inside MPI, and a member
+        that died before calling it would hold everyone there for ever. Messages on the
+        old communicator; the views only shrink, so a stale one never matches. RankLost
+        if a member is found gone meanwhile. Point-to-point with the survivors only."""
+        me = self.run_.plan.topology.world_rank
+        view = (self._regroups, *members)
+        for rank in members:
+            if rank != me:  # never waited for: a message to a dead shard may never go
+                self.comm.isend(view, dest=self.members.index(rank), tag=REGROUP_TAG)
+        waiting = {r for r in members if r != me}
+        guard, backoff = watchdog.current(), Backoff(*WAIT_SLEEP_S)
+        with guard.waiting("the other shards to agree to regroup", sorted(waiting)):
+            while waiting:
+                for rank in sorted(waiting):
+                    source = self.members.index(rank)
+                    while self.comm.iprobe(source=source, tag=REGROUP_TAG):
+                        if self.comm.recv(source=source, tag=REGROUP_TAG) == view:
+                            waiting.discard(rank)
+                if waiting:
+                    self.run_.check_shards(time.monotonic(), force=True)
+                    for lost in self.run_.lost_shards:  # found now: written off the guard
+                        if lost.rank in waiting:
+                            raise RankLost(lost.rank, "the shards agreed to regroup")
+                    guard.check()
+                    backoff.wait()
+
     def _give_up_writing(self) -> None:
         """The checkpoint whose parts are being written is given up (a shard died before
         they were gathered): released, not committed. This shard's writer finishes first,
@@ -217,9 +250,19 @@ class ShardRole:
         segment, which every client goes on folding into: nothing is lost)."""
         if self.writing is not None:  # planned with the lost shard, whose part may be missing
             self._give_up_writing()
-        lost = {s.rank for s in self.run_.lost_shards}
-        members = [r for r in self.members if r not in lost]
+        while True:
+            lost = {s.rank for s in self.run_.lost_shards}
+            members = [r for r in self.members if r not in lost]
+            try:
+                self._agree_on(members)
+                break
+            except RankLost as more:  # another shard died meanwhile: without it too
+                if more.rank not in members:
+                    raise
+                self.run_.shard_lost(more.rank, f"is gone (found while {more.what})")
         keep = [self.members.index(r) for r in members]
+        # Blocking, but every survivor has just said it is here: only a death in the
+        # next microseconds would hold it (the watchdog then ends the job).
         with watchdog.current().waiting("the other shards to regroup without the lost",
                                         members):
             group = self.comm.Get_group().Incl(keep)
@@ -227,11 +270,14 @@ class ShardRole:
             group.Free()
         self.comm, self.members = comm, members
         self.run_.communicators.shards = comm
+        self._regroups += 1
         self.rounds = Rounds(comm, ROUND_WIDTH, ROUND_INTERVAL_S)
         if self.lead is not None:
             have = {view.rank for view in self.adopted}
             for rank in sorted(lost - have):
                 self.adopted.append(self.shard.adopt(rank))
+                record = next(s for s in self.run_.lost_shards if s.rank == rank)
+                record.regroup_seconds = time.monotonic() - record.found
                 say(self.run_.session.stream, f"distbelief: parameter-server shard {rank} "
                     f"is lost; shard 0 serves its slice from shared memory and training goes "
                     f"on ({len(members)} shard(s) left)")
@@ -269,7 +315,7 @@ class ShardRole:
         wait_for_everyone(comm, serve=self.shard.serve_once)
         self._settle()
         ours = self.lead.plan_checkpoint() if self.lead is not None else None
-        plan = bcast_after_barrier(comm, ours) or {}
+        plan = bcast_polled(comm, ours, what="shard 0's checkpoint plan") or {}
         if "meta" not in plan:
             self._end_pause(plan)
             return
@@ -338,7 +384,8 @@ class ShardRole:
         self._wait_for(writing.future)
         self.writing = None
         self.write_seconds += time.monotonic() - writing.began
-        reports = gather_after_barrier(self.comm, writing.future.result())
+        reports = gather_polled(self.comm, writing.future.result(),
+                                what="the shards' checkpoint part reports")
         if self.lead is None:
             return
         if now:
@@ -388,7 +435,8 @@ class ShardRole:
         the others."""
         self._settle()
         self._surviving(self._finish_writing, self._give_up_writing)
-        all_stats = self._surviving(lambda: gather_after_barrier(self.comm, self.stats()))
+        all_stats = self._surviving(lambda: gather_polled(self.comm, self.stats(),
+                                                          what="the shards' statistics"))
         if all_stats is not None:  # shard 0: the slices it adopted, in shard order
             all_stats = sorted(all_stats + [self._adopted_stats(view) for view in self.adopted],
                                key=lambda stats: stats["rank"])
@@ -405,7 +453,8 @@ class ShardRole:
     def share_ending(self, ending: Ending | None) -> Ending:
         """Shard 0's `ending` on every shard (its summary on shard 0 only). Collective
         over the shards: bcast."""
-        ending = self._surviving(lambda: bcast_after_barrier(self.comm, ending))
+        ending = self._surviving(lambda: bcast_polled(self.comm, ending,
+                                                      what="how the run ends"))
         if self.comm.Get_rank() != 0:
             ending.summary = None
         return ending
@@ -429,10 +478,8 @@ class ShardRole:
         out = None
         if self.comm.Get_rank() == 0:
             out = into if into is not None else np.zeros(shard.size, dtype=np.float32)
-        wait_for_everyone(self.comm)
-        self.comm.Gatherv([shard.parameters(copy=False), MPI.FLOAT],
-                          [out, counts, displs, MPI.FLOAT] if out is not None else None,
-                          root=0)
+        gatherv_polled(self.comm, shard.parameters(copy=False), out, counts, displs,
+                       what="the shards' final slices")
         for view in self.adopted:
             out[view.start : view.stop] = view.parameters()
         return out
@@ -443,16 +490,14 @@ class ShardRole:
         vector on one rank. Collective over the shards: a bcast of the pieces, then a
         Gatherv of each shard's part of them."""
         shard = self.shard
-        wait_for_everyone(self.comm)
-        plan = PieceMap(self.comm.bcast(pieces, root=0), shard.ranges)
+        plan = PieceMap(bcast_polled(self.comm, pieces, what="the pieces to gather"),
+                        shard.ranges)
         mine = np.take(shard.parameters(copy=False), plan.index(shard.rank)).astype(np.float32)
         out = None
         if shard.rank == 0:
             out = into if into is not None else np.zeros(plan.size, dtype=np.float32)
-        self.comm.Gatherv([mine, MPI.FLOAT],
-                          [out, plan.count[self.members].tolist(),
-                           plan.at[self.members].tolist(), MPI.FLOAT]
-                          if out is not None else None, root=0)
+        gatherv_polled(self.comm, mine, out, plan.count[self.members].tolist(),
+                       plan.at[self.members].tolist(), what="the shards' final pieces")
         for view in self.adopted:
             np.take(view.parameters(), plan.index(view.rank), out=plan.part(out, view.rank))
         return out

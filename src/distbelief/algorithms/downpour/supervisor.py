@@ -466,7 +466,8 @@ def _summary_extras(sup: Supervisor) -> dict[str, Any]:
         # memory their clients folded on into the slice, so no update was lost
         "standby_shards": config.cluster.standby_shards,
         "lost_shards": [{"shard": lost.rank, "why": lost.why, "at": lost.at,
-                         "adopted_by": 0, "updates_lost": 0}
+                         "adopted_by": 0, "updates_lost": 0,
+                         "regroup_seconds": lost.regroup_seconds}
                         for lost in sup.run_.lost_shards],
         "staleness": _combined_staleness(replicas),
         # the bound and what it bounds (downpour.clocks): each block's clock lead

@@ -157,6 +157,86 @@ def wait_for_everyone(comm: MPI.Comm, serve: Callable[[], bool] | None = None,
                 backoff.wait()
 
 
+OBJECT_TAG, ARRAY_TAG = 32000, 32001
+"""Tags of the point-to-point collectives below (gather_polled, bcast_polled,
+gatherv_polled): a communicator they are used on carries no other message with them."""
+
+
+def gather_polled(comm: MPI.Comm, value: object, root: int = 0,
+                  what: str = "the others' parts") -> list | None:
+    """Every rank's `value` in rank order on `root` (None elsewhere), sent point to point
+    and received by probes polled with back-off sleeps, each wait declared to the stall
+    watchdog: a rank that dies before it has sent raises RankLost in the root, where a
+    blocking gather would hold every rank inside MPI for ever (a rank can die between a
+    barrier and the gather after it). Collective over `comm` in effect: every rank calls
+    it, in the same order as the others of this module (messages from one rank arrive in
+    order)."""
+    me, size = comm.Get_rank(), comm.Get_size()
+    if me != root:
+        wait_all([comm.isend(value, dest=root, tag=OBJECT_TAG)], what,
+                 world_ranks(comm, [root]))
+        return None
+    values = {me: value}
+    _probe_each(comm, [r for r in range(size) if r != me],
+                got=lambda rank, message: values.__setitem__(rank, message.recv()),
+                what=what)
+    return [values[rank] for rank in range(size)]
+
+
+def bcast_polled(comm: MPI.Comm, value: object, root: int = 0,
+                 what: str = "a decision") -> object:
+    """`root`'s `value` on every rank of `comm`, point to point, polled and watched as
+    gather_polled is (RankLost if the root is gone before it sent). Collective over
+    `comm` in effect."""
+    me = comm.Get_rank()
+    if me == root:
+        others = [r for r in range(comm.Get_size()) if r != me]
+        wait_all([comm.isend(value, dest=r, tag=OBJECT_TAG) for r in others], what,
+                 world_ranks(comm, others))
+        return value
+    received: list = []
+    _probe_each(comm, [root],
+                got=lambda _, message: received.append(message.recv()), what=what)
+    return received[0]
+
+
+def gatherv_polled(comm: MPI.Comm, part: np.ndarray, out: np.ndarray | None,
+                   counts: Sequence[int], displs: Sequence[int], root: int = 0,
+                   what: str = "the others' slices") -> np.ndarray | None:
+    """Gatherv of float32 `part`s into `out` on `root` (rank r's at displs[r], counts[r]
+    values), point to point, polled and watched as gather_polled is. Collective over
+    `comm` in effect."""
+    me = comm.Get_rank()
+    if me != root:
+        wait_all([comm.Isend([part, MPI.FLOAT], dest=root, tag=ARRAY_TAG)], what,
+                 world_ranks(comm, [root]))
+        return None
+    out[displs[me] : displs[me] + counts[me]] = part
+    others = [r for r in range(comm.Get_size()) if r != me]
+    wait_all([comm.Irecv([out[displs[r] : displs[r] + counts[r]], MPI.FLOAT], source=r,
+                         tag=ARRAY_TAG) for r in others], what, world_ranks(comm, others))
+    return out
+
+
+def _probe_each(comm: MPI.Comm, sources: list[int],
+                got: Callable[[int, MPI.Message], None], what: str) -> None:
+    """Receive one OBJECT_TAG message from each of `sources`, calling `got(rank,
+    message)`, by Improbe polled with back-off sleeps; the wait is declared for the ranks
+    not heard from yet."""
+    pending = list(sources)
+    guard, backoff = watchdog.current(), Backoff(*WAIT_SLEEP_S)
+    while pending:
+        for rank in list(pending):
+            message = comm.improbe(source=rank, tag=OBJECT_TAG)
+            if message is not None:
+                got(rank, message)
+                pending.remove(rank)
+        if pending:
+            with guard.waiting(what, world_ranks(comm, pending) if guard.enabled else ()):
+                guard.check()
+                backoff.wait()
+
+
 def bcast_after_barrier(comm: MPI.Comm, value: object, root: int = 0) -> object:
     """Collective over `comm`: the root's `value` on every rank (a polled barrier, then a
     bcast that completes at once)."""
