@@ -540,36 +540,50 @@ def test_a_killed_shard_ends_the_job_with_a_message_and_a_rerun_resumes(
     assert summary_of(out)["steps"] == saved[0] + 200
 
 
+@pytest.mark.parametrize("fault", ["kill:1:1500", "killwrite:2:0"],
+                         ids=["mid-run", "in-the-final-checkpoint"])
 @pytest.mark.both_mpis
 def test_a_killed_shard_with_a_standby_is_adopted_and_the_run_loses_no_update(
-        data_dir: Path, tmp_path: Path) -> None:
+        data_dir: Path, tmp_path: Path, fault: str) -> None:
     # cluster.standby_shards, 3 shards + 2 replicas on shared memory: shard 1 dies after
     # 1500 updates. Its segment outlives it, the replicas fold on into it, shard 0 adopts
     # it (checkpoints, the final gather) and the run ends as asked, without a restart.
+    # Or shard 2 dies writing its part of the final checkpoint (the only one: none
+    # periodic): the others regroup and write that checkpoint again, shard 0 its part.
     out = tmp_path / "out"
     config = data_dir / "linear.toml"
+    victim = int(fault.split(":")[1])
+    every = 1000 if victim == 1 else 0
     common = ("cluster.ps_shards=3", f"run.max_steps={STEPS // 2}",
-              "run.checkpoint_every_steps=1000")
+              f"run.checkpoint_every_steps={every}")
     with SharedMemoryWatch(out) as watch:
         proc = job(5, config, out, *common, "cluster.standby_shards=true",
-                   faults=f"kill:1:1500 {DELAY}")
+                   faults=f"{fault} {DELAY}")
     output = proc.stdout + proc.stderr
-    assert exit_statuses(proc) == [0, 137, 0, 0, 0], output[-3000:]
+    assert exit_statuses(proc) == [137 if r == victim else 0 for r in range(5)], output[-3000:]
     assert watch.seen and watch.left() == [], output[-3000:]
-    assert "parameter-server shard 1 is lost; shard 0 serves its slice" in proc.stdout, output
+    assert f"parameter-server shard {victim} is lost; shard 0 serves its slice" in proc.stdout
     summary = summary_of(out)
     assert summary["stop_reason"] == "max_steps" and summary["steps"] == STEPS // 2
-    assert [(x["shard"], x["adopted_by"]) for x in summary["lost_shards"]] == [(1, 0)]
+    assert [(x["shard"], x["adopted_by"]) for x in summary["lost_shards"]] == [(victim, 0)]
     assert "is gone" in summary["lost_shards"][0]["why"]
     # No update lost: every push folds into every slice (n_push = 1), the lost shard's too.
     shards = summary["shards"]
-    assert [s["rank"] for s in shards] == [0, 1, 2] and shards[1]["adopted_by"] == 0
+    assert [s["rank"] for s in shards] == [0, 1, 2]
+    # (shard 2 died after the statistics were gathered: its own entry)
+    assert shards[victim].get("adopted_by") == (0 if victim == 1 else None)
     assert shards[0]["version"] == shards[1]["version"] == shards[2]["version"] == sum(
         r["pushes"] for r in summary["replicas"]), shards
     # The checkpoints written after the loss hold the adopted slice, and a rerun (without
     # the standby: shard 1 is a live rank again) resumes from the final one.
     saved = ckpt.list_checkpoints(ckpt.checkpoint_root(out))  # newest first
     assert saved[0][0] == STEPS // 2
+    if victim == 2:  # the final checkpoint, written again: the only one, and whole
+        assert len(saved) == 1 and not list(ckpt.checkpoint_root(out).glob("*.partial"))
+        manifest = json.loads((saved[0][1] / "manifest.json").read_text())
+        assert sorted(manifest["parts"]) == ["replicas.h5", "shard-0000.h5",
+                                             "shard-0001.h5", "shard-0002.h5"]
+        return
     # Shard 1 died at about step 1500 (its 1500th update; one per push): the periodic
     # checkpoint after it (about step 2000) and the final one were written by shard 0.
     assert len([step for step, _ in saved if step > 1600]) >= 2, saved

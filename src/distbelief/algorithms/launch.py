@@ -279,9 +279,12 @@ def _writer(topology: Any) -> int:
 
 
 def _lost_ranks(summary: dict[str, Any] | None) -> list[int]:
-    """The ranks of the replicas the summary lists as lost (empty off the writer)."""
-    return [rank for entry in (summary or {}).get("lost_replicas", [])
-            if isinstance(entry, dict) for rank in entry.get("ranks", [])]
+    """The ranks of the replicas, and of the shards (cluster.standby_shards: shard s is
+    rank s), the summary lists as lost (empty off the writer)."""
+    summary = summary or {}
+    return [rank for entry in summary.get("lost_replicas", [])
+            if isinstance(entry, dict) for rank in entry.get("ranks", [])] + [
+        entry["shard"] for entry in summary.get("lost_shards", [])]
 
 
 def _check_memory(config: Config, setup: RunSetup, comm: Any) -> int | None:

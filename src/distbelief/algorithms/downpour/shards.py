@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from mpi4py import MPI
 
 from distbelief.algorithms.downpour.plan import (
     ROUND_CHECKPOINT,
@@ -43,9 +44,15 @@ from distbelief.runtime.communicators.agreement import (
 from distbelief.runtime.health import watchdog
 from distbelief.runtime.health.watchdog import RankLost
 
-REGROUP_TAG = 46
-"""Tag of a shard's message on the shards' communicator that it regroups without the lost
-(ShardRole._agree_on; cluster.standby_shards); no other point-to-point message uses it."""
+REGROUP_TAG, STEP_DONE_TAG = 46, 47
+"""Tags of a shard's message on the shards' communicator that it regroups without the lost
+(ShardRole._agree_on; cluster.standby_shards), and of shard 0's that a step of the end of
+the run completed (ShardRole._step_done); no other point-to-point message uses them."""
+
+
+class RegroupAsked(Exception):
+    """Another shard calls for a regroup (it found a shard lost) while this one waited for
+    shard 0 to complete a step: regroup, then run the step again."""
 
 # ------------------------------------------------------------------------------------------
 # Shards
@@ -127,6 +134,7 @@ class ShardRole:
         self.members = list(run.plan.topology.shard_ranks)
         self.adopted: list[Any] = []
         self._regroups = 0  # regroups done: a regroup's messages name it
+        self._sent: list[MPI.Request] = []  # sends never waited for (kept while in flight)
 
     def run(self, duties: Callable[[], bool] | None = None) -> None:
         """Serve until a round says the run is over, doing `duties` between two polls
@@ -182,9 +190,39 @@ class ShardRole:
         job (OpenRun.shard_lost)."""
         while True:
             try:
-                return step()
+                result = step()
+                self._step_done()
+                return result
             except RankLost as lost:
                 self._lost_in_collective(lost, given_up)
+            except RegroupAsked:
+                if given_up is not None:
+                    given_up()
+                self._regroup()
+
+    def _step_done(self) -> None:
+        """After a step of _surviving: shard 0 tells the others it completed; they wait
+        for that or for a call to regroup. Without it a shard whose part of a gather was
+        sent would go on to the next step while shard 0, missing a dead shard's part,
+        regroups and runs this one again. Shard 0's message is never waited for (a shard
+        dying now is found in the next step). Point-to-point; RegroupAsked on the others."""
+        comm = self.comm
+        if comm.Get_rank() == 0:
+            self._sent = [request for request in self._sent if not request.Test()]
+            self._sent += [comm.isend(True, dest=r, tag=STEP_DONE_TAG)
+                           for r in range(1, comm.Get_size())]
+            return
+        guard, backoff = watchdog.current(), Backoff(*WAIT_SLEEP_S)
+        with guard.waiting("shard 0 to complete a step of the end of the run",
+                           [self.members[0]]):
+            while not comm.iprobe(source=0, tag=STEP_DONE_TAG):
+                if any(comm.iprobe(source=r, tag=REGROUP_TAG)
+                       for r in range(comm.Get_size())):
+                    self.run_.check_shards(time.monotonic(), force=True)
+                    raise RegroupAsked
+                guard.check()
+                backoff.wait()
+            comm.recv(source=0, tag=STEP_DONE_TAG)
 
     def _lost_in_checkpoint(self, lost: RankLost) -> None:
         """A shard died while the shards wrote a periodic checkpoint: with a standby, that
@@ -211,7 +249,8 @@ class ShardRole:
         view = (self._regroups, *members)
         for rank in members:
             if rank != me:  # never waited for: a message to a dead shard may never go
-                self.comm.isend(view, dest=self.members.index(rank), tag=REGROUP_TAG)
+                self._sent.append(self.comm.isend(view, dest=self.members.index(rank),
+                                                  tag=REGROUP_TAG))
         waiting = {r for r in members if r != me}
         guard, backoff = watchdog.current(), Backoff(*WAIT_SLEEP_S)
         with guard.waiting("the other shards to agree to regroup", sorted(waiting)):

@@ -64,12 +64,15 @@ Sandblaster's coordinator its iterations.
     slowwrite:RANK:AT:2s  a Downpour shard's checkpoint parts, from the AT-th checkpoint on
                           (counted from 0), take 2 s longer to write (a slow file system):
                           slept in the thread that writes them
+    killwrite:RANK:AT     a Downpour shard: SIGKILL itself just before it writes its part
+                          of its AT-th checkpoint (counted from 0), in the thread that
+                          writes it (a shard lost in the middle of a checkpoint)
     slots:*:K             every RMA shard has K push slots (K >= 1), not two per replica
                           up to MAX_PUSH_SLOTS: the contention of many replicas, with few;
                           RANK must be * (the windows are allocated collectively)
 """
 ACTIONS = ("kill", "raise", "poison", "delay", "hang", "killpush", "pause", "linger",
-           "noinit", "link", "slots", "slowwrite", "killfree")
+           "noinit", "link", "slots", "slowwrite", "killfree", "killwrite")
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,9 @@ class Faults:
 
     def before_checkpoint_write(self, index: int) -> None:
         """Called by a shard's writer thread before it writes its part of its `index`-th
-        checkpoint (from 0): sleep as `slowwrite` says."""
+        checkpoint (from 0): sleep as `slowwrite` says, or die as `killwrite` does."""
+        if any(f.action == "killwrite" and f.at == index for f in self.faults):
+            self.kill(f"before writing its part of checkpoint {index}")
         seconds = sum(f.extra_seconds for f in self.faults
                       if f.action == "slowwrite" and index >= f.at)
         if seconds > 0:
