@@ -144,13 +144,26 @@ def run_job(job: Job, data: Path, out: Path, timeout: float) -> tuple[str, str]:
     left = watch.left()
     if left or new:
         problems.append(f"/dev/shm left: {sorted(set(left) | {f'/dev/shm/{n}' for n in new})}")
-    if problems and TEARDOWN_LOSS in output:
+    if problems and (TEARDOWN_LOSS in output or _lost_in_teardown(out, output, killed)):
         return "LATE", "; ".join(problems + [killer.note])
     if problems:
         return "FAIL", "; ".join(problems + [killer.note]) + "\n" + output[-4000:]
     if killed != job.victims:
         return "SKIP", f"killed {sorted(killed)} of {sorted(job.victims)}; {killer.note}"
     return "ok", ""
+
+
+def _lost_in_teardown(out: Path, output: str, killed: set[int]) -> bool:
+    """A shard killed after the run ended whole (its summary complete, no shard lost in
+    it) and before the ranks freed the windows together: they end the job naming it."""
+    path = out / "summary.json"
+    if not path.exists():
+        return False
+    summary = json.loads(path.read_text())
+    late = [r for r in killed if r < SHARDS
+            and r not in {x["shard"] for x in summary["lost_shards"]}]
+    return (summary["stop_reason"] == "max_steps" and summary["steps"] == STEPS and late != []
+            and all(f"(world rank {r}) is gone" in output for r in late))
 
 
 def check(proc: object, out: Path, killed: set[int], late: bool) -> list[str]:

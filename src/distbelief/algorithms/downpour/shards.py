@@ -135,6 +135,7 @@ class ShardRole:
         self.adopted: list[Any] = []
         self._regroups = 0  # regroups done: a regroup's messages name it
         self._sent: list[MPI.Request] = []  # sends never waited for (kept while in flight)
+        self._inbox: dict[int, list[tuple]] = {}  # regroup messages received, by shard
 
     def run(self, duties: Callable[[], bool] | None = None) -> None:
         """Serve until a round says the run is over, doing `duties` between two polls
@@ -245,21 +246,35 @@ class ShardRole:
         that died before calling it would hold everyone there for ever. Messages on the
         old communicator; the views only shrink, so a stale one never matches. RankLost
         if a member is found gone meanwhile. Point-to-point with the survivors only."""
+        # Two exchanges: the views (a shard may wait long in it for the others to find the
+        # loss), then "go" (every survivor is at the end of the first within a poll or
+        # two), after which each calls Create_group at once: a shard that dies between its
+        # "go" and its Create_group, a few milliseconds at most, still holds the others
+        # there, and the watchdog then ends the job naming it.
+        for phase in ("view", "go"):
+            self._exchange((phase, self._regroups, *members), members)
+
+    def _exchange(self, message: tuple, members: list[int]) -> None:
+        """Send `message` to every other member and wait (polled, sleeping) until each
+        has sent the same; RankLost if a member is found gone meanwhile."""
         me = self.run_.plan.topology.world_rank
-        view = (self._regroups, *members)
         for rank in members:
             if rank != me:  # never waited for: a message to a dead shard may never go
-                self._sent.append(self.comm.isend(view, dest=self.members.index(rank),
+                self._sent.append(self.comm.isend(message, dest=self.members.index(rank),
                                                   tag=REGROUP_TAG))
         waiting = {r for r in members if r != me}
         guard, backoff = watchdog.current(), Backoff(*WAIT_SLEEP_S)
         with guard.waiting("the other shards to agree to regroup", sorted(waiting)):
             while waiting:
                 for rank in sorted(waiting):
-                    source = self.members.index(rank)
+                    # Kept, not dropped, when they do not match yet: a shard that found
+                    # one more loss first sends the view this one will come to.
+                    source, inbox = self.members.index(rank), self._inbox.setdefault(rank, [])
                     while self.comm.iprobe(source=source, tag=REGROUP_TAG):
-                        if self.comm.recv(source=source, tag=REGROUP_TAG) == view:
-                            waiting.discard(rank)
+                        inbox.append(self.comm.recv(source=source, tag=REGROUP_TAG))
+                    if message in inbox:
+                        inbox.remove(message)
+                        waiting.discard(rank)
                 if waiting:
                     self.run_.check_shards(time.monotonic(), force=True)
                     for lost in self.run_.lost_shards:  # found now: written off the guard
@@ -310,6 +325,7 @@ class ShardRole:
         self.comm, self.members = comm, members
         self.run_.communicators.shards = comm
         self._regroups += 1
+        self._inbox = {}  # the old communicator's: the next regroup's come on the new one
         self.rounds = Rounds(comm, ROUND_WIDTH, ROUND_INTERVAL_S)
         if self.lead is not None:
             have = {view.rank for view in self.adopted}
