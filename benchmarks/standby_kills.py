@@ -25,7 +25,9 @@ shard's part; no /dev/shm file of the job is left. One line per job and a tally 
 scenario; a failure prints the command that reruns it and the tail of its output. SKIP:
 a kill that never happened (the run ended first); LATE: a kill that landed as the ranks
 free the windows together after the run ended, which ends the job naming the rank, by
-design (its records stand).
+design (its records stand). A kill after the windows are freed holds the others in
+MPI_Finalize for runtime.launching.guardian.FINALIZE_LIMIT_S (30 s); they then leave with
+their own status: such a job passes, about 30 s longer.
 
     python benchmarks/standby_kills.py                     # 30 jobs, seed 1
     python benchmarks/standby_kills.py --jobs 45 --seed 7
@@ -163,7 +165,7 @@ def _lost_in_teardown(out: Path, output: str, killed: set[int]) -> bool:
     late = [r for r in killed if r < SHARDS
             and r not in {x["shard"] for x in summary["lost_shards"]}]
     return (summary["stop_reason"] == "max_steps" and summary["steps"] == STEPS and late != []
-            and all(f"(world rank {r}) is gone" in output for r in late))
+            and any(f"(world rank {r}) is gone" in output for r in late))
 
 
 def check(proc: object, out: Path, killed: set[int], late: bool) -> list[str]:

@@ -102,7 +102,9 @@ class OpenRun:
         then the other communicators). TEARDOWN_LEAVE: nothing is freed (a rank is dead:
         any collective would wait for it) and the process will end without MPI_Finalize,
         which would wait for the dead rank too (guardian.skip_mpi_finalize)."""
-        if teardown != rc.TEARDOWN_FREE:
+        if teardown != rc.TEARDOWN_FREE or self.lost_shards:
+            # (a shard this rank found lost after the run's end was decided: written off,
+            # nobody would wait for it any more, and the free would wait for ever)
             guardian.skip_mpi_finalize()  # MPI_Finalize would wait for the dead
             return
         self.endpoint.free()

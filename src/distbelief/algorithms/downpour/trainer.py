@@ -86,11 +86,25 @@ def train(config: Config, comm: MPI.Comm, stream: IO[str] | None = sys.stdout,
                     ending = role.finish()
                 if ending.teardown == rc.TEARDOWN_FREE:
                     session.faults.before_teardown()  # test-only
-                run.close(ending.teardown)
+                _close(run, ending.teardown)
             except RankLost as lost:
                 _abort_for(comm, topology, lost, peers)
     ending.raise_error(config)
     return ending.summary
+
+
+def _close(run: OpenRun, teardown: int) -> None:
+    """The teardown (OpenRun.close). A shard lost in it, after the run ended whole, with
+    cluster.standby_shards: nothing is freed and this rank leaves as after any loss; its
+    records stand. Other losses propagate (RankLost)."""
+    try:
+        run.close(teardown)
+    except RankLost as lost:
+        if not (0 < lost.rank < run.plan.topology.ps_shards
+                and run.session.config.cluster.standby_shards):
+            raise
+        run.shard_lost(lost.rank, f"is gone (found while {lost.what})")
+        run.close(rc.TEARDOWN_LEAVE)
 
 
 def _abort_for(world: MPI.Comm, topology: Topology, lost: RankLost, peers: Peers) -> None:

@@ -36,6 +36,14 @@ WORKER_ENV = "DISTBELIEF_GUARDIAN_PID"
 INIT_FD_ENV = "DISTBELIEF_INIT_FD"
 """Set in the worker's environment: the pipe to its guardian, written as MPI_Init starts
 and once it returned."""
+STATUS_FD_ENV = "DISTBELIEF_STATUS_FD"
+"""Set in the worker's environment: the pipe on which it tells its guardian its exit
+status before MPI_Finalize (end_process), which FINALIZE_LIMIT_S bounds."""
+FINALIZE_LIMIT_S = 30
+"""How long a worker's MPI_Finalize may take: MPICH's waits for every rank (a PMI
+barrier), so a rank killed after the run's end but before its own MPI_Finalize holds the
+others in it for ever. The worker arms SIGALRM for this many seconds; its guardian then
+reports it and leaves with the status the worker had told it."""
 INIT_TIMEOUT_ENV = "DISTBELIEF_INIT_TIMEOUT"
 """Seconds a guardian waits for its worker's MPI_Init (default INIT_TIMEOUT_S)."""
 INIT_TIMEOUT_S = 120.0
@@ -72,11 +80,13 @@ def run_guarded(argv: Sequence[str]) -> int:
     pmi_fds = _pmi_fds()
     started, told = os.pipe()
     env[INIT_FD_ENV] = str(told)
+    ended, says = os.pipe()
+    env[STATUS_FD_ENV] = str(says)
     # The interpreter's own options (-X, -O, -W) carry over, as multiprocessing does it.
     python = [sys.executable, *subprocess._args_from_interpreter_flags()]
     worker = subprocess.Popen([*python, "-m", "distbelief", *argv], env=env,
-                              pass_fds=[*pmi_fds, told], process_group=0)
-    for fd in [*pmi_fds, told]:
+                              pass_fds=[*pmi_fds, told, says], process_group=0)
+    for fd in [*pmi_fds, told, says]:
         # The launcher must see the PMI connection close when the worker dies.
         os.close(fd)
     for number in RELAYED:
@@ -104,6 +114,13 @@ def run_guarded(argv: Sequence[str]) -> int:
         signal.signal(number, signal.SIG_IGN)
     if timed_out:
         return 1
+    told_status = _told_status(ended)
+    if status == -signal.SIGALRM and told_status is not None:
+        print(f"distbelief: rank {launcher_rank() or '?'}: MPI_Finalize did not return "
+              f"within {FINALIZE_LIMIT_S} s (a rank of the job ended without it: killed "
+              f"after the run's end?); this rank leaves with its own status, {told_status}",
+              file=sys.stderr, flush=True)
+        return told_status
     if status < 0:
         name = signal.Signals(-status).name
         print(f"distbelief: the worker of rank {launcher_rank() or '?'} was killed "
@@ -190,6 +207,18 @@ def start_mpi() -> Any:
         sys.excepthook = abort_job
         threading.excepthook = lambda a: abort_job(a.exc_type, a.exc_value, a.exc_traceback)
     return world
+
+
+def _told_status(ended: int) -> int | None:
+    """The exit status the worker wrote on `ended` before its MPI_Finalize, if any."""
+    try:
+        ready, _, _ = select.select([ended], [], [], 0)
+        text = os.read(ended, 16).decode() if ready else ""
+    except OSError:
+        text = ""
+    finally:
+        os.close(ended)
+    return int(text) if text.strip().isdigit() else None
 
 
 def _tell_guardian(byte: bytes, close: bool) -> None:
@@ -476,11 +505,28 @@ def skip_mpi_finalize() -> None:
     _skip_finalize = True
 
 
+def _bound_finalize(status: int) -> None:
+    """Under a guardian, with MPI initialised: tell it `status`, and end this process by
+    SIGALRM if MPI_Finalize (at the interpreter's exit) takes FINALIZE_LIMIT_S. A Python
+    thread cannot do it: mpi4py holds the interpreter's lock in MPI_Finalize."""
+    fd = os.environ.get(STATUS_FD_ENV, "")
+    mpi = sys.modules.get("mpi4py.MPI")
+    if not fd.isdigit() or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    try:
+        os.write(int(fd), str(status).encode())
+        os.close(int(fd))
+    except OSError:
+        return
+    signal.alarm(FINALIZE_LIMIT_S)
+
+
 def end_process(status: int) -> None:
     """If MPI_Finalize must be skipped, flush and leave now with `status` (os._exit: no
     interpreter shutdown, so mpi4py's exit hook that finalizes MPI does not run); else
     return and let the interpreter end normally."""
     if not _skip_finalize:
+        _bound_finalize(status)
         return
     for stream in (sys.stdout, sys.stderr):
         try:
