@@ -591,6 +591,8 @@ def test_a_killed_shard_with_a_standby_is_adopted_and_the_run_loses_no_update(
         manifest = json.loads((path / "manifest.json").read_text())
         assert sorted(manifest["parts"]) == ["replicas.h5", "shard-0000.h5",
                                              "shard-0001.h5", "shard-0002.h5"], step
+    if mpi_under_test() == "openmpi":
+        return  # the resume and the accuracy are the MPI's no more than the above
     proc = job(5, config, out, *common, f"run.max_steps={STEPS // 2 + 300}")
     assert exit_statuses(proc) == [0] * 5, proc.stderr[-3000:]
     resumed = summary_of(out)
