@@ -26,8 +26,8 @@ scenario; a failure prints the command that reruns it and the tail of its output
 a kill that never happened (the run ended first); LATE: a kill that landed as the ranks
 free the windows together after the run ended, which ends the job naming the rank, by
 design (its records stand). A kill after the windows are freed holds the others in
-MPI_Finalize for runtime.launching.guardian.FINALIZE_LIMIT_S (30 s); they then leave with
-their own status: such a job passes, about 30 s longer.
+MPI_Finalize for the bound set here (DISTBELIEF_FINALIZE_LIMIT=30, s); they then leave
+with their own status: such a job passes, about 30 s longer.
 
     python benchmarks/standby_kills.py                     # 30 jobs, seed 1
     python benchmarks/standby_kills.py --jobs 45 --seed 7
@@ -60,6 +60,7 @@ from spare_kills import TEARDOWN_LOSS, Killer, TimedKill, shm_files
 from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.launching.faults import ENV as FAULTS
+from distbelief.runtime.launching.guardian import FINALIZE_LIMIT_ENV
 
 STEPS = 3000
 SHARDS, REPLICAS = 3, 2
@@ -113,7 +114,7 @@ def draw(scenario: str, seed: int) -> Job:
 def run_job(job: Job, data: Path, out: Path, timeout: float) -> tuple[str, str]:
     """(result, details): "ok", or what failed and the tail of the job's output."""
     env = {**job_env(), FAULTS: " ".join([*job.faults, DELAY]),
-           "DISTBELIEF_PS_TRANSPORT": "shared"}
+           "DISTBELIEF_PS_TRANSPORT": "shared", FINALIZE_LIMIT_ENV: "30"}
     args = ["train", data / "linear.toml",
             *set_args(f'run.out_dir="{out}"', f"run.max_steps={STEPS}",
                       f"cluster.ps_shards={SHARDS}", "cluster.standby_shards=true",

@@ -95,7 +95,10 @@ class OpenRun:
             abort_job(self.world, shard_lost_message(rank, how))
         if rank not in {lost.rank for lost in self.lost_shards}:
             self.lost_shards.append(LostShard(rank, how, time.time(), time.monotonic()))
-            watchdog.current().write_off([rank])
+            if not self.plan.topology.is_shard:
+                # A shard writes it off once it has regrouped without it (ShardRole): until
+                # then a wait on the shards' communicator must still raise for it.
+                watchdog.current().write_off([rank])
 
     def close(self, teardown: int) -> None:
         """TEARDOWN_FREE: collective over the world communicator (the parameter server,

@@ -50,6 +50,11 @@ REGROUP_TAG, STEP_DONE_TAG = 46, 47
 the run completed (ShardRole._step_done); no other point-to-point message uses them."""
 
 
+DRAIN_ROUND_S = 0.2
+"""How long a shard that found another lost tests the round in flight before it regroups
+(ShardRole._drain_round): every survivor whose round can complete completes it first."""
+
+
 class RegroupAsked(Exception):
     """Another shard calls for a regroup (it found a shard lost) while this one waited for
     shard 0 to complete a step: regroup, then run the step again."""
@@ -157,9 +162,12 @@ class ShardRole:
         done) and act on a completed one. True when it ran a checkpoint. Collective over
         the shards in the sense of agreement.Rounds."""
         if len(self.run_.lost_shards) > len(self.adopted_ranks()):
-            self._regroup()
-            return True
-        result = self.rounds.poll(lambda: self._contribution(votes))
+            result = self._drain_round()
+            if result is None:
+                self._regroup()
+                return True
+        else:
+            result = self.rounds.poll(lambda: self._contribution(votes))
         if result is None:
             return False
         self.shard_signals = (int(result[ROUND_TERM]), int(result[ROUND_USR1]))
@@ -177,6 +185,23 @@ class ShardRole:
         return bool(result[ROUND_CHECKPOINT]) or written
 
     # -- a lost shard's slice adopted (cluster.standby_shards)
+
+    def _drain_round(self) -> np.ndarray | None:
+        """A shard is lost and the shards are to regroup: the round in flight, if it
+        completes within DRAIN_ROUND_S, else None (no new one is posted). The lost shard
+        may have posted its part before it died; then the round completes for every
+        survivor, and one that had already acted on it (say, ended the serving for the end
+        of the run) must not be left alone in it by the others dropping it."""
+        if not self.rounds.in_flight:
+            return None
+        deadline = time.monotonic() + DRAIN_ROUND_S
+        backoff = Backoff(*WAIT_SLEEP_S)
+        while time.monotonic() < deadline:
+            result = self.rounds.poll(list)
+            if result is not None:
+                return result
+            backoff.wait()
+        return None
 
     def adopted_ranks(self) -> list[int]:
         """The lost shards the shards have regrouped without."""
@@ -298,10 +323,12 @@ class ShardRole:
     def _regroup(self) -> None:
         """Go on without the lost shards: a new shards' communicator over the survivors
         (Comm.Create_group: collective over the survivors only, each calling it once it
-        has found the loss; the round in flight on the old one is dropped, and every
-        survivor drops the same one, since the lost shard never posts past it), fresh
-        rounds on it, and on shard 0 a view of each lost shard's slice (its shared
-        segment, which every client goes on folding into: nothing is lost)."""
+        has found the loss, after an agreement by message; the round in flight on the old
+        one was finished first if it could complete, _drain_round, else is dropped by
+        every survivor), fresh rounds on it, and on shard 0 a view of each lost shard's
+        slice (its shared segment, which every client goes on folding into: nothing is
+        lost). The lost are written off the watchdog only now: until they left the
+        shards' communicator, a wait on it had to raise for them."""
         if self.writing is not None:  # planned with the lost shard, whose part may be missing
             self._give_up_writing()
         while True:
@@ -322,6 +349,8 @@ class ShardRole:
             group = self.comm.Get_group().Incl(keep)
             comm = self.comm.Create_group(group)
             group.Free()
+        gone = [r for r in self.members if r not in members]
+        watchdog.current().write_off(gone)  # no longer in any wait of the shards
         self.comm, self.members = comm, members
         self.run_.communicators.shards = comm
         self._regroups += 1

@@ -39,11 +39,15 @@ and once it returned."""
 STATUS_FD_ENV = "DISTBELIEF_STATUS_FD"
 """Set in the worker's environment: the pipe on which it tells its guardian its exit
 status before MPI_Finalize (end_process), which FINALIZE_LIMIT_S bounds."""
-FINALIZE_LIMIT_S = 30
+FINALIZE_LIMIT_ENV = "DISTBELIEF_FINALIZE_LIMIT"
+"""Seconds a worker's MPI_Finalize may take (default FINALIZE_LIMIT_S; 0: no bound)."""
+FINALIZE_LIMIT_S = 600
 """How long a worker's MPI_Finalize may take: MPICH's waits for every rank (a PMI
 barrier), so a rank killed after the run's end but before its own MPI_Finalize holds the
 others in it for ever. The worker arms SIGALRM for this many seconds; its guardian then
-reports it and leaves with the status the worker had told it."""
+reports it and leaves with the status the worker had told it. Generous, because a healthy
+rank also waits there for the slowest: rank 0 still writing the summary and running the
+final test after the others are done (the stall watchdog's default bound)."""
 INIT_TIMEOUT_ENV = "DISTBELIEF_INIT_TIMEOUT"
 """Seconds a guardian waits for its worker's MPI_Init (default INIT_TIMEOUT_S)."""
 INIT_TIMEOUT_S = 120.0
@@ -117,7 +121,7 @@ def run_guarded(argv: Sequence[str]) -> int:
     told_status = _told_status(ended)
     if status == -signal.SIGALRM and told_status is not None:
         print(f"distbelief: rank {launcher_rank() or '?'}: MPI_Finalize did not return "
-              f"within {FINALIZE_LIMIT_S} s (a rank of the job ended without it: killed "
+              f"within {finalize_limit()} s (a rank of the job ended without it: killed "
               f"after the run's end?); this rank leaves with its own status, {told_status}",
               file=sys.stderr, flush=True)
         return told_status
@@ -518,7 +522,15 @@ def _bound_finalize(status: int) -> None:
         os.close(int(fd))
     except OSError:
         return
-    signal.alarm(FINALIZE_LIMIT_S)
+    if finalize_limit():
+        signal.alarm(finalize_limit())
+
+
+def finalize_limit() -> int:
+    """The bound on MPI_Finalize in whole seconds: FINALIZE_LIMIT_ENV, or else
+    FINALIZE_LIMIT_S (a bad value: the default)."""
+    value = os.environ.get(FINALIZE_LIMIT_ENV, "")
+    return int(value) if value.isdigit() else FINALIZE_LIMIT_S
 
 
 def end_process(status: int) -> None:
