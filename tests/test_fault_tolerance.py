@@ -605,15 +605,21 @@ def test_a_killed_shard_with_a_standby_is_adopted_and_the_run_loses_no_update(
         <= 0.01, (summary["final_test_accuracy"], summary_of(clean)["final_test_accuracy"])
 
 
+@pytest.mark.nodes  # on simulated nodes: the transport left to choose, and refused
 def test_standby_shards_over_rma_are_refused_in_one_line_on_every_rank(
         data_dir: Path, tmp_path: Path) -> None:
-    # Across nodes (RMA) an operation in flight to a dead shard never returns: refused.
+    # Across nodes (RMA) an operation in flight to a dead shard never returns: refused,
+    # whether RMA is asked for or the ranks are on several nodes.
+    nodes = simulated_test_nodes()
     proc = job(4, data_dir / "linear.toml", tmp_path / "out", "cluster.ps_shards=2",
-               "cluster.standby_shards=true", "run.max_steps=50", transport="rma")
+               "cluster.standby_shards=true", "run.max_steps=50",
+               transport="auto" if nodes else "rma")
     assert exit_statuses(proc) == [2] * 4, proc.stderr[-3000:]  # a configuration error
     assert proc.stderr.count("cluster.standby_shards = true needs the shared-memory parameter "
                              "server") == 1, proc.stderr[-3000:]
-    assert "here DISTBELIEF_PS_TRANSPORT=rma asks for RMA" in proc.stderr
+    why = ("here the ranks are on more than one node" if nodes
+           else "here DISTBELIEF_PS_TRANSPORT=rma asks for RMA")
+    assert why in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("algorithm, optimizer, shards, refused", [
