@@ -48,8 +48,10 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -317,8 +319,23 @@ def check(job: Job, proc: object, out: Path, killed: set[int]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=20)
+    run_batch("spare_kills.py", __doc__, draw, run_job, default_jobs=20,
+              describe=lambda job: f"{job.transport:6s}  {job.moment():40s}",
+              group=lambda job: f"{job.scenario} {job.transport:6s}",
+              grouped_by="scenario, transport")
+
+
+def run_batch(script: str, doc: str, draw: Callable[[str, int], Any],
+              run_job: Callable[[Any, Path, Path, float], tuple[str, str]],
+              default_jobs: int, describe: Callable[[Any], str],
+              group: Callable[[Any], str], grouped_by: str) -> None:
+    """The command line of a kill benchmark (this one, standby_kills.py): draw the jobs
+    (`draw(scenario, seed)`), make the fault tests' data, run each (`run_job(job, data
+    folder, out, timeout)` -> (result, details)), print a line per job (`describe(job)`
+    between its scenario and its result) and a tally per `group(job)`; exit 1 if a job
+    failed or hung."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=default_jobs)
     parser.add_argument("--seed", type=int, default=1, help="draws each job's seed")
     parser.add_argument("--scenarios", default="abc", help="which take turns (a, b, c)")
     parser.add_argument("--job-seed", type=int, help="run only this job (with --scenarios X)")
@@ -334,7 +351,7 @@ def main() -> None:
     mpi = os.environ.get("DISTBELIEF_TEST_MPI", "") or "default MPI"
     drawn = f"job seed {args.job_seed}" if args.job_seed is not None else f"seed {args.seed}"
     print(f"{len(jobs)} jobs, {drawn}, {mpi}", flush=True)
-    tally: Counter[tuple[str, str, str]] = Counter()
+    tally: Counter[tuple[str, str]] = Counter()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         make_synthetic(folder / "synth.h5", n_train=6000, n_test=500, input_shape=(32,),
@@ -344,26 +361,21 @@ def main() -> None:
             out = (args.keep or folder) / f"job{i}-{job.scenario}-{job.seed}"
             t0 = time.monotonic()
             result, details = run_job(job, folder, out, args.timeout)
-            seconds = time.monotonic() - t0
-            tally[job.scenario, job.transport, result] += 1
+            tally[group(job), result] += 1
             print(f"job {i + 1:3d}  seed {job.seed:6d}  scenario {job.scenario}  "
-                  f"{job.transport:6s}  {job.moment():40s}  {result:4s}  {seconds:5.1f} s",
-                  flush=True)
+                  f"{describe(job)}  {result:4s}  {time.monotonic() - t0:5.1f} s", flush=True)
             if result in ("SKIP", "LATE"):
                 print(f"  {details}", flush=True)
             elif result != "ok":
-                print(f"  rerun: python benchmarks/spare_kills.py --scenarios {job.scenario} "
+                print(f"  rerun: python benchmarks/{script} --scenarios {job.scenario} "
                       f"--job-seed {job.seed}\n" + "\n".join(
                           "  | " + line for line in details.splitlines()), flush=True)
-    print("tally (scenario, transport: ok / failed / hung / a kill that did not happen / "
+    print(f"tally ({grouped_by}: ok / failed / hung / a kill that did not happen / "
           "killed in the teardown):")
-    for scenario in sorted({s for s, _, _ in tally}):
-        for transport in ("shared", "rma"):
-            counts = [tally[scenario, transport, r]
-                      for r in ("ok", "FAIL", "HANG", "SKIP", "LATE")]
-            if sum(counts):
-                print(f"  {scenario} {transport:6s}: " + " / ".join(map(str, counts)))
-    bad = sum(n for (_, _, r), n in tally.items() if r in ("FAIL", "HANG"))
+    for label in sorted({label for label, _ in tally}):
+        counts = [tally[label, r] for r in ("ok", "FAIL", "HANG", "SKIP", "LATE")]
+        print(f"  {label}: " + " / ".join(map(str, counts)))
+    bad = sum(n for (_, r), n in tally.items() if r in ("FAIL", "HANG"))
     print(f"{sum(tally.values()) - bad} of {sum(tally.values())} jobs without a failure")
     sys.exit(1 if bad else 0)
 

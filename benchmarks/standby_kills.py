@@ -36,14 +36,10 @@ with their own status: such a job passes, about 30 s longer.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import random
 import sys
-import tempfile
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,11 +49,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from helpers import DELAY, exit_statuses, fault_config, set_args
+from helpers import DELAY, exit_statuses, set_args
 from helpers.mpi_jobs import SharedMemoryWatch, job_env, run_mpi, survive_a_death
-from spare_kills import TEARDOWN_LOSS, Killer, TimedKill, shm_files
+from spare_kills import TEARDOWN_LOSS, Killer, TimedKill, run_batch, shm_files
 
-from distbelief.data.converters import make_synthetic
 from distbelief.records import checkpoint as ckpt
 from distbelief.runtime.launching.faults import ENV as FAULTS
 from distbelief.runtime.launching.guardian import FINALIZE_LIMIT_ENV
@@ -205,52 +200,10 @@ def check(proc: object, out: Path, killed: set[int], late: bool) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=1, help="draws each job's seed")
-    parser.add_argument("--scenarios", default="abc", help="which take turns (a, b, c)")
-    parser.add_argument("--job-seed", type=int, help="run only this job (with --scenarios X)")
-    parser.add_argument("--timeout", type=float, default=120)
-    parser.add_argument("--keep", type=Path, help="keep each job's output folder here")
-    args = parser.parse_args()
-    if args.job_seed is not None:
-        jobs = [draw(args.scenarios[0], args.job_seed)]
-    else:
-        rng = random.Random(args.seed)
-        jobs = [draw(args.scenarios[i % len(args.scenarios)], rng.randrange(10**6))
-                for i in range(args.jobs)]
-    mpi = os.environ.get("DISTBELIEF_TEST_MPI", "") or "default MPI"
-    drawn = f"job seed {args.job_seed}" if args.job_seed is not None else f"seed {args.seed}"
-    print(f"{len(jobs)} jobs, {drawn}, {mpi}", flush=True)
-    tally: Counter[tuple[str, str]] = Counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        make_synthetic(folder / "synth.h5", n_train=6000, n_test=500, input_shape=(32,),
-                       num_classes=4, seed=5)
-        (folder / "linear.toml").write_text(fault_config(None))
-        for i, job in enumerate(jobs):
-            out = (args.keep or folder) / f"job{i}-{job.scenario}-{job.seed}"
-            t0 = time.monotonic()
-            result, details = run_job(job, folder, out, args.timeout)
-            tally[job.scenario, result] += 1
-            written = "background" if job.background else "paused"
-            print(f"job {i + 1:3d}  seed {job.seed:6d}  scenario {job.scenario}  {written:10s}"
-                  f"  {job.moment():32s}  {result:4s}  {time.monotonic() - t0:5.1f} s",
-                  flush=True)
-            if result in ("SKIP", "LATE"):
-                print(f"  {details}", flush=True)
-            elif result != "ok":
-                print(f"  rerun: python benchmarks/standby_kills.py --scenarios "
-                      f"{job.scenario} --job-seed {job.seed}\n" + "\n".join(
-                          "  | " + line for line in details.splitlines()), flush=True)
-    print("tally (scenario: ok / failed / hung / a kill that did not happen / killed in the "
-          "teardown):")
-    for scenario in sorted({s for s, _ in tally}):
-        counts = [tally[scenario, r] for r in ("ok", "FAIL", "HANG", "SKIP", "LATE")]
-        print(f"  {scenario}: " + " / ".join(map(str, counts)))
-    bad = sum(n for (_, r), n in tally.items() if r in ("FAIL", "HANG"))
-    print(f"{sum(tally.values()) - bad} of {sum(tally.values())} jobs without a failure")
-    sys.exit(1 if bad else 0)
+    run_batch("standby_kills.py", __doc__, draw, run_job, default_jobs=30,
+              describe=lambda job: (f"{'background' if job.background else 'paused':10s}"
+                                    f"  {job.moment():32s}"),
+              group=lambda job: job.scenario, grouped_by="scenario")
 
 
 if __name__ == "__main__":
